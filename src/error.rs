@@ -1,0 +1,216 @@
+//! The one error type of the crate.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use cudarc::driver::DriverError;
+
+/// Everything that can go wrong when memory is asked for.
+///
+/// Out-of-memory is an ordinary, recoverable error: a resource that cannot serve a request
+/// returns [`Error::OutOfMemory`] and stays usable. No resource in this crate panics or
+/// aborts on bad input.
+///
+/// ```
+/// use memres::{Error, HostHeap, SyncResource, layout};
+///
+/// let heap = HostHeap::new();
+/// // One pebibyte: no machine here has it.
+/// match heap.allocate_sync(layout(1 << 50)?) {
+///     Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, 1 << 50),
+///     other => panic!("expected OutOfMemory, got {other:?}"),
+/// }
+/// # Ok::<(), Error>(())
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// The resource could not find `requested` bytes.
+    #[non_exhaustive]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+    },
+    /// A size, alignment or configuration value that the resource cannot accept; the
+    /// message names the value and the rule it broke.
+    InvalidArgument(Cow<'static, str>),
+    /// A resource handed back memory that breaks the contract: the pointer at `address`
+    /// is not aligned to `align`. The memory has been returned to where it came from.
+    Misaligned {
+        /// The alignment that was asked for.
+        align: usize,
+        /// The address that came back.
+        address: usize,
+    },
+    /// No CUDA driver (libcuda) could be loaded on this machine.
+    NoDriver,
+    /// The CUDA driver reported an error other than running out of memory.
+    Driver(DriverError),
+    /// The resource or the device does not support what was asked (the message says what).
+    Unsupported(Cow<'static, str>),
+}
+
+impl Error {
+    /// An [`Error::OutOfMemory`] for a request of `requested` bytes.
+    ///
+    /// For resources written outside this crate (a [`Callback`](crate::Callback) closure,
+    /// a user's own [`SyncResource`](crate::SyncResource)), which cannot name the
+    /// variant's fields directly because more may be added.
+    pub const fn out_of_memory(requested: usize) -> Self {
+        Error::OutOfMemory { requested }
+    }
+
+    /// An [`Error::InvalidArgument`] with the given message.
+    pub fn invalid_argument(message: impl Into<Cow<'static, str>>) -> Self {
+        Error::InvalidArgument(message.into())
+    }
+
+    /// An [`Error::Unsupported`] with the given message.
+    pub fn unsupported(message: impl Into<Cow<'static, str>>) -> Self {
+        Error::Unsupported(message.into())
+    }
+
+    /// True for [`Error::OutOfMemory`]: the one error that retrying after freeing memory
+    /// can cure.
+    pub const fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+}
+
+impl From<DriverError> for Error {
+    /// Maps `CUDA_ERROR_OUT_OF_MEMORY` to [`Error::OutOfMemory`] with an unknown size
+    /// (0); callers that know the size build the variant themselves.
+    fn from(e: DriverError) -> Self {
+        use cudarc::driver::sys::CUresult;
+        match e.0 {
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { requested: 0 },
+            _ => Error::Driver(e),
+        }
+    }
+}
+
+/// Writes a byte count the way people read them: `1.5 GiB (1610612736 bytes)`.
+pub(crate) struct Bytes(pub(crate) usize);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+        let n = self.0;
+        if n < 1024 {
+            return write!(f, "{n} bytes");
+        }
+        let mut value = n as f64 / 1024.0;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < UNITS.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        write!(f, "{value:.1} {} ({n} bytes)", UNITS[unit])
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::OutOfMemory { requested: 0 } => f.write_str(
+                "out of memory: the resource could not serve the request \
+                 (free memory, trim a pool, or lower the request)",
+            ),
+            Error::OutOfMemory { requested } => write!(
+                f,
+                "out of memory: could not allocate {} \
+                 (free memory, trim a pool, or lower the request)",
+                Bytes(*requested)
+            ),
+            Error::InvalidArgument(msg) => write!(f, "invalid argument: {msg}"),
+            Error::Misaligned { align, address } => write!(
+                f,
+                "a resource returned address {address:#x}, which is not aligned to \
+                 {align} bytes as asked; the memory was given back (fix the resource or \
+                 its allocate callback)"
+            ),
+            Error::NoDriver => f.write_str(
+                "no CUDA driver: libcuda could not be loaded (install the NVIDIA driver, \
+                 or use a host resource such as HostHeap)",
+            ),
+            Error::Driver(e) => write!(f, "CUDA driver error: {}", driver_error_text(e)),
+            Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
+        }
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::OutOfMemory { requested } => f
+                .debug_struct("OutOfMemory")
+                .field("requested", requested)
+                .finish(),
+            Error::InvalidArgument(msg) => f.debug_tuple("InvalidArgument").field(msg).finish(),
+            Error::Misaligned { align, address } => f
+                .debug_struct("Misaligned")
+                .field("align", align)
+                .field("address", &format_args!("{address:#x}"))
+                .finish(),
+            Error::NoDriver => f.write_str("NoDriver"),
+            // cudarc's own Debug asks the driver for the error's name; we print the code,
+            // which works whether or not a driver is loaded.
+            Error::Driver(e) => f.debug_tuple("Driver").field(&e.0).finish(),
+            Error::Unsupported(msg) => f.debug_tuple("Unsupported").field(msg).finish(),
+        }
+    }
+}
+
+/// The driver's own description of `e` where a driver is loaded, else its code.
+fn driver_error_text(e: &DriverError) -> String {
+    if crate::driver::is_present()
+        && let Ok(s) = e.error_string()
+    {
+        return format!("{} ({:?})", s.to_string_lossy(), e.0);
+    }
+    format!("{:?}", e.0)
+}
+
+impl std::error::Error for Error {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_problem() {
+        let oom = Error::out_of_memory(3 << 30).to_string();
+        assert!(oom.contains("3.0 GiB"), "{oom}");
+        assert!(oom.contains("3221225472 bytes"), "{oom}");
+        let bad = Error::invalid_argument("alignment 3 is not a power of two").to_string();
+        assert_eq!(bad, "invalid argument: alignment 3 is not a power of two");
+        let mis = Error::Misaligned {
+            align: 256,
+            address: 0x1001,
+        }
+        .to_string();
+        assert!(mis.contains("0x1001") && mis.contains("256"), "{mis}");
+        assert!(Error::NoDriver.to_string().contains("libcuda"));
+    }
+
+    #[test]
+    fn driver_out_of_memory_maps_to_out_of_memory() {
+        use cudarc::driver::sys::CUresult;
+        let e: Error = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).into();
+        assert!(e.is_out_of_memory());
+        let e: Error = DriverError(CUresult::CUDA_ERROR_INVALID_VALUE).into();
+        assert!(matches!(e, Error::Driver(_)));
+        // Debug must not need a driver.
+        assert!(format!("{e:?}").contains("CUDA_ERROR_INVALID_VALUE"));
+    }
+
+    #[test]
+    fn bytes_are_readable() {
+        assert_eq!(Bytes(12).to_string(), "12 bytes");
+        assert_eq!(Bytes(1536).to_string(), "1.5 KiB (1536 bytes)");
+        assert_eq!(
+            Bytes(1 << 50).to_string(),
+            "1.0 PiB (1125899906842624 bytes)"
+        );
+    }
+}

@@ -1,0 +1,93 @@
+//! Composing stacks that read top-down: [`ResourceExt`] and [`Layer`].
+//!
+//! A stack is a nest of types, `Limiting<Statistics<Pool<Cuda>>>`; written as nested
+//! constructors it reads inside-out. [`ResourceExt`] turns that into a chain that reads in
+//! the order memory flows, from the leaf up:
+//!
+//! ```
+//! use memres::{AnyResource, Host, HostHeap, ResourceExt};
+//!
+//! let mr: AnyResource<Host> = HostHeap::new()
+//!     .shared()      // Shared<HostHeap>: clones share one resource
+//!     .into_any();   // AnyResource<Host>: erased at the API boundary
+//! ```
+//!
+//! Adaptors plug in through [`Layer`], as in tower: a layer is a small value that knows how
+//! to wrap an upstream, and [`ResourceExt::with`] applies it. Nothing happens at run time
+//! that writing the nested constructor by hand would not do; the chain is the same types.
+
+use crate::erased::{AnyResource, AnySyncResource, ResourceRef, Shared};
+use crate::property::{Contains, PropertySet};
+use crate::resource::{Resource, SyncResource};
+
+/// Something that wraps an upstream resource `U` in an adaptor.
+///
+/// ```
+/// use memres::{HostHeap, Layer, ResourceExt, Shared};
+///
+/// /// Puts any resource behind a `Shared` handle.
+/// struct SharedLayer;
+/// impl<U> Layer<U> for SharedLayer {
+///     type Resource = Shared<U>;
+///     fn layer(self, upstream: U) -> Shared<U> { Shared::new(upstream) }
+/// }
+///
+/// let mr: Shared<HostHeap> = HostHeap::new().with(SharedLayer);
+/// ```
+pub trait Layer<U> {
+    /// The adaptor over `U`.
+    type Resource;
+
+    /// Wraps `upstream`.
+    fn layer(self, upstream: U) -> Self::Resource;
+}
+
+/// Methods to build stacks top-down; implemented for every resource.
+pub trait ResourceExt: SyncResource + Sized {
+    /// Wraps `self` in the adaptor that `layer` makes.
+    #[inline]
+    fn with<L: Layer<Self>>(self, layer: L) -> L::Resource {
+        layer.layer(self)
+    }
+
+    /// Puts `self` behind a [`Shared`] handle whose clones share it.
+    #[inline]
+    fn shared(self) -> Shared<Self> {
+        Shared::new(self)
+    }
+
+    /// Erases `self` into an owning [`AnyResource`] promising the properties `P`.
+    #[inline]
+    fn into_any<P>(self) -> AnyResource<P>
+    where
+        Self: Resource + Send + Sync + 'static,
+        P: PropertySet,
+        Self::Properties: Contains<P>,
+    {
+        AnyResource::new(self)
+    }
+
+    /// Erases `self` into an owning [`AnySyncResource`] promising the properties `P`.
+    #[inline]
+    fn into_any_sync<P>(self) -> AnySyncResource<P>
+    where
+        Self: Send + Sync + 'static,
+        P: PropertySet,
+        Self::Properties: Contains<P>,
+    {
+        AnySyncResource::new(self)
+    }
+
+    /// A borrowed, erased [`ResourceRef`] to `self` promising the properties `P`.
+    #[inline]
+    fn as_resource_ref<P>(&self) -> ResourceRef<'_, P>
+    where
+        Self: Resource + Sync + 'static,
+        P: PropertySet,
+        Self::Properties: Contains<P>,
+    {
+        ResourceRef::new(self)
+    }
+}
+
+impl<R: SyncResource> ResourceExt for R {}

@@ -1,0 +1,55 @@
+//! memres: fast, typed memory resources for GPU and host memory.
+//!
+//! memres brings the capabilities of RAPIDS RMM and CCCL's `cuda::mr` to Rust. A *memory
+//! resource* hands out memory; resources compose into stacks of zero-cost generic layers
+//! (a pool over the CUDA driver, statistics over the pool, ...), every call through a
+//! stack is static, and type erasure ([`ResourceRef`], [`AnyResource`]) is used only at
+//! API boundaries.
+//!
+//! Where memory may be accessed from is part of a resource's type: a resource declares its
+//! [property set](property), and code that needs device-accessible memory writes
+//! `R: Has<DeviceAccessible>`; passing host-only memory does not compile.
+//!
+//! ```
+//! use memres::{AnyResource, Host, HostHeap, Resource, ResourceExt, StreamRef, layout};
+//!
+//! // A stack, built top-down and erased at the boundary.
+//! let mr: AnyResource<Host> = HostHeap::new().shared().into_any();
+//!
+//! let l = layout(1 << 20)?; // 1 MiB, 256-byte aligned
+//! let p = mr.allocate(StreamRef::HOST, l)?;
+//! // SAFETY: `p` came from `mr` with `l` and is not used after this.
+//! unsafe { mr.deallocate(StreamRef::HOST, p, l) };
+//! # Ok::<(), memres::Error>(())
+//! ```
+//!
+//! # Layers
+//! - [`resource`]: the [`SyncResource`] and [`Resource`] traits and their contract.
+//! - [`property`]: compile-time properties ([`DeviceAccessible`], [`HostAccessible`], yours).
+//! - [`erased`]: [`ResourceRef`], [`SyncResourceRef`], [`AnyResource`], [`AnySyncResource`],
+//!   [`Shared`].
+//! - [`stream`]: [`StreamRef`].
+//! - [`upstream`]: leaf resources ([`HostHeap`], [`Callback`]).
+//! - [`layer`]: top-down composition ([`ResourceExt`], [`Layer`]).
+//! - [`error`]: the one [`Error`] type. [`driver`]: whether a CUDA driver is present.
+
+pub mod driver;
+pub mod erased;
+pub mod error;
+pub mod layer;
+pub mod property;
+pub mod resource;
+pub mod stream;
+pub mod upstream;
+
+mod sync;
+
+pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};
+pub use error::Error;
+pub use layer::{Layer, ResourceExt};
+pub use property::{
+    Device, DeviceAccessible, Has, Host, HostAccessible, HostDevice, Property, PropertySet,
+};
+pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_with_alignment};
+pub use stream::StreamRef;
+pub use upstream::{Callback, HostHeap};

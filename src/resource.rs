@@ -1,0 +1,241 @@
+//! The two traits every memory resource implements, and the contract they keep.
+//!
+//! # The contract
+//! Every resource in memres, and every resource a user writes, keeps these rules; the
+//! conformance suite in `tests/conformance/` checks them.
+//!
+//! - **Alignment.** The returned pointer is aligned to at least `layout.align()`, or the
+//!   call fails; never less. A resource that cannot honour an alignment returns
+//!   [`Error::InvalidArgument`]. Build layouts with [`layout`], which uses
+//!   [`DEFAULT_ALIGNMENT`] (256 bytes, what CUDA and RMM give), or with
+//!   [`layout_with_alignment`].
+//! - **Zero bytes.** A request for zero bytes succeeds with a dangling pointer aligned to
+//!   the layout's alignment and costs nothing; freeing it is a no-op. The pointer must not
+//!   be dereferenced, and it may equal another zero-byte allocation's.
+//! - **Out of memory** is `Err(`[`Error::OutOfMemory`]`)`, never a panic or an abort, and
+//!   the resource stays usable.
+//! - **Freeing** takes the same layout that allocated the memory, on a resource equal to
+//!   the one that allocated it (see below); it cannot fail.
+//! - **Equality.** Two resources are equal (`==`) when memory allocated by one may be
+//!   freed by the other, as RMM's `is_equal`. Stateless resources are always equal;
+//!   resources with state (a pool) are equal only to themselves or to handles sharing
+//!   that state.
+//! - **Threads.** A resource shared across threads (`Sync`) may be called from all of them
+//!   at once; memory may be freed on another thread than the one that allocated it.
+//! - memres never reads or writes the memory it hands out.
+//!
+//! # Sync and stream-ordered allocation
+//! [`SyncResource`] memory is usable as soon as the call returns, from the host or any
+//! stream (where the resource's properties allow). [`Resource`] adds stream-ordered
+//! allocation, with RMM's rules: memory from `allocate(s, ..)` is usable by work on `s`
+//! enqueued after the call; using it on another stream needs synchronisation with `s`
+//! first; `deallocate(s, ..)` means the memory may be reused by work on `s` enqueued after
+//! the call, so all work that touches it must be ordered before that point on `s`.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::error::Error;
+use crate::property::PropertySet;
+use crate::stream::StreamRef;
+
+/// The alignment [`layout`] asks for: 256 bytes, as `cudaMalloc` guarantees and RMM uses
+/// for every request.
+pub const DEFAULT_ALIGNMENT: usize = 256;
+
+/// A [`Layout`] of `size` bytes aligned to [`DEFAULT_ALIGNMENT`].
+///
+/// Returns [`Error::InvalidArgument`] when `size` rounded up to the alignment would
+/// overflow `isize`.
+///
+/// ```
+/// let l = memres::layout(1000)?;
+/// assert_eq!((l.size(), l.align()), (1000, 256));
+/// assert!(memres::layout(usize::MAX).is_err());
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub fn layout(size: usize) -> Result<Layout, Error> {
+    layout_with_alignment(size, DEFAULT_ALIGNMENT)
+}
+
+/// A [`Layout`] of `size` bytes aligned to `align`.
+///
+/// Returns [`Error::InvalidArgument`] when `align` is not a power of two or `size`
+/// rounded up to `align` would overflow `isize`.
+///
+/// ```
+/// let l = memres::layout_with_alignment(64, 4096)?;
+/// assert_eq!(l.align(), 4096);
+/// let err = memres::layout_with_alignment(64, 3).unwrap_err();
+/// assert!(err.to_string().contains("power of two"));
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub fn layout_with_alignment(size: usize, align: usize) -> Result<Layout, Error> {
+    if !align.is_power_of_two() {
+        return Err(Error::invalid_argument(format!(
+            "alignment {align} is not a power of two"
+        )));
+    }
+    Layout::from_size_align(size, align).map_err(|_| {
+        Error::invalid_argument(format!(
+            "a size of {size} bytes aligned to {align} overflows the address space"
+        ))
+    })
+}
+
+/// The pointer a zero-byte request returns: non-null, aligned to `layout.align()`, and
+/// never to be dereferenced.
+#[inline]
+pub(crate) fn dangling(layout: Layout) -> NonNull<u8> {
+    // An alignment is never zero, so the address is non-null; it carries no provenance,
+    // which is right for a pointer that may not be dereferenced.
+    NonNull::new(std::ptr::without_provenance_mut(layout.align()))
+        .expect("an alignment is never zero")
+}
+
+/// Memory that is usable as soon as it is returned.
+///
+/// See the [module docs](self) for the contract. `type Properties` says where the memory
+/// may be accessed from; code that needs, say, device-accessible memory bounds
+/// `R: Has<DeviceAccessible>` and the compiler rejects other resources.
+///
+/// ```
+/// use memres::{HostHeap, SyncResource, layout};
+///
+/// let heap = HostHeap::new();
+/// let l = layout(4096)?;
+/// let p = heap.allocate_sync(l)?;
+/// assert_eq!(p.as_ptr() as usize % 256, 0);
+/// // SAFETY: `p` came from `heap` with layout `l` and is not used afterwards.
+/// unsafe { heap.deallocate_sync(p, l) };
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub trait SyncResource: PartialEq {
+    /// The set of properties of the memory this resource returns, for example
+    /// [`HostAccessible`](crate::HostAccessible) or
+    /// `(`[`HostAccessible`](crate::HostAccessible)`, `[`DeviceAccessible`](crate::DeviceAccessible)`)`.
+    type Properties: PropertySet;
+
+    /// Allocates memory for `layout`, usable at once.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the memory is not there; [`Error::InvalidArgument`] for
+    /// an alignment the resource cannot honour; others as the resource documents.
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error>;
+
+    /// Frees memory from [`allocate_sync`](SyncResource::allocate_sync).
+    ///
+    /// # Safety
+    /// `ptr` was returned by `allocate_sync(layout)` on this resource or on one equal to
+    /// it, with the same `layout`, and has not been freed since. No work that accesses the
+    /// memory (on the host or on any stream) may still be running or be started later.
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout);
+}
+
+/// A resource that also allocates in stream order.
+///
+/// See the [module docs](self) for the stream-ordering rules.
+///
+/// ```
+/// use memres::{HostHeap, Resource, StreamRef, layout};
+///
+/// let heap = HostHeap::new();
+/// let s = StreamRef::HOST;
+/// let l = layout(1 << 20)?;
+/// let p = heap.allocate(s, l)?;
+/// // SAFETY: `p` came from `heap` with `l`; all work using it is done (host streams are
+/// // always complete).
+/// unsafe { heap.deallocate(s, p, l) };
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub trait Resource: SyncResource {
+    /// Allocates memory for `layout`, usable by work on `stream` enqueued after this call.
+    ///
+    /// # Errors
+    /// As [`SyncResource::allocate_sync`].
+    fn allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error>;
+
+    /// Frees memory in stream order: it may be reused by work on `stream` enqueued after
+    /// this call.
+    ///
+    /// # Safety
+    /// `ptr` was returned by [`allocate`](Resource::allocate) or
+    /// [`allocate_sync`](SyncResource::allocate_sync) with the same `layout` on this
+    /// resource or one equal to it, and has not been freed since. Every use of the memory
+    /// is ordered before this point on `stream` (enqueued on `stream` earlier, or on
+    /// another stream that `stream` has been made to wait for), and none is started later.
+    unsafe fn deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout);
+}
+
+/// Forwards every call of a handle (`&R`, `Box<R>`, `Arc<R>`) to the resource it points
+/// at, so that handles are resources with the same properties.
+macro_rules! forward_resource {
+    ($(impl[$($gen:tt)*] for $handle:ty;)*) => {$(
+        impl<$($gen)*> SyncResource for $handle {
+            type Properties = R::Properties;
+
+            #[inline]
+            fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+                (**self).allocate_sync(layout)
+            }
+
+            #[inline]
+            unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+                // SAFETY: the caller keeps `deallocate_sync`'s contract, which is the
+                // same for the handle and the resource it points at.
+                unsafe { (**self).deallocate_sync(ptr, layout) }
+            }
+        }
+
+        impl<$($gen)*> Resource for $handle where R: Resource {
+            #[inline]
+            fn allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error> {
+                (**self).allocate(stream, layout)
+            }
+
+            #[inline]
+            unsafe fn deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout) {
+                // SAFETY: the caller keeps `deallocate`'s contract, which is the same for
+                // the handle and the resource it points at.
+                unsafe { (**self).deallocate(stream, ptr, layout) }
+            }
+        }
+    )*};
+}
+
+forward_resource! {
+    impl['a, R: SyncResource] for &'a R;
+    impl[R: SyncResource] for Box<R>;
+    impl[R: SyncResource] for Arc<R>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_are_checked() {
+        assert_eq!(layout(0).unwrap().align(), DEFAULT_ALIGNMENT);
+        assert!(matches!(
+            layout_with_alignment(8, 0),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            layout_with_alignment(8, 48),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            layout(isize::MAX as usize),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn dangling_is_aligned() {
+        for align in [1, 8, 256, 1 << 20] {
+            let l = Layout::from_size_align(0, align).unwrap();
+            assert_eq!(dangling(l).as_ptr() as usize, align);
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Stream handles: the "when" of stream-ordered allocation.
+//!
+//! A [`StreamRef`] names a stream without owning it, like RMM's `cuda_stream_view`. It is
+//! `Copy`, two words, and `Send + Sync` (it is only a name; CUDA streams may be used from
+//! any thread). Owned streams, stream pools and events come with the CUDA resources.
+//!
+//! Besides CUDA streams there is a *host* kind: streams of host-backed resources whose
+//! work is always complete. Stream-ordered logic (a pool's per-stream free lists, for
+//! example) is tested on machines with no GPU by handing it several distinct host streams.
+
+use std::fmt;
+
+use cudarc::driver::sys::CUstream;
+
+/// The handle value of CUDA's per-thread default stream (`CU_STREAM_PER_THREAD`).
+const PER_THREAD_HANDLE: usize = 0x2;
+
+/// A copyable, non-owning handle to a stream.
+///
+/// ```
+/// use memres::StreamRef;
+///
+/// let s = StreamRef::DEFAULT;
+/// assert!(s.is_default());
+/// assert_ne!(StreamRef::host(1), StreamRef::host(2));
+/// assert!(StreamRef::host(1).is_host());
+/// assert_eq!(StreamRef::HOST.as_raw(), None);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamRef(Repr);
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Repr {
+    /// A CUDA stream handle, kept as an integer so that the handle is `Send + Sync`.
+    Cuda(usize),
+    /// A host stream: its work is always complete.
+    Host(u32),
+}
+
+impl StreamRef {
+    /// CUDA's legacy default stream (the null handle).
+    pub const DEFAULT: StreamRef = StreamRef(Repr::Cuda(0));
+
+    /// CUDA's per-thread default stream: a different stream on every host thread.
+    pub const PER_THREAD: StreamRef = StreamRef(Repr::Cuda(PER_THREAD_HANDLE));
+
+    /// The host stream number 0; see [`StreamRef::host`].
+    pub const HOST: StreamRef = StreamRef(Repr::Host(0));
+
+    /// A host stream, told apart from other host streams by `id`. Work on a host stream is
+    /// always complete, so memory freed on one may be reused on any other at once; stream
+    /// -ordered code can still keep separate books per stream, which is what host streams
+    /// let tests exercise without a GPU.
+    pub const fn host(id: u32) -> StreamRef {
+        StreamRef(Repr::Host(id))
+    }
+
+    /// A handle to an existing CUDA stream.
+    ///
+    /// # Safety
+    /// `stream` must be the null handle, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a
+    /// stream created by the CUDA driver that is not destroyed while this `StreamRef` (or
+    /// any copy of it) is passed to a resource. Resources hand the handle to the driver,
+    /// which cannot check it.
+    pub unsafe fn from_raw(stream: CUstream) -> StreamRef {
+        StreamRef(Repr::Cuda(stream as usize))
+    }
+
+    /// The CUDA handle, or `None` for a host stream.
+    pub fn as_raw(self) -> Option<CUstream> {
+        match self.0 {
+            Repr::Cuda(handle) => Some(handle as CUstream),
+            Repr::Host(_) => None,
+        }
+    }
+
+    /// True for a host stream, whose work is always complete.
+    pub const fn is_host(self) -> bool {
+        matches!(self.0, Repr::Host(_))
+    }
+
+    /// True for CUDA's legacy default stream.
+    pub const fn is_default(self) -> bool {
+        matches!(self.0, Repr::Cuda(0))
+    }
+
+    /// True for CUDA's per-thread default stream. Stream-ordered code must treat it with
+    /// care: it names a different stream on each thread.
+    pub const fn is_per_thread(self) -> bool {
+        matches!(self.0, Repr::Cuda(PER_THREAD_HANDLE))
+    }
+}
+
+impl Default for StreamRef {
+    /// The legacy default stream, as RMM's `cuda_stream_view{}`.
+    fn default() -> Self {
+        StreamRef::DEFAULT
+    }
+}
+
+impl fmt::Debug for StreamRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Repr::Cuda(0) => f.write_str("StreamRef(default)"),
+            Repr::Cuda(PER_THREAD_HANDLE) => f.write_str("StreamRef(per-thread)"),
+            Repr::Cuda(handle) => write!(f, "StreamRef({handle:#x})"),
+            Repr::Host(id) => write!(f, "StreamRef(host {id})"),
+        }
+    }
+}
+
+static_assertions::assert_impl_all!(StreamRef: Send, Sync, Copy);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_are_told_apart() {
+        assert!(StreamRef::DEFAULT.is_default());
+        assert!(!StreamRef::DEFAULT.is_per_thread());
+        assert!(StreamRef::PER_THREAD.is_per_thread());
+        assert!(!StreamRef::PER_THREAD.is_host());
+        assert!(StreamRef::HOST.is_host());
+        assert_eq!(StreamRef::HOST, StreamRef::host(0));
+        assert_ne!(StreamRef::host(0), StreamRef::DEFAULT);
+        assert_eq!(StreamRef::default(), StreamRef::DEFAULT);
+    }
+
+    #[test]
+    fn raw_round_trip() {
+        let raw = 0x7f00_1234usize as CUstream;
+        // SAFETY: the handle is only stored and read back, never given to the driver.
+        let s = unsafe { StreamRef::from_raw(raw) };
+        assert_eq!(s.as_raw(), Some(raw));
+        assert_eq!(StreamRef::DEFAULT.as_raw(), Some(std::ptr::null_mut()));
+        assert_eq!(format!("{s:?}"), "StreamRef(0x7f001234)");
+        assert_eq!(format!("{:?}", StreamRef::host(3)), "StreamRef(host 3)");
+    }
+}
