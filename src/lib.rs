@@ -24,14 +24,16 @@
 //! ```
 //!
 //! # Layers
-//! - [`resource`]: the [`SyncResource`] and [`Resource`] traits and their contract.
-//! - [`property`]: compile-time properties ([`DeviceAccessible`], [`HostAccessible`], yours).
-//! - [`erased`]: [`ResourceRef`], [`SyncResourceRef`], [`AnyResource`], [`AnySyncResource`],
-//!   [`Shared`].
-//! - [`stream`]: [`StreamRef`].
-//! - [`upstream`]: leaf resources ([`HostHeap`], [`Callback`]).
-//! - [`layer`]: top-down composition ([`ResourceExt`], [`Layer`]).
-//! - [`error`]: the one [`Error`] type. [`driver`]: whether a CUDA driver is present.
+//! - [`resource`] holds the [`SyncResource`] and [`Resource`] traits and their contract.
+//! - [`property`] holds compile-time properties ([`DeviceAccessible`], [`HostAccessible`],
+//!   yours).
+//! - [`erased`] holds [`ResourceRef`], [`SyncResourceRef`], [`AnyResource`],
+//!   [`AnySyncResource`] and [`Shared`].
+//! - [`stream`] holds [`StreamRef`].
+//! - [`upstream`] holds the leaf resources ([`HostHeap`], [`Callback`]).
+//! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
+//! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
+//!   present.
 
 pub mod driver;
 pub mod erased;

@@ -44,10 +44,10 @@
 //!
 //! let heap = HostHeap::new();
 //! let zeroing = Callback::<(HostAccessible, Zeroed)>::new(
-//!     |l: Layout| -> Result<NonNull<u8>, Error> {
-//!         if l.size() == 0 { return Err(Error::invalid_argument("unreachable")); }
-//!         // SAFETY: `l` has a non-zero size.
-//!         NonNull::new(unsafe { std::alloc::alloc_zeroed(l) }).ok_or(Error::out_of_memory(l.size()))
+//!     |l: Layout| {
+//!         // SAFETY: `Callback` never passes a zero-size layout to its closures.
+//!         let p = unsafe { std::alloc::alloc_zeroed(l) };
+//!         NonNull::new(p).ok_or(Error::out_of_memory(l.size()))
 //!     },
 //!     // SAFETY: `p` came from `alloc_zeroed(l)` above.
 //!     |p: NonNull<u8>, l: Layout| unsafe { std::alloc::dealloc(p.as_ptr(), l) },

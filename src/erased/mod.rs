@@ -14,7 +14,7 @@
 //! Every erased type is itself a resource, with `type Properties = P`.
 //!
 //! # How erasure is done
-//! With `dyn` traits ([`DynSyncResource`](dyn_resource) and its stream-ordered extension),
+//! With `dyn` traits (a private `DynSyncResource` and its stream-ordered extension),
 //! not a hand-rolled vtable: a `&dyn` is two words and a call through it is one indirect
 //! call, the same as a vtable of `unsafe fn`s, and the compiler builds and checks the
 //! vtable. Equality needs the concrete type: the erased `==` compares `TypeId`s (through

@@ -93,7 +93,7 @@ where
         }
         let ptr = (self.allocate)(layout)?;
         let address = ptr.as_ptr() as usize;
-        if address % layout.align() != 0 {
+        if !address.is_multiple_of(layout.align()) {
             tracing::warn!(
                 address,
                 align = layout.align(),
