@@ -20,6 +20,7 @@
 use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 
 use memres::{Error, HostAccessible, PropertySet, Resource, StreamRef, layout};
@@ -93,8 +94,11 @@ pub struct Driver<'r, R: Resource> {
     pub resource: &'r R,
     pub api: Api,
     touch: bool,
-    next_tag: u8,
 }
+
+/// Tags come from one counter for all drivers, so that blocks of different drivers (and
+/// threads) carry different tags and an overlap between them shows.
+static NEXT_TAG: AtomicU8 = AtomicU8::new(1);
 
 impl<'r, R: Resource> Driver<'r, R> {
     pub fn new(resource: &'r R, api: Api) -> Self {
@@ -102,7 +106,6 @@ impl<'r, R: Resource> Driver<'r, R> {
             resource,
             api,
             touch: host_accessible::<R>(),
-            next_tag: 1,
         }
     }
 
@@ -119,8 +122,7 @@ impl<'r, R: Resource> Driver<'r, R> {
             layout.align(),
             self.api
         );
-        let tag = self.next_tag;
-        self.next_tag = self.next_tag.wrapping_add(1).max(1);
+        let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed);
         if self.touch && layout.size() > 0 {
             // SAFETY: the resource's type says the memory is host-accessible, and the
             // block covers `layout.size()` bytes from `ptr`; it is ours until freed.
