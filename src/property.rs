@@ -156,6 +156,7 @@ mod sealed {
 )]
 pub trait Holds: sealed::Sealed {}
 
+#[diagnostic::do_not_recommend]
 impl Holds for typenum::True {}
 
 /// `Self` contains every property of the set `Q`: the subset relation of property sets.

@@ -1,0 +1,172 @@
+//! Type erasure: equality, narrowing, sharing, and erased handles as resources.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use memres::{
+    AnyResource, AnySyncResource, Callback, Has, Host, HostAccessible, HostDevice, HostHeap,
+    Resource, ResourceExt, ResourceRef, Shared, StreamRef, SyncResource, SyncResourceRef, layout,
+};
+
+static HEAP: HostHeap = HostHeap::new();
+
+/// A stateful resource: equal only to resources with the same `id`.
+#[derive(Debug, PartialEq)]
+struct Tagged {
+    id: u32,
+}
+
+impl SyncResource for Tagged {
+    type Properties = HostDevice; // claims both; the tests never touch the memory
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        HEAP.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise; all memory came from `HEAP`.
+        unsafe { HEAP.deallocate_sync(p, l) }
+    }
+}
+
+impl Resource for Tagged {
+    fn allocate(&self, _: StreamRef, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        self.allocate_sync(l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.deallocate_sync(p, l) }
+    }
+}
+
+#[test]
+fn equality_compares_type_then_value() {
+    let (a, a2, b) = (Tagged { id: 1 }, Tagged { id: 1 }, Tagged { id: 2 });
+    let ra = ResourceRef::<Host>::new(&a);
+    assert_eq!(ra, ResourceRef::new(&a2), "same type, equal values");
+    assert_ne!(ra, ResourceRef::new(&b), "same type, different values");
+    assert_ne!(
+        ra,
+        ResourceRef::new(&HEAP),
+        "different types never compare equal"
+    );
+    assert_eq!(
+        ResourceRef::<Host>::new(&HEAP),
+        ResourceRef::new(&HostHeap::new())
+    );
+}
+
+#[test]
+fn any_resource_equality_and_clones() {
+    let a = AnyResource::<Host>::new(Tagged { id: 7 });
+    let clone = a.clone();
+    assert_eq!(a, clone);
+    assert_eq!(a, AnyResource::new(Tagged { id: 7 }));
+    assert_ne!(a, AnyResource::new(Tagged { id: 8 }));
+    assert_ne!(a, AnyResource::new(HostHeap::new()));
+    // A borrowed view of an AnyResource is the inner resource, not a second layer.
+    assert_eq!(a.as_ref(), ResourceRef::new(&Tagged { id: 7 }));
+    assert_eq!(a.downcast_ref::<Tagged>(), Some(&Tagged { id: 7 }));
+    assert_eq!(a.downcast_ref::<HostHeap>(), None);
+}
+
+#[test]
+fn narrowing_keeps_the_resource() {
+    let t = Tagged { id: 3 };
+    let both: ResourceRef<'_, HostDevice> = ResourceRef::new(&t);
+    let device: ResourceRef<'_, memres::Device> = both.narrow();
+    let none: ResourceRef<'_, ()> = device.narrow();
+    assert_eq!(none, ResourceRef::new(&t));
+    let any = AnyResource::<HostDevice>::new(Tagged { id: 3 }).narrow::<memres::Host>();
+    assert_eq!(any.as_ref(), ResourceRef::<Host>::new(&t));
+    let sync: SyncResourceRef<'_, HostDevice> = both.as_sync();
+    assert_eq!(sync.narrow::<()>(), SyncResourceRef::new(&t));
+}
+
+#[test]
+fn erased_handles_are_resources_with_their_set() {
+    fn needs_host<R: Has<HostAccessible>>(r: &R) -> usize {
+        let l = layout(300).unwrap();
+        let p = r.allocate_sync(l).unwrap();
+        // SAFETY: allocated above with `l`.
+        unsafe { r.deallocate_sync(p, l) };
+        p.as_ptr() as usize % 256
+    }
+    let any = AnyResource::<Host>::new(HostHeap::new());
+    assert_eq!(needs_host(&any), 0);
+    assert_eq!(needs_host(&any.as_ref()), 0);
+    assert_eq!(needs_host(&any.as_sync_ref()), 0);
+    assert_eq!(
+        needs_host(&AnySyncResource::<Host>::new(HostHeap::new())),
+        0
+    );
+    // An erased handle can be erased again (a pool over AnyResource, for example).
+    let twice = AnyResource::<Host>::new(any.clone());
+    assert_eq!(needs_host(&twice), 0);
+    assert_ne!(twice, any, "different concrete types");
+}
+
+#[test]
+fn memory_moves_between_clones_and_threads() {
+    let any = HostHeap::new().shared().into_any::<Host>();
+    let l = layout(1 << 16).unwrap();
+    let p = any.allocate(StreamRef::HOST, l).unwrap().as_ptr() as usize;
+    let other = any.clone();
+    std::thread::spawn(move || {
+        // SAFETY: `p` came from a clone of `other`'s resource with `l`.
+        unsafe { other.deallocate(StreamRef::HOST, NonNull::new(p as *mut u8).unwrap(), l) }
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn shared_clones_share_state() {
+    let a = Shared::new(Tagged { id: 1 });
+    let b = a.clone();
+    assert!(Shared::ptr_eq(&a, &b));
+    assert_eq!(Shared::owners(&a), 2);
+    assert_eq!(a, b);
+    assert_eq!(
+        a,
+        Shared::new(Tagged { id: 1 }),
+        "equal resources are equal"
+    );
+    assert_ne!(a, Shared::new(Tagged { id: 2 }));
+    drop(b);
+    assert_eq!(Shared::owners(&a), 1);
+    assert_eq!(a.id, 1, "Shared derefs to the resource");
+}
+
+#[test]
+fn callbacks_erase_too() {
+    let cb = Callback::<Host>::new(
+        |l: Layout| HEAP.allocate_sync(l),
+        // SAFETY: pointers came from `HEAP` with their layout.
+        |p: NonNull<u8>, l: Layout| unsafe { HEAP.deallocate_sync(p, l) },
+    );
+    let r = cb.as_resource_ref::<Host>();
+    assert_eq!(r, r);
+    assert_eq!(r, ResourceRef::new(&cb));
+    let any = cb.into_any::<Host>();
+    assert_eq!(any, any.clone());
+}
+
+#[test]
+fn debug_names_the_erased_type() {
+    let any = AnyResource::<Host>::new(HostHeap::new());
+    let s = format!("{any:?}");
+    assert!(
+        s.starts_with("AnyResource<") && s.contains("HostHeap"),
+        "{s}"
+    );
+    let s = format!("{:?}", ResourceRef::<Host>::new(&HEAP));
+    assert!(
+        s.starts_with("ResourceRef<") && s.contains("HostAccessible"),
+        "{s}"
+    );
+}
+
+static_assertions::assert_impl_all!(AnyResource<HostDevice>: Send, Sync, Clone, Resource);
+static_assertions::assert_impl_all!(ResourceRef<'static, HostDevice>: Send, Sync, Copy, Resource);
+static_assertions::assert_impl_all!(Shared<HostHeap>: Send, Sync, Clone, Resource);
+static_assertions::assert_not_impl_any!(SyncResourceRef<'static, Host>: Resource);
+static_assertions::assert_not_impl_any!(AnySyncResource<Host>: Resource);

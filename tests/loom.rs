@@ -1,0 +1,122 @@
+//! loom models of the concurrency protocols in memres, run with
+//!
+//! ```sh
+//! RUSTFLAGS="--cfg memres_loom" LOOM_MAX_PREEMPTIONS=2 \
+//!     cargo test --release --test loom --target-dir target/loom
+//! ```
+//!
+//! Built that way, `crate::sync` is loom's, so every interleaving of the reference counts
+//! behind `Shared` and `AnyResource` is explored. Without the cfg this file is empty.
+#![cfg(memres_loom)]
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use loom::sync::Arc;
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use loom::thread;
+use memres::{AnyResource, Host, HostHeap, Resource, Shared, StreamRef, SyncResource, layout};
+
+/// A resource that records its own drop and checks it is never used after it.
+struct Watched {
+    dropped: Arc<AtomicBool>,
+    drops: Arc<AtomicUsize>,
+}
+
+impl PartialEq for Watched {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.dropped.store(true, Ordering::Relaxed);
+        self.drops.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl SyncResource for Watched {
+    type Properties = memres::HostAccessible;
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        // Relaxed is enough for the check: a use after drop would have to be ordered after
+        // the drop by the reference count's own synchronisation, which is what is tested.
+        assert!(!self.dropped.load(Ordering::Relaxed), "used after drop");
+        HostHeap.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        assert!(!self.dropped.load(Ordering::Relaxed), "used after drop");
+        // SAFETY: forwards the caller's promise; the memory came from `HostHeap`.
+        unsafe { HostHeap.deallocate_sync(p, l) }
+    }
+}
+
+impl Resource for Watched {
+    fn allocate(&self, _: StreamRef, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        self.allocate_sync(l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.deallocate_sync(p, l) }
+    }
+}
+
+fn watched() -> (Watched, Arc<AtomicBool>, Arc<AtomicUsize>) {
+    let dropped = Arc::new(AtomicBool::new(false));
+    let drops = Arc::new(AtomicUsize::new(0));
+    let w = Watched {
+        dropped: dropped.clone(),
+        drops: drops.clone(),
+    };
+    (w, dropped, drops)
+}
+
+/// Allocates and frees once through `r`.
+fn use_once<R: SyncResource>(r: &R) {
+    let l = layout(64).unwrap();
+    let p = r.allocate_sync(l).unwrap();
+    // SAFETY: allocated just above with `l`.
+    unsafe { r.deallocate_sync(p, l) };
+}
+
+#[test]
+fn shared_clones_dropped_on_several_threads_drop_the_resource_once() {
+    loom::model(|| {
+        let (w, _, drops) = watched();
+        let shared = Shared::new(w);
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let mine = shared.clone();
+                thread::spawn(move || {
+                    use_once(&mine);
+                    drop(mine);
+                })
+            })
+            .collect();
+        use_once(&shared);
+        drop(shared);
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(drops.load(Ordering::Relaxed), 1);
+    });
+}
+
+#[test]
+fn memory_from_one_any_resource_clone_is_freed_through_another() {
+    loom::model(|| {
+        let (w, _, drops) = watched();
+        let any = AnyResource::<Host>::new(w);
+        let l = layout(64).unwrap();
+        let p = any.allocate(StreamRef::HOST, l).unwrap().as_ptr() as usize;
+        let other = any.clone();
+        let t = thread::spawn(move || {
+            let p = NonNull::new(p as *mut u8).unwrap();
+            // SAFETY: `p` came from a clone of `other`'s resource with `l`, once.
+            unsafe { other.deallocate(StreamRef::HOST, p, l) };
+        });
+        drop(any);
+        t.join().unwrap();
+        assert_eq!(drops.load(Ordering::Relaxed), 1);
+    });
+}
