@@ -55,3 +55,8 @@ pub use property::{
 pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
 pub use upstream::{Callback, HostHeap};
+
+/// The README's example is compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -1,0 +1,127 @@
+//! memres in one screen: build a small stack over host memory, hand it to code that takes
+//! "a memory resource", and see what happened.
+//!
+//! ```sh
+//! cargo run --release --example quickstart
+//! ```
+//!
+//! Runs anywhere; where a CUDA driver is installed it also says which GPU it found.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use memres::{
+    AnyResource, Callback, Error, Host, HostHeap, Resource, ResourceExt, ResourceRef, StreamRef,
+    SyncResource, layout,
+};
+
+/// Bytes in flight and the high-water mark, kept by the counting layer of the stack.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Library code: takes any host-accessible resource, without being generic over it.
+/// It builds a prefix-sum table in scratch memory and returns the last entry.
+fn prefix_sum_of_squares(mr: ResourceRef<'_, Host>, n: usize) -> Result<u64, Error> {
+    let stream = StreamRef::HOST;
+    let bytes = n * size_of::<u64>();
+    let l = layout(bytes)?;
+    let table = mr.allocate(stream, l)?.cast::<u64>();
+    // SAFETY: `mr` promises host-accessible memory (its type says `Host`), the block holds
+    // `n` u64s (`bytes` = n * 8, aligned to 256 bytes), and nothing else uses it until it is freed.
+    let slice = unsafe { std::slice::from_raw_parts_mut(table.as_ptr(), n) };
+    let mut acc = 0u64;
+    for (i, slot) in slice.iter_mut().enumerate() {
+        acc += (i as u64) * (i as u64);
+        *slot = acc;
+    }
+    let last = slice.last().copied().unwrap_or(0);
+    // SAFETY: allocated above from `mr` with `l` on `stream`; the slice is not used again.
+    unsafe { mr.deallocate(stream, table.cast(), l) };
+    Ok(last)
+}
+
+fn main() -> Result<(), Error> {
+    // The stack, read top-down: host heap -> a counting layer -> shared -> erased.
+    let heap = HostHeap::new();
+    let counting = Callback::<Host>::new(
+        move |l: Layout| {
+            let p = heap.allocate_sync(l)?;
+            CALLS.fetch_add(1, Ordering::Relaxed);
+            let live = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+            Ok(p)
+        },
+        move |p: NonNull<u8>, l: Layout| {
+            LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+            // SAFETY: `p` came from `heap` with `l` in the allocate closure above.
+            unsafe { heap.deallocate_sync(p, l) }
+        },
+    );
+    let mr: AnyResource<Host> = counting.shared().into_any();
+    println!("stack: {mr:?}");
+
+    // Hand it to library code, from four threads at once.
+    let sums: Vec<u64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..=4)
+            .map(|k| {
+                let mr = mr.clone();
+                s.spawn(move || prefix_sum_of_squares(mr.as_ref(), k * 100_000))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("worker panicked"))
+            .collect::<Result<_, _>>()
+    })?;
+    for (k, sum) in (1..=4).zip(&sums) {
+        println!("sum of squares below {:>7}: {sum}", k * 100_000);
+    }
+
+    // Out of memory is an error you can handle, not an abort.
+    match mr.allocate_sync(layout(1 << 50)?) {
+        Err(e) => println!("asking for 1 PiB: {e}"),
+        Ok(_) => println!("asking for 1 PiB: it worked?!"),
+    }
+
+    println!(
+        "allocations: {}, peak bytes in flight: {}, in flight now: {}",
+        CALLS.load(Ordering::Relaxed),
+        PEAK.load(Ordering::Relaxed),
+        LIVE.load(Ordering::Relaxed)
+    );
+
+    report_gpu();
+    Ok(())
+}
+
+/// Says which GPU is here, if a CUDA driver is installed. memres's CUDA resources build on
+/// the same driver; without one, they return `Error::NoDriver`.
+fn report_gpu() {
+    if !memres::driver::is_present() {
+        println!("CUDA driver: not found (host memory only)");
+        return;
+    }
+    use cudarc::driver::result;
+    let found = result::init().and_then(|()| {
+        let count = result::device::get_count()?;
+        let mut names = Vec::new();
+        for ordinal in 0..count {
+            let dev = result::device::get(ordinal)?;
+            // SAFETY: `dev` was returned by `device::get` just above.
+            let bytes = unsafe { result::device::total_mem(dev)? };
+            names.push(format!(
+                "{} ({} GiB)",
+                result::device::get_name(dev)?,
+                bytes >> 30
+            ));
+        }
+        Ok(names)
+    });
+    match found {
+        Ok(names) if names.is_empty() => println!("CUDA driver: found, but no GPU"),
+        Ok(names) => println!("CUDA driver: found; GPUs: {}", names.join(", ")),
+        Err(e) => println!("CUDA driver: found, but {}", Error::from(e)),
+    }
+}
