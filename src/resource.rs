@@ -154,7 +154,7 @@ pub trait Resource: SyncResource {
     ///
     /// # Errors
     /// As [`SyncResource::allocate_sync`].
-    fn allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error>;
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error>;
 
     /// Frees memory in stream order: it may be reused by work on `stream` enqueued after
     /// this call.
@@ -165,7 +165,7 @@ pub trait Resource: SyncResource {
     /// resource or one equal to it, and has not been freed since. Every use of the memory
     /// is ordered before this point on `stream` (enqueued on `stream` earlier, or on
     /// another stream that `stream` has been made to wait for), and none is started later.
-    unsafe fn deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout);
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout);
 }
 
 /// Forwards every call of a handle (`&R`, `Box<R>`, `Arc<R>`) to the resource it points
@@ -190,12 +190,12 @@ macro_rules! forward_resource {
 
         impl<$($gen)*> Resource for $handle where R: Resource {
             #[inline]
-            fn allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error> {
+            fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
                 (**self).allocate(stream, layout)
             }
 
             #[inline]
-            unsafe fn deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout) {
+            unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
                 // SAFETY: the caller keeps `deallocate`'s contract, which is the same for
                 // the handle and the resource it points at.
                 unsafe { (**self).deallocate(stream, ptr, layout) }

@@ -4,11 +4,18 @@
 //! `Copy`, two words, and `Send + Sync` (it is only a name; CUDA streams may be used from
 //! any thread). Owned streams, stream pools and events come with the CUDA resources.
 //!
+//! Unlike `cuda_stream_view`, a `StreamRef<'a>` carries the lifetime of the stream it
+//! names, so the compiler rejects using a handle after its stream is destroyed (the
+//! driver cannot be relied on to catch that). The streams that always exist (the default
+//! and per-thread streams, host streams) are `StreamRef<'static>`; most signatures elide
+//! the lifetime (`StreamRef<'_>`).
+//!
 //! Besides CUDA streams there is a *host* kind: streams of host-backed resources whose
 //! work is always complete. Stream-ordered logic (a pool's per-stream free lists, for
 //! example) is tested on machines with no GPU by handing it several distinct host streams.
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use cudarc::driver::sys::CUstream;
 
@@ -27,7 +34,10 @@ const PER_THREAD_HANDLE: usize = 0x2;
 /// assert_eq!(StreamRef::HOST.as_raw(), None);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamRef(Repr);
+pub struct StreamRef<'a> {
+    repr: Repr,
+    stream: PhantomData<&'a ()>,
+}
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Repr {
@@ -37,38 +47,46 @@ enum Repr {
     Host(u32),
 }
 
-impl StreamRef {
+impl StreamRef<'static> {
     /// CUDA's legacy default stream (the null handle).
-    pub const DEFAULT: StreamRef = StreamRef(Repr::Cuda(0));
+    pub const DEFAULT: StreamRef<'static> = StreamRef::new(Repr::Cuda(0));
 
     /// CUDA's per-thread default stream: a different stream on every host thread.
-    pub const PER_THREAD: StreamRef = StreamRef(Repr::Cuda(PER_THREAD_HANDLE));
+    pub const PER_THREAD: StreamRef<'static> = StreamRef::new(Repr::Cuda(PER_THREAD_HANDLE));
 
     /// The host stream number 0; see [`StreamRef::host`].
-    pub const HOST: StreamRef = StreamRef(Repr::Host(0));
+    pub const HOST: StreamRef<'static> = StreamRef::new(Repr::Host(0));
 
     /// A host stream, told apart from other host streams by `id`. Work on a host stream is
     /// always complete, so memory freed on one may be reused on any other at once; stream
     /// -ordered code can still keep separate books per stream, which is what host streams
     /// let tests exercise without a GPU.
-    pub const fn host(id: u32) -> StreamRef {
-        StreamRef(Repr::Host(id))
+    pub const fn host(id: u32) -> StreamRef<'static> {
+        StreamRef::new(Repr::Host(id))
+    }
+}
+
+impl<'a> StreamRef<'a> {
+    const fn new(repr: Repr) -> Self {
+        StreamRef {
+            repr,
+            stream: PhantomData,
+        }
     }
 
     /// A handle to an existing CUDA stream.
     ///
     /// # Safety
     /// `stream` must be the null handle, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a
-    /// stream created by the CUDA driver that is not destroyed while this `StreamRef` (or
-    /// any copy of it) is passed to a resource. Resources hand the handle to the driver,
-    /// which cannot check it.
-    pub unsafe fn from_raw(stream: CUstream) -> StreamRef {
-        StreamRef(Repr::Cuda(stream as usize))
+    /// stream created by the CUDA driver that is not destroyed during `'a`. Resources hand
+    /// the handle to the driver, which cannot check it.
+    pub unsafe fn from_raw(stream: CUstream) -> StreamRef<'a> {
+        StreamRef::new(Repr::Cuda(stream as usize))
     }
 
     /// The CUDA handle, or `None` for a host stream.
     pub fn as_raw(self) -> Option<CUstream> {
-        match self.0 {
+        match self.repr {
             Repr::Cuda(handle) => Some(handle as CUstream),
             Repr::Host(_) => None,
         }
@@ -76,31 +94,31 @@ impl StreamRef {
 
     /// True for a host stream, whose work is always complete.
     pub const fn is_host(self) -> bool {
-        matches!(self.0, Repr::Host(_))
+        matches!(self.repr, Repr::Host(_))
     }
 
     /// True for CUDA's legacy default stream.
     pub const fn is_default(self) -> bool {
-        matches!(self.0, Repr::Cuda(0))
+        matches!(self.repr, Repr::Cuda(0))
     }
 
     /// True for CUDA's per-thread default stream. Stream-ordered code must treat it with
     /// care: it names a different stream on each thread.
     pub const fn is_per_thread(self) -> bool {
-        matches!(self.0, Repr::Cuda(PER_THREAD_HANDLE))
+        matches!(self.repr, Repr::Cuda(PER_THREAD_HANDLE))
     }
 }
 
-impl Default for StreamRef {
+impl Default for StreamRef<'_> {
     /// The legacy default stream, as RMM's `cuda_stream_view{}`.
     fn default() -> Self {
         StreamRef::DEFAULT
     }
 }
 
-impl fmt::Debug for StreamRef {
+impl fmt::Debug for StreamRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
+        match self.repr {
             Repr::Cuda(0) => f.write_str("StreamRef(default)"),
             Repr::Cuda(PER_THREAD_HANDLE) => f.write_str("StreamRef(per-thread)"),
             Repr::Cuda(handle) => write!(f, "StreamRef({handle:#x})"),
@@ -109,7 +127,8 @@ impl fmt::Debug for StreamRef {
     }
 }
 
-static_assertions::assert_impl_all!(StreamRef: Send, Sync, Copy);
+static_assertions::assert_impl_all!(StreamRef<'static>: Send, Sync, Copy);
+static_assertions::assert_eq_size!(StreamRef<'static>, [usize; 2]);
 
 #[cfg(test)]
 mod tests {

@@ -28,10 +28,10 @@ impl SyncResource for Tagged {
 }
 
 impl Resource for Tagged {
-    fn allocate(&self, _: StreamRef, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         self.allocate_sync(l)
     }
-    unsafe fn deallocate(&self, _: StreamRef, p: NonNull<u8>, l: Layout) {
+    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
         // SAFETY: forwards the caller's promise.
         unsafe { self.deallocate_sync(p, l) }
     }

@@ -76,12 +76,12 @@ impl<U: Resource> Resource for Counting<U>
 where
     (U::Properties, Counted): PropertySet,
 {
-    fn allocate(&self, s: StreamRef, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+    fn allocate(&self, s: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         let p = self.upstream.allocate(s, l)?;
         self.live.fetch_add(l.size(), Ordering::Relaxed);
         Ok(p)
     }
-    unsafe fn deallocate(&self, s: StreamRef, p: NonNull<u8>, l: Layout) {
+    unsafe fn deallocate(&self, s: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
         self.live.fetch_sub(l.size(), Ordering::Relaxed);
         // SAFETY: forwards the caller's promise to the upstream.
         unsafe { self.upstream.deallocate(s, p, l) }

@@ -25,11 +25,11 @@ pub(crate) trait DynSyncResource: Any + Sync {
 
 /// [`Resource`] without its associated type, so it can be a trait object.
 pub(crate) trait DynResource: DynSyncResource {
-    fn dyn_allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error>;
+    fn dyn_allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error>;
 
     /// # Safety
     /// As [`Resource::deallocate`].
-    unsafe fn dyn_deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout);
+    unsafe fn dyn_deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout);
 }
 
 impl<R: SyncResource + Sync + 'static> DynSyncResource for R {
@@ -56,12 +56,12 @@ impl<R: SyncResource + Sync + 'static> DynSyncResource for R {
 
 impl<R: Resource + Sync + 'static> DynResource for R {
     #[inline]
-    fn dyn_allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error> {
+    fn dyn_allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.allocate(stream, layout)
     }
 
     #[inline]
-    unsafe fn dyn_deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout) {
+    unsafe fn dyn_deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: the caller keeps `Resource::deallocate`'s contract.
         unsafe { self.deallocate(stream, ptr, layout) }
     }

@@ -76,7 +76,7 @@ macro_rules! impl_erased {
             #[inline]
             fn allocate(
                 &self,
-                stream: crate::stream::StreamRef,
+                stream: crate::stream::StreamRef<'_>,
                 layout: std::alloc::Layout,
             ) -> Result<std::ptr::NonNull<u8>, crate::error::Error> {
                 self.inner.dyn_allocate(stream, layout)
@@ -85,7 +85,7 @@ macro_rules! impl_erased {
             #[inline]
             unsafe fn deallocate(
                 &self,
-                stream: crate::stream::StreamRef,
+                stream: crate::stream::StreamRef<'_>,
                 ptr: std::ptr::NonNull<u8>,
                 layout: std::alloc::Layout,
             ) {

@@ -103,12 +103,12 @@ impl<R: SyncResource> SyncResource for Shared<R> {
 
 impl<R: Resource> Resource for Shared<R> {
     #[inline]
-    fn allocate(&self, stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error> {
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.inner.allocate(stream, layout)
     }
 
     #[inline]
-    unsafe fn deallocate(&self, stream: StreamRef, ptr: NonNull<u8>, layout: Layout) {
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: as in `deallocate_sync`.
         unsafe { self.inner.deallocate(stream, ptr, layout) }
     }

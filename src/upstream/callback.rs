@@ -121,11 +121,11 @@ where
     A: Fn(Layout) -> Result<NonNull<u8>, Error>,
     D: Fn(NonNull<u8>, Layout),
 {
-    fn allocate(&self, _stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error> {
+    fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.allocate_sync(layout)
     }
 
-    unsafe fn deallocate(&self, _stream: StreamRef, ptr: NonNull<u8>, layout: Layout) {
+    unsafe fn deallocate(&self, _stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: `deallocate`'s contract includes `deallocate_sync`'s: the pointer came
         // from this resource with `layout`, and no work uses the memory any more.
         unsafe { self.deallocate_sync(ptr, layout) }

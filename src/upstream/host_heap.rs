@@ -63,12 +63,12 @@ impl SyncResource for HostHeap {
 
 impl Resource for HostHeap {
     #[inline]
-    fn allocate(&self, _stream: StreamRef, layout: Layout) -> Result<NonNull<u8>, Error> {
+    fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.allocate_sync(layout)
     }
 
     #[inline]
-    unsafe fn deallocate(&self, _stream: StreamRef, ptr: NonNull<u8>, layout: Layout) {
+    unsafe fn deallocate(&self, _stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: the caller's promise for `deallocate` includes `deallocate_sync`'s: the
         // memory came from this resource with `layout`, and no work uses it any more
         // (host memory is not touched by stream work the resource could wait for).

@@ -30,7 +30,7 @@ use typenum::Unsigned;
 #[derive(Debug, Clone, Copy)]
 pub struct Caps {
     /// The stream the stream-ordered half of each case uses.
-    pub stream: StreamRef,
+    pub stream: StreamRef<'static>,
     /// The largest single allocation the fixed-size case asks for (64 MiB on the host,
     /// 1 GiB on a GPU).
     pub largest: usize,
@@ -65,7 +65,7 @@ pub fn splitmix64(state: &mut u64) -> u64 {
 #[derive(Debug, Clone, Copy)]
 pub enum Api {
     Sync,
-    Stream(StreamRef),
+    Stream(StreamRef<'static>),
 }
 
 impl Api {
