@@ -28,15 +28,20 @@ fn prefix_sum_of_squares(mr: ResourceRef<'_, Host>, n: usize) -> Result<u64, Err
     let bytes = n * size_of::<u64>();
     let l = layout(bytes)?;
     let table = mr.allocate(stream, l)?.cast::<u64>();
-    // SAFETY: `mr` promises host-accessible memory (its type says `Host`), the block holds
-    // `n` u64s (`bytes` = n * 8, aligned to 256 bytes), and nothing else uses it until it is freed.
-    let slice = unsafe { std::slice::from_raw_parts_mut(table.as_ptr(), n) };
     let mut acc = 0u64;
-    for (i, slot) in slice.iter_mut().enumerate() {
+    for i in 0..n {
         acc += (i as u64) * (i as u64);
-        *slot = acc;
+        // SAFETY: `mr` promises host-accessible memory (its type says `Host`), the block
+        // holds `n` u64s (`bytes` = n * 8, aligned to 256 bytes), and nothing else uses it.
+        // Writing through the pointer initialises slot `i`.
+        unsafe { table.add(i).write(acc) };
     }
-    let last = slice.last().copied().unwrap_or(0);
+    let last = if n == 0 {
+        0
+    } else {
+        // SAFETY: slot `n - 1` was initialised in the loop above.
+        unsafe { table.add(n - 1).read() }
+    };
     // SAFETY: allocated above from `mr` with `l` on `stream`; the slice is not used again.
     unsafe { mr.deallocate(stream, table.cast(), l) };
     Ok(last)
@@ -45,20 +50,22 @@ fn prefix_sum_of_squares(mr: ResourceRef<'_, Host>, n: usize) -> Result<u64, Err
 fn main() -> Result<(), Error> {
     // The stack, read top-down: host heap -> a counting layer -> shared -> erased.
     let heap = HostHeap::new();
-    let counting = Callback::<Host>::new(
-        move |l: Layout| {
-            let p = heap.allocate_sync(l)?;
-            CALLS.fetch_add(1, Ordering::Relaxed);
-            let live = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(live, Ordering::Relaxed);
-            Ok(p)
-        },
-        move |p: NonNull<u8>, l: Layout| {
-            LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-            // SAFETY: `p` came from `heap` with `l` in the allocate closure above.
-            unsafe { heap.deallocate_sync(p, l) }
-        },
-    );
+    let allocate = move |l: Layout, _: StreamRef<'_>| {
+        let p = heap.allocate_sync(l)?;
+        CALLS.fetch_add(1, Ordering::Relaxed);
+        let live = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
+        PEAK.fetch_max(live, Ordering::Relaxed);
+        Ok(p)
+    };
+    let deallocate = move |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| {
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: `Callback` passes back only blocks `allocate` returned, with their
+        // layout; those came from `heap`.
+        unsafe { heap.deallocate_sync(p, l) }
+    };
+    // SAFETY: the closures hand out and take back heap memory, which is host-accessible
+    // and usable at once whatever the stream.
+    let counting = unsafe { Callback::<Host>::new(allocate, deallocate) };
     let mr: AnyResource<Host> = counting.shared().into_any();
     println!("stack: {mr:?}");
 
@@ -67,7 +74,7 @@ fn main() -> Result<(), Error> {
         let handles: Vec<_> = (1..=4)
             .map(|k| {
                 let mr = mr.clone();
-                s.spawn(move || prefix_sum_of_squares(mr.as_ref(), k * 100_000))
+                s.spawn(move || prefix_sum_of_squares(mr.as_resource_ref(), k * 100_000))
             })
             .collect();
         handles

@@ -78,7 +78,8 @@ pub trait ResourceExt: SyncResource + Sized {
         AnySyncResource::new(self)
     }
 
-    /// A borrowed, erased [`ResourceRef`] to `self` promising the properties `P`.
+    /// A borrowed, erased [`ResourceRef`] to `self` promising the properties `P` (for an
+    /// erased resource, to the resource inside it).
     #[inline]
     fn as_resource_ref<P>(&self) -> ResourceRef<'_, P>
     where

@@ -31,27 +31,28 @@
 //!
 //! ```
 //! use memres::property::{Has, Property, PropertySet};
-//! use memres::{HostAccessible, HostHeap, Callback, Error};
+//! use memres::{HostAccessible, HostHeap, Callback, Error, StreamRef};
 //! use std::alloc::Layout;
 //! use std::ptr::NonNull;
 //!
 //! /// Memory that is zeroed when it is handed out.
 //! struct Zeroed;
-//! impl PropertySet for Zeroed { type Mask = typenum::U256; }
+//! // SAFETY: bit 8 is not used by any other property in this program.
+//! unsafe impl PropertySet for Zeroed { type Mask = typenum::U256; }
 //! impl Property for Zeroed {}
 //!
 //! fn needs_zeroed<R: Has<Zeroed>>(_: &R) {}
 //!
 //! let heap = HostHeap::new();
-//! let zeroing = Callback::<(HostAccessible, Zeroed)>::new(
-//!     |l: Layout| {
-//!         // SAFETY: `Callback` never passes a zero-size layout to its closures.
-//!         let p = unsafe { std::alloc::alloc_zeroed(l) };
-//!         NonNull::new(p).ok_or(Error::out_of_memory(l.size()))
-//!     },
-//!     // SAFETY: `p` came from `alloc_zeroed(l)` above.
-//!     |p: NonNull<u8>, l: Layout| unsafe { std::alloc::dealloc(p.as_ptr(), l) },
-//! );
+//! let allocate = |l: Layout, _: StreamRef<'_>| {
+//!     // SAFETY: `Callback` never passes a zero-size layout to its closures.
+//!     let p = unsafe { std::alloc::alloc_zeroed(l) };
+//!     NonNull::new(p).ok_or(Error::out_of_memory(l.size()))
+//! };
+//! // SAFETY: `Callback` passes back only blocks from `allocate`, with their layout.
+//! let free = |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| unsafe { std::alloc::dealloc(p.as_ptr(), l) };
+//! // SAFETY: zeroed heap memory: host-accessible, usable at once, and zeroed as declared.
+//! let zeroing = unsafe { Callback::<(HostAccessible, Zeroed)>::new(allocate, free) };
 //! needs_zeroed(&zeroing);
 //! // needs_zeroed(&heap); // does not compile: HostHeap does not declare `Zeroed`
 //! # let _ = heap;
@@ -75,7 +76,13 @@ use crate::resource::SyncResource;
 ///
 /// Implemented by every [`Property`], by `()` (no property), and by tuples of up to six
 /// sets (their union).
-pub trait PropertySet: 'static {
+///
+/// # Safety
+/// Code relies on the masks to decide what it may do with memory (write to it from the
+/// host, hand it to a kernel), so a mask must not claim bits it has no right to. For a
+/// property of your own: its mask is a single bit of 8 or above (`U256`, `U512`, ...),
+/// and no other property in the program uses that bit. Bits 0 to 7 belong to memres.
+pub unsafe trait PropertySet: 'static {
     /// The set as a type-level bit mask: one bit per property.
     type Mask: Unsigned;
 }
@@ -92,12 +99,14 @@ pub struct DeviceAccessible;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct HostAccessible;
 
-impl PropertySet for DeviceAccessible {
+// SAFETY: bit 0 is memres's `DeviceAccessible`.
+unsafe impl PropertySet for DeviceAccessible {
     type Mask = U1;
 }
 impl Property for DeviceAccessible {}
 
-impl PropertySet for HostAccessible {
+// SAFETY: bit 1 is memres's `HostAccessible`.
+unsafe impl PropertySet for HostAccessible {
     type Mask = U2;
 }
 impl Property for HostAccessible {}
@@ -109,18 +118,21 @@ pub type Host = HostAccessible;
 /// The set of memory both the host and the device may access (pinned or managed memory).
 pub type HostDevice = (HostAccessible, DeviceAccessible);
 
-impl PropertySet for () {
+// SAFETY: the empty set claims nothing.
+unsafe impl PropertySet for () {
     type Mask = U0;
 }
 
-impl<A: PropertySet> PropertySet for (A,) {
+// SAFETY: the same bits as `A`.
+unsafe impl<A: PropertySet> PropertySet for (A,) {
     type Mask = A::Mask;
 }
 
 /// Tuples are unions: the mask of `(A, B, ..)` is the mask of `(A, ..)` or-ed with `B`'s.
 macro_rules! tuple_union {
     ($(($($head:ident),+) + $last:ident;)*) => {$(
-        impl<$($head: PropertySet,)+ $last: PropertySet> PropertySet for ($($head,)+ $last)
+        // SAFETY: the union of the members' bits, each of which is rightly claimed.
+        unsafe impl<$($head: PropertySet,)+ $last: PropertySet> PropertySet for ($($head,)+ $last)
         where
             ($($head,)+): PropertySet,
             <($($head,)+) as PropertySet>::Mask: BitOr<$last::Mask>,
@@ -205,7 +217,8 @@ mod tests {
     use typenum::{U3, U256, Unsigned};
 
     struct Custom;
-    impl PropertySet for Custom {
+    // SAFETY: bit 8 is used by no other property in this crate's tests.
+    unsafe impl PropertySet for Custom {
         type Mask = U256;
     }
     impl Property for Custom {}

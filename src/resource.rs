@@ -100,6 +100,15 @@ pub(crate) fn dangling(layout: Layout) -> NonNull<u8> {
 /// may be accessed from; code that needs, say, device-accessible memory bounds
 /// `R: Has<DeviceAccessible>` and the compiler rejects other resources.
 ///
+/// # Safety
+/// The trait is `unsafe` to implement (like `allocator_api2::Allocator`) because safe code
+/// relies on what an implementation promises: memory returned by `allocate_sync` is a
+/// block of at least `layout.size()` bytes, aligned to `layout.align()`, that overlaps no
+/// other live block and stays valid until it is freed; it is accessible wherever
+/// `Properties` says (host code may read and write `HostAccessible` memory, kernels
+/// `DeviceAccessible` memory); and `==` holds only between resources that may free each
+/// other's memory.
+///
 /// ```
 /// use memres::{HostHeap, SyncResource, layout};
 ///
@@ -111,7 +120,7 @@ pub(crate) fn dangling(layout: Layout) -> NonNull<u8> {
 /// unsafe { heap.deallocate_sync(p, l) };
 /// # Ok::<(), memres::Error>(())
 /// ```
-pub trait SyncResource: PartialEq {
+pub unsafe trait SyncResource: PartialEq {
     /// The set of properties of the memory this resource returns, for example
     /// [`HostAccessible`](crate::HostAccessible) or
     /// `(`[`HostAccessible`](crate::HostAccessible)`, `[`DeviceAccessible`](crate::DeviceAccessible)`)`.
@@ -137,6 +146,12 @@ pub trait SyncResource: PartialEq {
 ///
 /// See the [module docs](self) for the stream-ordering rules.
 ///
+/// # Safety
+/// As [`SyncResource`], for memory from `allocate`, with its stream-ordering rules: the
+/// block is valid for work on `stream` enqueued after `allocate` returns, and is not reused
+/// by the resource before the work that `deallocate`'s caller ordered before the free on
+/// its stream is complete.
+///
 /// ```
 /// use memres::{HostHeap, Resource, StreamRef, layout};
 ///
@@ -149,7 +164,7 @@ pub trait SyncResource: PartialEq {
 /// unsafe { heap.deallocate(s, p, l) };
 /// # Ok::<(), memres::Error>(())
 /// ```
-pub trait Resource: SyncResource {
+pub unsafe trait Resource: SyncResource {
     /// Allocates memory for `layout`, usable by work on `stream` enqueued after this call.
     ///
     /// # Errors
@@ -172,7 +187,9 @@ pub trait Resource: SyncResource {
 /// at, so that handles are resources with the same properties.
 macro_rules! forward_resource {
     ($(impl[$($gen:tt)*] for $handle:ty;)*) => {$(
-        impl<$($gen)*> SyncResource for $handle {
+        // SAFETY: every call goes to the resource the handle points at, which keeps the
+        // contract; handles compare by comparing what they point at.
+        unsafe impl<$($gen)*> SyncResource for $handle {
             type Properties = R::Properties;
 
             #[inline]
@@ -188,7 +205,8 @@ macro_rules! forward_resource {
             }
         }
 
-        impl<$($gen)*> Resource for $handle where R: Resource {
+        // SAFETY: as above.
+        unsafe impl<$($gen)*> Resource for $handle where R: Resource {
             #[inline]
             fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
                 (**self).allocate(stream, layout)

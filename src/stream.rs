@@ -19,6 +19,9 @@ use std::marker::PhantomData;
 
 use cudarc::driver::sys::CUstream;
 
+/// The handle value of CUDA's legacy default stream when named explicitly
+/// (`CU_STREAM_LEGACY`).
+const LEGACY_HANDLE: usize = 0x1;
 /// The handle value of CUDA's per-thread default stream (`CU_STREAM_PER_THREAD`).
 const PER_THREAD_HANDLE: usize = 0x2;
 
@@ -97,15 +100,23 @@ impl<'a> StreamRef<'a> {
         matches!(self.repr, Repr::Host(_))
     }
 
-    /// True for CUDA's legacy default stream.
+    /// True for CUDA's legacy default stream, named by the null handle or by
+    /// `CU_STREAM_LEGACY`.
     pub const fn is_default(self) -> bool {
-        matches!(self.repr, Repr::Cuda(0))
+        matches!(self.repr, Repr::Cuda(0 | LEGACY_HANDLE))
     }
 
     /// True for CUDA's per-thread default stream. Stream-ordered code must treat it with
     /// care: it names a different stream on each thread.
     pub const fn is_per_thread(self) -> bool {
         matches!(self.repr, Repr::Cuda(PER_THREAD_HANDLE))
+    }
+}
+
+impl<'a> From<&'a cudarc::driver::CudaStream> for StreamRef<'a> {
+    /// Names a cudarc stream; the borrow keeps the stream alive while the handle is used.
+    fn from(stream: &'a cudarc::driver::CudaStream) -> Self {
+        StreamRef::new(Repr::Cuda(stream.cu_stream() as usize))
     }
 }
 
@@ -119,7 +130,7 @@ impl Default for StreamRef<'_> {
 impl fmt::Debug for StreamRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.repr {
-            Repr::Cuda(0) => f.write_str("StreamRef(default)"),
+            Repr::Cuda(0 | LEGACY_HANDLE) => f.write_str("StreamRef(default)"),
             Repr::Cuda(PER_THREAD_HANDLE) => f.write_str("StreamRef(per-thread)"),
             Repr::Cuda(handle) => write!(f, "StreamRef({handle:#x})"),
             Repr::Host(id) => write!(f, "StreamRef(host {id})"),
@@ -137,6 +148,8 @@ mod tests {
     #[test]
     fn kinds_are_told_apart() {
         assert!(StreamRef::DEFAULT.is_default());
+        // SAFETY: `CU_STREAM_LEGACY` is always valid.
+        assert!(unsafe { StreamRef::from_raw(LEGACY_HANDLE as CUstream) }.is_default());
         assert!(!StreamRef::DEFAULT.is_per_thread());
         assert!(StreamRef::PER_THREAD.is_per_thread());
         assert!(!StreamRef::PER_THREAD.is_host());

@@ -16,7 +16,9 @@ struct Tagged {
     id: u32,
 }
 
-impl SyncResource for Tagged {
+// SAFETY: blocks come from `HEAP` (never touched by the tests, whatever the claimed set);
+// equal `Tagged`s free through the same heap.
+unsafe impl SyncResource for Tagged {
     type Properties = HostDevice; // claims both; the tests never touch the memory
     fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         HEAP.allocate_sync(l)
@@ -27,7 +29,8 @@ impl SyncResource for Tagged {
     }
 }
 
-impl Resource for Tagged {
+// SAFETY: as for `SyncResource`.
+unsafe impl Resource for Tagged {
     fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         self.allocate_sync(l)
     }
@@ -63,7 +66,7 @@ fn any_resource_equality_and_clones() {
     assert_ne!(a, AnyResource::new(Tagged { id: 8 }));
     assert_ne!(a, AnyResource::new(HostHeap::new()));
     // A borrowed view of an AnyResource is the inner resource, not a second layer.
-    assert_eq!(a.as_ref(), ResourceRef::new(&Tagged { id: 7 }));
+    assert_eq!(a.as_resource_ref(), ResourceRef::new(&Tagged { id: 7 }));
     assert_eq!(a.downcast_ref::<Tagged>(), Some(&Tagged { id: 7 }));
     assert_eq!(a.downcast_ref::<HostHeap>(), None);
 }
@@ -76,7 +79,7 @@ fn narrowing_keeps_the_resource() {
     let none: ResourceRef<'_, ()> = device.narrow();
     assert_eq!(none, ResourceRef::new(&t));
     let any = AnyResource::<HostDevice>::new(Tagged { id: 3 }).narrow::<memres::Host>();
-    assert_eq!(any.as_ref(), ResourceRef::<Host>::new(&t));
+    assert_eq!(any.as_resource_ref(), ResourceRef::<Host>::new(&t));
     let sync: SyncResourceRef<'_, HostDevice> = both.as_sync();
     assert_eq!(sync.narrow::<()>(), SyncResourceRef::new(&t));
 }
@@ -92,16 +95,22 @@ fn erased_handles_are_resources_with_their_set() {
     }
     let any = AnyResource::<Host>::new(HostHeap::new());
     assert_eq!(needs_host(&any), 0);
-    assert_eq!(needs_host(&any.as_ref()), 0);
-    assert_eq!(needs_host(&any.as_sync_ref()), 0);
+    assert_eq!(needs_host(&any.as_resource_ref()), 0);
+    assert_eq!(needs_host(&any.as_sync_resource_ref()), 0);
     assert_eq!(
         needs_host(&AnySyncResource::<Host>::new(HostHeap::new())),
         0
     );
-    // An erased handle can be erased again (a pool over AnyResource, for example).
+    // Erasing an erased handle again yields the same handle, not a second layer.
     let twice = AnyResource::<Host>::new(any.clone());
     assert_eq!(needs_host(&twice), 0);
-    assert_ne!(twice, any, "different concrete types");
+    assert_eq!(twice, any, "one resource behind both");
+    assert_eq!(ResourceRef::<Host>::new(&any), any.as_resource_ref());
+    assert_eq!(any.as_resource_ref(), any.as_resource_ref());
+    // Narrowed, it is a different handle type, so it is erased again: still usable.
+    let narrowed = AnyResource::<()>::new(any.clone());
+    assert_eq!(needs_host(&AnyResource::<Host>::new(HostHeap::new())), 0);
+    let _ = narrowed;
 }
 
 #[test]
@@ -138,13 +147,13 @@ fn shared_clones_share_state() {
 
 #[test]
 fn callbacks_erase_too() {
-    let cb = Callback::<Host>::new(
-        |l: Layout| HEAP.allocate_sync(l),
-        // SAFETY: pointers came from `HEAP` with their layout.
-        |p: NonNull<u8>, l: Layout| unsafe { HEAP.deallocate_sync(p, l) },
-    );
+    let allocate = |l: Layout, _: StreamRef<'_>| HEAP.allocate_sync(l);
+    // SAFETY: `Callback` passes back only blocks from `allocate`, from `HEAP`.
+    let deallocate =
+        |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| unsafe { HEAP.deallocate_sync(p, l) };
+    // SAFETY: heap memory, host-accessible and usable at once on any stream.
+    let cb = unsafe { Callback::<Host>::new(allocate, deallocate) };
     let r = cb.as_resource_ref::<Host>();
-    assert_eq!(r, r);
     assert_eq!(r, ResourceRef::new(&cb));
     let any = cb.into_any::<Host>();
     assert_eq!(any, any.clone());

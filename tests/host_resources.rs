@@ -57,25 +57,25 @@ impl Probe {
     }
 
     fn resource(&self) -> impl Resource<Properties = Host> + Sync + '_ {
-        Callback::<Host>::new(
-            |l: Layout| {
-                if self.allocations.load(Ordering::Relaxed) >= self.fail_after {
-                    return Err(Error::out_of_memory(l.size()));
-                }
-                self.allocations.fetch_add(1, Ordering::Relaxed);
-                let wide = Layout::from_size_align(l.size() + self.skew, l.align()).unwrap();
-                let p = HEAP.allocate_sync(wide)?;
-                // SAFETY: `wide` has `skew` more bytes than `l`, so the result is in bounds.
-                Ok(unsafe { p.add(self.skew) })
-            },
-            |p: NonNull<u8>, l: Layout| {
-                self.frees.fetch_add(1, Ordering::Relaxed);
-                let wide = Layout::from_size_align(l.size() + self.skew, l.align()).unwrap();
-                // SAFETY: undoes the skew of the allocate closure: `p - skew` came from
-                // `HEAP` with `wide`.
-                unsafe { HEAP.deallocate_sync(p.sub(self.skew), wide) }
-            },
-        )
+        let allocate = |l: Layout, _: StreamRef<'_>| {
+            if self.allocations.load(Ordering::Relaxed) >= self.fail_after {
+                return Err(Error::out_of_memory(l.size()));
+            }
+            self.allocations.fetch_add(1, Ordering::Relaxed);
+            let wide = Layout::from_size_align(l.size() + self.skew, l.align()).unwrap();
+            let p = HEAP.allocate_sync(wide)?;
+            // SAFETY: `wide` has `skew` more bytes than `l`, so the result is in bounds.
+            Ok(unsafe { p.add(self.skew) })
+        };
+        let deallocate = |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| {
+            self.frees.fetch_add(1, Ordering::Relaxed);
+            let wide = Layout::from_size_align(l.size() + self.skew, l.align()).unwrap();
+            // SAFETY: undoes the skew of `allocate`: `p - skew` came from `HEAP` with `wide`.
+            unsafe { HEAP.deallocate_sync(p.sub(self.skew), wide) }
+        };
+        // SAFETY: heap memory, host-accessible and usable at once. With a skew the blocks
+        // are misaligned, which `Callback` must catch before anyone sees them.
+        unsafe { Callback::<Host>::new(allocate, deallocate) }
     }
 }
 
@@ -133,6 +133,39 @@ fn callback_never_sees_zero_bytes() {
     unsafe { r.deallocate_sync(p, l) };
     assert_eq!(probe.allocations.load(Ordering::Relaxed), 0);
     assert_eq!(probe.frees.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn callback_closures_get_the_stream() {
+    let seen = std::sync::Mutex::new(Vec::new());
+    let allocate = |l: Layout, s: StreamRef<'_>| {
+        seen.lock().unwrap().push(format!("allocate {s:?}"));
+        HEAP.allocate_sync(l)
+    };
+    let deallocate = |p: NonNull<u8>, l: Layout, s: StreamRef<'_>| {
+        seen.lock().unwrap().push(format!("free {s:?}"));
+        // SAFETY: `Callback` passes back only blocks from `allocate`, from `HEAP` with `l`.
+        unsafe { HEAP.deallocate_sync(p, l) }
+    };
+    // SAFETY: heap memory, host-accessible and usable at once on any stream.
+    let r = unsafe { Callback::<Host>::new(allocate, deallocate) };
+    let l = layout(8).unwrap();
+    let a = r.allocate(StreamRef::host(7), l).unwrap();
+    let b = r.allocate_sync(l).unwrap();
+    // SAFETY: both came from `r` with `l`.
+    unsafe {
+        r.deallocate(StreamRef::host(8), a, l);
+        r.deallocate_sync(b, l);
+    }
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            "allocate StreamRef(host 7)",
+            "allocate StreamRef(host 0)",
+            "free StreamRef(host 8)",
+            "free StreamRef(host 0)"
+        ]
+    );
 }
 
 #[test]

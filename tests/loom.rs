@@ -6,7 +6,11 @@
 //! ```
 //!
 //! Built that way, `crate::sync` is loom's, so every interleaving of the reference counts
-//! behind `Shared` and `AnyResource` is explored. Without the cfg this file is empty.
+//! behind `Shared` and `AnyResource` is explored: these models check that memres shares
+//! one resource among clones on several threads and drops it exactly once, after its last
+//! use (they fail if a handle cloned its resource instead of sharing it, or dropped it
+//! early). Protocols of memres's own (the per-device map, pool free lists) get models of
+//! their own as they arrive. Without the cfg this file is empty.
 #![cfg(memres_loom)]
 
 use std::alloc::Layout;
@@ -36,7 +40,8 @@ impl Drop for Watched {
     }
 }
 
-impl SyncResource for Watched {
+// SAFETY: blocks come from `HostHeap`; equality is identity.
+unsafe impl SyncResource for Watched {
     type Properties = memres::HostAccessible;
     fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         // Relaxed is enough for the check: a use after drop would have to be ordered after
@@ -51,7 +56,8 @@ impl SyncResource for Watched {
     }
 }
 
-impl Resource for Watched {
+// SAFETY: as for `SyncResource`.
+unsafe impl Resource for Watched {
     fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         self.allocate_sync(l)
     }

@@ -15,14 +15,16 @@ use typenum::Unsigned;
 
 /// A property of the user's: memory that is counted.
 struct Counted;
-impl PropertySet for Counted {
+// SAFETY: bit 8 is used by no other property in this test.
+unsafe impl PropertySet for Counted {
     type Mask = typenum::U256;
 }
 impl Property for Counted {}
 
 /// Another: memory from a particular NUMA node (only to show two user bits together).
 struct NumaLocal;
-impl PropertySet for NumaLocal {
+// SAFETY: bit 9 is used by no other property in this test.
+unsafe impl PropertySet for NumaLocal {
     type Mask = typenum::U512;
 }
 impl Property for NumaLocal {}
@@ -32,7 +34,8 @@ impl Property for NumaLocal {}
 #[derive(PartialEq)]
 struct Forward<U>(U);
 
-impl<U: SyncResource> SyncResource for Forward<U> {
+// SAFETY: every call goes to the upstream, whose set it keeps.
+unsafe impl<U: SyncResource> SyncResource for Forward<U> {
     type Properties = U::Properties;
     fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
         self.0.allocate_sync(l)
@@ -55,7 +58,8 @@ impl<U: PartialEq> PartialEq for Counting<U> {
     }
 }
 
-impl<U: SyncResource> SyncResource for Counting<U>
+// SAFETY: every block comes from the upstream; `Counted` (counting) is what it adds.
+unsafe impl<U: SyncResource> SyncResource for Counting<U>
 where
     (U::Properties, Counted): PropertySet,
 {
@@ -72,7 +76,8 @@ where
     }
 }
 
-impl<U: Resource> Resource for Counting<U>
+// SAFETY: as for `SyncResource`.
+unsafe impl<U: Resource> Resource for Counting<U>
 where
     (U::Properties, Counted): PropertySet,
 {
@@ -108,8 +113,11 @@ impl<U> Layer<U> for CountingLayer {
 }
 
 /// A device-and-host resource made up for the type checks (never allocated from).
-type Pinnedish =
-    Callback<HostDevice, fn(Layout) -> Result<NonNull<u8>, memres::Error>, fn(NonNull<u8>, Layout)>;
+type Pinnedish = Callback<
+    HostDevice,
+    fn(Layout, StreamRef<'_>) -> Result<NonNull<u8>, memres::Error>,
+    fn(NonNull<u8>, Layout, StreamRef<'_>),
+>;
 
 // Forwarding keeps the set, whatever it holds.
 assert_impl_all!(Forward<HostHeap>: Has<Host>);

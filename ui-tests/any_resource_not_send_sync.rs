@@ -6,17 +6,19 @@ use std::cell::Cell;
 use std::ptr::NonNull;
 use std::rc::Rc;
 
-use memres::{AnyResource, Callback, Host, HostHeap, SyncResource};
+use memres::{AnyResource, Callback, Host, HostHeap, StreamRef, SyncResource};
 
 fn main() {
     let calls = Rc::new(Cell::new(0));
-    let counting = Callback::<Host>::new(
-        move |l: Layout| {
-            calls.set(calls.get() + 1);
-            HostHeap.allocate_sync(l)
-        },
-        // SAFETY: pointers came from `HostHeap` with their layout.
-        |p: NonNull<u8>, l: Layout| unsafe { HostHeap.deallocate_sync(p, l) },
-    );
+    let allocate = move |l: Layout, _: StreamRef<'_>| {
+        calls.set(calls.get() + 1);
+        HostHeap.allocate_sync(l)
+    };
+    // SAFETY: `Callback` passes back only blocks from `allocate`, from `HostHeap`.
+    let deallocate = |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| unsafe {
+        HostHeap.deallocate_sync(p, l)
+    };
+    // SAFETY: heap memory, host-accessible and usable at once on any stream.
+    let counting = unsafe { Callback::<Host>::new(allocate, deallocate) };
     let _any: AnyResource<Host> = AnyResource::new(counting);
 }

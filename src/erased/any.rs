@@ -53,11 +53,18 @@ pub struct AnySyncResource<P: PropertySet> {
 
 impl<P: PropertySet> AnyResource<P> {
     /// Takes ownership of `resource`, whose property set must contain `P`.
+    ///
+    /// An `AnyResource<P>` given here is returned as it is rather than wrapped again, so it
+    /// keeps comparing equal to its clones (use [`narrow`](Self::narrow) to change `P`).
     pub fn new<R>(resource: R) -> Self
     where
         R: Resource + Send + Sync + 'static,
         R::Properties: Contains<P>,
     {
+        let resource = match unwrap_same::<R, Self>(resource) {
+            Ok(already) => return already,
+            Err(resource) => resource,
+        };
         let inner: std::sync::Arc<dyn DynResource + Send> = std::sync::Arc::new(resource);
         AnyResource {
             inner: arc_from_std(inner),
@@ -77,12 +84,12 @@ impl<P: PropertySet> AnyResource<P> {
     }
 
     /// A borrowed handle to the same resource, without a second indirection.
-    pub fn as_ref(&self) -> ResourceRef<'_, P> {
+    pub fn as_resource_ref(&self) -> ResourceRef<'_, P> {
         ResourceRef::from_dyn(&*self.inner)
     }
 
     /// A borrowed sync handle to the same resource.
-    pub fn as_sync_ref(&self) -> SyncResourceRef<'_, P> {
+    pub fn as_sync_resource_ref(&self) -> SyncResourceRef<'_, P> {
         SyncResourceRef::from_dyn(&*self.inner)
     }
 
@@ -95,11 +102,17 @@ impl<P: PropertySet> AnyResource<P> {
 
 impl<P: PropertySet> AnySyncResource<P> {
     /// Takes ownership of `resource`, whose property set must contain `P`.
+    ///
+    /// An `AnySyncResource<P>` given here is returned as it is rather than wrapped again.
     pub fn new<R>(resource: R) -> Self
     where
         R: SyncResource + Send + Sync + 'static,
         R::Properties: Contains<P>,
     {
+        let resource = match unwrap_same::<R, Self>(resource) {
+            Ok(already) => return already,
+            Err(resource) => resource,
+        };
         let inner: std::sync::Arc<dyn DynSyncResource + Send> = std::sync::Arc::new(resource);
         AnySyncResource {
             inner: arc_from_std(inner),
@@ -119,7 +132,7 @@ impl<P: PropertySet> AnySyncResource<P> {
     }
 
     /// A borrowed handle to the same resource, without a second indirection.
-    pub fn as_ref(&self) -> SyncResourceRef<'_, P> {
+    pub fn as_sync_resource_ref(&self) -> SyncResourceRef<'_, P> {
         SyncResourceRef::from_dyn(&*self.inner)
     }
 
@@ -128,6 +141,20 @@ impl<P: PropertySet> AnySyncResource<P> {
         let inner: &dyn Any = &*self.inner;
         inner.downcast_ref()
     }
+}
+
+/// `Ok(value)` when `R` is `T` (so an erased handle is not erased again), else the value
+/// back. Runs once per construction, not per call.
+fn unwrap_same<R: 'static, T: 'static>(value: R) -> Result<T, R> {
+    if std::any::TypeId::of::<R>() != std::any::TypeId::of::<T>() {
+        return Err(value);
+    }
+    let mut slot = Some(value);
+    let slot: &mut dyn Any = &mut slot;
+    Ok(slot
+        .downcast_mut::<Option<T>>()
+        .and_then(Option::take)
+        .expect("the TypeIds are equal"))
 }
 
 // Clone shares; it must not require `P: Clone` (a derive would).

@@ -30,7 +30,9 @@
 /// handle is stream-ordered) forwarding to `self.inner`, the erased `==`, and `Debug`.
 macro_rules! impl_erased {
     ([$($gen:tt)*] $ty:ty, $name:literal) => {
-        impl<$($gen)*> crate::resource::SyncResource for $ty {
+        // SAFETY: every call goes to the erased resource, which keeps the contract (it was
+        // a `SyncResource` when erased); `P` is a subset of its set, checked at erasure.
+        unsafe impl<$($gen)*> crate::resource::SyncResource for $ty {
             type Properties = P;
 
             #[inline]
@@ -72,7 +74,8 @@ macro_rules! impl_erased {
     ([$($gen:tt)*] $ty:ty, $name:literal, stream_ordered) => {
         impl_erased!([$($gen)*] $ty, $name);
 
-        impl<$($gen)*> crate::resource::Resource for $ty {
+        // SAFETY: as for `SyncResource` above.
+        unsafe impl<$($gen)*> crate::resource::Resource for $ty {
             #[inline]
             fn allocate(
                 &self,

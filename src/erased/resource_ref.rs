@@ -1,7 +1,9 @@
 //! Borrowed erased handles: [`ResourceRef`] and [`SyncResourceRef`].
 
+use std::any::Any;
 use std::marker::PhantomData;
 
+use super::any::{AnyResource, AnySyncResource};
 use super::dyn_resource::{DynResource, DynSyncResource};
 use crate::property::{Contains, PropertySet};
 use crate::resource::{Resource, SyncResource};
@@ -51,11 +53,19 @@ pub struct SyncResourceRef<'a, P: PropertySet> {
 
 impl<'a, P: PropertySet> ResourceRef<'a, P> {
     /// Erases `resource`, whose property set must contain `P`.
+    ///
+    /// A reference to an [`AnyResource<P>`](crate::AnyResource) or a `ResourceRef<P>`
+    /// yields a handle to the resource inside, not a second layer of erasure, so it
+    /// compares equal to other handles to that resource.
     pub fn new<R>(resource: &'a R) -> Self
     where
         R: Resource + Sync + 'static,
         R::Properties: Contains<P>,
     {
+        let any: &dyn Any = resource;
+        if let Some(erased) = any.downcast_ref::<AnyResource<P>>() {
+            return erased.as_resource_ref();
+        }
         Self::from_dyn(resource)
     }
 
@@ -88,11 +98,21 @@ impl<'a, P: PropertySet> ResourceRef<'a, P> {
 
 impl<'a, P: PropertySet> SyncResourceRef<'a, P> {
     /// Erases `resource`, whose property set must contain `P`.
+    ///
+    /// A reference to an [`AnySyncResource<P>`](crate::AnySyncResource) or an
+    /// [`AnyResource<P>`](crate::AnyResource) yields a handle to the resource inside.
     pub fn new<R>(resource: &'a R) -> Self
     where
         R: SyncResource + Sync + 'static,
         R::Properties: Contains<P>,
     {
+        let any: &dyn Any = resource;
+        if let Some(erased) = any.downcast_ref::<AnySyncResource<P>>() {
+            return erased.as_sync_resource_ref();
+        }
+        if let Some(erased) = any.downcast_ref::<AnyResource<P>>() {
+            return erased.as_sync_resource_ref();
+        }
         Self::from_dyn(resource)
     }
 

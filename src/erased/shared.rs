@@ -85,7 +85,9 @@ impl<R: fmt::Debug> fmt::Debug for Shared<R> {
     }
 }
 
-impl<R: SyncResource> SyncResource for Shared<R> {
+// SAFETY: every call goes to the one shared resource, which keeps the contract; two
+// handles are equal only if they share it or their resources are equal.
+unsafe impl<R: SyncResource> SyncResource for Shared<R> {
     type Properties = R::Properties;
 
     #[inline]
@@ -101,7 +103,8 @@ impl<R: SyncResource> SyncResource for Shared<R> {
     }
 }
 
-impl<R: Resource> Resource for Shared<R> {
+// SAFETY: as for `SyncResource` above.
+unsafe impl<R: Resource> Resource for Shared<R> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.inner.allocate(stream, layout)

@@ -36,7 +36,10 @@ impl HostHeap {
     }
 }
 
-impl SyncResource for HostHeap {
+// SAFETY: blocks come from the global allocator with the caller's layout (zero-size ones
+// are dangling and never dereferenced); heap memory is host-accessible; all `HostHeap`s
+// free through the same global allocator, so all are equal.
+unsafe impl SyncResource for HostHeap {
     type Properties = HostAccessible;
 
     #[inline]
@@ -61,7 +64,9 @@ impl SyncResource for HostHeap {
     }
 }
 
-impl Resource for HostHeap {
+// SAFETY: as for `SyncResource`; the memory is usable at once, which is usable in any
+// stream order.
+unsafe impl Resource for HostHeap {
     #[inline]
     fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.allocate_sync(layout)
@@ -69,9 +74,11 @@ impl Resource for HostHeap {
 
     #[inline]
     unsafe fn deallocate(&self, _stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise for `deallocate` includes `deallocate_sync`'s: the
-        // memory came from this resource with `layout`, and no work uses it any more
-        // (host memory is not touched by stream work the resource could wait for).
+        // SAFETY: the memory came from this resource with `layout` (the caller's promise).
+        // Nothing can still be using it on a stream: heap memory is not device-accessible,
+        // so no kernel touches it, and CUDA copies to or from pageable memory finish with
+        // the host's part before the enqueueing call returns. So it is free to reuse now,
+        // as `deallocate_sync` requires.
         unsafe { self.deallocate_sync(ptr, layout) }
     }
 }

@@ -7,13 +7,18 @@
 //! #[macro_use]
 //! mod conformance;
 //! conformance_tests!(host_heap, HostHeap::new(), Caps::host());
-//! conformance_tests!(#[ignore = "needs a CUDA GPU"] cuda, Cuda::new()?, Caps::gpu(stream));
+//! conformance_tests!(#[ignore = "needs a CUDA GPU"] cuda, Cuda::new().unwrap(), Caps::gpu());
 //! ```
 //!
 //! Every case runs twice: through `allocate_sync`/`deallocate_sync` and through the
-//! stream-ordered `allocate`/`deallocate` on `Caps::stream`. Where the resource's type says
-//! its memory is host-accessible, the cases also write a tag into every allocation and
-//! check it before freeing, which catches overlapping blocks across threads too.
+//! stream-ordered `allocate`/`deallocate` on `Caps::streams`. Resources that are only
+//! `SyncResource`s go through [`SyncOnly`], which makes both halves use the sync calls.
+//!
+//! Every live block of every driver in the process is kept in one registry of address
+//! ranges, so two blocks that overlap are caught whichever threads, cases or resources
+//! they came from (all are real memory of one address space). Where the resource's type
+//! says its memory is host-accessible, the cases also write a tag at both ends of every
+//! block and check it before freeing.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -21,16 +26,17 @@ use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::mpsc;
+use std::sync::{Mutex, mpsc};
 
-use memres::{Error, HostAccessible, PropertySet, Resource, StreamRef, layout};
+use memres::{Error, HostAccessible, PropertySet, Resource, StreamRef, SyncResource, layout};
 use typenum::Unsigned;
 
 /// What a resource can do, and how to drive it.
 #[derive(Debug, Clone, Copy)]
 pub struct Caps {
-    /// The stream the stream-ordered half of each case uses.
-    pub stream: StreamRef<'static>,
+    /// Two streams for the stream-ordered half of each case; the cross-stream case
+    /// allocates on the first and frees on the second (after the first's work is done).
+    pub streams: [StreamRef<'static>; 2],
     /// The largest single allocation the fixed-size case asks for (64 MiB on the host,
     /// 1 GiB on a GPU).
     pub largest: usize,
@@ -39,10 +45,10 @@ pub struct Caps {
 }
 
 impl Caps {
-    /// A host resource: host stream, 64 MiB, any alignment.
+    /// A host resource: two host streams, 64 MiB, any alignment.
     pub fn host() -> Self {
         Caps {
-            stream: StreamRef::HOST,
+            streams: [StreamRef::host(1), StreamRef::host(2)],
             largest: 64 << 20,
             max_alignment: usize::MAX,
         }
@@ -70,12 +76,12 @@ pub enum Api {
 
 impl Api {
     pub fn both(caps: Caps) -> [Api; 2] {
-        [Api::Sync, Api::Stream(caps.stream)]
+        [Api::Sync, Api::Stream(caps.streams[0])]
     }
 }
 
 /// True when `R`'s type says its memory is host-accessible, so the suite may touch it.
-pub fn host_accessible<R: Resource>() -> bool {
+pub fn host_accessible<R: SyncResource>() -> bool {
     let mask = <<R::Properties as PropertySet>::Mask as Unsigned>::USIZE;
     let host = <<HostAccessible as PropertySet>::Mask as Unsigned>::USIZE;
     mask & host == host
@@ -89,16 +95,54 @@ pub struct Block {
     pub tag: u8,
 }
 
+/// Tags come from one counter for all drivers, so blocks of different drivers (and threads)
+/// carry different tags.
+static NEXT_TAG: AtomicU8 = AtomicU8::new(1);
+
+/// Every live non-empty block in the process: start address -> size.
+static LIVE: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+fn live() -> std::sync::MutexGuard<'static, BTreeMap<usize, usize>> {
+    // A case that panicked (on purpose, in `the_suite_catches`) may poison it; the map
+    // itself is always consistent between operations.
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Records a new block, panicking if it overlaps any live block.
+fn register(block: &Block) {
+    let size = block.layout.size();
+    if size == 0 {
+        return; // dangling, and may share its address with other empty blocks
+    }
+    let mut live = live();
+    if let Some((&start, &len)) = live.range(..=block.address).next_back() {
+        assert!(
+            start + len <= block.address,
+            "{block:?} overlaps the live block [{start:#x}, +{len})"
+        );
+    }
+    if let Some((&start, &len)) = live.range(block.address..).next() {
+        assert!(
+            block.address + size <= start,
+            "{block:?} overlaps the live block [{start:#x}, +{len})"
+        );
+    }
+    live.insert(block.address, size);
+}
+
+fn unregister(block: &Block) {
+    if block.layout.size() > 0 {
+        live().remove(&block.address);
+    }
+}
+
 /// Drives one resource through one API, checking every block it hands out.
 pub struct Driver<'r, R: Resource> {
     pub resource: &'r R,
     pub api: Api,
     touch: bool,
 }
-
-/// Tags come from one counter for all drivers, so that blocks of different drivers (and
-/// threads) carry different tags and an overlap between them shows.
-static NEXT_TAG: AtomicU8 = AtomicU8::new(1);
 
 impl<'r, R: Resource> Driver<'r, R> {
     pub fn new(resource: &'r R, api: Api) -> Self {
@@ -122,20 +166,21 @@ impl<'r, R: Resource> Driver<'r, R> {
             layout.align(),
             self.api
         );
-        let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed);
+        let block = Block {
+            address,
+            layout,
+            tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),
+        };
+        register(&block);
         if self.touch && layout.size() > 0 {
             // SAFETY: the resource's type says the memory is host-accessible, and the
             // block covers `layout.size()` bytes from `ptr`; it is ours until freed.
             unsafe {
-                ptr.as_ptr().write(tag);
-                ptr.as_ptr().add(layout.size() - 1).write(tag);
+                ptr.as_ptr().write(block.tag);
+                ptr.as_ptr().add(layout.size() - 1).write(block.tag);
             }
         }
-        Ok(Block {
-            address,
-            layout,
-            tag,
-        })
+        Ok(block)
     }
 
     pub fn allocate(&mut self, layout: Layout) -> Block {
@@ -143,8 +188,17 @@ impl<'r, R: Resource> Driver<'r, R> {
             .unwrap_or_else(|e| panic!("allocating {layout:?} through {:?}: {e}", self.api))
     }
 
-    /// Checks the tag and frees the block.
+    /// Checks the tag and frees the block, on this driver's stream.
     pub fn free(&mut self, block: Block) {
+        let stream = match self.api {
+            Api::Sync => None,
+            Api::Stream(s) => Some(s),
+        };
+        self.free_on(block, stream);
+    }
+
+    /// Checks the tag and frees the block on `stream` (`None`: through the sync call).
+    pub fn free_on(&mut self, block: Block, stream: Option<StreamRef<'static>>) {
         let ptr = NonNull::new(block.address as *mut u8).expect("blocks are never null");
         if self.touch && block.layout.size() > 0 {
             // SAFETY: as in `try_allocate`; the block is still live.
@@ -160,70 +214,74 @@ impl<'r, R: Resource> Driver<'r, R> {
                 "block {block:?} was overwritten: another block overlaps it"
             );
         }
-        match self.api {
-            // SAFETY: the block came from this resource with this layout and is freed once;
-            // host work on it is done and no stream work was ever enqueued on it.
-            Api::Sync => unsafe { self.resource.deallocate_sync(ptr, block.layout) },
-            // SAFETY: as above, on the stream it was allocated on.
-            Api::Stream(s) => unsafe { self.resource.deallocate(s, ptr, block.layout) },
+        unregister(&block);
+        match stream {
+            // SAFETY: the block came from this resource with this layout and is freed
+            // once; the suite's host work on it is done and it never enqueued stream work.
+            None => unsafe { self.resource.deallocate_sync(ptr, block.layout) },
+            // SAFETY: as above.
+            Some(s) => unsafe { self.resource.deallocate(s, ptr, block.layout) },
         }
     }
 }
 
-/// The live blocks of one driver, checked for overlap as they come: a list plus an index
-/// by address (zero-size blocks are dangling and may share addresses, so they are listed
-/// but not indexed).
+/// The live blocks of one driver: a list to pick from.
 #[derive(Default)]
-pub struct Blocks {
-    list: Vec<Block>,
-    index: BTreeMap<usize, usize>,
-}
+pub struct Blocks(Vec<Block>);
 
 impl Blocks {
-    /// Adds a block, asserting it overlaps no live block.
     pub fn push(&mut self, block: Block) {
-        let size = block.layout.size();
-        if size > 0 {
-            if let Some((&start, &len)) = self.index.range(..=block.address).next_back() {
-                assert!(
-                    start + len <= block.address,
-                    "{block:?} overlaps [{start:#x}, +{len})"
-                );
-            }
-            if let Some((&start, _)) = self.index.range(block.address..).next() {
-                assert!(
-                    block.address + size <= start,
-                    "{block:?} overlaps block at {start:#x}"
-                );
-            }
-            self.index.insert(block.address, size);
-        }
-        self.list.push(block);
+        self.0.push(block);
     }
 
     /// Removes and returns the block at `i` (swap-remove).
     pub fn take(&mut self, i: usize) -> Block {
-        let block = self.list.swap_remove(i);
-        if block.layout.size() > 0 {
-            self.index.remove(&block.address);
-        }
-        block
+        self.0.swap_remove(i)
     }
 
     pub fn len(&self) -> usize {
-        self.list.len()
+        self.0.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.list.is_empty()
+        self.0.is_empty()
     }
 
     /// Frees every block through `driver`.
     pub fn free_all<R: Resource>(&mut self, driver: &mut Driver<'_, R>) {
-        while !self.is_empty() {
-            let block = self.take(self.len() - 1);
+        while let Some(block) = self.0.pop() {
             driver.free(block);
         }
+    }
+}
+
+/// Makes a [`SyncResource`] look like a [`Resource`] whose stream-ordered calls are its sync
+/// calls, so sync-only resources go through the same suite.
+#[derive(Debug, PartialEq)]
+pub struct SyncOnly<R>(pub R);
+
+// SAFETY: memory from `allocate_sync` is usable at once, so in any stream order; a free
+// through `deallocate_sync` is correct once the caller's stream work is done, which the
+// suite's frees are (it never enqueues stream work).
+unsafe impl<R: SyncResource> SyncResource for SyncOnly<R> {
+    type Properties = R::Properties;
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, Error> {
+        self.0.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.0.deallocate_sync(p, l) }
+    }
+}
+
+// SAFETY: see the `SyncResource` impl.
+unsafe impl<R: SyncResource> Resource for SyncOnly<R> {
+    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, Error> {
+        self.0.allocate_sync(l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise (see the impl's comment).
+        unsafe { self.0.deallocate_sync(p, l) }
     }
 }
 
@@ -264,8 +322,8 @@ pub fn alignments<R: Resource>(r: &R, caps: Caps) {
                 let l = Layout::from_size_align(size, align).unwrap();
                 match d.try_allocate(l) {
                     Ok(block) => {
-                        assert!(align <= caps.max_alignment, "{l:?} should be refused");
                         live.push(block);
+                        assert!(align <= caps.max_alignment, "{l:?} should be refused");
                     }
                     Err(Error::InvalidArgument(_)) if align > caps.max_alignment => {}
                     Err(e) => panic!("{l:?} through {api:?}: {e}"),
@@ -276,22 +334,17 @@ pub fn alignments<R: Resource>(r: &R, caps: Caps) {
     }
 }
 
-/// 1 PiB is `OutOfMemory`, and the resource still serves requests afterwards.
+/// 1 PiB is `OutOfMemory` naming the size, and the resource still serves requests.
 pub fn out_of_memory_then_usable<R: Resource>(r: &R, caps: Caps) {
     for api in Api::both(caps) {
         let mut d = Driver::new(r, api);
         let keep = d.allocate(layout(1 << 10).unwrap());
         match d.try_allocate(layout(HUGE).unwrap()) {
-            Err(Error::OutOfMemory { requested, .. }) => {
-                assert!(
-                    requested == HUGE || requested == 0,
-                    "requested = {requested}"
-                )
-            }
+            Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, HUGE),
             Err(e) => panic!("1 PiB through {api:?}: expected OutOfMemory, got {e:?}"),
             Ok(block) => {
                 d.free(block);
-                panic!("1 PiB through {api:?} succeeded");
+                panic!("1 PiB ({HUGE} bytes) through {api:?} succeeded");
             }
         }
         let after = d.allocate(layout(1 << 20).unwrap());
@@ -336,14 +389,19 @@ pub fn mixed_steps<R: Resource>(r: &R, caps: Caps, seed: u64) {
     }
 }
 
-/// The random and mixed cases from 4 threads at once, on one shared resource.
+/// Every case from 4 threads at once, on one shared resource. On a GPU each thread gets
+/// its own caps (its own streams).
 pub fn four_threads<R: Resource + Sync>(r: &R, caps: Caps) {
     std::thread::scope(|s| {
         for t in 0..4u64 {
             s.spawn(move || {
+                zero_bytes(r, caps);
                 fixed_sizes(r, caps);
+                alignments(r, caps);
+                out_of_memory_then_usable(r, caps);
                 random_sizes(r, caps, 1000 + t);
                 mixed_steps(r, caps, 2000 + t);
+                cross_stream_free(r, caps);
             });
         }
     });
@@ -375,16 +433,47 @@ pub fn cross_thread_free<R: Resource + Sync>(r: &R, caps: Caps) {
     }
 }
 
-/// A resource equals itself (memory from it may be freed by it).
+/// Memory allocated on stream A is freed on stream B once A's work is done (host streams
+/// are always done; on a GPU, `Caps::streams` come with that synchronisation arranged by
+/// the instantiation), then reused.
+pub fn cross_stream_free<R: Resource>(r: &R, caps: Caps) {
+    let [a, b] = caps.streams;
+    let mut d = Driver::new(r, Api::Stream(a));
+    let mut state = 11;
+    let mut live = Blocks::default();
+    for _ in 0..32 {
+        let size = 1 + (splitmix64(&mut state) % (64 << 10)) as usize;
+        live.push(d.allocate(layout(size).unwrap()));
+    }
+    while let Some(block) = live.0.pop() {
+        d.free_on(block, Some(b));
+    }
+    let mut on_b = Driver::new(r, Api::Stream(b));
+    for _ in 0..32 {
+        let size = 1 + (splitmix64(&mut state) % (64 << 10)) as usize;
+        live.push(on_b.allocate(layout(size).unwrap()));
+    }
+    live.free_all(&mut on_b);
+}
+
+/// Equality: a resource equals itself, and where two instances compare equal, memory from
+/// one is freed through the other.
 #[allow(clippy::eq_op)] // reflexivity is the point
-pub fn equals_itself<R: Resource>(r: &R, _caps: Caps) {
-    assert!(r == r);
+pub fn equality<R: Resource>(one: &R, other: &R, caps: Caps) {
+    assert!(one == one, "a resource must equal itself");
+    assert_eq!(one == other, other == one, "equality must be symmetric");
+    if one == other {
+        for api in Api::both(caps) {
+            let block = Driver::new(one, api).allocate(layout(4096).unwrap());
+            Driver::new(other, api).free(block);
+        }
+    }
 }
 
 /// Makes one `#[test]` per conformance case for a resource.
 ///
 /// `conformance_tests!($(#[attr])* name, make_resource_expr, caps_expr);` The expression
-/// is evaluated afresh in each test.
+/// is evaluated afresh in each test (twice for the equality case).
 #[macro_export]
 macro_rules! conformance_tests {
     ($(#[$attr:meta])* $name:ident, $make:expr, $caps:expr $(,)?) => {
@@ -394,7 +483,7 @@ macro_rules! conformance_tests {
 
             $crate::conformance_tests!(@cases [$(#[$attr])*] $make, $caps;
                 zero_bytes, fixed_sizes, alignments, out_of_memory_then_usable,
-                four_threads, cross_thread_free, equals_itself);
+                four_threads, cross_thread_free, cross_stream_free);
 
             $(#[$attr])*
             #[test]
@@ -408,6 +497,13 @@ macro_rules! conformance_tests {
             fn mixed_steps() {
                 let resource = $make;
                 $crate::conformance::mixed_steps(&resource, $caps, 43);
+            }
+
+            $(#[$attr])*
+            #[test]
+            fn equality() {
+                let (one, other) = ($make, $make);
+                $crate::conformance::equality(&one, &other, $caps);
             }
         }
     };
