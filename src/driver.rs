@@ -27,3 +27,54 @@ pub fn is_present() -> bool {
     // it again; it calls no CUDA function, so it has no precondition.
     *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
 }
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::error::Error;
+
+/// Loads and initialises the driver (`cuInit`) once; every CUDA entry point of memres calls
+/// this first. Returns [`Error::NoDriver`] where libcuda is absent, and the driver's error
+/// where `cuInit` fails (no GPU, a driver/kernel mismatch).
+pub(crate) fn init() -> Result<(), Error> {
+    static INIT: OnceLock<Result<(), Error>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        if !is_present() {
+            return Err(Error::NoDriver);
+        }
+        // SAFETY: the library is present (checked above), and `cuInit(0)` has no other
+        // precondition; it may be called any number of times.
+        check(unsafe { sys::cuInit(0) })?;
+        // Registered after `cuInit`, so it runs before the driver's own exit handlers.
+        crate::device::register_exit_hook();
+        Ok(())
+    })
+    .clone()
+}
+
+/// `Ok(())` for `CUDA_SUCCESS`, else the error (out-of-memory as [`Error::OutOfMemory`] of
+/// unknown size; see [`check_alloc`] where the size is known).
+#[inline]
+pub(crate) fn check(result: CUresult) -> Result<(), Error> {
+    match result {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(Error::from(cudarc::driver::DriverError(other))),
+    }
+}
+
+/// As [`check`], with out-of-memory reported for `requested` bytes.
+#[inline]
+pub(crate) fn check_alloc(result: CUresult, requested: usize) -> Result<(), Error> {
+    match result {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::out_of_memory(requested)),
+        other => Err(Error::Driver(cudarc::driver::DriverError(other))),
+    }
+}
+
+/// Reports a failed driver call in a `Drop` or a `deallocate`, which cannot return it.
+#[cold]
+pub(crate) fn report(what: &str, result: CUresult) {
+    if result != CUresult::CUDA_SUCCESS {
+        tracing::error!(?result, "memres: {what} failed");
+    }
+}

@@ -35,6 +35,7 @@
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
+pub mod device;
 pub mod driver;
 pub mod erased;
 pub mod error;
@@ -54,7 +55,9 @@ pub use property::{
 };
 pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
-pub use upstream::{Callback, HostHeap};
+pub use upstream::{
+    Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, HostHeap, Managed, PinnedHost,
+};
 
 /// The README's example is compiled and run as a doc test.
 #[cfg(doctest)]

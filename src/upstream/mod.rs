@@ -1,10 +1,32 @@
 //! Leaf resources: where memory comes from.
 //!
-//! Host-side leaves live here now ([`HostHeap`], [`Callback`]); the CUDA leaves (`Cuda`,
-//! `Managed`, `PinnedHost`, `CudaAsync`, ...) join them with the CUDA resources.
+//! | resource | memory | properties |
+//! | --- | --- | --- |
+//! | [`HostHeap`] | the Rust global allocator | host |
+//! | [`Callback`] | your closures | what you declare |
+//! | [`Cuda`] | `cuMemAlloc` | device |
+//! | [`Managed`] | `cuMemAllocManaged` | host + device |
+//! | [`PinnedHost`] | `cuMemHostAlloc` | host + device |
+//! | [`CudaAsync`] | a driver pool it owns (`cuMemAllocFromPoolAsync`) | device |
+//! | [`CudaAsyncView`] | a driver pool it does not own | device |
+//! | [`CudaAsyncManaged`] | the device's managed pool (CUDA 13) | host + device |
+//!
+//! Every CUDA leaf returns [`Error::NoDriver`](crate::Error::NoDriver) from its constructor
+//! where libcuda is absent, maps the driver's out-of-memory to
+//! [`Error::OutOfMemory`](crate::Error::OutOfMemory), and skips driver calls in `Drop` and
+//! `deallocate` once [`process_is_exiting`](crate::device::process_is_exiting).
 
 mod callback;
+mod cuda;
+mod cuda_async;
+pub(crate) mod driver_leaf;
 mod host_heap;
+mod managed;
+mod pinned_host;
 
 pub use callback::Callback;
+pub use cuda::Cuda;
+pub use cuda_async::{CudaAsync, CudaAsyncConfig, CudaAsyncManaged, CudaAsyncView, ExportHandle};
 pub use host_heap::HostHeap;
+pub use managed::Managed;
+pub use pinned_host::PinnedHost;

@@ -26,8 +26,9 @@ use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Mutex, mpsc};
+use std::sync::{Mutex, OnceLock, mpsc};
 
+use memres::stream::{StreamFlags, StreamPool};
 use memres::{Error, HostAccessible, PropertySet, Resource, StreamRef, SyncResource, layout};
 use typenum::Unsigned;
 
@@ -42,6 +43,9 @@ pub struct Caps {
     pub largest: usize,
     /// The largest alignment the resource honours; above it, `InvalidArgument` is expected.
     pub max_alignment: usize,
+    /// Streams for the threads of `four_threads`, two each (GPU: each thread on its own
+    /// streams); `None` shares `streams`.
+    pub thread_streams: Option<&'static StreamPool>,
 }
 
 impl Caps {
@@ -51,6 +55,33 @@ impl Caps {
             streams: [StreamRef::host(1), StreamRef::host(2)],
             largest: 64 << 20,
             max_alignment: usize::MAX,
+            thread_streams: None,
+        }
+    }
+
+    /// A GPU resource honouring alignments up to `max_alignment`: two non-blocking streams
+    /// (and two more for each of four threads), 1 GiB blocks.
+    pub fn gpu(max_alignment: usize) -> Self {
+        static STREAMS: OnceLock<StreamPool> = OnceLock::new();
+        let pool = STREAMS.get_or_init(|| {
+            StreamPool::with_size(10, StreamFlags::NonBlocking).expect("streams on the GPU")
+        });
+        Caps {
+            streams: [pool.get_by_id(0), pool.get_by_id(1)],
+            largest: 1 << 30,
+            max_alignment,
+            thread_streams: Some(pool),
+        }
+    }
+
+    /// The caps for thread `t` of `four_threads`.
+    fn for_thread(self, t: usize) -> Self {
+        match self.thread_streams {
+            Some(pool) => Caps {
+                streams: [pool.get_by_id(2 + 2 * t), pool.get_by_id(3 + 2 * t)],
+                ..self
+            },
+            None => self,
         }
     }
 }
@@ -173,6 +204,11 @@ impl<'r, R: Resource> Driver<'r, R> {
         };
         register(&block);
         if self.touch && layout.size() > 0 {
+            if let Api::Stream(s) = self.api {
+                // Stream-ordered memory is the host's only once the stream has got there.
+                s.synchronize()
+                    .expect("synchronising the allocation's stream");
+            }
             // SAFETY: the resource's type says the memory is host-accessible, and the
             // block covers `layout.size()` bytes from `ptr`; it is ours until freed.
             unsafe {
@@ -394,6 +430,7 @@ pub fn mixed_steps<R: Resource>(r: &R, caps: Caps, seed: u64) {
 pub fn four_threads<R: Resource + Sync>(r: &R, caps: Caps) {
     std::thread::scope(|s| {
         for t in 0..4u64 {
+            let caps = caps.for_thread(t as usize);
             s.spawn(move || {
                 zero_bytes(r, caps);
                 fixed_sizes(r, caps);
@@ -433,9 +470,8 @@ pub fn cross_thread_free<R: Resource + Sync>(r: &R, caps: Caps) {
     }
 }
 
-/// Memory allocated on stream A is freed on stream B once A's work is done (host streams
-/// are always done; on a GPU, `Caps::streams` come with that synchronisation arranged by
-/// the instantiation), then reused.
+/// Memory allocated on stream A is freed on stream B after B has been made to wait for A
+/// (an event recorded on A), then reused on B.
 pub fn cross_stream_free<R: Resource>(r: &R, caps: Caps) {
     let [a, b] = caps.streams;
     let mut d = Driver::new(r, Api::Stream(a));
@@ -444,6 +480,11 @@ pub fn cross_stream_free<R: Resource>(r: &R, caps: Caps) {
     for _ in 0..32 {
         let size = 1 + (splitmix64(&mut state) % (64 << 10)) as usize;
         live.push(d.allocate(layout(size).unwrap()));
+    }
+    if !a.is_host() {
+        let done_on_a = memres::stream::Event::new().expect("an event");
+        done_on_a.record(a).expect("recording on A");
+        b.wait_for(&done_on_a).expect("B waits for A");
     }
     while let Some(block) = live.0.pop() {
         d.free_on(block, Some(b));

@@ -14,10 +14,20 @@
 //! work is always complete. Stream-ordered logic (a pool's per-stream free lists, for
 //! example) is tested on machines with no GPU by handing it several distinct host streams.
 
+mod event;
+mod owned;
+
 use std::fmt;
 use std::marker::PhantomData;
 
-use cudarc::driver::sys::CUstream;
+use cudarc::driver::sys::{self, CUstream};
+
+pub use event::Event;
+pub use owned::{Stream, StreamFlags, StreamPool};
+
+use crate::device::{Context, bind};
+use crate::driver::check;
+use crate::error::Error;
 
 /// The handle value of CUDA's legacy default stream when named explicitly
 /// (`CU_STREAM_LEGACY`).
@@ -110,6 +120,44 @@ impl<'a> StreamRef<'a> {
     /// care: it names a different stream on each thread.
     pub const fn is_per_thread(self) -> bool {
         matches!(self.repr, Repr::Cuda(PER_THREAD_HANDLE))
+    }
+
+    /// Waits until all work enqueued on the stream so far is complete. A host stream has
+    /// none, so this returns at once; a CUDA stream needs a driver ([`Error::NoDriver`]).
+    ///
+    /// The default and per-thread streams are those of the current device.
+    pub fn synchronize(self) -> Result<(), Error> {
+        match self.as_raw() {
+            None => Ok(()),
+            Some(raw) => {
+                let _current = bind(Context::current()?)?;
+                // SAFETY: `raw` is a live stream for `'a` (the promise of `from_raw` or the
+                // borrow it came from), or a default stream of the current context.
+                check(unsafe { sys::cuStreamSynchronize(raw) })
+            }
+        }
+    }
+
+    /// Synchronises the stream with `ctx` current (for resources, which know their
+    /// context and must not depend on the caller's current device).
+    pub(crate) fn synchronize_in(self, ctx: Context) -> Result<(), Error> {
+        match self.as_raw() {
+            None => Ok(()),
+            Some(raw) => {
+                let _current = bind(ctx)?;
+                // SAFETY: as in `synchronize`.
+                check(unsafe { sys::cuStreamSynchronize(raw) })
+            }
+        }
+    }
+
+    /// Makes all work enqueued on this stream from now on wait until `event` completes. For
+    /// a host stream (which has no queue) this waits for the event on the host.
+    pub fn wait_for(self, event: &Event) -> Result<(), Error> {
+        match self.as_raw() {
+            None => event.synchronize(),
+            Some(raw) => event.enqueue_wait(raw),
+        }
     }
 }
 

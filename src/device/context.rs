@@ -1,0 +1,125 @@
+//! Primary contexts, and making one current for the length of a call.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use cudarc::driver::sys;
+
+use super::DeviceId;
+use crate::driver::{check, report};
+use crate::error::Error;
+
+/// A device's primary context, retained once for the life of the process (so the handle
+/// never dangles), kept as an integer so that resources holding it are `Send + Sync`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Context {
+    raw: usize,
+    device: DeviceId,
+}
+
+impl Context {
+    /// The primary context of `device`, retained on first use.
+    ///
+    /// The cache is a plain `std` mutex taken only when a resource, stream or guard is made,
+    /// never on an allocation path; it is a cache, not a protocol to model-check.
+    pub(crate) fn primary(device: DeviceId) -> Result<Context, Error> {
+        static PRIMARY: Mutex<Option<HashMap<DeviceId, usize>>> = Mutex::new(None);
+        let dev = device.handle()?;
+        let mut map = PRIMARY.lock().unwrap_or_else(PoisonError::into_inner);
+        let map = map.get_or_insert_with(HashMap::new);
+        if let Some(&raw) = map.get(&device) {
+            return Ok(Context { raw, device });
+        }
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: `dev` is a valid device handle; `ctx` is a valid place for the result.
+        // The retain is never released: the context lives as long as the process.
+        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        map.insert(device, ctx as usize);
+        Ok(Context {
+            raw: ctx as usize,
+            device,
+        })
+    }
+
+    /// The context of the current device.
+    pub(crate) fn current() -> Result<Context, Error> {
+        Context::primary(DeviceId::current()?)
+    }
+
+    pub(crate) fn device(self) -> DeviceId {
+        self.device
+    }
+
+    fn raw(self) -> sys::CUcontext {
+        self.raw as sys::CUcontext
+    }
+}
+
+/// Makes `ctx` current on this thread until the returned guard drops. Where it already is
+/// current (the common case) this costs one `cuCtxGetCurrent` and nothing else.
+#[inline]
+pub(crate) fn bind(ctx: Context) -> Result<Bound, Error> {
+    let mut current = std::ptr::null_mut();
+    // SAFETY: `ctx` exists only once the driver is initialised; `current` is a valid place.
+    check(unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+    if current == ctx.raw() {
+        return Ok(Bound { previous: None });
+    }
+    // SAFETY: `ctx` is a primary context retained for the life of the process.
+    check(unsafe { sys::cuCtxSetCurrent(ctx.raw()) })?;
+    // A thread with nothing current keeps `ctx` afterwards, so its next call takes the
+    // fast path (the CUDA runtime likewise makes device 0 current on first use).
+    Ok(Bound {
+        previous: (!current.is_null()).then_some(current as usize),
+    })
+}
+
+/// Restores the context that was current before [`bind`] switched it.
+#[must_use]
+pub(crate) struct Bound {
+    previous: Option<usize>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: `previous` was current on this thread a moment ago, so it is a live
+            // context (the thread that made it current keeps it alive while current).
+            report("restoring the current context", unsafe {
+                sys::cuCtxSetCurrent(previous as sys::CUcontext)
+            });
+        }
+    }
+}
+
+/// Makes a device current on this thread for a scope and restores the previous one when
+/// dropped (RMM's `cuda_set_device_raii`). A thread that had no context current keeps the
+/// device current afterwards, as the CUDA runtime would.
+///
+/// ```no_run
+/// use memres::device::{DeviceGuard, DeviceId};
+/// {
+///     let _on_1 = DeviceGuard::new(DeviceId::new(1))?;
+///     assert_eq!(DeviceId::current()?, DeviceId::new(1));
+/// }
+/// # Ok::<(), memres::Error>(())
+/// ```
+#[must_use = "the device is current only while the guard lives"]
+pub struct DeviceGuard {
+    _bound: Bound,
+}
+
+impl DeviceGuard {
+    /// Makes `device` (its primary context) current until the guard drops.
+    pub fn new(device: DeviceId) -> Result<Self, Error> {
+        Ok(DeviceGuard {
+            _bound: bind(Context::primary(device)?)?,
+        })
+    }
+}
+
+impl std::fmt::Debug for DeviceGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceGuard")
+    }
+}

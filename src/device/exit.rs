@@ -1,0 +1,50 @@
+//! Knowing when the process is exiting, so that drops skip the driver.
+//!
+//! Resources kept for the life of the process (the per-device defaults) are dropped from an
+//! `atexit` handler. By then the CUDA driver may be tearing itself down, and calling it
+//! (`cuMemFree`, `cuMemPoolDestroy`) can crash, which is what RMM users meet when a static
+//! resource outlives the runtime. memres registers its handler right after `cuInit`, so it
+//! runs before the driver's own handlers (they run in reverse order of registration); it
+//! sets [`process_is_exiting`] and then drops the per-device resources, whose `Drop`s see
+//! the flag and leave the memory to the driver's teardown.
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// True once the process has begun to exit (`exit` was called or `main` returned). A `Drop`
+/// that would call the CUDA driver checks it and skips the call: the process is about to
+/// give all its GPU memory back anyway.
+pub fn process_is_exiting() -> bool {
+    EXITING.load(Ordering::Acquire)
+}
+
+unsafe extern "C" {
+    fn atexit(callback: extern "C" fn()) -> c_int;
+}
+
+extern "C" fn on_exit() {
+    EXITING.store(true, Ordering::Release);
+    super::current::drop_all_at_exit();
+}
+
+/// Registers the exit handler, once; called from `driver::init` (right after `cuInit`) and
+/// when the per-device map is first used (so resources set there without any CUDA call,
+/// as in host-only tests, are dropped at exit too).
+pub(crate) fn register_exit_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(register);
+}
+
+fn register() {
+    // SAFETY: `atexit` is the C library's; `on_exit` is an `extern "C" fn()` that never
+    // unwinds (it only stores a flag and drops resources whose drops cannot panic across
+    // it: `drop_all_at_exit` catches panics).
+    let status = unsafe { atexit(on_exit) };
+    if status != 0 {
+        tracing::warn!(
+            "memres: atexit registration failed; per-device resources will not be dropped at exit"
+        );
+    }
+}

@@ -1,0 +1,147 @@
+//! Devices: which GPU, its memory, making it current, and the resource each device uses by
+//! default.
+//!
+//! memres talks to the CUDA driver API, where "the current device" is the device of the
+//! context current on the calling thread. memres uses each device's *primary* context (the
+//! one the CUDA runtime, PyTorch and cudarc use too), so memory and streams are shared with
+//! them. A thread that has no context current counts device 0 as current, as the runtime
+//! does.
+
+mod context;
+mod current;
+mod exit;
+
+use std::fmt;
+
+use cudarc::driver::sys;
+
+pub use context::DeviceGuard;
+pub(crate) use context::{Context, bind};
+pub use current::{
+    current_resource, per_device_resource, reset_current_resource, reset_per_device_resource,
+    set_current_resource, set_per_device_resource,
+};
+pub use exit::process_is_exiting;
+pub(crate) use exit::register_exit_hook;
+
+use crate::driver::{check, init};
+use crate::error::Error;
+
+/// A CUDA device, by ordinal.
+///
+/// ```
+/// use memres::device::DeviceId;
+/// let d = DeviceId::new(0);
+/// assert_eq!(d.ordinal(), 0);
+/// assert_eq!(d.to_string(), "cuda:0");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct DeviceId(i32);
+
+/// Free and total memory of a device, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes the driver could hand out now.
+    pub free: usize,
+    /// Bytes the device has.
+    pub total: usize,
+}
+
+impl DeviceId {
+    /// The device with this ordinal (not checked until it is used).
+    pub const fn new(ordinal: i32) -> Self {
+        DeviceId(ordinal)
+    }
+
+    /// The ordinal, as CUDA numbers devices.
+    pub const fn ordinal(self) -> i32 {
+        self.0
+    }
+
+    /// The device current on this thread: the device of the current context, or device 0
+    /// where no context is current.
+    pub fn current() -> Result<DeviceId, Error> {
+        init()?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the driver is initialised; `ctx` is a valid place for the result.
+        check(unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+        if ctx.is_null() {
+            return Ok(DeviceId(0));
+        }
+        let mut dev = 0;
+        // SAFETY: a context is current; `dev` is a valid place for the result.
+        check(unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+        Ok(DeviceId(dev))
+    }
+
+    /// The number of CUDA devices.
+    pub fn count() -> Result<usize, Error> {
+        init()?;
+        let mut n = 0;
+        // SAFETY: the driver is initialised; `n` is a valid place for the result.
+        check(unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        Ok(n.max(0) as usize)
+    }
+
+    /// The driver's handle for this device; fails for an ordinal with no device.
+    pub(crate) fn handle(self) -> Result<sys::CUdevice, Error> {
+        init()?;
+        let mut dev = 0;
+        // SAFETY: the driver is initialised; `dev` is a valid place for the result.
+        check(unsafe { sys::cuDeviceGet(&mut dev, self.0) }).map_err(|e| match e {
+            Error::Driver(_) => Error::invalid_argument(format!("there is no CUDA device {self}")),
+            e => e,
+        })?;
+        Ok(dev)
+    }
+
+    /// A device attribute (`cuDeviceGetAttribute`).
+    pub(crate) fn attribute(self, attribute: sys::CUdevice_attribute) -> Result<i32, Error> {
+        let dev = self.handle()?;
+        let mut value = 0;
+        // SAFETY: `dev` is a valid device handle; `value` is a valid place for the result.
+        check(unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, dev) })?;
+        Ok(value)
+    }
+
+    /// Free and total memory (`cuMemGetInfo` in the device's primary context).
+    pub fn memory_info(self) -> Result<MemoryInfo, Error> {
+        let _current = DeviceGuard::new(self)?;
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: the device's context is current; both are valid places for results.
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok(MemoryInfo { free, total })
+    }
+
+    /// The device's name, as the driver reports it.
+    pub fn name(self) -> Result<String, Error> {
+        let dev = self.handle()?;
+        let mut buf = [0 as std::ffi::c_char; 256];
+        // SAFETY: `buf` holds 256 bytes, the length passed; `dev` is a valid handle.
+        check(unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev) })?;
+        // SAFETY: the driver wrote a NUL-terminated string into `buf`.
+        let name = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+        Ok(name.to_string_lossy().into_owned())
+    }
+}
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "cuda:{}", self.0)
+    }
+}
+
+/// `percent` % of the current device's free memory, aligned down to 256 bytes (RMM's
+/// `percent_of_free_device_memory`, handy for sizing a pool).
+///
+/// `percent` above 100 is [`Error::InvalidArgument`].
+pub fn percent_of_free_device_memory(percent: u32) -> Result<usize, Error> {
+    if percent > 100 {
+        return Err(Error::invalid_argument(format!(
+            "percent_of_free_device_memory({percent}): a percentage is at most 100"
+        )));
+    }
+    let free = DeviceId::current()?.memory_info()?.free as u128;
+    let share = (free * percent as u128 / 100) as usize;
+    Ok(share & !(crate::DEFAULT_ALIGNMENT - 1))
+}

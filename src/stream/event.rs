@@ -1,0 +1,102 @@
+//! CUDA events: points in a stream that other streams and the host can wait for.
+
+use cudarc::driver::sys::{self, CUevent, CUstream};
+
+use super::StreamRef;
+use crate::device::{Context, bind, process_is_exiting};
+use crate::driver::{check, report};
+use crate::error::Error;
+
+/// A CUDA event (timing disabled: it only orders work), destroyed when dropped.
+///
+/// ```no_run
+/// use memres::stream::{Event, Stream};
+///
+/// let (a, b) = (Stream::new()?, Stream::new()?);
+/// let done_on_a = Event::new()?;
+/// // ... enqueue work on `a` ...
+/// done_on_a.record(a.as_ref())?;
+/// b.as_ref().wait_for(&done_on_a)?; // work enqueued on `b` from now waits for it
+/// # Ok::<(), memres::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Event {
+    raw: usize,
+    ctx: Context,
+}
+
+impl Event {
+    /// A new event on the current device. Until it is recorded, it counts as complete.
+    pub fn new() -> Result<Event, Error> {
+        let ctx = Context::current()?;
+        let _current = bind(ctx)?;
+        let mut raw = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: a context is current; `raw` is a valid place for the new handle.
+        check(unsafe { sys::cuEventCreate(&mut raw, flags) })?;
+        Ok(Event {
+            raw: raw as usize,
+            ctx,
+        })
+    }
+
+    fn raw(&self) -> CUevent {
+        self.raw as CUevent
+    }
+
+    /// Captures the work enqueued on `stream` so far: the event completes when it does.
+    /// On a host stream, whose work is always complete, this waits for the event's
+    /// previous capture, so the event then counts as complete as well.
+    pub fn record(&self, stream: StreamRef<'_>) -> Result<(), Error> {
+        match stream.as_raw() {
+            None => self.synchronize(),
+            Some(raw) => {
+                let _current = bind(self.ctx)?;
+                // SAFETY: the event is ours; `raw` is live for the borrow of `stream`.
+                check(unsafe { sys::cuEventRecord(self.raw(), raw) })
+            }
+        }
+    }
+
+    /// Waits on the host until the captured work is complete.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        let _current = bind(self.ctx)?;
+        // SAFETY: the event is ours and live.
+        check(unsafe { sys::cuEventSynchronize(self.raw()) })
+    }
+
+    /// True when the captured work is complete; does not wait.
+    pub fn is_complete(&self) -> Result<bool, Error> {
+        let _current = bind(self.ctx)?;
+        // SAFETY: the event is ours and live.
+        match unsafe { sys::cuEventQuery(self.raw()) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check(other).map(|()| false),
+        }
+    }
+
+    /// Makes work enqueued on `stream` from now on wait for the event.
+    pub(super) fn enqueue_wait(&self, stream: CUstream) -> Result<(), Error> {
+        let _current = bind(self.ctx)?;
+        // SAFETY: the event is ours; `stream` is live for the caller's borrow.
+        check(unsafe { sys::cuStreamWaitEvent(stream, self.raw(), 0) })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if process_is_exiting() {
+            return;
+        }
+        let Ok(_current) = bind(self.ctx) else { return };
+        // SAFETY: the event is ours; waits already enqueued on it stay valid (the driver
+        // defers the release until they are done).
+        report("cuEventDestroy", unsafe {
+            sys::cuEventDestroy_v2(self.raw())
+        });
+    }
+}
+
+// A CUDA event handle may be recorded, queried, waited for and destroyed from any thread.
+static_assertions::assert_impl_all!(Event: Send, Sync);

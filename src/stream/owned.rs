@@ -1,0 +1,199 @@
+//! Owned CUDA streams, and a pool of them.
+
+use std::sync::Arc;
+
+
+use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::StreamRef;
+use crate::device::{Context, DeviceId, bind, process_is_exiting};
+use crate::driver::{check, report};
+use crate::error::Error;
+use crate::sync::atomic::{AtomicUsize, Ordering};
+
+/// How a new stream orders itself against the legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamFlags {
+    /// Work on it waits for, and is waited for by, the legacy default stream.
+    #[default]
+    Default,
+    /// Independent of the legacy default stream (`CU_STREAM_NON_BLOCKING`).
+    NonBlocking,
+}
+
+/// An owned, non-default CUDA stream of one device, destroyed when dropped (RMM's
+/// `cuda_stream`).
+///
+/// Lend it out as a [`StreamRef`] with [`Stream::as_ref`]; the borrow checker keeps those
+/// from outliving it.
+///
+/// ```no_run
+/// use memres::stream::{Stream, StreamFlags};
+///
+/// let stream = Stream::with_flags(StreamFlags::NonBlocking)?;
+/// let s = stream.as_ref();
+/// // ... enqueue work on `s` ...
+/// stream.synchronize()?;
+/// # Ok::<(), memres::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Stream {
+    raw: usize,
+    ctx: Context,
+    /// A cudarc stream this one wraps, kept alive (and destroyed by cudarc) with it.
+    cudarc: Option<Arc<CudaStream>>,
+}
+
+impl Stream {
+    /// A new stream on the current device, ordered against the legacy default stream.
+    pub fn new() -> Result<Stream, Error> {
+        Stream::with_flags(StreamFlags::Default)
+    }
+
+    /// A new stream on the current device with the given flags.
+    pub fn with_flags(flags: StreamFlags) -> Result<Stream, Error> {
+        Stream::on(DeviceId::current()?, flags)
+    }
+
+    /// A new stream on `device`.
+    pub fn on(device: DeviceId, flags: StreamFlags) -> Result<Stream, Error> {
+        let ctx = Context::primary(device)?;
+        let _current = bind(ctx)?;
+        let flags = match flags {
+            StreamFlags::Default => sys::CUstream_flags::CU_STREAM_DEFAULT,
+            StreamFlags::NonBlocking => sys::CUstream_flags::CU_STREAM_NON_BLOCKING,
+        };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: `ctx` is current; `raw` is a valid place for the new handle.
+        check(unsafe { sys::cuStreamCreate(&mut raw, flags as u32) })?;
+        Ok(Stream {
+            raw: raw as usize,
+            ctx,
+            cudarc: None,
+        })
+    }
+
+    /// A handle for resources and kernel launches; it cannot outlive the stream.
+    pub fn as_ref(&self) -> StreamRef<'_> {
+        // SAFETY: the stream is live for as long as `self` is borrowed.
+        unsafe { StreamRef::from_raw(self.raw()) }
+    }
+
+    /// Waits until all work enqueued on the stream so far is complete.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        self.as_ref().synchronize_in(self.ctx)
+    }
+
+    /// The device the stream belongs to.
+    pub fn device(&self) -> DeviceId {
+        self.ctx.device()
+    }
+
+    /// The raw handle, for calls memres does not wrap. Do not destroy it.
+    pub fn raw(&self) -> CUstream {
+        self.raw as CUstream
+    }
+
+    /// The same stream as a cudarc [`CudaStream`], for cudarc's copies and launches.
+    ///
+    /// # Safety
+    /// `ctx` is the primary context of this stream's device (what
+    /// `CudaContext::new(ordinal)` returns), and the returned stream, and every clone of
+    /// it, is dropped before this `Stream`.
+    pub unsafe fn as_cudarc(&self, ctx: &Arc<CudaContext>) -> Arc<CudaStream> {
+        // SAFETY: the caller promises the context matches and the wrapper does not outlive
+        // the stream; a borrowed wrapper never destroys the stream.
+        unsafe { ctx.wrap_borrowed_stream(self.raw()) }
+    }
+}
+
+impl Stream {
+    /// Takes a cudarc stream of a device's primary context (what cudarc's
+    /// `CudaContext::new` makes); it stays alive as long as this `Stream`, and cudarc
+    /// destroys it when its last reference goes.
+    pub fn from_cudarc(stream: Arc<CudaStream>) -> Result<Stream, Error> {
+        let device = DeviceId::new(stream.context().ordinal() as i32);
+        let ctx = Context::primary(device)?;
+        Ok(Stream {
+            raw: stream.cu_stream() as usize,
+            ctx,
+            cudarc: Some(stream),
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.cudarc.is_some() || process_is_exiting() {
+            return;
+        }
+        let Ok(_current) = bind(self.ctx) else { return };
+        // SAFETY: the stream is ours and no `StreamRef` to it outlives `self` (borrowck).
+        // Work still enqueued completes first: the driver defers the release.
+        report("cuStreamDestroy", unsafe {
+            sys::cuStreamDestroy_v2(self.raw())
+        });
+    }
+}
+
+// A CUDA stream handle may be used and destroyed from any thread.
+static_assertions::assert_impl_all!(Stream: Send, Sync);
+
+/// A fixed set of streams handed out round-robin (RMM's `cuda_stream_pool`), for spreading
+/// independent work without creating streams on the hot path.
+#[derive(Debug)]
+pub struct StreamPool {
+    streams: Vec<Stream>,
+    next: AtomicUsize,
+}
+
+impl StreamPool {
+    /// RMM's default: 16 streams.
+    pub const DEFAULT_SIZE: usize = 16;
+
+    /// [`DEFAULT_SIZE`](Self::DEFAULT_SIZE) non-blocking streams on the current device.
+    pub fn new() -> Result<StreamPool, Error> {
+        StreamPool::with_size(Self::DEFAULT_SIZE, StreamFlags::NonBlocking)
+    }
+
+    /// `size` streams with `flags` on the current device; `size` 0 is
+    /// [`Error::InvalidArgument`].
+    pub fn with_size(size: usize, flags: StreamFlags) -> Result<StreamPool, Error> {
+        if size == 0 {
+            return Err(Error::invalid_argument(
+                "a stream pool needs at least one stream",
+            ));
+        }
+        let device = DeviceId::current()?;
+        let streams = (0..size)
+            .map(|_| Stream::on(device, flags))
+            .collect::<Result<_, _>>()?;
+        Ok(StreamPool {
+            streams,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// The next stream, round-robin; safe to call from many threads at once.
+    pub fn get(&self) -> StreamRef<'_> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+        self.streams[i].as_ref()
+    }
+
+    /// The stream with index `id` modulo the pool's size (stable: the same id, the same
+    /// stream).
+    pub fn get_by_id(&self, id: usize) -> StreamRef<'_> {
+        self.streams[id % self.streams.len()].as_ref()
+    }
+
+    /// How many streams the pool holds.
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Always false: a pool holds at least one stream.
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+}

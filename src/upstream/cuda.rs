@@ -1,0 +1,78 @@
+//! [`Cuda`]: device memory straight from the driver.
+
+use cudarc::driver::sys;
+
+use super::driver_leaf::sync_driver_leaf;
+use crate::device::{Context, DeviceId};
+use crate::driver::{check_alloc, report};
+use crate::error::Error;
+use crate::property::DeviceAccessible;
+
+/// Device memory from `cuMemAlloc` / `cuMemFree` (RMM's `cuda_memory_resource`).
+///
+/// - Device-accessible only. Every block is aligned to 256 bytes; larger alignments are
+///   [`Error::InvalidArgument`].
+/// - The resource belongs to the device current when it was made ([`Cuda::new`]) or the
+///   one named ([`Cuda::on`]); it allocates there whatever device is current at the call.
+/// - Streams: `cuMemAlloc` memory is usable at once on every stream, so the stream of
+///   `allocate` is ignored. The stream-ordered `deallocate` synchronises its stream before
+///   `cuMemFree`, so work enqueued before the free is done with the memory.
+/// - Each call goes to the driver (microseconds); put a `Pool` over it for hot loops.
+/// - Equality: two `Cuda` resources are equal when they belong to the same device.
+/// - Without a CUDA driver, [`Cuda::new`] returns [`Error::NoDriver`].
+///
+/// ```no_run
+/// use memres::{SyncResource, layout, upstream::Cuda};
+///
+/// let cuda = Cuda::new()?;
+/// let l = layout(1 << 20)?;
+/// let p = cuda.allocate_sync(l)?;
+/// // SAFETY: allocated above with `l`; no kernel uses it any more.
+/// unsafe { cuda.deallocate_sync(p, l) };
+/// # Ok::<(), memres::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Cuda {
+    ctx: Context,
+}
+
+impl Cuda {
+    /// The alignment of every block, and the largest alignment `Cuda` honours.
+    pub const ALIGNMENT: usize = 256;
+
+    /// Device memory on the current device.
+    pub fn new() -> Result<Cuda, Error> {
+        Ok(Cuda {
+            ctx: Context::current()?,
+        })
+    }
+
+    /// Device memory on `device`.
+    pub fn on(device: DeviceId) -> Result<Cuda, Error> {
+        Ok(Cuda {
+            ctx: Context::primary(device)?,
+        })
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> DeviceId {
+        self.ctx.device()
+    }
+
+    /// `cuMemAlloc`, with the resource's context current.
+    fn alloc(&self, size: usize) -> Result<usize, Error> {
+        let mut address = 0;
+        // SAFETY: the context is current (the caller binds it); `address` is a valid place.
+        check_alloc(unsafe { sys::cuMemAlloc_v2(&mut address, size) }, size)?;
+        Ok(address as usize)
+    }
+
+    /// `cuMemFree`, with the resource's context current.
+    fn free(&self, address: usize) {
+        // SAFETY: `address` came from `cuMemAlloc` of this device (the caller's promise)
+        // and nothing uses it any more.
+        report("cuMemFree", unsafe { sys::cuMemFree_v2(address as u64) });
+    }
+}
+
+sync_driver_leaf!(Cuda, DeviceAccessible, Cuda::ALIGNMENT, "Cuda");

@@ -1,0 +1,525 @@
+//! The driver's stream-ordered pools: [`CudaAsync`] (owns a pool), [`CudaAsyncView`]
+//! (uses one it does not own) and [`CudaAsyncManaged`] (the device's managed pool).
+
+use std::alloc::Layout;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use cudarc::driver::sys::{self, CUmemoryPool};
+
+use super::driver_leaf::{accept, admit};
+use crate::device::{Context, DeviceId, bind, process_is_exiting};
+use crate::driver::{check, check_alloc, report};
+use crate::error::Error;
+use crate::property::{DeviceAccessible, HostDevice};
+use crate::resource::{Resource, SyncResource};
+use crate::stream::StreamRef;
+
+/// The alignment of every block from a driver pool, and the largest honoured.
+const POOL_ALIGNMENT: usize = 256;
+
+/// A pool handle and the context it is used in: what the three resources share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct PoolRef {
+    pool: usize,
+    ctx: Context,
+}
+
+impl PoolRef {
+    fn handle(self) -> CUmemoryPool {
+        self.pool as CUmemoryPool
+    }
+
+    /// `cuMemAllocFromPoolAsync` on `stream`. A host stream (always complete) gets memory
+    /// usable at once, as from `allocate_sync`.
+    #[inline]
+    fn allocate(
+        self,
+        stream: StreamRef<'_>,
+        layout: Layout,
+        name: &'static str,
+    ) -> Result<NonNull<u8>, Error> {
+        if let Some(empty) = admit(layout, POOL_ALIGNMENT, name)? {
+            return Ok(empty);
+        }
+        let Some(raw) = stream.as_raw() else {
+            return self.allocate_sync(layout, name);
+        };
+        let _current = bind(self.ctx)?;
+        let mut address = 0;
+        let size = layout.size();
+        // SAFETY: the context is current; the pool is live (owned by the resource, or the
+        // promise of `CudaAsyncView::from_raw`); `raw` is live for the borrow of `stream`.
+        let result =
+            unsafe { sys::cuMemAllocFromPoolAsync(&mut address, size, self.handle(), raw) };
+        check_alloc(result, size)?;
+        accept(address as usize, layout, || {
+            // SAFETY: the block was never handed out; it goes back on its own stream.
+            report("cuMemFreeAsync", unsafe {
+                sys::cuMemFreeAsync(address, raw)
+            });
+        })
+    }
+
+    /// Allocates on the legacy default stream and waits for it, so the memory is valid on
+    /// every stream at once.
+    fn allocate_sync(self, layout: Layout, name: &'static str) -> Result<NonNull<u8>, Error> {
+        let ptr = self.allocate(StreamRef::DEFAULT, layout, name)?;
+        if layout.size() > 0
+            && let Err(e) = StreamRef::DEFAULT.synchronize_in(self.ctx)
+        {
+            // SAFETY: the block was never handed out; it goes back on its stream.
+            unsafe { self.deallocate(StreamRef::DEFAULT, ptr, layout) };
+            return Err(e);
+        }
+        Ok(ptr)
+    }
+
+    /// `cuMemFreeAsync` on `stream` (the legacy default stream for a host stream, whose
+    /// work is always complete).
+    ///
+    /// # Safety
+    /// `ptr` came from this pool with `layout` and keeps `Resource::deallocate`'s contract.
+    #[inline]
+    unsafe fn deallocate(self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 || process_is_exiting() {
+            return;
+        }
+        let raw = stream.as_raw().unwrap_or(std::ptr::null_mut());
+        match bind(self.ctx) {
+            // SAFETY: the caller's promise: `ptr` came from this pool and the work using it
+            // is ordered before this point on `stream`; `raw` is live for its borrow.
+            Ok(_current) => report("cuMemFreeAsync", unsafe {
+                sys::cuMemFreeAsync(ptr.as_ptr() as u64, raw)
+            }),
+            Err(e) => tracing::error!(%e, "memres: cannot free into a CUDA pool"),
+        }
+    }
+
+    fn get_u64(self, attribute: sys::CUmemPool_attribute) -> Result<u64, Error> {
+        let mut value = 0u64;
+        // SAFETY: the pool is live; the u64 attributes are written as a `cuuint64_t`.
+        check(unsafe {
+            sys::cuMemPoolGetAttribute(self.handle(), attribute, (&mut value as *mut u64).cast())
+        })?;
+        Ok(value)
+    }
+
+    fn set_u64(self, attribute: sys::CUmemPool_attribute, mut value: u64) -> Result<(), Error> {
+        // SAFETY: the pool is live; the u64 attributes are read as a `cuuint64_t`.
+        check(unsafe {
+            sys::cuMemPoolSetAttribute(self.handle(), attribute, (&mut value as *mut u64).cast())
+        })
+    }
+}
+
+/// Implements the resource traits by forwarding to `self.inner: PoolRef`.
+macro_rules! pool_resource {
+    ($ty:ty, $props:ty, $name:literal) => {
+        // SAFETY: blocks come from a driver pool (aligned to 256, checked by `accept`), and
+        // are valid until freed; the pool's memory has the properties stated; equal
+        // resources share one pool, so they may free each other's memory.
+        unsafe impl SyncResource for $ty {
+            type Properties = $props;
+
+            fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+                self.inner.allocate_sync(layout, $name)
+            }
+
+            unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+                // SAFETY: nothing uses the memory any more (the caller's promise), so it may
+                // be freed on any stream.
+                unsafe { self.inner.deallocate(StreamRef::DEFAULT, ptr, layout) }
+            }
+        }
+
+        // SAFETY: the driver's pools are stream-ordered with exactly these rules.
+        unsafe impl Resource for $ty {
+            #[inline]
+            fn allocate(
+                &self,
+                stream: StreamRef<'_>,
+                layout: Layout,
+            ) -> Result<NonNull<u8>, Error> {
+                self.inner.allocate(stream, layout, $name)
+            }
+
+            #[inline]
+            unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+                // SAFETY: the caller keeps `deallocate`'s contract.
+                unsafe { self.inner.deallocate(stream, ptr, layout) }
+            }
+        }
+    };
+}
+
+/// Which kind of handle a [`CudaAsync`] pool can be exported as, for sharing it with
+/// another process (RMM's `allocation_handle_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExportHandle {
+    /// Not exportable.
+    #[default]
+    None,
+    /// A POSIX file descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), for processes
+    /// on one machine.
+    PosixFd,
+    /// A fabric handle (`CU_MEM_HANDLE_TYPE_FABRIC`), for multi-node NVLink systems.
+    Fabric,
+}
+
+impl ExportHandle {
+    fn bits(self) -> sys::CUmemAllocationHandleType {
+        match self {
+            ExportHandle::None => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            ExportHandle::PosixFd => {
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            }
+            ExportHandle::Fabric => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+        }
+    }
+}
+
+/// How to make a [`CudaAsync`] pool.
+#[derive(Debug, Clone, Default)]
+pub struct CudaAsyncConfig {
+    /// Bytes to reserve up front: allocated and freed once at construction, so that with
+    /// the default release threshold the pool keeps them. `None`: nothing.
+    pub initial_size: Option<usize>,
+    /// Reserved memory above this many bytes is released back to the device at stream
+    /// synchronisation points. `None` means `u64::MAX`: keep everything, as RMM does.
+    pub release_threshold: Option<u64>,
+    /// Whether, and how, the pool can be shared with other processes.
+    pub export: ExportHandle,
+}
+
+/// A stream-ordered pool of device memory owned by this resource: the driver's
+/// `cuMemPoolCreate` with `cuMemAllocFromPoolAsync` / `cuMemFreeAsync` (RMM's
+/// `cuda_async_memory_resource`).
+///
+/// - Device-accessible; blocks aligned to 256 bytes (larger alignments are
+///   [`Error::InvalidArgument`]).
+/// - Stream-ordered as the driver defines it: memory freed on a stream is reused on that
+///   stream at once and on others once the driver knows the free is complete.
+/// - `allocate_sync` allocates on the legacy default stream and synchronises it.
+/// - The release threshold defaults to `u64::MAX` (keep memory, as RMM), so the pool
+///   does not give memory back at every synchronisation.
+/// - Equality: equal only to itself (and to a [`CudaAsyncView`] of the same pool).
+/// - Dropping destroys the pool (the driver waits for outstanding frees), unless the
+///   process is exiting.
+///
+/// ```no_run
+/// use memres::{Resource, StreamRef, layout};
+/// use memres::upstream::{CudaAsync, CudaAsyncConfig};
+///
+/// let pool = CudaAsync::with_config(CudaAsyncConfig {
+///     initial_size: Some(1 << 30),
+///     ..CudaAsyncConfig::default()
+/// })?;
+/// let l = layout(4096)?;
+/// let p = pool.allocate(StreamRef::PER_THREAD, l)?;
+/// // SAFETY: allocated above; no work that uses it is enqueued after this point.
+/// unsafe { pool.deallocate(StreamRef::PER_THREAD, p, l) };
+/// # Ok::<(), memres::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct CudaAsync {
+    inner: PoolRef,
+    export: ExportHandle,
+}
+
+impl CudaAsync {
+    /// A pool on the current device with the default configuration.
+    pub fn new() -> Result<CudaAsync, Error> {
+        CudaAsync::with_config(CudaAsyncConfig::default())
+    }
+
+    /// A pool on the current device.
+    pub fn with_config(config: CudaAsyncConfig) -> Result<CudaAsync, Error> {
+        CudaAsync::on(DeviceId::current()?, config)
+    }
+
+    /// A pool on `device`.
+    pub fn on(device: DeviceId, config: CudaAsyncConfig) -> Result<CudaAsync, Error> {
+        let ctx = Context::primary(device)?;
+        let _current = bind(ctx)?;
+        if device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?
+            == 0
+        {
+            return Err(Error::unsupported(format!(
+                "{device} does not support stream-ordered memory pools"
+            )));
+        }
+        check_export_support(device, config.export)?;
+
+        // SAFETY: `CUmemPoolProps` is plain data (integers, a pointer, bytes) for which
+        // all-zero is valid: it is the documented way to leave fields at their defaults.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = config.export.bits();
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = device.ordinal();
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the device's context is current; `props` is initialised; `pool` is a
+        // valid place for the handle.
+        check(unsafe { sys::cuMemPoolCreate(&mut pool, &props) })?;
+        let resource = CudaAsync {
+            inner: PoolRef {
+                pool: pool as usize,
+                ctx,
+            },
+            export: config.export,
+        };
+        // From here on, `resource`'s drop destroys the pool if a step fails.
+        resource.inner.set_u64(
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            config.release_threshold.unwrap_or(u64::MAX),
+        )?;
+        if let Some(size) = config.initial_size.filter(|&s| s > 0) {
+            let l = crate::resource::layout(size)?;
+            let p = resource.allocate_sync(l)?;
+            // SAFETY: allocated just above, never used.
+            unsafe { resource.deallocate_sync(p, l) };
+            StreamRef::DEFAULT.synchronize_in(ctx)?;
+        }
+        Ok(resource)
+    }
+
+    /// The driver's handle of the pool (for `cuMemPool*` calls memres does not wrap). The
+    /// resource keeps owning it: do not destroy it.
+    pub fn pool_handle(&self) -> CUmemoryPool {
+        self.inner.handle()
+    }
+
+    /// The device the pool allocates on.
+    pub fn device(&self) -> DeviceId {
+        self.inner.ctx.device()
+    }
+
+    /// The kind of export handle the pool was made with.
+    pub fn export_handle(&self) -> ExportHandle {
+        self.export
+    }
+
+    /// The release threshold, read back from the driver.
+    pub fn release_threshold(&self) -> Result<u64, Error> {
+        self.inner
+            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+    }
+
+    /// Bytes the pool has reserved from the device now, read from the driver.
+    pub fn reserved_bytes(&self) -> Result<u64, Error> {
+        self.inner
+            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+    }
+
+    /// Bytes handed out and not yet freed, read from the driver.
+    pub fn used_bytes(&self) -> Result<u64, Error> {
+        self.inner
+            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+
+    /// Exports the pool as a POSIX file descriptor for another process to import
+    /// (`cuMemPoolExportToShareableHandle`); the pool must have been made with
+    /// [`ExportHandle::PosixFd`], else [`Error::Unsupported`].
+    pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd, Error> {
+        if self.export != ExportHandle::PosixFd {
+            return Err(Error::unsupported(
+                "this pool was not made with ExportHandle::PosixFd",
+            ));
+        }
+        let _current = bind(self.inner.ctx)?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: the pool is live and exportable as a POSIX fd, which the driver writes
+        // as an `int` into `fd`.
+        check(unsafe {
+            sys::cuMemPoolExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
+                self.inner.handle(),
+                ExportHandle::PosixFd.bits(),
+                0,
+            )
+        })?;
+        use std::os::fd::FromRawFd;
+        // SAFETY: the driver returned a new descriptor that nothing else owns.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+fn check_export_support(device: DeviceId, export: ExportHandle) -> Result<(), Error> {
+    if export == ExportHandle::None {
+        return Ok(());
+    }
+    let supported = device
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)?
+        as u32;
+    if supported & export.bits().0 == 0 {
+        return Err(Error::unsupported(format!(
+            "{device} cannot export memory pools as {export:?} handles"
+        )));
+    }
+    Ok(())
+}
+
+impl Drop for CudaAsync {
+    fn drop(&mut self) {
+        if process_is_exiting() {
+            return;
+        }
+        let Ok(_current) = bind(self.inner.ctx) else {
+            return;
+        };
+        // SAFETY: the pool is ours; blocks still out keep it alive inside the driver until
+        // they are freed (the driver defers the destruction).
+        report("cuMemPoolDestroy", unsafe {
+            sys::cuMemPoolDestroy(self.inner.handle())
+        });
+    }
+}
+
+impl PartialEq for CudaAsync {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner == other.inner
+    }
+}
+
+impl PartialEq<CudaAsyncView> for CudaAsync {
+    fn eq(&self, other: &CudaAsyncView) -> bool {
+        self.inner == other.inner
+    }
+}
+
+pool_resource!(CudaAsync, DeviceAccessible, "CudaAsync");
+
+/// Stream-ordered allocation from a driver pool this resource does not own (RMM's
+/// `cuda_async_view_memory_resource`): a pool made elsewhere, or the device's default pool.
+///
+/// Otherwise as [`CudaAsync`]. Equal to any view of, or [`CudaAsync`] owning, the same pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CudaAsyncView {
+    inner: PoolRef,
+}
+
+impl CudaAsyncView {
+    /// The device's default pool (`cuDeviceGetDefaultMemPool`): the one
+    /// `cudaMallocAsync` uses, alive as long as the process.
+    pub fn default_pool(device: DeviceId) -> Result<CudaAsyncView, Error> {
+        let ctx = Context::primary(device)?;
+        let dev = device.handle()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `dev` is a valid device; `pool` is a valid place for the handle.
+        check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) })?;
+        Ok(CudaAsyncView {
+            inner: PoolRef {
+                pool: pool as usize,
+                ctx,
+            },
+        })
+    }
+
+    /// A view of `pool`, a pool of device memory on `device`.
+    ///
+    /// # Safety
+    /// `pool` is a live `CUmemoryPool` of pinned device memory on `device`, and stays alive
+    /// as long as this view (and every copy of it) is used.
+    pub unsafe fn from_raw(pool: CUmemoryPool, device: DeviceId) -> Result<CudaAsyncView, Error> {
+        Ok(CudaAsyncView {
+            inner: PoolRef {
+                pool: pool as usize,
+                ctx: Context::primary(device)?,
+            },
+        })
+    }
+
+    /// The pool's handle.
+    pub fn pool_handle(&self) -> CUmemoryPool {
+        self.inner.handle()
+    }
+
+    /// The device the pool allocates on.
+    pub fn device(&self) -> DeviceId {
+        self.inner.ctx.device()
+    }
+}
+
+impl PartialEq<CudaAsync> for CudaAsyncView {
+    fn eq(&self, other: &CudaAsync) -> bool {
+        self.inner == other.inner
+    }
+}
+
+pool_resource!(CudaAsyncView, DeviceAccessible, "CudaAsyncView");
+
+/// Stream-ordered managed memory from the device's default managed pool (CUDA 13's
+/// `cuMemGetDefaultMemPool` with `CU_MEM_ALLOCATION_TYPE_MANAGED`; RMM's
+/// `cuda_async_managed_memory_resource`).
+///
+/// Host- and device-accessible. Where the driver or the device does not offer a managed
+/// pool (no concurrent managed access, an older driver), [`CudaAsyncManaged::new`] returns
+/// [`Error::Unsupported`]. Otherwise as [`CudaAsync`]; the pool is the device's, so it is
+/// never destroyed, and all `CudaAsyncManaged` of one device are equal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CudaAsyncManaged {
+    inner: PoolRef,
+}
+
+impl CudaAsyncManaged {
+    /// The current device's default managed pool.
+    pub fn new() -> Result<CudaAsyncManaged, Error> {
+        CudaAsyncManaged::on(DeviceId::current()?)
+    }
+
+    /// `device`'s default managed pool.
+    pub fn on(device: DeviceId) -> Result<CudaAsyncManaged, Error> {
+        let ctx = Context::primary(device)?;
+        let concurrent = device
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?;
+        if concurrent == 0 {
+            return Err(Error::unsupported(format!(
+                "{device} lacks concurrent managed access, which a managed pool needs"
+            )));
+        }
+        let _current = bind(ctx)?;
+        let mut location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device.ordinal(),
+        };
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the context is current; `location` names the device; `pool` is a valid
+        // place for the handle.
+        let result = unsafe {
+            sys::cuMemGetDefaultMemPool(
+                &mut pool,
+                &mut location,
+                sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED,
+            )
+        };
+        match result {
+            sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                Err(Error::unsupported(format!(
+                    "the driver offers no managed memory pool for {device} ({result:?})"
+                )))
+            }
+            other => {
+                check(other)?;
+                Ok(CudaAsyncManaged {
+                    inner: PoolRef {
+                        pool: pool as usize,
+                        ctx,
+                    },
+                })
+            }
+        }
+    }
+
+    /// The pool's handle.
+    pub fn pool_handle(&self) -> CUmemoryPool {
+        self.inner.handle()
+    }
+
+    /// The device the pool belongs to.
+    pub fn device(&self) -> DeviceId {
+        self.inner.ctx.device()
+    }
+}
+
+pool_resource!(CudaAsyncManaged, HostDevice, "CudaAsyncManaged");

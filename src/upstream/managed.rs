@@ -1,0 +1,63 @@
+//! [`Managed`]: unified memory that the host and the device both reach.
+
+use cudarc::driver::sys;
+
+use super::driver_leaf::sync_driver_leaf;
+use crate::device::{Context, DeviceId};
+use crate::driver::{check_alloc, report};
+use crate::error::Error;
+use crate::property::HostDevice;
+
+/// Managed (unified) memory from `cuMemAllocManaged` with global attachment (RMM's
+/// `managed_memory_resource`): pages migrate between host and device on demand.
+///
+/// - Host- and device-accessible. Aligned to 256 bytes; larger alignments are
+///   [`Error::InvalidArgument`].
+/// - Streams: usable at once on every stream, so `allocate`'s stream is ignored; the
+///   stream-ordered `deallocate` synchronises its stream before `cuMemFree`.
+/// - Equality: equal when they belong to the same device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Managed {
+    ctx: Context,
+}
+
+impl Managed {
+    /// The largest alignment `Managed` honours.
+    pub const ALIGNMENT: usize = 256;
+
+    /// Managed memory, with the current device as the one it belongs to.
+    pub fn new() -> Result<Managed, Error> {
+        Ok(Managed {
+            ctx: Context::current()?,
+        })
+    }
+
+    /// Managed memory belonging to `device`.
+    pub fn on(device: DeviceId) -> Result<Managed, Error> {
+        Ok(Managed {
+            ctx: Context::primary(device)?,
+        })
+    }
+
+    /// The device the resource belongs to.
+    pub fn device(&self) -> DeviceId {
+        self.ctx.device()
+    }
+
+    fn alloc(&self, size: usize) -> Result<usize, Error> {
+        let mut address = 0;
+        let global = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
+        // SAFETY: the context is current (the caller binds it); `address` is a valid place.
+        let result = unsafe { sys::cuMemAllocManaged(&mut address, size, global) };
+        check_alloc(result, size)?;
+        Ok(address as usize)
+    }
+
+    fn free(&self, address: usize) {
+        // SAFETY: `address` came from `cuMemAllocManaged` (the caller's promise) and
+        // nothing uses it any more.
+        report("cuMemFree", unsafe { sys::cuMemFree_v2(address as u64) });
+    }
+}
+
+sync_driver_leaf!(Managed, HostDevice, Managed::ALIGNMENT, "Managed");

@@ -1,0 +1,120 @@
+//! The conformance suite over every CUDA resource. These need a GPU: CI skips them (they
+//! are `#[ignore]`d), and `shared/gpu/bundle.sh`'s `run.sh` runs them on the GPU machine.
+
+#[macro_use]
+mod conformance;
+
+use conformance::{Api, Caps, Driver};
+use memres::upstream::CudaAsyncConfig;
+use memres::{
+    AnyResource, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Device, PinnedHost, ResourceExt,
+    StreamRef, layout,
+};
+
+fn device() -> memres::device::DeviceId {
+    memres::device::DeviceId::current().expect("a CUDA device")
+}
+
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    cuda,
+    Cuda::new().unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    managed,
+    memres::Managed::new().unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    pinned_host,
+    PinnedHost::new().unwrap(),
+    Caps::gpu(4096)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    cuda_async,
+    CudaAsync::new().unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    cuda_async_primed,
+    CudaAsync::with_config(CudaAsyncConfig {
+        initial_size: Some(256 << 20),
+        ..CudaAsyncConfig::default()
+    })
+    .unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    cuda_async_view_default_pool,
+    CudaAsyncView::default_pool(device()).unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    any_resource_over_cuda_async,
+    CudaAsync::new().unwrap().shared().into_any::<Device>(),
+    Caps::gpu(256)
+);
+
+/// `CudaAsyncManaged` where the driver offers it; where it does not, the constructor must
+/// say `Unsupported` (and the test says which it saw).
+fn managed_pool() -> Option<CudaAsyncManaged> {
+    match CudaAsyncManaged::new() {
+        Ok(r) => Some(r),
+        Err(memres::Error::Unsupported(why)) => {
+            eprintln!("CudaAsyncManaged unsupported here: {why}");
+            None
+        }
+        Err(e) => panic!("CudaAsyncManaged::new: {e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_async_managed_conformance() {
+    let Some(r) = managed_pool() else { return };
+    let caps = Caps::gpu(256);
+    conformance::zero_bytes(&r, caps);
+    conformance::fixed_sizes(&r, caps);
+    conformance::alignments(&r, caps);
+    conformance::out_of_memory_then_usable(&r, caps);
+    conformance::random_sizes(&r, caps, 42);
+    conformance::mixed_steps(&r, caps, 43);
+    conformance::four_threads(&r, caps);
+    conformance::cross_thread_free(&r, caps);
+    conformance::cross_stream_free(&r, caps);
+    conformance::equality(&r, &managed_pool().unwrap(), caps);
+}
+
+/// The per-thread default stream names a different stream on every thread; allocations
+/// on it must work from several threads at once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn per_thread_default_stream() {
+    let pool = CudaAsync::new().unwrap();
+    let cuda = Cuda::new().unwrap();
+    let any = AnyResource::<Device>::new(CudaAsync::new().unwrap());
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (pool, cuda, any) = (&pool, &cuda, &any);
+            s.spawn(move || {
+                let caps = Caps {
+                    streams: [StreamRef::PER_THREAD, StreamRef::PER_THREAD],
+                    ..Caps::gpu(256)
+                };
+                conformance::random_sizes(pool, caps, 100 + t);
+                conformance::mixed_steps(cuda, caps, 200 + t);
+                conformance::mixed_steps(any, caps, 300 + t);
+                let mut d = Driver::new(pool, Api::Stream(StreamRef::PER_THREAD));
+                let b = d.allocate(layout(1 << 20).unwrap());
+                d.free(b);
+            });
+        }
+    });
+}

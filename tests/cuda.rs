@@ -1,0 +1,423 @@
+//! The CUDA resources, streams, events and devices on a real GPU. All `#[ignore]`d: CI
+//! has no GPU; `shared/gpu/bundle.sh`'s `run.sh` runs them on the GPU machine.
+
+use std::ffi::c_void;
+use std::process::Command;
+use std::ptr::NonNull;
+
+use cudarc::driver::sys;
+use memres::device::{DeviceGuard, DeviceId, percent_of_free_device_memory};
+use memres::stream::{Event, Stream, StreamFlags, StreamPool};
+use memres::upstream::{CudaAsyncConfig, ExportHandle};
+use memres::{
+    Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Error, Managed, PinnedHost, Resource,
+    StreamRef, SyncResource, layout,
+};
+
+fn d0() -> DeviceId {
+    DeviceId::new(0)
+}
+
+/// `cuPointerGetAttribute` for a 32-bit attribute.
+fn pointer_attribute(p: NonNull<u8>, attribute: sys::CUpointer_attribute) -> u32 {
+    let _on = DeviceGuard::new(d0()).unwrap();
+    let mut value = 0u32;
+    // SAFETY: `p` is a live allocation; the attributes read here fit in 32 bits (the
+    // driver writes an `unsigned int` or a `bool` into the low bytes of a zeroed u32).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut value as *mut u32).cast(),
+            attribute,
+            p.as_ptr() as u64,
+        )
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{attribute:?}");
+    value
+}
+
+fn memory_type(p: NonNull<u8>) -> u32 {
+    pointer_attribute(
+        p,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    )
+}
+
+fn is_managed(p: NonNull<u8>) -> bool {
+    pointer_attribute(p, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED) != 0
+}
+
+const HOST: u32 = sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32;
+const DEVICE: u32 = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+
+/// Allocates 1 MiB from `r`, checks the pointer with `check`, frees it.
+fn with_block<R: SyncResource>(r: &R, check: impl FnOnce(NonNull<u8>)) {
+    let l = layout(1 << 20).unwrap();
+    let p = r.allocate_sync(l).unwrap();
+    check(p);
+    // SAFETY: allocated above with `l`; only its attributes were read.
+    unsafe { r.deallocate_sync(p, l) };
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pointer_kinds_are_what_the_types_say() {
+    with_block(&Cuda::new().unwrap(), |p| {
+        assert_eq!(memory_type(p), DEVICE);
+        assert!(!is_managed(p));
+    });
+    with_block(&CudaAsync::new().unwrap(), |p| {
+        assert_eq!(memory_type(p), DEVICE);
+        assert!(!is_managed(p));
+    });
+    with_block(&Managed::new().unwrap(), |p| assert!(is_managed(p)));
+    with_block(&PinnedHost::new().unwrap(), |p| {
+        assert_eq!(memory_type(p), HOST);
+        assert!(!is_managed(p));
+    });
+    match CudaAsyncManaged::new() {
+        Ok(r) => with_block(&r, |p| assert!(is_managed(p))),
+        Err(Error::Unsupported(why)) => eprintln!("no managed pool here: {why}"),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Writes a pattern from the host, copies it through device memory with the driver, and
+/// reads it back: the device sees what the host wrote, and the other way round.
+fn host_round_trip<R: SyncResource>(r: &R) {
+    const N: usize = 1 << 20;
+    let l = layout(N).unwrap();
+    let shared = r.allocate_sync(l).unwrap();
+    let cuda = Cuda::new().unwrap();
+    let device = cuda.allocate_sync(l).unwrap();
+    let _on = DeviceGuard::new(d0()).unwrap();
+    // SAFETY: `shared` is host-accessible (the resources given here are), N bytes, ours.
+    let host = unsafe { std::slice::from_raw_parts_mut(shared.as_ptr(), N) };
+    for (i, b) in host.iter_mut().enumerate() {
+        *b = (i * 7 % 251) as u8;
+    }
+    // SAFETY: both blocks hold N bytes; unified addressing lets `cuMemcpy` take either.
+    unsafe {
+        assert_eq!(
+            sys::cuMemcpy(device.as_ptr() as u64, shared.as_ptr() as u64, N),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        std::ptr::write_bytes(shared.as_ptr(), 0, N);
+        assert_eq!(
+            sys::cuMemcpy(shared.as_ptr() as u64, device.as_ptr() as u64, N),
+            sys::CUresult::CUDA_SUCCESS
+        );
+    }
+    // SAFETY: as above; the synchronous copy is complete.
+    let host = unsafe { std::slice::from_raw_parts(shared.as_ptr(), N) };
+    assert!(
+        host.iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i * 7 % 251) as u8)
+    );
+    // SAFETY: both allocated above with `l`; the copies are complete.
+    unsafe {
+        r.deallocate_sync(shared, l);
+        cuda.deallocate_sync(device, l);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_writes_reach_the_device_through_pinned_and_managed_memory() {
+    host_round_trip(&PinnedHost::new().unwrap());
+    host_round_trip(&Managed::new().unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_async_applies_its_configuration() {
+    let default = CudaAsync::new().unwrap();
+    assert_eq!(default.release_threshold().unwrap(), u64::MAX);
+    let primed = CudaAsync::with_config(CudaAsyncConfig {
+        initial_size: Some(256 << 20),
+        ..CudaAsyncConfig::default()
+    })
+    .unwrap();
+    assert!(
+        primed.reserved_bytes().unwrap() >= 256 << 20,
+        "reserved {} after priming 256 MiB",
+        primed.reserved_bytes().unwrap()
+    );
+    assert_eq!(primed.used_bytes().unwrap(), 0);
+    let thrifty = CudaAsync::with_config(CudaAsyncConfig {
+        release_threshold: Some(1 << 20),
+        ..CudaAsyncConfig::default()
+    })
+    .unwrap();
+    assert_eq!(thrifty.release_threshold().unwrap(), 1 << 20);
+    assert_eq!(thrifty.export_handle(), ExportHandle::None);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_async_equality() {
+    let (a, b) = (CudaAsync::new().unwrap(), CudaAsync::new().unwrap());
+    assert!(a != b, "two pools are two resources");
+    // SAFETY: `a` owns the pool and outlives the view.
+    let view = unsafe { CudaAsyncView::from_raw(a.pool_handle(), a.device()) }.unwrap();
+    assert!(a == view, "the owner equals a view of its pool");
+    assert!(view == a, "and the view equals the owner");
+    assert!(b != view);
+    // Memory from the pool may be freed through the view.
+    let l = layout(4096).unwrap();
+    let p = a.allocate(StreamRef::DEFAULT, l).unwrap();
+    // SAFETY: `view` uses `a`'s pool; no work uses the block.
+    unsafe { view.deallocate(StreamRef::DEFAULT, p, l) };
+    let (v1, v2) = (
+        CudaAsyncView::default_pool(d0()).unwrap(),
+        CudaAsyncView::default_pool(d0()).unwrap(),
+    );
+    assert_eq!(v1, v2);
+    assert!(v1 != view);
+    // Stateless leaves: equal per device.
+    assert_eq!(Cuda::new().unwrap(), Cuda::on(d0()).unwrap());
+    assert_eq!(PinnedHost::new().unwrap(), PinnedHost::new().unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn alignment_beyond_the_guarantee_is_an_invalid_argument() {
+    let l = memres::layout_with_alignment(100, 512).unwrap();
+    assert!(matches!(
+        Cuda::new().unwrap().allocate_sync(l),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        CudaAsync::new().unwrap().allocate(StreamRef::DEFAULT, l),
+        Err(Error::InvalidArgument(_))
+    ));
+    let page = memres::layout_with_alignment(100, 8192).unwrap();
+    assert!(matches!(
+        PinnedHost::new().unwrap().allocate_sync(page),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pool_made_without_an_export_handle_cannot_be_exported() {
+    let pool = CudaAsync::new().unwrap();
+    assert!(matches!(pool.export_fd(), Err(Error::Unsupported(_))));
+}
+
+unsafe extern "C" {
+    fn fcntl(fd: std::ffi::c_int, cmd: std::ffi::c_int, ...) -> std::ffi::c_int;
+}
+const F_SETFD: std::ffi::c_int = 2;
+
+/// The exporting side: a pool exported as a POSIX file descriptor, a block in it filled
+/// with a pattern, and a child process (this binary again) that imports the pool and the
+/// block and prints what it reads.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pool_exported_as_a_file_descriptor_is_read_by_another_process() {
+    let config = CudaAsyncConfig {
+        export: ExportHandle::PosixFd,
+        ..CudaAsyncConfig::default()
+    };
+    let pool = match CudaAsync::with_config(config) {
+        Ok(pool) => pool,
+        Err(Error::Unsupported(why)) => {
+            eprintln!("POSIX fd export is not supported here: {why}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(pool.export_handle(), ExportHandle::PosixFd);
+    let l = layout(4096).unwrap();
+    let block = pool.allocate_sync(l).unwrap();
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 256) as u8).collect();
+    let _on = DeviceGuard::new(pool.device()).unwrap();
+    // SAFETY: `block` holds 4096 device bytes; `pattern` 4096 host bytes.
+    let r = unsafe { sys::cuMemcpyHtoD_v2(block.as_ptr() as u64, pattern.as_ptr().cast(), 4096) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let fd = pool.export_fd().unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: `fd` is a descriptor we own; clearing FD_CLOEXEC lets the child inherit it.
+    assert_eq!(unsafe { fcntl(fd.as_raw_fd(), F_SETFD, 0) }, 0);
+    let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    // SAFETY: `block` came from this exportable pool; `data` is a valid place.
+    let r = unsafe { sys::cuMemPoolExportPointer(&mut data, block.as_ptr() as u64) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let hex: String = data.reserved.iter().map(|b| format!("{b:02x}")).collect();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "import_child",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("MEMRES_IPC_FD", fd.as_raw_fd().to_string())
+        .env("MEMRES_IPC_DATA", hex)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected: String = pattern[..32].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(
+        stdout.contains(&format!("memres-ipc-read: {expected}")),
+        "the child read something else: {stdout}"
+    );
+    // SAFETY: the child has exited and released its import; nothing uses the block.
+    unsafe { pool.deallocate_sync(block, l) };
+}
+
+/// The importing side, run only as the child of the test above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn import_child() {
+    let (Ok(fd), Ok(hex)) = (
+        std::env::var("MEMRES_IPC_FD"),
+        std::env::var("MEMRES_IPC_DATA"),
+    ) else {
+        return; // not the child
+    };
+    let fd: usize = fd.parse().unwrap();
+    let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    for (i, b) in data.reserved.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let _on = DeviceGuard::new(d0()).unwrap();
+    let mut pool = std::ptr::null_mut();
+    let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: a POSIX fd handle is passed as the descriptor's value cast to a pointer.
+    let r =
+        unsafe { sys::cuMemPoolImportFromShareableHandle(&mut pool, fd as *mut c_void, posix, 0) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "importing the pool");
+    let mut ptr = 0;
+    // SAFETY: `pool` was just imported; `data` is the exporter's description of a block.
+    let r = unsafe { sys::cuMemPoolImportPointer(&mut ptr, pool, &mut data) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "importing the block");
+    let mut host = [0u8; 32];
+    // SAFETY: the imported block holds 4096 bytes; `host` 32.
+    let r = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, 32) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "reading the block");
+    let read: String = host.iter().map(|b| format!("{b:02x}")).collect();
+    println!("memres-ipc-read: {read}");
+    // SAFETY: the imported block is ours to release, once.
+    let r = unsafe { sys::cuMemFree_v2(ptr) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "releasing the import");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streams_events_and_the_stream_pool() {
+    let (a, b) = (
+        Stream::with_flags(StreamFlags::NonBlocking).unwrap(),
+        Stream::new().unwrap(),
+    );
+    assert_ne!(a.as_ref(), b.as_ref());
+    assert_eq!(a.device(), d0());
+    let e = Event::new().unwrap();
+    assert!(e.is_complete().unwrap(), "an unrecorded event is complete");
+    e.record(a.as_ref()).unwrap();
+    b.as_ref().wait_for(&e).unwrap();
+    e.synchronize().unwrap();
+    assert!(e.is_complete().unwrap());
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    StreamRef::DEFAULT.synchronize().unwrap();
+    StreamRef::PER_THREAD.synchronize().unwrap();
+    // Host streams with events: recording on one waits for the event.
+    e.record(StreamRef::HOST).unwrap();
+    StreamRef::HOST.wait_for(&e).unwrap();
+
+    let pool = StreamPool::new().unwrap();
+    assert_eq!(pool.len(), StreamPool::DEFAULT_SIZE);
+    let firsts: Vec<_> = (0..pool.len()).map(|_| pool.get()).collect();
+    for (i, s) in firsts.iter().enumerate() {
+        assert!(
+            !firsts[..i].contains(s),
+            "round-robin hands out every stream once"
+        );
+    }
+    assert_eq!(pool.get_by_id(3), pool.get_by_id(3 + pool.len()));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn allocate_on_one_stream_free_on_another_after_an_event() {
+    let pool = CudaAsync::new().unwrap();
+    let (a, b) = (
+        Stream::with_flags(StreamFlags::NonBlocking).unwrap(),
+        Stream::with_flags(StreamFlags::NonBlocking).unwrap(),
+    );
+    let l = layout(64 << 20).unwrap();
+    for _ in 0..100 {
+        let p = pool.allocate(a.as_ref(), l).unwrap();
+        let _on = DeviceGuard::new(d0()).unwrap();
+        // SAFETY: `p` holds 64 MiB; the memset is enqueued on `a`, where `p` is valid.
+        let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 0x5a, 64 << 20, a.raw()) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        let done = Event::new().unwrap();
+        done.record(a.as_ref()).unwrap();
+        b.as_ref().wait_for(&done).unwrap();
+        // SAFETY: `b` waits for the memset on `a`, so the free is ordered after it.
+        unsafe { pool.deallocate(b.as_ref(), p, l) };
+    }
+    b.synchronize().unwrap();
+    a.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cudarc_streams_work_both_ways() {
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let theirs = ctx.new_stream().unwrap();
+    let pool = CudaAsync::new().unwrap();
+    let l = layout(1 << 20).unwrap();
+    // cudarc -> memres, borrowed:
+    let p = pool.allocate(StreamRef::from(&*theirs), l).unwrap();
+    // SAFETY: nothing uses `p`; freed on the stream it was allocated on.
+    unsafe { pool.deallocate(StreamRef::from(&*theirs), p, l) };
+    // cudarc -> memres, owned:
+    let ours = Stream::from_cudarc(theirs.clone()).unwrap();
+    ours.synchronize().unwrap();
+    // memres -> cudarc:
+    let mine = Stream::new().unwrap();
+    // SAFETY: `ctx` is device 0's primary context; `wrapped` is dropped before `mine`.
+    let wrapped = unsafe { mine.as_cudarc(&ctx) };
+    assert_eq!(wrapped.cu_stream(), mine.raw());
+    wrapped.synchronize().unwrap();
+    drop(wrapped);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn devices_and_their_memory() {
+    let n = DeviceId::count().unwrap();
+    assert!(n >= 1);
+    eprintln!("{n} device(s); device 0: {}", d0().name().unwrap());
+    // A fresh thread has no context current: device 0 counts as current.
+    std::thread::spawn(|| assert_eq!(DeviceId::current().unwrap(), d0()))
+        .join()
+        .unwrap();
+    {
+        let _guard = DeviceGuard::new(DeviceId::new((n - 1) as i32)).unwrap();
+        assert_eq!(DeviceId::current().unwrap(), DeviceId::new((n - 1) as i32));
+    }
+    let info = d0().memory_info().unwrap();
+    assert!(0 < info.free && info.free <= info.total);
+    let half = percent_of_free_device_memory(50).unwrap();
+    assert_eq!(half % 256, 0);
+    assert!(half <= info.free / 2 + (64 << 20), "{half} vs {info:?}");
+    assert_eq!(percent_of_free_device_memory(0).unwrap(), 0);
+    assert!(matches!(
+        DeviceId::new(n as i32 + 10).memory_info(),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        Cuda::on(DeviceId::new(n as i32)),
+        Err(Error::InvalidArgument(_))
+    ));
+}

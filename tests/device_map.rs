@@ -1,0 +1,135 @@
+//! The per-device default resource: set, get and reset from many threads. The explicit
+//! per-device calls need no driver, so most of this runs in CI with stand-in resources;
+//! the current-device calls and the lazily made `Cuda` default need a GPU.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use memres::device::{
+    self, DeviceId, per_device_resource, reset_per_device_resource, set_per_device_resource,
+};
+use memres::{AnyResource, Device, HostHeap, Resource, StreamRef, SyncResource};
+
+/// A stand-in that claims device access (the tests never touch its memory, and never hand
+/// it to a kernel) and carries an id to tell instances apart.
+#[derive(Debug, PartialEq)]
+struct StandIn(u32);
+
+// SAFETY: blocks come from the heap; the claimed device access is never used (see above);
+// equal ids free through the same heap.
+unsafe impl SyncResource for StandIn {
+    type Properties = Device;
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        HostHeap.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise; the block came from the heap.
+        unsafe { HostHeap.deallocate_sync(p, l) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl Resource for StandIn {
+    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        self.allocate_sync(l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.deallocate_sync(p, l) }
+    }
+}
+
+fn id_of(r: &AnyResource<Device>) -> u32 {
+    r.downcast_ref::<StandIn>().expect("a stand-in").0
+}
+
+/// Device ordinals no real machine has, so these tests never meet a real default.
+const FAKE: [DeviceId; 2] = [DeviceId::new(1000), DeviceId::new(1001)];
+
+#[test]
+fn set_get_reset_from_many_threads() {
+    let dev = FAKE[0];
+    assert!(set_per_device_resource(dev, AnyResource::new(StandIn(0))).is_none());
+    std::thread::scope(|s| {
+        for t in 1..=8u32 {
+            s.spawn(move || {
+                for i in 0..200u32 {
+                    let mine = t * 1000 + i;
+                    let previous = set_per_device_resource(dev, AnyResource::new(StandIn(mine)))
+                        .expect("the slot is never empty while the threads run");
+                    // What was there is some thread's resource, alive and usable.
+                    let l = memres::layout(64).unwrap();
+                    let p = previous.allocate_sync(l).unwrap();
+                    // SAFETY: allocated just above from `previous`.
+                    unsafe { previous.deallocate_sync(p, l) };
+                    let now = per_device_resource(dev).unwrap();
+                    let _ = id_of(&now);
+                }
+            });
+        }
+    });
+    let last = reset_per_device_resource(dev).expect("the last resource set");
+    assert!(id_of(&last) >= 1000);
+    assert!(
+        reset_per_device_resource(dev).is_none(),
+        "reset leaves it empty"
+    );
+}
+
+#[test]
+fn devices_are_independent() {
+    set_per_device_resource(FAKE[1], AnyResource::new(StandIn(7)));
+    let other = DeviceId::new(1002);
+    set_per_device_resource(other, AnyResource::new(StandIn(8)));
+    assert_eq!(id_of(&per_device_resource(FAKE[1]).unwrap()), 7);
+    assert_eq!(id_of(&per_device_resource(other).unwrap()), 8);
+    assert_eq!(id_of(&reset_per_device_resource(other).unwrap()), 8);
+    assert_eq!(id_of(&per_device_resource(FAKE[1]).unwrap()), 7);
+    reset_per_device_resource(FAKE[1]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_current_device_starts_with_a_cuda_resource() {
+    let _ = device::reset_current_resource().unwrap();
+    let first = device::current_resource().unwrap();
+    assert!(first.downcast_ref::<memres::Cuda>().is_some(), "{first:?}");
+    assert_eq!(
+        first,
+        device::current_resource().unwrap(),
+        "made once, then shared"
+    );
+    let pool = AnyResource::<Device>::new(memres::CudaAsync::new().unwrap());
+    let previous = device::set_current_resource(pool.clone()).unwrap();
+    assert_eq!(previous, Some(first));
+    assert_eq!(device::current_resource().unwrap(), pool);
+    // From other threads too (each starts with no context current: device 0).
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| assert_eq!(device::current_resource().unwrap(), pool));
+        }
+    });
+    assert_eq!(device::reset_current_resource().unwrap(), Some(pool));
+    assert!(
+        device::current_resource()
+            .unwrap()
+            .downcast_ref::<memres::Cuda>()
+            .is_some()
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_device_has_its_own_default() {
+    let n = DeviceId::count().unwrap();
+    if n < 2 {
+        eprintln!("only {n} GPU here: the two-device case needs two (skipped)");
+        return;
+    }
+    let (d0, d1) = (DeviceId::new(0), DeviceId::new(1));
+    let a = per_device_resource(d0).unwrap();
+    let b = per_device_resource(d1).unwrap();
+    assert_eq!(a.downcast_ref::<memres::Cuda>().unwrap().device(), d0);
+    assert_eq!(b.downcast_ref::<memres::Cuda>().unwrap().device(), d1);
+    assert_ne!(a, b);
+}

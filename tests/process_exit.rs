@@ -1,0 +1,148 @@
+//! Resources left in the per-device map are dropped when the process exits, with
+//! `process_is_exiting()` true, so their drops skip the driver and nothing crashes.
+//!
+//! Each test runs a child: this same test binary, asked to run one `child_*` test with
+//! `MEMRES_EXIT_CHILD` set. The child leaves a resource in the map and returns; the parent
+//! checks that the child exited cleanly and that the resource's drop ran at exit.
+
+use std::alloc::Layout;
+use std::process::Command;
+use std::ptr::NonNull;
+
+use memres::device::{DeviceId, process_is_exiting, set_per_device_resource};
+use memres::{AnyResource, Device, HostHeap, Resource, StreamRef, SyncResource};
+
+/// Wraps a resource and says, when dropped, whether the process was exiting.
+#[derive(PartialEq)]
+struct Announces<R>(R);
+
+impl<R> Drop for Announces<R> {
+    fn drop(&mut self) {
+        eprintln!(
+            "memres-exit-test: dropped, exiting = {}",
+            process_is_exiting()
+        );
+    }
+}
+
+// SAFETY: every call goes to the wrapped resource, whose properties it keeps.
+unsafe impl<R: SyncResource> SyncResource for Announces<R> {
+    type Properties = R::Properties;
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        self.0.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.0.deallocate_sync(p, l) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl<R: Resource> Resource for Announces<R> {
+    fn allocate(&self, s: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        self.0.allocate(s, l)
+    }
+    unsafe fn deallocate(&self, s: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.0.deallocate(s, p, l) }
+    }
+}
+
+/// A stand-in claiming device access, for the host-only run (never touched, never given
+/// to a kernel).
+#[derive(PartialEq)]
+struct StandIn;
+
+// SAFETY: heap blocks; the claimed device access is never used.
+unsafe impl SyncResource for StandIn {
+    type Properties = Device;
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        HostHeap.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { HostHeap.deallocate_sync(p, l) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl Resource for StandIn {
+    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
+        self.allocate_sync(l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.deallocate_sync(p, l) }
+    }
+}
+
+fn in_child() -> bool {
+    std::env::var_os("MEMRES_EXIT_CHILD").is_some()
+}
+
+/// Runs `test` of this binary in a child and returns its stderr, asserting a clean exit.
+fn run_child(test: &str) -> String {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            test,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("MEMRES_EXIT_CHILD", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "child {test} failed: {:?}\nstdout: {}\nstderr: {stderr}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    stderr
+}
+
+#[test]
+fn child_leaves_a_host_resource_in_the_map() {
+    if !in_child() {
+        return;
+    }
+    set_per_device_resource(DeviceId::new(2000), AnyResource::new(Announces(StandIn)));
+}
+
+#[test]
+fn a_resource_left_in_the_map_is_dropped_at_exit() {
+    let stderr = run_child("child_leaves_a_host_resource_in_the_map");
+    assert!(
+        stderr.contains("memres-exit-test: dropped, exiting = true"),
+        "the drop did not run at exit: {stderr}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn child_leaves_a_cuda_pool_with_live_memory_in_the_map() {
+    if !in_child() {
+        return;
+    }
+    let pool = memres::CudaAsync::new().unwrap();
+    let l = memres::layout(64 << 20).unwrap();
+    // Left allocated on purpose: the pool is dropped at exit with a block still out.
+    let _block = pool.allocate(StreamRef::DEFAULT, l).unwrap();
+    let dev = DeviceId::current().unwrap();
+    set_per_device_resource(dev, AnyResource::new(Announces(pool)));
+    let stream = memres::stream::Stream::new().unwrap();
+    // A stream and an event outliving `main` as well.
+    std::mem::forget(stream);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_cuda_pool_left_in_the_map_is_dropped_at_exit_without_a_crash() {
+    let stderr = run_child("child_leaves_a_cuda_pool_with_live_memory_in_the_map");
+    assert!(
+        stderr.contains("memres-exit-test: dropped, exiting = true"),
+        "the drop did not run at exit: {stderr}"
+    );
+}
