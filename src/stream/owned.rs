@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-
 use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{CudaContext, CudaStream};
 

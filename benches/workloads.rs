@@ -1,0 +1,168 @@
+//! The workloads of `shared/bench/WORKLOADS.md` (spec v1) over memres's stacks, printing
+#![allow(missing_docs)] // a bench binary
+//! the same CSV as the RMM and PyTorch anchors so the figures sit side by side.
+//!
+//! ```sh
+//! cargo bench --bench workloads                # every stack this machine has
+//! cargo bench --bench workloads -- cuda_async  # one stack
+//! ```
+//!
+//! On a machine with a CUDA driver the GPU stacks run (each on non-blocking streams, as
+//! the anchors do); without one, the host stacks run instead.
+
+use std::hint::black_box;
+use std::ptr::NonNull;
+use std::time::Instant;
+
+use memres::stream::{Stream, StreamFlags};
+use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef, layout};
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `n` allocate + free pairs of `bytes` on `stream`; ns per pair.
+fn pairs<R: Resource>(r: &R, stream: StreamRef<'_>, bytes: usize, n: usize) -> f64 {
+    let l = layout(bytes).unwrap();
+    let t0 = Instant::now();
+    for _ in 0..n {
+        // `black_box` keeps the compiler from eliding a heap allocate/free pair.
+        let p = black_box(r.allocate(stream, l).expect("allocation in pairs"));
+        // SAFETY: allocated just above with `l` on `stream`; never used.
+        unsafe { r.deallocate(stream, p, l) };
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// The `random` workload: ns per op; what is live at the end is freed untimed.
+fn random_ops<R: Resource>(r: &R, stream: StreamRef<'_>, seed: u64, ops: usize) -> f64 {
+    const CAP: usize = 10_000;
+    let mut rng = seed;
+    let mut live: Vec<(NonNull<u8>, usize)> = Vec::with_capacity(CAP);
+    let t0 = Instant::now();
+    for _ in 0..ops {
+        let alloc = if live.is_empty() {
+            true
+        } else if live.len() == CAP {
+            false
+        } else {
+            splitmix64(&mut rng).is_multiple_of(2)
+        };
+        if alloc {
+            let e = 8 + splitmix64(&mut rng) % 15;
+            let n = (1usize << e) + (splitmix64(&mut rng) % (1u64 << e)) as usize;
+            let p = r
+                .allocate(stream, layout(n).unwrap())
+                .expect("allocation in random");
+            live.push((black_box(p), n));
+        } else {
+            let k = (splitmix64(&mut rng) % live.len() as u64) as usize;
+            let (p, n) = live.swap_remove(k);
+            // SAFETY: `p` came from `r` with this layout on `stream`; never used.
+            unsafe { r.deallocate(stream, p, layout(n).unwrap()) };
+        }
+    }
+    let ns = t0.elapsed().as_nanos() as f64 / ops as f64;
+    for (p, n) in live {
+        // SAFETY: as above.
+        unsafe { r.deallocate(stream, p, layout(n).unwrap()) };
+    }
+    ns
+}
+
+/// One warm-up run, three timed; prints the CSV line.
+fn report(
+    resource: &str,
+    workload: &str,
+    threads: usize,
+    ops: usize,
+    mut run: impl FnMut() -> f64,
+) {
+    run();
+    let mut r: Vec<f64> = (0..3).map(|_| run()).collect();
+    r.sort_by(f64::total_cmp);
+    println!(
+        "memres,{resource},{workload},{threads},{ops},{:.1},{:.1}",
+        r[0], r[1]
+    );
+}
+
+/// Where the work goes: CUDA streams on a GPU, host streams without one.
+enum Streams {
+    Cuda(Vec<Stream>),
+    Host,
+}
+
+impl Streams {
+    fn new(gpu: bool, n: usize) -> Streams {
+        if gpu {
+            let make = || Stream::with_flags(StreamFlags::NonBlocking).expect("a stream");
+            Streams::Cuda((0..n).map(|_| make()).collect())
+        } else {
+            Streams::Host
+        }
+    }
+
+    fn get(&self, i: usize) -> StreamRef<'_> {
+        match self {
+            Streams::Cuda(s) => s[i].as_ref(),
+            Streams::Host => StreamRef::host(i as u32),
+        }
+    }
+}
+
+/// The suite for one stack (`slow`: the stack calls the driver on every allocation, so
+/// fewer ops, as the anchors do).
+fn suite<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool) {
+    const THREADS: usize = 8;
+    let streams = Streams::new(gpu, 1 + THREADS);
+    let s = streams.get(0);
+    let np = if slow { 20_000 } else { 1_000_000 };
+    let nr = if slow { 20_000 } else { 200_000 };
+    report(name, "pair-256B", 1, np, || pairs(r, s, 256, np));
+    report(name, "pair-64KiB", 1, np, || pairs(r, s, 64 << 10, np));
+    report(name, "pair-4MiB", 1, np, || pairs(r, s, 4 << 20, np));
+    report(name, "random", 1, nr, || random_ops(r, s, 42, nr));
+    if slow {
+        return;
+    }
+    const NT: usize = 100_000;
+    report(name, "random-mt", THREADS, NT * THREADS, || {
+        let t0 = Instant::now();
+        std::thread::scope(|scope| {
+            for t in 0..THREADS {
+                let stream = streams.get(1 + t);
+                scope.spawn(move || random_ops(r, stream, 42 + t as u64, NT));
+            }
+        });
+        t0.elapsed().as_nanos() as f64 / (NT * THREADS) as f64
+    });
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a bare word picks one stack.
+    let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    println!("impl,resource,workload,threads,ops,ns_per_op_min,ns_per_op_median");
+    let gpu = memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0;
+    if gpu {
+        if want("cuda") {
+            suite("cuda", &Cuda::new().expect("Cuda"), true, true);
+        }
+        if want("cuda_async") {
+            suite(
+                "cuda_async",
+                &CudaAsync::new().expect("CudaAsync"),
+                true,
+                false,
+            );
+        }
+    } else if want("host_heap") {
+        eprintln!("no CUDA device: running the host stacks");
+        suite("host_heap", &HostHeap::new(), false, false);
+    }
+}
