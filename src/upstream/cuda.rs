@@ -60,7 +60,8 @@ impl Cuda {
     }
 
     /// `cuMemAlloc`, with the resource's context current.
-    fn alloc(&self, size: usize) -> Result<usize, Error> {
+    fn alloc(&self, layout: std::alloc::Layout) -> Result<usize, Error> {
+        let size = layout.size();
         let mut address = 0;
         // SAFETY: the context is current (the caller binds it); `address` is a valid place.
         check_alloc(unsafe { sys::cuMemAlloc_v2(&mut address, size) }, size)?;
@@ -68,7 +69,7 @@ impl Cuda {
     }
 
     /// `cuMemFree`, with the resource's context current.
-    fn free(&self, address: usize) {
+    fn free(&self, address: usize, _layout: std::alloc::Layout) {
         // SAFETY: `address` came from `cuMemAlloc` of this device (the caller's promise)
         // and nothing uses it any more.
         report("cuMemFree", unsafe { sys::cuMemFree_v2(address as u64) });

@@ -49,8 +49,8 @@ pub(crate) fn accept(
     }
 }
 
-/// Implements `SyncResource` and `Resource` for a leaf whose `alloc(&self, size)` and
-/// `free(&self, address)` methods call the driver synchronously, with the context in
+/// Implements `SyncResource` and `Resource` for a leaf whose `alloc(&self, layout)` and
+/// `free(&self, address, layout)` methods call the driver synchronously, with the context in
 /// `self.ctx` current. Stream-ordered `allocate` is the sync allocation (memory usable at
 /// once is usable in any stream order); stream-ordered `deallocate` first synchronises the
 /// stream, so that work enqueued on it before the free is done when the memory goes back.
@@ -71,8 +71,8 @@ macro_rules! sync_driver_leaf {
                     return Ok(empty);
                 }
                 let _current = $crate::device::bind(self.ctx)?;
-                let address = self.alloc(layout.size())?;
-                $crate::upstream::driver_leaf::accept(address, layout, || self.free(address))
+                let address = self.alloc(layout)?;
+                $crate::upstream::driver_leaf::accept(address, layout, || self.free(address, layout))
             }
 
             unsafe fn deallocate_sync(&self, ptr: std::ptr::NonNull<u8>, layout: std::alloc::Layout) {
@@ -80,7 +80,7 @@ macro_rules! sync_driver_leaf {
                     return;
                 }
                 match $crate::device::bind(self.ctx) {
-                    Ok(_current) => self.free(ptr.as_ptr() as usize),
+                    Ok(_current) => self.free(ptr.as_ptr() as usize, layout),
                     Err(e) => tracing::error!(%e, concat!("memres: ", $name, ": cannot free")),
                 }
             }

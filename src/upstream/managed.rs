@@ -44,7 +44,8 @@ impl Managed {
         self.ctx.device()
     }
 
-    fn alloc(&self, size: usize) -> Result<usize, Error> {
+    fn alloc(&self, layout: std::alloc::Layout) -> Result<usize, Error> {
+        let size = layout.size();
         let mut address = 0;
         let global = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
         // SAFETY: the context is current (the caller binds it); `address` is a valid place.
@@ -53,7 +54,7 @@ impl Managed {
         Ok(address as usize)
     }
 
-    fn free(&self, address: usize) {
+    fn free(&self, address: usize, _layout: std::alloc::Layout) {
         // SAFETY: `address` came from `cuMemAllocManaged` (the caller's promise) and
         // nothing uses it any more.
         report("cuMemFree", unsafe { sys::cuMemFree_v2(address as u64) });

@@ -1,5 +1,6 @@
 //! [`PinnedHost`]: page-locked host memory that the device reaches directly.
 
+use std::alloc::Layout;
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
@@ -32,6 +33,9 @@ impl PinnedHost {
     /// The largest alignment `PinnedHost` honours: one page.
     pub const MAX_ALIGNMENT: usize = 4096;
 
+    /// The alignment `cuMemHostAlloc` itself gives.
+    const DRIVER_ALIGNMENT: usize = 256;
+
     /// Pinned memory registered with the current device's context.
     pub fn new() -> Result<PinnedHost, Error> {
         Ok(PinnedHost {
@@ -51,20 +55,52 @@ impl PinnedHost {
         self.ctx.device()
     }
 
-    fn alloc(&self, size: usize) -> Result<usize, Error> {
+    /// `cuMemHostAlloc`. It aligns blocks to 256 bytes but no further (seen on an H100 with
+    /// driver 580: a 1023-byte request aligned to 1024 came back only 512-aligned), so a
+    /// larger alignment is made by over-allocating and aligning up, with the driver's
+    /// pointer stored in the word just below the block (RMM's `aligned_host_allocate`
+    /// does the same).
+    fn alloc(&self, layout: Layout) -> Result<usize, Error> {
+        if layout.align() <= Self::DRIVER_ALIGNMENT {
+            return self.alloc_raw(layout.size());
+        }
+        let word = size_of::<usize>();
+        let total = layout
+            .size()
+            .checked_add(layout.align() + word)
+            .ok_or(Error::out_of_memory(layout.size()))?;
+        let base = self.alloc_raw(total)?;
+        let aligned = (base + word).next_multiple_of(layout.align());
+        // SAFETY: `base..base + total` is a fresh host-accessible block; `aligned - word`
+        // lies in it, at or after `base` (`aligned >= base + word`), and is word-aligned
+        // (`aligned` is a multiple of a power of two above 256, `base` of 256); the block
+        // handed out, `aligned..aligned + size`, ends within it (`aligned < base + word +
+        // align`), so the stored word is outside what the caller gets.
+        unsafe { ((aligned - word) as *mut usize).write(base) };
+        Ok(aligned)
+    }
+
+    fn free(&self, address: usize, layout: Layout) {
+        let base = if layout.align() <= Self::DRIVER_ALIGNMENT {
+            address
+        } else {
+            // SAFETY: `alloc` stored the driver's pointer in the word below every block
+            // aligned beyond `DRIVER_ALIGNMENT`, and this layout says this is one.
+            unsafe { ((address - size_of::<usize>()) as *const usize).read() }
+        };
+        // SAFETY: `base` came from `cuMemHostAlloc` (the caller's promise, through the
+        // header above) and nothing uses it any more.
+        report("cuMemFreeHost", unsafe {
+            sys::cuMemFreeHost(base as *mut c_void)
+        });
+    }
+
+    fn alloc_raw(&self, size: usize) -> Result<usize, Error> {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: the context is current (the caller binds it); `p` is a valid place.
         check_alloc(unsafe { sys::cuMemHostAlloc(&mut p, size, flags) }, size)?;
         Ok(p as usize)
-    }
-
-    fn free(&self, address: usize) {
-        // SAFETY: `address` came from `cuMemHostAlloc` (the caller's promise) and nothing
-        // uses it any more.
-        report("cuMemFreeHost", unsafe {
-            sys::cuMemFreeHost(address as *mut c_void)
-        });
     }
 }
 
