@@ -78,8 +78,9 @@ fn managed_pool() -> Option<CudaAsyncManaged> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_async_managed_conformance() {
-    let Some(r) = managed_pool() else { return };
     let caps = Caps::gpu(256);
+    let _serial = caps.serialise();
+    let Some(r) = managed_pool() else { return };
     conformance::zero_bytes(&r, caps);
     conformance::fixed_sizes(&r, caps);
     conformance::alignments(&r, caps);
@@ -97,6 +98,7 @@ fn cuda_async_managed_conformance() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn per_thread_default_stream() {
+    let _serial = Caps::gpu(256).serialise();
     let pool = CudaAsync::new().unwrap();
     let cuda = Cuda::new().unwrap();
     let any = AnyResource::<Device>::new(CudaAsync::new().unwrap());

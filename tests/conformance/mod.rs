@@ -74,6 +74,17 @@ impl Caps {
         }
     }
 
+    /// GPU cases run one resource at a time: run all at once, the pools (which keep what
+    /// they reserve) and 1 GiB blocks of a dozen tests would exhaust the device and turn
+    /// the run into a crawl of out-of-memory retries. Host cases run in parallel.
+    pub fn serialise(&self) -> Option<std::sync::MutexGuard<'static, ()>> {
+        static GPU: Mutex<()> = Mutex::new(());
+        self.thread_streams.map(|_| {
+            GPU.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        })
+    }
+
     /// The caps for thread `t` of `four_threads`.
     fn for_thread(self, t: usize) -> Self {
         match self.thread_streams {
@@ -529,6 +540,7 @@ macro_rules! conformance_tests {
             $(#[$attr])*
             #[test]
             fn random_sizes() {
+                let _serial = $caps.serialise();
                 let resource = $make;
                 $crate::conformance::random_sizes(&resource, $caps, 42);
             }
@@ -536,6 +548,7 @@ macro_rules! conformance_tests {
             $(#[$attr])*
             #[test]
             fn mixed_steps() {
+                let _serial = $caps.serialise();
                 let resource = $make;
                 $crate::conformance::mixed_steps(&resource, $caps, 43);
             }
@@ -543,6 +556,7 @@ macro_rules! conformance_tests {
             $(#[$attr])*
             #[test]
             fn equality() {
+                let _serial = $caps.serialise();
                 let (one, other) = ($make, $make);
                 $crate::conformance::equality(&one, &other, $caps);
             }
@@ -555,6 +569,7 @@ macro_rules! conformance_tests {
         $($attr)*
         #[test]
         fn $case() {
+            let _serial = $caps.serialise();
             let resource = $make;
             $crate::conformance::$case(&resource, $caps);
         }
