@@ -57,6 +57,7 @@ pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_wit
 pub use stream::StreamRef;
 pub use upstream::{
     Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, HostHeap, Managed, PinnedHost,
+    SamHeadroom, System,
 };
 
 /// The README's example is compiled and run as a doc test.

@@ -7,8 +7,8 @@ mod conformance;
 use conformance::{Api, Caps, Driver};
 use memres::upstream::CudaAsyncConfig;
 use memres::{
-    AnyResource, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Device, PinnedHost, ResourceExt,
-    StreamRef, layout,
+    AnyResource, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Device, Error, PinnedHost,
+    ResourceExt, StreamRef, layout,
 };
 
 fn device() -> memres::device::DeviceId {
@@ -67,7 +67,7 @@ conformance_tests!(
 fn managed_pool() -> Option<CudaAsyncManaged> {
     match CudaAsyncManaged::new() {
         Ok(r) => Some(r),
-        Err(memres::Error::Unsupported(why)) => {
+        Err(Error::Unsupported(why)) => {
             eprintln!("CudaAsyncManaged unsupported here: {why}");
             None
         }
@@ -119,4 +119,54 @@ fn per_thread_default_stream() {
             });
         }
     });
+}
+
+/// `System` and `SamHeadroom` where the device reaches pageable memory (HMM/ATS); where it
+/// does not, both constructors must say `Unsupported`. The test says which side it saw.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn system_memory_on_either_side_of_the_hmm_check() {
+    let caps = Caps::gpu(4096);
+    let _serial = caps.serialise();
+    let dev = cudarc::driver::result::device::get(0).unwrap();
+    let attr = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS;
+    // SAFETY: `dev` was returned by `device::get`.
+    let pageable = unsafe { cudarc::driver::result::device::get_attribute(dev, attr) }.unwrap();
+    match (memres::System::new(), memres::SamHeadroom::new(1 << 30)) {
+        (Ok(system), Ok(sam)) => {
+            assert_eq!(
+                pageable, 1,
+                "System was made though the device lacks pageable access"
+            );
+            eprintln!("pageable memory access: yes; running System and SamHeadroom");
+            for_each_case(&system, caps);
+            for_each_case(&sam, caps);
+            // All the device's memory as headroom: everything is advised to the host.
+            let all = memres::SamHeadroom::new(usize::MAX).unwrap();
+            for_each_case(&all, caps);
+        }
+        (Err(Error::Unsupported(a)), Err(Error::Unsupported(b))) => {
+            assert_eq!(
+                pageable, 0,
+                "System refused though the device has pageable access"
+            );
+            assert!(a.contains("PAGEABLE_MEMORY_ACCESS"), "{a}");
+            assert!(b.contains("PAGEABLE_MEMORY_ACCESS"), "{b}");
+            eprintln!("pageable memory access: no; System and SamHeadroom say: {a}");
+        }
+        (a, b) => panic!("System: {a:?}, SamHeadroom: {b:?}"),
+    }
+}
+
+fn for_each_case<R: memres::Resource + Sync>(r: &R, caps: Caps) {
+    conformance::zero_bytes(r, caps);
+    conformance::fixed_sizes(r, caps);
+    conformance::alignments(r, caps);
+    conformance::out_of_memory_then_usable(r, caps);
+    conformance::random_sizes(r, caps, 42);
+    conformance::mixed_steps(r, caps, 43);
+    conformance::four_threads(r, caps);
+    conformance::cross_thread_free(r, caps);
+    conformance::cross_stream_free(r, caps);
+    conformance::equality(r, r, caps);
 }

@@ -54,6 +54,9 @@ fn every_cuda_constructor_reports_no_driver() {
         CudaAsyncView::from_raw(std::ptr::null_mut(), d0)
     });
     assert_no_driver("CudaAsyncManaged::new", CudaAsyncManaged::new());
+    assert_no_driver("System::new", memres::System::new());
+    assert_no_driver("System::on", memres::System::on(d0));
+    assert_no_driver("SamHeadroom::new", memres::SamHeadroom::new(1 << 30));
 }
 
 #[test]

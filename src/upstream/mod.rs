@@ -10,6 +10,8 @@
 //! | [`CudaAsync`] | a driver pool it owns (`cuMemAllocFromPoolAsync`) | device |
 //! | [`CudaAsyncView`] | a driver pool it does not own | device |
 //! | [`CudaAsyncManaged`] | the device's managed pool (CUDA 13) | host + device |
+//! | [`System`] | host memory the GPU reaches through HMM/ATS | host + device |
+//! | [`SamHeadroom`] | as `System`, keeping some GPU memory free | host + device |
 //!
 //! Every CUDA leaf returns [`Error::NoDriver`](crate::Error::NoDriver) from its constructor
 //! where libcuda is absent, maps the driver's out-of-memory to
@@ -23,6 +25,7 @@ pub(crate) mod driver_leaf;
 mod host_heap;
 mod managed;
 mod pinned_host;
+mod system;
 
 pub use callback::Callback;
 pub use cuda::Cuda;
@@ -30,3 +33,4 @@ pub use cuda_async::{CudaAsync, CudaAsyncConfig, CudaAsyncManaged, CudaAsyncView
 pub use host_heap::HostHeap;
 pub use managed::Managed;
 pub use pinned_host::PinnedHost;
+pub use system::{SamHeadroom, System};

@@ -1,0 +1,227 @@
+//! System memory the GPU reaches directly: [`System`] and [`SamHeadroom`].
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use cudarc::driver::sys;
+
+use super::host_heap::HostHeap;
+use crate::device::{Context, DeviceId, bind, process_is_exiting};
+use crate::driver::check;
+use crate::error::Error;
+use crate::property::HostDevice;
+use crate::resource::{Resource, SyncResource};
+use crate::stream::StreamRef;
+
+/// The check both resources make: the device can access pageable host memory (HMM or
+/// ATS), else [`Error::Unsupported`].
+fn pageable_access(device: DeviceId) -> Result<Context, Error> {
+    let ctx = Context::primary(device)?;
+    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS;
+    if device.attribute(attr)? == 0 {
+        return Err(Error::unsupported(format!(
+            "{device} cannot access pageable host memory \
+             (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0: no HMM or ATS); \
+             use Managed or PinnedHost instead"
+        )));
+    }
+    Ok(ctx)
+}
+
+/// Ordinary host memory (the Rust global allocator) used directly by the GPU, on systems
+/// where the device can access pageable memory through HMM or ATS (RMM's
+/// `system_memory_resource`).
+///
+/// - Host- and device-accessible; any power-of-two alignment (at least 256 is used).
+/// - [`System::new`] checks `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` and returns
+///   [`Error::Unsupported`] where it is 0.
+/// - Streams: memory is usable at once; the stream-ordered `deallocate` synchronises its
+///   stream before freeing, since kernels on it may still use the memory.
+/// - Stateless: all `System`s are equal.
+#[derive(Debug, Clone, Copy)]
+pub struct System {
+    ctx: Context,
+}
+
+impl System {
+    /// System memory for the current device, if it can access pageable memory.
+    pub fn new() -> Result<System, Error> {
+        System::on(DeviceId::current()?)
+    }
+
+    /// System memory for `device`, if it can access pageable memory.
+    pub fn on(device: DeviceId) -> Result<System, Error> {
+        Ok(System {
+            ctx: pageable_access(device)?,
+        })
+    }
+
+    /// The device the resource was checked for.
+    pub fn device(&self) -> DeviceId {
+        self.ctx.device()
+    }
+
+    fn layout(layout: Layout) -> Layout {
+        // A no-op for every layout that is already 256-aligned; larger alignments stay.
+        layout
+            .align_to(crate::DEFAULT_ALIGNMENT)
+            .expect("a valid layout stays valid aligned to 256")
+    }
+}
+
+impl PartialEq for System {
+    /// Always: host memory from one `System` may be freed by any other.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+// SAFETY: blocks come from the global allocator (`HostHeap`) with the caller's size and
+// at least its alignment; the device reaches them through HMM/ATS, which the constructor
+// checked; any `System` may free them.
+unsafe impl SyncResource for System {
+    type Properties = HostDevice;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        HostHeap.allocate_sync(Self::layout(layout))
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the block came from `allocate_sync`, i.e. `HostHeap` with this layout
+        // widened the same way; nothing uses it any more (the caller's promise).
+        unsafe { HostHeap.deallocate_sync(ptr, Self::layout(layout)) }
+    }
+}
+
+// SAFETY: as for `SyncResource`; the stream-ordered free waits for the stream first.
+unsafe impl Resource for System {
+    fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate_sync(layout)
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() != 0
+            && !process_is_exiting()
+            && let Err(e) = stream.synchronize_in(self.ctx)
+        {
+            tracing::error!(%e, "memres: System: stream failed; block leaked");
+            return;
+        }
+        // SAFETY: the work ordered before this free on `stream` is done (synchronised
+        // above), so nothing uses the memory; it came from this resource with `layout`.
+        unsafe { self.deallocate_sync(ptr, layout) }
+    }
+}
+
+/// [`System`] memory that leaves `headroom` bytes of GPU memory free (RMM's
+/// `sam_headroom_memory_resource`).
+///
+/// On a system where the GPU reaches host memory (HMM/ATS), pages of system memory can
+/// migrate to the GPU when it touches them. This resource advises each new allocation
+/// where to live: the part that fits in the device's free memory less `headroom`
+/// prefers the device, and the rest prefers the host, so the GPU always keeps `headroom`
+/// bytes for other allocations (CUDA's own, a cuBLAS workspace). The advice is checked
+/// against free memory at allocation time; later allocations elsewhere are not re-advised.
+///
+/// Otherwise as [`System`]; two `SamHeadroom`s are equal (either may free the other's
+/// memory).
+#[derive(Debug, Clone, Copy)]
+pub struct SamHeadroom {
+    system: System,
+    headroom: usize,
+}
+
+impl SamHeadroom {
+    /// Keeps `headroom` bytes of the current device's memory free.
+    pub fn new(headroom: usize) -> Result<SamHeadroom, Error> {
+        Ok(SamHeadroom {
+            system: System::new()?,
+            headroom,
+        })
+    }
+
+    /// The headroom in bytes.
+    pub fn headroom(&self) -> usize {
+        self.headroom
+    }
+
+    /// How many of `size` bytes may live on the device now, rounded down to 256 bytes.
+    fn device_portion(&self, size: usize) -> Result<usize, Error> {
+        let free = self.system.device().memory_info()?.free;
+        let allowed = free.saturating_sub(self.headroom).min(size);
+        Ok(allowed & !(crate::DEFAULT_ALIGNMENT - 1))
+    }
+
+    /// Sets the preferred location of `[start, start + len)`.
+    fn advise(&self, start: usize, len: usize, on_device: bool) -> Result<(), Error> {
+        let location = if on_device {
+            sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.system.device().ordinal(),
+            }
+        } else {
+            sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                id: 0,
+            }
+        };
+        let advice = sys::CUmem_advise::CU_MEM_ADVISE_SET_PREFERRED_LOCATION;
+        let _current = bind(self.system.ctx)?;
+        // SAFETY: the range lies inside a live allocation of this resource; advice only
+        // changes where pages prefer to live, never their contents.
+        check(unsafe { sys::cuMemAdvise_v2(start as u64, len, advice, location) })
+    }
+
+    fn place(&self, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
+        let on_device = self.device_portion(size)?;
+        let start = ptr.as_ptr() as usize;
+        if on_device > 0 {
+            self.advise(start, on_device, true)?;
+        }
+        if on_device < size {
+            self.advise(start + on_device, size - on_device, false)?;
+        }
+        Ok(())
+    }
+}
+
+impl PartialEq for SamHeadroom {
+    /// Always: the memory is system memory, which any of them may free.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+// SAFETY: as `System`, whose blocks these are; the advice changes only page placement.
+unsafe impl SyncResource for SamHeadroom {
+    type Properties = HostDevice;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let ptr = self.system.allocate_sync(layout)?;
+        if layout.size() > 0
+            && let Err(e) = self.place(ptr, layout.size())
+        {
+            // SAFETY: allocated just above with `layout`, never handed out.
+            unsafe { self.system.deallocate_sync(ptr, layout) };
+            return Err(e);
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the block came from `self.system` with `layout` (the caller's promise).
+        unsafe { self.system.deallocate_sync(ptr, layout) }
+    }
+}
+
+// SAFETY: as for `SyncResource`; the free goes through `System`'s stream-ordered free.
+unsafe impl Resource for SamHeadroom {
+    fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate_sync(layout)
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller keeps `deallocate`'s contract; the block is `System`'s.
+        unsafe { self.system.deallocate(stream, ptr, layout) }
+    }
+}
