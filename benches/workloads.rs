@@ -82,6 +82,12 @@ fn report(
     ops: usize,
     mut run: impl FnMut() -> f64,
 ) {
+    // `MEMRES_WORKLOADS` (comma-separated names) limits which workloads run.
+    if let Ok(only) = std::env::var("MEMRES_WORKLOADS")
+        && !only.split(',').any(|w| w == workload)
+    {
+        return;
+    }
     run();
     let mut r: Vec<f64> = (0..3).map(|_| run()).collect();
     r.sort_by(f64::total_cmp);
