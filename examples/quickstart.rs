@@ -5,15 +5,17 @@
 //! cargo run --release --example quickstart
 //! ```
 //!
-//! Runs anywhere; where a CUDA driver is installed it also says which GPU it found.
+//! Runs anywhere; where a CUDA driver and a GPU are present it also allocates on the GPU.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use memres::device::DeviceId;
+use memres::stream::{Stream, StreamFlags};
 use memres::{
-    AnyResource, Callback, Error, Host, HostHeap, Resource, ResourceExt, ResourceRef, StreamRef,
-    SyncResource, layout,
+    AnyResource, Callback, CudaAsync, Error, Host, HostHeap, Resource, ResourceExt, ResourceRef,
+    StreamRef, SyncResource, layout,
 };
 
 /// Bytes in flight and the high-water mark, kept by the counting layer of the stack.
@@ -103,32 +105,32 @@ fn main() -> Result<(), Error> {
     Ok(())
 }
 
-/// Says which GPU is here, if a CUDA driver is installed. memres's CUDA resources build on
-/// the same driver; without one, they return `Error::NoDriver`.
+/// Where a CUDA driver and a GPU are present, allocates device memory in stream order
+/// from a driver pool; elsewhere says why not. Errors are reported, never fatal.
 fn report_gpu() {
-    if !memres::driver::is_present() {
-        println!("CUDA driver: not found (host memory only)");
-        return;
+    match use_gpu() {
+        Ok(done) => println!("{done}"),
+        Err(Error::NoDriver) => println!("CUDA driver: not found (host memory only)"),
+        Err(e) => println!("GPU: not used ({e})"),
     }
-    use cudarc::driver::result;
-    let found = result::init().and_then(|()| {
-        let count = result::device::get_count()?;
-        let mut names = Vec::new();
-        for ordinal in 0..count {
-            let dev = result::device::get(ordinal)?;
-            // SAFETY: `dev` was returned by `device::get` just above.
-            let bytes = unsafe { result::device::total_mem(dev)? };
-            names.push(format!(
-                "{} ({} GiB)",
-                result::device::get_name(dev)?,
-                bytes >> 30
-            ));
-        }
-        Ok(names)
-    });
-    match found {
-        Ok(names) if names.is_empty() => println!("CUDA driver: found, but no GPU"),
-        Ok(names) => println!("CUDA driver: found; GPUs: {}", names.join(", ")),
-        Err(e) => println!("CUDA driver: found, but {}", Error::from(e)),
-    }
+}
+
+fn use_gpu() -> Result<String, Error> {
+    let device = DeviceId::current()?;
+    let stream = Stream::with_flags(StreamFlags::NonBlocking)?;
+    let pool = CudaAsync::new()?;
+    let l = layout(64 << 20)?;
+    let p = pool.allocate(stream.as_ref(), l)?;
+    // SAFETY: allocated just above on `stream`; no work uses it.
+    unsafe { pool.deallocate(stream.as_ref(), p, l) };
+    stream.synchronize()?;
+    let info = device.memory_info()?;
+    Ok(format!(
+        "GPU {device} ({}): allocated and freed 64 MiB in stream order from a CudaAsync pool \
+         (reserved now: {} MiB; device free/total: {}/{} GiB)",
+        device.name()?,
+        pool.reserved_bytes()? >> 20,
+        info.free >> 30,
+        info.total >> 30
+    ))
 }

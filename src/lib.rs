@@ -29,8 +29,12 @@
 //!   yours).
 //! - [`erased`] holds [`ResourceRef`], [`SyncResourceRef`], [`AnyResource`],
 //!   [`AnySyncResource`] and [`Shared`].
-//! - [`stream`] holds [`StreamRef`].
-//! - [`upstream`] holds the leaf resources ([`HostHeap`], [`Callback`]).
+//! - [`stream`] holds [`StreamRef`], owned streams, events and the stream pool.
+//! - [`upstream`] holds the leaf resources: [`HostHeap`], [`Callback`], and the CUDA ones
+//!   ([`Cuda`], [`Managed`], [`PinnedHost`], [`CudaAsync`], [`CudaAsyncView`],
+//!   [`CudaAsyncManaged`], [`System`], [`SamHeadroom`]).
+//! - [`device`] holds devices, the per-device default resource and
+//!   [`process_is_exiting`](device::process_is_exiting).
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
