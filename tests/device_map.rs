@@ -2,45 +2,18 @@
 //! per-device calls need no driver, so most of this runs in CI with stand-in resources;
 //! the current-device calls and the lazily made `Cuda` default need a GPU.
 
-use std::alloc::Layout;
-use std::ptr::NonNull;
-
 use memres::device::{
     self, DeviceId, per_device_resource, reset_per_device_resource, set_per_device_resource,
 };
-use memres::{AnyResource, Device, HostHeap, Resource, StreamRef, SyncResource};
+use memres::{AnyResource, Device, SyncResource};
 
-/// A stand-in that claims device access (the tests never touch its memory, and never hand
-/// it to a kernel) and carries an id to tell instances apart.
-#[derive(Debug, PartialEq)]
-struct StandIn(u32);
+mod common;
 
-// SAFETY: blocks come from the heap; the claimed device access is never used (see above);
-// equal ids free through the same heap.
-unsafe impl SyncResource for StandIn {
-    type Properties = Device;
-    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
-        HostHeap.allocate_sync(l)
-    }
-    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
-        // SAFETY: forwards the caller's promise; the block came from the heap.
-        unsafe { HostHeap.deallocate_sync(p, l) }
-    }
-}
-
-// SAFETY: as for `SyncResource`.
-unsafe impl Resource for StandIn {
-    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
-        self.allocate_sync(l)
-    }
-    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
-        // SAFETY: forwards the caller's promise.
-        unsafe { self.deallocate_sync(p, l) }
-    }
-}
+/// Heap memory claiming device access (never handed to a kernel), with an id.
+type StandIn = common::HeapAs<Device>;
 
 fn id_of(r: &AnyResource<Device>) -> u32 {
-    r.downcast_ref::<StandIn>().expect("a stand-in").0
+    r.downcast_ref::<StandIn>().expect("a stand-in").id
 }
 
 /// Device ordinals no real machine has, so these tests never meet a real default.
@@ -49,14 +22,15 @@ const FAKE: [DeviceId; 2] = [DeviceId::new(1000), DeviceId::new(1001)];
 #[test]
 fn set_get_reset_from_many_threads() {
     let dev = FAKE[0];
-    assert!(set_per_device_resource(dev, AnyResource::new(StandIn(0))).is_none());
+    assert!(set_per_device_resource(dev, AnyResource::new(StandIn::new(0))).is_none());
     std::thread::scope(|s| {
         for t in 1..=8u32 {
             s.spawn(move || {
                 for i in 0..200u32 {
                     let mine = t * 1000 + i;
-                    let previous = set_per_device_resource(dev, AnyResource::new(StandIn(mine)))
-                        .expect("the slot is never empty while the threads run");
+                    let previous =
+                        set_per_device_resource(dev, AnyResource::new(StandIn::new(mine)))
+                            .expect("the slot is never empty while the threads run");
                     // What was there is some thread's resource, alive and usable.
                     let l = memres::layout(64).unwrap();
                     let p = previous.allocate_sync(l).unwrap();
@@ -78,9 +52,9 @@ fn set_get_reset_from_many_threads() {
 
 #[test]
 fn devices_are_independent() {
-    set_per_device_resource(FAKE[1], AnyResource::new(StandIn(7)));
+    set_per_device_resource(FAKE[1], AnyResource::new(StandIn::new(7)));
     let other = DeviceId::new(1002);
-    set_per_device_resource(other, AnyResource::new(StandIn(8)));
+    set_per_device_resource(other, AnyResource::new(StandIn::new(8)));
     assert_eq!(id_of(&per_device_resource(FAKE[1]).unwrap()), 7);
     assert_eq!(id_of(&per_device_resource(other).unwrap()), 8);
     assert_eq!(id_of(&reset_per_device_resource(other).unwrap()), 8);

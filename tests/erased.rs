@@ -10,39 +10,15 @@ use memres::{
 
 static HEAP: HostHeap = HostHeap::new();
 
-/// A stateful resource: equal only to resources with the same `id`.
-#[derive(Debug, PartialEq)]
-struct Tagged {
-    id: u32,
-}
+mod common;
 
-// SAFETY: blocks come from `HEAP` (never touched by the tests, whatever the claimed set);
-// equal `Tagged`s free through the same heap.
-unsafe impl SyncResource for Tagged {
-    type Properties = HostDevice; // claims both; the tests never touch the memory
-    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
-        HEAP.allocate_sync(l)
-    }
-    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
-        // SAFETY: forwards the caller's promise; all memory came from `HEAP`.
-        unsafe { HEAP.deallocate_sync(p, l) }
-    }
-}
-
-// SAFETY: as for `SyncResource`.
-unsafe impl Resource for Tagged {
-    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
-        self.allocate_sync(l)
-    }
-    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
-        // SAFETY: forwards the caller's promise.
-        unsafe { self.deallocate_sync(p, l) }
-    }
-}
+/// A stateful resource: equal only to resources with the same `id`. Claims both host and
+/// device access; the tests never hand its memory to a kernel.
+type Tagged = common::HeapAs<HostDevice>;
 
 #[test]
 fn equality_compares_type_then_value() {
-    let (a, a2, b) = (Tagged { id: 1 }, Tagged { id: 1 }, Tagged { id: 2 });
+    let (a, a2, b) = (Tagged::new(1), Tagged::new(1), Tagged::new(2));
     let ra = ResourceRef::<Host>::new(&a);
     assert_eq!(ra, ResourceRef::new(&a2), "same type, equal values");
     assert_ne!(ra, ResourceRef::new(&b), "same type, different values");
@@ -59,26 +35,26 @@ fn equality_compares_type_then_value() {
 
 #[test]
 fn any_resource_equality_and_clones() {
-    let a = AnyResource::<Host>::new(Tagged { id: 7 });
+    let a = AnyResource::<Host>::new(Tagged::new(7));
     let clone = a.clone();
     assert_eq!(a, clone);
-    assert_eq!(a, AnyResource::new(Tagged { id: 7 }));
-    assert_ne!(a, AnyResource::new(Tagged { id: 8 }));
+    assert_eq!(a, AnyResource::new(Tagged::new(7)));
+    assert_ne!(a, AnyResource::new(Tagged::new(8)));
     assert_ne!(a, AnyResource::new(HostHeap::new()));
     // A borrowed view of an AnyResource is the inner resource, not a second layer.
-    assert_eq!(a.as_resource_ref(), ResourceRef::new(&Tagged { id: 7 }));
-    assert_eq!(a.downcast_ref::<Tagged>(), Some(&Tagged { id: 7 }));
+    assert_eq!(a.as_resource_ref(), ResourceRef::new(&Tagged::new(7)));
+    assert_eq!(a.downcast_ref::<Tagged>(), Some(&Tagged::new(7)));
     assert_eq!(a.downcast_ref::<HostHeap>(), None);
 }
 
 #[test]
 fn narrowing_keeps_the_resource() {
-    let t = Tagged { id: 3 };
+    let t = Tagged::new(3);
     let both: ResourceRef<'_, HostDevice> = ResourceRef::new(&t);
     let device: ResourceRef<'_, memres::Device> = both.narrow();
     let none: ResourceRef<'_, ()> = device.narrow();
     assert_eq!(none, ResourceRef::new(&t));
-    let any = AnyResource::<HostDevice>::new(Tagged { id: 3 }).narrow::<memres::Host>();
+    let any = AnyResource::<HostDevice>::new(Tagged::new(3)).narrow::<memres::Host>();
     assert_eq!(any.as_resource_ref(), ResourceRef::<Host>::new(&t));
     let sync: SyncResourceRef<'_, HostDevice> = both.as_sync();
     assert_eq!(sync.narrow::<()>(), SyncResourceRef::new(&t));
@@ -129,17 +105,13 @@ fn memory_moves_between_clones_and_threads() {
 
 #[test]
 fn shared_clones_share_state() {
-    let a = Shared::new(Tagged { id: 1 });
+    let a = Shared::new(Tagged::new(1));
     let b = a.clone();
     assert!(Shared::ptr_eq(&a, &b));
     assert_eq!(Shared::owners(&a), 2);
     assert_eq!(a, b);
-    assert_eq!(
-        a,
-        Shared::new(Tagged { id: 1 }),
-        "equal resources are equal"
-    );
-    assert_ne!(a, Shared::new(Tagged { id: 2 }));
+    assert_eq!(a, Shared::new(Tagged::new(1)), "equal resources are equal");
+    assert_ne!(a, Shared::new(Tagged::new(2)));
     drop(b);
     assert_eq!(Shared::owners(&a), 1);
     assert_eq!(a.id, 1, "Shared derefs to the resource");

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::ptr::NonNull;
 
 use memres::device::{DeviceId, process_is_exiting, set_per_device_resource};
-use memres::{AnyResource, Device, HostHeap, Resource, StreamRef, SyncResource};
+use memres::{AnyResource, Device, Resource, StreamRef, SyncResource};
 
 /// Wraps a resource and says, when dropped, whether the process was exiting.
 #[derive(PartialEq)]
@@ -48,33 +48,10 @@ unsafe impl<R: Resource> Resource for Announces<R> {
     }
 }
 
-/// A stand-in claiming device access, for the host-only run (never touched, never given
-/// to a kernel).
-#[derive(PartialEq)]
-struct StandIn;
+mod common;
 
-// SAFETY: heap blocks; the claimed device access is never used.
-unsafe impl SyncResource for StandIn {
-    type Properties = Device;
-    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, memres::Error> {
-        HostHeap.allocate_sync(l)
-    }
-    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
-        // SAFETY: forwards the caller's promise.
-        unsafe { HostHeap.deallocate_sync(p, l) }
-    }
-}
-
-// SAFETY: as for `SyncResource`.
-unsafe impl Resource for StandIn {
-    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, memres::Error> {
-        self.allocate_sync(l)
-    }
-    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
-        // SAFETY: forwards the caller's promise.
-        unsafe { self.deallocate_sync(p, l) }
-    }
-}
+/// Heap memory claiming device access, for the host-only run (never given to a kernel).
+type StandIn = common::HeapAs<Device>;
 
 fn in_child() -> bool {
     std::env::var_os("MEMRES_EXIT_CHILD").is_some()
@@ -108,7 +85,10 @@ fn child_leaves_a_host_resource_in_the_map() {
     if !in_child() {
         return;
     }
-    set_per_device_resource(DeviceId::new(2000), AnyResource::new(Announces(StandIn)));
+    set_per_device_resource(
+        DeviceId::new(2000),
+        AnyResource::new(Announces(StandIn::new(0))),
+    );
 }
 
 #[test]

@@ -3,7 +3,7 @@
 use cudarc::driver::sys;
 
 use super::driver_leaf::sync_driver_leaf;
-use crate::device::{Context, DeviceId};
+use crate::device::Context;
 use crate::driver::{check_alloc, report};
 use crate::error::Error;
 use crate::property::DeviceAccessible;
@@ -39,25 +39,6 @@ pub struct Cuda {
 impl Cuda {
     /// The alignment of every block, and the largest alignment `Cuda` honours.
     pub const ALIGNMENT: usize = 256;
-
-    /// Device memory on the current device.
-    pub fn new() -> Result<Cuda, Error> {
-        Ok(Cuda {
-            ctx: Context::current()?,
-        })
-    }
-
-    /// Device memory on `device`.
-    pub fn on(device: DeviceId) -> Result<Cuda, Error> {
-        Ok(Cuda {
-            ctx: Context::primary(device)?,
-        })
-    }
-
-    /// The device the memory lives on.
-    pub fn device(&self) -> DeviceId {
-        self.ctx.device()
-    }
 
     /// `cuMemAlloc`, with the resource's context current.
     fn alloc(&self, layout: std::alloc::Layout) -> Result<usize, Error> {

@@ -49,13 +49,35 @@ pub(crate) fn accept(
     }
 }
 
-/// Implements `SyncResource` and `Resource` for a leaf whose `alloc(&self, layout)` and
+/// Implements `new`, `on` and `device`, and `SyncResource` and `Resource`, for a leaf
+/// struct holding its context in `ctx`, whose `alloc(&self, layout)` and
 /// `free(&self, address, layout)` methods call the driver synchronously, with the context in
 /// `self.ctx` current. Stream-ordered `allocate` is the sync allocation (memory usable at
 /// once is usable in any stream order); stream-ordered `deallocate` first synchronises the
 /// stream, so that work enqueued on it before the free is done when the memory goes back.
 macro_rules! sync_driver_leaf {
-    ($ty:ty, $props:ty, $max_align:expr, $name:literal) => {
+    ($ty:ident, $props:ty, $max_align:expr, $name:literal) => {
+        impl $ty {
+            #[doc = concat!("A `", $name, "` resource for the current device.")]
+            pub fn new() -> Result<$ty, $crate::error::Error> {
+                Ok($ty {
+                    ctx: $crate::device::Context::current()?,
+                })
+            }
+
+            #[doc = concat!("A `", $name, "` resource for `device`.")]
+            pub fn on(device: $crate::device::DeviceId) -> Result<$ty, $crate::error::Error> {
+                Ok($ty {
+                    ctx: $crate::device::Context::primary(device)?,
+                })
+            }
+
+            /// The device the resource belongs to.
+            pub fn device(&self) -> $crate::device::DeviceId {
+                self.ctx.device()
+            }
+        }
+
         // SAFETY: blocks come from the driver with at least `layout.size()` bytes, checked
         // to be aligned (`accept`), and stay valid until freed; the properties are the
         // driver's for this kind of memory (see the type's docs); equal resources use the

@@ -3,7 +3,7 @@
 use cudarc::driver::sys;
 
 use super::driver_leaf::sync_driver_leaf;
-use crate::device::{Context, DeviceId};
+use crate::device::Context;
 use crate::driver::{check_alloc, report};
 use crate::error::Error;
 use crate::property::HostDevice;
@@ -24,25 +24,6 @@ pub struct Managed {
 impl Managed {
     /// The largest alignment `Managed` honours.
     pub const ALIGNMENT: usize = 256;
-
-    /// Managed memory, with the current device as the one it belongs to.
-    pub fn new() -> Result<Managed, Error> {
-        Ok(Managed {
-            ctx: Context::current()?,
-        })
-    }
-
-    /// Managed memory belonging to `device`.
-    pub fn on(device: DeviceId) -> Result<Managed, Error> {
-        Ok(Managed {
-            ctx: Context::primary(device)?,
-        })
-    }
-
-    /// The device the resource belongs to.
-    pub fn device(&self) -> DeviceId {
-        self.ctx.device()
-    }
 
     fn alloc(&self, layout: std::alloc::Layout) -> Result<usize, Error> {
         let size = layout.size();

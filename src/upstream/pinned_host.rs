@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 
 use super::driver_leaf::sync_driver_leaf;
-use crate::device::{Context, DeviceId};
+use crate::device::Context;
 use crate::driver::{check_alloc, report};
 use crate::error::Error;
 use crate::property::HostDevice;
@@ -35,25 +35,6 @@ impl PinnedHost {
 
     /// The alignment `cuMemHostAlloc` itself gives.
     const DRIVER_ALIGNMENT: usize = 256;
-
-    /// Pinned memory registered with the current device's context.
-    pub fn new() -> Result<PinnedHost, Error> {
-        Ok(PinnedHost {
-            ctx: Context::current()?,
-        })
-    }
-
-    /// Pinned memory registered with `device`'s context.
-    pub fn on(device: DeviceId) -> Result<PinnedHost, Error> {
-        Ok(PinnedHost {
-            ctx: Context::primary(device)?,
-        })
-    }
-
-    /// The device the resource belongs to.
-    pub fn device(&self) -> DeviceId {
-        self.ctx.device()
-    }
 
     /// `cuMemHostAlloc`. It aligns blocks to 256 bytes but no further (seen on an H100 with
     /// driver 580: a 1023-byte request aligned to 1024 came back only 512-aligned), so a

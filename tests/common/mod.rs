@@ -1,0 +1,57 @@
+//! Stand-in resources shared by the integration tests.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::alloc::Layout;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+use memres::{Error, HostHeap, PropertySet, Resource, StreamRef, SyncResource};
+
+/// Heap memory that claims the properties `P`, told apart from other instances by `id`
+/// (equal ids: equal resources). For tests of types, maps and erasure: whatever `P` claims
+/// beyond host access must never be used (no kernel is ever given its memory).
+#[derive(Debug)]
+pub struct HeapAs<P> {
+    pub id: u32,
+    properties: PhantomData<fn() -> P>,
+}
+
+impl<P> HeapAs<P> {
+    pub fn new(id: u32) -> Self {
+        HeapAs {
+            id,
+            properties: PhantomData,
+        }
+    }
+}
+
+impl<P> PartialEq for HeapAs<P> {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+// SAFETY: blocks come from the heap; the claimed properties beyond host access are never
+// used (the type's contract with the tests); all instances free through the same heap.
+unsafe impl<P: PropertySet> SyncResource for HeapAs<P> {
+    type Properties = P;
+    fn allocate_sync(&self, l: Layout) -> Result<NonNull<u8>, Error> {
+        HostHeap.allocate_sync(l)
+    }
+    unsafe fn deallocate_sync(&self, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise; the block came from the heap.
+        unsafe { HostHeap.deallocate_sync(p, l) }
+    }
+}
+
+// SAFETY: as for `SyncResource`; heap memory is usable at once in any stream order.
+unsafe impl<P: PropertySet> Resource for HeapAs<P> {
+    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate_sync(l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef<'_>, p: NonNull<u8>, l: Layout) {
+        // SAFETY: forwards the caller's promise.
+        unsafe { self.deallocate_sync(p, l) }
+    }
+}
