@@ -81,16 +81,7 @@ fn cuda_async_managed_conformance() {
     let caps = Caps::gpu(256);
     let _serial = caps.serialise();
     let Some(r) = managed_pool() else { return };
-    conformance::zero_bytes(&r, caps);
-    conformance::fixed_sizes(&r, caps);
-    conformance::alignments(&r, caps);
-    conformance::out_of_memory_then_usable(&r, caps);
-    conformance::random_sizes(&r, caps, 42);
-    conformance::mixed_steps(&r, caps, 43);
-    conformance::four_threads(&r, caps);
-    conformance::cross_thread_free(&r, caps);
-    conformance::cross_stream_free(&r, caps);
-    conformance::equality(&r, &managed_pool().unwrap(), caps);
+    conformance::every_case(&r, &managed_pool().unwrap(), caps);
 }
 
 /// The per-thread default stream names a different stream on every thread; allocations
@@ -139,11 +130,11 @@ fn system_memory_on_either_side_of_the_hmm_check() {
                 "System was made though the device lacks pageable access"
             );
             eprintln!("pageable memory access: yes; running System and SamHeadroom");
-            for_each_case(&system, caps);
-            for_each_case(&sam, caps);
+            conformance::every_case(&system, &system, caps);
+            conformance::every_case(&sam, &sam, caps);
             // All the device's memory as headroom: everything is advised to the host.
             let all = memres::SamHeadroom::new(usize::MAX).unwrap();
-            for_each_case(&all, caps);
+            conformance::every_case(&all, &all, caps);
         }
         (Err(Error::Unsupported(a)), Err(Error::Unsupported(b))) => {
             assert_eq!(
@@ -156,17 +147,4 @@ fn system_memory_on_either_side_of_the_hmm_check() {
         }
         (a, b) => panic!("System: {a:?}, SamHeadroom: {b:?}"),
     }
-}
-
-fn for_each_case<R: memres::Resource + Sync>(r: &R, caps: Caps) {
-    conformance::zero_bytes(r, caps);
-    conformance::fixed_sizes(r, caps);
-    conformance::alignments(r, caps);
-    conformance::out_of_memory_then_usable(r, caps);
-    conformance::random_sizes(r, caps, 42);
-    conformance::mixed_steps(r, caps, 43);
-    conformance::four_threads(r, caps);
-    conformance::cross_thread_free(r, caps);
-    conformance::cross_stream_free(r, caps);
-    conformance::equality(r, r, caps);
 }

@@ -75,16 +75,7 @@ fn nothing_leaks() {
     };
     // SAFETY: heap memory is host-accessible and usable at once on any stream.
     let counted = unsafe { Callback::<Host>::new(allocate, deallocate) };
-    let caps = Caps::host();
-    conformance::zero_bytes(&counted, caps);
-    conformance::fixed_sizes(&counted, caps);
-    conformance::alignments(&counted, caps);
-    conformance::out_of_memory_then_usable(&counted, caps);
-    conformance::random_sizes(&counted, caps, 1);
-    conformance::mixed_steps(&counted, caps, 2);
-    conformance::four_threads(&counted, caps);
-    conformance::cross_thread_free(&counted, caps);
-    conformance::cross_stream_free(&counted, caps);
+    conformance::every_case(&counted, &counted, Caps::host());
     assert_eq!(*live.lock().unwrap(), 0);
 }
 

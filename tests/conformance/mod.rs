@@ -522,6 +522,21 @@ pub fn equality<R: Resource>(one: &R, other: &R, caps: Caps) {
     }
 }
 
+/// Every case, one after the other, on one resource (for resources that cannot go
+/// through [`conformance_tests!`], such as ones that may be unsupported on a machine).
+pub fn every_case<R: Resource + Sync>(r: &R, other: &R, caps: Caps) {
+    zero_bytes(r, caps);
+    fixed_sizes(r, caps);
+    alignments(r, caps);
+    out_of_memory_then_usable(r, caps);
+    random_sizes(r, caps, 42);
+    mixed_steps(r, caps, 43);
+    four_threads(r, caps);
+    cross_thread_free(r, caps);
+    cross_stream_free(r, caps);
+    equality(r, other, caps);
+}
+
 /// Makes one `#[test]` per conformance case for a resource.
 ///
 /// `conformance_tests!($(#[attr])* name, make_resource_expr, caps_expr);` The expression
