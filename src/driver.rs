@@ -44,11 +44,42 @@ pub(crate) fn init() -> Result<(), Error> {
         // SAFETY: the library is present (checked above), and `cuInit(0)` has no other
         // precondition; it may be called any number of times.
         check(unsafe { sys::cuInit(0) })?;
-        // Registered after `cuInit`, so it runs before the driver's own exit handlers.
+        // At the latest here, right after `cuInit` (see `device::exit`).
         crate::device::register_exit_hook();
         Ok(())
     })
     .clone()
+}
+
+/// The driver's CUDA version (`cuDriverGetVersion`: 13000 for CUDA 13.0), once it is
+/// initialised. Entry points newer than the oldest driver memres supports check it first:
+/// cudarc would panic on a symbol the driver lacks.
+pub(crate) fn version() -> Result<i32, Error> {
+    static VERSION: OnceLock<Result<i32, Error>> = OnceLock::new();
+    init()?;
+    VERSION
+        .get_or_init(|| {
+            let mut v = 0;
+            // SAFETY: the driver is loaded and initialised; `v` is a valid place.
+            check(unsafe { sys::cuDriverGetVersion(&mut v) })?;
+            Ok(v)
+        })
+        .clone()
+}
+
+/// [`Error::Unsupported`] unless the driver is at least `required` (e.g. 13000).
+pub(crate) fn require_version(required: i32, what: &str) -> Result<(), Error> {
+    let have = version()?;
+    if have < required {
+        return Err(Error::unsupported(format!(
+            "{what} needs a CUDA {}.{} driver; this one is {}.{}",
+            required / 1000,
+            required % 1000 / 10,
+            have / 1000,
+            have % 1000 / 10
+        )));
+    }
+    Ok(())
 }
 
 /// `Ok(())` for `CUDA_SUCCESS`, else the error (out-of-memory as [`Error::OutOfMemory`] of

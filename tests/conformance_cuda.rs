@@ -132,9 +132,13 @@ fn system_memory_on_either_side_of_the_hmm_check() {
             eprintln!("pageable memory access: yes; running System and SamHeadroom");
             conformance::every_case(&system, &system, caps);
             conformance::every_case(&sam, &sam, caps);
-            // All the device's memory as headroom: everything is advised to the host.
+            // All the device's memory as headroom: everything is advised to the host;
+            // none: a small block prefers the device. Read the advice back.
             let all = memres::SamHeadroom::new(usize::MAX).unwrap();
             conformance::every_case(&all, &all, caps);
+            assert_eq!(preferred_location(&all), -1, "CU_DEVICE_CPU");
+            let none = memres::SamHeadroom::new(0).unwrap();
+            assert_eq!(preferred_location(&none), 0, "device 0");
         }
         (Err(Error::Unsupported(a)), Err(Error::Unsupported(b))) => {
             assert_eq!(
@@ -147,4 +151,30 @@ fn system_memory_on_either_side_of_the_hmm_check() {
         }
         (a, b) => panic!("System: {a:?}, SamHeadroom: {b:?}"),
     }
+}
+
+/// Where the pages of a fresh 1 MiB block of `r` prefer to live (a device ordinal, or -1
+/// for the host), read back with `cuMemRangeGetAttribute`.
+fn preferred_location(r: &memres::SamHeadroom) -> i32 {
+    use memres::SyncResource;
+    let l = layout(1 << 20).unwrap();
+    let p = r.allocate_sync(l).unwrap();
+    let _on = memres::device::DeviceGuard::new(device()).unwrap();
+    let mut location: i32 = -2;
+    let attr =
+        cudarc::driver::sys::CUmem_range_attribute::CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION;
+    // SAFETY: the range is a live 1 MiB block; the attribute is a 4-byte int.
+    let result = unsafe {
+        cudarc::driver::sys::cuMemRangeGetAttribute(
+            (&mut location as *mut i32).cast(),
+            4,
+            attr,
+            p.as_ptr() as u64,
+            1 << 20,
+        )
+    };
+    assert_eq!(result, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: allocated above with `l`; only its attributes were read.
+    unsafe { r.deallocate_sync(p, l) };
+    location
 }

@@ -2,6 +2,8 @@
 //! `Error::NoDriver` and nothing panics. On a GPU machine this file checks nothing: the
 //! GPU tests cover those paths there.
 
+mod common;
+
 use memres::device::{self, DeviceId};
 use memres::stream::{Event, Stream, StreamFlags, StreamPool};
 use memres::upstream::{CudaAsyncConfig, ExportHandle};
@@ -78,6 +80,16 @@ fn devices_streams_and_defaults_report_no_driver() {
     assert_no_driver("StreamPool::new", StreamPool::new());
     assert_no_driver("Event::new", Event::new());
     assert_no_driver("synchronize", StreamRef::DEFAULT.synchronize());
+    assert_no_driver(
+        "per-thread synchronize",
+        StreamRef::PER_THREAD.synchronize(),
+    );
+    assert_no_driver("reset_current_resource", device::reset_current_resource());
+    let stand_in = memres::AnyResource::new(common::HeapAs::<memres::Device>::new(1));
+    assert_no_driver(
+        "set_current_resource",
+        device::set_current_resource(stand_in),
+    );
     assert_no_driver("current_resource", device::current_resource());
     assert_no_driver(
         "per_device_resource",

@@ -12,9 +12,18 @@ use std::ptr::NonNull;
 use memres::device::{DeviceId, process_is_exiting, set_per_device_resource};
 use memres::{AnyResource, Device, Resource, StreamRef, SyncResource};
 
-/// Wraps a resource and says, when dropped, whether the process was exiting.
-#[derive(PartialEq)]
-struct Announces<R>(R);
+/// Wraps a resource (and keeps other CUDA objects alive with it) and says, when dropped,
+/// whether the process was exiting.
+struct Announces<R>(
+    R,
+    #[allow(dead_code)] Vec<Box<dyn std::any::Any + Send + Sync>>,
+);
+
+impl<R: PartialEq> PartialEq for Announces<R> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
 
 impl<R> Drop for Announces<R> {
     fn drop(&mut self) {
@@ -87,7 +96,7 @@ fn child_leaves_a_host_resource_in_the_map() {
     }
     set_per_device_resource(
         DeviceId::new(2000),
-        AnyResource::new(Announces(StandIn::new(0))),
+        AnyResource::new(Announces(StandIn::new(0), Vec::new())),
     );
 }
 
@@ -111,10 +120,15 @@ fn child_leaves_a_cuda_pool_with_live_memory_in_the_map() {
     // Left allocated on purpose: the pool is dropped at exit with a block still out.
     let _block = pool.allocate(StreamRef::DEFAULT, l).unwrap();
     let dev = DeviceId::current().unwrap();
-    set_per_device_resource(dev, AnyResource::new(Announces(pool)));
+    // A stream, an event and a stream taken from cudarc, dropped at exit with the pool.
     let stream = memres::stream::Stream::new().unwrap();
-    // A stream and an event outliving `main` as well.
-    std::mem::forget(stream);
+    let event = memres::stream::Event::new().unwrap();
+    event.record(stream.as_ref()).unwrap();
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let theirs = memres::stream::Stream::from_cudarc(ctx.new_stream().unwrap()).unwrap();
+    let extras: Vec<Box<dyn std::any::Any + Send + Sync>> =
+        vec![Box::new(stream), Box::new(event), Box::new(theirs)];
+    set_per_device_resource(dev, AnyResource::new(Announces(pool, extras)));
 }
 
 #[test]

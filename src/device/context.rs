@@ -1,6 +1,7 @@
 //! Primary contexts, and making one current for the length of a call.
 
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::sys;
@@ -63,7 +64,10 @@ pub(crate) fn bind(ctx: Context) -> Result<Bound, Error> {
     // SAFETY: `ctx` exists only once the driver is initialised; `current` is a valid place.
     check(unsafe { sys::cuCtxGetCurrent(&mut current) })?;
     if current == ctx.raw() {
-        return Ok(Bound { previous: None });
+        return Ok(Bound {
+            previous: None,
+            thread: PhantomData,
+        });
     }
     // SAFETY: `ctx` is a primary context retained for the life of the process.
     check(unsafe { sys::cuCtxSetCurrent(ctx.raw()) })?;
@@ -71,6 +75,7 @@ pub(crate) fn bind(ctx: Context) -> Result<Bound, Error> {
     // fast path (the CUDA runtime likewise makes device 0 current on first use).
     Ok(Bound {
         previous: (!current.is_null()).then_some(current as usize),
+        thread: PhantomData,
     })
 }
 
@@ -78,6 +83,8 @@ pub(crate) fn bind(ctx: Context) -> Result<Bound, Error> {
 #[must_use]
 pub(crate) struct Bound {
     previous: Option<usize>,
+    /// The current context is per thread: the guard must drop on the thread that made it.
+    thread: PhantomData<*const ()>,
 }
 
 impl Drop for Bound {

@@ -3,10 +3,12 @@
 //! Resources kept for the life of the process (the per-device defaults) are dropped from an
 //! `atexit` handler. By then the CUDA driver may be tearing itself down, and calling it
 //! (`cuMemFree`, `cuMemPoolDestroy`) can crash, which is what RMM users meet when a static
-//! resource outlives the runtime. memres registers its handler right after `cuInit`, so it
-//! runs before the driver's own handlers (they run in reverse order of registration); it
-//! sets [`process_is_exiting`] and then drops the per-device resources, whose `Drop`s see
-//! the flag and leave the memory to the driver's teardown.
+//! resource outlives the runtime. memres registers its handler once, at the first of
+//! `cuInit` or the first use of the per-device map; handlers run in reverse order of
+//! registration, so it may run before or after the driver's own. Either way it first sets
+//! [`process_is_exiting`] and only then drops the per-device resources, and every memres
+//! `Drop` that would call the driver checks the flag and leaves the memory to the
+//! process's teardown instead.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};

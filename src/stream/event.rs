@@ -76,9 +76,14 @@ impl Event {
         }
     }
 
-    /// Makes work enqueued on `stream` from now on wait for the event.
-    pub(super) fn enqueue_wait(&self, stream: CUstream) -> Result<(), Error> {
-        let _current = bind(self.ctx)?;
+    pub(super) fn context(&self) -> Context {
+        self.ctx
+    }
+
+    /// Makes work enqueued on `stream` from now on wait for the event, with `ctx` current
+    /// (it decides which stream a default-stream handle names).
+    pub(super) fn enqueue_wait(&self, stream: CUstream, ctx: Context) -> Result<(), Error> {
+        let _current = bind(ctx)?;
         // SAFETY: the event is ours; `stream` is live for the caller's borrow.
         check(unsafe { sys::cuStreamWaitEvent(stream, self.raw(), 0) })
     }

@@ -153,10 +153,16 @@ impl<'a> StreamRef<'a> {
 
     /// Makes all work enqueued on this stream from now on wait until `event` completes. For
     /// a host stream (which has no queue) this waits for the event on the host.
+    ///
+    /// The default and per-thread streams are those of the current device, as in
+    /// [`synchronize`](Self::synchronize).
     pub fn wait_for(self, event: &Event) -> Result<(), Error> {
         match self.as_raw() {
             None => event.synchronize(),
-            Some(raw) => event.enqueue_wait(raw),
+            Some(raw) if self.is_default() || self.is_per_thread() => {
+                event.enqueue_wait(raw, Context::current()?)
+            }
+            Some(raw) => event.enqueue_wait(raw, event.context()),
         }
     }
 }

@@ -124,8 +124,14 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.cudarc.is_some() || process_is_exiting() {
+        if process_is_exiting() {
+            // cudarc's own drop would call the driver (destroy the stream, release the
+            // context): leave everything to the process's teardown.
+            std::mem::forget(self.cudarc.take());
             return;
+        }
+        if self.cudarc.is_some() {
+            return; // cudarc destroys its stream when its last reference goes
         }
         let Ok(_current) = bind(self.ctx) else { return };
         // SAFETY: the stream is ours and no `StreamRef` to it outlives `self` (borrowck).

@@ -18,7 +18,8 @@ use crate::property::DeviceAccessible;
 ///   `allocate` is ignored. The stream-ordered `deallocate` synchronises its stream before
 ///   `cuMemFree`, so work enqueued before the free is done with the memory.
 /// - Each call goes to the driver (microseconds); put a `Pool` over it for hot loops.
-/// - Equality: two `Cuda` resources are equal when they belong to the same device.
+/// - Equality: all `Cuda` resources are equal (as RMM's): with unified addressing the
+///   driver finds a block's device from its address, so any of them may free it.
 /// - Without a CUDA driver, [`Cuda::new`] returns [`Error::NoDriver`].
 ///
 /// ```no_run
@@ -31,7 +32,7 @@ use crate::property::DeviceAccessible;
 /// unsafe { cuda.deallocate_sync(p, l) };
 /// # Ok::<(), memres::Error>(())
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy)]
 pub struct Cuda {
     ctx: Context,
 }

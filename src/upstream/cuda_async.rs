@@ -242,13 +242,7 @@ impl CudaAsync {
     pub fn on(device: DeviceId, config: CudaAsyncConfig) -> Result<CudaAsync, Error> {
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
-        if device.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?
-            == 0
-        {
-            return Err(Error::unsupported(format!(
-                "{device} does not support stream-ordered memory pools"
-            )));
-        }
+        require_pools(device)?;
         check_export_support(device, config.export)?;
 
         // SAFETY: `CUmemPoolProps` is plain data (integers, a pointer, bytes) for which
@@ -345,6 +339,16 @@ impl CudaAsync {
     }
 }
 
+fn require_pools(device: DeviceId) -> Result<(), Error> {
+    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+    if device.attribute(attr)? == 0 {
+        return Err(Error::unsupported(format!(
+            "{device} does not support stream-ordered memory pools"
+        )));
+    }
+    Ok(())
+}
+
 fn check_export_support(device: DeviceId, export: ExportHandle) -> Result<(), Error> {
     if export == ExportHandle::None {
         return Ok(());
@@ -404,6 +408,7 @@ impl CudaAsyncView {
     /// `cudaMallocAsync` uses, alive as long as the process.
     pub fn default_pool(device: DeviceId) -> Result<CudaAsyncView, Error> {
         let ctx = Context::primary(device)?;
+        require_pools(device)?;
         let dev = device.handle()?;
         let mut pool = std::ptr::null_mut();
         // SAFETY: `dev` is a valid device; `pool` is a valid place for the handle.
@@ -471,6 +476,7 @@ impl CudaAsyncManaged {
     /// `device`'s default managed pool.
     pub fn on(device: DeviceId) -> Result<CudaAsyncManaged, Error> {
         let ctx = Context::primary(device)?;
+        crate::driver::require_version(13000, "a managed memory pool")?;
         let concurrent = device
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?;
         if concurrent == 0 {

@@ -49,7 +49,8 @@ pub(crate) fn accept(
     }
 }
 
-/// Implements `new`, `on` and `device`, and `SyncResource` and `Resource`, for a leaf
+/// Implements `new`, `on`, `device`, equality (always equal), and `SyncResource` and
+/// `Resource`, for a leaf
 /// struct holding its context in `ctx`, whose `alloc(&self, layout)` and
 /// `free(&self, address, layout)` methods call the driver synchronously, with the context in
 /// `self.ctx` current. Stream-ordered `allocate` is the sync allocation (memory usable at
@@ -77,6 +78,15 @@ macro_rules! sync_driver_leaf {
                 self.ctx.device()
             }
         }
+
+        impl PartialEq for $ty {
+            /// Always: a stateless leaf may free any block of its kind (RMM's rule).
+            fn eq(&self, _: &Self) -> bool {
+                true
+            }
+        }
+
+        impl Eq for $ty {}
 
         // SAFETY: blocks come from the driver with at least `layout.size()` bytes, checked
         // to be aligned (`accept`), and stay valid until freed; the properties are the

@@ -15,8 +15,8 @@ use crate::property::HostDevice;
 ///   [`Error::InvalidArgument`].
 /// - Streams: usable at once on every stream, so `allocate`'s stream is ignored; the
 ///   stream-ordered `deallocate` synchronises its stream before `cuMemFree`.
-/// - Equality: equal when they belong to the same device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// - Equality: all `Managed` resources are equal (any of them may free the memory).
+#[derive(Debug, Clone, Copy)]
 pub struct Managed {
     ctx: Context,
 }

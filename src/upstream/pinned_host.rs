@@ -23,8 +23,8 @@ use crate::property::HostDevice;
 /// - Streams: usable at once on every stream; the stream-ordered `deallocate` synchronises
 ///   its stream before `cuMemFreeHost`, since copies enqueued on it may still read the
 ///   memory.
-/// - Equality: equal when they belong to the same device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// - Equality: all `PinnedHost` resources are equal (any of them may free the memory).
+#[derive(Debug, Clone, Copy)]
 pub struct PinnedHost {
     ctx: Context,
 }
@@ -43,14 +43,14 @@ impl PinnedHost {
     /// does the same).
     fn alloc(&self, layout: Layout) -> Result<usize, Error> {
         if layout.align() <= Self::DRIVER_ALIGNMENT {
-            return self.alloc_raw(layout.size());
+            return self.alloc_raw(layout.size(), layout.size());
         }
         let word = size_of::<usize>();
         let total = layout
             .size()
             .checked_add(layout.align() + word)
             .ok_or(Error::out_of_memory(layout.size()))?;
-        let base = self.alloc_raw(total)?;
+        let base = self.alloc_raw(total, layout.size())?;
         let aligned = (base + word).next_multiple_of(layout.align());
         // SAFETY: `base..base + total` is a fresh host-accessible block; `aligned - word`
         // lies in it, at or after `base` (`aligned >= base + word`), and is word-aligned
@@ -76,11 +76,14 @@ impl PinnedHost {
         });
     }
 
-    fn alloc_raw(&self, size: usize) -> Result<usize, Error> {
+    /// `cuMemHostAlloc(size)`; out of memory is reported for `requested` bytes, what the
+    /// caller asked for.
+    fn alloc_raw(&self, size: usize, requested: usize) -> Result<usize, Error> {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: the context is current (the caller binds it); `p` is a valid place.
-        check_alloc(unsafe { sys::cuMemHostAlloc(&mut p, size, flags) }, size)?;
+        let result = unsafe { sys::cuMemHostAlloc(&mut p, size, flags) };
+        check_alloc(result, requested)?;
         Ok(p as usize)
     }
 }

@@ -61,11 +61,12 @@ impl System {
         self.ctx.device()
     }
 
-    fn layout(layout: Layout) -> Layout {
-        // A no-op for every layout that is already 256-aligned; larger alignments stay.
+    /// The layout widened to 256-byte alignment (a no-op for most); a size so close to
+    /// `isize::MAX` that the widening overflows cannot be served: out of memory.
+    fn layout(layout: Layout) -> Result<Layout, Error> {
         layout
             .align_to(crate::DEFAULT_ALIGNMENT)
-            .expect("a valid layout stays valid aligned to 256")
+            .map_err(|_| Error::out_of_memory(layout.size()))
     }
 }
 
@@ -83,13 +84,17 @@ unsafe impl SyncResource for System {
     type Properties = HostDevice;
 
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
-        HostHeap.allocate_sync(Self::layout(layout))
+        HostHeap.allocate_sync(Self::layout(layout)?)
     }
 
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // A layout that could not be widened was never served, so it is never freed.
+        let Ok(widened) = Self::layout(layout) else {
+            return;
+        };
         // SAFETY: the block came from `allocate_sync`, i.e. `HostHeap` with this layout
         // widened the same way; nothing uses it any more (the caller's promise).
-        unsafe { HostHeap.deallocate_sync(ptr, Self::layout(layout)) }
+        unsafe { HostHeap.deallocate_sync(ptr, widened) }
     }
 }
 
@@ -134,8 +139,14 @@ pub struct SamHeadroom {
 impl SamHeadroom {
     /// Keeps `headroom` bytes of the current device's memory free.
     pub fn new(headroom: usize) -> Result<SamHeadroom, Error> {
+        SamHeadroom::on(DeviceId::current()?, headroom)
+    }
+
+    /// Keeps `headroom` bytes of `device`'s memory free.
+    pub fn on(device: DeviceId, headroom: usize) -> Result<SamHeadroom, Error> {
+        crate::driver::require_version(12020, "SamHeadroom (cuMemAdvise_v2)")?;
         Ok(SamHeadroom {
-            system: System::new()?,
+            system: System::on(device)?,
             headroom,
         })
     }
@@ -147,7 +158,10 @@ impl SamHeadroom {
 
     /// How many of `size` bytes may live on the device now, rounded down to 256 bytes.
     fn device_portion(&self, size: usize) -> Result<usize, Error> {
-        let free = self.system.device().memory_info()?.free;
+        let _current = bind(self.system.ctx)?;
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: the device's context is current; both are valid places for results.
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
         let allowed = free.saturating_sub(self.headroom).min(size);
         Ok(allowed & !(crate::DEFAULT_ALIGNMENT - 1))
     }
