@@ -62,9 +62,17 @@ fn devices_are_independent() {
     reset_per_device_resource(FAKE[1]);
 }
 
+/// The tests that change the current device's resource run one at a time: they share it.
+fn current_device_tests() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_current_device_starts_with_a_cuda_resource() {
+    let _serial = current_device_tests();
     // All `Cuda` resources compare equal, so identity is checked by address: an
     // `AnyResource` shares one allocation among its clones.
     fn address(r: &AnyResource<Device>) -> *const memres::Cuda {
@@ -100,6 +108,7 @@ fn the_current_device_starts_with_a_cuda_resource() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn set_get_reset_on_the_current_device_from_many_threads() {
+    let _serial = current_device_tests();
     std::thread::scope(|s| {
         for t in 0..4u32 {
             s.spawn(move || {
