@@ -30,6 +30,9 @@ pub enum Error {
     OutOfMemory {
         /// Bytes asked for.
         requested: usize,
+        /// Set when a byte limit ran out rather than the memory (a `Limiting` adaptor):
+        /// the limit in bytes.
+        limit: Option<usize>,
     },
     /// A size, alignment or configuration value that the resource cannot accept; the
     /// message names the value and the rule it broke.
@@ -57,7 +60,19 @@ impl Error {
     /// a user's own [`SyncResource`](crate::SyncResource)), which cannot name the
     /// variant's fields directly because more may be added.
     pub const fn out_of_memory(requested: usize) -> Self {
-        Error::OutOfMemory { requested }
+        Error::OutOfMemory {
+            requested,
+            limit: None,
+        }
+    }
+
+    /// An [`Error::OutOfMemory`] for a request that would take a resource past its byte
+    /// `limit`.
+    pub const fn over_limit(requested: usize, limit: usize) -> Self {
+        Error::OutOfMemory {
+            requested,
+            limit: Some(limit),
+        }
     }
 
     /// An [`Error::InvalidArgument`] with the given message.
@@ -83,7 +98,7 @@ impl From<DriverError> for Error {
     fn from(e: DriverError) -> Self {
         use cudarc::driver::sys::CUresult;
         match e.0 {
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { requested: 0 },
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::out_of_memory(0),
             _ => Error::Driver(e),
         }
     }
@@ -112,11 +127,21 @@ impl fmt::Display for Bytes {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::OutOfMemory { requested: 0 } => f.write_str(
+            Error::OutOfMemory {
+                requested,
+                limit: Some(limit),
+            } => write!(
+                f,
+                "out of memory: allocating {} would pass the limit of {} \
+                 (free memory or raise the limit)",
+                Bytes(*requested),
+                Bytes(*limit)
+            ),
+            Error::OutOfMemory { requested: 0, .. } => f.write_str(
                 "out of memory: the resource could not serve the request \
                  (free memory, trim a pool, or lower the request)",
             ),
-            Error::OutOfMemory { requested } => write!(
+            Error::OutOfMemory { requested, .. } => write!(
                 f,
                 "out of memory: could not allocate {} \
                  (free memory, trim a pool, or lower the request)",
@@ -142,9 +167,10 @@ impl fmt::Display for Error {
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::OutOfMemory { requested } => f
+            Error::OutOfMemory { requested, limit } => f
                 .debug_struct("OutOfMemory")
                 .field("requested", requested)
+                .field("limit", limit)
                 .finish(),
             Error::InvalidArgument(msg) => f.debug_tuple("InvalidArgument").field(msg).finish(),
             Error::Misaligned { align, address } => f

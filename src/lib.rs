@@ -35,10 +35,14 @@
 //!   [`CudaAsyncManaged`], [`System`], [`SamHeadroom`]).
 //! - [`device`] holds devices, the per-device default resource and
 //!   [`process_is_exiting`](device::process_is_exiting).
+//! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
+//!   [`Limiting`](adaptor::Limiting), [`FailureRetry`](adaptor::FailureRetry),
+//!   [`ThreadSafe`](adaptor::ThreadSafe).
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
+pub mod adaptor;
 pub mod device;
 pub mod driver;
 pub mod erased;

@@ -126,3 +126,27 @@ fn memory_from_one_any_resource_clone_is_freed_through_another() {
         assert_eq!(drops.load(Ordering::Relaxed), 1);
     });
 }
+
+/// `Statistics`: counting from one thread while another pushes and pops a frame loses no
+/// count: afterwards the bytes and allocations balance and every allocation is in a total.
+#[test]
+fn statistics_frames_and_counting_race_without_losing_counts() {
+    use memres::adaptor::Statistics;
+    loom::model(|| {
+        let stats = Arc::new(Statistics::new(HostHeap::new()));
+        let counting = stats.clone();
+        let t = thread::spawn(move || {
+            use_once(&*counting);
+            use_once(&*counting);
+        });
+        stats.push_counters();
+        let _ = stats.pop_counters().unwrap();
+        t.join().unwrap();
+        let s = stats.snapshot();
+        assert_eq!(s.bytes.current, 0);
+        assert_eq!(s.allocations.current, 0);
+        assert_eq!(s.allocations.total, 2);
+        assert_eq!(s.bytes.total, 2 * 64);
+        assert!(s.bytes.peak == 64, "{s:?}");
+    });
+}

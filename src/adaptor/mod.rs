@@ -1,0 +1,45 @@
+//! Adaptors: layers that wrap an upstream resource and add one behaviour each.
+//!
+//! Every adaptor owns its upstream by value (`Statistics<Pool<Cuda>>`; use `&R`, `Arc<R>`
+//! or [`Shared`](crate::Shared) to share one), keeps every property of its upstream
+//! (`type Properties = U::Properties;`), implements both [`SyncResource`] and
+//! [`Resource`], and hands its upstream back with `upstream()`, `upstream_mut()` and
+//! `into_inner()`.
+//!
+//! [`SyncResource`]: crate::SyncResource
+//! [`Resource`]: crate::Resource
+
+mod failure_retry;
+mod limiting;
+mod statistics;
+mod thread_safe;
+
+pub use failure_retry::FailureRetry;
+pub use limiting::Limiting;
+pub use statistics::{Counter, Statistics, StatisticsSnapshot};
+pub use thread_safe::ThreadSafe;
+
+/// `upstream()`, `upstream_mut()` and `into_inner()` for an adaptor whose upstream is in
+/// the field `upstream`.
+macro_rules! upstream_access {
+    ($ty:ident<$u:ident $(, $rest:ident)*>) => {
+        impl<$u $(, $rest)*> $ty<$u $(, $rest)*> {
+            /// The wrapped resource.
+            pub fn upstream(&self) -> &$u {
+                &self.upstream
+            }
+
+            /// The wrapped resource, mutably.
+            pub fn upstream_mut(&mut self) -> &mut $u {
+                &mut self.upstream
+            }
+
+            /// Unwraps the adaptor, returning the upstream.
+            pub fn into_inner(self) -> $u {
+                self.upstream
+            }
+        }
+    };
+}
+
+pub(crate) use upstream_access;
