@@ -36,7 +36,8 @@
 //! - [`device`] holds devices, the per-device default resource and
 //!   [`process_is_exiting`](device::process_is_exiting).
 //! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
-//!   [`Limiting`](adaptor::Limiting), [`FailureRetry`](adaptor::FailureRetry),
+//!   [`Tracking`](adaptor::Tracking), [`Limiting`](adaptor::Limiting),
+//!   [`Aligned`](adaptor::Aligned), [`FailureRetry`](adaptor::FailureRetry),
 //!   [`ThreadSafe`](adaptor::ThreadSafe).
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is

@@ -9,7 +9,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use conformance::Caps;
-use memres::adaptor::{Counter, FailureRetry, Limiting, Statistics, ThreadSafe};
+use memres::adaptor::{Aligned, Counter, FailureRetry, Limiting, Statistics, ThreadSafe, Tracking};
 use memres::{
     AnyResource, Callback, Error, Has, Host, HostAccessible, HostHeap, PinnedHost, Resource,
     StreamRef, SyncResource, layout,
@@ -27,6 +27,12 @@ conformance_tests!(
     Caps::host()
 );
 conformance_tests!(thread_safe, ThreadSafe::new(HostHeap::new()), Caps::host());
+conformance_tests!(tracking, Tracking::new(HostHeap::new()), Caps::host());
+conformance_tests!(
+    aligned,
+    Aligned::new(HostHeap::new(), 4096, 0).unwrap(),
+    Caps::host()
+);
 conformance_tests!(
     stacked,
     Statistics::new(Limiting::new(ThreadSafe::new(HostHeap::new()), 1 << 40)),
@@ -326,4 +332,129 @@ fn thread_safe_shares_a_resource_that_is_not_sync() {
         s.spawn(|| (0..10_000).for_each(|_| assert!(a == b)));
         s.spawn(|| (0..10_000).for_each(|_| assert!(b == a)));
     });
+}
+
+#[test]
+fn aligned_rejects_bad_alignments_and_passes_small_requests_through() {
+    for bad in [0, 100, 128, 3000] {
+        assert!(matches!(
+            Aligned::new(HostHeap::new(), bad, 0),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    let seen = std::sync::Mutex::new(Vec::new());
+    let allocate = |l: Layout, _: StreamRef<'_>| {
+        seen.lock().unwrap().push((l.size(), l.align()));
+        HostHeap.allocate_sync(l)
+    };
+    // SAFETY: `Callback` passes back only blocks from `allocate`, from the heap.
+    let deallocate =
+        |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| unsafe { HostHeap.deallocate_sync(p, l) };
+    // SAFETY: heap memory, usable at once on any stream.
+    let up = unsafe { Callback::<Host>::new(allocate, deallocate) };
+    let a = Aligned::new(&up, 4096, 1 << 16).unwrap();
+    let small = alloc(&a, 1000); // below the threshold: straight through
+    let big = alloc(&a, 1 << 16); // at the threshold: realigned
+    assert_eq!((big.0.as_ptr() as usize) % 4096, 0);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [(1000, 256), ((1 << 16) + 4096 - 256, 256)]
+    );
+    free(&a, small);
+    free(&a, big);
+    // At the default alignment nothing is padded, whatever the size.
+    let plain = Aligned::new(&up, 256, 0).unwrap();
+    let b = alloc(&plain, 1 << 20);
+    free(&plain, b);
+    assert_eq!(seen.lock().unwrap().last(), Some(&(1 << 20, 256)));
+}
+
+#[test]
+fn aligned_realigns_a_crafted_upstream_address_and_frees_the_original() {
+    // An upstream that hands out blocks 256-aligned but never 4096-aligned.
+    let freed = std::sync::Mutex::new(Vec::new());
+    let allocate = |l: Layout, _: StreamRef<'_>| {
+        let wide = Layout::from_size_align(l.size() + 4096, 4096).unwrap();
+        let p = HostHeap.allocate_sync(wide)?;
+        // SAFETY: `wide` has 4096 more bytes than `l`, so `p + 256` is in bounds.
+        Ok(unsafe { p.add(256) })
+    };
+    let deallocate = |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| {
+        freed.lock().unwrap().push(p.as_ptr() as usize);
+        let wide = Layout::from_size_align(l.size() + 4096, 4096).unwrap();
+        // SAFETY: undoes `allocate`: `p - 256` came from the heap with `wide`.
+        unsafe { HostHeap.deallocate_sync(p.sub(256), wide) }
+    };
+    // SAFETY: heap memory, usable at once on any stream; blocks stay inside their
+    // heap allocation.
+    let odd = unsafe { Callback::<Host>::new(allocate, deallocate) };
+    let a = Aligned::new(&odd, 4096, 0).unwrap();
+    let l = layout(5000).unwrap();
+    let p = a.allocate(StreamRef::HOST, l).unwrap();
+    assert_eq!(p.as_ptr() as usize % 4096, 0, "realigned");
+    // Honoured, too: a per-call alignment above the adaptor's own.
+    let l2 = memres::layout_with_alignment(10, 1 << 14).unwrap();
+    let q = a.allocate_sync(l2).unwrap();
+    assert_eq!(q.as_ptr() as usize % (1 << 14), 0);
+    // SAFETY: both allocated above with their layouts.
+    unsafe {
+        a.deallocate(StreamRef::HOST, p, l);
+        a.deallocate_sync(q, l2);
+    }
+    let freed = freed.lock().unwrap();
+    assert_eq!(freed.len(), 2);
+    assert!(
+        freed.iter().all(|&f| f % 4096 == 256),
+        "the originals went back: {freed:?}"
+    );
+}
+
+#[test]
+fn tracking_reports_what_is_left_with_and_without_stacks() {
+    let t = Tracking::new(HostHeap::new());
+    let a = alloc(&t, 1000);
+    let b = alloc(&t, 24);
+    let z = alloc(&t, 0);
+    let left = t.outstanding();
+    assert_eq!(left.len(), 2, "zero-byte allocations are not tracked");
+    assert_eq!(t.allocated_bytes(), 1024);
+    assert!(left.iter().all(|o| o.stack.is_none()));
+    let report = t.report();
+    assert!(
+        report.contains(&format!("{:#x}: 1000 B", a.0.as_ptr() as usize)),
+        "{report}"
+    );
+    assert!(
+        report.contains(&format!("{:#x}: 24 B", b.0.as_ptr() as usize)),
+        "{report}"
+    );
+    free(&t, a);
+    free(&t, b);
+    free(&t, z);
+    assert!(t.outstanding().is_empty() && t.report().is_empty());
+
+    let s = Tracking::with_stacks(HostHeap::new());
+    let c = alloc(&s, 64);
+    let left = s.outstanding();
+    let stack = left[0].stack.as_deref().expect("a captured stack");
+    assert!(stack.contains("tracking_reports_what_is_left"), "{stack}");
+    assert!(s.report().contains("tracking_reports_what_is_left"));
+    free(&s, c);
+}
+
+#[test]
+fn tracking_survives_untracked_and_wrong_size_frees() {
+    let t = Tracking::new(HostHeap::new());
+    // Memory from before tracking (the heap is the same): no underflow, no panic.
+    let outside = alloc(&HostHeap, 512);
+    free(&t, outside);
+    assert_eq!(t.allocated_bytes(), 0);
+    // A wrong size: the record is cleared and the allocated size goes upstream (valgrind
+    // in CI would flag a mismatched free).
+    let l = layout(2048).unwrap();
+    let p = t.allocate_sync(l).unwrap();
+    // SAFETY: `p` came from `t`; the size is wrong on purpose, and Tracking corrects it.
+    unsafe { t.deallocate_sync(p, layout(100).unwrap()) };
+    assert_eq!(t.allocated_bytes(), 0);
+    assert!(t.outstanding().is_empty());
 }

@@ -9,15 +9,19 @@
 //! [`SyncResource`]: crate::SyncResource
 //! [`Resource`]: crate::Resource
 
+mod aligned;
 mod failure_retry;
 mod limiting;
 mod statistics;
 mod thread_safe;
+mod tracking;
 
+pub use aligned::Aligned;
 pub use failure_retry::FailureRetry;
 pub use limiting::Limiting;
 pub use statistics::{Counter, Statistics, StatisticsSnapshot};
 pub use thread_safe::ThreadSafe;
+pub use tracking::{Outstanding, Tracking};
 
 /// `upstream()`, `upstream_mut()` and `into_inner()` for an adaptor whose upstream is in
 /// the field `upstream`.

@@ -1,0 +1,207 @@
+//! [`Tracking`]: every live allocation, with where it was made.
+
+use std::alloc::Layout;
+use std::backtrace::Backtrace;
+use std::collections::HashMap;
+use std::fmt::{self, Write as _};
+use std::ptr::NonNull;
+
+use super::upstream_access;
+use crate::error::Error;
+use crate::resource::{Resource, SyncResource};
+use crate::stream::StreamRef;
+use crate::sync::Mutex;
+
+/// One live allocation, as [`Tracking::outstanding`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outstanding {
+    /// Its address.
+    pub address: usize,
+    /// Its size in bytes.
+    pub size: usize,
+    /// The call stack that allocated it, where stacks are captured.
+    pub stack: Option<String>,
+}
+
+struct Entry {
+    size: usize,
+    stack: Option<Backtrace>,
+}
+
+/// Records every live allocation, to find leaks (RMM's `tracking_resource_adaptor`).
+///
+/// - Every non-empty allocation is recorded with its size and, when made with
+///   [`Tracking::with_stacks`], the call stack that made it (`std::backtrace`, costly:
+///   for hunting a leak, not for production). Zero-byte allocations are not tracked.
+/// - [`outstanding`](Self::outstanding) is an owned snapshot; [`report`](Self::report)
+///   is one line per allocation (`0x…: N B`, then the stack if captured).
+/// - Freeing a pointer it does not know, or with another size than it was allocated with,
+///   is reported through `tracing::error!` — never a panic. A known pointer goes upstream
+///   with the size it was allocated with; an unknown one goes upstream as given.
+///
+/// ```
+/// use memres::adaptor::Tracking;
+/// use memres::{HostHeap, SyncResource, layout};
+///
+/// let tracked = Tracking::new(HostHeap::new());
+/// let l = layout(4096)?;
+/// let p = tracked.allocate_sync(l)?;
+/// assert_eq!(tracked.allocated_bytes(), 4096);
+/// assert!(tracked.report().contains(": 4096 B"));
+/// // SAFETY: allocated above with `l`.
+/// unsafe { tracked.deallocate_sync(p, l) };
+/// assert!(tracked.outstanding().is_empty());
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct Tracking<U> {
+    upstream: U,
+    stacks: bool,
+    live: Mutex<HashMap<usize, Entry>>,
+}
+
+upstream_access!(Tracking<U>);
+
+impl<U> Tracking<U> {
+    /// Tracks sizes, without call stacks.
+    pub fn new(upstream: U) -> Self {
+        Tracking {
+            upstream,
+            stacks: false,
+            live: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Tracks sizes and the call stack of every allocation.
+    pub fn with_stacks(upstream: U) -> Self {
+        Tracking {
+            stacks: true,
+            ..Tracking::new(upstream)
+        }
+    }
+
+    fn live(&self) -> crate::sync::MutexGuard<'_, HashMap<usize, Entry>> {
+        // Each update is one insert or remove: a poisoned map is still consistent.
+        self.live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The live allocations now, sorted by address.
+    pub fn outstanding(&self) -> Vec<Outstanding> {
+        let mut all: Vec<Outstanding> = self
+            .live()
+            .iter()
+            .map(|(&address, e)| Outstanding {
+                address,
+                size: e.size,
+                stack: e.stack.as_ref().map(|s| s.to_string()),
+            })
+            .collect();
+        all.sort_by_key(|o| o.address);
+        all
+    }
+
+    /// Bytes in live allocations.
+    pub fn allocated_bytes(&self) -> usize {
+        self.live().values().map(|e| e.size).sum()
+    }
+
+    /// One line per live allocation (`0x…: N B`), each followed by its call stack where
+    /// stacks are captured.
+    pub fn report(&self) -> String {
+        let mut out = String::new();
+        for o in self.outstanding() {
+            let _ = writeln!(out, "{:#x}: {} B", o.address, o.size);
+            if let Some(stack) = o.stack {
+                let _ = writeln!(out, "{stack}");
+            }
+        }
+        out
+    }
+
+    fn track(&self, ptr: NonNull<u8>, size: usize) {
+        if size == 0 {
+            return;
+        }
+        let stack = self.stacks.then(Backtrace::force_capture);
+        self.live()
+            .insert(ptr.as_ptr() as usize, Entry { size, stack });
+    }
+
+    /// Forgets the block; returns the layout to free it with upstream.
+    fn untrack(&self, ptr: NonNull<u8>, layout: Layout) -> Layout {
+        if layout.size() == 0 {
+            return layout;
+        }
+        let address = ptr.as_ptr() as usize;
+        match self.live().remove(&address) {
+            None => {
+                tracing::error!(
+                    address,
+                    size = layout.size(),
+                    "memres::Tracking: freeing memory it never handed out"
+                );
+                layout
+            }
+            Some(e) if e.size != layout.size() => {
+                tracing::error!(
+                    address,
+                    allocated = e.size,
+                    freed = layout.size(),
+                    "memres::Tracking: freed with another size than it was allocated with"
+                );
+                Layout::from_size_align(e.size, layout.align()).unwrap_or(layout)
+            }
+            Some(_) => layout,
+        }
+    }
+}
+
+impl<U: PartialEq> PartialEq for Tracking<U> {
+    /// Equal when the upstreams are (the record is bookkeeping, not ownership).
+    fn eq(&self, other: &Self) -> bool {
+        self.upstream == other.upstream
+    }
+}
+
+impl<U: fmt::Debug> fmt::Debug for Tracking<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tracking")
+            .field("upstream", &self.upstream)
+            .field("outstanding", &self.live().len())
+            .finish()
+    }
+}
+
+// SAFETY: every block comes from the upstream unchanged; the record never touches memory.
+unsafe impl<U: SyncResource> SyncResource for Tracking<U> {
+    type Properties = U::Properties;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let p = self.upstream.allocate_sync(layout)?;
+        self.track(p, layout.size());
+        Ok(p)
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        let layout = self.untrack(ptr, layout);
+        // SAFETY: the caller's promise; the layout is the one the block was allocated
+        // with where it is known.
+        unsafe { self.upstream.deallocate_sync(ptr, layout) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl<U: Resource> Resource for Tracking<U> {
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let p = self.upstream.allocate(stream, layout)?;
+        self.track(p, layout.size());
+        Ok(p)
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        let layout = self.untrack(ptr, layout);
+        // SAFETY: as in `deallocate_sync`, in the caller's stream order.
+        unsafe { self.upstream.deallocate(stream, ptr, layout) }
+    }
+}
