@@ -8,8 +8,10 @@
 //! use memres::{AnyResource, Host, HostHeap, ResourceExt};
 //!
 //! let mr: AnyResource<Host> = HostHeap::new()
-//!     .shared()      // Shared<HostHeap>: clones share one resource
-//!     .into_any();   // AnyResource<Host>: erased at the API boundary
+//!     .limited(1 << 30)  // Limiting<HostHeap>: at most 1 GiB outstanding
+//!     .with_statistics() // Statistics<Limiting<HostHeap>>
+//!     .shared()          // Shared<..>: clones share one stack
+//!     .into_any();       // AnyResource<Host>: erased at the API boundary
 //! ```
 //!
 //! Adaptors plug in through [`Layer`], as in tower: a layer is a small value that knows how
@@ -48,6 +50,57 @@ pub trait ResourceExt: SyncResource + Sized {
     #[inline]
     fn with<L: Layer<Self>>(self, layer: L) -> L::Resource {
         layer.layer(self)
+    }
+
+    /// Counts bytes and allocations: [`Statistics`](crate::adaptor::Statistics).
+    #[inline]
+    fn with_statistics(self) -> crate::adaptor::Statistics<Self> {
+        crate::adaptor::Statistics::new(self)
+    }
+
+    /// Records live allocations: [`Tracking`](crate::adaptor::Tracking) (call stacks too
+    /// when `stacks`).
+    #[inline]
+    fn with_tracking(self, stacks: bool) -> crate::adaptor::Tracking<Self> {
+        if stacks {
+            crate::adaptor::Tracking::with_stacks(self)
+        } else {
+            crate::adaptor::Tracking::new(self)
+        }
+    }
+
+    /// Caps the bytes outstanding: [`Limiting`](crate::adaptor::Limiting).
+    #[inline]
+    fn limited(self, limit: usize) -> crate::adaptor::Limiting<Self> {
+        crate::adaptor::Limiting::new(self, limit)
+    }
+
+    /// Aligns requests of at least `threshold` bytes to `alignment`:
+    /// [`Aligned`](crate::adaptor::Aligned).
+    #[inline]
+    fn aligned(
+        self,
+        alignment: usize,
+        threshold: usize,
+    ) -> Result<crate::adaptor::Aligned<Self>, crate::Error> {
+        crate::adaptor::Aligned::new(self, alignment, threshold)
+    }
+
+    /// Retries out-of-memory failures while `on_failure` says so:
+    /// [`FailureRetry`](crate::adaptor::FailureRetry).
+    #[inline]
+    fn retry_on_failure<F: Fn(usize) -> bool>(
+        self,
+        on_failure: F,
+    ) -> crate::adaptor::FailureRetry<Self, F> {
+        crate::adaptor::FailureRetry::new(self, on_failure)
+    }
+
+    /// Puts `self` behind a lock so it can be shared between threads:
+    /// [`ThreadSafe`](crate::adaptor::ThreadSafe).
+    #[inline]
+    fn thread_safe(self) -> crate::adaptor::ThreadSafe<Self> {
+        crate::adaptor::ThreadSafe::new(self)
     }
 
     /// Puts `self` behind a [`Shared`] handle whose clones share it.

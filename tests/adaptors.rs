@@ -458,3 +458,25 @@ fn tracking_survives_untracked_and_wrong_size_frees() {
     assert_eq!(t.allocated_bytes(), 0);
     assert!(t.outstanding().is_empty());
 }
+
+#[test]
+fn the_builder_reads_top_down_and_builds_the_nested_types() {
+    use memres::ResourceExt;
+    let stack: Statistics<Limiting<Tracking<HostHeap>>> = HostHeap::new()
+        .with_tracking(false)
+        .limited(1 << 20)
+        .with_statistics();
+    let b = alloc(&stack, 1000);
+    assert_eq!(stack.bytes().current, 1000);
+    assert_eq!(stack.upstream().allocated_bytes(), 1024);
+    assert_eq!(stack.upstream().upstream().outstanding().len(), 1);
+    free(&stack, b);
+    let other = HostHeap::new()
+        .aligned(4096, 0)
+        .unwrap()
+        .retry_on_failure(give_up)
+        .thread_safe();
+    let c = alloc(&other, 10);
+    assert_eq!(c.0.as_ptr() as usize % 4096, 0);
+    free(&other, c);
+}
