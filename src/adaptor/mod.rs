@@ -12,6 +12,7 @@
 mod aligned;
 mod failure_retry;
 mod limiting;
+mod logging;
 mod statistics;
 mod thread_safe;
 mod tracking;
@@ -19,6 +20,7 @@ mod tracking;
 pub use aligned::Aligned;
 pub use failure_retry::FailureRetry;
 pub use limiting::Limiting;
+pub use logging::{LOG_FILE_VARIABLE, Logging};
 pub use statistics::{Counter, Statistics, StatisticsSnapshot};
 pub use thread_safe::ThreadSafe;
 pub use tracking::{Outstanding, Tracking};

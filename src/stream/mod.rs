@@ -105,6 +105,14 @@ impl<'a> StreamRef<'a> {
         }
     }
 
+    /// The id of a host stream, or `None` for a CUDA stream.
+    pub const fn host_id(self) -> Option<u32> {
+        match self.repr {
+            Repr::Host(id) => Some(id),
+            Repr::Cuda(_) => None,
+        }
+    }
+
     /// True for a host stream, whose work is always complete.
     pub const fn is_host(self) -> bool {
         matches!(self.repr, Repr::Host(_))

@@ -1,0 +1,251 @@
+//! [`Logging`]: a CSV log of every allocation and free, readable by RMM's tools and ours.
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::fmt::{self, Write as _};
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::upstream_access;
+use crate::error::Error;
+use crate::log::{Action, HEADER};
+use crate::resource::{Resource, SyncResource};
+use crate::stream::StreamRef;
+use crate::sync::Mutex;
+
+/// The environment variable [`Logging::from_env`] reads the log's path from.
+pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
+
+/// Writes one CSV row per allocation, free and failed allocation (RMM's
+/// `logging_resource_adaptor`, same format: see [`crate::log`]).
+///
+/// - Frees are logged before the upstream free (so the row exists even if the free
+///   crashes); failures are logged and returned.
+/// - Each row is formatted on the calling thread into a reusable per-thread buffer, and
+///   only the finished bytes are copied into the shared writer under a short lock.
+/// - Nothing is lost: every row is in the writer's buffer when the call returns;
+///   [`flush`](Self::flush), auto-flush, and drop (the buffer flushes itself; an error
+///   there cannot be reported — call `flush` to see it) write it out.
+/// - Times are UTC wall clock (`HH:MM:SS.ffffff`); threads are OS thread ids.
+///
+/// ```
+/// use memres::adaptor::Logging;
+/// use memres::{HostHeap, SyncResource, layout};
+///
+/// let path = std::env::temp_dir().join("memres-doc-example.csv");
+/// let logged = Logging::to_file(HostHeap::new(), &path)?;
+/// let l = layout(100)?;
+/// let p = logged.allocate_sync(l)?;
+/// // SAFETY: allocated above with `l`.
+/// unsafe { logged.deallocate_sync(p, l) };
+/// logged.flush()?;
+/// let events = memres::log::read_events_from_path(&path)?;
+/// assert_eq!(events.len(), 2);
+/// # std::fs::remove_file(&path).ok();
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct Logging<U> {
+    upstream: U,
+    sink: Mutex<BufWriter<Box<dyn Write + Send>>>,
+    auto_flush: bool,
+}
+
+upstream_access!(Logging<U>);
+
+impl<U> Logging<U> {
+    /// Logs to `writer`, writing the header first.
+    pub fn to_writer(upstream: U, writer: impl Write + Send + 'static) -> Result<Self, Error> {
+        let mut sink: BufWriter<Box<dyn Write + Send>> = BufWriter::new(Box::new(writer));
+        writeln!(sink, "{HEADER}").map_err(io_error)?;
+        Ok(Logging {
+            upstream,
+            sink: Mutex::new(sink),
+            auto_flush: false,
+        })
+    }
+
+    /// Logs to the file at `path`, created or truncated.
+    pub fn to_file(upstream: U, path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        let file = File::create(path).map_err(|e| {
+            Error::invalid_argument(format!("cannot create the log {}: {e}", path.display()))
+        })?;
+        Logging::to_writer(upstream, file)
+    }
+
+    /// Logs to the file named by the environment variable `MEMRES_LOG_FILE`; its absence is
+    /// [`Error::InvalidArgument`] naming the variable.
+    pub fn from_env(upstream: U) -> Result<Self, Error> {
+        match std::env::var_os(LOG_FILE_VARIABLE) {
+            Some(path) => Logging::to_file(upstream, path),
+            None => Err(Error::invalid_argument(format!(
+                "no log file given and {LOG_FILE_VARIABLE} is not set"
+            ))),
+        }
+    }
+
+    /// Flushes after every row when `on` (slow; for logs that must survive a crash).
+    pub fn auto_flush(mut self, on: bool) -> Self {
+        self.auto_flush = on;
+        self
+    }
+
+    /// Writes everything logged so far out to the sink.
+    pub fn flush(&self) -> Result<(), Error> {
+        self.sink().flush().map_err(io_error)
+    }
+
+    fn sink(&self) -> crate::sync::MutexGuard<'_, BufWriter<Box<dyn Write + Send>>> {
+        // A panic while writing leaves at worst a partial row; keep logging.
+        self.sink
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn log(
+        &self,
+        action: Action,
+        pointer: Option<NonNull<u8>>,
+        size: usize,
+        stream: StreamRef<'_>,
+    ) {
+        ROW.with_borrow_mut(|row| {
+            row.clear();
+            format_row(row, action, pointer, size, stream);
+            let mut sink = self.sink();
+            let written = sink.write_all(row.as_bytes());
+            let flushed = if self.auto_flush {
+                sink.flush()
+            } else {
+                Ok(())
+            };
+            if let Err(e) = written.and(flushed) {
+                tracing::error!(%e, "memres::Logging: cannot write the log");
+            }
+        });
+    }
+}
+
+thread_local! {
+    /// Each thread formats its rows here, outside the lock.
+    static ROW: RefCell<String> = const { RefCell::new(String::new()) };
+    /// The OS thread id, looked up once per thread.
+    static THREAD: u64 = os_thread_id();
+}
+
+#[cfg(target_os = "linux")]
+fn os_thread_id() -> u64 {
+    unsafe extern "C" {
+        fn gettid() -> i32;
+    }
+    // SAFETY: `gettid` (glibc 2.30 and later) has no preconditions and cannot fail.
+    (unsafe { gettid() }) as u64
+}
+
+#[cfg(not(target_os = "linux"))]
+fn os_thread_id() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::thread::current().id().hash(&mut h);
+    h.finish()
+}
+
+fn format_row(
+    row: &mut String,
+    action: Action,
+    pointer: Option<NonNull<u8>>,
+    size: usize,
+    stream: StreamRef<'_>,
+) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let secs = now.as_secs() % 86_400;
+    let thread = THREAD.with(|t| *t);
+    let _ = write!(
+        row,
+        "{thread},{:02}:{:02}:{:02}.{:06},{},",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60,
+        now.subsec_micros(),
+        action.as_str()
+    );
+    let _ = match pointer {
+        Some(p) => write!(row, "{:#x},", p.as_ptr() as usize),
+        None => row.write_str("(nil),"),
+    };
+    let _ = match stream.as_raw() {
+        Some(raw) if raw.is_null() => writeln!(row, "{size},0"),
+        Some(raw) => writeln!(row, "{size},{:#x}", raw as usize),
+        None => writeln!(row, "{size},host:{}", stream.host_id().unwrap_or(0)),
+    };
+}
+
+fn io_error(e: io::Error) -> Error {
+    Error::invalid_argument(format!("cannot write the log: {e}"))
+}
+
+impl<U: PartialEq> PartialEq for Logging<U> {
+    /// Equal when the upstreams are.
+    fn eq(&self, other: &Self) -> bool {
+        self.upstream == other.upstream
+    }
+}
+
+impl<U: fmt::Debug> fmt::Debug for Logging<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Logging")
+            .field("upstream", &self.upstream)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: every block comes from the upstream unchanged; logging never touches memory.
+unsafe impl<U: SyncResource> SyncResource for Logging<U> {
+    type Properties = U::Properties;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let result = self.upstream.allocate_sync(layout);
+        self.log_allocation(&result, layout, StreamRef::DEFAULT);
+        result
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        self.log(Action::Free, Some(ptr), layout.size(), StreamRef::DEFAULT);
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe { self.upstream.deallocate_sync(ptr, layout) }
+    }
+}
+
+impl<U> Logging<U> {
+    fn log_allocation(
+        &self,
+        result: &Result<NonNull<u8>, Error>,
+        layout: Layout,
+        stream: StreamRef<'_>,
+    ) {
+        match result {
+            Ok(p) => self.log(Action::Allocate, Some(*p), layout.size(), stream),
+            Err(_) => self.log(Action::AllocateFailure, None, layout.size(), stream),
+        }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl<U: Resource> Resource for Logging<U> {
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let result = self.upstream.allocate(stream, layout);
+        self.log_allocation(&result, layout, stream);
+        result
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        self.log(Action::Free, Some(ptr), layout.size(), stream);
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe { self.upstream.deallocate(stream, ptr, layout) }
+    }
+}
