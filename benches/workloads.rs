@@ -14,6 +14,7 @@ use std::hint::black_box;
 use std::ptr::NonNull;
 use std::time::Instant;
 
+use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
 use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef, layout};
 
@@ -167,16 +168,47 @@ fn main() {
         if want("cuda") {
             suite("cuda", &Cuda::new().expect("Cuda"), true, true);
         }
+        let base = || CudaAsync::new().expect("CudaAsync");
         if want("cuda_async") {
-            suite(
-                "cuda_async",
-                &CudaAsync::new().expect("CudaAsync"),
-                true,
-                false,
-            );
+            suite("cuda_async", &base(), true, false);
         }
-    } else if want("host_heap") {
+        adaptor_suites("cuda_async", base, true, &want);
+    } else {
         eprintln!("no CUDA device: running the host stacks");
-        suite("host_heap", &HostHeap::new(), false, false);
+        if want("host_heap") {
+            suite("host_heap", &HostHeap::new(), false, false);
+        }
+        adaptor_suites("host_heap", HostHeap::new, false, &want);
+    }
+}
+
+/// The adaptors over `base`, each named `adaptor(base)` as the anchors name theirs.
+fn adaptor_suites<R: Resource + Send + Sync>(
+    base_name: &str,
+    base: impl Fn() -> R,
+    gpu: bool,
+    want: &dyn Fn(&str) -> bool,
+) {
+    let name = |adaptor: &str| format!("{adaptor}({base_name})");
+    if want(&name("statistics")) {
+        suite(&name("statistics"), &Statistics::new(base()), gpu, false);
+    }
+    if want(&name("tracking")) {
+        suite(&name("tracking"), &Tracking::new(base()), gpu, false);
+    }
+    if want(&name("limiting")) {
+        suite(
+            &name("limiting"),
+            &Limiting::new(base(), usize::MAX),
+            gpu,
+            false,
+        );
+    }
+    if want(&name("logging")) {
+        let path = std::env::temp_dir().join(format!("memres-bench-{}.csv", std::process::id()));
+        let logged = Logging::to_file(base(), &path).expect("a log file");
+        suite(&name("logging"), &logged, gpu, false);
+        drop(logged);
+        std::fs::remove_file(&path).ok();
     }
 }

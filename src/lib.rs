@@ -38,7 +38,8 @@
 //! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
 //!   [`Tracking`](adaptor::Tracking), [`Limiting`](adaptor::Limiting),
 //!   [`Aligned`](adaptor::Aligned), [`FailureRetry`](adaptor::FailureRetry),
-//!   [`ThreadSafe`](adaptor::ThreadSafe), [`Logging`](adaptor::Logging).
+//!   [`ThreadSafe`](adaptor::ThreadSafe), [`Logging`](adaptor::Logging),
+//!   [`Prefetch`](adaptor::Prefetch).
 //! - [`log`] holds the CSV event-log format shared with RMM and its reader.
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is

@@ -57,6 +57,39 @@ conformance_tests!(
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
+    statistics_over_managed,
+    memres::adaptor::Statistics::new(memres::Managed::new().unwrap()),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    prefetch_over_managed,
+    memres::adaptor::Prefetch::new(memres::Managed::new().unwrap()).unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    limiting_tracking_over_cuda,
+    memres::adaptor::Limiting::new(
+        memres::adaptor::Tracking::new(Cuda::new().unwrap()),
+        1 << 36
+    ),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    aligned_over_cuda,
+    memres::adaptor::Aligned::new(Cuda::new().unwrap(), 4096, 0).unwrap(),
+    Caps::gpu(4096)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    logging_over_cuda_async,
+    memres::adaptor::Logging::to_writer(CudaAsync::new().unwrap(), std::io::sink()).unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
     any_resource_over_cuda_async,
     CudaAsync::new().unwrap().shared().into_any::<Device>(),
     Caps::gpu(256)

@@ -454,3 +454,41 @@ fn devices_and_their_memory() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefetch_moves_managed_memory_to_the_device_and_leaves_other_memory_alone() {
+    use memres::adaptor::Prefetch;
+    let managed = Prefetch::new(Managed::new().unwrap()).unwrap();
+    let stream = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let l = layout(8 << 20).unwrap();
+    let p = managed.allocate(stream.as_ref(), l).unwrap();
+    stream.synchronize().unwrap();
+    if managed.is_enabled() {
+        let _on = DeviceGuard::new(d0()).unwrap();
+        let mut location: i32 = -2;
+        let attr = sys::CUmem_range_attribute::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION;
+        // SAFETY: the range is a live 8 MiB block; the attribute is a 4-byte int.
+        let r = unsafe {
+            sys::cuMemRangeGetAttribute(
+                (&mut location as *mut i32).cast(),
+                4,
+                attr,
+                p.as_ptr() as u64,
+                8 << 20,
+            )
+        };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(location, 0, "prefetched to device 0");
+    } else {
+        eprintln!("no concurrent managed access: Prefetch only forwards here");
+    }
+    // SAFETY: allocated above on `stream`; nothing uses it.
+    unsafe { managed.deallocate(stream.as_ref(), p, l) };
+    // Device memory is not managed: forwarded, no error.
+    let plain = Prefetch::new(Cuda::new().unwrap()).unwrap();
+    let q = plain.allocate(stream.as_ref(), l).unwrap();
+    // SAFETY: as above.
+    unsafe { plain.deallocate(stream.as_ref(), q, l) };
+    stream.synchronize().unwrap();
+}

@@ -59,6 +59,10 @@ fn every_cuda_constructor_reports_no_driver() {
     assert_no_driver("System::new", memres::System::new());
     assert_no_driver("System::on", memres::System::on(d0));
     assert_no_driver("SamHeadroom::new", memres::SamHeadroom::new(1 << 30));
+    assert_no_driver(
+        "Prefetch::new",
+        memres::adaptor::Prefetch::new(memres::HostHeap::new()),
+    );
 }
 
 #[test]
