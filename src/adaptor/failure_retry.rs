@@ -4,7 +4,7 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
 
-use super::upstream_access;
+use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -65,12 +65,7 @@ impl<U, F: Fn(usize) -> bool> FailureRetry<U, F> {
     }
 }
 
-impl<U: PartialEq, F> PartialEq for FailureRetry<U, F> {
-    /// Equal when the upstreams are.
-    fn eq(&self, other: &Self) -> bool {
-        self.upstream == other.upstream
-    }
-}
+eq_by_upstream!(FailureRetry<U, F>);
 
 impl<U: fmt::Debug, F> fmt::Debug for FailureRetry<U, F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -4,7 +4,7 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
 
-use super::upstream_access;
+use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -91,12 +91,7 @@ impl<U> Limiting<U> {
     }
 }
 
-impl<U: PartialEq> PartialEq for Limiting<U> {
-    /// Equal when the upstreams are.
-    fn eq(&self, other: &Self) -> bool {
-        self.upstream == other.upstream
-    }
-}
+eq_by_upstream!(Limiting<U>);
 
 impl<U: fmt::Debug> fmt::Debug for Limiting<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

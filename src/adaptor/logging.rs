@@ -9,7 +9,7 @@ use std::path::Path;
 use std::ptr::NonNull;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::upstream_access;
+use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::log::{Action, HEADER};
 use crate::resource::{Resource, SyncResource};
@@ -189,12 +189,7 @@ fn io_error(e: io::Error) -> Error {
     Error::invalid_argument(format!("cannot write the log: {e}"))
 }
 
-impl<U: PartialEq> PartialEq for Logging<U> {
-    /// Equal when the upstreams are.
-    fn eq(&self, other: &Self) -> bool {
-        self.upstream == other.upstream
-    }
-}
+eq_by_upstream!(Logging<U>);
 
 impl<U: fmt::Debug> fmt::Debug for Logging<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -51,3 +51,19 @@ macro_rules! upstream_access {
 }
 
 pub(crate) use upstream_access;
+
+/// `PartialEq` for an adaptor that hands memory to and from its upstream unchanged: equal
+/// when the upstreams are.
+macro_rules! eq_by_upstream {
+    ($ty:ident<$u:ident $(, $rest:ident)*>) => {
+        impl<$u: PartialEq $(, $rest)*> PartialEq for $ty<$u $(, $rest)*> {
+            /// Equal when the upstreams are: memory goes to and from the upstream
+            /// unchanged, so each may free the other's.
+            fn eq(&self, other: &Self) -> bool {
+                self.upstream == other.upstream
+            }
+        }
+    };
+}
+
+pub(crate) use eq_by_upstream;

@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 
 use cudarc::driver::sys;
 
-use super::upstream_access;
+use super::{eq_by_upstream, upstream_access};
 use crate::device::{Context, DeviceId, bind};
 use crate::driver::{check, require_version};
 use crate::error::Error;
@@ -100,12 +100,7 @@ impl<U> Prefetch<U> {
     }
 }
 
-impl<U: PartialEq> PartialEq for Prefetch<U> {
-    /// Equal when the upstreams are.
-    fn eq(&self, other: &Self) -> bool {
-        self.upstream == other.upstream
-    }
-}
+eq_by_upstream!(Prefetch<U>);
 
 impl<U: fmt::Debug> fmt::Debug for Prefetch<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

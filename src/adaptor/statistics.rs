@@ -4,7 +4,7 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
 
-use super::upstream_access;
+use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -217,12 +217,7 @@ impl<U> Statistics<U> {
     }
 }
 
-impl<U: PartialEq> PartialEq for Statistics<U> {
-    /// Equal when the upstreams are: memory goes to and from the upstream unchanged.
-    fn eq(&self, other: &Self) -> bool {
-        self.upstream == other.upstream
-    }
-}
+eq_by_upstream!(Statistics<U>);
 
 impl<U: fmt::Debug> fmt::Debug for Statistics<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

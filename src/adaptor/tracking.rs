@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::ptr::NonNull;
 
-use super::upstream_access;
+use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -157,12 +157,7 @@ impl<U> Tracking<U> {
     }
 }
 
-impl<U: PartialEq> PartialEq for Tracking<U> {
-    /// Equal when the upstreams are (the record is bookkeeping, not ownership).
-    fn eq(&self, other: &Self) -> bool {
-        self.upstream == other.upstream
-    }
-}
+eq_by_upstream!(Tracking<U>);
 
 impl<U: fmt::Debug> fmt::Debug for Tracking<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -74,11 +74,10 @@ unsafe impl Resource for HostHeap {
 
     #[inline]
     unsafe fn deallocate(&self, _stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the memory came from this resource with `layout` (the caller's promise).
         // Nothing can still be using it on a stream: heap memory is not device-accessible,
         // so no kernel touches it, and CUDA copies to or from pageable memory finish with
-        // the host's part before the enqueueing call returns. So it is free to reuse now,
-        // as `deallocate_sync` requires.
+        // the host's part before the enqueueing call returns.
+        // SAFETY: from this resource with `layout` (the caller's promise), and unused (above).
         unsafe { self.deallocate_sync(ptr, layout) }
     }
 }

@@ -52,11 +52,11 @@ impl PinnedHost {
             .ok_or(Error::out_of_memory(layout.size()))?;
         let base = self.alloc_raw(total, layout.size())?;
         let aligned = (base + word).next_multiple_of(layout.align());
-        // SAFETY: `base..base + total` is a fresh host-accessible block; `aligned - word`
-        // lies in it, at or after `base` (`aligned >= base + word`), and is word-aligned
-        // (`aligned` is a multiple of a power of two above 256, `base` of 256); the block
-        // handed out, `aligned..aligned + size`, ends within it (`aligned < base + word +
-        // align`), so the stored word is outside what the caller gets.
+        // `base..base + total` is a fresh host-accessible block. `aligned - word` lies in
+        // it (`aligned >= base + word`) and is word-aligned (both are multiples of 256);
+        // the caller's block `aligned..aligned + size` ends inside (`aligned < base + word
+        // + align`), so the stored word is outside what the caller gets.
+        // SAFETY: as just said, the write stays in our block, aligned, outside the caller's.
         unsafe { ((aligned - word) as *mut usize).write(base) };
         Ok(aligned)
     }
