@@ -449,17 +449,39 @@ fn tracking_reports_what_is_left_with_and_without_stacks() {
 #[test]
 fn tracking_survives_untracked_and_wrong_size_frees() {
     let t = Tracking::new(HostHeap::new());
-    // Memory from before tracking (the heap is the same): no underflow, no panic.
+    // Memory from before tracking (the heap is the same): reported, freed, no panic.
+    let kept = alloc(&t, 64);
     let outside = alloc(&HostHeap, 512);
     free(&t, outside);
-    assert_eq!(t.allocated_bytes(), 0);
-    // A wrong size: the record is cleared and the allocated size goes upstream (valgrind
-    // in CI would flag a mismatched free).
+    assert_eq!(t.allocated_bytes(), 64, "the record is untouched");
+    free(&t, kept);
+    // A wrong size: the record is cleared and the allocated layout goes upstream.
+    let freed = std::sync::Mutex::new(Vec::new());
+    let allocate = |l: Layout, _: StreamRef<'_>| HostHeap.allocate_sync(l);
+    let deallocate = |p: NonNull<u8>, l: Layout, _: StreamRef<'_>| {
+        freed.lock().unwrap().push((l.size(), l.align()));
+        // SAFETY: `Callback` passes back blocks from `allocate`; Tracking corrects the
+        // layout to the allocated one, which the assertion below checks.
+        unsafe { HostHeap.deallocate_sync(p, l) }
+    };
+    // SAFETY: heap memory, usable at once on any stream.
+    let recording = unsafe { Callback::<Host>::new(allocate, deallocate) };
+    let t = Tracking::new(&recording);
     let l = layout(2048).unwrap();
     let p = t.allocate_sync(l).unwrap();
     // SAFETY: `p` came from `t`; the size is wrong on purpose, and Tracking corrects it.
     unsafe { t.deallocate_sync(p, layout(100).unwrap()) };
+    assert_eq!(
+        *freed.lock().unwrap(),
+        [(2048, 256)],
+        "the allocated layout went upstream"
+    );
     assert_eq!(t.allocated_bytes(), 0);
+    // A tracked block freed as zero bytes does not leak either.
+    let p = t.allocate_sync(l).unwrap();
+    // SAFETY: as above.
+    unsafe { t.deallocate_sync(p, Layout::from_size_align(0, 256).unwrap()) };
+    assert_eq!(freed.lock().unwrap().last(), Some(&(2048, 256)));
     assert!(t.outstanding().is_empty());
 }
 
@@ -483,4 +505,27 @@ fn the_builder_reads_top_down_and_builds_the_nested_types() {
     let c = alloc(&other, 10);
     assert_eq!(c.0.as_ptr() as usize % 4096, 0);
     free(&other, c);
+}
+
+#[test]
+fn limiting_a_free_through_an_equal_adaptor_does_not_wrap_the_count() {
+    let (a, b) = (
+        Limiting::new(HostHeap::new(), 4096),
+        Limiting::new(HostHeap::new(), 4096),
+    );
+    assert!(a == b, "equal upstreams: each may free the other's memory");
+    let block = alloc(&a, 1024);
+    free(&b, block);
+    assert_eq!(
+        b.allocated_bytes(),
+        0,
+        "saturates at zero instead of wrapping"
+    );
+    assert_eq!(
+        a.allocated_bytes(),
+        1024,
+        "the allocating adaptor still counts it"
+    );
+    let again = alloc(&b, 4096);
+    free(&b, again);
 }

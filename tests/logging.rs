@@ -134,6 +134,19 @@ fn bad_logs_are_errors_naming_the_line() {
         Err(Error::InvalidArgument(_))
     ));
     let bad = "Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000001,allocate,0x10,1,0\n1,xx,free,0x10,1,0\n";
+    for row in [
+        "1,99999999999999:00:00.000001,free,0x10,1,0",
+        "1,00:00:00:00.000001,free,0x10,1,0",
+        "1,00:00:00.000001,free,(nil),1,0",
+        "1,00:00:00.000001,allocate failure,0x10,1,0",
+        "1,00:00:00.000001,allocate,0x10,1,0x2,extra",
+    ] {
+        let log = format!("Thread,Time,Action,Pointer,Size,Stream\n{row}\n");
+        assert!(
+            matches!(read_events(log.as_bytes()), Err(Error::InvalidArgument(_))),
+            "{row}"
+        );
+    }
     match read_events(bad.as_bytes()) {
         Err(Error::InvalidArgument(m)) => {
             assert!(m.contains("line 3") && m.contains("time"), "{m}")
@@ -209,4 +222,42 @@ fn rows_match_rmm_format() {
     assert_eq!(row[2], "allocate");
     assert_eq!(row[3], format!("{:#x}", p.as_ptr() as usize));
     assert_eq!((row[4], row[5]), ("4123", "0"));
+}
+
+#[test]
+fn every_field_is_written_as_rmm_writes_it() {
+    let out = Captured::default();
+    let log = Logging::to_writer(HostHeap::new(), out.clone()).unwrap();
+    let l = layout(300).unwrap();
+    // A CUDA stream handle (the per-thread stream, 0x2): HostHeap ignores it.
+    let p = log.allocate(StreamRef::PER_THREAD, l).unwrap();
+    // SAFETY: allocated above.
+    unsafe { log.deallocate(StreamRef::PER_THREAD, p, l) };
+    assert!(log.allocate_sync(layout(1 << 50).unwrap()).is_err());
+    log.flush().unwrap();
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .skip(1)
+        .map(|r| r.split(',').collect())
+        .collect();
+    let is_time = |t: &str| {
+        let b = t.as_bytes();
+        b.len() == 15
+            && b[2] == b':'
+            && b[5] == b':'
+            && b[8] == b'.'
+            && t.chars().filter(|c| c.is_ascii_digit()).count() == 12
+    };
+    let pointer = format!("{:#x}", p.as_ptr() as usize);
+    assert_eq!(rows.len(), 3);
+    for (row, (action, ptr, size, stream)) in rows.iter().zip([
+        ("allocate", pointer.as_str(), "300", "0x2"),
+        ("free", pointer.as_str(), "300", "0x2"),
+        ("allocate failure", "(nil)", "1125899906842624", "0"),
+    ]) {
+        assert!(row[0].parse::<u64>().is_ok(), "{row:?}");
+        assert!(is_time(row[1]), "{row:?}");
+        assert_eq!(&row[2..], [action, ptr, size, stream], "{row:?}");
+    }
 }

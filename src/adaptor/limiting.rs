@@ -84,9 +84,16 @@ impl<U> Limiting<U> {
         Ok(charge)
     }
 
+    /// Returns `layout`'s charge. Saturating: memory allocated through an equal `Limiting`
+    /// (equal upstreams may free each other's memory) and freed through this one must not
+    /// wrap the count around and lock the adaptor out.
     fn give_back(&self, layout: Layout) {
         if let Some(charge) = Self::charge(layout) {
-            self.allocated.fetch_sub(charge, Ordering::Relaxed);
+            let _ = self
+                .allocated
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(charge))
+                });
         }
     }
 }

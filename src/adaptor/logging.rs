@@ -112,7 +112,7 @@ impl<U> Logging<U> {
         size: usize,
         stream: StreamRef<'_>,
     ) {
-        ROW.with_borrow_mut(|row| {
+        let write = |row: &mut String| {
             row.clear();
             format_row(row, action, pointer, size, stream);
             let mut sink = self.sink();
@@ -125,7 +125,12 @@ impl<U> Logging<U> {
             if let Err(e) = written.and(flushed) {
                 tracing::error!(%e, "memres::Logging: cannot write the log");
             }
-        });
+        };
+        // During thread exit the thread-local buffer may be gone (a thread-local cache
+        // freeing into this log): use a fresh buffer then, never panic inside a free.
+        if ROW.try_with(|row| write(&mut row.borrow_mut())).is_err() {
+            write(&mut String::new());
+        }
     }
 }
 

@@ -82,9 +82,13 @@ impl<U> Prefetch<U> {
         let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED;
         // SAFETY: `address` is a live block just allocated; the attribute is a boolean the
         // driver writes into the low byte of the zeroed u32.
-        check(unsafe {
-            sys::cuPointerGetAttribute((&mut managed as *mut u32).cast(), attr, address)
-        })?;
+        let result =
+            unsafe { sys::cuPointerGetAttribute((&mut managed as *mut u32).cast(), attr, address) };
+        // Pageable host memory is unknown to the driver: not managed, nothing to do.
+        if result == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+            return Ok(());
+        }
+        check(result)?;
         if managed == 0 {
             return Ok(());
         }

@@ -53,7 +53,11 @@ impl AtomicCounter {
         // Every value `current` passes through is seen by the thread that made it, which
         // raises `peak` to it: the peak is the exact maximum of the sequence of updates.
         let now = self.current.fetch_add(n, Ordering::Relaxed) + n;
-        self.peak.fetch_max(now, Ordering::Relaxed);
+        // A plain load first: most updates do not raise the peak, and a load does not
+        // take the cache line exclusively.
+        if now > self.peak.load(Ordering::Relaxed) {
+            self.peak.fetch_max(now, Ordering::Relaxed);
+        }
         self.total.fetch_add(n, Ordering::Relaxed);
     }
 

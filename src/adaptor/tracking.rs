@@ -5,6 +5,7 @@ use std::backtrace::Backtrace;
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
@@ -24,8 +25,9 @@ pub struct Outstanding {
 }
 
 struct Entry {
-    size: usize,
-    stack: Option<Backtrace>,
+    layout: Layout,
+    /// Shared so that reports format it after the lock is released.
+    stack: Option<Arc<Backtrace>>,
 }
 
 /// Records every live allocation, to find leaks (RMM's `tracking_resource_adaptor`).
@@ -35,9 +37,12 @@ struct Entry {
 ///   for hunting a leak, not for production). Zero-byte allocations are not tracked.
 /// - [`outstanding`](Self::outstanding) is an owned snapshot; [`report`](Self::report)
 ///   is one line per allocation (`0x…: N B`, then the stack if captured).
-/// - Freeing a pointer it does not know, or with another size than it was allocated with,
-///   is reported through `tracing::error!` — never a panic. A known pointer goes upstream
-///   with the size it was allocated with; an unknown one goes upstream as given.
+/// - Freeing a pointer it does not know, or with another layout than it was allocated
+///   with, is reported through `tracing::error!` — never a panic. A known pointer goes
+///   upstream with the layout it was allocated with; an unknown one goes upstream as given.
+/// - Equality is the upstream's (as RMM's): memory allocated through one `Tracking` and
+///   freed through an equal one is freed correctly, but stays in the first one's record
+///   and is reported as unknown by the second.
 ///
 /// ```
 /// use memres::adaptor::Tracking;
@@ -86,24 +91,29 @@ impl<U> Tracking<U> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The live allocations now, sorted by address.
+    /// The live allocations now, sorted by address. The record is copied under the lock;
+    /// the call stacks are turned into text after it is released, so allocating threads
+    /// do not wait for that.
     pub fn outstanding(&self) -> Vec<Outstanding> {
-        let mut all: Vec<Outstanding> = self
+        let mut copied: Vec<(usize, usize, Option<Arc<Backtrace>>)> = self
             .live()
             .iter()
-            .map(|(&address, e)| Outstanding {
-                address,
-                size: e.size,
-                stack: e.stack.as_ref().map(|s| s.to_string()),
-            })
+            .map(|(&address, e)| (address, e.layout.size(), e.stack.clone()))
             .collect();
-        all.sort_by_key(|o| o.address);
-        all
+        copied.sort_by_key(|c| c.0);
+        copied
+            .into_iter()
+            .map(|(address, size, stack)| Outstanding {
+                address,
+                size,
+                stack: stack.map(|s| s.to_string()),
+            })
+            .collect()
     }
 
     /// Bytes in live allocations.
     pub fn allocated_bytes(&self) -> usize {
-        self.live().values().map(|e| e.size).sum()
+        self.live().values().map(|e| e.layout.size()).sum()
     }
 
     /// One line per live allocation (`0x…: N B`), each followed by its call stack where
@@ -119,22 +129,23 @@ impl<U> Tracking<U> {
         out
     }
 
-    fn track(&self, ptr: NonNull<u8>, size: usize) {
-        if size == 0 {
+    fn track(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
             return;
         }
-        let stack = self.stacks.then(Backtrace::force_capture);
+        let stack = self.stacks.then(|| Arc::new(Backtrace::force_capture()));
         self.live()
-            .insert(ptr.as_ptr() as usize, Entry { size, stack });
+            .insert(ptr.as_ptr() as usize, Entry { layout, stack });
     }
 
-    /// Forgets the block; returns the layout to free it with upstream.
+    /// Forgets the block; returns the layout to free it with upstream: the one it was
+    /// allocated with, where it is known.
     fn untrack(&self, ptr: NonNull<u8>, layout: Layout) -> Layout {
-        if layout.size() == 0 {
-            return layout;
-        }
         let address = ptr.as_ptr() as usize;
+        // Looked up whatever the size: a tracked block freed as zero bytes must not leak.
+        // (A zero-byte block's dangling address is never a tracked heap address.)
         match self.live().remove(&address) {
+            None if layout.size() == 0 => layout,
             None => {
                 tracing::error!(
                     address,
@@ -143,16 +154,16 @@ impl<U> Tracking<U> {
                 );
                 layout
             }
-            Some(e) if e.size != layout.size() => {
+            Some(e) if e.layout != layout => {
                 tracing::error!(
                     address,
-                    allocated = e.size,
+                    allocated = e.layout.size(),
                     freed = layout.size(),
-                    "memres::Tracking: freed with another size than it was allocated with"
+                    "memres::Tracking: freed with another layout than it was allocated with"
                 );
-                Layout::from_size_align(e.size, layout.align()).unwrap_or(layout)
+                e.layout
             }
-            Some(_) => layout,
+            Some(e) => e.layout,
         }
     }
 }
@@ -174,7 +185,7 @@ unsafe impl<U: SyncResource> SyncResource for Tracking<U> {
 
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
         let p = self.upstream.allocate_sync(layout)?;
-        self.track(p, layout.size());
+        self.track(p, layout);
         Ok(p)
     }
 
@@ -190,7 +201,7 @@ unsafe impl<U: SyncResource> SyncResource for Tracking<U> {
 unsafe impl<U: Resource> Resource for Tracking<U> {
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         let p = self.upstream.allocate(stream, layout)?;
-        self.track(p, layout.size());
+        self.track(p, layout);
         Ok(p)
     }
 

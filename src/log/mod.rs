@@ -93,6 +93,9 @@ fn time(field: &str) -> Option<u64> {
     let (hms, frac) = field.split_once('.')?;
     let mut parts = hms.split(':').map(|p| p.parse::<u64>().ok());
     let (h, m, s) = (parts.next()??, parts.next()??, parts.next()??);
+    if parts.next().is_some() || h >= 24 || m >= 60 || s >= 61 || frac.len() > 9 {
+        return None;
+    }
     let frac: u64 = format!("{frac:0<6}").get(..6)?.parse().ok()?;
     Some(((h * 60 + m) * 60 + s) * 1_000_000 + frac)
 }
@@ -109,9 +112,13 @@ pub fn parse_event(row: &str, line: usize) -> Result<Event, Error> {
         "allocate failure" => Action::AllocateFailure,
         other => return Err(bad(line, "unknown action", other)),
     };
-    let pointer = match pointer {
-        "(nil)" | "0x0" | "0" => None,
-        p => Some(hex(p).ok_or_else(|| bad(line, "bad pointer", p))?),
+    let pointer = match (pointer, action) {
+        ("(nil)" | "0x0" | "0", Action::AllocateFailure) => None,
+        (p, Action::AllocateFailure) => return Err(bad(line, "a failure with a pointer", p)),
+        (p, _) => match hex(p) {
+            Some(0) | None => return Err(bad(line, "bad pointer", p)),
+            some => some,
+        },
     };
     let stream = match stream.strip_prefix("host:") {
         Some(id) => LoggedStream::Host(id.parse().map_err(|_| bad(line, "bad stream", stream))?),
