@@ -25,7 +25,10 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 /// - Frees are logged before the upstream free (so the row exists even if the free
 ///   crashes); failures are logged and returned.
 /// - Each row is formatted on the calling thread into a reusable per-thread buffer, and
-///   only the finished bytes are copied into the shared writer under a short lock.
+///   only the finished bytes are copied into the shared writer under a short lock. Rows
+///   are not batched per thread on purpose: the file order is then a real order of
+///   events (an allocation's row precedes any reuse of its address by another thread,
+///   since a free is logged before the upstream free), which a replay relies on.
 /// - Nothing is lost: every row is in the writer's buffer when the call returns;
 ///   [`flush`](Self::flush), auto-flush, and drop (the buffer flushes itself; an error
 ///   there cannot be reported — call `flush` to see it) write it out.
