@@ -2,7 +2,7 @@
 
 use std::alloc::Layout;
 use std::cell::RefCell;
-use std::fmt::{self, Write as _};
+use std::fmt;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
@@ -61,7 +61,10 @@ upstream_access!(Logging<U>);
 impl<U> Logging<U> {
     /// Logs to `writer`, writing the header first.
     pub fn to_writer(upstream: U, writer: impl Write + Send + 'static) -> Result<Self, Error> {
-        let mut sink: BufWriter<Box<dyn Write + Send>> = BufWriter::new(Box::new(writer));
+        // A large buffer: one write call per ~16,000 rows keeps system calls out of the
+        // per-event cost.
+        let mut sink: BufWriter<Box<dyn Write + Send>> =
+            BufWriter::with_capacity(1 << 20, Box::new(writer));
         writeln!(sink, "{HEADER}").map_err(io_error)?;
         Ok(Logging {
             upstream,
@@ -115,11 +118,11 @@ impl<U> Logging<U> {
         size: usize,
         stream: StreamRef<'_>,
     ) {
-        let write = |row: &mut String| {
+        let write = |row: &mut Vec<u8>| {
             row.clear();
             format_row(row, action, pointer, size, stream);
             let mut sink = self.sink();
-            let written = sink.write_all(row.as_bytes());
+            let written = sink.write_all(row);
             let flushed = if self.auto_flush {
                 sink.flush()
             } else {
@@ -132,14 +135,14 @@ impl<U> Logging<U> {
         // During thread exit the thread-local buffer may be gone (a thread-local cache
         // freeing into this log): use a fresh buffer then, never panic inside a free.
         if ROW.try_with(|row| write(&mut row.borrow_mut())).is_err() {
-            write(&mut String::new());
+            write(&mut Vec::new());
         }
     }
 }
 
 thread_local! {
     /// Each thread formats its rows here, outside the lock.
-    static ROW: RefCell<String> = const { RefCell::new(String::new()) };
+    static ROW: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// The OS thread id, looked up once per thread.
     static THREAD: u64 = os_thread_id();
 }
@@ -161,8 +164,9 @@ fn os_thread_id() -> u64 {
     h.finish()
 }
 
+/// Formats one row by hand (no `fmt` machinery: this runs for every event).
 fn format_row(
-    row: &mut String,
+    row: &mut Vec<u8>,
     action: Action,
     pointer: Option<NonNull<u8>>,
     size: usize,
@@ -172,25 +176,74 @@ fn format_row(
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
     let secs = now.as_secs() % 86_400;
-    let thread = THREAD.with(|t| *t);
-    let _ = write!(
-        row,
-        "{thread},{:02}:{:02}:{:02}.{:06},{},",
-        secs / 3600,
-        secs / 60 % 60,
-        secs % 60,
-        now.subsec_micros(),
-        action.as_str()
-    );
-    let _ = match pointer {
-        Some(p) => write!(row, "{:#x},", p.as_ptr() as usize),
-        None => row.write_str("(nil),"),
-    };
-    let _ = match stream.as_raw() {
-        Some(raw) if raw.is_null() => writeln!(row, "{size},0"),
-        Some(raw) => writeln!(row, "{size},{:#x}", raw as usize),
-        None => writeln!(row, "{size},host:{}", stream.host_id().unwrap_or(0)),
-    };
+    push_decimal(row, THREAD.with(|t| *t));
+    row.push(b',');
+    push_fixed(row, secs / 3600, 2);
+    row.push(b':');
+    push_fixed(row, secs / 60 % 60, 2);
+    row.push(b':');
+    push_fixed(row, secs % 60, 2);
+    row.push(b'.');
+    push_fixed(row, u64::from(now.subsec_micros()), 6);
+    row.push(b',');
+    row.extend_from_slice(action.as_str().as_bytes());
+    row.push(b',');
+    match pointer {
+        Some(p) => push_hex(row, p.as_ptr() as usize),
+        None => row.extend_from_slice(b"(nil)"),
+    }
+    row.push(b',');
+    push_decimal(row, size as u64);
+    row.push(b',');
+    match stream.as_raw() {
+        Some(raw) if raw.is_null() => row.push(b'0'),
+        Some(raw) => push_hex(row, raw as usize),
+        None => {
+            row.extend_from_slice(b"host:");
+            push_decimal(row, u64::from(stream.host_id().unwrap_or(0)));
+        }
+    }
+    row.push(b'\n');
+}
+
+fn push_decimal(row: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    row.extend_from_slice(&digits[i..]);
+}
+
+/// `n` in exactly `width` decimal digits, zero-padded (`n` has at most `width` digits).
+fn push_fixed(row: &mut Vec<u8>, mut n: u64, width: usize) {
+    let start = row.len();
+    row.resize(start + width, b'0');
+    for slot in row[start..].iter_mut().rev() {
+        *slot = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+}
+
+/// `0x` and lowercase hex digits, as `{:#x}` writes them.
+fn push_hex(row: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 16];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b"0123456789abcdef"[n % 16];
+        n /= 16;
+        if n == 0 {
+            break;
+        }
+    }
+    row.extend_from_slice(b"0x");
+    row.extend_from_slice(&digits[i..]);
 }
 
 fn io_error(e: io::Error) -> Error {
@@ -250,5 +303,29 @@ unsafe impl<U: Resource> Resource for Logging<U> {
         self.log(Action::Free, Some(ptr), layout.size(), stream);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hand_formatting_matches_std() {
+        for n in [0u64, 7, 10, 99, 12345, u64::MAX] {
+            let mut v = Vec::new();
+            push_decimal(&mut v, n);
+            assert_eq!(String::from_utf8(v).unwrap(), n.to_string());
+        }
+        for n in [0usize, 1, 0xf, 0x10, 0x7ff490004d00, usize::MAX] {
+            let mut v = Vec::new();
+            push_hex(&mut v, n);
+            assert_eq!(String::from_utf8(v).unwrap(), format!("{n:#x}"));
+        }
+        for (n, w) in [(0u64, 2), (5, 2), (59, 2), (760754, 6), (42, 6)] {
+            let mut v = Vec::new();
+            push_fixed(&mut v, n, w);
+            assert_eq!(String::from_utf8(v).unwrap(), format!("{n:0w$}"));
+        }
     }
 }
