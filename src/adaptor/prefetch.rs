@@ -21,6 +21,8 @@ use crate::stream::StreamRef;
 ///   only forwards (a no-op, not an error).
 /// - Memory that is not managed (checked per block with `cuPointerGetAttribute`) is left
 ///   alone: not an error either.
+/// - The target is the device given at construction ([`Prefetch::new`]: the device current
+///   then), not the one current at each allocation: a stack belongs to one device.
 /// - The prefetch is enqueued on the allocation's stream (the legacy default stream for
 ///   the sync calls and host streams); a failed prefetch is logged with `tracing` and the
 ///   allocation still succeeds — prefetching is an optimisation.

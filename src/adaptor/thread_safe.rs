@@ -59,7 +59,9 @@ impl<U> ThreadSafe<U> {
         }
     }
 
-    /// The wrapped resource, locked for as long as the guard lives.
+    /// The wrapped resource, locked for as long as the guard lives. Do not allocate or free
+    /// through this adaptor while holding the guard on the same thread: that waits for
+    /// the lock the guard holds (a deadlock), as with any mutex.
     pub fn lock(&self) -> MutexGuard<'_, U> {
         // A panic inside the upstream leaves it as the upstream left it; the lock adds no
         // state of its own, so a poisoned lock is passed through.
