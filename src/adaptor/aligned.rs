@@ -14,8 +14,9 @@ use crate::sync::Mutex;
 /// Aligns allocations of at least `threshold` bytes to `alignment` (RMM's
 /// `aligned_resource_adaptor`), for upstreams that only guarantee 256 bytes.
 ///
-/// - Requests below the threshold, or whose alignment is at most 256 bytes, pass straight
-///   through with their own layout.
+/// - Requests below the threshold whose own alignment is at most 256 bytes, and all
+///   requests when the effective alignment is 256, pass straight through with their own
+///   layout.
 /// - Larger ones are served by asking the upstream for `size + alignment - 256` bytes at
 ///   256-byte alignment and aligning up; the original pointer is remembered (a locked map
 ///   from aligned to original address) so the free goes back whole.

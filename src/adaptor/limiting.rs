@@ -17,6 +17,9 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 ///   of alignment, as RMM rounds (what a device allocator really takes).
 /// - Over the limit: `Err(OutOfMemory)` with the limit in it ([`Error::over_limit`]), and
 ///   nothing changes. An upstream failure is returned and its bytes given back.
+/// - Equality is the upstream's (RMM's rule): memory allocated through one `Limiting` may
+///   be freed through an equal one; the freeing one's count then stops at zero, and the
+///   allocating one keeps counting it.
 /// - The check is a single atomic add (rolled back when over), so threads never wait on
 ///   each other; under contention a request may be refused by a moment's worth of bytes
 ///   that a concurrent one then gives back.

@@ -4,7 +4,8 @@
 //! or [`Shared`](crate::Shared) to share one), keeps every property of its upstream
 //! (`type Properties = U::Properties;`), implements both [`SyncResource`] and
 //! [`Resource`], and hands its upstream back with `upstream()`, `upstream_mut()` and
-//! `into_inner()`.
+//! `into_inner()` ([`ThreadSafe`], whose upstream need not be `Sync`, gives `lock()`
+//! instead of `upstream()`).
 //!
 //! [`SyncResource`]: crate::SyncResource
 //! [`Resource`]: crate::Resource

@@ -112,6 +112,8 @@ fn merge(parent: Counter, child: Counter) -> Counter {
 ///   `max(parent.peak, parent.current + child.peak)`. Popping the last frame is an error.
 /// - Counters are signed: freeing memory that was allocated before a frame was pushed (or
 ///   through another resource) makes that frame's `current` negative. That is by design.
+/// - Equality is the upstream's (RMM's rule), so memory may be freed through another
+///   `Statistics` over an equal upstream; each adaptor counts what goes through it.
 /// - Cost: each call takes a shared (read) lock on the frame stack and updates relaxed
 ///   atomics; only push and pop take the lock exclusively.
 ///

@@ -54,9 +54,10 @@ pub struct SyncResourceRef<'a, P: PropertySet> {
 impl<'a, P: PropertySet> ResourceRef<'a, P> {
     /// Erases `resource`, whose property set must contain `P`.
     ///
-    /// A reference to an [`AnyResource<P>`](crate::AnyResource) or a `ResourceRef<P>`
-    /// yields a handle to the resource inside, not a second layer of erasure, so it
-    /// compares equal to other handles to that resource.
+    /// A reference to an [`AnyResource<P>`](crate::AnyResource) yields a handle to the
+    /// resource inside, not a second layer of erasure, so it compares equal to other
+    /// handles to that resource. (To change `P` of an existing `ResourceRef`, use
+    /// [`narrow`](Self::narrow).)
     pub fn new<R>(resource: &'a R) -> Self
     where
         R: Resource + Sync + 'static,
