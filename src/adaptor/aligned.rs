@@ -3,7 +3,10 @@
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::{BitAnd, Sub};
 use std::ptr::NonNull;
+
+use typenum::{And, B1, Eq, GrEq, IsEqual, IsGreaterOrEqual, Sub1, U0, U256, Unsigned};
 
 use super::upstream_access;
 use crate::error::Error;
@@ -64,6 +67,36 @@ impl<U> Aligned<U> {
             threshold,
             originals: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// As [`new`](Self::new), with the alignment checked by the compiler: a power of two of
+    /// at least 256, as a typenum number (`typenum::U4096`). Anything else does not compile.
+    ///
+    /// ```
+    /// use memres::adaptor::Aligned;
+    /// use memres::HostHeap;
+    /// let a = Aligned::with_alignment::<typenum::U4096>(HostHeap::new(), 0);
+    /// assert_eq!(a.alignment(), 4096);
+    /// ```
+    ///
+    /// ```compile_fail,E0277
+    /// use memres::adaptor::Aligned;
+    /// let a = Aligned::with_alignment::<typenum::U1000>(memres::HostHeap::new(), 0);
+    /// ```
+    pub fn with_alignment<A>(upstream: U, threshold: usize) -> Self
+    where
+        A: Unsigned + Sub<B1> + IsGreaterOrEqual<U256>,
+        A: BitAnd<Sub1<A>>,
+        And<A, Sub1<A>>: IsEqual<U0>,
+        Eq<And<A, Sub1<A>>, U0>: BitAnd<GrEq<A, U256>>,
+        And<Eq<And<A, Sub1<A>>, U0>, GrEq<A, U256>>: AlignmentHolds,
+    {
+        Aligned {
+            upstream,
+            alignment: A::USIZE,
+            threshold,
+            originals: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The alignment large requests get.
@@ -145,6 +178,22 @@ fn as_asked(result: Result<NonNull<u8>, Error>, layout: Layout) -> Result<NonNul
         e => e,
     })
 }
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for typenum::True {}
+}
+
+/// The type-level check of [`Aligned::with_alignment`]: only `typenum::True` has it.
+#[diagnostic::on_unimplemented(
+    message = "an alignment must be a power of two of at least 256",
+    label = "this alignment is not",
+    note = "use typenum::U256, U512, U4096, ..."
+)]
+pub trait AlignmentHolds: sealed::Sealed {}
+
+#[diagnostic::do_not_recommend]
+impl AlignmentHolds for typenum::True {}
 
 fn non_zero(address: usize) -> std::num::NonZeroUsize {
     std::num::NonZeroUsize::new(address).expect("upstream blocks are never null")

@@ -19,7 +19,7 @@ mod statistics;
 mod thread_safe;
 mod tracking;
 
-pub use aligned::Aligned;
+pub use aligned::{Aligned, AlignmentHolds};
 pub use failure_retry::FailureRetry;
 pub use limiting::Limiting;
 pub use logging::{LOG_FILE_VARIABLE, Logging};
