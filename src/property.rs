@@ -151,7 +151,9 @@ tuple_union! {
     (A, B, C, D, E) + F;
 }
 
-mod sealed {
+/// The seal of the type-level `true` markers ([`Holds`] here, and
+/// [`AlignmentHolds`](crate::adaptor::AlignmentHolds)): only `typenum::True` has it.
+pub(crate) mod sealed {
     pub trait Sealed {}
     impl Sealed for typenum::True {}
 }

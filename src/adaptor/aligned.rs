@@ -179,18 +179,13 @@ fn as_asked(result: Result<NonNull<u8>, Error>, layout: Layout) -> Result<NonNul
     })
 }
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for typenum::True {}
-}
-
 /// The type-level check of [`Aligned::with_alignment`]: only `typenum::True` has it.
 #[diagnostic::on_unimplemented(
     message = "an alignment must be a power of two of at least 256",
     label = "this alignment is not",
     note = "use typenum::U256, U512, U4096, ..."
 )]
-pub trait AlignmentHolds: sealed::Sealed {}
+pub trait AlignmentHolds: crate::property::sealed::Sealed {}
 
 #[diagnostic::do_not_recommend]
 impl AlignmentHolds for typenum::True {}
