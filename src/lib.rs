@@ -55,6 +55,7 @@ pub mod log;
 pub mod property;
 pub mod resource;
 pub mod stream;
+pub mod suballoc;
 pub mod upstream;
 
 mod sync;
@@ -67,6 +68,7 @@ pub use property::{
 };
 pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
+pub use suballoc::{Pool, PoolConfig};
 pub use upstream::{
     Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, HostHeap, Managed, PinnedHost,
     SamHeadroom, System,

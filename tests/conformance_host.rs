@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use conformance::{Caps, SyncOnly};
 use memres::{
-    AnyResource, AnySyncResource, Callback, Host, HostHeap, Resource, ResourceExt, ResourceRef,
-    StreamRef, SyncResource, SyncResourceRef,
+    AnyResource, AnySyncResource, Callback, Host, HostHeap, Pool, PoolConfig, Resource,
+    ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
 };
 
 static HEAP: HostHeap = HostHeap::new();
@@ -194,3 +194,37 @@ mod the_suite_catches {
         conformance::equality(&SyncOnly(a), &SyncOnly(b), Caps::host());
     }
 }
+
+fn pool(config: PoolConfig) -> Pool<HostHeap> {
+    Pool::new(HostHeap::new(), config).expect("a pool over the heap")
+}
+
+conformance_tests!(pool_from_empty, pool(PoolConfig::new()), Caps::host());
+conformance_tests!(
+    pool_with_initial,
+    pool(PoolConfig::new().initial_size(8 << 20)),
+    Caps::host()
+);
+conformance_tests!(
+    pool_capped,
+    pool(
+        PoolConfig::new()
+            .initial_size(1 << 20)
+            .maximum_size(2 << 30)
+    ),
+    Caps::host()
+);
+conformance_tests!(
+    pool_over_pool,
+    Pool::new(
+        pool(PoolConfig::new()),
+        PoolConfig::new().initial_size(1 << 20)
+    )
+    .unwrap(),
+    Caps::host()
+);
+conformance_tests!(
+    any_resource_over_pool,
+    pool(PoolConfig::new()).into_any::<Host>(),
+    Caps::host()
+);

@@ -47,6 +47,14 @@ impl Context {
         Context::primary(DeviceId::current()?)
     }
 
+    /// Waits until all work on every stream of the context is complete
+    /// (`cuCtxSynchronize`), with the context current for the call.
+    pub(crate) fn synchronize(self) -> Result<(), Error> {
+        let _current = bind(self)?;
+        // SAFETY: the context is current; the call only waits.
+        check(unsafe { sys::cuCtxSynchronize() })
+    }
+
     pub(crate) fn device(self) -> DeviceId {
         self.device
     }

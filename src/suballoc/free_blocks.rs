@@ -1,0 +1,399 @@
+//! The free blocks of one stream's list: a two-level segregated fit (TLSF) index for
+//! finding a block in O(1), and address maps for coalescing with neighbours in O(1).
+//!
+//! The memory itself may be on a GPU, so nothing is stored in it: every free block has a
+//! node here. Sizes are whole granules of [`GRANULE`] bytes. Blocks carry a flag saying
+//! whether they begin an upstream allocation (a *chunk*); a block never merges with the
+//! one before it when it begins a chunk, so blocks of different chunks stay apart even
+//! where the upstream placed the chunks next to each other.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// The pool's unit of size and alignment: every block is a multiple of it.
+pub(crate) const GRANULE: usize = 256;
+
+/// Classes below this many granules hold one exact size each.
+const LINEAR: usize = 16;
+/// Log2 of the number of classes per power of two above [`LINEAR`].
+const SUB_BITS: u32 = 4;
+/// Groups of 16 classes; the first is the linear range, the others one power of two each.
+const GROUPS: usize = 56;
+const CLASSES: usize = GROUPS * LINEAR;
+const NIL: u32 = u32::MAX;
+
+/// A multiply-and-fold hash for addresses (multiples of 256, which `std`'s default
+/// SipHash would treat well but slowly, and a plain identity hash badly).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        let h = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+
+    #[inline]
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+/// A hash map keyed by address.
+pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
+
+/// One free block, as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FreeBlock {
+    pub(crate) addr: usize,
+    pub(crate) size: usize,
+    /// The block begins an upstream allocation.
+    pub(crate) starts_chunk: bool,
+}
+
+#[derive(Clone, Copy)]
+struct Node {
+    block: FreeBlock,
+    prev: u32,
+    next: u32,
+}
+
+/// The free blocks of one list, coalesced and indexed by size class.
+pub(crate) struct FreeBlocks {
+    nodes: Vec<Node>,
+    spare: Vec<u32>,
+    heads: Box<[u32; CLASSES]>,
+    /// Bit `g` is set when group `g` has a non-empty class.
+    groups_in_use: u64,
+    /// Per group, bit `c` is set when class `16 g + c` is non-empty.
+    classes_in_use: [u16; GROUPS],
+    by_start: AddrMap<u32>,
+    by_end: AddrMap<u32>,
+    bytes: usize,
+}
+
+/// The class that holds blocks of `units` granules (`units >= 1`).
+#[inline]
+fn class_of(units: usize) -> usize {
+    if units < LINEAR {
+        return units;
+    }
+    let top = usize::BITS - 1 - units.leading_zeros();
+    let sub = (units >> (top - SUB_BITS)) & (LINEAR - 1);
+    (top - SUB_BITS + 1) as usize * LINEAR + sub
+}
+
+/// The lowest class whose every block holds `units` granules.
+#[inline]
+fn class_at_least(units: usize) -> usize {
+    if units < LINEAR {
+        return units;
+    }
+    let top = usize::BITS - 1 - units.leading_zeros();
+    let step = 1usize << (top - SUB_BITS);
+    class_of(units.saturating_add(step - 1))
+}
+
+impl Default for FreeBlocks {
+    fn default() -> Self {
+        FreeBlocks {
+            nodes: Vec::new(),
+            spare: Vec::new(),
+            heads: Box::new([NIL; CLASSES]),
+            groups_in_use: 0,
+            classes_in_use: [0; GROUPS],
+            by_start: AddrMap::default(),
+            by_end: AddrMap::default(),
+            bytes: 0,
+        }
+    }
+}
+
+impl FreeBlocks {
+    /// Free bytes in the list.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Number of free blocks.
+    pub(crate) fn len(&self) -> usize {
+        self.by_start.len()
+    }
+
+    /// The largest free block's size (a scan: for statistics, not the allocation path).
+    pub(crate) fn largest(&self) -> usize {
+        self.blocks().map(|b| b.size).max().unwrap_or(0)
+    }
+
+    /// Every free block, in no particular order.
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = FreeBlock> + '_ {
+        self.by_start
+            .values()
+            .map(|&i| self.nodes[i as usize].block)
+    }
+
+    /// The free block that begins at `addr`, if any.
+    pub(crate) fn starting_at(&self, addr: usize) -> Option<FreeBlock> {
+        self.by_start
+            .get(&addr)
+            .map(|&i| self.nodes[i as usize].block)
+    }
+
+    /// Takes every block out of the list.
+    pub(crate) fn drain(&mut self) -> Vec<FreeBlock> {
+        let out = self.blocks().collect();
+        self.nodes.clear();
+        self.spare.clear();
+        self.heads.fill(NIL);
+        self.groups_in_use = 0;
+        self.classes_in_use = [0; GROUPS];
+        self.by_start.clear();
+        self.by_end.clear();
+        self.bytes = 0;
+        out
+    }
+
+    /// Removes the block that begins at `addr` (which must be in the list).
+    pub(crate) fn remove_starting_at(&mut self, addr: usize) -> Option<FreeBlock> {
+        let i = *self.by_start.get(&addr)?;
+        let block = self.nodes[i as usize].block;
+        self.unlink(i);
+        Some(block)
+    }
+
+    /// Adds a free block, merging it with free neighbours of the same chunk.
+    pub(crate) fn insert(&mut self, block: FreeBlock) {
+        let FreeBlock {
+            mut addr,
+            size,
+            mut starts_chunk,
+        } = block;
+        let mut end = addr + size;
+        if !starts_chunk && let Some(&i) = self.by_end.get(&addr) {
+            let before = self.nodes[i as usize].block;
+            self.unlink(i);
+            addr = before.addr;
+            starts_chunk = before.starts_chunk;
+        }
+        if let Some(&i) = self.by_start.get(&end) {
+            let after = self.nodes[i as usize].block;
+            if !after.starts_chunk {
+                self.unlink(i);
+                end = after.addr + after.size;
+            }
+        }
+        self.link(FreeBlock {
+            addr,
+            size: end - addr,
+            starts_chunk,
+        });
+    }
+
+    /// Takes `size` bytes (a multiple of [`GRANULE`]) aligned to `align` (a power of two,
+    /// at least [`GRANULE`]) from a block that fits; the rest of that block stays free.
+    pub(crate) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
+        let need = size.checked_add(align - GRANULE)?;
+        let i = self.find(need / GRANULE)?;
+        let block = self.nodes[i as usize].block;
+        self.unlink(i);
+        let addr = block.addr.next_multiple_of(align);
+        let front = addr - block.addr;
+        let back = block.size - front - size;
+        if front > 0 {
+            self.link(FreeBlock {
+                addr: block.addr,
+                size: front,
+                starts_chunk: block.starts_chunk,
+            });
+        }
+        if back > 0 {
+            self.link(FreeBlock {
+                addr: addr + size,
+                size: back,
+                starts_chunk: false,
+            });
+        }
+        Some(addr)
+    }
+
+    /// A node holding at least `units` granules: the head of the request's own class when
+    /// it is big enough, else the head of the first class whose blocks all fit.
+    #[inline]
+    fn find(&self, units: usize) -> Option<u32> {
+        let own = class_of(units);
+        if own < CLASSES {
+            let head = self.heads[own];
+            if head != NIL && self.nodes[head as usize].block.size >= units * GRANULE {
+                return Some(head);
+            }
+        }
+        let class = class_at_least(units);
+        if class >= CLASSES {
+            return None;
+        }
+        let group = class / LINEAR;
+        let here = self.classes_in_use[group] & (u16::MAX << (class % LINEAR));
+        let class = if here != 0 {
+            group * LINEAR + here.trailing_zeros() as usize
+        } else {
+            let above = self.groups_in_use & (u64::MAX << group << 1);
+            if above == 0 {
+                return None;
+            }
+            let g = above.trailing_zeros() as usize;
+            g * LINEAR + self.classes_in_use[g].trailing_zeros() as usize
+        };
+        Some(self.heads[class])
+    }
+
+    fn link(&mut self, block: FreeBlock) {
+        let class = class_of(block.size / GRANULE);
+        let head = self.heads[class];
+        let node = Node {
+            block,
+            prev: NIL,
+            next: head,
+        };
+        let i = match self.spare.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 free blocks")
+            }
+        };
+        if head != NIL {
+            self.nodes[head as usize].prev = i;
+        }
+        self.heads[class] = i;
+        self.classes_in_use[class / LINEAR] |= 1 << (class % LINEAR);
+        self.groups_in_use |= 1 << (class / LINEAR);
+        self.by_start.insert(block.addr, i);
+        self.by_end.insert(block.addr + block.size, i);
+        self.bytes += block.size;
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Node { block, prev, next } = self.nodes[i as usize];
+        let class = class_of(block.size / GRANULE);
+        if prev == NIL {
+            self.heads[class] = next;
+            if next == NIL {
+                let group = class / LINEAR;
+                self.classes_in_use[group] &= !(1 << (class % LINEAR));
+                if self.classes_in_use[group] == 0 {
+                    self.groups_in_use &= !(1 << group);
+                }
+            }
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        }
+        self.by_start.remove(&block.addr);
+        self.by_end.remove(&(block.addr + block.size));
+        self.bytes -= block.size;
+        self.spare.push(i);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(addr: usize, size: usize, starts_chunk: bool) -> FreeBlock {
+        FreeBlock {
+            addr,
+            size,
+            starts_chunk,
+        }
+    }
+
+    #[test]
+    fn classes_are_monotonic_and_cover_sizes() {
+        let mut last = 0;
+        for units in 1..100_000 {
+            let c = class_of(units);
+            assert!(c >= last && c < CLASSES);
+            last = c;
+            // Every block of `class_at_least(u)` holds `u` granules.
+            let at_least = class_at_least(units);
+            assert!(at_least >= c);
+            let lowest_of_next = (units..).find(|&u| class_of(u) >= at_least).unwrap();
+            assert!(lowest_of_next >= units);
+        }
+        assert!(class_of(usize::MAX / GRANULE) < CLASSES);
+    }
+
+    #[test]
+    fn neighbours_merge_within_a_chunk_only() {
+        let mut f = FreeBlocks::default();
+        f.insert(block(0x1000, 256, true));
+        f.insert(block(0x1200, 256, false));
+        assert_eq!(f.len(), 2);
+        f.insert(block(0x1100, 256, false));
+        assert_eq!(f.blocks().collect::<Vec<_>>(), [block(0x1000, 768, true)]);
+        // A chunk that happens to follow stays apart.
+        f.insert(block(0x1300, 512, true));
+        assert_eq!(f.len(), 2);
+        assert_eq!(f.bytes(), 1280);
+        assert_eq!(f.largest(), 768);
+    }
+
+    #[test]
+    fn take_splits_and_aligns() {
+        let mut f = FreeBlocks::default();
+        f.insert(block(0x10100, 0x4000, true));
+        let a = f.take(256, 0x1000).unwrap();
+        assert_eq!(a, 0x11000);
+        assert_eq!(f.len(), 2);
+        assert_eq!(f.bytes(), 0x4000 - 256);
+        assert_eq!(f.take(0x4000, GRANULE), None);
+        f.insert(block(a, 256, false));
+        assert_eq!(
+            f.blocks().collect::<Vec<_>>(),
+            [block(0x10100, 0x4000, true)]
+        );
+        assert_eq!(f.take(0x4000, GRANULE), Some(0x10100));
+        assert_eq!(f.len(), 0);
+    }
+
+    #[test]
+    fn finds_a_fit_in_any_class() {
+        let mut f = FreeBlocks::default();
+        let mut addr = 1 << 30;
+        for units in [1, 3, 17, 100, 5000, 70_000] {
+            f.insert(block(addr, units * GRANULE, true));
+            addr += 1 << 26;
+        }
+        for want in [1, 2, 3, 4, 17, 18, 99, 100, 4000, 5000, 60_000, 70_000] {
+            let mut g = FreeBlocks::default();
+            for b in f.blocks() {
+                g.insert(b);
+            }
+            let a = g.take(want * GRANULE, GRANULE).expect("a fit");
+            assert_eq!(a % GRANULE, 0);
+        }
+        assert_eq!(f.take(70_001 * GRANULE, GRANULE), None);
+        let drained = f.drain();
+        assert_eq!(drained.len(), 6);
+        assert_eq!(f.len(), 0);
+        assert_eq!(f.bytes(), 0);
+    }
+}

@@ -1,0 +1,15 @@
+//! Sub-allocators: resources that take large blocks from an upstream resource and hand
+//! out pieces of them, much faster than the upstream could.
+//!
+//! - [`Pool`]: coalescing, any size, per-stream free lists (RMM's `pool_memory_resource`).
+//!
+//! All of them keep their upstream's properties (`Pool<Cuda>` is device memory,
+//! `Pool<PinnedHost>` host-and-device), run on host memory as well as on a GPU, and are
+//! safe to call from many threads at once: each stream has its own free list behind its
+//! own lock, found without taking a shared lock.
+
+mod free_blocks;
+mod pool;
+mod shards;
+
+pub use pool::{Pool, PoolConfig, PoolStats};

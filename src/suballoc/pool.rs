@@ -1,0 +1,653 @@
+//! [`Pool`]: a coalescing sub-allocator with per-stream free lists.
+
+use std::alloc::Layout;
+use std::collections::HashSet;
+use std::fmt;
+use std::hash::BuildHasherDefault;
+use std::ptr::{self, NonNull};
+
+use super::free_blocks::{AddrHasher, FreeBlock, FreeBlocks, GRANULE};
+use super::shards::{Shard, ShardMap, StreamKey, lock, synchronize};
+use crate::device::process_is_exiting;
+use crate::error::Error;
+use crate::resource::{Resource, SyncResource, dangling};
+use crate::stream::StreamRef;
+use crate::sync::Mutex;
+
+/// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
+const QUICK_UNITS: usize = 256;
+/// At most this many bytes are cached per stream; beyond it frees coalesce at once.
+const QUICK_BYTES: usize = 8 << 20;
+
+/// How a [`Pool`] starts and how far it may grow.
+///
+/// Both sizes must be multiples of 256 bytes and the initial size may not exceed the
+/// maximum; [`Pool::new`] returns [`Error::InvalidArgument`] otherwise.
+///
+/// ```
+/// use memres::suballoc::PoolConfig;
+///
+/// let config = PoolConfig::new().initial_size(64 << 20).maximum_size(1 << 30);
+/// assert_eq!(config.maximum(), Some(1 << 30));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolConfig {
+    initial: usize,
+    maximum: Option<usize>,
+}
+
+impl PoolConfig {
+    /// No memory at first, no maximum.
+    pub const fn new() -> PoolConfig {
+        PoolConfig {
+            initial: 0,
+            maximum: None,
+        }
+    }
+
+    /// Bytes taken from the upstream when the pool is made.
+    #[must_use]
+    pub const fn initial_size(mut self, bytes: usize) -> PoolConfig {
+        self.initial = bytes;
+        self
+    }
+
+    /// The most bytes the pool may hold from its upstream.
+    #[must_use]
+    pub const fn maximum_size(mut self, bytes: usize) -> PoolConfig {
+        self.maximum = Some(bytes);
+        self
+    }
+
+    /// The initial size.
+    pub const fn initial(&self) -> usize {
+        self.initial
+    }
+
+    /// The maximum size, if any.
+    pub const fn maximum(&self) -> Option<usize> {
+        self.maximum
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        let multiple = |what: &str, n: usize| {
+            if n.is_multiple_of(GRANULE) {
+                Ok(())
+            } else {
+                Err(Error::invalid_argument(format!(
+                    "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
+                )))
+            }
+        };
+        multiple("initial", self.initial)?;
+        if let Some(max) = self.maximum {
+            multiple("maximum", max)?;
+            if self.initial > max {
+                return Err(Error::invalid_argument(format!(
+                    "the pool's initial size ({} bytes) exceeds its maximum ({max} bytes)",
+                    self.initial
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot of a pool's memory, from [`Pool::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Bytes held from the upstream.
+    pub pool_size: usize,
+    /// Bytes held but not handed out.
+    pub free_bytes: usize,
+    /// The largest free block of any one stream's list.
+    pub largest_free_block: usize,
+    /// Free blocks, over all lists.
+    pub free_blocks: usize,
+    /// Allocations held from the upstream.
+    pub upstream_allocations: usize,
+}
+
+impl PoolStats {
+    /// `1 - largest_free_block / free_bytes`: 0 when the free memory is one block (or
+    /// there is none), near 1 when it is in many small pieces.
+    pub fn fragmentation(&self) -> f64 {
+        if self.free_bytes == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free_block as f64 / self.free_bytes as f64
+        }
+    }
+}
+
+/// One allocation from the upstream.
+struct Chunk {
+    addr: usize,
+    layout: Layout,
+}
+
+/// What changes only when the pool grows or shrinks; its mutex also serialises the
+/// allocation slow path.
+#[derive(Default)]
+struct Growth {
+    chunks: Vec<Chunk>,
+    size: usize,
+}
+
+type AddrSet = HashSet<usize, BuildHasherDefault<AddrHasher>>;
+
+/// One stream's free memory.
+struct PoolShard {
+    free: FreeBlocks,
+    /// Recently freed small blocks by size in granules, handed out again whole.
+    quick: Vec<Vec<usize>>,
+    quick_bytes: usize,
+    /// Where the pool's chunks begin (a copy per stream, so the free path needs no shared
+    /// lock); blocks never merge across these.
+    chunk_starts: AddrSet,
+}
+
+impl PoolShard {
+    fn new(chunk_starts: impl Iterator<Item = usize>) -> PoolShard {
+        PoolShard {
+            free: FreeBlocks::default(),
+            quick: vec![Vec::new(); QUICK_UNITS + 1],
+            quick_bytes: 0,
+            chunk_starts: chunk_starts.collect(),
+        }
+    }
+
+    #[inline]
+    fn take(&mut self, size: usize, align: usize) -> Option<usize> {
+        let units = size / GRANULE;
+        if align == GRANULE
+            && units <= QUICK_UNITS
+            && let Some(addr) = self.quick[units].pop()
+        {
+            self.quick_bytes -= size;
+            return Some(addr);
+        }
+        self.free.take(size, align)
+    }
+
+    #[inline]
+    fn put(&mut self, addr: usize, size: usize) {
+        let units = size / GRANULE;
+        if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
+            self.quick[units].push(addr);
+            self.quick_bytes += size;
+        } else {
+            self.insert(addr, size);
+        }
+    }
+
+    fn insert(&mut self, addr: usize, size: usize) {
+        let starts_chunk = self.chunk_starts.contains(&addr);
+        self.free.insert(FreeBlock {
+            addr,
+            size,
+            starts_chunk,
+        });
+    }
+
+    /// Coalesces the cached small blocks into the free list.
+    fn flush(&mut self) {
+        if self.quick_bytes == 0 {
+            return;
+        }
+        for units in 1..=QUICK_UNITS {
+            while let Some(addr) = self.quick[units].pop() {
+                self.insert(addr, units * GRANULE);
+            }
+        }
+        self.quick_bytes = 0;
+    }
+
+    fn drain(&mut self) -> Vec<FreeBlock> {
+        self.flush();
+        self.free.drain()
+    }
+
+    fn free_bytes(&self) -> usize {
+        self.free.bytes() + self.quick_bytes
+    }
+}
+
+/// A coalescing sub-allocator over any upstream (RMM's `pool_memory_resource`): it takes
+/// large allocations ("chunks") from the upstream and hands out pieces of them.
+///
+/// - **Finding a block** is O(1): free blocks sit in size classes with bitmaps (a
+///   two-level segregated fit) and are coalesced with free neighbours on free, in O(1)
+///   through maps by address. Blocks of different chunks never merge. Small blocks (up
+///   to 64 KiB) are first cached per stream and handed out again whole, coalesced when a
+///   request finds no fit.
+/// - **Streams.** Every stream has its own free list behind its own lock, found without
+///   a lock, so threads on different streams never wait for each other. Memory freed on
+///   stream S is reused on S at once. Blocks freed on a host stream (and through the
+///   synchronous API) are free for every stream. A stream that cannot be served (1)
+///   takes a fitting block from those host lists, else (2) grows the pool, else (3)
+///   merges every stream's list into its own and coalesces it, having first waited for
+///   the work of the CUDA streams the blocks came from (one `cuCtxSynchronize` per
+///   context), else (4) returns entirely free chunks to the upstream and grows again.
+///   No event is recorded on the free path. The per-thread default stream has one list
+///   per thread.
+/// - **Growth** (RMM's rule). Without a maximum the pool grows by the larger of the
+///   request and its current size (doubling); with one, by the larger of the request
+///   and half of what remains below the maximum. When the upstream refuses, it halves
+///   the attempt, down to the request. Chunks are allocated on the requesting stream.
+/// - **Alignment**: any power of two (above 256, a fitting block is searched with room
+///   for the padding).
+/// - [`trim`](Pool::trim) returns entirely free chunks; [`stats`](Pool::stats) reports
+///   size, free bytes, the largest free block and fragmentation.
+/// - **Drop** waits for the streams the pool has seen, then returns every chunk, also
+///   those under blocks still handed out (as RMM does); the upstream's own drop logic
+///   skips driver calls once the process is exiting.
+///
+/// Equality is identity: a pool equals only itself.
+///
+/// ```
+/// use memres::suballoc::{Pool, PoolConfig};
+/// use memres::{HostHeap, Resource, StreamRef, layout};
+///
+/// let pool = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(1 << 20))?;
+/// let l = layout(1000)?;
+/// let p = pool.allocate(StreamRef::host(1), l)?;
+/// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+/// unsafe { pool.deallocate(StreamRef::host(1), p, l) };
+/// assert_eq!(pool.stats().free_bytes, 1 << 20);
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct Pool<U: Resource> {
+    upstream: U,
+    config: PoolConfig,
+    growth: Mutex<Growth>,
+    shards: ShardMap<PoolShard>,
+}
+
+impl<U: Resource> Pool<U> {
+    /// A pool over `upstream`, taking `config.initial()` bytes from it at once.
+    pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
+        config.validate()?;
+        let pool = Pool {
+            upstream,
+            config,
+            growth: Mutex::new(Growth::default()),
+            shards: ShardMap::default(),
+        };
+        if config.initial > 0 {
+            let layout = Layout::from_size_align(config.initial, GRANULE)
+                .map_err(|_| Error::invalid_argument("the pool's initial size is too large"))?;
+            let ptr = pool.upstream.allocate_sync(layout)?;
+            let host = pool.shard(StreamRef::HOST);
+            pool.add_chunk(&mut lock(&pool.growth), ptr, layout, host);
+        }
+        Ok(pool)
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The configuration the pool was made with.
+    pub fn config(&self) -> PoolConfig {
+        self.config
+    }
+
+    /// Bytes held from the upstream.
+    pub fn pool_size(&self) -> usize {
+        lock(&self.growth).size
+    }
+
+    /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
+    /// concurrent use it is exact for each list but not one instant.
+    pub fn stats(&self) -> PoolStats {
+        let growth = lock(&self.growth);
+        let mut stats = PoolStats {
+            pool_size: growth.size,
+            upstream_allocations: growth.chunks.len(),
+            ..PoolStats::default()
+        };
+        for shard in self.shards.all() {
+            let s = lock(&shard.state);
+            stats.free_bytes += s.free_bytes();
+            stats.free_blocks += s.free.len() + s.quick.iter().map(Vec::len).sum::<usize>();
+            let quick_largest = (1..=QUICK_UNITS)
+                .rev()
+                .find(|&u| !s.quick[u].is_empty())
+                .map_or(0, |u| u * GRANULE);
+            stats.largest_free_block = stats
+                .largest_free_block
+                .max(s.free.largest())
+                .max(quick_largest);
+        }
+        stats
+    }
+
+    /// Merges every stream's free list into one and coalesces it, first waiting for the
+    /// work of the CUDA streams the pool has seen. Afterwards free memory is as few
+    /// blocks as the chunks allow (one per chunk once everything is freed).
+    pub fn coalesce(&self) -> Result<(), Error> {
+        let host = self.shard(StreamRef::HOST);
+        let _growth = lock(&self.growth);
+        self.merge_into(host).map(drop)
+    }
+
+    /// Returns every entirely free chunk to the upstream (after [`coalesce`](Self::coalesce)
+    /// has merged the lists); returns how many bytes went back.
+    pub fn trim(&self) -> Result<usize, Error> {
+        let host = self.shard(StreamRef::HOST);
+        let mut growth = lock(&self.growth);
+        self.merge_into(host)?;
+        Ok(self.release_free_chunks(&mut growth, host))
+    }
+
+    /// The shard of `stream`, made on first use.
+    #[inline]
+    fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
+        let key = StreamKey::of(stream);
+        if let Some(shard) = self.shards.get(key) {
+            return shard;
+        }
+        self.new_shard(key)
+    }
+
+    #[cold]
+    fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
+        // Under the growth lock, so no chunk comes or goes while its start is copied.
+        let growth = lock(&self.growth);
+        self.shards
+            .get_or_insert_with(key, || PoolShard::new(growth.chunks.iter().map(|c| c.addr)))
+    }
+
+    /// The slow path: the stream's own list has no fit.
+    #[cold]
+    fn allocate_slow(
+        &self,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        let mut growth = lock(&self.growth);
+        let mut found = {
+            let mut s = lock(&own.state);
+            s.flush();
+            s.free.take(size, align)
+        };
+        // Blocks freed on host streams are free for all.
+        for other in self.shards.all() {
+            if found.is_some() {
+                break;
+            }
+            if ptr::eq(other, own) || !other.key.is_host() {
+                continue;
+            }
+            let mut s = lock(&other.state);
+            found = s.take(size, align).or_else(|| {
+                s.flush();
+                s.free.take(size, align)
+            });
+        }
+        if let Some(addr) = found {
+            return Ok(addr);
+        }
+        if let Some(addr) = self.grow(&mut growth, stream, own, size, align)? {
+            return Ok(addr);
+        }
+        if self.merge_into(own)?
+            && let Some(addr) = lock(&own.state).free.take(size, align)
+        {
+            return Ok(addr);
+        }
+        if self.release_free_chunks(&mut growth, own) > 0
+            && let Some(addr) = self.grow(&mut growth, stream, own, size, align)?
+        {
+            return Ok(addr);
+        }
+        Err(Error::OutOfMemory {
+            requested,
+            limit: self.config.maximum,
+        })
+    }
+
+    /// Grows the pool for a block of `size` aligned to `align` and takes the block from
+    /// the new chunk; `Ok(None)` when neither the maximum nor the upstream allows it.
+    fn grow(
+        &self,
+        growth: &mut Growth,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+    ) -> Result<Option<usize>, Error> {
+        let Some(min) = size.checked_add(align - GRANULE) else {
+            return Ok(None);
+        };
+        let mut attempt = match self.config.maximum {
+            Some(max) => {
+                let remaining = max - growth.size;
+                if min > remaining {
+                    return Ok(None);
+                }
+                min.max((remaining / 2).next_multiple_of(GRANULE))
+            }
+            None => min.max(growth.size),
+        };
+        loop {
+            let Ok(layout) = Layout::from_size_align(attempt, GRANULE) else {
+                return Ok(None);
+            };
+            match self.upstream.allocate(stream, layout) {
+                Ok(ptr) => {
+                    self.add_chunk(growth, ptr, layout, own);
+                    let addr = lock(&own.state).free.take(size, align);
+                    debug_assert!(addr.is_some(), "a new chunk fits its request");
+                    return Ok(addr);
+                }
+                Err(Error::OutOfMemory { .. }) if attempt > min => {
+                    attempt = min.max((attempt / 2).next_multiple_of(GRANULE));
+                }
+                Err(Error::OutOfMemory { .. }) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Records a new chunk and puts it, free, in `into`'s list.
+    fn add_chunk(
+        &self,
+        growth: &mut Growth,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        into: &Shard<PoolShard>,
+    ) {
+        let addr = ptr.as_ptr().expose_provenance();
+        // Every list learns the chunk's start before any block of it can reach one.
+        for shard in self.shards.all() {
+            lock(&shard.state).chunk_starts.insert(addr);
+        }
+        growth.chunks.push(Chunk { addr, layout });
+        growth.size += layout.size();
+        lock(&into.state).free.insert(FreeBlock {
+            addr,
+            size: layout.size(),
+            starts_chunk: true,
+        });
+    }
+
+    /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
+    /// for the CUDA streams they were freed on. Returns whether anything moved.
+    fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
+        let mut moved = Vec::new();
+        for other in self.shards.all() {
+            if !ptr::eq(other, into) {
+                let blocks = lock(&other.state).drain();
+                if !blocks.is_empty() {
+                    moved.push((other, blocks));
+                }
+            }
+        }
+        let pending = moved.iter().filter_map(|(s, _)| s.ctx);
+        if let Err(e) = synchronize(pending) {
+            // Their streams may still be using them: back where they came from.
+            for (shard, blocks) in moved {
+                let mut s = lock(&shard.state);
+                blocks.into_iter().for_each(|b| s.free.insert(b));
+            }
+            return Err(e);
+        }
+        let mut s = lock(&into.state);
+        s.flush();
+        for (_, blocks) in &moved {
+            blocks.iter().for_each(|&b| s.free.insert(b));
+        }
+        Ok(!moved.is_empty())
+    }
+
+    /// Returns to the upstream every chunk that is one free block in `from`'s list.
+    fn release_free_chunks(&self, growth: &mut Growth, from: &Shard<PoolShard>) -> usize {
+        let mut released = Vec::new();
+        {
+            let mut s = lock(&from.state);
+            s.flush();
+            growth.chunks.retain(|c| {
+                let whole = s
+                    .free
+                    .starting_at(c.addr)
+                    .is_some_and(|b| b.size == c.layout.size());
+                if whole {
+                    s.free.remove_starting_at(c.addr);
+                    released.push((c.addr, c.layout));
+                }
+                !whole
+            });
+        }
+        let mut bytes = 0;
+        for shard in self.shards.all() {
+            let mut s = lock(&shard.state);
+            for (addr, _) in &released {
+                s.chunk_starts.remove(addr);
+            }
+        }
+        for (addr, layout) in released {
+            bytes += layout.size();
+            // SAFETY: the chunk came from `upstream.allocate` with `layout` (see `grow`);
+            // no block of it is handed out (it was one free block) and the streams it was
+            // freed on were waited for when the lists were merged.
+            unsafe {
+                self.upstream.deallocate_sync(
+                    NonNull::new_unchecked(ptr::with_exposed_provenance_mut(addr)),
+                    layout,
+                )
+            };
+        }
+        growth.size -= bytes;
+        bytes
+    }
+}
+
+impl<U: Resource> Drop for Pool<U> {
+    fn drop(&mut self) {
+        if !process_is_exiting() {
+            // Blocks freed on streams may still be in use by work on them.
+            if let Err(e) = self.shards.synchronize_streams() {
+                tracing::error!("a pool could not wait for its streams before freeing: {e}");
+            }
+        }
+        let growth = std::mem::take(&mut *lock(&self.growth));
+        for chunk in growth.chunks {
+            // SAFETY: the chunk came from `upstream.allocate` with this layout; the pool is
+            // going away, and its streams' work is complete (above).
+            unsafe {
+                self.upstream.deallocate_sync(
+                    NonNull::new_unchecked(ptr::with_exposed_provenance_mut(chunk.addr)),
+                    chunk.layout,
+                )
+            };
+        }
+    }
+}
+
+impl<U: Resource> PartialEq for Pool<U> {
+    fn eq(&self, other: &Self) -> bool {
+        ptr::eq(self, other)
+    }
+}
+
+impl<U: Resource + fmt::Debug> fmt::Debug for Pool<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool")
+            .field("upstream", &self.upstream)
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// The block size for `layout` (a multiple of the granule) and its alignment (at least
+/// the granule).
+#[inline]
+pub(crate) fn block_size(layout: Layout) -> (usize, usize) {
+    // `layout.size()` is at most `isize::MAX`, so rounding up cannot overflow.
+    (
+        layout.size().next_multiple_of(GRANULE),
+        layout.align().max(GRANULE),
+    )
+}
+
+#[inline]
+fn to_ptr(addr: usize) -> NonNull<u8> {
+    // SAFETY: every address handed out lies in a chunk, which is never at address zero.
+    unsafe { NonNull::new_unchecked(ptr::with_exposed_provenance_mut(addr)) }
+}
+
+// SAFETY: blocks are disjoint pieces of chunks from the upstream (free blocks are tracked
+// exactly once, in one list), aligned as asked, and carry the upstream's properties; a
+// block freed on stream S is handed to another stream only after S's work is complete
+// (host streams) or waited for (`merge_into`). Only the pool itself is equal to it.
+unsafe impl<U: Resource> SyncResource for Pool<U> {
+    type Properties = U::Properties;
+
+    #[inline]
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate(StreamRef::HOST, layout)
+    }
+
+    #[inline]
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller's promise: from this pool with `layout`, and unused now,
+        // which is what freeing on a host stream means.
+        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
+    }
+}
+
+// SAFETY: as for `SyncResource`; memory freed on a stream is reused on that stream at
+// once, and on another only after the first's work was waited for.
+unsafe impl<U: Resource> Resource for Pool<U> {
+    #[inline]
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        let (size, align) = block_size(layout);
+        let shard = self.shard(stream);
+        if let Some(addr) = lock(&shard.state).take(size, align) {
+            return Ok(to_ptr(addr));
+        }
+        self.allocate_slow(stream, shard, size, align, layout.size())
+            .map(to_ptr)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        let (size, _) = block_size(layout);
+        let addr = ptr.as_ptr().expose_provenance();
+        lock(&self.shard(stream).state).put(addr, size);
+    }
+}

@@ -1,0 +1,241 @@
+//! Per-stream state of the sub-allocators ("shards"), found without taking a lock.
+//!
+//! Every stream a sub-allocator sees gets one shard: its free list behind its own mutex.
+//! Threads on different streams therefore never wait for each other on the allocation
+//! path. The map from stream to shard is an insert-only open-addressing table of atomic
+//! pointers: lookups are lock-free (acquire loads), insertions are serialised by a mutex
+//! and publish a fully built shard with a release store. Shards live until the map drops.
+
+use std::cell::Cell;
+use std::ptr;
+use std::sync::PoisonError;
+
+use crate::device::Context;
+use crate::driver;
+use crate::error::Error;
+use crate::stream::StreamRef;
+use crate::sync::atomic::{AtomicPtr, Ordering};
+use crate::sync::{Mutex, MutexGuard};
+
+/// Slots in the lock-free table; streams beyond it go to a list behind a mutex.
+const SLOTS: usize = 64;
+
+/// Locks a mutex, ignoring poisoning: the sub-allocators' critical sections leave their
+/// state consistent at every point a panic could leave them.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What identifies a stream's free list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamKey {
+    /// A host stream: its work is always complete, so its blocks are free for all.
+    Host(u32),
+    /// A CUDA stream (the legacy default stream is `Cuda(0)`).
+    Cuda(usize),
+    /// The per-thread default stream of the thread with this number.
+    PerThread(usize),
+}
+
+impl StreamKey {
+    pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
+        if let Some(id) = stream.host_id() {
+            StreamKey::Host(id)
+        } else if stream.is_per_thread() {
+            StreamKey::PerThread(thread_number())
+        } else if stream.is_default() {
+            StreamKey::Cuda(0)
+        } else {
+            StreamKey::Cuda(stream.as_raw().map_or(0, |raw| raw as usize))
+        }
+    }
+
+    /// Blocks freed on a host stream may be taken by any stream without waiting.
+    pub(crate) fn is_host(self) -> bool {
+        matches!(self, StreamKey::Host(_))
+    }
+
+    fn slot(self) -> usize {
+        let (kind, n) = match self {
+            StreamKey::Host(id) => (1u64, u64::from(id)),
+            StreamKey::Cuda(h) => (2, h as u64),
+            StreamKey::PerThread(t) => (3, t as u64),
+        };
+        let h = (n ^ (kind << 60)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (h >> 58) as usize % SLOTS
+    }
+}
+
+/// A number for the calling thread, unique for the life of the process (unlike the
+/// thread's OS id, which may be reused).
+fn thread_number() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    thread_local!(static NUMBER: Cell<usize> = const { Cell::new(0) });
+    NUMBER.with(|n| {
+        if n.get() == 0 {
+            n.set(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        }
+        n.get()
+    })
+}
+
+/// One stream's state.
+pub(crate) struct Shard<S> {
+    pub(crate) key: StreamKey,
+    /// For CUDA streams, the context whose synchronisation completes the stream's work
+    /// (the one current when the stream was first seen; `None` without a driver, where
+    /// no GPU work can be pending).
+    pub(crate) ctx: Option<Context>,
+    pub(crate) state: Mutex<S>,
+}
+
+impl<S> Shard<S> {
+    fn new(key: StreamKey, state: S) -> Shard<S> {
+        let ctx = if key.is_host() || !driver::is_present() {
+            None
+        } else {
+            Context::current().ok()
+        };
+        Shard {
+            key,
+            ctx,
+            state: Mutex::new(state),
+        }
+    }
+}
+
+/// The map from stream to shard.
+pub(crate) struct ShardMap<S> {
+    slots: Box<[AtomicPtr<Shard<S>>]>,
+    /// Serialises insertions; holds the shards that found no free slot.
+    overflow: Mutex<Vec<*mut Shard<S>>>,
+}
+
+// SAFETY: the map owns its shards (boxed, freed only in `drop`); sending it sends them.
+unsafe impl<S: Send> Send for ShardMap<S> {}
+// SAFETY: shared access hands out `&Shard<S>`, whose state is behind a mutex, so shards
+// are shared the way `Mutex<S>` is: safe when `S: Send`.
+unsafe impl<S: Send> Sync for ShardMap<S> {}
+
+impl<S> Default for ShardMap<S> {
+    fn default() -> Self {
+        ShardMap {
+            slots: (0..SLOTS)
+                .map(|_| AtomicPtr::new(ptr::null_mut()))
+                .collect(),
+            overflow: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<S> ShardMap<S> {
+    /// The shard of `key`, if it exists; lock-free unless the table has overflowed.
+    #[inline]
+    pub(crate) fn get(&self, key: StreamKey) -> Option<&Shard<S>> {
+        let start = key.slot();
+        for i in 0..SLOTS {
+            let p = self.slots[(start + i) % SLOTS].load(Ordering::Acquire);
+            if p.is_null() {
+                return None;
+            }
+            // SAFETY: a non-null slot points at a shard published with a release store
+            // (so the acquire load sees it fully built) and freed only when the map drops.
+            let shard = unsafe { &*p };
+            if shard.key == key {
+                return Some(shard);
+            }
+        }
+        let overflow = lock(&self.overflow);
+        // SAFETY: as above: shards in the list live until the map drops.
+        overflow
+            .iter()
+            .map(|&p| unsafe { &*p })
+            .find(|s| s.key == key)
+    }
+
+    /// The shard of `key`, made with `state` if there is none yet.
+    pub(crate) fn get_or_insert_with(
+        &self,
+        key: StreamKey,
+        state: impl FnOnce() -> S,
+    ) -> &Shard<S> {
+        let mut overflow = lock(&self.overflow);
+        let start = key.slot();
+        for i in 0..SLOTS {
+            let slot = &self.slots[(start + i) % SLOTS];
+            let p = slot.load(Ordering::Acquire);
+            if p.is_null() {
+                let new = Box::into_raw(Box::new(Shard::new(key, state())));
+                slot.store(new, Ordering::Release);
+                // SAFETY: just made; freed only when the map drops.
+                return unsafe { &*new };
+            }
+            // SAFETY: as in `get`.
+            let shard = unsafe { &*p };
+            if shard.key == key {
+                return shard;
+            }
+        }
+        // SAFETY: as in `get`.
+        if let Some(shard) = overflow
+            .iter()
+            .map(|&p| unsafe { &*p })
+            .find(|s| s.key == key)
+        {
+            return shard;
+        }
+        let new = Box::into_raw(Box::new(Shard::new(key, state())));
+        overflow.push(new);
+        // SAFETY: just made; freed only when the map drops.
+        unsafe { &*new }
+    }
+
+    /// Every shard so far.
+    pub(crate) fn all(&self) -> Vec<&Shard<S>> {
+        let mut out = Vec::new();
+        for slot in self.slots.iter() {
+            let p = slot.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: as in `get`.
+                out.push(unsafe { &*p });
+            }
+        }
+        // SAFETY: as in `get`.
+        out.extend(lock(&self.overflow).iter().map(|&p| unsafe { &*p }));
+        out
+    }
+
+    /// Waits for the work of every CUDA stream seen so far (once per context).
+    pub(crate) fn synchronize_streams(&self) -> Result<(), Error> {
+        synchronize(self.all().iter().filter_map(|s| s.ctx))
+    }
+}
+
+/// Synchronises each distinct context once.
+pub(crate) fn synchronize(ctxs: impl Iterator<Item = Context>) -> Result<(), Error> {
+    let mut done: Vec<Context> = Vec::new();
+    for ctx in ctxs {
+        if !done.contains(&ctx) {
+            ctx.synchronize()?;
+            done.push(ctx);
+        }
+    }
+    Ok(())
+}
+
+impl<S> Drop for ShardMap<S> {
+    fn drop(&mut self) {
+        for slot in self.slots.iter() {
+            let p = slot.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; `&mut self`
+                // means no reference handed out by `get` is still alive.
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+        for &p in lock(&self.overflow).iter() {
+            // SAFETY: as above.
+            drop(unsafe { Box::from_raw(p) });
+        }
+    }
+}
