@@ -129,6 +129,15 @@ impl<S> Default for ShardMap<S> {
 }
 
 impl<S> ShardMap<S> {
+    /// A shard of this map from its pointer (taken from a slot or the overflow list).
+    #[inline]
+    fn at(&self, p: *mut Shard<S>) -> &Shard<S> {
+        // SAFETY: every pointer in a slot or the overflow list was made by `Box::into_raw`
+        // and published with a release store or under the insertion lock (so it is seen
+        // fully built); shards are freed only when the map drops, which `&self` outlives.
+        unsafe { &*p }
+    }
+
     /// The shard of `key`, if it exists; lock-free unless the table has overflowed.
     #[inline]
     pub(crate) fn get(&self, key: StreamKey) -> Option<&Shard<S>> {
@@ -138,19 +147,13 @@ impl<S> ShardMap<S> {
             if p.is_null() {
                 return None;
             }
-            // SAFETY: a non-null slot points at a shard published with a release store
-            // (so the acquire load sees it fully built) and freed only when the map drops.
-            let shard = unsafe { &*p };
+            let shard = self.at(p);
             if shard.key == key {
                 return Some(shard);
             }
         }
         let overflow = lock(&self.overflow);
-        // SAFETY: as above: shards in the list live until the map drops.
-        overflow
-            .iter()
-            .map(|&p| unsafe { &*p })
-            .find(|s| s.key == key)
+        overflow.iter().map(|&p| self.at(p)).find(|s| s.key == key)
     }
 
     /// The shard of `key`, made with `state` if there is none yet.
@@ -167,27 +170,19 @@ impl<S> ShardMap<S> {
             if p.is_null() {
                 let new = Box::into_raw(Box::new(Shard::new(key, state())));
                 slot.store(new, Ordering::Release);
-                // SAFETY: just made; freed only when the map drops.
-                return unsafe { &*new };
+                return self.at(new);
             }
-            // SAFETY: as in `get`.
-            let shard = unsafe { &*p };
+            let shard = self.at(p);
             if shard.key == key {
                 return shard;
             }
         }
-        // SAFETY: as in `get`.
-        if let Some(shard) = overflow
-            .iter()
-            .map(|&p| unsafe { &*p })
-            .find(|s| s.key == key)
-        {
-            return shard;
+        if let Some(&p) = overflow.iter().find(|&&p| self.at(p).key == key) {
+            return self.at(p);
         }
         let new = Box::into_raw(Box::new(Shard::new(key, state())));
         overflow.push(new);
-        // SAFETY: just made; freed only when the map drops.
-        unsafe { &*new }
+        self.at(new)
     }
 
     /// Every shard so far.
@@ -196,12 +191,10 @@ impl<S> ShardMap<S> {
         for slot in self.slots.iter() {
             let p = slot.load(Ordering::Acquire);
             if !p.is_null() {
-                // SAFETY: as in `get`.
-                out.push(unsafe { &*p });
+                out.push(self.at(p));
             }
         }
-        // SAFETY: as in `get`.
-        out.extend(lock(&self.overflow).iter().map(|&p| unsafe { &*p }));
+        out.extend(lock(&self.overflow).iter().map(|&p| self.at(p)));
         out
     }
 
