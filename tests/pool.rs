@@ -1,0 +1,295 @@
+//! `Pool` on host memory: configuration, RMM's pool cases adapted to our growth rule,
+//! stream lists, trimming, statistics, and a property test of its invariants.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use memres::adaptor::Limiting;
+use memres::suballoc::{Pool, PoolConfig};
+use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout, layout_with_alignment};
+use proptest::prelude::*;
+
+fn heap_pool(config: PoolConfig) -> Pool<HostHeap> {
+    Pool::new(HostHeap::new(), config).expect("a pool over the heap")
+}
+
+#[test]
+fn maximum_below_initial_is_rejected() {
+    let e = Pool::new(
+        HostHeap::new(),
+        PoolConfig::new()
+            .initial_size(1 << 20)
+            .maximum_size(1 << 19),
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(e.to_string().contains("exceeds its maximum"), "{e}");
+}
+
+#[test]
+fn sizes_not_multiples_of_256_are_rejected() {
+    for config in [
+        PoolConfig::new().initial_size(1000),
+        PoolConfig::new().maximum_size(1000),
+        PoolConfig::new().initial_size(256).maximum_size(1000),
+    ] {
+        let e = Pool::new(HostHeap::new(), config).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{config:?}: {e:?}");
+        assert!(e.to_string().contains("multiple of 256"), "{e}");
+    }
+}
+
+/// RMM's `ForceGrowth`: a pool from zero over a 6000-byte upstream. Growth is by the
+/// larger of the request and the pool's size, halving on failure down to the request.
+#[test]
+fn forced_growth_against_a_limited_upstream() {
+    let pool = Pool::new(Limiting::new(HostHeap::new(), 6000), PoolConfig::new()).unwrap();
+    let s = StreamRef::HOST;
+    let a = pool.allocate(s, layout(1000).unwrap()).unwrap();
+    assert_eq!(pool.pool_size(), 1024);
+    let b = pool.allocate(s, layout(4000).unwrap()).unwrap();
+    assert_eq!(pool.pool_size(), 1024 + 4096);
+    // Tries 5120, 2560 and 1280 bytes before 640 fits under the limit; RMM takes 640, we
+    // round every attempt up to whole 256-byte granules, so 768.
+    let c = pool.allocate(s, layout(500).unwrap()).unwrap();
+    assert_eq!(pool.pool_size(), 1024 + 4096 + 768);
+    assert_eq!(pool.upstream().allocated_bytes(), 5888);
+    match pool.allocate(s, layout(2000).unwrap()) {
+        Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, 2000),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    for (p, n) in [(a, 1000), (b, 4000), (c, 500)] {
+        // SAFETY: allocated above with this layout on `s`.
+        unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
+    }
+    // Entirely free chunks go back, so 2000 bytes now fit.
+    let d = pool.allocate(s, layout(2000).unwrap()).unwrap();
+    assert_eq!(pool.upstream().allocated_bytes(), pool.pool_size());
+    // SAFETY: as above.
+    unsafe { pool.deallocate(s, d, layout(2000).unwrap()) };
+}
+
+/// With a maximum, growth takes half of what remains; a pool that cannot grow returns its
+/// free chunks and grows once more before it reports `OutOfMemory`.
+#[test]
+fn a_capped_pool_trims_and_retries() {
+    let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20));
+    let s = StreamRef::host(1);
+    let (one, one_half) = (layout(1 << 20).unwrap(), layout(3 << 19).unwrap());
+    let a = pool.allocate(s, one).unwrap();
+    assert_eq!(pool.pool_size(), 2 << 20);
+    let b = pool.allocate(s, one_half).unwrap();
+    assert_eq!(pool.pool_size(), (2 << 20) + (3 << 19));
+    // SAFETY: allocated above with these layouts on `s`.
+    unsafe {
+        pool.deallocate(s, a, one);
+        pool.deallocate(s, b, one_half);
+    }
+    // 3 MiB fits in neither chunk, and the pool may not grow by 3 MiB: it gives both back.
+    let three = layout(3 << 20).unwrap();
+    let c = pool.allocate(s, three).unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.upstream_allocations, 1);
+    assert_eq!(stats.pool_size, 3 << 20);
+    match pool.allocate(s, three) {
+        Err(Error::OutOfMemory {
+            requested, limit, ..
+        }) => {
+            assert_eq!((requested, limit), (3 << 20, Some(4 << 20)));
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // SAFETY: as above.
+    unsafe { pool.deallocate(s, c, three) };
+    assert_eq!(pool.trim().unwrap(), 3 << 20);
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
+#[test]
+fn memory_freed_on_a_stream_is_reused_on_it_first() {
+    let pool = heap_pool(PoolConfig::new().initial_size(1 << 20));
+    let l = layout(3000).unwrap();
+    for s in [StreamRef::host(1), StreamRef::host(2)] {
+        let p = pool.allocate(s, l).unwrap();
+        // SAFETY: allocated just above with `l` on `s`.
+        unsafe { pool.deallocate(s, p, l) };
+        let again = pool.allocate(s, l).unwrap();
+        assert_eq!(again, p, "{s:?}");
+        // SAFETY: as above.
+        unsafe { pool.deallocate(s, again, l) };
+    }
+    // Host streams' blocks are free for all: two streams share one chunk.
+    assert_eq!(pool.stats().upstream_allocations, 1);
+}
+
+#[test]
+fn alignments_above_256_are_honoured() {
+    let pool = heap_pool(PoolConfig::new());
+    let mut live = Vec::new();
+    for shift in 8..=21 {
+        let l = layout_with_alignment(1000, 1 << shift).unwrap();
+        let p = pool.allocate_sync(l).unwrap();
+        assert_eq!(p.as_ptr() as usize % (1 << shift), 0);
+        live.push((p, l));
+    }
+    for (p, l) in live {
+        // SAFETY: allocated above with `l`.
+        unsafe { pool.deallocate_sync(p, l) };
+    }
+    pool.coalesce().unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes, stats.pool_size);
+    assert_eq!(stats.free_blocks, stats.upstream_allocations);
+}
+
+#[test]
+fn stats_and_fragmentation() {
+    let pool = heap_pool(PoolConfig::new().initial_size(1 << 20));
+    let s = StreamRef::HOST;
+    let l = layout(128 << 10).unwrap();
+    let blocks: Vec<_> = (0..8).map(|_| pool.allocate(s, l).unwrap()).collect();
+    let stats = pool.stats();
+    assert_eq!((stats.pool_size, stats.free_bytes), (1 << 20, 0));
+    assert_eq!(stats.fragmentation(), 0.0);
+    // Free every other block: four free pieces of 128 KiB.
+    for p in blocks.iter().step_by(2) {
+        // SAFETY: allocated above with `l` on `s`.
+        unsafe { pool.deallocate(s, *p, l) };
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes, 512 << 10);
+    assert_eq!(stats.largest_free_block, 128 << 10);
+    assert_eq!(stats.free_blocks, 4);
+    assert!((stats.fragmentation() - 0.75).abs() < 1e-9);
+    for p in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: as above.
+        unsafe { pool.deallocate(s, *p, l) };
+    }
+    let stats = pool.stats();
+    assert_eq!(
+        (stats.free_bytes, stats.largest_free_block),
+        (1 << 20, 1 << 20)
+    );
+    assert_eq!(pool.trim().unwrap(), 1 << 20);
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
+/// A block freed on one stream and wanted by another whose list is empty moves over.
+#[test]
+fn streams_do_not_fragment_the_pool() {
+    let pool = heap_pool(
+        PoolConfig::new()
+            .initial_size(4 << 20)
+            .maximum_size(4 << 20),
+    );
+    let l = layout(1 << 20).unwrap();
+    // Four 1 MiB blocks, each freed on its own stream.
+    let blocks: Vec<_> = (0..4).map(|_| pool.allocate_sync(l).unwrap()).collect();
+    for (i, p) in blocks.into_iter().enumerate() {
+        // SAFETY: allocated above with `l`.
+        unsafe { pool.deallocate(StreamRef::host(10 + i as u32), p, l) };
+    }
+    // A fifth stream asks for all of it at once: the lists merge and coalesce.
+    let all = layout(4 << 20).unwrap();
+    let p = pool.allocate(StreamRef::host(20), all).unwrap();
+    assert_eq!(pool.pool_size(), 4 << 20);
+    // SAFETY: allocated above with `all`.
+    unsafe { pool.deallocate(StreamRef::host(20), p, all) };
+}
+
+/// A step of the property test.
+#[derive(Debug, Clone)]
+enum Step {
+    Allocate {
+        stream: u32,
+        size: usize,
+        align_shift: u32,
+    },
+    Free {
+        index: usize,
+        stream: u32,
+    },
+    Trim,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => (0..3u32, 1..300_000usize, 0..13u32)
+            .prop_map(|(stream, size, align_shift)| Step::Allocate { stream, size, align_shift }),
+        5 => (any::<usize>(), 0..3u32).prop_map(|(index, stream)| Step::Free { index, stream }),
+        1 => Just(Step::Trim),
+    ]
+}
+
+fn check_invariants(pool: &Pool<HostHeap>, live: &[(NonNull<u8>, Layout)]) {
+    let live_bytes: usize = live
+        .iter()
+        .map(|(_, l)| l.size().next_multiple_of(256))
+        .sum();
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes + live_bytes, stats.pool_size, "{stats:?}");
+    let mut ranges: Vec<(usize, usize)> = live
+        .iter()
+        .map(|(p, l)| (p.as_ptr() as usize, p.as_ptr() as usize + l.size()))
+        .collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        assert!(w[0].1 <= w[1].0, "live blocks overlap: {w:?}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Random allocate/free/trim sequences on three host streams: live blocks never
+    /// overlap and are aligned, free + live = pool size, and once everything is freed and
+    /// the lists merged, there is one free block per upstream allocation.
+    #[test]
+    fn pool_invariants(steps in proptest::collection::vec(step(), 1..200), capped in any::<bool>()) {
+        let config = if capped {
+            PoolConfig::new().initial_size(1 << 20).maximum_size(8 << 20)
+        } else {
+            PoolConfig::new()
+        };
+        let pool = heap_pool(config);
+        let mut live: Vec<(NonNull<u8>, Layout)> = Vec::new();
+        for step in steps {
+            match step {
+                Step::Allocate { stream, size, align_shift } => {
+                    let l = layout_with_alignment(size, 1 << align_shift).unwrap();
+                    match pool.allocate(StreamRef::host(stream), l) {
+                        Ok(p) => {
+                            prop_assert_eq!(p.as_ptr() as usize % l.align(), 0);
+                            live.push((p, l));
+                        }
+                        Err(Error::OutOfMemory { .. }) if capped => {}
+                        Err(e) => prop_assert!(false, "{:?}: {}", l, e),
+                    }
+                }
+                Step::Free { index, stream } if !live.is_empty() => {
+                    let (p, l) = live.swap_remove(index % live.len());
+                    // SAFETY: allocated by this pool with `l`; host streams are always done.
+                    unsafe { pool.deallocate(StreamRef::host(stream), p, l) };
+                }
+                Step::Free { .. } => {}
+                Step::Trim => {
+                    pool.trim().unwrap();
+                }
+            }
+            check_invariants(&pool, &live);
+        }
+        for (p, l) in live.drain(..) {
+            // SAFETY: as above.
+            unsafe { pool.deallocate(StreamRef::host(0), p, l) };
+        }
+        pool.coalesce().unwrap();
+        let stats = pool.stats();
+        prop_assert_eq!(stats.free_bytes, stats.pool_size);
+        prop_assert_eq!(stats.free_blocks, stats.upstream_allocations);
+        prop_assert_eq!(stats.fragmentation(), if stats.upstream_allocations > 1 {
+            1.0 - stats.largest_free_block as f64 / stats.free_bytes as f64
+        } else {
+            0.0
+        });
+    }
+}
