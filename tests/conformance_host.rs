@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use conformance::{Caps, SyncOnly};
 use memres::{
-    AnyResource, AnySyncResource, Callback, Host, HostHeap, Pool, PoolConfig, Resource,
-    ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
+    AnyResource, AnySyncResource, Binning, Callback, FixedSize, Host, HostHeap, Pool, PoolConfig,
+    Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
 };
 
 static HEAP: HostHeap = HostHeap::new();
@@ -226,5 +226,27 @@ conformance_tests!(
 conformance_tests!(
     any_resource_over_pool,
     pool(PoolConfig::new()).into_any::<Host>(),
+    Caps::host()
+);
+
+conformance_tests!(
+    fixed_size,
+    FixedSize::with_block_size(HostHeap::new(), 8 << 20, 16).unwrap(),
+    Caps::host().fixed_blocks(8 << 20)
+);
+conformance_tests!(
+    binning_over_pool,
+    Binning::new(pool(PoolConfig::new()), 8, 20).unwrap(),
+    Caps::host()
+);
+conformance_tests!(
+    binning_with_a_custom_bin,
+    {
+        let mut b = Binning::without_bins(HostHeap::new());
+        b.add_fixed_bin(4096).unwrap();
+        b.add_bin(1 << 20, pool(PoolConfig::new()).into_any::<Host>())
+            .unwrap();
+        b
+    },
     Caps::host()
 );

@@ -6,9 +6,9 @@ use std::fmt;
 use std::hash::BuildHasherDefault;
 use std::ptr::{self, NonNull};
 
+use super::chunks::{Chunk, release_all, to_ptr};
 use super::free_blocks::{AddrHasher, FreeBlock, FreeBlocks, GRANULE};
-use super::shards::{Shard, ShardMap, StreamKey, lock, synchronize};
-use crate::device::process_is_exiting;
+use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
@@ -119,12 +119,6 @@ impl PoolStats {
             1.0 - self.largest_free_block as f64 / self.free_bytes as f64
         }
     }
-}
-
-/// One allocation from the upstream.
-struct Chunk {
-    addr: usize,
-    layout: Layout,
 }
 
 /// What changes only when the pool grows or shrinks; its mutex also serialises the
@@ -464,12 +458,13 @@ impl<U: Resource> Pool<U> {
         layout: Layout,
         into: &Shard<PoolShard>,
     ) {
-        let addr = ptr.as_ptr().expose_provenance();
+        let chunk = Chunk::new(ptr, layout);
+        let addr = chunk.addr;
         // Every list learns the chunk's start before any block of it can reach one.
         for shard in self.shards.all() {
             lock(&shard.state).chunk_starts.insert(addr);
         }
-        growth.chunks.push(Chunk { addr, layout });
+        growth.chunks.push(chunk);
         growth.size += layout.size();
         lock(&into.state).free.insert(FreeBlock {
             addr,
@@ -481,68 +476,57 @@ impl<U: Resource> Pool<U> {
     /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
     /// for the CUDA streams they were freed on. Returns whether anything moved.
     fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
-        let mut moved = Vec::new();
-        for other in self.shards.all() {
-            if !ptr::eq(other, into) {
-                let blocks = lock(&other.state).drain();
-                if !blocks.is_empty() {
-                    moved.push((other, blocks));
-                }
-            }
-        }
-        let pending = moved.iter().filter_map(|(s, _)| s.ctx);
-        if let Err(e) = synchronize(pending) {
-            // Their streams may still be using them: back where they came from.
-            for (shard, blocks) in moved {
-                let mut s = lock(&shard.state);
-                blocks.into_iter().for_each(|b| s.free.insert(b));
-            }
-            return Err(e);
-        }
-        let mut s = lock(&into.state);
-        s.flush();
-        for (_, blocks) in &moved {
-            blocks.iter().for_each(|&b| s.free.insert(b));
-        }
-        Ok(!moved.is_empty())
+        lock(&into.state).flush();
+        self.shards.merge_into(into, PoolShard::drain, |s, blocks| {
+            s.flush();
+            blocks.into_iter().for_each(|b| s.free.insert(b));
+        })
     }
 
     /// Returns to the upstream every chunk that is one free block in `from`'s list.
     fn release_free_chunks(&self, growth: &mut Growth, from: &Shard<PoolShard>) -> usize {
-        let mut released = Vec::new();
-        {
+        let whole = |s: &PoolShard, c: &Chunk| {
+            s.free
+                .starting_at(c.addr)
+                .is_some_and(|b| b.size == c.layout.size())
+        };
+        let released: Vec<Chunk> = {
             let mut s = lock(&from.state);
             s.flush();
-            growth.chunks.retain(|c| {
-                let whole = s
-                    .free
-                    .starting_at(c.addr)
-                    .is_some_and(|b| b.size == c.layout.size());
-                if whole {
-                    s.free.remove_starting_at(c.addr);
-                    released.push((c.addr, c.layout));
-                }
-                !whole
-            });
-        }
-        let mut bytes = 0;
+            if !growth.chunks.iter().any(|c| whole(&s, c)) {
+                return 0;
+            }
+            // Blocks freed on `from`'s own stream may still be in use by its work (the
+            // list stays locked, so nothing freed after the wait joins them).
+            if let Some(ctx) = from.ctx
+                && let Err(e) = ctx.synchronize()
+            {
+                tracing::warn!("a pool could not wait for a stream to return memory: {e}");
+                return 0;
+            }
+            growth
+                .chunks
+                .extract_if(.., |c| {
+                    let whole = whole(&s, c);
+                    if whole {
+                        s.free.remove_starting_at(c.addr);
+                    }
+                    whole
+                })
+                .collect()
+        };
         for shard in self.shards.all() {
             let mut s = lock(&shard.state);
-            for (addr, _) in &released {
-                s.chunk_starts.remove(addr);
+            for c in &released {
+                s.chunk_starts.remove(&c.addr);
             }
         }
-        for (addr, layout) in released {
-            bytes += layout.size();
-            // SAFETY: the chunk came from `upstream.allocate` with `layout` (see `grow`);
+        let bytes = released.iter().map(|c| c.layout.size()).sum();
+        for chunk in released {
+            // SAFETY: the chunk came from `upstream.allocate` with its layout (see `grow`);
             // no block of it is handed out (it was one free block) and the streams it was
             // freed on were waited for when the lists were merged.
-            unsafe {
-                self.upstream.deallocate_sync(
-                    NonNull::new_unchecked(ptr::with_exposed_provenance_mut(addr)),
-                    layout,
-                )
-            };
+            unsafe { chunk.release(&self.upstream) };
         }
         growth.size -= bytes;
         bytes
@@ -551,23 +535,8 @@ impl<U: Resource> Pool<U> {
 
 impl<U: Resource> Drop for Pool<U> {
     fn drop(&mut self) {
-        if !process_is_exiting() {
-            // Blocks freed on streams may still be in use by work on them.
-            if let Err(e) = self.shards.synchronize_streams() {
-                tracing::error!("a pool could not wait for its streams before freeing: {e}");
-            }
-        }
         let growth = std::mem::take(&mut *lock(&self.growth));
-        for chunk in growth.chunks {
-            // SAFETY: the chunk came from `upstream.allocate` with this layout; the pool is
-            // going away, and its streams' work is complete (above).
-            unsafe {
-                self.upstream.deallocate_sync(
-                    NonNull::new_unchecked(ptr::with_exposed_provenance_mut(chunk.addr)),
-                    chunk.layout,
-                )
-            };
-        }
+        release_all(&self.upstream, &self.shards, growth.chunks);
     }
 }
 
@@ -596,12 +565,6 @@ pub(crate) fn block_size(layout: Layout) -> (usize, usize) {
         layout.size().next_multiple_of(GRANULE),
         layout.align().max(GRANULE),
     )
-}
-
-#[inline]
-fn to_ptr(addr: usize) -> NonNull<u8> {
-    // SAFETY: every address handed out lies in a chunk, which is never at address zero.
-    unsafe { NonNull::new_unchecked(ptr::with_exposed_provenance_mut(addr)) }
 }
 
 // SAFETY: blocks are disjoint pieces of chunks from the upstream (free blocks are tracked

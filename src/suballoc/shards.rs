@@ -198,6 +198,41 @@ impl<S> ShardMap<S> {
         out
     }
 
+    /// Moves the free items of every shard but `into` into `into`, once the work of the
+    /// CUDA streams they were freed on is complete (one `cuCtxSynchronize` per context).
+    /// `drain` empties a shard; `absorb` adds items to one. If the wait fails, the items
+    /// go back where they came from and the error is returned. Returns whether anything
+    /// moved.
+    pub(crate) fn merge_into<T>(
+        &self,
+        into: &Shard<S>,
+        drain: impl Fn(&mut S) -> Vec<T>,
+        absorb: impl Fn(&mut S, Vec<T>),
+    ) -> Result<bool, Error> {
+        let mut moved = Vec::new();
+        for other in self.all() {
+            if !ptr::eq(other, into) {
+                let items = drain(&mut lock(&other.state));
+                if !items.is_empty() {
+                    moved.push((other, items));
+                }
+            }
+        }
+        if let Err(e) = synchronize(moved.iter().filter_map(|(s, _)| s.ctx)) {
+            // Their streams may still be using them.
+            for (shard, items) in moved {
+                absorb(&mut lock(&shard.state), items);
+            }
+            return Err(e);
+        }
+        let any = !moved.is_empty();
+        let mut target = lock(&into.state);
+        for (_, items) in moved {
+            absorb(&mut target, items);
+        }
+        Ok(any)
+    }
+
     /// Waits for the work of every CUDA stream seen so far (once per context).
     pub(crate) fn synchronize_streams(&self) -> Result<(), Error> {
         synchronize(self.all().iter().filter_map(|s| s.ctx))
@@ -205,7 +240,7 @@ impl<S> ShardMap<S> {
 }
 
 /// Synchronises each distinct context once.
-pub(crate) fn synchronize(ctxs: impl Iterator<Item = Context>) -> Result<(), Error> {
+fn synchronize(ctxs: impl Iterator<Item = Context>) -> Result<(), Error> {
     let mut done: Vec<Context> = Vec::new();
     for ctx in ctxs {
         if !done.contains(&ctx) {

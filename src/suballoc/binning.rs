@@ -1,0 +1,221 @@
+//! [`Binning`]: requests sorted into bins by size.
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use super::fixed::FixedSize;
+use super::free_blocks::GRANULE;
+use crate::erased::AnyResource;
+use crate::error::Error;
+use crate::resource::{Resource, SyncResource, dangling};
+use crate::stream::StreamRef;
+
+/// What serves one bin.
+enum BinResource<U: Resource> {
+    Fixed(FixedSize<Arc<U>>),
+    Custom(AnyResource<U::Properties>),
+}
+
+struct Bin<U: Resource> {
+    size: usize,
+    resource: BinResource<U>,
+}
+
+/// Sends each request to the smallest bin that holds it (RMM's
+/// `binning_memory_resource`): bins are [`FixedSize`] resources over the upstream, or any
+/// resource added with [`add_bin`](Binning::add_bin); requests larger than every bin, or
+/// aligned to more than 256 bytes, go to the upstream itself.
+///
+/// Bins are added before the first allocation (`add_*` take `&mut self`, so they cannot
+/// race with one; and they refuse once memory has been handed out, because a new bin would
+/// send the free of an earlier allocation to a resource that never made it). The upstream
+/// is held in an `Arc`, shared with the fixed-size bins.
+///
+/// ```
+/// use memres::suballoc::{Binning, Pool, PoolConfig};
+/// use memres::{HostHeap, SyncResource, layout};
+///
+/// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
+/// // Bins of 256 B, 512 B, ... 64 KiB; larger requests go to the pool.
+/// let binning = Binning::new(pool, 8, 16)?;
+/// let l = layout(3000)?; // from the 4 KiB bin
+/// let p = binning.allocate_sync(l)?;
+/// // SAFETY: allocated above with `l`; not used afterwards.
+/// unsafe { binning.deallocate_sync(p, l) };
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct Binning<U: Resource> {
+    upstream: Arc<U>,
+    bins: Vec<Bin<U>>,
+    /// How many blocks each fixed-size bin takes from the upstream at a time.
+    blocks_per_chunk: usize,
+    used: std::sync::atomic::AtomicBool,
+}
+
+impl<U: Resource + Send + Sync + 'static> Binning<U> {
+    /// Fixed-size bins of 2^`min_exponent` .. 2^`max_exponent` bytes (sizes below 256
+    /// round up to 256, so exponents below 8 add nothing), each taking 128 blocks at a
+    /// time from `upstream` (RMM's default; the first 128 when the bin is made).
+    pub fn new(upstream: U, min_exponent: u32, max_exponent: u32) -> Result<Binning<U>, Error> {
+        if min_exponent > max_exponent || max_exponent >= usize::BITS - 1 {
+            return Err(Error::invalid_argument(format!(
+                "bin exponents {min_exponent}..={max_exponent} are not a range of sizes"
+            )));
+        }
+        let mut binning = Binning::without_bins(upstream);
+        for e in min_exponent.max(8)..=max_exponent {
+            binning.add_fixed_bin(1 << e)?;
+        }
+        Ok(binning)
+    }
+
+    /// No bins yet: every request goes to `upstream` until bins are added.
+    pub fn without_bins(upstream: U) -> Binning<U> {
+        Binning {
+            upstream: Arc::new(upstream),
+            bins: Vec::new(),
+            blocks_per_chunk: 128,
+            used: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Adds a [`FixedSize`] bin of `size` bytes (rounded up to 256) over the upstream.
+    pub fn add_fixed_bin(&mut self, size: usize) -> Result<(), Error> {
+        let size = size.max(1).next_multiple_of(GRANULE);
+        self.check_new_bin(size)?;
+        let fixed =
+            FixedSize::with_block_size(Arc::clone(&self.upstream), size, self.blocks_per_chunk)?;
+        self.insert(Bin {
+            size,
+            resource: BinResource::Fixed(fixed),
+        });
+        Ok(())
+    }
+
+    /// Adds a bin of `size` bytes served by `resource` (which must offer at least the
+    /// upstream's properties; [`ResourceExt::into_any`](crate::ResourceExt::into_any)
+    /// makes one). It gets every request above the next smaller bin, up to `size`, aligned
+    /// to at most 256 bytes.
+    pub fn add_bin(
+        &mut self,
+        size: usize,
+        resource: AnyResource<U::Properties>,
+    ) -> Result<(), Error> {
+        self.check_new_bin(size)?;
+        self.insert(Bin {
+            size,
+            resource: BinResource::Custom(resource),
+        });
+        Ok(())
+    }
+
+    fn check_new_bin(&mut self, size: usize) -> Result<(), Error> {
+        if *self.used.get_mut() {
+            return Err(Error::invalid_argument(
+                "bins cannot be added once a Binning resource has handed out memory",
+            ));
+        }
+        if self.bins.iter().any(|b| b.size == size) {
+            return Err(Error::invalid_argument(format!(
+                "there is already a bin of {size} bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    fn insert(&mut self, bin: Bin<U>) {
+        let at = self.bins.partition_point(|b| b.size < bin.size);
+        self.bins.insert(at, bin);
+    }
+}
+
+impl<U: Resource> Binning<U> {
+    /// The bin sizes, smallest first.
+    pub fn bin_sizes(&self) -> impl Iterator<Item = usize> + '_ {
+        self.bins.iter().map(|b| b.size)
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The bin for `layout`, or `None` for the upstream.
+    #[inline]
+    fn bin(&self, layout: Layout) -> Option<&BinResource<U>> {
+        if layout.align() > GRANULE {
+            return None;
+        }
+        let at = self.bins.partition_point(|b| b.size < layout.size());
+        self.bins.get(at).map(|b| &b.resource)
+    }
+}
+
+impl<U: Resource> PartialEq for Binning<U> {
+    fn eq(&self, other: &Self) -> bool {
+        ptr::eq(self, other)
+    }
+}
+
+impl<U: Resource + fmt::Debug> fmt::Debug for Binning<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Binning")
+            .field("upstream", &self.upstream)
+            .field("bins", &self.bin_sizes().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+// SAFETY: every block comes from a bin or the upstream, which keep the contract and
+// offer at least the upstream's properties; a free goes to the same place as the
+// allocation did, because the route depends only on the layout and the bins, which
+// cannot change once memory has been handed out.
+unsafe impl<U: Resource> SyncResource for Binning<U> {
+    type Properties = U::Properties;
+
+    #[inline]
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate(StreamRef::HOST, layout)
+    }
+
+    #[inline]
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller's promise; freeing on a host stream means "unused now".
+        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl<U: Resource> Resource for Binning<U> {
+    #[inline]
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        if !self.used.load(std::sync::atomic::Ordering::Relaxed) {
+            self.used.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        match self.bin(layout) {
+            Some(BinResource::Fixed(fixed)) => fixed.allocate(stream, layout),
+            Some(BinResource::Custom(any)) => any.allocate(stream, layout),
+            None => self.upstream.allocate(stream, layout),
+        }
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        // SAFETY: the caller's promise; the block came from the same route (above).
+        unsafe {
+            match self.bin(layout) {
+                Some(BinResource::Fixed(fixed)) => fixed.deallocate(stream, ptr, layout),
+                Some(BinResource::Custom(any)) => any.deallocate(stream, ptr, layout),
+                None => self.upstream.deallocate(stream, ptr, layout),
+            }
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! [`FixedSize`]: blocks of one size, in O(1).
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::{self, NonNull};
+
+use super::chunks::{Chunk, release_all, to_ptr};
+use super::free_blocks::GRANULE;
+use super::shards::{Shard, ShardMap, StreamKey, lock};
+use crate::error::Error;
+use crate::resource::{Resource, SyncResource, dangling};
+use crate::stream::StreamRef;
+use crate::sync::Mutex;
+
+/// Hands out blocks of one size (RMM's `fixed_size_memory_resource`): every request up
+/// to the block size gets a whole block, in O(1) (a pop from the stream's free list).
+///
+/// It takes chunks of `blocks_per_chunk` blocks from its upstream, one when it is made
+/// and another each time a stream finds no free block (after taking free blocks of host
+/// streams, which are free for all). When the upstream is out of memory it merges every
+/// stream's blocks into the asking stream's list, having waited for the CUDA streams
+/// they were freed on, as [`Pool`](super::Pool) does. It never returns chunks before it
+/// drops.
+///
+/// - Defaults: 1 MiB blocks, 128 per chunk (RMM's).
+/// - A request above the block size is [`Error::InvalidArgument`] naming both sizes (no
+///   amount of freeing would make it fit); alignments above 256 bytes likewise.
+///
+/// ```
+/// use memres::suballoc::FixedSize;
+/// use memres::{HostHeap, SyncResource, layout};
+///
+/// let blocks = FixedSize::with_block_size(HostHeap::new(), 4096, 16)?;
+/// let l = layout(3000)?;
+/// let p = blocks.allocate_sync(l)?;
+/// // SAFETY: allocated above with `l`; not used afterwards.
+/// unsafe { blocks.deallocate_sync(p, l) };
+/// assert!(blocks.allocate_sync(layout(5000)?).is_err());
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct FixedSize<U: Resource> {
+    upstream: U,
+    block_size: usize,
+    blocks_per_chunk: usize,
+    chunks: Mutex<Vec<Chunk>>,
+    shards: ShardMap<Vec<usize>>,
+}
+
+impl<U: Resource> FixedSize<U> {
+    /// 1 MiB blocks, 128 of them taken from `upstream` at once.
+    pub fn new(upstream: U) -> Result<FixedSize<U>, Error> {
+        FixedSize::with_block_size(upstream, 1 << 20, 128)
+    }
+
+    /// Blocks of `block_size` bytes (rounded up to a multiple of 256), taken from
+    /// `upstream` `blocks_per_chunk` at a time; the first chunk is taken at once.
+    pub fn with_block_size(
+        upstream: U,
+        block_size: usize,
+        blocks_per_chunk: usize,
+    ) -> Result<FixedSize<U>, Error> {
+        let block_size = block_size.max(1).next_multiple_of(GRANULE);
+        let chunk_size = block_size.checked_mul(blocks_per_chunk);
+        if blocks_per_chunk == 0 || chunk_size.is_none_or(|n| n > isize::MAX as usize) {
+            return Err(Error::invalid_argument(format!(
+                "a chunk of {blocks_per_chunk} blocks of {block_size} bytes is not a size a \
+                 resource can allocate"
+            )));
+        }
+        let fixed = FixedSize {
+            upstream,
+            block_size,
+            blocks_per_chunk,
+            chunks: Mutex::new(Vec::new()),
+            shards: ShardMap::default(),
+        };
+        let host = fixed.shard(StreamRef::HOST);
+        fixed.grow(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
+        Ok(fixed)
+    }
+
+    /// The size of every block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// How many blocks each upstream allocation holds.
+    pub fn blocks_per_chunk(&self) -> usize {
+        self.blocks_per_chunk
+    }
+
+    /// Allocations held from the upstream.
+    pub fn upstream_allocations(&self) -> usize {
+        lock(&self.chunks).len()
+    }
+
+    /// Blocks not handed out, over all streams' lists.
+    pub fn free_blocks(&self) -> usize {
+        self.shards.all().iter().map(|s| lock(&s.state).len()).sum()
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    #[inline]
+    fn shard(&self, stream: StreamRef<'_>) -> &Shard<Vec<usize>> {
+        let key = StreamKey::of(stream);
+        match self.shards.get(key) {
+            Some(shard) => shard,
+            None => self.shards.get_or_insert_with(key, Vec::new),
+        }
+    }
+
+    /// Takes a chunk from the upstream on `stream` and puts its blocks in `into`'s list.
+    fn grow(
+        &self,
+        chunks: &mut Vec<Chunk>,
+        stream: StreamRef<'_>,
+        into: &Shard<Vec<usize>>,
+    ) -> Result<(), Error> {
+        let size = self.block_size * self.blocks_per_chunk;
+        let layout = Layout::from_size_align(size, GRANULE)
+            .map_err(|_| Error::invalid_argument("the chunk size overflows"))?;
+        let chunk = Chunk::new(self.upstream.allocate(stream, layout)?, layout);
+        let base = chunk.addr;
+        chunks.push(chunk);
+        let mut list = lock(&into.state);
+        // Highest first, so blocks are handed out in address order.
+        list.extend(
+            (0..self.blocks_per_chunk)
+                .rev()
+                .map(|i| base + i * self.block_size),
+        );
+        Ok(())
+    }
+
+    #[cold]
+    fn allocate_slow(
+        &self,
+        stream: StreamRef<'_>,
+        own: &Shard<Vec<usize>>,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        let mut chunks = lock(&self.chunks);
+        if let Some(addr) = lock(&own.state).pop() {
+            return Ok(addr);
+        }
+        for other in self.shards.all() {
+            if other.key.is_host()
+                && !ptr::eq(other, own)
+                && let Some(addr) = lock(&other.state).pop()
+            {
+                return Ok(addr);
+            }
+        }
+        match self.grow(&mut chunks, stream, own) {
+            Ok(()) => {}
+            Err(Error::OutOfMemory { .. }) => {
+                self.shards
+                    .merge_into(own, std::mem::take, |list, mut items| {
+                        list.append(&mut items)
+                    })?;
+            }
+            Err(e) => return Err(e),
+        }
+        lock(&own.state).pop().ok_or(Error::OutOfMemory {
+            requested,
+            limit: None,
+        })
+    }
+}
+
+impl<U: Resource> Drop for FixedSize<U> {
+    fn drop(&mut self) {
+        let chunks = std::mem::take(&mut *lock(&self.chunks));
+        release_all(&self.upstream, &self.shards, chunks);
+    }
+}
+
+impl<U: Resource> PartialEq for FixedSize<U> {
+    fn eq(&self, other: &Self) -> bool {
+        ptr::eq(self, other)
+    }
+}
+
+impl<U: Resource + fmt::Debug> fmt::Debug for FixedSize<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FixedSize")
+            .field("upstream", &self.upstream)
+            .field("block_size", &self.block_size)
+            .field("blocks_per_chunk", &self.blocks_per_chunk)
+            .field("upstream_allocations", &self.upstream_allocations())
+            .finish()
+    }
+}
+
+// SAFETY: blocks are disjoint slices of chunks from the upstream, each in at most one
+// free list, 256-byte aligned (chunks are, and the block size is a multiple of 256),
+// with the upstream's properties; a block freed on a stream goes to another stream only
+// once that stream's work is complete (host streams) or waited for (`merge_into`).
+unsafe impl<U: Resource> SyncResource for FixedSize<U> {
+    type Properties = U::Properties;
+
+    #[inline]
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate(StreamRef::HOST, layout)
+    }
+
+    #[inline]
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller's promise; freeing on a host stream means "unused now".
+        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl<U: Resource> Resource for FixedSize<U> {
+    #[inline]
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        if layout.size() > self.block_size || layout.align() > GRANULE {
+            return Err(Error::invalid_argument(format!(
+                "a request of {} bytes aligned to {} does not fit this FixedSize resource's \
+                 blocks of {} bytes aligned to {GRANULE}",
+                layout.size(),
+                layout.align(),
+                self.block_size
+            )));
+        }
+        let shard = self.shard(stream);
+        if let Some(addr) = lock(&shard.state).pop() {
+            return Ok(to_ptr(addr));
+        }
+        self.allocate_slow(stream, shard, layout.size()).map(to_ptr)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        let addr = ptr.as_ptr().expose_provenance();
+        lock(&self.shard(stream).state).push(addr);
+    }
+}
