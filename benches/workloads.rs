@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
+use memres::suballoc::{Binning, FixedSize, Pool, PoolConfig};
 use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef, layout};
 
 fn splitmix64(state: &mut u64) -> u64 {
@@ -125,6 +126,12 @@ impl Streams {
 /// The suite for one stack (`slow`: the stack calls the driver on every allocation, so
 /// fewer ops, as the anchors do).
 fn suite<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool) {
+    suite_of(name, r, gpu, slow, false);
+}
+
+/// As `suite`; `small_only`: only the pairs up to 64 KiB (a fixed-size resource of 1 MiB
+/// blocks, as the anchors run theirs).
+fn suite_of<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool, small_only: bool) {
     const THREADS: usize = 8;
     let streams = Streams::new(gpu, 1 + THREADS);
     let s = streams.get(0);
@@ -134,6 +141,9 @@ fn suite<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool) {
     let nr = if slow { 20_000 } else { 200_000 } / scale;
     report(name, "pair-256B", 1, np, || pairs(r, s, 256, np));
     report(name, "pair-64KiB", 1, np, || pairs(r, s, 64 << 10, np));
+    if small_only {
+        return;
+    }
     report(name, "pair-4MiB", 1, np, || pairs(r, s, 4 << 20, np));
     report(name, "random", 1, nr, || random_ops(r, s, 42, nr));
     if slow {
@@ -173,13 +183,102 @@ fn main() {
             suite("cuda_async", &base(), true, false);
         }
         adaptor_suites("cuda_async", base, true, &want);
+        suballoc_suites("", || Cuda::new().expect("Cuda"), 16 << 30, true, &want);
     } else {
         eprintln!("no CUDA device: running the host stacks");
         if want("host_heap") {
             suite("host_heap", &HostHeap::new(), false, false);
         }
         adaptor_suites("host_heap", HostHeap::new, false, &want);
+        suballoc_suites("host_heap", HostHeap::new, 4 << 30, false, &want);
     }
+}
+
+/// The sub-allocators over `base` as the anchors build theirs (pools of `pool_bytes`,
+/// binning 2^8..2^22 over a pool, 1 MiB fixed blocks 1024 at a time), then the footprint
+/// of a pool grown from nothing.
+fn suballoc_suites<R: Resource + Send + Sync + 'static>(
+    base_name: &str,
+    base: impl Fn() -> R,
+    pool_bytes: usize,
+    gpu: bool,
+    want: &dyn Fn(&str) -> bool,
+) {
+    // On a GPU the names are the anchors' (their base is `cuda`); on the host they name
+    // the base.
+    let name = |s: &str| {
+        if base_name.is_empty() {
+            s.to_string()
+        } else {
+            format!("{s}[{base_name}]")
+        }
+    };
+    let pool = || Pool::new(base(), PoolConfig::new().initial_size(pool_bytes)).expect("Pool");
+    if want(&name("pool")) {
+        suite(&name("pool"), &pool(), gpu, false);
+    }
+    if want(&name("binning(pool)")) {
+        let binning = Binning::new(pool(), 8, 22).expect("Binning");
+        suite(&name("binning(pool)"), &binning, gpu, false);
+    }
+    if want(&name("fixed_size_1MiB")) {
+        let fixed = FixedSize::with_block_size(base(), 1 << 20, 1024).expect("FixedSize");
+        suite_of(&name("fixed_size_1MiB"), &fixed, gpu, false, true);
+    }
+    if want(&name("pool_from_0")) {
+        let make = || Pool::new(Statistics::new(base()), PoolConfig::new()).expect("Pool");
+        footprint(&name("pool_from_0"), make, gpu);
+    }
+}
+
+/// Peak bytes a pool grown from nothing takes from its upstream while running `random`
+/// (seed 42, the full op count), against the peak bytes live; also the pool's state once
+/// everything is freed again.
+fn footprint<R: Resource>(name: &str, make: impl Fn() -> Pool<Statistics<R>>, gpu: bool) {
+    const CAP: usize = 10_000;
+    let streams = Streams::new(gpu, 1);
+    let s = streams.get(0);
+    let ops = 200_000 / if smoke_run() { 1000 } else { 1 };
+    let pool = make();
+    let mut rng = 42;
+    let mut live: Vec<(NonNull<u8>, usize)> = Vec::with_capacity(CAP);
+    let (mut live_bytes, mut peak_live) = (0usize, 0usize);
+    for _ in 0..ops {
+        let alloc = if live.is_empty() {
+            true
+        } else if live.len() == CAP {
+            false
+        } else {
+            splitmix64(&mut rng).is_multiple_of(2)
+        };
+        if alloc {
+            let e = 8 + splitmix64(&mut rng) % 15;
+            let n = (1usize << e) + (splitmix64(&mut rng) % (1u64 << e)) as usize;
+            let p = pool
+                .allocate(s, layout(n).unwrap())
+                .expect("allocation in random");
+            live.push((p, n));
+            live_bytes += n;
+            peak_live = peak_live.max(live_bytes);
+        } else {
+            let k = (splitmix64(&mut rng) % live.len() as u64) as usize;
+            let (p, n) = live.swap_remove(k);
+            live_bytes -= n;
+            // SAFETY: `p` came from `pool` with this layout on `s`; never used.
+            unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
+        }
+    }
+    for (p, n) in live {
+        // SAFETY: as above.
+        unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
+    }
+    let peak_upstream = pool.upstream().snapshot().bytes.peak as usize;
+    println!(
+        "# footprint,{name},random,{ops},peak_upstream_bytes={peak_upstream},\
+         peak_live_bytes={peak_live},ratio={:.3},upstream_allocations={}",
+        peak_upstream as f64 / peak_live as f64,
+        pool.stats().upstream_allocations,
+    );
 }
 
 /// The adaptors over `base`, each named `adaptor(base)` as the anchors name theirs.
