@@ -27,3 +27,47 @@ pub(crate) fn arc_from_std<T: ?Sized>(arc: std::sync::Arc<T>) -> Arc<T> {
 pub(crate) fn arc_from_std<T: ?Sized>(arc: std::sync::Arc<T>) -> Arc<T> {
     Arc::from_std(arc)
 }
+
+/// A cell whose accesses loom can check (`loom::cell::UnsafeCell`'s interface, over
+/// `std::cell::UnsafeCell` in normal builds).
+#[cfg(not(memres_loom))]
+pub(crate) mod cell {
+    /// See the module.
+    #[derive(Debug, Default)]
+    pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    impl<T> UnsafeCell<T> {
+        pub(crate) const fn new(value: T) -> Self {
+            UnsafeCell(std::cell::UnsafeCell::new(value))
+        }
+
+        #[inline]
+        pub(crate) fn get_mut(&self) -> MutPtr<T> {
+            MutPtr(self.0.get())
+        }
+    }
+
+    /// A pointer to a cell's value, from [`UnsafeCell::get_mut`].
+    pub(crate) struct MutPtr<T>(*mut T);
+
+    impl<T> MutPtr<T> {
+        /// Calls `f` with the raw pointer to the value.
+        #[inline]
+        pub(crate) fn with<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+            f(self.0)
+        }
+    }
+}
+
+#[cfg(memres_loom)]
+pub(crate) use loom::cell;
+
+/// Lets other threads run (a spin loop's back-off; loom needs it to explore spin loops).
+#[cfg(not(memres_loom))]
+#[inline]
+pub(crate) fn yield_now() {
+    std::thread::yield_now();
+}
+
+#[cfg(memres_loom)]
+pub(crate) use loom::thread::yield_now;

@@ -96,7 +96,7 @@ impl<U: Resource> FixedSize<U> {
 
     /// Blocks not handed out, over all streams' lists.
     pub fn free_blocks(&self) -> usize {
-        self.shards.all().iter().map(|s| lock(&s.state).len()).sum()
+        self.shards.all().iter().map(|s| s.state.lock().len()).sum()
     }
 
     /// The upstream resource.
@@ -126,7 +126,7 @@ impl<U: Resource> FixedSize<U> {
         let chunk = Chunk::new(self.upstream.allocate(stream, layout)?, layout);
         let base = chunk.addr;
         chunks.push(chunk);
-        let mut list = lock(&into.state);
+        let mut list = into.state.lock();
         // Highest first, so blocks are handed out in address order.
         list.extend(
             (0..self.blocks_per_chunk)
@@ -144,13 +144,13 @@ impl<U: Resource> FixedSize<U> {
         requested: usize,
     ) -> Result<usize, Error> {
         let mut chunks = lock(&self.chunks);
-        if let Some(addr) = lock(&own.state).pop() {
+        if let Some(addr) = own.state.lock().pop() {
             return Ok(addr);
         }
         for other in self.shards.all() {
             if other.key.is_host()
                 && !ptr::eq(other, own)
-                && let Some(addr) = lock(&other.state).pop()
+                && let Some(addr) = other.state.lock().pop()
             {
                 return Ok(addr);
             }
@@ -165,7 +165,7 @@ impl<U: Resource> FixedSize<U> {
             }
             Err(e) => return Err(e),
         }
-        lock(&own.state).pop().ok_or(Error::OutOfMemory {
+        own.state.lock().pop().ok_or(Error::OutOfMemory {
             requested,
             limit: None,
         })
@@ -232,7 +232,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             )));
         }
         let shard = self.shard(stream);
-        if let Some(addr) = lock(&shard.state).pop() {
+        if let Some(addr) = shard.state.lock().pop() {
             return Ok(to_ptr(addr));
         }
         self.allocate_slow(stream, shard, layout.size()).map(to_ptr)
@@ -244,6 +244,6 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             return;
         }
         let addr = ptr.as_ptr().expose_provenance();
-        lock(&self.shard(stream).state).push(addr);
+        self.shard(stream).state.lock().push(addr);
     }
 }

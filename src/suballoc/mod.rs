@@ -17,6 +17,7 @@ mod fixed;
 mod free_blocks;
 mod pool;
 mod shards;
+mod spin;
 
 pub use binning::Binning;
 pub use fixed::FixedSize;

@@ -304,7 +304,7 @@ impl<U: Resource> Pool<U> {
             ..PoolStats::default()
         };
         for shard in self.shards.all() {
-            let s = lock(&shard.state);
+            let s = shard.state.lock();
             stats.free_bytes += s.free_bytes();
             stats.free_blocks += s.free.len() + s.quick.iter().map(Vec::len).sum::<usize>();
             let quick_largest = (1..=QUICK_UNITS)
@@ -367,7 +367,7 @@ impl<U: Resource> Pool<U> {
     ) -> Result<usize, Error> {
         let mut growth = lock(&self.growth);
         let mut found = {
-            let mut s = lock(&own.state);
+            let mut s = own.state.lock();
             s.flush();
             s.free.take(size, align)
         };
@@ -379,7 +379,7 @@ impl<U: Resource> Pool<U> {
             if ptr::eq(other, own) || !other.key.is_host() {
                 continue;
             }
-            let mut s = lock(&other.state);
+            let mut s = other.state.lock();
             found = s.take(size, align).or_else(|| {
                 s.flush();
                 s.free.take(size, align)
@@ -392,7 +392,7 @@ impl<U: Resource> Pool<U> {
             return Ok(addr);
         }
         if self.merge_into(own)?
-            && let Some(addr) = lock(&own.state).free.take(size, align)
+            && let Some(addr) = own.state.lock().free.take(size, align)
         {
             return Ok(addr);
         }
@@ -437,7 +437,7 @@ impl<U: Resource> Pool<U> {
             match self.upstream.allocate(stream, layout) {
                 Ok(ptr) => {
                     self.add_chunk(growth, ptr, layout, own);
-                    let addr = lock(&own.state).free.take(size, align);
+                    let addr = own.state.lock().free.take(size, align);
                     debug_assert!(addr.is_some(), "a new chunk fits its request");
                     return Ok(addr);
                 }
@@ -462,11 +462,11 @@ impl<U: Resource> Pool<U> {
         let addr = chunk.addr;
         // Every list learns the chunk's start before any block of it can reach one.
         for shard in self.shards.all() {
-            lock(&shard.state).chunk_starts.insert(addr);
+            shard.state.lock().chunk_starts.insert(addr);
         }
         growth.chunks.push(chunk);
         growth.size += layout.size();
-        lock(&into.state).free.insert(FreeBlock {
+        into.state.lock().free.insert(FreeBlock {
             addr,
             size: layout.size(),
             starts_chunk: true,
@@ -476,7 +476,7 @@ impl<U: Resource> Pool<U> {
     /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
     /// for the CUDA streams they were freed on. Returns whether anything moved.
     fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
-        lock(&into.state).flush();
+        into.state.lock().flush();
         self.shards.merge_into(into, PoolShard::drain, |s, blocks| {
             s.flush();
             blocks.into_iter().for_each(|b| s.free.insert(b));
@@ -491,7 +491,7 @@ impl<U: Resource> Pool<U> {
                 .is_some_and(|b| b.size == c.layout.size())
         };
         let released: Vec<Chunk> = {
-            let mut s = lock(&from.state);
+            let mut s = from.state.lock();
             s.flush();
             if !growth.chunks.iter().any(|c| whole(&s, c)) {
                 return 0;
@@ -516,7 +516,7 @@ impl<U: Resource> Pool<U> {
                 .collect()
         };
         for shard in self.shards.all() {
-            let mut s = lock(&shard.state);
+            let mut s = shard.state.lock();
             for c in &released {
                 s.chunk_starts.remove(&c.addr);
             }
@@ -597,7 +597,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         }
         let (size, align) = block_size(layout);
         let shard = self.shard(stream);
-        if let Some(addr) = lock(&shard.state).take(size, align) {
+        if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
         self.allocate_slow(stream, shard, size, align, layout.size())
@@ -611,6 +611,6 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        lock(&self.shard(stream).state).put(addr, size);
+        self.shard(stream).state.lock().put(addr, size);
     }
 }

@@ -10,6 +10,7 @@ use std::cell::Cell;
 use std::ptr;
 use std::sync::PoisonError;
 
+use super::spin::SpinLock;
 use crate::device::Context;
 use crate::driver;
 use crate::error::Error;
@@ -86,7 +87,7 @@ pub(crate) struct Shard<S> {
     /// (the one current when the stream was first seen; `None` without a driver, where
     /// no GPU work can be pending).
     pub(crate) ctx: Option<Context>,
-    pub(crate) state: Mutex<S>,
+    pub(crate) state: SpinLock<S>,
 }
 
 impl<S> Shard<S> {
@@ -99,7 +100,7 @@ impl<S> Shard<S> {
         Shard {
             key,
             ctx,
-            state: Mutex::new(state),
+            state: SpinLock::new(state),
         }
     }
 }
@@ -212,7 +213,7 @@ impl<S> ShardMap<S> {
         let mut moved = Vec::new();
         for other in self.all() {
             if !ptr::eq(other, into) {
-                let items = drain(&mut lock(&other.state));
+                let items = drain(&mut other.state.lock());
                 if !items.is_empty() {
                     moved.push((other, items));
                 }
@@ -221,12 +222,12 @@ impl<S> ShardMap<S> {
         if let Err(e) = synchronize(moved.iter().filter_map(|(s, _)| s.ctx)) {
             // Their streams may still be using them.
             for (shard, items) in moved {
-                absorb(&mut lock(&shard.state), items);
+                absorb(&mut shard.state.lock(), items);
             }
             return Err(e);
         }
         let any = !moved.is_empty();
-        let mut target = lock(&into.state);
+        let mut target = into.state.lock();
         for (_, items) in moved {
             absorb(&mut target, items);
         }
