@@ -22,3 +22,8 @@ mod spin;
 pub use binning::Binning;
 pub use fixed::FixedSize;
 pub use pool::{Pool, PoolConfig, PoolStats};
+
+/// loom models of the sub-allocators' protocols (run by `.ci/run` with
+/// `--cfg memres_loom`; see `tests/loom.rs` for the public-API models).
+#[cfg(all(test, memres_loom))]
+mod loom_models;

@@ -18,8 +18,10 @@ use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicPtr, Ordering};
 use crate::sync::{Mutex, MutexGuard};
 
-/// Slots in the lock-free table; streams beyond it go to a list behind a mutex.
-const SLOTS: usize = 64;
+/// Slots in the lock-free table; streams beyond it go to a list behind a mutex. (Few
+/// under loom, where every slot read is a step to explore; the models then also cover
+/// the overflow list.)
+const SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 
 /// Locks a mutex, ignoring poisoning: the sub-allocators' critical sections leave their
 /// state consistent at every point a panic could leave them.
