@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
-use memres::suballoc::{Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef, layout};
 
 fn splitmix64(state: &mut u64) -> u64 {
@@ -194,7 +194,7 @@ fn main() {
     }
 }
 
-/// The sub-allocators over `base` as the anchors build theirs (pools of `pool_bytes`,
+/// The sub-allocators over `base` as the anchors build theirs (pools and arena of `pool_bytes`,
 /// binning 2^8..2^22 over a pool, 1 MiB fixed blocks 1024 at a time), then the footprint
 /// of a pool grown from nothing.
 fn suballoc_suites<R: Resource + Send + Sync + 'static>(
@@ -216,6 +216,10 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
     let pool = || Pool::new(base(), PoolConfig::new().initial_size(pool_bytes)).expect("Pool");
     if want(&name("pool")) {
         suite(&name("pool"), &pool(), gpu, false);
+    }
+    if want(&name("arena")) {
+        let arena = Arena::with_size(base(), pool_bytes).expect("Arena");
+        suite(&name("arena"), &arena, gpu, false);
     }
     if want(&name("binning(pool)")) {
         let binning = Binning::new(pool(), 8, 22).expect("Binning");

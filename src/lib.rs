@@ -68,7 +68,7 @@ pub use property::{
 };
 pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
-pub use suballoc::{Binning, FixedSize, Pool, PoolConfig};
+pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 pub use upstream::{
     Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, HostHeap, Managed, PinnedHost,
     SamHeadroom, System,

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use conformance::{Caps, SyncOnly};
 use memres::{
-    AnyResource, AnySyncResource, Binning, Callback, FixedSize, Host, HostHeap, Pool, PoolConfig,
-    Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
+    AnyResource, AnySyncResource, Arena, Binning, Callback, FixedSize, Host, HostHeap, Pool,
+    PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
 };
 
 static HEAP: HostHeap = HostHeap::new();
@@ -248,5 +248,10 @@ conformance_tests!(
             .unwrap();
         b
     },
+    Caps::host()
+);
+conformance_tests!(
+    arena,
+    Arena::with_size(HostHeap::new(), 2 << 30).unwrap(),
     Caps::host()
 );

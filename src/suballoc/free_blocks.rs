@@ -174,8 +174,9 @@ impl FreeBlocks {
         Some(block)
     }
 
-    /// Adds a free block, merging it with free neighbours of the same chunk.
-    pub(crate) fn insert(&mut self, block: FreeBlock) {
+    /// Adds a free block, merging it with free neighbours of the same chunk; returns the
+    /// merged block.
+    pub(crate) fn insert(&mut self, block: FreeBlock) -> FreeBlock {
         let FreeBlock {
             mut addr,
             size,
@@ -195,11 +196,13 @@ impl FreeBlocks {
                 end = after.addr + after.size;
             }
         }
-        self.link(FreeBlock {
+        let merged = FreeBlock {
             addr,
             size: end - addr,
             starts_chunk,
-        });
+        };
+        self.link(merged);
+        merged
     }
 
     /// Takes `size` bytes (a multiple of [`GRANULE`]) aligned to `align` (a power of two,

@@ -8,7 +8,7 @@ use loom::thread;
 
 use super::shards::{ShardMap, StreamKey};
 use super::spin::SpinLock;
-use super::{Pool, PoolConfig};
+use super::{Arena, Pool, PoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
 use crate::upstream::HostHeap;
@@ -89,5 +89,37 @@ fn loom_two_streams_grow_one_pool_without_overlap() {
         let stats = pool.stats();
         assert_eq!(stats.free_bytes, stats.pool_size);
         assert_eq!(stats.free_blocks, stats.upstream_allocations);
+    });
+}
+
+#[test]
+fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(2);
+    builder.max_branches = 100_000;
+    builder.check(|| {
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), 2 << 20).unwrap());
+        let l = Layout::from_size_align(1000, 256).unwrap();
+        let other = Arc::clone(&arena);
+        let t = thread::spawn(move || {
+            let p = other.allocate(StreamRef::host(1), l).unwrap();
+            p.as_ptr() as usize
+        });
+        let mine = arena.allocate(StreamRef::host(2), l).unwrap();
+        let theirs = t.join().unwrap();
+        let a = mine.as_ptr() as usize;
+        assert!(a + 1024 <= theirs || theirs + 1024 <= a, "blocks overlap");
+        assert_eq!(arena.superblocks(), 2);
+        assert_eq!(arena.free_bytes(), (2 << 20) - 2048);
+        // SAFETY: both came from `arena` with `l`; host streams are always done.
+        unsafe {
+            arena.deallocate(StreamRef::host(2), mine, l);
+            arena.deallocate(
+                StreamRef::host(1),
+                crate::suballoc::chunks::to_ptr(theirs),
+                l,
+            );
+        }
+        assert_eq!(arena.free_bytes(), 2 << 20);
     });
 }

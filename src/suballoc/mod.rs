@@ -5,12 +5,15 @@
 //! - [`FixedSize`]: blocks of one size in O(1) (RMM's `fixed_size_memory_resource`).
 //! - [`Binning`]: requests sorted by size into bins of other resources, larger ones to the
 //!   upstream (RMM's `binning_memory_resource`).
+//! - [`Arena`]: one upstream allocation handed to per-stream arenas a superblock at a
+//!   time (RMM's `arena_memory_resource`).
 //!
 //! All of them keep their upstream's properties (`Pool<Cuda>` is device memory,
 //! `Pool<PinnedHost>` host-and-device), run on host memory as well as on a GPU, and are
 //! safe to call from many threads at once: each stream has its own free list behind its
 //! own lock, found without taking a shared lock.
 
+mod arena;
 mod binning;
 mod chunks;
 mod fixed;
@@ -19,6 +22,7 @@ mod pool;
 mod shards;
 mod spin;
 
+pub use arena::{Arena, SUPERBLOCK_SIZE};
 pub use binning::Binning;
 pub use fixed::FixedSize;
 pub use pool::{Pool, PoolConfig, PoolStats};

@@ -131,19 +131,19 @@ struct Growth {
 
 type AddrSet = HashSet<usize, BuildHasherDefault<AddrHasher>>;
 
-/// One stream's free memory.
-struct PoolShard {
-    free: FreeBlocks,
+/// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
+pub(super) struct PoolShard {
+    pub(super) free: FreeBlocks,
     /// Recently freed small blocks by size in granules, handed out again whole.
     quick: Vec<Vec<usize>>,
     quick_bytes: usize,
     /// Where the pool's chunks begin (a copy per stream, so the free path needs no shared
     /// lock); blocks never merge across these.
-    chunk_starts: AddrSet,
+    pub(super) chunk_starts: AddrSet,
 }
 
 impl PoolShard {
-    fn new(chunk_starts: impl Iterator<Item = usize>) -> PoolShard {
+    pub(super) fn new(chunk_starts: impl Iterator<Item = usize>) -> PoolShard {
         PoolShard {
             free: FreeBlocks::default(),
             quick: vec![Vec::new(); QUICK_UNITS + 1],
@@ -153,7 +153,7 @@ impl PoolShard {
     }
 
     #[inline]
-    fn take(&mut self, size: usize, align: usize) -> Option<usize> {
+    pub(super) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
         let units = size / GRANULE;
         if align == GRANULE
             && units <= QUICK_UNITS
@@ -165,28 +165,31 @@ impl PoolShard {
         self.free.take(size, align)
     }
 
+    /// Frees a block into the list: cached if small, else coalesced (and then returned,
+    /// merged with its neighbours).
     #[inline]
-    fn put(&mut self, addr: usize, size: usize) {
+    pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
             self.quick[units].push(addr);
             self.quick_bytes += size;
+            None
         } else {
-            self.insert(addr, size);
+            Some(self.insert(addr, size))
         }
     }
 
-    fn insert(&mut self, addr: usize, size: usize) {
+    fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
         let starts_chunk = self.chunk_starts.contains(&addr);
         self.free.insert(FreeBlock {
             addr,
             size,
             starts_chunk,
-        });
+        })
     }
 
     /// Coalesces the cached small blocks into the free list.
-    fn flush(&mut self) {
+    pub(super) fn flush(&mut self) {
         if self.quick_bytes == 0 {
             return;
         }
@@ -198,12 +201,12 @@ impl PoolShard {
         self.quick_bytes = 0;
     }
 
-    fn drain(&mut self) -> Vec<FreeBlock> {
+    pub(super) fn drain(&mut self) -> Vec<FreeBlock> {
         self.flush();
         self.free.drain()
     }
 
-    fn free_bytes(&self) -> usize {
+    pub(super) fn free_bytes(&self) -> usize {
         self.free.bytes() + self.quick_bytes
     }
 }
@@ -479,7 +482,9 @@ impl<U: Resource> Pool<U> {
         into.state.lock().flush();
         self.shards.merge_into(into, PoolShard::drain, |s, blocks| {
             s.flush();
-            blocks.into_iter().for_each(|b| s.free.insert(b));
+            for b in blocks {
+                s.free.insert(b);
+            }
         })
     }
 

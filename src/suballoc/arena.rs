@@ -1,0 +1,437 @@
+//! [`Arena`]: RMM's arena allocator: one global arena of superblocks, per-stream arenas.
+
+use std::alloc::Layout;
+use std::collections::HashSet;
+use std::fmt::{self, Write as _};
+use std::hash::BuildHasherDefault;
+use std::ptr::{self, NonNull};
+
+use super::chunks::{Chunk, release_all, to_ptr};
+use super::free_blocks::{AddrHasher, FreeBlock, FreeBlocks, GRANULE};
+use super::pool::{PoolShard, block_size};
+use super::shards::{Shard, ShardMap, StreamKey, lock};
+use crate::device::{Context, DeviceId};
+use crate::error::Error;
+use crate::resource::{Resource, SyncResource, dangling};
+use crate::stream::StreamRef;
+use crate::sync::Mutex;
+
+/// The size of a superblock, and the largest request served from a stream's arena.
+pub const SUPERBLOCK_SIZE: usize = 1 << 20;
+
+type AddrSet = HashSet<usize, BuildHasherDefault<AddrHasher>>;
+
+/// The global arena.
+#[derive(Default)]
+struct Global {
+    /// Free memory no stream may still be using.
+    free: FreeBlocks,
+    /// Memory freed on CUDA streams, usable by others once their context is synchronised.
+    pending: Vec<(FreeBlock, Option<Context>)>,
+    /// Starts of the superblocks that streams' arenas hold.
+    superblocks: AddrSet,
+}
+
+/// RMM's arena allocator (`arena_memory_resource`): one upstream allocation (the global
+/// arena), handed to streams a superblock (1 MiB) at a time.
+///
+/// - Each stream has its own arena (the per-thread default stream one per thread), found
+///   without a lock. Requests up to 1 MiB are served from its superblocks (a coalescing
+///   list, as in [`Pool`](super::Pool), whose blocks never cross a superblock); larger
+///   ones come from the global arena directly.
+/// - A superblock that becomes entirely free goes back to the global arena when its
+///   stream still has a superblock's worth of free memory besides (so an arena does not
+///   churn one superblock). Memory freed on a CUDA stream, and superblocks freed there,
+///   are reused by other streams only after that stream's work is waited for
+///   (`cuCtxSynchronize`), which the arena does only when the global arena runs short.
+/// - On out-of-memory it defragments: waits for the streams, returns every entirely free
+///   superblock of every stream to the global arena and retries; failing that, it returns
+///   [`Error::OutOfMemory`], and with [`dump_on_failure`](Arena::dump_on_failure) it logs
+///   [`dump`](Arena::dump) (arena size, superblocks, free bytes, largest free block,
+///   fragmentation) through `tracing` first.
+///
+/// ```
+/// use memres::suballoc::Arena;
+/// use memres::{HostHeap, Resource, StreamRef, layout};
+///
+/// let arena = Arena::with_size(HostHeap::new(), 64 << 20)?;
+/// let l = layout(1000)?;
+/// let p = arena.allocate(StreamRef::host(1), l)?;
+/// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+/// unsafe { arena.deallocate(StreamRef::host(1), p, l) };
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct Arena<U: Resource> {
+    upstream: U,
+    chunk: Option<Chunk>,
+    base: usize,
+    size: usize,
+    global: Mutex<Global>,
+    shards: ShardMap<PoolShard>,
+    dump_on_failure: bool,
+}
+
+impl<U: Resource> Arena<U> {
+    /// An arena of half the current device's free memory (RMM's default);
+    /// [`Error::NoDriver`] without a CUDA driver.
+    pub fn new(upstream: U) -> Result<Arena<U>, Error> {
+        let free = DeviceId::current()?.memory_info()?.free;
+        Arena::with_size(upstream, free / 2)
+    }
+
+    /// An arena of `size` bytes (rounded down to a multiple of 256; at least 1 MiB, else
+    /// [`Error::InvalidArgument`]), taken from `upstream` at once.
+    pub fn with_size(upstream: U, size: usize) -> Result<Arena<U>, Error> {
+        let size = size / GRANULE * GRANULE;
+        if size < SUPERBLOCK_SIZE {
+            return Err(Error::invalid_argument(format!(
+                "an arena of {size} bytes is smaller than one superblock ({SUPERBLOCK_SIZE} bytes)"
+            )));
+        }
+        let layout = Layout::from_size_align(size, GRANULE)
+            .map_err(|_| Error::invalid_argument("the arena size is too large"))?;
+        let chunk = Chunk::new(upstream.allocate_sync(layout)?, layout);
+        let base = chunk.addr;
+        let mut global = Global::default();
+        global.free.insert(FreeBlock {
+            addr: base,
+            size,
+            starts_chunk: true,
+        });
+        Ok(Arena {
+            upstream,
+            chunk: Some(chunk),
+            base,
+            size,
+            global: Mutex::new(global),
+            shards: ShardMap::default(),
+            dump_on_failure: false,
+        })
+    }
+
+    /// Whether an allocation that fails logs [`dump`](Self::dump) first (off by default).
+    #[must_use]
+    pub fn dump_on_failure(mut self, on: bool) -> Self {
+        self.dump_on_failure = on;
+        self
+    }
+
+    /// The arena's size in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Bytes not handed out: in the global arena, waiting for a stream, or in a stream's
+    /// arena (a snapshot, list by list).
+    pub fn free_bytes(&self) -> usize {
+        let global = lock(&self.global);
+        let pending: usize = global.pending.iter().map(|(b, _)| b.size).sum();
+        let streams: usize = self
+            .shards
+            .all()
+            .iter()
+            .map(|s| s.state.lock().free_bytes())
+            .sum();
+        global.free.bytes() + pending + streams
+    }
+
+    /// Superblocks that streams' arenas hold.
+    pub fn superblocks(&self) -> usize {
+        lock(&self.global).superblocks.len()
+    }
+
+    /// The upstream resource.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// The arena's state in words: its size, the superblocks streams hold, free bytes
+    /// (global and per stream), the largest free block and the fragmentation.
+    pub fn dump(&self) -> String {
+        let global = lock(&self.global);
+        let pending: usize = global.pending.iter().map(|(b, _)| b.size).sum();
+        let mut free = global.free.bytes() + pending;
+        let mut largest = global.free.largest();
+        let mut streams = String::new();
+        for shard in self.shards.all() {
+            let s = shard.state.lock();
+            free += s.free_bytes();
+            largest = largest.max(s.free.largest());
+            let _ = write!(
+                streams,
+                "\n  {:?}: {} bytes free",
+                shard.key,
+                s.free_bytes()
+            );
+        }
+        let fragmentation = if free == 0 {
+            0.0
+        } else {
+            100.0 * (1.0 - largest as f64 / free as f64)
+        };
+        format!(
+            "arena of {} bytes: {} superblocks held by streams; {} bytes free ({} in the \
+             global arena, {pending} waiting for their streams); largest free block {} \
+             bytes; fragmentation {fragmentation:.1}%{streams}",
+            self.size,
+            global.superblocks.len(),
+            free,
+            global.free.bytes(),
+            largest,
+        )
+    }
+
+    #[inline]
+    fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
+        let key = StreamKey::of(stream);
+        if let Some(shard) = self.shards.get(key) {
+            return shard;
+        }
+        self.new_shard(key)
+    }
+
+    #[cold]
+    fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
+        let global = lock(&self.global);
+        self.shards
+            .get_or_insert_with(key, || PoolShard::new(global.superblocks.iter().copied()))
+    }
+
+    /// Requests above a superblock (with their alignment padding) skip the streams' arenas.
+    #[inline]
+    fn is_large(size: usize, align: usize) -> bool {
+        size > SUPERBLOCK_SIZE || size + (align - GRANULE) > SUPERBLOCK_SIZE
+    }
+
+    fn out_of_memory(&self, requested: usize) -> Error {
+        if self.dump_on_failure {
+            tracing::error!("arena out of memory for {requested} bytes: {}", self.dump());
+        }
+        Error::out_of_memory(requested)
+    }
+
+    /// Takes a block from the global arena: from its free memory, else after waiting for
+    /// the streams of pending memory, else after defragmenting.
+    fn take_global(
+        &self,
+        global: &mut Global,
+        size: usize,
+        align: usize,
+    ) -> Result<Option<usize>, Error> {
+        if let Some(addr) = global.free.take(size, align) {
+            return Ok(Some(addr));
+        }
+        self.settle_pending(global)?;
+        if let Some(addr) = global.free.take(size, align) {
+            return Ok(Some(addr));
+        }
+        self.defragment(global)?;
+        Ok(global.free.take(size, align))
+    }
+
+    /// Waits for the streams of pending memory and makes it free.
+    fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
+        let mut done: Vec<Context> = Vec::new();
+        for ctx in global.pending.iter().filter_map(|(_, c)| *c) {
+            if !done.contains(&ctx) {
+                ctx.synchronize()?;
+                done.push(ctx);
+            }
+        }
+        for (block, _) in std::mem::take(&mut global.pending) {
+            global.free.insert(block);
+        }
+        Ok(())
+    }
+
+    /// Returns every stream's entirely free superblocks to the global arena.
+    fn defragment(&self, global: &mut Global) -> Result<(), Error> {
+        let mut freed = Vec::new();
+        for shard in self.shards.all() {
+            let mut s = shard.state.lock();
+            s.flush();
+            for &sb in &global.superblocks {
+                if s.free
+                    .starting_at(sb)
+                    .is_some_and(|b| b.size == SUPERBLOCK_SIZE)
+                {
+                    s.free.remove_starting_at(sb);
+                    freed.push((sb, shard.ctx));
+                }
+            }
+        }
+        for (sb, ctx) in freed {
+            self.unregister(global, sb);
+            global.pending.push((self.block(sb, SUPERBLOCK_SIZE), ctx));
+        }
+        self.settle_pending(global)
+    }
+
+    fn block(&self, addr: usize, size: usize) -> FreeBlock {
+        FreeBlock {
+            addr,
+            size,
+            starts_chunk: addr == self.base,
+        }
+    }
+
+    /// Forgets a superblock (entirely free, in no stream's list).
+    fn unregister(&self, global: &mut Global, sb: usize) {
+        global.superblocks.remove(&sb);
+        for shard in self.shards.all() {
+            shard.state.lock().chunk_starts.remove(&sb);
+        }
+    }
+
+    #[cold]
+    fn allocate_large(&self, size: usize, align: usize, requested: usize) -> Result<usize, Error> {
+        let mut global = lock(&self.global);
+        self.take_global(&mut global, size, align)?
+            .ok_or_else(|| self.out_of_memory(requested))
+    }
+
+    /// The stream's arena has no fit: flush its cache, else give it a new superblock.
+    #[cold]
+    fn allocate_small_slow(
+        &self,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        let mut global = lock(&self.global);
+        {
+            let mut s = own.state.lock();
+            s.flush();
+            if let Some(addr) = s.free.take(size, align) {
+                return Ok(addr);
+            }
+        }
+        let Some(sb) = self.take_global(&mut global, SUPERBLOCK_SIZE, GRANULE)? else {
+            drop(global);
+            return Err(self.out_of_memory(requested));
+        };
+        global.superblocks.insert(sb);
+        for shard in self.shards.all() {
+            shard.state.lock().chunk_starts.insert(sb);
+        }
+        let mut s = own.state.lock();
+        s.free.insert(FreeBlock {
+            addr: sb,
+            size: SUPERBLOCK_SIZE,
+            starts_chunk: true,
+        });
+        Ok(s.free
+            .take(size, align)
+            .expect("a request fits a new superblock"))
+    }
+
+    /// Frees into the global arena: at once for host streams, pending a wait otherwise.
+    #[cold]
+    fn free_global(&self, shard: &Shard<PoolShard>, block: FreeBlock) {
+        let mut global = lock(&self.global);
+        if shard.key.is_host() {
+            global.free.insert(block);
+        } else {
+            global.pending.push((block, shard.ctx));
+        }
+    }
+}
+
+impl<U: Resource> Drop for Arena<U> {
+    fn drop(&mut self) {
+        release_all(
+            &self.upstream,
+            &self.shards,
+            self.chunk.take().into_iter().collect(),
+        );
+    }
+}
+
+impl<U: Resource> PartialEq for Arena<U> {
+    fn eq(&self, other: &Self) -> bool {
+        ptr::eq(self, other)
+    }
+}
+
+impl<U: Resource + fmt::Debug> fmt::Debug for Arena<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Arena")
+            .field("upstream", &self.upstream)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: blocks are disjoint pieces of the one upstream allocation (each free byte is in
+// exactly one list: the global arena's, a pending entry, or one stream's), aligned as
+// asked, with the upstream's properties; memory freed on a CUDA stream reaches another
+// stream only through the global arena after that stream's context was synchronised.
+unsafe impl<U: Resource> SyncResource for Arena<U> {
+    type Properties = U::Properties;
+
+    #[inline]
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate(StreamRef::HOST, layout)
+    }
+
+    #[inline]
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller's promise; freeing on a host stream means "unused now".
+        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
+    }
+}
+
+// SAFETY: as for `SyncResource`.
+unsafe impl<U: Resource> Resource for Arena<U> {
+    #[inline]
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        let (size, align) = block_size(layout);
+        if Self::is_large(size, align) {
+            return self.allocate_large(size, align, layout.size()).map(to_ptr);
+        }
+        let shard = self.shard(stream);
+        if let Some(addr) = shard.state.lock().take(size, align) {
+            return Ok(to_ptr(addr));
+        }
+        self.allocate_small_slow(shard, size, align, layout.size())
+            .map(to_ptr)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        let (size, align) = block_size(layout);
+        let addr = ptr.as_ptr().expose_provenance();
+        let shard = self.shard(stream);
+        if Self::is_large(size, align) {
+            return self.free_global(shard, self.block(addr, size));
+        }
+        let emptied = {
+            let mut s = shard.state.lock();
+            match s.put(addr, size) {
+                // A whole superblock (only superblocks start "chunks" here), and the
+                // stream keeps another superblock's worth of free memory besides.
+                Some(merged)
+                    if merged.starts_chunk
+                        && merged.size == SUPERBLOCK_SIZE
+                        && s.free_bytes() >= 2 * SUPERBLOCK_SIZE
+                        && shard.key.is_host() =>
+                {
+                    s.free.remove_starting_at(merged.addr)
+                }
+                _ => None,
+            }
+        };
+        if let Some(sb) = emptied {
+            let mut global = lock(&self.global);
+            self.unregister(&mut global, sb.addr);
+            global.free.insert(self.block(sb.addr, SUPERBLOCK_SIZE));
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! `Arena` on host memory: sizes, superblocks, the global arena, defragmentation, and a
+//! property test of its invariants.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use memres::suballoc::{Arena, SUPERBLOCK_SIZE};
+use memres::{Error, HostHeap, Resource, StreamRef, layout, layout_with_alignment};
+use proptest::prelude::*;
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn an_arena_smaller_than_a_superblock_is_rejected() {
+    let e = Arena::with_size(HostHeap::new(), MIB - 256).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(e.to_string().contains("superblock"), "{e}");
+}
+
+#[test]
+fn the_default_size_needs_a_gpu() {
+    if !memres::driver::is_present() {
+        assert!(matches!(Arena::new(HostHeap::new()), Err(Error::NoDriver)));
+    }
+}
+
+#[test]
+fn small_requests_take_superblocks_large_ones_the_global_arena() {
+    let arena = Arena::with_size(HostHeap::new(), 16 * MIB).unwrap();
+    let s = StreamRef::host(1);
+    let small = layout(1000).unwrap();
+    let p = arena.allocate(s, small).unwrap();
+    assert_eq!(arena.superblocks(), 1);
+    let large = layout(3 * MIB).unwrap();
+    let q = arena.allocate(s, large).unwrap();
+    assert_eq!(arena.superblocks(), 1);
+    assert_eq!(arena.free_bytes(), 16 * MIB - 1024 - 3 * MIB);
+    // SAFETY: allocated above with these layouts on `s`.
+    unsafe {
+        arena.deallocate(s, q, large);
+        arena.deallocate(s, p, small);
+    }
+    assert_eq!(arena.free_bytes(), 16 * MIB);
+}
+
+#[test]
+fn empty_superblocks_go_back_but_one_stays() {
+    let arena = Arena::with_size(HostHeap::new(), 16 * MIB).unwrap();
+    let s = StreamRef::host(1);
+    // 300 KiB blocks, three to a superblock: twelve take four superblocks.
+    let l = layout(300 << 10).unwrap();
+    let blocks: Vec<_> = (0..12).map(|_| arena.allocate(s, l).unwrap()).collect();
+    assert_eq!(arena.superblocks(), 4);
+    for p in blocks {
+        // SAFETY: allocated above with `l` on `s`.
+        unsafe { arena.deallocate(s, p, l) };
+    }
+    assert_eq!(arena.superblocks(), 1);
+    assert_eq!(arena.free_bytes(), 16 * MIB);
+}
+
+#[test]
+fn out_of_memory_defragments_then_fails_cleanly() {
+    let arena = Arena::with_size(HostHeap::new(), 4 * MIB)
+        .unwrap()
+        .dump_on_failure(true);
+    let whole = layout(SUPERBLOCK_SIZE).unwrap();
+    // Stream 1 takes all four superblocks and frees them; it keeps one.
+    let blocks: Vec<_> = (0..4)
+        .map(|_| arena.allocate(StreamRef::host(1), whole).unwrap())
+        .collect();
+    for p in blocks {
+        // SAFETY: allocated above with `whole` on host stream 1.
+        unsafe { arena.deallocate(StreamRef::host(1), p, whole) };
+    }
+    assert!(arena.superblocks() >= 1);
+    // All 4 MiB at once, from the global arena: the kept superblock must come back.
+    let all = layout(4 * MIB).unwrap();
+    let p = arena.allocate(StreamRef::host(2), all).unwrap();
+    assert_eq!(arena.superblocks(), 0);
+    match arena.allocate(StreamRef::host(3), layout(1000).unwrap()) {
+        Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, 1000),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert!(
+        arena.dump().starts_with("arena of 4194304 bytes"),
+        "{}",
+        arena.dump()
+    );
+    // SAFETY: allocated above with `all`.
+    unsafe { arena.deallocate(StreamRef::host(2), p, all) };
+    assert_eq!(arena.free_bytes(), 4 * MIB);
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Allocate {
+        stream: u32,
+        size: usize,
+        align_shift: u32,
+    },
+    Free {
+        index: usize,
+        stream: u32,
+    },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (0..3u32, 1..3_000_000usize, 0..13u32).prop_map(|(stream, size, align_shift)| {
+            Step::Allocate {
+                stream,
+                size,
+                align_shift,
+            }
+        }),
+        (any::<usize>(), 0..3u32).prop_map(|(index, stream)| Step::Free { index, stream }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Random allocations and frees on three host streams: live blocks never overlap and
+    /// are aligned, and free + live = the arena's size throughout.
+    #[test]
+    fn arena_invariants(steps in proptest::collection::vec(step(), 1..200)) {
+        let arena = Arena::with_size(HostHeap::new(), 32 * MIB).unwrap();
+        let mut live: Vec<(NonNull<u8>, Layout)> = Vec::new();
+        for step in steps {
+            match step {
+                Step::Allocate { stream, size, align_shift } => {
+                    let l = layout_with_alignment(size, 1 << align_shift).unwrap();
+                    match arena.allocate(StreamRef::host(stream), l) {
+                        Ok(p) => {
+                            prop_assert_eq!(p.as_ptr() as usize % l.align(), 0);
+                            live.push((p, l));
+                        }
+                        Err(Error::OutOfMemory { .. }) => {}
+                        Err(e) => prop_assert!(false, "{:?}: {}", l, e),
+                    }
+                }
+                Step::Free { index, stream } if !live.is_empty() => {
+                    let (p, l) = live.swap_remove(index % live.len());
+                    // SAFETY: allocated by this arena with `l`; host streams are done.
+                    unsafe { arena.deallocate(StreamRef::host(stream), p, l) };
+                }
+                Step::Free { .. } => {}
+            }
+            let live_bytes: usize =
+                live.iter().map(|(_, l)| l.size().next_multiple_of(256)).sum();
+            prop_assert_eq!(arena.free_bytes() + live_bytes, 32 * MIB);
+            let mut ranges: Vec<(usize, usize)> = live
+                .iter()
+                .map(|(p, l)| (p.as_ptr() as usize, p.as_ptr() as usize + l.size()))
+                .collect();
+            ranges.sort_unstable();
+            for w in ranges.windows(2) {
+                prop_assert!(w[0].1 <= w[1].0, "live blocks overlap: {:?}", w);
+            }
+        }
+        for (p, l) in live.drain(..) {
+            // SAFETY: as above.
+            unsafe { arena.deallocate(StreamRef::host(0), p, l) };
+        }
+        prop_assert_eq!(arena.free_bytes(), 32 * MIB);
+    }
+}
