@@ -211,3 +211,43 @@ fn preferred_location(r: &memres::SamHeadroom) -> i32 {
     unsafe { r.deallocate_sync(p, l) };
     location
 }
+
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    pool_over_cuda,
+    memres::Pool::new(Cuda::new().unwrap(), memres::PoolConfig::new()).unwrap(),
+    Caps::gpu(usize::MAX)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    pool_over_cuda_async,
+    memres::Pool::new(
+        CudaAsync::new().unwrap(),
+        memres::PoolConfig::new().initial_size(256 << 20)
+    )
+    .unwrap(),
+    Caps::gpu(usize::MAX)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    fixed_size_over_cuda,
+    memres::FixedSize::with_block_size(Cuda::new().unwrap(), 8 << 20, 16).unwrap(),
+    Caps::gpu(256).fixed_blocks(8 << 20)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    binning_over_pool_over_cuda,
+    memres::Binning::new(
+        memres::Pool::new(Cuda::new().unwrap(), memres::PoolConfig::new()).unwrap(),
+        8,
+        20
+    )
+    .unwrap(),
+    Caps::gpu(256)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    arena_over_cuda,
+    memres::Arena::with_size(Cuda::new().unwrap(), 12 << 30).unwrap(),
+    Caps::gpu(usize::MAX)
+);

@@ -1,0 +1,150 @@
+//! The sub-allocators on a GPU: stream-ordered reuse under real concurrent work, streams
+//! destroyed after freeing, per-thread default streams, pinned-host pools running out.
+//! They need a GPU: CI skips them (`#[ignore]`), the GPU bundle's `run.sh` runs them.
+
+use cudarc::driver::sys;
+use memres::adaptor::Limiting;
+use memres::stream::{Stream, StreamFlags};
+use memres::suballoc::{Arena, FixedSize, Pool, PoolConfig};
+use memres::{Cuda, Error, PinnedHost, Resource, StreamRef, SyncResource, layout};
+
+const N: usize = 256 << 20;
+
+fn check(r: sys::CUresult) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+}
+
+/// Fills `n` bytes at `p` with `value` on `stream`, `times` times over (long work).
+fn fill(p: *mut u8, n: usize, value: u8, stream: &Stream, times: usize) {
+    for _ in 0..times {
+        // SAFETY: `p` holds `n` device bytes, valid on `stream` for the enqueued work.
+        check(unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw()) });
+    }
+}
+
+/// Allocates on A, writes the block on A for a long while, frees on A; allocates the
+/// same size on B (the resource cannot grow, so it must hand out A's block) and writes it
+/// once on B. Once both streams are done, the block holds B's bytes, never A's.
+fn race<R: Resource>(r: &R, what: &str) {
+    let a = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let b = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let l = layout(N).unwrap();
+    let p = r.allocate(a.as_ref(), l).unwrap();
+    fill(p.as_ptr(), N, 0xAA, &a, 200);
+    // SAFETY: allocated on `a` with `l`; all work on it is enqueued on `a`.
+    unsafe { r.deallocate(a.as_ref(), p, l) };
+    let q = r.allocate(b.as_ref(), l).unwrap();
+    assert_eq!(p, q, "{what}: B should get A's block back");
+    fill(q.as_ptr(), N, 0xBB, &b, 1);
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let mut host = vec![0u8; N];
+    // SAFETY: `q` holds N device bytes; `host` holds N bytes; both streams are done.
+    check(unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), q.as_ptr() as u64, N) });
+    let wrong = host.iter().filter(|&&x| x != 0xBB).count();
+    assert_eq!(wrong, 0, "{what}: {wrong} bytes are not B's");
+    // SAFETY: allocated on `b` with `l`; its work is done.
+    unsafe { r.deallocate(b.as_ref(), q, l) };
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pool_reuse_across_streams_waits_for_the_first() {
+    let pool = Pool::new(
+        Cuda::new().unwrap(),
+        PoolConfig::new().initial_size(N).maximum_size(N),
+    )
+    .unwrap();
+    race(&pool, "Pool");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn arena_reuse_across_streams_waits_for_the_first() {
+    let arena = Arena::with_size(Cuda::new().unwrap(), N).unwrap();
+    race(&arena, "Arena");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fixed_size_reuse_across_streams_waits_for_the_first() {
+    // One chunk of one block, and an upstream that refuses a second.
+    let upstream = Limiting::new(Cuda::new().unwrap(), N);
+    let fixed = FixedSize::with_block_size(upstream, N, 1).unwrap();
+    race(&fixed, "FixedSize");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_stream_destroyed_after_freeing_on_it() {
+    let pool = Pool::new(
+        Cuda::new().unwrap(),
+        PoolConfig::new().initial_size(N).maximum_size(N),
+    )
+    .unwrap();
+    let l = layout(N).unwrap();
+    {
+        let s = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+        let p = pool.allocate(s.as_ref(), l).unwrap();
+        fill(p.as_ptr(), N, 1, &s, 20);
+        // SAFETY: allocated on `s` with `l`; its work is on `s`.
+        unsafe { pool.deallocate(s.as_ref(), p, l) };
+        // `s` is destroyed here, with work still running on it.
+    }
+    let other = Stream::new().unwrap();
+    let p = pool.allocate(other.as_ref(), l).unwrap();
+    // SAFETY: as above.
+    unsafe { pool.deallocate(other.as_ref(), p, l) };
+    assert_eq!(pool.trim().unwrap(), N);
+    drop(pool);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn per_thread_default_streams_get_lists_of_their_own() {
+    let pool = Pool::new(
+        Cuda::new().unwrap(),
+        PoolConfig::new().initial_size(64 << 20),
+    )
+    .unwrap();
+    let l = layout(1 << 20).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                let _on = memres::device::DeviceGuard::new(memres::device::DeviceId::new(0));
+                for _ in 0..1000 {
+                    let p = pool.allocate(StreamRef::PER_THREAD, l).unwrap();
+                    // SAFETY: allocated just above on this thread's per-thread stream.
+                    unsafe { pool.deallocate(StreamRef::PER_THREAD, p, l) };
+                }
+            });
+        }
+    });
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes, stats.pool_size);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pinned_host_pool_runs_out_cleanly() {
+    let pool = Pool::new(
+        PinnedHost::new().unwrap(),
+        PoolConfig::new()
+            .initial_size(1 << 20)
+            .maximum_size(4 << 20),
+    )
+    .unwrap();
+    let three = layout(3 << 20).unwrap();
+    let p = pool.allocate_sync(three).unwrap();
+    match pool.allocate_sync(layout(2 << 20).unwrap()) {
+        Err(Error::OutOfMemory {
+            requested, limit, ..
+        }) => assert_eq!((requested, limit), (2 << 20, Some(4 << 20))),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // The memory is host memory: the host may write it.
+    // SAFETY: `p` holds 3 MiB of pinned host memory, unused by any stream.
+    unsafe { p.as_ptr().write_bytes(7, 3 << 20) };
+    // SAFETY: allocated above with `three`.
+    unsafe { pool.deallocate_sync(p, three) };
+}
