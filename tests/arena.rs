@@ -25,20 +25,23 @@ fn the_default_size_needs_a_gpu() {
 }
 
 #[test]
-fn small_requests_take_superblocks_large_ones_the_global_arena() {
+fn small_requests_share_superblocks_large_ones_get_their_own() {
     let arena = Arena::with_size(HostHeap::new(), 16 * MIB).unwrap();
     let s = StreamRef::host(1);
     let small = layout(1000).unwrap();
     let p = arena.allocate(s, small).unwrap();
     assert_eq!(arena.superblocks(), 1);
+    let p2 = arena.allocate(s, small).unwrap();
+    assert_eq!(arena.superblocks(), 1);
     let large = layout(3 * MIB).unwrap();
     let q = arena.allocate(s, large).unwrap();
-    assert_eq!(arena.superblocks(), 1);
-    assert_eq!(arena.free_bytes(), 16 * MIB - 1024 - 3 * MIB);
+    assert_eq!(arena.superblocks(), 2);
+    assert_eq!(arena.free_bytes(), 16 * MIB - 2048 - 3 * MIB);
     // SAFETY: allocated above with these layouts on `s`.
     unsafe {
         arena.deallocate(s, q, large);
         arena.deallocate(s, p, small);
+        arena.deallocate(s, p2, small);
     }
     assert_eq!(arena.free_bytes(), 16 * MIB);
 }
@@ -77,7 +80,8 @@ fn out_of_memory_defragments_then_fails_cleanly() {
     // All 4 MiB at once, from the global arena: the kept superblock must come back.
     let all = layout(4 * MIB).unwrap();
     let p = arena.allocate(StreamRef::host(2), all).unwrap();
-    assert_eq!(arena.superblocks(), 0);
+    // Stream 2's own superblock of 4 MiB is the only one left.
+    assert_eq!(arena.superblocks(), 1);
     match arena.allocate(StreamRef::host(3), layout(1000).unwrap()) {
         Err(Error::OutOfMemory { requested, .. }) => assert_eq!(requested, 1000),
         other => panic!("expected OutOfMemory, got {other:?}"),

@@ -1,13 +1,11 @@
 //! [`Arena`]: RMM's arena allocator: one global arena of superblocks, per-stream arenas.
 
 use std::alloc::Layout;
-use std::collections::HashSet;
 use std::fmt::{self, Write as _};
-use std::hash::BuildHasherDefault;
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::free_blocks::{AddrHasher, FreeBlock, FreeBlocks, GRANULE};
+use super::free_blocks::{AddrMap, FreeBlock, FreeBlocks, GRANULE};
 use super::pool::{PoolShard, block_size};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::device::{Context, DeviceId};
@@ -19,8 +17,6 @@ use crate::sync::Mutex;
 /// The size of a superblock, and the largest request served from a stream's arena.
 pub const SUPERBLOCK_SIZE: usize = 1 << 20;
 
-type AddrSet = HashSet<usize, BuildHasherDefault<AddrHasher>>;
-
 /// The global arena.
 #[derive(Default)]
 struct Global {
@@ -28,27 +24,32 @@ struct Global {
     free: FreeBlocks,
     /// Memory freed on CUDA streams, usable by others once their context is synchronised.
     pending: Vec<(FreeBlock, Option<Context>)>,
-    /// Starts of the superblocks that streams' arenas hold.
-    superblocks: AddrSet,
+    /// The superblocks that streams' arenas hold, start to size.
+    superblocks: AddrMap<usize>,
 }
 
 /// RMM's arena allocator (`arena_memory_resource`): one upstream allocation (the global
-/// arena), handed to streams a superblock (1 MiB) at a time.
+/// arena), handed to the streams' own arenas a superblock at a time.
 ///
 /// - Each stream has its own arena (the per-thread default stream one per thread), found
-///   without a lock. Requests up to 1 MiB are served from its superblocks (a coalescing
-///   list, as in [`Pool`](super::Pool), whose blocks never cross a superblock); larger
-///   ones come from the global arena directly.
-/// - A superblock that becomes entirely free goes back to the global arena when its
-///   stream still has a superblock's worth of free memory besides (so an arena does not
-///   churn one superblock). Memory freed on a CUDA stream, and superblocks freed there,
-///   are reused by other streams only after that stream's work is waited for
-///   (`cuCtxSynchronize`), which the arena does only when the global arena runs short.
+///   without a lock, with a coalescing free list as in [`Pool`](super::Pool) whose
+///   blocks never cross a superblock. A stream whose arena has no fit takes a superblock
+///   from the global arena: 1 MiB ([`SUPERBLOCK_SIZE`]), or, for a request above that,
+///   one of the request's size. Unlike RMM, which serves those large requests from the
+///   global arena on every call, the stream keeps the superblock when the block is freed
+///   and serves later requests from it, so large requests do not serialise threads on
+///   the global arena's lock.
+/// - A superblock that becomes entirely free goes back to the global arena once its
+///   stream holds more free memory besides than 1/16 of the arena (at least 1 MiB).
+///   Memory freed on a CUDA stream reaches other streams only after that stream's work
+///   is waited for (`cuCtxSynchronize`), which the arena does only when the global arena
+///   runs short; no event is recorded on the free path.
 /// - On out-of-memory it defragments: waits for the streams, returns every entirely free
 ///   superblock of every stream to the global arena and retries; failing that, it returns
 ///   [`Error::OutOfMemory`], and with [`dump_on_failure`](Arena::dump_on_failure) it logs
 ///   [`dump`](Arena::dump) (arena size, superblocks, free bytes, largest free block,
 ///   fragmentation) through `tracing` first.
+/// - Alignment: any power of two (a superblock is made with room for the padding).
 ///
 /// ```
 /// use memres::suballoc::Arena;
@@ -68,6 +69,8 @@ pub struct Arena<U: Resource> {
     size: usize,
     global: Mutex<Global>,
     shards: ShardMap<PoolShard>,
+    /// Free bytes a stream's arena keeps besides a superblock before returning it.
+    keep: usize,
     dump_on_failure: bool,
 }
 
@@ -105,6 +108,7 @@ impl<U: Resource> Arena<U> {
             size,
             global: Mutex::new(global),
             shards: ShardMap::default(),
+            keep: (size / 16).max(SUPERBLOCK_SIZE),
             dump_on_failure: false,
         })
     }
@@ -193,14 +197,9 @@ impl<U: Resource> Arena<U> {
     #[cold]
     fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
         let global = lock(&self.global);
-        self.shards
-            .get_or_insert_with(key, || PoolShard::new(global.superblocks.iter().copied()))
-    }
-
-    /// Requests above a superblock (with their alignment padding) skip the streams' arenas.
-    #[inline]
-    fn is_large(size: usize, align: usize) -> bool {
-        size > SUPERBLOCK_SIZE || size + (align - GRANULE) > SUPERBLOCK_SIZE
+        self.shards.get_or_insert_with(key, || {
+            PoolShard::new(global.superblocks.iter().map(|(&a, &n)| (a, n)))
+        })
     }
 
     fn out_of_memory(&self, requested: usize) -> Error {
@@ -250,19 +249,16 @@ impl<U: Resource> Arena<U> {
         for shard in self.shards.all() {
             let mut s = shard.state.lock();
             s.flush();
-            for &sb in &global.superblocks {
-                if s.free
-                    .starting_at(sb)
-                    .is_some_and(|b| b.size == SUPERBLOCK_SIZE)
-                {
+            for (&sb, &size) in &global.superblocks {
+                if s.free.starting_at(sb).is_some_and(|b| b.size == size) {
                     s.free.remove_starting_at(sb);
-                    freed.push((sb, shard.ctx));
+                    freed.push((sb, size, shard.ctx));
                 }
             }
         }
-        for (sb, ctx) in freed {
+        for (sb, size, ctx) in freed {
             self.unregister(global, sb);
-            global.pending.push((self.block(sb, SUPERBLOCK_SIZE), ctx));
+            global.pending.push((self.block(sb, size), ctx));
         }
         self.settle_pending(global)
     }
@@ -279,20 +275,14 @@ impl<U: Resource> Arena<U> {
     fn unregister(&self, global: &mut Global, sb: usize) {
         global.superblocks.remove(&sb);
         for shard in self.shards.all() {
-            shard.state.lock().chunk_starts.remove(&sb);
+            shard.state.lock().chunks.remove(&sb);
         }
     }
 
+    /// The stream's arena has no fit: flush its cache, else give it a new superblock of
+    /// 1 MiB, or of the request's size (with room for its alignment) when larger.
     #[cold]
-    fn allocate_large(&self, size: usize, align: usize, requested: usize) -> Result<usize, Error> {
-        let mut global = lock(&self.global);
-        self.take_global(&mut global, size, align)?
-            .ok_or_else(|| self.out_of_memory(requested))
-    }
-
-    /// The stream's arena has no fit: flush its cache, else give it a new superblock.
-    #[cold]
-    fn allocate_small_slow(
+    fn allocate_slow(
         &self,
         own: &Shard<PoolShard>,
         size: usize,
@@ -307,34 +297,30 @@ impl<U: Resource> Arena<U> {
                 return Ok(addr);
             }
         }
-        let Some(sb) = self.take_global(&mut global, SUPERBLOCK_SIZE, GRANULE)? else {
+        let sb_size = size
+            .checked_add(align - GRANULE)
+            .map(|n| n.max(SUPERBLOCK_SIZE));
+        let sb = match sb_size {
+            Some(n) if n <= self.size => self.take_global(&mut global, n, GRANULE)?,
+            _ => None,
+        };
+        let (Some(sb), Some(sb_size)) = (sb, sb_size) else {
             drop(global);
             return Err(self.out_of_memory(requested));
         };
-        global.superblocks.insert(sb);
+        global.superblocks.insert(sb, sb_size);
         for shard in self.shards.all() {
-            shard.state.lock().chunk_starts.insert(sb);
+            shard.state.lock().chunks.insert(sb, sb_size);
         }
         let mut s = own.state.lock();
         s.free.insert(FreeBlock {
             addr: sb,
-            size: SUPERBLOCK_SIZE,
+            size: sb_size,
             starts_chunk: true,
         });
         Ok(s.free
             .take(size, align)
-            .expect("a request fits a new superblock"))
-    }
-
-    /// Frees into the global arena: at once for host streams, pending a wait otherwise.
-    #[cold]
-    fn free_global(&self, shard: &Shard<PoolShard>, block: FreeBlock) {
-        let mut global = lock(&self.global);
-        if shard.key.is_host() {
-            global.free.insert(block);
-        } else {
-            global.pending.push((block, shard.ctx));
-        }
+            .expect("a request fits its new superblock"))
     }
 }
 
@@ -390,14 +376,11 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             return Ok(dangling(layout));
         }
         let (size, align) = block_size(layout);
-        if Self::is_large(size, align) {
-            return self.allocate_large(size, align, layout.size()).map(to_ptr);
-        }
         let shard = self.shard(stream);
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_small_slow(shard, size, align, layout.size())
+        self.allocate_slow(shard, size, align, layout.size())
             .map(to_ptr)
     }
 
@@ -406,22 +389,17 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         if layout.size() == 0 {
             return;
         }
-        let (size, align) = block_size(layout);
+        let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
         let shard = self.shard(stream);
-        if Self::is_large(size, align) {
-            return self.free_global(shard, self.block(addr, size));
-        }
         let emptied = {
             let mut s = shard.state.lock();
             match s.put(addr, size) {
-                // A whole superblock (only superblocks start "chunks" here), and the
-                // stream keeps another superblock's worth of free memory besides.
+                // A whole superblock, and the stream keeps enough free memory besides.
                 Some(merged)
                     if merged.starts_chunk
-                        && merged.size == SUPERBLOCK_SIZE
-                        && s.free_bytes() >= 2 * SUPERBLOCK_SIZE
-                        && shard.key.is_host() =>
+                        && s.chunks.get(&merged.addr) == Some(&merged.size)
+                        && s.free_bytes() - merged.size >= self.keep =>
                 {
                     s.free.remove_starting_at(merged.addr)
                 }
@@ -431,7 +409,12 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         if let Some(sb) = emptied {
             let mut global = lock(&self.global);
             self.unregister(&mut global, sb.addr);
-            global.free.insert(self.block(sb.addr, SUPERBLOCK_SIZE));
+            let block = self.block(sb.addr, sb.size);
+            if shard.key.is_host() {
+                global.free.insert(block);
+            } else {
+                global.pending.push((block, shard.ctx));
+            }
         }
     }
 }

@@ -1,13 +1,11 @@
 //! [`Pool`]: a coalescing sub-allocator with per-stream free lists.
 
 use std::alloc::Layout;
-use std::collections::HashSet;
 use std::fmt;
-use std::hash::BuildHasherDefault;
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::free_blocks::{AddrHasher, FreeBlock, FreeBlocks, GRANULE};
+use super::free_blocks::{AddrMap, FreeBlock, FreeBlocks, GRANULE};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
@@ -129,26 +127,24 @@ struct Growth {
     size: usize,
 }
 
-type AddrSet = HashSet<usize, BuildHasherDefault<AddrHasher>>;
-
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
 pub(super) struct PoolShard {
     pub(super) free: FreeBlocks,
     /// Recently freed small blocks by size in granules, handed out again whole.
     quick: Vec<Vec<usize>>,
     quick_bytes: usize,
-    /// Where the pool's chunks begin (a copy per stream, so the free path needs no shared
-    /// lock); blocks never merge across these.
-    pub(super) chunk_starts: AddrSet,
+    /// The pool's chunks, start to size (a copy per stream, so the free path needs no
+    /// shared lock); blocks never merge across a chunk's start.
+    pub(super) chunks: AddrMap<usize>,
 }
 
 impl PoolShard {
-    pub(super) fn new(chunk_starts: impl Iterator<Item = usize>) -> PoolShard {
+    pub(super) fn new(chunks: impl Iterator<Item = (usize, usize)>) -> PoolShard {
         PoolShard {
             free: FreeBlocks::default(),
             quick: vec![Vec::new(); QUICK_UNITS + 1],
             quick_bytes: 0,
-            chunk_starts: chunk_starts.collect(),
+            chunks: chunks.collect(),
         }
     }
 
@@ -180,7 +176,7 @@ impl PoolShard {
     }
 
     fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
-        let starts_chunk = self.chunk_starts.contains(&addr);
+        let starts_chunk = self.chunks.contains_key(&addr);
         self.free.insert(FreeBlock {
             addr,
             size,
@@ -354,8 +350,9 @@ impl<U: Resource> Pool<U> {
     fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
         // Under the growth lock, so no chunk comes or goes while its start is copied.
         let growth = lock(&self.growth);
-        self.shards
-            .get_or_insert_with(key, || PoolShard::new(growth.chunks.iter().map(|c| c.addr)))
+        self.shards.get_or_insert_with(key, || {
+            PoolShard::new(growth.chunks.iter().map(|c| (c.addr, c.layout.size())))
+        })
     }
 
     /// The slow path: the stream's own list has no fit.
@@ -465,7 +462,7 @@ impl<U: Resource> Pool<U> {
         let addr = chunk.addr;
         // Every list learns the chunk's start before any block of it can reach one.
         for shard in self.shards.all() {
-            shard.state.lock().chunk_starts.insert(addr);
+            shard.state.lock().chunks.insert(addr, layout.size());
         }
         growth.chunks.push(chunk);
         growth.size += layout.size();
@@ -523,7 +520,7 @@ impl<U: Resource> Pool<U> {
         for shard in self.shards.all() {
             let mut s = shard.state.lock();
             for c in &released {
-                s.chunk_starts.remove(&c.addr);
+                s.chunks.remove(&c.addr);
             }
         }
         let bytes = released.iter().map(|c| c.layout.size()).sum();
