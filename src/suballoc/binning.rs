@@ -49,6 +49,10 @@ struct Bin<U: Resource> {
 pub struct Binning<U: Resource> {
     upstream: Arc<U>,
     bins: Vec<Bin<U>>,
+    /// The bins' sizes, smallest first (a compact copy for the lookup).
+    sizes: Vec<usize>,
+    /// For requests of `(2^(k-1), 2^k]` bytes, the first bin that may hold one.
+    first_for_log2: [u16; usize::BITS as usize + 1],
     /// How many blocks each fixed-size bin takes from the upstream at a time.
     blocks_per_chunk: usize,
     used: std::sync::atomic::AtomicBool,
@@ -76,6 +80,8 @@ impl<U: Resource + Send + Sync + 'static> Binning<U> {
         Binning {
             upstream: Arc::new(upstream),
             bins: Vec::new(),
+            sizes: Vec::new(),
+            first_for_log2: [0; usize::BITS as usize + 1],
             blocks_per_chunk: 128,
             used: std::sync::atomic::AtomicBool::new(false),
         }
@@ -117,6 +123,11 @@ impl<U: Resource + Send + Sync + 'static> Binning<U> {
                 "bins cannot be added once a Binning resource has handed out memory",
             ));
         }
+        if self.bins.len() >= usize::from(u16::MAX) {
+            return Err(Error::invalid_argument(
+                "a Binning resource has too many bins",
+            ));
+        }
         if self.bins.iter().any(|b| b.size == size) {
             return Err(Error::invalid_argument(format!(
                 "there is already a bin of {size} bytes"
@@ -128,6 +139,13 @@ impl<U: Resource + Send + Sync + 'static> Binning<U> {
     fn insert(&mut self, bin: Bin<U>) {
         let at = self.bins.partition_point(|b| b.size < bin.size);
         self.bins.insert(at, bin);
+        self.sizes = self.bins.iter().map(|b| b.size).collect();
+        for (k, first) in self.first_for_log2.iter_mut().enumerate() {
+            // Every bin that fits a request above 2^(k-1) bytes is larger than that.
+            let below = if k == 0 { 0 } else { 1usize << (k - 1) };
+            let i = self.sizes.partition_point(|&s| s <= below);
+            *first = u16::try_from(i).expect("bins are counted in u16");
+        }
     }
 }
 
@@ -142,14 +160,22 @@ impl<U: Resource> Binning<U> {
         &self.upstream
     }
 
-    /// The bin for `layout`, or `None` for the upstream.
+    /// The bin for `layout` (the smallest that holds it), or `None` for the upstream: a
+    /// table lookup by the size's power of two, then (for bins that are not powers of
+    /// two) a step or two.
     #[inline]
     fn bin(&self, layout: Layout) -> Option<&BinResource<U>> {
+        let n = layout.size();
         if layout.align() > GRANULE {
             return None;
         }
-        let at = self.bins.partition_point(|b| b.size < layout.size());
-        self.bins.get(at).map(|b| &b.resource)
+        // ceil(log2(n)) for n >= 1 (zero-size requests never get here).
+        let k = (usize::BITS - (n - 1).leading_zeros()) as usize;
+        let mut i = usize::from(self.first_for_log2[k]);
+        while self.sizes.get(i).is_some_and(|&s| s < n) {
+            i += 1;
+        }
+        self.bins.get(i).map(|b| &b.resource)
     }
 }
 
@@ -217,5 +243,50 @@ unsafe impl<U: Resource> Resource for Binning<U> {
                 None => self.upstream.deallocate(stream, ptr, layout),
             }
         }
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+    use crate::upstream::HostHeap;
+
+    /// The index of the bin `size` goes to, or `None` for the upstream.
+    fn route(b: &Binning<HostHeap>, size: usize, align: usize) -> Option<usize> {
+        let found = b.bin(Layout::from_size_align(size, align).unwrap())?;
+        b.bins.iter().position(|bin| ptr::eq(&bin.resource, found))
+    }
+
+    #[test]
+    fn requests_go_to_the_smallest_bin_that_holds_them() {
+        let mut b = Binning::without_bins(HostHeap::new());
+        for size in [768, 3000, 4096, 1 << 20] {
+            b.add_fixed_bin(size).unwrap();
+        }
+        assert_eq!(
+            b.bin_sizes().collect::<Vec<_>>(),
+            [768, 3072, 4096, 1 << 20]
+        );
+        for (size, bin) in [
+            (1, Some(0)),
+            (768, Some(0)),
+            (769, Some(1)),
+            (2048, Some(1)),
+            (3072, Some(1)),
+            (3073, Some(2)),
+            (4096, Some(2)),
+            (4097, Some(3)),
+            (1 << 20, Some(3)),
+            ((1 << 20) + 1, None),
+            (isize::MAX as usize - 4096, None),
+        ] {
+            assert_eq!(route(&b, size, 256), bin, "{size} bytes");
+        }
+        assert_eq!(
+            route(&b, 100, 512),
+            None,
+            "alignment above 256 goes upstream"
+        );
+        assert!(b.add_fixed_bin(3000).is_err(), "a second bin of one size");
     }
 }

@@ -35,7 +35,7 @@ fn loom_spin_lock_excludes() {
 fn loom_shard_map_hands_out_one_built_shard_per_stream() {
     loom::model(|| {
         let map = Arc::new(ShardMap::<Vec<u32>>::default());
-        let key = StreamKey::Host(7);
+        let key = StreamKey::host(7);
         let other = Arc::clone(&map);
         let t = thread::spawn(move || {
             let shard = other.get_or_insert_with(key, || vec![1]);

@@ -7,6 +7,7 @@
 //! and publish a fully built shard with a release store. Shards live until the map drops.
 
 use std::cell::Cell;
+use std::fmt;
 use std::ptr;
 use std::sync::PoisonError;
 
@@ -29,43 +30,58 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// What identifies a stream's free list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StreamKey {
-    /// A host stream: its work is always complete, so its blocks are free for all.
-    Host(u32),
-    /// A CUDA stream (the legacy default stream is `Cuda(0)`).
-    Cuda(usize),
-    /// The per-thread default stream of the thread with this number.
-    PerThread(usize),
-}
+/// What identifies a stream's free list: the stream's kind in the top two bits, its
+/// handle, host id or thread number below (one word, so that comparing and hashing keys
+/// costs next to nothing on the allocation path).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StreamKey(u64);
+
+const KIND_SHIFT: u32 = 62;
+const CUDA: u64 = 0;
+const HOST: u64 = 1;
+const PER_THREAD: u64 = 2;
 
 impl StreamKey {
+    #[inline]
     pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
         if let Some(id) = stream.host_id() {
-            StreamKey::Host(id)
+            StreamKey::host(id)
         } else if stream.is_per_thread() {
-            StreamKey::PerThread(thread_number())
+            StreamKey((PER_THREAD << KIND_SHIFT) | thread_number() as u64)
         } else if stream.is_default() {
-            StreamKey::Cuda(0)
+            StreamKey(CUDA << KIND_SHIFT)
         } else {
-            StreamKey::Cuda(stream.as_raw().map_or(0, |raw| raw as usize))
+            // CUDA stream handles are pointers, far below 2^62.
+            StreamKey(stream.as_raw().map_or(0, |raw| raw as u64))
         }
     }
 
-    /// Blocks freed on a host stream may be taken by any stream without waiting.
-    pub(crate) fn is_host(self) -> bool {
-        matches!(self, StreamKey::Host(_))
+    /// The key of host stream `id`.
+    pub(crate) const fn host(id: u32) -> StreamKey {
+        StreamKey((HOST << KIND_SHIFT) | id as u64)
     }
 
+    /// Blocks freed on a host stream may be taken by any stream without waiting.
+    #[inline]
+    pub(crate) fn is_host(self) -> bool {
+        self.0 >> KIND_SHIFT == HOST
+    }
+
+    #[inline]
     fn slot(self) -> usize {
-        let (kind, n) = match self {
-            StreamKey::Host(id) => (1u64, u64::from(id)),
-            StreamKey::Cuda(h) => (2, h as u64),
-            StreamKey::PerThread(t) => (3, t as u64),
-        };
-        let h = (n ^ (kind << 60)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let h = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         (h >> 58) as usize % SLOTS
+    }
+}
+
+impl fmt::Debug for StreamKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0 & ((1 << KIND_SHIFT) - 1);
+        match self.0 >> KIND_SHIFT {
+            HOST => write!(f, "host stream {n}"),
+            PER_THREAD => write!(f, "per-thread stream of thread {n}"),
+            _ => write!(f, "CUDA stream {n:#x}"),
+        }
     }
 }
 
@@ -109,7 +125,7 @@ impl<S> Shard<S> {
 
 /// The map from stream to shard.
 pub(crate) struct ShardMap<S> {
-    slots: Box<[AtomicPtr<Shard<S>>]>,
+    slots: Box<[AtomicPtr<Shard<S>>; SLOTS]>,
     /// Serialises insertions; holds the shards that found no free slot.
     overflow: Mutex<Vec<*mut Shard<S>>>,
 }
@@ -123,9 +139,7 @@ unsafe impl<S: Send> Sync for ShardMap<S> {}
 impl<S> Default for ShardMap<S> {
     fn default() -> Self {
         ShardMap {
-            slots: (0..SLOTS)
-                .map(|_| AtomicPtr::new(ptr::null_mut()))
-                .collect(),
+            slots: Box::new(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut()))),
             overflow: Mutex::new(Vec::new()),
         }
     }
@@ -145,7 +159,21 @@ impl<S> ShardMap<S> {
     #[inline]
     pub(crate) fn get(&self, key: StreamKey) -> Option<&Shard<S>> {
         let start = key.slot();
-        for i in 0..SLOTS {
+        let p = self.slots[start].load(Ordering::Acquire);
+        if p.is_null() {
+            return None;
+        }
+        let shard = self.at(p);
+        if shard.key == key {
+            return Some(shard);
+        }
+        self.probe(key, start)
+    }
+
+    /// `get` past the first slot.
+    #[cold]
+    fn probe(&self, key: StreamKey, start: usize) -> Option<&Shard<S>> {
+        for i in 1..SLOTS {
             let p = self.slots[(start + i) % SLOTS].load(Ordering::Acquire);
             if p.is_null() {
                 return None;
