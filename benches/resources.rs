@@ -9,6 +9,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::{AnyResource, Host, HostHeap, Resource, ResourceRef, Shared, StreamRef, layout};
 
 fn pair<R: Resource>(r: &R, l: std::alloc::Layout) {
@@ -34,5 +35,31 @@ fn pair_256b(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, pair_256b);
+/// The sub-allocators' fast paths over host memory: a same-stream 256-byte pair (the
+/// per-stream cache), and a 300 KiB pair (the coalescing free list).
+fn suballocators(c: &mut Criterion) {
+    let pool = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(64 << 20)).unwrap();
+    let fixed = FixedSize::with_block_size(HostHeap::new(), 4096, 128).unwrap();
+    let binning = Binning::new(
+        Pool::new(HostHeap::new(), PoolConfig::new()).unwrap(),
+        8,
+        16,
+    )
+    .unwrap();
+    let arena = Arena::with_size(HostHeap::new(), 64 << 20).unwrap();
+    let l = layout(256).unwrap();
+    let mut g = c.benchmark_group("suballoc-pair-256B");
+    g.bench_function("Pool", |b| b.iter(|| pair(&pool, l)));
+    g.bench_function("FixedSize", |b| b.iter(|| pair(&fixed, l)));
+    g.bench_function("Binning(Pool)", |b| b.iter(|| pair(&binning, l)));
+    g.bench_function("Arena", |b| b.iter(|| pair(&arena, l)));
+    g.finish();
+    let l = layout(300 << 10).unwrap();
+    let mut g = c.benchmark_group("suballoc-pair-300KiB");
+    g.bench_function("Pool", |b| b.iter(|| pair(&pool, l)));
+    g.bench_function("Arena", |b| b.iter(|| pair(&arena, l)));
+    g.finish();
+}
+
+criterion_group!(benches, pair_256b, suballocators);
 criterion_main!(benches);

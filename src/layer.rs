@@ -103,6 +103,25 @@ pub trait ResourceExt: SyncResource + Sized {
         crate::adaptor::ThreadSafe::new(self)
     }
 
+    /// A coalescing [`Pool`](crate::suballoc::Pool) over `self`.
+    ///
+    /// ```
+    /// use memres::{HostHeap, PoolConfig, ResourceExt};
+    ///
+    /// let pool = HostHeap::new().pool(PoolConfig::new().initial_size(1 << 20))?.with_statistics();
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    #[inline]
+    fn pool(
+        self,
+        config: crate::suballoc::PoolConfig,
+    ) -> Result<crate::suballoc::Pool<Self>, crate::Error>
+    where
+        Self: crate::resource::Resource,
+    {
+        crate::suballoc::Pool::new(self, config)
+    }
+
     /// Puts `self` behind a [`Shared`] handle whose clones share it.
     #[inline]
     fn shared(self) -> Shared<Self> {

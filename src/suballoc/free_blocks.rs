@@ -175,34 +175,58 @@ impl FreeBlocks {
     }
 
     /// Adds a free block, merging it with free neighbours of the same chunk; returns the
-    /// merged block.
+    /// merged block. A neighbour's node is reused for the merged block, so a merge costs
+    /// two map updates, not six.
     pub(crate) fn insert(&mut self, block: FreeBlock) -> FreeBlock {
-        let FreeBlock {
-            mut addr,
-            size,
-            mut starts_chunk,
-        } = block;
-        let mut end = addr + size;
-        if !starts_chunk && let Some(&i) = self.by_end.get(&addr) {
-            let before = self.nodes[i as usize].block;
-            self.unlink(i);
-            addr = before.addr;
-            starts_chunk = before.starts_chunk;
-        }
-        if let Some(&i) = self.by_start.get(&end) {
-            let after = self.nodes[i as usize].block;
-            if !after.starts_chunk {
-                self.unlink(i);
-                end = after.addr + after.size;
+        let end = block.addr + block.size;
+        let before = if block.starts_chunk {
+            None
+        } else {
+            self.by_end.get(&block.addr).copied()
+        };
+        let after = self
+            .by_start
+            .get(&end)
+            .copied()
+            .filter(|&i| !self.nodes[i as usize].block.starts_chunk);
+        match (before, after) {
+            (None, None) => {
+                self.link(block);
+                block
+            }
+            (Some(b), None) => {
+                let prev = self.nodes[b as usize].block;
+                self.resize(
+                    b,
+                    FreeBlock {
+                        size: end - prev.addr,
+                        ..prev
+                    },
+                )
+            }
+            (None, Some(a)) => {
+                let next = self.nodes[a as usize].block;
+                self.resize(
+                    a,
+                    FreeBlock {
+                        size: next.addr + next.size - block.addr,
+                        ..block
+                    },
+                )
+            }
+            (Some(b), Some(a)) => {
+                let next = self.nodes[a as usize].block;
+                self.unlink(a);
+                let prev = self.nodes[b as usize].block;
+                self.resize(
+                    b,
+                    FreeBlock {
+                        size: next.addr + next.size - prev.addr,
+                        ..prev
+                    },
+                )
             }
         }
-        let merged = FreeBlock {
-            addr,
-            size: end - addr,
-            starts_chunk,
-        };
-        self.link(merged);
-        merged
     }
 
     /// Takes `size` bytes (a multiple of [`GRANULE`]) aligned to `align` (a power of two,
@@ -211,22 +235,27 @@ impl FreeBlocks {
         let need = size.checked_add(align - GRANULE)?;
         let i = self.find(need / GRANULE)?;
         let block = self.nodes[i as usize].block;
-        self.unlink(i);
         let addr = block.addr.next_multiple_of(align);
         let front = addr - block.addr;
         let back = block.size - front - size;
+        if back > 0 {
+            // The node lives on as the back remainder (same end, so one map update).
+            self.resize(
+                i,
+                FreeBlock {
+                    addr: addr + size,
+                    size: back,
+                    starts_chunk: false,
+                },
+            );
+        } else {
+            self.unlink(i);
+        }
         if front > 0 {
             self.link(FreeBlock {
                 addr: block.addr,
                 size: front,
                 starts_chunk: block.starts_chunk,
-            });
-        }
-        if back > 0 {
-            self.link(FreeBlock {
-                addr: addr + size,
-                size: back,
-                starts_chunk: false,
             });
         }
         Some(addr)
@@ -262,38 +291,45 @@ impl FreeBlocks {
         Some(self.heads[class])
     }
 
-    fn link(&mut self, block: FreeBlock) {
-        let class = class_of(block.size / GRANULE);
+    /// Gives node `i` a new extent, updating only the maps whose key changed and moving
+    /// it to another class list only when its class changed; returns the new block.
+    fn resize(&mut self, i: u32, new: FreeBlock) -> FreeBlock {
+        let old = self.nodes[i as usize].block;
+        let (old_end, new_end) = (old.addr + old.size, new.addr + new.size);
+        if old.addr != new.addr {
+            self.by_start.remove(&old.addr);
+            self.by_start.insert(new.addr, i);
+        }
+        if old_end != new_end {
+            self.by_end.remove(&old_end);
+            self.by_end.insert(new_end, i);
+        }
+        let (from, to) = (class_of(old.size / GRANULE), class_of(new.size / GRANULE));
+        if from != to {
+            self.list_remove(i, from);
+            self.list_push(i, to);
+        }
+        self.nodes[i as usize].block = new;
+        self.bytes = self.bytes - old.size + new.size;
+        new
+    }
+
+    /// Puts node `i` at the head of `class`'s list.
+    fn list_push(&mut self, i: u32, class: usize) {
         let head = self.heads[class];
-        let node = Node {
-            block,
-            prev: NIL,
-            next: head,
-        };
-        let i = match self.spare.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.nodes.push(node);
-                u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 free blocks")
-            }
-        };
+        self.nodes[i as usize].prev = NIL;
+        self.nodes[i as usize].next = head;
         if head != NIL {
             self.nodes[head as usize].prev = i;
         }
         self.heads[class] = i;
         self.classes_in_use[class / LINEAR] |= 1 << (class % LINEAR);
         self.groups_in_use |= 1 << (class / LINEAR);
-        self.by_start.insert(block.addr, i);
-        self.by_end.insert(block.addr + block.size, i);
-        self.bytes += block.size;
     }
 
-    fn unlink(&mut self, i: u32) {
-        let Node { block, prev, next } = self.nodes[i as usize];
-        let class = class_of(block.size / GRANULE);
+    /// Takes node `i` out of `class`'s list.
+    fn list_remove(&mut self, i: u32, class: usize) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
         if prev == NIL {
             self.heads[class] = next;
             if next == NIL {
@@ -309,6 +345,33 @@ impl FreeBlocks {
         if next != NIL {
             self.nodes[next as usize].prev = prev;
         }
+    }
+
+    fn link(&mut self, block: FreeBlock) {
+        let node = Node {
+            block,
+            prev: NIL,
+            next: NIL,
+        };
+        let i = match self.spare.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 free blocks")
+            }
+        };
+        self.list_push(i, class_of(block.size / GRANULE));
+        self.by_start.insert(block.addr, i);
+        self.by_end.insert(block.addr + block.size, i);
+        self.bytes += block.size;
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let block = self.nodes[i as usize].block;
+        self.list_remove(i, class_of(block.size / GRANULE));
         self.by_start.remove(&block.addr);
         self.by_end.remove(&(block.addr + block.size));
         self.bytes -= block.size;
