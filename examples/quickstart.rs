@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use memres::device::DeviceId;
 use memres::stream::{Stream, StreamFlags};
 use memres::{
-    AnyResource, Callback, CudaAsync, Error, Host, HostHeap, Resource, ResourceExt, ResourceRef,
-    StreamRef, SyncResource, layout,
+    AnyResource, Callback, CudaAsync, Error, Host, HostHeap, PoolConfig, Resource, ResourceExt,
+    ResourceRef, StreamRef, SyncResource, layout,
 };
 
 /// Bytes in flight and the high-water mark, kept by the counting layer of the stack.
@@ -50,7 +50,7 @@ fn prefix_sum_of_squares(mr: ResourceRef<'_, Host>, n: usize) -> Result<u64, Err
 }
 
 fn main() -> Result<(), Error> {
-    // The stack, read top-down: host heap -> a counting layer -> shared -> erased.
+    // The stack, bottom-up: host heap -> a counting layer -> a pool -> shared -> erased.
     let heap = HostHeap::new();
     let allocate = move |l: Layout, _: StreamRef<'_>| {
         let p = heap.allocate_sync(l)?;
@@ -68,7 +68,7 @@ fn main() -> Result<(), Error> {
     // SAFETY: the closures hand out and take back heap memory, which is host-accessible
     // and usable at once whatever the stream.
     let counting = unsafe { Callback::<Host>::new(allocate, deallocate) };
-    let mr: AnyResource<Host> = counting.shared().into_any();
+    let mr: AnyResource<Host> = counting.pool(PoolConfig::new())?.shared().into_any();
     println!("stack: {mr:?}");
 
     // Hand it to library code, from four threads at once.
@@ -95,7 +95,7 @@ fn main() -> Result<(), Error> {
     }
 
     println!(
-        "allocations: {}, peak bytes in flight: {}, in flight now: {}",
+        "the pool took {} allocations from the heap (peak bytes: {}, held now: {})",
         CALLS.load(Ordering::Relaxed),
         PEAK.load(Ordering::Relaxed),
         LIVE.load(Ordering::Relaxed)
