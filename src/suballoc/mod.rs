@@ -21,6 +21,7 @@ mod free_blocks;
 mod pool;
 mod shards;
 mod spin;
+mod thread_cache;
 
 pub use arena::{Arena, SUPERBLOCK_SIZE};
 pub use binning::Binning;

@@ -1,0 +1,107 @@
+//! `FixedSize` and `Binning` on host memory: sizes, and the per-thread caches giving their
+//! blocks back when a thread exits (or not touching a resource that is gone).
+
+use std::sync::{Arc, mpsc};
+
+use memres::suballoc::{Binning, FixedSize, Pool, PoolConfig};
+use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout};
+
+#[test]
+fn requests_above_the_block_size_name_both_sizes() {
+    let fixed = FixedSize::with_block_size(HostHeap::new(), 1000, 4).unwrap();
+    assert_eq!(fixed.block_size(), 1024);
+    match fixed.allocate_sync(layout(2000).unwrap()) {
+        Err(Error::InvalidArgument(m)) => {
+            assert!(m.contains("2000") && m.contains("1024"), "{m}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert!(FixedSize::with_block_size(HostHeap::new(), 256, 0).is_err());
+    assert!(FixedSize::with_block_size(HostHeap::new(), usize::MAX / 2, 4).is_err());
+}
+
+#[test]
+fn it_grows_by_chunks() {
+    let fixed = FixedSize::with_block_size(HostHeap::new(), 256, 8).unwrap();
+    let l = layout(200).unwrap();
+    let blocks: Vec<_> = (0..20).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+    assert_eq!(fixed.upstream_allocations(), 3);
+    for p in blocks {
+        // SAFETY: allocated above with `l`.
+        unsafe { fixed.deallocate_sync(p, l) };
+    }
+    assert_eq!(fixed.free_blocks(), 24);
+}
+
+#[test]
+fn a_thread_that_exits_gives_its_cached_blocks_back() {
+    let fixed = FixedSize::with_block_size(HostHeap::new(), 4096, 64).unwrap();
+    let l = layout(4096).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let blocks: Vec<_> = (0..40)
+                .map(|_| fixed.allocate(StreamRef::host(1), l).unwrap())
+                .collect();
+            for p in blocks {
+                // SAFETY: allocated above with `l` on host stream 1.
+                unsafe { fixed.deallocate(StreamRef::host(1), p, l) };
+            }
+        });
+    });
+    // The thread is gone; every block is back in a list this thread can count.
+    assert_eq!(fixed.free_blocks(), 64);
+    // And host stream 1's blocks serve other streams.
+    let blocks: Vec<_> = (0..64)
+        .map(|_| fixed.allocate(StreamRef::host(2), l).unwrap())
+        .collect();
+    assert_eq!(fixed.upstream_allocations(), 1);
+    for p in blocks {
+        // SAFETY: as above, on host stream 2.
+        unsafe { fixed.deallocate(StreamRef::host(2), p, l) };
+    }
+}
+
+#[test]
+fn a_thread_outliving_the_resource_leaves_it_alone() {
+    let (cached, main_waits) = mpsc::channel::<()>();
+    let (dropped, thread_waits) = mpsc::channel::<()>();
+    let fixed = Arc::new(FixedSize::with_block_size(HostHeap::new(), 4096, 16).unwrap());
+    let mine = Arc::clone(&fixed);
+    let worker = std::thread::spawn(move || {
+        let l = layout(100).unwrap();
+        let p = mine.allocate_sync(l).unwrap();
+        // SAFETY: allocated just above with `l`.
+        unsafe { mine.deallocate_sync(p, l) };
+        drop(mine);
+        // The block sits in this thread's cache while the resource goes away.
+        cached.send(()).unwrap();
+        thread_waits.recv().unwrap();
+        // Exiting now must not touch the dropped resource (valgrind checks this in CI).
+    });
+    main_waits.recv().unwrap();
+    drop(Arc::try_unwrap(fixed).expect("the last handle"));
+    dropped.send(()).unwrap();
+    worker.join().unwrap();
+}
+
+#[test]
+fn binning_bins_cannot_change_once_used() {
+    let mut binning = Binning::new(
+        Pool::new(HostHeap::new(), PoolConfig::new()).unwrap(),
+        8,
+        12,
+    )
+    .unwrap();
+    assert_eq!(
+        binning.bin_sizes().collect::<Vec<_>>(),
+        [256, 512, 1024, 2048, 4096]
+    );
+    binning.add_fixed_bin(8192).unwrap();
+    let l = layout(10_000).unwrap();
+    let p = binning.allocate_sync(l).unwrap();
+    // SAFETY: allocated just above with `l`.
+    unsafe { binning.deallocate_sync(p, l) };
+    let e = binning.add_fixed_bin(16384).unwrap_err();
+    assert!(e.to_string().contains("handed out memory"), "{e}");
+    assert!(Binning::new(HostHeap::new(), 12, 8).is_err());
+}
