@@ -35,19 +35,22 @@ fn it_grows_by_chunks() {
 
 #[test]
 fn a_thread_that_exits_gives_its_cached_blocks_back() {
-    let fixed = FixedSize::with_block_size(HostHeap::new(), 4096, 64).unwrap();
+    let fixed = Arc::new(FixedSize::with_block_size(HostHeap::new(), 4096, 64).unwrap());
     let l = layout(4096).unwrap();
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let blocks: Vec<_> = (0..40)
-                .map(|_| fixed.allocate(StreamRef::host(1), l).unwrap())
-                .collect();
-            for p in blocks {
-                // SAFETY: allocated above with `l` on host stream 1.
-                unsafe { fixed.deallocate(StreamRef::host(1), p, l) };
-            }
-        });
-    });
+    let theirs = Arc::clone(&fixed);
+    // `join` (unlike the end of a thread scope) waits for the thread's exit, cache
+    // destructors included.
+    std::thread::spawn(move || {
+        let blocks: Vec<_> = (0..40)
+            .map(|_| theirs.allocate(StreamRef::host(1), l).unwrap())
+            .collect();
+        for p in blocks {
+            // SAFETY: allocated above with `l` on host stream 1.
+            unsafe { theirs.deallocate(StreamRef::host(1), p, l) };
+        }
+    })
+    .join()
+    .unwrap();
     // The thread is gone; every block is back in a list this thread can count.
     assert_eq!(fixed.free_blocks(), 64);
     // And host stream 1's blocks serve other streams.
