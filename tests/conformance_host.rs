@@ -255,3 +255,12 @@ conformance_tests!(
     Arena::with_size(HostHeap::new(), 2 << 30).unwrap(),
     Caps::host()
 );
+conformance_tests!(
+    pool_over_any_resource,
+    Pool::new(
+        AnyResource::<Host>::new(HostHeap::new()),
+        PoolConfig::new().initial_size(1 << 20)
+    )
+    .unwrap(),
+    Caps::host()
+);
