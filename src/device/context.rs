@@ -47,6 +47,29 @@ impl Context {
         Context::primary(DeviceId::current()?)
     }
 
+    /// The primary context of the device that CUDA stream `raw` belongs to
+    /// (`cuStreamGetCtx`). memres works with primary contexts throughout; a stream of
+    /// another context of the same device maps to that device's primary context.
+    pub(crate) fn of_stream(raw: usize) -> Result<Context, Error> {
+        crate::driver::init()?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the driver is initialised; `raw` names a live stream (the promise of
+        // the `StreamRef` it came from); `ctx` is a valid place for the result.
+        check(unsafe { sys::cuStreamGetCtx(raw as sys::CUstream, &mut ctx) })?;
+        // SAFETY: `ctx` is the live context of a live stream.
+        check(unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
+        let mut dev = 0;
+        // SAFETY: a context is current (pushed above); `dev` is a valid place.
+        let got = check(unsafe { sys::cuCtxGetDevice(&mut dev) });
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: pops the context pushed above.
+        report("restoring the current context", unsafe {
+            sys::cuCtxPopCurrent_v2(&mut popped)
+        });
+        got?;
+        Context::primary(DeviceId::new(dev))
+    }
+
     /// Waits until all work on every stream of the context is complete
     /// (`cuCtxSynchronize`), with the context current for the call.
     pub(crate) fn synchronize(self) -> Result<(), Error> {

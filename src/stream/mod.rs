@@ -92,7 +92,10 @@ impl<'a> StreamRef<'a> {
     /// # Safety
     /// `stream` must be the null handle, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a
     /// stream created by the CUDA driver that is not destroyed during `'a`. Resources hand
-    /// the handle to the driver, which cannot check it.
+    /// the handle to the driver, which cannot check it. If memory is freed on it to a
+    /// sub-allocator (`memres::suballoc`), its work must be complete before it is
+    /// destroyed: a later stream may get the same handle (as memres's own `Stream` does
+    /// on drop, by synchronising it).
     pub unsafe fn from_raw(stream: CUstream) -> StreamRef<'a> {
         StreamRef::new(Repr::Cuda(stream as usize))
     }

@@ -27,6 +27,12 @@ pub enum StreamFlags {
 /// Lend it out as a [`StreamRef`] with [`Stream::as_ref`]; the borrow checker keeps those
 /// from outliving it.
 ///
+/// Dropping a stream waits for its work (`cuStreamSynchronize`) before destroying it,
+/// unlike `cudaStreamDestroy` (and RMM's `cuda_stream`). The sub-allocators keep memory
+/// freed on a stream in that stream's list, found by the stream's handle, and reuse it on
+/// the stream without waiting; a new stream may get the handle of a destroyed one, and
+/// must then not find memory that the old stream's work still uses.
+///
 /// ```no_run
 /// use memres::stream::{Stream, StreamFlags};
 ///
@@ -130,12 +136,24 @@ impl Drop for Stream {
             std::mem::forget(self.cudarc.take());
             return;
         }
-        if self.cudarc.is_some() {
-            return; // cudarc destroys its stream when its last reference goes
-        }
         let Ok(_current) = bind(self.ctx) else { return };
+        if let Some(theirs) = &self.cudarc {
+            // cudarc destroys its stream when its last reference goes: wait for its work
+            // first if this is the last one (see the type's docs).
+            if Arc::strong_count(theirs) == 1 {
+                // SAFETY: the stream is live (we hold a reference to it).
+                report("cuStreamSynchronize", unsafe {
+                    sys::cuStreamSynchronize(self.raw())
+                });
+            }
+            return;
+        }
+        // SAFETY: the stream is ours and live; waiting for its work has no precondition.
+        report("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.raw())
+        });
         // SAFETY: the stream is ours and no `StreamRef` to it outlives `self` (borrowck).
-        // Work still enqueued completes first: the driver defers the release.
+        // Its work is complete (above).
         report("cuStreamDestroy", unsafe {
             sys::cuStreamDestroy_v2(self.raw())
         });

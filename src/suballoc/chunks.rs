@@ -36,12 +36,11 @@ impl Chunk {
     }
 }
 
-/// The pointer for an address inside a chunk.
+/// The pointer for an address inside a chunk (which is never zero: a chunk is a
+/// non-null allocation).
 #[inline]
 pub(crate) fn to_ptr(addr: usize) -> NonNull<u8> {
-    // SAFETY: every address a sub-allocator hands out lies in a chunk, which is never at
-    // address zero.
-    unsafe { NonNull::new_unchecked(ptr::with_exposed_provenance_mut(addr)) }
+    NonNull::new(ptr::with_exposed_provenance_mut(addr)).expect("chunk addresses are not null")
 }
 
 /// What a sub-allocator's drop does: waits for the streams it has seen (blocks freed on

@@ -248,8 +248,8 @@ impl<U: Resource + fmt::Debug> fmt::Debug for FixedSize<U> {
     }
 }
 
-// SAFETY: blocks are disjoint slices of chunks from the upstream, each in at most one
-// free list, 256-byte aligned (chunks are, and the block size is a multiple of 256),
+// SAFETY: blocks are disjoint slices of chunks from the upstream, each free one in
+// exactly one free list or one thread's cache (a magazine), 256-byte aligned (chunks are, and the block size is a multiple of 256),
 // with the upstream's properties; a block freed on a stream goes to another stream only
 // once that stream's work is complete (host streams) or waited for (`merge_into`).
 unsafe impl<U: Resource> SyncResource for FixedSize<U> {
@@ -289,7 +289,8 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
                 return Ok(to_ptr(addr));
             }
             let shard = self.shard_for(key);
-            if let Some(addr) = self.cache().refill(key, shard) {
+            // SAFETY: `shard` is this resource's shard for `key`.
+            if let Some(addr) = unsafe { self.cache().refill(key, shard) } {
                 return Ok(to_ptr(addr));
             }
             shard
@@ -310,13 +311,12 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         }
         let addr = ptr.as_ptr().expose_provenance();
         let key = StreamKey::of(stream);
-        if self.cached()
-            && self
-                .cache()
-                .push(key, || self.shard_for(key), addr)
-                .is_none()
-        {
-            return;
+        if self.cached() {
+            // SAFETY: the closure returns this resource's shard for `key`.
+            let left = unsafe { self.cache().push(key, || self.shard_for(key), addr) };
+            if left.is_none() {
+                return;
+            }
         }
         self.shard_for(key).state.lock().push(addr);
     }

@@ -8,6 +8,25 @@
 //! - [`Arena`]: one upstream allocation handed to per-stream arenas a superblock at a
 //!   time (RMM's `arena_memory_resource`).
 //!
+//! # Streams
+//! Memory freed on stream S goes to S's list and is reused on S at once: work enqueued on
+//! S later is ordered after the free. It reaches another stream T only after S's work is
+//! waited for. No event is recorded when memory is freed (RMM records one per free); a
+//! stream that cannot be served takes memory freed on host streams (always complete),
+//! grows the pool, and only then merges the other streams' lists after one
+//! `cuCtxSynchronize` per device, which covers every stream (including destroyed ones and
+//! the per-thread streams of threads that have exited). Lazily recorded events would wait
+//! for S alone, but a `StreamRef` does not keep its stream alive until a later
+//! allocation on T, so the pool could not record on S safely then.
+//!
+//! Lists are found by the stream's handle. A destroyed stream's handle may be given to a
+//! new stream, which then finds the old stream's list: so a stream must have no pending
+//! work on freed memory when it is destroyed. memres's own [`Stream`](crate::stream::Stream)
+//! synchronises itself on drop; a stream named by a raw handle
+//! ([`StreamRef::from_raw`](crate::StreamRef::from_raw), whose safety contract says so)
+//! or a cudarc `CudaStream` (whose drop does not wait) must be synchronised before it is
+//! destroyed.
+//!
 //! All of them keep their upstream's properties (`Pool<Cuda>` is device memory,
 //! `Pool<PinnedHost>` host-and-device), run on host memory as well as on a GPU, and are
 //! safe to call from many threads at once: each stream has its own free list behind its

@@ -503,6 +503,7 @@ impl<U: Resource> Pool<U> {
             if let Some(ctx) = from.ctx
                 && let Err(e) = ctx.synchronize()
             {
+                drop(s);
                 tracing::warn!("a pool could not wait for a stream to return memory: {e}");
                 return 0;
             }

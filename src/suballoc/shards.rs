@@ -61,6 +61,11 @@ impl StreamKey {
         StreamKey((HOST << KIND_SHIFT) | id as u64)
     }
 
+    /// The handle of an explicit CUDA stream (not a default or per-thread one).
+    fn explicit_stream(self) -> Option<usize> {
+        (self.0 >> KIND_SHIFT == CUDA && self.0 != 0).then_some(self.0 as usize)
+    }
+
     /// Blocks freed on a host stream may be taken by any stream without waiting.
     #[inline]
     pub(crate) fn is_host(self) -> bool {
@@ -102,8 +107,8 @@ fn thread_number() -> usize {
 pub(crate) struct Shard<S> {
     pub(crate) key: StreamKey,
     /// For CUDA streams, the context whose synchronisation completes the stream's work
-    /// (the one current when the stream was first seen; `None` without a driver, where
-    /// no GPU work can be pending).
+    /// (the stream's own device's; `None` without a driver, where no GPU work can be
+    /// pending).
     pub(crate) ctx: Option<Context>,
     pub(crate) state: SpinLock<S>,
 }
@@ -113,7 +118,13 @@ impl<S> Shard<S> {
         let ctx = if key.is_host() || !driver::is_present() {
             None
         } else {
-            Context::current().ok()
+            // An explicit stream's own device; the default and per-thread streams name
+            // the current device's (the pool's, by RMM's rule that a resource is used
+            // with its device current).
+            match key.explicit_stream() {
+                Some(raw) => Context::of_stream(raw).or_else(|_| Context::current()).ok(),
+                None => Context::current().ok(),
+            }
         };
         Shard {
             key,
@@ -132,8 +143,9 @@ pub(crate) struct ShardMap<S> {
 
 // SAFETY: the map owns its shards (boxed, freed only in `drop`); sending it sends them.
 unsafe impl<S: Send> Send for ShardMap<S> {}
-// SAFETY: shared access hands out `&Shard<S>`, whose state is behind a mutex, so shards
-// are shared the way `Mutex<S>` is: safe when `S: Send`.
+// SAFETY: shared access hands out `&Shard<S>`, whose state is behind a `SpinLock` (which
+// shares `S` the way `Mutex<S>` does: safe when `S: Send`); its other fields (a key and a
+// `Context`, plain integers) are `Send + Sync`.
 unsafe impl<S: Send> Sync for ShardMap<S> {}
 
 impl<S> Default for ShardMap<S> {
@@ -146,12 +158,16 @@ impl<S> Default for ShardMap<S> {
 }
 
 impl<S> ShardMap<S> {
-    /// A shard of this map from its pointer (taken from a slot or the overflow list).
+    /// A shard of this map from its pointer.
+    ///
+    /// # Safety
+    /// `p` was read from one of this map's slots or its overflow list.
     #[inline]
-    fn at(&self, p: *mut Shard<S>) -> &Shard<S> {
-        // SAFETY: every pointer in a slot or the overflow list was made by `Box::into_raw`
-        // and published with a release store or under the insertion lock (so it is seen
-        // fully built); shards are freed only when the map drops, which `&self` outlives.
+    unsafe fn at(&self, p: *mut Shard<S>) -> &Shard<S> {
+        // SAFETY: (the caller's promise) every pointer in a slot or the overflow list was
+        // made by `Box::into_raw` and published with a release store or under the
+        // insertion lock, so it is seen fully built; shards are freed only when the map
+        // drops, which `&self` outlives.
         unsafe { &*p }
     }
 
@@ -163,7 +179,8 @@ impl<S> ShardMap<S> {
         if p.is_null() {
             return None;
         }
-        let shard = self.at(p);
+        // SAFETY: read from a slot.
+        let shard = unsafe { self.at(p) };
         if shard.key == key {
             return Some(shard);
         }
@@ -178,13 +195,18 @@ impl<S> ShardMap<S> {
             if p.is_null() {
                 return None;
             }
-            let shard = self.at(p);
+            // SAFETY: read from a slot.
+            let shard = unsafe { self.at(p) };
             if shard.key == key {
                 return Some(shard);
             }
         }
         let overflow = lock(&self.overflow);
-        overflow.iter().map(|&p| self.at(p)).find(|s| s.key == key)
+        // SAFETY: read from the overflow list.
+        overflow
+            .iter()
+            .map(|&p| unsafe { self.at(p) })
+            .find(|s| s.key == key)
     }
 
     /// The shard of `key`, made with `state` if there is none yet.
@@ -201,19 +223,24 @@ impl<S> ShardMap<S> {
             if p.is_null() {
                 let new = Box::into_raw(Box::new(Shard::new(key, state())));
                 slot.store(new, Ordering::Release);
-                return self.at(new);
+                // SAFETY: just published in a slot.
+                return unsafe { self.at(new) };
             }
-            let shard = self.at(p);
+            // SAFETY: read from a slot.
+            let shard = unsafe { self.at(p) };
             if shard.key == key {
                 return shard;
             }
         }
-        if let Some(&p) = overflow.iter().find(|&&p| self.at(p).key == key) {
-            return self.at(p);
+        // SAFETY: read from the overflow list.
+        if let Some(&p) = overflow.iter().find(|&&p| unsafe { self.at(p) }.key == key) {
+            // SAFETY: as above.
+            return unsafe { self.at(p) };
         }
         let new = Box::into_raw(Box::new(Shard::new(key, state())));
         overflow.push(new);
-        self.at(new)
+        // SAFETY: just pushed on the overflow list.
+        unsafe { self.at(new) }
     }
 
     /// Every shard so far.
@@ -222,10 +249,12 @@ impl<S> ShardMap<S> {
         for slot in self.slots.iter() {
             let p = slot.load(Ordering::Acquire);
             if !p.is_null() {
-                out.push(self.at(p));
+                // SAFETY: read from a slot.
+                out.push(unsafe { self.at(p) });
             }
         }
-        out.extend(lock(&self.overflow).iter().map(|&p| self.at(p)));
+        // SAFETY: read from the overflow list.
+        out.extend(lock(&self.overflow).iter().map(|&p| unsafe { self.at(p) }));
         out
     }
 

@@ -128,9 +128,13 @@ impl Cache<'_> {
     }
 
     /// Puts a freed block in the thread's magazine; when the magazine overflows, half of
-    /// it goes to `shard`. Returns the block if there is no magazine to take it.
+    /// it goes to the stream's list. Returns the block if there is no magazine to take it.
+    ///
+    /// # Safety
+    /// `shard` returns the owner's shard for `key` (a new magazine keeps a pointer to it,
+    /// which later calls on the owner dereference).
     #[inline]
-    pub(crate) fn push<'s>(
+    pub(crate) unsafe fn push<'s>(
         &self,
         key: StreamKey,
         shard: impl FnOnce() -> &'s Shard<Vec<usize>>,
@@ -154,8 +158,10 @@ impl Cache<'_> {
                 }
             };
             if m.blocks.len() >= capacity {
-                // SAFETY: the magazine is the owner's, and this runs inside a call on the
-                // owner (rule (1) of the module), so its shard is alive.
+                // SAFETY: the magazine is the owner's (found by its id) and its shard
+                // pointer is the owner's shard (the promise of `push` and `refill`, which
+                // made it); this runs inside a call on the owner (rule (1) of the module),
+                // so the shard is alive.
                 let shard = unsafe { &*m.shard };
                 let keep = capacity / 2;
                 shard.state.lock().extend(m.blocks.drain(keep..));
@@ -170,8 +176,11 @@ impl Cache<'_> {
 
     /// Takes a block from `shard`'s list and moves up to half a magazine more into the
     /// thread's magazine, under one lock; `None` if the list is empty.
+    ///
+    /// # Safety
+    /// `shard` is the owner's shard for `key`, as for [`push`](Self::push).
     #[inline]
-    pub(crate) fn refill(&self, key: StreamKey, shard: &Shard<Vec<usize>>) -> Option<usize> {
+    pub(crate) unsafe fn refill(&self, key: StreamKey, shard: &Shard<Vec<usize>>) -> Option<usize> {
         let more = (self.capacity / 2).saturating_sub(1);
         let capacity = self.capacity;
         let refilled = self.with(key, |list, at| {
@@ -209,8 +218,8 @@ impl Cache<'_> {
         self.with(StreamKey::host(0), |list, _| {
             for m in list.iter().filter(|m| m.owner == self.owner.id) {
                 if !m.blocks.is_empty() {
-                    // SAFETY: the magazine is the owner's, and this runs inside a call
-                    // on the owner (rule (1) of the module), so its shard is alive.
+                    // SAFETY: as in `push`: the owner's magazine, holding the owner's
+                    // shard, inside a call on the owner, so the shard is alive.
                     let shard = unsafe { &*m.shard };
                     shard.state.lock().extend(m.blocks.iter().copied());
                 }
