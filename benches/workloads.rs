@@ -184,6 +184,13 @@ fn main() {
         }
         adaptor_suites("cuda_async", base, true, &want);
         suballoc_suites("", || Cuda::new().expect("Cuda"), 16 << 30, true, &want);
+        let pool = || {
+            Pool::new(
+                Cuda::new().expect("Cuda"),
+                PoolConfig::new().initial_size(16 << 30),
+            )
+        };
+        adaptor_suites("pool", || pool().expect("Pool"), true, &want);
     } else {
         eprintln!("no CUDA device: running the host stacks");
         if want("host_heap") {
@@ -191,6 +198,8 @@ fn main() {
         }
         adaptor_suites("host_heap", HostHeap::new, false, &want);
         suballoc_suites("host_heap", HostHeap::new, 4 << 30, false, &want);
+        let pool = || Pool::new(HostHeap::new(), PoolConfig::new().initial_size(4 << 30));
+        adaptor_suites("pool[host_heap]", || pool().expect("Pool"), false, &want);
     }
 }
 
