@@ -58,6 +58,7 @@ pub mod stream;
 pub mod suballoc;
 pub mod upstream;
 
+mod per_thread;
 mod sync;
 
 pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};

@@ -6,10 +6,11 @@ use std::ptr::NonNull;
 
 use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
+use crate::per_thread::{PerThread, ThreadSlot};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::sync::RwLock;
-use crate::sync::atomic::{AtomicI64, Ordering};
+use crate::sync::Mutex;
+use crate::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 
 /// One statistic: its value now, the highest it has been, and the sum of everything added.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -31,73 +32,159 @@ pub struct StatisticsSnapshot {
     pub allocations: Counter,
 }
 
-/// A counter updated with relaxed atomics.
+/// How many operations a thread counts before it publishes its changes to the shared
+/// counters (see [`Statistics`]'s notes on concurrency).
+const PUBLISH_EVERY: u32 = 64;
+
+/// One thread's changes to one counter since it last published them. Only the owning
+/// thread writes (a relaxed load and store, no atomic read-modify-write); readers load.
 #[derive(Default)]
-struct AtomicCounter {
-    current: AtomicI64,
-    peak: AtomicI64,
+struct LocalCounter {
+    /// Change of `current` since the last publication.
+    delta: AtomicI64,
+    /// The highest `delta` has been since then (at least 0).
+    high: AtomicI64,
+    /// Everything this thread added, ever.
     total: AtomicI64,
 }
 
-impl AtomicCounter {
-    fn with(c: Counter) -> Self {
-        AtomicCounter {
-            current: AtomicI64::new(c.current),
-            peak: AtomicI64::new(c.peak),
-            total: AtomicI64::new(c.total),
-        }
-    }
-
+impl LocalCounter {
     #[inline]
     fn add(&self, n: i64) {
-        // Every value `current` passes through is seen by the thread that made it, which
-        // raises `peak` to it: the peak is the exact maximum of the sequence of updates.
-        let now = self.current.fetch_add(n, Ordering::Relaxed) + n;
-        // A plain load first: most updates do not raise the peak, and a load does not
-        // take the cache line exclusively.
-        if now > self.peak.load(Ordering::Relaxed) {
-            self.peak.fetch_max(now, Ordering::Relaxed);
+        let d = self.delta.load(Ordering::Relaxed) + n;
+        self.delta.store(d, Ordering::Relaxed);
+        if d > self.high.load(Ordering::Relaxed) {
+            self.high.store(d, Ordering::Relaxed);
         }
-        self.total.fetch_add(n, Ordering::Relaxed);
+        let t = self.total.load(Ordering::Relaxed);
+        self.total.store(t + n, Ordering::Relaxed);
     }
 
     #[inline]
     fn sub(&self, n: i64) {
-        self.current.fetch_sub(n, Ordering::Relaxed);
+        let d = self.delta.load(Ordering::Relaxed) - n;
+        self.delta.store(d, Ordering::Relaxed);
     }
 
-    fn get(&self) -> Counter {
-        Counter {
-            current: self.current.load(Ordering::Relaxed),
-            peak: self.peak.load(Ordering::Relaxed),
-            total: self.total.load(Ordering::Relaxed),
-        }
+    /// Moves `delta` into the shared counter and raises its peak to the highest value
+    /// this thread saw it reach, then starts afresh. Called by the owning thread, or on
+    /// its behalf once it has exited.
+    fn publish(&self, shared: &SharedCounter) {
+        let delta = self.delta.load(Ordering::Relaxed);
+        let high = self.high.load(Ordering::Relaxed);
+        let before = shared.current.fetch_add(delta, Ordering::Relaxed);
+        shared.raise_peak(before + high);
+        self.delta.store(0, Ordering::Relaxed);
+        self.high.store(0, Ordering::Relaxed);
     }
 }
 
+/// One thread's counts.
 #[derive(Default)]
-struct Frame {
-    bytes: AtomicCounter,
-    allocations: AtomicCounter,
+struct Local {
+    bytes: LocalCounter,
+    allocations: LocalCounter,
+    /// Operations since the last publication.
+    ops: AtomicU32,
 }
 
-impl Frame {
-    fn snapshot(&self) -> StatisticsSnapshot {
-        StatisticsSnapshot {
-            bytes: self.bytes.get(),
-            allocations: self.allocations.get(),
+impl Local {
+    #[inline]
+    fn tick(&self, shared: &Shared) {
+        let ops = self.ops.load(Ordering::Relaxed) + 1;
+        if ops < PUBLISH_EVERY {
+            self.ops.store(ops, Ordering::Relaxed);
+        } else {
+            self.publish(shared);
+        }
+    }
+
+    fn publish(&self, shared: &Shared) {
+        self.bytes.publish(&shared.bytes);
+        self.allocations.publish(&shared.allocations);
+        self.ops.store(0, Ordering::Relaxed);
+    }
+}
+
+impl ThreadSlot for Local {
+    type Shared = Shared;
+
+    fn retire(&self, shared: &Shared) {
+        self.publish(shared);
+        for (local, shared) in [
+            (&self.bytes, &shared.bytes),
+            (&self.allocations, &shared.allocations),
+        ] {
+            shared
+                .total
+                .fetch_add(local.total.load(Ordering::Relaxed), Ordering::Relaxed);
         }
     }
 }
 
-/// Merges a popped child frame into its parent, as RMM does: the child's peak counts on
-/// top of the parent's current value, current and total add up.
-fn merge(parent: Counter, child: Counter) -> Counter {
-    Counter {
-        current: parent.current + child.current,
-        peak: parent.peak.max(parent.current + child.peak),
-        total: parent.total + child.total,
+/// What all threads share of one counter. Values are absolute (since the adaptor was
+/// made); frames are views on them (see [`Base`]).
+#[derive(Default)]
+struct SharedCounter {
+    /// `current` as published by the threads.
+    current: AtomicI64,
+    /// The highest published `current` (including each thread's highest unpublished
+    /// value on top of it) since the top frame was pushed.
+    peak: AtomicI64,
+    /// Totals of threads that have exited (live threads keep theirs).
+    total: AtomicI64,
+}
+
+impl SharedCounter {
+    #[inline]
+    fn raise_peak(&self, value: i64) {
+        // A plain load first: most publications do not raise the peak.
+        if value > self.peak.load(Ordering::Relaxed) {
+            self.peak.fetch_max(value, Ordering::Relaxed);
+        }
     }
+}
+
+/// The state of [`Statistics`] that every thread shares.
+#[derive(Default)]
+struct Shared {
+    bytes: SharedCounter,
+    allocations: SharedCounter,
+}
+
+/// Absolute values of one counter, summed over the shared state and every thread.
+#[derive(Clone, Copy, Default, Debug)]
+struct Absolute {
+    current: i64,
+    /// The peak since the top frame was pushed.
+    peak: i64,
+    total: i64,
+}
+
+/// Where a frame starts, for one counter: a frame's `current` is the absolute current
+/// minus `current`, and so on.
+#[derive(Clone, Copy, Default, Debug)]
+struct Base {
+    current: i64,
+    total: i64,
+    /// The frame below's absolute peak when this frame was pushed.
+    below_peak: i64,
+}
+
+impl Base {
+    fn view(&self, abs: Absolute) -> Counter {
+        Counter {
+            current: abs.current - self.current,
+            peak: abs.peak - self.current,
+            total: abs.total - self.total,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Default, Debug)]
+struct Frame {
+    bytes: Base,
+    allocations: Base,
 }
 
 /// Counts the bytes and allocations that go through it (RMM's
@@ -114,8 +201,21 @@ fn merge(parent: Counter, child: Counter) -> Counter {
 ///   through another resource) makes that frame's `current` negative. That is by design.
 /// - Equality is the upstream's (RMM's rule), so memory may be freed through another
 ///   `Statistics` over an equal upstream; each adaptor counts what goes through it.
-/// - Cost: each call takes a shared (read) lock on the frame stack and updates relaxed
-///   atomics; only push and pop take the lock exclusively.
+///
+/// # Cost and exactness under concurrency
+/// Each thread counts into a slot of its own with plain loads and stores (no atomic
+/// read-modify-write, no lock), and publishes its changes to shared counters every 64
+/// operations; readers add up the shared counters and every thread's slot. So:
+/// - `current` and `total` are exact whenever no thread is in the middle of a call (after
+///   the threads that used the adaptor are joined, say), and at most a moment stale
+///   otherwise.
+/// - `peak` is exact when one thread at a time uses the adaptor (threads that ran one
+///   after another included). When several threads allocate at once, each thread's
+///   highest point is put on top of the shared value as it stood when that thread
+///   published, so the peak may be off (either way) by what other threads did in their
+///   last 64 operations each; it never falls below the highest `current` read.
+/// - `push_counters` and `pop_counters` publish the calling thread's slot; other threads'
+///   unpublished highs from before a push may count towards the new frame's peak.
 ///
 /// ```
 /// use memres::adaptor::Statistics;
@@ -133,8 +233,10 @@ fn merge(parent: Counter, child: Counter) -> Counter {
 /// ```
 pub struct Statistics<U> {
     upstream: U,
-    /// Never empty; the last frame is the one counted into.
-    frames: RwLock<Vec<Frame>>,
+    counts: PerThread<Local>,
+    /// Never empty; the last frame is the one counted into. Locked before the registry
+    /// of `counts` when both are.
+    frames: Mutex<Vec<Frame>>,
 }
 
 upstream_access!(Statistics<U>);
@@ -144,21 +246,15 @@ impl<U> Statistics<U> {
     pub fn new(upstream: U) -> Self {
         Statistics {
             upstream,
-            frames: RwLock::new(vec![Frame::default()]),
+            counts: PerThread::new(Shared::default()),
+            frames: Mutex::new(vec![Frame::default()]),
         }
     }
 
-    fn read(&self) -> crate::sync::RwLockReadGuard<'_, Vec<Frame>> {
-        // The frame stack is never left half-updated (push and pop are single Vec
-        // operations), so a poisoned lock is still good.
+    fn frames(&self) -> crate::sync::MutexGuard<'_, Vec<Frame>> {
+        // The frame stack is never left half-updated (single Vec operations).
         self.frames
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn write(&self) -> crate::sync::RwLockWriteGuard<'_, Vec<Frame>> {
-        self.frames
-            .write()
+            .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -174,15 +270,74 @@ impl<U> Statistics<U> {
 
     /// Both counters of the current frame.
     pub fn snapshot(&self) -> StatisticsSnapshot {
-        self.read().last().expect("never empty").snapshot()
+        let frames = self.frames();
+        let top = frames.last().expect("never empty");
+        let (bytes, allocations) = self.absolute();
+        StatisticsSnapshot {
+            bytes: top.bytes.view(bytes),
+            allocations: top.allocations.view(allocations),
+        }
+    }
+
+    /// The absolute counters: the shared ones plus every thread's unpublished changes.
+    fn absolute(&self) -> (Absolute, Absolute) {
+        let mut sums = [Absolute::default(); 2];
+        let mut highs = [0i64; 2];
+        self.counts.visit(|local| {
+            for (i, c) in [&local.bytes, &local.allocations].into_iter().enumerate() {
+                sums[i].current += c.delta.load(Ordering::Relaxed);
+                highs[i] += c.high.load(Ordering::Relaxed);
+                sums[i].total += c.total.load(Ordering::Relaxed);
+            }
+        });
+        let shared = self.counts.shared();
+        let mut out = [Absolute::default(); 2];
+        for (i, c) in [&shared.bytes, &shared.allocations].into_iter().enumerate() {
+            let published = c.current.load(Ordering::Relaxed);
+            let current = published + sums[i].current;
+            out[i] = Absolute {
+                current,
+                peak: c
+                    .peak
+                    .load(Ordering::Relaxed)
+                    .max(published + highs[i])
+                    .max(current),
+                total: c.total.load(Ordering::Relaxed) + sums[i].total,
+            };
+        }
+        (out[0], out[1])
+    }
+
+    /// Publishes the calling thread's counts, so that a frame boundary falls after them.
+    fn publish_own(&self) {
+        if let Some(local) = self.counts.get() {
+            local.publish(self.counts.shared());
+        }
     }
 
     /// Starts a fresh frame of zero counters; returns the counters of the frame below it.
     pub fn push_counters(&self) -> StatisticsSnapshot {
-        let mut frames = self.write();
-        let below = frames.last().expect("never empty").snapshot();
-        frames.push(Frame::default());
-        below
+        let mut frames = self.frames();
+        self.publish_own();
+        let (bytes, allocations) = self.absolute();
+        let below = *frames.last().expect("never empty");
+        let shared = self.counts.shared();
+        let base = |abs: Absolute, c: &SharedCounter| {
+            c.peak.store(abs.current, Ordering::Relaxed);
+            Base {
+                current: abs.current,
+                total: abs.total,
+                below_peak: abs.peak,
+            }
+        };
+        frames.push(Frame {
+            bytes: base(bytes, &shared.bytes),
+            allocations: base(allocations, &shared.allocations),
+        });
+        StatisticsSnapshot {
+            bytes: below.bytes.view(bytes),
+            allocations: below.allocations.view(allocations),
+        }
     }
 
     /// Ends the current frame, merging it into the one below; returns its counters.
@@ -190,36 +345,62 @@ impl<U> Statistics<U> {
     /// # Errors
     /// [`Error::InvalidArgument`] when only the first frame is left.
     pub fn pop_counters(&self) -> Result<StatisticsSnapshot, Error> {
-        let mut frames = self.write();
+        let mut frames = self.frames();
         if frames.len() == 1 {
             return Err(Error::invalid_argument(
                 "pop_counters: there is no pushed frame to pop",
             ));
         }
-        let child = frames.pop().expect("checked above").snapshot();
-        let parent = frames.last_mut().expect("checked above");
-        let p = parent.snapshot();
-        *parent = Frame {
-            bytes: AtomicCounter::with(merge(p.bytes, child.bytes)),
-            allocations: AtomicCounter::with(merge(p.allocations, child.allocations)),
-        };
-        Ok(child)
+        self.publish_own();
+        let (bytes, allocations) = self.absolute();
+        let top = frames.pop().expect("checked above");
+        // The frame below takes back its peak, raised to the popped frame's: RMM's
+        // `max(parent.peak, parent.current + child.peak)`, in absolute values.
+        let shared = self.counts.shared();
+        shared.bytes.raise_peak(top.bytes.below_peak);
+        shared.allocations.raise_peak(top.allocations.below_peak);
+        Ok(StatisticsSnapshot {
+            bytes: top.bytes.view(bytes),
+            allocations: top.allocations.view(allocations),
+        })
     }
 
     #[inline]
     fn count(&self, size: usize) {
-        let frames = self.read();
-        let top = frames.last().expect("never empty");
-        top.bytes.add(size as i64);
-        top.allocations.add(1);
+        match self.counts.get() {
+            Some(local) => {
+                local.bytes.add(size as i64);
+                local.allocations.add(1);
+                local.tick(self.counts.shared());
+            }
+            None => self.count_shared(size as i64, 1),
+        }
     }
 
     #[inline]
     fn uncount(&self, size: usize) {
-        let frames = self.read();
-        let top = frames.last().expect("never empty");
-        top.bytes.sub(size as i64);
-        top.allocations.sub(1);
+        match self.counts.get() {
+            Some(local) => {
+                local.bytes.sub(size as i64);
+                local.allocations.sub(1);
+                local.tick(self.counts.shared());
+            }
+            None => self.count_shared(-(size as i64), -1),
+        }
+    }
+
+    /// Counts straight into the shared counters: for a thread whose slot is gone (it is
+    /// exiting; a thread-local cache freeing into this adaptor, say).
+    #[cold]
+    fn count_shared(&self, bytes: i64, allocations: i64) {
+        let shared = self.counts.shared();
+        for (c, n) in [(&shared.bytes, bytes), (&shared.allocations, allocations)] {
+            let now = c.current.fetch_add(n, Ordering::Relaxed) + n;
+            c.raise_peak(now);
+            if n > 0 {
+                c.total.fetch_add(n, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -267,32 +448,5 @@ unsafe impl<U: Resource> Resource for Statistics<U> {
         self.uncount(layout.size());
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn merge_follows_rmm() {
-        let parent = Counter {
-            current: 100,
-            peak: 150,
-            total: 300,
-        };
-        let child = Counter {
-            current: -20,
-            peak: 80,
-            total: 40,
-        };
-        assert_eq!(
-            merge(parent, child),
-            Counter {
-                current: 80,
-                peak: 180,
-                total: 340
-            }
-        );
     }
 }

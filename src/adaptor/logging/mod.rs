@@ -1,10 +1,13 @@
 //! [`Logging`]: a CSV log of every allocation and free, readable by RMM's tools and ours.
 
+mod ring;
+mod row;
+mod writer;
+
 use std::alloc::Layout;
-use std::cell::RefCell;
 use std::fmt;
 use std::fs::File;
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -14,7 +17,8 @@ use crate::error::Error;
 use crate::log::{Action, HEADER};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::sync::Mutex;
+use ring::Record;
+use writer::Writer;
 
 /// The environment variable [`Logging::from_env`] reads the log's path from.
 pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
@@ -24,15 +28,23 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 ///
 /// - Frees are logged before the upstream free (so the row exists even if the free
 ///   crashes); failures are logged and returned.
-/// - Each row is formatted on the calling thread into a reusable per-thread buffer, and
-///   only the finished bytes are copied into the shared writer under a short lock. Rows
-///   are not batched per thread on purpose: the file order is then a real order of
-///   events (an allocation's row precedes any reuse of its address by another thread,
-///   since a free is logged before the upstream free), which a replay relies on.
-/// - Nothing is lost: every row is in the writer's buffer when the call returns;
-///   [`flush`](Self::flush), auto-flush, and drop (the buffer flushes itself; an error
-///   there cannot be reported — call `flush` to see it) write it out.
+/// - The logging thread only reads the clock, takes the event's place in the log (one
+///   atomic add) and copies a 48-byte record into a ring; a writer thread that the
+///   adaptor owns formats the rows and writes them, a megabyte per write call. The
+///   place taken is the event's place in the file, so the file order is a real order of
+///   events: an allocation's row precedes any free of that pointer on another thread and
+///   any reuse of its address (a free is logged before the upstream free), which a
+///   replay relies on.
+/// - Nothing is lost: [`flush`](Self::flush) waits until every event logged before it is
+///   in the sink and the sink is flushed; drop writes everything out and ends the writer
+///   thread (an error there goes to `tracing`: call `flush` first to see it). In between,
+///   rows reach the sink within about a millisecond of the writer falling idle, or a
+///   megabyte at a time. When the ring (65,536 events) is full, logging threads wait for
+///   the writer.
+/// - [`auto_flush`](Self::auto_flush) makes every call wait for its row to be flushed
+///   (slow; for logs that must survive a crash).
 /// - Times are UTC wall clock (`HH:MM:SS.ffffff`); threads are OS thread ids.
+/// - A sink that allocates through this same adaptor would wait on itself: do not.
 ///
 /// ```
 /// use memres::adaptor::Logging;
@@ -52,23 +64,23 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 /// ```
 pub struct Logging<U> {
     upstream: U,
-    sink: Mutex<BufWriter<Box<dyn Write + Send>>>,
+    writer: Writer,
     auto_flush: bool,
 }
 
 upstream_access!(Logging<U>);
 
 impl<U> Logging<U> {
-    /// Logs to `writer`, writing the header first.
+    /// Logs to `writer`, writing the header first; starts the writer thread.
     pub fn to_writer(upstream: U, writer: impl Write + Send + 'static) -> Result<Self, Error> {
-        // A large buffer: one write call per ~16,000 rows keeps system calls out of the
-        // per-event cost.
-        let mut sink: BufWriter<Box<dyn Write + Send>> =
-            BufWriter::with_capacity(1 << 20, Box::new(writer));
+        let mut sink: Box<dyn Write + Send> = Box::new(writer);
         writeln!(sink, "{HEADER}").map_err(io_error)?;
+        let writer = Writer::start(sink).map_err(|e| {
+            Error::invalid_argument(format!("cannot start the log's writer thread: {e}"))
+        })?;
         Ok(Logging {
             upstream,
-            sink: Mutex::new(sink),
+            writer,
             auto_flush: false,
         })
     }
@@ -99,18 +111,16 @@ impl<U> Logging<U> {
         self
     }
 
-    /// Writes everything logged so far out to the sink.
+    /// Waits until everything logged so far is written to the sink, and flushes it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] with the first write error since the last `flush` that
+    /// reported one.
     pub fn flush(&self) -> Result<(), Error> {
-        self.sink().flush().map_err(io_error)
+        self.writer.flush().map_err(io_error)
     }
 
-    fn sink(&self) -> crate::sync::MutexGuard<'_, BufWriter<Box<dyn Write + Send>>> {
-        // A panic while writing leaves at worst a partial row; keep logging.
-        self.sink
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
+    #[inline]
     fn log(
         &self,
         action: Action,
@@ -118,31 +128,32 @@ impl<U> Logging<U> {
         size: usize,
         stream: StreamRef<'_>,
     ) {
-        let write = |row: &mut Vec<u8>| {
-            row.clear();
-            format_row(row, action, pointer, size, stream);
-            let mut sink = self.sink();
-            let written = sink.write_all(row);
-            let flushed = if self.auto_flush {
-                sink.flush()
-            } else {
-                Ok(())
-            };
-            if let Err(e) = written.and(flushed) {
-                tracing::error!(%e, "memres::Logging: cannot write the log");
-            }
+        let time_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let (stream, host) = match stream.as_raw() {
+            Some(raw) => (raw as u64, false),
+            None => (u64::from(stream.host_id().unwrap_or(0)), true),
         };
-        // During thread exit the thread-local buffer may be gone (a thread-local cache
-        // freeing into this log): use a fresh buffer then, never panic inside a free.
-        if ROW.try_with(|row| write(&mut row.borrow_mut())).is_err() {
-            write(&mut Vec::new());
+        self.writer.log(Record {
+            time_ns,
+            // During thread exit the thread-local may be gone: ask the OS then.
+            thread: THREAD.try_with(|t| *t).unwrap_or_else(|_| os_thread_id()),
+            action: row::action_code(action),
+            pointer: pointer.map_or(0, |p| p.as_ptr() as usize),
+            size,
+            stream,
+            host,
+        });
+        if self.auto_flush
+            && let Err(e) = self.writer.flush()
+        {
+            tracing::error!(%e, "memres::Logging: cannot write the log");
         }
     }
 }
 
 thread_local! {
-    /// Each thread formats its rows here, outside the lock.
-    static ROW: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// The OS thread id, looked up once per thread.
     static THREAD: u64 = os_thread_id();
 }
@@ -162,88 +173,6 @@ fn os_thread_id() -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::thread::current().id().hash(&mut h);
     h.finish()
-}
-
-/// Formats one row by hand (no `fmt` machinery: this runs for every event).
-fn format_row(
-    row: &mut Vec<u8>,
-    action: Action,
-    pointer: Option<NonNull<u8>>,
-    size: usize,
-    stream: StreamRef<'_>,
-) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = now.as_secs() % 86_400;
-    push_decimal(row, THREAD.with(|t| *t));
-    row.push(b',');
-    push_fixed(row, secs / 3600, 2);
-    row.push(b':');
-    push_fixed(row, secs / 60 % 60, 2);
-    row.push(b':');
-    push_fixed(row, secs % 60, 2);
-    row.push(b'.');
-    push_fixed(row, u64::from(now.subsec_micros()), 6);
-    row.push(b',');
-    row.extend_from_slice(action.as_str().as_bytes());
-    row.push(b',');
-    match pointer {
-        Some(p) => push_hex(row, p.as_ptr() as usize),
-        None => row.extend_from_slice(b"(nil)"),
-    }
-    row.push(b',');
-    push_decimal(row, size as u64);
-    row.push(b',');
-    match stream.as_raw() {
-        Some(raw) if raw.is_null() => row.push(b'0'),
-        Some(raw) => push_hex(row, raw as usize),
-        None => {
-            row.extend_from_slice(b"host:");
-            push_decimal(row, u64::from(stream.host_id().unwrap_or(0)));
-        }
-    }
-    row.push(b'\n');
-}
-
-fn push_decimal(row: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    row.extend_from_slice(&digits[i..]);
-}
-
-/// `n` in exactly `width` decimal digits, zero-padded (`n` has at most `width` digits).
-fn push_fixed(row: &mut Vec<u8>, mut n: u64, width: usize) {
-    let start = row.len();
-    row.resize(start + width, b'0');
-    for slot in row[start..].iter_mut().rev() {
-        *slot = b'0' + (n % 10) as u8;
-        n /= 10;
-    }
-}
-
-/// `0x` and lowercase hex digits, as `{:#x}` writes them.
-fn push_hex(row: &mut Vec<u8>, mut n: usize) {
-    let mut digits = [0u8; 16];
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        digits[i] = b"0123456789abcdef"[n % 16];
-        n /= 16;
-        if n == 0 {
-            break;
-        }
-    }
-    row.extend_from_slice(b"0x");
-    row.extend_from_slice(&digits[i..]);
 }
 
 fn io_error(e: io::Error) -> Error {
@@ -303,29 +232,5 @@ unsafe impl<U: Resource> Resource for Logging<U> {
         self.log(Action::Free, Some(ptr), layout.size(), stream);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hand_formatting_matches_std() {
-        for n in [0u64, 7, 10, 99, 12345, u64::MAX] {
-            let mut v = Vec::new();
-            push_decimal(&mut v, n);
-            assert_eq!(String::from_utf8(v).unwrap(), n.to_string());
-        }
-        for n in [0usize, 1, 0xf, 0x10, 0x7ff490004d00, usize::MAX] {
-            let mut v = Vec::new();
-            push_hex(&mut v, n);
-            assert_eq!(String::from_utf8(v).unwrap(), format!("{n:#x}"));
-        }
-        for (n, w) in [(0u64, 2), (5, 2), (59, 2), (760754, 6), (42, 6)] {
-            let mut v = Vec::new();
-            push_fixed(&mut v, n, w);
-            assert_eq!(String::from_utf8(v).unwrap(), format!("{n:0w$}"));
-        }
     }
 }

@@ -1,0 +1,186 @@
+//! The log's writer thread: drains the ring, formats rows and writes them to the sink, so
+//! that the threads being logged pay only for taking a place in the ring and filling it.
+
+use std::io::{self, Write};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::thread::{JoinHandle, Thread};
+use std::time::Duration;
+
+use super::ring::{Record, Ring, Wait};
+use super::row::format_row;
+
+/// Slots in the ring (48-byte records: 3 MiB).
+const RING_SLOTS: usize = 1 << 16;
+/// Bytes of rows gathered before one write call to the sink.
+const WRITE_AT: usize = 1 << 20;
+/// The longest the idle writer sleeps before it looks at the ring again.
+const MAX_NAP: Duration = Duration::from_millis(1);
+
+/// What the logging threads and the writer thread share.
+struct Control {
+    ring: Ring,
+    /// The writer thread, to wake it.
+    writer: OnceLock<Thread>,
+    /// Flush requests: write out everything up to this position.
+    flush_to: AtomicU64,
+    /// Set once, by the drop: write out everything and stop.
+    stop: AtomicBool,
+    status: Mutex<Status>,
+    flushed_cond: Condvar,
+}
+
+#[derive(Default)]
+struct Status {
+    /// Every record before this position is in the sink, flushed.
+    flushed: u64,
+    /// The first write error since the last flush call returned one.
+    error: Option<io::Error>,
+}
+
+impl Control {
+    fn wake_writer(&self) {
+        if let Some(t) = self.writer.get() {
+            t.unpark();
+        }
+    }
+
+    fn status(&self) -> MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Wait for Control {
+    fn full(&self) {
+        self.wake_writer();
+        std::thread::yield_now();
+    }
+}
+
+/// The producing side, owned by the `Logging` adaptor; dropping it writes everything
+/// out and ends the thread.
+pub(super) struct Writer {
+    control: Arc<Control>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Writer {
+    /// Starts the writer thread over `sink`.
+    pub(super) fn start(sink: Box<dyn Write + Send>) -> io::Result<Writer> {
+        let control = Arc::new(Control {
+            ring: Ring::new(RING_SLOTS),
+            writer: OnceLock::new(),
+            flush_to: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            status: Mutex::new(Status::default()),
+            flushed_cond: Condvar::new(),
+        });
+        let theirs = Arc::clone(&control);
+        let thread = std::thread::Builder::new()
+            .name("memres-log".into())
+            .spawn(move || run(&theirs, sink))?;
+        let _ = control.writer.set(thread.thread().clone());
+        Ok(Writer {
+            control,
+            thread: Some(thread),
+        })
+    }
+
+    /// Appends one event (waits only while the ring is full).
+    #[inline]
+    pub(super) fn log(&self, record: Record) {
+        self.control.ring.push(record, &*self.control);
+    }
+
+    /// Waits until every event logged before the call is written to the sink and the
+    /// sink is flushed; returns the first write error since the last call that returned
+    /// one.
+    pub(super) fn flush(&self) -> io::Result<()> {
+        let c = &*self.control;
+        let target = c.ring.taken();
+        c.flush_to.fetch_max(target, Ordering::Release);
+        c.wake_writer();
+        let mut status = c.status();
+        while status.flushed < target {
+            status = c
+                .flushed_cond
+                .wait(status)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        status.error.take().map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.control.stop.store(true, Ordering::Release);
+        self.control.wake_writer();
+        if let Some(t) = self.thread.take() {
+            // The writer catches its sink's panics, so it ends normally.
+            let _ = t.join();
+        }
+        if let Some(e) = self.control.status().error.take() {
+            tracing::error!(%e, "memres::Logging: cannot write the log");
+        }
+    }
+}
+
+/// The writer thread.
+fn run(c: &Control, mut sink: Box<dyn Write + Send>) {
+    let mut consumer = c.ring.consumer();
+    let mut rows: Vec<u8> = Vec::with_capacity(WRITE_AT + 4096);
+    let mut naps = 0u32;
+    loop {
+        let n = consumer.drain(4096, |r| format_row(&mut rows, r));
+        if rows.len() >= WRITE_AT {
+            write_out(c, &mut sink, &mut rows, false);
+        }
+        if n > 0 {
+            naps = 0;
+            continue;
+        }
+        // Nothing ready: answer a flush request or the drop, or wait a little.
+        let at = consumer.position();
+        let stop = c.stop.load(Ordering::Acquire);
+        if stop && at >= c.ring.taken() {
+            write_out(c, &mut sink, &mut rows, true);
+            finish_flush(c, at);
+            return;
+        }
+        let flush_to = c.flush_to.load(Ordering::Acquire);
+        if flush_to > c.status().flushed && at >= flush_to {
+            write_out(c, &mut sink, &mut rows, true);
+            finish_flush(c, at);
+            continue;
+        }
+        naps = naps.saturating_add(1);
+        if naps < 16 {
+            std::thread::yield_now();
+        } else {
+            // Producers wake us when the ring fills, flush and drop when they need us.
+            std::thread::park_timeout(MAX_NAP.min(Duration::from_micros(u64::from(naps) * 10)));
+        }
+    }
+}
+
+/// Writes `rows` to the sink (and flushes it when `flush`), keeping the first error;
+/// a panicking sink counts as an error.
+fn write_out(c: &Control, sink: &mut Box<dyn Write + Send>, rows: &mut Vec<u8>, flush: bool) {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        sink.write_all(rows)?;
+        if flush { sink.flush() } else { Ok(()) }
+    }))
+    .unwrap_or_else(|_| Err(io::Error::other("the log's sink panicked")));
+    rows.clear();
+    if let Err(e) = result {
+        c.status().error.get_or_insert(e);
+    }
+}
+
+fn finish_flush(c: &Control, at: u64) {
+    let mut status = c.status();
+    status.flushed = status.flushed.max(at);
+    drop(status);
+    c.flushed_cond.notify_all();
+}

@@ -1,0 +1,235 @@
+//! Per-thread slots of one object: state that each thread updates without atomic
+//! read-modify-write operations, and that other threads can still read.
+//!
+//! A [`PerThread<T>`] holds a shared part (`T::Shared`) and one `T` per thread that has
+//! used it. A thread finds its slot through a thread-local list keyed by the object's id
+//! (unique for the life of the process, so a new object never finds a slot of an old one
+//! at the same address). The object keeps every slot in a registry, so readers can visit
+//! them all. When a thread exits, it hands its slot to [`ThreadSlot::retire`] (which folds
+//! it into the shared part) and marks it, and the next visit drops it.
+//!
+//! Slots are reference counted (the thread's list and the registry each hold one), so no
+//! pointer here outlives its slot. The counters inside a `T` are atomics that the owning
+//! thread updates with a relaxed load and store (no lock prefix, a fraction of a
+//! nanosecond) and other threads read with relaxed loads: a reader sees each value whole,
+//! and everything a thread wrote before it was joined.
+
+use std::cell::RefCell;
+
+use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::{Arc, Mutex, MutexGuard};
+
+/// What a per-thread slot type provides.
+pub(crate) trait ThreadSlot: Default + Send + Sync + 'static {
+    /// The state all threads share.
+    type Shared: Send + Sync;
+
+    /// Folds the slot into the shared state. Called once per slot, by its thread as it
+    /// exits (so before a `JoinHandle::join` of the thread returns; a scoped thread's
+    /// scope may end a moment earlier).
+    fn retire(&self, shared: &Self::Shared);
+}
+
+/// One thread's slot: the flags its two owners (the thread's list and the object's
+/// registry) leave for each other, then the value. `repr(C)` puts the flags first, so a
+/// thread's list reads them without knowing `T`.
+#[repr(C)]
+struct Slot<T: ThreadSlot> {
+    flags: Flags,
+    shared: Arc<T::Shared>,
+    value: T,
+}
+
+#[derive(Default)]
+struct Flags {
+    /// Set (release) by the thread's list when the thread exits, after it retired the
+    /// slot.
+    exited: AtomicBool,
+    /// Set by the object when it drops: the thread's list may drop its entry.
+    orphaned: AtomicBool,
+}
+
+/// Shared state plus one `T` per thread; see the module.
+pub(crate) struct PerThread<T: ThreadSlot> {
+    id: u64,
+    /// Also held by every slot, so that a thread exiting after the object dropped can
+    /// still retire its slot.
+    shared: Arc<T::Shared>,
+    slots: Mutex<Vec<Arc<Slot<T>>>>,
+}
+
+/// Ids of objects, never reused. Ids start at 1.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl<T: ThreadSlot> PerThread<T> {
+    pub(crate) fn new(shared: T::Shared) -> Self {
+        PerThread {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            shared: Arc::new(shared),
+            slots: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The shared part.
+    #[inline]
+    pub(crate) fn shared(&self) -> &T::Shared {
+        &self.shared
+    }
+
+    /// The calling thread's slot, made on its first call; `None` while the thread is
+    /// exiting (its thread-locals are gone), when the caller must use the shared state.
+    #[inline]
+    pub(crate) fn get(&self) -> Option<&T> {
+        let found = ENTRIES
+            .try_with(|entries| {
+                let entries = entries.try_borrow().ok()?;
+                entries.0.iter().find(|e| e.id == self.id).map(|e| e.ptr)
+            })
+            .ok()
+            .flatten();
+        let ptr = match found {
+            Some(ptr) => ptr,
+            None => self.register()?,
+        };
+        // SAFETY: the entry with this object's id was made by `register` from an
+        // `Arc<Slot<T>>` of this object (ids are unique, so `T` is this object's). The
+        // entry holds a reference until its thread exits (not before this call returns)
+        // or it is pruned (only once the object is dropped, not during a borrow of it),
+        // so the slot outlives the borrow of `self`.
+        Some(unsafe { &(*ptr.cast::<Slot<T>>()).value })
+    }
+
+    #[cold]
+    fn register(&self) -> Option<*const ()> {
+        let slot = Arc::new(Slot {
+            flags: Flags::default(),
+            shared: Arc::clone(&self.shared),
+            value: T::default(),
+        });
+        let ptr = Arc::into_raw(Arc::clone(&slot)).cast::<()>();
+        let pushed = ENTRIES
+            .try_with(|entries| {
+                let mut entries = entries.try_borrow_mut().ok()?;
+                if entries.0.len() >= PRUNE_AT {
+                    entries.prune();
+                }
+                entries.0.push(Entry {
+                    id: self.id,
+                    ptr,
+                    release: release::<T>,
+                });
+                Some(())
+            })
+            .ok()
+            .flatten();
+        if pushed.is_none() {
+            // No list to keep it (the thread is exiting).
+            // SAFETY: `ptr` is the reference made above, not stored anywhere.
+            unsafe { release::<T>(ptr, false) };
+            return None;
+        }
+        self.lock().push(slot);
+        Some(ptr)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Arc<Slot<T>>>> {
+        // The list is never left half-updated (single Vec operations).
+        self.slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Calls `live` on the slot of every thread that has not exited (dropping the others,
+    /// which their threads retired); the registry stays locked throughout, so visits do
+    /// not overlap.
+    pub(crate) fn visit(&self, mut live: impl FnMut(&T)) {
+        let mut slots = self.lock();
+        slots.retain(|slot| {
+            let exited = slot.flags.exited.load(Ordering::Acquire);
+            if !exited {
+                live(&slot.value);
+            }
+            !exited
+        });
+    }
+}
+
+impl<T: ThreadSlot> Drop for PerThread<T> {
+    fn drop(&mut self) {
+        // Threads' lists see the flag and drop their entries when they prune.
+        for slot in self.lock().drain(..) {
+            slot.flags.orphaned.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A thread's reference to one object's slot: an `Arc<Slot<T>>` made raw, so that one
+/// list holds slots of every `T`.
+struct Entry {
+    id: u64,
+    ptr: *const (),
+    /// Gives the reference back, retiring the slot first if its thread is exiting.
+    release: unsafe fn(*const (), bool),
+}
+
+impl Entry {
+    fn flags(&self) -> &Flags {
+        // SAFETY: `ptr` is a live `Slot<T>` (this entry holds a reference to it), whose
+        // `repr(C)` layout starts with its `Flags`.
+        unsafe { &*self.ptr.cast::<Flags>() }
+    }
+}
+
+/// # Safety
+/// `ptr` came from `Arc::into_raw` of an `Arc<Slot<T>>`, and this is its only release;
+/// `exiting` only from the slot's own thread.
+unsafe fn release<T: ThreadSlot>(ptr: *const (), exiting: bool) {
+    // SAFETY: the caller's promise: one reference, given back once.
+    let slot = unsafe { Arc::from_raw(ptr.cast::<Slot<T>>()) };
+    if exiting {
+        slot.value.retire(&slot.shared);
+        // Everything the thread wrote happens before a visit that sees the flag.
+        slot.flags.exited.store(true, Ordering::Release);
+    }
+}
+
+/// How many entries a thread keeps before it drops those of objects that are gone.
+const PRUNE_AT: usize = 16;
+
+#[derive(Default)]
+struct Entries(Vec<Entry>);
+
+impl Entries {
+    /// Drops the entries of objects that are gone: their slot's only owner is this list.
+    fn prune(&mut self) {
+        self.0.retain(|e| {
+            if e.flags().orphaned.load(Ordering::Relaxed) {
+                // SAFETY: the entry holds one reference and is removed here.
+                unsafe { (e.release)(e.ptr, false) };
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
+impl Drop for Entries {
+    fn drop(&mut self) {
+        for e in self.0.drain(..) {
+            // SAFETY: the entry holds one reference, given back here once, on the
+            // slot's own thread.
+            unsafe { (e.release)(e.ptr, true) };
+        }
+    }
+}
+
+#[cfg(not(memres_loom))]
+thread_local! {
+    static ENTRIES: RefCell<Entries> = const { RefCell::new(Entries(Vec::new())) };
+}
+
+#[cfg(memres_loom)]
+loom::thread_local! {
+    static ENTRIES: RefCell<Entries> = RefCell::new(Entries(Vec::new()));
+}
