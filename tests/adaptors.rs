@@ -268,6 +268,82 @@ fn limiting_limit_plus_one_fails_and_changes_nothing() {
     ));
 }
 
+/// Threads that use a `Limiting` one after another leave nothing reserved behind (each
+/// gives its reserve back as it exits), so the whole limit is free again.
+#[test]
+fn limiting_threads_one_after_another_give_their_reserves_back() {
+    let lim = std::sync::Arc::new(Limiting::new(HostHeap::new(), 1 << 30));
+    for t in 0..4usize {
+        let lim = lim.clone();
+        std::thread::spawn(move || {
+            let blocks: Vec<_> = (0..50).map(|i| alloc(&*lim, 1000 * (1 + i + t))).collect();
+            assert!(lim.allocated_bytes() > 0);
+            blocks.into_iter().for_each(|b| free(&*lim, b));
+        })
+        .join()
+        .unwrap();
+    }
+    assert_eq!(lim.allocated_bytes(), 0);
+    let all = alloc(&*lim, 1 << 30);
+    assert_eq!(lim.allocated_bytes(), 1 << 30);
+    free(&*lim, all);
+}
+
+/// Under concurrency the limit is never exceeded: what the threads hold at once (counted
+/// after each allocation succeeds and before each free) stays within it.
+#[test]
+fn limiting_many_threads_never_pass_the_limit() {
+    const LIMIT: usize = 64 << 20;
+    let lim = Limiting::new(HostHeap::new(), LIMIT);
+    let held = AtomicUsize::new(0);
+    let refused = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (lim, held, refused) = (&lim, &held, &refused);
+            scope.spawn(move || {
+                let mut state = t;
+                let mut live = Vec::new();
+                for _ in 0..2000 {
+                    let r = splitmix(&mut state);
+                    if r.is_multiple_of(2) || live.is_empty() {
+                        let size = 256 + (r >> 8) as usize % (8 << 20);
+                        match lim.allocate_sync(layout(size).unwrap()) {
+                            Ok(p) => {
+                                let now =
+                                    held.fetch_add(size.next_multiple_of(256), Ordering::SeqCst);
+                                assert!(now + size <= LIMIT, "{now} + {size} held");
+                                live.push((p, layout(size).unwrap()));
+                            }
+                            Err(Error::OutOfMemory { .. }) => {
+                                refused.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                    } else {
+                        let (p, l) = live.swap_remove((r >> 8) as usize % live.len());
+                        held.fetch_sub(l.size().next_multiple_of(256), Ordering::SeqCst);
+                        free(lim, (p, l));
+                    }
+                }
+                for (p, l) in live {
+                    held.fetch_sub(l.size().next_multiple_of(256), Ordering::SeqCst);
+                    free(lim, (p, l));
+                }
+            });
+        }
+    });
+    assert!(refused.load(Ordering::Relaxed) > 0, "the limit was reached");
+    assert_eq!(held.load(Ordering::Relaxed), 0);
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 #[test]
 fn limiting_rounds_like_rmm() {
     let lim = Limiting::new(HostHeap::new(), 1 << 20);

@@ -6,6 +6,7 @@ use std::ptr::NonNull;
 
 use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
+use crate::per_thread::{PerThread, ThreadSlot};
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicUsize, Ordering};
@@ -20,9 +21,21 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 /// - Equality is the upstream's (RMM's rule): memory allocated through one `Limiting` may
 ///   be freed through an equal one; the freeing one's count then stops at zero, and the
 ///   allocating one keeps counting it.
-/// - The check is a single atomic add (rolled back when over), so threads never wait on
-///   each other; under contention a request may be refused by a moment's worth of bytes
-///   that a concurrent one then gives back.
+///
+/// # Cost and exactness under concurrency
+/// Each thread keeps a small reserve of the limit (at most two *grabs*; a grab is
+/// 1/1024 of the limit, at most 16 MiB): a request that fits in the calling thread's
+/// reserve takes it with a plain load and store, a free puts the bytes back there, and
+/// only a thread whose reserve runs out or overflows touches the shared count (one atomic
+/// add, which also tops the reserve up to one grab when the limit allows). So:
+/// - One thread at a time (threads one after another included): exact. A refused thread
+///   first falls back to asking for exactly what it lacks.
+/// - Several threads at once: a request may be refused while up to two grabs per other
+///   thread sit unused in those threads' reserves (at most 1/512 of the limit per
+///   thread); the limit itself is never exceeded. A thread's reserve goes back when the
+///   thread exits.
+/// - [`allocated_bytes`](Self::allocated_bytes) is the shared count less every thread's
+///   reserve.
 ///
 /// ```
 /// use memres::adaptor::Limiting;
@@ -41,8 +54,56 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 pub struct Limiting<U> {
     upstream: U,
     limit: usize,
-    allocated: AtomicUsize,
+    /// What a thread takes from the shared count when its reserve runs out.
+    grab: usize,
+    quota: PerThread<Reserve>,
 }
+
+/// One thread's unused share of the limit (written only by that thread).
+#[derive(Default)]
+struct Reserve(AtomicUsize);
+
+/// Bytes taken from the limit: outstanding, plus every thread's reserve.
+#[derive(Default)]
+struct Charged(AtomicUsize);
+
+impl Charged {
+    /// Adds `n` if the total stays within `limit`. A compare-and-swap loop, not an add
+    /// rolled back when over: a refused request (a huge one, say) must never make the
+    /// count look higher to other threads, even for a moment.
+    #[inline]
+    fn take(&self, n: usize, limit: usize) -> bool {
+        self.0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                c.checked_add(n).filter(|&after| after <= limit)
+            })
+            .is_ok()
+    }
+
+    /// Subtracts `n`, stopping at zero (memory allocated through an equal `Limiting` and
+    /// freed through this one must not wrap the count around and lock it out); returns
+    /// whether all of `n` was there.
+    fn give_back(&self, n: usize) -> bool {
+        let before = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some(c.saturating_sub(n))
+            })
+            .unwrap_or_else(|c| c);
+        before >= n
+    }
+}
+
+impl ThreadSlot for Reserve {
+    type Shared = Charged;
+
+    fn retire(&self, charged: &Charged) {
+        charged.give_back(self.0.swap(0, Ordering::Relaxed));
+    }
+}
+
+/// The largest grab.
+const MAX_GRAB: usize = 16 << 20;
 
 upstream_access!(Limiting<U>);
 
@@ -52,7 +113,8 @@ impl<U> Limiting<U> {
         Limiting {
             upstream,
             limit,
-            allocated: AtomicUsize::new(0),
+            grab: (limit / 1024).min(MAX_GRAB),
+            quota: PerThread::new(Charged::default()),
         }
     }
 
@@ -63,7 +125,14 @@ impl<U> Limiting<U> {
 
     /// Bytes outstanding now, as counted against the limit.
     pub fn allocated_bytes(&self) -> usize {
-        self.allocated.load(Ordering::Relaxed)
+        let mut reserved = 0usize;
+        self.quota
+            .visit(|r| reserved = reserved.saturating_add(r.0.load(Ordering::Relaxed)));
+        self.quota
+            .shared()
+            .0
+            .load(Ordering::Relaxed)
+            .saturating_sub(reserved)
     }
 
     /// What a request counts against the limit; `None` if rounding overflows.
@@ -73,30 +142,57 @@ impl<U> Limiting<U> {
     }
 
     /// Takes `layout`'s charge from the limit, or refuses.
-    fn take(&self, layout: Layout) -> Result<usize, Error> {
+    #[inline]
+    fn take(&self, layout: Layout) -> Result<(), Error> {
         let over = || Error::over_limit(layout.size(), self.limit);
         let charge = Self::charge(layout).ok_or_else(over)?;
-        let before = self.allocated.fetch_add(charge, Ordering::Relaxed);
-        if before
-            .checked_add(charge)
-            .is_none_or(|after| after > self.limit)
-        {
-            self.allocated.fetch_sub(charge, Ordering::Relaxed);
-            return Err(over());
+        let charged = self.quota.shared();
+        let Some(reserve) = self.quota.get() else {
+            // The thread is exiting: straight from the shared count.
+            return if charged.take(charge, self.limit) {
+                Ok(())
+            } else {
+                Err(over())
+            };
+        };
+        let have = reserve.0.load(Ordering::Relaxed);
+        if let Some(left) = have.checked_sub(charge) {
+            reserve.0.store(left, Ordering::Relaxed);
+            return Ok(());
         }
-        Ok(charge)
+        let missing = charge - have;
+        let left = if charged.take(missing.saturating_add(self.grab), self.limit) {
+            self.grab
+        } else if charged.take(missing, self.limit) {
+            0
+        } else {
+            return Err(over());
+        };
+        reserve.0.store(left, Ordering::Relaxed);
+        Ok(())
     }
 
-    /// Returns `layout`'s charge. Saturating: memory allocated through an equal `Limiting`
-    /// (equal upstreams may free each other's memory) and freed through this one must not
-    /// wrap the count around and lock the adaptor out.
+    /// Returns `layout`'s charge: to the thread's reserve, and what it holds beyond one
+    /// grab to the shared count once it holds more than two.
+    #[inline]
     fn give_back(&self, layout: Layout) {
-        if let Some(charge) = Self::charge(layout) {
-            let _ = self
-                .allocated
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                    Some(n.saturating_sub(charge))
-                });
+        let Some(charge) = Self::charge(layout) else {
+            return;
+        };
+        let charged = self.quota.shared();
+        let Some(reserve) = self.quota.get() else {
+            charged.give_back(charge);
+            return;
+        };
+        let have = reserve.0.load(Ordering::Relaxed).saturating_add(charge);
+        if have <= 2 * self.grab {
+            reserve.0.store(have, Ordering::Relaxed);
+        } else if charged.give_back(have - self.grab) {
+            reserve.0.store(self.grab, Ordering::Relaxed);
+        } else {
+            // The count stopped at zero: the bytes were not all ours (freed through an
+            // equal adaptor), so no reserve is backed by it.
+            reserve.0.store(0, Ordering::Relaxed);
         }
     }
 }

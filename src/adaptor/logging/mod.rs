@@ -1,5 +1,6 @@
 //! [`Logging`]: a CSV log of every allocation and free, readable by RMM's tools and ours.
 
+mod clock;
 mod ring;
 mod row;
 mod writer;
@@ -10,13 +11,13 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::Path;
 use std::ptr::NonNull;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::log::{Action, HEADER};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
+use clock::Clock;
 use ring::Record;
 use writer::Writer;
 
@@ -28,7 +29,8 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 ///
 /// - Frees are logged before the upstream free (so the row exists even if the free
 ///   crashes); failures are logged and returned.
-/// - The logging thread only reads the clock, takes the event's place in the log (one
+/// - The logging thread only reads a clock (the CPU's time-stamp counter where it is
+///   invariant, else the wall clock; see below), takes the event's place in the log (one
 ///   atomic add) and copies a 48-byte record into a ring; a writer thread that the
 ///   adaptor owns formats the rows and writes them, a megabyte per write call. The
 ///   place taken is the event's place in the file, so the file order is a real order of
@@ -38,12 +40,15 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 /// - Nothing is lost: [`flush`](Self::flush) waits until every event logged before it is
 ///   in the sink and the sink is flushed; drop writes everything out and ends the writer
 ///   thread (an error there goes to `tracing`: call `flush` first to see it). In between,
-///   rows reach the sink within about a millisecond of the writer falling idle, or a
-///   megabyte at a time. When the ring (65,536 events) is full, logging threads wait for
+///   rows reach the sink within about a quarter of a millisecond of the writer falling idle, or a
+///   megabyte at a time. When the ring (8,192 events) is full, logging threads wait for
 ///   the writer.
 /// - [`auto_flush`](Self::auto_flush) makes every call wait for its row to be flushed
 ///   (slow; for logs that must survive a crash).
-/// - Times are UTC wall clock (`HH:MM:SS.ffffff`); threads are OS thread ids.
+/// - Times are UTC wall clock (`HH:MM:SS.ffffff`); threads are OS thread ids. Where
+///   events are stamped with counter ticks, the writer converts them against wall-clock
+///   readings it takes at every drain, with a rate measured over a baseline of at least a
+///   millisecond (so the writer's first drain waits that long): microsecond-accurate.
 /// - A sink that allocates through this same adaptor would wait on itself: do not.
 ///
 /// ```
@@ -65,6 +70,7 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 pub struct Logging<U> {
     upstream: U,
     writer: Writer,
+    clock: Clock,
     auto_flush: bool,
 }
 
@@ -75,12 +81,14 @@ impl<U> Logging<U> {
     pub fn to_writer(upstream: U, writer: impl Write + Send + 'static) -> Result<Self, Error> {
         let mut sink: Box<dyn Write + Send> = Box::new(writer);
         writeln!(sink, "{HEADER}").map_err(io_error)?;
-        let writer = Writer::start(sink).map_err(|e| {
+        let clock = Clock::detect();
+        let writer = Writer::start(sink, clock).map_err(|e| {
             Error::invalid_argument(format!("cannot start the log's writer thread: {e}"))
         })?;
         Ok(Logging {
             upstream,
             writer,
+            clock,
             auto_flush: false,
         })
     }
@@ -128,15 +136,13 @@ impl<U> Logging<U> {
         size: usize,
         stream: StreamRef<'_>,
     ) {
-        let time_ns = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+        let time = self.clock.now();
         let (stream, host) = match stream.as_raw() {
             Some(raw) => (raw as u64, false),
             None => (u64::from(stream.host_id().unwrap_or(0)), true),
         };
         self.writer.log(Record {
-            time_ns,
+            time,
             // During thread exit the thread-local may be gone: ask the OS then.
             thread: THREAD.try_with(|t| *t).unwrap_or_else(|_| os_thread_id()),
             action: row::action_code(action),
