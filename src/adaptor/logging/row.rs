@@ -36,7 +36,7 @@ pub(super) struct RowFormat {
     hms: Text<9>,
 }
 
-/// A short text built in place.
+/// A short text kept from row to row.
 #[derive(Clone, Copy)]
 struct Text<const N: usize> {
     bytes: [u8; N],
@@ -53,6 +53,28 @@ impl<const N: usize> Default for Text<N> {
 }
 
 impl<const N: usize> Text<N> {
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    /// Replaces the text with what `f` writes.
+    fn set(&mut self, f: impl FnOnce(&mut Cursor<'_>)) {
+        let mut c = Cursor {
+            bytes: &mut self.bytes,
+            len: 0,
+        };
+        f(&mut c);
+        self.len = c.len;
+    }
+}
+
+/// Writes text into a byte slice, in place.
+struct Cursor<'a> {
+    bytes: &'a mut [u8],
+    len: usize,
+}
+
+impl Cursor<'_> {
     #[inline]
     fn push(&mut self, b: u8) {
         self.bytes[self.len] = b;
@@ -65,30 +87,27 @@ impl<const N: usize> Text<N> {
         self.len += s.len();
     }
 
-    #[inline]
-    fn as_slice(&self) -> &[u8] {
-        &self.bytes[..self.len]
-    }
-
+    /// `n` in decimal, written in place (digits built elsewhere and copied in would be
+    /// read back before their stores land, a stall on every row).
     #[inline]
     fn decimal(&mut self, mut n: u64) {
-        let mut digits = [0u8; 20];
-        let mut i = digits.len();
+        let digits = n.checked_ilog10().unwrap_or(0) as usize + 1;
+        let mut i = self.len + digits;
+        self.len = i;
         while n >= 100 {
             let pair = (n % 100) as usize * 2;
             n /= 100;
             i -= 2;
-            digits[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+            self.bytes[i] = PAIRS[pair];
+            self.bytes[i + 1] = PAIRS[pair + 1];
         }
         if n >= 10 {
             let pair = n as usize * 2;
-            i -= 2;
-            digits[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+            self.bytes[i - 2] = PAIRS[pair];
+            self.bytes[i - 1] = PAIRS[pair + 1];
         } else {
-            i -= 1;
-            digits[i] = b'0' + n as u8;
+            self.bytes[i - 1] = b'0' + n as u8;
         }
-        self.extend(&digits[i..]);
     }
 
     /// `n` (below 10^width) in exactly `width` digits, zero-padded.
@@ -133,21 +152,27 @@ impl RowFormat {
     pub(super) fn row(&mut self, out: &mut Vec<u8>, r: &Record, time_ns: u64) {
         if self.thread != Some(r.thread) {
             self.thread = Some(r.thread);
-            self.thread_text = Text::default();
-            self.thread_text.decimal(r.thread);
+            self.thread_text.set(|t| t.decimal(r.thread));
         }
         let second = time_ns / 1_000_000_000;
         if self.second != Some(second) {
             self.second = Some(second);
             let secs = second % 86_400;
-            self.hms = Text::default();
-            self.hms.fixed(secs / 3600, 2);
-            self.hms.push(b':');
-            self.hms.fixed(secs / 60 % 60, 2);
-            self.hms.push(b':');
-            self.hms.fixed(secs % 60, 2);
+            self.hms.set(|t| {
+                t.fixed(secs / 3600, 2);
+                t.push(b':');
+                t.fixed(secs / 60 % 60, 2);
+                t.push(b':');
+                t.fixed(secs % 60, 2);
+            });
         }
-        let mut row = Text::<MAX_ROW>::default();
+        // Written straight into `out` (room made first), not built elsewhere and copied.
+        let start = out.len();
+        out.resize(start + MAX_ROW, 0);
+        let mut row = Cursor {
+            bytes: &mut out[start..],
+            len: 0,
+        };
         row.extend(self.thread_text.as_slice());
         row.push(b',');
         row.extend(self.hms.as_slice());
@@ -172,7 +197,8 @@ impl RowFormat {
             row.hex(r.stream);
         }
         row.push(b'\n');
-        out.extend_from_slice(row.as_slice());
+        let len = row.len;
+        out.truncate(start + len);
     }
 }
 
@@ -182,19 +208,19 @@ mod tests {
 
     #[test]
     fn hand_formatting_matches_std() {
-        for n in [0u64, 7, 10, 99, 100, 12345, 1_000_000, u64::MAX] {
+        for n in [0u64, 7, 9, 10, 99, 100, 12345, 1_000_000, u64::MAX] {
             let mut t = Text::<20>::default();
-            t.decimal(n);
+            t.set(|c| c.decimal(n));
             assert_eq!(t.as_slice(), n.to_string().as_bytes());
         }
         for n in [0u64, 1, 0xf, 0x10, 0x7ff490004d00, u64::MAX] {
             let mut t = Text::<18>::default();
-            t.hex(n);
+            t.set(|c| c.hex(n));
             assert_eq!(t.as_slice(), format!("{n:#x}").as_bytes());
         }
         for (n, w) in [(0u64, 2), (5, 2), (59, 2), (760754, 6), (42, 6)] {
             let mut t = Text::<6>::default();
-            t.fixed(n, w);
+            t.set(|c| c.fixed(n, w));
             assert_eq!(t.as_slice(), format!("{n:0w$}").as_bytes());
         }
     }
