@@ -14,7 +14,7 @@
 //! nanosecond) and other threads read with relaxed loads: a reader sees each value whole,
 //! and everything a thread wrote before it was joined.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{Arc, Mutex, MutexGuard};
@@ -80,6 +80,15 @@ impl<T: ThreadSlot> PerThread<T> {
     /// exiting (its thread-locals are gone), when the caller must use the shared state.
     #[inline]
     pub(crate) fn get(&self) -> Option<&T> {
+        // The slot used last on this thread, checked first: one thread-local read.
+        if let Ok((id, ptr)) = LAST.try_with(Cell::get)
+            && id == self.id
+        {
+            // SAFETY: `LAST` holds the pointer of a live entry of this thread (it is
+            // cleared before any entry is removed), and the entry with this object's id
+            // points to this object's slot; see below.
+            return Some(unsafe { &(*ptr.cast::<Slot<T>>()).value });
+        }
         let found = ENTRIES
             .try_with(|entries| {
                 let entries = entries.try_borrow().ok()?;
@@ -91,6 +100,7 @@ impl<T: ThreadSlot> PerThread<T> {
             Some(ptr) => ptr,
             None => self.register()?,
         };
+        let _ = LAST.try_with(|last| last.set((self.id, ptr)));
         // SAFETY: the entry with this object's id was made by `register` from an
         // `Arc<Slot<T>>` of this object (ids are unique, so `T` is this object's). The
         // entry holds a reference until its thread exits (not before this call returns)
@@ -202,6 +212,7 @@ struct Entries(Vec<Entry>);
 impl Entries {
     /// Drops the entries of objects that are gone: their slot's only owner is this list.
     fn prune(&mut self) {
+        forget_last();
         self.0.retain(|e| {
             if e.flags().orphaned.load(Ordering::Relaxed) {
                 // SAFETY: the entry holds one reference and is removed here.
@@ -216,6 +227,9 @@ impl Entries {
 
 impl Drop for Entries {
     fn drop(&mut self) {
+        // Later thread-local destructors (a cache freeing into an adaptor) must not find
+        // a slot through `LAST` once its entry is gone.
+        forget_last();
         for e in self.0.drain(..) {
             // SAFETY: the entry holds one reference, given back here once, on the
             // slot's own thread.
@@ -224,12 +238,20 @@ impl Drop for Entries {
     }
 }
 
+fn forget_last() {
+    let _ = LAST.try_with(|last| last.set((0, std::ptr::null())));
+}
+
+// `LAST`: (object id, slot) of the entry used last, or id 0 (never an object's). No
+// destructor, so it stays readable while other thread-locals are dropped.
 #[cfg(not(memres_loom))]
 thread_local! {
     static ENTRIES: RefCell<Entries> = const { RefCell::new(Entries(Vec::new())) };
+    static LAST: Cell<(u64, *const ())> = const { Cell::new((0, std::ptr::null())) };
 }
 
 #[cfg(memres_loom)]
 loom::thread_local! {
     static ENTRIES: RefCell<Entries> = RefCell::new(Entries(Vec::new()));
+    static LAST: Cell<(u64, *const ())> = Cell::new((0, std::ptr::null()));
 }
