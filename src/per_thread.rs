@@ -6,7 +6,8 @@
 //! (unique for the life of the process, so a new object never finds a slot of an old one
 //! at the same address). The object keeps every slot in a registry, so readers can visit
 //! them all. When a thread exits, it hands its slot to [`ThreadSlot::retire`] (which folds
-//! it into the shared part) and marks it, and the next visit drops it.
+//! it into the shared part) and takes it out of the registry, both under the registry's
+//! lock.
 //!
 //! Slots are reference counted (the thread's list and the registry each hold one), so no
 //! pointer here outlives its slot. The counters inside a `T` are atomics that the owning
@@ -24,9 +25,10 @@ pub(crate) trait ThreadSlot: Default + Send + Sync + 'static {
     /// The state all threads share.
     type Shared: Send + Sync;
 
-    /// Folds the slot into the shared state. Called once per slot, by its thread as it
-    /// exits (so before a `JoinHandle::join` of the thread returns; a scoped thread's
-    /// scope may end a moment earlier).
+    /// Folds the slot into the shared state. Called by the slot's thread as it exits
+    /// (so before a `JoinHandle::join` of the thread returns; a scoped thread's scope may
+    /// end a moment earlier), with the registry locked; not called for a thread whose
+    /// thread-local destructors do not run.
     fn retire(&self, shared: &Self::Shared);
 }
 
@@ -36,15 +38,29 @@ pub(crate) trait ThreadSlot: Default + Send + Sync + 'static {
 #[repr(C)]
 struct Slot<T: ThreadSlot> {
     flags: Flags,
-    shared: Arc<T::Shared>,
+    inner: Arc<Inner<T>>,
     value: T,
+}
+
+/// What the object and its slots share: the shared state and the registry. (Slots hold
+/// it, and it holds the slots; the object's drop clears the registry, which breaks the
+/// cycle.)
+struct Inner<T: ThreadSlot> {
+    shared: T::Shared,
+    slots: Mutex<Vec<Arc<Slot<T>>>>,
+}
+
+impl<T: ThreadSlot> Inner<T> {
+    fn lock(&self) -> MutexGuard<'_, Vec<Arc<Slot<T>>>> {
+        // The list is never left half-updated (single Vec operations).
+        self.slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 #[derive(Default)]
 struct Flags {
-    /// Set (release) by the thread's list when the thread exits, after it retired the
-    /// slot.
-    exited: AtomicBool,
     /// Set by the object when it drops: the thread's list may drop its entry.
     orphaned: AtomicBool,
 }
@@ -54,8 +70,7 @@ pub(crate) struct PerThread<T: ThreadSlot> {
     id: u64,
     /// Also held by every slot, so that a thread exiting after the object dropped can
     /// still retire its slot.
-    shared: Arc<T::Shared>,
-    slots: Mutex<Vec<Arc<Slot<T>>>>,
+    inner: Arc<Inner<T>>,
 }
 
 /// Ids of objects, never reused. Ids start at 1.
@@ -65,15 +80,17 @@ impl<T: ThreadSlot> PerThread<T> {
     pub(crate) fn new(shared: T::Shared) -> Self {
         PerThread {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            shared: Arc::new(shared),
-            slots: Mutex::new(Vec::new()),
+            inner: Arc::new(Inner {
+                shared,
+                slots: Mutex::new(Vec::new()),
+            }),
         }
     }
 
     /// The shared part.
     #[inline]
     pub(crate) fn shared(&self) -> &T::Shared {
-        &self.shared
+        &self.inner.shared
     }
 
     /// The calling thread's slot, made on its first call; `None` while the thread is
@@ -113,7 +130,7 @@ impl<T: ThreadSlot> PerThread<T> {
     fn register(&self) -> Option<*const ()> {
         let slot = Arc::new(Slot {
             flags: Flags::default(),
-            shared: Arc::clone(&self.shared),
+            inner: Arc::clone(&self.inner),
             value: T::default(),
         });
         let ptr = Arc::into_raw(Arc::clone(&slot)).cast::<()>();
@@ -138,36 +155,24 @@ impl<T: ThreadSlot> PerThread<T> {
             unsafe { release::<T>(ptr, false) };
             return None;
         }
-        self.lock().push(slot);
+        // (A thread takes its slot out again as it exits, so the list holds live threads.)
+        self.inner.lock().push(slot);
         Some(ptr)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Arc<Slot<T>>>> {
-        // The list is never left half-updated (single Vec operations).
-        self.slots
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Calls `live` on the slot of every thread that has not exited (dropping the others,
-    /// which their threads retired); the registry stays locked throughout, so visits do
-    /// not overlap.
+    /// Calls `live` on the slot of every thread that has not exited; the registry stays
+    /// locked throughout, so visits do not overlap each other or a thread's retirement.
     pub(crate) fn visit(&self, mut live: impl FnMut(&T)) {
-        let mut slots = self.lock();
-        slots.retain(|slot| {
-            let exited = slot.flags.exited.load(Ordering::Acquire);
-            if !exited {
-                live(&slot.value);
-            }
-            !exited
-        });
+        for slot in self.inner.lock().iter() {
+            live(&slot.value);
+        }
     }
 }
 
 impl<T: ThreadSlot> Drop for PerThread<T> {
     fn drop(&mut self) {
         // Threads' lists see the flag and drop their entries when they prune.
-        for slot in self.lock().drain(..) {
+        for slot in self.inner.lock().drain(..) {
             slot.flags.orphaned.store(true, Ordering::Relaxed);
         }
     }
@@ -197,9 +202,11 @@ unsafe fn release<T: ThreadSlot>(ptr: *const (), exiting: bool) {
     // SAFETY: the caller's promise: one reference, given back once.
     let slot = unsafe { Arc::from_raw(ptr.cast::<Slot<T>>()) };
     if exiting {
-        slot.value.retire(&slot.shared);
-        // Everything the thread wrote happens before a visit that sees the flag.
-        slot.flags.exited.store(true, Ordering::Release);
+        // Under the registry's lock, so a visit sees the slot either in the registry or
+        // folded into the shared state, never both.
+        let mut slots = slot.inner.lock();
+        slot.value.retire(&slot.inner.shared);
+        slots.retain(|s| !Arc::ptr_eq(s, &slot));
     }
 }
 

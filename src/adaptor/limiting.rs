@@ -185,13 +185,16 @@ impl<U> Limiting<U> {
             return;
         };
         let have = reserve.0.load(Ordering::Relaxed).saturating_add(charge);
-        if have <= 2 * self.grab {
+        // A reserve the shared count does not cover holds bytes allocated through an
+        // equal adaptor: those go to the shared count (and stop at zero there).
+        if have <= 2 * self.grab && have <= charged.0.load(Ordering::Relaxed) {
             reserve.0.store(have, Ordering::Relaxed);
-        } else if charged.give_back(have - self.grab) {
+        } else if have > 2 * self.grab && charged.give_back(have - self.grab) {
             reserve.0.store(self.grab, Ordering::Relaxed);
         } else {
-            // The count stopped at zero: the bytes were not all ours (freed through an
-            // equal adaptor), so no reserve is backed by it.
+            // Not backed by the shared count: the bytes were not all ours (freed through
+            // an equal adaptor). All of it goes back, stopping at zero; no reserve.
+            charged.give_back(have);
             reserve.0.store(0, Ordering::Relaxed);
         }
     }

@@ -67,8 +67,8 @@ impl LocalCounter {
     }
 
     /// Moves `delta` into the shared counter and raises its peak to the highest value
-    /// this thread saw it reach, then starts afresh. Called by the owning thread, or on
-    /// its behalf once it has exited.
+    /// this thread saw it reach, then starts afresh. Called by the owning thread (also as
+    /// it exits).
     fn publish(&self, shared: &SharedCounter) {
         let delta = self.delta.load(Ordering::Relaxed);
         let high = self.high.load(Ordering::Relaxed);
@@ -117,7 +117,7 @@ impl ThreadSlot for Local {
         ] {
             shared
                 .total
-                .fetch_add(local.total.load(Ordering::Relaxed), Ordering::Relaxed);
+                .fetch_add(local.total.swap(0, Ordering::Relaxed), Ordering::Relaxed);
         }
     }
 }

@@ -107,6 +107,8 @@ pub(super) struct ToWall {
     anchor: Point,
     /// Nanoseconds per tick, from the last baseline of at least `MIN_BASELINE`.
     ns_per_tick: f64,
+    /// When the first baseline started, by the monotonic clock.
+    started: std::time::Instant,
 }
 
 impl ToWall {
@@ -121,6 +123,7 @@ impl ToWall {
             start: p,
             anchor: p,
             ns_per_tick: 0.0,
+            started: std::time::Instant::now(),
         }
     }
 
@@ -130,13 +133,15 @@ impl ToWall {
         if self.clock == Clock::Wall {
             return;
         }
-        let mut p = Point::now();
-        while self.ns_per_tick == 0.0
-            && p.wall.saturating_sub(self.start.wall) < MIN_BASELINE.as_nanos() as u64
-        {
-            std::thread::sleep(MIN_BASELINE / 4);
-            p = Point::now();
+        if self.ns_per_tick == 0.0 {
+            // The first baseline: at least a millisecond by the monotonic clock (a wall
+            // clock stepping back must not keep the writer asleep).
+            let since = self.started.elapsed();
+            if since < MIN_BASELINE {
+                std::thread::sleep(MIN_BASELINE - since);
+            }
         }
+        let p = Point::now();
         let span_ns = p.wall.saturating_sub(self.start.wall);
         let span_ticks = p.ticks.saturating_sub(self.start.ticks);
         if span_ns >= MIN_BASELINE.as_nanos() as u64 && span_ticks > 0 {

@@ -76,8 +76,9 @@ fn prefetch_for_write(_: &Slot) {}
 
 /// What a producer does while the ring is full.
 pub(super) trait Wait {
-    /// Called while waiting for the consumer (repeatedly).
-    fn full(&self);
+    /// Called while waiting for the consumer (repeatedly); `false` gives up (the
+    /// consumer is gone: the record is dropped).
+    fn full(&self) -> bool;
 }
 
 impl Ring {
@@ -103,7 +104,9 @@ impl Ring {
         let pos = self.tail.0.fetch_add(1, Ordering::Relaxed);
         let capacity = self.mask + 1;
         while pos >= self.head.0.load(Ordering::Acquire) + capacity {
-            wait.full();
+            if !wait.full() {
+                return;
+            }
         }
         let slot = &self.slots[(pos & self.mask) as usize];
         // SAFETY: position `pos` is ours alone, and the consumer is done with the slot's
@@ -172,8 +175,9 @@ mod loom_models {
 
     struct Yield;
     impl Wait for Yield {
-        fn full(&self) {
+        fn full(&self) -> bool {
             thread::yield_now();
+            true
         }
     }
 

@@ -32,6 +32,9 @@ struct Control {
     flush_to: AtomicU64,
     /// Set once, by the drop: write out everything and stop.
     stop: AtomicBool,
+    /// Set if the writer thread ended without being asked to (a panic outside the
+    /// sink): producers and flushes stop waiting for it.
+    dead: AtomicBool,
     status: Mutex<Status>,
     flushed_cond: Condvar,
 }
@@ -57,9 +60,13 @@ impl Control {
 }
 
 impl Wait for Control {
-    fn full(&self) {
+    fn full(&self) -> bool {
+        if self.dead.load(Ordering::Acquire) {
+            return false;
+        }
         self.wake_writer();
         std::thread::yield_now();
+        true
     }
 }
 
@@ -78,6 +85,7 @@ impl Writer {
             writer: OnceLock::new(),
             flush_to: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
             status: Mutex::new(Status::default()),
             flushed_cond: Condvar::new(),
         });
@@ -99,15 +107,15 @@ impl Writer {
     }
 
     /// Waits until every event logged before the call is written to the sink and the
-    /// sink is flushed; returns the first write error since the last call that returned
-    /// one.
+    /// sink is flushed (a call with nothing logged since the last one does not flush the
+    /// sink again); returns the first write error since the last call that returned one.
     pub(super) fn flush(&self) -> io::Result<()> {
         let c = &*self.control;
         let target = c.ring.taken();
         c.flush_to.fetch_max(target, Ordering::Release);
         c.wake_writer();
         let mut status = c.status();
-        while status.flushed < target {
+        while status.flushed < target && !c.dead.load(Ordering::Acquire) {
             status = c
                 .flushed_cond
                 .wait(status)
@@ -131,8 +139,23 @@ impl Drop for Writer {
     }
 }
 
+/// Marks the writer dead if it ends without being asked to (it unwinds), and wakes
+/// whoever waits for it.
+struct DeathWatch<'a>(&'a Control);
+
+impl Drop for DeathWatch<'_> {
+    fn drop(&mut self) {
+        if !self.0.stop.load(Ordering::Acquire) {
+            self.0.dead.store(true, Ordering::Release);
+            let _status = self.0.status();
+            self.0.flushed_cond.notify_all();
+        }
+    }
+}
+
 /// The writer thread.
 fn run(c: &Control, mut sink: Box<dyn Write + Send>, mut to_wall: ToWall) {
+    let _watch = DeathWatch(c);
     let mut consumer = c.ring.consumer();
     let mut rows: Vec<u8> = Vec::with_capacity(WRITE_AT + 4096);
     let mut naps = 0u32;
@@ -144,7 +167,14 @@ fn run(c: &Control, mut sink: Box<dyn Write + Send>, mut to_wall: ToWall) {
             write_out(c, &mut sink, &mut rows, false);
         }
         if n == BATCH {
-            // A backlog: keep going.
+            // A backlog: keep going, but answer a flush request that is covered already
+            // (under sustained load the ring may never run dry).
+            let at = consumer.position();
+            let flush_to = c.flush_to.load(Ordering::Acquire);
+            if flush_to > c.status().flushed && at >= flush_to {
+                write_out(c, &mut sink, &mut rows, true);
+                finish_flush(c, at);
+            }
             continue;
         }
         // Caught up: answer a flush request or the drop, or wait a little.
