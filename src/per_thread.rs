@@ -102,9 +102,8 @@ impl<T: ThreadSlot> PerThread<T> {
             && id == self.id
         {
             // SAFETY: `LAST` holds the pointer of a live entry of this thread (it is
-            // cleared before any entry is removed), and the entry with this object's id
-            // points to this object's slot; see below.
-            return Some(unsafe { &(*ptr.cast::<Slot<T>>()).value });
+            // cleared before any entry is removed), with this object's id.
+            return Some(unsafe { self.value_at(ptr) });
         }
         let found = ENTRIES
             .try_with(|entries| {
@@ -118,12 +117,23 @@ impl<T: ThreadSlot> PerThread<T> {
             None => self.register()?,
         };
         let _ = LAST.try_with(|last| last.set((self.id, ptr)));
-        // SAFETY: the entry with this object's id was made by `register` from an
-        // `Arc<Slot<T>>` of this object (ids are unique, so `T` is this object's). The
-        // entry holds a reference until its thread exits (not before this call returns)
-        // or it is pruned (only once the object is dropped, not during a borrow of it),
-        // so the slot outlives the borrow of `self`.
-        Some(unsafe { &(*ptr.cast::<Slot<T>>()).value })
+        // SAFETY: `ptr` is the slot of this thread's entry with this object's id.
+        Some(unsafe { self.value_at(ptr) })
+    }
+
+    /// The value of the slot at `ptr`, for the borrow of `self`.
+    ///
+    /// # Safety
+    /// `ptr` is the slot pointer of a live entry of the calling thread's list whose id is
+    /// this object's. Such an entry was made by `register` from an `Arc<Slot<T>>` of this
+    /// object (ids are unique, so `T` is this object's), and it holds a reference until
+    /// its thread exits (not before the caller's call on `self` returns) or it is pruned
+    /// (only once the object is dropped, not during a borrow of it), so the slot outlives
+    /// the borrow of `self`.
+    #[inline]
+    unsafe fn value_at(&self, ptr: *const ()) -> &T {
+        // SAFETY: the caller's promise: a live `Slot<T>` for the borrow of `self`.
+        unsafe { &(*ptr.cast::<Slot<T>>()).value }
     }
 
     #[cold]
