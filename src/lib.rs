@@ -40,12 +40,17 @@
 //!   [`Aligned`](adaptor::Aligned), [`FailureRetry`](adaptor::FailureRetry),
 //!   [`ThreadSafe`](adaptor::ThreadSafe), [`Logging`](adaptor::Logging),
 //!   [`Prefetch`](adaptor::Prefetch).
+//! - [`container`] holds [`DeviceBuffer`](container::DeviceBuffer),
+//!   [`DeviceVec`](container::DeviceVec), [`DeviceScalar`](container::DeviceScalar), the
+//!   `allocator_api2` bridge [`HostAllocator`](container::HostAllocator) and
+//!   [`StreamAllocator`](container::StreamAllocator).
 //! - [`log`] holds the CSV event-log format shared with RMM and its reader.
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
 pub mod adaptor;
+pub mod container;
 pub mod device;
 pub mod driver;
 pub mod erased;

@@ -151,6 +151,22 @@ tuple_union! {
     (A, B, C, D, E) + F;
 }
 
+/// The bit mask of a property set, at run time (for code that picks a path by property
+/// where the type system cannot, such as copies between memory of two resources).
+pub(crate) const fn mask_of<S: PropertySet>() -> usize {
+    <S::Mask as Unsigned>::USIZE
+}
+
+/// Whether memory of resource `R` may be read and written by host code.
+pub(crate) const fn is_host_accessible<R: SyncResource + ?Sized>() -> bool {
+    mask_of::<R::Properties>() & mask_of::<HostAccessible>() != 0
+}
+
+/// Whether memory of resource `R` may be accessed by kernels (and CUDA's memset).
+pub(crate) const fn is_device_accessible<R: SyncResource + ?Sized>() -> bool {
+    mask_of::<R::Properties>() & mask_of::<DeviceAccessible>() != 0
+}
+
 /// The seal of the type-level `true` markers ([`Holds`] here, and
 /// [`AlignmentHolds`](crate::adaptor::AlignmentHolds)): only `typenum::True` has it.
 pub(crate) mod sealed {

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::sys;
@@ -9,6 +10,9 @@ use cudarc::driver::sys;
 use super::DeviceId;
 use crate::driver::{check, report};
 use crate::error::Error;
+
+/// Devices whose primary context is found without a lock.
+const FAST_DEVICES: usize = 64;
 
 /// A device's primary context, retained once for the life of the process (so the handle
 /// never dangles), kept as an integer so that resources holding it are `Send + Sync`.
@@ -21,10 +25,23 @@ pub(crate) struct Context {
 impl Context {
     /// The primary context of `device`, retained on first use.
     ///
-    /// The cache is a plain `std` mutex taken only when a resource, stream or guard is made,
-    /// never on an allocation path; it is a cache, not a protocol to model-check.
+    /// The cache is a table of atomics for the first 64 devices, read without a lock, and
+    /// a plain `std` mutex behind it taken the first time a device is seen; it is a cache
+    /// (an entry goes from empty to its one value once), not a protocol to model-check.
     pub(crate) fn primary(device: DeviceId) -> Result<Context, Error> {
+        // Lock-free for the first devices (containers look their context up on every
+        // copy and drop): a non-zero entry is a context retained below, never released.
+        static FAST: [AtomicUsize; FAST_DEVICES] = [const { AtomicUsize::new(0) }; FAST_DEVICES];
         static PRIMARY: Mutex<Option<HashMap<DeviceId, usize>>> = Mutex::new(None);
+        let fast = usize::try_from(device.ordinal())
+            .ok()
+            .and_then(|i| FAST.get(i));
+        if let Some(raw) = fast
+            .map(|f| f.load(Ordering::Acquire))
+            .filter(|&raw| raw != 0)
+        {
+            return Ok(Context { raw, device });
+        }
         let dev = device.handle()?;
         let mut map = PRIMARY.lock().unwrap_or_else(PoisonError::into_inner);
         let map = map.get_or_insert_with(HashMap::new);
@@ -36,6 +53,9 @@ impl Context {
         // The retain is never released: the context lives as long as the process.
         check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
         map.insert(device, ctx as usize);
+        if let Some(f) = fast {
+            f.store(ctx as usize, Ordering::Release);
+        }
         Ok(Context {
             raw: ctx as usize,
             device,

@@ -16,7 +16,7 @@ use std::fmt;
 use cudarc::driver::sys;
 
 pub use context::DeviceGuard;
-pub(crate) use context::{Context, bind};
+pub(crate) use context::{Bound, Context, bind};
 pub use current::{
     current_resource, per_device_resource, reset_current_resource, reset_per_device_resource,
     set_current_resource, set_per_device_resource,

@@ -178,6 +178,28 @@ impl<'a> StreamRef<'a> {
     }
 }
 
+impl StreamRef<'_> {
+    /// Makes work enqueued on this stream from now on wait until the work enqueued on
+    /// `earlier` so far is complete, so that it is safe to hand memory used on `earlier`
+    /// to work on this stream.
+    ///
+    /// Nothing happens where both are the same stream or `earlier` is a host stream (its
+    /// work is always complete); where this is a host stream, `earlier` is synchronised;
+    /// between CUDA streams an event is recorded on `earlier` and waited for. Default and
+    /// per-thread streams are those of the current device.
+    pub fn wait_for_stream(self, earlier: StreamRef<'_>) -> Result<(), Error> {
+        if self.repr == earlier.repr || earlier.is_host() {
+            return Ok(());
+        }
+        if self.is_host() {
+            return earlier.synchronize();
+        }
+        let done = Event::new()?;
+        done.record(earlier)?;
+        self.wait_for(&done)
+    }
+}
+
 impl<'a> From<&'a cudarc::driver::CudaStream> for StreamRef<'a> {
     /// Names a cudarc stream; the borrow keeps the stream alive while the handle is used.
     fn from(stream: &'a cudarc::driver::CudaStream) -> Self {
