@@ -300,12 +300,15 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
     }
 }
 
-impl<'s, T: Pod, R: Resource + Has<HostAccessible>> DeviceVec<'s, T, R> {
+impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
     /// The elements as a host slice, after waiting for the vector's stream.
     ///
     /// Only for resources whose memory is host-accessible; on device-only memory this
     /// does not compile.
-    pub fn as_slice(&self) -> Result<&[T], Error> {
+    pub fn as_slice(&self) -> Result<&[T], Error>
+    where
+        R: Has<HostAccessible>,
+    {
         self.sync_own_stream()?;
         // SAFETY: host-accessible memory (the bound) holding `len` initialised elements
         // (zeroed or written when added), with no work in flight on it (synchronised);
@@ -314,7 +317,12 @@ impl<'s, T: Pod, R: Resource + Has<HostAccessible>> DeviceVec<'s, T, R> {
     }
 
     /// The elements as a mutable host slice, after waiting for the vector's stream.
-    pub fn as_mut_slice(&mut self) -> Result<&mut [T], Error> {
+    ///
+    /// Only for resources whose memory is host-accessible.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T], Error>
+    where
+        R: Has<HostAccessible>,
+    {
         self.sync_own_stream()?;
         // SAFETY: as in `as_slice`; the borrow of `self` is unique.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len) })
