@@ -46,6 +46,7 @@
 //!   [`StreamAllocator`](container::StreamAllocator).
 //! - [`log`] holds the CSV event-log format shared with RMM and its reader.
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
+//! - [`units`] parses byte counts written by people (`512MiB`).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
@@ -61,6 +62,7 @@ pub mod property;
 pub mod resource;
 pub mod stream;
 pub mod suballoc;
+pub mod units;
 pub mod upstream;
 
 mod per_thread;

@@ -312,6 +312,15 @@ impl CudaAsync {
             .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
     }
 
+    /// Releases reserved memory back to the device until the pool holds at most
+    /// `keep` bytes beyond what is in use (`cuMemPoolTrimTo`); memory whose frees are
+    /// still pending on a stream is kept.
+    pub fn trim_to(&self, keep: usize) -> Result<(), Error> {
+        let _current = bind(self.inner.ctx)?;
+        // SAFETY: the pool is live; trimming only releases memory nothing holds.
+        check(unsafe { sys::cuMemPoolTrimTo(self.inner.handle(), keep) })
+    }
+
     /// Exports the pool as a POSIX file descriptor for another process to import
     /// (`cuMemPoolExportToShareableHandle`); the pool must have been made with
     /// [`ExportHandle::PosixFd`], else [`Error::Unsupported`].

@@ -1,0 +1,78 @@
+/*
+ * memres: per-device GPU memory pools behind a C ABI (libmemres.so / libmemres.a).
+ *
+ * Each CUDA device gets one resource stack, built on the first allocation on it from
+ * the spec given to memres_configure (or in env MEMRES_RESOURCE, or "pool"):
+ *
+ *   "cuda"                          cuMemAlloc per request
+ *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
+ *   "pool[:initial=8GiB,max=60GiB]" memres's coalescing pool over cuMemAlloc
+ *   "arena[:size=40GiB]"            RMM's arena (default: half the free memory)
+ *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes over a pool
+ *   "statistics(SPEC)"              counts bytes and allocations (see memres_stats)
+ *   "logging(SPEC[,file=PATH])"     a CSV event log in RMM's format (default: the
+ *                                   path in env MEMRES_LOG_FILE)
+ *   "limiting(SPEC,limit=10GiB)"    a byte limit
+ *
+ * Sizes take units (KiB, MiB, GiB, TiB, kB, MB, GB, TB). memres_malloc and memres_free
+ * have the signatures PyTorch's CUDAPluggableAllocator calls. No function unwinds or
+ * aborts: failures return a code (or NULL) and memres_last_error() says what went wrong.
+ * Kept in sync with capi/src/lib.rs by a test.
+ */
+#ifndef MEMRES_H
+#define MEMRES_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MEMRES_OK 0
+#define MEMRES_ERROR_INVALID_ARGUMENT (-1)
+#define MEMRES_ERROR_IN_USE (-2)
+#define MEMRES_ERROR_CUDA (-3)
+#define MEMRES_ERROR_PANIC (-4)
+#define MEMRES_ERROR_OUT_OF_MEMORY (-5)
+
+typedef struct memres_stats_t {
+    int32_t has_statistics;  /* 1 when the stack has a statistics layer */
+    int32_t has_pool;        /* 1 when it has a pool, arena or driver pool */
+    int64_t current_bytes;
+    int64_t peak_bytes;
+    int64_t total_bytes;
+    int64_t current_allocations;
+    int64_t peak_allocations;
+    int64_t total_allocations;
+    uint64_t pool_size;               /* bytes held from the driver */
+    uint64_t pool_free_bytes;         /* held but not handed out */
+    uint64_t pool_largest_free_block; /* 0 where the layer does not know it */
+} memres_stats_t;
+
+/* Chooses every device's stack; call before the first allocation. MEMRES_OK, or
+ * MEMRES_ERROR_INVALID_ARGUMENT for a bad spec, MEMRES_ERROR_IN_USE once allocated. */
+int memres_configure(const char* spec);
+
+/* size bytes on device, stream-ordered on stream (NULL: the legacy default stream).
+ * NULL on failure, out of memory included. A zero-byte request returns a non-null
+ * pointer that must not be dereferenced. */
+void* memres_malloc(ssize_t size, int device, void* stream);
+
+/* Frees ptr (from memres_malloc with the same size and device) in order on stream. */
+void memres_free(void* ptr, ssize_t size, int device, void* stream);
+
+/* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
+int memres_stats(int device, memres_stats_t* out);
+
+/* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()). */
+int memres_trim(int device);
+
+/* The message of the last failure on this thread, "" if none. */
+const char* memres_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MEMRES_H */

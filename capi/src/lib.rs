@@ -1,0 +1,359 @@
+//! memres behind a C ABI: `libmemres.so` / `libmemres.a` with the header
+//! `include/memres.h`.
+//!
+//! Each CUDA device gets one resource stack, built on the first allocation on that device
+//! from the spec given to `memres_configure` (or in env `MEMRES_RESOURCE`, or `pool`), and
+//! also made memres's per-device resource, so Rust code in the same process shares it.
+//! `memres_malloc` and `memres_free` have the signatures PyTorch's
+//! `CUDAPluggableAllocator` calls; `python/memres_alloc.py` wraps them for PyTorch and
+//! CuPy.
+//!
+//! No function unwinds into C: a panic is caught, reported through `memres_last_error`
+//! and turned into a failure code (or a null pointer).
+
+mod spec;
+mod stack;
+
+use std::cell::RefCell;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr::NonNull;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use mr::device::DeviceId;
+use mr::{Error, Resource, StreamRef};
+
+use crate::spec::Spec;
+use crate::stack::DeviceStack;
+
+/// Success.
+pub const MEMRES_OK: c_int = 0;
+/// A bad argument: a malformed spec, a negative size, a null pointer where one is needed.
+pub const MEMRES_ERROR_INVALID_ARGUMENT: c_int = -1;
+/// `memres_configure` after the first allocation.
+pub const MEMRES_ERROR_IN_USE: c_int = -2;
+/// The CUDA driver is missing or failed.
+pub const MEMRES_ERROR_CUDA: c_int = -3;
+/// memres panicked; the panic was caught.
+pub const MEMRES_ERROR_PANIC: c_int = -4;
+/// Out of memory.
+pub const MEMRES_ERROR_OUT_OF_MEMORY: c_int = -5;
+
+/// Devices memres serves through the C ABI (ordinals 0 to 63).
+const MAX_DEVICES: usize = 64;
+
+/// What `memres_stats` fills in (the header's `memres_stats_t`).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct memres_stats_t {
+    /// 1 when the stack has a statistics layer (the six counts below are its figures).
+    pub has_statistics: i32,
+    /// 1 when the stack has a pool, arena or driver pool (the three pool figures).
+    pub has_pool: i32,
+    pub current_bytes: i64,
+    pub peak_bytes: i64,
+    pub total_bytes: i64,
+    pub current_allocations: i64,
+    pub peak_allocations: i64,
+    pub total_allocations: i64,
+    /// Bytes the pool holds from the driver.
+    pub pool_size: u64,
+    /// Bytes the pool holds but has not handed out.
+    pub pool_free_bytes: u64,
+    /// The largest free block (0 where the layer does not know it).
+    pub pool_largest_free_block: u64,
+}
+
+/// A failure on its way to C: a code and a message for `memres_last_error`.
+struct Failure {
+    code: c_int,
+    message: String,
+}
+
+impl Failure {
+    fn invalid(message: impl Into<String>) -> Failure {
+        Failure {
+            code: MEMRES_ERROR_INVALID_ARGUMENT,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        let code = match e {
+            Error::InvalidArgument(_) => MEMRES_ERROR_INVALID_ARGUMENT,
+            Error::OutOfMemory { .. } => MEMRES_ERROR_OUT_OF_MEMORY,
+            _ => MEMRES_ERROR_CUDA,
+        };
+        Failure {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(message: &str) {
+    // A message with a NUL in it loses the rest rather than being dropped.
+    let text = message.split('\0').next().unwrap_or_default();
+    let c = CString::new(text).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|last| *last.borrow_mut() = c);
+}
+
+/// Runs `f`, catching panics; a failure sets the last error and gives `on_failure(code)`.
+fn guarded<T>(on_failure: impl FnOnce(c_int) -> T, f: impl FnOnce() -> Result<T, Failure>) -> T {
+    let failure = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => return value,
+        Ok(Err(failure)) => failure,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            Failure {
+                code: MEMRES_ERROR_PANIC,
+                message: format!("memres: internal error, caught panic: {what}"),
+            }
+        }
+    };
+    tracing::debug!(code = failure.code, message = %failure.message, "memres C ABI call failed");
+    set_last_error(&failure.message);
+    on_failure(failure.code)
+}
+
+/// The spec chosen before the first allocation; `frozen` once a stack is built.
+struct Config {
+    spec: Option<Spec>,
+    frozen: bool,
+}
+
+static CONFIG: Mutex<Config> = Mutex::new(Config {
+    spec: None,
+    frozen: false,
+});
+
+static STACKS: [OnceLock<DeviceStack>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+
+fn slot(device: c_int) -> Result<&'static OnceLock<DeviceStack>, Failure> {
+    usize::try_from(device)
+        .ok()
+        .and_then(|i| STACKS.get(i))
+        .ok_or_else(|| {
+            Failure::invalid(format!(
+                "device {device} is not a CUDA device ordinal memres serves (0 to {})",
+                MAX_DEVICES - 1
+            ))
+        })
+}
+
+/// The stack of `device`, built on first use.
+fn stack(device: c_int) -> Result<&'static DeviceStack, Failure> {
+    let slot = slot(device)?;
+    if let Some(stack) = slot.get() {
+        return Ok(stack);
+    }
+    let mut config = CONFIG.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(stack) = slot.get() {
+        return Ok(stack); // built by another thread while this one waited
+    }
+    let spec = match &config.spec {
+        Some(spec) => spec.clone(),
+        None => match std::env::var("MEMRES_RESOURCE") {
+            Ok(text) => {
+                Spec::parse(&text).map_err(|e| Failure::invalid(format!("MEMRES_RESOURCE: {e}")))?
+            }
+            Err(_) => Spec::default_spec(),
+        },
+    };
+    let id = DeviceId::new(device);
+    let built = DeviceStack::build(&spec, id)?;
+    mr::device::set_per_device_resource(id, built.top().clone());
+    config.frozen = true;
+    Ok(slot.get_or_init(|| built))
+}
+
+/// The stack of `device` if it was built.
+fn built_stack(device: c_int) -> Result<Option<&'static DeviceStack>, Failure> {
+    Ok(slot(device)?.get())
+}
+
+/// Chooses the resource stack of every device, before the first allocation. See
+/// `memres.h` for the spec syntax.
+///
+/// # Safety
+/// `spec` is null or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_configure(spec: *const c_char) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if spec.is_null() {
+                return Err(Failure::invalid("memres_configure: the spec is null"));
+            }
+            // SAFETY: non-null and NUL-terminated (the caller's promise).
+            let text = unsafe { CStr::from_ptr(spec) }
+                .to_str()
+                .map_err(|_| Failure::invalid("memres_configure: the spec is not UTF-8"))?;
+            let parsed = Spec::parse(text).map_err(|e| Failure::invalid(e.0))?;
+            let mut config = CONFIG.lock().unwrap_or_else(PoisonError::into_inner);
+            if config.frozen {
+                return Err(Failure {
+                    code: MEMRES_ERROR_IN_USE,
+                    message: "memres_configure: memres has already allocated; configure it \
+                              before the first allocation"
+                        .into(),
+                });
+            }
+            config.spec = Some(parsed);
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Allocates `size` bytes on `device`, in order on `stream`. Null on failure (see
+/// `memres_last_error`).
+///
+/// # Safety
+/// `stream` is null (the legacy default stream), `CU_STREAM_LEGACY`,
+/// `CU_STREAM_PER_THREAD`, or a live CUDA stream of `device`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_malloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    guarded(
+        |_| std::ptr::null_mut(),
+        || {
+            let size = usize::try_from(size)
+                .map_err(|_| Failure::invalid(format!("memres_malloc: negative size {size}")))?;
+            let layout = mr::layout(size)?;
+            let stack = stack(device)?;
+            // SAFETY: the caller's promise about `stream`.
+            let stream = unsafe { StreamRef::from_raw(stream.cast()) };
+            Ok(stack.top().allocate(stream, layout)?.as_ptr().cast())
+        },
+    )
+}
+
+/// Frees `ptr` (from `memres_malloc(size, device, ..)`) in order on `stream`. Null is
+/// ignored.
+///
+/// # Safety
+/// `ptr` is null or came from `memres_malloc` with the same `size` and `device` and is not
+/// freed yet; every use of it is ordered before this point on `stream`, which is valid as
+/// for `memres_malloc`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_free(
+    ptr: *mut c_void,
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    guarded(
+        |_| (),
+        || {
+            let Some(ptr) = NonNull::new(ptr.cast::<u8>()) else {
+                return Ok(());
+            };
+            if size == 0 {
+                return Ok(()); // zero-byte blocks cost nothing to free
+            }
+            let size = usize::try_from(size).map_err(|_| {
+                Failure::invalid(format!("memres_free: negative size {size}; block leaked"))
+            })?;
+            let layout = mr::layout(size)?;
+            let stack = built_stack(device)?.ok_or_else(|| {
+                Failure::invalid(format!(
+                    "memres_free: memres never allocated on device {device}; block ignored"
+                ))
+            })?;
+            // SAFETY: the caller's promise about `stream`.
+            let stream = unsafe { StreamRef::from_raw(stream.cast()) };
+            // SAFETY: the caller's promise: `ptr` came from this device's stack (the only
+            // resource `memres_malloc` uses for it) with this size, and is ordered.
+            unsafe { stack.top().deallocate(stream, ptr, layout) };
+            Ok(())
+        },
+    )
+}
+
+/// Fills `out` with the statistics and pool figures of `device`'s stack (zeros where the
+/// stack lacks the layer or is not built yet).
+///
+/// # Safety
+/// `out` is null or valid for writing one `memres_stats_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if out.is_null() {
+                return Err(Failure::invalid("memres_stats: `out` is null"));
+            }
+            let mut stats = memres_stats_t::default();
+            if let Some(stack) = built_stack(device)? {
+                let figures = stack.figures()?;
+                if let Some(s) = figures.statistics {
+                    stats.has_statistics = 1;
+                    (stats.current_bytes, stats.peak_bytes, stats.total_bytes) =
+                        (s.bytes.current, s.bytes.peak, s.bytes.total);
+                    (
+                        stats.current_allocations,
+                        stats.peak_allocations,
+                        stats.total_allocations,
+                    ) = (
+                        s.allocations.current,
+                        s.allocations.peak,
+                        s.allocations.total,
+                    );
+                }
+                if let Some((size, free, largest)) = figures.pool {
+                    stats.has_pool = 1;
+                    (
+                        stats.pool_size,
+                        stats.pool_free_bytes,
+                        stats.pool_largest_free_block,
+                    ) = (size, free, largest);
+                }
+            }
+            // SAFETY: non-null and valid for one write (the caller's promise).
+            unsafe { out.write(stats) };
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Gives memory the pool of `device` holds but does not use back to the driver (what
+/// `torch.cuda.empty_cache()` users expect). 0 on success, also where there is nothing to
+/// trim.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_trim(device: c_int) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if let Some(stack) = built_stack(device)? {
+                stack.trim()?;
+            }
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// The message of the last failure on this thread ("" if none); valid until the next
+/// memres call on this thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_last_error() -> *const c_char {
+    LAST_ERROR
+        .try_with(|last| last.borrow().as_ptr())
+        .unwrap_or(c"memres: the error of this thread is gone (thread exiting)".as_ptr())
+}
+
+#[cfg(test)]
+mod tests;

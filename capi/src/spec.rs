@@ -1,0 +1,401 @@
+//! The configuration strings of `memres_configure` and `MEMRES_RESOURCE`.
+//!
+//! ```text
+//! spec    := base [":" options] | wrapper "(" spec ["," options] ")"
+//! base    := cuda | cuda_async | pool | arena | binning
+//! wrapper := statistics | logging | limiting
+//! options := key "=" value ["," options]
+//! ```
+//!
+//! Sizes take units (`8GiB`, `512MiB`). Inside a wrapper, options that are not the
+//! wrapper's own belong to the spec it wraps, so `limiting(pool:initial=1GiB,max=4GiB,
+//! limit=2GiB)` reads as a pool of 1 to 4 GiB under a 2 GiB limit.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use mr::units::parse_size;
+
+/// A parsed stack, outermost layer first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Spec {
+    /// `cuMemAlloc` per request.
+    Cuda,
+    /// A driver pool (`cuMemAllocFromPoolAsync`).
+    CudaAsync {
+        initial: Option<usize>,
+        release_threshold: Option<u64>,
+    },
+    /// memres's coalescing pool over `Cuda`.
+    Pool {
+        initial: Option<usize>,
+        max: Option<usize>,
+    },
+    /// RMM's arena over `Cuda` (`size`: default half the free memory).
+    Arena {
+        size: Option<usize>,
+    },
+    /// Fixed-size bins of 2^min .. 2^max bytes over a pool; larger requests go to the
+    /// pool.
+    Binning {
+        min: u32,
+        max: u32,
+    },
+    Statistics(Box<Spec>),
+    Logging {
+        inner: Box<Spec>,
+        file: Option<PathBuf>,
+    },
+    Limiting {
+        inner: Box<Spec>,
+        limit: usize,
+    },
+}
+
+/// What was wrong with a spec, in words that name the offending part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SpecError(pub(crate) String);
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+const RESOURCES: &str =
+    "cuda, cuda_async, pool, arena, binning, statistics(..), logging(..), limiting(..)";
+
+impl Spec {
+    /// Parses a whole spec.
+    pub(crate) fn parse(text: &str) -> Result<Spec, SpecError> {
+        parse(text.trim()).map_err(|e| SpecError(format!("invalid resource spec {text:?}: {e}")))
+    }
+
+    /// The spec used when none is configured: a pool with RMM's default sizes.
+    pub(crate) fn default_spec() -> Spec {
+        Spec::Pool {
+            initial: None,
+            max: None,
+        }
+    }
+}
+
+fn parse(text: &str) -> Result<Spec, String> {
+    let name_end = text
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(text.len());
+    let (name, rest) = text.split_at(name_end);
+    if name.is_empty() {
+        return Err(format!(
+            "{text:?} does not start with a resource name ({RESOURCES})"
+        ));
+    }
+    if let Some(inside) = rest.strip_prefix('(') {
+        let inside = inside
+            .strip_suffix(')')
+            .ok_or_else(|| format!("{text:?}: unbalanced parentheses"))?;
+        return parse_wrapper(name, inside);
+    }
+    let options = match rest.strip_prefix(':') {
+        Some(options) => split_top_level(options)?,
+        None if rest.trim().is_empty() => Vec::new(),
+        None => return Err(format!("{text:?}: expected ':' or '(' after {name:?}")),
+    };
+    parse_base(name, &options)
+}
+
+/// Splits at commas outside parentheses.
+fn split_top_level(text: &str) -> Result<Vec<&str>, String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(text[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err(format!("{text:?}: unbalanced parentheses"));
+        }
+    }
+    if depth != 0 {
+        return Err(format!("{text:?}: unbalanced parentheses"));
+    }
+    parts.push(text[start..].trim());
+    Ok(parts)
+}
+
+fn key_value(option: &str) -> Result<(&str, &str), String> {
+    option
+        .split_once('=')
+        .map(|(k, v)| (k.trim(), v.trim()))
+        .filter(|(k, v)| !k.is_empty() && !v.is_empty())
+        .ok_or_else(|| format!("option {option:?} is not key=value"))
+}
+
+fn size(key: &str, value: &str) -> Result<usize, String> {
+    parse_size(value).map_err(|e| match e {
+        mr::Error::InvalidArgument(message) => format!("{key}: {message}"),
+        other => format!("{key}: {other}"),
+    })
+}
+
+fn parse_base(name: &str, options: &[&str]) -> Result<Spec, String> {
+    let mut spec = match name {
+        "cuda" => Spec::Cuda,
+        "cuda_async" => Spec::CudaAsync {
+            initial: None,
+            release_threshold: None,
+        },
+        "pool" => Spec::default_spec(),
+        "arena" => Spec::Arena { size: None },
+        "binning" => Spec::Binning { min: 10, max: 22 },
+        "statistics" | "logging" | "limiting" => {
+            return Err(format!("{name} wraps another resource: write {name}(pool)"));
+        }
+        other => {
+            return Err(format!(
+                "unknown resource {other:?} (expected one of {RESOURCES})"
+            ));
+        }
+    };
+    for option in options {
+        let (key, value) = key_value(option)?;
+        let unknown = || {
+            let known = match name {
+                "cuda" => "none",
+                "cuda_async" => "initial, release",
+                "pool" => "initial, max",
+                "arena" => "size",
+                _ => "min, max",
+            };
+            format!("unknown option {key:?} for {name} (options: {known})")
+        };
+        match (&mut spec, key) {
+            (Spec::CudaAsync { initial, .. }, "initial") => *initial = Some(size(key, value)?),
+            (
+                Spec::CudaAsync {
+                    release_threshold, ..
+                },
+                "release",
+            ) => {
+                *release_threshold = Some(size(key, value)? as u64);
+            }
+            (Spec::Pool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
+            (Spec::Pool { max, .. }, "max") => *max = Some(size(key, value)?),
+            (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
+            (Spec::Binning { min, .. }, "min") => *min = exponent(key, value)?,
+            (Spec::Binning { max, .. }, "max") => *max = exponent(key, value)?,
+            _ => return Err(unknown()),
+        }
+    }
+    if let Spec::Binning { min, max } = spec
+        && min > max
+    {
+        return Err(format!("binning: min={min} is above max={max}"));
+    }
+    Ok(spec)
+}
+
+fn exponent(key: &str, value: &str) -> Result<u32, String> {
+    match value.parse::<u32>() {
+        Ok(e) if e < 48 => Ok(e),
+        _ => Err(format!(
+            "{key}={value:?}: a bin size is a power-of-two exponent below 48 (10 = 1 KiB)"
+        )),
+    }
+}
+
+fn parse_wrapper(name: &str, inside: &str) -> Result<Spec, String> {
+    let own_keys: &[&str] = match name {
+        "statistics" => &[],
+        "logging" => &["file"],
+        "limiting" => &["limit"],
+        "cuda" | "cuda_async" | "pool" | "arena" | "binning" => {
+            return Err(format!(
+                "{name} does not wrap a resource: write {name}:key=value for its options"
+            ));
+        }
+        other => {
+            return Err(format!(
+                "unknown resource {other:?} (expected one of {RESOURCES})"
+            ));
+        }
+    };
+    let mut parts = split_top_level(inside)?.into_iter();
+    let mut inner = parts.next().unwrap_or_default().to_owned();
+    if inner.is_empty() {
+        return Err(format!(
+            "{name}(..) needs the resource it wraps, e.g. {name}(pool)"
+        ));
+    }
+    let mut own = Vec::new();
+    for part in parts {
+        let (key, value) = key_value(part)?;
+        if own_keys.contains(&key) {
+            own.push((key, value));
+        } else {
+            // An option of the wrapped spec, written after it: `limiting(pool:initial=1GiB,
+            // max=4GiB, limit=2GiB)`.
+            inner.push(if inner.contains(':') || inner.ends_with(')') {
+                ','
+            } else {
+                ':'
+            });
+            inner.push_str(part);
+        }
+    }
+    let inner = Box::new(parse(&inner)?);
+    let value_of = |key: &str| own.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| *v);
+    Ok(match name {
+        "statistics" => Spec::Statistics(inner),
+        "logging" => Spec::Logging {
+            inner,
+            file: value_of("file").map(PathBuf::from),
+        },
+        _ => Spec::Limiting {
+            inner,
+            limit: size(
+                "limit",
+                value_of("limit").ok_or("limiting(..) needs limit=SIZE, e.g. limit=10GiB")?,
+            )?,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(text: &str) -> Spec {
+        Spec::parse(text).unwrap_or_else(|e| panic!("{text}: {e}"))
+    }
+
+    fn err(text: &str) -> String {
+        Spec::parse(text).unwrap_err().0
+    }
+
+    #[test]
+    fn bases() {
+        assert_eq!(ok("cuda"), Spec::Cuda);
+        assert_eq!(
+            ok("cuda_async"),
+            Spec::CudaAsync {
+                initial: None,
+                release_threshold: None
+            }
+        );
+        assert_eq!(ok(" pool "), Spec::default_spec());
+        assert_eq!(
+            ok("pool:initial=8GiB,max=60GiB"),
+            Spec::Pool {
+                initial: Some(8 << 30),
+                max: Some(60 << 30)
+            }
+        );
+        assert_eq!(
+            ok("arena:size=40GiB"),
+            Spec::Arena {
+                size: Some(40 << 30)
+            }
+        );
+        assert_eq!(
+            ok("binning:min=10,max=22"),
+            Spec::Binning { min: 10, max: 22 }
+        );
+        assert_eq!(
+            ok("cuda_async:initial=1GiB,release=2GiB"),
+            Spec::CudaAsync {
+                initial: Some(1 << 30),
+                release_threshold: Some(2 << 30)
+            }
+        );
+    }
+
+    #[test]
+    fn wrappers() {
+        assert_eq!(
+            ok("statistics(pool:initial=4GiB)"),
+            Spec::Statistics(Box::new(Spec::Pool {
+                initial: Some(4 << 30),
+                max: None
+            }))
+        );
+        assert_eq!(
+            ok("logging(pool,file=/tmp/log.csv)"),
+            Spec::Logging {
+                inner: Box::new(Spec::default_spec()),
+                file: Some("/tmp/log.csv".into())
+            }
+        );
+        assert_eq!(
+            ok("limiting(pool,limit=10GiB)"),
+            Spec::Limiting {
+                inner: Box::new(Spec::default_spec()),
+                limit: 10 << 30
+            }
+        );
+        assert_eq!(
+            ok("limiting(pool:initial=1GiB,max=4GiB,limit=2GiB)"),
+            Spec::Limiting {
+                inner: Box::new(Spec::Pool {
+                    initial: Some(1 << 30),
+                    max: Some(4 << 30)
+                }),
+                limit: 2 << 30
+            }
+        );
+        assert_eq!(
+            ok("statistics(limiting(arena:size=2GiB, limit=1GiB))"),
+            Spec::Statistics(Box::new(Spec::Limiting {
+                inner: Box::new(Spec::Arena {
+                    size: Some(2 << 30)
+                }),
+                limit: 1 << 30
+            }))
+        );
+        assert_eq!(
+            ok("logging(statistics(pool),file=x.csv)"),
+            Spec::Logging {
+                inner: Box::new(Spec::Statistics(Box::new(Spec::default_spec()))),
+                file: Some("x.csv".into())
+            }
+        );
+    }
+
+    #[test]
+    fn errors_name_what_was_wrong() {
+        let cases = [
+            ("", "does not start with a resource name"),
+            ("poool", "unknown resource \"poool\""),
+            (
+                "pool:initial=8GB,maxx=1GiB",
+                "unknown option \"maxx\" for pool (options: initial, max)",
+            ),
+            ("pool:initial=eight", "initial: no number"),
+            ("pool:initial", "option \"initial\" is not key=value"),
+            ("pool(cuda)", "pool does not wrap a resource"),
+            ("statistics", "statistics wraps another resource"),
+            ("statistics()", "statistics(..) needs the resource it wraps"),
+            ("statistics(pool", "unbalanced parentheses"),
+            ("limiting(pool)", "limiting(..) needs limit=SIZE"),
+            ("limiting(pool,limit=lots)", "limit: no number"),
+            ("binning:min=30,max=20", "min=30 is above max=20"),
+            ("binning:min=64", "power-of-two exponent"),
+            ("pool;initial=1", "expected ':' or '('"),
+            ("cuda:initial=1GiB", "unknown option \"initial\" for cuda"),
+        ];
+        for (text, want) in cases {
+            let got = err(text);
+            assert!(got.contains(want), "{text:?}: {got:?} lacks {want:?}");
+            assert!(
+                got.contains(&format!("{text:?}")),
+                "{got:?} does not quote the spec"
+            );
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! A device's resource stack, built from a [`Spec`], with handles kept on the layers that
+//! `memres_stats` and `memres_trim` read.
+
+use std::sync::Arc;
+
+use mr::adaptor::{Limiting, Logging, Statistics};
+use mr::device::{DeviceGuard, DeviceId};
+use mr::upstream::CudaAsyncConfig;
+use mr::{AnyResource, Arena, Binning, Cuda, CudaAsync, Device, Error, Pool, PoolConfig};
+
+use crate::spec::Spec;
+
+/// The memory layer under the stack, for its figures and for trimming.
+enum PoolLayer {
+    Pool(Arc<Pool<Cuda>>),
+    Arena(Arc<Arena<Cuda>>),
+    Async(Arc<CudaAsync>),
+}
+
+/// One device's stack: the erased top that allocations go through, the outermost
+/// statistics layer and the memory layer, if the spec has them.
+pub(crate) struct DeviceStack {
+    top: AnyResource<Device>,
+    statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
+    pool: Option<PoolLayer>,
+}
+
+/// What `memres_stats` reports; zero where the stack lacks the layer.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Figures {
+    pub(crate) statistics: Option<mr::adaptor::StatisticsSnapshot>,
+    /// Pool size, free bytes, largest free block.
+    pub(crate) pool: Option<(u64, u64, u64)>,
+}
+
+impl DeviceStack {
+    /// Builds `spec` for `device` (made current while building).
+    pub(crate) fn build(spec: &Spec, device: DeviceId) -> Result<DeviceStack, Error> {
+        let _on = DeviceGuard::new(device)?;
+        let mut layers = Layers::default();
+        let top = layers.layer(spec, device)?;
+        Ok(DeviceStack {
+            top,
+            statistics: layers.statistics,
+            pool: layers.pool,
+        })
+    }
+}
+
+/// The layers found while building, inside out.
+#[derive(Default)]
+struct Layers {
+    statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
+    pool: Option<PoolLayer>,
+}
+
+impl Layers {
+    fn layer(&mut self, spec: &Spec, device: DeviceId) -> Result<AnyResource<Device>, Error> {
+        Ok(match spec {
+            Spec::Cuda => AnyResource::new(Cuda::on(device)?),
+            Spec::CudaAsync {
+                initial,
+                release_threshold,
+            } => {
+                let config = CudaAsyncConfig {
+                    initial_size: *initial,
+                    release_threshold: *release_threshold,
+                    ..CudaAsyncConfig::default()
+                };
+                let pool = Arc::new(CudaAsync::on(device, config)?);
+                self.pool = Some(PoolLayer::Async(Arc::clone(&pool)));
+                AnyResource::new(pool)
+            }
+            Spec::Pool { initial, max } => {
+                let pool = self.pool_of(device, *initial, *max)?;
+                AnyResource::new(pool)
+            }
+            Spec::Arena { size } => {
+                let cuda = Cuda::on(device)?;
+                let arena = Arc::new(match size {
+                    Some(size) => Arena::with_size(cuda, *size)?,
+                    None => Arena::new(cuda)?,
+                });
+                self.pool = Some(PoolLayer::Arena(Arc::clone(&arena)));
+                AnyResource::new(arena)
+            }
+            Spec::Binning { min, max } => {
+                let pool = self.pool_of(device, None, None)?;
+                AnyResource::new(Binning::new(pool, *min, *max)?)
+            }
+            Spec::Statistics(inner) => {
+                let counted = Arc::new(Statistics::new(self.layer(inner, device)?));
+                // Built inside out, so the last one set is the outermost.
+                self.statistics = Some(Arc::clone(&counted));
+                AnyResource::new(counted)
+            }
+            Spec::Logging { inner, file } => {
+                let inner = self.layer(inner, device)?;
+                AnyResource::new(match file {
+                    Some(path) => Logging::to_file(inner, path)?,
+                    None => Logging::from_env(inner)?,
+                })
+            }
+            Spec::Limiting { inner, limit } => {
+                AnyResource::new(Limiting::new(self.layer(inner, device)?, *limit))
+            }
+        })
+    }
+
+    fn pool_of(
+        &mut self,
+        device: DeviceId,
+        initial: Option<usize>,
+        max: Option<usize>,
+    ) -> Result<Arc<Pool<Cuda>>, Error> {
+        let mut config = PoolConfig::new();
+        if let Some(initial) = initial {
+            config = config.initial_size(initial);
+        }
+        if let Some(max) = max {
+            config = config.maximum_size(max);
+        }
+        let pool = Arc::new(Pool::new(Cuda::on(device)?, config)?);
+        self.pool = Some(PoolLayer::Pool(Arc::clone(&pool)));
+        Ok(pool)
+    }
+}
+
+impl DeviceStack {
+    /// The resource allocations go through.
+    pub(crate) fn top(&self) -> &AnyResource<Device> {
+        &self.top
+    }
+
+    pub(crate) fn figures(&self) -> Result<Figures, Error> {
+        let pool = match &self.pool {
+            None => None,
+            Some(PoolLayer::Pool(pool)) => {
+                let s = pool.stats();
+                Some((
+                    s.pool_size as u64,
+                    s.free_bytes as u64,
+                    s.largest_free_block as u64,
+                ))
+            }
+            Some(PoolLayer::Arena(arena)) => {
+                // The arena does not track its largest free block.
+                Some((arena.size() as u64, arena.free_bytes() as u64, 0))
+            }
+            Some(PoolLayer::Async(pool)) => {
+                let (reserved, used) = (pool.reserved_bytes()?, pool.used_bytes()?);
+                // The driver does not report its largest free block.
+                Some((reserved, reserved.saturating_sub(used), 0))
+            }
+        };
+        Ok(Figures {
+            statistics: self.statistics.as_ref().map(|s| s.snapshot()),
+            pool,
+        })
+    }
+
+    /// Gives entirely free memory back to the driver; returns the bytes released where
+    /// the layer knows them.
+    pub(crate) fn trim(&self) -> Result<u64, Error> {
+        match &self.pool {
+            None | Some(PoolLayer::Arena(_)) => Ok(0),
+            Some(PoolLayer::Pool(pool)) => Ok(pool.trim()? as u64),
+            Some(PoolLayer::Async(pool)) => {
+                let before = pool.reserved_bytes()?;
+                pool.trim_to(0)?;
+                Ok(before.saturating_sub(pool.reserved_bytes()?))
+            }
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! The C ABI on the CPU: configuration, failures and messages, caught panics, frees of
+//! null and zero-byte blocks, and the header kept in sync with this crate.
+
+use std::ffi::{CStr, CString};
+use std::mem::{offset_of, size_of};
+use std::sync::Mutex;
+
+use super::*;
+
+/// The configuration is process-wide: tests that change it take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn configure(spec: &str) -> c_int {
+    let c = CString::new(spec).unwrap();
+    // SAFETY: a NUL-terminated string.
+    unsafe { memres_configure(c.as_ptr()) }
+}
+
+fn last_error() -> String {
+    // SAFETY: `memres_last_error` returns a NUL-terminated string valid until the next
+    // call on this thread.
+    unsafe { CStr::from_ptr(memres_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn configure_accepts_specs_and_can_be_called_twice() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    for spec in [
+        "cuda",
+        "cuda_async",
+        "pool",
+        "pool:initial=8GiB,max=60GiB",
+        "arena:size=40GiB",
+        "binning:min=10,max=22",
+        "statistics(pool:initial=4GiB)",
+        "logging(pool,file=/tmp/log.csv)",
+        "limiting(pool,limit=10GiB)",
+    ] {
+        assert_eq!(configure(spec), MEMRES_OK, "{spec}: {}", last_error());
+    }
+    // The last one wins.
+    assert_eq!(configure("statistics(pool)"), MEMRES_OK);
+    let config = CONFIG.lock().unwrap();
+    assert_eq!(
+        config.spec,
+        Some(Spec::Statistics(Box::new(Spec::default_spec())))
+    );
+}
+
+#[test]
+fn a_bad_spec_is_refused_with_a_message_and_changes_nothing() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    assert_eq!(configure("pool"), MEMRES_OK);
+    let cases = [
+        ("pooll", "unknown resource \"pooll\""),
+        ("pool:size=1GiB", "unknown option \"size\" for pool"),
+        ("limiting(pool)", "needs limit=SIZE"),
+        ("statistics(pool", "unbalanced parentheses"),
+        ("arena:size=big", "size: no number"),
+    ];
+    for (spec, want) in cases {
+        assert_eq!(configure(spec), MEMRES_ERROR_INVALID_ARGUMENT, "{spec}");
+        let message = last_error();
+        assert!(message.contains(want), "{spec}: {message:?}");
+        assert!(
+            message.contains(spec),
+            "{message:?} does not quote {spec:?}"
+        );
+    }
+    assert_eq!(CONFIG.lock().unwrap().spec, Some(Spec::default_spec()));
+    // SAFETY: null is allowed and refused.
+    let code = unsafe { memres_configure(std::ptr::null()) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(last_error().contains("null"));
+    let not_utf8 = [0xffu8, 0xfe, 0];
+    // SAFETY: NUL-terminated.
+    let code = unsafe { memres_configure(not_utf8.as_ptr().cast()) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(last_error().contains("UTF-8"));
+}
+
+#[test]
+fn panics_are_caught_and_reported() {
+    let code = guarded(
+        |code| code,
+        || -> Result<c_int, Failure> { panic!("boom {}", 42) },
+    );
+    assert_eq!(code, MEMRES_ERROR_PANIC);
+    assert!(
+        last_error().contains("caught panic: boom 42"),
+        "{}",
+        last_error()
+    );
+    let null = guarded(
+        |_| std::ptr::null_mut::<c_void>(),
+        || -> Result<_, Failure> { panic!("static message") },
+    );
+    assert!(null.is_null());
+    assert!(last_error().contains("static message"));
+}
+
+#[test]
+fn null_and_zero_byte_frees_are_no_ops() {
+    std::thread::spawn(|| {
+        // SAFETY: null and zero-byte frees touch nothing.
+        unsafe {
+            memres_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+            memres_free(std::ptr::null_mut(), 1 << 20, 3, std::ptr::null_mut());
+            memres_free(256 as *mut c_void, 0, 0, std::ptr::null_mut());
+        }
+        assert_eq!(last_error(), "", "no failure was reported");
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn bad_arguments_fail_without_crashing() {
+    // SAFETY: the stream is the legacy default stream (null); no memory is touched.
+    let p = unsafe { memres_malloc(-5, 0, std::ptr::null_mut()) };
+    assert!(p.is_null());
+    assert!(
+        last_error().contains("negative size -5"),
+        "{}",
+        last_error()
+    );
+
+    // SAFETY: as above.
+    let p = unsafe { memres_malloc(64, -1, std::ptr::null_mut()) };
+    assert!(p.is_null());
+    assert!(last_error().contains("device -1"), "{}", last_error());
+    // SAFETY: as above.
+    let p = unsafe { memres_malloc(64, 64, std::ptr::null_mut()) };
+    assert!(p.is_null());
+    assert!(last_error().contains("0 to 63"), "{}", last_error());
+
+    // SAFETY: a pointer memres never handed out, on a device it never used: reported.
+    unsafe { memres_free(4096 as *mut c_void, 64, 7, std::ptr::null_mut()) };
+    assert!(
+        last_error().contains("never allocated on device 7"),
+        "{}",
+        last_error()
+    );
+    // SAFETY: as above; a negative size is refused before anything is freed.
+    unsafe { memres_free(4096 as *mut c_void, -1, 0, std::ptr::null_mut()) };
+    assert!(last_error().contains("negative size"), "{}", last_error());
+
+    // SAFETY: null `out` is allowed and refused.
+    let code = unsafe { memres_stats(0, std::ptr::null_mut()) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert_eq!(memres_trim(-3), MEMRES_ERROR_INVALID_ARGUMENT);
+}
+
+#[test]
+fn without_a_driver_malloc_returns_null_and_says_why() {
+    if mr::driver::is_present() {
+        return; // the GPU machine: `memres_malloc` really allocates there
+    }
+    // SAFETY: the legacy default stream.
+    let p = unsafe { memres_malloc(1 << 20, 0, std::ptr::null_mut()) };
+    assert!(p.is_null());
+    assert!(last_error().contains("driver"), "{}", last_error());
+    // Nothing was built, so the configuration may still change.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    assert_eq!(configure("pool"), MEMRES_OK);
+}
+
+#[test]
+fn stats_and_trim_of_an_unused_device_are_zero() {
+    let mut out = memres_stats_t {
+        has_pool: 7,
+        ..memres_stats_t::default()
+    };
+    // SAFETY: `out` is valid for one write.
+    assert_eq!(unsafe { memres_stats(5, &mut out) }, MEMRES_OK);
+    assert_eq!(out, memres_stats_t::default());
+    assert_eq!(memres_trim(5), MEMRES_OK);
+}
+
+// The header
+
+fn header() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/memres.h")).unwrap()
+}
+
+fn source() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/lib.rs")).unwrap()
+}
+
+/// `name(params) -> ret` of every `extern "C" fn memres_*` in the source, in C types.
+fn rust_prototypes() -> Vec<String> {
+    let source = source();
+    let c_type = |rust: &str| -> String {
+        match rust.trim() {
+            "isize" => "ssize_t",
+            "c_int" => "int",
+            "*mut c_void" => "void*",
+            "*const c_char" => "const char*",
+            "*mut memres_stats_t" => "memres_stats_t*",
+            "" => "void",
+            other => panic!("no C type for the Rust type {other:?}"),
+        }
+        .to_owned()
+    };
+    let mut out = Vec::new();
+    for chunk in source.split("extern \"C\" fn ").skip(1) {
+        let (name, rest) = chunk.split_once('(').unwrap();
+        let (params, rest) = rest.split_once(')').unwrap();
+        let ret = rest
+            .split('{')
+            .next()
+            .unwrap()
+            .trim()
+            .trim_start_matches("->");
+        let params: Vec<String> = params
+            .split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| c_type(p.split_once(':').unwrap().1))
+            .collect();
+        let params = if params.is_empty() {
+            "void".to_owned()
+        } else {
+            params.join(", ")
+        };
+        out.push(format!("{} {name}({params})", c_type(ret)));
+    }
+    out.sort();
+    out
+}
+
+/// The same from the header's prototypes, parameter names dropped.
+fn header_prototypes() -> Vec<String> {
+    let mut out = Vec::new();
+    for line in header().lines().map(str::trim) {
+        let Some((head, params)) = line.strip_suffix(");").and_then(|l| l.split_once('(')) else {
+            continue;
+        };
+        let (ret, name) = head.rsplit_once(char::is_whitespace).unwrap();
+        let params: Vec<String> = params
+            .split(',')
+            .map(|p| {
+                let p = p.trim();
+                match p.rsplit_once(char::is_whitespace) {
+                    Some((ty, _name)) if p != "void" => ty.trim().to_owned(),
+                    _ => p.to_owned(),
+                }
+            })
+            .collect();
+        out.push(format!("{} {name}({})", ret.trim(), params.join(", ")));
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn the_header_declares_exactly_the_exported_functions() {
+    let (rust, c) = (rust_prototypes(), header_prototypes());
+    assert_eq!(rust.len(), 6, "{rust:#?}");
+    assert_eq!(rust, c, "capi/include/memres.h is out of date");
+}
+
+#[test]
+fn the_header_has_the_codes_and_the_struct_layout() {
+    let header = header();
+    for (name, value) in [
+        ("MEMRES_OK", MEMRES_OK),
+        (
+            "MEMRES_ERROR_INVALID_ARGUMENT",
+            MEMRES_ERROR_INVALID_ARGUMENT,
+        ),
+        ("MEMRES_ERROR_IN_USE", MEMRES_ERROR_IN_USE),
+        ("MEMRES_ERROR_CUDA", MEMRES_ERROR_CUDA),
+        ("MEMRES_ERROR_PANIC", MEMRES_ERROR_PANIC),
+        ("MEMRES_ERROR_OUT_OF_MEMORY", MEMRES_ERROR_OUT_OF_MEMORY),
+    ] {
+        let written = if value < 0 {
+            format!("({value})")
+        } else {
+            value.to_string()
+        };
+        assert!(
+            header.contains(&format!("#define {name} {written}")),
+            "the header lacks #define {name} {written}"
+        );
+    }
+    // Compile the header with static assertions of the Rust layout, where a C compiler
+    // exists (it does wherever Rust links).
+    let fields = [
+        ("has_statistics", offset_of!(memres_stats_t, has_statistics)),
+        ("has_pool", offset_of!(memres_stats_t, has_pool)),
+        ("current_bytes", offset_of!(memres_stats_t, current_bytes)),
+        ("peak_bytes", offset_of!(memres_stats_t, peak_bytes)),
+        ("total_bytes", offset_of!(memres_stats_t, total_bytes)),
+        (
+            "current_allocations",
+            offset_of!(memres_stats_t, current_allocations),
+        ),
+        (
+            "peak_allocations",
+            offset_of!(memres_stats_t, peak_allocations),
+        ),
+        (
+            "total_allocations",
+            offset_of!(memres_stats_t, total_allocations),
+        ),
+        ("pool_size", offset_of!(memres_stats_t, pool_size)),
+        (
+            "pool_free_bytes",
+            offset_of!(memres_stats_t, pool_free_bytes),
+        ),
+        (
+            "pool_largest_free_block",
+            offset_of!(memres_stats_t, pool_largest_free_block),
+        ),
+    ];
+    let mut c = String::from("#include <stddef.h>\n#include \"memres.h\"\n");
+    c += &format!(
+        "_Static_assert(sizeof(memres_stats_t) == {}, \"size\");\n",
+        size_of::<memres_stats_t>()
+    );
+    for (field, offset) in fields {
+        c += &format!(
+            "_Static_assert(offsetof(memres_stats_t, {field}) == {offset}, \"{field}\");\n"
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("memres-header-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("layout.c");
+    std::fs::write(&file, c).unwrap();
+    let include = concat!(env!("CARGO_MANIFEST_DIR"), "/include");
+    match std::process::Command::new("cc")
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Werror",
+            "-fsyntax-only",
+            "-I",
+            include,
+        ])
+        .arg(&file)
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "the header's memres_stats_t differs from the Rust one:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => eprintln!("skipped the C layout check: no C compiler ({e})"),
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,202 @@
+"""memres pools under PyTorch and CuPy, through libmemres's C ABI (ctypes only).
+
+    import memres_alloc, torch
+    memres_alloc.configure("statistics(pool:initial=4GiB)")   # optional; default "pool"
+    torch.cuda.memory.change_current_allocator(memres_alloc.torch_allocator())
+    ...                                                        # torch now allocates from memres
+    print(memres_alloc.stats(0))
+
+    import cupy
+    cupy.cuda.set_allocator(memres_alloc.cupy_allocator)
+
+The library is found in env MEMRES_LIB, next to this file, in the repository's
+target/release or target/debug, or on the loader's path. Build it with
+`cargo build --release -p memres-capi`.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+
+__all__ = [
+    "MemresError",
+    "library_path",
+    "configure",
+    "stats",
+    "trim",
+    "last_error",
+    "torch_allocator",
+    "cupy_allocator",
+]
+
+OK = 0
+ERROR_INVALID_ARGUMENT = -1
+ERROR_IN_USE = -2
+ERROR_CUDA = -3
+ERROR_PANIC = -4
+ERROR_OUT_OF_MEMORY = -5
+
+
+class MemresError(RuntimeError):
+    """A failed memres call: `code` is the C ABI's (negative) code."""
+
+    def __init__(self, code, message):
+        super().__init__(f"memres: {message} (code {code})")
+        self.code = code
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [
+        ("has_statistics", ctypes.c_int32),
+        ("has_pool", ctypes.c_int32),
+        ("current_bytes", ctypes.c_int64),
+        ("peak_bytes", ctypes.c_int64),
+        ("total_bytes", ctypes.c_int64),
+        ("current_allocations", ctypes.c_int64),
+        ("peak_allocations", ctypes.c_int64),
+        ("total_allocations", ctypes.c_int64),
+        ("pool_size", ctypes.c_uint64),
+        ("pool_free_bytes", ctypes.c_uint64),
+        ("pool_largest_free_block", ctypes.c_uint64),
+    ]
+
+
+_LIB = None
+_PATH = None
+
+
+def library_path():
+    """The path of libmemres.so that this module uses."""
+    global _PATH
+    if _PATH is not None:
+        return _PATH
+    here = pathlib.Path(__file__).resolve().parent
+    candidates = []
+    if os.environ.get("MEMRES_LIB"):
+        candidates.append(pathlib.Path(os.environ["MEMRES_LIB"]))
+    candidates += [
+        here / "libmemres.so",
+        here.parent / "target" / "release" / "libmemres.so",
+        here.parent / "target" / "debug" / "libmemres.so",
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            _PATH = str(candidate)
+            return _PATH
+    found = ctypes.util.find_library("memres")
+    if found:
+        _PATH = found
+        return _PATH
+    raise MemresError(
+        ERROR_INVALID_ARGUMENT,
+        "libmemres.so not found (set MEMRES_LIB, or build it with "
+        "`cargo build --release -p memres-capi`); looked in "
+        + ", ".join(str(c) for c in candidates),
+    )
+
+
+def _lib():
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(library_path())
+        lib.memres_configure.argtypes = [ctypes.c_char_p]
+        lib.memres_configure.restype = ctypes.c_int
+        lib.memres_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.memres_malloc.restype = ctypes.c_void_p
+        lib.memres_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.memres_free.restype = None
+        lib.memres_stats.argtypes = [ctypes.c_int, ctypes.POINTER(_Stats)]
+        lib.memres_stats.restype = ctypes.c_int
+        lib.memres_trim.argtypes = [ctypes.c_int]
+        lib.memres_trim.restype = ctypes.c_int
+        lib.memres_last_error.argtypes = []
+        lib.memres_last_error.restype = ctypes.c_char_p
+        _LIB = lib
+    return _LIB
+
+
+def last_error():
+    """The message of the last failure on this thread ("" if none)."""
+    return (_lib().memres_last_error() or b"").decode("utf-8", "replace")
+
+
+def _check(code):
+    if code != OK:
+        raise MemresError(code, last_error())
+
+
+def configure(spec):
+    """Chooses every device's stack, e.g. "pool:initial=8GiB" or "statistics(pool)".
+
+    Must come before the first allocation (a MemresError with code ERROR_IN_USE after).
+    """
+    _check(_lib().memres_configure(spec.encode("utf-8")))
+
+
+def stats(device=0):
+    """The figures of `device`'s stack as a dict; the statistics keys are present when
+    the stack has a statistics layer, the pool keys when it has a pool."""
+    out = _Stats()
+    _check(_lib().memres_stats(device, ctypes.byref(out)))
+    figures = {}
+    if out.has_statistics:
+        for name in (
+            "current_bytes",
+            "peak_bytes",
+            "total_bytes",
+            "current_allocations",
+            "peak_allocations",
+            "total_allocations",
+        ):
+            figures[name] = getattr(out, name)
+    if out.has_pool:
+        figures["pool_size"] = out.pool_size
+        figures["pool_free_bytes"] = out.pool_free_bytes
+        figures["pool_largest_free_block"] = out.pool_largest_free_block
+    return figures
+
+
+def trim(device=0):
+    """Gives the entirely free memory of `device`'s pool back to the driver."""
+    _check(_lib().memres_trim(device))
+
+
+def torch_allocator():
+    """A CUDAPluggableAllocator over memres, for
+    torch.cuda.memory.change_current_allocator (before any CUDA allocation)."""
+    import torch
+
+    return torch.cuda.memory.CUDAPluggableAllocator(library_path(), "memres_malloc", "memres_free")
+
+
+class _Block:
+    """Owns one memres block for CuPy; frees it when CuPy lets go of the memory."""
+
+    __slots__ = ("ptr", "size", "device", "stream", "free")
+
+    def __init__(self, ptr, size, device, stream):
+        self.ptr, self.size, self.device, self.stream = ptr, size, device, stream
+        self.free = _lib().memres_free
+
+    def __del__(self):
+        self.free(self.ptr, self.size, self.device, self.stream)
+
+
+def cupy_allocator(size):
+    """An allocator for cupy.cuda.set_allocator: device memory from memres on the
+    current device, stream-ordered on CuPy's current stream, freed through memres (on
+    that stream) when CuPy drops it."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+    stream = cupy.cuda.get_current_stream().ptr
+    ptr = _lib().memres_malloc(size, device, stream)
+    if not ptr:
+        message = last_error()
+        if "out of memory" in message.lower():
+            raise cupy.cuda.memory.OutOfMemoryError(size, 0, 0)
+        raise MemresError(ERROR_CUDA, message)
+    block = _Block(ptr, size, device, stream)
+    memory = cupy.cuda.UnownedMemory(ptr, size, block, device)
+    return cupy.cuda.MemoryPointer(memory, 0)
