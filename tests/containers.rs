@@ -198,6 +198,17 @@ fn buffer_moves_between_threads() {
 }
 
 #[test]
+fn the_per_thread_stream_is_refused() {
+    // It names another stream on every thread a container might move to.
+    let err = DeviceBuffer::new(64, StreamRef::PER_THREAD, HostHeap).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("per-thread"), "{err}");
+    let mut buf = DeviceBuffer::new(64, S, HostHeap).unwrap();
+    assert!(buf.set_stream(StreamRef::PER_THREAD).is_err());
+    assert_eq!(buf.stream(), S);
+}
+
+#[test]
 fn out_of_memory_is_an_error() {
     let err = DeviceBuffer::new(isize::MAX as usize - 4096, S, HostHeap).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");

@@ -313,3 +313,29 @@ fn allocator_api2_over_pinned_and_managed_memory() {
     p.resize(1 << 20, 1u8);
     assert_eq!(p.iter().map(|&x| x as usize).sum::<usize>(), 1 << 20);
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn element_access_on_a_stream_of_another_device() {
+    let devices = DeviceId::count().unwrap();
+    if devices < 2 {
+        eprintln!("skipped: one GPU only ({devices}); needs two");
+        return;
+    }
+    let on_1 = {
+        let _d1 = DeviceGuard::new(DeviceId::new(1)).unwrap();
+        Stream::new().unwrap()
+    };
+    let _d0 = DeviceGuard::new(DeviceId::new(0)).unwrap();
+    let stream = Stream::new().unwrap();
+    let mut v =
+        DeviceVec::from_slice(&[1u32; 1024], stream.as_ref(), Cuda::new().unwrap()).unwrap();
+    v.set(3, 5, on_1.as_ref()).unwrap();
+    assert_eq!(v.get(3, on_1.as_ref()).unwrap(), 5);
+    assert_eq!(v.get(3, stream.as_ref()).unwrap(), 5);
+    static SEVEN: u32 = 7;
+    v.set_async(4, &SEVEN, on_1.as_ref()).unwrap();
+    v.set_to_zero(on_1.as_ref()).unwrap();
+    drop(v); // ordered after the work on device 1's stream
+    stream.synchronize().unwrap();
+}

@@ -86,12 +86,32 @@ pub struct RawParts<'s, R> {
 }
 
 /// The device to record for a container on `stream`: the current one for a CUDA stream.
+///
+/// The per-thread default stream is refused: it names a different stream on every
+/// thread, so a container moved to another thread would free (and order its work) on a
+/// stream its earlier work was never on.
 pub(super) fn device_for(stream: StreamRef<'_>) -> Result<Option<DeviceId>, Error> {
+    if stream.is_per_thread() {
+        return Err(Error::invalid_argument(
+            "containers cannot use the per-thread default stream (it names another stream \
+             on every thread the container may move to); use a `Stream` or the default one",
+        ));
+    }
     if stream.is_host() {
         Ok(None)
     } else {
         DeviceId::current().map(Some)
     }
+}
+
+/// Orders work enqueued on `later` from now on after the work enqueued on `earlier` so
+/// far: an event where possible, else (an event cannot join the two) by waiting for
+/// `earlier` on the host. Containers use it both ways around a use of their memory on a
+/// foreign stream, so the use sees their earlier work and their free cannot overtake it.
+pub(super) fn order_after(later: StreamRef<'_>, earlier: StreamRef<'_>) -> Result<(), Error> {
+    later
+        .wait_for_stream(earlier)
+        .or_else(|_| earlier.synchronize())
 }
 
 /// Makes `device` current until the guard drops (nothing for `None`).
@@ -147,7 +167,7 @@ impl<'s, R: Resource> DeviceBuffer<'s, R> {
         let buf = DeviceBuffer::uninit(other.size, other.alignment(), stream, resource)?;
         {
             let _current = bind_device(buf.device)?;
-            stream.wait_for_stream(other.stream)?;
+            order_after(stream, other.stream)?;
             // SAFETY: both blocks hold at least `other.size` bytes and are distinct
             // allocations; the copy is ordered after `other`'s work (above) and before
             // `other`'s later work and free (below), and before `buf`'s own free.
@@ -161,7 +181,7 @@ impl<'s, R: Resource> DeviceBuffer<'s, R> {
                     stream,
                 )?;
             }
-            other.stream.wait_for_stream(stream)?;
+            order_after(other.stream, stream)?;
         }
         Ok(buf)
     }
@@ -229,12 +249,12 @@ impl<'s, R: Resource> DeviceBuffer<'s, R> {
         if stream == self.stream {
             return Ok(());
         }
-        let device = match self.device {
-            Some(d) => Some(d),
-            None => device_for(stream)?,
+        let device = match device_for(stream)? {
+            None => None,
+            Some(current) => Some(self.device.unwrap_or(current)),
         };
         let _current = bind_device(device)?;
-        stream.wait_for_stream(self.stream)?;
+        order_after(stream, self.stream)?;
         self.stream = stream;
         self.device = device;
         Ok(())
@@ -309,7 +329,7 @@ impl<'s, R: Resource> DeviceBuffer<'s, R> {
 
     /// The buffer's bytes, copied to a new `Vec` (the stream is synchronised).
     pub fn to_host_vec(&self) -> Result<Vec<u8>, Error> {
-        let mut out = vec![0; self.size];
+        let mut out = host_vec(self.size, 0u8)?;
         self.copy_to_host(&mut out)?;
         Ok(out)
     }
@@ -434,6 +454,16 @@ impl<'s, R: Resource> DeviceBuffer<'s, R> {
         self.size = keep;
         Ok(())
     }
+}
+
+/// `len` copies of `value` in a new `Vec`, or [`Error::OutOfMemory`] where the host has
+/// no room (rather than the abort of `vec![..]`).
+pub(super) fn host_vec<T: Clone>(len: usize, value: T) -> Result<Vec<T>, Error> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(len)
+        .map_err(|_| Error::out_of_memory(len.saturating_mul(size_of::<T>())))?;
+    out.resize(len, value);
+    Ok(out)
 }
 
 impl<'s> DeviceBuffer<'s, AnyResource<Device>> {

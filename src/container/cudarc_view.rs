@@ -10,9 +10,16 @@
 //! (whose drop would free it).
 //!
 //! Work cudarc enqueues on the vector's own stream is ordered before the vector's free.
-//! Where cudarc uses a view on another stream (a copy issued from another stream), the
-//! view first waits for the vector's stream on the host and has the other stream
-//! synchronised when cudarc is done with the pointer, so the free can never overtake it.
+//! Where cudarc asks a view for its pointer on another stream (a copy issued from another
+//! stream), the view first waits for the vector's stream on the host and has the other
+//! stream synchronised when cudarc is done with the pointer, so the free cannot overtake
+//! it. Two uses escape the view and are the caller's to order:
+//! - kernel launches (cudarc's `launch` is `unsafe` for this): launch on the view's
+//!   stream, which is the vector's;
+//! - a copy *from* a view to memory of another device (`memcpy_dtod` across contexts runs
+//!   on the destination's stream after asking the source for its pointer on the source's
+//!   own stream): synchronise the destination stream before the source vector is dropped
+//!   or changed.
 //!
 //! [`StreamRef`]: crate::StreamRef
 

@@ -6,7 +6,7 @@ use std::mem::size_of;
 
 use bytemuck::Pod;
 
-use super::buffer::{DeviceBuffer, bind_device};
+use super::buffer::{DeviceBuffer, bind_device, host_vec, order_after};
 use super::copy::{self, Access};
 use crate::device::DeviceId;
 use crate::erased::AnyResource;
@@ -188,8 +188,10 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
 
     /// Sets the element at `index` to `value` on `stream`, and waits for the copy.
     pub fn set(&mut self, index: usize, value: T, stream: StreamRef<'_>) -> Result<(), Error> {
-        self.set_from(index, &value, stream)?;
-        stream.synchronize()
+        let queued = self.set_from(index, &value, stream);
+        // Even after a failure, nothing may read `value` once this returns.
+        let done = stream.synchronize();
+        queued.and(done)
     }
 
     /// Sets the element at `index` to `*value` on `stream` without waiting.
@@ -212,7 +214,7 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
             return Err(out_of_range(index, self.len));
         }
         let _current = bind_device(self.buf.device())?;
-        stream.wait_for_stream(self.stream())?;
+        order_after(stream, self.stream())?;
         // SAFETY: the element is inside the block; `value` lives until the copy is done
         // (synchronised by `set`, `'static` for `set_async`); the vector's stream waits
         // for the copy below, so the block is not freed or reused before it.
@@ -226,14 +228,14 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
                 stream,
             )?;
         }
-        self.stream().wait_for_stream(stream)
+        order_after(self.stream(), stream)
     }
 
     /// Sets every element to zero (all bits) in order on `stream`, without waiting; the
     /// vector's stream then waits for `stream`.
     pub fn set_to_zero(&mut self, stream: StreamRef<'_>) -> Result<(), Error> {
         let _current = bind_device(self.buf.device())?;
-        stream.wait_for_stream(self.stream())?;
+        order_after(stream, self.stream())?;
         // SAFETY: the block holds `len` elements; the vector's stream waits for the set
         // below, so the block is not freed or reused before it.
         unsafe {
@@ -244,14 +246,14 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
                 stream,
             )?
         };
-        self.stream().wait_for_stream(stream)
+        order_after(self.stream(), stream)
     }
 
     /// Copies `out.len()` elements starting at `first` to `out` on `stream`, after the
     /// vector's stream, and synchronises `stream`.
     fn copy_out(&self, first: usize, out: &mut [T], stream: StreamRef<'_>) -> Result<(), Error> {
         let _current = bind_device(self.buf.device())?;
-        stream.wait_for_stream(self.stream())?;
+        order_after(stream, self.stream())?;
         // SAFETY: `first + out.len() <= len` (the callers'); `out` is host memory distinct
         // from the block; the stream is synchronised before `out`'s borrow ends, and after
         // that no use of the block remains on `stream`.
@@ -270,7 +272,7 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
 
     /// All elements, copied to a new `Vec` on `stream`, which is synchronised.
     pub fn to_vec(&self, stream: StreamRef<'_>) -> Result<Vec<T>, Error> {
-        let mut out = vec![T::zeroed(); self.len];
+        let mut out = host_vec(self.len, T::zeroed())?;
         self.copy_out(0, &mut out, stream)?;
         Ok(out)
     }

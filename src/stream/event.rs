@@ -28,7 +28,12 @@ pub struct Event {
 impl Event {
     /// A new event on the current device. Until it is recorded, it counts as complete.
     pub fn new() -> Result<Event, Error> {
-        let ctx = Context::current()?;
+        Event::new_in(Context::current()?)
+    }
+
+    /// A new event of `ctx`'s device (events are recorded on streams of their own
+    /// device).
+    pub(crate) fn new_in(ctx: Context) -> Result<Event, Error> {
         let _current = bind(ctx)?;
         let mut raw = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;

@@ -188,13 +188,22 @@ impl StreamRef<'_> {
     /// between CUDA streams an event is recorded on `earlier` and waited for. Default and
     /// per-thread streams are those of the current device.
     pub fn wait_for_stream(self, earlier: StreamRef<'_>) -> Result<(), Error> {
-        if self.repr == earlier.repr || earlier.is_host() {
+        let same = self.repr == earlier.repr || (self.is_default() && earlier.is_default());
+        if same || earlier.is_host() {
             return Ok(());
         }
         if self.is_host() {
             return earlier.synchronize();
         }
-        let done = Event::new()?;
+        // The event belongs to `earlier`'s device: it is recorded there, and may be waited
+        // for from a stream of any device.
+        let ctx = match earlier.as_raw() {
+            Some(raw) if !earlier.is_default() && !earlier.is_per_thread() => {
+                Context::of_stream(raw as usize)?
+            }
+            _ => Context::current()?,
+        };
+        let done = Event::new_in(ctx)?;
         done.record(earlier)?;
         self.wait_for(&done)
     }
