@@ -73,7 +73,7 @@ def train(allocator):
 
     for _ in range(STEPS):
         step()
-    report["losses"] = losses
+    report["losses"] = list(losses)
     if allocator == "memres":
         import memres_alloc as m
 
