@@ -114,6 +114,23 @@ pub(super) fn order_after(later: StreamRef<'_>, earlier: StreamRef<'_>) -> Resul
         .or_else(|_| earlier.synchronize())
 }
 
+/// Makes current the context that work on `stream` is issued in: for an explicit CUDA
+/// stream other than the container's own (`own`), the stream's device (the driver
+/// refuses work on a stream of another device's context); otherwise the container's
+/// `device`.
+pub(super) fn bind_for(
+    stream: StreamRef<'_>,
+    own: StreamRef<'_>,
+    device: Option<DeviceId>,
+) -> Result<Option<Bound>, Error> {
+    match stream.as_raw() {
+        Some(raw) if stream != own && !stream.is_default() && !stream.is_per_thread() => {
+            Ok(Some(bind(Context::of_stream(raw as usize)?)?))
+        }
+        _ => bind_device(device),
+    }
+}
+
 /// Makes `device` current until the guard drops (nothing for `None`).
 pub(super) fn bind_device(device: Option<DeviceId>) -> Result<Option<Bound>, Error> {
     device.map(|d| bind(Context::primary(d)?)).transpose()

@@ -6,7 +6,7 @@ use std::mem::size_of;
 
 use bytemuck::Pod;
 
-use super::buffer::{DeviceBuffer, bind_device, host_vec, order_after};
+use super::buffer::{DeviceBuffer, bind_device, bind_for, host_vec, order_after};
 use super::copy::{self, Access};
 use crate::device::DeviceId;
 use crate::erased::AnyResource;
@@ -213,7 +213,7 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
         if index >= self.len {
             return Err(out_of_range(index, self.len));
         }
-        let _current = bind_device(self.buf.device())?;
+        let _current = bind_for(stream, self.stream(), self.buf.device())?;
         order_after(stream, self.stream())?;
         // SAFETY: the element is inside the block; `value` lives until the copy is done
         // (synchronised by `set`, `'static` for `set_async`); the vector's stream waits
@@ -234,7 +234,7 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
     /// Sets every element to zero (all bits) in order on `stream`, without waiting; the
     /// vector's stream then waits for `stream`.
     pub fn set_to_zero(&mut self, stream: StreamRef<'_>) -> Result<(), Error> {
-        let _current = bind_device(self.buf.device())?;
+        let _current = bind_for(stream, self.stream(), self.buf.device())?;
         order_after(stream, self.stream())?;
         // SAFETY: the block holds `len` elements; the vector's stream waits for the set
         // below, so the block is not freed or reused before it.
@@ -252,7 +252,7 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
     /// Copies `out.len()` elements starting at `first` to `out` on `stream`, after the
     /// vector's stream, and synchronises `stream`.
     fn copy_out(&self, first: usize, out: &mut [T], stream: StreamRef<'_>) -> Result<(), Error> {
-        let _current = bind_device(self.buf.device())?;
+        let _current = bind_for(stream, self.stream(), self.buf.device())?;
         order_after(stream, self.stream())?;
         // SAFETY: `first + out.len() <= len` (the callers'); `out` is host memory distinct
         // from the block; the stream is synchronised before `out`'s borrow ends, and after
