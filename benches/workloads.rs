@@ -10,94 +10,11 @@
 //! On a machine with a CUDA driver the GPU stacks run (each on non-blocking streams, as
 //! the anchors do); without one, the host stacks run instead.
 
-use std::hint::black_box;
-use std::ptr::NonNull;
-use std::time::Instant;
-
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
-use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef, layout};
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// `n` allocate + free pairs of `bytes` on `stream`; ns per pair.
-fn pairs<R: Resource>(r: &R, stream: StreamRef<'_>, bytes: usize, n: usize) -> f64 {
-    let l = layout(bytes).unwrap();
-    let t0 = Instant::now();
-    for _ in 0..n {
-        // `black_box` keeps the compiler from eliding a heap allocate/free pair.
-        let p = black_box(r.allocate(stream, l).expect("allocation in pairs"));
-        // SAFETY: allocated just above with `l` on `stream`; never used.
-        unsafe { r.deallocate(stream, p, l) };
-    }
-    t0.elapsed().as_nanos() as f64 / n as f64
-}
-
-/// The `random` workload: ns per op; what is live at the end is freed untimed.
-fn random_ops<R: Resource>(r: &R, stream: StreamRef<'_>, seed: u64, ops: usize) -> f64 {
-    const CAP: usize = 10_000;
-    let mut rng = seed;
-    let mut live: Vec<(NonNull<u8>, usize)> = Vec::with_capacity(CAP);
-    let t0 = Instant::now();
-    for _ in 0..ops {
-        let alloc = if live.is_empty() {
-            true
-        } else if live.len() == CAP {
-            false
-        } else {
-            splitmix64(&mut rng).is_multiple_of(2)
-        };
-        if alloc {
-            let e = 8 + splitmix64(&mut rng) % 15;
-            let n = (1usize << e) + (splitmix64(&mut rng) % (1u64 << e)) as usize;
-            let p = r
-                .allocate(stream, layout(n).unwrap())
-                .expect("allocation in random");
-            live.push((black_box(p), n));
-        } else {
-            let k = (splitmix64(&mut rng) % live.len() as u64) as usize;
-            let (p, n) = live.swap_remove(k);
-            // SAFETY: `p` came from `r` with this layout on `stream`; never used.
-            unsafe { r.deallocate(stream, p, layout(n).unwrap()) };
-        }
-    }
-    let ns = t0.elapsed().as_nanos() as f64 / ops as f64;
-    for (p, n) in live {
-        // SAFETY: as above.
-        unsafe { r.deallocate(stream, p, layout(n).unwrap()) };
-    }
-    ns
-}
-
-/// One warm-up run, three timed; prints the CSV line.
-fn report(
-    resource: &str,
-    workload: &str,
-    threads: usize,
-    ops: usize,
-    mut run: impl FnMut() -> f64,
-) {
-    // `MEMRES_WORKLOADS` (comma-separated names) limits which workloads run.
-    if let Ok(only) = std::env::var("MEMRES_WORKLOADS")
-        && !only.split(',').any(|w| w == workload)
-    {
-        return;
-    }
-    run();
-    let mut r: Vec<f64> = (0..3).map(|_| run()).collect();
-    r.sort_by(f64::total_cmp);
-    println!(
-        "memres,{resource},{workload},{threads},{ops},{:.1},{:.1}",
-        r[0], r[1]
-    );
-}
+use memres::workloads::{self, Suite};
+use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef};
 
 /// Where the work goes: CUDA streams on a GPU, host streams without one.
 enum Streams {
@@ -130,36 +47,25 @@ fn suite<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool) {
 }
 
 /// As `suite`; `small_only`: only the pairs up to 64 KiB (a fixed-size resource of 1 MiB
-/// blocks, as the anchors run theirs).
+/// blocks, as the anchors run theirs). The workloads themselves are `memres::workloads`,
+/// shared with `memres bench`.
 fn suite_of<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool, small_only: bool) {
     const THREADS: usize = 8;
     let streams = Streams::new(gpu, 1 + THREADS);
-    let s = streams.get(0);
+    let refs: Vec<StreamRef<'_>> = (0..=THREADS).map(|i| streams.get(i)).collect();
     // Run as a test (`run.sh` passes `--include-ignored`): a smoke run, 1/1000 of the ops.
-    let scale = if smoke_run() { 1000 } else { 1 };
-    let np = if slow { 20_000 } else { 1_000_000 } / scale;
-    let nr = if slow { 20_000 } else { 200_000 } / scale;
-    report(name, "pair-256B", 1, np, || pairs(r, s, 256, np));
-    report(name, "pair-64KiB", 1, np, || pairs(r, s, 64 << 10, np));
-    if small_only {
-        return;
-    }
-    report(name, "pair-4MiB", 1, np, || pairs(r, s, 4 << 20, np));
-    report(name, "random", 1, nr, || random_ops(r, s, 42, nr));
-    if slow {
-        return;
-    }
-    let nt = 100_000 / scale;
-    report(name, "random-mt", THREADS, nt * THREADS, || {
-        let t0 = Instant::now();
-        std::thread::scope(|scope| {
-            for t in 0..THREADS {
-                let stream = streams.get(1 + t);
-                scope.spawn(move || random_ops(r, stream, 42 + t as u64, nt));
-            }
-        });
-        t0.elapsed().as_nanos() as f64 / (nt * THREADS) as f64
-    });
+    let config = Suite {
+        slow,
+        small_only,
+        scale: if smoke_run() { 1000 } else { 1 },
+    };
+    // `MEMRES_WORKLOADS` (comma-separated names) limits which workloads run.
+    let only = std::env::var("MEMRES_WORKLOADS").ok();
+    let want = |w: &str| only.as_deref().is_none_or(|o| o.split(',').any(|x| x == w));
+    workloads::suite(name, r, &refs, config, &want, &mut |row| {
+        println!("{}", row.csv())
+    })
+    .expect("a workload suite");
 }
 
 /// True when the binary runs as a test (the GPU bundle's `run.sh` runs every binary of
@@ -172,7 +78,7 @@ fn main() {
     // `cargo bench` passes `--bench`; a bare word picks one stack.
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
-    println!("impl,resource,workload,threads,ops,ns_per_op_min,ns_per_op_median");
+    println!("{}", workloads::Row::CSV_HEADER);
     let gpu = memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0;
     if gpu {
         if want("cuda") {
@@ -248,43 +154,13 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
 /// (seed 42, the full op count), against the peak bytes live; also the pool's state once
 /// everything is freed again.
 fn footprint<R: Resource>(name: &str, make: impl Fn() -> Pool<Statistics<R>>, gpu: bool) {
-    const CAP: usize = 10_000;
     let streams = Streams::new(gpu, 1);
     let s = streams.get(0);
     let ops = 200_000 / if smoke_run() { 1000 } else { 1 };
     let pool = make();
-    let mut rng = 42;
-    let mut live: Vec<(NonNull<u8>, usize)> = Vec::with_capacity(CAP);
-    let (mut live_bytes, mut peak_live) = (0usize, 0usize);
-    for _ in 0..ops {
-        let alloc = if live.is_empty() {
-            true
-        } else if live.len() == CAP {
-            false
-        } else {
-            splitmix64(&mut rng).is_multiple_of(2)
-        };
-        if alloc {
-            let e = 8 + splitmix64(&mut rng) % 15;
-            let n = (1usize << e) + (splitmix64(&mut rng) % (1u64 << e)) as usize;
-            let p = pool
-                .allocate(s, layout(n).unwrap())
-                .expect("allocation in random");
-            live.push((p, n));
-            live_bytes += n;
-            peak_live = peak_live.max(live_bytes);
-        } else {
-            let k = (splitmix64(&mut rng) % live.len() as u64) as usize;
-            let (p, n) = live.swap_remove(k);
-            live_bytes -= n;
-            // SAFETY: `p` came from `pool` with this layout on `s`; never used.
-            unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
-        }
-    }
-    for (p, n) in live {
-        // SAFETY: as above.
-        unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
-    }
+    let mut peak_live = 0;
+    workloads::random_with(&pool, s, 42, ops, |live| peak_live = peak_live.max(live))
+        .expect("allocation in random");
     let peak_upstream = pool.upstream().snapshot().bytes.peak as usize;
     println!(
         "# footprint,{name},random,{ops},peak_upstream_bytes={peak_upstream},\

@@ -47,6 +47,7 @@
 //! - [`log`] holds the CSV event-log format shared with RMM and its reader.
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`units`] parses byte counts written by people (`512MiB`).
+//! - [`workloads`] holds the standard benchmark workloads, for timing any resource.
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
@@ -64,6 +65,7 @@ pub mod stream;
 pub mod suballoc;
 pub mod units;
 pub mod upstream;
+pub mod workloads;
 
 mod per_thread;
 mod sync;

@@ -261,3 +261,49 @@ fn every_field_is_written_as_rmm_writes_it() {
         assert_eq!(&row[2..], [action, ptr, size, stream], "{row:?}");
     }
 }
+
+mod reader_fuzz {
+    //! The reader answers every input with events or an error, never a panic (the CI
+    //! twin of `fuzz/fuzz_targets/read_events.rs`).
+
+    use memres::log::{HEADER, read_events};
+    use proptest::prelude::*;
+
+    /// A row with fields drawn from plausible and broken values.
+    fn row() -> impl Strategy<Value = String> {
+        let field = prop_oneof![
+            Just(String::new()),
+            "[0-9]{1,25}",
+            "0x[0-9a-fA-Fz]{0,18}",
+            Just("(nil)".to_owned()),
+            Just("allocate".to_owned()),
+            Just("free".to_owned()),
+            Just("allocate failure".to_owned()),
+            "[0-9]{1,3}:[0-9]{1,3}:[0-9]{1,3}\\.[0-9]{0,12}",
+            "host:[0-9a-z]{0,12}",
+            "[^,\n]{0,12}",
+        ];
+        prop::collection::vec(field, 0..9).prop_map(|f| f.join(","))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn the_reader_never_panics_on_rows(rows in prop::collection::vec(row(), 0..6)) {
+            let text = format!("{HEADER}\n{}\n", rows.join("\n"));
+            if let Ok(events) = read_events(text.as_bytes()) {
+                prop_assert!(events.iter().all(|e| e.line >= 2));
+            }
+        }
+
+        #[test]
+        fn the_reader_never_panics_on_bytes(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+            let _ = read_events(&bytes[..]);
+            let mut with_header = HEADER.as_bytes().to_vec();
+            with_header.push(b'\n');
+            with_header.extend_from_slice(&bytes);
+            let _ = read_events(&with_header[..]);
+        }
+    }
+}

@@ -209,11 +209,13 @@ struct Frame {
 /// - `current` and `total` are exact whenever no thread is in the middle of a call (after
 ///   the threads that used the adaptor are joined, say), and at most a moment stale
 ///   otherwise.
-/// - `peak` is exact when one thread at a time uses the adaptor (threads that ran one
-///   after another included). When several threads allocate at once, each thread's
-///   highest point is put on top of the shared value as it stood when that thread
-///   published, so the peak may be off (either way) by what other threads did in their
-///   last 64 operations each; it never falls below the highest `current` read.
+/// - `peak` is exact when one thread uses the adaptor, or threads that ran one after
+///   another (each done before the next began). When threads interleave (at once, or
+///   taking turns), each thread's highest point is put on top of the shared value as it
+///   stood when that thread published, so the peak may be off (either way) by what other
+///   threads did in their last 64 operations each; it never falls below the highest
+///   `current` read. Where an exact peak across threads matters more than speed, count
+///   with one atomic counter instead (the `memres replay` command does).
 /// - `push_counters` and `pop_counters` publish the calling thread's slot; other threads'
 ///   unpublished highs from before a push may count towards the new frame's peak.
 ///

@@ -77,6 +77,8 @@ pub struct Event {
     pub size: usize,
     /// The stream.
     pub stream: LoggedStream,
+    /// The 1-based line of the log it was read from.
+    pub line: usize,
 }
 
 fn bad(line: usize, what: &str, text: &str) -> Error {
@@ -133,6 +135,7 @@ pub fn parse_event(row: &str, line: usize) -> Result<Event, Error> {
         pointer,
         size: size.parse().map_err(|_| bad(line, "bad size", size))?,
         stream,
+        line,
     })
 }
 
@@ -140,18 +143,31 @@ pub fn parse_event(row: &str, line: usize) -> Result<Event, Error> {
 /// lines are skipped. A malformed line is [`Error::InvalidArgument`] naming the line.
 pub fn read_events(reader: impl BufRead) -> Result<Vec<Event>, Error> {
     let mut events = Vec::new();
+    let mut header = false;
     for (i, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| Error::invalid_argument(format!("reading the log: {e}")))?;
+        let line = line.map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => Error::invalid_argument(format!(
+                "log line {}: not UTF-8 text: a log is CSV with the header {HEADER:?}",
+                i + 1
+            )),
+            _ => Error::invalid_argument(format!("reading the log: {e}")),
+        })?;
         if i == 0 {
             if line.trim_end() != HEADER {
                 return Err(bad(1, "expected the header", &line));
             }
+            header = true;
             continue;
         }
         if line.trim().is_empty() {
             continue;
         }
         events.push(parse_event(&line, i + 1)?);
+    }
+    if !header {
+        return Err(Error::invalid_argument(format!(
+            "the log is empty: expected the header {HEADER:?} on line 1"
+        )));
     }
     Ok(events)
 }

@@ -1,0 +1,391 @@
+//! `memres`: replay allocation logs (RMM's or memres's CSV) through any resource stack,
+//! compare stacks, look inside a log, plot memory over time, and run the standard
+//! workloads.
+//!
+//! ```text
+//! memres replay LOG.csv --compare pool,arena,binning      # which stack would have done better
+//! memres stats LOG.csv                                     # what the log holds
+//! memres plot LOG.csv -o memory.svg                        # live bytes over time
+//! ```
+
+mod bench;
+mod plot;
+mod replay;
+mod simulated;
+mod stacks;
+mod stats;
+
+use std::io::{BufReader, IsTerminal};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use memres::log::{Event, LoggedStream};
+use memres::units::parse_size;
+use memres::{Cuda, HostHeap, Managed, StreamRef};
+
+use crate::replay::{Outcome, Plan};
+use crate::stacks::{Kind, Memory, NAMES, Options, Stack, StackName};
+
+#[derive(Parser)]
+#[command(
+    name = "memres",
+    version,
+    about = "Replay, compare and plot GPU memory allocation logs (RMM's CSV format) through memres resource stacks."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay a log through one stack (--resource) or several (--compare).
+    Replay(ReplayArgs),
+    /// Events, threads, streams, sizes, peak live bytes and leaks of a log.
+    Stats {
+        /// The log (CSV, or gzip-compressed .csv.gz).
+        log: PathBuf,
+    },
+    /// Live bytes over time as SVG.
+    Plot {
+        /// The log (CSV, or gzip-compressed .csv.gz).
+        log: PathBuf,
+        /// The SVG to write.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// The standard workloads (shared/bench/WORKLOADS.md) over the main stacks: on the GPU
+    /// if there is one, else on host memory.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// The log (CSV, or gzip-compressed .csv.gz).
+    log: PathBuf,
+    /// The stack: pool, arena, binning, fixed, cuda, cuda-async, managed, or a host
+    /// variant (host, host-pool, host-arena, host-binning, host-fixed).
+    #[arg(short, long, default_value = "pool", conflicts_with = "compare")]
+    resource: String,
+    /// Several stacks, comma-separated; one table.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// Replay against simulated device memory of this size (default where there is no
+    /// GPU: 80GiB).
+    #[arg(long, value_parser = size_arg)]
+    simulate: Option<usize>,
+    /// The pool's initial size.
+    #[arg(long, value_parser = size_arg, default_value = "0")]
+    initial_size: usize,
+    /// The pool's maximum size.
+    #[arg(long, value_parser = size_arg)]
+    max_size: Option<usize>,
+    /// The arena's size (default: half the memory).
+    #[arg(long, value_parser = size_arg)]
+    arena_size: Option<usize>,
+    /// The fixed-size resource's block size.
+    #[arg(long, value_parser = size_arg, default_value = "1MiB")]
+    fixed_block: usize,
+    /// The smallest and largest bin of `binning`, as powers of two.
+    #[arg(long, default_value_t = 10)]
+    bin_min: u32,
+    #[arg(long, default_value_t = 22)]
+    bin_max: u32,
+    /// Also write memory over time (live bytes, footprints, largest free blocks) as SVG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+fn size_arg(text: &str) -> Result<usize, String> {
+    parse_size(text).map_err(|e| e.to_string())
+}
+
+/// A byte count as people read it: `1.50 GiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+/// Reads a log, naming the file in every error.
+fn read_log(path: &Path) -> Result<Vec<Event>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let events = if path.extension().is_some_and(|e| e == "gz") {
+        memres::log::read_events(BufReader::new(flate2::read::GzDecoder::new(file)))
+    } else {
+        memres::log::read_events(BufReader::new(file))
+    };
+    let events = events.map_err(|e| format!("{}: {}", path.display(), message(&e)))?;
+    if events.is_empty() {
+        return Err(format!(
+            "{}: the log has a header but no events",
+            path.display()
+        ));
+    }
+    Ok(events)
+}
+
+/// An error's message without the "invalid argument: " of its kind.
+fn message(e: &memres::Error) -> String {
+    match e {
+        memres::Error::InvalidArgument(m) => m.to_string(),
+        other => other.to_string(),
+    }
+}
+
+fn gpu_present() -> bool {
+    memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Replay(args) => run_replay(args),
+        Command::Stats { log } => read_log(&log).map(|events| {
+            let plan = Plan::new(&events);
+            print!(
+                "{}",
+                stats::report(&log.display().to_string(), &events, &plan)
+            );
+        }),
+        Command::Plot { log, output } => read_log(&log).and_then(|events| {
+            let plan = Plan::new(&events);
+            plot::write(&output, &title(&log), &plan, &[])?;
+            println!("wrote {}", output.display());
+            Ok(())
+        }),
+        Command::Bench(args) => bench::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("memres: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn title(log: &Path) -> String {
+    let name = log.file_name().map_or_else(
+        || log.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    format!("memory over time: {name}")
+}
+
+fn run_replay(args: ReplayArgs) -> Result<(), String> {
+    let names: Vec<StackName> = if args.compare.is_empty() {
+        vec![StackName::parse(&args.resource)?]
+    } else {
+        args.compare
+            .iter()
+            .map(|n| StackName::parse(n))
+            .collect::<Result<_, _>>()?
+    };
+    let options = Options {
+        initial_size: args.initial_size,
+        max_size: args.max_size,
+        arena_size: args.arena_size,
+        bin_min: args.bin_min,
+        bin_max: args.bin_max,
+        fixed_block: args.fixed_block,
+    };
+    let device_memory = match args.simulate {
+        Some(size) => Memory::Simulated(size),
+        None if gpu_present() => Memory::Gpu,
+        None => Memory::Simulated(80 << 30),
+    };
+    let events = read_log(&args.log)?;
+    let plan = Plan::new(&events);
+    drop(events);
+    println!(
+        "{}: {} events ({} replayed) on {} threads and {} streams; peak live {}",
+        args.log.display(),
+        plan.len(),
+        plan.replayed_ops(),
+        plan.threads(),
+        plan.streams.len(),
+        bytes(plan.peak_live.0)
+    );
+    if plan.failures_in_log > 0 {
+        println!(
+            "  {} allocate-failure rows are left out",
+            plan.failures_in_log
+        );
+    }
+    for w in plan.warnings.iter().take(10) {
+        println!("  warning: {w}");
+    }
+    if plan.warnings.len() > 10 {
+        println!("  ... and {} more warnings", plan.warnings.len() - 10);
+    }
+    let sample_every = args.plot.as_ref().map(|_| plan.len().div_ceil(2000).max(1));
+    let mut results: Vec<(String, Memory, Outcome)> = Vec::new();
+    for name in &names {
+        let memory = if name.host {
+            Memory::Host
+        } else {
+            device_memory
+        };
+        let outcome = replay_one(&plan, name, memory, &options, sample_every)
+            .map_err(|e| format!("{}: {e}", name.name))?;
+        results.push((name.name.clone(), memory, outcome));
+    }
+    print!("{}", table(&results));
+    if sample_every.is_some() {
+        println!("(timings include the sampling for the plot)");
+    }
+    if let Some(out) = &args.plot {
+        let replays: Vec<(String, Outcome)> = results.into_iter().map(|(n, _, o)| (n, o)).collect();
+        plot::write(out, &title(&args.log), &plan, &replays)?;
+        println!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// Replays through one stack on its memory.
+fn replay_one(
+    plan: &Plan,
+    name: &StackName,
+    memory: Memory,
+    options: &Options,
+    sample_every: Option<usize>,
+) -> Result<Outcome, String> {
+    let gpu_only = matches!(name.kind, Kind::CudaAsync | Kind::Managed);
+    let fail = |e: memres::Error| message(&e);
+    let stack: Stack = match memory {
+        Memory::Simulated(size) if gpu_only => {
+            return Err(format!(
+                "needs a GPU; {NAMES} run on simulated memory ({size} bytes) except cuda-async and managed"
+            ));
+        }
+        Memory::Simulated(size) => {
+            stacks::build(name.kind, simulated::simulated(size), size, options).map_err(fail)?
+        }
+        Memory::Host => {
+            let total = options
+                .arena_size
+                .unwrap_or(2 * plan.peak_live.0 as usize)
+                .max(1 << 21);
+            stacks::build(name.kind, HostHeap, total, options).map_err(fail)?
+        }
+        Memory::Gpu => {
+            let total = memres::device::DeviceId::new(0)
+                .memory_info()
+                .map_err(fail)?
+                .free;
+            match name.kind {
+                Kind::CudaAsync => stacks::build(
+                    name.kind,
+                    memres::CudaAsync::new().map_err(fail)?,
+                    total,
+                    options,
+                ),
+                Kind::Managed => {
+                    stacks::build(name.kind, Managed::new().map_err(fail)?, total, options)
+                }
+                _ => stacks::build(name.kind, Cuda::new().map_err(fail)?, total, options),
+            }
+            .map_err(fail)?
+        }
+    };
+    // One replay stream per logged stream: CUDA streams on the GPU, host streams else.
+    let owned: Vec<memres::stream::Stream> = if memory == Memory::Gpu {
+        (0..plan.streams.len())
+            .map(|_| memres::stream::Stream::with_flags(memres::stream::StreamFlags::NonBlocking))
+            .collect::<Result<_, _>>()
+            .map_err(fail)?
+    } else {
+        Vec::new()
+    };
+    let streams: Vec<StreamRef<'_>> = if owned.is_empty() {
+        plan.streams
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match s {
+                LoggedStream::Cuda(_) | LoggedStream::Host(_) => StreamRef::host(i as u32),
+            })
+            .collect()
+    } else {
+        owned.iter().map(|s| s.as_ref()).collect()
+    };
+    let bar = if std::io::stderr().is_terminal() && plan.len() > 200_000 {
+        ProgressBar::with_draw_target(Some(plan.len() as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} events ({eta})")
+            .map_err(|e| e.to_string())?,
+    );
+    bar.set_message(name.name.clone());
+    let outcome = replay::replay(plan, &stack, &streams, sample_every, &|done| {
+        bar.set_position(done)
+    });
+    bar.finish_and_clear();
+    for s in &owned {
+        s.synchronize().map_err(fail)?;
+    }
+    Ok(outcome)
+}
+
+/// The results as a table, one row per stack.
+fn table(results: &[(String, Memory, Outcome)]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let mut memories: Vec<String> = results.iter().map(|r| r.1.to_string()).collect();
+    memories.dedup();
+    let _ = writeln!(out, "memory: {}", memories.join("; "));
+    let _ = writeln!(
+        out,
+        "{:<14} {:>10} {:>9} {:>9} {:>13} {:>15} {:>14} {:>20}",
+        "resource",
+        "time",
+        "per op",
+        "failures",
+        "first failure",
+        "peak footprint",
+        "fragmentation",
+        "leaks (freed)"
+    );
+    for (name, _, o) in results {
+        let first = o
+            .first_failure
+            .as_ref()
+            .map_or("-".to_owned(), |(line, _, _)| format!("line {line}"));
+        let _ = writeln!(
+            out,
+            "{:<14} {:>10} {:>9} {:>9} {:>13} {:>15} {:>14} {:>20}",
+            name,
+            format!("{:.2} ms", o.elapsed.as_secs_f64() * 1e3),
+            format!("{:.0} ns", o.ns_per_op()),
+            o.failures,
+            first,
+            bytes(o.peak_footprint.max(0) as u64),
+            o.fragmentation
+                .map_or("-".to_owned(), |f| format!("{f:.3}")),
+            format!("{} ({})", o.leaks.0, bytes(o.leaks.1)),
+        );
+    }
+    for (name, _, o) in results {
+        if let Some((line, size, error)) = &o.first_failure {
+            let _ = writeln!(
+                out,
+                "{name}: first failure at line {line} ({}): {error}",
+                bytes(*size as u64)
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,131 @@
+//! Memory over time as SVG: the log's live bytes, and for replays each stack's
+//! footprint and its pool's largest free block.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::replay::{Outcome, Plan};
+
+/// One line of the plot: a name and (seconds, bytes) points.
+struct Series {
+    name: String,
+    points: Vec<(f64, f64)>,
+    style: ShapeStyle,
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+/// At most this many points per line: plots of long logs stay small and quick.
+const MAX_POINTS: usize = 4000;
+
+/// Writes the plot of `plan` (and `replays`: stack name and outcome) to `out`.
+pub fn write(
+    out: &Path,
+    title: &str,
+    plan: &Plan,
+    replays: &[(String, Outcome)],
+) -> Result<(), String> {
+    let seconds = |op: usize| plan.micros.get(op).copied().unwrap_or(0) as f64 / 1e6;
+    let step = plan.len().div_ceil(MAX_POINTS).max(1);
+    let mut series = vec![Series {
+        name: "live bytes (log)".into(),
+        points: (0..plan.len())
+            .step_by(step)
+            .chain(plan.len().checked_sub(1))
+            .map(|i| (seconds(i), plan.live[i] as f64))
+            .collect(),
+        style: BLACK.stroke_width(2),
+    }];
+    for (i, (name, outcome)) in replays.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let keep = outcome.samples.len().div_ceil(MAX_POINTS).max(1);
+        series.push(Series {
+            name: format!("{name}: footprint"),
+            points: outcome
+                .samples
+                .iter()
+                .step_by(keep)
+                .map(|s| (seconds(s.op), s.footprint.max(0) as f64))
+                .collect(),
+            style: color.stroke_width(2),
+        });
+        if outcome.samples.iter().any(|s| s.largest_free.is_some()) {
+            series.push(Series {
+                name: format!("{name}: largest free block"),
+                points: outcome
+                    .samples
+                    .iter()
+                    .step_by(keep)
+                    .filter_map(|s| Some((seconds(s.op), s.largest_free? as f64)))
+                    .collect(),
+                style: color.mix(0.6).stroke_width(1),
+            });
+        }
+    }
+    let x_max = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .fold(0.0f64, f64::max)
+        .max(1e-6);
+    let y_top = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .fold(0.0f64, f64::max)
+        .max(1.0);
+    let (unit, scale) = [
+        ("TiB", 1u64 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ]
+    .into_iter()
+    .find(|&(_, s)| y_top >= s as f64)
+    .unwrap_or(("B", 1));
+    let scale = scale as f64;
+    let fail = |e: &dyn std::fmt::Display| format!("writing the plot {}: {e}", out.display());
+    let root = SVGBackend::new(out, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(72)
+        .build_cartesian_2d(0.0..x_max * 1.02, 0.0..y_top / scale * 1.08)
+        .map_err(|e| fail(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("time since the first event (s)")
+        .y_desc(format!("memory ({unit})"))
+        .draw()
+        .map_err(|e| fail(&e))?;
+    for s in series {
+        let style = s.style;
+        chart
+            .draw_series(LineSeries::new(
+                s.points.into_iter().map(|(x, y)| (x, y / scale)),
+                style,
+            ))
+            .map_err(|e| fail(&e))?
+            .label(s.name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| fail(&e))?;
+    root.present().map_err(|e| fail(&e))?;
+    Ok(())
+}

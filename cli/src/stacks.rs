@@ -1,0 +1,249 @@
+//! The resource stacks a replay can run through, by name, over a memory source.
+
+use std::fmt;
+use std::sync::Arc;
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use memres::property::Contains;
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, PoolStats};
+use memres::{AnyResource, Callback, Error, Resource, StreamRef};
+
+/// Where the memory comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Addresses from a range of this many bytes, never touched.
+    Simulated(usize),
+    /// The GPU (device 0).
+    Gpu,
+    /// Host memory (the Rust global allocator).
+    Host,
+}
+
+impl fmt::Display for Memory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Memory::Simulated(size) => write!(
+                f,
+                "simulated device memory of {}",
+                crate::bytes(*size as u64)
+            ),
+            Memory::Gpu => f.write_str("the GPU (device 0)"),
+            Memory::Host => f.write_str("host memory"),
+        }
+    }
+}
+
+/// The sub-allocator (or none) a stack puts over its memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// memres's coalescing pool.
+    Pool,
+    /// RMM's arena.
+    Arena,
+    /// Fixed-size bins over a pool; larger requests go to the pool.
+    Binning,
+    /// One block size; larger requests fail.
+    Fixed,
+    /// No sub-allocator: every request goes to the memory (`cuda`, `host`).
+    Direct,
+    /// The driver's stream-ordered pool (GPU only).
+    CudaAsync,
+    /// Managed memory, directly (GPU only).
+    Managed,
+}
+
+/// A stack by name: `pool`, `arena`, `binning`, `fixed`, `cuda`, `cuda-async`, `managed`,
+/// and the host variants `host`, `host-pool`, `host-arena`, `host-binning`, `host-fixed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackName {
+    pub name: String,
+    pub kind: Kind,
+    /// Host memory whatever the memory source is.
+    pub host: bool,
+}
+
+pub const NAMES: &str = "pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
+
+impl StackName {
+    pub fn parse(text: &str) -> Result<StackName, String> {
+        let name = text.trim().to_ascii_lowercase();
+        let (host, base) = match name.strip_prefix("host-") {
+            Some(base) => (true, base.to_owned()),
+            None if name == "host" => (true, "cuda".to_owned()),
+            None => (false, name.clone()),
+        };
+        let kind = match base.as_str() {
+            "pool" => Kind::Pool,
+            "arena" => Kind::Arena,
+            "binning" => Kind::Binning,
+            "fixed" => Kind::Fixed,
+            "cuda" => Kind::Direct,
+            "cuda-async" | "cuda_async" if !host => Kind::CudaAsync,
+            "managed" if !host => Kind::Managed,
+            _ => {
+                return Err(format!(
+                    "unknown resource {text:?} (expected one of {NAMES})"
+                ));
+            }
+        };
+        Ok(StackName { name, kind, host })
+    }
+}
+
+/// Sizes and shapes of the sub-allocators.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    pub initial_size: usize,
+    pub max_size: Option<usize>,
+    /// The arena's size; `None`: half the memory.
+    pub arena_size: Option<usize>,
+    pub bin_min: u32,
+    pub bin_max: u32,
+    pub fixed_block: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            initial_size: 0,
+            max_size: None,
+            arena_size: None,
+            bin_min: 10,
+            bin_max: 22,
+            fixed_block: 1 << 20,
+        }
+    }
+}
+
+/// A built stack: the top that replays go through (erased: stacks differ in type), the
+/// footprint it takes from its memory, and the pool's figures where it has a pool.
+pub struct Stack {
+    pub top: AnyResource<()>,
+    footprint: Box<dyn Fn() -> memres::adaptor::Counter + Send + Sync>,
+    pool: Option<PoolFigures>,
+}
+
+/// Reads a pool's figures.
+type PoolFigures = Box<dyn Fn() -> PoolStats + Send + Sync>;
+
+impl Stack {
+    /// Bytes the stack holds from its memory: now, and the most it held.
+    pub fn footprint(&self) -> memres::adaptor::Counter {
+        (self.footprint)()
+    }
+
+    /// The pool's figures (size, free bytes, largest free block), where there is a pool.
+    pub fn pool_stats(&self) -> Option<PoolStats> {
+        self.pool.as_ref().map(|f| f())
+    }
+}
+
+/// Bytes a stack holds from its memory, counted exactly (one atomic counter: the replay
+/// interleaves threads, where `Statistics`' per-thread counting may be off by a few ops).
+#[derive(Default)]
+struct Footprint {
+    current: AtomicI64,
+    peak: AtomicI64,
+}
+
+/// `memory` with every block it hands out counted in the returned [`Footprint`].
+fn counted<U>(
+    memory: U,
+) -> (
+    impl Resource<Properties = U::Properties> + Send + Sync + 'static,
+    Arc<Footprint>,
+)
+where
+    U: Resource + Send + Sync + 'static,
+{
+    let footprint = Arc::new(Footprint::default());
+    let memory = Arc::new(memory);
+    let (up, count) = (Arc::clone(&memory), Arc::clone(&footprint));
+    let allocate = move |l: Layout, s: StreamRef<'_>| {
+        let p = up.allocate(s, l)?;
+        let now = count.current.fetch_add(l.size() as i64, Ordering::Relaxed) + l.size() as i64;
+        count.peak.fetch_max(now, Ordering::Relaxed);
+        Ok(p)
+    };
+    let count = Arc::clone(&footprint);
+    let deallocate = move |p: NonNull<u8>, l: Layout, s: StreamRef<'_>| {
+        count.current.fetch_sub(l.size() as i64, Ordering::Relaxed);
+        // SAFETY: `Callback` hands back only blocks `allocate` returned, from `memory`
+        // with this layout, under `Resource::deallocate`'s contract.
+        unsafe { memory.deallocate(s, p, l) }
+    };
+    // SAFETY: every call goes to `memory`, which keeps the contract; the closures only
+    // count.
+    (
+        unsafe { Callback::<U::Properties>::new(allocate, deallocate) },
+        footprint,
+    )
+}
+
+/// Builds `kind` over `memory` (counted, to measure the footprint).
+/// `total` is the memory's size, for the arena's default.
+pub fn build<U>(kind: Kind, memory: U, total: usize, options: &Options) -> Result<Stack, Error>
+where
+    U: Resource + Send + Sync + 'static,
+    U::Properties: Contains<()>,
+{
+    let (memory, count) = counted(memory);
+    let counted = Arc::new(memory);
+    let footprint = Box::new(move || memres::adaptor::Counter {
+        current: count.current.load(Ordering::Relaxed),
+        peak: count.peak.load(Ordering::Relaxed),
+        total: 0,
+    });
+    let pool_config = || {
+        let mut config = PoolConfig::new().initial_size(options.initial_size);
+        if let Some(max) = options.max_size {
+            config = config.maximum_size(max);
+        }
+        config
+    };
+    let (top, pool): (AnyResource<()>, Option<PoolFigures>) = match kind {
+        Kind::Pool => {
+            let pool = Arc::new(Pool::new(Arc::clone(&counted), pool_config())?);
+            let stats = Arc::clone(&pool);
+            (
+                AnyResource::new(pool),
+                Some(Box::new(move || stats.stats())),
+            )
+        }
+        Kind::Binning => {
+            let pool = Arc::new(Pool::new(Arc::clone(&counted), pool_config())?);
+            let stats = Arc::clone(&pool);
+            let binning = Binning::new(pool, options.bin_min, options.bin_max)?;
+            (
+                AnyResource::new(binning),
+                Some(Box::new(move || stats.stats())),
+            )
+        }
+        Kind::Arena => {
+            let size = options.arena_size.unwrap_or(total / 2);
+            (
+                AnyResource::new(Arena::with_size(Arc::clone(&counted), size)?),
+                None,
+            )
+        }
+        Kind::Fixed => (
+            AnyResource::new(FixedSize::with_block_size(
+                Arc::clone(&counted),
+                options.fixed_block,
+                128,
+            )?),
+            None,
+        ),
+        Kind::Direct | Kind::CudaAsync | Kind::Managed => {
+            (AnyResource::new(Arc::clone(&counted)), None)
+        }
+    };
+    Ok(Stack {
+        top,
+        footprint,
+        pool,
+    })
+}

@@ -1,0 +1,309 @@
+//! The `memres` command, run as a user runs it: replays of crafted logs with known
+//! answers, the sample logs, malformed input, `stats` and `plot`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+fn sample(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/data")
+        .join(name)
+}
+
+fn memres(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memres"))
+        .args(args)
+        .output()
+        .expect("the memres binary runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = memres(args);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "memres {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Runs, expects failure, returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = memres(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "memres {args:?} succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "memres {args:?} panicked: {stderr}"
+    );
+    stderr
+}
+
+/// The table row of `resource` in replay output, split into columns.
+fn row<'a>(out: &'a str, resource: &str) -> Vec<&'a str> {
+    out.lines()
+        .find(|l| l.split_whitespace().next() == Some(resource))
+        .unwrap_or_else(|| panic!("no row for {resource} in\n{out}"))
+        .split_whitespace()
+        .collect()
+}
+
+#[test]
+fn known_answers_through_pool_arena_and_binning() {
+    let log = data("known.csv");
+    let out = ok(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--compare",
+        "pool,arena,binning",
+        "--simulate",
+        "1GiB",
+    ]);
+    // 1000 + 2000 live at once is the peak; 0x2000 and 0x3000 are never freed.
+    assert!(out.contains("peak live 2.93 KiB"), "{out}");
+    assert!(
+        out.contains("1 allocate-failure rows are left out"),
+        "{out}"
+    );
+    assert!(
+        out.contains("memory: simulated device memory of 1.00 GiB"),
+        "{out}"
+    );
+    for resource in ["pool", "arena", "binning"] {
+        let cols = row(&out, resource);
+        // resource, time, unit, per op, unit, failures, first failure, ...
+        assert_eq!(cols[5], "0", "{resource}: failures in {out}");
+        assert_eq!(cols[6], "-", "{resource}");
+        let leaks = cols[cols.len() - 3..].join(" ");
+        assert_eq!(
+            leaks, "2 (2.44 KiB)",
+            "{resource}: 2000 + 500 bytes never freed"
+        );
+    }
+}
+
+#[test]
+fn a_failure_is_reported_at_its_line() {
+    let log = data("too_big.csv");
+    let out = ok(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--compare",
+        "pool,arena,binning",
+        "--simulate",
+        "2GiB",
+    ]);
+    for resource in ["pool", "arena", "binning"] {
+        let cols = row(&out, resource);
+        assert_eq!(cols[5], "1", "{resource}: one failure in {out}");
+        assert_eq!(
+            &cols[6..8],
+            ["line", "6"],
+            "{resource}: the 4 GiB allocation is on line 6"
+        );
+        assert!(
+            out.contains(&format!("{resource}: first failure at line 6 (4.00 GiB)")),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn the_rmm_log_replays_without_error() {
+    let log = sample("rmm-log-sample.csv");
+    let out = ok(&["replay", log.to_str().unwrap(), "--simulate", "80GiB"]);
+    assert!(
+        out.contains("361 events (360 replayed) on 4 threads and 3 streams"),
+        "{out}"
+    );
+    let cols = row(&out, "pool");
+    assert_eq!(cols[5], "0", "{out}");
+    assert!(!out.contains("warning"), "{out}");
+}
+
+#[test]
+fn the_sample_training_log_replays_and_compares() {
+    let log = sample("training.csv.gz");
+    let out = ok(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--compare",
+        "pool,binning,cuda,host-pool",
+    ]);
+    assert!(out.contains("238777 events"), "{out}");
+    assert!(out.contains("on 3 threads and 4 streams"), "{out}");
+    for resource in ["pool", "binning", "cuda", "host-pool"] {
+        let cols = row(&out, resource);
+        assert_eq!(cols[5], "0", "{resource}: {out}");
+        // One metrics buffer is never freed.
+        assert_eq!(cols[cols.len() - 3], "1", "{resource}: {out}");
+    }
+    // `cuda` hands every request to the memory: its footprint is the live peak.
+    assert!(out.contains("peak live 328.42 MiB"), "{out}");
+    assert_eq!(row(&out, "cuda")[7..9], ["328.42", "MiB"], "{out}");
+}
+
+#[test]
+fn stats_describe_the_log() {
+    let out = ok(&["stats", sample("training.csv.gz").to_str().unwrap()]);
+    assert!(
+        out.contains("238777 events on 3 threads and 4 streams"),
+        "{out}"
+    );
+    assert!(out.contains("peak live: 328.42 MiB at line"), "{out}");
+    assert!(out.contains("never freed: 1 allocations"), "{out}");
+    assert!(out.contains("[8.00 MiB, 16.00 MiB)"), "{out}");
+    let out = ok(&["stats", data("known.csv").to_str().unwrap()]);
+    assert!(
+        out.contains("allocations 4, frees 2, allocation failures 1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("peak live: 2.93 KiB at line 3 (10:00:00.000010)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("never freed: 2 allocations, 2.44 KiB"),
+        "{out}"
+    );
+}
+
+#[test]
+fn plots_are_svg_naming_what_they_show() {
+    let dir = std::env::temp_dir().join(format!("memres-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("rmm.svg");
+    let log = sample("rmm-log-sample.csv");
+    ok(&["plot", log.to_str().unwrap(), "-o", svg.to_str().unwrap()]);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    roxmltree::Document::parse(&text).expect("the plot is well-formed XML");
+    assert!(text.contains("memory over time: rmm-log-sample.csv"));
+    assert!(text.contains("live bytes (log)"));
+
+    let replayed = dir.join("replay.svg");
+    let out = ok(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--compare",
+        "pool,arena",
+        "--plot",
+        replayed.to_str().unwrap(),
+    ]);
+    assert!(out.contains("wrote"), "{out}");
+    let text = std::fs::read_to_string(&replayed).unwrap();
+    roxmltree::Document::parse(&text).expect("the plot is well-formed XML");
+    for label in [
+        "pool: footprint",
+        "pool: largest free block",
+        "arena: footprint",
+    ] {
+        assert!(text.contains(label), "the legend lacks {label:?}");
+    }
+    assert!(text.contains("memory (MiB)") || text.contains("memory (GiB)"));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn malformed_logs_are_errors_naming_file_and_line() {
+    let cases = [
+        (
+            "missing_column.csv",
+            "log line 3: expected 6 comma-separated fields",
+        ),
+        ("bad_pointer.csv", "log line 3: bad pointer: \"0xZZ\""),
+        ("bad_size.csv", "log line 3: bad size: \"-12\""),
+        ("empty.csv", "the log is empty"),
+        ("header_only.csv", "the log has a header but no events"),
+        ("not_csv.csv", "log line 1: not UTF-8 text"),
+    ];
+    for (file, want) in cases {
+        let path = data(file);
+        for command in ["replay", "stats"] {
+            let err = fails(&[command, path.to_str().unwrap()]);
+            assert!(
+                err.contains(file),
+                "{command} {file}: {err:?} does not name the file"
+            );
+            assert!(
+                err.contains(want),
+                "{command} {file}: {err:?} lacks {want:?}"
+            );
+        }
+    }
+    let err = fails(&["replay", "/no/such/log.csv"]);
+    assert!(err.contains("/no/such/log.csv"), "{err}");
+}
+
+#[test]
+fn a_free_of_an_unknown_pointer_is_reported_and_the_replay_goes_on() {
+    let out = ok(&[
+        "replay",
+        data("unknown_free.csv").to_str().unwrap(),
+        "--simulate",
+        "1GiB",
+    ]);
+    assert!(
+        out.contains("warning: line 3: free of 0xdead00, which the log never allocated (skipped)"),
+        "{out}"
+    );
+    assert_eq!(row(&out, "pool")[5], "0", "{out}");
+}
+
+#[test]
+fn bad_options_are_errors() {
+    let log = data("known.csv");
+    let err = fails(&["replay", log.to_str().unwrap(), "--resource", "poool"]);
+    assert!(err.contains("unknown resource \"poool\""), "{err}");
+    let err = fails(&["replay", log.to_str().unwrap(), "--simulate", "lots"]);
+    assert!(err.contains("no number in the size \"lots\""), "{err}");
+    let err = fails(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--resource",
+        "cuda-async",
+        "--simulate",
+        "1GiB",
+    ]);
+    assert!(err.contains("needs a GPU"), "{err}");
+}
+
+#[test]
+fn bench_prints_the_anchors_csv_and_a_table() {
+    // A thousandth of the ops: the point is the shape, not the figures.
+    let out = ok(&[
+        "bench",
+        "--scale",
+        "1000",
+        "--stacks",
+        "pool,arena",
+        "--pool-size",
+        "256MiB",
+    ]);
+    assert!(
+        out.contains("impl,resource,workload,threads,ops,ns_per_op_min,ns_per_op_median"),
+        "{out}"
+    );
+    for line in [
+        "memres,pool,pair-256B,1,1000,",
+        "memres,arena,random,1,200,",
+        "memres,pool,random-mt,8,800,",
+    ] {
+        assert!(out.contains(line), "{out} lacks {line}");
+    }
+    assert!(out.contains("median ns per op"), "{out}");
+    assert!(
+        !out.contains("memres,binning"),
+        "only the stacks asked for run: {out}"
+    );
+}

@@ -1,0 +1,274 @@
+//! The standard benchmark workloads (spec v1 of the team's `WORKLOADS.md`, the same ones
+//! the RAPIDS RMM and PyTorch anchors run), for timing any resource.
+//!
+//! - `pair-<size>`: allocate and free one block of `size` bytes, `n` times; ns per pair.
+//! - `random`: a seeded random walk of allocations (256 B to 8 MiB, log-uniform) and frees
+//!   of random live blocks, at most 10,000 live; ns per op.
+//! - `random-mt`: `random` on each of several threads, each on its own stream.
+//!
+//! [`suite`] runs them in the anchors' configuration and hands each result row to a
+//! callback; `benches/workloads.rs` and `memres bench` both print those rows as CSV.
+//!
+//! ```
+//! use memres::workloads::{Suite, suite};
+//! use memres::{HostHeap, StreamRef};
+//!
+//! let streams: Vec<_> = (0..9).map(StreamRef::host).collect();
+//! let mut rows = Vec::new();
+//! let quick = Suite { scale: 10_000, ..Suite::default() }; // 1/10,000 of the ops
+//! suite("host_heap", &HostHeap::new(), &streams, quick, &|_| true, &mut |row| rows.push(row))?;
+//! assert!(rows.iter().any(|r| r.workload == "random" && r.ns_per_op_min > 0.0));
+//! # Ok::<(), memres::Error>(())
+//! ```
+
+use std::hint::black_box;
+use std::ptr::NonNull;
+use std::time::Instant;
+
+use crate::error::Error;
+use crate::resource::{Resource, layout};
+use crate::stream::StreamRef;
+
+/// The workloads' random number generator (SplitMix64), as the anchors use it.
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `n` allocate + free pairs of `bytes` on `stream`; ns per pair.
+pub fn pairs<R: Resource + ?Sized>(
+    r: &R,
+    stream: StreamRef<'_>,
+    bytes: usize,
+    n: usize,
+) -> Result<f64, Error> {
+    let l = layout(bytes)?;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        // `black_box` keeps the compiler from eliding a heap allocate/free pair.
+        let p = black_box(r.allocate(stream, l)?);
+        // SAFETY: allocated just above with `l` on `stream`; never used.
+        unsafe { r.deallocate(stream, p, l) };
+    }
+    Ok(t0.elapsed().as_nanos() as f64 / n.max(1) as f64)
+}
+
+/// One step of the `random` walk: `Some(size)` to allocate, `None` to free a random live
+/// block (chosen with the next number).
+fn random_step(rng: &mut u64, live: usize) -> Option<usize> {
+    const CAP: usize = 10_000;
+    let alloc = live == 0 || (live < CAP && splitmix64(rng).is_multiple_of(2));
+    alloc.then(|| {
+        let e = 8 + splitmix64(rng) % 15;
+        (1usize << e) + (splitmix64(rng) % (1u64 << e)) as usize
+    })
+}
+
+/// The `random` workload: ns per op. What is live at the end is freed untimed; an
+/// allocation that fails frees everything live and returns the error.
+pub fn random<R: Resource + ?Sized>(
+    r: &R,
+    stream: StreamRef<'_>,
+    seed: u64,
+    ops: usize,
+) -> Result<f64, Error> {
+    random_with(r, stream, seed, ops, |_| {})
+}
+
+/// [`random`], calling `observe(live_bytes)` after every op (untimed work belongs in
+/// `observe` only if the caller does not need the timing).
+pub fn random_with<R: Resource + ?Sized>(
+    r: &R,
+    stream: StreamRef<'_>,
+    seed: u64,
+    ops: usize,
+    mut observe: impl FnMut(usize),
+) -> Result<f64, Error> {
+    let mut rng = seed;
+    let mut live: Vec<(NonNull<u8>, usize)> = Vec::with_capacity(10_000);
+    let mut live_bytes = 0;
+    let free_all = |live: Vec<(NonNull<u8>, usize)>| {
+        for (p, n) in live {
+            if let Ok(l) = layout(n) {
+                // SAFETY: `p` came from `r` with this layout on `stream`; never used.
+                unsafe { r.deallocate(stream, p, l) };
+            }
+        }
+    };
+    let t0 = Instant::now();
+    for _ in 0..ops {
+        match random_step(&mut rng, live.len()) {
+            Some(n) => match layout(n).and_then(|l| r.allocate(stream, l)) {
+                Ok(p) => {
+                    live.push((black_box(p), n));
+                    live_bytes += n;
+                }
+                Err(e) => {
+                    free_all(live);
+                    return Err(e);
+                }
+            },
+            None => {
+                let k = (splitmix64(&mut rng) % live.len() as u64) as usize;
+                let (p, n) = live.swap_remove(k);
+                live_bytes -= n;
+                if let Ok(l) = layout(n) {
+                    // SAFETY: `p` came from `r` with this layout on `stream`; never used.
+                    unsafe { r.deallocate(stream, p, l) };
+                }
+            }
+        }
+        observe(live_bytes);
+    }
+    let ns = t0.elapsed().as_nanos() as f64 / ops.max(1) as f64;
+    free_all(live);
+    Ok(ns)
+}
+
+/// `random` on one thread per stream (seeds 42, 43, ...), `ops` each; ns per op overall.
+pub fn random_mt<R: Resource + Sync + ?Sized>(
+    r: &R,
+    streams: &[StreamRef<'_>],
+    ops: usize,
+) -> Result<f64, Error> {
+    let t0 = Instant::now();
+    let results: Vec<Result<f64, Error>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .iter()
+            .enumerate()
+            .map(|(t, &stream)| scope.spawn(move || random(r, stream, 42 + t as u64, ops)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::invalid_argument("a workload thread panicked")))
+            })
+            .collect()
+    });
+    let elapsed = t0.elapsed();
+    results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(elapsed.as_nanos() as f64 / (ops * streams.len()).max(1) as f64)
+}
+
+/// One workload's figures, as the anchors' CSV has them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// The stack's name.
+    pub resource: String,
+    /// The workload: `pair-256B`, `pair-64KiB`, `pair-4MiB`, `random`, `random-mt`.
+    pub workload: &'static str,
+    /// Threads it ran on.
+    pub threads: usize,
+    /// Ops per run.
+    pub ops: usize,
+    /// The fastest of three timed runs (after one warm-up), ns per op.
+    pub ns_per_op_min: f64,
+    /// Their median, ns per op.
+    pub ns_per_op_median: f64,
+}
+
+impl Row {
+    /// The CSV header the anchors print.
+    pub const CSV_HEADER: &'static str =
+        "impl,resource,workload,threads,ops,ns_per_op_min,ns_per_op_median";
+
+    /// The row as the anchors' CSV line (`impl` is `memres`).
+    pub fn csv(&self) -> String {
+        format!(
+            "memres,{},{},{},{},{:.1},{:.1}",
+            self.resource,
+            self.workload,
+            self.threads,
+            self.ops,
+            self.ns_per_op_min,
+            self.ns_per_op_median
+        )
+    }
+}
+
+/// Which workloads [`suite`] runs, and how many ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Suite {
+    /// The stack calls the driver on every allocation: fewer ops (20,000), no `random-mt`,
+    /// as the anchors do.
+    pub slow: bool,
+    /// Only the pairs up to 64 KiB (a fixed-size resource of 1 MiB blocks).
+    pub small_only: bool,
+    /// Divide every op count by this (1: the full counts; a smoke run uses 1000).
+    pub scale: usize,
+}
+
+impl Default for Suite {
+    fn default() -> Self {
+        Suite {
+            slow: false,
+            small_only: false,
+            scale: 1,
+        }
+    }
+}
+
+/// One warm-up run and three timed: (min, median).
+fn measure(mut run: impl FnMut() -> Result<f64, Error>) -> Result<(f64, f64), Error> {
+    run()?;
+    let mut r = [run()?, run()?, run()?];
+    r.sort_by(f64::total_cmp);
+    Ok((r[0], r[1]))
+}
+
+/// The suite for one stack: the pairs and `random` on `streams[0]`, `random-mt` on
+/// `streams[1..]` (one thread each). `want(workload)` picks workloads; `emit` gets each
+/// row as it is measured.
+pub fn suite<R: Resource + Sync + ?Sized>(
+    name: &str,
+    r: &R,
+    streams: &[StreamRef<'_>],
+    config: Suite,
+    want: &dyn Fn(&str) -> bool,
+    emit: &mut dyn FnMut(Row),
+) -> Result<(), Error> {
+    let Some((&s, others)) = streams.split_first() else {
+        return Err(Error::invalid_argument(
+            "a workload suite needs at least one stream",
+        ));
+    };
+    let scale = config.scale.max(1);
+    let np = if config.slow { 20_000 } else { 1_000_000 } / scale;
+    let nr = if config.slow { 20_000 } else { 200_000 } / scale;
+    let mut run = |workload: &'static str,
+                   threads: usize,
+                   ops: usize,
+                   f: &mut dyn FnMut() -> Result<f64, Error>|
+     -> Result<(), Error> {
+        if want(workload) {
+            let (min, median) = measure(f)?;
+            emit(Row {
+                resource: name.to_owned(),
+                workload,
+                threads,
+                ops,
+                ns_per_op_min: min,
+                ns_per_op_median: median,
+            });
+        }
+        Ok(())
+    };
+    run("pair-256B", 1, np, &mut || pairs(r, s, 256, np))?;
+    run("pair-64KiB", 1, np, &mut || pairs(r, s, 64 << 10, np))?;
+    if config.small_only {
+        return Ok(());
+    }
+    run("pair-4MiB", 1, np, &mut || pairs(r, s, 4 << 20, np))?;
+    run("random", 1, nr, &mut || random(r, s, 42, nr))?;
+    if config.slow || others.is_empty() {
+        return Ok(());
+    }
+    let nt = 100_000 / scale;
+    run("random-mt", others.len(), nt * others.len(), &mut || {
+        random_mt(r, others, nt)
+    })
+}
