@@ -204,7 +204,14 @@ def _torch_shim():
     import torch
     from torch.utils import cpp_extension
 
-    lib = pathlib.Path(library_path()).resolve()
+    lib = pathlib.Path(library_path())
+    if not lib.is_file():
+        raise MemresError(
+            ERROR_INVALID_ARGUMENT,
+            f"torch_allocator needs the path of libmemres.so to link its shim against; the "
+            f"loader found {lib.name!r} by name only: set MEMRES_LIB to its path",
+        )
+    lib = lib.resolve()
     key = hashlib.sha256(
         "\0".join([_TORCH_SHIM, torch.__version__, str(lib), str(lib.stat().st_mtime_ns)]).encode()
     ).hexdigest()[:16]
@@ -222,7 +229,9 @@ def _torch_shim():
         )
     cache.mkdir(parents=True, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    with tempfile.TemporaryDirectory() as tmp:
+    # Built inside the cache folder and renamed into place (atomic on one file system), so
+    # a process starting at the same time never loads a half-written library.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
         src = pathlib.Path(tmp) / "memres_torch.cpp"
         src.write_text(_TORCH_SHIM)
         built = pathlib.Path(tmp) / out.name
@@ -236,7 +245,7 @@ def _torch_shim():
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise MemresError(ERROR_INVALID_ARGUMENT, "building the torch shim failed:\n" + done.stderr)
-        shutil.move(str(built), out)
+        os.replace(built, out)
     return str(out)
 
 
@@ -256,16 +265,24 @@ def torch_allocator():
 
 
 class _Block:
-    """Owns one memres block for CuPy; frees it when CuPy lets go of the memory."""
+    """Owns one memres block for CuPy; frees it when CuPy lets go of the memory. It keeps
+    CuPy's stream object, so the stream it is freed on is still alive then."""
 
-    __slots__ = ("ptr", "size", "device", "stream", "free")
+    __slots__ = ("ptr", "size", "device", "stream", "handle", "free")
 
-    def __init__(self, ptr, size, device, stream):
-        self.ptr, self.size, self.device, self.stream = ptr, size, device, stream
+    def __init__(self, ptr, size, device, stream, handle):
+        self.ptr, self.size, self.device = ptr, size, device
+        self.stream, self.handle = stream, handle
         self.free = _lib().memres_free
 
     def __del__(self):
-        self.free(self.ptr, self.size, self.device, self.stream)
+        self.free(self.ptr, self.size, self.device, self.handle)
+
+
+# cudaStreamPerThread names another stream on every thread, and CuPy may drop memory on
+# any thread: such blocks are ordered on the legacy default stream instead, which
+# synchronises with every per-thread default stream.
+_PER_THREAD = 2
 
 
 def cupy_allocator(size):
@@ -275,13 +292,14 @@ def cupy_allocator(size):
     import cupy
 
     device = cupy.cuda.Device().id
-    stream = cupy.cuda.get_current_stream().ptr
-    ptr = _lib().memres_malloc(size, device, stream)
+    stream = cupy.cuda.get_current_stream()
+    handle = 0 if stream.ptr == _PER_THREAD else stream.ptr
+    ptr = _lib().memres_malloc(size, device, handle)
     if not ptr:
         message = last_error()
         if "out of memory" in message.lower():
             raise cupy.cuda.memory.OutOfMemoryError(size, 0, 0)
         raise MemresError(ERROR_CUDA, message)
-    block = _Block(ptr, size, device, stream)
+    block = _Block(ptr, size, device, stream, handle)
     memory = cupy.cuda.UnownedMemory(ptr, size, block, device)
     return cupy.cuda.MemoryPointer(memory, 0)

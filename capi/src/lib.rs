@@ -122,7 +122,6 @@ fn guarded<T>(on_failure: impl FnOnce(c_int) -> T, f: impl FnOnce() -> Result<T,
             }
         }
     };
-    tracing::debug!(code = failure.code, message = %failure.message, "memres C ABI call failed");
     set_last_error(&failure.message);
     on_failure(failure.code)
 }
@@ -164,12 +163,16 @@ fn stack(device: c_int) -> Result<&'static DeviceStack, Failure> {
     }
     let spec = match &config.spec {
         Some(spec) => spec.clone(),
-        None => match std::env::var("MEMRES_RESOURCE") {
-            Ok(text) => {
-                Spec::parse(&text).map_err(|e| Failure::invalid(format!("MEMRES_RESOURCE: {e}")))?
-            }
-            Err(_) => Spec::default_spec(),
-        },
+        None => {
+            // Read once: every device gets the same stack even if the variable changes.
+            let spec = match std::env::var("MEMRES_RESOURCE") {
+                Ok(text) => Spec::parse(&text)
+                    .map_err(|e| Failure::invalid(format!("MEMRES_RESOURCE: {e}")))?,
+                Err(_) => Spec::default_spec(),
+            };
+            config.spec = Some(spec.clone());
+            spec
+        }
     };
     let id = DeviceId::new(device);
     let built = DeviceStack::build(&spec, id)?;

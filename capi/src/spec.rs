@@ -65,10 +65,19 @@ impl fmt::Display for SpecError {
 const RESOURCES: &str =
     "cuda, cuda_async, pool, arena, binning, statistics(..), logging(..), limiting(..)";
 
+/// The most wrappers a spec may nest (real stacks have two or three).
+const MAX_DEPTH: usize = 16;
+/// The longest spec accepted.
+const MAX_LEN: usize = 4096;
+
 impl Spec {
     /// Parses a whole spec.
     pub(crate) fn parse(text: &str) -> Result<Spec, SpecError> {
-        parse(text.trim()).map_err(|e| SpecError(format!("invalid resource spec {text:?}: {e}")))
+        let fail = |e: String| SpecError(format!("invalid resource spec {text:?}: {e}"));
+        if text.len() > MAX_LEN {
+            return Err(fail(format!("longer than {MAX_LEN} bytes")));
+        }
+        parse(text.trim(), 0).map_err(fail)
     }
 
     /// The spec used when none is configured: a pool with RMM's default sizes.
@@ -78,9 +87,70 @@ impl Spec {
             max: None,
         }
     }
+
+    /// The name a spec is written with.
+    fn name(&self) -> &'static str {
+        match self {
+            Spec::Cuda => "cuda",
+            Spec::CudaAsync { .. } => "cuda_async",
+            Spec::Pool { .. } => "pool",
+            Spec::Arena { .. } => "arena",
+            Spec::Binning { .. } => "binning",
+            Spec::Statistics(_) => "statistics",
+            Spec::Logging { .. } => "logging",
+            Spec::Limiting { .. } => "limiting",
+        }
+    }
+
+    /// The base (non-wrapper) spec at the bottom of the stack.
+    fn base_mut(&mut self) -> &mut Spec {
+        match self {
+            Spec::Statistics(inner)
+            | Spec::Logging { inner, .. }
+            | Spec::Limiting { inner, .. } => inner.base_mut(),
+            base => base,
+        }
+    }
+
+    /// Sets option `key` of a base spec.
+    fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
+        let name = self.name();
+        match (self, key) {
+            (Spec::CudaAsync { initial, .. }, "initial") => *initial = Some(size(key, value)?),
+            (
+                Spec::CudaAsync {
+                    release_threshold, ..
+                },
+                "release",
+            ) => {
+                *release_threshold = Some(size(key, value)? as u64);
+            }
+            (Spec::Pool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
+            (Spec::Pool { max, .. }, "max") => *max = Some(size(key, value)?),
+            (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
+            (Spec::Binning { min, .. }, "min") => *min = exponent(key, value)?,
+            (Spec::Binning { max, .. }, "max") => *max = exponent(key, value)?,
+            _ => {
+                let known = match name {
+                    "cuda_async" => "initial, release",
+                    "pool" => "initial, max",
+                    "arena" => "size",
+                    "binning" => "min, max",
+                    _ => "none",
+                };
+                return Err(format!(
+                    "unknown option {key:?} for {name} (options: {known})"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
-fn parse(text: &str) -> Result<Spec, String> {
+fn parse(text: &str, depth: usize) -> Result<Spec, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("wrappers nested deeper than {MAX_DEPTH}"));
+    }
     let name_end = text
         .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
         .unwrap_or(text.len());
@@ -90,18 +160,42 @@ fn parse(text: &str) -> Result<Spec, String> {
             "{text:?} does not start with a resource name ({RESOURCES})"
         ));
     }
-    if let Some(inside) = rest.strip_prefix('(') {
-        let inside = inside
-            .strip_suffix(')')
-            .ok_or_else(|| format!("{text:?}: unbalanced parentheses"))?;
-        return parse_wrapper(name, inside);
+    let rest = rest.trim_start();
+    if let Some(after_open) = rest.strip_prefix('(') {
+        let mut level = 1usize;
+        let close = after_open.char_indices().find_map(|(i, c)| {
+            match c {
+                '(' => level += 1,
+                ')' => level -= 1,
+                _ => {}
+            }
+            (level == 0).then_some(i)
+        });
+        let close = close.ok_or_else(|| format!("{text:?}: unbalanced parentheses"))?;
+        let after = after_open[close + 1..].trim();
+        if !after.is_empty() {
+            return Err(format!(
+                "{text:?}: text after the closing parenthesis: {after:?}"
+            ));
+        }
+        return parse_wrapper(name, &after_open[..close], depth);
     }
     let options = match rest.strip_prefix(':') {
         Some(options) => split_top_level(options)?,
-        None if rest.trim().is_empty() => Vec::new(),
+        None if rest.is_empty() => Vec::new(),
         None => return Err(format!("{text:?}: expected ':' or '(' after {name:?}")),
     };
-    parse_base(name, &options)
+    let mut spec = base(name)?;
+    for option in options {
+        let (key, value) = key_value(option)?;
+        spec.set(key, value)?;
+    }
+    if let Spec::Binning { min, max } = spec
+        && min > max
+    {
+        return Err(format!("binning: min={min} is above max={max}"));
+    }
+    Ok(spec)
 }
 
 /// Splits at commas outside parentheses.
@@ -144,8 +238,9 @@ fn size(key: &str, value: &str) -> Result<usize, String> {
     })
 }
 
-fn parse_base(name: &str, options: &[&str]) -> Result<Spec, String> {
-    let mut spec = match name {
+/// A base spec by name, with its defaults.
+fn base(name: &str) -> Result<Spec, String> {
+    Ok(match name {
         "cuda" => Spec::Cuda,
         "cuda_async" => Spec::CudaAsync {
             initial: None,
@@ -162,43 +257,7 @@ fn parse_base(name: &str, options: &[&str]) -> Result<Spec, String> {
                 "unknown resource {other:?} (expected one of {RESOURCES})"
             ));
         }
-    };
-    for option in options {
-        let (key, value) = key_value(option)?;
-        let unknown = || {
-            let known = match name {
-                "cuda" => "none",
-                "cuda_async" => "initial, release",
-                "pool" => "initial, max",
-                "arena" => "size",
-                _ => "min, max",
-            };
-            format!("unknown option {key:?} for {name} (options: {known})")
-        };
-        match (&mut spec, key) {
-            (Spec::CudaAsync { initial, .. }, "initial") => *initial = Some(size(key, value)?),
-            (
-                Spec::CudaAsync {
-                    release_threshold, ..
-                },
-                "release",
-            ) => {
-                *release_threshold = Some(size(key, value)? as u64);
-            }
-            (Spec::Pool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
-            (Spec::Pool { max, .. }, "max") => *max = Some(size(key, value)?),
-            (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
-            (Spec::Binning { min, .. }, "min") => *min = exponent(key, value)?,
-            (Spec::Binning { max, .. }, "max") => *max = exponent(key, value)?,
-            _ => return Err(unknown()),
-        }
-    }
-    if let Spec::Binning { min, max } = spec
-        && min > max
-    {
-        return Err(format!("binning: min={min} is above max={max}"));
-    }
-    Ok(spec)
+    })
 }
 
 fn exponent(key: &str, value: &str) -> Result<u32, String> {
@@ -210,7 +269,7 @@ fn exponent(key: &str, value: &str) -> Result<u32, String> {
     }
 }
 
-fn parse_wrapper(name: &str, inside: &str) -> Result<Spec, String> {
+fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String> {
     let own_keys: &[&str] = match name {
         "statistics" => &[],
         "logging" => &["file"],
@@ -227,29 +286,29 @@ fn parse_wrapper(name: &str, inside: &str) -> Result<Spec, String> {
         }
     };
     let mut parts = split_top_level(inside)?.into_iter();
-    let mut inner = parts.next().unwrap_or_default().to_owned();
-    if inner.is_empty() {
+    let first = parts.next().unwrap_or_default();
+    if first.is_empty() {
         return Err(format!(
             "{name}(..) needs the resource it wraps, e.g. {name}(pool)"
         ));
     }
+    let mut inner = Box::new(parse(first, depth + 1)?);
     let mut own = Vec::new();
     for part in parts {
         let (key, value) = key_value(part)?;
         if own_keys.contains(&key) {
             own.push((key, value));
         } else {
-            // An option of the wrapped spec, written after it: `limiting(pool:initial=1GiB,
-            // max=4GiB, limit=2GiB)`.
-            inner.push(if inner.contains(':') || inner.ends_with(')') {
-                ','
-            } else {
-                ':'
-            });
-            inner.push_str(part);
+            // An option of the stack's base, written after the spec it belongs to:
+            // `limiting(pool:initial=1GiB, max=4GiB, limit=2GiB)`.
+            inner.base_mut().set(key, value)?;
         }
     }
-    let inner = Box::new(parse(&inner)?);
+    if let Spec::Binning { min, max } = *inner.base_mut()
+        && min > max
+    {
+        return Err(format!("binning: min={min} is above max={max}"));
+    }
     let value_of = |key: &str| own.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| *v);
     Ok(match name {
         "statistics" => Spec::Statistics(inner),
@@ -368,6 +427,48 @@ mod tests {
     }
 
     #[test]
+    fn options_after_nested_wrappers_reach_the_base() {
+        assert_eq!(
+            ok("statistics(limiting(pool,limit=1GiB),initial=4GiB)"),
+            Spec::Statistics(Box::new(Spec::Limiting {
+                inner: Box::new(Spec::Pool {
+                    initial: Some(4 << 30),
+                    max: None
+                }),
+                limit: 1 << 30
+            }))
+        );
+        assert_eq!(
+            ok("limiting(statistics(pool),initial=1GiB,limit=2GiB)"),
+            Spec::Limiting {
+                inner: Box::new(Spec::Statistics(Box::new(Spec::Pool {
+                    initial: Some(1 << 30),
+                    max: None
+                }))),
+                limit: 2 << 30
+            }
+        );
+        assert_eq!(
+            ok("statistics (pool : initial=1GiB)"),
+            ok("statistics(pool:initial=1GiB)")
+        );
+    }
+
+    #[test]
+    fn deep_or_long_specs_are_refused_not_a_crash() {
+        let deep = format!("{}pool{}", "statistics(".repeat(10_000), ")".repeat(10_000));
+        assert!(err(&deep).contains("longer than 4096 bytes"));
+        let nested = format!("{}pool{}", "statistics(".repeat(20), ")".repeat(20));
+        assert!(
+            err(&nested).contains("nested deeper than 16"),
+            "{}",
+            err(&nested)
+        );
+        let fine = format!("{}pool{}", "statistics(".repeat(5), ")".repeat(5));
+        assert!(Spec::parse(&fine).is_ok());
+    }
+
+    #[test]
     fn errors_name_what_was_wrong() {
         let cases = [
             ("", "does not start with a resource name"),
@@ -388,6 +489,18 @@ mod tests {
             ("binning:min=64", "power-of-two exponent"),
             ("pool;initial=1", "expected ':' or '('"),
             ("cuda:initial=1GiB", "unknown option \"initial\" for cuda"),
+            (
+                "limiting(cuda,limit=1GiB)x",
+                "text after the closing parenthesis",
+            ),
+            (
+                "statistics(pool)(cuda)",
+                "text after the closing parenthesis",
+            ),
+            (
+                "statistics(limiting(cuda,limit=1GiB),initial=4GiB)",
+                "unknown option \"initial\" for cuda",
+            ),
         ];
         for (text, want) in cases {
             let got = err(text);

@@ -276,7 +276,7 @@ fn replay_one(
         Memory::Host => {
             let total = options
                 .arena_size
-                .unwrap_or(2 * plan.peak_live.0 as usize)
+                .unwrap_or((plan.peak_live.0 as usize).saturating_mul(2))
                 .max(1 << 21);
             stacks::build(name.kind, HostHeap, total, options).map_err(fail)?
         }
@@ -334,6 +334,7 @@ fn replay_one(
         bar.set_position(done)
     });
     bar.finish_and_clear();
+    let outcome = outcome?;
     for s in &owned {
         s.synchronize().map_err(fail)?;
     }
@@ -344,8 +345,13 @@ fn replay_one(
 fn table(results: &[(String, Memory, Outcome)]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
-    let mut memories: Vec<String> = results.iter().map(|r| r.1.to_string()).collect();
-    memories.dedup();
+    let mut memories: Vec<String> = Vec::new();
+    for (_, memory, _) in results {
+        let memory = memory.to_string();
+        if !memories.contains(&memory) {
+            memories.push(memory);
+        }
+    }
     let _ = writeln!(out, "memory: {}", memories.join("; "));
     let _ = writeln!(
         out,

@@ -2,8 +2,11 @@
 //! (as RMM's replay benchmark does), through one stack.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use memres::log::{Action, Event, LoggedStream};
@@ -30,6 +33,8 @@ struct Op {
 /// allocations (slots) with their sizes and streams, and the log's own figures.
 pub struct Plan {
     ops: Vec<Op>,
+    /// The logged thread (index) of each op.
+    op_thread: Vec<u32>,
     per_thread: Vec<Vec<u32>>,
     slot_size: Vec<usize>,
     slot_stream: Vec<u32>,
@@ -57,6 +62,7 @@ impl Plan {
         let mut live_slots: HashMap<usize, u32> = HashMap::new();
         let mut plan = Plan {
             ops: Vec::with_capacity(events.len()),
+            op_thread: Vec::with_capacity(events.len()),
             per_thread: Vec::new(),
             slot_size: Vec::new(),
             slot_stream: Vec::new(),
@@ -69,7 +75,11 @@ impl Plan {
             failures_in_log: 0,
             warnings: Vec::new(),
         };
+        const DAY: u64 = 86_400_000_000;
         let start = events.first().map_or(0, |e| e.micros);
+        // Times are of day: a log running past midnight goes on in the next day.
+        let (mut day, mut last_time) = (0u64, start);
+        let mut orphans: Vec<u32> = Vec::new();
         let mut live = 0u64;
         for event in events {
             let next_thread = threads.len() as u32;
@@ -92,13 +102,14 @@ impl Plan {
                     plan.slot_stream.push(stream);
                     plan.slot_line.push(event.line);
                     if let Some(old) = live_slots.insert(ptr, slot) {
+                        orphans.push(old);
                         plan.warnings.push(format!(
                             "line {}: {ptr:#x} allocated again while the allocation of line {} \
                              was live (that one counts as never freed)",
                             event.line, plan.slot_line[old as usize]
                         ));
                     }
-                    live += event.size as u64;
+                    live = live.saturating_add(event.size as u64);
                     op = Op {
                         kind: OpKind::Allocate,
                         slot,
@@ -114,14 +125,15 @@ impl Plan {
                                 event.line, event.size, plan.slot_line[slot as usize]
                             ));
                         }
-                        live -= size as u64;
+                        live = live.saturating_sub(size as u64);
                         op = Op {
                             kind: OpKind::Free,
                             slot,
                         };
                     }
                     None => plan.warnings.push(format!(
-                        "line {}: free of {ptr:#x}, which the log never allocated (skipped)",
+                        "line {}: free of {ptr:#x}, which the log never allocated or already \
+                         freed (skipped)",
                         event.line
                     )),
                 },
@@ -133,15 +145,20 @@ impl Plan {
             }
             plan.per_thread[thread as usize].push(plan.ops.len() as u32);
             plan.ops.push(op);
+            plan.op_thread.push(thread);
             plan.live.push(live);
-            plan.micros.push(event.micros.saturating_sub(start));
+            if event.micros < last_time && last_time - event.micros > DAY / 2 {
+                day += DAY;
+            }
+            last_time = event.micros;
+            plan.micros.push((event.micros + day).saturating_sub(start));
         }
+        let never_freed: Vec<u32> = live_slots.values().copied().chain(orphans).collect();
         plan.never_freed = (
-            live_slots.len(),
-            live_slots
-                .values()
-                .map(|&s| plan.slot_size[s as usize] as u64)
-                .sum(),
+            never_freed.len(),
+            never_freed.iter().fold(0u64, |sum, &s| {
+                sum.saturating_add(plan.slot_size[s as usize] as u64)
+            }),
         );
         plan.streams = stream_list;
         plan
@@ -194,16 +211,60 @@ impl Outcome {
     }
 }
 
-/// Waits until `next` reaches `index`: spinning briefly, then yielding (a log may have
-/// more threads than the machine has cores).
-fn wait_turn(next: &AtomicUsize, index: usize) {
-    let mut spins = 0u32;
-    while next.load(Ordering::Acquire) != index {
-        if spins < 100 {
-            spins += 1;
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
+/// The baton the replay threads pass: the index of the next op, who waits for it, and
+/// whether the replay was stopped.
+struct Baton {
+    next: AtomicUsize,
+    stopped: AtomicBool,
+    /// Each replay thread's handle, to wake it when its turn comes.
+    threads: Vec<OnceLock<Thread>>,
+    /// How many times a waiting thread yields before it parks: many where the log has
+    /// few threads (a handoff then costs a yield, not a wakeup), few where it has many
+    /// (thousands of yielding threads would starve the one whose turn it is).
+    yields: u32,
+}
+
+impl Baton {
+    /// Waits until `next` reaches `index`: spinning briefly, then yielding, then parking
+    /// (a log may have far more threads than the machine has cores). False if stopped.
+    fn wait_turn(&self, index: usize) -> bool {
+        let mut tries = 0u32;
+        loop {
+            if self.stopped.load(Ordering::Relaxed) {
+                return false;
+            }
+            if self.next.load(Ordering::Acquire) == index {
+                return true;
+            }
+            tries += 1;
+            match tries {
+                0..64 => std::hint::spin_loop(),
+                t if t < 64 + self.yields => std::thread::yield_now(),
+                // Woken by `pass` or `stop` (an unpark that comes before the park is not
+                // lost: the thread's handle is registered before its first wait). The
+                // timeout is only a safety net; short ones would wake thousands of idle
+                // threads of a large log for nothing.
+                _ => std::thread::park_timeout(Duration::from_secs(1)),
+            }
+        }
+    }
+
+    /// Hands the baton on after op `index`, waking the thread whose op is next.
+    fn pass(&self, index: usize, plan: &Plan, mine: u32) {
+        self.next.store(index + 1, Ordering::Release);
+        if let Some(&next_thread) = plan.op_thread.get(index + 1)
+            && next_thread != mine
+            && let Some(t) = self.threads[next_thread as usize].get()
+        {
+            t.unpark();
+        }
+    }
+
+    /// Stops the replay: every thread returns at its next wait.
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Relaxed);
+        for t in self.threads.iter().filter_map(OnceLock::get) {
+            t.unpark();
         }
     }
 }
@@ -217,11 +278,10 @@ pub fn replay(
     streams: &[StreamRef<'_>],
     sample_every: Option<usize>,
     tick: &(dyn Fn(u64) + Sync),
-) -> Outcome {
-    let slots: Vec<AtomicUsize> = (0..plan.slot_size.len())
-        .map(|_| AtomicUsize::new(0))
+) -> Result<Outcome, String> {
+    let slots: Vec<AtomicPtr<u8>> = (0..plan.slot_size.len())
+        .map(|_| AtomicPtr::new(std::ptr::null_mut()))
         .collect();
-    let next = AtomicUsize::new(0);
     let failures = AtomicUsize::new(0);
     let first_failure = Mutex::new(None);
     let samples = Mutex::new(Vec::new());
@@ -236,21 +296,18 @@ pub fn replay(
                 let stream = streams[plan.slot_stream[slot] as usize];
                 let result = layout(size).and_then(|l| top.allocate(stream, l));
                 match result {
-                    Ok(p) => slots[slot].store(p.as_ptr() as usize, Ordering::Relaxed),
+                    Ok(p) => slots[slot].store(p.as_ptr(), Ordering::Relaxed),
                     Err(e) => {
                         if failures.fetch_add(1, Ordering::Relaxed) == 0 {
-                            *first_failure.lock().unwrap() =
+                            *lock(&first_failure) =
                                 Some((plan.slot_line[slot], size, e.to_string()));
                         }
                     }
                 }
             }
             OpKind::Free => {
-                let addr = slots[slot].swap(0, Ordering::Relaxed);
-                if let (Some(p), Ok(l)) = (
-                    std::ptr::NonNull::new(std::ptr::without_provenance_mut::<u8>(addr)),
-                    layout(plan.slot_size[slot]),
-                ) {
+                let ptr = slots[slot].swap(std::ptr::null_mut(), Ordering::Relaxed);
+                if let (Some(p), Ok(l)) = (NonNull::new(ptr), layout(plan.slot_size[slot])) {
                     // Back to the allocating stream's order: the logged free may name
                     // another stream, which the replay maps the same way.
                     let stream = streams[plan.slot_stream[slot] as usize];
@@ -268,52 +325,104 @@ pub fn replay(
                 footprint: stack.footprint().current,
                 largest_free: stack.pool_stats().map(|s| s.largest_free_block as u64),
             };
-            samples.lock().unwrap().push(sample);
+            lock(&samples).push(sample);
         }
         if index % 4096 == 4095 {
             tick(index as u64 + 1);
         }
     };
+    let baton = Baton {
+        next: AtomicUsize::new(0),
+        stopped: AtomicBool::new(false),
+        threads: (0..plan.per_thread.len())
+            .map(|_| OnceLock::new())
+            .collect(),
+        yields: {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if plan.per_thread.len() <= 4 * cores {
+                100_000
+            } else {
+                8
+            }
+        },
+    };
+    let trouble: Mutex<Option<String>> = Mutex::new(None);
+    let report = |what: String| {
+        lock(&trouble).get_or_insert(what);
+        baton.stop();
+    };
     let start = Instant::now();
     std::thread::scope(|scope| {
-        for mine in &plan.per_thread {
-            let (next, perform) = (&next, &perform);
-            scope.spawn(move || {
+        for (t, mine) in plan.per_thread.iter().enumerate() {
+            let (baton, perform, report) = (&baton, &perform, &report);
+            let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
+                let _ = baton.threads[t].set(std::thread::current());
                 for &index in mine {
                     let index = index as usize;
-                    wait_turn(next, index);
-                    perform(index);
-                    next.store(index + 1, Ordering::Release);
+                    if !baton.wait_turn(index) {
+                        return;
+                    }
+                    if catch_unwind(AssertUnwindSafe(|| perform(index))).is_err() {
+                        report(format!("the replay of op {index} failed unexpectedly"));
+                        return;
+                    }
+                    baton.pass(index, plan, t as u32);
                 }
             });
+            if let Err(e) = spawned {
+                report(format!(
+                    "cannot start a thread for each of the log's {} threads: {e}",
+                    plan.per_thread.len()
+                ));
+                break;
+            }
         }
     });
     let elapsed = start.elapsed();
+    if let Some(what) = trouble.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        free_all(plan, &slots, top, streams);
+        return Err(what);
+    }
     tick(plan.len() as u64);
     let fragmentation = stack.pool_stats().map(|s| s.fragmentation());
-    let mut leaks = (0, 0);
-    for (slot, addr) in slots.iter().enumerate() {
-        let addr = addr.load(Ordering::Relaxed);
-        if let (Some(p), Ok(l)) = (
-            std::ptr::NonNull::new(std::ptr::without_provenance_mut::<u8>(addr)),
-            layout(plan.slot_size[slot]),
-        ) {
-            leaks.0 += 1;
-            leaks.1 += plan.slot_size[slot] as u64;
-            // SAFETY: as in the replay: from `top` with this layout, freed once.
-            unsafe { top.deallocate(streams[plan.slot_stream[slot] as usize], p, l) };
-        }
-    }
-    let mut samples = samples.into_inner().unwrap();
+    let leaks = free_all(plan, &slots, top, streams);
+    let mut samples = samples.into_inner().unwrap_or_else(PoisonError::into_inner);
     samples.sort_by_key(|s| s.op);
-    Outcome {
+    Ok(Outcome {
         elapsed,
         ops: plan.replayed_ops(),
         failures: failures.into_inner(),
-        first_failure: first_failure.into_inner().unwrap(),
+        first_failure: first_failure
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner),
         peak_footprint: stack.footprint().peak,
         fragmentation,
         leaks,
         samples,
+    })
+}
+
+/// Frees what the replay still holds; returns how many blocks and bytes that was.
+fn free_all(
+    plan: &Plan,
+    slots: &[AtomicPtr<u8>],
+    top: &memres::AnyResource<()>,
+    streams: &[StreamRef<'_>],
+) -> (usize, u64) {
+    let mut leaks = (0, 0u64);
+    for (slot, ptr) in slots.iter().enumerate() {
+        let ptr = ptr.swap(std::ptr::null_mut(), Ordering::Relaxed);
+        if let (Some(p), Ok(l)) = (NonNull::new(ptr), layout(plan.slot_size[slot])) {
+            leaks.0 += 1;
+            leaks.1 = leaks.1.saturating_add(plan.slot_size[slot] as u64);
+            // SAFETY: `p` came from `top` with this layout (stored by the replay) and is
+            // freed once (swapped out); no work uses it.
+            unsafe { top.deallocate(streams[plan.slot_stream[slot] as usize], p, l) };
+        }
     }
+    leaks
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -22,7 +22,8 @@ struct Range {
 
 impl Range {
     fn new(size: usize) -> Range {
-        let size = size / GRANULE * GRANULE;
+        // The range must fit in the address space above `BASE`.
+        let size = size.min(usize::MAX - BASE) / GRANULE * GRANULE;
         let mut free = BTreeMap::new();
         if size > 0 {
             free.insert(BASE, size);
@@ -31,11 +32,11 @@ impl Range {
     }
 
     fn take(&mut self, layout: Layout) -> Option<usize> {
-        let size = layout.size().div_ceil(GRANULE) * GRANULE;
+        let size = layout.size().checked_next_multiple_of(GRANULE)?;
         let align = layout.align().max(GRANULE);
         let (&start, &len, pad) = self.free.iter().find_map(|(start, len)| {
-            let pad = start.next_multiple_of(align) - start;
-            (len >= &(size + pad)).then_some((start, len, pad))
+            let pad = start.checked_next_multiple_of(align)? - start;
+            (*len >= size.checked_add(pad)?).then_some((start, len, pad))
         })?;
         self.free.remove(&start);
         if pad > 0 {

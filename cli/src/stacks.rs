@@ -164,7 +164,11 @@ where
     let (up, count) = (Arc::clone(&memory), Arc::clone(&footprint));
     let allocate = move |l: Layout, s: StreamRef<'_>| {
         let p = up.allocate(s, l)?;
-        let now = count.current.fetch_add(l.size() as i64, Ordering::Relaxed) + l.size() as i64;
+        let size = l.size() as i64; // a layout's size is at most isize::MAX
+        let now = count
+            .current
+            .fetch_add(size, Ordering::Relaxed)
+            .wrapping_add(size);
         count.peak.fetch_max(now, Ordering::Relaxed);
         Ok(p)
     };

@@ -38,14 +38,20 @@ pub fn report(name: &str, events: &[Event], plan: &Plan) -> String {
         };
         let entry = histogram.entry(bucket).or_default();
         entry.0 += 1;
-        entry.1 += e.size as u64;
+        entry.1 = entry.1.saturating_add(e.size as u64);
     }
     let most = histogram.values().map(|v| v.0).max().unwrap_or(1);
     let _ = writeln!(out, "  allocation sizes (count, bytes):");
     for (bucket, (n, total)) in &histogram {
         let range = match bucket {
             0 => "0 B".to_owned(),
-            b => format!("[{}, {})", bytes(1u64 << (b - 1)), bytes(1u64 << b)),
+            b => {
+                let edge = |e: u32| {
+                    1u64.checked_shl(e)
+                        .map_or_else(|| "2^64 B".to_owned(), bytes)
+                };
+                format!("[{}, {})", edge(b - 1), edge(*b))
+            }
         };
         let bar = "#".repeat((n * 40).div_ceil(most));
         let _ = writeln!(out, "    {range:>24} {n:>9} {:>12}  {bar}", bytes(*total));

@@ -254,7 +254,7 @@ fn a_free_of_an_unknown_pointer_is_reported_and_the_replay_goes_on() {
         "1GiB",
     ]);
     assert!(
-        out.contains("warning: line 3: free of 0xdead00, which the log never allocated (skipped)"),
+        out.contains("warning: line 3: free of 0xdead00, which the log never allocated or already freed (skipped)"),
         "{out}"
     );
     assert_eq!(row(&out, "pool")[5], "0", "{out}");
@@ -306,4 +306,34 @@ fn bench_prints_the_anchors_csv_and_a_table() {
         !out.contains("memres,binning"),
         "only the stacks asked for run: {out}"
     );
+}
+
+#[test]
+fn absurd_sizes_are_failures_not_crashes() {
+    let log = data("huge_sizes.csv");
+    let out = ok(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--compare",
+        "cuda,pool,host",
+        "--simulate",
+        "16000000TiB",
+    ]);
+    assert_eq!(row(&out, "cuda")[5], "3", "{out}");
+    let out = ok(&["stats", log.to_str().unwrap()]);
+    assert!(out.contains("never freed: 3 allocations"), "{out}");
+}
+
+#[test]
+fn a_pointer_allocated_twice_counts_as_never_freed_and_midnight_is_crossed() {
+    let log = data("reallocated.csv");
+    let out = ok(&["stats", log.to_str().unwrap()]);
+    assert!(out.contains("never freed: 1 allocations, 100 B"), "{out}");
+    assert!(
+        out.contains("over 0.001500 s"),
+        "the log runs past midnight: {out}"
+    );
+    let out = ok(&["replay", log.to_str().unwrap(), "--simulate", "1GiB"]);
+    let cols = row(&out, "pool");
+    assert_eq!(cols[cols.len() - 3..].join(" "), "1 (100 B)", "{out}");
 }
