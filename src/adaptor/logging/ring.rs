@@ -64,10 +64,19 @@ const PREFETCH_AHEAD: u64 = 8;
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn prefetch_for_write(slot: &Slot) {
-    use std::arch::x86_64::{_MM_HINT_ET0, _mm_prefetch};
-    // SAFETY: a prefetch is a hint: it never faults and changes no memory; the address
-    // is a live slot anyway.
-    unsafe { _mm_prefetch::<_MM_HINT_ET0>((slot as *const Slot).cast::<i8>()) };
+    // `PREFETCHW` itself: `_mm_prefetch::<_MM_HINT_ET0>` compiles to a plain read
+    // prefetch unless the whole crate is built with `+prfchw` (checked in the binary), and
+    // a line fetched for reading must still be taken from the consumer's core when
+    // written. Processors without the instruction execute it as a no-op.
+    // SAFETY: a prefetch is a hint: it never faults and changes no memory, registers or
+    // flags; the address is a live slot anyway.
+    unsafe {
+        std::arch::asm!(
+            "prefetchw [{slot}]",
+            slot = in(reg) slot as *const Slot,
+            options(nostack, preserves_flags, readonly)
+        )
+    };
 }
 
 #[cfg(not(target_arch = "x86_64"))]
