@@ -134,6 +134,21 @@ def cupy_check():
     print(json.dumps({"correct": ok, "stats_during": during, "stats_after": m.stats(0)}))
 
 
+def log_at_exit(path):
+    import torch
+
+    import memres_alloc as m
+
+    m.configure(f"logging(pool,file={path})")
+    torch.cuda.memory.change_current_allocator(m.torch_allocator())
+    for i in range(100):
+        t = torch.empty(1024 + i, dtype=torch.uint8, device="cuda")
+        del t
+    torch.cuda.synchronize()
+    # No flush: the library's exit handler writes the last rows.
+    print(json.dumps({"done": True}))
+
+
 def speed(allocator):
     import torch
 
@@ -208,6 +223,18 @@ def main():
     except ImportError:
         failures.append("cupy is not installed")
 
+    import tempfile
+
+    log_path = os.path.join(tempfile.mkdtemp(), "memres-log.csv")
+    child("log", log_path)
+    with open(log_path) as f:
+        rows = f.read().splitlines()
+    allocs = sum(1 for r in rows if ",allocate," in r)
+    frees = sum(1 for r in rows if ",free," in r)
+    print(f"log: logging(pool) through torch, no explicit flush: header {rows[0]!r}, {allocs} allocations and {frees} frees logged at exit")
+    if rows[0] != "Thread,Time,Action,Pointer,Size,Stream" or allocs < 100 or frees < 100:
+        failures.append("the log lost rows at exit")
+
     runs = {"torch": [], "memres": []}
     for _ in range(5):
         for who in ("torch", "memres"):
@@ -237,6 +264,8 @@ if __name__ == "__main__":
         train(sys.argv[2])
     elif sys.argv[1] == "cupy":
         cupy_check()
+    elif sys.argv[1] == "log":
+        log_at_exit(sys.argv[2])
     elif sys.argv[1] == "speed":
         speed(sys.argv[2])
     else:

@@ -178,7 +178,35 @@ fn stack(device: c_int) -> Result<&'static DeviceStack, Failure> {
     let built = DeviceStack::build(&spec, id)?;
     mr::device::set_per_device_resource(id, built.top().clone());
     config.frozen = true;
+    if built.logs() {
+        flush_logs_at_exit();
+    }
     Ok(slot.get_or_init(|| built))
+}
+
+unsafe extern "C" {
+    fn atexit(callback: extern "C" fn()) -> c_int;
+}
+
+/// The stacks live in statics, which are never dropped, so a logging layer's writer would
+/// never write its last rows: an exit handler flushes them.
+fn flush_logs_at_exit() {
+    extern "C" fn flush_all() {
+        // Unwinding out of an exit handler would abort: catch and drop.
+        let _ = catch_unwind(|| {
+            for stack in STACKS.iter().filter_map(OnceLock::get) {
+                stack.flush_logs();
+            }
+        });
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `atexit` is the C library's; `flush_all` is an `extern "C" fn()` that
+        // never unwinds (it catches panics) and only reads statics that outlive it.
+        if unsafe { atexit(flush_all) } != 0 {
+            set_last_error("memres: cannot register the exit handler that flushes the log");
+        }
+    });
 }
 
 /// The stack of `device` if it was built.

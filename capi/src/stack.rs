@@ -23,6 +23,9 @@ pub(crate) struct DeviceStack {
     top: AnyResource<Device>,
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     pool: Option<PoolLayer>,
+    /// Logging layers: the stack lives in a static, never dropped, so their last rows are
+    /// flushed at exit (`flush_logs`).
+    logs: Vec<Arc<Logging<AnyResource<Device>>>>,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -43,6 +46,7 @@ impl DeviceStack {
             top,
             statistics: layers.statistics,
             pool: layers.pool,
+            logs: layers.logs,
         })
     }
 }
@@ -52,6 +56,7 @@ impl DeviceStack {
 struct Layers {
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     pool: Option<PoolLayer>,
+    logs: Vec<Arc<Logging<AnyResource<Device>>>>,
 }
 
 impl Layers {
@@ -96,10 +101,12 @@ impl Layers {
             }
             Spec::Logging { inner, file } => {
                 let inner = self.layer(inner, device)?;
-                AnyResource::new(match file {
+                let logged = Arc::new(match file {
                     Some(path) => Logging::to_file(inner, path)?,
                     None => Logging::from_env(inner)?,
-                })
+                });
+                self.logs.push(Arc::clone(&logged));
+                AnyResource::new(logged)
             }
             Spec::Limiting { inner, limit } => {
                 AnyResource::new(Limiting::new(self.layer(inner, device)?, *limit))
@@ -127,6 +134,21 @@ impl Layers {
 }
 
 impl DeviceStack {
+    /// Writes out every row its logging layers hold (errors are reported, not returned:
+    /// this runs at exit).
+    pub(crate) fn flush_logs(&self) {
+        for log in &self.logs {
+            if let Err(e) = log.flush() {
+                eprintln!("memres: cannot write the allocation log: {e}");
+            }
+        }
+    }
+
+    /// Whether the stack has a logging layer.
+    pub(crate) fn logs(&self) -> bool {
+        !self.logs.is_empty()
+    }
+
     /// The resource allocations go through.
     pub(crate) fn top(&self) -> &AnyResource<Device> {
         &self.top

@@ -205,7 +205,11 @@ fn rust_prototypes() -> Vec<String> {
         .to_owned()
     };
     let mut out = Vec::new();
-    for chunk in source.split("extern \"C\" fn ").skip(1) {
+    // The exported functions: each follows `#[unsafe(no_mangle)]`.
+    for exported in source.split("#[unsafe(no_mangle)]").skip(1) {
+        let Some((_, chunk)) = exported.split_once("extern \"C\" fn ") else {
+            continue;
+        };
         let (name, rest) = chunk.split_once('(').unwrap();
         let (params, rest) = rest.split_once(')').unwrap();
         let ret = rest
