@@ -228,7 +228,7 @@ def main():
     log_path = os.path.join(tempfile.mkdtemp(), "memres-log.csv")
     child("log", log_path)
     with open(log_path) as f:
-        rows = f.read().splitlines()
+        rows = f.read().splitlines() or [""]
     allocs = sum(1 for r in rows if ",allocate," in r)
     frees = sum(1 for r in rows if ",free," in r)
     print(f"log: logging(pool) through torch, no explicit flush: header {rows[0]!r}, {allocs} allocations and {frees} frees logged at exit")
