@@ -164,10 +164,10 @@ impl<S> ShardMap<S> {
     /// `p` was read from one of this map's slots or its overflow list.
     #[inline]
     unsafe fn at(&self, p: *mut Shard<S>) -> &Shard<S> {
-        // SAFETY: (the caller's promise) every pointer in a slot or the overflow list was
-        // made by `Box::into_raw` and published with a release store or under the
-        // insertion lock, so it is seen fully built; shards are freed only when the map
-        // drops, which `&self` outlives.
+        // Every pointer in a slot or the overflow list was made by `Box::into_raw` and
+        // published with a release store or under the insertion lock (seen fully built).
+        // SAFETY: (the caller's promise) `p` is such a pointer; shards are freed only
+        // when the map drops, which `&self` outlives.
         unsafe { &*p }
     }
 

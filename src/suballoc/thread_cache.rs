@@ -158,11 +158,9 @@ impl Cache<'_> {
                 }
             };
             if m.blocks.len() >= capacity {
-                // SAFETY: the magazine is the owner's (found by its id) and its shard
-                // pointer is the owner's shard (the promise of `push` and `refill`, which
-                // made it); this runs inside a call on the owner (rule (1) of the module),
-                // so the shard is alive.
-                let shard = unsafe { &*m.shard };
+                // SAFETY: the magazine (found by the owner's id) points at the owner's
+                // shard (`push`/`refill` made it so), alive during this call on the owner.
+                let shard = unsafe { &*m.shard }; // (rule (1) of the module)
                 let keep = capacity / 2;
                 shard.state.lock().extend(m.blocks.drain(keep..));
             }
