@@ -58,7 +58,7 @@ pub(super) struct Ring {
 unsafe impl Sync for Ring {}
 
 /// How far ahead of its own slot a producer prefetches.
-const PREFETCH_AHEAD: u64 = 8;
+const PREFETCH_AHEAD: u64 = 16;
 
 #[cfg(target_arch = "x86_64")]
 #[inline]
@@ -84,9 +84,9 @@ fn prefetch_for_write(_: &Slot) {}
 
 /// What a producer does while the ring is full.
 pub(super) trait Wait {
-    /// Called while waiting for the consumer (repeatedly); `false` gives up (the
-    /// consumer is gone: the record is dropped).
-    fn full(&self) -> bool;
+    /// Called while waiting for the consumers, with how many times it was called before
+    /// for this record; `false` gives up (the consumers are gone: the record is dropped).
+    fn full(&self, attempt: u32) -> bool;
 }
 
 impl Ring {
@@ -111,10 +111,12 @@ impl Ring {
     pub(super) fn push(&self, record: Record, wait: &impl Wait) {
         let pos = self.tail.0.fetch_add(1, Ordering::Relaxed);
         let slot = &self.slots[(pos & self.mask) as usize];
+        let mut attempt = 0;
         while slot.seq.load(Ordering::Acquire) != pos {
-            if !wait.full() {
+            if !wait.full(attempt) {
                 return;
             }
+            attempt = attempt.wrapping_add(1);
         }
         // SAFETY: position `pos` is ours alone, and the slot's previous record has been
         // copied out (its consumer stored `pos`, acquired above); see `impl Sync`.
@@ -157,7 +159,7 @@ mod loom_models {
 
     struct Yield;
     impl Wait for Yield {
-        fn full(&self) -> bool {
+        fn full(&self, _: u32) -> bool {
             thread::yield_now();
             true
         }

@@ -25,15 +25,18 @@ use super::row::RowFormat;
 /// Slots in the ring (64 bytes each: 512 KiB).
 const RING_SLOTS: usize = 1 << 13;
 /// Lanes formatting rows at once.
-const LANES: u64 = 2;
+const LANES: u64 = 4;
 /// Consecutive positions a lane takes at a time.
 const CHUNK: u64 = 256;
+/// How long the sequencer waits for a piece before it looks at flushes and the stop.
+const SEQUENCER_NAP: Duration = Duration::from_micros(250);
 /// Bytes of rows gathered before one write call to the sink.
 const WRITE_AT: usize = 1 << 20;
 /// An idle lane's first nap.
 const NAP: Duration = Duration::from_micros(50);
-/// The longest an idle lane sleeps before it looks at the ring again.
-const MAX_NAP: Duration = Duration::from_micros(250);
+/// The longest an idle lane sleeps before it looks at the ring again (producers that
+/// find the ring full, flushes and the drop wake the lanes at once).
+const MAX_NAP: Duration = Duration::from_millis(1);
 
 /// What the logging threads and the writer threads share.
 struct Control {
@@ -81,12 +84,20 @@ impl Control {
 }
 
 impl Wait for Control {
-    fn full(&self) -> bool {
+    fn full(&self, attempt: u32) -> bool {
         if self.dead.load(Ordering::Acquire) {
             return false;
         }
-        self.wake_lanes();
-        std::thread::yield_now();
+        // Wake the lanes once (and again now and then, should they have gone back to
+        // sleep), not on every turn of the wait: each wake is a system call per lane.
+        if attempt.is_multiple_of(256) {
+            self.wake_lanes();
+        }
+        if attempt < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
         true
     }
 }
@@ -268,7 +279,7 @@ fn run_sequencer(c: &Control, mut sink: Box<dyn Write + Send>, pieces: &Receiver
     let mut waiting: BTreeMap<u64, Piece> = BTreeMap::new();
     let mut out: Vec<u8> = Vec::with_capacity(WRITE_AT + (CHUNK as usize) * 128);
     loop {
-        let lanes_gone = match pieces.recv_timeout(MAX_NAP) {
+        let lanes_gone = match pieces.recv_timeout(SEQUENCER_NAP) {
             Ok(piece) => {
                 waiting.insert(piece.start, piece);
                 false
