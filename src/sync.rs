@@ -41,6 +41,23 @@ pub(crate) mod cell {
         pub(crate) fn get_mut(&self) -> MutPtr<T> {
             MutPtr(self.0.get())
         }
+
+        /// A pointer for reading (loom tracks it as a read).
+        #[inline]
+        pub(crate) fn get(&self) -> ConstPtr<T> {
+            ConstPtr(self.0.get())
+        }
+    }
+
+    /// A pointer to a cell's value for reading, from [`UnsafeCell::get`].
+    pub(crate) struct ConstPtr<T>(*const T);
+
+    impl<T> ConstPtr<T> {
+        /// Calls `f` with the raw pointer to the value.
+        #[inline]
+        pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+            f(self.0)
+        }
     }
 
     /// A pointer to a cell's value, from [`UnsafeCell::get_mut`].

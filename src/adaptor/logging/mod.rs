@@ -31,18 +31,21 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 ///   crashes); failures are logged and returned.
 /// - The logging thread only reads a clock (the CPU's time-stamp counter where it is
 ///   invariant, else the wall clock; see below), takes the event's place in the log (one
-///   atomic add) and copies a 48-byte record into a ring; a writer thread that the
-///   adaptor owns formats the rows and writes them, a megabyte per write call. The
+///   atomic add) and copies a 48-byte record into a ring; threads that the adaptor
+///   owns do the rest: four lanes (`memres-log-0`..`3`) take turns by chunks of 256
+///   events to format rows, one thread (`memres-log`) puts them back in order and writes
+///   them, a megabyte per write call (one formatting thread could not keep up with a
+///   fast allocator: each record comes from another core's cache). The
 ///   place taken is the event's place in the file, so the file order is a real order of
 ///   events: an allocation's row precedes any free of that pointer on another thread and
 ///   any reuse of its address (a free is logged before the upstream free), which a
 ///   replay relies on.
 /// - Nothing is lost: [`flush`](Self::flush) waits until every event logged before it is
-///   in the sink and the sink is flushed; drop writes everything out and ends the writer
-///   thread (an error there goes to `tracing`: call `flush` first to see it). In between,
-///   rows reach the sink within about a quarter of a millisecond of the writer falling idle, or a
+///   in the sink and the sink is flushed; drop writes everything out and ends the
+///   threads (an error there goes to `tracing`: call `flush` first to see it). In between,
+///   rows reach the sink within about a millisecond of the lanes falling idle, or a
 ///   megabyte at a time. When the ring (8,192 events) is full, logging threads wait for
-///   the writer.
+///   the lanes. Idle lanes nap up to a millisecond.
 /// - [`auto_flush`](Self::auto_flush) makes every call wait for its row to be flushed
 ///   (slow; for logs that must survive a crash).
 /// - Times are UTC wall clock (`HH:MM:SS.ffffff`); threads are OS thread ids. Where

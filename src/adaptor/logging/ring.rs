@@ -1,14 +1,15 @@
-//! The queue between the threads that log events and the thread that writes them: a
+//! The queue between the threads that log events and the threads that write them: a
 //! bounded ring of fixed-size records in one global order.
 //!
 //! A producer takes a position with one atomic add on `tail` (that add is the event's
 //! place in the log: an allocation logged before its pointer reaches another thread is
-//! ordered before that thread's free of it), waits while the ring is full, writes its
-//! record into the slot and publishes it by storing `position + 1` in the slot's `seq`.
-//! The one consumer reads slots in order, each once its `seq` says it is written, and
-//! publishes its progress in `head`; a producer reuses a slot only after `head` has
-//! passed it. The consumer never writes a slot, so producers do not wait for cache lines
-//! it holds.
+//! ordered before that thread's free of it). Each slot's `seq` says what it holds: `pos`
+//! when it is free for position `pos`, `pos + 1` once the record of `pos` is written. A
+//! producer waits until its slot is free for its position, writes the record and stores
+//! `pos + 1`; a consumer of position `pos` waits for `pos + 1`, copies the record out and
+//! stores `pos + capacity`, freeing the slot for the next lap. Consumers of different
+//! positions never touch the same slot, so several of them (the writer's lanes) can drain
+//! disjoint ranges of positions at once; nothing but the slots is shared with producers.
 
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::cell::UnsafeCell;
@@ -48,18 +49,16 @@ pub(super) struct Ring {
     mask: u64,
     /// The next position a producer takes.
     tail: Padded<AtomicU64>,
-    /// The next position the consumer reads; every slot before it is free.
-    head: Padded<AtomicU64>,
 }
 
-// SAFETY: a slot's record is written only by the producer that holds its position (one
-// at a time: positions are unique, and a slot is reused only after the consumer passed
-// it, which `head`'s release/acquire orders) and read only by the consumer after the
-// producer's release store of `seq`.
+// SAFETY: a slot's record is written only by the producer that holds its position, once
+// `seq` says the slot is free for it (the consumer of the previous lap released it after
+// copying the record out, and positions are unique), and read only by the one consumer of
+// that position after the producer's release store of `pos + 1`.
 unsafe impl Sync for Ring {}
 
 /// How far ahead of its own slot a producer prefetches.
-const PREFETCH_AHEAD: u64 = 8;
+const PREFETCH_AHEAD: u64 = 16;
 
 #[cfg(target_arch = "x86_64")]
 #[inline]
@@ -85,25 +84,25 @@ fn prefetch_for_write(_: &Slot) {}
 
 /// What a producer does while the ring is full.
 pub(super) trait Wait {
-    /// Called while waiting for the consumer (repeatedly); `false` gives up (the
-    /// consumer is gone: the record is dropped).
-    fn full(&self) -> bool;
+    /// Called while waiting for the consumers, with how many times it was called before
+    /// for this record; `false` gives up (the consumers are gone: the record is dropped).
+    fn full(&self, attempt: u32) -> bool;
 }
 
 impl Ring {
-    /// A ring of `capacity` slots (a power of two).
+    /// A ring of `capacity` slots (a power of two, at least 2: with one slot, "free for
+    /// the next lap" and "written" would be the same `seq`).
     pub(super) fn new(capacity: usize) -> Ring {
-        assert!(capacity.is_power_of_two());
+        assert!(capacity.is_power_of_two() && capacity >= 2);
         Ring {
-            slots: (0..capacity)
-                .map(|_| Slot {
-                    seq: AtomicU64::new(0),
+            slots: (0..capacity as u64)
+                .map(|i| Slot {
+                    seq: AtomicU64::new(i),
                     record: UnsafeCell::new(Record::default()),
                 })
                 .collect(),
             mask: capacity as u64 - 1,
             tail: Padded(AtomicU64::new(0)),
-            head: Padded(AtomicU64::new(0)),
         }
     }
 
@@ -111,15 +110,16 @@ impl Ring {
     #[inline]
     pub(super) fn push(&self, record: Record, wait: &impl Wait) {
         let pos = self.tail.0.fetch_add(1, Ordering::Relaxed);
-        let capacity = self.mask + 1;
-        while pos >= self.head.0.load(Ordering::Acquire) + capacity {
-            if !wait.full() {
+        let slot = &self.slots[(pos & self.mask) as usize];
+        let mut attempt = 0;
+        while slot.seq.load(Ordering::Acquire) != pos {
+            if !wait.full(attempt) {
                 return;
             }
+            attempt = attempt.wrapping_add(1);
         }
-        let slot = &self.slots[(pos & self.mask) as usize];
-        // SAFETY: position `pos` is ours alone, and the consumer is done with the slot's
-        // previous record (`head` passed it, acquired above); see `impl Sync`.
+        // SAFETY: position `pos` is ours alone, and the slot's previous record has been
+        // copied out (its consumer stored `pos`, acquired above); see `impl Sync`.
         slot.record.get_mut().with(|r| unsafe { *r = record });
         slot.seq.store(pos + 1, Ordering::Release);
         // Ask for a slot a little ahead in writable state now: the consumer read it last,
@@ -133,46 +133,21 @@ impl Ring {
         self.tail.0.load(Ordering::Acquire)
     }
 
-    /// The consumer's side. Only one may exist at a time.
-    pub(super) fn consumer(&self) -> Consumer<'_> {
-        Consumer {
-            ring: self,
-            head: self.head.0.load(Ordering::Relaxed),
+    /// The record of position `pos`, if it is written; the slot is then free for the
+    /// next lap. Each position must be taken by one consumer, once, and the positions of a
+    /// slot in lap order (`pos` before `pos + capacity`), which in-order consumers of
+    /// disjoint ranges do.
+    #[inline]
+    pub(super) fn take(&self, pos: u64) -> Option<Record> {
+        let slot = &self.slots[(pos & self.mask) as usize];
+        if slot.seq.load(Ordering::Acquire) != pos + 1 {
+            return None;
         }
-    }
-}
-
-/// The single consumer of a [`Ring`].
-pub(super) struct Consumer<'a> {
-    ring: &'a Ring,
-    head: u64,
-}
-
-impl Consumer<'_> {
-    /// Calls `f` on each record ready now, in order, up to `max`; returns how many.
-    pub(super) fn drain(&mut self, max: usize, mut f: impl FnMut(&Record)) -> usize {
-        let mut n = 0;
-        while n < max {
-            let slot = &self.ring.slots[(self.head & self.ring.mask) as usize];
-            if slot.seq.load(Ordering::Acquire) != self.head + 1 {
-                break;
-            }
-            // SAFETY: `seq` says the record of this position is written (acquired), and
-            // no producer writes the slot again before `head` passes it.
-            slot.record.get_mut().with(|r| f(unsafe { &*r }));
-            self.head += 1;
-            n += 1;
-        }
-        if n > 0 {
-            // Frees the slots for producers (release: our reads happen before reuse).
-            self.ring.head.0.store(self.head, Ordering::Release);
-        }
-        n
-    }
-
-    /// Positions consumed so far.
-    pub(super) fn position(&self) -> u64 {
-        self.head
+        // SAFETY: `seq` says the record of `pos` is written (acquired), and no producer
+        // writes the slot again before the release below; see `impl Sync`.
+        let record = slot.record.get().with(|r| unsafe { *r });
+        slot.seq.store(pos + self.mask + 1, Ordering::Release);
+        Some(record)
     }
 }
 
@@ -184,7 +159,7 @@ mod loom_models {
 
     struct Yield;
     impl Wait for Yield {
-        fn full(&self) -> bool {
+        fn full(&self, _: u32) -> bool {
             thread::yield_now();
             true
         }
@@ -194,6 +169,16 @@ mod loom_models {
         Record {
             size: n as usize,
             ..Record::default()
+        }
+    }
+
+    /// Takes position `pos`, yielding until it is written.
+    fn take_wait(ring: &Ring, pos: u64) -> u64 {
+        loop {
+            if let Some(r) = ring.take(pos) {
+                return r.size as u64;
+            }
+            thread::yield_now();
         }
     }
 
@@ -209,13 +194,7 @@ mod loom_models {
                     thread::spawn(move || ring.push(record(p), &Yield))
                 })
                 .collect();
-            let mut got = Vec::new();
-            let mut consumer = ring.consumer();
-            while got.len() < 2 {
-                if consumer.drain(usize::MAX, |r| got.push(r.size)) == 0 {
-                    thread::yield_now();
-                }
-            }
+            let mut got = vec![take_wait(&ring, 0), take_wait(&ring, 1)];
             for p in producers {
                 p.join().unwrap();
             }
@@ -224,28 +203,51 @@ mod loom_models {
         });
     }
 
-    /// One producer's records arrive in its order, through a ring of one slot (so the
-    /// producer waits for room, and the slot is reused).
+    /// One producer's records arrive in its order, through a ring of two slots (so the
+    /// producer waits for room, and a slot is reused).
     #[test]
     fn loom_log_ring_keeps_a_producers_order() {
         loom::model(|| {
-            let ring = Arc::new(Ring::new(1));
+            let ring = Arc::new(Ring::new(2));
             let producer = {
                 let ring = Arc::clone(&ring);
                 thread::spawn(move || {
-                    ring.push(record(1), &Yield);
-                    ring.push(record(2), &Yield);
+                    for n in 1..=3 {
+                        ring.push(record(n), &Yield);
+                    }
                 })
             };
-            let mut got = Vec::new();
-            let mut consumer = ring.consumer();
-            while got.len() < 2 {
-                if consumer.drain(usize::MAX, |r| got.push(r.size)) == 0 {
-                    thread::yield_now();
-                }
-            }
+            let got = [
+                take_wait(&ring, 0),
+                take_wait(&ring, 1),
+                take_wait(&ring, 2),
+            ];
             producer.join().unwrap();
-            assert_eq!(got, [1, 2]);
+            assert_eq!(got, [1, 2, 3]);
+        });
+    }
+
+    /// Two consumers of disjoint positions (the writer's lanes) at once, while a
+    /// producer waits to reuse the first lane's slot: each lane gets its own record, and
+    /// the slot's next lap is written only after its first was copied out.
+    #[test]
+    fn loom_log_ring_lanes_take_their_own_positions() {
+        loom::model(|| {
+            let ring = Arc::new(Ring::new(2));
+            ring.push(record(1), &Yield);
+            ring.push(record(2), &Yield);
+            let other_lane = {
+                let ring = Arc::clone(&ring);
+                thread::spawn(move || ring.take(1).map(|r| r.size))
+            };
+            let producer = {
+                let ring = Arc::clone(&ring);
+                thread::spawn(move || ring.push(record(3), &Yield))
+            };
+            assert_eq!(ring.take(0).map(|r| r.size), Some(1));
+            assert_eq!(take_wait(&ring, 2), 3);
+            assert_eq!(other_lane.join().unwrap(), Some(2));
+            producer.join().unwrap();
         });
     }
 }
