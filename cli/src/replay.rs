@@ -306,15 +306,9 @@ pub fn replay(
                 }
             }
             OpKind::Free => {
-                let ptr = slots[slot].swap(std::ptr::null_mut(), Ordering::Relaxed);
-                if let (Some(p), Ok(l)) = (NonNull::new(ptr), layout(plan.slot_size[slot])) {
-                    // Back to the allocating stream's order: the logged free may name
-                    // another stream, which the replay maps the same way.
-                    let stream = streams[plan.slot_stream[slot] as usize];
-                    // SAFETY: `p` came from `top` with this layout (stored above) and is
-                    // freed once (swapped out); replays never touch the memory.
-                    unsafe { top.deallocate(stream, p, l) };
-                }
+                // Back to the allocating stream's order: the logged free may name another
+                // stream, which the replay maps the same way.
+                free_slot(plan, &slots, slot, top, streams);
             }
         }
         if let Some(every) = sample_every
@@ -410,17 +404,32 @@ fn free_all(
     streams: &[StreamRef<'_>],
 ) -> (usize, u64) {
     let mut leaks = (0, 0u64);
-    for (slot, ptr) in slots.iter().enumerate() {
-        let ptr = ptr.swap(std::ptr::null_mut(), Ordering::Relaxed);
-        if let (Some(p), Ok(l)) = (NonNull::new(ptr), layout(plan.slot_size[slot])) {
+    for slot in 0..slots.len() {
+        if free_slot(plan, slots, slot, top, streams) {
             leaks.0 += 1;
             leaks.1 = leaks.1.saturating_add(plan.slot_size[slot] as u64);
-            // SAFETY: `p` came from `top` with this layout (stored by the replay) and is
-            // freed once (swapped out); no work uses it.
-            unsafe { top.deallocate(streams[plan.slot_stream[slot] as usize], p, l) };
         }
     }
     leaks
+}
+
+/// Frees the block `slot` holds, if it holds one (on its allocating stream); true if it
+/// did.
+fn free_slot(
+    plan: &Plan,
+    slots: &[AtomicPtr<u8>],
+    slot: usize,
+    top: &memres::AnyResource<()>,
+    streams: &[StreamRef<'_>],
+) -> bool {
+    let ptr = slots[slot].swap(std::ptr::null_mut(), Ordering::Relaxed);
+    let (Some(p), Ok(l)) = (NonNull::new(ptr), layout(plan.slot_size[slot])) else {
+        return false;
+    };
+    // SAFETY: `p` came from `top` with this layout (stored when the allocation was
+    // replayed) and is freed once (swapped out); replays never touch the memory.
+    unsafe { top.deallocate(streams[plan.slot_stream[slot] as usize], p, l) };
+    true
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

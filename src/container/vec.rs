@@ -213,40 +213,48 @@ impl<'s, T: Pod, R: Resource> DeviceVec<'s, T, R> {
         if index >= self.len {
             return Err(out_of_range(index, self.len));
         }
+        let dst = self.as_mut_ptr().wrapping_add(index).cast();
+        self.write_on(stream, || {
+            // `write_on` orders the vector's stream after the copy: no free or reuse first.
+            // SAFETY: the element is inside the block; `value` lives until the copy is
+            // done (synchronised by `set`, `'static` for `set_async`).
+            unsafe {
+                copy::copy(
+                    dst,
+                    Access::of::<R>(),
+                    (value as *const T).cast(),
+                    Access::HOST,
+                    size_of::<T>(),
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Runs `write`, which enqueues work on the vector's memory on `stream`, between the
+    /// two orderings that make a foreign stream safe: `stream` after the vector's stream
+    /// (the work sees earlier writes), and the vector's stream after `stream` (its later
+    /// work and its free come after), with `stream`'s context current.
+    fn write_on(
+        &self,
+        stream: StreamRef<'_>,
+        write: impl FnOnce() -> Result<(), Error>,
+    ) -> Result<(), Error> {
         let _current = bind_for(stream, self.stream(), self.buf.device())?;
         order_after(stream, self.stream())?;
-        // SAFETY: the element is inside the block; `value` lives until the copy is done
-        // (synchronised by `set`, `'static` for `set_async`); the vector's stream waits
-        // for the copy below, so the block is not freed or reused before it.
-        unsafe {
-            copy::copy(
-                self.as_mut_ptr().add(index).cast(),
-                Access::of::<R>(),
-                (value as *const T).cast(),
-                Access::HOST,
-                size_of::<T>(),
-                stream,
-            )?;
-        }
+        write()?;
         order_after(self.stream(), stream)
     }
 
     /// Sets every element to zero (all bits) in order on `stream`, without waiting; the
     /// vector's stream then waits for `stream`.
     pub fn set_to_zero(&mut self, stream: StreamRef<'_>) -> Result<(), Error> {
-        let _current = bind_for(stream, self.stream(), self.buf.device())?;
-        order_after(stream, self.stream())?;
-        // SAFETY: the block holds `len` elements; the vector's stream waits for the set
-        // below, so the block is not freed or reused before it.
-        unsafe {
-            copy::zero(
-                self.buf.as_mut_ptr(),
-                Access::of::<R>(),
-                self.bytes(),
-                stream,
-            )?
-        };
-        order_after(self.stream(), stream)
+        let (dst, bytes) = (self.buf.as_mut_ptr(), self.bytes());
+        // SAFETY: the block holds `len` elements; `write_on` orders the vector's stream
+        // after the set, so the block is not freed or reused before it.
+        self.write_on(stream, || unsafe {
+            copy::zero(dst, Access::of::<R>(), bytes, stream)
+        })
     }
 
     /// Copies `out.len()` elements starting at `first` to `out` on `stream`, after the

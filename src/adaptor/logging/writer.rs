@@ -209,17 +209,31 @@ struct Piece {
     rows: Vec<u8>,
 }
 
+impl Piece {
+    /// An empty piece starting at `pos`.
+    fn at(pos: u64) -> Piece {
+        Piece {
+            start: pos,
+            end: pos,
+            rows: Vec::with_capacity(CHUNK as usize * 64),
+        }
+    }
+
+    /// Sends the rows up to `end` and starts a new piece at `next`; false if the
+    /// sequencer is gone.
+    fn send(&mut self, end: u64, next: u64, to: &Sender<Piece>) -> bool {
+        self.end = end;
+        to.send(std::mem::replace(self, Piece::at(next))).is_ok()
+    }
+}
+
 /// A lane: formats the positions of its chunks, in order, and sends them on in pieces
 /// (a whole chunk, or what is ready when the ring runs dry).
 fn run_lane(c: &Control, lane: u64, pieces: &Sender<Piece>, mut to_wall: ToWall) {
     let _watch = DeathWatch(c);
     let mut format = RowFormat::default();
     let mut pos = lane * CHUNK;
-    let mut piece = Piece {
-        start: pos,
-        end: pos,
-        rows: Vec::with_capacity(CHUNK as usize * 64),
-    };
+    let mut piece = Piece::at(pos);
     let mut naps = 0u32;
     loop {
         to_wall.calibrate();
@@ -231,30 +245,17 @@ fn run_lane(c: &Control, lane: u64, pieces: &Sender<Piece>, mut to_wall: ToWall)
             if pos.is_multiple_of(CHUNK) {
                 // The chunk is done: the next of this lane's chunks starts LANES - 1
                 // chunks further on.
-                piece.end = pos;
+                let done = pos;
                 pos += (LANES - 1) * CHUNK;
-                let next = Piece {
-                    start: pos,
-                    end: pos,
-                    rows: Vec::with_capacity(CHUNK as usize * 64),
-                };
-                if pieces.send(std::mem::replace(&mut piece, next)).is_err() {
+                if !piece.send(done, pos, pieces) {
                     return; // the sequencer is gone
                 }
             }
         }
         // The ring is dry at `pos`: what is formatted goes now, so flushes and the stop
         // see it.
-        if pos > piece.start {
-            piece.end = pos;
-            let next = Piece {
-                start: pos,
-                end: pos,
-                rows: Vec::with_capacity(CHUNK as usize * 64),
-            };
-            if pieces.send(std::mem::replace(&mut piece, next)).is_err() {
-                return;
-            }
+        if pos > piece.start && !piece.send(pos, pos, pieces) {
+            return;
         }
         if c.stop.load(Ordering::Acquire) && pos >= c.ring.taken() {
             return;
