@@ -9,6 +9,13 @@
 //!
 //! On a machine with a CUDA driver the GPU stacks run (each on non-blocking streams, as
 //! the anchors do); without one, the host stacks run instead.
+//!
+//! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
+//! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
+//! in `MEMRES_WORKLOADS`) in one process, each round running every stack once in a
+//! rotating order; it prints per stack the min and median ns per op and the median of
+//! the rounds' ratios to `pool`. Stacks timed side by side in one process, over one
+//! pool, share the machine's slow and fast moments, which separate processes do not.
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
@@ -78,8 +85,23 @@ fn main() {
     // `cargo bench` passes `--bench`; a bare word picks one stack.
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
-    println!("{}", workloads::Row::CSV_HEADER);
     let gpu = memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0;
+    if let Ok(rounds) = std::env::var("MEMRES_PAIRED") {
+        let rounds = rounds.parse().expect("MEMRES_PAIRED: a number of rounds");
+        let rounds = if smoke_run() { 2 } else { rounds };
+        if gpu {
+            let pool = Pool::new(
+                Cuda::new().expect("Cuda"),
+                PoolConfig::new().initial_size(16 << 30),
+            );
+            paired("pool", &pool.expect("Pool"), true, rounds);
+        } else {
+            let pool = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(4 << 30));
+            paired("pool[host_heap]", &pool.expect("Pool"), false, rounds);
+        }
+        return;
+    }
+    println!("{}", workloads::Row::CSV_HEADER);
     if gpu {
         if want("cuda") {
             suite("cuda", &Cuda::new().expect("Cuda"), true, true);
@@ -199,4 +221,93 @@ fn adaptor_suites<R: Resource + Send + Sync>(
         drop(logged);
         std::fs::remove_file(&path).ok();
     }
+}
+
+/// One stack's timed run of a workload over the given streams, ns per op.
+type Run<'a> = dyn Fn(&str, &[StreamRef<'_>]) -> f64 + 'a;
+
+/// `MEMRES_PAIRED`: `pool` and the adaptors over it, timed in turns (see the top).
+fn paired<P: Resource + Sync>(pool_name: &str, pool: &P, gpu: bool, rounds: usize) {
+    const THREADS: usize = 8;
+    let streams = Streams::new(gpu, 1 + THREADS);
+    let refs: Vec<StreamRef<'_>> = (0..=THREADS).map(|i| streams.get(i)).collect();
+    let path = std::env::temp_dir().join(format!("memres-paired-{}.csv", std::process::id()));
+    let statistics = Statistics::new(pool);
+    let limiting = Limiting::new(pool, usize::MAX);
+    let tracking = Tracking::new(pool);
+    let logging = Logging::to_file(pool, &path).expect("a log file");
+    // (The log's threads nap when idle, but a 2-core machine still feels them: leave
+    // `logging` out with `MEMRES_STACKS` to time the others alone.)
+    let scale = if smoke_run() { 1000 } else { 1 };
+    let only = std::env::var("MEMRES_WORKLOADS").unwrap_or_else(|_| "random".into());
+    for workload in only.split(',') {
+        // One closure per stack, so each runs its own monomorphic code.
+        let run = |r: &Run<'_>| r(workload, &refs);
+        let stacks: [(&str, &Run<'_>); 5] = [
+            ("", &|w, s| one(w, pool, s, scale)),
+            ("statistics", &|w, s| one(w, &statistics, s, scale)),
+            ("limiting", &|w, s| one(w, &limiting, s, scale)),
+            ("tracking", &|w, s| one(w, &tracking, s, scale)),
+            ("logging", &|w, s| one(w, &logging, s, scale)),
+        ];
+        // `MEMRES_STACKS` (comma-separated adaptor names) leaves the others out.
+        let picked = std::env::var("MEMRES_STACKS").ok();
+        let stacks: Vec<_> = stacks
+            .into_iter()
+            .filter(|(a, _)| {
+                a.is_empty()
+                    || picked
+                        .as_deref()
+                        .is_none_or(|p| p.split(',').any(|x| x == *a))
+            })
+            .collect();
+        for (_, r) in &stacks {
+            run(r); // warm-up
+        }
+        let mut times = vec![Vec::with_capacity(rounds); stacks.len()];
+        for round in 0..rounds {
+            for k in 0..stacks.len() {
+                let i = (round + k) % stacks.len();
+                times[i].push(run(stacks[i].1));
+            }
+        }
+        let median = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+        let base = &times[0];
+        for ((adaptor, _), t) in stacks.iter().zip(&times) {
+            let name = if adaptor.is_empty() {
+                pool_name.to_string()
+            } else {
+                format!("{adaptor}({pool_name})")
+            };
+            let ratios: Vec<f64> = t.iter().zip(base).map(|(a, b)| a / b).collect();
+            println!(
+                "paired,{name},{workload},rounds={rounds},min={:.1},median={:.1},\
+                 ratio_of_mins={:.3},median_ratio={:.3}",
+                min(t),
+                median(t),
+                min(t) / min(base),
+                median(&ratios),
+            );
+        }
+    }
+    drop(logging);
+    std::fs::remove_file(&path).ok();
+}
+
+/// One timed run of `workload` over `r`, ns per op.
+fn one<R: Resource + Sync>(workload: &str, r: &R, streams: &[StreamRef<'_>], scale: usize) -> f64 {
+    let s = streams[0];
+    match workload {
+        "random" => workloads::random(r, s, 42, 200_000 / scale),
+        "random-mt" => workloads::random_mt(r, &streams[1..], 100_000 / scale),
+        "pair-256B" => workloads::pairs(r, s, 256, 1_000_000 / scale),
+        "pair-64KiB" => workloads::pairs(r, s, 64 << 10, 1_000_000 / scale),
+        other => panic!("MEMRES_WORKLOADS: no workload {other} in the paired runs"),
+    }
+    .expect("a workload run")
 }

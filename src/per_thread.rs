@@ -34,8 +34,10 @@ pub(crate) trait ThreadSlot: Default + Send + Sync + 'static {
 
 /// One thread's slot: the flags its two owners (the thread's list and the object's
 /// registry) leave for each other, then the value. `repr(C)` puts the flags first, so a
-/// thread's list reads them without knowing `T`.
-#[repr(C)]
+/// thread's list reads them without knowing `T`. Aligned to two cache lines (the pair the
+/// processor fetches together), so that threads writing their own slots never write the
+/// same lines.
+#[repr(C, align(128))]
 struct Slot<T: ThreadSlot> {
     flags: Flags,
     inner: Arc<Inner<T>>,

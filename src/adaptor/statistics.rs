@@ -10,7 +10,7 @@ use crate::per_thread::{PerThread, ThreadSlot};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
 use crate::sync::Mutex;
-use crate::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use crate::sync::atomic::{AtomicI64, Ordering};
 
 /// One statistic: its value now, the highest it has been, and the sum of everything added.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -32,9 +32,9 @@ pub struct StatisticsSnapshot {
     pub allocations: Counter,
 }
 
-/// How many operations a thread counts before it publishes its changes to the shared
+/// How many allocations a thread counts before it publishes its changes to the shared
 /// counters (see [`Statistics`]'s notes on concurrency).
-const PUBLISH_EVERY: u32 = 64;
+const PUBLISH_EVERY: u64 = 64;
 
 /// One thread's changes to one counter since it last published them. Only the owning
 /// thread writes (a relaxed load and store, no atomic read-modify-write); readers load.
@@ -49,21 +49,25 @@ struct LocalCounter {
 }
 
 impl LocalCounter {
+    /// Adds `n`; returns the new total.
     #[inline]
-    fn add(&self, n: i64) {
+    fn add(&self, n: i64) -> i64 {
         let d = self.delta.load(Ordering::Relaxed) + n;
         self.delta.store(d, Ordering::Relaxed);
         if d > self.high.load(Ordering::Relaxed) {
             self.high.store(d, Ordering::Relaxed);
         }
-        let t = self.total.load(Ordering::Relaxed);
-        self.total.store(t + n, Ordering::Relaxed);
+        let t = self.total.load(Ordering::Relaxed) + n;
+        self.total.store(t, Ordering::Relaxed);
+        t
     }
 
+    /// Subtracts `n`; returns the new `delta`.
     #[inline]
-    fn sub(&self, n: i64) {
+    fn sub(&self, n: i64) -> i64 {
         let d = self.delta.load(Ordering::Relaxed) - n;
         self.delta.store(d, Ordering::Relaxed);
+        d
     }
 
     /// Moves `delta` into the shared counter and raises its peak to the highest value
@@ -84,25 +88,33 @@ impl LocalCounter {
 struct Local {
     bytes: LocalCounter,
     allocations: LocalCounter,
-    /// Operations since the last publication.
-    ops: AtomicU32,
 }
 
 impl Local {
+    /// Publishes after every [`PUBLISH_EVERY`] allocations of this thread, and when its
+    /// frees since the last publication outnumber its allocations by as many (a thread
+    /// that only frees must still publish, or others' peaks would be raised over memory
+    /// it gave back). The counters themselves say when: no operation count of its own.
     #[inline]
-    fn tick(&self, shared: &Shared) {
-        let ops = self.ops.load(Ordering::Relaxed) + 1;
-        if ops < PUBLISH_EVERY {
-            self.ops.store(ops, Ordering::Relaxed);
-        } else {
+    fn allocated(&self, size: usize, shared: &Shared) {
+        self.bytes.add(size as i64);
+        if (self.allocations.add(1) as u64).is_multiple_of(PUBLISH_EVERY) {
             self.publish(shared);
         }
     }
 
+    #[inline]
+    fn freed(&self, size: usize, shared: &Shared) {
+        self.bytes.sub(size as i64);
+        if self.allocations.sub(1) <= -(PUBLISH_EVERY as i64) {
+            self.publish(shared);
+        }
+    }
+
+    #[cold]
     fn publish(&self, shared: &Shared) {
         self.bytes.publish(&shared.bytes);
         self.allocations.publish(&shared.allocations);
-        self.ops.store(0, Ordering::Relaxed);
     }
 }
 
@@ -205,7 +217,8 @@ struct Frame {
 /// # Cost and exactness under concurrency
 /// Each thread counts into a slot of its own with plain loads and stores (no atomic
 /// read-modify-write, no lock), and publishes its changes to shared counters every 64
-/// operations; readers add up the shared counters and every thread's slot. So:
+/// allocations (and when its frees outnumber its allocations by 64); readers add up the
+/// shared counters and every thread's slot. So:
 /// - `current` and `total` are exact whenever no thread is in the middle of a call (after
 ///   the threads that used the adaptor are joined, say), and at most a moment stale
 ///   otherwise.
@@ -213,9 +226,10 @@ struct Frame {
 ///   another (each done before the next began). When threads interleave (at once, or
 ///   taking turns), each thread's highest point is put on top of the shared value as it
 ///   stood when that thread published, so the peak may be off (either way) by what other
-///   threads did in their last 64 operations each; it never falls below the highest
-///   `current` read. Where an exact peak across threads matters more than speed, count
-///   with one atomic counter instead (the `memres replay` command does).
+///   threads did since their last publication (at most 64 allocations, or 64 frees more
+///   than allocations, each); it never falls below the highest `current` read. Where an
+///   exact peak across threads matters more than speed, count with one atomic counter
+///   instead (the `memres replay` command does).
 /// - `push_counters` and `pop_counters` publish the calling thread's slot; other threads'
 ///   unpublished highs from before a push may count towards the new frame's peak.
 ///
@@ -370,11 +384,7 @@ impl<U> Statistics<U> {
     #[inline]
     fn count(&self, size: usize) {
         match self.counts.get() {
-            Some(local) => {
-                local.bytes.add(size as i64);
-                local.allocations.add(1);
-                local.tick(self.counts.shared());
-            }
+            Some(local) => local.allocated(size, self.counts.shared()),
             None => self.count_shared(size as i64, 1),
         }
     }
@@ -382,11 +392,7 @@ impl<U> Statistics<U> {
     #[inline]
     fn uncount(&self, size: usize) {
         match self.counts.get() {
-            Some(local) => {
-                local.bytes.sub(size as i64);
-                local.allocations.sub(1);
-                local.tick(self.counts.shared());
-            }
+            Some(local) => local.freed(size, self.counts.shared()),
             None => self.count_shared(-(size as i64), -1),
         }
     }
