@@ -13,7 +13,7 @@
 //! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
 //! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
 //! in `MEMRES_WORKLOADS`) in one process, each round running every stack once in a
-//! rotating order; it prints per stack the min and median ns per op and the median of
+//! random order (the log flushed, untimed, after each of its runs); it prints per stack the min and median ns per op and the median of
 //! the rounds' ratios to `pool`. Stacks timed side by side in one process, over one
 //! pool, share the machine's slow and fast moments, which separate processes do not.
 
@@ -248,7 +248,13 @@ fn paired<P: Resource + Sync>(pool_name: &str, pool: &P, gpu: bool, rounds: usiz
             ("statistics", &|w, s| one(w, &statistics, s, scale)),
             ("limiting", &|w, s| one(w, &limiting, s, scale)),
             ("tracking", &|w, s| one(w, &tracking, s, scale)),
-            ("logging", &|w, s| one(w, &logging, s, scale)),
+            ("logging", &|w, s| {
+                let ns = one(w, &logging, s, scale);
+                // Untimed: the log's threads finish their rows before the next stack
+                // runs, so it does not pay for them.
+                logging.flush().expect("the log written");
+                ns
+            }),
         ];
         // `MEMRES_STACKS` (comma-separated adaptor names) leaves the others out.
         let picked = std::env::var("MEMRES_STACKS").ok();
@@ -265,9 +271,18 @@ fn paired<P: Resource + Sync>(pool_name: &str, pool: &P, gpu: bool, rounds: usiz
             run(r); // warm-up
         }
         let mut times = vec![Vec::with_capacity(rounds); stacks.len()];
-        for round in 0..rounds {
-            for k in 0..stacks.len() {
-                let i = (round + k) % stacks.len();
+        let mut rng = 7;
+        for _ in 0..rounds {
+            // Each round in a fresh random order, so that no stack always follows the
+            // same one.
+            let mut order: Vec<usize> = (0..stacks.len()).collect();
+            for k in (1..order.len()).rev() {
+                order.swap(
+                    k,
+                    (workloads::splitmix64(&mut rng) % (k as u64 + 1)) as usize,
+                );
+            }
+            for i in order {
                 times[i].push(run(stacks[i].1));
             }
         }

@@ -107,6 +107,14 @@ impl<T: ThreadSlot> PerThread<T> {
             // cleared before any entry is removed), with this object's id.
             return Some(unsafe { self.value_at(ptr) });
         }
+        self.get_slow()
+    }
+
+    /// [`get`](Self::get) when the slot used last on this thread is another object's:
+    /// out of line, so that the fast path stays small enough to inline into callers.
+    #[cold]
+    #[inline(never)]
+    fn get_slow(&self) -> Option<&T> {
         let found = ENTRIES
             .try_with(|entries| {
                 let entries = entries.try_borrow().ok()?;

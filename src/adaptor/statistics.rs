@@ -112,6 +112,7 @@ impl Local {
     }
 
     #[cold]
+    #[inline(never)]
     fn publish(&self, shared: &Shared) {
         self.bytes.publish(&shared.bytes);
         self.allocations.publish(&shared.allocations);
@@ -400,6 +401,7 @@ impl<U> Statistics<U> {
     /// Counts straight into the shared counters: for a thread whose slot is gone (it is
     /// exiting; a thread-local cache freeing into this adaptor, say).
     #[cold]
+    #[inline(never)]
     fn count_shared(&self, bytes: i64, allocations: i64) {
         let shared = self.counts.shared();
         for (c, n) in [(&shared.bytes, bytes), (&shared.allocations, allocations)] {

@@ -139,15 +139,16 @@ impl<U> Logging<U> {
         size: usize,
         stream: StreamRef<'_>,
     ) {
-        let time = self.clock.now();
         let (stream, host) = match stream.as_raw() {
             Some(raw) => (raw as u64, false),
             None => (u64::from(stream.host_id().unwrap_or(0)), true),
         };
-        self.writer.log(Record {
-            time,
-            // During thread exit the thread-local may be gone: ask the OS then.
-            thread: THREAD.try_with(|t| *t).unwrap_or_else(|_| os_thread_id()),
+        let thread = thread_id();
+        let clock = self.clock;
+        // The clock is read once the event has its place in the log (see `Ring::push`).
+        self.writer.log(|| Record {
+            time: clock.now(),
+            thread,
             action: row::action_code(action),
             pointer: pointer.map_or(0, |p| p.as_ptr() as usize),
             size,
@@ -163,8 +164,22 @@ impl<U> Logging<U> {
 }
 
 thread_local! {
-    /// The OS thread id, looked up once per thread.
-    static THREAD: u64 = os_thread_id();
+    /// The OS thread id, looked up on the thread's first event (0: not yet). No lazy
+    /// initialisation and no destructor, so reading it is one load, even during the
+    /// thread's exit.
+    static THREAD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The calling thread's OS id.
+#[inline]
+fn thread_id() -> u64 {
+    let known = THREAD.get();
+    if known != 0 {
+        return known;
+    }
+    let id = os_thread_id();
+    THREAD.set(id);
+    id
 }
 
 #[cfg(target_os = "linux")]
@@ -202,12 +217,14 @@ impl<U: fmt::Debug> fmt::Debug for Logging<U> {
 unsafe impl<U: SyncResource> SyncResource for Logging<U> {
     type Properties = U::Properties;
 
+    #[inline]
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
         let result = self.upstream.allocate_sync(layout);
         self.log_allocation(&result, layout, StreamRef::DEFAULT);
         result
     }
 
+    #[inline]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
         self.log(Action::Free, Some(ptr), layout.size(), StreamRef::DEFAULT);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
@@ -231,12 +248,14 @@ impl<U> Logging<U> {
 
 // SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for Logging<U> {
+    #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         let result = self.upstream.allocate(stream, layout);
         self.log_allocation(&result, layout, stream);
         result
     }
 
+    #[inline]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         self.log(Action::Free, Some(ptr), layout.size(), stream);
         // SAFETY: the caller's promise, for the upstream that allocated the block.

@@ -106,9 +106,13 @@ impl Ring {
         }
     }
 
-    /// Appends `record`; waits (calling `wait.full()`) while the ring is full.
+    /// Appends the record `make` returns; waits (calling `wait.full()`) while the ring is
+    /// full. `make` runs once the event has its place and its slot is free, and writes
+    /// straight into the slot: a record made before the atomic add (its clock reading
+    /// first of all) would be stored on the stack, and the add would wait for those
+    /// stores, the clock's latency included.
     #[inline]
-    pub(super) fn push(&self, record: Record, wait: &impl Wait) {
+    pub(super) fn push(&self, make: impl FnOnce() -> Record, wait: &impl Wait) {
         let pos = self.tail.0.fetch_add(1, Ordering::Relaxed);
         let slot = &self.slots[(pos & self.mask) as usize];
         let mut attempt = 0;
@@ -120,7 +124,7 @@ impl Ring {
         }
         // SAFETY: position `pos` is ours alone, and the slot's previous record has been
         // copied out (its consumer stored `pos`, acquired above); see `impl Sync`.
-        slot.record.get_mut().with(|r| unsafe { *r = record });
+        slot.record.get_mut().with(|r| unsafe { *r = make() });
         slot.seq.store(pos + 1, Ordering::Release);
         // Ask for a slot a little ahead in writable state now: the consumer read it last,
         // so writing it later would wait for its cache line to come back from the
@@ -191,7 +195,7 @@ mod loom_models {
             let producers: Vec<_> = (1..=2u64)
                 .map(|p| {
                     let ring = Arc::clone(&ring);
-                    thread::spawn(move || ring.push(record(p), &Yield))
+                    thread::spawn(move || ring.push(|| record(p), &Yield))
                 })
                 .collect();
             let mut got = vec![take_wait(&ring, 0), take_wait(&ring, 1)];
@@ -213,7 +217,7 @@ mod loom_models {
                 let ring = Arc::clone(&ring);
                 thread::spawn(move || {
                     for n in 1..=3 {
-                        ring.push(record(n), &Yield);
+                        ring.push(|| record(n), &Yield);
                     }
                 })
             };
@@ -234,15 +238,15 @@ mod loom_models {
     fn loom_log_ring_lanes_take_their_own_positions() {
         loom::model(|| {
             let ring = Arc::new(Ring::new(2));
-            ring.push(record(1), &Yield);
-            ring.push(record(2), &Yield);
+            ring.push(|| record(1), &Yield);
+            ring.push(|| record(2), &Yield);
             let other_lane = {
                 let ring = Arc::clone(&ring);
                 thread::spawn(move || ring.take(1).map(|r| r.size))
             };
             let producer = {
                 let ring = Arc::clone(&ring);
-                thread::spawn(move || ring.push(record(3), &Yield))
+                thread::spawn(move || ring.push(|| record(3), &Yield))
             };
             assert_eq!(ring.take(0).map(|r| r.size), Some(1));
             assert_eq!(take_wait(&ring, 2), 3);

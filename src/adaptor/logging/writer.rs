@@ -150,7 +150,7 @@ impl Writer {
 
     /// Appends one event (waits only while the ring is full).
     #[inline]
-    pub(super) fn log(&self, record: Record) {
+    pub(super) fn log(&self, record: impl FnOnce() -> Record) {
         self.control.ring.push(record, &*self.control);
     }
 
