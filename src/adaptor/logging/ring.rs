@@ -107,10 +107,8 @@ impl Ring {
     }
 
     /// Appends the record `make` returns; waits (calling `wait.full()`) while the ring is
-    /// full. `make` runs once the event has its place and its slot is free, and writes
-    /// straight into the slot: a record made before the atomic add (its clock reading
-    /// first of all) would be stored on the stack, and the add would wait for those
-    /// stores, the clock's latency included.
+    /// full. `make` runs once the event has its place and its slot is free, so the record
+    /// is built straight in the slot rather than on the stack and copied.
     #[inline]
     pub(super) fn push(&self, make: impl FnOnce() -> Record, wait: &impl Wait) {
         let pos = self.tail.0.fetch_add(1, Ordering::Relaxed);
