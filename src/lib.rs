@@ -68,6 +68,7 @@ pub mod upstream;
 pub mod workloads;
 
 mod per_thread;
+mod prefetch;
 mod sync;
 
 pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};

@@ -225,7 +225,7 @@ impl<U: fmt::Debug> fmt::Debug for Limiting<U> {
 unsafe impl<U: SyncResource> SyncResource for Limiting<U> {
     type Properties = U::Properties;
 
-    #[inline]
+    #[inline(always)]
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.take(layout)?;
         match self.upstream.allocate_sync(layout) {
@@ -234,7 +234,7 @@ unsafe impl<U: SyncResource> SyncResource for Limiting<U> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate_sync(ptr, layout) };
@@ -244,7 +244,7 @@ unsafe impl<U: SyncResource> SyncResource for Limiting<U> {
 
 // SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for Limiting<U> {
-    #[inline]
+    #[inline(always)]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         self.take(layout)?;
         // `Ok(p)` rebuilt rather than the upstream's result passed on whole: moving the
@@ -257,7 +257,7 @@ unsafe impl<U: Resource> Resource for Limiting<U> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) };

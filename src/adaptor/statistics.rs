@@ -429,14 +429,14 @@ impl<U: fmt::Debug> fmt::Debug for Statistics<U> {
 unsafe impl<U: SyncResource> SyncResource for Statistics<U> {
     type Properties = U::Properties;
 
-    #[inline]
+    #[inline(always)]
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
         let p = self.upstream.allocate_sync(layout)?;
         self.count(layout.size());
         Ok(p)
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
         self.uncount(layout.size());
         // SAFETY: the caller's promise, for the upstream that allocated the block.
@@ -446,14 +446,14 @@ unsafe impl<U: SyncResource> SyncResource for Statistics<U> {
 
 // SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for Statistics<U> {
-    #[inline]
+    #[inline(always)]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         let p = self.upstream.allocate(stream, layout)?;
         self.count(layout.size());
         Ok(p)
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         self.uncount(layout.size());
         // SAFETY: the caller's promise, for the upstream that allocated the block.

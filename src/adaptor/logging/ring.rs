@@ -60,28 +60,6 @@ unsafe impl Sync for Ring {}
 /// How far ahead of its own slot a producer prefetches.
 const PREFETCH_AHEAD: u64 = 16;
 
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn prefetch_for_write(slot: &Slot) {
-    // `PREFETCHW` itself: `_mm_prefetch::<_MM_HINT_ET0>` compiles to a plain read
-    // prefetch unless the whole crate is built with `+prfchw` (checked in the binary), and
-    // a line fetched for reading must still be taken from the consumer's core when
-    // written. Processors without the instruction execute it as a no-op.
-    // SAFETY: a prefetch is a hint: it never faults and changes no memory, registers or
-    // flags; the address is a live slot anyway.
-    unsafe {
-        std::arch::asm!(
-            "prefetchw [{slot}]",
-            slot = in(reg) slot as *const Slot,
-            options(nostack, preserves_flags, readonly)
-        )
-    };
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-#[inline]
-fn prefetch_for_write(_: &Slot) {}
-
 /// What a producer does while the ring is full.
 pub(super) trait Wait {
     /// Called while waiting for the consumers, with how many times it was called before
@@ -127,7 +105,7 @@ impl Ring {
         // Ask for a slot a little ahead in writable state now: the consumer read it last,
         // so writing it later would wait for its cache line to come back from the
         // consumer's core, a wait the next event's atomic add would sit out in full.
-        prefetch_for_write(&self.slots[((pos + PREFETCH_AHEAD) & self.mask) as usize]);
+        crate::prefetch::for_write(&self.slots[((pos + PREFETCH_AHEAD) & self.mask) as usize]);
     }
 
     /// Positions taken so far (records pushed or being pushed).
