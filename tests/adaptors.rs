@@ -640,6 +640,49 @@ fn tracking_survives_untracked_and_wrong_size_frees() {
     assert!(t.outstanding().is_empty());
 }
 
+/// Threads allocating and freeing at once (the record is sharded by address): every
+/// block freed leaves the record, every block kept is in it once, with its size, and the
+/// snapshot is sorted by address.
+#[test]
+fn tracking_from_many_threads_keeps_exactly_the_live_blocks() {
+    let t = Tracking::new(HostHeap::new());
+    let kept: Vec<Vec<(usize, usize)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|thread| {
+                let t = &t;
+                scope.spawn(move || {
+                    let mut kept = Vec::new();
+                    for i in 0..500 {
+                        let size = 64 + 8 * (thread * 500 + i);
+                        let block = alloc(t, size);
+                        if i % 2 == 0 {
+                            free(t, block);
+                        } else {
+                            kept.push((block.0.as_ptr() as usize, size));
+                        }
+                    }
+                    kept
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut expected: Vec<(usize, usize)> = kept.into_iter().flatten().collect();
+    expected.sort();
+    let outstanding = t.outstanding();
+    let got: Vec<(usize, usize)> = outstanding.iter().map(|o| (o.address, o.size)).collect();
+    assert_eq!(got, expected);
+    assert_eq!(
+        t.allocated_bytes(),
+        expected.iter().map(|&(_, size)| size).sum::<usize>()
+    );
+    for (address, size) in expected {
+        let p = NonNull::new(address as *mut u8).unwrap();
+        free(&t, (p, layout(size).unwrap()));
+    }
+    assert!(t.outstanding().is_empty());
+}
+
 #[test]
 fn the_builder_reads_top_down_and_builds_the_nested_types() {
     use memres::ResourceExt;

@@ -1,7 +1,6 @@
 //! [`Aligned`]: larger alignment than the upstream gives, by over-allocating.
 
 use std::alloc::Layout;
-use std::collections::HashMap;
 use std::fmt;
 use std::ops::{BitAnd, Sub};
 use std::ptr::NonNull;
@@ -12,6 +11,7 @@ use super::upstream_access;
 use crate::error::Error;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::StreamRef;
+use crate::suballoc::AddrMap;
 use crate::sync::Mutex;
 
 /// Aligns allocations of at least `threshold` bytes to `alignment` (RMM's
@@ -44,7 +44,7 @@ pub struct Aligned<U> {
     alignment: usize,
     threshold: usize,
     /// Aligned address -> original address, for the blocks that were realigned.
-    originals: Mutex<HashMap<usize, usize>>,
+    originals: Mutex<AddrMap<usize>>,
 }
 
 upstream_access!(Aligned<U>);
@@ -65,7 +65,7 @@ impl<U> Aligned<U> {
             upstream,
             alignment,
             threshold,
-            originals: Mutex::new(HashMap::new()),
+            originals: Mutex::new(AddrMap::default()),
         })
     }
 
@@ -95,7 +95,7 @@ impl<U> Aligned<U> {
             upstream,
             alignment: A::USIZE,
             threshold,
-            originals: Mutex::new(HashMap::new()),
+            originals: Mutex::new(AddrMap::default()),
         }
     }
 
@@ -129,7 +129,7 @@ impl<U> Aligned<U> {
         Ok(Some((align, upstream)))
     }
 
-    fn originals(&self) -> crate::sync::MutexGuard<'_, HashMap<usize, usize>> {
+    fn originals(&self) -> crate::sync::MutexGuard<'_, AddrMap<usize>> {
         // Each update is one insert or remove: a poisoned map is still consistent.
         self.originals
             .lock()

@@ -2,7 +2,6 @@
 
 use std::alloc::Layout;
 use std::backtrace::Backtrace;
-use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -11,7 +10,8 @@ use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::sync::Mutex;
+use crate::suballoc::AddrMap;
+use crate::sync::{Mutex, MutexGuard};
 
 /// One live allocation, as [`Tracking::outstanding`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +37,10 @@ struct Entry {
 ///   for hunting a leak, not for production). Zero-byte allocations are not tracked.
 /// - [`outstanding`](Self::outstanding) is an owned snapshot; [`report`](Self::report)
 ///   is one line per allocation (`0x…: N B`, then the stack if captured).
+/// - The record is split in 64 shards by address, each with its own lock, so threads
+///   allocating at once rarely wait for each other. A snapshot visits the shards one
+///   after another: taken while other threads allocate, it may see some of their changes
+///   and not others.
 /// - Freeing a pointer it does not know, or with another layout than it was allocated
 ///   with, is reported through `tracing::error!` — never a panic. A known pointer goes
 ///   upstream with the layout it was allocated with; an unknown one goes upstream as given.
@@ -61,7 +65,24 @@ struct Entry {
 pub struct Tracking<U> {
     upstream: U,
     stacks: bool,
-    live: Mutex<HashMap<usize, Entry>>,
+    shards: Box<[Shard]>,
+}
+
+/// Shards of the record.
+const SHARDS: usize = 64;
+
+/// One shard: the live blocks whose address hashes to it, on cache lines of its own.
+#[repr(align(128))]
+#[derive(Default)]
+struct Shard(Mutex<AddrMap<Entry>>);
+
+impl Shard {
+    fn lock(&self) -> MutexGuard<'_, AddrMap<Entry>> {
+        // Each update is one insert or remove: a poisoned map is still consistent.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 upstream_access!(Tracking<U>);
@@ -72,7 +93,7 @@ impl<U> Tracking<U> {
         Tracking {
             upstream,
             stacks: false,
-            live: Mutex::new(HashMap::new()),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
         }
     }
 
@@ -84,22 +105,27 @@ impl<U> Tracking<U> {
         }
     }
 
-    fn live(&self) -> crate::sync::MutexGuard<'_, HashMap<usize, Entry>> {
-        // Each update is one insert or remove: a poisoned map is still consistent.
-        self.live
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// The shard that records `address`.
+    #[inline]
+    fn shard(&self, address: usize) -> MutexGuard<'_, AddrMap<Entry>> {
+        // Addresses are multiples of the alignment: hash them, then take the top bits.
+        let h = ((address >> 8) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.shards[(h >> 58) as usize % SHARDS].lock()
     }
 
-    /// The live allocations now, sorted by address. The record is copied under the lock;
-    /// the call stacks are turned into text after it is released, so allocating threads
-    /// do not wait for that.
+    /// The live allocations now, sorted by address. Each shard is copied under its lock;
+    /// the call stacks are turned into text after, so allocating threads do not wait for
+    /// that.
     pub fn outstanding(&self) -> Vec<Outstanding> {
-        let mut copied: Vec<(usize, usize, Option<Arc<Backtrace>>)> = self
-            .live()
-            .iter()
-            .map(|(&address, e)| (address, e.layout.size(), e.stack.clone()))
-            .collect();
+        let mut copied: Vec<(usize, usize, Option<Arc<Backtrace>>)> = Vec::new();
+        for shard in &self.shards {
+            copied.extend(
+                shard
+                    .lock()
+                    .iter()
+                    .map(|(&address, e)| (address, e.layout.size(), e.stack.clone())),
+            );
+        }
         copied.sort_by_key(|c| c.0);
         copied
             .into_iter()
@@ -113,7 +139,10 @@ impl<U> Tracking<U> {
 
     /// Bytes in live allocations.
     pub fn allocated_bytes(&self) -> usize {
-        self.live().values().map(|e| e.layout.size()).sum()
+        self.shards
+            .iter()
+            .map(|s| s.lock().values().map(|e| e.layout.size()).sum::<usize>())
+            .sum()
     }
 
     /// One line per live allocation (`0x…: N B`), each followed by its call stack where
@@ -134,8 +163,8 @@ impl<U> Tracking<U> {
             return;
         }
         let stack = self.stacks.then(|| Arc::new(Backtrace::force_capture()));
-        self.live()
-            .insert(ptr.as_ptr() as usize, Entry { layout, stack });
+        let address = ptr.as_ptr() as usize;
+        self.shard(address).insert(address, Entry { layout, stack });
     }
 
     /// Forgets the block; returns the layout to free it with upstream: the one it was
@@ -144,7 +173,8 @@ impl<U> Tracking<U> {
         let address = ptr.as_ptr() as usize;
         // Looked up whatever the size: a tracked block freed as zero bytes must not leak.
         // (A zero-byte block's dangling address is never a tracked heap address.)
-        match self.live().remove(&address) {
+        let removed = self.shard(address).remove(&address);
+        match removed {
             None if layout.size() == 0 => layout,
             None => {
                 tracing::error!(
@@ -174,7 +204,10 @@ impl<U: fmt::Debug> fmt::Debug for Tracking<U> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tracking")
             .field("upstream", &self.upstream)
-            .field("outstanding", &self.live().len())
+            .field(
+                "outstanding",
+                &self.shards.iter().map(|s| s.lock().len()).sum::<usize>(),
+            )
             .finish()
     }
 }

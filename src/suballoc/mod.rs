@@ -37,6 +37,7 @@ mod binning;
 mod chunks;
 mod fixed;
 mod free_blocks;
+pub(crate) use free_blocks::AddrMap;
 mod pool;
 mod shards;
 mod spin;
