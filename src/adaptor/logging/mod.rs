@@ -131,7 +131,7 @@ impl<U> Logging<U> {
         self.writer.flush().map_err(io_error)
     }
 
-    #[inline]
+    #[inline(always)]
     fn log(
         &self,
         action: Action,
@@ -235,6 +235,7 @@ unsafe impl<U: SyncResource> SyncResource for Logging<U> {
 }
 
 impl<U> Logging<U> {
+    #[inline(always)]
     fn log_allocation(
         &self,
         result: &Result<NonNull<u8>, Error>,

@@ -91,12 +91,8 @@ impl Ring {
     pub(super) fn push(&self, make: impl FnOnce() -> Record, wait: &impl Wait) {
         let pos = self.tail.0.fetch_add(1, Ordering::Relaxed);
         let slot = &self.slots[(pos & self.mask) as usize];
-        let mut attempt = 0;
-        while slot.seq.load(Ordering::Acquire) != pos {
-            if !wait.full(attempt) {
-                return;
-            }
-            attempt = attempt.wrapping_add(1);
+        if slot.seq.load(Ordering::Acquire) != pos && !Self::wait_for(slot, pos, wait) {
+            return;
         }
         // SAFETY: position `pos` is ours alone, and the slot's previous record has been
         // copied out (its consumer stored `pos`, acquired above); see `impl Sync`.
@@ -106,6 +102,21 @@ impl Ring {
         // so writing it later would wait for its cache line to come back from the
         // consumer's core, a wait the next event's atomic add would sit out in full.
         crate::prefetch::for_write(&self.slots[((pos + PREFETCH_AHEAD) & self.mask) as usize]);
+    }
+
+    /// Waits until `slot` is free for position `pos` (true), or the consumers are gone
+    /// (false). Out of line: the ring is rarely full, and the producer's path stays short.
+    #[cold]
+    #[inline(never)]
+    fn wait_for(slot: &Slot, pos: u64, wait: &impl Wait) -> bool {
+        let mut attempt = 0;
+        while slot.seq.load(Ordering::Acquire) != pos {
+            if !wait.full(attempt) {
+                return false;
+            }
+            attempt = attempt.wrapping_add(1);
+        }
+        true
     }
 
     /// Positions taken so far (records pushed or being pushed).

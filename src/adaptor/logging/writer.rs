@@ -149,7 +149,7 @@ impl Writer {
     }
 
     /// Appends one event (waits only while the ring is full).
-    #[inline]
+    #[inline(always)]
     pub(super) fn log(&self, record: impl FnOnce() -> Record) {
         self.control.ring.push(record, &*self.control);
     }
