@@ -13,8 +13,8 @@
 //! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
 //! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
 //! in `MEMRES_WORKLOADS`) in one process, each round running every stack once in a
-//! random order (the log flushed, untimed, after each of its runs); it prints per stack the min and median ns per op and the median of
-//! the rounds' ratios to `pool`. Stacks timed side by side in one process, over one
+//! random order (the log flushed, untimed, after each of its runs); it prints per stack
+//! the min and median ns per op and the median of the rounds' ratios to `pool`. Stacks timed side by side in one process, over one
 //! pool, share the machine's slow and fast moments, which separate processes do not.
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
@@ -87,7 +87,11 @@ fn main() {
     let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
     let gpu = memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0;
     if let Ok(rounds) = std::env::var("MEMRES_PAIRED") {
-        let rounds = rounds.parse().expect("MEMRES_PAIRED: a number of rounds");
+        let rounds = rounds
+            .parse()
+            .ok()
+            .filter(|&n: &usize| n > 0)
+            .expect("MEMRES_PAIRED: a number of rounds, at least 1");
         let rounds = if smoke_run() { 2 } else { rounds };
         if gpu {
             let pool = Pool::new(
@@ -289,7 +293,8 @@ fn paired<P: Resource + Sync>(pool_name: &str, pool: &P, gpu: bool, rounds: usiz
         let median = |v: &[f64]| {
             let mut v = v.to_vec();
             v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
+            let n = v.len();
+            (v[(n - 1) / 2] + v[n / 2]) / 2.0
         };
         let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
         let base = &times[0];

@@ -112,8 +112,9 @@ impl<T: ThreadSlot> PerThread<T> {
         self.get_slow()
     }
 
-    /// [`get`](Self::get) when the slot used last on this thread is another object's:
-    /// out of line, so that the fast path stays small enough to inline into callers.
+    /// [`get`](Self::get) when this object's way of `LAST` holds another object's slot,
+    /// or none: out of line, so that the fast path stays small enough to inline into
+    /// callers.
     #[cold]
     #[inline(never)]
     fn get_slow(&self) -> Option<&T> {

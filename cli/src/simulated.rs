@@ -89,10 +89,10 @@ pub fn simulated(size: usize) -> impl Resource<Properties = ()> + Send + Sync + 
             .unwrap_or_else(PoisonError::into_inner)
             .give(ptr.as_ptr() as usize, layout);
     };
-    // SAFETY: blocks come from a first-fit list over one range: disjoint until given back,
-    // at least `layout.size()` bytes (rounded up to 256), aligned as asked (at least 256),
-    // and valid (as addresses) until freed; the properties claim no access, so nothing may
-    // touch them; reuse is immediate, which is right for memory no work can use.
+    // Blocks come from a first-fit list over one range: disjoint until given back, at
+    // least `layout.size()` bytes (rounded up to 256), aligned as asked (at least 256).
+    // SAFETY: they are valid (as addresses) until freed; the properties claim no access,
+    // so nothing may touch them; reuse is immediate, right for memory no work can use.
     unsafe { Callback::<()>::new(allocate, deallocate) }
 }
 

@@ -228,8 +228,9 @@ struct Frame {
 ///   another (each done before the next began). When threads interleave (at once, or
 ///   taking turns), each thread's highest point is put on top of the shared value as it
 ///   stood when that thread published, so the peak may be off (either way) by what other
-///   threads did since their last publication (at most 64 allocations, or 64 frees more
-///   than allocations, each); it never falls below the highest `current` read. Where an
+///   threads did since their last publication (each: fewer than 64 allocations, and
+///   frees outnumbering them by fewer than 64, so up to 126 frees); it never falls below
+///   the highest `current` read. Where an
 ///   exact peak across threads matters more than speed, count with one atomic counter
 ///   instead (the `memres replay` command does).
 /// - `push_counters` and `pop_counters` publish the calling thread's slot; other threads'

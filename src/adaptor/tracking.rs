@@ -68,8 +68,9 @@ pub struct Tracking<U> {
     shards: Box<[Shard]>,
 }
 
-/// Shards of the record.
+/// Shards of the record (a power of two: the top bits of a hash pick one).
 const SHARDS: usize = 64;
+const _: () = assert!(SHARDS.is_power_of_two());
 
 /// One shard: the live blocks whose address hashes to it, on cache lines of its own.
 #[repr(align(128))]
@@ -110,7 +111,7 @@ impl<U> Tracking<U> {
     fn shard(&self, address: usize) -> MutexGuard<'_, AddrMap<Entry>> {
         // Addresses are multiples of the alignment: hash them, then take the top bits.
         let h = ((address >> 8) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.shards[(h >> 58) as usize % SHARDS].lock()
+        self.shards[(h >> (64 - SHARDS.trailing_zeros())) as usize].lock()
     }
 
     /// The live allocations now, sorted by address. Each shard is copied under its lock;

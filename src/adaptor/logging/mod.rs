@@ -6,6 +6,7 @@ mod row;
 mod writer;
 
 use std::alloc::Layout;
+use std::cell::Cell;
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Write};
@@ -167,20 +168,22 @@ impl<U> Logging<U> {
 
 thread_local! {
     /// The OS thread id, looked up on the thread's first event (0: not yet). No lazy
-    /// initialisation and no destructor, so reading it is one load, even during the
-    /// thread's exit.
-    static THREAD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// initialisation and no destructor, so reading it is one load (with native
+    /// thread-locals, even during the thread's exit).
+    static THREAD: Cell<u64> = const { Cell::new(0) };
 }
 
 /// The calling thread's OS id.
 #[inline]
 fn thread_id() -> u64 {
-    let known = THREAD.get();
+    // `try_with`: where thread-locals are emulated, even this one is gone once the
+    // thread's thread-local destructors have run; ask the OS then.
+    let known = THREAD.try_with(Cell::get).unwrap_or(0);
     if known != 0 {
         return known;
     }
     let id = os_thread_id();
-    THREAD.set(id);
+    let _ = THREAD.try_with(|t| t.set(id));
     id
 }
 
