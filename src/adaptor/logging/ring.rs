@@ -59,6 +59,8 @@ unsafe impl Sync for Ring {}
 
 /// How far ahead of its own slot a producer prefetches.
 const PREFETCH_AHEAD: u64 = 16;
+/// How far ahead of the slot it takes a consumer prefetches.
+const TAKE_AHEAD: u64 = 8;
 
 /// What a producer does while the ring is full.
 pub(super) trait Wait {
@@ -138,6 +140,11 @@ impl Ring {
         // writes the slot again before the release below; see `impl Sync`.
         let record = slot.record.get().with(|r| unsafe { *r });
         slot.seq.store(pos + self.mask + 1, Ordering::Release);
+        // The records a little further on come from the producer's cache: ask for them
+        // now, so that the consumer does not wait for each in turn. (Near the producer
+        // this may fetch a slot not yet written, which the producer then takes back: a
+        // few slots at the end of each burst.)
+        crate::prefetch::for_read(&self.slots[((pos + TAKE_AHEAD) & self.mask) as usize]);
         Some(record)
     }
 }
