@@ -158,9 +158,17 @@ impl<U> Logging<U> {
             stream,
             host,
         });
-        if self.auto_flush
-            && let Err(e) = self.writer.flush()
-        {
+        if self.auto_flush {
+            self.flush_after_event();
+        }
+    }
+
+    /// [`auto_flush`](Self::auto_flush)'s flush after each event; out of line, so that
+    /// the logging path stays short where it is off.
+    #[cold]
+    #[inline(never)]
+    fn flush_after_event(&self) {
+        if let Err(e) = self.writer.flush() {
             tracing::error!(%e, "memres::Logging: cannot write the log");
         }
     }
@@ -222,14 +230,14 @@ impl<U: fmt::Debug> fmt::Debug for Logging<U> {
 unsafe impl<U: SyncResource> SyncResource for Logging<U> {
     type Properties = U::Properties;
 
-    #[inline]
+    #[inline(always)]
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
         let result = self.upstream.allocate_sync(layout);
         self.log_allocation(&result, layout, StreamRef::DEFAULT);
         result
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
         self.log(Action::Free, Some(ptr), layout.size(), StreamRef::DEFAULT);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
@@ -254,14 +262,14 @@ impl<U> Logging<U> {
 
 // SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for Logging<U> {
-    #[inline]
+    #[inline(always)]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         let result = self.upstream.allocate(stream, layout);
         self.log_allocation(&result, layout, stream);
         result
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         self.log(Action::Free, Some(ptr), layout.size(), stream);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
