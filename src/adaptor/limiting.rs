@@ -137,8 +137,7 @@ impl<U> Limiting<U> {
 
     /// What a request counts against the limit; `None` if rounding overflows.
     fn charge(layout: Layout) -> Option<usize> {
-        // Alignments are powers of two: a mask, not a division (which costs more than
-        // the rest of the adaptor's fast path together).
+        // Alignments are powers of two: a mask rather than a division.
         let mask = layout.align().max(DEFAULT_ALIGNMENT) - 1;
         Some(layout.size().checked_add(mask)? & !mask)
     }

@@ -230,9 +230,8 @@ struct Frame {
 ///   stood when that thread published, so the peak may be off (either way) by what other
 ///   threads did since their last publication (each: fewer than 64 allocations, and
 ///   frees outnumbering them by fewer than 64, so up to 126 frees); it never falls below
-///   the highest `current` read. Where an
-///   exact peak across threads matters more than speed, count with one atomic counter
-///   instead (the `memres replay` command does).
+///   the highest `current` read. Where an exact peak across threads matters more than
+///   speed, count with one atomic counter instead (the `memres replay` command does).
 /// - `push_counters` and `pop_counters` publish the calling thread's slot; other threads'
 ///   unpublished highs from before a push may count towards the new frame's peak.
 ///

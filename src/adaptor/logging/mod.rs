@@ -146,8 +146,9 @@ impl<U> Logging<U> {
         };
         let thread = thread_id();
         // The clock first, then the place in the log, so that the counter's latency
-        // overlaps the atomic add. (Read after the add, it measured 1.6x of `pool` on
-        // `random` on the H100 host, against 1.4x this way.)
+        // overlaps the atomic add. (Read after the add, with the record's fields captured
+        // by reference, `logging(pool)` measured 1.6x of `pool` on `random` on the H100
+        // host, against 1.4x this way; BENCHMARKS.md.)
         let time = self.clock.now();
         self.writer.log(move || Record {
             time,
