@@ -55,8 +55,9 @@ typedef struct memres_stats_t {
 int memres_configure(const char* spec);
 
 /* size bytes on device, stream-ordered on stream (NULL: the legacy default stream).
- * NULL on failure, out of memory included. A zero-byte request returns a non-null
- * pointer that must not be dereferenced. */
+ * NULL on failure, out of memory included (memres_last_error says why). A zero-byte
+ * request returns NULL and is no failure (memres_last_error is then ""); freeing NULL is a
+ * no-op. */
 void* memres_malloc(ssize_t size, int device, void* stream);
 
 /* Frees ptr (from memres_malloc with the same size and device) in order on stream. */

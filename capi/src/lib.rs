@@ -250,6 +250,11 @@ pub unsafe extern "C" fn memres_configure(spec: *const c_char) -> c_int {
 /// Allocates `size` bytes on `device`, in order on `stream`. Null on failure (see
 /// `memres_last_error`).
 ///
+/// A zero-byte request returns null and is not a failure (the last error is cleared), as
+/// `cudaMalloc`, RMM and PyTorch's caching allocator do: callers such as PyTorch's
+/// pluggable allocator key their records by pointer, so every live block, empty ones
+/// included, must have its own address or none. Freeing null is a no-op.
+///
 /// # Safety
 /// `stream` is null (the legacy default stream), `CU_STREAM_LEGACY`,
 /// `CU_STREAM_PER_THREAD`, or a live CUDA stream of `device`.
@@ -264,6 +269,10 @@ pub unsafe extern "C" fn memres_malloc(
         || {
             let size = usize::try_from(size)
                 .map_err(|_| Failure::invalid(format!("memres_malloc: negative size {size}")))?;
+            if size == 0 {
+                set_last_error("");
+                return Ok(std::ptr::null_mut());
+            }
             let layout = mr::layout(size)?;
             let stack = stack(device)?;
             // SAFETY: the caller's promise about `stream`.

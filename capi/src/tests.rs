@@ -117,6 +117,32 @@ fn null_and_zero_byte_frees_are_no_ops() {
 }
 
 #[test]
+fn zero_byte_requests_return_null_and_are_not_failures() {
+    std::thread::spawn(|| {
+        // SAFETY: the stream is the legacy default stream (null); a zero-byte request
+        // touches no device and no memory.
+        let p = unsafe { memres_malloc(-1, 0, std::ptr::null_mut()) };
+        assert!(p.is_null());
+        assert!(!last_error().is_empty(), "a negative size is a failure");
+        // Several live empty blocks at once (PyTorch keys its records by pointer): none
+        // may share a non-null address, so each is null.
+        let empties: Vec<_> = (0..4)
+            // SAFETY: as above.
+            .map(|_| unsafe { memres_malloc(0, 0, std::ptr::null_mut()) })
+            .collect();
+        assert!(empties.iter().all(|p| p.is_null()), "{empties:?}");
+        assert_eq!(last_error(), "", "a zero-byte request clears the last error");
+        for p in empties {
+            // SAFETY: freeing null is a no-op.
+            unsafe { memres_free(p, 0, 0, std::ptr::null_mut()) };
+        }
+        assert_eq!(last_error(), "");
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
 fn bad_arguments_fail_without_crashing() {
     // SAFETY: the stream is the legacy default stream (null); no memory is touched.
     let p = unsafe { memres_malloc(-5, 0, std::ptr::null_mut()) };
