@@ -81,8 +81,8 @@ pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_wit
 pub use stream::StreamRef;
 pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 pub use upstream::{
-    Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, HostHeap, Managed, PinnedHost,
-    SamHeadroom, System,
+    Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, CudaVirtual, CudaVirtualConfig,
+    ExportHandle, GrowInPlace, HostHeap, HostVirtual, Managed, PinnedHost, SamHeadroom, System,
 };
 
 /// The README's example is compiled and run as a doc test.

@@ -152,6 +152,13 @@ impl FreeBlocks {
             .map(|&i| self.nodes[i as usize].block)
     }
 
+    /// The free block that ends at `addr`, if any.
+    pub(crate) fn ending_at(&self, addr: usize) -> Option<FreeBlock> {
+        self.by_end
+            .get(&addr)
+            .map(|&i| self.nodes[i as usize].block)
+    }
+
     /// Takes every block out of the list.
     pub(crate) fn drain(&mut self) -> Vec<FreeBlock> {
         let out = self.blocks().collect();

@@ -11,6 +11,8 @@ use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::Mutex;
+use crate::upstream::GrowInPlace;
+use crate::upstream::virtual_memory::Granules;
 
 /// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
 const QUICK_UNITS: usize = 256;
@@ -32,6 +34,8 @@ const QUICK_BYTES: usize = 8 << 20;
 pub struct PoolConfig {
     initial: usize,
     maximum: Option<usize>,
+    step: usize,
+    release_threshold: Option<usize>,
 }
 
 impl PoolConfig {
@@ -40,6 +44,8 @@ impl PoolConfig {
         PoolConfig {
             initial: 0,
             maximum: None,
+            step: 0,
+            release_threshold: None,
         }
     }
 
@@ -55,6 +61,33 @@ impl PoolConfig {
     pub const fn maximum_size(mut self, bytes: usize) -> PoolConfig {
         self.maximum = Some(bytes);
         self
+    }
+
+    /// For a pool that grows in place ([`Pool::in_place`]): the least it maps at a time
+    /// (rounded up to the upstream's granularity; default: one granule). A larger step
+    /// means fewer, larger growths and more memory held ahead of need. Ignored by pools
+    /// over other upstreams, which grow by RMM's rule.
+    #[must_use]
+    pub const fn growth_step(mut self, bytes: usize) -> PoolConfig {
+        self.step = bytes;
+        self
+    }
+
+    /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
+    /// one stream's list: the pool then waits for the streams it has seen, merges its
+    /// lists and releases free memory (fully free granules of a pool that grows in place,
+    /// highest first, until at most `bytes` are free; entirely free upstream allocations
+    /// otherwise), as a `cudaMemPool`'s release threshold does at synchronisation points.
+    /// Default: none, keep everything until [`Pool::trim`] (as RMM's pool does).
+    #[must_use]
+    pub const fn release_threshold(mut self, bytes: usize) -> PoolConfig {
+        self.release_threshold = Some(bytes);
+        self
+    }
+
+    /// The release threshold, if any.
+    pub const fn threshold(&self) -> Option<usize> {
+        self.release_threshold
     }
 
     /// The initial size.
@@ -103,11 +136,17 @@ pub struct PoolStats {
     pub largest_free_block: usize,
     /// Free blocks, over all lists.
     pub free_blocks: usize,
-    /// Allocations held from the upstream.
+    /// Allocations held from the upstream (for a pool that grows in place: runs of
+    /// mapped granules).
     pub upstream_allocations: usize,
 }
 
 impl PoolStats {
+    /// Bytes handed out and not yet freed (`pool_size - free_bytes`).
+    pub fn live_bytes(&self) -> usize {
+        self.pool_size - self.free_bytes
+    }
+
     /// `1 - largest_free_block / free_bytes`: 0 when the free memory is one block (or
     /// there is none), near 1 when it is in many small pieces.
     pub fn fragmentation(&self) -> f64 {
@@ -125,6 +164,17 @@ impl PoolStats {
 struct Growth {
     chunks: Vec<Chunk>,
     size: usize,
+    /// For a pool that grows in place: which granules of the reservation it holds.
+    mapped: Granules,
+}
+
+/// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
+/// when the pool is made, so that `Pool<U>` needs no other bound).
+struct Space<U> {
+    base: usize,
+    granularity: usize,
+    map: fn(&U, usize, usize) -> Result<(), Error>,
+    unmap: unsafe fn(&U, usize, usize),
 }
 
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
@@ -208,33 +258,48 @@ impl PoolShard {
 }
 
 /// A coalescing sub-allocator over any upstream (RMM's `pool_memory_resource`): it takes
-/// large allocations ("chunks") from the upstream and hands out pieces of them.
+/// memory from the upstream and hands out pieces of it.
 ///
+/// # Which upstream for which goal
+/// - **Least memory held** (GPU training, anything near the memory limit): a pool that
+///   grows in place over [`CudaVirtual`](crate::CudaVirtual) (`CudaVirtual::new()?.pool(config)`,
+///   or [`Pool::in_place`]). It maps exactly the granules a request lacks, right after its
+///   free memory, so its memory is one range where every free block can merge with its
+///   neighbours, and [`trim`](Pool::trim) gives back every fully free granule. This is
+///   the default of the C ABI and the Python shims. [`HostVirtual`](crate::HostVirtual)
+///   is the same over host pages.
+/// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
+///   [`Pool::new`]. It takes allocations ("chunks") by RMM's growth rule (without a
+///   maximum, the larger of the request and its current size, doubling; with one, the
+///   larger of the request and half of what remains; halving the attempt when the
+///   upstream refuses), so it holds between 1x and 2x of what it needs, and blocks of
+///   two chunks never merge. An `initial_size` that covers the peak avoids both.
+///
+/// # How it works
 /// - **Finding a block** is O(1): free blocks sit in size classes with bitmaps (a
 ///   two-level segregated fit) and are coalesced with free neighbours on free, in O(1)
-///   through maps by address. Blocks of different chunks never merge. Small blocks (up
-///   to 64 KiB) are first cached per stream and handed out again whole, coalesced when a
-///   request finds no fit.
+///   through maps by address. Small blocks (up to 64 KiB) are first cached per stream and
+///   handed out again whole, coalesced when a request finds no fit.
 /// - **Streams.** Every stream has its own free list behind its own lock, found without
 ///   a lock, so threads on different streams never wait for each other. Memory freed on
 ///   stream S is reused on S at once. Blocks freed on a host stream (and through the
 ///   synchronous API) are free for every stream. A stream that cannot be served (1)
-///   takes a fitting block from those host lists, else (2) grows the pool, else (3)
-///   merges every stream's list into its own and coalesces it, having first waited for
-///   the work of the CUDA streams the blocks came from (one `cuCtxSynchronize` per
-///   context), else (4) returns entirely free chunks to the upstream and grows again.
-///   No event is recorded on the free path. The per-thread default stream has one list
-///   per thread.
-/// - **Growth** (RMM's rule). Without a maximum the pool grows by the larger of the
-///   request and its current size (doubling); with one, by the larger of the request
-///   and half of what remains below the maximum. When the upstream refuses, it halves
-///   the attempt, down to the request. Chunks are allocated on the requesting stream.
+///   takes a fitting block from those host lists, else (2) when the other streams' lists
+///   hold at least the request in all, merges every list into its own and coalesces it,
+///   having first waited for the work of the CUDA streams the blocks came from (one
+///   `cuCtxSynchronize` per device: it covers their last uses, also on streams destroyed
+///   since and on exited threads' per-thread streams), else (3) grows the pool, else (4)
+///   returns free memory to the upstream and grows again. So a pool never grows while
+///   its free memory together could serve the request. No event is recorded on the free
+///   path. The per-thread default stream has one list per thread.
 /// - **Alignment**: any power of two (above 256, a fitting block is searched with room
 ///   for the padding).
-/// - [`trim`](Pool::trim) returns entirely free chunks; [`stats`](Pool::stats) reports
-///   size, free bytes, the largest free block and fragmentation.
-/// - **Drop** waits for the streams the pool has seen, then returns every chunk, also
-///   those under blocks still handed out (as RMM does); the upstream's own drop logic
+/// - [`trim`](Pool::trim) gives free memory back; a
+///   [`release_threshold`](PoolConfig::release_threshold) does so after frees;
+///   [`stats`](Pool::stats) reports size, free and live bytes, the largest free block and
+///   fragmentation.
+/// - **Drop** waits for the streams the pool has seen, then returns all its memory, also
+///   that under blocks still handed out (as RMM does); the upstream's own drop logic
 ///   skips driver calls once the process is exiting.
 ///
 /// Equality is identity: a pool equals only itself.
@@ -256,10 +321,14 @@ pub struct Pool<U: Resource> {
     config: PoolConfig,
     growth: Mutex<Growth>,
     shards: ShardMap<PoolShard>,
+    /// Set when the pool grows in place.
+    space: Option<Space<U>>,
 }
 
 impl<U: Resource> Pool<U> {
-    /// A pool over `upstream`, taking `config.initial()` bytes from it at once.
+    /// A pool over `upstream`, taking `config.initial()` bytes from it at once. It grows
+    /// by upstream allocations of its own ("chunks"); over a [`GrowInPlace`] upstream,
+    /// [`Pool::in_place`] holds less.
     pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
         config.validate()?;
         let pool = Pool {
@@ -267,13 +336,79 @@ impl<U: Resource> Pool<U> {
             config,
             growth: Mutex::new(Growth::default()),
             shards: ShardMap::default(),
+            space: None,
         };
+        // The host stream's list exists from the start, so that paths holding the growth
+        // lock can look it up without making it (which takes that lock).
+        let host = pool.shard(StreamRef::HOST);
         if config.initial > 0 {
             let layout = Layout::from_size_align(config.initial, GRANULE)
                 .map_err(|_| Error::invalid_argument("the pool's initial size is too large"))?;
             let ptr = pool.upstream.allocate_sync(layout)?;
-            let host = pool.shard(StreamRef::HOST);
             pool.add_chunk(&mut lock(&pool.growth), ptr, layout, host);
+        }
+        Ok(pool)
+    }
+
+    /// A pool that grows in place over `upstream`'s reserved range: it maps only what a
+    /// request lacks (whole granules, at least [`PoolConfig::growth_step`]) right after
+    /// the free memory at the top of what it holds, so blocks merge across growth steps
+    /// and no upstream allocation boundary fragments it; [`trim`](Self::trim) unmaps
+    /// every fully free granule, also between live blocks. `config.initial()` is mapped
+    /// at once (rounded up to the granularity); `config.maximum()` bounds what is mapped.
+    ///
+    /// ```
+    /// use memres::{HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout};
+    ///
+    /// let pool = Pool::in_place(HostVirtual::new(1 << 30, 64 << 10)?, PoolConfig::new())?;
+    /// let (a, b) = (layout(48 << 10)?, layout(48 << 10)?);
+    /// let pa = pool.allocate(StreamRef::HOST, a)?;
+    /// let pb = pool.allocate(StreamRef::HOST, b)?;
+    /// // The second growth mapped one granule right after the first: 128 KiB in one range.
+    /// assert_eq!(pool.stats().pool_size, 128 << 10);
+    /// // SAFETY: each freed once with its layout; unused afterwards.
+    /// unsafe {
+    ///     pool.deallocate(StreamRef::HOST, pa, a);
+    ///     pool.deallocate(StreamRef::HOST, pb, b);
+    /// }
+    /// assert_eq!(pool.stats().largest_free_block, 128 << 10, "merged across growths");
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn in_place(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error>
+    where
+        U: GrowInPlace,
+    {
+        config.validate()?;
+        let granularity = upstream.granularity();
+        let (base, len) = upstream.reservation();
+        if !granularity.is_power_of_two() || granularity < GRANULE {
+            return Err(Error::invalid_argument(format!(
+                "an in-place pool needs a granularity that is a power of two of at least \
+                 {GRANULE} bytes; the upstream's is {granularity}"
+            )));
+        }
+        let pool = Pool {
+            upstream,
+            config,
+            growth: Mutex::new(Growth {
+                mapped: Granules::new(len / granularity),
+                ..Growth::default()
+            }),
+            shards: ShardMap::default(),
+            space: Some(Space {
+                base,
+                granularity,
+                map: <U as GrowInPlace>::map_at,
+                unmap: <U as GrowInPlace>::unmap_at,
+            }),
+        };
+        // As in `new`: the host list exists from the start.
+        let host = pool.shard(StreamRef::HOST);
+        if config.initial > 0 {
+            let mut growth = lock(&pool.growth);
+            let space = pool.space.as_ref().expect("set above");
+            let len = config.initial.next_multiple_of(granularity);
+            pool.map_into(space, &mut growth, &mut host.state.lock(), base, len)?;
         }
         Ok(pool)
     }
@@ -288,7 +423,12 @@ impl<U: Resource> Pool<U> {
         self.config
     }
 
-    /// Bytes held from the upstream.
+    /// Whether the pool grows in place ([`Pool::in_place`]).
+    pub fn grows_in_place(&self) -> bool {
+        self.space.is_some()
+    }
+
+    /// Bytes held from the upstream (mapped, for a pool that grows in place).
     pub fn pool_size(&self) -> usize {
         lock(&self.growth).size
     }
@@ -299,7 +439,11 @@ impl<U: Resource> Pool<U> {
         let growth = lock(&self.growth);
         let mut stats = PoolStats {
             pool_size: growth.size,
-            upstream_allocations: growth.chunks.len(),
+            upstream_allocations: if self.space.is_some() {
+                growth.mapped.mapped_runs().len()
+            } else {
+                growth.chunks.len()
+            },
             ..PoolStats::default()
         };
         for shard in self.shards.all() {
@@ -320,20 +464,46 @@ impl<U: Resource> Pool<U> {
 
     /// Merges every stream's free list into one and coalesces it, first waiting for the
     /// work of the CUDA streams the pool has seen. Afterwards free memory is as few
-    /// blocks as the chunks allow (one per chunk once everything is freed).
+    /// blocks as the chunks allow (one per chunk once everything is freed; one per run of
+    /// mapped granules for a pool that grows in place).
     pub fn coalesce(&self) -> Result<(), Error> {
         let host = self.shard(StreamRef::HOST);
         let _growth = lock(&self.growth);
         self.merge_into(host).map(drop)
     }
 
-    /// Returns every entirely free chunk to the upstream (after [`coalesce`](Self::coalesce)
-    /// has merged the lists); returns how many bytes went back.
+    /// Gives free memory back to the upstream (after [`coalesce`](Self::coalesce) has
+    /// merged the lists): every fully free granule for a pool that grows in place (live
+    /// blocks stay where they are), else every entirely free chunk. Returns how many
+    /// bytes went back.
     pub fn trim(&self) -> Result<usize, Error> {
+        self.release_down_to(&mut lock(&self.growth), 0)
+    }
+
+    /// Merges every list into the host stream's and releases free memory until at most
+    /// `keep` bytes are free (or nothing more can go).
+    fn release_down_to(&self, growth: &mut Growth, keep: usize) -> Result<usize, Error> {
         let host = self.shard(StreamRef::HOST);
-        let mut growth = lock(&self.growth);
         self.merge_into(host)?;
-        Ok(self.release_free_chunks(&mut growth, host))
+        Ok(match &self.space {
+            Some(space) => self.unmap_free_granules(space, growth, host, keep),
+            None => self.release_free_chunks(growth, host),
+        })
+    }
+
+    /// The release threshold was crossed by a free: release what is above it, unless
+    /// another thread is growing or trimming the pool right now (it will see the memory).
+    #[cold]
+    #[inline(never)]
+    fn release_above(&self, keep: usize) {
+        let mut growth = match self.growth.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        if let Err(e) = self.release_down_to(&mut growth, keep) {
+            tracing::warn!("a pool could not give memory back at its release threshold: {e}");
+        }
     }
 
     /// The shard of `stream`, made on first use.
@@ -353,6 +523,16 @@ impl<U: Resource> Pool<U> {
         self.shards.get_or_insert_with(key, || {
             PoolShard::new(growth.chunks.iter().map(|c| (c.addr, c.layout.size())))
         })
+    }
+
+    /// Free bytes in the lists of streams other than `own` and the host streams.
+    fn free_elsewhere(&self, own: &Shard<PoolShard>) -> usize {
+        self.shards
+            .all()
+            .into_iter()
+            .filter(|s| !ptr::eq(*s, own) && !s.key.is_host())
+            .map(|s| s.state.lock().free_bytes())
+            .sum()
     }
 
     /// The slow path: the stream's own list has no fit.
@@ -388,18 +568,32 @@ impl<U: Resource> Pool<U> {
         if let Some(addr) = found {
             return Ok(addr);
         }
+        // Memory freed on other streams, once their work is waited for, before growing.
+        let mut merged = false;
+        if self.free_elsewhere(own) >= size {
+            merged = self.merge_into(own)?;
+            if let Some(addr) = own.state.lock().free.take(size, align) {
+                return Ok(addr);
+            }
+        }
         if let Some(addr) = self.grow(&mut growth, stream, own, size, align)? {
             return Ok(addr);
         }
-        if self.merge_into(own)?
+        if !merged
+            && self.merge_into(own)?
             && let Some(addr) = own.state.lock().free.take(size, align)
         {
             return Ok(addr);
         }
-        if self.release_free_chunks(&mut growth, own) > 0
-            && let Some(addr) = self.grow(&mut growth, stream, own, size, align)?
-        {
-            return Ok(addr);
+        if self.release_down_to(&mut growth, 0)? > 0 {
+            // Everything free went to the host list; it is free for every stream.
+            let host = self.shard(StreamRef::HOST);
+            if let Some(addr) = host.state.lock().free.take(size, align) {
+                return Ok(addr);
+            }
+            if let Some(addr) = self.grow(&mut growth, stream, own, size, align)? {
+                return Ok(addr);
+            }
         }
         Err(Error::OutOfMemory {
             requested,
@@ -408,7 +602,8 @@ impl<U: Resource> Pool<U> {
     }
 
     /// Grows the pool for a block of `size` aligned to `align` and takes the block from
-    /// the new chunk; `Ok(None)` when neither the maximum nor the upstream allows it.
+    /// the new memory in the same critical section (no other thread can take it first);
+    /// `Ok(None)` when neither the maximum nor the upstream allows it.
     fn grow(
         &self,
         growth: &mut Growth,
@@ -420,6 +615,9 @@ impl<U: Resource> Pool<U> {
         let Some(min) = size.checked_add(align - GRANULE) else {
             return Ok(None);
         };
+        if let Some(space) = &self.space {
+            return self.grow_in_place(space, growth, own, min, size, align);
+        }
         let mut attempt = match self.config.maximum {
             Some(max) => {
                 let remaining = max - growth.size;
@@ -436,8 +634,8 @@ impl<U: Resource> Pool<U> {
             };
             match self.upstream.allocate(stream, layout) {
                 Ok(ptr) => {
-                    self.add_chunk(growth, ptr, layout, own);
-                    let addr = own.state.lock().free.take(size, align);
+                    let mut s = self.add_chunk(growth, ptr, layout, own);
+                    let addr = s.free.take(size, align);
                     debug_assert!(addr.is_some(), "a new chunk fits its request");
                     return Ok(addr);
                 }
@@ -450,14 +648,85 @@ impl<U: Resource> Pool<U> {
         }
     }
 
-    /// Records a new chunk and puts it, free, in `into`'s list.
-    fn add_chunk(
+    /// In-place growth: maps what a free block of `min` bytes lacks at the top of what
+    /// the pool holds (extending `own`'s free block that ends there), or, past the end
+    /// of the reservation, in the lowest hole that fits it whole.
+    fn grow_in_place(
+        &self,
+        space: &Space<U>,
+        growth: &mut Growth,
+        own: &Shard<PoolShard>,
+        min: usize,
+        size: usize,
+        align: usize,
+    ) -> Result<Option<usize>, Error> {
+        let g = space.granularity;
+        let mut s = own.state.lock();
+        s.flush();
+        let top = space.base + growth.mapped.top() * g;
+        let tail = s.free.ending_at(top).map_or(0, |b| b.size);
+        let step = self.config.step.next_multiple_of(g).max(g);
+        let lacking = min.saturating_sub(tail).next_multiple_of(g);
+        let end = space.base + growth.mapped.len() * g;
+        let mut tries: Vec<(usize, usize)> = Vec::with_capacity(3);
+        if top + lacking <= end {
+            let stepped = lacking.max(step);
+            if stepped > lacking && top + stepped <= end {
+                tries.push((top, stepped));
+            }
+            tries.push((top, lacking));
+        }
+        if let Some(first) = growth.mapped.find_unmapped(min.div_ceil(g)) {
+            tries.push((space.base + first * g, min.next_multiple_of(g)));
+        }
+        for (addr, len) in tries {
+            if self
+                .config
+                .maximum
+                .is_some_and(|max| growth.size.saturating_add(len) > max)
+            {
+                continue;
+            }
+            match self.map_into(space, growth, &mut s, addr, len) {
+                Ok(()) => {
+                    let taken = s.free.take(size, align);
+                    debug_assert!(taken.is_some(), "in-place growth fits its request");
+                    return Ok(taken);
+                }
+                Err(Error::OutOfMemory { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Maps `addr..addr + len` (whole unmapped granules) and puts it, free, in `into`.
+    fn map_into(
+        &self,
+        space: &Space<U>,
+        growth: &mut Growth,
+        into: &mut PoolShard,
+        addr: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        (space.map)(&self.upstream, addr, len)?;
+        let g = space.granularity;
+        growth.mapped.set((addr - space.base) / g, len / g, true);
+        growth.size += len;
+        into.insert(addr, len);
+        tracing::debug!(addr, len, held = growth.size, "memres: pool grew in place");
+        Ok(())
+    }
+
+    /// Records a new chunk and puts it, free, in `into`'s list, which it returns locked
+    /// (so the grower takes its block before any other thread sees the chunk).
+    fn add_chunk<'a>(
         &self,
         growth: &mut Growth,
         ptr: NonNull<u8>,
         layout: Layout,
-        into: &Shard<PoolShard>,
-    ) {
+        into: &'a Shard<PoolShard>,
+    ) -> super::spin::SpinGuard<'a, PoolShard> {
         let chunk = Chunk::new(ptr, layout);
         let addr = chunk.addr;
         // Every list learns the chunk's start before any block of it can reach one.
@@ -466,11 +735,13 @@ impl<U: Resource> Pool<U> {
         }
         growth.chunks.push(chunk);
         growth.size += layout.size();
-        into.state.lock().free.insert(FreeBlock {
+        let mut s = into.state.lock();
+        s.free.insert(FreeBlock {
             addr,
             size: layout.size(),
             starts_chunk: true,
         });
+        s
     }
 
     /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
@@ -483,6 +754,68 @@ impl<U: Resource> Pool<U> {
                 s.free.insert(b);
             }
         })
+    }
+
+    /// Unmaps fully free granules of `from`'s list (which holds all free memory, the
+    /// lists having been merged into it), highest first, until at most `keep` bytes are
+    /// free. Returns how many bytes went back.
+    fn unmap_free_granules(
+        &self,
+        space: &Space<U>,
+        growth: &mut Growth,
+        from: &Shard<PoolShard>,
+        keep: usize,
+    ) -> usize {
+        let g = space.granularity;
+        let mut s = from.state.lock();
+        s.flush();
+        let mut free = s.free_bytes();
+        if free <= keep {
+            return 0;
+        }
+        // Blocks freed on `from`'s own stream may still be in use by its work.
+        if let Some(ctx) = from.ctx
+            && let Err(e) = ctx.synchronize()
+        {
+            tracing::warn!("a pool could not wait for a stream to return memory: {e}");
+            return 0;
+        }
+        let mut blocks: Vec<FreeBlock> = s.free.blocks().collect();
+        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+        let mut released = 0;
+        for b in blocks {
+            if free <= keep {
+                break;
+            }
+            let end = b.addr + b.size;
+            let lo = space.base + (b.addr - space.base).next_multiple_of(g);
+            let hi = space.base + (end - space.base) / g * g;
+            if hi <= lo {
+                continue;
+            }
+            // Only as many granules (from the top of the block) as bring `free` to `keep`.
+            let lo = lo.max(hi.saturating_sub((free - keep).next_multiple_of(g)));
+            s.free.remove_starting_at(b.addr);
+            if lo > b.addr {
+                s.insert(b.addr, lo - b.addr);
+            }
+            if end > hi {
+                s.insert(hi, end - hi);
+            }
+            // SAFETY: whole granules the pool mapped (they lie in a free block of its
+            // memory), handed out to no one; the streams they were freed on were waited
+            // for (the lists were merged into `from` after a wait, and `from`'s own
+            // stream was synchronised above).
+            unsafe { (space.unmap)(&self.upstream, lo, hi - lo) };
+            growth.mapped.set((lo - space.base) / g, (hi - lo) / g, false);
+            growth.size -= hi - lo;
+            free -= hi - lo;
+            released += hi - lo;
+        }
+        if released > 0 {
+            tracing::debug!(released, held = growth.size, "memres: pool unmapped free granules");
+        }
+        released
     }
 
     /// Returns to the upstream every chunk that is one free block in `from`'s list.
@@ -539,7 +872,22 @@ impl<U: Resource> Pool<U> {
 impl<U: Resource> Drop for Pool<U> {
     fn drop(&mut self) {
         let growth = std::mem::take(&mut *lock(&self.growth));
-        release_all(&self.upstream, &self.shards, growth.chunks);
+        match &self.space {
+            None => release_all(&self.upstream, &self.shards, growth.chunks),
+            Some(space) => {
+                if !crate::device::process_is_exiting()
+                    && let Err(e) = self.shards.synchronize_streams()
+                {
+                    tracing::error!("a pool could not wait for its streams before freeing: {e}");
+                }
+                let g = space.granularity;
+                for (first, n) in growth.mapped.mapped_runs() {
+                    // SAFETY: granules this pool mapped; it is going away and its streams'
+                    // work is complete (above), so nothing uses them.
+                    unsafe { (space.unmap)(&self.upstream, space.base + first * g, n * g) };
+                }
+            }
+        }
     }
 }
 
@@ -614,6 +962,13 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        self.shard(stream).state.lock().put(addr, size);
+        let mut s = self.shard(stream).state.lock();
+        s.put(addr, size);
+        if let Some(keep) = self.config.release_threshold
+            && s.free_bytes() > keep
+        {
+            drop(s);
+            self.release_above(keep);
+        }
     }
 }

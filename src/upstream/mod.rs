@@ -12,6 +12,8 @@
 //! | [`CudaAsyncManaged`] | the device's managed pool (CUDA 13) | host + device |
 //! | [`System`] | host memory the GPU reaches through HMM/ATS | host + device |
 //! | [`SamHeadroom`] | as `System`, keeping some GPU memory free | host + device |
+//! | [`CudaVirtual`] | one reserved range, mapped a granule at a time (`cuMemCreate` + `cuMemMap`) | device |
+//! | [`HostVirtual`] | the same over host pages (`mmap`), for tests and replays | host |
 //!
 //! Every CUDA leaf returns [`Error::NoDriver`](crate::Error::NoDriver) from its constructor
 //! where libcuda is absent, maps the driver's out-of-memory to
@@ -26,6 +28,7 @@ mod host_heap;
 mod managed;
 mod pinned_host;
 mod system;
+pub(crate) mod virtual_memory;
 
 pub use callback::Callback;
 pub use cuda::Cuda;
@@ -34,3 +37,7 @@ pub use host_heap::HostHeap;
 pub use managed::Managed;
 pub use pinned_host::PinnedHost;
 pub use system::{SamHeadroom, System};
+pub use virtual_memory::{
+    Backend, CudaPhysical, CudaVirtual, CudaVirtualConfig, GrowInPlace, HostPages, HostVirtual,
+    Virtual,
+};

@@ -1,0 +1,345 @@
+//! [`CudaPhysical`]: the virtual-memory backend over CUDA's virtual memory management.
+
+use std::fmt;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::{Backend, Virtual, sealed};
+use crate::device::{Context, DeviceId, bind, process_is_exiting};
+use crate::driver::{self, check, check_alloc, report};
+use crate::error::Error;
+use crate::property::DeviceAccessible;
+use crate::stream::StreamRef;
+use crate::upstream::ExportHandle;
+
+/// How to make a [`CudaVirtual`](super::CudaVirtual).
+///
+/// ```
+/// use memres::{CudaVirtualConfig, ExportHandle};
+///
+/// let config = CudaVirtualConfig::new().reserve(256 << 30).export(ExportHandle::PosixFd);
+/// assert_eq!(config.reserved(), Some(256 << 30));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CudaVirtualConfig {
+    reserve: Option<usize>,
+    peers: Vec<DeviceId>,
+    export: ExportHandle,
+}
+
+impl CudaVirtualConfig {
+    /// The defaults: twice the device's memory reserved (room for growth after trimming
+    /// left holes), no peers, no export.
+    pub fn new() -> CudaVirtualConfig {
+        CudaVirtualConfig::default()
+    }
+
+    /// Bytes of address space to reserve (rounded up to the granularity).
+    #[must_use]
+    pub fn reserve(mut self, bytes: usize) -> CudaVirtualConfig {
+        self.reserve = Some(bytes);
+        self
+    }
+
+    /// Other devices that may read and write the memory (peer access over NVLink/PCIe).
+    #[must_use]
+    pub fn peers(mut self, devices: impl IntoIterator<Item = DeviceId>) -> CudaVirtualConfig {
+        self.peers = devices.into_iter().collect();
+        self
+    }
+
+    /// Makes the physical memory exportable to other processes
+    /// ([`CudaVirtual::export_fd`](super::Virtual::export_fd)).
+    #[must_use]
+    pub fn export(mut self, handle: ExportHandle) -> CudaVirtualConfig {
+        self.export = handle;
+        self
+    }
+
+    /// The reservation asked for, if any.
+    pub fn reserved(&self) -> Option<usize> {
+        self.reserve
+    }
+}
+
+/// Device memory behind a [`CudaVirtual`](super::CudaVirtual): one range reserved with
+/// `cuMemAddressReserve`; each granule backed by its own `cuMemCreate` allocation, mapped
+/// with `cuMemMap` and made accessible with `cuMemSetAccess`; unmapping a granule frees
+/// its memory (the handle is released right after mapping, so the mapping holds the last
+/// reference).
+pub struct CudaPhysical {
+    ctx: Context,
+    base: usize,
+    len: usize,
+    granularity: usize,
+    prop: sys::CUmemAllocationProp,
+    access: Vec<sys::CUmemAccessDesc>,
+    export: ExportHandle,
+}
+
+// SAFETY: the raw pointer inside `prop` (`win32HandleMetaData`) is always null; the rest
+// is plain integers describing memory, not owning any.
+unsafe impl Send for CudaPhysical {}
+// SAFETY: as for `Send`; nothing is mutated through `&self`.
+unsafe impl Sync for CudaPhysical {}
+
+impl fmt::Debug for CudaPhysical {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaPhysical")
+            .field("device", &self.ctx.device())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .field("granularity", &self.granularity)
+            .field("export", &self.export)
+            .finish()
+    }
+}
+
+impl sealed::Sealed for CudaPhysical {}
+
+fn location(device: DeviceId) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device.ordinal(),
+    }
+}
+
+impl Virtual<CudaPhysical> {
+    /// A virtual-memory leaf for the current device, with the defaults of
+    /// [`CudaVirtualConfig`].
+    pub fn new() -> Result<Virtual<CudaPhysical>, Error> {
+        Virtual::with_config(DeviceId::current()?, CudaVirtualConfig::new())
+    }
+
+    /// A virtual-memory leaf for `device`.
+    ///
+    /// [`Error::NoDriver`] without libcuda; [`Error::Unsupported`] naming the attribute
+    /// where the device lacks virtual memory management (or the export asked for).
+    pub fn with_config(
+        device: DeviceId,
+        config: CudaVirtualConfig,
+    ) -> Result<Virtual<CudaPhysical>, Error> {
+        Ok(Virtual::from_backend(CudaPhysical::reserve(device, config)?))
+    }
+
+    /// A POSIX file descriptor for the physical memory of the granule at `addr` (mapped,
+    /// from a leaf made with `export(ExportHandle::PosixFd)`), for another process to
+    /// import with `cuMemImportFromShareableHandle` and map into its own address space.
+    pub fn export_fd(&self, addr: usize) -> Result<std::os::fd::OwnedFd, Error> {
+        use std::os::fd::FromRawFd;
+        let b = &self.backend;
+        if b.export != ExportHandle::PosixFd {
+            return Err(Error::unsupported(
+                "this virtual-memory leaf was not made exportable as POSIX file descriptors",
+            ));
+        }
+        let g = b.granularity;
+        if addr < b.base || addr >= b.base + b.len {
+            return Err(Error::invalid_argument(format!(
+                "{addr:#x} is outside the reservation"
+            )));
+        }
+        let first = (addr - b.base) / g;
+        if !self.lock().all(first, 1, true) {
+            return Err(Error::invalid_argument(format!("{addr:#x} is not mapped")));
+        }
+        let _current = bind(b.ctx)?;
+        let mut handle = 0;
+        // SAFETY: the granule is mapped (checked above), so it has an allocation handle;
+        // retaining it gives us a reference we release below.
+        check(unsafe {
+            sys::cuMemRetainAllocationHandle(
+                &mut handle,
+                std::ptr::without_provenance_mut(b.base + first * g),
+            )
+        })?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `handle` is live (retained above) and was created with the POSIX-fd
+        // handle type; `fd` is a valid place for an int.
+        let exported = check(unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        });
+        // SAFETY: the reference retained above.
+        report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+        exported?;
+        // SAFETY: the driver handed us a new descriptor that nothing else owns.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+impl CudaPhysical {
+    fn reserve(device: DeviceId, config: CudaVirtualConfig) -> Result<CudaPhysical, Error> {
+        driver::init()?;
+        let vmm = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+        if device.attribute(vmm)? == 0 {
+            return Err(Error::unsupported(format!(
+                "{device} lacks CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"
+            )));
+        }
+        let handle_types = match config.export {
+            ExportHandle::None => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            ExportHandle::PosixFd => {
+                let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+                if device.attribute(attr)? == 0 {
+                    return Err(Error::unsupported(format!(
+                        "{device} lacks CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+                    )));
+                }
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            }
+            ExportHandle::Fabric => {
+                return Err(Error::unsupported(
+                    "a virtual-memory leaf exports POSIX file descriptors only",
+                ));
+            }
+        };
+        let ctx = Context::primary(device)?;
+        let _current = bind(ctx)?;
+        // SAFETY: an all-zero property struct is valid (plain integers and a null pointer);
+        // the fields that matter are set below.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = location(device);
+        prop.requestedHandleTypes = handle_types;
+        let mut granularity = 0;
+        // SAFETY: `prop` describes device memory of `device`; `granularity` is a valid place.
+        check(unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        let reserve = match config.reserve {
+            Some(bytes) => bytes,
+            None => device.memory_info()?.total.saturating_mul(2),
+        };
+        if reserve == 0 {
+            return Err(Error::invalid_argument(
+                "a virtual-memory reservation needs at least one byte",
+            ));
+        }
+        let len = reserve
+            .checked_next_multiple_of(granularity)
+            .ok_or_else(|| Error::invalid_argument(format!("{reserve} bytes cannot be reserved")))?;
+        let mut base = 0;
+        // SAFETY: reserves address space only (no memory); `base` is a valid place.
+        check_alloc(
+            unsafe { sys::cuMemAddressReserve(&mut base, len, granularity, 0, 0) },
+            len,
+        )?;
+        let access = std::iter::once(device)
+            .chain(config.peers.iter().copied().filter(|&p| p != device))
+            .map(|d| sys::CUmemAccessDesc {
+                location: location(d),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            })
+            .collect();
+        Ok(CudaPhysical {
+            ctx,
+            base: base as usize,
+            len,
+            granularity,
+            prop,
+            access,
+            export: config.export,
+        })
+    }
+
+    /// Unmaps granules `addr..addr + len` one by one (each is its own mapping).
+    fn unmap_granules(&self, addr: usize, len: usize) {
+        for a in (addr..addr + len).step_by(self.granularity) {
+            // SAFETY: `a` starts a mapped granule (the callers' promise); unmapping drops
+            // the last reference to its memory.
+            report("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(a as sys::CUdeviceptr, self.granularity)
+            });
+        }
+    }
+}
+
+impl Backend for CudaPhysical {
+    type Properties = DeviceAccessible;
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    fn range(&self) -> (usize, usize) {
+        (self.base, self.len)
+    }
+
+    fn map(&self, addr: usize, len: usize) -> Result<(), Error> {
+        let _current = bind(self.ctx)?;
+        let g = self.granularity;
+        let mut done = 0;
+        let result = (|| {
+            while done < len {
+                let mut handle = 0;
+                // SAFETY: `prop` describes pinned device memory of our device; the size is
+                // one granule; `handle` is a valid place.
+                check_alloc(unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) }, len)?;
+                // SAFETY: `addr + done` is an unmapped granule of our reservation (the
+                // caller's promise) and `handle` a live allocation of one granule.
+                let mapped = unsafe {
+                    sys::cuMemMap((addr + done) as sys::CUdeviceptr, g, 0, handle, 0)
+                };
+                // SAFETY: our reference to the allocation; once mapped, the mapping keeps
+                // the memory alive until it is unmapped.
+                report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+                check_alloc(mapped, len)?;
+                done += g;
+            }
+            // SAFETY: `addr..addr + len` is mapped (above); the descriptors name our device
+            // and its peers.
+            check_alloc(
+                unsafe {
+                    sys::cuMemSetAccess(
+                        addr as sys::CUdeviceptr,
+                        len,
+                        self.access.as_ptr(),
+                        self.access.len(),
+                    )
+                },
+                len,
+            )
+        })();
+        if result.is_err() {
+            self.unmap_granules(addr, done);
+        }
+        result
+    }
+
+    unsafe fn unmap(&self, addr: usize, len: usize) {
+        if process_is_exiting() {
+            return;
+        }
+        match bind(self.ctx) {
+            Ok(_current) => self.unmap_granules(addr, len),
+            Err(e) => tracing::error!(%e, "memres: CudaVirtual: cannot unmap"),
+        }
+    }
+
+    fn wait(&self, stream: StreamRef<'_>) -> Result<(), Error> {
+        stream.synchronize_in(self.ctx)
+    }
+}
+
+impl Drop for CudaPhysical {
+    fn drop(&mut self) {
+        if process_is_exiting() {
+            return;
+        }
+        // SAFETY: the reservation is ours and nothing in it is mapped any more (the leaf
+        // unmapped its granules before its backend drops).
+        let r = unsafe { sys::cuMemAddressFree(self.base as sys::CUdeviceptr, self.len) };
+        if r != CUresult::CUDA_SUCCESS {
+            report("cuMemAddressFree", r);
+        }
+    }
+}

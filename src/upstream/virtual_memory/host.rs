@@ -1,0 +1,176 @@
+//! [`HostPages`]: the virtual-memory backend over host pages.
+
+use std::fmt;
+
+use super::{Backend, Virtual, sealed};
+use crate::error::Error;
+use crate::property::HostAccessible;
+use crate::stream::StreamRef;
+use crate::sync::atomic::{AtomicUsize, Ordering};
+
+/// Host pages behind a [`HostVirtual`](super::HostVirtual): a range reserved with
+/// `mmap(PROT_NONE, MAP_NORESERVE)` (no memory), granules committed with
+/// `mprotect(PROT_READ | PROT_WRITE)` and given back by mapping fresh `PROT_NONE` pages
+/// over them (the kernel frees the old pages at once).
+pub struct HostPages {
+    /// What `mmap` returned (before aligning to the granularity) and its length.
+    raw: usize,
+    raw_len: usize,
+    base: usize,
+    len: usize,
+    granularity: usize,
+    /// Bytes mapped, and the most that may be (a simulated device's memory).
+    mapped: AtomicUsize,
+    limit: usize,
+}
+
+impl fmt::Debug for HostPages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostPages")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .field("granularity", &self.granularity)
+            .field("limit", &self.limit)
+            .finish()
+    }
+}
+
+impl sealed::Sealed for HostPages {}
+
+impl Virtual<HostPages> {
+    /// Reserves `reserve` bytes of address space, mapped `granularity` bytes at a time
+    /// (a power of two, at least the page size, 4 KiB; `reserve` is rounded up to it).
+    ///
+    /// [`Error::InvalidArgument`] for a bad granularity or a reservation of zero bytes;
+    /// [`Error::OutOfMemory`] when the address space cannot be reserved.
+    pub fn new(reserve: usize, granularity: usize) -> Result<Virtual<HostPages>, Error> {
+        Virtual::with_limit(reserve, granularity, usize::MAX)
+    }
+
+    /// As [`new`](Self::new), with at most `limit` bytes mapped at once (a simulated
+    /// device's memory): mapping past it is [`Error::OutOfMemory`].
+    pub fn with_limit(
+        reserve: usize,
+        granularity: usize,
+        limit: usize,
+    ) -> Result<Virtual<HostPages>, Error> {
+        Ok(Virtual::from_backend(HostPages::reserve(
+            reserve,
+            granularity,
+            limit,
+        )?))
+    }
+}
+
+impl HostPages {
+    fn reserve(reserve: usize, granularity: usize, limit: usize) -> Result<HostPages, Error> {
+        if !granularity.is_power_of_two() || granularity < 4096 {
+            return Err(Error::invalid_argument(format!(
+                "a host virtual-memory granularity must be a power of two of at least 4096 \
+                 bytes; {granularity} was asked"
+            )));
+        }
+        if reserve == 0 {
+            return Err(Error::invalid_argument(
+                "a virtual-memory reservation needs at least one byte",
+            ));
+        }
+        let too_large = || Error::invalid_argument(format!("{reserve} bytes cannot be reserved"));
+        let len = reserve
+            .checked_next_multiple_of(granularity)
+            .ok_or_else(too_large)?;
+        let raw_len = len.checked_add(granularity).ok_or_else(too_large)?;
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing touches
+        // no existing memory; PROT_NONE with MAP_NORESERVE commits none.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                raw_len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::out_of_memory(reserve));
+        }
+        let raw = raw.addr();
+        Ok(HostPages {
+            raw,
+            raw_len,
+            base: raw.next_multiple_of(granularity),
+            len,
+            granularity,
+            mapped: AtomicUsize::new(0),
+            limit,
+        })
+    }
+}
+
+impl Backend for HostPages {
+    type Properties = HostAccessible;
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    fn range(&self) -> (usize, usize) {
+        (self.base, self.len)
+    }
+
+    fn map(&self, addr: usize, len: usize) -> Result<(), Error> {
+        let before = self.mapped.fetch_add(len, Ordering::Relaxed);
+        if before.saturating_add(len) > self.limit {
+            self.mapped.fetch_sub(len, Ordering::Relaxed);
+            return Err(Error::out_of_memory(len));
+        }
+        // SAFETY: `addr..addr + len` lies inside our own PROT_NONE reservation (the
+        // caller's promise), so changing its protection touches no other memory.
+        let r = unsafe {
+            libc::mprotect(
+                std::ptr::with_exposed_provenance_mut(addr),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        };
+        if r != 0 {
+            self.mapped.fetch_sub(len, Ordering::Relaxed);
+            return Err(Error::out_of_memory(len));
+        }
+        Ok(())
+    }
+
+    unsafe fn unmap(&self, addr: usize, len: usize) {
+        // SAFETY: inside our reservation (the caller's promise) and unused; a fixed
+        // mapping over it replaces the pages (their contents are freed) and keeps the
+        // range reserved.
+        let r = unsafe {
+            libc::mmap(
+                std::ptr::with_exposed_provenance_mut(addr),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if r == libc::MAP_FAILED {
+            tracing::error!(addr, len, "memres: host pages could not be given back");
+        }
+        self.mapped.fetch_sub(len, Ordering::Relaxed);
+    }
+
+    fn wait(&self, _stream: StreamRef<'_>) -> Result<(), Error> {
+        // Host memory is only used by the host, whose work is done when it frees.
+        Ok(())
+    }
+}
+
+impl Drop for HostPages {
+    fn drop(&mut self) {
+        // SAFETY: the whole reservation is ours; the leaf unmapped its granules first and
+        // nothing uses any of it.
+        unsafe { libc::munmap(std::ptr::with_exposed_provenance_mut(self.raw), self.raw_len) };
+    }
+}

@@ -1,0 +1,302 @@
+//! Virtual-memory leaves: one large reserved address range, backed by physical memory a
+//! granule at a time ([`CudaVirtual`] on a GPU, [`HostVirtual`] on host pages).
+//!
+//! A reservation costs no memory; only mapped granules do. Because every byte such a
+//! leaf hands out lies in one range, a [`Pool`](crate::Pool) built with
+//! [`Pool::in_place`](crate::Pool::in_place) (or `.pool(config)` on the leaf) grows by
+//! mapping exactly the granules a request lacks right after its free memory, merges
+//! blocks across growth steps, and gives back any fully free granule, not only whole
+//! upstream allocations: what PyTorch calls expandable segments.
+
+mod cuda;
+mod granules;
+mod host;
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::NonNull;
+
+pub use cuda::{CudaPhysical, CudaVirtualConfig};
+pub(crate) use granules::Granules;
+pub use host::HostPages;
+
+use crate::error::Error;
+use crate::resource::{Resource, SyncResource, dangling};
+use crate::stream::StreamRef;
+use crate::suballoc::{Pool, PoolConfig};
+use crate::sync::{Mutex, MutexGuard};
+
+/// A virtual-memory leaf over CUDA's virtual memory management (`cuMemAddressReserve`,
+/// `cuMemCreate`, `cuMemMap`): device memory.
+pub type CudaVirtual = Virtual<CudaPhysical>;
+
+/// A virtual-memory leaf over host pages (`mmap` with `PROT_NONE`, pages committed with
+/// `mprotect` and given back with a fresh `PROT_NONE` mapping): the same logic as
+/// [`CudaVirtual`], runnable anywhere, for tests and for replaying GPU logs on a CPU.
+pub type HostVirtual = Virtual<HostPages>;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// What backs a [`Virtual`] leaf: a reserved range whose granules can be mapped and
+/// unmapped. Implemented by [`CudaPhysical`] and [`HostPages`] only.
+pub trait Backend: sealed::Sealed + Send + Sync + 'static {
+    /// The properties of the memory.
+    type Properties: crate::property::PropertySet;
+
+    /// Bytes per granule: the unit of mapping, and the alignment of the range.
+    fn granularity(&self) -> usize;
+
+    /// The reserved range: its first address and its length in bytes.
+    fn range(&self) -> (usize, usize);
+
+    /// Backs `addr..addr + len` (whole granules inside the range, all unmapped) with
+    /// memory; on failure nothing of it stays mapped.
+    fn map(&self, addr: usize, len: usize) -> Result<(), Error>;
+
+    /// Gives back the memory under `addr..addr + len` (whole mapped granules).
+    ///
+    /// # Safety
+    /// Nothing uses the memory any more, on the host or on any stream.
+    unsafe fn unmap(&self, addr: usize, len: usize);
+
+    /// Waits until work on `stream` is done (before memory freed on it is unmapped).
+    fn wait(&self, stream: StreamRef<'_>) -> Result<(), Error>;
+}
+
+/// A resource whose memory lies in one reserved address range that it maps a granule at
+/// a time, so that a pool can grow it *in place*.
+///
+/// # Safety
+/// Implementors promise: [`map_at`](Self::map_at) maps exactly the granules asked for (or
+/// nothing, with an error); memory mapped by it or by `allocate` may be given back in any
+/// pieces of whole granules, through [`unmap_at`](Self::unmap_at) or `deallocate_sync`
+/// with a layout of that many bytes; and adjacent mapped granules are adjacent memory,
+/// usable as one block.
+pub unsafe trait GrowInPlace: Resource {
+    /// Bytes per granule.
+    fn granularity(&self) -> usize;
+
+    /// The reserved range: its first address and its length in bytes.
+    fn reservation(&self) -> (usize, usize);
+
+    /// Maps `len` bytes at `addr`: whole granules inside the reservation, none mapped yet
+    /// ([`Error::InvalidArgument`] otherwise). [`Error::OutOfMemory`] when physical memory
+    /// runs out.
+    fn map_at(&self, addr: usize, len: usize) -> Result<(), Error>;
+
+    /// Unmaps `len` bytes at `addr` (whole mapped granules).
+    ///
+    /// # Safety
+    /// The range was mapped by this resource (through `map_at` or `allocate`) and nothing
+    /// uses it any more, on the host or on any stream.
+    unsafe fn unmap_at(&self, addr: usize, len: usize);
+}
+
+/// A leaf that hands out whole granules of one reserved range ([`CudaVirtual`],
+/// [`HostVirtual`]).
+///
+/// On its own it is a simple resource (first fit over the granules, every allocation
+/// rounded up to whole granules, so use it under a pool); its point is
+/// [`Virtual::pool`], a [`Pool`] that grows in place.
+///
+/// - Alignment: any power of two up to the granularity.
+/// - Stream-ordered frees wait for the stream before unmapping (memory usable at once is
+///   usable in any stream order, so allocation ignores the stream).
+/// - Dropping it unmaps whatever is still mapped and frees the reservation.
+pub struct Virtual<B: Backend> {
+    backend: B,
+    granules: Mutex<Granules>,
+}
+
+impl<B: Backend> Virtual<B> {
+    fn from_backend(backend: B) -> Virtual<B> {
+        let (_, len) = backend.range();
+        let count = len / backend.granularity();
+        Virtual {
+            backend,
+            granules: Mutex::new(Granules::new(count)),
+        }
+    }
+
+    /// The backend (the CUDA device's or the host's pages).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Bytes currently backed by memory.
+    pub fn mapped_bytes(&self) -> usize {
+        self.lock().mapped() * self.backend.granularity()
+    }
+
+    /// A [`Pool`] over this leaf that grows in place ([`Pool::in_place`]).
+    ///
+    /// ```
+    /// use memres::{HostVirtual, PoolConfig, Resource, StreamRef, layout};
+    ///
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool(PoolConfig::new())?;
+    /// let l = layout(100 << 10)?;
+    /// let p = pool.allocate(StreamRef::HOST, l)?;
+    /// assert_eq!(pool.stats().pool_size, 128 << 10, "two 64 KiB granules");
+    /// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    /// pool.trim()?;
+    /// assert_eq!(pool.stats().pool_size, 0);
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn pool(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
+        Pool::in_place(self, config)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Granules> {
+        crate::suballoc::lock(&self.granules)
+    }
+
+    /// The granule range of `addr..addr + len`, if both ends are granule-aligned and
+    /// inside the reservation.
+    fn granule_range(&self, addr: usize, len: usize) -> Option<(usize, usize)> {
+        let g = self.backend.granularity();
+        let (base, size) = self.backend.range();
+        let end = addr.checked_add(len)?;
+        (addr >= base
+            && end <= base + size
+            && (addr - base).is_multiple_of(g)
+            && len.is_multiple_of(g))
+        .then(|| ((addr - base) / g, len / g))
+    }
+}
+
+impl<B: Backend> Drop for Virtual<B> {
+    fn drop(&mut self) {
+        let g = self.backend.granularity();
+        let (base, _) = self.backend.range();
+        let granules = std::mem::take(&mut *self.lock());
+        for (first, n) in granules.mapped_runs() {
+            // SAFETY: mapped by this leaf; whoever held blocks of it has given them back or
+            // is going away with the leaf (a pool drops its upstream after waiting for its
+            // streams).
+            unsafe { self.backend.unmap(base + first * g, n * g) };
+        }
+    }
+}
+
+impl<B: Backend + fmt::Debug> fmt::Debug for Virtual<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Virtual")
+            .field("backend", &self.backend)
+            .field("mapped_bytes", &self.mapped_bytes())
+            .finish()
+    }
+}
+
+impl<B: Backend> PartialEq for Virtual<B> {
+    /// Identity: only this leaf can unmap its range.
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+// SAFETY: blocks are mapped granules of the reservation, handed out once (the bit set
+// records them under its lock) and aligned to the granularity (the range is); the
+// properties are the backend's; only the leaf itself is equal to it.
+unsafe impl<B: Backend> SyncResource for Virtual<B> {
+    type Properties = B::Properties;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        let g = self.backend.granularity();
+        if layout.align() > g {
+            return Err(Error::invalid_argument(format!(
+                "a virtual-memory leaf aligns to its granularity ({g} bytes); {} was asked",
+                layout.align()
+            )));
+        }
+        let n = layout.size().div_ceil(g);
+        let mut granules = self.lock();
+        let first = granules
+            .find_unmapped(n)
+            .ok_or_else(|| Error::out_of_memory(layout.size()))?;
+        let (base, _) = self.backend.range();
+        let addr = base + first * g;
+        self.backend.map(addr, n * g)?;
+        granules.set(first, n, true);
+        Ok(crate::suballoc::to_ptr(addr))
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        let g = self.backend.granularity();
+        let len = layout.size().next_multiple_of(g);
+        // SAFETY: the caller's promise: these granules came from this leaf and are unused.
+        unsafe { self.unmap_at(ptr.as_ptr().addr(), len) }
+    }
+}
+
+// SAFETY: as for `SyncResource`; a stream-ordered free waits for its stream first.
+unsafe impl<B: Backend> Resource for Virtual<B> {
+    fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate_sync(layout)
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        if let Err(e) = self.backend.wait(stream) {
+            tracing::error!(%e, "memres: a virtual-memory leaf's stream failed; block leaked");
+            return;
+        }
+        // SAFETY: the caller's promise, and the stream's work is done (above).
+        unsafe { self.deallocate_sync(ptr, layout) }
+    }
+}
+
+// SAFETY: `map_at` maps exactly the granules asked for or fails having mapped nothing
+// (the backend's promise); granules are unmapped one range at a time in any pieces; the
+// reservation is one contiguous range of addresses.
+unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
+    fn granularity(&self) -> usize {
+        self.backend.granularity()
+    }
+
+    fn reservation(&self) -> (usize, usize) {
+        self.backend.range()
+    }
+
+    fn map_at(&self, addr: usize, len: usize) -> Result<(), Error> {
+        let Some((first, n)) = self.granule_range(addr, len) else {
+            return Err(Error::invalid_argument(format!(
+                "{len} bytes at {addr:#x} are not whole granules of the reservation"
+            )));
+        };
+        let mut granules = self.lock();
+        if !granules.all(first, n, false) {
+            return Err(Error::invalid_argument(format!(
+                "{len} bytes at {addr:#x} are already (partly) mapped"
+            )));
+        }
+        self.backend.map(addr, len)?;
+        granules.set(first, n, true);
+        Ok(())
+    }
+
+    unsafe fn unmap_at(&self, addr: usize, len: usize) {
+        let Some((first, n)) = self.granule_range(addr, len) else {
+            tracing::error!(addr, len, "memres: unmap of a range outside the reservation");
+            return;
+        };
+        let mut granules = self.lock();
+        if !granules.all(first, n, true) {
+            tracing::error!(addr, len, "memres: unmap of granules that are not mapped");
+            return;
+        }
+        // SAFETY: mapped (checked above) and unused (the caller's promise).
+        unsafe { self.backend.unmap(addr, len) };
+        granules.set(first, n, false);
+    }
+}
