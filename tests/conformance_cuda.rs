@@ -214,6 +214,30 @@ fn preferred_location(r: &memres::SamHeadroom) -> i32 {
 
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
+    cuda_virtual_leaf,
+    memres::CudaVirtual::new().unwrap(),
+    Caps::gpu(2 << 20)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    pool_in_place_over_cuda_virtual,
+    memres::CudaVirtual::new()
+        .unwrap()
+        .pool(memres::PoolConfig::new())
+        .unwrap(),
+    Caps::gpu(usize::MAX)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
+    pool_in_place_over_cuda_virtual_with_threshold,
+    memres::CudaVirtual::new()
+        .unwrap()
+        .pool(memres::PoolConfig::new().release_threshold(64 << 20))
+        .unwrap(),
+    Caps::gpu(usize::MAX)
+);
+conformance_tests!(
+    #[ignore = "needs a CUDA GPU"]
     pool_over_cuda,
     memres::Pool::new(Cuda::new().unwrap(), memres::PoolConfig::new()).unwrap(),
     Caps::gpu(usize::MAX)

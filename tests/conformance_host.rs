@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use conformance::{Caps, SyncOnly};
 use memres::{
-    AnyResource, AnySyncResource, Arena, Binning, Callback, FixedSize, Host, HostHeap, Pool,
-    PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
+    AnyResource, AnySyncResource, Arena, Binning, Callback, FixedSize, Host, HostHeap, HostVirtual,
+    Pool, PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
 };
 
 static HEAP: HostHeap = HostHeap::new();
@@ -194,6 +194,45 @@ mod the_suite_catches {
         conformance::equality(&SyncOnly(a), &SyncOnly(b), Caps::host());
     }
 }
+
+/// A 4 GiB host reservation mapped 64 KiB at a time.
+fn host_virtual() -> HostVirtual {
+    HostVirtual::new(4 << 30, 64 << 10).expect("4 GiB of address space")
+}
+
+conformance_tests!(
+    host_virtual_leaf,
+    host_virtual(),
+    Caps {
+        max_alignment: 64 << 10,
+        ..Caps::host()
+    }
+);
+conformance_tests!(
+    pool_in_place,
+    host_virtual().pool(PoolConfig::new()).unwrap(),
+    Caps::host()
+);
+conformance_tests!(
+    pool_in_place_with_initial_size_step_and_threshold,
+    host_virtual()
+        .pool(
+            PoolConfig::new()
+                .initial_size(1 << 20)
+                .growth_step(4 << 20)
+                .release_threshold(8 << 20)
+        )
+        .unwrap(),
+    Caps::host()
+);
+conformance_tests!(
+    statistics_over_pool_in_place,
+    host_virtual()
+        .pool(PoolConfig::new())
+        .unwrap()
+        .with_statistics(),
+    Caps::host()
+);
 
 fn pool(config: PoolConfig) -> Pool<HostHeap> {
     Pool::new(HostHeap::new(), config).expect("a pool over the heap")

@@ -131,7 +131,11 @@ fn zero_byte_requests_return_null_and_are_not_failures() {
             .map(|_| unsafe { memres_malloc(0, 0, std::ptr::null_mut()) })
             .collect();
         assert!(empties.iter().all(|p| p.is_null()), "{empties:?}");
-        assert_eq!(last_error(), "", "a zero-byte request clears the last error");
+        assert_eq!(
+            last_error(),
+            "",
+            "a zero-byte request clears the last error"
+        );
         for p in empties {
             // SAFETY: freeing null is a no-op.
             unsafe { memres_free(p, 0, 0, std::ptr::null_mut()) };

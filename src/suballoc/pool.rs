@@ -477,17 +477,22 @@ impl<U: Resource> Pool<U> {
     /// blocks stay where they are), else every entirely free chunk. Returns how many
     /// bytes went back.
     pub fn trim(&self) -> Result<usize, Error> {
-        self.release_down_to(&mut lock(&self.growth), 0)
+        let host = self.shard(StreamRef::HOST);
+        self.release_down_to(&mut lock(&self.growth), host, 0)
     }
 
-    /// Merges every list into the host stream's and releases free memory until at most
-    /// `keep` bytes are free (or nothing more can go).
-    fn release_down_to(&self, growth: &mut Growth, keep: usize) -> Result<usize, Error> {
-        let host = self.shard(StreamRef::HOST);
-        self.merge_into(host)?;
+    /// Merges every list into `into`'s and releases free memory until at most `keep`
+    /// bytes are free (or nothing more can go).
+    fn release_down_to(
+        &self,
+        growth: &mut Growth,
+        into: &Shard<PoolShard>,
+        keep: usize,
+    ) -> Result<usize, Error> {
+        self.merge_into(into)?;
         Ok(match &self.space {
-            Some(space) => self.unmap_free_granules(space, growth, host, keep),
-            None => self.release_free_chunks(growth, host),
+            Some(space) => self.unmap_free_granules(space, growth, into, keep),
+            None => self.release_free_chunks(growth, into),
         })
     }
 
@@ -495,13 +500,14 @@ impl<U: Resource> Pool<U> {
     /// another thread is growing or trimming the pool right now (it will see the memory).
     #[cold]
     #[inline(never)]
-    fn release_above(&self, keep: usize) {
+    fn release_above(&self, shard: &Shard<PoolShard>, keep: usize) {
         let mut growth = match self.growth.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return,
         };
-        if let Err(e) = self.release_down_to(&mut growth, keep) {
+        // Into the freeing stream's list, so that its next frees count all free memory.
+        if let Err(e) = self.release_down_to(&mut growth, shard, keep) {
             tracing::warn!("a pool could not give memory back at its release threshold: {e}");
         }
     }
@@ -585,10 +591,8 @@ impl<U: Resource> Pool<U> {
         {
             return Ok(addr);
         }
-        if self.release_down_to(&mut growth, 0)? > 0 {
-            // Everything free went to the host list; it is free for every stream.
-            let host = self.shard(StreamRef::HOST);
-            if let Some(addr) = host.state.lock().free.take(size, align) {
+        if self.release_down_to(&mut growth, own, 0)? > 0 {
+            if let Some(addr) = own.state.lock().free.take(size, align) {
                 return Ok(addr);
             }
             if let Some(addr) = self.grow(&mut growth, stream, own, size, align)? {
@@ -807,13 +811,19 @@ impl<U: Resource> Pool<U> {
             // for (the lists were merged into `from` after a wait, and `from`'s own
             // stream was synchronised above).
             unsafe { (space.unmap)(&self.upstream, lo, hi - lo) };
-            growth.mapped.set((lo - space.base) / g, (hi - lo) / g, false);
+            growth
+                .mapped
+                .set((lo - space.base) / g, (hi - lo) / g, false);
             growth.size -= hi - lo;
             free -= hi - lo;
             released += hi - lo;
         }
         if released > 0 {
-            tracing::debug!(released, held = growth.size, "memres: pool unmapped free granules");
+            tracing::debug!(
+                released,
+                held = growth.size,
+                "memres: pool unmapped free granules"
+            );
         }
         released
     }
@@ -962,13 +972,14 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        let mut s = self.shard(stream).state.lock();
+        let shard = self.shard(stream);
+        let mut s = shard.state.lock();
         s.put(addr, size);
         if let Some(keep) = self.config.release_threshold
             && s.free_bytes() > keep
         {
             drop(s);
-            self.release_above(keep);
+            self.release_above(shard, keep);
         }
     }
 }

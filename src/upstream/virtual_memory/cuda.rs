@@ -119,7 +119,9 @@ impl Virtual<CudaPhysical> {
         device: DeviceId,
         config: CudaVirtualConfig,
     ) -> Result<Virtual<CudaPhysical>, Error> {
-        Ok(Virtual::from_backend(CudaPhysical::reserve(device, config)?))
+        Ok(Virtual::from_backend(CudaPhysical::reserve(
+            device, config,
+        )?))
     }
 
     /// A POSIX file descriptor for the physical memory of the granule at `addr` (mapped,
@@ -226,7 +228,9 @@ impl CudaPhysical {
         }
         let len = reserve
             .checked_next_multiple_of(granularity)
-            .ok_or_else(|| Error::invalid_argument(format!("{reserve} bytes cannot be reserved")))?;
+            .ok_or_else(|| {
+                Error::invalid_argument(format!("{reserve} bytes cannot be reserved"))
+            })?;
         let mut base = 0;
         // SAFETY: reserves address space only (no memory); `base` is a valid place.
         check_alloc(
@@ -283,12 +287,14 @@ impl Backend for CudaPhysical {
                 let mut handle = 0;
                 // SAFETY: `prop` describes pinned device memory of our device; the size is
                 // one granule; `handle` is a valid place.
-                check_alloc(unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) }, len)?;
+                check_alloc(
+                    unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) },
+                    len,
+                )?;
                 // SAFETY: `addr + done` is an unmapped granule of our reservation (the
                 // caller's promise) and `handle` a live allocation of one granule.
-                let mapped = unsafe {
-                    sys::cuMemMap((addr + done) as sys::CUdeviceptr, g, 0, handle, 0)
-                };
+                let mapped =
+                    unsafe { sys::cuMemMap((addr + done) as sys::CUdeviceptr, g, 0, handle, 0) };
                 // SAFETY: our reference to the allocation; once mapped, the mapping keeps
                 // the memory alive until it is unmapped.
                 report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });

@@ -171,6 +171,11 @@ impl Drop for HostPages {
     fn drop(&mut self) {
         // SAFETY: the whole reservation is ours; the leaf unmapped its granules first and
         // nothing uses any of it.
-        unsafe { libc::munmap(std::ptr::with_exposed_provenance_mut(self.raw), self.raw_len) };
+        unsafe {
+            libc::munmap(
+                std::ptr::with_exposed_provenance_mut(self.raw),
+                self.raw_len,
+            )
+        };
     }
 }

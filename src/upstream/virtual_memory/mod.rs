@@ -287,7 +287,11 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
 
     unsafe fn unmap_at(&self, addr: usize, len: usize) {
         let Some((first, n)) = self.granule_range(addr, len) else {
-            tracing::error!(addr, len, "memres: unmap of a range outside the reservation");
+            tracing::error!(
+                addr,
+                len,
+                "memres: unmap of a range outside the reservation"
+            );
             return;
         };
         let mut granules = self.lock();
