@@ -1,7 +1,7 @@
 """memres pools under PyTorch and CuPy, through libmemres's C ABI (ctypes only).
 
     import memres_alloc, torch
-    memres_alloc.configure("statistics(pool:initial=4GiB)")   # optional; default "pool"
+    memres_alloc.configure("statistics(virtual_pool)")   # optional; default "virtual_pool"
     torch.cuda.memory.change_current_allocator(memres_alloc.torch_allocator())
     ...                                                        # torch now allocates from memres
     print(memres_alloc.stats(0))
@@ -127,7 +127,9 @@ def _check(code):
 
 
 def configure(spec):
-    """Chooses every device's stack, e.g. "pool:initial=8GiB" or "statistics(pool)".
+    """Chooses every device's stack, e.g. "virtual_pool:release=2GiB" (the default: a
+    pool growing in place over CUDA virtual memory), "pool:initial=8GiB" or
+    "statistics(virtual_pool)".
 
     Must come before the first allocation (a MemresError with code ERROR_IN_USE after).
     """

@@ -2,10 +2,13 @@
  * memres: per-device GPU memory pools behind a C ABI (libmemres.so / libmemres.a).
  *
  * Each CUDA device gets one resource stack, built on the first allocation on it from
- * the spec given to memres_configure (or in env MEMRES_RESOURCE, or "pool"):
+ * the spec given to memres_configure (or in env MEMRES_RESOURCE, or "virtual_pool"):
  *
  *   "cuda"                          cuMemAlloc per request
  *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
+ *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
+ *                                   pool growing in place over CUDA virtual memory
+ *                                   (holds least; release= gives memory back above it)
  *   "pool[:initial=8GiB,max=60GiB]" memres's coalescing pool over cuMemAlloc
  *   "arena[:size=40GiB]"            RMM's arena (default: half the free memory)
  *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes over a pool

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! spec    := base [":" options] | wrapper "(" spec ["," options] ")"
-//! base    := cuda | cuda_async | pool | arena | binning
+//! base    := cuda | cuda_async | virtual_pool | pool | arena | binning
 //! wrapper := statistics | logging | limiting
 //! options := key "=" value ["," options]
 //! ```
@@ -30,6 +30,14 @@ pub(crate) enum Spec {
     Pool {
         initial: Option<usize>,
         max: Option<usize>,
+    },
+    /// memres's pool growing in place over `CudaVirtual` (the default): least memory held.
+    VirtualPool {
+        initial: Option<usize>,
+        max: Option<usize>,
+        step: Option<usize>,
+        release: Option<usize>,
+        reserve: Option<usize>,
     },
     /// RMM's arena over `Cuda` (`size`: default half the free memory).
     Arena {
@@ -62,8 +70,8 @@ impl fmt::Display for SpecError {
     }
 }
 
-const RESOURCES: &str =
-    "cuda, cuda_async, pool, arena, binning, statistics(..), logging(..), limiting(..)";
+const RESOURCES: &str = "cuda, cuda_async, virtual_pool, pool, arena, binning, statistics(..), \
+                         logging(..), limiting(..)";
 
 /// The most wrappers a spec may nest (real stacks have two or three).
 const MAX_DEPTH: usize = 16;
@@ -80,11 +88,15 @@ impl Spec {
         parse(text.trim(), 0).map_err(fail)
     }
 
-    /// The spec used when none is configured: a pool with RMM's default sizes.
+    /// The spec used when none is configured: the pool that holds least, growing in
+    /// place over CUDA virtual memory from nothing.
     pub(crate) fn default_spec() -> Spec {
-        Spec::Pool {
+        Spec::VirtualPool {
             initial: None,
             max: None,
+            step: None,
+            release: None,
+            reserve: None,
         }
     }
 
@@ -94,6 +106,7 @@ impl Spec {
             Spec::Cuda => "cuda",
             Spec::CudaAsync { .. } => "cuda_async",
             Spec::Pool { .. } => "pool",
+            Spec::VirtualPool { .. } => "virtual_pool",
             Spec::Arena { .. } => "arena",
             Spec::Binning { .. } => "binning",
             Spec::Statistics(_) => "statistics",
@@ -127,6 +140,11 @@ impl Spec {
             }
             (Spec::Pool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
             (Spec::Pool { max, .. }, "max") => *max = Some(size(key, value)?),
+            (Spec::VirtualPool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
+            (Spec::VirtualPool { max, .. }, "max") => *max = Some(size(key, value)?),
+            (Spec::VirtualPool { step, .. }, "step") => *step = Some(size(key, value)?),
+            (Spec::VirtualPool { release, .. }, "release") => *release = Some(size(key, value)?),
+            (Spec::VirtualPool { reserve, .. }, "reserve") => *reserve = Some(size(key, value)?),
             (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
             (Spec::Binning { min, .. }, "min") => *min = exponent(key, value)?,
             (Spec::Binning { max, .. }, "max") => *max = exponent(key, value)?,
@@ -134,6 +152,7 @@ impl Spec {
                 let known = match name {
                     "cuda_async" => "initial, release",
                     "pool" => "initial, max",
+                    "virtual_pool" => "initial, max, step, release, reserve",
                     "arena" => "size",
                     "binning" => "min, max",
                     _ => "none",
@@ -246,7 +265,11 @@ fn base(name: &str) -> Result<Spec, String> {
             initial: None,
             release_threshold: None,
         },
-        "pool" => Spec::default_spec(),
+        "pool" => Spec::Pool {
+            initial: None,
+            max: None,
+        },
+        "virtual_pool" => Spec::default_spec(),
         "arena" => Spec::Arena { size: None },
         "binning" => Spec::Binning { min: 10, max: 22 },
         "statistics" | "logging" | "limiting" => {
@@ -274,7 +297,7 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
         "statistics" => &[],
         "logging" => &["file"],
         "limiting" => &["limit"],
-        "cuda" | "cuda_async" | "pool" | "arena" | "binning" => {
+        "cuda" | "cuda_async" | "virtual_pool" | "pool" | "arena" | "binning" => {
             return Err(format!(
                 "{name} does not wrap a resource: write {name}:key=value for its options"
             ));
@@ -338,6 +361,38 @@ mod tests {
         Spec::parse(text).unwrap_err().0
     }
 
+    fn plain_pool() -> Spec {
+        Spec::Pool {
+            initial: None,
+            max: None,
+        }
+    }
+
+    #[test]
+    fn the_default_is_the_virtual_pool() {
+        assert_eq!(ok("virtual_pool"), Spec::default_spec());
+        assert_eq!(
+            ok("virtual_pool:initial=1GiB,max=60GiB,step=32MiB,release=2GiB,reserve=256GiB"),
+            Spec::VirtualPool {
+                initial: Some(1 << 30),
+                max: Some(60 << 30),
+                step: Some(32 << 20),
+                release: Some(2 << 30),
+                reserve: Some(256 << 30),
+            }
+        );
+        assert_eq!(
+            ok("statistics(virtual_pool:release=1GiB)"),
+            Spec::Statistics(Box::new(Spec::VirtualPool {
+                initial: None,
+                max: None,
+                step: None,
+                release: Some(1 << 30),
+                reserve: None,
+            }))
+        );
+    }
+
     #[test]
     fn bases() {
         assert_eq!(ok("cuda"), Spec::Cuda);
@@ -348,7 +403,7 @@ mod tests {
                 release_threshold: None
             }
         );
-        assert_eq!(ok(" pool "), Spec::default_spec());
+        assert_eq!(ok(" pool "), plain_pool());
         assert_eq!(
             ok("pool:initial=8GiB,max=60GiB"),
             Spec::Pool {
@@ -387,14 +442,14 @@ mod tests {
         assert_eq!(
             ok("logging(pool,file=/tmp/log.csv)"),
             Spec::Logging {
-                inner: Box::new(Spec::default_spec()),
+                inner: Box::new(plain_pool()),
                 file: Some("/tmp/log.csv".into())
             }
         );
         assert_eq!(
             ok("limiting(pool,limit=10GiB)"),
             Spec::Limiting {
-                inner: Box::new(Spec::default_spec()),
+                inner: Box::new(plain_pool()),
                 limit: 10 << 30
             }
         );
@@ -420,7 +475,7 @@ mod tests {
         assert_eq!(
             ok("logging(statistics(pool),file=x.csv)"),
             Spec::Logging {
-                inner: Box::new(Spec::Statistics(Box::new(Spec::default_spec()))),
+                inner: Box::new(Spec::Statistics(Box::new(plain_pool()))),
                 file: Some("x.csv".into())
             }
         );

@@ -6,13 +6,17 @@ use std::sync::Arc;
 use mr::adaptor::{Limiting, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
 use mr::upstream::CudaAsyncConfig;
-use mr::{AnyResource, Arena, Binning, Cuda, CudaAsync, Device, Error, Pool, PoolConfig};
+use mr::{
+    AnyResource, Arena, Binning, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
+    Pool, PoolConfig,
+};
 
 use crate::spec::Spec;
 
 /// The memory layer under the stack, for its figures and for trimming.
 enum PoolLayer {
     Pool(Arc<Pool<Cuda>>),
+    Virtual(Arc<Pool<CudaVirtual>>),
     Arena(Arc<Arena<Cuda>>),
     Async(Arc<CudaAsync>),
 }
@@ -74,6 +78,34 @@ impl Layers {
                 };
                 let pool = Arc::new(CudaAsync::on(device, config)?);
                 self.pool = Some(PoolLayer::Async(Arc::clone(&pool)));
+                AnyResource::new(pool)
+            }
+            Spec::VirtualPool {
+                initial,
+                max,
+                step,
+                release,
+                reserve,
+            } => {
+                let mut config = PoolConfig::new();
+                if let Some(initial) = initial {
+                    config = config.initial_size(*initial);
+                }
+                if let Some(max) = max {
+                    config = config.maximum_size(*max);
+                }
+                if let Some(step) = step {
+                    config = config.growth_step(*step);
+                }
+                if let Some(release) = release {
+                    config = config.release_threshold(*release);
+                }
+                let mut leaf = CudaVirtualConfig::new();
+                if let Some(reserve) = reserve {
+                    leaf = leaf.reserve(*reserve);
+                }
+                let pool = Arc::new(CudaVirtual::with_config(device, leaf)?.pool(config)?);
+                self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
                 AnyResource::new(pool)
             }
             Spec::Pool { initial, max } => {
@@ -165,6 +197,14 @@ impl DeviceStack {
                     s.largest_free_block as u64,
                 ))
             }
+            Some(PoolLayer::Virtual(pool)) => {
+                let s = pool.stats();
+                Some((
+                    s.pool_size as u64,
+                    s.free_bytes as u64,
+                    s.largest_free_block as u64,
+                ))
+            }
             Some(PoolLayer::Arena(arena)) => {
                 // The arena does not track its largest free block.
                 Some((arena.size() as u64, arena.free_bytes() as u64, 0))
@@ -187,6 +227,7 @@ impl DeviceStack {
         match &self.pool {
             None | Some(PoolLayer::Arena(_)) => Ok(0),
             Some(PoolLayer::Pool(pool)) => Ok(pool.trim()? as u64),
+            Some(PoolLayer::Virtual(pool)) => Ok(pool.trim()? as u64),
             Some(PoolLayer::Async(pool)) => {
                 let before = pool.reserved_bytes()?;
                 pool.trim_to(0)?;

@@ -41,7 +41,7 @@ fn configure_accepts_specs_and_can_be_called_twice() {
         assert_eq!(configure(spec), MEMRES_OK, "{spec}: {}", last_error());
     }
     // The last one wins.
-    assert_eq!(configure("statistics(pool)"), MEMRES_OK);
+    assert_eq!(configure("statistics(virtual_pool)"), MEMRES_OK);
     let config = CONFIG.lock().unwrap();
     assert_eq!(
         config.spec,
@@ -69,7 +69,13 @@ fn a_bad_spec_is_refused_with_a_message_and_changes_nothing() {
             "{message:?} does not quote {spec:?}"
         );
     }
-    assert_eq!(CONFIG.lock().unwrap().spec, Some(Spec::default_spec()));
+    assert_eq!(
+        CONFIG.lock().unwrap().spec,
+        Some(Spec::Pool {
+            initial: None,
+            max: None
+        })
+    );
     // SAFETY: null is allowed and refused.
     let code = unsafe { memres_configure(std::ptr::null()) };
     assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
