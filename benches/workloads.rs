@@ -21,7 +21,7 @@ use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::workloads::{self, Suite};
-use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef};
+use memres::{Cuda, CudaAsync, CudaVirtual, HostHeap, HostVirtual, Resource, StreamRef};
 
 /// Where the work goes: CUDA streams on a GPU, host streams without one.
 enum Streams {
@@ -123,6 +123,32 @@ fn main() {
             )
         };
         adaptor_suites("pool", || pool().expect("Pool"), true, &want);
+        if want("pool_in_place") {
+            let in_place = CudaVirtual::new()
+                .and_then(|v| v.pool(PoolConfig::new().initial_size(16 << 30)))
+                .expect("an in-place pool");
+            suite("pool_in_place", &in_place, true, false);
+        }
+        if want("footprint") {
+            let pool = Pool::new(Cuda::new().expect("Cuda"), PoolConfig::new()).expect("Pool");
+            let trim = || drop(pool.trim().expect("trim"));
+            footprints("pool", &pool, &|| pool.pool_size(), &trim, true);
+            let in_place = CudaVirtual::new()
+                .and_then(|v| v.pool(PoolConfig::new()))
+                .expect("an in-place pool");
+            let trim = || drop(in_place.trim().expect("trim"));
+            footprints(
+                "pool_in_place",
+                &in_place,
+                &|| in_place.pool_size(),
+                &trim,
+                true,
+            );
+            let asynch = CudaAsync::new().expect("CudaAsync");
+            let reserved = || asynch.reserved_bytes().expect("reserved bytes") as usize;
+            let trim = || asynch.trim_to(0).expect("trim");
+            footprints("cuda_async", &asynch, &reserved, &trim, true);
+        }
     } else {
         eprintln!("no CUDA device: running the host stacks");
         if want("host_heap") {
@@ -132,6 +158,17 @@ fn main() {
         suballoc_suites("host_heap", HostHeap::new, 4 << 30, false, &want);
         let pool = || Pool::new(HostHeap::new(), PoolConfig::new().initial_size(4 << 30));
         adaptor_suites("pool[host_heap]", || pool().expect("Pool"), false, &want);
+        if want("footprint") {
+            let pool = Pool::new(HostHeap::new(), PoolConfig::new()).expect("Pool");
+            let trim = || drop(pool.trim().expect("trim"));
+            footprints("pool[host_heap]", &pool, &|| pool.pool_size(), &trim, false);
+            let in_place = HostVirtual::new(64 << 30, 2 << 20)
+                .and_then(|v| v.pool(PoolConfig::new()))
+                .expect("an in-place pool");
+            let trim = || drop(in_place.trim().expect("trim"));
+            let held = || in_place.pool_size();
+            footprints("pool_in_place[host]", &in_place, &held, &trim, false);
+        }
     }
 }
 
@@ -174,6 +211,90 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
         let make = || Pool::new(Statistics::new(base()), PoolConfig::new()).expect("Pool");
         footprint(&name("pool_from_0"), make, gpu);
     }
+}
+
+/// The footprint workloads (peak held / peak live, WORKLOADS.md v1.1), each over a stack
+/// grown from nothing:
+/// - `random`: WORKLOADS.md's `random`, seed 42, 200,000 ops.
+/// - `fragmenting`: 8 rounds; round r allocates 400 blocks of 2^(16 + r/2) bytes plus a
+///   random part below that (splitmix64, seed 7), then frees every other block of the
+///   round, so each round's sizes outgrow the holes the last one left.
+/// - `cross-stream`: `random`'s sequence with every allocation on stream A and every
+///   free on stream B (a producer/consumer pair: data made on a side stream, consumed
+///   and freed on the compute stream). Two non-blocking CUDA streams on a GPU; on the
+///   host, two host streams (always complete, so the host cannot show the defect).
+///
+/// `held` reads what the stack holds from the device (sampled after every op, untimed
+/// runs only).
+fn footprints<R: Resource + ?Sized>(
+    name: &str,
+    r: &R,
+    held: &dyn Fn() -> usize,
+    trim: &dyn Fn(),
+    gpu: bool,
+) {
+    let streams = Streams::new(gpu, 2);
+    let (a, b) = (streams.get(0), streams.get(1));
+    let ops = 200_000 / if smoke_run() { 1000 } else { 1 };
+    // Each workload starts from nothing: what the last one left is given back first.
+    let report = |workload: &str, peak_held: usize, peak_live: usize| {
+        trim();
+        println!(
+            "# footprint,{name},{workload},peak_held_bytes={peak_held},\
+             peak_live_bytes={peak_live},ratio={:.3},held_after_trim={}",
+            peak_held as f64 / peak_live.max(1) as f64,
+            held(),
+        );
+    };
+    trim();
+    // random
+    let (mut peak_live, mut peak_held) = (0, 0);
+    workloads::random_with(r, a, 42, ops, |live| {
+        peak_live = peak_live.max(live);
+        peak_held = peak_held.max(held());
+    })
+    .expect("allocation in random");
+    report("random", peak_held, peak_live);
+    // fragmenting
+    let (mut peak_live, mut peak_held, mut live_bytes) = (0, 0, 0);
+    let mut rng = 7u64;
+    let mut kept = Vec::new();
+    let rounds = if smoke_run() { 2 } else { 8 };
+    for round in 0..rounds {
+        let e = 16 + round / 2;
+        let mut this = Vec::new();
+        for _ in 0..400 {
+            let n = (1usize << e) + (workloads::splitmix64(&mut rng) % (1 << e)) as usize;
+            let l = memres::layout(n).expect("a layout");
+            let p = r.allocate(a, l).expect("allocation in fragmenting");
+            live_bytes += n;
+            peak_live = peak_live.max(live_bytes);
+            peak_held = peak_held.max(held());
+            this.push((p, l));
+        }
+        for (i, (p, l)) in this.into_iter().enumerate() {
+            if i % 2 == 0 {
+                // SAFETY: from `r` with `l` on `a`; never used.
+                unsafe { r.deallocate(a, p, l) };
+                live_bytes -= l.size();
+            } else {
+                kept.push((p, l));
+            }
+        }
+    }
+    for (p, l) in kept {
+        // SAFETY: as above.
+        unsafe { r.deallocate(a, p, l) };
+    }
+    report("fragmenting", peak_held, peak_live);
+    // cross-stream
+    let (mut peak_live, mut peak_held) = (0, 0);
+    workloads::cross_stream_with(r, [a, b], 42, ops, |live| {
+        peak_live = peak_live.max(live);
+        peak_held = peak_held.max(held());
+    })
+    .expect("allocation in cross-stream");
+    report("cross-stream", peak_held, peak_live);
 }
 
 /// Peak bytes a pool grown from nothing takes from its upstream while running `random`

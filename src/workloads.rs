@@ -21,6 +21,7 @@
 //! # Ok::<(), memres::Error>(())
 //! ```
 
+use std::alloc::Layout;
 use std::hint::black_box;
 use std::ptr::NonNull;
 use std::time::Instant;
@@ -65,6 +66,51 @@ fn random_step(rng: &mut u64, live: usize) -> Option<usize> {
         let e = 8 + splitmix64(rng) % 15;
         (1usize << e) + (splitmix64(rng) % (1u64 << e)) as usize
     })
+}
+
+/// `random`'s sequence with every allocation on `streams[0]` and every free on
+/// `streams[1]` (the footprint bench's `cross-stream`); calls `observe(live_bytes)` after
+/// every op. What is live at the end is freed on `streams[1]`.
+pub fn cross_stream_with<R: Resource + ?Sized>(
+    r: &R,
+    streams: [StreamRef<'_>; 2],
+    seed: u64,
+    ops: usize,
+    mut observe: impl FnMut(usize),
+) -> Result<(), Error> {
+    let [a, b] = streams;
+    let mut rng = seed;
+    let mut live: Vec<(NonNull<u8>, Layout)> = Vec::with_capacity(10_000);
+    let mut live_bytes = 0;
+    let mut result = Ok(());
+    for _ in 0..ops {
+        match random_step(&mut rng, live.len()) {
+            Some(n) => match layout(n).and_then(|l| r.allocate(a, l).map(|p| (p, l))) {
+                Ok(block) => {
+                    live.push(block);
+                    live_bytes += n;
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            },
+            None => {
+                let k = (splitmix64(&mut rng) % live.len() as u64) as usize;
+                let (p, l) = live.swap_remove(k);
+                live_bytes -= l.size();
+                // SAFETY: `p` came from `r` with `l`; nothing used it, so its (empty) work
+                // on `a` is ordered before the free on `b`.
+                unsafe { r.deallocate(b, p, l) };
+            }
+        }
+        observe(live_bytes);
+    }
+    for (p, l) in live {
+        // SAFETY: as above.
+        unsafe { r.deallocate(b, p, l) };
+    }
+    result
 }
 
 /// The `random` workload: ns per op. What is live at the end is freed untimed; an

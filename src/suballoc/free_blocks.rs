@@ -21,6 +21,8 @@ const SUB_BITS: u32 = 4;
 const GROUPS: usize = 56;
 const CLASSES: usize = GROUPS * LINEAR;
 const NIL: u32 = u32::MAX;
+/// How many blocks of a request's own size class are tried before a larger class.
+const OWN_CLASS_SCAN: usize = 8;
 
 /// A multiply-and-fold hash for addresses (multiples of 256, which `std`'s default
 /// SipHash would treat well but slowly, and a plain identity hash badly).
@@ -274,9 +276,18 @@ impl FreeBlocks {
     fn find(&self, units: usize) -> Option<u32> {
         let own = class_of(units);
         if own < CLASSES {
-            let head = self.heads[own];
-            if head != NIL && self.nodes[head as usize].block.size >= units * GRANULE {
-                return Some(head);
+            // The first few blocks of the request's own class: a fit there keeps larger
+            // blocks whole (less fragmentation than going up a class at once).
+            let mut i = self.heads[own];
+            for _ in 0..OWN_CLASS_SCAN {
+                if i == NIL {
+                    break;
+                }
+                let node = &self.nodes[i as usize];
+                if node.block.size >= units * GRANULE {
+                    return Some(i);
+                }
+                i = node.next;
             }
         }
         let class = class_at_least(units);

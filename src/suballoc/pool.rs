@@ -531,12 +531,12 @@ impl<U: Resource> Pool<U> {
         })
     }
 
-    /// Free bytes in the lists of streams other than `own` and the host streams.
+    /// Free bytes in the lists of streams other than `own`.
     fn free_elsewhere(&self, own: &Shard<PoolShard>) -> usize {
         self.shards
             .all()
             .into_iter()
-            .filter(|s| !ptr::eq(*s, own) && !s.key.is_host())
+            .filter(|s| !ptr::eq(*s, own))
             .map(|s| s.state.lock().free_bytes())
             .sum()
     }
@@ -671,6 +671,18 @@ impl<U: Resource> Pool<U> {
         let tail = s.free.ending_at(top).map_or(0, |b| b.size);
         let step = self.config.step.next_multiple_of(g).max(g);
         let lacking = min.saturating_sub(tail).next_multiple_of(g);
+        // Free granules elsewhere in the list hold memory that this growth would add to:
+        // give back as much as is about to be mapped, so that what the pool holds follows
+        // what is live rather than how fragmented its range is. (Blocks of `own`'s stream
+        // may still be in use by its work: wait for it first; the top block stays.)
+        let surplus = s.free_bytes() - tail;
+        if surplus >= lacking + g {
+            let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
+            if waited.is_ok() {
+                let keep = s.free_bytes() - lacking;
+                self.unmap_in(space, growth, &mut s, keep, top - tail);
+            }
+        }
         let end = space.base + growth.mapped.len() * g;
         let mut tries: Vec<(usize, usize)> = Vec::with_capacity(3);
         if top + lacking <= end {
@@ -770,11 +782,9 @@ impl<U: Resource> Pool<U> {
         from: &Shard<PoolShard>,
         keep: usize,
     ) -> usize {
-        let g = space.granularity;
         let mut s = from.state.lock();
         s.flush();
-        let mut free = s.free_bytes();
-        if free <= keep {
+        if s.free_bytes() <= keep {
             return 0;
         }
         // Blocks freed on `from`'s own stream may still be in use by its work.
@@ -784,6 +794,22 @@ impl<U: Resource> Pool<U> {
             tracing::warn!("a pool could not wait for a stream to return memory: {e}");
             return 0;
         }
+        self.unmap_in(space, growth, &mut s, keep, usize::MAX)
+    }
+
+    /// Unmaps fully free granules of blocks in `s` that end at or below `below`, highest
+    /// first, until at most `keep` bytes of `s` are free. The caller has made sure that
+    /// no work uses the blocks of `s`.
+    fn unmap_in(
+        &self,
+        space: &Space<U>,
+        growth: &mut Growth,
+        s: &mut PoolShard,
+        keep: usize,
+        below: usize,
+    ) -> usize {
+        let g = space.granularity;
+        let mut free = s.free_bytes();
         let mut blocks: Vec<FreeBlock> = s.free.blocks().collect();
         blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
         let mut released = 0;
@@ -792,6 +818,9 @@ impl<U: Resource> Pool<U> {
                 break;
             }
             let end = b.addr + b.size;
+            if end > below {
+                continue;
+            }
             let lo = space.base + (b.addr - space.base).next_multiple_of(g);
             let hi = space.base + (end - space.base) / g * g;
             if hi <= lo {
