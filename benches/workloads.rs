@@ -131,12 +131,16 @@ fn main() {
         }
         if want("footprint") {
             let pool = Pool::new(Cuda::new().expect("Cuda"), PoolConfig::new()).expect("Pool");
-            let trim = || drop(pool.trim().expect("trim"));
+            let trim = || {
+                pool.trim().expect("trim");
+            };
             footprints("pool", &pool, &|| pool.pool_size(), &trim, true);
             let in_place = CudaVirtual::new()
                 .and_then(|v| v.pool(PoolConfig::new()))
                 .expect("an in-place pool");
-            let trim = || drop(in_place.trim().expect("trim"));
+            let trim = || {
+                in_place.trim().expect("trim");
+            };
             footprints(
                 "pool_in_place",
                 &in_place,
@@ -160,12 +164,16 @@ fn main() {
         adaptor_suites("pool[host_heap]", || pool().expect("Pool"), false, &want);
         if want("footprint") {
             let pool = Pool::new(HostHeap::new(), PoolConfig::new()).expect("Pool");
-            let trim = || drop(pool.trim().expect("trim"));
+            let trim = || {
+                pool.trim().expect("trim");
+            };
             footprints("pool[host_heap]", &pool, &|| pool.pool_size(), &trim, false);
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
                 .and_then(|v| v.pool(PoolConfig::new()))
                 .expect("an in-place pool");
-            let trim = || drop(in_place.trim().expect("trim"));
+            let trim = || {
+                in_place.trim().expect("trim");
+            };
             let held = || in_place.pool_size();
             footprints("pool_in_place[host]", &in_place, &held, &trim, false);
         }

@@ -53,7 +53,7 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
 
 #[test]
 fn trim_unmaps_free_granules_between_live_blocks() {
-    let pool = in_place(PoolConfig::new().initial_size(16 * G as usize));
+    let pool = in_place(PoolConfig::new().initial_size(16 * G));
     let s = StreamRef::host(1);
     let l = layout(G).unwrap();
     let blocks: Vec<_> = (0..16).map(|_| pool.allocate(s, l).unwrap()).collect();

@@ -233,10 +233,8 @@ impl CudaPhysical {
             })?;
         let mut base = 0;
         // SAFETY: reserves address space only (no memory); `base` is a valid place.
-        check_alloc(
-            unsafe { sys::cuMemAddressReserve(&mut base, len, granularity, 0, 0) },
-            len,
-        )?;
+        let reserved = unsafe { sys::cuMemAddressReserve(&mut base, len, granularity, 0, 0) };
+        check_alloc(reserved, len)?;
         let access = std::iter::once(device)
             .chain(config.peers.iter().copied().filter(|&p| p != device))
             .map(|d| sys::CUmemAccessDesc {
@@ -287,10 +285,8 @@ impl Backend for CudaPhysical {
                 let mut handle = 0;
                 // SAFETY: `prop` describes pinned device memory of our device; the size is
                 // one granule; `handle` is a valid place.
-                check_alloc(
-                    unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) },
-                    len,
-                )?;
+                let created = unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) };
+                check_alloc(created, len)?;
                 // SAFETY: `addr + done` is an unmapped granule of our reservation (the
                 // caller's promise) and `handle` a live allocation of one granule.
                 let mapped =
