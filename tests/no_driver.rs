@@ -56,6 +56,17 @@ fn every_cuda_constructor_reports_no_driver() {
         CudaAsyncView::from_raw(std::ptr::null_mut(), d0)
     });
     assert_no_driver("CudaAsyncManaged::new", CudaAsyncManaged::new());
+    assert_no_driver("CudaVirtual::new", memres::CudaVirtual::new());
+    assert_no_driver(
+        "CudaVirtual::with_config",
+        memres::CudaVirtual::with_config(
+            d0,
+            memres::CudaVirtualConfig::new()
+                .reserve(1 << 30)
+                .peers([DeviceId::new(1)])
+                .export(ExportHandle::PosixFd),
+        ),
+    );
     assert_no_driver("System::new", memres::System::new());
     assert_no_driver("System::on", memres::System::on(d0));
     assert_no_driver("SamHeadroom::new", memres::SamHeadroom::new(1 << 30));

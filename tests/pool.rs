@@ -1,9 +1,12 @@
 //! `Pool` on host memory: configuration, RMM's pool cases adapted to our growth rule,
 //! stream lists, trimming, statistics, and a property test of its invariants.
 
+mod common;
+
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
+use common::{Step, step};
 use memres::adaptor::Limiting;
 use memres::suballoc::{Pool, PoolConfig};
 use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout, layout_with_alignment};
@@ -197,30 +200,6 @@ fn streams_do_not_fragment_the_pool() {
     unsafe { pool.deallocate(StreamRef::host(20), p, all) };
 }
 
-/// A step of the property test.
-#[derive(Debug, Clone)]
-enum Step {
-    Allocate {
-        stream: u32,
-        size: usize,
-        align_shift: u32,
-    },
-    Free {
-        index: usize,
-        stream: u32,
-    },
-    Trim,
-}
-
-fn step() -> impl Strategy<Value = Step> {
-    prop_oneof![
-        6 => (0..3u32, 1..300_000usize, 0..13u32)
-            .prop_map(|(stream, size, align_shift)| Step::Allocate { stream, size, align_shift }),
-        5 => (any::<usize>(), 0..3u32).prop_map(|(index, stream)| Step::Free { index, stream }),
-        1 => Just(Step::Trim),
-    ]
-}
-
 fn check_invariants(pool: &Pool<HostHeap>, live: &[(NonNull<u8>, Layout)]) {
     let live_bytes: usize = live
         .iter()
@@ -245,7 +224,7 @@ proptest! {
     /// overlap and are aligned, free + live = pool size, and once everything is freed and
     /// the lists merged, there is one free block per upstream allocation.
     #[test]
-    fn pool_invariants(steps in proptest::collection::vec(step(), 1..200), capped in any::<bool>()) {
+    fn pool_invariants(steps in proptest::collection::vec(step(3, 13), 1..200), capped in any::<bool>()) {
         let config = if capped {
             PoolConfig::new().initial_size(1 << 20).maximum_size(8 << 20)
         } else {

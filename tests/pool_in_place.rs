@@ -1,10 +1,13 @@
 //! Pools that grow in place (`Pool::in_place` over `HostVirtual`, the host simulation of
 //! CUDA virtual memory), and the footprint of every pool under cross-stream frees.
 
+mod common;
+
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::mpsc;
 
+use common::{Step, step};
 use memres::suballoc::{Pool, PoolConfig};
 use memres::{
     Error, GrowInPlace, HostHeap, HostVirtual, Resource, StreamRef, layout, layout_with_alignment,
@@ -30,6 +33,7 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
     assert_eq!(pool.stats().pool_size, G, "one granule");
     // 24 KiB are free at the top; 100 KiB more needs 76 KiB, so two granules, mapped
     // right after the first.
+    assert!(pool.grows_in_place());
     let b = layout(100 << 10).unwrap();
     let pb = pool.allocate(s, b).unwrap();
     assert_eq!(pool.stats().pool_size, 3 * G);
@@ -179,8 +183,25 @@ fn the_leaf_refuses_ranges_it_cannot_map() {
         assert!(matches!(e, Error::InvalidArgument(_)), "{r} {g}: {e:?}");
     }
     let limited = HostVirtual::with_limit(1 << 30, G, 2 * G).unwrap();
-    let e = limited.map_at(limited.reservation().0, 3 * G).unwrap_err();
+    let base = limited.reservation().0;
+    let e = limited.map_at(base, 3 * G).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+    assert_eq!(limited.mapped_bytes(), 0, "a refused mapping maps nothing");
+    // The limit holds for allocations too, counting what `map_at` mapped.
+    limited.map_at(base, G).unwrap();
+    let big = layout(2 * G).unwrap();
+    let e = limited.allocate(StreamRef::HOST, big).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+    let p = limited
+        .allocate(StreamRef::HOST, layout(G).unwrap())
+        .unwrap();
+    assert_eq!(limited.mapped_bytes(), 2 * G);
+    // SAFETY: mapped above (`map_at`, then the allocation); never used.
+    unsafe {
+        limited.deallocate(StreamRef::HOST, p, layout(G).unwrap());
+        limited.unmap_at(base, G);
+    }
+    assert_eq!(limited.mapped_bytes(), 0);
 }
 
 /// Two threads, each on its own per-thread default stream (two non-host streams): the
@@ -232,35 +253,12 @@ fn cross_stream_frees_are_reused_before_the_pool_grows() {
     // A chunked pool doubles as it grows, so up to 2x, but never without bound (before
     // the fix, it grew to 12.8x on the GPU and without end on the heap).
     let chunked = Pool::new(HostHeap::new(), PoolConfig::new()).unwrap();
+    assert!(!chunked.grows_in_place());
     let (held, live) = cross_stream_frees(&chunked);
     assert!(
         held <= 2 * live + (2 << 20),
         "chunked: held {held}, live {live}"
     );
-}
-
-/// A step of the property test.
-#[derive(Debug, Clone)]
-enum Step {
-    Allocate {
-        stream: u32,
-        size: usize,
-        align_shift: u32,
-    },
-    Free {
-        index: usize,
-        stream: u32,
-    },
-    Trim,
-}
-
-fn step() -> impl Strategy<Value = Step> {
-    prop_oneof![
-        6 => (0..4u32, 1..300_000usize, 0..18u32)
-            .prop_map(|(stream, size, align_shift)| Step::Allocate { stream, size, align_shift }),
-        5 => (any::<usize>(), 0..4u32).prop_map(|(index, stream)| Step::Free { index, stream }),
-        1 => Just(Step::Trim),
-    ]
 }
 
 /// Streams 0 to 2 are host streams; 3 is the per-thread default stream (a non-host list).
@@ -280,7 +278,7 @@ proptest! {
     /// nothing is mapped.
     #[test]
     fn in_place_invariants(
-        steps in proptest::collection::vec(step(), 1..200),
+        steps in proptest::collection::vec(step(4, 18), 1..200),
         threshold in proptest::option::of(0..(1usize << 20)),
     ) {
         let config = match threshold {

@@ -165,6 +165,15 @@ impl Layers {
     }
 }
 
+/// Pool size, free bytes and largest free block of a memres pool.
+fn pool_figures(s: mr::suballoc::PoolStats) -> (u64, u64, u64) {
+    (
+        s.pool_size as u64,
+        s.free_bytes as u64,
+        s.largest_free_block as u64,
+    )
+}
+
 impl DeviceStack {
     /// Writes out every row its logging layers hold (errors are reported, not returned:
     /// this runs at exit).
@@ -189,22 +198,8 @@ impl DeviceStack {
     pub(crate) fn figures(&self) -> Result<Figures, Error> {
         let pool = match &self.pool {
             None => None,
-            Some(PoolLayer::Pool(pool)) => {
-                let s = pool.stats();
-                Some((
-                    s.pool_size as u64,
-                    s.free_bytes as u64,
-                    s.largest_free_block as u64,
-                ))
-            }
-            Some(PoolLayer::Virtual(pool)) => {
-                let s = pool.stats();
-                Some((
-                    s.pool_size as u64,
-                    s.free_bytes as u64,
-                    s.largest_free_block as u64,
-                ))
-            }
+            Some(PoolLayer::Pool(pool)) => Some(pool_figures(pool.stats())),
+            Some(PoolLayer::Virtual(pool)) => Some(pool_figures(pool.stats())),
             Some(PoolLayer::Arena(arena)) => {
                 // The arena does not track its largest free block.
                 Some((arena.size() as u64, arena.free_bytes() as u64, 0))

@@ -277,7 +277,8 @@ impl FreeBlocks {
         let own = class_of(units);
         if own < CLASSES {
             // The first few blocks of the request's own class: a fit there keeps larger
-            // blocks whole (less fragmentation than going up a class at once).
+            // blocks whole (measured: an in-place pool's `random` footprint on the host,
+            // 1.32 -> 1.29 of live, no other change).
             let mut i = self.heads[own];
             for _ in 0..OWN_CLASS_SCAN {
                 if i == NIL {

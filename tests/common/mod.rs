@@ -55,3 +55,31 @@ unsafe impl<P: PropertySet> Resource for HeapAs<P> {
         unsafe { self.deallocate_sync(p, l) }
     }
 }
+
+/// A step of the sub-allocators' property tests.
+#[derive(Debug, Clone)]
+pub enum Step {
+    Allocate {
+        stream: u32,
+        size: usize,
+        align_shift: u32,
+    },
+    Free {
+        index: usize,
+        stream: u32,
+    },
+    Trim,
+}
+
+/// Steps over `streams` streams (numbered from 0), sizes below 300,000 bytes and
+/// alignments of 2^0 to 2^(`align_shifts` - 1): allocations, frees of a live block
+/// (`index` modulo the number live) and trims, 6 : 5 : 1.
+pub fn step(streams: u32, align_shifts: u32) -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => (0..streams, 1..300_000usize, 0..align_shifts)
+            .prop_map(|(stream, size, align_shift)| Step::Allocate { stream, size, align_shift }),
+        5 => (any::<usize>(), 0..streams).prop_map(|(index, stream)| Step::Free { index, stream }),
+        1 => Just(Step::Trim),
+    ]
+}

@@ -119,9 +119,10 @@ impl Virtual<CudaPhysical> {
         device: DeviceId,
         config: CudaVirtualConfig,
     ) -> Result<Virtual<CudaPhysical>, Error> {
-        Ok(Virtual::from_backend(CudaPhysical::reserve(
-            device, config,
-        )?))
+        Ok(Virtual::from_backend(
+            CudaPhysical::reserve(device, config)?,
+            usize::MAX,
+        ))
     }
 
     /// A POSIX file descriptor for the physical memory of the granule at `addr` (mapped,

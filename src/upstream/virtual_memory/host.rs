@@ -6,7 +6,6 @@ use super::{Backend, Virtual, sealed};
 use crate::error::Error;
 use crate::property::HostAccessible;
 use crate::stream::StreamRef;
-use crate::sync::atomic::{AtomicUsize, Ordering};
 
 /// Host pages behind a [`HostVirtual`](super::HostVirtual): a range reserved with
 /// `mmap(PROT_NONE, MAP_NORESERVE)` (no memory), granules committed with
@@ -19,9 +18,6 @@ pub struct HostPages {
     base: usize,
     len: usize,
     granularity: usize,
-    /// Bytes mapped, and the most that may be (a simulated device's memory).
-    mapped: AtomicUsize,
-    limit: usize,
 }
 
 impl fmt::Debug for HostPages {
@@ -30,7 +26,6 @@ impl fmt::Debug for HostPages {
             .field("base", &format_args!("{:#x}", self.base))
             .field("len", &self.len)
             .field("granularity", &self.granularity)
-            .field("limit", &self.limit)
             .finish()
     }
 }
@@ -47,23 +42,23 @@ impl Virtual<HostPages> {
         Virtual::with_limit(reserve, granularity, usize::MAX)
     }
 
-    /// As [`new`](Self::new), with at most `limit` bytes mapped at once (a simulated
-    /// device's memory): mapping past it is [`Error::OutOfMemory`].
+    /// As [`new`](Self::new), with at most `limit` bytes (rounded down to whole
+    /// granules) mapped at once, a simulated device's memory: mapping past it is
+    /// [`Error::OutOfMemory`].
     pub fn with_limit(
         reserve: usize,
         granularity: usize,
         limit: usize,
     ) -> Result<Virtual<HostPages>, Error> {
-        Ok(Virtual::from_backend(HostPages::reserve(
-            reserve,
-            granularity,
+        Ok(Virtual::from_backend(
+            HostPages::reserve(reserve, granularity)?,
             limit,
-        )?))
+        ))
     }
 }
 
 impl HostPages {
-    fn reserve(reserve: usize, granularity: usize, limit: usize) -> Result<HostPages, Error> {
+    fn reserve(reserve: usize, granularity: usize) -> Result<HostPages, Error> {
         if !granularity.is_power_of_two() || granularity < 4096 {
             return Err(Error::invalid_argument(format!(
                 "a host virtual-memory granularity must be a power of two of at least 4096 \
@@ -102,8 +97,6 @@ impl HostPages {
             base: raw.next_multiple_of(granularity),
             len,
             granularity,
-            mapped: AtomicUsize::new(0),
-            limit,
         })
     }
 }
@@ -120,11 +113,6 @@ impl Backend for HostPages {
     }
 
     fn map(&self, addr: usize, len: usize) -> Result<(), Error> {
-        let before = self.mapped.fetch_add(len, Ordering::Relaxed);
-        if before.saturating_add(len) > self.limit {
-            self.mapped.fetch_sub(len, Ordering::Relaxed);
-            return Err(Error::out_of_memory(len));
-        }
         // SAFETY: `addr..addr + len` lies inside our own PROT_NONE reservation (the
         // caller's promise), so changing its protection touches no other memory.
         let r = unsafe {
@@ -135,7 +123,6 @@ impl Backend for HostPages {
             )
         };
         if r != 0 {
-            self.mapped.fetch_sub(len, Ordering::Relaxed);
             return Err(Error::out_of_memory(len));
         }
         Ok(())
@@ -158,7 +145,6 @@ impl Backend for HostPages {
         if r == libc::MAP_FAILED {
             tracing::error!(addr, len, "memres: host pages could not be given back");
         }
-        self.mapped.fetch_sub(len, Ordering::Relaxed);
     }
 
     fn wait(&self, _stream: StreamRef<'_>) -> Result<(), Error> {

@@ -108,16 +108,33 @@ pub unsafe trait GrowInPlace: Resource {
 pub struct Virtual<B: Backend> {
     backend: B,
     granules: Mutex<Granules>,
+    /// The most granules mapped at once (a simulated device's memory for `HostVirtual`;
+    /// unbounded for `CudaVirtual`, whose driver says when memory runs out).
+    limit: usize,
 }
 
 impl<B: Backend> Virtual<B> {
-    fn from_backend(backend: B) -> Virtual<B> {
+    fn from_backend(backend: B, limit_bytes: usize) -> Virtual<B> {
         let (_, len) = backend.range();
-        let count = len / backend.granularity();
+        let g = backend.granularity();
         Virtual {
+            granules: Mutex::new(Granules::new(len / g)),
+            limit: limit_bytes / g,
             backend,
-            granules: Mutex::new(Granules::new(count)),
         }
+    }
+
+    /// Maps granules `first..first + n` (unmapped, in range) under the caller's lock:
+    /// [`Error::OutOfMemory`] past the limit or when the backend runs out.
+    fn map_granules(&self, granules: &mut Granules, first: usize, n: usize) -> Result<(), Error> {
+        let g = self.backend.granularity();
+        if granules.mapped() + n > self.limit {
+            return Err(Error::out_of_memory(n * g));
+        }
+        self.backend
+            .map(self.backend.range().0 + first * g, n * g)?;
+        granules.set(first, n, true);
+        Ok(())
     }
 
     /// The backend (the CUDA device's or the host's pages).
@@ -219,11 +236,8 @@ unsafe impl<B: Backend> SyncResource for Virtual<B> {
         let first = granules
             .find_unmapped(n)
             .ok_or_else(|| Error::out_of_memory(layout.size()))?;
-        let (base, _) = self.backend.range();
-        let addr = base + first * g;
-        self.backend.map(addr, n * g)?;
-        granules.set(first, n, true);
-        Ok(crate::suballoc::to_ptr(addr))
+        self.map_granules(&mut granules, first, n)?;
+        Ok(crate::suballoc::to_ptr(self.backend.range().0 + first * g))
     }
 
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
@@ -280,9 +294,7 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
                 "{len} bytes at {addr:#x} are already (partly) mapped"
             )));
         }
-        self.backend.map(addr, len)?;
-        granules.set(first, n, true);
-        Ok(())
+        self.map_granules(&mut granules, first, n)
     }
 
     unsafe fn unmap_at(&self, addr: usize, len: usize) {
