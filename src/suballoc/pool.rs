@@ -361,17 +361,17 @@ impl<U: Resource> Pool<U> {
     /// use memres::{HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout};
     ///
     /// let pool = Pool::in_place(HostVirtual::new(1 << 30, 64 << 10)?, PoolConfig::new())?;
-    /// let (a, b) = (layout(48 << 10)?, layout(48 << 10)?);
-    /// let pa = pool.allocate(StreamRef::HOST, a)?;
+    /// let (a, b) = (layout(96 << 10)?, layout(96 << 10)?);
+    /// let pa = pool.allocate(StreamRef::HOST, a)?; // maps two 64 KiB granules
     /// let pb = pool.allocate(StreamRef::HOST, b)?;
-    /// // The second growth mapped one granule right after the first: 128 KiB in one range.
-    /// assert_eq!(pool.stats().pool_size, 128 << 10);
+    /// // The second growth mapped only the one granule b lacked, right after the first two.
+    /// assert_eq!(pool.stats().pool_size, 192 << 10);
     /// // SAFETY: each freed once with its layout; unused afterwards.
     /// unsafe {
     ///     pool.deallocate(StreamRef::HOST, pa, a);
     ///     pool.deallocate(StreamRef::HOST, pb, b);
     /// }
-    /// assert_eq!(pool.stats().largest_free_block, 128 << 10, "merged across growths");
+    /// assert_eq!(pool.stats().largest_free_block, 192 << 10, "merged across growths");
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn in_place(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error>
