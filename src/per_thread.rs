@@ -183,12 +183,21 @@ impl<T: ThreadSlot> PerThread<T> {
         Some(ptr)
     }
 
-    /// Calls `live` on the slot of every thread that has not exited; the registry stays
-    /// locked throughout, so visits do not overlap each other or a thread's retirement.
-    pub(crate) fn visit(&self, mut live: impl FnMut(&T)) {
-        for slot in self.inner.lock().iter() {
+    /// Calls `live` on the slot of every thread that has not exited, then `shared` on the
+    /// shared part, with the registry locked throughout: a thread's retirement (which
+    /// folds its slot into the shared part under that lock) falls wholly before or after
+    /// the read, so the read counts each thread's slot exactly once (in its slot, or in the
+    /// shared part), also when the thread exits meanwhile.
+    pub(crate) fn read<R>(
+        &self,
+        mut live: impl FnMut(&T),
+        shared: impl FnOnce(&T::Shared) -> R,
+    ) -> R {
+        let slots = self.inner.lock();
+        for slot in slots.iter() {
             live(&slot.value);
         }
+        shared(&self.inner.shared)
     }
 }
 

@@ -197,36 +197,98 @@ fn statistics_threads_one_after_another_give_the_exact_peak() {
 }
 
 /// Memory allocated on one thread and freed on another (a thread's own count goes up
-/// for ever, another's down for ever) still balances, with the peak of what was live.
+/// for ever, another's down for ever) still balances, with the peak of what was live, as
+/// soon as the scope that ran the threads ends, although a scoped thread's own exit (which
+/// folds its counts into the shared ones) may still be under way then (rust-lang/rust
+/// issue 116179). A thousand times, with two more threads spinning to vary the timing.
 #[test]
 fn statistics_count_memory_freed_by_another_thread() {
-    let s = Statistics::new(HostHeap::new());
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(1);
-    std::thread::scope(|scope| {
-        scope.spawn(|| {
-            for _ in 0..500 {
-                let (p, l) = alloc(&s, 1024);
-                tx.send((p.as_ptr() as usize, l.size())).unwrap();
-            }
-            drop(tx);
-        });
-        scope.spawn(|| {
-            for (p, size) in rx {
-                let p = NonNull::new(p as *mut u8).unwrap();
-                free(&s, (p, layout(size).unwrap()));
-            }
-        });
+    use std::sync::atomic::{AtomicBool, Ordering};
+    /// Stops the spinning threads when the checking loop ends, also by a failed assertion
+    /// (else the scope would wait for them for ever).
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|outer| {
+        for _ in 0..2 {
+            outer.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::yield_now();
+                }
+            });
+        }
+        let _stop = Stop(&stop);
+        for round in 0..1000 {
+            let s = Statistics::new(HostHeap::new());
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(1);
+            std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    for _ in 0..100 {
+                        let (p, l) = alloc(&s, 1024);
+                        tx.send((p.as_ptr() as usize, l.size())).unwrap();
+                    }
+                    drop(tx);
+                });
+                scope.spawn(|| {
+                    for (p, size) in rx {
+                        let p = NonNull::new(p as *mut u8).unwrap();
+                        free(&s, (p, layout(size).unwrap()));
+                    }
+                });
+            });
+            let bytes = s.bytes();
+            assert_eq!(
+                (bytes.current, bytes.total),
+                (0, 100 * 1024),
+                "round {round}"
+            );
+            // At most the channel's one slot, one block in each thread's hands and what
+            // the threads had not published when they met (fewer than 64 allocations,
+            // and up to 126 frees, each) were live at once.
+            assert!(
+                bytes.peak >= 1024 && bytes.peak <= 1024 * (3 + 2 * 64),
+                "round {round}: {bytes:?}"
+            );
+            assert_eq!(s.allocations().current, 0, "round {round}");
+            assert_eq!(s.allocations().total, 100, "round {round}");
+        }
     });
-    let bytes = s.bytes();
-    assert_eq!((bytes.current, bytes.total), (0, 500 * 1024));
-    // At most the channel's one slot, one block in each thread's hands and what the
-    // threads had not published when they met (fewer than 64 allocations, and up to 126
-    // frees, each) were live at once.
-    assert!(
-        bytes.peak >= 1024 && bytes.peak <= 1024 * (3 + 2 * 64),
-        "{bytes:?}"
-    );
-    assert_eq!(s.allocations().current, 0);
+}
+
+/// `Limiting`'s count is exact once scoped threads are joined, whether or not their exit
+/// (which gives their reserves back) is still under way.
+#[test]
+fn limiting_counts_exactly_after_a_scope_ends() {
+    for round in 0..1000 {
+        let lim = Limiting::new(HostHeap::new(), 64 << 20);
+        let kept = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                let (lim, kept) = (&lim, &kept);
+                scope.spawn(move || {
+                    let (p, l) = alloc(lim, 4096 * (t + 1));
+                    free(lim, alloc(lim, 1000));
+                    kept.lock().unwrap().push((p.as_ptr() as usize, l));
+                });
+            }
+        });
+        // Read as the threads exit: each read must see every thread's block exactly once.
+        for _ in 0..20 {
+            assert_eq!(
+                lim.allocated_bytes(),
+                4096 * (1 + 2 + 3 + 4),
+                "round {round}"
+            );
+        }
+        for (p, l) in kept.into_inner().unwrap() {
+            free(&lim, (NonNull::new(p as *mut u8).unwrap(), l));
+        }
+        assert_eq!(lim.allocated_bytes(), 0, "round {round}");
+    }
 }
 
 /// A thread that used many adaptors, since dropped, keeps working with new ones (its

@@ -108,3 +108,28 @@ fn binning_bins_cannot_change_once_used() {
     assert!(e.to_string().contains("handed out memory"), "{e}");
     assert!(Binning::new(HostHeap::new(), 12, 8).is_err());
 }
+
+/// Sizes that overflow when rounded up to 256 bytes (or when multiplied into a chunk) are
+/// refused with `InvalidArgument`, not a panic or a bin of size 0.
+#[test]
+fn huge_block_and_bin_sizes_are_invalid_arguments() {
+    for (block, per_chunk) in [
+        (usize::MAX, 1),
+        (usize::MAX - 255, 1),
+        (isize::MAX as usize, 2),
+        (1 << 20, usize::MAX),
+    ] {
+        match FixedSize::with_block_size(HostHeap::new(), block, per_chunk) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("blocks of"), "{why}"),
+            other => panic!("{block} x {per_chunk}: {other:?}"),
+        }
+    }
+    for size in [usize::MAX, usize::MAX - 255, isize::MAX as usize + 1] {
+        let mut binning = Binning::without_bins(HostHeap::new());
+        match binning.add_fixed_bin(size) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("bytes"), "{why}"),
+            other => panic!("{size}: {other:?}"),
+        }
+        assert_eq!(binning.bin_sizes().count(), 0);
+    }
+}

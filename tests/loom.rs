@@ -193,3 +193,61 @@ fn limiting_reserves_never_pass_the_limit() {
         }
     });
 }
+
+/// `Statistics` read while a thread that counted exits: the exiting thread folds its slot
+/// into the shared counters (under the registry's lock), and a read must count it once,
+/// before or after, never both or neither (the read takes the slots and the shared
+/// counters under that one lock). What a user who reads right after a scope sees.
+#[test]
+fn statistics_read_while_a_thread_exits_counts_it_once() {
+    use memres::adaptor::Statistics;
+    loom::model(|| {
+        let stats = Arc::new(Statistics::new(HostHeap::new()));
+        let done = Arc::new(AtomicBool::new(false));
+        let (counting, done2) = (stats.clone(), done.clone());
+        let t = thread::spawn(move || {
+            use_once(&*counting);
+            done2.store(true, Ordering::Release);
+            // Returns at once: the slot is retired as the thread's locals are dropped.
+        });
+        while !done.load(Ordering::Acquire) {
+            thread::yield_now();
+        }
+        let s = stats.snapshot();
+        t.join().unwrap();
+        assert_eq!((s.bytes.current, s.bytes.total), (0, 64), "{s:?}");
+        assert_eq!(
+            (s.allocations.current, s.allocations.total),
+            (0, 1),
+            "{s:?}"
+        );
+    });
+}
+
+/// `Limiting` read while a thread that holds a block exits: the exiting thread gives its
+/// unused reserve back, and a read must see the block once, whatever the interleaving.
+#[test]
+fn limiting_read_while_a_thread_exits_counts_its_block_once() {
+    use memres::adaptor::Limiting;
+    loom::model(|| {
+        let lim = Arc::new(Limiting::new(HostHeap::new(), 1 << 20));
+        let held = Arc::new(AtomicUsize::new(0));
+        let (lim2, held2) = (lim.clone(), held.clone());
+        let l = layout(512).unwrap();
+        let t = thread::spawn(move || {
+            let p = lim2.allocate_sync(l).unwrap();
+            held2.store(p.as_ptr() as usize, Ordering::Release);
+        });
+        let p = loop {
+            match held.load(Ordering::Acquire) {
+                0 => thread::yield_now(),
+                p => break NonNull::new(p as *mut u8).unwrap(),
+            }
+        };
+        let during = lim.allocated_bytes();
+        t.join().unwrap();
+        assert_eq!(during, 512);
+        // SAFETY: allocated by the thread with `l`, handed over, freed once.
+        unsafe { lim.deallocate_sync(p, l) };
+    });
+}

@@ -272,3 +272,19 @@ proptest! {
         });
     }
 }
+
+/// Sizes no allocation can have are refused, not rounded into an overflow.
+#[test]
+fn sizes_beyond_the_address_space_are_invalid_arguments() {
+    let huge = usize::MAX - 255;
+    for config in [
+        PoolConfig::new().initial_size(huge),
+        PoolConfig::new().maximum_size(huge),
+        PoolConfig::new().growth_step(usize::MAX),
+        PoolConfig::new().release_threshold(usize::MAX),
+    ] {
+        let e = Pool::new(HostHeap::new(), config).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{config:?}: {e:?}");
+        assert!(e.to_string().contains("larger than any allocation"), "{e}");
+    }
+}

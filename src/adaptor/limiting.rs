@@ -125,14 +125,14 @@ impl<U> Limiting<U> {
 
     /// Bytes outstanding now, as counted against the limit.
     pub fn allocated_bytes(&self) -> usize {
+        // Reserves and the shared charge under one lock: a thread exiting meanwhile gives
+        // its reserve back either wholly before or wholly after the read.
         let mut reserved = 0usize;
-        self.quota
-            .visit(|r| reserved = reserved.saturating_add(r.0.load(Ordering::Relaxed)));
-        self.quota
-            .shared()
-            .0
-            .load(Ordering::Relaxed)
-            .saturating_sub(reserved)
+        let charged = self.quota.read(
+            |r| reserved = reserved.saturating_add(r.0.load(Ordering::Relaxed)),
+            |charged| charged.0.load(Ordering::Relaxed),
+        );
+        charged.saturating_sub(reserved)
     }
 
     /// What a request counts against the limit; `None` if rounding overflows.

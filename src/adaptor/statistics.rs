@@ -301,26 +301,32 @@ impl<U> Statistics<U> {
     fn absolute(&self) -> (Absolute, Absolute) {
         let mut sums = [Absolute::default(); 2];
         let mut highs = [0i64; 2];
-        self.counts.visit(|local| {
+        let visit = |local: &Local| {
             for (i, c) in [&local.bytes, &local.allocations].into_iter().enumerate() {
                 sums[i].current += c.delta.load(Ordering::Relaxed);
                 highs[i] += c.high.load(Ordering::Relaxed);
                 sums[i].total += c.total.load(Ordering::Relaxed);
             }
-        });
-        let shared = self.counts.shared();
+        };
+        // The shared counters are read under the same lock as the slots, so a thread that
+        // exits meanwhile is counted once (in its slot or folded into them).
+        let shared = |shared: &Shared| {
+            [&shared.bytes, &shared.allocations].map(|c| {
+                (
+                    c.current.load(Ordering::Relaxed),
+                    c.peak.load(Ordering::Relaxed),
+                    c.total.load(Ordering::Relaxed),
+                )
+            })
+        };
+        let read = self.counts.read(visit, shared);
         let mut out = [Absolute::default(); 2];
-        for (i, c) in [&shared.bytes, &shared.allocations].into_iter().enumerate() {
-            let published = c.current.load(Ordering::Relaxed);
+        for (i, (published, peak, total)) in read.into_iter().enumerate() {
             let current = published + sums[i].current;
             out[i] = Absolute {
                 current,
-                peak: c
-                    .peak
-                    .load(Ordering::Relaxed)
-                    .max(published + highs[i])
-                    .max(current),
-                total: c.total.load(Ordering::Relaxed) + sums[i].total,
+                peak: peak.max(published + highs[i]).max(current),
+                total: total + sums[i].total,
             };
         }
         (out[0], out[1])

@@ -89,7 +89,15 @@ impl<U: Resource + Send + Sync + 'static> Binning<U> {
 
     /// Adds a [`FixedSize`] bin of `size` bytes (rounded up to 256) over the upstream.
     pub fn add_fixed_bin(&mut self, size: usize) -> Result<(), Error> {
-        let size = size.max(1).next_multiple_of(GRANULE);
+        let size = size
+            .max(1)
+            .checked_next_multiple_of(GRANULE)
+            .filter(|&n| n <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "a bin of {size} bytes is larger than any allocation can be"
+                ))
+            })?;
         self.check_new_bin(size)?;
         let fixed =
             FixedSize::with_block_size(Arc::clone(&self.upstream), size, self.blocks_per_chunk)?;

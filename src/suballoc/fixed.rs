@@ -78,9 +78,15 @@ impl<U: Resource> FixedSize<U> {
         block_size: usize,
         blocks_per_chunk: usize,
     ) -> Result<FixedSize<U>, Error> {
-        let block_size = block_size.max(1).next_multiple_of(GRANULE);
-        let chunk_size = block_size.checked_mul(blocks_per_chunk);
-        if blocks_per_chunk == 0 || chunk_size.is_none_or(|n| n > isize::MAX as usize) {
+        let rounded = block_size.max(1).checked_next_multiple_of(GRANULE);
+        let chunk_size = rounded.and_then(|b| b.checked_mul(blocks_per_chunk));
+        let (Some(block_size), Some(chunk_size)) = (rounded, chunk_size) else {
+            return Err(Error::invalid_argument(format!(
+                "a chunk of {blocks_per_chunk} blocks of {block_size} bytes (rounded up to a \
+                 multiple of {GRANULE}) overflows the address space"
+            )));
+        };
+        if blocks_per_chunk == 0 || chunk_size > isize::MAX as usize {
             return Err(Error::invalid_argument(format!(
                 "a chunk of {blocks_per_chunk} blocks of {block_size} bytes is not a size a \
                  resource can allocate"
@@ -101,7 +107,8 @@ impl<U: Resource> FixedSize<U> {
             shards: ShardMap::default(),
         };
         let host = fixed.shard(StreamRef::HOST);
-        fixed.grow(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
+        let first = fixed.grow(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
+        host.state.lock().push(first);
         Ok(fixed)
     }
 
@@ -161,13 +168,15 @@ impl<U: Resource> FixedSize<U> {
         }
     }
 
-    /// Takes a chunk from the upstream on `stream` and puts its blocks in `into`'s list.
+    /// Takes a chunk from the upstream on `stream`, puts all its blocks but the lowest in
+    /// `into`'s list and returns the lowest: the grower's block is never in a list, so no
+    /// other thread can take it between the growth and the grower's pop.
     fn grow(
         &self,
         chunks: &mut Vec<Chunk>,
         stream: StreamRef<'_>,
         into: &Shard<Vec<usize>>,
-    ) -> Result<(), Error> {
+    ) -> Result<usize, Error> {
         let size = self.block_size * self.blocks_per_chunk;
         let layout = Layout::from_size_align(size, GRANULE)
             .map_err(|_| Error::invalid_argument("the chunk size overflows"))?;
@@ -177,11 +186,11 @@ impl<U: Resource> FixedSize<U> {
         let mut list = into.state.lock();
         // Highest first, so blocks are handed out in address order.
         list.extend(
-            (0..self.blocks_per_chunk)
+            (1..self.blocks_per_chunk)
                 .rev()
                 .map(|i| base + i * self.block_size),
         );
-        Ok(())
+        Ok(base)
     }
 
     #[cold]
@@ -206,15 +215,17 @@ impl<U: Resource> FixedSize<U> {
             }
         }
         match self.grow(&mut chunks, stream, own) {
-            Ok(()) => {}
-            Err(Error::OutOfMemory { .. }) => {
-                self.shards
-                    .merge_into(own, std::mem::take, |list, mut items| {
-                        list.append(&mut items)
-                    })?;
-            }
+            Ok(addr) => return Ok(addr),
+            Err(Error::OutOfMemory { .. }) => {}
             Err(e) => return Err(e),
         }
+        // The growth lock is held, so no other thread grows (or pops after growing) while
+        // the other streams' blocks come over; a thread on `own`'s stream may still take
+        // some of them, as it could any free block.
+        self.shards
+            .merge_into(own, std::mem::take, |list, mut items| {
+                list.append(&mut items)
+            })?;
         own.state.lock().pop().ok_or(Error::OutOfMemory {
             requested,
             limit: None,

@@ -110,6 +110,19 @@ impl PoolConfig {
                 )))
             }
         };
+        let sizes = [
+            ("initial", Some(self.initial)),
+            ("maximum", self.maximum),
+            ("growth step", Some(self.step)),
+            ("release threshold", self.release_threshold),
+        ];
+        for (what, n) in sizes {
+            if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
+                return Err(Error::invalid_argument(format!(
+                    "the pool's {what} ({n} bytes) is larger than any allocation can be"
+                )));
+            }
+        }
         multiple("initial", self.initial)?;
         if let Some(max) = self.maximum {
             multiple("maximum", max)?;

@@ -6,6 +6,8 @@ use std::alloc::Layout;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
+pub mod faulty;
+
 use memres::{Error, HostHeap, PropertySet, Resource, StreamRef, SyncResource};
 
 /// Heap memory that claims the properties `P`, told apart from other instances by `id`
