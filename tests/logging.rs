@@ -97,8 +97,9 @@ fn every_event_from_many_threads_and_streams_is_logged_once() {
 
 #[test]
 fn a_log_written_by_rapids_rmm_parses() {
-    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/rmm-log-sample.csv");
-    let events = read_events_from_path(sample).unwrap();
+    // Embedded, so the test binary runs anywhere (the GPU bundle has no source tree).
+    let sample = include_str!("data/rmm-log-sample.csv");
+    let events = read_events(sample.as_bytes()).unwrap();
     assert_eq!(events.len(), 361);
     let first = &events[0];
     assert_eq!(first.thread, 576);

@@ -217,12 +217,15 @@ fn stats_and_trim_of_an_unused_device_are_zero() {
 
 // The header
 
+// Embedded, so the test binary runs anywhere (the GPU bundle has no source tree).
+const HEADER: &str = include_str!("../include/memres.h");
+
 fn header() -> String {
-    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/memres.h")).unwrap()
+    HEADER.to_owned()
 }
 
 fn source() -> String {
-    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/lib.rs")).unwrap()
+    include_str!("lib.rs").to_owned()
 }
 
 /// `name(params) -> ret` of every `extern "C" fn memres_*` in the source, in C types.
@@ -369,7 +372,8 @@ fn the_header_has_the_codes_and_the_struct_layout() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("layout.c");
     std::fs::write(&file, c).unwrap();
-    let include = concat!(env!("CARGO_MANIFEST_DIR"), "/include");
+    std::fs::write(dir.join("memres.h"), HEADER).unwrap();
+    let include = dir.to_str().unwrap();
     match std::process::Command::new("cc")
         .args([
             "-std=c11",

@@ -276,6 +276,17 @@ fn bad_options_are_errors() {
         "1GiB",
     ]);
     assert!(err.contains("needs a GPU"), "{err}");
+    // A block size that overflows when rounded up: an error, not a panic.
+    let err = fails(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--resource",
+        "fixed",
+        "--fixed-block",
+        "18446744073709551615",
+    ]);
+    assert!(err.contains("overflows the address space"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]
