@@ -8,6 +8,11 @@ Each check runs in its own process (an allocator must be installed before CUDA i
            show the allocations; an over-large tensor raises torch.OutOfMemoryError and
            training goes on; after the tensors are gone and trim() the pool holds nothing;
            memres_configure after the first allocation is refused.
+  empty  - many zero-byte tensors live at once (torch.empty(0), empty views and slices,
+           empty results of real ops), freed in shuffled order: PyTorch's pluggable
+           allocator keys its records by pointer, so every zero-byte request must get NULL
+           (a shared dangling pointer aborted the process: "Trying to free a pointer not
+           allocated here"); the counts return to where they were.
   cupy   - CuPy arithmetic on memres memory is right; the counts return to zero.
   speed  - 100,000 creations of small tensors of varied sizes on one stream, PyTorch's
            caching allocator against memres "pool", alternating runs in this process's
@@ -106,6 +111,36 @@ def train(allocator):
         m.trim(0)
         report["stats_after_trim"] = m.stats(0)
     print(json.dumps(report))
+
+
+def empty_tensors():
+    import random
+
+    import torch
+
+    import memres_alloc as m
+
+    m.configure("statistics(virtual_pool)")
+    torch.cuda.memory.change_current_allocator(m.torch_allocator())
+    dev = torch.device("cuda")
+    base = torch.randn(1000, device=dev)
+    torch.cuda.synchronize()
+    before = m.stats(0)
+    held = []
+    for i in range(20):
+        held.append(torch.empty(0, device=dev))
+        held.append(torch.zeros((0, 3 + i), device=dev))
+        held.append(base[i:i])  # an empty view: no allocation of its own
+        held.append(torch.cat([torch.empty(0, device=dev), torch.empty(0, device=dev)]))
+        held.append(base[base > 1e9])  # an empty result of a real kernel
+        held.append(torch.ones(7 + i, device=dev))  # and some that are not empty
+    random.Random(5).shuffle(held)
+    sizes = sorted({t.numel() for t in held})
+    while held:
+        held.pop()
+    torch.cuda.synchronize()
+    after = m.stats(0)
+    print(json.dumps({"sizes": sizes[:5], "before": before, "after": after}))
 
 
 def cupy_check():
@@ -214,6 +249,19 @@ def main():
     if ours["stats_after_trim"].get("pool_size", -1) != 0:
         failures.append("the pool holds memory after trim")
 
+    e = child("empty")
+    print(
+        f"empty: 100 empty tensors, views and results plus 20 small ones live at once, freed "
+        f"in shuffled order: no abort; bytes live {e['before']['current_bytes']} before, "
+        f"{e['after']['current_bytes']} after; allocations {e['before']['current_allocations']} "
+        f"-> {e['after']['current_allocations']}"
+    )
+    if (e["after"]["current_bytes"], e["after"]["current_allocations"]) != (
+        e["before"]["current_bytes"],
+        e["before"]["current_allocations"],
+    ):
+        failures.append("empty tensors changed the counts")
+
     try:
         import cupy  # noqa: F401
 
@@ -267,6 +315,8 @@ if __name__ == "__main__":
         main()
     elif sys.argv[1] == "train":
         train(sys.argv[2])
+    elif sys.argv[1] == "empty":
+        empty_tensors()
     elif sys.argv[1] == "cupy":
         cupy_check()
     elif sys.argv[1] == "log":

@@ -147,3 +147,50 @@ fn every_device_has_its_own_default() {
     assert_eq!(a.downcast_ref::<memres::Cuda>().unwrap().device(), d0);
     assert_eq!(b.downcast_ref::<memres::Cuda>().unwrap().device(), d1);
 }
+
+/// One call sets up several devices, all or nothing.
+#[test]
+fn several_devices_in_one_call_all_or_nothing() {
+    let devs = [
+        DeviceId::new(1010),
+        DeviceId::new(1011),
+        DeviceId::new(1012),
+    ];
+    let replaced =
+        device::set_per_device_resources(devs, |d| Ok(StandIn::new(d.ordinal() as u32))).unwrap();
+    assert!(replaced.iter().all(Option::is_none));
+    for d in devs {
+        assert_eq!(id_of(&per_device_resource(d).unwrap()), d.ordinal() as u32);
+    }
+    // The third fails: nothing changes on the first two.
+    let mut made = 0;
+    let e = device::set_per_device_resources(devs, |d| {
+        made += 1;
+        if d == devs[2] {
+            Err(memres::Error::out_of_memory(1 << 30))
+        } else {
+            Ok(StandIn::new(7))
+        }
+    })
+    .unwrap_err();
+    assert!(matches!(e, memres::Error::OutOfMemory { .. }), "{e:?}");
+    assert_eq!(made, 3);
+    for d in devs {
+        assert_eq!(id_of(&per_device_resource(d).unwrap()), d.ordinal() as u32);
+    }
+    // A device listed twice is refused before anything is built.
+    let e =
+        device::set_per_device_resources([devs[0], devs[0]], |_| Ok(StandIn::new(9))).unwrap_err();
+    assert!(e.to_string().contains("listed twice"), "{e}");
+    assert_eq!(id_of(&per_device_resource(devs[0]).unwrap()), 1010);
+    // What the next call replaces comes back in order.
+    let replaced = device::set_per_device_resources(devs, |_| Ok(StandIn::new(3))).unwrap();
+    let ids: Vec<u32> = replaced
+        .iter()
+        .map(|r| id_of(r.as_ref().unwrap()))
+        .collect();
+    assert_eq!(ids, [1010, 1011, 1012]);
+    for d in devs {
+        reset_per_device_resource(d);
+    }
+}

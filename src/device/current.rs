@@ -17,7 +17,8 @@ use std::sync::OnceLock;
 use super::DeviceId;
 use crate::erased::AnyResource;
 use crate::error::Error;
-use crate::property::Device;
+use crate::property::{Contains, Device};
+use crate::resource::Resource;
 use crate::sync::Mutex;
 
 /// The map from device to resource: one lock, taken for a lookup or an update, never
@@ -62,6 +63,18 @@ impl DeviceMap {
         resource: AnyResource<Device>,
     ) -> Option<AnyResource<Device>> {
         self.lock().insert(device, resource)
+    }
+
+    /// Installs every pair under one lock; returns what each replaced, in order.
+    fn set_all(
+        &self,
+        pairs: Vec<(DeviceId, AnyResource<Device>)>,
+    ) -> Vec<Option<AnyResource<Device>>> {
+        let mut slots = self.lock();
+        pairs
+            .into_iter()
+            .map(|(device, resource)| slots.insert(device, resource))
+            .collect()
     }
 
     pub(crate) fn reset(&self, device: DeviceId) -> Option<AnyResource<Device>> {
@@ -130,6 +143,52 @@ pub fn set_per_device_resource(
     resource: AnyResource<Device>,
 ) -> Option<AnyResource<Device>> {
     map().set(device, resource)
+}
+
+/// Builds a resource for each of `devices` with `make` and installs them as those devices'
+/// resources in one step: RMM's `rmm.reinitialize(pool_allocator=True, devices=[0, 1])`.
+/// Returns the resources replaced, in the order of `devices`.
+///
+/// All or nothing: every resource is built first (each call to `make` gets its device,
+/// and should build on it, e.g. `Cuda::on(device)`); if one fails, those already built are
+/// dropped (giving their memory back), nothing is installed, and that error is returned.
+/// The installation itself takes the map's lock once, so no reader sees some devices
+/// set up and others not. A device listed twice is [`Error::InvalidArgument`], before
+/// anything is built.
+/// [`DeviceId::all`] lists every device.
+///
+/// ```no_run
+/// use memres::device::{DeviceId, set_per_device_resources};
+/// use memres::{Cuda, PoolConfig, ResourceExt};
+///
+/// // A statistics-counted pool on every GPU, 1 GiB to start with.
+/// set_per_device_resources(DeviceId::all()?, |device| {
+///     let pool = Cuda::on(device)?.pool(PoolConfig::new().initial_size(1 << 30))?;
+///     Ok(pool.with_statistics())
+/// })?;
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub fn set_per_device_resources<R>(
+    devices: impl IntoIterator<Item = DeviceId>,
+    mut make: impl FnMut(DeviceId) -> Result<R, Error>,
+) -> Result<Vec<Option<AnyResource<Device>>>, Error>
+where
+    R: Resource + Send + Sync + 'static,
+    R::Properties: Contains<Device>,
+{
+    let devices: Vec<DeviceId> = devices.into_iter().collect();
+    for (i, device) in devices.iter().enumerate() {
+        if devices[..i].contains(device) {
+            return Err(Error::invalid_argument(format!(
+                "device {device} is listed twice"
+            )));
+        }
+    }
+    let built = devices
+        .into_iter()
+        .map(|device| Ok((device, AnyResource::new(make(device)?))))
+        .collect::<Result<Vec<_>, Error>>()?;
+    Ok(map().set_all(built))
 }
 
 /// Puts the current device back to its initial resource (a fresh `Cuda` resource, made on

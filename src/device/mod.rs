@@ -19,7 +19,7 @@ pub use context::DeviceGuard;
 pub(crate) use context::{Bound, Context, bind};
 pub use current::{
     current_resource, per_device_resource, reset_current_resource, reset_per_device_resource,
-    set_current_resource, set_per_device_resource,
+    set_current_resource, set_per_device_resource, set_per_device_resources,
 };
 pub use exit::process_is_exiting;
 pub(crate) use exit::register_exit_hook;
@@ -72,6 +72,12 @@ impl DeviceId {
         // SAFETY: a context is current; `dev` is a valid place for the result.
         check(unsafe { sys::cuCtxGetDevice(&mut dev) })?;
         Ok(DeviceId(dev))
+    }
+
+    /// Every CUDA device, in ordinal order; [`Error::NoDriver`] without a driver.
+    pub fn all() -> Result<Vec<DeviceId>, Error> {
+        let n = i32::try_from(DeviceId::count()?).unwrap_or(i32::MAX);
+        Ok((0..n).map(DeviceId).collect())
     }
 
     /// The number of CUDA devices.

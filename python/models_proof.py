@@ -1,0 +1,216 @@
+"""Real models trained under three allocators: losses, step time, memory held and live.
+
+    python3 python/models_proof.py [--models gpt2,resnet50] [--steps 40] [--rounds 2]
+                                   [--no-deterministic]
+
+Models, built from their configs (random weights, no download):
+  gpt2     - transformers' GPT-2 small, bf16 autocast, AdamW; batch 4..16 and sequence
+             length 128..1024 drawn per step from a seeded generator.
+  resnet50 - torchvision's ResNet-50, AMP (fp16 autocast with a GradScaler), channels-last,
+             SGD with momentum; batch 16..128 of 224x224 images drawn per step.
+Allocators, one process each: PyTorch's caching allocator ("torch"), the same with
+expandable_segments:True ("expandable"), and memres's default stack under a statistics
+layer ("memres": "statistics(virtual_pool)", through memres_alloc and MEMRES_LIB).
+
+Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
+(steps after the third) per run, best run per allocator; peak device memory in use
+(cudaMemGetInfo after every step, less what was in use before CUDA work began) against the
+allocator's own peak live bytes. Then one deterministic run per allocator
+(torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN
+deterministic, no cuDNN benchmark): its losses must equal torch's bit for bit, since the
+allocator changes no kernel's arithmetic. The timing runs' losses are compared within a
+tolerance (kernels with atomics reduce in varying order).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MODES = ("torch", "expandable", "memres")
+
+
+def build(name, dev, torch):
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config()).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(42)
+
+        def step():
+            batch = int(torch.randint(4, 17, (1,), generator=gen))
+            seq = int(torch.randint(128, 1025, (1,), generator=gen))
+            ids = torch.randint(0, 50257, (batch, seq), generator=gen).to(dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return step
+    if name == "resnet50":
+        import torchvision
+
+        model = torchvision.models.resnet50(weights=None).to(dev)
+        model = model.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda")
+        gen = torch.Generator().manual_seed(42)
+
+        def step():
+            batch = int(torch.randint(16, 129, (1,), generator=gen))
+            x = torch.randn(batch, 3, 224, 224, generator=gen).to(dev)
+            x = x.contiguous(memory_format=torch.channels_last)
+            y = torch.randint(0, 1000, (batch,), generator=gen).to(dev)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return step
+    raise SystemExit(f"unknown model {name}")
+
+
+def run(model_name, mode, steps, deterministic):
+    import torch
+
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    if mode == "memres":
+        import memres_alloc as m
+
+        m.configure("statistics(virtual_pool)")
+        torch.cuda.memory.change_current_allocator(m.torch_allocator())
+    torch.manual_seed(0)
+    torch.cuda.init()
+    free0, total = torch.cuda.mem_get_info()
+    base_used = total - free0
+    dev = torch.device("cuda")
+    step = build(model_name, dev, torch)
+    losses, times, peak_used = [], [], 0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        free, _ = torch.cuda.mem_get_info()
+        peak_used = max(peak_used, total - free - base_used)
+    if mode == "memres":
+        import memres_alloc as m
+
+        s = m.stats(0)
+        peak_live = s["peak_bytes"]
+        extra = {"pool_size_end": s.get("pool_size")}
+    else:
+        peak_live = torch.cuda.max_memory_allocated()
+        extra = {"reserved_peak": torch.cuda.max_memory_reserved()}
+    print(
+        json.dumps(
+            {
+                "peak_device_used": peak_used,
+                "peak_live": peak_live,
+                "ratio": peak_used / peak_live,
+                "median_step_s": statistics.median(times[3:]),
+                "losses": losses,
+                **extra,
+            }
+        )
+    )
+
+
+def child(model, mode, steps, deterministic):
+    env = dict(os.environ)
+    if mode == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    args = ["--child", model, mode, str(steps), "1" if deterministic else "0"]
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True, env=env
+    )
+    if out.returncode != 0:
+        print(out.stdout[-4000:])
+        print(out.stderr[-4000:])
+        raise SystemExit(f"{model} under {mode} failed with {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="gpt2,resnet50")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-deterministic", action="store_true")
+    a = p.parse_args()
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    failures = []
+    summary = {}
+    for model in a.models.split(","):
+        runs = {mode: [] for mode in MODES}
+        for _ in range(a.rounds):
+            for mode in MODES:
+                runs[mode].append(child(model, mode, a.steps, False))
+        ref = runs["torch"][0]["losses"]
+        t_torch = min(r["median_step_s"] for r in runs["torch"])
+        for mode in MODES:
+            best = min(runs[mode], key=lambda r: r["median_step_s"])
+            diff = max(abs(x - y) for r in runs[mode] for x, y in zip(r["losses"], ref))
+            peak_used = max(r["peak_device_used"] for r in runs[mode])
+            peak_live = max(r["peak_live"] for r in runs[mode])
+            slower = best["median_step_s"] / t_torch - 1
+            summary[f"{model}/{mode}"] = {
+                "peak_device_used": peak_used,
+                "peak_live": peak_live,
+                "median_step_s": best["median_step_s"],
+                "step_times_s": [r["median_step_s"] for r in runs[mode]],
+                "max_loss_diff_vs_torch": diff,
+            }
+            print(
+                f"{model:9s} {mode:11s} peak used {peak_used / 2**30:7.3f} GiB  "
+                f"peak live {peak_live / 2**30:7.3f} GiB  ratio {peak_used / peak_live:.3f}  "
+                f"median step {best['median_step_s'] * 1e3:8.2f} ms ({slower:+.1%} vs torch)  "
+                f"max |loss - torch's| {diff:.3g}"
+            )
+            if mode == "memres" and slower > 0.02:
+                failures.append(f"{model}: memres step {slower:+.1%} vs torch")
+        if not a.no_deterministic:
+            det = {mode: child(model, mode, a.steps, True)["losses"] for mode in MODES}
+            for mode in MODES:
+                same = det[mode] == det["torch"]
+                diff = max(abs(x - y) for x, y in zip(det[mode], det["torch"]))
+                summary[f"{model}/{mode}"]["deterministic_bitwise_equal"] = same
+                print(
+                    f"{model:9s} {mode:11s} deterministic run: losses "
+                    f"{'bit for bit equal to' if same else f'differ (max {diff:.3g}) from'} torch's"
+                )
+                if not same:
+                    failures.append(f"{model}: deterministic losses under {mode} differ")
+    print(json.dumps(summary))
+    if failures:
+        print("FAILED: " + "; ".join(failures))
+        raise SystemExit(1)
+    print("all checks passed")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")
+    else:
+        main()
