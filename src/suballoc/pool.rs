@@ -665,9 +665,10 @@ impl<U: Resource> Pool<U> {
         }
     }
 
-    /// In-place growth: maps what a free block of `min` bytes lacks at the top of what
-    /// the pool holds (extending `own`'s free block that ends there), or, past the end
-    /// of the reservation, in the lowest hole that fits it whole.
+    /// In-place growth: maps the fewest granules that make a free block of `min` bytes,
+    /// in any unmapped run of the reservation, together with the free blocks on either
+    /// side of it (so the pieces of partly free granules left around unmapped holes are
+    /// used again, not only the free block at the top of what the pool holds).
     fn grow_in_place(
         &self,
         space: &Space<U>,
@@ -680,43 +681,44 @@ impl<U: Resource> Pool<U> {
         let g = space.granularity;
         let mut s = own.state.lock();
         s.flush();
-        let top = space.base + growth.mapped.top() * g;
-        let tail = s.free.ending_at(top).map_or(0, |b| b.size);
         let step = self.config.step.next_multiple_of(g).max(g);
-        let lacking = min.saturating_sub(tail).next_multiple_of(g);
+        let top = space.base + growth.mapped.top() * g;
+        let mut tries = growth_sites(space, &growth.mapped, &s.free, min, top, step);
+        let Some(best) = tries.first().copied() else {
+            return Ok(None);
+        };
         // Free granules elsewhere in the list hold memory that this growth would add to:
         // give back as much as is about to be mapped, so that what the pool holds follows
         // what is live rather than how fragmented its range is. (Blocks of `own`'s stream
-        // may still be in use by its work: wait for it first; the top block stays.)
-        let surplus = s.free_bytes() - tail;
-        if surplus >= lacking + g {
+        // may still be in use by its work: wait for it first. The free blocks the growth
+        // joins stay.)
+        let joined = best
+            .joins
+            .map(|b| b.map_or(0, |b| b.size))
+            .iter()
+            .sum::<usize>();
+        let surplus = s.free_bytes() - joined;
+        if surplus >= best.len + g {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
             if waited.is_ok() {
-                let keep = s.free_bytes() - lacking;
-                self.unmap_in(space, growth, &mut s, keep, top - tail);
+                let keep = s.free_bytes() - best.len;
+                let spare = best.joins.map(|b| b.map_or(usize::MAX, |b| b.addr));
+                if self.unmap_in(space, growth, &mut s, keep, spare) > 0 {
+                    // Unmapping made new holes: a better site may be among them.
+                    let top = space.base + growth.mapped.top() * g;
+                    tries = growth_sites(space, &growth.mapped, &s.free, min, top, step);
+                }
             }
         }
-        let end = space.base + growth.mapped.len() * g;
-        let mut tries: Vec<(usize, usize)> = Vec::with_capacity(3);
-        if top + lacking <= end {
-            let stepped = lacking.max(step);
-            if stepped > lacking && top + stepped <= end {
-                tries.push((top, stepped));
-            }
-            tries.push((top, lacking));
-        }
-        if let Some(first) = growth.mapped.find_unmapped(min.div_ceil(g)) {
-            tries.push((space.base + first * g, min.next_multiple_of(g)));
-        }
-        for (addr, len) in tries {
+        for site in tries {
             if self
                 .config
                 .maximum
-                .is_some_and(|max| growth.size.saturating_add(len) > max)
+                .is_some_and(|max| growth.size.saturating_add(site.len) > max)
             {
                 continue;
             }
-            match self.map_into(space, growth, &mut s, addr, len) {
+            match self.map_into(space, growth, &mut s, site.addr, site.len) {
                 Ok(()) => {
                     let taken = s.free.take(size, align);
                     debug_assert!(taken.is_some(), "in-place growth fits its request");
@@ -807,19 +809,19 @@ impl<U: Resource> Pool<U> {
             tracing::warn!("a pool could not wait for a stream to return memory: {e}");
             return 0;
         }
-        self.unmap_in(space, growth, &mut s, keep, usize::MAX)
+        self.unmap_in(space, growth, &mut s, keep, [usize::MAX; 2])
     }
 
-    /// Unmaps fully free granules of blocks in `s` that end at or below `below`, highest
-    /// first, until at most `keep` bytes of `s` are free. The caller has made sure that
-    /// no work uses the blocks of `s`.
+    /// Unmaps fully free granules of blocks in `s` other than those starting at an
+    /// address in `spare`, highest first, until at most `keep` bytes of `s` are free. The
+    /// caller has made sure that no work uses the blocks of `s`.
     fn unmap_in(
         &self,
         space: &Space<U>,
         growth: &mut Growth,
         s: &mut PoolShard,
         keep: usize,
-        below: usize,
+        spare: [usize; 2],
     ) -> usize {
         let g = space.granularity;
         let mut free = s.free_bytes();
@@ -831,7 +833,7 @@ impl<U: Resource> Pool<U> {
                 break;
             }
             let end = b.addr + b.size;
-            if end > below {
+            if spare.contains(&b.addr) {
                 continue;
             }
             let lo = space.base + (b.addr - space.base).next_multiple_of(g);
@@ -957,6 +959,70 @@ impl<U: Resource + fmt::Debug> fmt::Debug for Pool<U> {
             .field("stats", &self.stats())
             .finish()
     }
+}
+
+/// A place where an in-place pool can grow: `len` bytes of unmapped granules at `addr`,
+/// which join the free blocks `joins` (before, after) into one block.
+#[derive(Clone, Copy, Debug)]
+struct Site {
+    addr: usize,
+    len: usize,
+    joins: [Option<FreeBlock>; 2],
+}
+
+/// Where an in-place pool can map memory so that, with the free blocks next to it, one
+/// free block holds `need` bytes: the sites that map the fewest bytes first (lowest
+/// address among equals), at most one per unmapped run. At the top of what the pool holds
+/// (`top`), a site maps at least `step` when the reservation has room, followed by the
+/// same site without the step as a fallback.
+fn growth_sites(
+    space: &Space<impl Resource>,
+    mapped: &Granules,
+    free: &FreeBlocks,
+    need: usize,
+    top: usize,
+    step: usize,
+) -> Vec<Site> {
+    let g = space.granularity;
+    let mut sites = Vec::new();
+    for (first, n) in mapped.unmapped_runs() {
+        let (lo, hi) = (space.base + first * g, space.base + (first + n) * g);
+        let before = free.ending_at(lo);
+        let after = free.starting_at(hi);
+        let (b, a) = (before.map_or(0, |b| b.size), after.map_or(0, |b| b.size));
+        if b.saturating_add(a).saturating_add(n * g) < need {
+            continue;
+        }
+        // Map next to the block before, next to the one after, or the whole run.
+        let from_before = need.saturating_sub(b).next_multiple_of(g);
+        let from_after = need.saturating_sub(a).next_multiple_of(g);
+        let site = if from_before <= n * g && from_before <= from_after {
+            Site {
+                addr: lo,
+                len: from_before,
+                joins: [before, None],
+            }
+        } else if from_after <= n * g {
+            Site {
+                addr: hi - from_after,
+                len: from_after,
+                joins: [None, after],
+            }
+        } else {
+            Site {
+                addr: lo,
+                len: n * g,
+                joins: [before, after],
+            }
+        };
+        if lo == top && site.len < step && step <= n * g {
+            sites.push((site.len, Site { len: step, ..site }));
+        }
+        sites.push((site.len, site));
+    }
+    // Stable: among equal needs the lower address (and the stepped top site) first.
+    sites.sort_by_key(|&(need, _)| need);
+    sites.into_iter().map(|(_, site)| site).collect()
 }
 
 /// The block size for `layout` (a multiple of the granule) and its alignment (at least

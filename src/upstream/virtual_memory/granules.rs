@@ -20,11 +20,6 @@ impl Granules {
         }
     }
 
-    /// How many granules there are.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// How many are mapped.
     pub(crate) fn mapped(&self) -> usize {
         self.mapped
@@ -87,16 +82,28 @@ impl Granules {
 
     /// The runs of mapped granules, lowest first, as `(first, n)`.
     pub(crate) fn mapped_runs(&self) -> Vec<(usize, usize)> {
+        self.runs(true)
+    }
+
+    /// The runs of unmapped granules, lowest first, as `(first, n)` (the last one reaches
+    /// the end of the range).
+    pub(crate) fn unmapped_runs(&self) -> Vec<(usize, usize)> {
+        self.runs(false)
+    }
+
+    fn runs(&self, mapped: bool) -> Vec<(usize, usize)> {
+        // A word with no granule in the wanted state is skipped whole.
+        let skip = if mapped { 0 } else { u64::MAX };
         let mut runs = Vec::new();
         let mut i = 0;
         while i < self.len {
-            if i % 64 == 0 && self.bits[i / 64] == 0 {
+            if i % 64 == 0 && self.bits[i / 64] == skip {
                 i += 64;
                 continue;
             }
-            if self.get(i) {
+            if self.get(i) == mapped {
                 let first = i;
-                while i < self.len && self.get(i) {
+                while i < self.len && self.get(i) == mapped {
                     i += 1;
                 }
                 runs.push((first, i - first));
@@ -127,8 +134,10 @@ mod tests {
         assert!(g.all(60, 10, false) && g.all(0, 60, true) && !g.all(55, 10, true));
         assert!(!g.all(190, 20, false), "past the end");
         assert_eq!(g.mapped_runs(), vec![(0, 60), (70, 60)]);
+        assert_eq!(g.unmapped_runs(), vec![(60, 10), (130, 70)]);
         g.set(0, 200, false);
         assert_eq!((g.mapped(), g.top()), (0, 0));
         assert!(g.mapped_runs().is_empty());
+        assert_eq!(g.unmapped_runs(), vec![(0, 200)]);
     }
 }
