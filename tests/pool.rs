@@ -288,3 +288,62 @@ fn sizes_beyond_the_address_space_are_invalid_arguments() {
         assert!(e.to_string().contains("larger than any allocation"), "{e}");
     }
 }
+
+/// Threads come and go on the per-thread default stream: each new thread takes over the
+/// list of one that has exited, so the pool neither grows per thread nor keeps a list
+/// for every thread that ever ran (before: 10,000 lists and about as many upstream
+/// allocations).
+#[test]
+fn short_lived_threads_on_the_per_thread_stream_reuse_memory_and_lists() {
+    let pool = heap_pool(PoolConfig::new());
+    let l = layout(1 << 20).unwrap();
+    for _ in 0..10_000 {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let p = pool.allocate(StreamRef::PER_THREAD, l).unwrap();
+                // SAFETY: from `pool` with `l` on this stream; not used afterwards.
+                unsafe { pool.deallocate(StreamRef::PER_THREAD, p, l) };
+            })
+            .join()
+            .unwrap();
+        });
+    }
+    let stats = pool.stats();
+    assert!(stats.upstream_allocations <= 2, "{stats:?}");
+    assert!(stats.pool_size <= 2 << 20, "{stats:?}");
+    // Other tests of this binary run threads at the same time and may take a freed
+    // number first; the lists stay as many as threads run at once, not 10,000.
+    assert!(stats.stream_lists <= 64, "{stats:?}");
+    assert_eq!(stats.free_bytes, stats.pool_size);
+}
+
+/// 10,000 streams used once each: the pool serves every one from the memory the others
+/// freed, and the stream map holds them all (lookups stay O(1): an open-addressing table
+/// that doubles, instead of a list past 64 streams).
+#[test]
+fn ten_thousand_streams_used_once_each_share_one_block() {
+    let pool = heap_pool(PoolConfig::new());
+    let l = layout(1 << 20).unwrap();
+    for id in 1..=10_000 {
+        let s = StreamRef::host(id);
+        let p = pool.allocate(s, l).unwrap();
+        // SAFETY: from `pool` with `l` on `s`; not used afterwards.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.upstream_allocations, 1, "{stats:?}");
+    assert_eq!(stats.pool_size, 1 << 20, "{stats:?}");
+    assert_eq!(
+        stats.stream_lists, 10_001,
+        "the host list and 10,000 streams"
+    );
+    // Every stream's list is found again (not made anew), and its memory is the pool's.
+    for id in (1..=10_000).step_by(97) {
+        let s = StreamRef::host(id);
+        let p = pool.allocate(s, l).unwrap();
+        // SAFETY: as above.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    assert_eq!(pool.stats().stream_lists, 10_001);
+    assert_eq!(pool.stats().pool_size, 1 << 20);
+}

@@ -56,6 +56,44 @@ fn loom_shard_map_hands_out_one_built_shard_per_stream() {
     });
 }
 
+/// The table doubles while another thread inserts and a third looks up: every shard is
+/// found by every thread, once, fully built, and the map ends with all of them.
+#[test]
+fn loom_shard_map_grows_while_others_insert_and_look_up() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(2);
+    builder.check(|| {
+        let map = Arc::new(ShardMap::<u32>::default());
+        // A table of two slots holds one shard; the second insertion doubles it.
+        let first = map.get_or_insert_with(StreamKey::host(1), || 1) as *const _ as usize;
+        let (m1, m2) = (Arc::clone(&map), Arc::clone(&map));
+        let inserter = thread::spawn(move || {
+            let s = m1.get_or_insert_with(StreamKey::host(2), || 2);
+            assert_eq!(*s.state.lock(), 2);
+            s as *const _ as usize
+        });
+        let reader = thread::spawn(move || {
+            // Found in the old table or the new one, never a second shard.
+            let s = m2.get(StreamKey::host(1)).expect("an inserted shard");
+            assert_eq!(*s.state.lock(), 1);
+            let again = m2.get_or_insert_with(StreamKey::host(1), || 9);
+            assert!(std::ptr::eq(s, again));
+            if let Some(s) = m2.get(StreamKey::host(2)) {
+                assert_eq!(*s.state.lock(), 2, "seen only fully built");
+            }
+            s as *const _ as usize
+        });
+        let mine = map.get_or_insert_with(StreamKey::host(3), || 3) as *const _ as usize;
+        let second = inserter.join().unwrap();
+        assert_eq!(reader.join().unwrap(), first);
+        assert_eq!(map.len(), 3);
+        assert_eq!(map.all().len(), 3);
+        for (k, p) in [(1, first), (2, second), (3, mine)] {
+            assert_eq!(map.get(StreamKey::host(k)).unwrap() as *const _ as usize, p);
+        }
+    });
+}
+
 #[test]
 fn loom_two_streams_grow_one_pool_without_overlap() {
     let mut builder = loom::model::Builder::new();

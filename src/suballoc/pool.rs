@@ -11,6 +11,7 @@ use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::Mutex;
+use crate::sync::atomic::Ordering;
 use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::Granules;
 
@@ -152,6 +153,10 @@ pub struct PoolStats {
     /// Allocations held from the upstream (for a pool that grows in place: runs of
     /// mapped granules).
     pub upstream_allocations: usize,
+    /// Free lists: one per stream the pool has seen, the host's included. The
+    /// per-thread default stream has one per thread running at once: a new thread takes
+    /// over the list of one that has exited.
+    pub stream_lists: usize,
 }
 
 impl PoolStats {
@@ -421,7 +426,9 @@ impl<U: Resource> Pool<U> {
             let mut growth = lock(&pool.growth);
             let space = pool.space.as_ref().expect("set above");
             let len = config.initial.next_multiple_of(granularity);
-            pool.map_into(space, &mut growth, &mut host.state.lock(), base, len)?;
+            let mut s = host.state.lock();
+            pool.map_into(space, &mut growth, &mut s, base, len)?;
+            pool.shards.note_free(host);
         }
         Ok(pool)
     }
@@ -457,6 +464,7 @@ impl<U: Resource> Pool<U> {
             } else {
                 growth.chunks.len()
             },
+            stream_lists: self.shards.len(),
             ..PoolStats::default()
         };
         for shard in self.shards.all() {
@@ -549,8 +557,15 @@ impl<U: Resource> Pool<U> {
         self.shards
             .all()
             .into_iter()
-            .filter(|s| !ptr::eq(*s, own))
-            .map(|s| s.state.lock().free_bytes())
+            .filter(|s| !ptr::eq(*s, own) && s.holds_free.load(Ordering::Relaxed))
+            .map(|s| {
+                let st = s.state.lock();
+                let free = st.free_bytes();
+                if free == 0 {
+                    s.holds_free.store(false, Ordering::Relaxed);
+                }
+                free
+            })
             .sum()
     }
 
@@ -570,19 +585,30 @@ impl<U: Resource> Pool<U> {
             s.flush();
             s.free.take(size, align)
         };
-        // Blocks freed on host streams are free for all.
-        for other in self.shards.all() {
-            if found.is_some() {
-                break;
-            }
-            if ptr::eq(other, own) || !other.key.is_host() {
-                continue;
+        // Blocks freed on host streams are free for all: the list that last received
+        // memory first, then every list (built only if that one had none).
+        let from_host_list = |other: &Shard<PoolShard>| {
+            if ptr::eq(other, own)
+                || !other.key.is_host()
+                || !other.holds_free.load(Ordering::Relaxed)
+            {
+                return None;
             }
             let mut s = other.state.lock();
-            found = s.take(size, align).or_else(|| {
+            let found = s.take(size, align).or_else(|| {
                 s.flush();
                 s.free.take(size, align)
             });
+            if s.free_bytes() == 0 {
+                other.holds_free.store(false, Ordering::Relaxed);
+            }
+            found
+        };
+        if found.is_none() {
+            found = self.shards.recent().and_then(from_host_list);
+        }
+        if found.is_none() {
+            found = self.shards.all().into_iter().find_map(from_host_list);
         }
         if let Some(addr) = found {
             return Ok(addr);
@@ -720,6 +746,7 @@ impl<U: Resource> Pool<U> {
             }
             match self.map_into(space, growth, &mut s, site.addr, site.len) {
                 Ok(()) => {
+                    self.shards.note_free(own);
                     let taken = s.free.take(size, align);
                     debug_assert!(taken.is_some(), "in-place growth fits its request");
                     return Ok(taken);
@@ -772,6 +799,7 @@ impl<U: Resource> Pool<U> {
             size: layout.size(),
             starts_chunk: true,
         });
+        self.shards.note_free(into);
         s
     }
 
@@ -1083,6 +1111,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         let shard = self.shard(stream);
         let mut s = shard.state.lock();
         s.put(addr, size);
+        self.shards.note_free(shard);
         if let Some(keep) = self.config.release_threshold
             && s.free_bytes() > keep
         {

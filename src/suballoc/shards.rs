@@ -3,10 +3,20 @@
 //! Every stream a sub-allocator sees gets one shard: its free list behind its own mutex.
 //! Threads on different streams therefore never wait for each other on the allocation
 //! path. The map from stream to shard is an insert-only open-addressing table of atomic
-//! pointers: lookups are lock-free (acquire loads), insertions are serialised by a mutex
-//! and publish a fully built shard with a release store. Shards live until the map drops.
+//! pointers, at most half full: lookups are lock-free (acquire loads) and O(1) however
+//! many streams there are; insertions are serialised by a mutex and publish a fully built
+//! shard with a release store. When the table would be more than half full, a table of
+//! twice the size is filled and published in its place; old tables stay allocated until
+//! the map drops (a reader may still be probing one; together they are smaller than the
+//! current one), and a reader that misses a shard in an old table finds it under the
+//! insertion lock. Shards live until the map drops.
+//!
+//! The per-thread default stream has one list per thread. Threads are numbered, and the
+//! number of a thread that has exited goes to the next new thread, so the lists of a
+//! program that starts and ends many threads stay as many as it runs at once. A thread
+//! that takes over a list first waits for the device work of the exited thread (whose
+//! per-thread stream was another stream), so the blocks it finds there are free.
 
-use std::cell::Cell;
 use std::fmt;
 use std::ptr;
 use std::sync::PoisonError;
@@ -16,13 +26,12 @@ use crate::device::Context;
 use crate::driver;
 use crate::error::Error;
 use crate::stream::StreamRef;
-use crate::sync::atomic::{AtomicPtr, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use crate::sync::{Mutex, MutexGuard};
 
-/// Slots in the lock-free table; streams beyond it go to a list behind a mutex. (Few
-/// under loom, where every slot read is a step to explore; the models then also cover
-/// the overflow list.)
-const SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
+/// Slots of a new map's table, a power of two. (Few under loom, where every slot read is
+/// a step to explore; the models then also cover the table's growth.)
+const FIRST_SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 
 /// Locks a mutex, ignoring poisoning: the sub-allocators' critical sections leave their
 /// state consistent at every point a panic could leave them.
@@ -47,7 +56,7 @@ impl StreamKey {
         if let Some(id) = stream.host_id() {
             StreamKey::host(id)
         } else if stream.is_per_thread() {
-            StreamKey((PER_THREAD << KIND_SHIFT) | thread_number() as u64)
+            StreamKey((PER_THREAD << KIND_SHIFT) | this_thread().number as u64)
         } else if stream.is_default() {
             StreamKey(CUDA << KIND_SHIFT)
         } else {
@@ -73,9 +82,15 @@ impl StreamKey {
     }
 
     #[inline]
-    fn slot(self) -> usize {
+    fn is_per_thread(self) -> bool {
+        self.0 >> KIND_SHIFT == PER_THREAD
+    }
+
+    /// Where the key's probe starts in a table of `mask + 1` slots.
+    #[inline]
+    fn slot(self, mask: usize) -> usize {
         let h = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (h >> 58) as usize % SLOTS
+        (h >> 32) as usize & mask
     }
 }
 
@@ -90,17 +105,63 @@ impl fmt::Debug for StreamKey {
     }
 }
 
-/// A number for the calling thread, unique for the life of the process (unlike the
-/// thread's OS id, which may be reused).
-fn thread_number() -> usize {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
-    thread_local!(static NUMBER: Cell<usize> = const { Cell::new(0) });
-    NUMBER.with(|n| {
-        if n.get() == 0 {
-            n.set(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-        }
-        n.get()
-    })
+/// The calling thread as the per-thread lists see it: a `number` that names its list (a
+/// number freed by an exited thread is given to the next new thread) and a `generation`
+/// that no other thread ever has.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct ThisThread {
+    number: usize,
+    generation: u64,
+}
+
+/// Holds the thread's number; gives it back when the thread exits.
+struct NumberHolder(ThisThread);
+
+/// Thread numbers that exited threads gave back.
+static FREE_NUMBERS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+static NEXT_NUMBER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+static NEXT_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl NumberHolder {
+    fn take() -> NumberHolder {
+        let reused = FREE_NUMBERS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        NumberHolder(ThisThread {
+            number: reused
+                .unwrap_or_else(|| NEXT_NUMBER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+            generation: new_generation(),
+        })
+    }
+}
+
+fn new_generation() -> u64 {
+    NEXT_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Drop for NumberHolder {
+    fn drop(&mut self) {
+        FREE_NUMBERS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(self.0.number);
+    }
+}
+
+thread_local!(static THIS_THREAD: NumberHolder = NumberHolder::take());
+
+/// The calling thread's number and generation. A thread whose number has already been
+/// given back (code running in its thread-local destructors) uses list 0 with a fresh
+/// generation each time: list 0 is then taken over, after a wait, on every such call.
+#[inline]
+fn this_thread() -> ThisThread {
+    THIS_THREAD
+        .try_with(|t| t.0)
+        .unwrap_or_else(|_| ThisThread {
+            number: 0,
+            generation: new_generation(),
+        })
 }
 
 /// One stream's state.
@@ -111,6 +172,13 @@ pub(crate) struct Shard<S> {
     /// pending).
     pub(crate) ctx: Option<Context>,
     pub(crate) state: SpinLock<S>,
+    /// For a per-thread list: the generation of the thread that uses it now.
+    owner: AtomicU64,
+    /// A hint for searches through other streams' lists: set (under the state's lock)
+    /// when memory is freed into the list, cleared (under the lock) by a search that
+    /// finds the list empty. Searches skip lists whose hint is clear, so a pool with
+    /// thousands of streams does not lock each one on its slow path.
+    pub(crate) holds_free: AtomicBool,
 }
 
 impl<S> Shard<S> {
@@ -126,87 +194,152 @@ impl<S> Shard<S> {
                 None => Context::current().ok(),
             }
         };
+        let owner = if key.is_per_thread() {
+            this_thread().generation
+        } else {
+            0
+        };
         Shard {
             key,
             ctx,
             state: SpinLock::new(state),
+            owner: AtomicU64::new(owner),
+            holds_free: AtomicBool::new(false),
+        }
+    }
+
+    /// A new thread with an exited thread's number uses its list: blocks freed there may
+    /// still be in use by the exited thread's device work, on its own per-thread stream.
+    /// Waits for that work (one context synchronisation) before the list changes hands.
+    #[cold]
+    #[inline(never)]
+    fn take_over(&self, generation: u64) {
+        if let Some(ctx) = self.ctx
+            && let Err(e) = ctx.synchronize()
+        {
+            // A failed synchronisation is a broken context: every later use of its memory
+            // fails too, so the list is taken over all the same.
+            tracing::error!(
+                "memres: could not wait for an exited thread's work before reusing its list: {e}"
+            );
+        }
+        self.owner.store(generation, Ordering::Relaxed);
+    }
+
+    /// Makes the calling thread the owner of a per-thread list (see [`Shard::take_over`]).
+    #[inline]
+    fn claim(&self) {
+        if self.key.is_per_thread() {
+            let generation = this_thread().generation;
+            if self.owner.load(Ordering::Relaxed) != generation {
+                self.take_over(generation);
+            }
         }
     }
 }
 
-/// The map from stream to shard.
-pub(crate) struct ShardMap<S> {
-    slots: Box<[AtomicPtr<Shard<S>>; SLOTS]>,
-    /// Serialises insertions; holds the shards that found no free slot.
-    overflow: Mutex<Vec<*mut Shard<S>>>,
+/// One open-addressing table of shard pointers; its length is a power of two.
+struct Table<S> {
+    slots: Box<[AtomicPtr<Shard<S>>]>,
 }
 
-// SAFETY: the map owns its shards (boxed, freed only in `drop`); sending it sends them.
+impl<S> Table<S> {
+    fn new(len: usize) -> Table<S> {
+        Table {
+            slots: (0..len).map(|_| AtomicPtr::new(ptr::null_mut())).collect(),
+        }
+    }
+
+    /// The shard of `key` and, if it has none, the empty slot where its probe ended
+    /// (there is always one: a table is at most half full).
+    #[inline]
+    fn find(&self, key: StreamKey) -> Result<*mut Shard<S>, usize> {
+        let mask = self.slots.len() - 1;
+        let mut i = key.slot(mask);
+        loop {
+            let p = self.slots[i].load(Ordering::Acquire);
+            if p.is_null() {
+                return Err(i);
+            }
+            // SAFETY: every non-null slot holds a shard made by `Box::into_raw` and
+            // published with a release store; shards are freed only when the map drops.
+            if unsafe { &*p }.key == key {
+                return Ok(p);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+}
+
+/// What the insertion lock guards: every table made so far (the current one last) and
+/// the number of shards.
+struct Tables<S> {
+    all: Vec<*mut Table<S>>,
+    shards: usize,
+}
+
+/// The map from stream to shard.
+pub(crate) struct ShardMap<S> {
+    /// The current table, where lock-free lookups start.
+    table: AtomicPtr<Table<S>>,
+    /// Serialises insertions and owns the tables.
+    tables: Mutex<Tables<S>>,
+    /// The shard whose [`Shard::holds_free`] was set last: where a search for free memory
+    /// in other streams' lists looks first.
+    recent: AtomicPtr<Shard<S>>,
+}
+
+// SAFETY: the map owns its tables and shards (boxed, freed only in `drop`); sending it
+// sends them.
 unsafe impl<S: Send> Send for ShardMap<S> {}
 // SAFETY: shared access hands out `&Shard<S>`, whose state is behind a `SpinLock` (which
-// shares `S` the way `Mutex<S>` does: safe when `S: Send`); its other fields (a key and a
-// `Context`, plain integers) are `Send + Sync`.
+// shares `S` the way `Mutex<S>` does: safe when `S: Send`); its other fields (a key, a
+// `Context`, an atomic) are `Send + Sync`. Tables are only read through atomics.
 unsafe impl<S: Send> Sync for ShardMap<S> {}
 
 impl<S> Default for ShardMap<S> {
     fn default() -> Self {
+        let first = Box::into_raw(Box::new(Table::new(FIRST_SLOTS)));
         ShardMap {
-            slots: Box::new(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut()))),
-            overflow: Mutex::new(Vec::new()),
+            table: AtomicPtr::new(first),
+            tables: Mutex::new(Tables {
+                all: vec![first],
+                shards: 0,
+            }),
+            recent: AtomicPtr::new(ptr::null_mut()),
         }
     }
 }
 
 impl<S> ShardMap<S> {
+    /// The current table.
+    #[inline]
+    fn table(&self) -> &Table<S> {
+        // SAFETY: the pointer was made by `Box::into_raw` and published with a release
+        // store after the table was filled; tables are freed only when the map drops.
+        unsafe { &*self.table.load(Ordering::Acquire) }
+    }
+
     /// A shard of this map from its pointer.
     ///
     /// # Safety
-    /// `p` was read from one of this map's slots or its overflow list.
+    /// `p` was read from a slot of one of this map's tables.
     #[inline]
     unsafe fn at(&self, p: *mut Shard<S>) -> &Shard<S> {
-        // Every pointer in a slot or the overflow list was made by `Box::into_raw` and
-        // published with a release store or under the insertion lock (seen fully built).
-        // SAFETY: (the caller's promise) `p` is such a pointer; shards are freed only
+        // SAFETY: (the caller's promise) `p` is a published shard; shards are freed only
         // when the map drops, which `&self` outlives.
         unsafe { &*p }
     }
 
-    /// The shard of `key`, if it exists; lock-free unless the table has overflowed.
+    /// The shard of `key`, if it exists; lock-free and O(1). A per-thread list that a
+    /// new thread finds under an exited thread's number is taken over first.
     #[inline]
     pub(crate) fn get(&self, key: StreamKey) -> Option<&Shard<S>> {
-        let start = key.slot();
-        let p = self.slots[start].load(Ordering::Acquire);
-        if p.is_null() {
-            return None;
-        }
+        let p = self.table().find(key).ok()?;
         // SAFETY: read from a slot.
         let shard = unsafe { self.at(p) };
-        if shard.key == key {
-            return Some(shard);
-        }
-        self.probe(key, start)
-    }
-
-    /// `get` past the first slot.
-    #[cold]
-    fn probe(&self, key: StreamKey, start: usize) -> Option<&Shard<S>> {
-        for i in 1..SLOTS {
-            let p = self.slots[(start + i) % SLOTS].load(Ordering::Acquire);
-            if p.is_null() {
-                return None;
-            }
-            // SAFETY: read from a slot.
-            let shard = unsafe { self.at(p) };
-            if shard.key == key {
-                return Some(shard);
-            }
-        }
-        let overflow = lock(&self.overflow);
-        // SAFETY: read from the overflow list.
-        overflow
-            .iter()
-            .map(|&p| unsafe { self.at(p) })
-            .find(|s| s.key == key)
+        shard.claim();
+        Some(shard)
     }
 
     /// The shard of `key`, made with `state` if there is none yet.
@@ -215,47 +348,73 @@ impl<S> ShardMap<S> {
         key: StreamKey,
         state: impl FnOnce() -> S,
     ) -> &Shard<S> {
-        let mut overflow = lock(&self.overflow);
-        let start = key.slot();
-        for i in 0..SLOTS {
-            let slot = &self.slots[(start + i) % SLOTS];
-            let p = slot.load(Ordering::Acquire);
-            if p.is_null() {
-                let new = Box::into_raw(Box::new(Shard::new(key, state())));
-                slot.store(new, Ordering::Release);
-                // SAFETY: just published in a slot.
-                return unsafe { self.at(new) };
-            }
-            // SAFETY: read from a slot.
-            let shard = unsafe { self.at(p) };
-            if shard.key == key {
+        let mut tables = lock(&self.tables);
+        let mut table = self.table();
+        let mut empty = match table.find(key) {
+            Ok(p) => {
+                // SAFETY: read from a slot.
+                let shard = unsafe { self.at(p) };
+                shard.claim();
                 return shard;
             }
-        }
-        // SAFETY: read from the overflow list.
-        if let Some(&p) = overflow.iter().find(|&&p| unsafe { self.at(p) }.key == key) {
-            // SAFETY: as above.
-            return unsafe { self.at(p) };
+            Err(empty) => empty,
+        };
+        if (tables.shards + 1) * 2 > table.slots.len() {
+            let bigger = Table::new(table.slots.len() * 2);
+            for slot in table.slots.iter() {
+                let p = slot.load(Ordering::Relaxed);
+                if !p.is_null() {
+                    // SAFETY: read from a slot (its key is not in `bigger` yet).
+                    let at = bigger.find(unsafe { self.at(p) }.key).unwrap_err();
+                    bigger.slots[at].store(p, Ordering::Relaxed);
+                }
+            }
+            let bigger = Box::into_raw(Box::new(bigger));
+            tables.all.push(bigger);
+            self.table.store(bigger, Ordering::Release);
+            table = self.table();
+            empty = table.find(key).unwrap_err();
         }
         let new = Box::into_raw(Box::new(Shard::new(key, state())));
-        overflow.push(new);
-        // SAFETY: just pushed on the overflow list.
+        table.slots[empty].store(new, Ordering::Release);
+        tables.shards += 1;
+        // SAFETY: just published in a slot.
         unsafe { self.at(new) }
     }
 
-    /// Every shard so far.
+    /// Every shard so far (a shard being inserted concurrently may be missing).
     pub(crate) fn all(&self) -> Vec<&Shard<S>> {
-        let mut out = Vec::new();
-        for slot in self.slots.iter() {
-            let p = slot.load(Ordering::Acquire);
-            if !p.is_null() {
-                // SAFETY: read from a slot.
-                out.push(unsafe { self.at(p) });
-            }
+        self.table()
+            .slots
+            .iter()
+            .map(|slot| slot.load(Ordering::Acquire))
+            .filter(|p| !p.is_null())
+            // SAFETY: read from a slot.
+            .map(|p| unsafe { self.at(p) })
+            .collect()
+    }
+
+    /// Sets `shard`'s [`Shard::holds_free`] hint (the caller holds its state's lock) and,
+    /// if it was clear, makes `shard` the first a search looks at.
+    #[inline]
+    pub(crate) fn note_free(&self, shard: &Shard<S>) {
+        if !shard.holds_free.load(Ordering::Relaxed) {
+            shard.holds_free.store(true, Ordering::Relaxed);
+            self.recent
+                .store(ptr::from_ref(shard).cast_mut(), Ordering::Release);
         }
-        // SAFETY: read from the overflow list.
-        out.extend(lock(&self.overflow).iter().map(|&p| unsafe { self.at(p) }));
-        out
+    }
+
+    /// The shard that last started to hold free memory, if any.
+    pub(crate) fn recent(&self) -> Option<&Shard<S>> {
+        let p = self.recent.load(Ordering::Acquire);
+        // SAFETY: `recent` only ever holds pointers of published shards of this map.
+        (!p.is_null()).then(|| unsafe { self.at(p) })
+    }
+
+    /// How many shards (streams) the map holds.
+    pub(crate) fn len(&self) -> usize {
+        lock(&self.tables).shards
     }
 
     /// Moves the free items of every shard but `into` into `into`, once the work of the
@@ -290,6 +449,9 @@ impl<S> ShardMap<S> {
         for (_, items) in moved {
             absorb(&mut target, items);
         }
+        if any {
+            self.note_free(into);
+        }
         Ok(any)
     }
 
@@ -313,17 +475,18 @@ fn synchronize(ctxs: impl Iterator<Item = Context>) -> Result<(), Error> {
 
 impl<S> Drop for ShardMap<S> {
     fn drop(&mut self) {
-        for slot in self.slots.iter() {
+        // The current table holds every shard.
+        for slot in self.table().slots.iter() {
             let p = slot.load(Ordering::Acquire);
             if !p.is_null() {
-                // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; `&mut self`
-                // means no reference handed out by `get` is still alive.
+                // SAFETY: made by `Box::into_raw` in `get_or_insert_with`, in the current
+                // table once; `&mut self` means no reference handed out is still alive.
                 drop(unsafe { Box::from_raw(p) });
             }
         }
-        for &p in lock(&self.overflow).iter() {
-            // SAFETY: as above.
-            drop(unsafe { Box::from_raw(p) });
+        for &table in lock(&self.tables).all.iter() {
+            // SAFETY: made by `Box::into_raw` (in `default` or `get_or_insert_with`), once.
+            drop(unsafe { Box::from_raw(table) });
         }
     }
 }
