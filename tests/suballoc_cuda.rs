@@ -148,3 +148,60 @@ fn a_pinned_host_pool_runs_out_cleanly() {
     // SAFETY: allocated above with `three`.
     unsafe { pool.deallocate_sync(p, three) };
 }
+
+/// A thread writes a block on its per-thread default stream for a long while, frees it
+/// there and exits; a new thread (which takes over the exited thread's list, or merges
+/// it after a wait) gets the same block and writes it once on its own per-thread stream.
+/// The new thread's bytes must win: taking over a list waits for the old thread's work.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_new_thread_reusing_an_exited_threads_list_waits_for_its_work() {
+    let pool = Pool::new(
+        Cuda::new().unwrap(),
+        PoolConfig::new().initial_size(N).maximum_size(N),
+    )
+    .unwrap();
+    let l = layout(N).unwrap();
+    // CUDA's per-thread default stream handle (`CU_STREAM_PER_THREAD`).
+    let per_thread = || 0x2usize as sys::CUstream;
+    let fill_here = |p: *mut u8, value: u8, times: usize| {
+        for _ in 0..times {
+            // SAFETY: `p` holds N device bytes, valid on this thread's per-thread stream.
+            check(unsafe { sys::cuMemsetD8Async(p as u64, value, N, per_thread()) });
+        }
+    };
+    let on_device = || memres::device::DeviceGuard::new(memres::device::DeviceId::new(0));
+    let first = std::thread::scope(|s| {
+        s.spawn(|| {
+            let _on = on_device();
+            let p = pool.allocate(StreamRef::PER_THREAD, l).unwrap();
+            fill_here(p.as_ptr(), 0xAA, 200);
+            // SAFETY: allocated on this thread's per-thread stream; its work is there.
+            unsafe { pool.deallocate(StreamRef::PER_THREAD, p, l) };
+            p.as_ptr() as usize
+        })
+        .join()
+        .unwrap()
+    });
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _on = on_device();
+            let q = pool.allocate(StreamRef::PER_THREAD, l).unwrap();
+            assert_eq!(q.as_ptr() as usize, first, "the pool holds one block");
+            fill_here(q.as_ptr(), 0xBB, 1);
+            // SAFETY: waits for this thread's per-thread stream.
+            check(unsafe { sys::cuStreamSynchronize(per_thread()) });
+            // SAFETY: waits for all work of the context (the first thread's too).
+            check(unsafe { sys::cuCtxSynchronize() });
+            let mut host = vec![0u8; N];
+            // SAFETY: `q` holds N device bytes; `host` N bytes; all work is done.
+            check(unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), q.as_ptr() as u64, N) });
+            let wrong = host.iter().filter(|&&x| x != 0xBB).count();
+            assert_eq!(wrong, 0, "{wrong} bytes are the exited thread's");
+            // SAFETY: allocated on this thread's per-thread stream; its work is done.
+            unsafe { pool.deallocate(StreamRef::PER_THREAD, q, l) };
+        })
+        .join()
+        .unwrap();
+    });
+}

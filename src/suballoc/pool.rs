@@ -309,7 +309,11 @@ impl PoolShard {
 ///   since and on exited threads' per-thread streams), else (3) grows the pool, else (4)
 ///   returns free memory to the upstream and grows again. So a pool never grows while
 ///   its free memory together could serve the request. No event is recorded on the free
-///   path. The per-thread default stream has one list per thread.
+///   path. The per-thread default stream has one list per thread; a new thread takes over
+///   the list of one that has exited (after waiting for that thread's device work), so
+///   threads that come and go neither grow the pool nor its lists. Finding a stream's
+///   list is O(1) however many streams a program uses (a table that doubles); the slow
+///   path looks at other lists only where memory was freed.
 /// - **Alignment**: any power of two (above 256, a fitting block is searched with room
 ///   for the padding).
 /// - [`trim`](Pool::trim) gives free memory back; a

@@ -1,0 +1,136 @@
+// The footprint workloads of benches/workloads.rs (`footprints`: random, fragmenting,
+// cross-stream) on RAPIDS RMM's pool (over cuda_memory_resource, grown from nothing) and
+// on its cuda_async resource, so that memres's peak held / peak live sits beside RMM's in
+// one run. Same sequences as memres's (splitmix64 from the shared workloads.hpp):
+// - random: WORKLOADS.md's `random`, seed 42, 200,000 ops, on stream A;
+// - fragmenting: 8 rounds of 400 blocks of 2^(16 + r/2) bytes plus a random part below
+//   that (seed 7), every other block of a round freed after it;
+// - cross-stream: `random`'s sequence, every allocation on stream A, every free on B.
+// Held: the pool's upstream bytes (a statistics adaptor under the pool), or the driver
+// pool's reserved memory high-water mark for cuda_async. Each workload on a fresh resource.
+// Built on the GPU machine with run_anchors.sh's flags. Output: CSV
+// impl,resource,workload,peak_held_bytes,peak_live_bytes,ratio
+#include "workloads.hpp"
+
+#include <rmm/mr/cuda_async_memory_resource.hpp>
+#include <rmm/mr/cuda_memory_resource.hpp>
+#include <rmm/mr/pool_memory_resource.hpp>
+#include <rmm/mr/statistics_resource_adaptor.hpp>
+
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+using Alloc = std::function<void*(std::size_t, cudaStream_t)>;
+using Free  = std::function<void(void*, std::size_t, cudaStream_t)>;
+
+struct Run {
+  std::size_t peak_live = 0;
+};
+
+// `random` with allocations on `a` and frees on `b` (a == b: plain `random`).
+Run random_seq(Alloc const& alloc, Free const& free, cudaStream_t a, cudaStream_t b)
+{
+  anchor::Rng rng{42};
+  std::vector<anchor::Live> live;
+  std::size_t bytes = 0;
+  Run r;
+  for (int i = 0; i < 200000; ++i) {
+    bool do_alloc = live.empty() ? true : live.size() == 10000 ? false : rng.next() % 2 == 0;
+    if (do_alloc) {
+      uint64_t e    = 8 + rng.next() % 15;
+      std::size_t n = (1ull << e) + rng.next() % (1ull << e);
+      live.push_back({alloc(n, a), n});
+      bytes += n;
+      r.peak_live = std::max(r.peak_live, bytes);
+    } else {
+      std::size_t k = rng.next() % live.size();
+      free(live[k].p, live[k].n, b);
+      bytes -= live[k].n;
+      live[k] = live.back();
+      live.pop_back();
+    }
+  }
+  for (auto& l : live) {
+    free(l.p, l.n, b);
+  }
+  return r;
+}
+
+Run fragmenting(Alloc const& alloc, Free const& free, cudaStream_t a)
+{
+  anchor::Rng rng{7};
+  std::vector<anchor::Live> kept;
+  std::size_t bytes = 0;
+  Run r;
+  for (int round = 0; round < 8; ++round) {
+    int e = 16 + round / 2;
+    std::vector<anchor::Live> now;
+    for (int i = 0; i < 400; ++i) {
+      std::size_t n = (std::size_t{1} << e) + rng.next() % (std::size_t{1} << e);
+      now.push_back({alloc(n, a), n});
+      bytes += n;
+      r.peak_live = std::max(r.peak_live, bytes);
+    }
+    for (std::size_t i = 0; i < now.size(); ++i) {
+      if (i % 2 == 0) {
+        free(now[i].p, now[i].n, a);
+        bytes -= now[i].n;
+      } else {
+        kept.push_back(now[i]);
+      }
+    }
+  }
+  for (auto& l : kept) {
+    free(l.p, l.n, a);
+  }
+  return r;
+}
+
+void print(char const* resource, char const* workload, std::size_t held, Run r)
+{
+  std::printf("rmm,%s,%s,%zu,%zu,%.3f\n", resource, workload, held, r.peak_live,
+              double(held) / double(r.peak_live));
+  std::fflush(stdout);
+}
+
+int main()
+{
+  cudaStream_t a, b;
+  cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+  std::printf("impl,resource,workload,peak_held_bytes,peak_live_bytes,ratio\n");
+  char const* names[] = {"random", "fragmenting", "cross-stream"};
+  for (int w = 0; w < 3; ++w) {
+    rmm::mr::cuda_memory_resource cuda;
+    rmm::mr::statistics_resource_adaptor up{cuda};
+    rmm::mr::pool_memory_resource pool{up, 0};
+    Alloc alloc = [&](std::size_t n, cudaStream_t s) {
+      return pool.allocate(cuda::stream_ref{s}, n, 256);
+    };
+    Free free = [&](void* p, std::size_t n, cudaStream_t s) {
+      pool.deallocate(cuda::stream_ref{s}, p, n, 256);
+    };
+    Run r = w == 0 ? random_seq(alloc, free, a, a)
+            : w == 1 ? fragmenting(alloc, free, a)
+                     : random_seq(alloc, free, a, b);
+    cudaDeviceSynchronize();
+    print("pool", names[w], std::size_t(up.get_bytes_counter().peak), r);
+  }
+  for (int w = 0; w < 3; ++w) {
+    rmm::mr::cuda_async_memory_resource mr;
+    Alloc alloc = [&](std::size_t n, cudaStream_t s) {
+      return mr.allocate(cuda::stream_ref{s}, n, 256);
+    };
+    Free free = [&](void* p, std::size_t n, cudaStream_t s) {
+      mr.deallocate(cuda::stream_ref{s}, p, n, 256);
+    };
+    Run r = w == 0 ? random_seq(alloc, free, a, a)
+            : w == 1 ? fragmenting(alloc, free, a)
+                     : random_seq(alloc, free, a, b);
+    cudaDeviceSynchronize();
+    cuuint64_t high = 0;
+    cudaMemPoolGetAttribute(mr.pool_handle(), cudaMemPoolAttrReservedMemHigh, &high);
+    print("cuda_async", names[w], std::size_t(high), r);
+  }
+}
