@@ -65,7 +65,7 @@ enum Command {
 struct ReplayArgs {
     /// The log (CSV, or gzip-compressed .csv.gz).
     log: PathBuf,
-    /// The stack: pool, arena, binning, fixed, cuda, cuda-async, managed, or a host
+    /// The stack: pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, or a host
     /// variant (host, host-pool, host-arena, host-binning, host-fixed).
     #[arg(short, long, default_value = "pool", conflicts_with = "compare")]
     resource: String,
@@ -264,7 +264,22 @@ fn replay_one(
 ) -> Result<Outcome, String> {
     let gpu_only = matches!(name.kind, Kind::CudaAsync | Kind::Managed);
     let fail = |e: memres::Error| message(&e);
+    // Granules of 2 MiB, as CUDA's on an H100, where a virtual pool runs off the GPU.
+    const GRANULE: usize = 2 << 20;
     let stack: Stack = match memory {
+        Memory::Simulated(size) if name.kind == Kind::VirtualPool => {
+            let leaf = memres::HostVirtual::new(size.max(GRANULE), GRANULE).map_err(fail)?;
+            stacks::build_virtual(leaf, options).map_err(fail)?
+        }
+        Memory::Host if name.kind == Kind::VirtualPool => {
+            let total = (plan.peak_live.0 as usize).saturating_mul(2).max(1 << 30);
+            let leaf = memres::HostVirtual::new(total, GRANULE).map_err(fail)?;
+            stacks::build_virtual(leaf, options).map_err(fail)?
+        }
+        Memory::Gpu if name.kind == Kind::VirtualPool => {
+            stacks::build_virtual(memres::CudaVirtual::new().map_err(fail)?, options)
+                .map_err(fail)?
+        }
         Memory::Simulated(size) if gpu_only => {
             return Err(format!(
                 "needs a GPU; {NAMES} run on simulated memory ({size} bytes) except cuda-async and managed"

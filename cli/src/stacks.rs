@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use memres::property::Contains;
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, PoolStats};
+use memres::upstream::{Backend, Virtual};
 use memres::{AnyResource, Callback, Error, Resource, StreamRef};
 
 /// Where the memory comes from.
@@ -53,10 +54,14 @@ pub enum Kind {
     CudaAsync,
     /// Managed memory, directly (GPU only).
     Managed,
+    /// A pool growing in place over a virtual-memory leaf (the C ABI's `virtual_pool`):
+    /// `CudaVirtual` on the GPU, `HostVirtual` (2 MiB granules, as on an H100) on
+    /// simulated or host memory.
+    VirtualPool,
 }
 
-/// A stack by name: `pool`, `arena`, `binning`, `fixed`, `cuda`, `cuda-async`, `managed`,
-/// and the host variants `host`, `host-pool`, `host-arena`, `host-binning`, `host-fixed`.
+/// A stack by name: `pool`, `virtual-pool`, `arena`, `binning`, `fixed`, `cuda`,
+/// `cuda-async`, `managed`, and the host variants `host`, `host-pool`, `host-arena`, `host-binning`, `host-fixed`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StackName {
     pub name: String,
@@ -65,7 +70,7 @@ pub struct StackName {
     pub host: bool,
 }
 
-pub const NAMES: &str = "pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
+pub const NAMES: &str = "pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
 
 impl StackName {
     pub fn parse(text: &str) -> Result<StackName, String> {
@@ -77,6 +82,7 @@ impl StackName {
         };
         let kind = match base.as_str() {
             "pool" => Kind::Pool,
+            "virtual-pool" | "virtual_pool" => Kind::VirtualPool,
             "arena" => Kind::Arena,
             "binning" => Kind::Binning,
             "fixed" => Kind::Fixed,
@@ -241,7 +247,7 @@ where
             )?),
             None,
         ),
-        Kind::Direct | Kind::CudaAsync | Kind::Managed => {
+        Kind::Direct | Kind::CudaAsync | Kind::Managed | Kind::VirtualPool => {
             (AnyResource::new(Arc::clone(&counted)), None)
         }
     };
@@ -249,5 +255,27 @@ where
         top,
         footprint,
         pool,
+    })
+}
+
+/// A pool that grows in place over `leaf` (its footprint: the bytes the leaf has mapped).
+pub fn build_virtual<B: Backend>(leaf: Virtual<B>, options: &Options) -> Result<Stack, Error>
+where
+    B::Properties: Contains<()>,
+{
+    let mut config = PoolConfig::new().initial_size(options.initial_size);
+    if let Some(max) = options.max_size {
+        config = config.maximum_size(max);
+    }
+    let pool = Arc::new(leaf.pool(config)?);
+    let (held, stats) = (Arc::clone(&pool), Arc::clone(&pool));
+    Ok(Stack {
+        top: AnyResource::new(pool),
+        footprint: Box::new(move || memres::adaptor::Counter {
+            current: held.upstream().mapped_bytes() as i64,
+            peak: held.upstream().peak_mapped_bytes() as i64,
+            total: 0,
+        }),
+        pool: Some(Box::new(move || stats.stats())),
     })
 }

@@ -139,7 +139,7 @@ fn the_sample_training_log_replays_and_compares() {
         "replay",
         log.to_str().unwrap(),
         "--compare",
-        "pool,binning,cuda,host-pool",
+        "pool,binning,cuda,host-pool,virtual-pool",
     ]);
     assert!(out.contains("238777 events"), "{out}");
     assert!(out.contains("on 3 threads and 4 streams"), "{out}");
@@ -152,6 +152,12 @@ fn the_sample_training_log_replays_and_compares() {
     // `cuda` hands every request to the memory: its footprint is the live peak.
     assert!(out.contains("peak live 328.42 MiB"), "{out}");
     assert_eq!(row(&out, "cuda")[7..9], ["328.42", "MiB"], "{out}");
+    // The pool growing in place (2 MiB granules) holds what the live peak needs, give or
+    // take a few granules: 342 MiB against the chunked pool's 512 MiB.
+    let virtual_pool = row(&out, "virtual-pool");
+    assert_eq!(virtual_pool[5], "0", "{out}");
+    assert_eq!(virtual_pool[7..9], ["342.00", "MiB"], "{out}");
+    assert_eq!(row(&out, "pool")[7..9], ["512.00", "MiB"], "{out}");
 }
 
 #[test]

@@ -8,6 +8,8 @@ pub(crate) struct Granules {
     bits: Vec<u64>,
     len: usize,
     mapped: usize,
+    /// The most granules mapped at once.
+    peak: usize,
 }
 
 impl Granules {
@@ -17,12 +19,18 @@ impl Granules {
             bits: vec![0; len.div_ceil(64)],
             len,
             mapped: 0,
+            peak: 0,
         }
     }
 
     /// How many are mapped.
     pub(crate) fn mapped(&self) -> usize {
         self.mapped
+    }
+
+    /// The most granules mapped at once so far.
+    pub(crate) fn peak(&self) -> usize {
+        self.peak
     }
 
     fn get(&self, i: usize) -> bool {
@@ -46,6 +54,7 @@ impl Granules {
         }
         if mapped {
             self.mapped += changed;
+            self.peak = self.peak.max(self.mapped);
         } else {
             self.mapped -= changed;
         }
@@ -136,7 +145,7 @@ mod tests {
         assert_eq!(g.mapped_runs(), vec![(0, 60), (70, 60)]);
         assert_eq!(g.unmapped_runs(), vec![(60, 10), (130, 70)]);
         g.set(0, 200, false);
-        assert_eq!((g.mapped(), g.top()), (0, 0));
+        assert_eq!((g.mapped(), g.top(), g.peak()), (0, 0, 130));
         assert!(g.mapped_runs().is_empty());
         assert_eq!(g.unmapped_runs(), vec![(0, 200)]);
     }

@@ -147,6 +147,12 @@ impl<B: Backend> Virtual<B> {
         self.lock().mapped() * self.backend.granularity()
     }
 
+    /// The most bytes backed by memory at once since the leaf was made: the footprint
+    /// of whatever runs over it.
+    pub fn peak_mapped_bytes(&self) -> usize {
+        self.lock().peak() * self.backend.granularity()
+    }
+
     /// A [`Pool`] over this leaf that grows in place ([`Pool::in_place`]).
     ///
     /// ```
