@@ -87,6 +87,16 @@ Run fragmenting(Alloc const& alloc, Free const& free, cudaStream_t a)
   return r;
 }
 
+// Workload `w` (0 random, 1 fragmenting, 2 cross-stream) through `alloc` and `free`.
+Run workload(int w, Alloc const& alloc, Free const& free, cudaStream_t a, cudaStream_t b)
+{
+  Run r = w == 0 ? random_seq(alloc, free, a, a)
+          : w == 1 ? fragmenting(alloc, free, a)
+                   : random_seq(alloc, free, a, b);
+  cudaDeviceSynchronize();
+  return r;
+}
+
 void print(char const* resource, char const* workload, std::size_t held, Run r)
 {
   std::printf("rmm,%s,%s,%zu,%zu,%.3f\n", resource, workload, held, r.peak_live,
@@ -111,10 +121,7 @@ int main()
     Free free = [&](void* p, std::size_t n, cudaStream_t s) {
       pool.deallocate(cuda::stream_ref{s}, p, n, 256);
     };
-    Run r = w == 0 ? random_seq(alloc, free, a, a)
-            : w == 1 ? fragmenting(alloc, free, a)
-                     : random_seq(alloc, free, a, b);
-    cudaDeviceSynchronize();
+    Run r = workload(w, alloc, free, a, b);
     print("pool", names[w], std::size_t(up.get_bytes_counter().peak), r);
   }
   for (int w = 0; w < 3; ++w) {
@@ -125,10 +132,7 @@ int main()
     Free free = [&](void* p, std::size_t n, cudaStream_t s) {
       mr.deallocate(cuda::stream_ref{s}, p, n, 256);
     };
-    Run r = w == 0 ? random_seq(alloc, free, a, a)
-            : w == 1 ? fragmenting(alloc, free, a)
-                     : random_seq(alloc, free, a, b);
-    cudaDeviceSynchronize();
+    Run r = workload(w, alloc, free, a, b);
     cuuint64_t high = 0;
     cudaMemPoolGetAttribute(mr.pool_handle(), cudaMemPoolAttrReservedMemHigh, &high);
     print("cuda_async", names[w], std::size_t(high), r);
