@@ -882,10 +882,8 @@ impl<U: Resource> Pool<U> {
             if end > hi {
                 s.insert(hi, end - hi);
             }
-            // SAFETY: whole granules the pool mapped (they lie in a free block of its
-            // memory), handed out to no one; the streams they were freed on were waited
-            // for (the lists were merged into `from` after a wait, and `from`'s own
-            // stream was synchronised above).
+            // SAFETY: whole mapped granules inside a free block, handed out to no one;
+            // no work uses `s`'s blocks (this function's contract, kept by its callers).
             unsafe { (space.unmap)(&self.upstream, lo, hi - lo) };
             growth
                 .mapped
