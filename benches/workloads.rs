@@ -10,6 +10,9 @@
 //! On a machine with a CUDA driver the GPU stacks run (each on non-blocking streams, as
 //! the anchors do); without one, the host stacks run instead.
 //!
+//! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` (seed 42) the
+//! mean, max and min of peak held / peak live over seeds 1..=N.
+//!
 //! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
 //! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
 //! in `MEMRES_WORKLOADS`) in one process, each round running every stack once in a
@@ -177,6 +180,12 @@ fn main() {
             let held = || in_place.pool_size();
             footprints("pool_in_place[host]", &in_place, &held, &trim, false);
         }
+        if want("pool_in_place[host]") {
+            let in_place = HostVirtual::new(64 << 30, 2 << 20)
+                .and_then(|v| v.pool(PoolConfig::new().initial_size(4 << 30)))
+                .expect("an in-place pool");
+            suite("pool_in_place[host]", &in_place, false, false);
+        }
     }
 }
 
@@ -256,13 +265,37 @@ fn footprints<R: Resource + ?Sized>(
     };
     trim();
     // random
-    let (mut peak_live, mut peak_held) = (0, 0);
-    workloads::random_with(r, a, 42, ops, |live| {
-        peak_live = peak_live.max(live);
-        peak_held = peak_held.max(held());
-    })
-    .expect("allocation in random");
+    let random = |seed: u64| {
+        let (mut peak_live, mut peak_held) = (0, 0);
+        workloads::random_with(r, a, seed, ops, |live| {
+            peak_live = peak_live.max(live);
+            peak_held = peak_held.max(held());
+        })
+        .expect("allocation in random");
+        (peak_held, peak_live)
+    };
+    let (peak_held, peak_live) = random(42);
     report("random", peak_held, peak_live);
+    // The peak is one moment of one sequence: seeds 1..=N show how typical seed 42 is.
+    let seeds: u64 = std::env::var("MEMRES_FOOTPRINT_SEEDS").map_or(0, |n| {
+        n.parse()
+            .expect("MEMRES_FOOTPRINT_SEEDS: a number of seeds")
+    });
+    if seeds > 0 {
+        let ratios: Vec<f64> = (1..=seeds)
+            .map(|seed| {
+                let (held_, live) = random(seed);
+                trim();
+                held_ as f64 / live as f64
+            })
+            .collect();
+        println!(
+            "# footprint,{name},random seeds 1..={seeds},mean={:.3},max={:.3},min={:.3}",
+            ratios.iter().sum::<f64>() / ratios.len() as f64,
+            ratios.iter().copied().fold(0.0, f64::max),
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        );
+    }
     // fragmenting
     let (mut peak_live, mut peak_held, mut live_bytes) = (0, 0, 0);
     let mut rng = 7u64;

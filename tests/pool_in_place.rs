@@ -56,6 +56,38 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
 }
 
 #[test]
+fn small_requests_go_to_the_lowest_free_memory() {
+    const MIB: usize = 1 << 20;
+    let leaf = HostVirtual::new(4 << 30, 2 * MIB).unwrap();
+    let base = leaf.reservation().0;
+    let pool = leaf.pool(PoolConfig::new().initial_size(64 * MIB)).unwrap();
+    // The stream whose list holds the initial mapping, so that all blocks are in one list.
+    let s = StreamRef::HOST;
+    let (big1, big2) = (layout(24 * MIB).unwrap(), layout(20 * MIB).unwrap());
+    let p1 = pool.allocate(s, big1).unwrap();
+    let p2 = pool.allocate(s, big2).unwrap();
+    assert_eq!(p1.as_ptr() as usize, base);
+    // SAFETY: allocated above with `big1` on `s`; unused afterwards.
+    unsafe { pool.deallocate(s, p1, big1) };
+    // Free: 24 MiB at the bottom, 20 MiB at the top. A size-class fit would take the
+    // smaller (higher) block; small requests pack into the lowest memory instead, so
+    // the top stays one piece that a large request or a trim can use whole.
+    let small = layout(300 << 10).unwrap();
+    let q = pool.allocate(s, small).unwrap();
+    assert_eq!(q.as_ptr() as usize, base);
+    // A large request still takes the best-fitting block.
+    let p3 = pool.allocate(s, layout(20 * MIB).unwrap()).unwrap();
+    assert_eq!(p3.as_ptr() as usize, base + 44 * MIB);
+    // SAFETY: each allocated above with its layout on `s`; unused afterwards.
+    unsafe {
+        pool.deallocate(s, q, small);
+        pool.deallocate(s, p2, big2);
+        pool.deallocate(s, p3, layout(20 * MIB).unwrap());
+    }
+    assert_eq!(pool.trim().unwrap(), 64 * MIB);
+}
+
+#[test]
 fn trim_unmaps_free_granules_between_live_blocks() {
     let pool = in_place(PoolConfig::new().initial_size(16 * G));
     let s = StreamRef::host(1);

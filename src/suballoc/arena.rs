@@ -198,7 +198,7 @@ impl<U: Resource> Arena<U> {
     fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
         let global = lock(&self.global);
         self.shards.get_or_insert_with(key, || {
-            PoolShard::new(global.superblocks.iter().map(|(&a, &n)| (a, n)))
+            PoolShard::new(global.superblocks.iter().map(|(&a, &n)| (a, n)), None)
         })
     }
 

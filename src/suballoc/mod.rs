@@ -41,6 +41,7 @@ pub(crate) use chunks::to_ptr;
 pub(crate) use free_blocks::AddrMap;
 pub(crate) use shards::lock;
 mod pool;
+mod regions;
 mod shards;
 mod spin;
 mod thread_cache;

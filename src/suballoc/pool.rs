@@ -19,6 +19,12 @@ use crate::upstream::virtual_memory::Granules;
 const QUICK_UNITS: usize = 256;
 /// At most this many bytes are cached per stream; beyond it frees coalesce at once.
 const QUICK_BYTES: usize = 8 << 20;
+/// The same for a pool that grows in place: cached blocks are handed out again where they
+/// were, not at the lowest address that fits, which the address-ordered lists of such a
+/// pool rely on to keep free memory in whole granules (12 seeds of `random` on the host,
+/// 2 MiB granules, peak held / peak live: mean 1.091 with 8 MiB, 1.085 with 1 MiB,
+/// 1.086 with no cache).
+const QUICK_BYTES_IN_PLACE: usize = 1 << 20;
 
 /// How a [`Pool`] starts and how far it may grow.
 ///
@@ -201,17 +207,33 @@ pub(super) struct PoolShard {
     /// Recently freed small blocks by size in granules, handed out again whole.
     quick: Vec<Vec<usize>>,
     quick_bytes: usize,
+    /// The most bytes `quick` may hold.
+    quick_limit: usize,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start.
     pub(super) chunks: AddrMap<usize>,
 }
 
 impl PoolShard {
-    pub(super) fn new(chunks: impl Iterator<Item = (usize, usize)>) -> PoolShard {
+    /// `low_first`: for a pool that grows in place, the start of its reservation; small
+    /// requests then go to the lowest address region with a fit
+    /// ([`FreeBlocks::address_ordered`]).
+    pub(super) fn new(
+        chunks: impl Iterator<Item = (usize, usize)>,
+        low_first: Option<usize>,
+    ) -> PoolShard {
         PoolShard {
-            free: FreeBlocks::default(),
+            free: match low_first {
+                Some(base) => FreeBlocks::address_ordered(base),
+                None => FreeBlocks::default(),
+            },
             quick: vec![Vec::new(); QUICK_UNITS + 1],
             quick_bytes: 0,
+            quick_limit: if low_first.is_some() {
+                QUICK_BYTES_IN_PLACE
+            } else {
+                QUICK_BYTES
+            },
             chunks: chunks.collect(),
         }
     }
@@ -234,7 +256,7 @@ impl PoolShard {
     #[inline]
     pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
-        if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
+        if units <= QUICK_UNITS && self.quick_bytes + size <= self.quick_limit {
             self.quick[units].push(addr);
             self.quick_bytes += size;
             None
@@ -552,7 +574,10 @@ impl<U: Resource> Pool<U> {
         // Under the growth lock, so no chunk comes or goes while its start is copied.
         let growth = lock(&self.growth);
         self.shards.get_or_insert_with(key, || {
-            PoolShard::new(growth.chunks.iter().map(|c| (c.addr, c.layout.size())))
+            PoolShard::new(
+                growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
+                self.space.as_ref().map(|s| s.base),
+            )
         })
     }
 

@@ -1,0 +1,260 @@
+//! Which address regions hold free blocks of which sizes: the index behind the
+//! address-ordered placement of small requests in a pool that grows in place.
+//!
+//! Free blocks are grouped by the 16 MiB region their start lies in and by a *band*, the
+//! power of two of their size in granules (the last band holds everything of 512 KiB and
+//! more). For every band `b`, a two-level bitmap marks the regions that hold a block of
+//! band `b` or above, so "the lowest region with a block that surely fits" is two
+//! `trailing_zeros`. Each (region, band) has its own list of blocks, linked through the
+//! caller's nodes (see [`Links`]), so finding a block in a region is O(1) too.
+//!
+//! The index answers by region, not by exact address: a small request takes a block of
+//! the lowest region that has one, the smallest band there first. In a simulation of
+//! `random` (12 seeds, 2 MiB granules, free granules unmapped at once) that placement held
+//! 1.076 of live on average, exact address-ordered first fit 1.083, size classes alone
+//! 1.117: what packs small blocks together is that they go low, not the exact address.
+
+use super::free_blocks::{AddrMap, GRANULE};
+
+/// log2 of a region's size in bytes (16 MiB).
+const REGION_SHIFT: u32 = 24;
+/// Bands: sizes of 1, 2-3, 4-7, ... granules; the last holds 2,048 granules and more.
+pub(crate) const BANDS: usize = 12;
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// The band of a block of `units` granules (`units >= 1`).
+#[inline]
+pub(crate) fn band_of(units: usize) -> usize {
+    ((usize::BITS - 1 - units.leading_zeros()) as usize).min(BANDS - 1)
+}
+
+/// A set of region numbers with a one-bit-per-word summary.
+#[derive(Default)]
+struct Bits {
+    words: Vec<u64>,
+    summary: Vec<u64>,
+}
+
+impl Bits {
+    #[inline]
+    fn set(&mut self, r: usize) {
+        let w = r / 64;
+        if w >= self.words.len() {
+            self.words.resize(w + 1, 0);
+            self.summary.resize(w / 64 + 1, 0);
+        }
+        self.words[w] |= 1 << (r % 64);
+        self.summary[w / 64] |= 1 << (w % 64);
+    }
+
+    #[inline]
+    fn clear(&mut self, r: usize) {
+        let w = r / 64;
+        self.words[w] &= !(1 << (r % 64));
+        if self.words[w] == 0 {
+            self.summary[w / 64] &= !(1 << (w % 64));
+        }
+    }
+
+    /// The lowest member.
+    #[inline]
+    fn first(&self) -> Option<usize> {
+        let (s, bits) = self.summary.iter().enumerate().find(|(_, s)| **s != 0)?;
+        let w = s * 64 + bits.trailing_zeros() as usize;
+        Some(w * 64 + self.words[w].trailing_zeros() as usize)
+    }
+}
+
+/// The (region, band) list links of one node, kept by the caller beside its own.
+#[derive(Clone, Copy)]
+pub(crate) struct Links {
+    pub(crate) prev: u32,
+    pub(crate) next: u32,
+}
+
+impl Links {
+    pub(crate) const NONE: Links = Links {
+        prev: NIL,
+        next: NIL,
+    };
+}
+
+/// The index (see the module docs). Node `i`'s links live in `links[i]`, which the
+/// caller passes in with every call.
+pub(crate) struct Regions {
+    /// The first address of region 0.
+    base: usize,
+    /// Per region, the head of each band's list.
+    heads: AddrMap<[u32; BANDS]>,
+    /// `ge[b]`: the regions with a block of band `b` or above.
+    ge: Vec<Bits>,
+}
+
+impl Regions {
+    /// An empty index for blocks at `base` and above.
+    pub(crate) fn new(base: usize) -> Regions {
+        Regions {
+            base,
+            heads: AddrMap::default(),
+            ge: (0..BANDS).map(|_| Bits::default()).collect(),
+        }
+    }
+
+    #[inline]
+    fn region(&self, addr: usize) -> usize {
+        addr.saturating_sub(self.base) >> REGION_SHIFT
+    }
+
+    /// Whether blocks `(a, a_size)` and `(b, b_size)` belong in the same list.
+    #[inline]
+    pub(crate) fn same_list(&self, a: usize, a_size: usize, b: usize, b_size: usize) -> bool {
+        self.region(a) == self.region(b) && band_of(a_size / GRANULE) == band_of(b_size / GRANULE)
+    }
+
+    /// Forgets every block.
+    pub(crate) fn clear(&mut self) {
+        self.heads.clear();
+        self.ge.iter_mut().for_each(|b| *b = Bits::default());
+    }
+
+    /// The highest band with a block in `heads`, if any.
+    fn top_band(heads: &[u32; BANDS]) -> Option<usize> {
+        heads.iter().rposition(|&h| h != NIL)
+    }
+
+    /// Adds node `i` (a block at `addr` of `size` bytes).
+    #[inline]
+    pub(crate) fn link(&mut self, links: &mut [Links], i: u32, addr: usize, size: usize) {
+        let (r, band) = (self.region(addr), band_of(size / GRANULE));
+        let heads = self.heads.entry(r).or_insert([NIL; BANDS]);
+        let top = Self::top_band(heads);
+        let head = heads[band];
+        heads[band] = i;
+        links[i as usize] = Links {
+            prev: NIL,
+            next: head,
+        };
+        if head != NIL {
+            links[head as usize].prev = i;
+        }
+        // The region now counts in every band up to `band`.
+        let from = top.map_or(0, |t| t + 1);
+        for b in from..=band {
+            self.ge[b].set(r);
+        }
+    }
+
+    /// Removes node `i` (a block at `addr` of `size` bytes, linked before).
+    #[inline]
+    pub(crate) fn unlink(&mut self, links: &mut [Links], i: u32, addr: usize, size: usize) {
+        let (r, band) = (self.region(addr), band_of(size / GRANULE));
+        let Links { prev, next } = links[i as usize];
+        if next != NIL {
+            links[next as usize].prev = prev;
+        }
+        if prev != NIL {
+            links[prev as usize].next = next;
+            return;
+        }
+        let heads = self
+            .heads
+            .get_mut(&r)
+            .expect("a linked block's region is indexed");
+        heads[band] = next;
+        if next != NIL {
+            return;
+        }
+        // Band `band` of region `r` is empty now: the region leaves `ge` above its new top.
+        let top = Self::top_band(heads);
+        if top.is_some_and(|t| t > band) {
+            return;
+        }
+        let from = top.map_or(0, |t| t + 1);
+        for b in from..=band {
+            self.ge[b].clear(r);
+        }
+        if top.is_none() {
+            self.heads.remove(&r);
+        }
+    }
+
+    /// A block for a request of `units` granules below the last band: one of the lowest
+    /// region that has a block of the request's band or above, the smallest band there
+    /// first; in the request's own band, the first of at most `scan` blocks for which
+    /// `fits` holds. `None` when that region has no fit (the caller then searches by
+    /// size class).
+    #[inline]
+    pub(crate) fn find(
+        &self,
+        links: &[Links],
+        units: usize,
+        scan: usize,
+        fits: impl Fn(u32) -> bool,
+    ) -> Option<u32> {
+        let band = band_of(units);
+        let r = self.ge[band].first()?;
+        let heads = &self.heads[&r];
+        let mut i = heads[band];
+        for _ in 0..scan {
+            if i == NIL {
+                break;
+            }
+            if fits(i) {
+                return Some(i);
+            }
+            i = links[i as usize].next;
+        }
+        // Every block of a higher band is larger than any request of this band; the
+        // caller still checks alignment with `fits`.
+        let above = heads[band + 1..].iter().find(|&&h| h != NIL)?;
+        fits(*above).then_some(*above)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bands_cover_sizes() {
+        assert_eq!(band_of(1), 0);
+        assert_eq!(band_of(2), 1);
+        assert_eq!(band_of(3), 1);
+        assert_eq!(band_of(1024), 10);
+        assert_eq!(band_of(2047), 10);
+        assert_eq!(band_of(2048), BANDS - 1);
+        assert_eq!(band_of(usize::MAX), BANDS - 1);
+    }
+
+    #[test]
+    fn finds_the_lowest_region_and_forgets_emptied_ones() {
+        const MIB: usize = 1 << 20;
+        let base = 1 << 40;
+        let mut regions = Regions::new(base);
+        let mut links = vec![Links::NONE; 4];
+        let size = |units: usize| units * GRANULE;
+        // Node 0: 4 granules in region 3; node 1: 64 in region 1; node 2: 1 in region 0.
+        let blocks = [
+            (base + 48 * MIB, size(4)),
+            (base + 16 * MIB, size(64)),
+            (base, size(1)),
+        ];
+        for (i, &(addr, len)) in blocks.iter().enumerate() {
+            regions.link(&mut links, i as u32, addr, len);
+        }
+        let any = |_| true;
+        // One granule: region 0 has a block of that band.
+        assert_eq!(regions.find(&links, 1, 8, any), Some(2));
+        // Three granules: region 1 is the lowest with band 1 or above.
+        assert_eq!(regions.find(&links, 3, 8, any), Some(1));
+        regions.unlink(&mut links, 1, blocks[1].0, blocks[1].1);
+        assert_eq!(regions.find(&links, 3, 8, any), Some(0));
+        // A region with no fit in the request's own band and nothing above: none.
+        assert_eq!(regions.find(&links, 5, 8, |i| i != 0), None);
+        regions.unlink(&mut links, 0, blocks[0].0, blocks[0].1);
+        regions.unlink(&mut links, 2, blocks[2].0, blocks[2].1);
+        assert_eq!(regions.find(&links, 1, 8, any), None);
+        assert!(regions.heads.is_empty());
+        assert!(regions.ge.iter().all(|b| b.first().is_none()));
+    }
+}
