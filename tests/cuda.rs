@@ -8,11 +8,13 @@ use std::ptr::NonNull;
 use cudarc::driver::sys;
 use memres::device::{DeviceGuard, DeviceId, percent_of_free_device_memory};
 use memres::stream::{Event, Stream, StreamFlags, StreamPool};
+use memres::upstream::CudaVirtualConfig;
 use memres::upstream::{CudaAsyncConfig, ExportHandle};
 use memres::{
     Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Error, Managed, PinnedHost, Resource,
     StreamRef, SyncResource, layout,
 };
+use memres::{CudaVirtual, GrowInPlace};
 
 fn d0() -> DeviceId {
     DeviceId::new(0)
@@ -332,6 +334,101 @@ fn import_child() {
     // SAFETY: the imported block is ours to release, once.
     let r = unsafe { sys::cuMemFree_v2(ptr) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "releasing the import");
+}
+
+/// `CudaVirtual`'s IPC: a granule exported as a POSIX file descriptor, filled with a
+/// pattern, imported and mapped by a child process (this binary again) into its own
+/// address space, which prints what it reads.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_virtual_granule_exported_as_a_file_descriptor_is_read_by_another_process() {
+    let config = CudaVirtualConfig::new().export(ExportHandle::PosixFd);
+    let leaf = CudaVirtual::with_config(d0(), config).unwrap();
+    let g = leaf.granularity();
+    let l = layout(g).unwrap();
+    let block = leaf.allocate_sync(l).unwrap();
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let _on = DeviceGuard::new(d0()).unwrap();
+    // SAFETY: `block` holds `g` >= 4096 device bytes; `pattern` 4096 host bytes.
+    let r = unsafe { sys::cuMemcpyHtoD_v2(block.as_ptr() as u64, pattern.as_ptr().cast(), 4096) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let fd = leaf.export_fd(block.as_ptr() as usize).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: `fd` is a descriptor we own; clearing FD_CLOEXEC lets the child inherit it.
+    assert_eq!(unsafe { fcntl(fd.as_raw_fd(), F_SETFD, 0) }, 0);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "virtual_import_child",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("MEMRES_VIRTUAL_FD", fd.as_raw_fd().to_string())
+        .env("MEMRES_VIRTUAL_GRANULE", g.to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected: String = pattern[..32].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(
+        stdout.contains(&format!("memres-virtual-read: {expected}")),
+        "the child read something else: {stdout}"
+    );
+    // SAFETY: the child has exited and unmapped its import; nothing uses the block.
+    unsafe { leaf.deallocate_sync(block, l) };
+}
+
+/// The importing side, run only as the child of the test above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn virtual_import_child() {
+    let (Ok(fd), Ok(g)) = (
+        std::env::var("MEMRES_VIRTUAL_FD"),
+        std::env::var("MEMRES_VIRTUAL_GRANULE"),
+    ) else {
+        return; // not the child
+    };
+    let (fd, g): (usize, usize) = (fd.parse().unwrap(), g.parse().unwrap());
+    let _on = DeviceGuard::new(d0()).unwrap();
+    let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    let mut handle = 0;
+    // SAFETY: a POSIX fd handle is passed as the descriptor's value cast to a pointer.
+    let r = unsafe { sys::cuMemImportFromShareableHandle(&mut handle, fd as *mut c_void, posix) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "importing the granule");
+    let mut ptr = 0;
+    // SAFETY: a fresh reservation of one granule, aligned to it.
+    let r = unsafe { sys::cuMemAddressReserve(&mut ptr, g, g, 0, 0) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "reserving an address range");
+    // SAFETY: `ptr..ptr + g` is reserved and unmapped; `handle` holds `g` bytes.
+    let r = unsafe { sys::cuMemMap(ptr, g, 0, handle, 0) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "mapping the import");
+    let access = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: 0,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: `ptr..ptr + g` was just mapped; one access descriptor.
+    let r = unsafe { sys::cuMemSetAccess(ptr, g, &access, 1) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "granting access");
+    let mut host = [0u8; 32];
+    // SAFETY: the mapping holds `g` >= 32 bytes; `host` 32.
+    let r = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, 32) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "reading the granule");
+    let read: String = host.iter().map(|b| format!("{b:02x}")).collect();
+    println!("memres-virtual-read: {read}");
+    // SAFETY: ours to undo, once each: the mapping, the imported handle, the range.
+    unsafe {
+        assert_eq!(sys::cuMemUnmap(ptr, g), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(sys::cuMemRelease(handle), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAddressFree(ptr, g), sys::CUresult::CUDA_SUCCESS);
+    }
 }
 
 #[test]
