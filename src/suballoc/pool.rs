@@ -305,8 +305,10 @@ impl PoolShard {
 ///   grows in place over [`CudaVirtual`](crate::CudaVirtual) (`CudaVirtual::new()?.pool(config)`,
 ///   or [`Pool::in_place`]). It maps exactly the granules a request lacks, right after its
 ///   free memory, so its memory is one range where every free block can merge with its
-///   neighbours, and [`trim`](Pool::trim) gives back every fully free granule. This is
-///   the default of the C ABI and the Python shims. [`HostVirtual`](crate::HostVirtual)
+///   neighbours, and [`trim`](Pool::trim) gives back every fully free granule. Requests
+///   below 512 KiB go to the lowest 16 MiB address region that has a fit, so small
+///   blocks pack together and free memory gathers into whole granules (it costs some
+///   speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python shims. [`HostVirtual`](crate::HostVirtual)
 ///   is the same over host pages.
 /// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
 ///   [`Pool::new`]. It takes allocations ("chunks") by RMM's growth rule (without a
