@@ -325,9 +325,9 @@ fn footprints<R: Resource + ?Sized>(
     if seeds > 0 {
         let ratios: Vec<f64> = (1..=seeds)
             .map(|seed| {
-                let (held_, live) = random(seed);
+                let (peak_held, peak_live) = random(seed);
                 trim();
-                held_ as f64 / live as f64
+                peak_held as f64 / peak_live as f64
             })
             .collect();
         println!(

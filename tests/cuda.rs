@@ -230,6 +230,44 @@ unsafe extern "C" {
 }
 const F_SETFD: std::ffi::c_int = 2;
 
+/// Runs the test `child` of this binary as another process that inherits `fd` (as
+/// `MEMRES_IPC_FD`) and gets `env`, and asserts that it printed `"{tag}: "` and the hex
+/// of `expected`.
+fn child_reads(
+    child: &str,
+    fd: &std::os::fd::OwnedFd,
+    env: &[(&str, String)],
+    tag: &str,
+    expected: &[u8],
+) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `fd` is a descriptor we own; clearing FD_CLOEXEC lets the child inherit it.
+    assert_eq!(unsafe { fcntl(fd.as_raw_fd(), F_SETFD, 0) }, 0);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            child,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("MEMRES_IPC_FD", fd.as_raw_fd().to_string())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expected: String = expected.iter().map(|b| format!("{b:02x}")).collect();
+    assert!(
+        stdout.contains(&format!("{tag}: {expected}")),
+        "the child read something else: {stdout}"
+    );
+}
+
 /// The exporting side: a pool exported as a POSIX file descriptor, a block in it filled
 /// with a pattern, and a child process (this binary again) that imports the pool and the
 /// block and prints what it reads.
@@ -264,36 +302,17 @@ fn a_pool_exported_as_a_file_descriptor_is_read_by_another_process() {
     let r = unsafe { sys::cuMemcpyHtoD_v2(block.as_ptr() as u64, pattern.as_ptr().cast(), 4096) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     let fd = pool.export_fd().unwrap();
-    use std::os::fd::AsRawFd;
-    // SAFETY: `fd` is a descriptor we own; clearing FD_CLOEXEC lets the child inherit it.
-    assert_eq!(unsafe { fcntl(fd.as_raw_fd(), F_SETFD, 0) }, 0);
     let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
     // SAFETY: `block` came from this exportable pool; `data` is a valid place.
     let r = unsafe { sys::cuMemPoolExportPointer(&mut data, block.as_ptr() as u64) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     let hex: String = data.reserved.iter().map(|b| format!("{b:02x}")).collect();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "import_child",
-            "--exact",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("MEMRES_IPC_FD", fd.as_raw_fd().to_string())
-        .env("MEMRES_IPC_DATA", hex)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "child failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let expected: String = pattern[..32].iter().map(|b| format!("{b:02x}")).collect();
-    assert!(
-        stdout.contains(&format!("memres-ipc-read: {expected}")),
-        "the child read something else: {stdout}"
+    child_reads(
+        "import_child",
+        &fd,
+        &[("MEMRES_IPC_DATA", hex)],
+        "memres-ipc-read",
+        &pattern[..32],
     );
     // SAFETY: the child has exited and released its import; nothing uses the block.
     unsafe { pool.deallocate_sync(block, l) };
@@ -353,31 +372,12 @@ fn a_virtual_granule_exported_as_a_file_descriptor_is_read_by_another_process() 
     let r = unsafe { sys::cuMemcpyHtoD_v2(block.as_ptr() as u64, pattern.as_ptr().cast(), 4096) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     let fd = leaf.export_fd(block.as_ptr() as usize).unwrap();
-    use std::os::fd::AsRawFd;
-    // SAFETY: `fd` is a descriptor we own; clearing FD_CLOEXEC lets the child inherit it.
-    assert_eq!(unsafe { fcntl(fd.as_raw_fd(), F_SETFD, 0) }, 0);
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "virtual_import_child",
-            "--exact",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("MEMRES_VIRTUAL_FD", fd.as_raw_fd().to_string())
-        .env("MEMRES_VIRTUAL_GRANULE", g.to_string())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "child failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let expected: String = pattern[..32].iter().map(|b| format!("{b:02x}")).collect();
-    assert!(
-        stdout.contains(&format!("memres-virtual-read: {expected}")),
-        "the child read something else: {stdout}"
+    child_reads(
+        "virtual_import_child",
+        &fd,
+        &[("MEMRES_VIRTUAL_GRANULE", g.to_string())],
+        "memres-virtual-read",
+        &pattern[..32],
     );
     // SAFETY: the child has exited and unmapped its import; nothing uses the block.
     unsafe { leaf.deallocate_sync(block, l) };
@@ -388,7 +388,7 @@ fn a_virtual_granule_exported_as_a_file_descriptor_is_read_by_another_process() 
 #[ignore = "needs a CUDA GPU"]
 fn virtual_import_child() {
     let (Ok(fd), Ok(g)) = (
-        std::env::var("MEMRES_VIRTUAL_FD"),
+        std::env::var("MEMRES_IPC_FD"),
         std::env::var("MEMRES_VIRTUAL_GRANULE"),
     ) else {
         return; // not the child

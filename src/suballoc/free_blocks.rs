@@ -8,9 +8,9 @@
 //! where the upstream placed the chunks next to each other.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use super::regions::{Links, Regions};
-use std::hash::{BuildHasherDefault, Hasher};
 
 /// The pool's unit of size and alignment: every block is a multiple of it.
 pub(crate) const GRANULE: usize = 256;
@@ -22,7 +22,8 @@ const SUB_BITS: u32 = 4;
 /// Groups of 16 classes; the first is the linear range, the others one power of two each.
 const GROUPS: usize = 56;
 const CLASSES: usize = GROUPS * LINEAR;
-const NIL: u32 = u32::MAX;
+/// No node: the end of a list.
+pub(super) const NIL: u32 = u32::MAX;
 /// How many blocks of a request's own size class are tried before a larger class.
 const OWN_CLASS_SCAN: usize = 8;
 /// In an address-ordered list, requests below this many granules (512 KiB) are placed by

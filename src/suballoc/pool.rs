@@ -20,10 +20,11 @@ const QUICK_UNITS: usize = 256;
 /// At most this many bytes are cached per stream; beyond it frees coalesce at once.
 const QUICK_BYTES: usize = 8 << 20;
 /// The same for a pool that grows in place: cached blocks are handed out again where they
-/// were, not at the lowest address that fits, which the address-ordered lists of such a
-/// pool rely on to keep free memory in whole granules (12 seeds of `random` on the host,
-/// 2 MiB granules, peak held / peak live: mean 1.091 with 8 MiB, 1.085 with 1 MiB,
-/// 1.086 with no cache).
+/// were, not in the lowest region that fits, which the address-ordered lists of such a
+/// pool rely on to keep free memory in whole granules. `random` on the host (2 MiB
+/// granules, seeds 1-12, peak held / peak live, mean and max): 1.093 / 1.147 with 8 MiB,
+/// 1.089 / 1.134 with 1 MiB, 1.085 / 1.113 with no cache. 1 MiB keeps the cache for
+/// pairs of small blocks; how much speed no cache would cost was not measured.
 const QUICK_BYTES_IN_PLACE: usize = 1 << 20;
 
 /// How a [`Pool`] starts and how far it may grow.
@@ -308,8 +309,8 @@ impl PoolShard {
 ///   neighbours, and [`trim`](Pool::trim) gives back every fully free granule. Requests
 ///   below 512 KiB go to the lowest 16 MiB address region that has a fit, so small
 ///   blocks pack together and free memory gathers into whole granules (it costs some
-///   speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python shims. [`HostVirtual`](crate::HostVirtual)
-///   is the same over host pages.
+///   speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python
+///   shims. [`HostVirtual`](crate::HostVirtual) is the same over host pages.
 /// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
 ///   [`Pool::new`]. It takes allocations ("chunks") by RMM's growth rule (without a
 ///   maximum, the larger of the request and its current size, doubling; with one, the

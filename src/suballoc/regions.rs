@@ -9,22 +9,23 @@
 //! caller's nodes (see [`Links`]), so finding a block in a region is O(1) too.
 //!
 //! The index answers by region, not by exact address: a small request takes a block of
-//! the lowest region that has one, the smallest band there first. In a simulation of
-//! `random` (12 seeds, 2 MiB granules, free granules unmapped at once) that placement held
-//! 1.076 of live on average, exact address-ordered first fit 1.083, size classes alone
-//! 1.117: what packs small blocks together is that they go low, not the exact address.
+//! the lowest region that has one, the smallest band there first. On `random` (an
+//! in-place pool on the host, 2 MiB granules, seeds 1-12, peak held / peak live) that
+//! held 1.089 on average, an exact address-ordered first fit (a `BTreeMap` by address,
+//! tried and dropped: twice the time per op) 1.087, size classes alone 1.141: what packs
+//! small blocks together is that they go low, not the exact address. Figures in
+//! `BENCHMARKS.md`.
 
-use super::free_blocks::{AddrMap, GRANULE};
+use super::free_blocks::{AddrMap, GRANULE, NIL};
 
 /// log2 of a region's size in bytes (16 MiB).
 const REGION_SHIFT: u32 = 24;
 /// Bands: sizes of 1, 2-3, 4-7, ... granules; the last holds 2,048 granules and more.
-pub(crate) const BANDS: usize = 12;
-pub(crate) const NIL: u32 = u32::MAX;
+const BANDS: usize = 12;
 
 /// The band of a block of `units` granules (`units >= 1`).
 #[inline]
-pub(crate) fn band_of(units: usize) -> usize {
+fn band_of(units: usize) -> usize {
     ((usize::BITS - 1 - units.leading_zeros()) as usize).min(BANDS - 1)
 }
 
@@ -68,8 +69,8 @@ impl Bits {
 /// The (region, band) list links of one node, kept by the caller beside its own.
 #[derive(Clone, Copy)]
 pub(crate) struct Links {
-    pub(crate) prev: u32,
-    pub(crate) next: u32,
+    prev: u32,
+    next: u32,
 }
 
 impl Links {
