@@ -59,6 +59,8 @@ class _Stats(ctypes.Structure):
         ("pool_size", ctypes.c_uint64),
         ("pool_free_bytes", ctypes.c_uint64),
         ("pool_largest_free_block", ctypes.c_uint64),
+        ("live_bytes", ctypes.c_int64),
+        ("peak_live_bytes", ctypes.c_int64),
     ]
 
 
@@ -110,6 +112,8 @@ def _lib():
         lib.memres_stats.restype = ctypes.c_int
         lib.memres_trim.argtypes = [ctypes.c_int]
         lib.memres_trim.restype = ctypes.c_int
+        lib.memres_reset_peak.argtypes = [ctypes.c_int]
+        lib.memres_reset_peak.restype = ctypes.c_int
         lib.memres_last_error.argtypes = []
         lib.memres_last_error.restype = ctypes.c_char_p
         _LIB = lib
@@ -137,11 +141,12 @@ def configure(spec):
 
 
 def stats(device=0):
-    """The figures of `device`'s stack as a dict; the statistics keys are present when
-    the stack has a statistics layer, the pool keys when it has a pool."""
+    """The figures of `device`'s stack as a dict: `live_bytes` and `peak_live_bytes`
+    always (counted exactly by the C ABI, whatever the spec); the statistics keys when the
+    stack has a statistics layer, the pool keys when it has a pool."""
     out = _Stats()
     _check(_lib().memres_stats(device, ctypes.byref(out)))
-    figures = {}
+    figures = {"live_bytes": out.live_bytes, "peak_live_bytes": out.peak_live_bytes}
     if out.has_statistics:
         for name in (
             "current_bytes",
@@ -157,6 +162,11 @@ def stats(device=0):
         figures["pool_free_bytes"] = out.pool_free_bytes
         figures["pool_largest_free_block"] = out.pool_largest_free_block
     return figures
+
+
+def reset_peak(device=0):
+    """Starts `device`'s `peak_live_bytes` afresh from what is live now."""
+    _check(_lib().memres_reset_peak(device))
 
 
 def trim(device=0):

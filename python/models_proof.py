@@ -9,8 +9,10 @@ Models, built from their configs (random weights, no download):
   resnet50 - torchvision's ResNet-50, AMP (fp16 autocast with a GradScaler), channels-last,
              SGD with momentum; batch 16..128 of 224x224 images drawn per step.
 Allocators, one process each: PyTorch's caching allocator ("torch"), the same with
-expandable_segments:True ("expandable"), and memres's default stack under a statistics
-layer ("memres": "statistics(virtual_pool)", through memres_alloc and MEMRES_LIB).
+expandable_segments:True ("expandable"), and memres's default stack ("memres": the
+in-place pool on CUDA virtual memory, through memres_alloc and MEMRES_LIB). memres's peak
+live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
+`max_memory_allocated()`.
 
 Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
 (steps after the third) per run, best run per allocator; peak device memory in use
@@ -92,7 +94,6 @@ def run(model_name, mode, steps, deterministic):
     if mode == "memres":
         import memres_alloc as m
 
-        m.configure("statistics(virtual_pool)")
         torch.cuda.memory.change_current_allocator(m.torch_allocator())
     torch.manual_seed(0)
     torch.cuda.init()
@@ -114,7 +115,7 @@ def run(model_name, mode, steps, deterministic):
         import memres_alloc as m
 
         s = m.stats(0)
-        peak_live = s["peak_bytes"]
+        peak_live = s["peak_live_bytes"]
         extra = {"pool_size_end": s.get("pool_size")}
     else:
         peak_live = torch.cuda.max_memory_allocated()

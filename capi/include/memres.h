@@ -51,6 +51,8 @@ typedef struct memres_stats_t {
     uint64_t pool_size;               /* bytes held from the driver */
     uint64_t pool_free_bytes;         /* held but not handed out */
     uint64_t pool_largest_free_block; /* 0 where the layer does not know it */
+    int64_t live_bytes;      /* live through memres_malloc/free, exact, any spec */
+    int64_t peak_live_bytes; /* its highest point since build or memres_reset_peak */
 } memres_stats_t;
 
 /* Chooses every device's stack; call before the first allocation. MEMRES_OK, or
@@ -71,6 +73,9 @@ int memres_stats(int device, memres_stats_t* out);
 
 /* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()). */
 int memres_trim(int device);
+
+/* Starts device's peak_live_bytes afresh from what is live now. */
+int memres_reset_peak(int device);
 
 /* The message of the last failure on this thread, "" if none. */
 const char* memres_last_error(void);

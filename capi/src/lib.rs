@@ -63,6 +63,11 @@ pub struct memres_stats_t {
     pub pool_free_bytes: u64,
     /// The largest free block (0 where the layer does not know it).
     pub pool_largest_free_block: u64,
+    /// Bytes live through `memres_malloc`/`memres_free`, counted exactly by the C ABI
+    /// whatever the spec (also without a statistics layer).
+    pub live_bytes: i64,
+    /// The highest `live_bytes` since the stack was built or `memres_reset_peak`.
+    pub peak_live_bytes: i64,
 }
 
 /// A failure on its way to C: a code and a message for `memres_last_error`.
@@ -277,7 +282,9 @@ pub unsafe extern "C" fn memres_malloc(
             let stack = stack(device)?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            Ok(stack.top().allocate(stream, layout)?.as_ptr().cast())
+            let ptr = stack.top().allocate(stream, layout)?;
+            stack.live().allocated(size);
+            Ok(ptr.as_ptr().cast())
         },
     )
 }
@@ -316,6 +323,7 @@ pub unsafe extern "C" fn memres_free(
             })?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
+            stack.live().freed(size);
             // SAFETY: the caller's promise: `ptr` came from this device's stack (the only
             // resource `memres_malloc` uses for it) with this size, and is ordered.
             unsafe { stack.top().deallocate(stream, ptr, layout) };
@@ -340,6 +348,7 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
             let mut stats = memres_stats_t::default();
             if let Some(stack) = built_stack(device)? {
                 let figures = stack.figures()?;
+                (stats.live_bytes, stats.peak_live_bytes) = figures.live;
                 if let Some(s) = figures.statistics {
                     stats.has_statistics = 1;
                     (stats.current_bytes, stats.peak_bytes, stats.total_bytes) =
@@ -380,6 +389,21 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
         || {
             if let Some(stack) = built_stack(device)? {
                 stack.trim()?;
+            }
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Starts `device`'s `peak_live_bytes` afresh from what is live now (as
+/// `torch.cuda.reset_peak_memory_stats`). 0 on success, also before the first allocation.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_reset_peak(device: c_int) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if let Some(stack) = built_stack(device)? {
+                stack.live().reset_peak();
             }
             Ok(MEMRES_OK)
         },

@@ -2,6 +2,7 @@
 //! `memres_stats` and `memres_trim` read.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use mr::adaptor::{Limiting, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
@@ -30,6 +31,45 @@ pub(crate) struct DeviceStack {
     /// Logging layers: the stack lives in a static, never dropped, so their last rows are
     /// flushed at exit (`flush_logs`).
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
+    /// Bytes live through the C ABI, counted exactly whatever the spec.
+    live: Live,
+}
+
+/// Bytes handed out and not yet freed, and their highest point, counted with one atomic
+/// add per call, so the peak is exact however many threads allocate (a statistics
+/// layer's per-thread counts trade that for speed; PyTorch frees on its autograd thread
+/// what its main thread allocated).
+#[derive(Default)]
+pub(crate) struct Live {
+    current: AtomicI64,
+    peak: AtomicI64,
+}
+
+impl Live {
+    pub(crate) fn allocated(&self, bytes: usize) {
+        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    pub(crate) fn freed(&self, bytes: usize) {
+        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Current and peak bytes.
+    pub(crate) fn read(&self) -> (i64, i64) {
+        (
+            self.current.load(Ordering::Relaxed),
+            self.peak.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Starts a new peak from what is live now.
+    pub(crate) fn reset_peak(&self) {
+        self.peak
+            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -38,6 +78,8 @@ pub(crate) struct Figures {
     pub(crate) statistics: Option<mr::adaptor::StatisticsSnapshot>,
     /// Pool size, free bytes, largest free block.
     pub(crate) pool: Option<(u64, u64, u64)>,
+    /// Live bytes through the C ABI and their peak ([`Live`]).
+    pub(crate) live: (i64, i64),
 }
 
 impl DeviceStack {
@@ -51,6 +93,7 @@ impl DeviceStack {
             statistics: layers.statistics,
             pool: layers.pool,
             logs: layers.logs,
+            live: Live::default(),
         })
     }
 }
@@ -195,6 +238,11 @@ impl DeviceStack {
         &self.top
     }
 
+    /// The exact count of bytes live through the C ABI.
+    pub(crate) fn live(&self) -> &Live {
+        &self.live
+    }
+
     pub(crate) fn figures(&self) -> Result<Figures, Error> {
         let pool = match &self.pool {
             None => None,
@@ -213,6 +261,7 @@ impl DeviceStack {
         Ok(Figures {
             statistics: self.statistics.as_ref().map(|s| s.snapshot()),
             pool,
+            live: self.live.read(),
         })
     }
 

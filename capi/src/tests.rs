@@ -203,6 +203,47 @@ fn without_a_driver_malloc_returns_null_and_says_why() {
     assert_eq!(configure("pool"), MEMRES_OK);
 }
 
+fn stats(device: c_int) -> memres_stats_t {
+    let mut out = memres_stats_t::default();
+    // SAFETY: `out` is valid for one write.
+    assert_eq!(unsafe { memres_stats(device, &mut out) }, MEMRES_OK);
+    out
+}
+
+#[test]
+fn live_bytes_are_exact_when_another_thread_frees() {
+    if !mr::driver::is_present() || mr::device::DeviceId::count().unwrap_or(0) == 0 {
+        return; // needs a GPU: `memres_malloc` allocates device memory
+    }
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    const SIZES: [isize; 3] = [1 << 20, 3 << 20, 4096];
+    let before = stats(0).live_bytes;
+    let blocks: Vec<usize> = SIZES
+        .iter()
+        // SAFETY: the legacy default stream.
+        .map(|&n| unsafe { memres_malloc(n, 0, std::ptr::null_mut()) } as usize)
+        .collect();
+    assert!(blocks.iter().all(|&p| p != 0), "{}", last_error());
+    let total: isize = SIZES.iter().sum();
+    let during = stats(0);
+    assert_eq!(during.live_bytes, before + total as i64);
+    assert!(during.peak_live_bytes >= during.live_bytes);
+    // Freed on another thread, as PyTorch's autograd thread does.
+    std::thread::spawn(move || {
+        for (p, n) in blocks.into_iter().zip(SIZES) {
+            // SAFETY: from `memres_malloc(n, 0, ..)` above, unused, legacy stream.
+            unsafe { memres_free(p as *mut c_void, n, 0, std::ptr::null_mut()) };
+        }
+    })
+    .join()
+    .unwrap();
+    let after = stats(0);
+    assert_eq!(after.live_bytes, before);
+    assert!(after.peak_live_bytes >= before + total as i64);
+    assert_eq!(memres_reset_peak(0), MEMRES_OK);
+    assert_eq!(stats(0).peak_live_bytes, before);
+}
+
 #[test]
 fn stats_and_trim_of_an_unused_device_are_zero() {
     let mut out = memres_stats_t {
@@ -213,6 +254,8 @@ fn stats_and_trim_of_an_unused_device_are_zero() {
     assert_eq!(unsafe { memres_stats(5, &mut out) }, MEMRES_OK);
     assert_eq!(out, memres_stats_t::default());
     assert_eq!(memres_trim(5), MEMRES_OK);
+    assert_eq!(memres_reset_peak(5), MEMRES_OK);
+    assert_eq!(memres_reset_peak(-1), MEMRES_ERROR_INVALID_ARGUMENT);
 }
 
 // The header
@@ -300,7 +343,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 6, "{rust:#?}");
+    assert_eq!(rust.len(), 7, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -356,6 +399,11 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         (
             "pool_largest_free_block",
             offset_of!(memres_stats_t, pool_largest_free_block),
+        ),
+        ("live_bytes", offset_of!(memres_stats_t, live_bytes)),
+        (
+            "peak_live_bytes",
+            offset_of!(memres_stats_t, peak_live_bytes),
         ),
     ];
     let mut c = String::from("#include <stddef.h>\n#include \"memres.h\"\n");

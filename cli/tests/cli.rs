@@ -153,11 +153,14 @@ fn the_sample_training_log_replays_and_compares() {
     assert!(out.contains("peak live 328.42 MiB"), "{out}");
     assert_eq!(row(&out, "cuda")[7..9], ["328.42", "MiB"], "{out}");
     // The pool growing in place (2 MiB granules) holds what the live peak needs, give or
-    // take a few granules: 336 MiB (342 before small requests were placed low) against
-    // the chunked pool's 512 MiB.
+    // take a few granules, against the chunked pool's 512 MiB: 340 MiB with the 8 MiB
+    // quick cache per stream (336 with a 1 MiB cache, 342 before small requests were
+    // placed low). At most 5% above the live peak.
     let virtual_pool = row(&out, "virtual-pool");
     assert_eq!(virtual_pool[5], "0", "{out}");
-    assert_eq!(virtual_pool[7..9], ["336.00", "MiB"], "{out}");
+    assert_eq!(virtual_pool[8], "MiB", "{out}");
+    let held: f64 = virtual_pool[7].parse().unwrap();
+    assert!((328.42..=328.42 * 1.05).contains(&held), "{out}");
     assert_eq!(row(&out, "pool")[7..9], ["512.00", "MiB"], "{out}");
 }
 

@@ -18,14 +18,13 @@ use crate::upstream::virtual_memory::Granules;
 /// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
 const QUICK_UNITS: usize = 256;
 /// At most this many bytes are cached per stream; beyond it frees coalesce at once.
+///
+/// Pools that grow in place keep the same limit, although a cached block is handed out
+/// again where it was rather than low (see [`FreeBlocks::address_ordered`]): on the H100
+/// (2026-11-23, three alternating runs), 1 MiB instead made the in-place pool's `random`
+/// 97-164 ns against 84-120 and `random-mt` 20-28 ns against 17-19, for a footprint of
+/// 1.085 of live against 1.091 (`random`, seeds 1-6, mean).
 const QUICK_BYTES: usize = 8 << 20;
-/// The same for a pool that grows in place: cached blocks are handed out again where they
-/// were, not in the lowest region that fits, which the address-ordered lists of such a
-/// pool rely on to keep free memory in whole granules. `random` on the host (2 MiB
-/// granules, seeds 1-12, peak held / peak live, mean and max): 1.093 / 1.147 with 8 MiB,
-/// 1.089 / 1.134 with 1 MiB, 1.085 / 1.113 with no cache. 1 MiB keeps the cache for
-/// pairs of small blocks; how much speed no cache would cost was not measured.
-const QUICK_BYTES_IN_PLACE: usize = 1 << 20;
 
 /// How a [`Pool`] starts and how far it may grow.
 ///
@@ -208,8 +207,6 @@ pub(super) struct PoolShard {
     /// Recently freed small blocks by size in granules, handed out again whole.
     quick: Vec<Vec<usize>>,
     quick_bytes: usize,
-    /// The most bytes `quick` may hold.
-    quick_limit: usize,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start.
     pub(super) chunks: AddrMap<usize>,
@@ -230,11 +227,6 @@ impl PoolShard {
             },
             quick: vec![Vec::new(); QUICK_UNITS + 1],
             quick_bytes: 0,
-            quick_limit: if low_first.is_some() {
-                QUICK_BYTES_IN_PLACE
-            } else {
-                QUICK_BYTES
-            },
             chunks: chunks.collect(),
         }
     }
@@ -257,7 +249,7 @@ impl PoolShard {
     #[inline]
     pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
-        if units <= QUICK_UNITS && self.quick_bytes + size <= self.quick_limit {
+        if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
             self.quick[units].push(addr);
             self.quick_bytes += size;
             None

@@ -16,7 +16,7 @@
 //! small blocks together is that they go low, not the exact address. Figures in
 //! `BENCHMARKS.md`.
 
-use super::free_blocks::{AddrMap, GRANULE, NIL};
+use super::free_blocks::{GRANULE, NIL};
 
 /// log2 of a region's size in bytes (16 MiB).
 const REGION_SHIFT: u32 = 24;
@@ -80,13 +80,35 @@ impl Links {
     };
 }
 
+/// One region's lists: the head of each band's list, and which bands are non-empty.
+#[derive(Clone, Copy)]
+struct Region {
+    heads: [u32; BANDS],
+    /// Bit `b` is set when band `b`'s list is non-empty.
+    bands: u16,
+}
+
+impl Region {
+    const EMPTY: Region = Region {
+        heads: [NIL; BANDS],
+        bands: 0,
+    };
+
+    /// The highest non-empty band, if any.
+    #[inline]
+    fn top(&self) -> Option<usize> {
+        (self.bands != 0).then(|| (u16::BITS - 1 - self.bands.leading_zeros()) as usize)
+    }
+}
+
 /// The index (see the module docs). Node `i`'s links live in `links[i]`, which the
 /// caller passes in with every call.
 pub(crate) struct Regions {
     /// The first address of region 0.
     base: usize,
-    /// Per region, the head of each band's list.
-    heads: AddrMap<[u32; BANDS]>,
+    /// Per region (from `base` up to the highest region seen), its lists. An emptied
+    /// region keeps its entry: a block often comes back to it at once.
+    regions: Vec<Region>,
     /// `ge[b]`: the regions with a block of band `b` or above.
     ge: Vec<Bits>,
 }
@@ -96,7 +118,7 @@ impl Regions {
     pub(crate) fn new(base: usize) -> Regions {
         Regions {
             base,
-            heads: AddrMap::default(),
+            regions: Vec::new(),
             ge: (0..BANDS).map(|_| Bits::default()).collect(),
         }
     }
@@ -114,23 +136,22 @@ impl Regions {
 
     /// Forgets every block.
     pub(crate) fn clear(&mut self) {
-        self.heads.clear();
+        self.regions.clear();
         self.ge.iter_mut().for_each(|b| *b = Bits::default());
-    }
-
-    /// The highest band with a block in `heads`, if any.
-    fn top_band(heads: &[u32; BANDS]) -> Option<usize> {
-        heads.iter().rposition(|&h| h != NIL)
     }
 
     /// Adds node `i` (a block at `addr` of `size` bytes).
     #[inline]
     pub(crate) fn link(&mut self, links: &mut [Links], i: u32, addr: usize, size: usize) {
         let (r, band) = (self.region(addr), band_of(size / GRANULE));
-        let heads = self.heads.entry(r).or_insert([NIL; BANDS]);
-        let top = Self::top_band(heads);
-        let head = heads[band];
-        heads[band] = i;
+        if r >= self.regions.len() {
+            self.regions.resize(r + 1, Region::EMPTY);
+        }
+        let region = &mut self.regions[r];
+        let top = region.top();
+        let head = region.heads[band];
+        region.heads[band] = i;
+        region.bands |= 1 << band;
         links[i as usize] = Links {
             prev: NIL,
             next: head,
@@ -157,16 +178,14 @@ impl Regions {
             links[prev as usize].next = next;
             return;
         }
-        let heads = self
-            .heads
-            .get_mut(&r)
-            .expect("a linked block's region is indexed");
-        heads[band] = next;
+        let region = &mut self.regions[r];
+        region.heads[band] = next;
         if next != NIL {
             return;
         }
         // Band `band` of region `r` is empty now: the region leaves `ge` above its new top.
-        let top = Self::top_band(heads);
+        region.bands &= !(1 << band);
+        let top = region.top();
         if top.is_some_and(|t| t > band) {
             return;
         }
@@ -174,9 +193,6 @@ impl Regions {
         for b in from..=band {
             self.ge[b].clear(r);
         }
-        // An emptied region keeps its (all-NIL) entry: a block often comes back to it
-        // at once (an allocate/free pair), and there are at most as many entries as
-        // 16 MiB regions the list has seen.
     }
 
     /// A block for a request of `units` granules below the last band: one of the lowest
@@ -194,8 +210,8 @@ impl Regions {
     ) -> Option<u32> {
         let band = band_of(units);
         let r = self.ge[band].first()?;
-        let heads = &self.heads[&r];
-        let mut i = heads[band];
+        let region = &self.regions[r];
+        let mut i = region.heads[band];
         for _ in 0..scan {
             if i == NIL {
                 break;
@@ -207,8 +223,12 @@ impl Regions {
         }
         // Every block of a higher band is larger than any request of this band; the
         // caller still checks alignment with `fits`.
-        let above = heads[band + 1..].iter().find(|&&h| h != NIL)?;
-        fits(*above).then_some(*above)
+        let above = region.bands & (u16::MAX << band << 1);
+        if above == 0 {
+            return None;
+        }
+        let head = region.heads[above.trailing_zeros() as usize];
+        fits(head).then_some(head)
     }
 }
 
@@ -255,7 +275,12 @@ mod tests {
         regions.unlink(&mut links, 0, blocks[0].0, blocks[0].1);
         regions.unlink(&mut links, 2, blocks[2].0, blocks[2].1);
         assert_eq!(regions.find(&links, 1, 8, any), None);
-        assert!(regions.heads.values().all(|h| h.iter().all(|&i| i == NIL)));
+        assert!(
+            regions
+                .regions
+                .iter()
+                .all(|r| r.bands == 0 && r.heads == [NIL; BANDS])
+        );
         assert!(regions.ge.iter().all(|b| b.first().is_none()));
     }
 }
