@@ -3,9 +3,10 @@
 //!
 //! Free blocks are grouped by the 16 MiB region their start lies in and by a *band*, the
 //! power of two of their size in granules (the last band holds everything of 512 KiB and
-//! more). For every band `b`, a two-level bitmap marks the regions that hold a block of
-//! band `b` or above, so "the lowest region with a block that surely fits" is two
-//! `trailing_zeros`. Each (region, band) has its own list of blocks, linked through the
+//! more). A two-level bitmap per band marks the regions that hold a block of that band;
+//! the bands' words of the same 64 regions lie together, so "the lowest region with a
+//! block of band `b` or above" ORs a few adjacent words and takes two `trailing_zeros`,
+//! and adding or removing a block sets or clears one bit. Each (region, band) has its own list of blocks, linked through the
 //! caller's nodes (see [`Links`]), so finding a block in a region is O(1) too.
 //!
 //! The index answers by region, not by exact address: a small request takes a block of
@@ -29,40 +30,46 @@ fn band_of(units: usize) -> usize {
     ((usize::BITS - 1 - units.leading_zeros()) as usize).min(BANDS - 1)
 }
 
-/// A set of region numbers with a one-bit-per-word summary.
+/// Per band, the set of regions that hold a block of that band, as bits (word `w`, band
+/// `b`: regions `64 w` to `64 w + 63`) with a one-bit-per-word summary.
 #[derive(Default)]
-struct Bits {
-    words: Vec<u64>,
-    summary: Vec<u64>,
+struct Bands {
+    words: Vec<[u64; BANDS]>,
+    summary: Vec<[u64; BANDS]>,
 }
 
-impl Bits {
+impl Bands {
     #[inline]
-    fn set(&mut self, r: usize) {
+    fn set(&mut self, r: usize, band: usize) {
         let w = r / 64;
         if w >= self.words.len() {
-            self.words.resize(w + 1, 0);
-            self.summary.resize(w / 64 + 1, 0);
+            self.words.resize(w + 1, [0; BANDS]);
+            self.summary.resize(w / 64 + 1, [0; BANDS]);
         }
-        self.words[w] |= 1 << (r % 64);
-        self.summary[w / 64] |= 1 << (w % 64);
+        self.words[w][band] |= 1 << (r % 64);
+        self.summary[w / 64][band] |= 1 << (w % 64);
     }
 
     #[inline]
-    fn clear(&mut self, r: usize) {
+    fn clear(&mut self, r: usize, band: usize) {
         let w = r / 64;
-        self.words[w] &= !(1 << (r % 64));
-        if self.words[w] == 0 {
-            self.summary[w / 64] &= !(1 << (w % 64));
+        self.words[w][band] &= !(1 << (r % 64));
+        if self.words[w][band] == 0 {
+            self.summary[w / 64][band] &= !(1 << (w % 64));
         }
     }
 
-    /// The lowest member.
+    /// The lowest region with a block of band `band` or above.
     #[inline]
-    fn first(&self) -> Option<usize> {
-        let (s, bits) = self.summary.iter().enumerate().find(|(_, s)| **s != 0)?;
+    fn first_from(&self, band: usize) -> Option<usize> {
+        let any = |bits: &[u64; BANDS]| bits[band..].iter().fold(0, |a, b| a | b);
+        let (s, bits) = self
+            .summary
+            .iter()
+            .enumerate()
+            .find_map(|(s, bits)| Some((s, any(bits))).filter(|(_, b)| *b != 0))?;
         let w = s * 64 + bits.trailing_zeros() as usize;
-        Some(w * 64 + self.words[w].trailing_zeros() as usize)
+        Some(w * 64 + any(&self.words[w]).trailing_zeros() as usize)
     }
 }
 
@@ -93,12 +100,6 @@ impl Region {
         heads: [NIL; BANDS],
         bands: 0,
     };
-
-    /// The highest non-empty band, if any.
-    #[inline]
-    fn top(&self) -> Option<usize> {
-        (self.bands != 0).then(|| (u16::BITS - 1 - self.bands.leading_zeros()) as usize)
-    }
 }
 
 /// The index (see the module docs). Node `i`'s links live in `links[i]`, which the
@@ -109,8 +110,8 @@ pub(crate) struct Regions {
     /// Per region (from `base` up to the highest region seen), its lists. An emptied
     /// region keeps its entry: a block often comes back to it at once.
     regions: Vec<Region>,
-    /// `ge[b]`: the regions with a block of band `b` or above.
-    ge: Vec<Bits>,
+    /// Which regions hold blocks of which bands.
+    bands: Bands,
 }
 
 impl Regions {
@@ -119,7 +120,7 @@ impl Regions {
         Regions {
             base,
             regions: Vec::new(),
-            ge: (0..BANDS).map(|_| Bits::default()).collect(),
+            bands: Bands::default(),
         }
     }
 
@@ -137,7 +138,7 @@ impl Regions {
     /// Forgets every block.
     pub(crate) fn clear(&mut self) {
         self.regions.clear();
-        self.ge.iter_mut().for_each(|b| *b = Bits::default());
+        self.bands = Bands::default();
     }
 
     /// Adds node `i` (a block at `addr` of `size` bytes).
@@ -148,7 +149,6 @@ impl Regions {
             self.regions.resize(r + 1, Region::EMPTY);
         }
         let region = &mut self.regions[r];
-        let top = region.top();
         let head = region.heads[band];
         region.heads[band] = i;
         region.bands |= 1 << band;
@@ -158,11 +158,8 @@ impl Regions {
         };
         if head != NIL {
             links[head as usize].prev = i;
-        }
-        // The region now counts in every band up to `band`.
-        let from = top.map_or(0, |t| t + 1);
-        for b in from..=band {
-            self.ge[b].set(r);
+        } else {
+            self.bands.set(r, band);
         }
     }
 
@@ -183,16 +180,8 @@ impl Regions {
         if next != NIL {
             return;
         }
-        // Band `band` of region `r` is empty now: the region leaves `ge` above its new top.
         region.bands &= !(1 << band);
-        let top = region.top();
-        if top.is_some_and(|t| t > band) {
-            return;
-        }
-        let from = top.map_or(0, |t| t + 1);
-        for b in from..=band {
-            self.ge[b].clear(r);
-        }
+        self.bands.clear(r, band);
     }
 
     /// A block for a request of `units` granules below the last band: one of the lowest
@@ -209,7 +198,7 @@ impl Regions {
         fits: impl Fn(u32) -> bool,
     ) -> Option<u32> {
         let band = band_of(units);
-        let r = self.ge[band].first()?;
+        let r = self.bands.first_from(band)?;
         let region = &self.regions[r];
         let mut i = region.heads[band];
         for _ in 0..scan {
@@ -248,6 +237,29 @@ mod tests {
     }
 
     #[test]
+    fn bands_give_the_lowest_region_of_a_band_or_above() {
+        let mut bands = Bands::default();
+        assert_eq!(bands.first_from(0), None);
+        // Regions in different words and summary words.
+        bands.set(5000, 3);
+        bands.set(70, 7);
+        bands.set(4100, 1);
+        assert_eq!(bands.first_from(0), Some(70));
+        assert_eq!(bands.first_from(7), Some(70));
+        assert_eq!(bands.first_from(8), None);
+        assert_eq!(bands.first_from(2), Some(70));
+        bands.clear(70, 7);
+        assert_eq!(bands.first_from(2), Some(5000));
+        assert_eq!(bands.first_from(0), Some(4100));
+        bands.set(4100, 3);
+        bands.clear(4100, 1);
+        assert_eq!(bands.first_from(2), Some(4100));
+        bands.clear(4100, 3);
+        bands.clear(5000, 3);
+        assert_eq!(bands.first_from(0), None);
+    }
+
+    #[test]
     fn finds_the_lowest_region_and_forgets_emptied_ones() {
         const MIB: usize = 1 << 20;
         let base = 1 << 40;
@@ -281,6 +293,6 @@ mod tests {
                 .iter()
                 .all(|r| r.bands == 0 && r.heads == [NIL; BANDS])
         );
-        assert!(regions.ge.iter().all(|b| b.first().is_none()));
+        assert!(regions.bands.first_from(0).is_none());
     }
 }
