@@ -637,9 +637,12 @@ impl<U: Resource> Pool<U> {
         if let Some(addr) = found {
             return Ok(addr);
         }
-        // Memory freed on other streams, once their work is waited for, before growing.
+        // Memory freed on other streams, once their work is waited for, before growing:
+        // when all free memory together could serve the request (blocks of this list
+        // and of others may be neighbours that only merge once in one list).
         let mut merged = false;
-        if self.free_elsewhere(own) >= size {
+        let own_free = own.state.lock().free_bytes();
+        if own_free + self.free_elsewhere(own) >= size {
             merged = self.merge_into(own)?;
             if let Some(addr) = own.state.lock().free.take(size, align) {
                 return Ok(addr);
