@@ -836,7 +836,8 @@ impl<U: Resource> Pool<U> {
         into.state.lock().flush();
         self.shards.merge_into(into, PoolShard::drain, |s, blocks| {
             s.flush();
-            for b in blocks {
+            // Highest first, so the lowest blocks head their size classes' lists.
+            for b in blocks.into_iter().rev() {
                 s.free.insert(b);
             }
         })
