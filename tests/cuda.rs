@@ -431,6 +431,82 @@ fn virtual_import_child() {
     }
 }
 
+/// The access device 1 has to the mapping at `ptr` (`cuMemGetAccess`).
+fn access_of_device_1(ptr: u64) -> u64 {
+    let location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: 1,
+    };
+    let mut flags = 0u64;
+    // SAFETY: `ptr` lies in a mapped virtual range; `flags` is a valid place.
+    let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemGetAccess");
+    flags
+}
+
+/// A pool growing in place on device 0 whose `CudaVirtual` names device 1 as a peer:
+/// every granule it maps, in each growth step, is readable and writable by device 1
+/// (device 1 fills the blocks, device 0 reads them back); without the peer, device 1 has
+/// no access. Needs two GPUs that can reach each other (skipped otherwise).
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn a_peer_device_writes_every_granule_of_an_in_place_pool() {
+    let d1 = DeviceId::new(1);
+    if DeviceId::count().unwrap() < 2 {
+        eprintln!("skipped: fewer than two GPUs");
+        return;
+    }
+    let mut can = 0;
+    // SAFETY: two valid ordinals; `can` is a valid place.
+    let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, 1, 0) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    if can == 0 {
+        eprintln!("skipped: device 1 cannot access device 0's memory");
+        return;
+    }
+    let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new().peers([d1])).unwrap();
+    let g = leaf.granularity();
+    let pool = leaf.pool(memres::PoolConfig::new()).unwrap();
+    // Two growth steps: 3 granules, then 5 more.
+    let sizes = [3 * g, 5 * g];
+    let blocks: Vec<_> = sizes
+        .iter()
+        .map(|&n| pool.allocate_sync(layout(n).unwrap()).unwrap())
+        .collect();
+    let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
+    for (i, (&b, &n)) in blocks.iter().zip(&sizes).enumerate() {
+        for offset in (0..n).step_by(g) {
+            assert_eq!(access_of_device_1(b.as_ptr() as u64 + offset as u64), rw);
+        }
+        let _on = DeviceGuard::new(d1).unwrap();
+        // SAFETY: `b` holds `n` bytes, mapped with read-write access for device 1.
+        let r = unsafe { sys::cuMemsetD8_v2(b.as_ptr() as u64, 0x50 + i as u8, n) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "device 1 writing block {i}");
+        // SAFETY: waits for device 1's work; no arguments.
+        let r = unsafe { sys::cuCtxSynchronize() };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    }
+    let _on = DeviceGuard::new(d0()).unwrap();
+    for (i, (&b, &n)) in blocks.iter().zip(&sizes).enumerate() {
+        let mut host = vec![0u8; n];
+        // SAFETY: `b` holds `n` bytes on device 0; `host` holds `n`.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), b.as_ptr() as u64, n) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        assert!(host.iter().all(|&x| x == 0x50 + i as u8), "block {i}");
+    }
+    for (b, n) in blocks.into_iter().zip(sizes) {
+        // SAFETY: from `pool` with this layout; the work on it was waited for.
+        unsafe { pool.deallocate_sync(b, layout(n).unwrap()) };
+    }
+    // Without the peer, device 1 has no access to the same kind of mapping.
+    let alone = CudaVirtual::with_config(d0(), CudaVirtualConfig::new()).unwrap();
+    let l = layout(g).unwrap();
+    let b = alone.allocate_sync(l).unwrap();
+    assert_eq!(access_of_device_1(b.as_ptr() as u64), 0);
+    // SAFETY: from `alone` with `l`; never used.
+    unsafe { alone.deallocate_sync(b, l) };
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn streams_events_and_the_stream_pool() {
