@@ -1,5 +1,7 @@
 //! loom models: the spin lock excludes, the stream map hands every thread the same,
-//! fully built shard, and two streams of one pool share its growth without overlap.
+//! fully built shard, two streams of one pool share its growth without overlap, memory
+//! freed on one stream goes to one other stream at a time, and the release threshold
+//! gives memory back while another stream allocates.
 
 use std::alloc::Layout;
 
@@ -159,5 +161,93 @@ fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
             );
         }
         assert_eq!(arena.free_bytes(), 2 << 20);
+    });
+}
+
+/// Cross-stream hand-off: a pool that cannot grow (its maximum is one block) holds one
+/// block, freed on another stream than the one it was taken on while a third stream
+/// asks for memory. Whoever gets the block, no two threads ever hold it at once, and at
+/// the end every byte is free again.
+#[test]
+fn loom_memory_freed_on_one_stream_is_taken_by_another_once() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(2);
+    builder.max_branches = 100_000;
+    builder.check(|| {
+        let config = PoolConfig::new().initial_size(1024).maximum_size(1024);
+        let pool = Arc::new(Pool::new(HostHeap::new(), config).unwrap());
+        let l = Layout::from_size_align(1024, 256).unwrap();
+        let block = pool.allocate(StreamRef::host(1), l).unwrap();
+        let addr = block.as_ptr() as usize;
+        let held = Arc::new(loom::sync::atomic::AtomicUsize::new(0));
+        let (other, other_held) = (Arc::clone(&pool), Arc::clone(&held));
+        let t = thread::spawn(move || {
+            let s = StreamRef::host(2);
+            // SAFETY: from the pool with `l`; host streams are always done.
+            unsafe { other.deallocate(s, crate::suballoc::chunks::to_ptr(addr), l) };
+            let got = other.allocate(s, l).ok()?;
+            assert_eq!(
+                other_held.fetch_add(1, loom::sync::atomic::Ordering::SeqCst),
+                0
+            );
+            other_held.fetch_sub(1, loom::sync::atomic::Ordering::SeqCst);
+            Some((got.as_ptr() as usize, s))
+        });
+        let s = StreamRef::host(3);
+        let mine = pool.allocate(s, l).ok();
+        if mine.is_some() {
+            assert_eq!(held.fetch_add(1, loom::sync::atomic::Ordering::SeqCst), 0);
+            held.fetch_sub(1, loom::sync::atomic::Ordering::SeqCst);
+        }
+        let theirs = t.join().unwrap();
+        for (p, stream) in [
+            mine.map(|p| (p, s)),
+            theirs.map(|(a, s)| (crate::suballoc::chunks::to_ptr(a), s)),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            assert_eq!(p.as_ptr() as usize, addr, "the pool's only block");
+            // SAFETY: from the pool with `l`; host streams are always done.
+            unsafe { pool.deallocate(stream, p, l) };
+        }
+        let stats = pool.stats();
+        assert_eq!(stats.pool_size, 1024);
+        assert_eq!(stats.free_bytes, stats.pool_size);
+    });
+}
+
+/// The release threshold: two streams allocate and free at once in a pool that keeps no
+/// free memory; a free that finds the growth lock busy leaves the release to the other.
+/// Blocks never overlap, nothing is lost, and `trim` then holds nothing.
+#[test]
+fn loom_release_threshold_gives_back_while_another_stream_allocates() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(2);
+    builder.max_branches = 100_000;
+    builder.check(|| {
+        let config = PoolConfig::new().release_threshold(0);
+        let pool = Arc::new(Pool::new(HostHeap::new(), config).unwrap());
+        let l = Layout::from_size_align(1000, 256).unwrap();
+        let other = Arc::clone(&pool);
+        let t = thread::spawn(move || {
+            let s = StreamRef::host(1);
+            let p = other.allocate(s, l).unwrap();
+            let addr = p.as_ptr() as usize;
+            // SAFETY: from the pool with `l`; host streams are always done.
+            unsafe { other.deallocate(s, p, l) };
+            addr
+        });
+        let s = StreamRef::host(2);
+        let mine = pool.allocate(s, l).unwrap();
+        let stats = pool.stats();
+        assert!(stats.pool_size >= 1024 + stats.free_bytes, "{stats:?}");
+        // SAFETY: from the pool with `l`; host streams are always done.
+        unsafe { pool.deallocate(s, mine, l) };
+        t.join().unwrap();
+        let stats = pool.stats();
+        assert_eq!(stats.free_bytes, stats.pool_size);
+        pool.trim().unwrap();
+        assert_eq!(pool.stats().pool_size, 0);
     });
 }
