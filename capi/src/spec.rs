@@ -567,3 +567,40 @@ mod tests {
         }
     }
 }
+
+/// Replays the committed fuzz corpus of the spec parser (`fuzz/corpus/spec`, found by
+/// `cargo +nightly fuzz run spec`) on stable Rust, with the fuzz target's checks.
+#[cfg(test)]
+mod fuzz_corpus {
+    use super::Spec;
+
+    #[test]
+    fn the_spec_corpus_replays_clean() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/spec");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            // The GPU bundle carries binaries only.
+            println!(
+                "skipped: no corpus at {} (run from a checkout)",
+                dir.display()
+            );
+            return;
+        };
+        let mut inputs = 0;
+        for entry in entries {
+            let data = std::fs::read(entry.unwrap().path()).unwrap();
+            inputs += 1;
+            let Ok(text) = std::str::from_utf8(&data) else {
+                continue;
+            };
+            match Spec::parse(text) {
+                Ok(parsed) => assert_eq!(Spec::parse(text).ok(), Some(parsed)),
+                Err(e) => assert!(!e.0.is_empty()),
+            }
+        }
+        assert!(
+            inputs >= 10,
+            "the corpus at {} has {inputs} inputs",
+            dir.display()
+        );
+    }
+}

@@ -192,7 +192,9 @@ fn bad_arguments_fail_without_crashing() {
 #[test]
 fn without_a_driver_malloc_returns_null_and_says_why() {
     if mr::driver::is_present() {
-        return; // the GPU machine: `memres_malloc` really allocates there
+        // The GPU machine: `memres_malloc` really allocates there.
+        println!("skipped: a CUDA driver is present (this test is for machines without one)");
+        return;
     }
     // SAFETY: the legacy default stream.
     let p = unsafe { memres_malloc(1 << 20, 0, std::ptr::null_mut()) };
@@ -213,7 +215,8 @@ fn stats(device: c_int) -> memres_stats_t {
 #[test]
 fn live_bytes_are_exact_when_another_thread_frees() {
     if !mr::driver::is_present() || mr::device::DeviceId::count().unwrap_or(0) == 0 {
-        return; // needs a GPU: `memres_malloc` allocates device memory
+        println!("skipped: needs a CUDA GPU (`memres_malloc` allocates device memory)");
+        return;
     }
     let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     const SIZES: [isize; 3] = [1 << 20, 3 << 20, 4096];
