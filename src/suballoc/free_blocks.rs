@@ -279,7 +279,7 @@ impl FreeBlocks {
             Some(regions) if units < LOW_FIRST_UNITS => {
                 let fits = |i: u32| {
                     let b = self.nodes[i as usize].block;
-                    (b.addr.next_multiple_of(align) + size <= b.addr + b.size).then_some(b.addr)
+                    b.addr.next_multiple_of(align) + size <= b.addr + b.size
                 };
                 regions.find(&self.links, units, OWN_CLASS_SCAN, fits)
             }
