@@ -10,8 +10,8 @@ use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
-use crate::sync::Mutex;
-use crate::sync::atomic::Ordering;
+use crate::sync::atomic::{AtomicBool, Ordering, fence};
+use crate::sync::{Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::Granules;
 
@@ -192,6 +192,34 @@ struct Growth {
     mapped: Granules,
 }
 
+/// The growth lock of a [`Pool`], held: on unlock it runs a release that a free left
+/// pending while the lock was held (see `Pool::release_if_pending`).
+struct GrowthGuard<'a, U: Resource> {
+    pool: &'a Pool<U>,
+    guard: Option<MutexGuard<'a, Growth>>,
+}
+
+impl<U: Resource> std::ops::Deref for GrowthGuard<'_, U> {
+    type Target = Growth;
+
+    fn deref(&self) -> &Growth {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl<U: Resource> std::ops::DerefMut for GrowthGuard<'_, U> {
+    fn deref_mut(&mut self) -> &mut Growth {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl<U: Resource> Drop for GrowthGuard<'_, U> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.pool.release_if_pending();
+    }
+}
+
 /// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
 /// when the pool is made, so that `Pool<U>` needs no other bound).
 struct Space<U> {
@@ -362,6 +390,9 @@ pub struct Pool<U: Resource> {
     shards: ShardMap<PoolShard>,
     /// Set when the pool grows in place.
     space: Option<Space<U>>,
+    /// A free crossed the release threshold while another thread held the growth lock:
+    /// whoever unlocks it next releases (see [`GrowthGuard`]).
+    release_pending: AtomicBool,
 }
 
 impl<U: Resource> Pool<U> {
@@ -376,6 +407,7 @@ impl<U: Resource> Pool<U> {
             growth: Mutex::new(Growth::default()),
             shards: ShardMap::default(),
             space: None,
+            release_pending: AtomicBool::new(false),
         };
         // The host stream's list exists from the start, so that paths holding the growth
         // lock can look it up without making it (which takes that lock).
@@ -384,7 +416,7 @@ impl<U: Resource> Pool<U> {
             let layout = Layout::from_size_align(config.initial, GRANULE)
                 .map_err(|_| Error::invalid_argument("the pool's initial size is too large"))?;
             let ptr = pool.upstream.allocate_sync(layout)?;
-            pool.add_chunk(&mut lock(&pool.growth), ptr, layout, host);
+            pool.add_chunk(&mut pool.lock_growth(), ptr, layout, host);
         }
         Ok(pool)
     }
@@ -440,11 +472,12 @@ impl<U: Resource> Pool<U> {
                 map: <U as GrowInPlace>::map_at,
                 unmap: <U as GrowInPlace>::unmap_at,
             }),
+            release_pending: AtomicBool::new(false),
         };
         // As in `new`: the host list exists from the start.
         let host = pool.shard(StreamRef::HOST);
         if config.initial > 0 {
-            let mut growth = lock(&pool.growth);
+            let mut growth = pool.lock_growth();
             let space = pool.space.as_ref().expect("set above");
             let len = config.initial.next_multiple_of(granularity);
             let mut s = host.state.lock();
@@ -471,13 +504,13 @@ impl<U: Resource> Pool<U> {
 
     /// Bytes held from the upstream (mapped, for a pool that grows in place).
     pub fn pool_size(&self) -> usize {
-        lock(&self.growth).size
+        self.lock_growth().size
     }
 
     /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
     /// concurrent use it is exact for each list but not one instant.
     pub fn stats(&self) -> PoolStats {
-        let growth = lock(&self.growth);
+        let growth = self.lock_growth();
         let mut stats = PoolStats {
             pool_size: growth.size,
             upstream_allocations: if self.space.is_some() {
@@ -510,7 +543,7 @@ impl<U: Resource> Pool<U> {
     /// mapped granules for a pool that grows in place).
     pub fn coalesce(&self) -> Result<(), Error> {
         let host = self.shard(StreamRef::HOST);
-        let _growth = lock(&self.growth);
+        let _growth = self.lock_growth();
         self.merge_into(host).map(drop)
     }
 
@@ -520,7 +553,7 @@ impl<U: Resource> Pool<U> {
     /// bytes went back.
     pub fn trim(&self) -> Result<usize, Error> {
         let host = self.shard(StreamRef::HOST);
-        self.release_down_to(&mut lock(&self.growth), host, 0)
+        self.release_down_to(&mut self.lock_growth(), host, 0)
     }
 
     /// Merges every list into `into`'s and releases free memory until at most `keep`
@@ -538,19 +571,63 @@ impl<U: Resource> Pool<U> {
         })
     }
 
-    /// The release threshold was crossed by a free: release what is above it, unless
-    /// another thread is growing or trimming the pool right now (it will see the memory).
+    /// The release threshold was crossed by a free: release what is above it into the
+    /// freeing stream's list (so that its next frees count all free memory). When another
+    /// thread holds the growth lock, the release is left to it: it runs once that thread
+    /// unlocks ([`GrowthGuard`]), into the host stream's list.
     #[cold]
     #[inline(never)]
     fn release_above(&self, shard: &Shard<PoolShard>, keep: usize) {
-        let mut growth = match self.growth.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return,
-        };
-        // Into the freeing stream's list, so that its next frees count all free memory.
-        if let Err(e) = self.release_down_to(&mut growth, shard, keep) {
+        match self.growth.try_lock() {
+            Ok(mut growth) => self.release_into(&mut growth, shard, keep),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                self.release_into(&mut p.into_inner(), shard, keep);
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                self.release_pending.store(true, Ordering::SeqCst);
+            }
+        }
+        self.release_if_pending();
+    }
+
+    fn release_into(&self, growth: &mut Growth, shard: &Shard<PoolShard>, keep: usize) {
+        if let Err(e) = self.release_down_to(growth, shard, keep) {
             tracing::warn!("a pool could not give memory back at its release threshold: {e}");
+        }
+    }
+
+    /// Runs a release that a free left pending, unless the growth lock is taken again (its
+    /// holder then runs it on unlock). Every unlock of the growth lock calls this, so a
+    /// pending release is never left behind: the flag is set before the freer's last try
+    /// of the lock, and read after every holder's unlock.
+    fn release_if_pending(&self) {
+        let Some(keep) = self.config.release_threshold else {
+            return;
+        };
+        // A freer sets the flag, then tries the lock; a holder unlocks, then reads the
+        // flag. Without a full fence on each side both could see the other's old state
+        // (the flag unset, the lock still held) and the release would be lost.
+        fence(Ordering::SeqCst);
+        while self.release_pending.load(Ordering::SeqCst) {
+            let mut growth = match self.growth.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return,
+            };
+            if !self.release_pending.swap(false, Ordering::AcqRel) {
+                continue; // another thread ran it; unlock, then look again
+            }
+            // The host stream's list exists from the start: no growth lock is needed to
+            // find it.
+            self.release_into(&mut growth, self.shard(StreamRef::HOST), keep);
+        }
+    }
+
+    /// The growth lock, as a guard that runs a pending release once it unlocks.
+    fn lock_growth(&self) -> GrowthGuard<'_, U> {
+        GrowthGuard {
+            pool: self,
+            guard: Some(lock(&self.growth)),
         }
     }
 
@@ -567,7 +644,7 @@ impl<U: Resource> Pool<U> {
     #[cold]
     fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
         // Under the growth lock, so no chunk comes or goes while its start is copied.
-        let growth = lock(&self.growth);
+        let growth = self.lock_growth();
         self.shards.get_or_insert_with(key, || {
             PoolShard::new(
                 growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
@@ -603,7 +680,7 @@ impl<U: Resource> Pool<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        let mut growth = lock(&self.growth);
+        let mut growth = self.lock_growth();
         let mut found = {
             let mut s = own.state.lock();
             s.flush();
