@@ -69,6 +69,10 @@ impl Live {
     pub(crate) fn reset_peak(&self) {
         self.peak
             .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        // An allocation between the load and the store raised `current` past the stored
+        // peak, and its own `fetch_max` may have come before the store.
+        self.peak
+            .fetch_max(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 }
 
