@@ -911,13 +911,16 @@ impl<U: Resource> Pool<U> {
     /// for the CUDA streams they were freed on. Returns whether anything moved.
     fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
         into.state.lock().flush();
-        self.shards.merge_into(into, PoolShard::drain, |s, blocks| {
-            s.flush();
-            // Highest first, so the lowest blocks head their size classes' lists.
-            for b in blocks.into_iter().rev() {
-                s.free.insert(b);
-            }
-        })
+        self.shards
+            .merge_into(into, PoolShard::drain, |s, mut blocks| {
+                s.flush();
+                // Highest first, so the lowest blocks head their size classes' lists, in the
+                // same order however many lists they came from.
+                blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+                for b in blocks {
+                    s.free.insert(b);
+                }
+            })
     }
 
     /// Unmaps fully free granules of `from`'s list (which holds all free memory, the

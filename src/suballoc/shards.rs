@@ -419,7 +419,8 @@ impl<S> ShardMap<S> {
 
     /// Moves the free items of every shard but `into` into `into`, once the work of the
     /// CUDA streams they were freed on is complete (one `cuCtxSynchronize` per context).
-    /// `drain` empties a shard; `absorb` adds items to one. If the wait fails, the items
+    /// `drain` empties a shard; `absorb` adds items to one (those of all the shards at
+    /// once, when they go to `into`). If the wait fails, the items
     /// go back where they came from and the error is returned. Returns whether anything
     /// moved.
     pub(crate) fn merge_into<T>(
@@ -445,10 +446,8 @@ impl<S> ShardMap<S> {
             return Err(e);
         }
         let any = !moved.is_empty();
-        let mut target = into.state.lock();
-        for (_, items) in moved {
-            absorb(&mut target, items);
-        }
+        let all: Vec<T> = moved.into_iter().flat_map(|(_, items)| items).collect();
+        absorb(&mut into.state.lock(), all);
         if any {
             self.note_free(into);
         }
