@@ -274,6 +274,44 @@ proptest! {
 }
 
 /// Sizes no allocation can have are refused, not rounded into an overflow.
+/// Lists merged by `coalesce` hand out their lowest blocks first, whatever streams the
+/// blocks were freed on and in whatever order (the merge sorts them; each list's own
+/// order follows its hash maps, which depend on the addresses).
+#[test]
+fn coalesced_lists_hand_out_their_lowest_blocks_first() {
+    let pool = heap_pool(PoolConfig::new().initial_size(16 << 20));
+    // 128 KiB blocks skip the per-stream cache of small blocks.
+    let l = layout(128 << 10).unwrap();
+    let s1 = StreamRef::host(1);
+    let blocks: Vec<_> = (0..12).map(|_| pool.allocate(s1, l).unwrap()).collect();
+    // Every other block stays live, so the freed ones cannot merge with each other.
+    let mut freed: Vec<_> = blocks.iter().copied().step_by(2).collect();
+    let kept: Vec<_> = blocks.iter().copied().skip(1).step_by(2).collect();
+    freed.reverse();
+    freed.swap(1, 4);
+    for (i, &p) in freed.iter().enumerate() {
+        let stream = StreamRef::host(2 + (i % 2) as u32);
+        // SAFETY: from `pool` with `l`; host streams are always complete.
+        unsafe { pool.deallocate(stream, p, l) };
+    }
+    pool.coalesce().unwrap();
+    let mut lowest: Vec<_> = freed.iter().map(|p| p.as_ptr() as usize).collect();
+    lowest.sort_unstable();
+    let again: Vec<_> = (0..freed.len())
+        .map(|_| pool.allocate(StreamRef::HOST, l).unwrap())
+        .collect();
+    let got: Vec<_> = again.iter().map(|p| p.as_ptr() as usize).collect();
+    assert_eq!(got, lowest, "the freed blocks, lowest first");
+    for p in again {
+        // SAFETY: from `pool` with `l`; never used.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    }
+    for p in kept {
+        // SAFETY: as above.
+        unsafe { pool.deallocate(s1, p, l) };
+    }
+}
+
 #[test]
 fn sizes_beyond_the_address_space_are_invalid_arguments() {
     let huge = usize::MAX - 255;

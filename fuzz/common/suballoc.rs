@@ -70,8 +70,7 @@ fn maintain_pool<U: Resource>(pool: &Pool<U>, op: u8) {
     }
 }
 
-/// A live block: its layout, the stream it may be freed on next, and the byte written
-/// at both of its ends.
+/// A live block: its layout and the byte written at both of its ends.
 struct Live {
     layout: std::alloc::Layout,
     mark: u8,

@@ -96,12 +96,18 @@ fn loom_shard_map_grows_while_others_insert_and_look_up() {
     });
 }
 
-#[test]
-fn loom_two_streams_grow_one_pool_without_overlap() {
+/// The bounds of the models over whole pools and arenas: two preemptions, and room for
+/// the branches their slow paths take.
+fn pools_model() -> loom::model::Builder {
     let mut builder = loom::model::Builder::new();
     builder.preemption_bound = Some(2);
     builder.max_branches = 100_000;
-    builder.check(|| {
+    builder
+}
+
+#[test]
+fn loom_two_streams_grow_one_pool_without_overlap() {
+    pools_model().check(|| {
         let pool = Arc::new(Pool::new(HostHeap::new(), PoolConfig::new()).unwrap());
         let l = Layout::from_size_align(1000, 256).unwrap();
         let other = Arc::clone(&pool);
@@ -134,10 +140,7 @@ fn loom_two_streams_grow_one_pool_without_overlap() {
 
 #[test]
 fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(2);
-    builder.max_branches = 100_000;
-    builder.check(|| {
+    pools_model().check(|| {
         let arena = Arc::new(Arena::with_size(HostHeap::new(), 2 << 20).unwrap());
         let l = Layout::from_size_align(1000, 256).unwrap();
         let other = Arc::clone(&arena);
@@ -170,10 +173,7 @@ fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
 /// the end every byte is free again.
 #[test]
 fn loom_memory_freed_on_one_stream_is_taken_by_another_once() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(2);
-    builder.max_branches = 100_000;
-    builder.check(|| {
+    pools_model().check(|| {
         let config = PoolConfig::new().initial_size(1024).maximum_size(1024);
         let pool = Arc::new(Pool::new(HostHeap::new(), config).unwrap());
         let l = Layout::from_size_align(1024, 256).unwrap();
@@ -224,10 +224,7 @@ fn loom_memory_freed_on_one_stream_is_taken_by_another_once() {
 /// runs it on unlock. Once both frees are done the pool holds nothing.
 #[test]
 fn loom_release_threshold_gives_back_while_another_stream_allocates() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(2);
-    builder.max_branches = 100_000;
-    builder.check(|| {
+    pools_model().check(|| {
         let config = PoolConfig::new().release_threshold(0);
         let pool = Arc::new(Pool::new(HostHeap::new(), config).unwrap());
         let l = Layout::from_size_align(1000, 256).unwrap();

@@ -578,16 +578,21 @@ impl<U: Resource> Pool<U> {
     #[cold]
     #[inline(never)]
     fn release_above(&self, shard: &Shard<PoolShard>, keep: usize) {
-        match self.growth.try_lock() {
-            Ok(mut growth) => self.release_into(&mut growth, shard, keep),
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                self.release_into(&mut p.into_inner(), shard, keep);
-            }
-            Err(std::sync::TryLockError::WouldBlock) => {
-                self.release_pending.store(true, Ordering::SeqCst);
-            }
+        match self.try_lock_growth() {
+            Some(mut growth) => self.release_into(&mut growth, shard, keep),
+            None => self.release_pending.store(true, Ordering::SeqCst),
         }
         self.release_if_pending();
+    }
+
+    /// The growth lock if no other thread holds it (the raw guard: its unlock runs no
+    /// pending release, so the callers look for one afterwards).
+    fn try_lock_growth(&self) -> Option<MutexGuard<'_, Growth>> {
+        match self.growth.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     fn release_into(&self, growth: &mut Growth, shard: &Shard<PoolShard>, keep: usize) {
@@ -609,10 +614,8 @@ impl<U: Resource> Pool<U> {
         // (the flag unset, the lock still held) and the release would be lost.
         fence(Ordering::SeqCst);
         while self.release_pending.load(Ordering::SeqCst) {
-            let mut growth = match self.growth.try_lock() {
-                Ok(g) => g,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return,
+            let Some(mut growth) = self.try_lock_growth() else {
+                return;
             };
             if !self.release_pending.swap(false, Ordering::AcqRel) {
                 continue; // another thread ran it; unlock, then look again
@@ -914,8 +917,9 @@ impl<U: Resource> Pool<U> {
         self.shards
             .merge_into(into, PoolShard::drain, |s, mut blocks| {
                 s.flush();
-                // Highest first, so the lowest blocks head their size classes' lists, in the
-                // same order however many lists they came from.
+                // Highest first, so the lowest blocks head their size classes' lists,
+                // whatever order the lists held them in (their maps' order depends on the
+                // addresses the upstream gave).
                 blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
                 for b in blocks {
                     s.free.insert(b);
