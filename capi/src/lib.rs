@@ -283,7 +283,7 @@ pub unsafe extern "C" fn memres_malloc(
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             let ptr = stack.top().allocate(stream, layout)?;
-            stack.live().allocated(size);
+            stack.live().add(layout.size() as i64); // a layout's size is at most isize::MAX
             Ok(ptr.as_ptr().cast())
         },
     )
@@ -323,7 +323,7 @@ pub unsafe extern "C" fn memres_free(
             })?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            stack.live().freed(size);
+            stack.live().sub(layout.size() as i64); // as in `memres_malloc`
             // SAFETY: the caller's promise: `ptr` came from this device's stack (the only
             // resource `memres_malloc` uses for it) with this size, and is ordered.
             unsafe { stack.top().deallocate(stream, ptr, layout) };
@@ -348,7 +348,8 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
             let mut stats = memres_stats_t::default();
             if let Some(stack) = built_stack(device)? {
                 let figures = stack.figures()?;
-                (stats.live_bytes, stats.peak_live_bytes) = figures.live;
+                (stats.live_bytes, stats.peak_live_bytes) =
+                    (figures.live.current, figures.live.peak);
                 if let Some(s) = figures.statistics {
                     stats.has_statistics = 1;
                     (stats.current_bytes, stats.peak_bytes, stats.total_bytes) =

@@ -2,9 +2,8 @@
 //! `memres_stats` and `memres_trim` read.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 
-use mr::adaptor::{Limiting, Logging, Statistics};
+use mr::adaptor::{ExactCounter, Limiting, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
 use mr::upstream::CudaAsyncConfig;
 use mr::{
@@ -31,49 +30,10 @@ pub(crate) struct DeviceStack {
     /// Logging layers: the stack lives in a static, never dropped, so their last rows are
     /// flushed at exit (`flush_logs`).
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
-    /// Bytes live through the C ABI, counted exactly whatever the spec.
-    live: Live,
-}
-
-/// Bytes handed out and not yet freed, and their highest point, counted with one atomic
-/// add per call, so the peak is exact however many threads allocate (a statistics
-/// layer's per-thread counts trade that for speed; PyTorch frees on its autograd thread
-/// what its main thread allocated).
-#[derive(Default)]
-pub(crate) struct Live {
-    current: AtomicI64,
-    peak: AtomicI64,
-}
-
-impl Live {
-    pub(crate) fn allocated(&self, bytes: usize) {
-        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
-        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    pub(crate) fn freed(&self, bytes: usize) {
-        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
-        self.current.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
-    /// Current and peak bytes.
-    pub(crate) fn read(&self) -> (i64, i64) {
-        (
-            self.current.load(Ordering::Relaxed),
-            self.peak.load(Ordering::Relaxed),
-        )
-    }
-
-    /// Starts a new peak from what is live now.
-    pub(crate) fn reset_peak(&self) {
-        self.peak
-            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
-        // An allocation between the load and the store raised `current` past the stored
-        // peak, and its own `fetch_max` may have come before the store.
-        self.peak
-            .fetch_max(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
+    /// Bytes live through the C ABI, counted exactly whatever the spec (one atomic add per
+    /// call; PyTorch frees on its autograd thread what its main thread allocated, where a
+    /// statistics layer's per-thread peak would be approximate).
+    live: ExactCounter,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -82,8 +42,8 @@ pub(crate) struct Figures {
     pub(crate) statistics: Option<mr::adaptor::StatisticsSnapshot>,
     /// Pool size, free bytes, largest free block.
     pub(crate) pool: Option<(u64, u64, u64)>,
-    /// Live bytes through the C ABI and their peak ([`Live`]).
-    pub(crate) live: (i64, i64),
+    /// Bytes live through the C ABI (`current`, `peak`).
+    pub(crate) live: mr::adaptor::Counter,
 }
 
 impl DeviceStack {
@@ -97,7 +57,7 @@ impl DeviceStack {
             statistics: layers.statistics,
             pool: layers.pool,
             logs: layers.logs,
-            live: Live::default(),
+            live: ExactCounter::default(),
         })
     }
 }
@@ -243,7 +203,7 @@ impl DeviceStack {
     }
 
     /// The exact count of bytes live through the C ABI.
-    pub(crate) fn live(&self) -> &Live {
+    pub(crate) fn live(&self) -> &ExactCounter {
         &self.live
     }
 

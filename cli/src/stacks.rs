@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI64, Ordering};
 
+use memres::adaptor::ExactCounter;
 use memres::property::Contains;
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, PoolStats};
 use memres::upstream::{Backend, Virtual};
@@ -147,40 +147,29 @@ impl Stack {
     }
 }
 
-/// Bytes a stack holds from its memory, counted exactly (one atomic counter: the replay
-/// interleaves threads, where `Statistics`' per-thread counting may be off by a few ops).
-#[derive(Default)]
-struct Footprint {
-    current: AtomicI64,
-    peak: AtomicI64,
-}
-
-/// `memory` with every block it hands out counted in the returned [`Footprint`].
+/// `memory` with every block it hands out counted in the returned counter (exact: the
+/// replay interleaves threads, where `Statistics`' per-thread counting may be off by a
+/// few ops).
 fn counted<U>(
     memory: U,
 ) -> (
     impl Resource<Properties = U::Properties> + Send + Sync + 'static,
-    Arc<Footprint>,
+    Arc<ExactCounter>,
 )
 where
     U: Resource + Send + Sync + 'static,
 {
-    let footprint = Arc::new(Footprint::default());
+    let footprint = Arc::new(ExactCounter::default());
     let memory = Arc::new(memory);
     let (up, count) = (Arc::clone(&memory), Arc::clone(&footprint));
     let allocate = move |l: Layout, s: StreamRef<'_>| {
         let p = up.allocate(s, l)?;
-        let size = l.size() as i64; // a layout's size is at most isize::MAX
-        let now = count
-            .current
-            .fetch_add(size, Ordering::Relaxed)
-            .wrapping_add(size);
-        count.peak.fetch_max(now, Ordering::Relaxed);
+        count.add(l.size() as i64); // a layout's size is at most isize::MAX
         Ok(p)
     };
     let count = Arc::clone(&footprint);
     let deallocate = move |p: NonNull<u8>, l: Layout, s: StreamRef<'_>| {
-        count.current.fetch_sub(l.size() as i64, Ordering::Relaxed);
+        count.sub(l.size() as i64);
         // SAFETY: `Callback` hands back only blocks `allocate` returned, from `memory`
         // with this layout, under `Resource::deallocate`'s contract.
         unsafe { memory.deallocate(s, p, l) }
@@ -202,11 +191,7 @@ where
 {
     let (memory, count) = counted(memory);
     let counted = Arc::new(memory);
-    let footprint = Box::new(move || memres::adaptor::Counter {
-        current: count.current.load(Ordering::Relaxed),
-        peak: count.peak.load(Ordering::Relaxed),
-        total: 0,
-    });
+    let footprint = Box::new(move || count.read());
     let pool_config = || {
         let mut config = PoolConfig::new().initial_size(options.initial_size);
         if let Some(max) = options.max_size {

@@ -24,7 +24,7 @@ pub use failure_retry::FailureRetry;
 pub use limiting::Limiting;
 pub use logging::{LOG_FILE_VARIABLE, Logging};
 pub use prefetch::Prefetch;
-pub use statistics::{Counter, Statistics, StatisticsSnapshot};
+pub use statistics::{Counter, ExactCounter, Statistics, StatisticsSnapshot};
 pub use thread_safe::ThreadSafe;
 pub use tracking::{Outstanding, Tracking};
 

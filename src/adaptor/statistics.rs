@@ -23,6 +23,63 @@ pub struct Counter {
     pub total: i64,
 }
 
+/// One counter kept exactly under any interleaving of threads: one atomic
+/// read-modify-write per change, where [`Statistics`] counts per thread (faster, but its
+/// peak across interleaving threads is approximate). For a peak that must be exact, such
+/// as memory live through an API that several threads call.
+///
+/// ```
+/// use memres::adaptor::ExactCounter;
+///
+/// let live = ExactCounter::default();
+/// live.add(1000);
+/// live.add(500);
+/// live.sub(1000);
+/// let c = live.read();
+/// assert_eq!((c.current, c.peak, c.total), (500, 1500, 1500));
+/// live.reset_peak();
+/// assert_eq!(live.read().peak, 500);
+/// ```
+#[derive(Debug, Default)]
+pub struct ExactCounter {
+    current: AtomicI64,
+    peak: AtomicI64,
+    total: AtomicI64,
+}
+
+impl ExactCounter {
+    /// Adds `n` (raising the peak if `current` passes it).
+    pub fn add(&self, n: i64) {
+        let now = self.current.fetch_add(n, Ordering::Relaxed).wrapping_add(n);
+        self.peak.fetch_max(now, Ordering::Relaxed);
+        self.total.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Subtracts `n`.
+    pub fn sub(&self, n: i64) {
+        self.current.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    /// The figures now.
+    pub fn read(&self) -> Counter {
+        Counter {
+            current: self.current.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+            total: self.total.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Starts a new peak from the value now.
+    pub fn reset_peak(&self) {
+        self.peak
+            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+        // An `add` between the load and the store raised `current` past the stored peak,
+        // and its own `fetch_max` may have come before the store.
+        self.peak
+            .fetch_max(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
 /// Both statistics of one counter frame.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StatisticsSnapshot {
@@ -231,7 +288,8 @@ struct Frame {
 ///   threads did since their last publication (each: fewer than 64 allocations, and
 ///   frees outnumbering them by fewer than 64, so up to 126 frees); it never falls below
 ///   the highest `current` read. Where an exact peak across threads matters more than
-///   speed, count with one atomic counter instead (the `memres replay` command does).
+///   speed, count with an [`ExactCounter`] instead (the `memres replay` command and the C
+///   ABI do).
 /// - `push_counters` and `pop_counters` publish the calling thread's slot; other threads'
 ///   unpublished highs from before a push may count towards the new frame's peak.
 ///
