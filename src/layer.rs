@@ -69,6 +69,13 @@ pub trait ResourceExt: SyncResource + Sized {
         }
     }
 
+    /// Counts allocations towards the open [`profile`](crate::profile) scopes:
+    /// [`Profiling`](crate::adaptor::Profiling).
+    #[inline]
+    fn with_profiling(self) -> crate::adaptor::Profiling<Self> {
+        crate::adaptor::Profiling::new(self)
+    }
+
     /// Caps the bytes outstanding: [`Limiting`](crate::adaptor::Limiting).
     #[inline]
     fn limited(self, limit: usize) -> crate::adaptor::Limiting<Self> {

@@ -39,12 +39,14 @@
 //!   [`Tracking`](adaptor::Tracking), [`Limiting`](adaptor::Limiting),
 //!   [`Aligned`](adaptor::Aligned), [`FailureRetry`](adaptor::FailureRetry),
 //!   [`ThreadSafe`](adaptor::ThreadSafe), [`Logging`](adaptor::Logging),
-//!   [`Prefetch`](adaptor::Prefetch).
+//!   [`Prefetch`](adaptor::Prefetch), [`Profiling`](adaptor::Profiling).
 //! - [`container`] holds [`DeviceBuffer`](container::DeviceBuffer),
 //!   [`DeviceVec`](container::DeviceVec), [`DeviceScalar`](container::DeviceScalar), the
 //!   `allocator_api2` bridge [`HostAllocator`](container::HostAllocator) and
 //!   [`StreamAllocator`](container::StreamAllocator).
 //! - [`log`] holds the CSV event-log format shared with RMM and its reader.
+//! - [`profile`] attributes allocations to named scopes of a program (with the
+//!   [`Profiling`](adaptor::Profiling) adaptor).
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`units`] parses byte counts written by people (`512MiB`).
 //! - [`workloads`] holds the standard benchmark workloads, for timing any resource.
@@ -59,6 +61,7 @@ pub mod erased;
 pub mod error;
 pub mod layer;
 pub mod log;
+pub mod profile;
 pub mod property;
 pub mod resource;
 pub mod stream;

@@ -59,6 +59,10 @@ typedef struct memres_stats_t {
  * MEMRES_ERROR_INVALID_ARGUMENT for a bad spec, MEMRES_ERROR_IN_USE once allocated. */
 int memres_configure(const char* spec);
 
+/* Builds device's stack now instead of on its first allocation (so a spec the device
+ * cannot serve fails here). MEMRES_OK or a failure code. */
+int memres_init_device(int device);
+
 /* size bytes on device, stream-ordered on stream (NULL: the legacy default stream).
  * NULL on failure, out of memory included (memres_last_error says why). A zero-byte
  * request returns NULL and is no failure (memres_last_error is then ""); freeing NULL is a
@@ -79,6 +83,24 @@ int memres_reset_peak(int device);
 
 /* The message of the last failure on this thread, "" if none. */
 const char* memres_last_error(void);
+
+/* The scope profiler. Every memres_malloc/memres_free counts towards the open scopes of
+ * the calling thread, and towards every open all-threads scope. memres_profile_push opens
+ * a scope (all_threads != 0: counting every thread) and returns its id (> 0; a negative
+ * failure code otherwise); memres_profile_pop closes it, on the thread that opened it,
+ * and adds its figures to the record of its name. */
+int64_t memres_profile_push(const char* name, int all_threads);
+int memres_profile_pop(int64_t id);
+
+/* Writes the records into buf (at most len bytes, NUL included) and returns the length of
+ * the whole text without its NUL (call again with a larger buffer if that is >= len), or a
+ * negative failure code. One line per name, highest peak first, tab-separated: name (with
+ * backslash, tab and newline escaped as \\, \t, \n), calls, allocations, bytes, peak
+ * bytes, retained bytes. */
+ssize_t memres_profile_report(char* buf, size_t len);
+
+/* Forgets every record. */
+void memres_profile_reset(void);
 
 #ifdef __cplusplus
 }

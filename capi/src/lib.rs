@@ -5,14 +5,20 @@
 //! from the spec given to `memres_configure` (or in env `MEMRES_RESOURCE`, or `pool`), and
 //! also made memres's per-device resource, so Rust code in the same process shares it.
 //! `memres_malloc` and `memres_free` have the signatures PyTorch's
-//! `CUDAPluggableAllocator` calls; `python/memres_alloc.py` wraps them for PyTorch and
-//! CuPy.
+//! `CUDAPluggableAllocator` calls; the Python package in `python/` wraps them for PyTorch
+//! and CuPy. Every call of `memres_malloc`/`memres_free` counts towards the open
+//! [profiler scopes](mr::profile), which `memres_profile_*` open, close and report.
 //!
 //! No function unwinds into C: a panic is caught, reported through `memres_last_error`
 //! and turned into a failure code (or a null pointer).
 
+mod profile;
 mod spec;
 mod stack;
+
+pub use profile::{
+    memres_profile_pop, memres_profile_push, memres_profile_report, memres_profile_reset,
+};
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -252,6 +258,19 @@ pub unsafe extern "C" fn memres_configure(spec: *const c_char) -> c_int {
     )
 }
 
+/// Builds `device`'s stack now rather than on its first allocation (so a spec the device
+/// cannot serve fails here, and the pool's initial size is taken up front).
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_init_device(device: c_int) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            stack(device)?;
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
 /// Allocates `size` bytes on `device`, in order on `stream`. Null on failure (see
 /// `memres_last_error`).
 ///
@@ -284,6 +303,7 @@ pub unsafe extern "C" fn memres_malloc(
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             let ptr = stack.top().allocate(stream, layout)?;
             stack.live().add(layout.size() as i64); // a layout's size is at most isize::MAX
+            mr::profile::count_allocation(layout.size());
             Ok(ptr.as_ptr().cast())
         },
     )
@@ -324,6 +344,7 @@ pub unsafe extern "C" fn memres_free(
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             stack.live().sub(layout.size() as i64); // as in `memres_malloc`
+            mr::profile::count_free(layout.size());
             // SAFETY: the caller's promise: `ptr` came from this device's stack (the only
             // resource `memres_malloc` uses for it) with this size, and is ordered.
             unsafe { stack.top().deallocate(stream, ptr, layout) };

@@ -200,6 +200,9 @@ fn without_a_driver_malloc_returns_null_and_says_why() {
     let p = unsafe { memres_malloc(1 << 20, 0, std::ptr::null_mut()) };
     assert!(p.is_null());
     assert!(last_error().contains("driver"), "{}", last_error());
+    assert_eq!(memres_init_device(0), MEMRES_ERROR_CUDA);
+    assert!(last_error().contains("driver"), "{}", last_error());
+    assert_eq!(memres_init_device(-1), MEMRES_ERROR_INVALID_ARGUMENT);
     // Nothing was built, so the configuration may still change.
     let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     assert_eq!(configure("pool"), MEMRES_OK);
@@ -241,6 +244,7 @@ fn live_bytes_child() {
     }
     const SIZES: [isize; 3] = [1 << 20, 3 << 20, 4096];
     let before = stats(0).live_bytes;
+    let scope = push("capi.child", true);
     let blocks: Vec<usize> = SIZES
         .iter()
         // SAFETY: the legacy default stream.
@@ -260,12 +264,89 @@ fn live_bytes_child() {
     })
     .join()
     .unwrap();
+    assert_eq!(memres_profile_pop(scope), MEMRES_OK);
+    let total_u = total as u64;
+    // An all-threads scope: the other thread's frees count too.
+    let child = report_lines()
+        .into_iter()
+        .find(|l| l[0] == "capi.child")
+        .unwrap();
+    assert_eq!(
+        child[1..],
+        ["1", "3", &total_u.to_string(), &total_u.to_string(), "0"]
+    );
     let after = stats(0);
     assert_eq!(after.live_bytes, before);
     assert!(after.peak_live_bytes >= before + total as i64);
     assert_eq!(memres_reset_peak(0), MEMRES_OK);
     assert_eq!(stats(0).peak_live_bytes, before);
     println!("live bytes: exact");
+}
+
+fn push(name: &str, all_threads: bool) -> i64 {
+    let c = CString::new(name).unwrap();
+    // SAFETY: a NUL-terminated string.
+    unsafe { profile::memres_profile_push(c.as_ptr(), all_threads.into()) }
+}
+
+/// The report, each line split at tabs (names unescaped are not needed here).
+fn report_lines() -> Vec<Vec<String>> {
+    // SAFETY: a null buffer of length 0 asks for the length only.
+    let n = unsafe { profile::memres_profile_report(std::ptr::null_mut(), 0) };
+    assert!(n >= 0, "{}", last_error());
+    let mut buf = vec![0u8; n as usize + 1];
+    // SAFETY: `buf` is valid for its length.
+    let m = unsafe { profile::memres_profile_report(buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(m >= n, "the report shrank");
+    let text = CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap();
+    text.lines()
+        .map(|l| l.split('\t').map(str::to_owned).collect())
+        .collect()
+}
+
+#[test]
+fn profiler_scopes_open_close_and_report_through_the_abi() {
+    let id = push("capi.scope", false);
+    assert!(id > 0, "{}", last_error());
+    let inner = push("capi.inner\ta\\b\n", true);
+    assert!(inner > id);
+    // Another thread cannot close this thread's scope.
+    let other = std::thread::spawn(move || (memres_profile_pop(inner), last_error()))
+        .join()
+        .unwrap();
+    assert_eq!(other.0, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(
+        other.1.contains("not open") || other.1.contains("no scope"),
+        "{}",
+        other.1
+    );
+    assert_eq!(memres_profile_pop(inner), MEMRES_OK);
+    assert_eq!(
+        memres_profile_pop(inner),
+        MEMRES_ERROR_INVALID_ARGUMENT,
+        "closed twice"
+    );
+    assert_eq!(memres_profile_pop(id), MEMRES_OK);
+    let lines = report_lines();
+    let scope = lines.iter().find(|l| l[0] == "capi.scope").unwrap();
+    assert_eq!(scope[1..], ["1", "0", "0", "0", "0"]);
+    // Tab, backslash and newline in a name are escaped, so each record is one line.
+    assert!(
+        lines.iter().any(|l| l[0] == "capi.inner\\ta\\\\b\\n"),
+        "{lines:?}"
+    );
+    // A short buffer gets a truncated, NUL-terminated prefix and the full length.
+    let mut small = [0x55u8; 4];
+    // SAFETY: `small` is valid for 4 bytes.
+    let n = unsafe { profile::memres_profile_report(small.as_mut_ptr().cast(), 4) };
+    assert!(n > 4);
+    assert_eq!(small[3], 0);
+    // SAFETY: a null name is refused, not read.
+    let null_name = unsafe { profile::memres_profile_push(std::ptr::null(), 0) };
+    assert_eq!(null_name, -1);
+    // SAFETY: a null buffer with a length is refused, not written.
+    let null_buf = unsafe { profile::memres_profile_report(std::ptr::null_mut(), 8) };
+    assert_eq!(null_buf, -1);
 }
 
 #[test]
@@ -292,7 +373,7 @@ fn header() -> String {
 }
 
 fn source() -> String {
-    include_str!("lib.rs").to_owned()
+    [include_str!("lib.rs"), include_str!("profile.rs")].concat()
 }
 
 /// `name(params) -> ret` of every `extern "C" fn memres_*` in the source, in C types.
@@ -302,6 +383,9 @@ fn rust_prototypes() -> Vec<String> {
         match rust.trim() {
             "isize" => "ssize_t",
             "c_int" => "int",
+            "i64" => "int64_t",
+            "usize" => "size_t",
+            "*mut c_char" => "char*",
             "*mut c_void" => "void*",
             "*const c_char" => "const char*",
             "*mut memres_stats_t" => "memres_stats_t*",
@@ -367,7 +451,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 7, "{rust:#?}");
+    assert_eq!(rust.len(), 12, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
