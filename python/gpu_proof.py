@@ -1,5 +1,6 @@
 """The C ABI's proof on a GPU: PyTorch and CuPy allocating through memres.
 
+    pip install ./python                   # once (or PYTHONPATH=python, MEMRES_LIB=...)
     python3 python/gpu_proof.py            # all checks; exit status 0 when all pass
 
 Each check runs in its own process (an allocator must be installed before CUDA is used):
@@ -26,9 +27,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
 STEPS = 200
 SPEED_OPS = 100_000
 RUNS = 9
@@ -52,10 +50,9 @@ def train(allocator):
 
     report = {}
     if allocator == "memres":
-        import memres_alloc as m
+        import memres as m
 
-        m.configure("statistics(pool)")
-        torch.cuda.memory.change_current_allocator(m.torch_allocator())
+        m.setup("statistics(pool)")  # configure + torch's allocator in one call
     torch.manual_seed(1234)
     dev = torch.device("cuda")
     model = torch.nn.Sequential(
@@ -81,7 +78,7 @@ def train(allocator):
         step()
     report["losses"] = list(losses)
     if allocator == "memres":
-        import memres_alloc as m
+        import memres as m
 
         during = m.stats(0)
         report["stats_during"] = during
@@ -118,7 +115,7 @@ def empty_tensors():
 
     import torch
 
-    import memres_alloc as m
+    import memres as m
 
     m.configure("statistics(virtual_pool)")
     torch.cuda.memory.change_current_allocator(m.torch_allocator())
@@ -147,10 +144,9 @@ def cupy_check():
     import cupy
     import numpy
 
-    import memres_alloc as m
+    import memres as m
 
-    m.configure("statistics(pool)")
-    cupy.cuda.set_allocator(m.cupy_allocator)
+    m.setup("statistics(pool)", torch=False, cupy=True)
     rng = numpy.random.default_rng(7)
     a_host = rng.standard_normal((1000, 300)).astype(numpy.float32)
     b_host = rng.standard_normal((300, 200)).astype(numpy.float32)
@@ -173,7 +169,7 @@ def cupy_check():
 def log_at_exit(path):
     import torch
 
-    import memres_alloc as m
+    import memres as m
 
     m.configure(f"logging(pool,file={path})")
     torch.cuda.memory.change_current_allocator(m.torch_allocator())
@@ -193,7 +189,7 @@ def speed(allocator):
     import torch
 
     if allocator == "memres":
-        import memres_alloc as m
+        import memres as m
 
         m.configure("pool")
         torch.cuda.memory.change_current_allocator(m.torch_allocator())

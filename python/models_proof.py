@@ -1,7 +1,8 @@
 """Real models trained under three allocators: losses, step time, memory held and live.
 
+    pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
     python3 python/models_proof.py [--models gpt2,resnet50] [--steps 40] [--rounds 2]
-                                   [--no-deterministic]
+                                   [--no-deterministic] [--profile]
 
 Models, built from their configs (random weights, no download):
   gpt2     - transformers' GPT-2 small, bf16 autocast, AdamW; batch 4..16 and sequence
@@ -10,7 +11,7 @@ Models, built from their configs (random weights, no download):
              SGD with momentum; batch 16..128 of 224x224 images drawn per step.
 Allocators, one process each: PyTorch's caching allocator ("torch"), the same with
 expandable_segments:True ("expandable"), and memres's default stack ("memres": the
-in-place pool on CUDA virtual memory, through memres_alloc and MEMRES_LIB). memres's peak
+in-place pool on CUDA virtual memory, installed by `memres.setup()`). memres's peak
 live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
 `max_memory_allocated()`.
 
@@ -22,9 +23,14 @@ allocator's own peak live bytes. Then one deterministic run per allocator
 deterministic, no cuDNN benchmark): its losses must equal torch's bit for bit, since the
 allocator changes no kernel's arithmetic. The timing runs' losses are compared within a
 tolerance (kernels with atomics reduce in varying order).
+
+--profile adds one more memres run per model with the scope profiler on: each step's
+forward pass, backward pass and optimizer step in scopes of their own (all threads: the
+backward pass runs on PyTorch's autograd thread), and prints memres's profile report.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,13 +38,14 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
 MODES = ("torch", "expandable", "memres")
 
 
-def build(name, dev, torch):
+def no_scope(_name):
+    return contextlib.nullcontext()
+
+
+def build(name, dev, torch, scope=no_scope):
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -50,11 +57,13 @@ def build(name, dev, torch):
             batch = int(torch.randint(4, 17, (1,), generator=gen))
             seq = int(torch.randint(128, 1025, (1,), generator=gen))
             ids = torch.randint(0, 50257, (batch, seq), generator=gen).to(dev)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with scope("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with scope("backward"):
+                loss.backward()
+            with scope("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             return loss
 
         return step
@@ -72,35 +81,40 @@ def build(name, dev, torch):
             x = torch.randn(batch, 3, 224, 224, generator=gen).to(dev)
             x = x.contiguous(memory_format=torch.channels_last)
             y = torch.randint(0, 1000, (batch,), generator=gen).to(dev)
-            with torch.autocast("cuda", dtype=torch.float16):
+            with scope("forward"), torch.autocast("cuda", dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            with scope("backward"):
+                scaler.scale(loss).backward()
+            with scope("optimizer"):
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
             return loss
 
         return step
     raise SystemExit(f"unknown model {name}")
 
 
-def run(model_name, mode, steps, deterministic):
+def run(model_name, mode, steps, deterministic, profiled=False):
     import torch
 
     if deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+    scope = no_scope
     if mode == "memres":
-        import memres_alloc as m
+        import memres
 
-        torch.cuda.memory.change_current_allocator(m.torch_allocator())
+        memres.setup()  # the default stack on every device, installed for torch
+        if profiled:
+            scope = memres.profile
     torch.manual_seed(0)
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
     base_used = total - free0
     dev = torch.device("cuda")
-    step = build(model_name, dev, torch)
+    step = build(model_name, dev, torch, scope)
     losses, times, peak_used = [], [], 0
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -112,11 +126,13 @@ def run(model_name, mode, steps, deterministic):
         free, _ = torch.cuda.mem_get_info()
         peak_used = max(peak_used, total - free - base_used)
     if mode == "memres":
-        import memres_alloc as m
-
-        s = m.stats(0)
+        s = memres.stats(0)
         peak_live = s["peak_live_bytes"]
         extra = {"pool_size_end": s.get("pool_size")}
+        if profiled:
+            report = memres.profile_report()
+            print(report, file=sys.stderr)
+            extra["profile"] = report.as_dict()
     else:
         peak_live = torch.cuda.max_memory_allocated()
         extra = {"reserved_peak": torch.cuda.max_memory_reserved()}
@@ -134,13 +150,14 @@ def run(model_name, mode, steps, deterministic):
     )
 
 
-def child(model, mode, steps, deterministic):
+def child(model, mode, steps, deterministic, profiled=False):
     env = dict(os.environ)
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     args = ["--child", model, mode, str(steps), "1" if deterministic else "0"]
+    args.append("1" if profiled else "0")
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True, env=env
     )
@@ -148,6 +165,8 @@ def child(model, mode, steps, deterministic):
         print(out.stdout[-4000:])
         print(out.stderr[-4000:])
         raise SystemExit(f"{model} under {mode} failed with {out.returncode}")
+    if profiled:
+        print(out.stderr.strip())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -157,6 +176,7 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-deterministic", action="store_true")
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     import torch
 
@@ -203,6 +223,13 @@ def main():
                 )
                 if not same:
                     failures.append(f"{model}: deterministic losses under {mode} differ")
+        if a.profile:
+            print(f"{model}: memres profile of {a.steps} steps (forward / backward / optimizer)")
+            profiled = child(model, "memres", a.steps, False, profiled=True)
+            summary[f"{model}/memres-profiled"] = {
+                "median_step_s": profiled["median_step_s"],
+                "profile": profiled["profile"],
+            }
     print(json.dumps(summary))
     if failures:
         print("FAILED: " + "; ".join(failures))
@@ -212,6 +239,6 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1")
     else:
         main()

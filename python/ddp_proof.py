@@ -1,0 +1,161 @@
+"""GPT-2 trained data-parallel (DDP, NCCL, one process per GPU) under PyTorch's caching
+allocator and under memres, same seeds: losses, per-rank peak memory and step time.
+
+    pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
+    python3 python/ddp_proof.py [--gpus N] [--steps 40] [--no-deterministic]
+
+N defaults to every visible GPU (1 works too: NCCL with one rank). Each allocator runs as
+its own group of N processes (rank r on GPU r, env:// rendezvous on localhost). Under
+memres every rank calls `memres.setup()` before touching CUDA, so all of PyTorch's
+allocations on its device come from memres: activations, gradients, DDP's gradient
+buckets and the tensors NCCL's collectives read and write (NCCL's own internal buffers
+are cudaMalloc'd by NCCL and stay outside any PyTorch allocator).
+
+The model is transformers' GPT-2 small from its config (random weights, seed 0 on every
+rank, so DDP starts from equal replicas), bf16 autocast, AdamW; per step the batch
+(2..8 per rank) and sequence length (128..1024) come from one generator shared by all
+ranks, the tokens from a generator of (rank, step). With deterministic algorithms
+(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, NCCL's ring
+all-reduce over a fixed set of ranks) rank 0's losses must equal PyTorch's bit for bit.
+Peak memory is cudaMemGetInfo's "used" after each step less what was used before the
+rank's CUDA work, next to the allocator's peak live bytes.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ("torch", "memres")
+
+
+def rank_main(mode, steps, deterministic):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "memres":
+        import memres
+
+        memres.setup()  # before CUDA: this rank's PyTorch allocations come from memres
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    free0, total = torch.cuda.mem_get_info(dev)
+    base_used = total - free0
+    dist.init_process_group("nccl", device_id=dev)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT2LMHeadModel(GPT2Config()).to(dev), device_ids=[rank])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shapes = torch.Generator().manual_seed(42)
+    losses, times, peak_used = [], [], 0
+    for step in range(steps):
+        batch = int(torch.randint(2, 9, (1,), generator=shapes))
+        seq = int(torch.randint(128, 1025, (1,), generator=shapes))
+        tokens = torch.Generator().manual_seed(1000 * step + rank)
+        ids = torch.randint(0, 50257, (batch, seq), generator=tokens).to(dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        free, _ = torch.cuda.mem_get_info(dev)
+        peak_used = max(peak_used, total - free - base_used)
+    if mode == "memres":
+        peak_live = memres.stats(rank)["peak_live_bytes"]
+    else:
+        peak_live = torch.cuda.max_memory_allocated(dev)
+    dist.destroy_process_group()
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": world,
+                "losses": losses,
+                "median_step_s": statistics.median(times[3:]),
+                "peak_device_used": peak_used,
+                "peak_live": peak_live,
+            }
+        )
+    )
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(mode, gpus, steps, deterministic):
+    """Starts `gpus` ranks of one allocator; returns their results, by rank."""
+    port = str(free_port())
+    procs = []
+    for rank in range(gpus):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(gpus))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        if deterministic:
+            env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        args = [sys.executable, os.path.abspath(__file__), "--rank", mode, str(steps)]
+        args.append("1" if deterministic else "0")
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for rank, proc in enumerate(procs):
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            print(out[-3000:])
+            print(err[-3000:])
+            raise SystemExit(f"rank {rank} under {mode} failed with {proc.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=0, help="ranks (default: every visible GPU)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--no-deterministic", action="store_true")
+    a = p.parse_args()
+    import torch
+
+    gpus = a.gpus or torch.cuda.device_count()
+    deterministic = not a.no_deterministic
+    print(f"{gpus} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; nccl {torch.cuda.nccl.version()}")
+    runs = {mode: run_group(mode, gpus, a.steps, deterministic) for mode in MODES}
+    failures = []
+    for mode in MODES:
+        for r in runs[mode]:
+            print(
+                f"{mode:7s} rank {r['rank']}: peak used {r['peak_device_used'] / 2**30:7.3f} GiB  "
+                f"peak live {r['peak_live'] / 2**30:7.3f} GiB  ratio {r['peak_device_used'] / r['peak_live']:.3f}  "
+                f"median step {r['median_step_s'] * 1e3:8.2f} ms"
+            )
+    ref, got = runs["torch"][0]["losses"], runs["memres"][0]["losses"]
+    same = ref == got
+    diff = max(abs(x - y) for x, y in zip(ref, got))
+    print(f"rank 0 losses under memres {'bit for bit equal to' if same else f'differ (max {diff:.3g}) from'} PyTorch's")
+    if deterministic and not same:
+        failures.append("losses differ in a deterministic run")
+    print(json.dumps({"gpus": gpus, "steps": a.steps, "deterministic": deterministic, "runs": runs, "losses_equal": same}))
+    if failures:
+        print("FAILED: " + "; ".join(failures))
+        raise SystemExit(1)
+    print("all checks passed")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        rank_main(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1")
+    else:
+        main()

@@ -1,0 +1,60 @@
+"""memres GPU memory pools for PyTorch and CuPy, through libmemres's C ABI (ctypes only).
+
+    import memres
+    mr = memres.setup()      # every device: memres's default pool; PyTorch allocates from it
+    ...                      # train
+    print(mr.stats())        # per device: live, peak live, pool size
+
+``setup(spec)`` takes a stack spec (``"virtual_pool"``, ``"pool:initial=8GiB"``,
+``"statistics(virtual_pool)"``, ...; see ``capi/include/memres.h``). The scope profiler
+attributes allocations to named regions::
+
+    with memres.profile("forward"):
+        loss = model(x)
+    print(memres.profile_report())
+
+The library is the ``libmemres.so`` installed inside this package (``pip install
+./python`` from a checkout builds it), or the one named by env ``MEMRES_LIB``.
+"""
+
+from ._cupy import cupy_allocator
+from ._device import configure, init_device, reset_peak, stats, trim
+from ._native import (
+    ERROR_CUDA,
+    ERROR_IN_USE,
+    ERROR_INVALID_ARGUMENT,
+    ERROR_OUT_OF_MEMORY,
+    ERROR_PANIC,
+    MemresError,
+    last_error,
+    library_path,
+)
+from ._profile import ProfileReport, profile, profile_report, profile_reset
+from ._setup import Setup, setup
+from ._torch import torch_allocator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ERROR_CUDA",
+    "ERROR_IN_USE",
+    "ERROR_INVALID_ARGUMENT",
+    "ERROR_OUT_OF_MEMORY",
+    "ERROR_PANIC",
+    "MemresError",
+    "ProfileReport",
+    "Setup",
+    "configure",
+    "cupy_allocator",
+    "init_device",
+    "last_error",
+    "library_path",
+    "profile",
+    "profile_report",
+    "profile_reset",
+    "reset_peak",
+    "setup",
+    "stats",
+    "torch_allocator",
+    "trim",
+]

@@ -1,0 +1,64 @@
+"""Configuring memres and reading each device's figures."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict
+
+from ._native import Stats, check, lib
+
+_STATISTICS_KEYS = (
+    "current_bytes",
+    "peak_bytes",
+    "total_bytes",
+    "current_allocations",
+    "peak_allocations",
+    "total_allocations",
+)
+
+
+def configure(spec: str) -> None:
+    """Chooses every device's stack, before the first allocation.
+
+    Examples: ``"virtual_pool"`` (the default: a pool growing in place over CUDA virtual
+    memory, holding least), ``"virtual_pool:release=2GiB"``, ``"pool:initial=8GiB"``,
+    ``"statistics(virtual_pool)"``, ``"cuda_async"``. The syntax is in
+    ``capi/include/memres.h``. Raises MemresError (code ERROR_INVALID_ARGUMENT) for a bad
+    spec, and (code ERROR_IN_USE) once memres has allocated.
+    """
+    check(lib().memres_configure(spec.encode("utf-8")))
+
+
+def init_device(device: int) -> None:
+    """Builds ``device``'s stack now rather than on its first allocation, so that a spec
+    the device cannot serve (or a missing driver) fails here."""
+    check(lib().memres_init_device(device))
+
+
+def stats(device: int = 0) -> Dict[str, int]:
+    """The figures of ``device``'s stack: ``live_bytes`` and ``peak_live_bytes`` always
+    (counted exactly by the C ABI, whatever the spec); the statistics keys when the stack
+    has a statistics layer; ``pool_size``, ``pool_free_bytes`` and
+    ``pool_largest_free_block`` when it has a pool. All zero before the device's first
+    allocation."""
+    out = Stats()
+    check(lib().memres_stats(device, ctypes.byref(out)))
+    figures = {"live_bytes": out.live_bytes, "peak_live_bytes": out.peak_live_bytes}
+    if out.has_statistics:
+        figures.update((k, getattr(out, k)) for k in _STATISTICS_KEYS)
+    if out.has_pool:
+        figures["pool_size"] = out.pool_size
+        figures["pool_free_bytes"] = out.pool_free_bytes
+        figures["pool_largest_free_block"] = out.pool_largest_free_block
+    return figures
+
+
+def reset_peak(device: int = 0) -> None:
+    """Starts ``device``'s ``peak_live_bytes`` afresh from what is live now."""
+    check(lib().memres_reset_peak(device))
+
+
+def trim(device: int = 0) -> None:
+    """Gives the memory ``device``'s pool holds but does not use back to the driver (what
+    ``torch.cuda.empty_cache()`` does for PyTorch's own allocator)."""
+    check(lib().memres_trim(device))

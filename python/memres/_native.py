@@ -1,0 +1,125 @@
+"""Loading libmemres.so and the ctypes prototypes of its C ABI (capi/include/memres.h)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+import threading
+from typing import Optional
+
+OK = 0
+ERROR_INVALID_ARGUMENT = -1
+ERROR_IN_USE = -2
+ERROR_CUDA = -3
+ERROR_PANIC = -4
+ERROR_OUT_OF_MEMORY = -5
+
+
+class MemresError(RuntimeError):
+    """A failed memres call; ``code`` is the C ABI's (negative) code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"memres: {message} (code {code})")
+        self.code = code
+
+
+class Stats(ctypes.Structure):
+    """``memres_stats_t``."""
+
+    _fields_ = [
+        ("has_statistics", ctypes.c_int32),
+        ("has_pool", ctypes.c_int32),
+        ("current_bytes", ctypes.c_int64),
+        ("peak_bytes", ctypes.c_int64),
+        ("total_bytes", ctypes.c_int64),
+        ("current_allocations", ctypes.c_int64),
+        ("peak_allocations", ctypes.c_int64),
+        ("total_allocations", ctypes.c_int64),
+        ("pool_size", ctypes.c_uint64),
+        ("pool_free_bytes", ctypes.c_uint64),
+        ("pool_largest_free_block", ctypes.c_uint64),
+        ("live_bytes", ctypes.c_int64),
+        ("peak_live_bytes", ctypes.c_int64),
+    ]
+
+
+_LOCK = threading.Lock()
+_LIB: Optional[ctypes.CDLL] = None
+_PATH: Optional[str] = None
+
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+def library_path() -> str:
+    """The path of the libmemres.so this package uses: env ``MEMRES_LIB``, else the one
+    installed inside the package, else a checkout's ``target/release`` or
+    ``target/debug`` (running from ``python/`` without installing), else the loader's
+    search path."""
+    global _PATH
+    if _PATH is not None:
+        return _PATH
+    candidates = []
+    if os.environ.get("MEMRES_LIB"):
+        candidates.append(pathlib.Path(os.environ["MEMRES_LIB"]))
+    candidates.append(_HERE / "libmemres.so")
+    repo = _HERE.parent.parent
+    candidates += [repo / "target" / "release" / "libmemres.so", repo / "target" / "debug" / "libmemres.so"]
+    for candidate in candidates:
+        if candidate.is_file():
+            _PATH = str(candidate)
+            return _PATH
+    found = ctypes.util.find_library("memres")
+    if found:
+        _PATH = found
+        return _PATH
+    raise MemresError(
+        ERROR_INVALID_ARGUMENT,
+        "libmemres.so not found (install the package with `pip install ./python` from a "
+        "checkout, or set MEMRES_LIB); looked in " + ", ".join(str(c) for c in candidates),
+    )
+
+
+def _prototypes(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    table = {
+        "memres_configure": ([c.c_char_p], c.c_int),
+        "memres_init_device": ([c.c_int], c.c_int),
+        "memres_malloc": ([c.c_ssize_t, c.c_int, c.c_void_p], c.c_void_p),
+        "memres_free": ([c.c_void_p, c.c_ssize_t, c.c_int, c.c_void_p], None),
+        "memres_stats": ([c.c_int, c.POINTER(Stats)], c.c_int),
+        "memres_trim": ([c.c_int], c.c_int),
+        "memres_reset_peak": ([c.c_int], c.c_int),
+        "memres_last_error": ([], c.c_char_p),
+        "memres_profile_push": ([c.c_char_p, c.c_int], c.c_int64),
+        "memres_profile_pop": ([c.c_int64], c.c_int),
+        "memres_profile_report": ([c.c_char_p, c.c_size_t], c.c_ssize_t),
+        "memres_profile_reset": ([], None),
+    }
+    for name, (args, ret) in table.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ret
+
+
+def lib() -> ctypes.CDLL:
+    """libmemres, loaded once, with its prototypes set."""
+    global _LIB
+    with _LOCK:
+        if _LIB is None:
+            loaded = ctypes.CDLL(library_path())
+            _prototypes(loaded)
+            _LIB = loaded
+        return _LIB
+
+
+def last_error() -> str:
+    """The message of the last failure on this thread ("" if none)."""
+    return (lib().memres_last_error() or b"").decode("utf-8", "replace")
+
+
+def check(code: int) -> int:
+    """Raises MemresError for a negative code; returns it otherwise."""
+    if code < 0:
+        raise MemresError(code, last_error())
+    return code

@@ -1,0 +1,102 @@
+"""One call that configures memres and installs it for PyTorch and CuPy."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional
+
+from ._device import configure, init_device, reset_peak, stats, trim
+
+
+class Setup:
+    """What :func:`setup` did; reads and trims the devices it set up."""
+
+    def __init__(self, spec: Optional[str], devices: Optional[List[int]], torch: bool, cupy: bool) -> None:
+        self.spec = spec
+        #: The devices whose stacks were built up front; ``None``: each device's stack is
+        #: built on its first allocation.
+        self.devices = devices
+        self.torch = torch
+        self.cupy = cupy
+
+    def _devices(self, device: Optional[int]) -> List[int]:
+        if device is not None:
+            return [device]
+        if self.devices is not None:
+            return self.devices
+        return _visible_devices()
+
+    def stats(self, device: Optional[int] = None) -> Dict[int, Dict[str, int]]:
+        """``{device: memres.stats(device)}`` for ``device``, or for every device set up
+        (every visible device when they were not listed)."""
+        return {d: stats(d) for d in self._devices(device)}
+
+    def trim(self, device: Optional[int] = None) -> None:
+        """Gives unused pool memory back to the driver, on ``device`` or on all."""
+        for d in self._devices(device):
+            trim(d)
+
+    def reset_peak(self, device: Optional[int] = None) -> None:
+        """Starts ``peak_live_bytes`` afresh, on ``device`` or on all."""
+        for d in self._devices(device):
+            reset_peak(d)
+
+    def __repr__(self) -> str:
+        return f"Setup(spec={self.spec!r}, devices={self.devices!r}, torch={self.torch}, cupy={self.cupy})"
+
+
+def _visible_devices() -> List[int]:
+    try:
+        import torch
+
+        return list(range(torch.cuda.device_count()))
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        return list(range(cupy.cuda.runtime.getDeviceCount()))
+    except ImportError:
+        return [0]
+
+
+def setup(
+    spec: Optional[str] = None,
+    devices: Optional[Iterable[int]] = None,
+    torch: bool = True,
+    cupy: bool = False,
+) -> Setup:
+    """Sets memres up for the whole process in one call (RMM's ``rmm.reinitialize``):
+
+    1. ``configure(spec)`` when a spec is given (else env ``MEMRES_RESOURCE``, else the
+       default ``"virtual_pool"``), for every device;
+    2. builds the stacks of ``devices`` now, so that a device that cannot serve the spec
+       fails here (``None``: each device's stack is built on its first allocation, and
+       devices the program never touches cost nothing);
+    3. makes memres PyTorch's CUDA allocator (``torch=True``; before torch's first CUDA
+       allocation) and CuPy's (``cupy=True``).
+
+    Returns a :class:`Setup` that reads the figures of those devices::
+
+        import memres
+        mr = memres.setup("virtual_pool")
+        ...                      # train
+        print(mr.stats())        # {0: {"live_bytes": ..., "peak_live_bytes": ..., ...}}
+    """
+    if spec is not None:
+        configure(spec)
+    listed = None if devices is None else [int(d) for d in devices]
+    for device in listed or []:
+        init_device(device)
+    if torch:
+        import torch as _torch
+
+        from ._torch import torch_allocator
+
+        _torch.cuda.memory.change_current_allocator(torch_allocator())
+    if cupy:
+        import cupy as _cupy
+
+        from ._cupy import cupy_allocator
+
+        _cupy.cuda.set_allocator(cupy_allocator)
+    return Setup(spec, listed, torch, cupy)

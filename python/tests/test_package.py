@@ -1,0 +1,91 @@
+"""The installed package on a machine without a GPU: import, configure, the profiler, and
+clean errors where a driver is needed. Run: python -m unittest discover -s python/tests"""
+
+import os
+import pathlib
+import threading
+import unittest
+
+import memres
+
+
+class Package(unittest.TestCase):
+    def test_the_library_is_bundled_or_named(self):
+        path = pathlib.Path(memres.library_path())
+        self.assertTrue(path.is_file(), path)
+        self.assertEqual(path.name, "libmemres.so")
+        bundled = pathlib.Path(memres.__file__).parent / "libmemres.so"
+        if bundled.is_file() and not os.environ.get("MEMRES_LIB"):
+            self.assertEqual(path, bundled)
+
+    def test_configure_takes_a_spec_and_refuses_a_bad_one(self):
+        memres.configure("statistics(virtual_pool:release=1GiB)")
+        memres.configure("pool:initial=1GiB")
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.configure("nonsense(")
+        self.assertEqual(caught.exception.code, memres.ERROR_INVALID_ARGUMENT)
+        self.assertIn("nonsense", str(caught.exception))
+
+    def test_stats_of_a_device_not_yet_used_are_zero(self):
+        self.assertEqual(memres.stats(0), {"live_bytes": 0, "peak_live_bytes": 0})
+        memres.trim(0)
+        memres.reset_peak(0)
+        with self.assertRaises(memres.MemresError):
+            memres.stats(-1)
+
+    def test_without_a_driver_building_a_device_fails_cleanly(self):
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.init_device(0)
+        self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
+        self.assertIn("driver", str(caught.exception).lower())
+        with self.assertRaises(memres.MemresError):
+            memres.setup("virtual_pool", devices=[0], torch=False)
+
+    def test_setup_without_devices_configures_only(self):
+        mr = memres.setup("virtual_pool", torch=False)
+        self.assertIsNone(mr.devices)
+        self.assertEqual(mr.stats(0), {0: {"live_bytes": 0, "peak_live_bytes": 0}})
+
+    def test_profile_scopes_nest_and_decorate(self):
+        memres.profile_reset()
+
+        @memres.profile("py.decorated")
+        def work():
+            with memres.profile("py.inner\tx", all_threads=False):
+                pass
+
+        with memres.profile("py.outer"):
+            work()
+            work()
+        report = memres.profile_report().as_dict()
+        self.assertEqual(report["py.outer"]["calls"], 1)
+        self.assertEqual(report["py.decorated"]["calls"], 2)
+        self.assertEqual(report["py.inner\tx"]["calls"], 2)
+        self.assertEqual(report["py.outer"]["allocations"], 0)
+        text = str(memres.profile_report())
+        self.assertTrue(text.startswith("scope"), text)
+        self.assertIn("py.decorated", text)
+        memres.profile_reset()
+        self.assertEqual(memres.profile_report().records, [])
+
+    def test_a_scope_closes_on_the_thread_that_opened_it(self):
+        scope = memres.profile("py.thread", all_threads=False).__enter__()
+        failures = []
+
+        def close_elsewhere():
+            try:
+                scope.__exit__(None, None, None)
+            except memres.MemresError as e:
+                failures.append(e)
+
+        t = threading.Thread(target=close_elsewhere)
+        t.start()
+        t.join()
+        self.assertEqual(len(failures), 1)
+        self.assertIn("is open on this thread", str(failures[0]))
+        scope.__exit__(None, None, None)
+        self.assertEqual(memres.profile_report().as_dict()["py.thread"]["calls"], 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
