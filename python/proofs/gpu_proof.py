@@ -1,7 +1,7 @@
 """The C ABI's proof on a GPU: PyTorch and CuPy allocating through memres.
 
     pip install ./python                   # once (or PYTHONPATH=python, MEMRES_LIB=...)
-    python3 python/gpu_proof.py            # all checks; exit status 0 when all pass
+    python3 python/proofs/gpu_proof.py            # all checks; exit status 0 when all pass
 
 Each check runs in its own process (an allocator must be installed before CUDA is used):
   train  - a small MLP, 200 steps, with memres ("statistics(pool)") and with PyTorch's

@@ -1,7 +1,7 @@
 """Real models trained under three allocators: losses, step time, memory held and live.
 
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
-    python3 python/models_proof.py [--models gpt2,resnet50] [--steps 40] [--rounds 2]
+    python3 python/proofs/models_proof.py [--models gpt2,resnet50] [--steps 40] [--rounds 2]
                                    [--no-deterministic] [--profile]
 
 Models, built from their configs (random weights, no download):
@@ -226,6 +226,7 @@ def main():
         if a.profile:
             print(f"{model}: memres profile of {a.steps} steps (forward / backward / optimizer)")
             profiled = child(model, "memres", a.steps, False, profiled=True)
+            print(f"{model}: median step with the scopes open {profiled['median_step_s'] * 1e3:.2f} ms")
             summary[f"{model}/memres-profiled"] = {
                 "median_step_s": profiled["median_step_s"],
                 "profile": profiled["profile"],

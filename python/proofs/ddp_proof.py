@@ -2,7 +2,7 @@
 allocator and under memres, same seeds: losses, per-rank peak memory and step time.
 
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
-    python3 python/ddp_proof.py [--gpus N] [--steps 40] [--no-deterministic]
+    python3 python/proofs/ddp_proof.py [--gpus N] [--steps 40] [--no-deterministic]
 
 N defaults to every visible GPU (1 works too: NCCL with one rank). Each allocator runs as
 its own group of N processes (rank r on GPU r, env:// rendezvous on localhost). Under
