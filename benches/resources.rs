@@ -9,8 +9,11 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use memres::adaptor::Guard;
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
-use memres::{AnyResource, Host, HostHeap, Resource, ResourceRef, Shared, StreamRef, layout};
+use memres::{
+    AnyResource, Host, HostHeap, Resource, ResourceExt, ResourceRef, Shared, StreamRef, layout,
+};
 
 fn pair<R: Resource>(r: &R, l: std::alloc::Layout) {
     let p = r.allocate(StreamRef::HOST, black_box(l)).unwrap();
@@ -61,5 +64,20 @@ fn suballocators(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, pair_256b, suballocators);
+/// What the guard adds to a pool's 256-byte pair on host memory: writing and checking
+/// two canaries of 256 bytes (the default) or 16.
+fn guard(c: &mut Criterion) {
+    let pool = || Pool::new(HostHeap::new(), PoolConfig::new().initial_size(64 << 20)).unwrap();
+    let plain = pool();
+    let guarded = pool().guarded();
+    let small = Guard::with_pad(pool(), 16).unwrap();
+    let l = layout(256).unwrap();
+    let mut g = c.benchmark_group("guard-pair-256B");
+    g.bench_function("Pool", |b| b.iter(|| pair(&plain, l)));
+    g.bench_function("Guard(Pool)", |b| b.iter(|| pair(&guarded, l)));
+    g.bench_function("Guard(Pool) pad 16", |b| b.iter(|| pair(&small, l)));
+    g.finish();
+}
+
+criterion_group!(benches, pair_256b, suballocators, guard);
 criterion_main!(benches);

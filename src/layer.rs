@@ -76,6 +76,13 @@ pub trait ResourceExt: SyncResource + Sized {
         crate::adaptor::Profiling::new(self)
     }
 
+    /// Pads every block with canaries checked when it is freed, to catch writes out of
+    /// bounds: [`Guard`](crate::adaptor::Guard).
+    #[inline]
+    fn guarded(self) -> crate::adaptor::Guard<Self> {
+        crate::adaptor::Guard::new(self)
+    }
+
     /// Caps the bytes outstanding: [`Limiting`](crate::adaptor::Limiting).
     #[inline]
     fn limited(self, limit: usize) -> crate::adaptor::Limiting<Self> {

@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 
 use typenum::{And, B1, Eq, GrEq, IsEqual, IsGreaterOrEqual, Sub1, U0, U256, Unsigned};
 
-use super::upstream_access;
+use super::{as_asked, upstream_access};
 use crate::error::Error;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -165,18 +165,6 @@ impl<U> Aligned<U> {
             _ => (ptr, layout),
         }
     }
-}
-
-/// An upstream out-of-memory for the padded request, reported for the size the caller
-/// asked for.
-fn as_asked(result: Result<NonNull<u8>, Error>, layout: Layout) -> Result<NonNull<u8>, Error> {
-    result.map_err(|e| match e {
-        Error::OutOfMemory { limit, .. } => Error::OutOfMemory {
-            requested: layout.size(),
-            limit,
-        },
-        e => e,
-    })
 }
 
 /// The type-level check of [`Aligned::with_alignment`]: only `typenum::True` has it.

@@ -10,8 +10,14 @@
 //! [`SyncResource`]: crate::SyncResource
 //! [`Resource`]: crate::Resource
 
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use crate::error::Error;
+
 mod aligned;
 mod failure_retry;
+mod guard;
 mod limiting;
 mod logging;
 mod prefetch;
@@ -22,6 +28,7 @@ mod tracking;
 
 pub use aligned::{Aligned, AlignmentHolds};
 pub use failure_retry::FailureRetry;
+pub use guard::{CANARY, Guard, Overrun, Side};
 pub use limiting::Limiting;
 pub use logging::{LOG_FILE_VARIABLE, Logging};
 pub use prefetch::Prefetch;
@@ -70,3 +77,18 @@ macro_rules! eq_by_upstream {
 }
 
 pub(crate) use eq_by_upstream;
+
+/// An upstream out-of-memory for a padded request (of `Aligned` or `Guard`), reported for the size the caller
+/// asked for.
+pub(crate) fn as_asked(
+    result: Result<NonNull<u8>, Error>,
+    layout: Layout,
+) -> Result<NonNull<u8>, Error> {
+    result.map_err(|e| match e {
+        Error::OutOfMemory { limit, .. } => Error::OutOfMemory {
+            requested: layout.size(),
+            limit,
+        },
+        e => e,
+    })
+}

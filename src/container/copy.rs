@@ -27,6 +27,12 @@ impl Access {
         device: false,
     };
 
+    /// Memory only the device may touch.
+    pub(crate) const DEVICE: Access = Access {
+        host: false,
+        device: true,
+    };
+
     /// The memory of resource `R`, as its properties say.
     pub(crate) const fn of<R: SyncResource + ?Sized>() -> Access {
         Access {
@@ -37,6 +43,10 @@ impl Access {
 
     pub(crate) const fn host(self) -> bool {
         self.host
+    }
+
+    pub(crate) const fn device(self) -> bool {
+        self.device
     }
 }
 
@@ -94,6 +104,21 @@ pub(crate) unsafe fn zero(
     len: usize,
     stream: StreamRef<'_>,
 ) -> Result<(), Error> {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { fill(dst, 0, access, len, stream) }
+}
+
+/// Sets `len` bytes at `dst` to `value`, in order on `stream`.
+///
+/// # Safety
+/// As [`copy`], for `dst` alone.
+pub(crate) unsafe fn fill(
+    dst: *mut u8,
+    value: u8,
+    access: Access,
+    len: usize,
+    stream: StreamRef<'_>,
+) -> Result<(), Error> {
     if len == 0 {
         return Ok(());
     }
@@ -101,19 +126,19 @@ pub(crate) unsafe fn zero(
         Some(raw) if access.device => {
             // SAFETY: device-accessible memory valid for `len` bytes until the stream's
             // work is done; the stream's context is current (the caller's promise).
-            check(unsafe { sys::cuMemsetD8Async(dst as sys::CUdeviceptr, 0, len, raw) })
+            check(unsafe { sys::cuMemsetD8Async(dst as sys::CUdeviceptr, value, len, raw) })
         }
         Some(_) if access.host => {
             // Host-only memory: the driver cannot set it, the host can once the stream
             // no longer uses it.
             stream.synchronize()?;
             // SAFETY: host memory valid for `len` bytes, unused by the (idle) stream.
-            unsafe { std::ptr::write_bytes(dst, 0, len) };
+            unsafe { std::ptr::write_bytes(dst, value, len) };
             Ok(())
         }
         None if access.host => {
             // SAFETY: host memory valid for `len` bytes; host streams are always idle.
-            unsafe { std::ptr::write_bytes(dst, 0, len) };
+            unsafe { std::ptr::write_bytes(dst, value, len) };
             Ok(())
         }
         None => Err(host_stream_needs_host_memory()),

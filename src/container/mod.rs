@@ -29,7 +29,7 @@
 //! ways (`StreamRef::from(&cuda_stream)`, [`Stream::from_cudarc`](crate::stream::Stream::from_cudarc)).
 
 mod buffer;
-mod copy;
+pub(crate) mod copy;
 mod cudarc_view;
 mod host_alloc;
 mod scalar;
