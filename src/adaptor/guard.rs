@@ -96,6 +96,8 @@ impl fmt::Display for Overrun {
 ///   64); the block still goes back to the upstream whole. With
 ///   [`with_backtraces`](Guard::with_backtraces) the report names the call stack that
 ///   allocated the block (costly: for hunting a bug, not for production).
+/// - On a stream under capture (CUDA graphs) the canaries are written by captured sets
+///   and frees are not checked: a check needs an event the host can wait for.
 /// - A check the driver fails to make (for instance a sticky error after a kernel fault)
 ///   is logged, and the block is freed anyway.
 /// - Equality: guards over equal upstreams with the same pad are equal; a block freed
@@ -173,6 +175,9 @@ enum Route {
     Stream(Context, sys::CUstream),
     /// Device memory nothing uses, on the legacy stream of its device, waited for.
     Legacy(Context),
+    /// A stream under capture (CUDA graphs): the canaries are written by captured sets,
+    /// and a free is not checked (the check's event could not be waited for).
+    Captured(Context, sys::CUstream),
 }
 
 impl<U> Guard<U> {
@@ -407,7 +412,11 @@ impl<U: SyncResource> Guard<U> {
                 } else {
                     Context::of_stream(raw as usize)?
                 };
-                Ok(Route::Stream(ctx, raw))
+                if stream.is_capturing_in(ctx)? {
+                    Ok(Route::Captured(ctx, raw))
+                } else {
+                    Ok(Route::Stream(ctx, raw))
+                }
             }
         }
     }
@@ -425,7 +434,7 @@ impl<U: SyncResource> Guard<U> {
                 }
                 Ok(())
             }
-            Route::Stream(ctx, raw) => {
+            Route::Stream(ctx, raw) | Route::Captured(ctx, raw) => {
                 let _current = bind(ctx)?;
                 // SAFETY: `raw` is live for this call (the caller's `StreamRef`); the pads
                 // lie in the block, which is the caller's in order on that stream.
@@ -475,6 +484,7 @@ impl<U: SyncResource> Guard<U> {
                     .inspect(front, back, user, size, backtrace.as_deref());
                 Ok(())
             }
+            Route::Captured(..) => Ok(()),
             Route::Stream(ctx, raw) => {
                 let _current = bind(ctx)?;
                 let mut checks = lock(&self.checks.device);

@@ -14,6 +14,7 @@
 //! work is always complete. Stream-ordered logic (a pool's per-stream free lists, for
 //! example) is tested on machines with no GPU by handing it several distinct host streams.
 
+mod capture;
 mod event;
 mod owned;
 
@@ -22,6 +23,7 @@ use std::marker::PhantomData;
 
 use cudarc::driver::sys::{self, CUstream};
 
+pub(crate) use capture::Relaxed;
 pub use event::Event;
 pub use owned::{Stream, StreamFlags, StreamPool};
 

@@ -209,16 +209,21 @@ impl<U: Resource> Arena<U> {
         Error::out_of_memory(requested)
     }
 
-    /// Takes a block from the global arena: from its free memory, else after waiting for
-    /// the streams of pending memory, else after defragmenting.
+    /// Takes a block from the global arena: from its free memory, else (when it may wait:
+    /// not on a stream under capture) after waiting for the streams of pending memory,
+    /// else after defragmenting.
     fn take_global(
         &self,
         global: &mut Global,
         size: usize,
         align: usize,
+        may_wait: bool,
     ) -> Result<Option<usize>, Error> {
         if let Some(addr) = global.free.take(size, align) {
             return Ok(Some(addr));
+        }
+        if !may_wait {
+            return Ok(None);
         }
         self.settle_pending(global)?;
         if let Some(addr) = global.free.take(size, align) {
@@ -284,6 +289,7 @@ impl<U: Resource> Arena<U> {
     #[cold]
     fn allocate_slow(
         &self,
+        stream: StreamRef<'_>,
         own: &Shard<PoolShard>,
         size: usize,
         align: usize,
@@ -301,7 +307,13 @@ impl<U: Resource> Arena<U> {
             .checked_add(align - GRANULE)
             .map(|n| n.max(SUPERBLOCK_SIZE));
         let sb = match sb_size {
-            Some(n) if n <= self.size => self.take_global(&mut global, n, GRANULE)?,
+            Some(n) if n <= self.size => {
+                let may_wait = match own.ctx {
+                    Some(ctx) => !stream.is_capturing_in(ctx)?,
+                    None => true,
+                };
+                self.take_global(&mut global, n, GRANULE, may_wait)?
+            }
             _ => None,
         };
         let (Some(sb), Some(sb_size)) = (sb, sb_size) else {
@@ -380,7 +392,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_slow(shard, size, align, layout.size())
+        self.allocate_slow(stream, shard, size, align, layout.size())
             .map(to_ptr)
     }
 

@@ -219,6 +219,16 @@ impl<U: Resource> FixedSize<U> {
             Err(Error::OutOfMemory { .. }) => {}
             Err(e) => return Err(e),
         }
+        // Other streams' blocks need a wait, which a capture forbids.
+        if own
+            .ctx
+            .map_or(Ok(false), |ctx| stream.is_capturing_in(ctx))?
+        {
+            return Err(Error::OutOfMemory {
+                requested,
+                limit: None,
+            });
+        }
         // The growth lock is held, so no other thread grows (or pops after growing) while
         // the other streams' blocks come over; a thread on `own`'s stream may still take
         // some of them, as it could any free block.

@@ -9,7 +9,7 @@ use super::free_blocks::{AddrMap, FreeBlock, FreeBlocks, GRANULE};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
-use crate::stream::StreamRef;
+use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
 use crate::sync::{Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
@@ -577,7 +577,14 @@ impl<U: Resource> Pool<U> {
     /// unlocks ([`GrowthGuard`]), into the host stream's list.
     #[cold]
     #[inline(never)]
-    fn release_above(&self, shard: &Shard<PoolShard>, keep: usize) {
+    fn release_above(&self, stream: StreamRef<'_>, shard: &Shard<PoolShard>, keep: usize) {
+        // A release waits for streams, which a capture forbids: under capture it is left
+        // to the next free that crosses the threshold outside one.
+        if let Some(ctx) = shard.ctx
+            && !matches!(stream.is_capturing_in(ctx), Ok(false))
+        {
+            return;
+        }
         match self.try_lock_growth() {
             Some(mut growth) => self.release_into(&mut growth, shard, keep),
             None => self.release_pending.store(true, Ordering::SeqCst),
@@ -683,14 +690,58 @@ impl<U: Resource> Pool<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
+        if let Some(ctx) = own.ctx
+            && stream.is_capturing_in(ctx)?
+        {
+            return self.allocate_captured(stream, own, size, align, requested);
+        }
         let mut growth = self.lock_growth();
-        let mut found = {
+        if let Some(addr) = self.take_listed(own, size, align) {
+            return Ok(addr);
+        }
+        // Memory freed on other streams, once their work is waited for, before growing:
+        // when all free memory together could serve the request (blocks of this list
+        // and of others may be neighbours that only merge once in one list).
+        let mut merged = false;
+        let own_free = own.state.lock().free_bytes();
+        if own_free + self.free_elsewhere(own) >= size {
+            merged = self.merge_into(own)?;
+            if let Some(addr) = own.state.lock().free.take(size, align) {
+                return Ok(addr);
+            }
+        }
+        if let Some(addr) = self.grow(&mut growth, stream, own, size, align, true)? {
+            return Ok(addr);
+        }
+        if !merged
+            && self.merge_into(own)?
+            && let Some(addr) = own.state.lock().free.take(size, align)
+        {
+            return Ok(addr);
+        }
+        if self.release_down_to(&mut growth, own, 0)? > 0 {
+            if let Some(addr) = own.state.lock().free.take(size, align) {
+                return Ok(addr);
+            }
+            if let Some(addr) = self.grow(&mut growth, stream, own, size, align, true)? {
+                return Ok(addr);
+            }
+        }
+        Err(Error::OutOfMemory {
+            requested,
+            limit: self.config.maximum,
+        })
+    }
+
+    /// A block from `own`'s list (flushed) or from a host stream's list, whose blocks are
+    /// free for all: the list that last received memory first, then every list (built
+    /// only if that one had none). The caller holds the growth lock.
+    fn take_listed(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        let found = {
             let mut s = own.state.lock();
             s.flush();
             s.free.take(size, align)
         };
-        // Blocks freed on host streams are free for all: the list that last received
-        // memory first, then every list (built only if that one had none).
         let from_host_list = |other: &Shard<PoolShard>| {
             if ptr::eq(other, own)
                 || !other.key.is_host()
@@ -708,47 +759,38 @@ impl<U: Resource> Pool<U> {
             }
             found
         };
-        if found.is_none() {
-            found = self.shards.recent().and_then(from_host_list);
-        }
-        if found.is_none() {
-            found = self.shards.all().into_iter().find_map(from_host_list);
-        }
-        if let Some(addr) = found {
+        found
+            .or_else(|| self.shards.recent().and_then(from_host_list))
+            .or_else(|| self.shards.all().into_iter().find_map(from_host_list))
+    }
+
+    /// The slow path on a stream under capture, which must not wait: memory of the lists
+    /// that need no wait, else growth (in the relaxed capture mode, so that the driver
+    /// allows the upstream's calls), else out of memory. Memory freed on other CUDA
+    /// streams is not taken (that needs a wait), and no release runs here (the raw growth
+    /// lock: a pending release waits for the next unlock outside a capture).
+    #[cold]
+    #[inline(never)]
+    fn allocate_captured(
+        &self,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        let mut growth = lock(&self.growth);
+        if let Some(addr) = self.take_listed(own, size, align) {
             return Ok(addr);
         }
-        // Memory freed on other streams, once their work is waited for, before growing:
-        // when all free memory together could serve the request (blocks of this list
-        // and of others may be neighbours that only merge once in one list).
-        let mut merged = false;
-        let own_free = own.state.lock().free_bytes();
-        if own_free + self.free_elsewhere(own) >= size {
-            merged = self.merge_into(own)?;
-            if let Some(addr) = own.state.lock().free.take(size, align) {
-                return Ok(addr);
-            }
+        let _relaxed = Relaxed::new()?;
+        match self.grow(&mut growth, stream, own, size, align, false)? {
+            Some(addr) => Ok(addr),
+            None => Err(Error::OutOfMemory {
+                requested,
+                limit: self.config.maximum,
+            }),
         }
-        if let Some(addr) = self.grow(&mut growth, stream, own, size, align)? {
-            return Ok(addr);
-        }
-        if !merged
-            && self.merge_into(own)?
-            && let Some(addr) = own.state.lock().free.take(size, align)
-        {
-            return Ok(addr);
-        }
-        if self.release_down_to(&mut growth, own, 0)? > 0 {
-            if let Some(addr) = own.state.lock().free.take(size, align) {
-                return Ok(addr);
-            }
-            if let Some(addr) = self.grow(&mut growth, stream, own, size, align)? {
-                return Ok(addr);
-            }
-        }
-        Err(Error::OutOfMemory {
-            requested,
-            limit: self.config.maximum,
-        })
     }
 
     /// Grows the pool for a block of `size` aligned to `align` and takes the block from
@@ -761,12 +803,13 @@ impl<U: Resource> Pool<U> {
         own: &Shard<PoolShard>,
         size: usize,
         align: usize,
+        may_wait: bool,
     ) -> Result<Option<usize>, Error> {
         let Some(min) = size.checked_add(align - GRANULE) else {
             return Ok(None);
         };
         if let Some(space) = &self.space {
-            return self.grow_in_place(space, growth, own, min, size, align);
+            return self.grow_in_place(space, growth, own, size, align, may_wait);
         }
         let mut attempt = match self.config.maximum {
             Some(max) => {
@@ -798,19 +841,23 @@ impl<U: Resource> Pool<U> {
         }
     }
 
-    /// In-place growth: maps the fewest granules that make a free block of `min` bytes,
-    /// in any unmapped run of the reservation, together with the free blocks on either
-    /// side of it (so the pieces of partly free granules left around unmapped holes are
-    /// used again, not only the free block at the top of what the pool holds).
+    /// In-place growth: maps the fewest granules that make a free block of `min` bytes
+    /// (`size` with room for `align`), in any unmapped run of the reservation, together
+    /// with the free blocks on either side of it (so the pieces of partly free granules
+    /// left around unmapped holes are used again, not only the free block at the top of
+    /// what the pool holds). Without `may_wait` (under capture) it gives nothing back
+    /// first, since that waits for the stream.
     fn grow_in_place(
         &self,
         space: &Space<U>,
         growth: &mut Growth,
         own: &Shard<PoolShard>,
-        min: usize,
         size: usize,
         align: usize,
+        may_wait: bool,
     ) -> Result<Option<usize>, Error> {
+        // The caller checked that this does not overflow.
+        let min = size + (align - GRANULE);
         let g = space.granularity;
         let mut s = own.state.lock();
         s.flush();
@@ -831,7 +878,7 @@ impl<U: Resource> Pool<U> {
             .iter()
             .sum::<usize>();
         let surplus = s.free_bytes() - joined;
-        if surplus >= best.len + g {
+        if may_wait && surplus >= best.len + g {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
             if waited.is_ok() {
                 let keep = s.free_bytes() - best.len;
@@ -1226,7 +1273,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
             && s.free_bytes() > keep
         {
             drop(s);
-            self.release_above(shard, keep);
+            self.release_above(stream, shard, keep);
         }
     }
 }

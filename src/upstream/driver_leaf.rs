@@ -3,9 +3,13 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::device::{Context, process_is_exiting};
 use crate::error::Error;
 use crate::resource::dangling;
+use crate::stream::{Relaxed, StreamRef};
 
 /// The contract's rules before any driver call: `Ok(Some(dangling))` for zero bytes,
 /// [`Error::InvalidArgument`] for an alignment above what the resource guarantees,
@@ -46,6 +50,93 @@ pub(crate) fn accept(
             })
         }
         None => Err(Error::out_of_memory(layout.size())),
+    }
+}
+
+/// A synchronous leaf's stream-ordered allocation: the synchronous one, made in the
+/// relaxed capture mode when `stream` is under capture (where `cuMemAlloc` would
+/// otherwise invalidate it in the global mode). The memory is ordinary memory, valid
+/// outside the graph.
+pub(crate) fn allocate_on(
+    stream: StreamRef<'_>,
+    ctx: Context,
+    allocate: impl FnOnce() -> Result<NonNull<u8>, Error>,
+) -> Result<NonNull<u8>, Error> {
+    if stream.is_capturing_in(ctx)? {
+        let _relaxed = Relaxed::new()?;
+        return allocate();
+    }
+    settle();
+    allocate()
+}
+
+/// A synchronous leaf's stream-ordered free: waits for `stream` (work enqueued before the
+/// free may use the memory), then runs `free`. A stream under capture cannot be waited
+/// for: the free is kept, and made by the next call of a synchronous leaf on a stream
+/// that is not under capture, once every stream of `ctx` is done. A stream that fails
+/// (a broken context) leaks the block rather than hand the driver memory still in use.
+pub(crate) fn free_after(
+    stream: StreamRef<'_>,
+    ctx: Context,
+    name: &'static str,
+    free: impl FnOnce() + Send + 'static,
+) {
+    match stream.is_capturing_in(ctx) {
+        Ok(true) => return defer(ctx, Box::new(free)),
+        Ok(false) => {}
+        Err(e) => return tracing::error!(%e, "memres: {name}: stream failed; block leaked"),
+    }
+    settle();
+    match stream.synchronize_in(ctx) {
+        Ok(()) => free(),
+        Err(e) => tracing::error!(%e, "memres: {name}: stream failed; block leaked"),
+    }
+}
+
+/// A free kept for later, with the context whose work must be done first.
+type Deferred = (Context, Box<dyn FnOnce() + Send>);
+
+/// Frees made on streams under capture, not yet carried out.
+static DEFERRED: Mutex<Vec<Deferred>> = Mutex::new(Vec::new());
+/// Set while `DEFERRED` may hold something: the common case costs one load.
+static ANY_DEFERRED: AtomicBool = AtomicBool::new(false);
+
+fn defer(ctx: Context, free: Box<dyn FnOnce() + Send>) {
+    let mut deferred = DEFERRED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    deferred.push((ctx, free));
+    ANY_DEFERRED.store(true, Ordering::Release);
+}
+
+/// Carries out the deferred frees: waits for each context once, then frees. A context
+/// that cannot be waited for keeps its frees for the next try.
+pub(crate) fn settle() {
+    if !ANY_DEFERRED.load(Ordering::Acquire) || process_is_exiting() {
+        return;
+    }
+    let taken = {
+        let mut deferred = DEFERRED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        ANY_DEFERRED.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *deferred)
+    };
+    let mut contexts: Vec<(Context, bool)> = Vec::new();
+    for (ctx, free) in taken {
+        let done = match contexts.iter().find(|(c, _)| *c == ctx) {
+            Some(&(_, done)) => done,
+            None => {
+                let done = ctx.synchronize().is_ok();
+                contexts.push((ctx, done));
+                done
+            }
+        };
+        if done {
+            free();
+        } else {
+            defer(ctx, free);
+        }
     }
 }
 
@@ -122,10 +213,12 @@ macro_rules! sync_driver_leaf {
         unsafe impl $crate::resource::Resource for $ty {
             fn allocate(
                 &self,
-                _stream: $crate::stream::StreamRef<'_>,
+                stream: $crate::stream::StreamRef<'_>,
                 layout: std::alloc::Layout,
             ) -> Result<std::ptr::NonNull<u8>, $crate::error::Error> {
-                $crate::resource::SyncResource::allocate_sync(self, layout)
+                $crate::upstream::driver_leaf::allocate_on(stream, self.ctx, || {
+                    $crate::resource::SyncResource::allocate_sync(self, layout)
+                })
             }
 
             unsafe fn deallocate(
@@ -137,15 +230,15 @@ macro_rules! sync_driver_leaf {
                 if layout.size() == 0 || $crate::device::process_is_exiting() {
                     return;
                 }
-                if let Err(e) = stream.synchronize_in(self.ctx) {
-                    // The stream is broken (a failed kernel): freeing now could hand memory
-                    // to the driver while work still uses it, so it is leaked instead.
-                    tracing::error!(%e, concat!("memres: ", $name, ": stream failed; block leaked"));
-                    return;
-                }
-                // SAFETY: the caller's promise, plus the synchronisation above: the work
-                // ordered before this free on `stream` is done, so nothing uses the memory.
-                unsafe { $crate::resource::SyncResource::deallocate_sync(self, ptr, layout) }
+                let (this, address) = (*self, ptr.as_ptr().expose_provenance());
+                $crate::upstream::driver_leaf::free_after(stream, self.ctx, $name, move || {
+                    let ptr = std::ptr::with_exposed_provenance_mut::<u8>(address);
+                    let ptr = std::ptr::NonNull::new(ptr).expect("a freed block is not null");
+                    // SAFETY: the caller's promise, plus `free_after`'s wait: the work
+                    // ordered before this free on `stream` is done, so nothing uses the
+                    // memory.
+                    unsafe { $crate::resource::SyncResource::deallocate_sync(&this, ptr, layout) }
+                });
             }
         }
     };

@@ -5,6 +5,7 @@ use std::ptr::NonNull;
 
 use cudarc::driver::sys;
 
+use super::driver_leaf::free_after;
 use super::host_heap::HostHeap;
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
 use crate::driver::check;
@@ -101,20 +102,24 @@ unsafe impl SyncResource for System {
 // SAFETY: as for `SyncResource`; the stream-ordered free waits for the stream first.
 unsafe impl Resource for System {
     fn allocate(&self, _stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        // Host memory from the heap: no driver call, so nothing a capture forbids.
         self.allocate_sync(layout)
     }
 
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() != 0
-            && !process_is_exiting()
-            && let Err(e) = stream.synchronize_in(self.ctx)
-        {
-            tracing::error!(%e, "memres: System: stream failed; block leaked");
-            return;
+        if layout.size() == 0 || process_is_exiting() {
+            // SAFETY: nothing waits on a zero-byte block; at exit the heap is still ours.
+            return unsafe { self.deallocate_sync(ptr, layout) };
         }
-        // SAFETY: the work ordered before this free on `stream` is done (synchronised
-        // above), so nothing uses the memory; it came from this resource with `layout`.
-        unsafe { self.deallocate_sync(ptr, layout) }
+        let (this, address) = (*self, ptr.as_ptr().expose_provenance());
+        free_after(stream, self.ctx, "System", move || {
+            let ptr = std::ptr::with_exposed_provenance_mut::<u8>(address);
+            let ptr = NonNull::new(ptr).expect("a freed block is not null");
+            // SAFETY: the work ordered before this free on `stream` is done (`free_after`
+            // waited), so nothing uses the memory; it came from this resource with
+            // `layout`.
+            unsafe { this.deallocate_sync(ptr, layout) }
+        });
     }
 }
 

@@ -1,0 +1,178 @@
+//! Stream capture (CUDA graphs): allocating and freeing through each stack while a stream
+//! is captured in the global mode (the strictest) must work or fail cleanly, and never
+//! invalidate the capture. They need a GPU: CI skips them (`#[ignore]`), the GPU bundle's
+//! `run.sh` runs them.
+
+use std::alloc::Layout;
+
+use cudarc::driver::sys::{self, CUresult, CUstreamCaptureMode};
+use memres::adaptor::{Guard, Statistics};
+use memres::stream::{Stream, StreamFlags};
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use memres::upstream::CudaVirtual;
+use memres::{Cuda, CudaAsync, Error, Managed, PinnedHost, Resource, StreamRef, layout};
+
+fn ok(r: CUresult, what: &str) {
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
+}
+
+/// Captures, on a fresh non-blocking stream, allocations of `sizes` (each set on the
+/// stream), their frees, and the same allocations again; ends the capture (which fails
+/// if anything invalidated it), launches the graph and waits. Returns how many
+/// allocations were refused, and with which errors.
+fn capture<R: Resource>(r: &R, what: &str, sizes: &[usize]) -> Vec<Error> {
+    let s = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: a live stream of the current context.
+    ok(
+        unsafe { sys::cuStreamBeginCapture_v2(s.raw(), mode) },
+        "begin",
+    );
+    assert!(s.as_ref().is_capturing().unwrap());
+    let mut refused = Vec::new();
+    for _ in 0..2 {
+        let mut live: Vec<(std::ptr::NonNull<u8>, Layout)> = Vec::new();
+        for &size in sizes {
+            let l = layout(size).unwrap();
+            match r.allocate(s.as_ref(), l) {
+                Ok(p) => {
+                    // SAFETY: `size` bytes of device-accessible memory, in order on `s`.
+                    let set = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 7, size, s.raw()) };
+                    ok(set, "captured set");
+                    live.push((p, l));
+                }
+                Err(e) => refused.push(e),
+            }
+        }
+        for (p, l) in live.into_iter().rev() {
+            // SAFETY: allocated above on `s` with `l`; its work is on `s`.
+            unsafe { r.deallocate(s.as_ref(), p, l) };
+        }
+    }
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: `s` is capturing; `graph` is a valid place.
+    let ended = unsafe { sys::cuStreamEndCapture(s.raw(), &mut graph) };
+    assert_eq!(
+        ended,
+        CUresult::CUDA_SUCCESS,
+        "{what}: the capture was invalidated"
+    );
+    assert!(!s.as_ref().is_capturing().unwrap());
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: `graph` is the captured graph; `exec` a valid place.
+    ok(
+        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+        "instantiate",
+    );
+    // SAFETY: a live executable graph and stream; the graph's memory is still the
+    // resource's (nothing was carried out since the capture ended).
+    ok(unsafe { sys::cuGraphLaunch(exec, s.raw()) }, "launch");
+    s.synchronize().unwrap();
+    // SAFETY: ours, no longer running.
+    unsafe {
+        ok(sys::cuGraphExecDestroy(exec), "destroy exec");
+        ok(sys::cuGraphDestroy(graph), "destroy graph");
+    }
+    refused
+}
+
+const SIZES: [usize; 5] = [256, 4 << 10, 1 << 20, 8 << 20, 64 << 20];
+
+/// After a capture, an ordinary call carries out the frees the capture deferred.
+fn afterwards<R: Resource>(r: &R) {
+    let l = layout(1 << 20).unwrap();
+    let p = r.allocate(StreamRef::DEFAULT, l).unwrap();
+    // SAFETY: allocated just above on the default stream.
+    unsafe { r.deallocate(StreamRef::DEFAULT, p, l) };
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn synchronous_leaves_allocate_under_capture_and_defer_their_frees() {
+    let device = memres::device::DeviceId::current().unwrap();
+    let free_before = device.memory_info().unwrap().free;
+    assert!(capture(&Cuda::new().unwrap(), "Cuda", &SIZES).is_empty());
+    assert!(capture(&Managed::new().unwrap(), "Managed", &SIZES).is_empty());
+    assert!(capture(&PinnedHost::new().unwrap(), "PinnedHost", &SIZES[..4]).is_empty());
+    afterwards(&Cuda::new().unwrap());
+    let free_after = device.memory_info().unwrap().free;
+    // The deferred frees were carried out: no 2 × 73 MiB left behind.
+    assert!(
+        free_after + (16 << 20) >= free_before,
+        "{free_before} free before, {free_after} after"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_async_allocates_in_the_graph() {
+    assert!(capture(&CudaAsync::new().unwrap(), "CudaAsync", &SIZES).is_empty());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pools_grow_under_capture_without_waiting() {
+    let pool = Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap();
+    assert!(capture(&pool, "Pool<Cuda>", &SIZES).is_empty());
+    assert!(pool.pool_size() > 0);
+    afterwards(&pool);
+
+    let in_place = CudaVirtual::new().unwrap().pool(PoolConfig::new()).unwrap();
+    assert!(capture(&in_place, "Pool::in_place", &SIZES).is_empty());
+
+    let stats = Statistics::new(Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap());
+    assert!(capture(&stats, "Statistics<Pool<Cuda>>", &SIZES).is_empty());
+    assert_eq!(stats.snapshot().bytes.current, 0);
+
+    // A pool with a release threshold: the release a capture's free would trigger waits
+    // for the next free outside the capture.
+    let releasing =
+        Pool::new(Cuda::new().unwrap(), PoolConfig::new().release_threshold(0)).unwrap();
+    assert!(capture(&releasing, "Pool with release threshold 0", &SIZES).is_empty());
+    afterwards(&releasing);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pool_that_would_have_to_wait_refuses_cleanly() {
+    // 64 MiB of free memory sits in another stream's list: a capture may not wait for
+    // that stream, and the pool may not grow: out of memory, with the capture intact.
+    let pool = Pool::new(
+        Cuda::new().unwrap(),
+        PoolConfig::new().maximum_size(64 << 20),
+    )
+    .unwrap();
+    let other = Stream::new().unwrap();
+    let l = layout(64 << 20).unwrap();
+    let p = pool.allocate(other.as_ref(), l).unwrap();
+    // SAFETY: allocated just above on `other`.
+    unsafe { pool.deallocate(other.as_ref(), p, l) };
+    let refused = capture(&pool, "Pool at its maximum", &[64 << 20]);
+    assert_eq!(refused.len(), 2);
+    assert!(
+        matches!(refused[0], Error::OutOfMemory { .. }),
+        "{:?}",
+        refused[0]
+    );
+    // Outside the capture the same request waits for `other` and succeeds.
+    afterwards(&pool);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_other_suballocators_and_the_guard_keep_the_capture() {
+    let arena = Arena::with_size(Cuda::new().unwrap(), 256 << 20).unwrap();
+    assert!(capture(&arena, "Arena<Cuda>", &SIZES[..4]).is_empty());
+    let fixed = FixedSize::with_block_size(Cuda::new().unwrap(), 1 << 20, 16).unwrap();
+    assert!(capture(&fixed, "FixedSize<Cuda>", &[1 << 20, 1 << 20, 4096]).is_empty());
+    let binning = Binning::new(
+        Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap(),
+        8,
+        16,
+    )
+    .unwrap();
+    assert!(capture(&binning, "Binning<Pool<Cuda>>", &SIZES).is_empty());
+    let guard = Guard::new(Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap());
+    assert!(capture(&guard, "Guard<Pool<Cuda>>", &SIZES).is_empty());
+    assert_eq!(guard.check_pending().unwrap(), 0);
+}
