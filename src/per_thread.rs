@@ -309,3 +309,119 @@ loom::thread_local! {
     static LAST: [Cell<(u64, *const ())>; WAYS] =
         [const { Cell::new((0, std::ptr::null())) }; WAYS];
 }
+
+/// loom models of the slots' protocol (run by `.ci/run` with `--cfg memres_loom`): a
+/// thread's slot folds into the shared part exactly once as the thread exits, also while
+/// another thread reads or the object drops, and a thread that comes after an exited one
+/// gets a slot of its own.
+#[cfg(all(test, memres_loom))]
+mod loom_models {
+    use loom::thread;
+
+    use super::{PerThread, ThreadSlot};
+    use crate::sync::Arc;
+    use crate::sync::atomic::{AtomicU64, Ordering};
+
+    /// A count per thread, folded into a shared count (kept in an `Arc` so that a model
+    /// can read it after the object is gone).
+    struct Count(AtomicU64);
+
+    impl Default for Count {
+        fn default() -> Self {
+            Count(AtomicU64::new(0))
+        }
+    }
+
+    impl ThreadSlot for Count {
+        type Shared = Arc<AtomicU64>;
+
+        fn retire(&self, shared: &Self::Shared) {
+            shared.fetch_add(self.0.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
+    /// Adds `n` as the counters do: a load and a store on the thread's own slot.
+    fn add(counts: &PerThread<Count>, n: u64) {
+        match counts.get() {
+            Some(slot) => {
+                let v = slot.0.load(Ordering::Relaxed);
+                slot.0.store(v + n, Ordering::Relaxed);
+            }
+            None => {
+                counts.shared().fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn total(counts: &PerThread<Count>) -> u64 {
+        let mut live = 0;
+        let shared = counts.read(
+            |slot| live += slot.0.load(Ordering::Relaxed),
+            |shared| shared.load(Ordering::Relaxed),
+        );
+        live + shared
+    }
+
+    fn counts() -> (Arc<PerThread<Count>>, Arc<AtomicU64>) {
+        let shared = Arc::new(AtomicU64::new(0));
+        (Arc::new(PerThread::new(Arc::clone(&shared))), shared)
+    }
+
+    /// A read racing a thread's exit counts the thread's slot once (in the slot or in
+    /// the shared part, never both); after the join the count is exact.
+    #[test]
+    fn loom_per_thread_a_read_during_an_exit_counts_each_slot_once() {
+        loom::model(|| {
+            let (counts, _) = counts();
+            let other = Arc::clone(&counts);
+            let t = thread::spawn(move || add(&other, 1));
+            add(&counts, 10);
+            let seen = total(&counts);
+            assert!(seen == 10 || seen == 11, "read {seen}");
+            t.join().unwrap();
+            assert_eq!(total(&counts), 11);
+        });
+    }
+
+    /// The object drops while a thread that used it exits: the slot still folds into
+    /// the shared part (which the slot keeps alive), once, and nothing leaks (loom
+    /// checks that every `Arc` is dropped).
+    #[test]
+    fn loom_per_thread_an_exit_while_the_object_drops() {
+        loom::model(|| {
+            let (counts, shared) = counts();
+            let other = Arc::clone(&counts);
+            let t = thread::spawn(move || {
+                add(&other, 1);
+                drop(other);
+            });
+            add(&counts, 10);
+            drop(counts);
+            t.join().unwrap();
+            // loom's `join` returns before the thread's thread-locals are dropped (as
+            // `std::thread::scope` may): wait for the fold, which must come, once. The
+            // main thread's slot folds in when the model's main thread exits.
+            while shared.load(Ordering::Relaxed) == 0 {
+                thread::yield_now();
+            }
+            assert_eq!(shared.load(Ordering::Relaxed), 1);
+        });
+    }
+
+    /// A thread that starts after another has exited gets a slot of its own, and counts
+    /// stay exact across both.
+    #[test]
+    fn loom_per_thread_a_new_thread_after_an_exited_one() {
+        loom::model(|| {
+            let (counts, _) = counts();
+            let first = Arc::clone(&counts);
+            thread::spawn(move || add(&first, 1)).join().unwrap();
+            let second = Arc::clone(&counts);
+            let t = thread::spawn(move || add(&second, 2));
+            let seen = total(&counts);
+            assert!(seen == 1 || seen == 3, "read {seen}");
+            t.join().unwrap();
+            assert_eq!(total(&counts), 3);
+        });
+    }
+}

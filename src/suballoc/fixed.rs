@@ -13,8 +13,6 @@ use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::Mutex;
 
-/// Per-thread caches of free blocks (off under loom, whose models check the shared lists).
-const THREAD_CACHE: bool = cfg!(not(memres_loom));
 /// A thread's cache for one stream holds at most this many bytes...
 const CACHE_BYTES: usize = 4 << 20;
 /// ... and this many blocks; resources whose blocks are too large for 4 in that budget
@@ -95,7 +93,7 @@ impl<U: Resource> FixedSize<U> {
         let per_cache = (CACHE_BYTES / block_size).min(CACHE_BLOCKS);
         let fixed = FixedSize {
             owner: Owner::new(),
-            cache_capacity: if THREAD_CACHE && per_cache >= CACHE_MIN_BLOCKS {
+            cache_capacity: if per_cache >= CACHE_MIN_BLOCKS {
                 per_cache
             } else {
                 0

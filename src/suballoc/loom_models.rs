@@ -1,7 +1,8 @@
 //! loom models: the spin lock excludes, the stream map hands every thread the same,
 //! fully built shard, two streams of one pool share its growth without overlap, memory
 //! freed on one stream goes to one other stream at a time, and the release threshold
-//! gives memory back while another stream allocates.
+//! gives memory back while another stream allocates; FixedSize's thread caches give
+//! their blocks back when their thread exits, also while their owner drops.
 
 use std::alloc::Layout;
 
@@ -10,7 +11,7 @@ use loom::thread;
 
 use super::shards::{ShardMap, StreamKey};
 use super::spin::SpinLock;
-use super::{Arena, Pool, PoolConfig};
+use super::{Arena, FixedSize, Pool, PoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
 use crate::upstream::HostHeap;
@@ -243,5 +244,77 @@ fn loom_release_threshold_gives_back_while_another_stream_allocates() {
         unsafe { pool.deallocate(s, mine, l) };
         t.join().unwrap();
         assert_eq!(pool.stats().pool_size, 0, "a release was left behind");
+    });
+}
+
+/// 256-byte blocks, 8 to a chunk: thread caches of 64 blocks (on).
+fn cached_fixed() -> FixedSize<HostHeap> {
+    FixedSize::with_block_size(HostHeap::new(), 256, 8).unwrap()
+}
+
+/// Allocates `n` blocks on the host stream and frees them all (into the calling thread's
+/// cache).
+fn churn(fixed: &FixedSize<HostHeap>, n: usize) {
+    let l = Layout::from_size_align(256, 256).unwrap();
+    let blocks: Vec<_> = (0..n)
+        .map(|_| fixed.allocate(StreamRef::HOST, l).unwrap())
+        .collect();
+    for p in blocks {
+        // SAFETY: allocated above on the host stream with `l`.
+        unsafe { fixed.deallocate(StreamRef::HOST, p, l) };
+    }
+}
+
+/// A thread's cache holds blocks of a FixedSize when the thread exits while the last
+/// owner of the FixedSize drops it: the exiting thread gives the blocks back only while
+/// the resource is registered (under the registry's lock), the resource leaves the
+/// registry before freeing, and everything is freed once (loom checks the locks, the
+/// shards' atomics and that nothing leaks).
+#[test]
+fn loom_a_thread_cache_exits_while_its_owner_drops() {
+    loom::model(|| {
+        let fixed = Arc::new(cached_fixed());
+        let other = Arc::clone(&fixed);
+        let t = thread::spawn(move || {
+            churn(&other, 2);
+            drop(other);
+            // What the thread's exit does (see `exit_thread`).
+            super::thread_cache::exit_thread();
+        });
+        drop(fixed);
+        t.join().unwrap();
+    });
+}
+
+/// The blocks an exited thread had cached are free for everyone afterwards: the thread
+/// takes the whole first chunk into its cache (a refill takes up to half a cache), exits
+/// while another thread counts the free blocks, and once it is joined the main thread
+/// gets all 8 blocks without the resource growing.
+#[test]
+fn loom_an_exited_threads_cached_blocks_come_back() {
+    loom::model(|| {
+        let fixed = Arc::new(cached_fixed());
+        let (a, b) = (Arc::clone(&fixed), Arc::clone(&fixed));
+        let cacher = thread::spawn(move || {
+            churn(&a, 3);
+            super::thread_cache::exit_thread();
+        });
+        let counter = thread::spawn(move || b.free_blocks());
+        cacher.join().unwrap();
+        assert!(counter.join().unwrap() <= 8);
+        let l = Layout::from_size_align(256, 256).unwrap();
+        let blocks: Vec<_> = (0..8)
+            .map(|_| fixed.allocate(StreamRef::HOST, l).unwrap())
+            .collect();
+        assert_eq!(
+            fixed.upstream_allocations(),
+            1,
+            "no growth: all 8 came back"
+        );
+        for p in blocks {
+            // SAFETY: allocated above on the host stream with `l`.
+            unsafe { fixed.deallocate(StreamRef::HOST, p, l) };
+        }
+        super::thread_cache::exit_thread();
     });
 }

@@ -13,13 +13,22 @@
 
 use std::cell::RefCell;
 use std::collections::HashSet;
+use std::sync::PoisonError;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
 
 use super::shards::{Shard, StreamKey};
+use crate::sync::Mutex;
 
-/// Owners alive now. Taken only when an owner comes or goes and when a thread exits.
+// Owners alive now. Taken only when an owner comes or goes and when a thread exits.
+// (Under loom, a lazy static, which each model execution builds afresh.)
+#[cfg(not(memres_loom))]
 static LIVE: Mutex<Option<HashSet<u64>>> = Mutex::new(None);
+#[cfg(memres_loom)]
+loom::lazy_static! {
+    static ref LIVE: Mutex<Option<HashSet<u64>>> = Mutex::new(None);
+}
+
+/// Owner ids, never reused (they only need to be unique, so no model checks them).
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A resource's identity for the caches, registered while it lives.
@@ -68,6 +77,9 @@ struct Magazines(Vec<Magazine>);
 
 impl Drop for Magazines {
     fn drop(&mut self) {
+        if self.0.iter().all(|m| m.blocks.is_empty()) {
+            return;
+        }
         let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
         for m in self.0.drain(..) {
             if !m.blocks.is_empty() && live.as_ref().is_some_and(|l| l.contains(&m.owner)) {
@@ -90,8 +102,24 @@ fn prune(list: &mut Vec<Magazine>) {
     list.retain(|m| live.as_ref().is_some_and(|l| l.contains(&m.owner)));
 }
 
+#[cfg(not(memres_loom))]
 thread_local! {
     static MAGAZINES: RefCell<Magazines> = const { RefCell::new(Magazines(Vec::new())) };
+}
+
+#[cfg(memres_loom)]
+loom::thread_local! {
+    static MAGAZINES: RefCell<Magazines> = RefCell::new(Magazines(Vec::new()));
+}
+
+/// What a thread's exit does to its magazines, called by a loom model's thread as its
+/// last act: loom's `join` returns before a thread's thread-locals are dropped, and its
+/// lazy statics (the registry) are gone when the model's main thread ends, so a model
+/// cannot leave the drop to the thread's exit.
+#[cfg(memres_loom)]
+pub(crate) fn exit_thread() {
+    let magazines = MAGAZINES.with(|m| std::mem::take(&mut m.borrow_mut().0));
+    drop(Magazines(magazines));
 }
 
 /// The calling thread's magazines for one resource, within one call on it.
