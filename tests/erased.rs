@@ -3,6 +3,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
+use memres::adaptor::Statistics;
 use memres::{
     AnyResource, AnySyncResource, Callback, Has, Host, HostAccessible, HostDevice, HostHeap,
     Resource, ResourceExt, ResourceRef, Shared, StreamRef, SyncResource, SyncResourceRef, layout,
@@ -49,15 +50,44 @@ fn any_resource_equality_and_clones() {
 
 #[test]
 fn narrowing_keeps_the_resource() {
-    let t = Tagged::new(3);
+    // Counted, so that every narrowed handle shows it reaches the same resource.
+    let t = Statistics::new(Tagged::new(3));
+    let made = || t.snapshot().allocations.total;
+    let l = layout(512).unwrap();
     let both: ResourceRef<'_, HostDevice> = ResourceRef::new(&t);
     let device: ResourceRef<'_, memres::Device> = both.narrow();
     let none: ResourceRef<'_, ()> = device.narrow();
     assert_eq!(none, ResourceRef::new(&t));
-    let any = AnyResource::<HostDevice>::new(Tagged::new(3)).narrow::<memres::Host>();
-    assert_eq!(any.as_resource_ref(), ResourceRef::<Host>::new(&t));
+    // Allocated through the narrowed handles, freed through the wide one (equal: the same
+    // resource).
+    for narrowed in [
+        device.allocate(StreamRef::HOST, l),
+        none.allocate(StreamRef::HOST, l),
+    ] {
+        let p = narrowed.unwrap();
+        // SAFETY: allocated just above through a handle of the same resource, with `l`.
+        unsafe { both.deallocate(StreamRef::HOST, p, l) };
+    }
+    assert_eq!(made(), 2);
+
+    let any = AnyResource::<HostDevice>::new(Tagged::new(3)).narrow::<Host>();
+    let p = any.allocate_sync(l).unwrap();
+    // SAFETY: host-accessible (the narrowed set says so), 512 bytes, ours.
+    unsafe { p.as_ptr().write_bytes(0xAB, 512) };
+    // SAFETY: allocated above through `any` with `l`.
+    unsafe { any.deallocate_sync(p, l) };
+    assert_eq!(
+        any.as_resource_ref(),
+        ResourceRef::<Host>::new(&Tagged::new(3))
+    );
+
     let sync: SyncResourceRef<'_, HostDevice> = both.as_sync();
-    assert_eq!(sync.narrow::<()>(), SyncResourceRef::new(&t));
+    let narrowed = sync.narrow::<()>();
+    assert_eq!(narrowed, SyncResourceRef::new(&t));
+    let p = narrowed.allocate_sync(l).unwrap();
+    // SAFETY: allocated just above through a handle of `t`, with `l`.
+    unsafe { sync.deallocate_sync(p, l) };
+    assert_eq!(made(), 3);
 }
 
 #[test]

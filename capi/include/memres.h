@@ -75,7 +75,8 @@ void memres_free(void* ptr, ssize_t size, int device, void* stream);
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
 int memres_stats(int device, memres_stats_t* out);
 
-/* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()). */
+/* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()). An
+   arena holds one allocation of its whole size while it lives: trimming it frees nothing. */
 int memres_trim(int device);
 
 /* Starts device's peak_live_bytes afresh from what is live now. */

@@ -403,7 +403,9 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
 
 /// Gives memory the pool of `device` holds but does not use back to the driver (what
 /// `torch.cuda.empty_cache()` users expect). 0 on success, also where there is nothing to
-/// trim.
+/// trim. An `arena` stack gives nothing back: its memory is one allocation of its whole
+/// size, made when it is built and kept while it lives (as RMM's arena); a stack without
+/// a pool has nothing to give back either.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_trim(device: c_int) -> c_int {
     guarded(

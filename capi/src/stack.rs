@@ -230,7 +230,8 @@ impl DeviceStack {
     }
 
     /// Gives entirely free memory back to the driver; returns the bytes released where
-    /// the layer knows them.
+    /// the layer knows them. An arena's memory is one upstream allocation that it keeps
+    /// while it lives, so it gives nothing back (0).
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         match &self.pool {
             None | Some(PoolLayer::Arena(_)) => Ok(0),

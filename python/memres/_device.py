@@ -60,5 +60,6 @@ def reset_peak(device: int = 0) -> None:
 
 def trim(device: int = 0) -> None:
     """Gives the memory ``device``'s pool holds but does not use back to the driver (what
-    ``torch.cuda.empty_cache()`` does for PyTorch's own allocator)."""
+    ``torch.cuda.empty_cache()`` does for PyTorch's own allocator). An ``arena`` stack
+    keeps its one allocation while it lives, so trimming it frees nothing."""
     check(lib().memres_trim(device))

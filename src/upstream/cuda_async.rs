@@ -154,7 +154,9 @@ macro_rules! pool_resource {
 }
 
 /// Which kind of handle a [`CudaAsync`] pool can be exported as, for sharing it with
-/// another process (RMM's `allocation_handle_type`).
+/// another process (RMM's `allocation_handle_type`). RMM also offers fabric handles (for
+/// multi-node NVLink systems); memres has no way to export or test one, so it offers
+/// none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExportHandle {
     /// Not exportable.
@@ -163,8 +165,6 @@ pub enum ExportHandle {
     /// A POSIX file descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), for processes
     /// on one machine.
     PosixFd,
-    /// A fabric handle (`CU_MEM_HANDLE_TYPE_FABRIC`), for multi-node NVLink systems.
-    Fabric,
 }
 
 impl ExportHandle {
@@ -174,7 +174,6 @@ impl ExportHandle {
             ExportHandle::PosixFd => {
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
             }
-            ExportHandle::Fabric => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
         }
     }
 }

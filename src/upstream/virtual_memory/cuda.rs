@@ -195,11 +195,6 @@ impl CudaPhysical {
                 }
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
             }
-            ExportHandle::Fabric => {
-                return Err(Error::unsupported(
-                    "a virtual-memory leaf exports POSIX file descriptors only",
-                ));
-            }
         };
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
