@@ -667,6 +667,32 @@ fn tracking_reports_what_is_left_with_and_without_stacks() {
 }
 
 #[test]
+fn tracking_refuses_a_double_free_and_frees_a_reused_address_normally() {
+    let tracked = Tracking::new(Statistics::new(HostHeap::new()));
+    let l = layout(4096).unwrap();
+    let p = tracked.allocate_sync(l).unwrap();
+    // SAFETY: allocated above with `l`. The second free is the bug under test: Tracking
+    // must keep it from the heap (else this test would corrupt it).
+    unsafe {
+        tracked.deallocate_sync(p, l);
+        tracked.deallocate_sync(p, l);
+    }
+    let counts = tracked.upstream().snapshot().allocations;
+    assert_eq!(
+        (counts.current, counts.total),
+        (0, 1),
+        "the upstream saw one free"
+    );
+    // Handed out again (the heap may reuse the address), the block frees as usual.
+    let q = tracked.allocate_sync(l).unwrap();
+    // SAFETY: allocated just above with `l`.
+    unsafe { tracked.deallocate_sync(q, l) };
+    let counts = tracked.upstream().snapshot().allocations;
+    assert_eq!((counts.current, counts.total), (0, 2));
+    assert!(tracked.outstanding().is_empty());
+}
+
+#[test]
 fn tracking_survives_untracked_and_wrong_size_frees() {
     let t = Tracking::new(HostHeap::new());
     // Memory from before tracking (the heap is the same): reported, freed, no panic.

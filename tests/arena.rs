@@ -170,3 +170,13 @@ proptest! {
         prop_assert_eq!(arena.free_bytes(), 32 * MIB);
     }
 }
+
+#[test]
+fn an_arena_of_every_byte_is_an_invalid_argument() {
+    for size in [usize::MAX, isize::MAX as usize + 1] {
+        match Arena::with_size(HostHeap::new(), size) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("too large"), "{why}"),
+            other => panic!("{size}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+}

@@ -385,3 +385,25 @@ fn ten_thousand_streams_used_once_each_share_one_block() {
     assert_eq!(pool.stats().stream_lists, 10_001);
     assert_eq!(pool.stats().pool_size, 1 << 20);
 }
+
+/// An alignment of 2^40 (a valid `Layout`, far beyond any address range a pool or the
+/// heap can align in) is out of memory, and both stay usable.
+#[test]
+fn an_alignment_of_two_to_the_40_is_out_of_memory() {
+    let l = Layout::from_size_align(256, 1 << 40).unwrap();
+    let pool = Pool::new(memres::HostHeap::new(), PoolConfig::new()).unwrap();
+    let heap = memres::HostHeap::new();
+    for result in [
+        pool.allocate(memres::StreamRef::HOST, l),
+        heap.allocate(memres::StreamRef::HOST, l),
+    ] {
+        assert!(
+            matches!(result, Err(memres::Error::OutOfMemory { .. })),
+            "{result:?}"
+        );
+    }
+    let ok = memres::layout(256).unwrap();
+    let p = pool.allocate(memres::StreamRef::HOST, ok).unwrap();
+    // SAFETY: allocated just above with `ok`.
+    unsafe { pool.deallocate(memres::StreamRef::HOST, p, ok) };
+}

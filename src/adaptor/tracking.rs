@@ -2,6 +2,7 @@
 
 use std::alloc::Layout;
 use std::backtrace::Backtrace;
+use std::collections::VecDeque;
 use std::fmt::{self, Write as _};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -43,7 +44,10 @@ struct Entry {
 ///   and not others.
 /// - Freeing a pointer it does not know, or with another layout than it was allocated
 ///   with, is reported through `tracing::error!` — never a panic. A known pointer goes
-///   upstream with the layout it was allocated with; an unknown one goes upstream as given.
+///   upstream with the layout it was allocated with; an unknown one goes upstream as given,
+///   unless this `Tracking` freed it recently (the last 64 frees of each of its 64 shards
+///   are remembered) and has not handed it out since: that is a double free, reported
+///   and not passed on, so the upstream never sees it.
 /// - Equality is the upstream's (as RMM's): memory allocated through one `Tracking` and
 ///   freed through an equal one is freed correctly, but stays in the first one's record
 ///   and is reported as unknown by the second.
@@ -75,10 +79,36 @@ const _: () = assert!(SHARDS.is_power_of_two());
 /// One shard: the live blocks whose address hashes to it, on cache lines of its own.
 #[repr(align(128))]
 #[derive(Default)]
-struct Shard(Mutex<AddrMap<Entry>>);
+struct Shard(Mutex<Record>);
+
+/// Frees remembered per shard, to tell a double free from a free of unknown memory.
+const FREED_PER_SHARD: usize = 64;
+
+/// A shard's blocks: the live ones, and the last ones freed.
+#[derive(Default)]
+struct Record {
+    live: AddrMap<Entry>,
+    /// Addresses freed lately and not handed out since.
+    freed: AddrMap<()>,
+    /// The order they were freed in, oldest first (it may name an address that was
+    /// handed out again since: forgetting it then only forgets it early).
+    order: VecDeque<usize>,
+}
+
+impl Record {
+    fn remember_freed(&mut self, address: usize) {
+        if self.order.len() == FREED_PER_SHARD
+            && let Some(oldest) = self.order.pop_front()
+        {
+            self.freed.remove(&oldest);
+        }
+        self.order.push_back(address);
+        self.freed.insert(address, ());
+    }
+}
 
 impl Shard {
-    fn lock(&self) -> MutexGuard<'_, AddrMap<Entry>> {
+    fn lock(&self) -> MutexGuard<'_, Record> {
         // Each update is one insert or remove: a poisoned map is still consistent.
         self.0
             .lock()
@@ -108,7 +138,7 @@ impl<U> Tracking<U> {
 
     /// The shard that records `address`.
     #[inline]
-    fn shard(&self, address: usize) -> MutexGuard<'_, AddrMap<Entry>> {
+    fn shard(&self, address: usize) -> MutexGuard<'_, Record> {
         // Addresses are multiples of the alignment: hash them, then take the top bits.
         let h = ((address >> 8) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         self.shards[(h >> (64 - SHARDS.trailing_zeros())) as usize].lock()
@@ -123,6 +153,7 @@ impl<U> Tracking<U> {
             copied.extend(
                 shard
                     .lock()
+                    .live
                     .iter()
                     .map(|(&address, e)| (address, e.layout.size(), e.stack.clone())),
             );
@@ -142,7 +173,13 @@ impl<U> Tracking<U> {
     pub fn allocated_bytes(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| s.lock().values().map(|e| e.layout.size()).sum::<usize>())
+            .map(|s| {
+                s.lock()
+                    .live
+                    .values()
+                    .map(|e| e.layout.size())
+                    .sum::<usize>()
+            })
             .sum()
     }
 
@@ -165,25 +202,43 @@ impl<U> Tracking<U> {
         }
         let stack = self.stacks.then(|| Arc::new(Backtrace::force_capture()));
         let address = ptr.as_ptr() as usize;
-        self.shard(address).insert(address, Entry { layout, stack });
+        let mut record = self.shard(address);
+        record.freed.remove(&address);
+        record.live.insert(address, Entry { layout, stack });
     }
 
     /// Forgets the block; returns the layout to free it with upstream: the one it was
-    /// allocated with, where it is known.
-    fn untrack(&self, ptr: NonNull<u8>, layout: Layout) -> Layout {
+    /// allocated with, where it is known; `None` for a double free, which must not reach
+    /// the upstream.
+    fn untrack(&self, ptr: NonNull<u8>, layout: Layout) -> Option<Layout> {
         let address = ptr.as_ptr() as usize;
+        let mut record = self.shard(address);
         // Looked up whatever the size: a tracked block freed as zero bytes must not leak.
         // (A zero-byte block's dangling address is never a tracked heap address.)
-        let removed = self.shard(address).remove(&address);
+        let removed = record.live.remove(&address);
+        if removed.is_some() {
+            record.remember_freed(address);
+        }
+        let freed_before = removed.is_none() && record.freed.contains_key(&address);
+        drop(record);
         match removed {
-            None if layout.size() == 0 => layout,
+            None if layout.size() == 0 => Some(layout),
+            None if freed_before => {
+                tracing::error!(
+                    address,
+                    size = layout.size(),
+                    "memres::Tracking: double free (freed before, not handed out since); \
+                     not passed on"
+                );
+                None
+            }
             None => {
                 tracing::error!(
                     address,
                     size = layout.size(),
                     "memres::Tracking: freeing memory it never handed out"
                 );
-                layout
+                Some(layout)
             }
             Some(e) if e.layout != layout => {
                 tracing::error!(
@@ -192,9 +247,9 @@ impl<U> Tracking<U> {
                     freed = layout.size(),
                     "memres::Tracking: freed with another layout than it was allocated with"
                 );
-                e.layout
+                Some(e.layout)
             }
-            Some(e) => e.layout,
+            Some(e) => Some(e.layout),
         }
     }
 }
@@ -207,7 +262,11 @@ impl<U: fmt::Debug> fmt::Debug for Tracking<U> {
             .field("upstream", &self.upstream)
             .field(
                 "outstanding",
-                &self.shards.iter().map(|s| s.lock().len()).sum::<usize>(),
+                &self
+                    .shards
+                    .iter()
+                    .map(|s| s.lock().live.len())
+                    .sum::<usize>(),
             )
             .finish()
     }
@@ -224,10 +283,11 @@ unsafe impl<U: SyncResource> SyncResource for Tracking<U> {
     }
 
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        let layout = self.untrack(ptr, layout);
-        // SAFETY: the caller's promise; the layout is the one the block was allocated
-        // with where it is known.
-        unsafe { self.upstream.deallocate_sync(ptr, layout) }
+        if let Some(layout) = self.untrack(ptr, layout) {
+            // SAFETY: the caller's promise; the layout is the one the block was
+            // allocated with where it is known.
+            unsafe { self.upstream.deallocate_sync(ptr, layout) }
+        }
     }
 }
 
@@ -240,8 +300,9 @@ unsafe impl<U: Resource> Resource for Tracking<U> {
     }
 
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        let layout = self.untrack(ptr, layout);
-        // SAFETY: as in `deallocate_sync`, in the caller's stream order.
-        unsafe { self.upstream.deallocate(stream, ptr, layout) }
+        if let Some(layout) = self.untrack(ptr, layout) {
+            // SAFETY: as in `deallocate_sync`, in the caller's stream order.
+            unsafe { self.upstream.deallocate(stream, ptr, layout) }
+        }
     }
 }
