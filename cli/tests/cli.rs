@@ -271,6 +271,22 @@ fn a_free_of_an_unknown_pointer_is_reported_and_the_replay_goes_on() {
 }
 
 #[test]
+fn a_free_with_another_size_is_reported_and_frees_what_was_allocated() {
+    let out = ok(&[
+        "replay",
+        data("wrong_size_free.csv").to_str().unwrap(),
+        "--simulate",
+        "1GiB",
+    ]);
+    assert!(
+        out.contains("line 3: free of 0x1000 with 64 bytes; line 2 allocated 1000"),
+        "{out}"
+    );
+    // Nothing is left live: the free used the allocated size.
+    assert_eq!(row(&out, "pool")[5], "0", "{out}");
+}
+
+#[test]
 fn bad_options_are_errors() {
     let log = data("known.csv");
     let err = fails(&["replay", log.to_str().unwrap(), "--resource", "poool"]);
