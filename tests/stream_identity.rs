@@ -53,6 +53,7 @@ fn a_recycled_stream_handle_does_not_reuse_memory_before_the_old_work_is_done() 
     let pool = Pool::new(Cuda::new().unwrap(), PoolConfig::new().initial_size(N)).unwrap();
     let l = layout(N).unwrap();
     let (mut recycled, mut inherited, mut busy) = (0, 0, 0);
+    let mut destroy_us = 0;
     for round in 0..20 {
         let a = create();
         // SAFETY: `a` lives until destroyed below, after its last use as a handle.
@@ -66,8 +67,10 @@ fn a_recycled_stream_handle_does_not_reuse_memory_before_the_old_work_is_done() 
             busy += 1;
         }
         // Destroyed with the work pending, as dropping a cudarc stream does.
+        let started = std::time::Instant::now();
         // SAFETY: ours; the driver finishes its work before releasing it.
         ok(unsafe { sys::cuStreamDestroy_v2(a) });
+        destroy_us = destroy_us.max(started.elapsed().as_micros());
         // New streams until one has A's handle (kept alive meanwhile, so each is new).
         let mut others = Vec::new();
         let mut b = None;
@@ -110,6 +113,6 @@ fn a_recycled_stream_handle_does_not_reuse_memory_before_the_old_work_is_done() 
     println!(
         "the stream was busy when destroyed in {busy} of 20 rounds; its handle came back to a \
          new stream in {recycled}; in {inherited} of those the new stream still had the old \
-         one's work pending"
+         one's work pending; the longest cuStreamDestroy took {destroy_us} us"
     );
 }
