@@ -283,6 +283,56 @@ fn live_bytes_child() {
     println!("live bytes: exact");
 }
 
+/// `MEMRES_RESOURCE` is read at the first allocation, in a child process of its own
+/// (the variable is read once per process): a malformed one, and one that parses but
+/// cannot be built, make `memres_malloc` return NULL with a message, without a crash.
+#[test]
+fn a_bad_memres_resource_fails_the_first_allocation_with_a_message() {
+    for (spec, want) in [
+        (
+            "poool",
+            "MEMRES_RESOURCE: invalid resource spec \"poool\": unknown resource",
+        ),
+        ("pool:initial=1000", "256"),
+    ] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::bad_memres_resource_child", "--nocapture"])
+            .env("MEMRES_RESOURCE", spec)
+            .env("MEMRES_CAPI_BAD_ENV_CHILD", want)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("refused with a message"),
+            "{spec}: the child failed:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// The body of the test above, run only in its child processes.
+#[test]
+fn bad_memres_resource_child() {
+    let Some(want) = std::env::var_os("MEMRES_CAPI_BAD_ENV_CHILD") else {
+        return; // not a child
+    };
+    let want = want.into_string().unwrap();
+    for _ in 0..2 {
+        // SAFETY: the legacy default stream.
+        let p = unsafe { memres_malloc(1024, 0, std::ptr::null_mut()) };
+        assert!(p.is_null());
+        let message = last_error();
+        // Without a driver a stack that parses cannot be built at all: that is the
+        // message then.
+        let no_driver = !mr::driver::is_present() && want == "256";
+        assert!(
+            message.contains(&want) || (no_driver && !message.is_empty()),
+            "{message:?} lacks {want:?}"
+        );
+    }
+    println!("refused with a message");
+}
+
 fn push(name: &str, all_threads: bool) -> i64 {
     let c = CString::new(name).unwrap();
     // SAFETY: a NUL-terminated string.
