@@ -69,7 +69,9 @@ int memres_init_device(int device);
  * no-op. */
 void* memres_malloc(ssize_t size, int device, void* stream);
 
-/* Frees ptr (from memres_malloc with the same size and device) in order on stream. */
+/* Frees ptr (from memres_malloc with the same size and device) in order on stream. A
+   pointer outside the default in-place pool's reservation is refused (memres_last_error)
+   and not freed; other misuse is not detected. */
 void memres_free(void* ptr, ssize_t size, int device, void* stream);
 
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */

@@ -310,7 +310,9 @@ pub unsafe extern "C" fn memres_malloc(
 }
 
 /// Frees `ptr` (from `memres_malloc(size, device, ..)`) in order on `stream`. Null is
-/// ignored.
+/// ignored. A pointer that is certainly not memory of the device's pool (outside the
+/// reservation of the default in-place pool) is refused with a message
+/// (`memres_last_error`) and not freed; other misuse is not detected.
 ///
 /// # Safety
 /// `ptr` is null or came from `memres_malloc` with the same `size` and `device` and is not
@@ -341,6 +343,12 @@ pub unsafe extern "C" fn memres_free(
                     "memres_free: memres never allocated on device {device}; block ignored"
                 ))
             })?;
+            if stack.may_hold(ptr.as_ptr() as usize) == Some(false) {
+                return Err(Failure::invalid(format!(
+                    "memres_free: {ptr:p} is not memory of device {device}'s pool (memres \
+                     never handed it out); ignored"
+                )));
+            }
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             stack.live().sub(layout.size() as i64); // as in `memres_malloc`

@@ -229,6 +229,19 @@ impl DeviceStack {
         })
     }
 
+    /// `Some(false)` when `address` is certainly not memory this stack handed out (outside
+    /// the reservation of an in-place pool, the default stack); `None` where the stack
+    /// cannot tell cheaply (its other layers keep no range).
+    pub(crate) fn may_hold(&self, address: usize) -> Option<bool> {
+        match &self.pool {
+            Some(PoolLayer::Virtual(pool)) => {
+                let (base, len) = mr::GrowInPlace::reservation(pool.upstream());
+                Some(address.wrapping_sub(base) < len)
+            }
+            _ => None,
+        }
+    }
+
     /// Gives entirely free memory back to the driver; returns the bytes released where
     /// the layer knows them. An arena's memory is one upstream allocation that it keeps
     /// while it lives, so it gives nothing back (0).

@@ -243,6 +243,23 @@ fn live_bytes_child() {
         return; // not the child
     }
     const SIZES: [isize; 3] = [1 << 20, 3 << 20, 4096];
+    // Build the stack, then free a pointer memres never handed out: refused, nothing
+    // counted, no crash.
+    // SAFETY: the legacy default stream.
+    let first = unsafe { memres_malloc(256, 0, std::ptr::null_mut()) };
+    assert!(!first.is_null(), "{}", last_error());
+    let before = stats(0).live_bytes;
+    let mut not_ours = [0u8; 64];
+    // SAFETY: the pointer is not memres's: the call under test must refuse it.
+    unsafe { memres_free(not_ours.as_mut_ptr().cast(), 64, 0, std::ptr::null_mut()) };
+    assert!(
+        last_error().contains("is not memory of device 0's pool"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(stats(0).live_bytes, before);
+    // SAFETY: from `memres_malloc(256, 0, ..)` above, unused, legacy stream.
+    unsafe { memres_free(first, 256, 0, std::ptr::null_mut()) };
     let before = stats(0).live_bytes;
     let scope = push("capi.child", true);
     let blocks: Vec<usize> = SIZES
