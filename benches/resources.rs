@@ -62,6 +62,10 @@ fn suballocators(c: &mut Criterion) {
     g.bench_function("Pool", |b| b.iter(|| pair(&pool, l)));
     g.bench_function("Arena", |b| b.iter(|| pair(&arena, l)));
     g.finish();
+    let l = layout(4 << 20).unwrap();
+    let mut g = c.benchmark_group("suballoc-pair-4MiB");
+    g.bench_function("Pool", |b| b.iter(|| pair(&pool, l)));
+    g.finish();
 }
 
 /// What the guard adds to a pool's 256-byte pair on host memory: writing and checking

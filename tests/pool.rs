@@ -407,3 +407,31 @@ fn an_alignment_of_two_to_the_40_is_out_of_memory() {
     // SAFETY: allocated just above with `ok`.
     unsafe { pool.deallocate(memres::StreamRef::HOST, p, ok) };
 }
+
+/// A large block (1 to 8 MiB) freed and asked for again at the same size comes back
+/// whole from its stream's list; the free memory counts it, and trim still gives back
+/// everything.
+#[test]
+fn a_large_block_comes_back_whole_and_trims() {
+    let pool = heap_pool(PoolConfig::new());
+    let s = StreamRef::host(3);
+    let l = layout(4 << 20).unwrap();
+    let first = pool.allocate(s, l).unwrap();
+    // SAFETY: allocated just above with `l` on `s`.
+    unsafe { pool.deallocate(s, first, l) };
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes, stats.pool_size);
+    assert_eq!(stats.largest_free_block, 4 << 20);
+    let again = pool.allocate(s, l).unwrap();
+    assert_eq!(again, first);
+    // A different size does not take it: it splits the coalesced memory instead.
+    // SAFETY: allocated above with `l` on `s`.
+    unsafe { pool.deallocate(s, again, l) };
+    let other = layout(2 << 20).unwrap();
+    let p = pool.allocate(s, other).unwrap();
+    // SAFETY: allocated just above with `other` on `s`.
+    unsafe { pool.deallocate(s, p, other) };
+    let held = pool.stats().pool_size;
+    assert_eq!(pool.trim().unwrap(), held);
+    assert_eq!(pool.stats().pool_size, 0);
+}

@@ -26,6 +26,17 @@ const QUICK_UNITS: usize = 256;
 /// 1.085 of live against 1.091 (`random`, seeds 1-6, mean).
 const QUICK_BYTES: usize = 8 << 20;
 
+/// A pool's stream list also keeps this many recently freed large blocks (1 to 8 MiB),
+/// handed out again whole to a request of the same size: a loop that allocates and frees
+/// one large buffer then costs what a small one does. Few, so that little memory waits
+/// uncoalesced (random sizes almost never match).
+const LARGE_BLOCKS: usize = 2;
+/// The smallest block kept that way (smaller ones coalesce at once, or are cached as
+/// small blocks)...
+const LARGE_MIN: usize = 1 << 20;
+/// ... and the largest.
+const LARGE_BYTES: usize = 8 << 20;
+
 /// How a [`Pool`] starts and how far it may grow.
 ///
 /// Both sizes must be multiples of 256 bytes and the initial size may not exceed the
@@ -235,6 +246,11 @@ pub(super) struct PoolShard {
     /// Recently freed small blocks by size in granules, handed out again whole.
     quick: Vec<Vec<usize>>,
     quick_bytes: usize,
+    /// Recently freed larger blocks, (address, size), oldest first: at most
+    /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
+    large: Vec<(usize, usize)>,
+    large_bytes: usize,
+    large_cap: usize,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start.
     pub(super) chunks: AddrMap<usize>,
@@ -255,8 +271,18 @@ impl PoolShard {
             },
             quick: vec![Vec::new(); QUICK_UNITS + 1],
             quick_bytes: 0,
+            large: Vec::new(),
+            large_bytes: 0,
+            large_cap: 0,
             chunks: chunks.collect(),
         }
+    }
+
+    /// Also keeps the last [`LARGE_BLOCKS`] larger blocks freed (see there): a pool's
+    /// lists do, an arena's do not.
+    pub(super) fn with_large_cache(mut self) -> PoolShard {
+        self.large_cap = LARGE_BLOCKS;
+        self
     }
 
     #[inline]
@@ -269,6 +295,13 @@ impl PoolShard {
             self.quick_bytes -= size;
             return Some(addr);
         }
+        if align == GRANULE
+            && size >= LARGE_MIN
+            && let Some(i) = self.large.iter().rposition(|&(_, n)| n == size)
+        {
+            self.large_bytes -= size;
+            return Some(self.large.remove(i).0);
+        }
         self.free.take(size, align)
     }
 
@@ -280,6 +313,15 @@ impl PoolShard {
         if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
             self.quick[units].push(addr);
             self.quick_bytes += size;
+            None
+        } else if (LARGE_MIN..=LARGE_BYTES).contains(&size) && self.large_cap > 0 {
+            if self.large.len() == self.large_cap {
+                let (old, n) = self.large.remove(0);
+                self.large_bytes -= n;
+                self.insert(old, n);
+            }
+            self.large.push((addr, size));
+            self.large_bytes += size;
             None
         } else {
             Some(self.insert(addr, size))
@@ -297,6 +339,10 @@ impl PoolShard {
 
     /// Coalesces the cached small blocks into the free list.
     pub(super) fn flush(&mut self) {
+        for (addr, size) in std::mem::take(&mut self.large) {
+            self.insert(addr, size);
+        }
+        self.large_bytes = 0;
         if self.quick_bytes == 0 {
             return;
         }
@@ -314,7 +360,7 @@ impl PoolShard {
     }
 
     pub(super) fn free_bytes(&self) -> usize {
-        self.free.bytes() + self.quick_bytes
+        self.free.bytes() + self.quick_bytes + self.large_bytes
     }
 }
 
@@ -524,15 +570,18 @@ impl<U: Resource> Pool<U> {
         for shard in self.shards.all() {
             let s = shard.state.lock();
             stats.free_bytes += s.free_bytes();
-            stats.free_blocks += s.free.len() + s.quick.iter().map(Vec::len).sum::<usize>();
+            stats.free_blocks +=
+                s.free.len() + s.quick.iter().map(Vec::len).sum::<usize>() + s.large.len();
             let quick_largest = (1..=QUICK_UNITS)
                 .rev()
                 .find(|&u| !s.quick[u].is_empty())
                 .map_or(0, |u| u * GRANULE);
+            let large_largest = s.large.iter().map(|&(_, n)| n).max().unwrap_or(0);
             stats.largest_free_block = stats
                 .largest_free_block
                 .max(s.free.largest())
-                .max(quick_largest);
+                .max(quick_largest)
+                .max(large_largest);
         }
         stats
     }
@@ -660,6 +709,7 @@ impl<U: Resource> Pool<U> {
                 growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
                 self.space.as_ref().map(|s| s.base),
             )
+            .with_large_cache()
         })
     }
 
