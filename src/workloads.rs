@@ -5,6 +5,8 @@
 //! - `random`: a seeded random walk of allocations (256 B to 8 MiB, log-uniform) and frees
 //!   of random live blocks, at most 10,000 live; ns per op.
 //! - `random-mt`: `random` on each of several threads, each on its own stream.
+//! - `random-1stream`: `random` on each of several threads (each its own seed), all on one
+//!   stream; run with as many threads as `random-mt`, then twice as many.
 //!
 //! [`suite`] runs them in the anchors' configuration and hands each result row to a
 //! callback; `benches/workloads.rs` and `memres bench` both print those rows as CSV.
@@ -205,7 +207,8 @@ pub fn random_mt<R: Resource + Sync + ?Sized>(
 pub struct Row {
     /// The stack's name.
     pub resource: String,
-    /// The workload: `pair-256B`, `pair-64KiB`, `pair-4MiB`, `random`, `random-mt`.
+    /// The workload: `pair-256B`, `pair-64KiB`, `pair-4MiB`, `random`, `random-mt`,
+    /// `random-1stream`.
     pub workload: &'static str,
     /// Threads it ran on.
     pub threads: usize,
@@ -316,5 +319,14 @@ pub fn suite<R: Resource + Sync + ?Sized>(
     let nt = 100_000 / scale;
     run("random-mt", others.len(), nt * others.len(), &mut || {
         random_mt(r, others, nt)
-    })
+    })?;
+    // The same threads sharing one stream (PyTorch's current stream, a server's worker
+    // pool), then twice as many.
+    for threads in [others.len(), 2 * others.len()] {
+        let shared = vec![s; threads];
+        run("random-1stream", threads, nt * threads, &mut || {
+            random_mt(r, &shared, nt)
+        })?;
+    }
+    Ok(())
 }

@@ -435,3 +435,46 @@ fn a_large_block_comes_back_whole_and_trims() {
     assert_eq!(pool.trim().unwrap(), held);
     assert_eq!(pool.stats().pool_size, 0);
 }
+
+/// Threads sharing one CUDA stream use lists of their own ("lanes"), and a thread whose
+/// lane is empty takes what another lane of the same stream holds, with no wait and no
+/// growth: eight threads, alive together, each allocate and free all of a pool that
+/// cannot grow, one after another. (A made-up CUDA handle on a host pool: only on a
+/// machine without a driver, which would otherwise be asked about it.)
+#[test]
+fn threads_sharing_a_stream_share_its_memory_across_lanes() {
+    if memres::driver::is_present() {
+        println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+        return;
+    }
+    let pool = heap_pool(PoolConfig::new().initial_size(1 << 20).maximum_size(1 << 20));
+    // SAFETY: the handle is never given to a driver (there is none here).
+    let stream = unsafe { StreamRef::from_raw(0x1000 as _) };
+    let l = layout(1 << 20).unwrap();
+    let turn = std::sync::Mutex::new(0usize);
+    let done = std::sync::Barrier::new(8);
+    std::thread::scope(|s| {
+        for me in 0..8 {
+            let (pool, turn, done) = (&pool, &turn, &done);
+            s.spawn(move || {
+                loop {
+                    let mut t = turn.lock().unwrap();
+                    if *t == me {
+                        let p = pool.allocate(stream, l).expect("memory of another lane");
+                        // SAFETY: allocated just above with `l` on `stream`.
+                        unsafe { pool.deallocate(stream, p, l) };
+                        *t += 1;
+                        break;
+                    }
+                    drop(t);
+                    std::thread::yield_now();
+                }
+                // Stay alive until all have run, so that no two share a thread number.
+                done.wait();
+            });
+        }
+    });
+    let stats = pool.stats();
+    assert_eq!((stats.pool_size, stats.free_bytes), (1 << 20, 1 << 20));
+    assert!(stats.stream_lists >= 2, "{stats:?}");
+}

@@ -391,7 +391,11 @@ impl PoolShard {
 ///   through maps by address. Small blocks (up to 64 KiB) are first cached per stream and
 ///   handed out again whole, coalesced when a request finds no fit.
 /// - **Streams.** Every stream has its own free list behind its own lock, found without
-///   a lock, so threads on different streams never wait for each other. Memory freed on
+///   a lock, so threads on different streams never wait for each other. Threads that
+///   share one stream use up to 8 lists of it ("lanes", by thread), so that they do not
+///   queue for one lock either; a thread whose lane has no fit takes from the stream's
+///   other lanes (no wait: one stream's work is ordered whoever enqueued it) before
+///   anything below. Memory freed on
 ///   stream S is reused on S at once. Blocks freed on a host stream (and through the
 ///   synchronous API) are free for every stream. A stream that cannot be served (1)
 ///   takes a fitting block from those host lists, else (2) when the other streams' lists
@@ -694,7 +698,7 @@ impl<U: Resource> Pool<U> {
     /// The shard of `stream`, made on first use.
     #[inline]
     fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
-        let key = StreamKey::of(stream);
+        let key = StreamKey::of_lane(stream);
         if let Some(shard) = self.shards.get(key) {
             return shard;
         }
@@ -754,7 +758,10 @@ impl<U: Resource> Pool<U> {
             return self.allocate_captured(stream, own, size, align, requested);
         }
         let mut growth = self.lock_growth();
-        if let Some(addr) = self.take_listed(own, size, align) {
+        if let Some(addr) = self
+            .take_listed(own, size, align)
+            .or_else(|| self.take_from_lanes(own, size, align))
+        {
             return Ok(addr);
         }
         // Memory freed on other streams, once their work is waited for, before growing:
@@ -822,6 +829,56 @@ impl<U: Resource> Pool<U> {
             .or_else(|| self.shards.all().into_iter().find_map(from_host_list))
     }
 
+    /// Free memory of the other lanes of `own`'s stream (threads that share the stream;
+    /// see [`StreamKey::of_lane`]), which needs no wait: one stream's work is ordered
+    /// whichever thread enqueued it. A fitting block from one lane, else all their free
+    /// memory moved into `own`'s list, where neighbours coalesce. The caller holds the
+    /// growth lock.
+    fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        let stream = own.key.stream();
+        let lanes: Vec<&Shard<PoolShard>> = self
+            .shards
+            .all()
+            .into_iter()
+            .filter(|s| {
+                !ptr::eq(*s, own)
+                    && s.key.stream() == stream
+                    && s.holds_free.load(Ordering::Relaxed)
+            })
+            .collect();
+        for lane in &lanes {
+            let mut s = lane.state.lock();
+            let found = s.take(size, align).or_else(|| {
+                s.flush();
+                s.free.take(size, align)
+            });
+            if found.is_some() {
+                return found;
+            }
+        }
+        let mut moved = Vec::new();
+        for lane in &lanes {
+            let mut s = lane.state.lock();
+            moved.extend(s.drain());
+            lane.holds_free.store(false, Ordering::Relaxed);
+        }
+        if moved.is_empty() {
+            return None;
+        }
+        // Highest first, as in `merge_into`, so the lowest blocks head their classes.
+        moved.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+        let found = {
+            let mut s = own.state.lock();
+            s.flush();
+            for b in moved {
+                s.free.insert(b);
+            }
+            s.free.take(size, align)
+        };
+        self.shards.note_free(own);
+        found
+    }
+
     /// The slow path on a stream under capture, which must not wait: memory of the lists
     /// that need no wait, else growth (in the relaxed capture mode, so that the driver
     /// allows the upstream's calls), else out of memory. Memory freed on other CUDA
@@ -838,7 +895,10 @@ impl<U: Resource> Pool<U> {
         requested: usize,
     ) -> Result<usize, Error> {
         let mut growth = lock(&self.growth);
-        if let Some(addr) = self.take_listed(own, size, align) {
+        if let Some(addr) = self
+            .take_listed(own, size, align)
+            .or_else(|| self.take_from_lanes(own, size, align))
+        {
             return Ok(addr);
         }
         let _relaxed = Relaxed::new()?;

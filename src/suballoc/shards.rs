@@ -50,6 +50,12 @@ const CUDA: u64 = 0;
 const HOST: u64 = 1;
 const PER_THREAD: u64 = 2;
 
+/// Lanes of one stream (see [`StreamKey::of_lane`]), in the bits below the kind: CUDA
+/// stream handles are pointers, far below 2^56, and host ids are 32 bits.
+pub(crate) const LANES: u64 = 8;
+const LANE_SHIFT: u32 = 56;
+const LANE_MASK: u64 = (LANES - 1) << LANE_SHIFT;
+
 impl StreamKey {
     #[inline]
     pub(crate) fn of(stream: StreamRef<'_>) -> StreamKey {
@@ -65,6 +71,31 @@ impl StreamKey {
         }
     }
 
+    /// The key of `stream`'s list in the calling thread's lane: threads sharing one
+    /// stream use up to [`LANES`] lists of it (by thread number), so that they do not all
+    /// wait for one lock. Lanes of one stream are one stream to the device: memory moves
+    /// between them without a wait. The per-thread default stream has one list per thread
+    /// already, and no lanes.
+    #[inline]
+    pub(crate) fn of_lane(stream: StreamRef<'_>) -> StreamKey {
+        let key = StreamKey::of(stream);
+        if key.is_per_thread() {
+            return key;
+        }
+        let lane = this_thread().number as u64 % LANES;
+        StreamKey(key.0 | lane << LANE_SHIFT)
+    }
+
+    /// The stream the key names, whatever its lane.
+    #[inline]
+    pub(crate) fn stream(self) -> StreamKey {
+        if self.is_per_thread() {
+            self
+        } else {
+            StreamKey(self.0 & !LANE_MASK)
+        }
+    }
+
     /// The key of host stream `id`.
     pub(crate) const fn host(id: u32) -> StreamKey {
         StreamKey((HOST << KIND_SHIFT) | id as u64)
@@ -72,7 +103,8 @@ impl StreamKey {
 
     /// The handle of an explicit CUDA stream (not a default or per-thread one).
     fn explicit_stream(self) -> Option<usize> {
-        (self.0 >> KIND_SHIFT == CUDA && self.0 != 0).then_some(self.0 as usize)
+        let handle = self.stream().0;
+        (handle >> KIND_SHIFT == CUDA && handle != 0).then_some(handle as usize)
     }
 
     /// Blocks freed on a host stream may be taken by any stream without waiting.
@@ -96,11 +128,15 @@ impl StreamKey {
 
 impl fmt::Debug for StreamKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.0 & ((1 << KIND_SHIFT) - 1);
+        if self.is_per_thread() {
+            let n = self.0 & ((1 << KIND_SHIFT) - 1);
+            return write!(f, "per-thread stream of thread {n}");
+        }
+        let n = self.0 & ((1 << LANE_SHIFT) - 1);
+        let lane = (self.0 & LANE_MASK) >> LANE_SHIFT;
         match self.0 >> KIND_SHIFT {
-            HOST => write!(f, "host stream {n}"),
-            PER_THREAD => write!(f, "per-thread stream of thread {n}"),
-            _ => write!(f, "CUDA stream {n:#x}"),
+            HOST => write!(f, "host stream {n}, lane {lane}"),
+            _ => write!(f, "CUDA stream {n:#x}, lane {lane}"),
         }
     }
 }
