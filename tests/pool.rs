@@ -447,7 +447,11 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
         println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
         return;
     }
-    let pool = heap_pool(PoolConfig::new().initial_size(1 << 20).maximum_size(1 << 20));
+    let pool = heap_pool(
+        PoolConfig::new()
+            .initial_size(1 << 20)
+            .maximum_size(1 << 20),
+    );
     // SAFETY: the handle is never given to a driver (there is none here).
     let stream = unsafe { StreamRef::from_raw(0x1000 as _) };
     let l = layout(1 << 20).unwrap();
@@ -469,7 +473,8 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
                     drop(t);
                     std::thread::yield_now();
                 }
-                // Stay alive until all have run, so that no two share a thread number.
+                // Stay alive until all have run (threads that run together get
+                // different lanes).
                 done.wait();
             });
         }

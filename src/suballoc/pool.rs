@@ -392,7 +392,7 @@ impl PoolShard {
 ///   handed out again whole, coalesced when a request finds no fit.
 /// - **Streams.** Every stream has its own free list behind its own lock, found without
 ///   a lock, so threads on different streams never wait for each other. Threads that
-///   share one stream use up to 8 lists of it ("lanes", by thread), so that they do not
+///   share one stream use up to 16 lists of it ("lanes", by thread), so that they do not
 ///   queue for one lock either; a thread whose lane has no fit takes from the stream's
 ///   other lanes (no wait: one stream's work is ordered whoever enqueued it) before
 ///   anything below. Memory freed on

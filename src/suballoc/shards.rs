@@ -52,7 +52,7 @@ const PER_THREAD: u64 = 2;
 
 /// Lanes of one stream (see [`StreamKey::of_lane`]), in the bits below the kind: CUDA
 /// stream handles are pointers, far below 2^56, and host ids are 32 bits.
-pub(crate) const LANES: u64 = 8;
+pub(crate) const LANES: u64 = 16;
 const LANE_SHIFT: u32 = 56;
 const LANE_MASK: u64 = (LANES - 1) << LANE_SHIFT;
 
@@ -82,8 +82,7 @@ impl StreamKey {
         if key.is_per_thread() {
             return key;
         }
-        let lane = this_thread().number as u64 % LANES;
-        StreamKey(key.0 | lane << LANE_SHIFT)
+        StreamKey(key.0 | this_lane() << LANE_SHIFT)
     }
 
     /// The stream the key names, whatever its lane.
@@ -139,6 +138,26 @@ impl fmt::Debug for StreamKey {
             _ => write!(f, "CUDA stream {n:#x}, lane {lane}"),
         }
     }
+}
+
+/// Lanes are handed to threads in turn, so threads that run together have different ones.
+static NEXT_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+// The calling thread's lane, `u64::MAX` until its first use. A plain `Cell` with a const
+// initialiser and no destructor: the cheapest thread-local there is (one load), and
+// usable in every thread-local destructor.
+thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(u64::MAX) });
+
+/// The calling thread's lane of a shared stream.
+#[inline]
+fn this_lane() -> u64 {
+    let lane = LANE.with(std::cell::Cell::get);
+    if lane != u64::MAX {
+        return lane;
+    }
+    let lane = NEXT_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % LANES;
+    LANE.with(|l| l.set(lane));
+    lane
 }
 
 /// The calling thread as the per-thread lists see it: a `number` that names its list (a
