@@ -483,3 +483,40 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
     assert_eq!((stats.pool_size, stats.free_bytes), (1 << 20, 1 << 20));
     assert!(stats.stream_lists >= 2, "{stats:?}");
 }
+
+/// A CUDA stream's list takes 2 MiB at a time from the host list that holds a pool's
+/// initial memory, and keeps what its request did not use: its next small requests are
+/// served from its own list. (A made-up CUDA handle on a host pool, as above.)
+#[test]
+fn a_cuda_stream_takes_a_larger_piece_of_the_initial_memory() {
+    if memres::driver::is_present() {
+        println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+        return;
+    }
+    let pool = heap_pool(PoolConfig::new().initial_size(8 << 20));
+    // SAFETY: the handle is never given to a driver (there is none here).
+    let stream = unsafe { StreamRef::from_raw(0x2000 as _) };
+    let l = layout(1000).unwrap();
+    let first = pool.allocate(stream, l).unwrap();
+    // The host list kept 6 MiB; the stream's own list holds the rest of its 2 MiB.
+    let stats = pool.stats();
+    assert_eq!(stats.largest_free_block, 6 << 20, "{stats:?}");
+    assert_eq!(stats.free_bytes, (8 << 20) - 1024);
+    let mut blocks: Vec<_> = (0..100)
+        .map(|_| pool.allocate(stream, l).unwrap())
+        .collect();
+    blocks.push(first);
+    assert_eq!(
+        pool.stats().largest_free_block,
+        6 << 20,
+        "served from its own list"
+    );
+    for p in blocks {
+        // SAFETY: allocated above with `l` on `stream`.
+        unsafe { pool.deallocate(stream, p, l) };
+    }
+    let stats = pool.stats();
+    assert_eq!((stats.pool_size, stats.free_bytes), (8 << 20, 8 << 20));
+    pool.coalesce().unwrap();
+    assert_eq!(pool.stats().largest_free_block, 8 << 20);
+}

@@ -38,6 +38,10 @@ const LARGE_MIN: usize = 1 << 20;
 /// ... and the largest.
 const LARGE_BYTES: usize = 8 << 20;
 
+/// A CUDA stream that takes a small block from a host stream's list (where a pool's
+/// initial memory is) takes this much, and keeps the rest in its own list.
+const HOST_REFILL: usize = 2 << 20;
+
 /// How a [`Pool`] starts and how far it may grow.
 ///
 /// Both sizes must be multiples of 256 bytes and the initial size may not exceed the
@@ -815,12 +819,25 @@ impl<U: Resource> Pool<U> {
                 return None;
             }
             let mut s = other.state.lock();
-            let found = s.take(size, align).or_else(|| {
-                s.flush();
-                s.free.take(size, align)
+            // A CUDA stream's list takes a larger piece when there is one and keeps the
+            // rest, so that its next misses do not come back here (threads on one
+            // stream then queue less for the growth lock).
+            let grab = (!own.key.is_host() && align == GRANULE && size < HOST_REFILL)
+                .then(|| s.free.take(HOST_REFILL, GRANULE))
+                .flatten();
+            let found = grab.or_else(|| {
+                s.take(size, align).or_else(|| {
+                    s.flush();
+                    s.free.take(size, align)
+                })
             });
             if s.free_bytes() == 0 {
                 other.holds_free.store(false, Ordering::Relaxed);
+            }
+            drop(s);
+            if let Some(addr) = grab {
+                own.state.lock().insert(addr + size, HOST_REFILL - size);
+                self.shards.note_free(own);
             }
             found
         };
