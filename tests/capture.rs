@@ -12,6 +12,16 @@ use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::upstream::CudaVirtual;
 use memres::{Cuda, CudaAsync, Error, Managed, PinnedHost, Resource, StreamRef, layout};
 
+/// A capture in the global mode is broken by any other thread's wait or allocation:
+/// these tests take turns (the bundle's `run.sh` runs a binary's tests in parallel).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn ok(r: CUresult, what: &str) {
     assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
 }
@@ -89,6 +99,7 @@ fn afterwards<R: Resource>(r: &R) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn synchronous_leaves_allocate_under_capture_and_defer_their_frees() {
+    let _turn = serial();
     // A first capture sets up what graphs need in the context (it stays), so that the
     // free memory measured next moves only with what `Cuda` holds.
     assert!(capture(&Cuda::new().unwrap(), "Cuda (warm-up)", &SIZES).is_empty());
@@ -113,12 +124,14 @@ fn synchronous_leaves_allocate_under_capture_and_defer_their_frees() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_async_allocates_in_the_graph() {
+    let _turn = serial();
     assert!(capture(&CudaAsync::new().unwrap(), "CudaAsync", &SIZES).is_empty());
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pools_grow_under_capture_without_waiting() {
+    let _turn = serial();
     let pool = Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap();
     assert!(capture(&pool, "Pool<Cuda>", &SIZES).is_empty());
     assert!(pool.pool_size() > 0);
@@ -142,6 +155,7 @@ fn pools_grow_under_capture_without_waiting() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_pool_that_would_have_to_wait_refuses_cleanly() {
+    let _turn = serial();
     // 64 MiB of free memory sits in another stream's list: a capture may not wait for
     // that stream, and the pool may not grow: out of memory, with the capture intact.
     let pool = Pool::new(
@@ -168,6 +182,7 @@ fn a_pool_that_would_have_to_wait_refuses_cleanly() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_other_suballocators_and_the_guard_keep_the_capture() {
+    let _turn = serial();
     let arena = Arena::with_size(Cuda::new().unwrap(), 256 << 20).unwrap();
     assert!(capture(&arena, "Arena<Cuda>", &SIZES[..4]).is_empty());
     let fixed = FixedSize::with_block_size(Cuda::new().unwrap(), 1 << 20, 16).unwrap();
