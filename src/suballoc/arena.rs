@@ -262,6 +262,12 @@ impl<U: Resource> Arena<U> {
                 }
             }
         }
+        tracing::debug!(
+            target: "memres::arena",
+            superblocks = freed.len(),
+            bytes = freed.iter().map(|f| f.1).sum::<usize>(),
+            "memres: arena defragmented (entirely free superblocks back to the global arena)"
+        );
         for (sb, size, ctx) in freed {
             self.unregister(global, sb);
             global.pending.push((self.block(sb, size), ctx));

@@ -623,10 +623,19 @@ impl<U: Resource> Pool<U> {
         keep: usize,
     ) -> Result<usize, Error> {
         self.merge_into(into)?;
-        Ok(match &self.space {
+        let released = match &self.space {
             Some(space) => self.unmap_free_granules(space, growth, into, keep),
             None => self.release_free_chunks(growth, into),
-        })
+        };
+        if released > 0 {
+            tracing::debug!(
+                target: "memres::pool",
+                released,
+                held = growth.size,
+                "memres: pool gave memory back"
+            );
+        }
+        Ok(released)
     }
 
     /// The release threshold was crossed by a free: release what is above it into the
@@ -744,6 +753,25 @@ impl<U: Resource> Pool<U> {
                 free
             })
             .sum()
+    }
+
+    /// [`Resource::allocate`] without its trace event.
+    #[inline(always)]
+    fn allocate_untraced(
+        &self,
+        stream: StreamRef<'_>,
+        layout: Layout,
+    ) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        let (size, align) = block_size(layout);
+        let shard = self.shard(stream);
+        if let Some(addr) = shard.state.lock().take(size, align) {
+            return Ok(to_ptr(addr));
+        }
+        self.allocate_slow(stream, shard, size, align, layout.size())
+            .map(to_ptr)
     }
 
     /// The slow path: the stream's own list has no fit.
@@ -1061,7 +1089,13 @@ impl<U: Resource> Pool<U> {
         growth.mapped.set((addr - space.base) / g, len / g, true);
         growth.size += len;
         into.insert(addr, len);
-        tracing::debug!(addr, len, held = growth.size, "memres: pool grew in place");
+        tracing::debug!(
+            target: "memres::pool",
+            addr,
+            len,
+            held = growth.size,
+            "memres: pool grew in place"
+        );
         Ok(())
     }
 
@@ -1082,6 +1116,13 @@ impl<U: Resource> Pool<U> {
         }
         growth.chunks.push(chunk);
         growth.size += layout.size();
+        tracing::debug!(
+            target: "memres::pool",
+            addr,
+            len = layout.size(),
+            held = growth.size,
+            "memres: pool grew by a chunk"
+        );
         let mut s = into.state.lock();
         s.free.insert(FreeBlock {
             addr,
@@ -1096,7 +1137,8 @@ impl<U: Resource> Pool<U> {
     /// for the CUDA streams they were freed on. Returns whether anything moved.
     fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
         into.state.lock().flush();
-        self.shards
+        let moved = self
+            .shards
             .merge_into(into, PoolShard::drain, |s, mut blocks| {
                 s.flush();
                 // Highest first, so the lowest blocks head their size classes' lists,
@@ -1106,7 +1148,15 @@ impl<U: Resource> Pool<U> {
                 for b in blocks {
                     s.free.insert(b);
                 }
-            })
+            })?;
+        if moved {
+            tracing::debug!(
+                target: "memres::pool",
+                into = ?into.key,
+                "memres: pool merged other streams' lists into one (after waiting for their streams)"
+            );
+        }
+        Ok(moved)
     }
 
     /// Unmaps fully free granules of `from`'s list (which holds all free memory, the
@@ -1184,6 +1234,7 @@ impl<U: Resource> Pool<U> {
         }
         if released > 0 {
             tracing::debug!(
+                target: "memres::pool",
                 released,
                 held = growth.size,
                 "memres: pool unmapped free granules"
@@ -1381,20 +1432,28 @@ unsafe impl<U: Resource> SyncResource for Pool<U> {
 unsafe impl<U: Resource> Resource for Pool<U> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
-        if layout.size() == 0 {
-            return Ok(dangling(layout));
-        }
-        let (size, align) = block_size(layout);
-        let shard = self.shard(stream);
-        if let Some(addr) = shard.state.lock().take(size, align) {
-            return Ok(to_ptr(addr));
-        }
-        self.allocate_slow(stream, shard, size, align, layout.size())
-            .map(to_ptr)
+        let result = self.allocate_untraced(stream, layout);
+        #[cfg(feature = "trace-allocations")]
+        tracing::trace!(
+            target: "memres::pool",
+            size = layout.size(),
+            stream = ?stream,
+            result = ?result,
+            "memres: pool allocate"
+        );
+        result
     }
 
     #[inline]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        #[cfg(feature = "trace-allocations")]
+        tracing::trace!(
+            target: "memres::pool",
+            size = layout.size(),
+            stream = ?stream,
+            address = ptr.as_ptr() as usize,
+            "memres: pool free"
+        );
         if layout.size() == 0 {
             return;
         }
