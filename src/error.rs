@@ -189,7 +189,7 @@ impl fmt::Debug for Error {
 
 /// The driver's own description of `e` where a driver is loaded, else its code.
 fn driver_error_text(e: &DriverError) -> String {
-    if crate::driver::is_present()
+    if crate::driver::presence::is_present()
         && let Ok(s) = e.error_string()
     {
         return format!("{} ({:?})", s.to_string_lossy(), e.0);

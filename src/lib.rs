@@ -78,9 +78,9 @@ pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResource
 pub use error::Error;
 pub use layer::{Layer, ResourceExt};
 pub use property::{
-    Device, DeviceAccessible, Has, Host, HostAccessible, HostDevice, Property, PropertySet,
+    Device, DeviceAccessible, Host, HostAccessible, HostDevice, Property, PropertySet,
 };
-pub use resource::{DEFAULT_ALIGNMENT, Resource, SyncResource, layout, layout_with_alignment};
+pub use resource::{DEFAULT_ALIGNMENT, Has, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
 pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 pub use upstream::{

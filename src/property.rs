@@ -7,7 +7,7 @@
 //! `type Properties`, and an adaptor forwards every property of its upstream, including
 //! properties it has never heard of, with `type Properties = U::Properties;`.
 //!
-//! Code states what it needs with [`Has`]:
+//! Code states what it needs with [`Has`](crate::Has):
 //!
 //! ```
 //! use memres::{DeviceAccessible, Has, HostAccessible, HostHeap, SyncResource};
@@ -30,7 +30,8 @@
 //! above, one bit per property.
 //!
 //! ```
-//! use memres::property::{Has, Property, PropertySet};
+//! use memres::property::{Property, PropertySet};
+//! use memres::Has;
 //! use memres::{HostAccessible, HostHeap, Callback, Error, StreamRef};
 //! use std::alloc::Layout;
 //! use std::ptr::NonNull;
@@ -69,8 +70,6 @@
 use std::ops::{BitAnd, BitOr};
 
 use typenum::{And, Eq, IsEqual, Or, U0, U1, U2, Unsigned};
-
-use crate::resource::SyncResource;
 
 /// A set of properties, with its bit mask.
 ///
@@ -157,16 +156,6 @@ pub(crate) const fn mask_of<S: PropertySet>() -> usize {
     <S::Mask as Unsigned>::USIZE
 }
 
-/// Whether memory of resource `R` may be read and written by host code.
-pub(crate) const fn is_host_accessible<R: SyncResource + ?Sized>() -> bool {
-    mask_of::<R::Properties>() & mask_of::<HostAccessible>() != 0
-}
-
-/// Whether memory of resource `R` may be accessed by kernels (and CUDA's memset).
-pub(crate) const fn is_device_accessible<R: SyncResource + ?Sized>() -> bool {
-    mask_of::<R::Properties>() & mask_of::<DeviceAccessible>() != 0
-}
-
 /// The seal of the type-level `true` markers ([`Holds`] here, and
 /// [`AlignmentHolds`](crate::adaptor::AlignmentHolds)): only `typenum::True` has it.
 pub(crate) mod sealed {
@@ -211,20 +200,6 @@ where
     S::Mask: BitAnd<Q::Mask>,
     And<S::Mask, Q::Mask>: IsEqual<Q::Mask>,
     Eq<And<S::Mask, Q::Mask>, Q::Mask>: Holds,
-{
-}
-
-/// A resource whose memory has every property of the set `P`.
-///
-/// This is the bound to write: `R: Has<DeviceAccessible>` for code that hands memory to a
-/// kernel, `R: Has<HostAccessible>` for code that touches it from the host.
-pub trait Has<P: PropertySet>: SyncResource {}
-
-impl<R, P> Has<P> for R
-where
-    R: SyncResource + ?Sized,
-    P: PropertySet,
-    R::Properties: Contains<P>,
 {
 }
 

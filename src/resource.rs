@@ -37,7 +37,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::error::Error;
-use crate::property::PropertySet;
+use crate::property::{Contains, DeviceAccessible, HostAccessible, PropertySet, mask_of};
 use crate::stream::StreamRef;
 
 /// The alignment [`layout`] asks for: 256 bytes, as `cudaMalloc` guarantees and RMM uses
@@ -122,8 +122,7 @@ pub(crate) fn dangling(layout: Layout) -> NonNull<u8> {
 /// ```
 pub unsafe trait SyncResource: PartialEq {
     /// The set of properties of the memory this resource returns, for example
-    /// [`HostAccessible`](crate::HostAccessible) or
-    /// `(`[`HostAccessible`](crate::HostAccessible)`, `[`DeviceAccessible`](crate::DeviceAccessible)`)`.
+    /// [`HostAccessible`] or `(`[`HostAccessible`]`, `[`DeviceAccessible`]`)`.
     type Properties: PropertySet;
 
     /// Allocates memory for `layout`, usable at once.
@@ -226,6 +225,31 @@ forward_resource! {
     impl['a, R: SyncResource] for &'a R;
     impl[R: SyncResource] for Box<R>;
     impl[R: SyncResource] for Arc<R>;
+}
+
+/// A resource whose memory has every property of the set `P` (its
+/// [`Properties`](SyncResource::Properties) [`Contains`] them).
+///
+/// This is the bound to write: `R: Has<DeviceAccessible>` for code that hands memory to a
+/// kernel, `R: Has<HostAccessible>` for code that touches it from the host.
+pub trait Has<P: PropertySet>: SyncResource {}
+
+impl<R, P> Has<P> for R
+where
+    R: SyncResource + ?Sized,
+    P: PropertySet,
+    R::Properties: Contains<P>,
+{
+}
+
+/// Whether memory of resource `R` may be read and written by host code.
+pub(crate) const fn is_host_accessible<R: SyncResource + ?Sized>() -> bool {
+    mask_of::<R::Properties>() & mask_of::<HostAccessible>() != 0
+}
+
+/// Whether memory of resource `R` may be accessed by kernels (and CUDA's memset).
+pub(crate) const fn is_device_accessible<R: SyncResource + ?Sized>() -> bool {
+    mask_of::<R::Properties>() & mask_of::<DeviceAccessible>() != 0
 }
 
 #[cfg(test)]

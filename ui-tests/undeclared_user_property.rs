@@ -1,6 +1,7 @@
 // Rule: a property of the user's own is checked like the built-in ones: a resource that
 // does not list it in `type Properties` does not have it.
-use memres::property::{Has, Property, PropertySet};
+use memres::property::{Property, PropertySet};
+use memres::Has;
 use memres::HostHeap;
 
 /// Memory that is zeroed when handed out.

@@ -9,8 +9,8 @@ use cudarc::driver::sys;
 
 use crate::driver::check;
 use crate::error::Error;
-use crate::property::{is_device_accessible, is_host_accessible};
 use crate::resource::SyncResource;
+use crate::resource::{is_device_accessible, is_host_accessible};
 use crate::stream::StreamRef;
 
 /// Who may touch a block of memory: what the copy engine needs to know about each side.

@@ -34,7 +34,8 @@ use cudarc::driver::{
 
 use super::vec::DeviceVec;
 use crate::error::Error;
-use crate::property::{DeviceAccessible, Has};
+use crate::property::DeviceAccessible;
+use crate::resource::Has;
 use crate::resource::Resource;
 
 /// A [`DeviceVec`] lent to cudarc for reading, on its own stream.

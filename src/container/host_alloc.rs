@@ -8,7 +8,8 @@ use std::sync::Arc;
 use allocator_api2::alloc::{AllocError, Allocator};
 
 use crate::erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};
-use crate::property::{Has, HostAccessible, PropertySet};
+use crate::property::{HostAccessible, PropertySet};
+use crate::resource::Has;
 use crate::resource::SyncResource;
 use crate::upstream::{HostHeap, Managed, PinnedHost};
 

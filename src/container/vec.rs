@@ -11,7 +11,8 @@ use super::copy::{self, Access};
 use crate::device::DeviceId;
 use crate::erased::AnyResource;
 use crate::error::Error;
-use crate::property::{Device, Has, HostAccessible};
+use crate::property::{Device, HostAccessible};
+use crate::resource::Has;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource};
 use crate::stream::StreamRef;
 

@@ -97,7 +97,7 @@ static MAP: OnceLock<DeviceMap> = OnceLock::new();
 
 fn map() -> &'static DeviceMap {
     MAP.get_or_init(|| {
-        super::register_exit_hook();
+        crate::driver::exit::at_exit(drop_all_at_exit);
         DeviceMap::new()
     })
 }
@@ -204,7 +204,7 @@ pub fn reset_per_device_resource(device: DeviceId) -> Option<AnyResource<Device>
 
 /// Drops every per-device resource; called from the exit handler, after the exiting flag
 /// is set. Never unwinds (it runs inside an `extern "C"` callback).
-pub(super) fn drop_all_at_exit() {
+fn drop_all_at_exit() {
     let _ = std::panic::catch_unwind(|| {
         if let Some(map) = MAP.get() {
             drop(map.take_all());

@@ -9,20 +9,18 @@
 
 mod context;
 mod current;
-mod exit;
 
 use std::fmt;
 
 use cudarc::driver::sys;
 
+pub use crate::driver::exit::process_is_exiting;
 pub use context::DeviceGuard;
 pub(crate) use context::{Bound, Context, bind};
 pub use current::{
     current_resource, per_device_resource, reset_current_resource, reset_per_device_resource,
     set_current_resource, set_per_device_resource, set_per_device_resources,
 };
-pub use exit::process_is_exiting;
-pub(crate) use exit::register_exit_hook;
 
 use crate::driver::{check, init};
 use crate::error::Error;

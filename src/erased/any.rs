@@ -4,7 +4,6 @@ use std::any::Any;
 use std::marker::PhantomData;
 
 use super::dyn_resource::{DynResource, DynSyncResource};
-use super::resource_ref::{ResourceRef, SyncResourceRef};
 use crate::property::{Contains, PropertySet};
 use crate::resource::{Resource, SyncResource};
 use crate::sync::{Arc, arc_from_std};
@@ -39,7 +38,7 @@ use crate::sync::{Arc, arc_from_std};
 /// let mr: AnyResource<Host> = AnyResource::new(Rc::new(HostHeap::new()));
 /// ```
 pub struct AnyResource<P: PropertySet> {
-    inner: Arc<dyn DynResource + Send>,
+    pub(super) inner: Arc<dyn DynResource + Send>,
     properties: PhantomData<fn() -> P>,
 }
 
@@ -47,7 +46,7 @@ pub struct AnyResource<P: PropertySet> {
 ///
 /// As [`AnyResource`], for resources without stream-ordered allocation.
 pub struct AnySyncResource<P: PropertySet> {
-    inner: Arc<dyn DynSyncResource + Send>,
+    pub(super) inner: Arc<dyn DynSyncResource + Send>,
     properties: PhantomData<fn() -> P>,
 }
 
@@ -81,16 +80,6 @@ impl<P: PropertySet> AnyResource<P> {
             inner: self.inner,
             properties: PhantomData,
         }
-    }
-
-    /// A borrowed handle to the same resource, without a second indirection.
-    pub fn as_resource_ref(&self) -> ResourceRef<'_, P> {
-        ResourceRef::from_dyn(&*self.inner)
-    }
-
-    /// A borrowed sync handle to the same resource.
-    pub fn as_sync_resource_ref(&self) -> SyncResourceRef<'_, P> {
-        SyncResourceRef::from_dyn(&*self.inner)
     }
 
     /// The concrete resource, if it is an `R`.
@@ -129,11 +118,6 @@ impl<P: PropertySet> AnySyncResource<P> {
             inner: self.inner,
             properties: PhantomData,
         }
-    }
-
-    /// A borrowed handle to the same resource, without a second indirection.
-    pub fn as_sync_resource_ref(&self) -> SyncResourceRef<'_, P> {
-        SyncResourceRef::from_dyn(&*self.inner)
     }
 
     /// The concrete resource, if it is an `R`.

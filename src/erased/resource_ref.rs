@@ -171,3 +171,24 @@ static_assertions::assert_eq_size!(ResourceRef<'static, ()>, [usize; 2]);
 static_assertions::assert_eq_size!(SyncResourceRef<'static, ()>, [usize; 2]);
 static_assertions::assert_impl_all!(ResourceRef<'static, ()>: Send, Sync, Copy);
 static_assertions::assert_impl_all!(SyncResourceRef<'static, ()>: Send, Sync, Copy);
+
+// The borrowed handles of the owning ones are made here, beside the borrowed types, so
+// that `any` needs nothing from this module.
+impl<P: PropertySet> AnyResource<P> {
+    /// A borrowed handle to the same resource, without a second indirection.
+    pub fn as_resource_ref(&self) -> ResourceRef<'_, P> {
+        ResourceRef::from_dyn(&*self.inner)
+    }
+
+    /// A borrowed sync handle to the same resource.
+    pub fn as_sync_resource_ref(&self) -> SyncResourceRef<'_, P> {
+        SyncResourceRef::from_dyn(&*self.inner)
+    }
+}
+
+impl<P: PropertySet> AnySyncResource<P> {
+    /// A borrowed handle to the same resource, without a second indirection.
+    pub fn as_sync_resource_ref(&self) -> SyncResourceRef<'_, P> {
+        SyncResourceRef::from_dyn(&*self.inner)
+    }
+}

@@ -9,24 +9,10 @@
 
 use std::sync::OnceLock;
 
-/// True when libcuda can be loaded. The answer is looked up once and cached.
-///
-/// This is a one-shot cache, not a concurrency protocol, so it uses `std`'s `OnceLock`
-/// directly rather than the `crate::sync` shims (loom has no `OnceLock`).
-///
-/// ```
-/// if memres::driver::is_present() {
-///     println!("a CUDA driver is installed");
-/// } else {
-///     println!("host memory only");
-/// }
-/// ```
-pub fn is_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: `is_culib_present` only tries to open the library with `dlopen` and closes
-    // it again; it calls no CUDA function, so it has no precondition.
-    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
-}
+pub(crate) mod exit;
+pub(crate) mod presence;
+
+pub use presence::is_present;
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -45,7 +31,7 @@ pub(crate) fn init() -> Result<(), Error> {
         // precondition; it may be called any number of times.
         check(unsafe { sys::cuInit(0) })?;
         // At the latest here, right after `cuInit` (see `device::exit`).
-        crate::device::register_exit_hook();
+        exit::register_exit_hook();
         Ok(())
     })
     .clone()

@@ -11,6 +11,7 @@
 //! process's teardown instead.
 
 use std::ffi::c_int;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static EXITING: AtomicBool = AtomicBool::new(false);
@@ -26,9 +27,22 @@ unsafe extern "C" {
     fn atexit(callback: extern "C" fn()) -> c_int;
 }
 
+/// What the exit handler runs once the flag is set: the per-device map's drop (given by
+/// `device`, which sits above this layer).
+static AT_EXIT: OnceLock<fn()> = OnceLock::new();
+
 extern "C" fn on_exit() {
     EXITING.store(true, Ordering::Release);
-    super::current::drop_all_at_exit();
+    if let Some(drop_all) = AT_EXIT.get() {
+        drop_all();
+    }
+}
+
+/// Runs `drop_all` at exit, after [`process_is_exiting`] becomes true (the first function
+/// given wins), and registers the handler if that has not happened yet.
+pub(crate) fn at_exit(drop_all: fn()) {
+    let _ = AT_EXIT.set(drop_all);
+    register_exit_hook();
 }
 
 /// Registers the exit handler, once; called from `driver::init` (right after `cuInit`) and
