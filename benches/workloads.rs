@@ -23,8 +23,8 @@
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
-use memres::workloads::{self, Suite};
 use memres::{Cuda, CudaAsync, CudaVirtual, HostHeap, HostVirtual, Resource, StreamRef};
+use memres_workloads::{self as workloads, Suite};
 
 /// Where the work goes: CUDA streams on a GPU, host streams without one.
 enum Streams {
@@ -57,7 +57,7 @@ fn suite<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool) {
 }
 
 /// As `suite`; `small_only`: only the pairs up to 64 KiB (a fixed-size resource of 1 MiB
-/// blocks, as the anchors run theirs). The workloads themselves are `memres::workloads`,
+/// blocks, as the anchors run theirs). The workloads themselves are `memres_workloads` (the `workloads/` package),
 /// shared with `memres bench`.
 fn suite_of<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool, small_only: bool) {
     const THREADS: usize = 8;

@@ -18,8 +18,8 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use memres::adaptor::Logging;
-use memres::workloads::splitmix64;
 use memres::{HostHeap, Resource, StreamRef, layout};
+use memres_workloads::splitmix64;
 
 const LAYERS: usize = 24;
 const STEPS: usize = 1200;

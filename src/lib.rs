@@ -49,7 +49,6 @@
 //!   [`Profiling`](adaptor::Profiling) adaptor).
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`units`] parses byte counts written by people (`512MiB`).
-//! - [`workloads`] holds the standard benchmark workloads, for timing any resource.
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
@@ -68,7 +67,6 @@ pub mod stream;
 pub mod suballoc;
 pub mod units;
 pub mod upstream;
-pub mod workloads;
 
 mod per_thread;
 mod prefetch;

@@ -1,12 +1,12 @@
 //! `memres bench`: the standard workloads over the main stacks, on the GPU if there is
-//! one, else on host memory. The workloads are `memres::workloads`, the same code
+//! one, else on host memory. The workloads are `memres_workloads`, the same code
 //! `benches/workloads.rs` runs.
 
 use clap::Args;
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
-use memres::workloads::{Row, Suite, suite};
 use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef};
+use memres_workloads::{Row, Suite, suite};
 
 #[derive(Args)]
 pub struct BenchArgs {

@@ -12,7 +12,7 @@
 //! callback; `benches/workloads.rs` and `memres bench` both print those rows as CSV.
 //!
 //! ```
-//! use memres::workloads::{Suite, suite};
+//! use memres_workloads::{Suite, suite};
 //! use memres::{HostHeap, StreamRef};
 //!
 //! let streams: Vec<_> = (0..9).map(StreamRef::host).collect();
@@ -28,9 +28,7 @@ use std::hint::black_box;
 use std::ptr::NonNull;
 use std::time::Instant;
 
-use crate::error::Error;
-use crate::resource::{Resource, layout};
-use crate::stream::StreamRef;
+use memres::{Error, Resource, StreamRef, layout};
 
 /// The workloads' random number generator (SplitMix64), as the anchors use it.
 pub fn splitmix64(state: &mut u64) -> u64 {
