@@ -681,39 +681,20 @@ impl<U: fmt::Debug> fmt::Debug for Guard<U> {
 
 impl Drop for Checks {
     fn drop(&mut self) {
-        let mut checks = std::mem::take(&mut *lock(&self.device));
-        if checks.pending.is_empty() && checks.slots.is_empty() {
-            return;
-        }
         if process_is_exiting() {
             // The driver may be gone: the pinned slots go with the process.
-            std::mem::forget(checks);
+            std::mem::forget(std::mem::take(&mut *lock(&self.device)));
             return;
         }
-        while let Some(pending) = checks.pending.pop_front() {
-            match pending.event.synchronize() {
-                Ok(()) => {
-                    let (front, back) = self.slot_halves(&pending.slot);
-                    self.inspect(
-                        front,
-                        back,
-                        pending.address,
-                        pending.size,
-                        pending.backtrace.as_deref(),
-                    );
-                }
-                Err(e) => {
-                    tracing::error!(target: "memres::guard", error = %e, address = pending.address, "a canary check could not be made");
-                }
-            }
-            checks.slots.push(pending.slot);
-        }
+        // Waits for the checks in flight and makes them (a failure is logged there).
+        let _ = self.check_pending();
+        let mut checks = std::mem::take(&mut *lock(&self.device));
         if let Some(pinned) = checks.pinned {
             let layout = Layout::from_size_align(2 * self.pad, DEFAULT_ALIGNMENT)
                 .expect("the pad is at most 1 MiB");
             for slot in checks.slots.drain(..) {
-                // SAFETY: every slot came from `pinned` with this layout; its copies
-                // are complete (waited for above).
+                // SAFETY: every slot came from `pinned` with this layout; no copy into it
+                // is in flight (`check_pending` waited for them all).
                 unsafe { pinned.deallocate_sync(slot.0, layout) };
             }
         }
