@@ -55,3 +55,7 @@ pub use pool::{Pool, PoolConfig, PoolStats};
 /// `--cfg memres_loom`; see `tests/loom.rs` for the public-API models).
 #[cfg(all(test, memres_loom))]
 mod loom_models;
+
+/// The pool that grows in place with its maps failing at chosen calls.
+#[cfg(all(test, not(memres_loom)))]
+mod pool_faults;

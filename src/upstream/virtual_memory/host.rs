@@ -113,6 +113,10 @@ impl Backend for HostPages {
     }
 
     fn map(&self, addr: usize, len: usize) -> Result<(), Error> {
+        #[cfg(test)]
+        if faults::fail_this_map() {
+            return Err(Error::out_of_memory(len));
+        }
         // SAFETY: `addr..addr + len` lies inside our own PROT_NONE reservation (the
         // caller's promise), so changing its protection touches no other memory.
         let r = unsafe {
@@ -163,5 +167,30 @@ impl Drop for HostPages {
                 self.raw_len,
             )
         };
+    }
+}
+
+/// Fault injection for the lib's tests: a thread's maps fail where its plan says (the
+/// in-place pool's out-of-memory paths, without a device that runs out).
+#[cfg(test)]
+pub(crate) mod faults {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// (maps made so far, fail every map whose number is a multiple of this; 0: none).
+        static PLAN: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+
+    /// From now on, on this thread, every `every`-th map fails (0: none).
+    pub(crate) fn fail_every(every: u64) {
+        PLAN.with(|p| p.set((0, every)));
+    }
+
+    pub(super) fn fail_this_map() -> bool {
+        PLAN.with(|p| {
+            let (n, every) = p.get();
+            p.set((n + 1, every));
+            every != 0 && (n + 1).is_multiple_of(every)
+        })
     }
 }

@@ -12,6 +12,9 @@ mod cuda;
 mod granules;
 mod host;
 
+#[cfg(test)]
+pub(crate) use host::faults;
+
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
