@@ -33,7 +33,7 @@ fn an_in_place_pool_whose_maps_fail_stays_exact_and_usable() {
         let mut live: Vec<(NonNull<u8>, Layout, StreamRef<'static>)> = Vec::new();
         let mut failures = 0;
         for _ in 0..3000 {
-            if live.is_empty() || splitmix(&mut rng) % 3 != 0 {
+            if live.is_empty() || !splitmix(&mut rng).is_multiple_of(3) {
                 let e = 8 + splitmix(&mut rng) % 15;
                 let n = (1usize << e) + (splitmix(&mut rng) % (1 << e)) as usize;
                 let l = layout(n).unwrap();
