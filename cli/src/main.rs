@@ -15,6 +15,13 @@ mod simulated;
 mod stacks;
 mod stats;
 
+// The C ABI's spec strings (`statistics(pool:initial=1GiB)`), parsed by the C ABI's own
+// parser, compiled in here as the fuzz target does; `mr` is the name it knows memres by.
+extern crate memres as mr;
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../capi/src/spec.rs"]
+mod spec;
+
 use std::io::{BufReader, IsTerminal};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -65,12 +72,15 @@ enum Command {
 struct ReplayArgs {
     /// The log (CSV, or gzip-compressed .csv.gz).
     log: PathBuf,
-    /// The stack: pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, or a host
-    /// variant (host, host-pool, host-arena, host-binning, host-fixed).
+    /// The stack: pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, a host
+    /// variant (host, host-pool, host-arena, host-binning, host-fixed), or a spec string as
+    /// the C ABI takes it (`statistics(pool:initial=1GiB)`, `limiting(virtual_pool,limit=8GiB)`).
     #[arg(short, long, default_value = "pool", conflicts_with = "compare")]
     resource: String,
-    /// Several stacks, comma-separated; one table.
-    #[arg(long, value_delimiter = ',')]
+    /// Several stacks, one table: names or spec strings, each its own argument
+    /// (`--compare pool 'statistics(arena)'`); plain names may also be comma-separated
+    /// (`pool,arena,binning`).
+    #[arg(long, num_args = 1..)]
     compare: Vec<String>,
     /// Replay against simulated device memory of this size (default where there is no
     /// GPU: 80GiB).
@@ -185,14 +195,6 @@ fn title(log: &Path) -> String {
 }
 
 fn run_replay(args: ReplayArgs) -> Result<(), String> {
-    let names: Vec<StackName> = if args.compare.is_empty() {
-        vec![StackName::parse(&args.resource)?]
-    } else {
-        args.compare
-            .iter()
-            .map(|n| StackName::parse(n))
-            .collect::<Result<_, _>>()?
-    };
     let options = Options {
         initial_size: args.initial_size,
         max_size: args.max_size,
@@ -200,7 +202,17 @@ fn run_replay(args: ReplayArgs) -> Result<(), String> {
         bin_min: args.bin_min,
         bin_max: args.bin_max,
         fixed_block: args.fixed_block,
+        ..Options::default()
     };
+    let texts: Vec<&str> = if args.compare.is_empty() {
+        vec![args.resource.as_str()]
+    } else {
+        args.compare.iter().flat_map(|t| split_names(t)).collect()
+    };
+    let names: Vec<(StackName, Options)> = texts
+        .iter()
+        .map(|t| StackName::parse_with(t, &options))
+        .collect::<Result<_, _>>()?;
     let device_memory = match args.simulate {
         Some(size) => Memory::Simulated(size),
         None if gpu_present() => Memory::Gpu,
@@ -232,13 +244,13 @@ fn run_replay(args: ReplayArgs) -> Result<(), String> {
     }
     let sample_every = args.plot.as_ref().map(|_| plan.len().div_ceil(2000).max(1));
     let mut results: Vec<(String, Memory, Outcome)> = Vec::new();
-    for name in &names {
+    for (name, options) in &names {
         let memory = if name.host {
             Memory::Host
         } else {
             device_memory
         };
-        let outcome = replay_one(&plan, name, memory, &options, sample_every)
+        let outcome = replay_one(&plan, name, memory, options, sample_every)
             .map_err(|e| format!("{}: {e}", name.name))?;
         results.push((name.name.clone(), memory, outcome));
     }
@@ -252,6 +264,17 @@ fn run_replay(args: ReplayArgs) -> Result<(), String> {
         println!("wrote {}", out.display());
     }
     Ok(())
+}
+
+/// `pool,arena,binning` as three names; anything else (a spec string, whose options are
+/// comma-separated too) as one.
+fn split_names(text: &str) -> Vec<&str> {
+    let pieces: Vec<&str> = text.split(',').collect();
+    if pieces.len() > 1 && pieces.iter().all(|p| StackName::parse(p).is_ok()) {
+        pieces
+    } else {
+        vec![text]
+    }
 }
 
 /// Replays through one stack on its memory.
@@ -315,6 +338,7 @@ fn replay_one(
             .map_err(fail)?
         }
     };
+    let stack = stacks::wrap(stack, &name.wrappers).map_err(fail)?;
     // One replay stream per logged stream: CUDA streams on the GPU, host streams else.
     let owned: Vec<memres::stream::Stream> = if memory == Memory::Gpu {
         (0..plan.streams.len())
@@ -368,9 +392,16 @@ fn table(results: &[(String, Memory, Outcome)]) -> String {
         }
     }
     let _ = writeln!(out, "memory: {}", memories.join("; "));
+    // Spec strings can be long: the first column is as wide as the longest name.
+    let w = results
+        .iter()
+        .map(|(n, _, _)| n.len())
+        .max()
+        .unwrap_or(0)
+        .max(14);
     let _ = writeln!(
         out,
-        "{:<14} {:>10} {:>9} {:>9} {:>13} {:>15} {:>14} {:>20}",
+        "{:<w$} {:>10} {:>9} {:>9} {:>13} {:>15} {:>14} {:>20}",
         "resource",
         "time",
         "per op",
@@ -387,7 +418,7 @@ fn table(results: &[(String, Memory, Outcome)]) -> String {
             .map_or("-".to_owned(), |(line, _, _)| format!("line {line}"));
         let _ = writeln!(
             out,
-            "{:<14} {:>10} {:>9} {:>9} {:>13} {:>15} {:>14} {:>20}",
+            "{:<w$} {:>10} {:>9} {:>9} {:>13} {:>15} {:>14} {:>20}",
             name,
             format!("{:.2} ms", o.elapsed.as_secs_f64() * 1e3),
             format!("{:.0} ns", o.ns_per_op()),

@@ -61,13 +61,25 @@ pub enum Kind {
 }
 
 /// A stack by name: `pool`, `virtual-pool`, `arena`, `binning`, `fixed`, `cuda`,
-/// `cuda-async`, `managed`, and the host variants `host`, `host-pool`, `host-arena`, `host-binning`, `host-fixed`.
+/// `cuda-async`, `managed`, and the host variants `host`, `host-pool`, `host-arena`,
+/// `host-binning`, `host-fixed`; or a spec string of the C ABI
+/// (`statistics(pool:initial=1GiB)`, see `capi/include/memres.h`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StackName {
     pub name: String,
     pub kind: Kind,
     /// Host memory whatever the memory source is.
     pub host: bool,
+    /// Adaptors over the sub-allocator, innermost first (from a spec string).
+    pub wrappers: Vec<Wrapper>,
+}
+
+/// An adaptor a spec string puts over the stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wrapper {
+    Statistics,
+    Limiting(usize),
+    Logging(Option<std::path::PathBuf>),
 }
 
 pub const NAMES: &str = "pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
@@ -95,8 +107,103 @@ impl StackName {
                 ));
             }
         };
-        Ok(StackName { name, kind, host })
+        Ok(StackName {
+            name,
+            kind,
+            host,
+            wrappers: Vec::new(),
+        })
     }
+
+    /// A name of [`NAMES`], else a spec string of the C ABI, with the options it sets
+    /// over `defaults` (the command line's).
+    pub fn parse_with(text: &str, defaults: &Options) -> Result<(StackName, Options), String> {
+        if let Ok(name) = StackName::parse(text) {
+            return Ok((name, *defaults));
+        }
+        let spec = crate::spec::Spec::parse(text).map_err(|e| {
+            format!("unknown resource {text:?}: neither one of {NAMES} nor a spec string ({e})")
+        })?;
+        let mut options = *defaults;
+        let mut wrappers = Vec::new();
+        let kind = from_spec(&spec, &mut options, &mut wrappers);
+        wrappers.reverse(); // innermost first
+        Ok((
+            StackName {
+                name: text.trim().to_owned(),
+                kind,
+                host: false,
+                wrappers,
+            },
+            options,
+        ))
+    }
+}
+
+/// The sub-allocator of `spec` (its options set in `options`), collecting its adaptors
+/// outermost first.
+fn from_spec(spec: &crate::spec::Spec, options: &mut Options, wrappers: &mut Vec<Wrapper>) -> Kind {
+    use crate::spec::Spec;
+    match spec {
+        Spec::Cuda => Kind::Direct,
+        Spec::CudaAsync { .. } => Kind::CudaAsync,
+        Spec::Pool { initial, max } => {
+            options.initial_size = initial.unwrap_or(options.initial_size);
+            options.max_size = max.or(options.max_size);
+            Kind::Pool
+        }
+        Spec::VirtualPool {
+            initial,
+            max,
+            step,
+            release,
+            reserve: _,
+        } => {
+            options.initial_size = initial.unwrap_or(options.initial_size);
+            options.max_size = max.or(options.max_size);
+            options.step = step.or(options.step);
+            options.release = release.or(options.release);
+            Kind::VirtualPool
+        }
+        Spec::Arena { size } => {
+            options.arena_size = size.or(options.arena_size);
+            Kind::Arena
+        }
+        Spec::Binning { min, max } => {
+            (options.bin_min, options.bin_max) = (*min, *max);
+            Kind::Binning
+        }
+        Spec::Statistics(inner) => {
+            wrappers.push(Wrapper::Statistics);
+            from_spec(inner, options, wrappers)
+        }
+        Spec::Limiting { inner, limit } => {
+            wrappers.push(Wrapper::Limiting(*limit));
+            from_spec(inner, options, wrappers)
+        }
+        Spec::Logging { inner, file } => {
+            wrappers.push(Wrapper::Logging(file.clone()));
+            from_spec(inner, options, wrappers)
+        }
+    }
+}
+
+/// Puts `wrappers` (innermost first) over the stack's top.
+pub fn wrap(mut stack: Stack, wrappers: &[Wrapper]) -> Result<Stack, Error> {
+    for w in wrappers {
+        let top = std::mem::replace(&mut stack.top, AnyResource::new(memres::HostHeap));
+        stack.top = match w {
+            Wrapper::Statistics => AnyResource::new(memres::adaptor::Statistics::new(top)),
+            Wrapper::Limiting(limit) => {
+                AnyResource::new(memres::adaptor::Limiting::new(top, *limit))
+            }
+            Wrapper::Logging(file) => AnyResource::new(match file {
+                Some(path) => memres::adaptor::Logging::to_file(top, path)?,
+                None => memres::adaptor::Logging::from_env(top)?,
+            }),
+        };
+    }
+    Ok(stack)
 }
 
 /// Sizes and shapes of the sub-allocators.
@@ -109,6 +216,10 @@ pub struct Options {
     pub bin_min: u32,
     pub bin_max: u32,
     pub fixed_block: usize,
+    /// The smallest growth of a pool that grows in place (spec `step=`).
+    pub step: Option<usize>,
+    /// Free bytes above which a pool gives memory back (spec `release=`).
+    pub release: Option<usize>,
 }
 
 impl Default for Options {
@@ -120,6 +231,8 @@ impl Default for Options {
             bin_min: 10,
             bin_max: 22,
             fixed_block: 1 << 20,
+            step: None,
+            release: None,
         }
     }
 }
@@ -182,6 +295,21 @@ where
     )
 }
 
+/// The pools' configuration from the options.
+fn pool_config(options: &Options) -> PoolConfig {
+    let mut config = PoolConfig::new().initial_size(options.initial_size);
+    if let Some(max) = options.max_size {
+        config = config.maximum_size(max);
+    }
+    if let Some(step) = options.step {
+        config = config.growth_step(step);
+    }
+    if let Some(release) = options.release {
+        config = config.release_threshold(release);
+    }
+    config
+}
+
 /// Builds `kind` over `memory` (counted, to measure the footprint).
 /// `total` is the memory's size, for the arena's default.
 pub fn build<U>(kind: Kind, memory: U, total: usize, options: &Options) -> Result<Stack, Error>
@@ -192,13 +320,7 @@ where
     let (memory, count) = counted(memory);
     let counted = Arc::new(memory);
     let footprint = Box::new(move || count.read());
-    let pool_config = || {
-        let mut config = PoolConfig::new().initial_size(options.initial_size);
-        if let Some(max) = options.max_size {
-            config = config.maximum_size(max);
-        }
-        config
-    };
+    let pool_config = || pool_config(options);
     let (top, pool): (AnyResource<()>, Option<PoolFigures>) = match kind {
         Kind::Pool => {
             let pool = Arc::new(Pool::new(Arc::clone(&counted), pool_config())?);
@@ -248,11 +370,7 @@ pub fn build_virtual<B: Backend>(leaf: Virtual<B>, options: &Options) -> Result<
 where
     B::Properties: Contains<()>,
 {
-    let mut config = PoolConfig::new().initial_size(options.initial_size);
-    if let Some(max) = options.max_size {
-        config = config.maximum_size(max);
-    }
-    let pool = Arc::new(leaf.pool(config)?);
+    let pool = Arc::new(leaf.pool(pool_config(options))?);
     let (held, stats) = (Arc::clone(&pool), Arc::clone(&pool));
     Ok(Stack {
         top: AnyResource::new(pool),

@@ -286,6 +286,42 @@ fn a_free_with_another_size_is_reported_and_frees_what_was_allocated() {
     assert_eq!(row(&out, "pool")[5], "0", "{out}");
 }
 
+/// Stacks as the C ABI composes them, adaptors included, beside plain names in one table.
+#[test]
+fn spec_strings_compose_stacks_as_the_c_abi_does() {
+    let log = data("known.csv");
+    let out = ok(&[
+        "replay",
+        log.to_str().unwrap(),
+        "--simulate",
+        "1GiB",
+        "--compare",
+        "pool,arena",
+        "statistics(pool:initial=64MiB)",
+        "limiting(virtual_pool,limit=1KiB)",
+    ]);
+    // resource, time, unit, per op, unit, failures, first failure, footprint, unit, ...
+    let stats = row(&out, "statistics(pool:initial=64MiB)");
+    assert_eq!(
+        (stats[5], stats[7], stats[8]),
+        ("0", "64.00", "MiB"),
+        "{out}"
+    );
+    // 2000 bytes never fit under 1 KiB (line 3); whether the 500 of another thread does
+    // depends on how the replay interleaves the threads.
+    let limited = row(&out, "limiting(virtual_pool,limit=1KiB)");
+    assert_ne!(limited[5], "0", "{out}");
+    assert_eq!((limited[6], limited[7]), ("line", "3"), "{out}");
+    assert!(out.contains("would pass the limit of 1.0 KiB"), "{out}");
+    row(&out, "pool");
+    row(&out, "arena");
+    let err = fails(&["replay", log.to_str().unwrap(), "-r", "statistics(pooll)"]);
+    assert!(
+        err.contains("nor a spec string") && err.contains("unknown resource \"pooll\""),
+        "{err}"
+    );
+}
+
 #[test]
 fn bad_options_are_errors() {
     let log = data("known.csv");
