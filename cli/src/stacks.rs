@@ -141,7 +141,9 @@ impl StackName {
 }
 
 /// The sub-allocator of `spec` (its options set in `options`), collecting its adaptors
-/// outermost first.
+/// outermost first. Two options of the C ABI do not apply to a replay: `virtual_pool`'s
+/// `reserve=` (a replay reserves what its memory source has) and `cuda_async`'s sizes (the
+/// replay's driver pool keeps its defaults).
 fn from_spec(spec: &crate::spec::Spec, options: &mut Options, wrappers: &mut Vec<Wrapper>) -> Kind {
     use crate::spec::Spec;
     match spec {
