@@ -180,3 +180,38 @@ fn an_arena_of_every_byte_is_an_invalid_argument() {
         }
     }
 }
+
+/// A producer thread allocates on one stream and a consumer thread frees on the same
+/// stream: the blocks land in the consumer's lane, and the producer's slow path takes them
+/// back. (300 KiB blocks leave a piece of each 1 MiB superblock in the producer's lane, so
+/// without that no superblock would ever be whole in one lane again, and the arena would
+/// run out.) A made-up
+/// CUDA handle, so only on a machine without a driver.
+#[test]
+fn a_producer_and_a_consumer_on_one_stream_do_not_run_the_arena_out() {
+    if memres::driver::is_present() {
+        println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+        return;
+    }
+    let arena = Arena::with_size(HostHeap::new(), 8 * MIB).unwrap();
+    // SAFETY: the handle is never given to a driver (there is none here).
+    let stream = unsafe { StreamRef::from_raw(0x3000 as _) };
+    let (tx, rx) = std::sync::mpsc::sync_channel::<usize>(4);
+    std::thread::scope(|s| {
+        let arena = &arena;
+        s.spawn(move || {
+            for p in rx {
+                let p = NonNull::new(p as *mut u8).unwrap();
+                // SAFETY: allocated by the producer with this layout on `stream`.
+                unsafe { arena.deallocate(stream, p, layout(300 << 10).unwrap()) };
+            }
+        });
+        for _ in 0..2000 {
+            let p = arena
+                .allocate(stream, layout(300 << 10).unwrap())
+                .expect("the consumer's lane gives memory back");
+            tx.send(p.as_ptr() as usize).unwrap();
+        }
+        drop(tx);
+    });
+}

@@ -234,6 +234,26 @@ impl<U: Resource> Arena<U> {
         Ok(global.free.take(size, align))
     }
 
+    /// Moves the free blocks of the other lanes of `own`'s stream into `own`'s list.
+    /// Returns whether anything moved.
+    fn merge_lanes(&self, own: &Shard<PoolShard>) -> bool {
+        let stream = own.key.stream();
+        let mut moved = Vec::new();
+        for lane in self.shards.all() {
+            if !ptr::eq(lane, own) && lane.key.stream() == stream {
+                moved.extend(lane.state.lock().drain());
+            }
+        }
+        if moved.is_empty() {
+            return false;
+        }
+        let mut s = own.state.lock();
+        for b in moved {
+            s.free.insert(b);
+        }
+        true
+    }
+
     /// Waits for the streams of pending memory and makes it free.
     fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
         let mut done: Vec<Context> = Vec::new();
@@ -309,6 +329,14 @@ impl<U: Resource> Arena<U> {
             if let Some(addr) = s.free.take(size, align) {
                 return Ok(addr);
             }
+        }
+        // The stream's other lanes: blocks freed there by other threads (a producer on
+        // one thread, a consumer on another) come back here and coalesce, so superblocks
+        // become whole again instead of staying split between lanes. No wait: one stream.
+        if self.merge_lanes(own)
+            && let Some(addr) = own.state.lock().free.take(size, align)
+        {
+            return Ok(addr);
         }
         let sb_size = size
             .checked_add(align - GRANULE)
