@@ -154,6 +154,38 @@ fn pools_grow_under_capture_without_waiting() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn a_pool_growing_under_capture_leaves_deferred_frees_for_later() {
+    let _turn = serial();
+    // A free that one capture deferred...
+    let s1 = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: a live stream of the current context.
+    ok(
+        unsafe { sys::cuStreamBeginCapture_v2(s1.raw(), mode) },
+        "begin",
+    );
+    let cuda = Cuda::new().unwrap();
+    let l = layout(1 << 20).unwrap();
+    let p = cuda.allocate(s1.as_ref(), l).unwrap();
+    // SAFETY: allocated just above on `s1`; nothing uses it.
+    unsafe { cuda.deallocate(s1.as_ref(), p, l) };
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: `s1` is capturing; `graph` is a valid place.
+    ok(
+        unsafe { sys::cuStreamEndCapture(s1.raw(), &mut graph) },
+        "end",
+    );
+    // SAFETY: the graph just made, never launched.
+    ok(unsafe { sys::cuGraphDestroy(graph) }, "destroy");
+    // ... is still pending when a pool over Cuda grows under another capture: the growth
+    // calls the leaf, which must not carry the free out there (that waits for the device).
+    let pool = Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap();
+    assert!(capture(&pool, "Pool<Cuda> with a deferred free pending", &SIZES).is_empty());
+    afterwards(&cuda);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn a_pool_that_would_have_to_wait_refuses_cleanly() {
     let _turn = serial();
     // 64 MiB of free memory sits in another stream's list: a capture may not wait for

@@ -516,10 +516,9 @@ impl<U: SyncResource> Guard<U> {
                         });
                         Ok(())
                     }
-                    Err(e) => {
-                        checks.slots.push(slot);
-                        Err(e)
-                    }
+                    // A copy into the slot may already be enqueued: the slot is left
+                    // unused (2 * pad bytes of pinned memory) rather than reused under it.
+                    Err(e) => Err(e),
                 }
             }
         }

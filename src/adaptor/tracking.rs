@@ -47,7 +47,10 @@ struct Entry {
 ///   upstream with the layout it was allocated with; an unknown one goes upstream as given,
 ///   unless this `Tracking` freed it recently (the last 64 frees of each of its 64 shards
 ///   are remembered) and has not handed it out since: that is a double free, reported
-///   and not passed on, so the upstream never sees it.
+///   and not passed on, so the upstream never sees it. (An upstream shared with other
+///   users, an equal `Tracking` among them, may hand that address out again through
+///   them; its free through this `Tracking` is then taken for a double free and the
+///   block is not freed: for hunting bugs, give each `Tracking` an upstream of its own.)
 /// - Equality is the upstream's (as RMM's): memory allocated through one `Tracking` and
 ///   freed through an equal one is freed correctly, but stays in the first one's record
 ///   and is reported as unknown by the second.

@@ -7,6 +7,20 @@
 //! `cuStreamIsCapturing` on its slow paths (never on a pool's fast path) and then skips
 //! every wait, and makes the driver calls a capture allows in the relaxed capture mode
 //! of the calling thread, as PyTorch's caching allocator does.
+//!
+//! What a capture does not make safe (say so to users of graphs):
+//! - Memory freed inside a capture is free afterwards: a pool hands it out again, and a
+//!   synchronous leaf (`Cuda`, `Managed`, `PinnedHost`, `System`) gives it back to the
+//!   driver at its next call outside a capture. A graph that uses such memory must not be
+//!   launched after that. For graphs that are replayed, allocate their memory outside the
+//!   capture (or from a pool of their own kept as long as the graph), or use `CudaAsync`,
+//!   whose allocations and frees in a capture become nodes of the graph.
+//! - Those deferred frees wait for the device first (`cuCtxSynchronize`). Made while
+//!   another thread captures a stream of the same device in the global mode, that wait is
+//!   forbidden and breaks the capture: programs that call synchronous leaves on other
+//!   streams during a capture should capture in the thread-local or relaxed mode.
+//! - The guard adaptor paints canaries by captured sets: a block allocated in a capture
+//!   and freed outside it before the graph ran is checked against canaries never written.
 
 use cudarc::driver::sys::{self, CUresult, CUstreamCaptureMode, CUstreamCaptureStatus};
 
@@ -66,11 +80,25 @@ pub(crate) struct Relaxed {
     thread: std::marker::PhantomData<*const ()>,
 }
 
+thread_local! {
+    /// How many [`Relaxed`] guards the thread holds: while any, it is on a capture's slow
+    /// path, where nothing may wait for the device.
+    static RELAXED: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// True while the calling thread is on a slow path under stream capture (it holds a
+/// [`Relaxed`] guard): work that would wait for the device (a synchronous leaf's deferred
+/// frees) must be left for later.
+pub(crate) fn on_capture_path() -> bool {
+    RELAXED.with(|r| r.get() > 0)
+}
+
 impl Relaxed {
     pub(crate) fn new() -> Result<Relaxed, Error> {
         let mut mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: `mode` is a valid place; the call only swaps the thread's mode.
         check(unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })?;
+        RELAXED.with(|r| r.set(r.get() + 1));
         Ok(Relaxed {
             previous: mode,
             thread: std::marker::PhantomData,
@@ -80,6 +108,7 @@ impl Relaxed {
 
 impl Drop for Relaxed {
     fn drop(&mut self) {
+        RELAXED.with(|r| r.set(r.get() - 1));
         let mut mode = self.previous;
         // SAFETY: as in `new`: restores the mode it replaced.
         report("restoring the capture mode", unsafe {

@@ -10,7 +10,7 @@ use super::shards::{Shard, ShardMap, StreamKey, lock};
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
-use crate::stream::StreamRef;
+use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
 
 /// A thread's cache for one stream holds at most this many bytes...
@@ -212,16 +212,21 @@ impl<U: Resource> FixedSize<U> {
                 return Ok(addr);
             }
         }
-        match self.grow(&mut chunks, stream, own) {
+        // Under stream capture: grown "on the host stream" (memory usable at once, not a
+        // node of the graph a stream-ordered upstream would make it) in the relaxed
+        // capture mode, and no wait for other streams' blocks below.
+        let capturing = own
+            .ctx
+            .map_or(Ok(false), |ctx| stream.is_capturing_in(ctx))?;
+        let _relaxed = capturing.then(Relaxed::new).transpose()?;
+        let grow_on = if capturing { StreamRef::HOST } else { stream };
+        match self.grow(&mut chunks, grow_on, own) {
             Ok(addr) => return Ok(addr),
             Err(Error::OutOfMemory { .. }) => {}
             Err(e) => return Err(e),
         }
         // Other streams' blocks need a wait, which a capture forbids.
-        if own
-            .ctx
-            .map_or(Ok(false), |ctx| stream.is_capturing_in(ctx))?
-        {
+        if capturing {
             return Err(Error::OutOfMemory {
                 requested,
                 limit: None,

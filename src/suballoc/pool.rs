@@ -720,8 +720,10 @@ impl<U: Resource> Pool<U> {
 
     #[cold]
     fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
-        // Under the growth lock, so no chunk comes or goes while its start is copied.
-        let growth = self.lock_growth();
+        // Under the growth lock, so no chunk comes or goes while its start is copied. (The
+        // raw lock: its unlock runs no pending release, which waits for streams and may
+        // come here under stream capture; the next unlock elsewhere runs it.)
+        let growth = lock(&self.growth);
         self.shards.get_or_insert_with(key, || {
             let shard = PoolShard::new(
                 growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
@@ -787,7 +789,7 @@ impl<U: Resource> Pool<U> {
         if let Some(ctx) = own.ctx
             && stream.is_capturing_in(ctx)?
         {
-            return self.allocate_captured(stream, own, size, align, requested);
+            return self.allocate_captured(own, size, align, requested);
         }
         let mut growth = self.lock_growth();
         if let Some(addr) = self
@@ -933,7 +935,6 @@ impl<U: Resource> Pool<U> {
     #[inline(never)]
     fn allocate_captured(
         &self,
-        stream: StreamRef<'_>,
         own: &Shard<PoolShard>,
         size: usize,
         align: usize,
@@ -947,7 +948,10 @@ impl<U: Resource> Pool<U> {
             return Ok(addr);
         }
         let _relaxed = Relaxed::new()?;
-        match self.grow(&mut growth, stream, own, size, align, false)? {
+        // Grown "on the host stream": memory usable at once, whatever the upstream. (On the
+        // captured stream a stream-ordered upstream would make its allocation a node of
+        // the graph, memory that exists only while the graph runs.)
+        match self.grow(&mut growth, StreamRef::HOST, own, size, align, false)? {
             Some(addr) => Ok(addr),
             None => Err(Error::OutOfMemory {
                 requested,

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::device::{Context, process_is_exiting};
 use crate::error::Error;
 use crate::resource::dangling;
-use crate::stream::{Relaxed, StreamRef};
+use crate::stream::{Relaxed, StreamRef, on_capture_path};
 
 /// The contract's rules before any driver call: `Ok(Some(dangling))` for zero bytes,
 /// [`Error::InvalidArgument`] for an alignment above what the resource guarantees,
@@ -112,7 +112,9 @@ fn defer(ctx: Context, free: Box<dyn FnOnce() + Send>) {
 /// Carries out the deferred frees: waits for each context once, then frees. A context
 /// that cannot be waited for keeps its frees for the next try.
 pub(crate) fn settle() {
-    if !ANY_DEFERRED.load(Ordering::Acquire) || process_is_exiting() {
+    // On a capture's slow path (a pool growing over this leaf under capture) the wait
+    // below is forbidden: the frees stay deferred for a later call.
+    if !ANY_DEFERRED.load(Ordering::Acquire) || process_is_exiting() || on_capture_path() {
         return;
     }
     let taken = {
