@@ -241,6 +241,11 @@ impl<U> Guard<U> {
 }
 
 impl Checks {
+    /// A staging slot: both canaries.
+    fn slot_layout(&self) -> Layout {
+        Layout::from_size_align(2 * self.pad, DEFAULT_ALIGNMENT).expect("the pad is at most 1 MiB")
+    }
+
     fn found(&self) -> u64 {
         self.found.load(Ordering::Relaxed)
     }
@@ -534,12 +539,7 @@ impl<U: SyncResource> Guard<U> {
             Some(p) => p,
             None => *checks.pinned.insert(PinnedHost::on(ctx.device())?),
         };
-        pinned.allocate_sync(self.slot_layout()).map(Slot)
-    }
-
-    fn slot_layout(&self) -> Layout {
-        Layout::from_size_align(2 * self.checks.pad, DEFAULT_ALIGNMENT)
-            .expect("the pad is at most 1 MiB")
+        pinned.allocate_sync(self.checks.slot_layout()).map(Slot)
     }
 
     /// Allocates through `allocate` (the upstream's, on some stream) and paints.
@@ -689,8 +689,7 @@ impl Drop for Checks {
         let _ = self.check_pending();
         let mut checks = std::mem::take(&mut *lock(&self.device));
         if let Some(pinned) = checks.pinned {
-            let layout = Layout::from_size_align(2 * self.pad, DEFAULT_ALIGNMENT)
-                .expect("the pad is at most 1 MiB");
+            let layout = self.slot_layout();
             for slot in checks.slots.drain(..) {
                 // SAFETY: every slot came from `pinned` with this layout; no copy into it
                 // is in flight (`check_pending` waited for them all).

@@ -237,12 +237,9 @@ impl<U: Resource> Arena<U> {
     /// Moves the free blocks of the other lanes of `own`'s stream into `own`'s list.
     /// Returns whether anything moved.
     fn merge_lanes(&self, own: &Shard<PoolShard>) -> bool {
-        let stream = own.key.stream();
         let mut moved = Vec::new();
-        for lane in self.shards.all() {
-            if !ptr::eq(lane, own) && lane.key.stream() == stream {
-                moved.extend(lane.state.lock().drain());
-            }
+        for lane in self.shards.other_lanes(own) {
+            moved.extend(lane.state.lock().drain());
         }
         if moved.is_empty() {
             return false;

@@ -882,17 +882,8 @@ impl<U: Resource> Pool<U> {
     /// memory moved into `own`'s list, where neighbours coalesce. The caller holds the
     /// growth lock.
     fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
-        let stream = own.key.stream();
-        let lanes: Vec<&Shard<PoolShard>> = self
-            .shards
-            .all()
-            .into_iter()
-            .filter(|s| {
-                !ptr::eq(*s, own)
-                    && s.key.stream() == stream
-                    && s.holds_free.load(Ordering::Relaxed)
-            })
-            .collect();
+        let mut lanes = self.shards.other_lanes(own);
+        lanes.retain(|s| s.holds_free.load(Ordering::Relaxed));
         for lane in &lanes {
             let mut s = lane.state.lock();
             let found = s.take(size, align).or_else(|| {

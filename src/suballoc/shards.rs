@@ -509,6 +509,15 @@ impl<S> ShardMap<S> {
         Ok(any)
     }
 
+    /// The other lanes of `own`'s stream (see [`StreamKey::of_lane`]).
+    pub(crate) fn other_lanes(&self, own: &Shard<S>) -> Vec<&Shard<S>> {
+        let stream = own.key.stream();
+        self.all()
+            .into_iter()
+            .filter(|s| !ptr::eq(*s, own) && s.key.stream() == stream)
+            .collect()
+    }
+
     /// Waits for the work of every CUDA stream seen so far (once per context).
     pub(crate) fn synchronize_streams(&self) -> Result<(), Error> {
         synchronize(self.all().iter().filter_map(|s| s.ctx))
