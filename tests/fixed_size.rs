@@ -3,6 +3,7 @@
 
 use std::sync::{Arc, mpsc};
 
+use memres::adaptor::Limiting;
 use memres::suballoc::{Binning, FixedSize, Pool, PoolConfig};
 use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout};
 
@@ -131,5 +132,106 @@ fn huge_block_and_bin_sizes_are_invalid_arguments() {
             other => panic!("{size}: {other:?}"),
         }
         assert_eq!(binning.bin_sizes().count(), 0);
+    }
+}
+
+/// A FixedSize whose upstream holds exactly one chunk of 16 blocks of 4 KiB.
+fn one_chunk() -> Arc<FixedSize<Limiting<HostHeap>>> {
+    let upstream = Limiting::new(HostHeap::new(), 16 * 4096);
+    Arc::new(FixedSize::with_block_size(upstream, 4096, 16).unwrap())
+}
+
+/// Another thread takes every block of the only chunk and frees them into its cache.
+fn cache_every_block(fixed: &FixedSize<Limiting<HostHeap>>) {
+    let l = layout(4096).unwrap();
+    let blocks: Vec<_> = (0..16).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+    for p in blocks {
+        // SAFETY: allocated above with `l`.
+        unsafe { fixed.deallocate_sync(p, l) };
+    }
+    assert_eq!(fixed.free_blocks(), 16, "all in this thread's cache");
+}
+
+/// Before reporting out-of-memory, a FixedSize asks the threads that cache its blocks to
+/// give them back: a thread still calling the resource answers at its next call, and the
+/// starving thread gets a block instead of `OutOfMemory`.
+#[test]
+fn a_starving_thread_gets_blocks_another_live_thread_had_cached() {
+    let fixed = one_chunk();
+    let l = layout(4096).unwrap();
+    let (cached, main_waits) = mpsc::channel::<()>();
+    let (done, worker_waits) = mpsc::channel::<()>();
+    let theirs = Arc::clone(&fixed);
+    let worker = std::thread::spawn(move || {
+        cache_every_block(&theirs);
+        cached.send(()).unwrap();
+        // Keeps calling the resource (as a busy thread does) until told to stop.
+        let small = layout(1).unwrap();
+        while worker_waits.try_recv().is_err() {
+            if let Ok(p) = theirs.allocate_sync(small) {
+                // SAFETY: allocated just above with `small`.
+                unsafe { theirs.deallocate_sync(p, small) };
+            }
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    });
+    main_waits.recv().unwrap();
+    assert_eq!(
+        fixed.free_blocks(),
+        0,
+        "none in a list or in this thread's cache"
+    );
+    // Many tries, so one that the worker's own pair beats to the last block still counts:
+    // what must not happen is a failure every time.
+    let got = (0..100).find_map(|_| fixed.allocate_sync(l).ok());
+    done.send(()).unwrap();
+    worker.join().unwrap();
+    let p = got.expect("the worker's cached blocks came back");
+    assert_eq!(fixed.upstream_allocations(), 1, "no growth");
+    // SAFETY: allocated above with `l`.
+    unsafe { fixed.deallocate_sync(p, l) };
+}
+
+/// A thread that does not call the resource again cannot answer: its cached blocks stay
+/// there (the starving thread gets `OutOfMemory` after a short wait) until its next call
+/// or its exit.
+#[test]
+fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
+    let fixed = one_chunk();
+    let l = layout(4096).unwrap();
+    let (cached, main_waits) = mpsc::channel::<()>();
+    let (touch, worker_waits) = mpsc::channel::<()>();
+    let (touched, main_waits_again) = mpsc::channel::<()>();
+    let theirs = Arc::clone(&fixed);
+    let worker = std::thread::spawn(move || {
+        cache_every_block(&theirs);
+        cached.send(()).unwrap();
+        worker_waits.recv().unwrap();
+        // One call, which sees the reclaim and gives every block back.
+        let small = layout(1).unwrap();
+        let p = theirs.allocate_sync(small).unwrap();
+        // SAFETY: allocated just above with `small`.
+        unsafe { theirs.deallocate_sync(p, small) };
+        touched.send(()).unwrap();
+        worker_waits.recv().unwrap();
+    });
+    main_waits.recv().unwrap();
+    let started = std::time::Instant::now();
+    assert!(matches!(
+        fixed.allocate_sync(l),
+        Err(Error::OutOfMemory { .. })
+    ));
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(1),
+        "a short wait"
+    );
+    touch.send(()).unwrap();
+    main_waits_again.recv().unwrap();
+    let blocks: Vec<_> = (0..16).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+    touch.send(()).unwrap();
+    worker.join().unwrap();
+    for p in blocks {
+        // SAFETY: allocated above with `l`.
+        unsafe { fixed.deallocate_sync(p, l) };
     }
 }

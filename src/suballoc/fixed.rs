@@ -34,8 +34,11 @@ const CACHE_MIN_BLOCKS: usize = 4;
 ///   most 64 blocks and 4 MiB each): a free pushes onto the calling thread's cache and an
 ///   allocation pops from it, with no atomic operation; a cache trades half its blocks
 ///   with the stream's list when it overflows or runs dry, gives them all back before
-///   the resource grows, and when its thread exits. Blocks in another thread's cache
-///   count as in use until then.
+///   the resource grows, and when its thread exits. Before it reports
+///   [`Error::OutOfMemory`], a thread that finds no free block asks every thread to give
+///   its cached blocks back (each does at its next call on the resource; the asker waits
+///   up to 2 ms for them) and the caches stay off until the resource next grows. Blocks
+///   cached by a thread that does not call the resource again come back at its exit.
 /// - Defaults: 1 MiB blocks, 128 per chunk (RMM's).
 /// - A request above the block size is [`Error::InvalidArgument`] naming both sizes (no
 ///   amount of freeing would make it fit); alignments above 256 bytes likewise.
@@ -127,10 +130,17 @@ impl<U: Resource> FixedSize<U> {
 
     /// Blocks not handed out: in the streams' lists and the calling thread's caches
     /// (other threads' caches, at most 4 MiB and 64 blocks per thread and stream, are
-    /// not counted; blocks above 1 MiB are never cached).
+    /// not counted; blocks above 1 MiB are never cached; see the type's docs for how an
+    /// out-of-memory takes them back).
     pub fn free_blocks(&self) -> usize {
         let lists: usize = self.shards.all().iter().map(|s| s.state.lock().len()).sum();
         lists + self.cache().cached_here()
+    }
+
+    /// Magazines of this resource on all threads (for the loom models).
+    #[cfg(memres_loom)]
+    pub(crate) fn magazines(&self) -> usize {
+        self.cache().magazines()
     }
 
     /// Whether this resource keeps blocks in per-thread caches.
@@ -181,6 +191,8 @@ impl<U: Resource> FixedSize<U> {
         let chunk = Chunk::new(self.upstream.allocate(stream, layout)?, layout);
         let base = chunk.addr;
         chunks.push(chunk);
+        // Memory is no longer short: caches that a reclaim turned off come back.
+        self.cache().resume();
         let mut list = into.state.lock();
         // Highest first, so blocks are handed out in address order.
         list.extend(
@@ -235,11 +247,25 @@ impl<U: Resource> FixedSize<U> {
         // The growth lock is held, so no other thread grows (or pops after growing) while
         // the other streams' blocks come over; a thread on `own`'s stream may still take
         // some of them, as it could any free block.
-        self.shards
-            .merge_into(own, std::mem::take, |list, mut items| {
-                list.append(&mut items)
-            })?;
-        own.state.lock().pop().ok_or(Error::OutOfMemory {
+        let merge = || {
+            self.shards
+                .merge_into(own, std::mem::take, |list, mut items| {
+                    list.append(&mut items)
+                })
+                .map(|_| own.state.lock().pop())
+        };
+        if let Some(addr) = merge()? {
+            return Ok(addr);
+        }
+        // Last, the blocks other threads hold in their caches: they give them back at
+        // their next call, which the reclaim waits a little for.
+        if self.cached() {
+            self.cache().reclaim();
+            if let Some(addr) = merge()? {
+                return Ok(addr);
+            }
+        }
+        Err(Error::OutOfMemory {
             requested,
             limit: None,
         })

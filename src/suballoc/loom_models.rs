@@ -2,7 +2,8 @@
 //! fully built shard, two streams of one pool share its growth without overlap, memory
 //! freed on one stream goes to one other stream at a time, and the release threshold
 //! gives memory back while another stream allocates; FixedSize's thread caches give
-//! their blocks back when their thread exits, also while their owner drops.
+//! their blocks back when their thread exits, also while their owner drops, and when a
+//! starving thread reclaims them.
 
 use std::alloc::Layout;
 
@@ -316,5 +317,72 @@ fn loom_an_exited_threads_cached_blocks_come_back() {
             unsafe { fixed.deallocate(StreamRef::HOST, p, l) };
         }
         super::thread_cache::exit_thread();
+    });
+}
+
+/// A thread that finds no free block while another thread caches every block of the
+/// resource starts a reclaim: the caching thread gives its blocks back at its next call
+/// and keeps none while the caches are off. Whatever the interleaving, no block is held
+/// by both threads at once, every failure is `OutOfMemory`, and once both are done every
+/// block is free in a list without the resource growing.
+#[test]
+fn loom_a_reclaim_takes_blocks_back_from_a_busy_threads_cache() {
+    use crate::adaptor::Limiting;
+    use crate::error::Error;
+    use loom::sync::Mutex;
+    use std::collections::HashSet;
+
+    type Fixed = FixedSize<Limiting<HostHeap>>;
+    /// Allocates, checking no other thread holds the block.
+    fn take(fixed: &Fixed, held: &Mutex<HashSet<usize>>) -> Option<std::ptr::NonNull<u8>> {
+        let l = Layout::from_size_align(256, 256).unwrap();
+        match fixed.allocate(StreamRef::HOST, l) {
+            Ok(p) => {
+                assert!(
+                    held.lock().unwrap().insert(p.as_ptr() as usize),
+                    "held twice"
+                );
+                Some(p)
+            }
+            Err(Error::OutOfMemory { .. }) => None,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    fn give(fixed: &Fixed, held: &Mutex<HashSet<usize>>, p: std::ptr::NonNull<u8>) {
+        let l = Layout::from_size_align(256, 256).unwrap();
+        held.lock().unwrap().remove(&(p.as_ptr() as usize));
+        // SAFETY: from `fixed` with `l` on the host stream, not used afterwards.
+        unsafe { fixed.deallocate(StreamRef::HOST, p, l) };
+    }
+
+    loom::model(|| {
+        // One chunk of two blocks, and no room for another.
+        let upstream = Limiting::new(HostHeap::new(), 512);
+        let fixed = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
+        let held = Arc::new(Mutex::new(HashSet::new()));
+        let (other, other_held) = (Arc::clone(&fixed), Arc::clone(&held));
+        let cacher = thread::spawn(move || {
+            let got: Vec<_> = (0..2).filter_map(|_| take(&other, &other_held)).collect();
+            for p in got {
+                give(&other, &other_held, p);
+            }
+            // Its next call.
+            if let Some(p) = take(&other, &other_held) {
+                give(&other, &other_held, p);
+            }
+            super::thread_cache::exit_thread();
+        });
+        if let Some(p) = take(&fixed, &held) {
+            give(&fixed, &held, p);
+        }
+        cacher.join().unwrap();
+        let both: Vec<_> = (0..2).filter_map(|_| take(&fixed, &held)).collect();
+        assert_eq!(both.len(), 2, "every block free once both threads are done");
+        assert_eq!(fixed.upstream_allocations(), 1);
+        for p in both {
+            give(&fixed, &held, p);
+        }
+        super::thread_cache::exit_thread();
+        assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
     });
 }

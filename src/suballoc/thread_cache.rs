@@ -1,23 +1,37 @@
 //! Per-thread caches ("magazines") of free fixed-size blocks: a free pushes onto the
 //! calling thread's magazine for (resource, stream) and an allocation pops from it, with
-//! no atomic operation at all. A magazine trades blocks with its stream's shared list in
-//! batches (when it runs empty or overflows), and gives everything back when its thread
-//! exits.
+//! no atomic read-modify-write at all. A magazine trades blocks with its stream's shared
+//! list in batches (when it runs empty or overflows), and gives everything back when its
+//! thread exits or when a reclaim asks for it.
 //!
-//! Safety rests on one rule: a magazine's shard pointer is dereferenced only (1) inside a
-//! call on the resource that owns it (the magazine is found by the owner's id, unique for
-//! the life of the process, so the owner is alive and borrowed for the call), or (2) at
-//! thread exit while holding the registry lock, after checking that the owner is still
-//! registered; an owner leaves the registry (under that lock) before it frees anything.
-//! Magazines of owners that are gone hold plain addresses that are never handed out.
+//! Safety rests on one rule: a magazine's shard and owner-state pointers are dereferenced
+//! only (1) inside a call on the resource that owns them (the magazine is found by the
+//! owner's id, unique for the life of the process, so the owner is alive and borrowed for
+//! the call), or (2) at thread exit while holding the registry lock, after checking that
+//! the owner is still registered; an owner leaves the registry (under that lock) before
+//! it frees anything. Magazines of owners that are gone hold plain addresses that are
+//! never handed out.
+//!
+//! **Reclaim.** A thread about to report out-of-memory may hold the owner's growth lock
+//! and still find no free block while other threads' magazines hold some. It starts a
+//! reclaim ([`Cache::reclaim`]): the owner's epoch turns odd; every thread, at its next
+//! call on the owner, sees that its magazines are stale, gives their blocks back to their
+//! lists and keeps no magazine (calls go straight to the lists) until the epoch turns
+//! even again, when the owner next grows ([`Cache::resume`]). The reclaimer waits until
+//! no magazine of the owner is left on any thread, or a short while (a thread that does
+//! not call the owner again cannot answer: its blocks stay cached until it does or
+//! exits). The epoch is one relaxed load on the fast path;
+//! blocks only ever move under their list's lock, so the protocol needs no ordering for
+//! safety, only the release/acquire pair on the magazine count for the reclaimer to see
+//! the blocks given back.
 
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::shards::{Shard, StreamKey};
 use crate::sync::Mutex;
+use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 // Owners alive now. Taken only when an owner comes or goes and when a thread exits.
 // (Under loom, a lazy static, which each model execution builds afresh.)
@@ -29,21 +43,43 @@ loom::lazy_static! {
 }
 
 /// Owner ids, never reused (they only need to be unique, so no model checks them).
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// How long a reclaim waits for the threads holding magazines to answer.
+#[cfg(not(memres_loom))]
+const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// What the owner's threads read and write of it; boxed, so that its address (kept in
+/// every magazine) survives the owner being moved.
+#[derive(Debug)]
+struct Shared {
+    /// Even: caches work. Odd: a reclaim is under way.
+    epoch: AtomicU64,
+    /// Magazines of the owner on all threads.
+    magazines: AtomicUsize,
+}
 
 /// A resource's identity for the caches, registered while it lives.
 #[derive(Debug)]
 pub(crate) struct Owner {
     id: u64,
     retired: bool,
+    shared: Box<Shared>,
 }
 
 impl Owner {
     pub(crate) fn new() -> Owner {
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
         live.get_or_insert_with(HashSet::new).insert(id);
-        Owner { id, retired: false }
+        Owner {
+            id,
+            retired: false,
+            shared: Box::new(Shared {
+                epoch: AtomicU64::new(0),
+                magazines: AtomicUsize::new(0),
+            }),
+        }
     }
 
     /// Leaves the registry: no thread's exit touches the owner's shards afterwards. The
@@ -68,26 +104,99 @@ impl Drop for Owner {
 struct Magazine {
     owner: u64,
     key: StreamKey,
+    /// The owner's epoch when the magazine was made: another one means "give back".
+    epoch: u64,
     shard: *const Shard<Vec<usize>>,
+    shared: *const Shared,
     blocks: Vec<usize>,
 }
 
-#[derive(Default)]
-struct Magazines(Vec<Magazine>);
+impl Magazine {
+    /// Gives the blocks back to their list and leaves the owner's count.
+    ///
+    /// # Safety
+    /// The owner is alive until this returns (rule (1) or (2) of the module).
+    unsafe fn give_back(self) {
+        if !self.blocks.is_empty() {
+            // SAFETY: the caller's promise; the owner's shards live as long as it does.
+            let shard = unsafe { &*self.shard };
+            shard.state.lock().extend(self.blocks);
+        }
+        // SAFETY: as above; `shared` is the owner's boxed state.
+        let shared = unsafe { &*self.shared };
+        // Release: the blocks are in their list before the reclaimer sees the count.
+        shared.magazines.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Slots of the lookup hint (a power of two).
+const HINTS: usize = 32;
+
+/// A thread's magazines, and for each (owner, stream) hash the index where its magazine
+/// was last found, so a thread with magazines of many resources (a `Binning`'s bins)
+/// finds one in a step.
+struct Magazines {
+    list: Vec<Magazine>,
+    hint: [u8; HINTS],
+}
+
+impl Magazines {
+    const fn new() -> Magazines {
+        Magazines {
+            list: Vec::new(),
+            hint: [0; HINTS],
+        }
+    }
+
+    /// The index of the magazine of (owner, key), if the thread has one.
+    #[inline]
+    fn find(&mut self, owner: u64, key: StreamKey) -> Option<usize> {
+        let slot = (key.hash_with(owner) >> (u64::BITS - HINTS.trailing_zeros())) as usize;
+        let hinted = usize::from(self.hint[slot]);
+        if let Some(m) = self.list.get(hinted)
+            && m.owner == owner
+            && m.key == key
+        {
+            return Some(hinted);
+        }
+        let at = self
+            .list
+            .iter()
+            .position(|m| m.owner == owner && m.key == key)?;
+        if let Ok(at) = u8::try_from(at) {
+            self.hint[slot] = at;
+        }
+        Some(at)
+    }
+
+    /// Gives back every magazine of `owner` on this thread.
+    ///
+    /// # Safety
+    /// Inside a call on the owner (rule (1) of the module).
+    unsafe fn give_back(&mut self, owner: u64) {
+        let mut i = 0;
+        while i < self.list.len() {
+            if self.list[i].owner == owner {
+                // SAFETY: the caller's promise.
+                unsafe { self.list.swap_remove(i).give_back() };
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
 
 impl Drop for Magazines {
     fn drop(&mut self) {
-        if self.0.iter().all(|m| m.blocks.is_empty()) {
+        if self.list.is_empty() {
             return;
         }
         let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
-        for m in self.0.drain(..) {
-            if !m.blocks.is_empty() && live.as_ref().is_some_and(|l| l.contains(&m.owner)) {
+        for m in self.list.drain(..) {
+            if live.as_ref().is_some_and(|l| l.contains(&m.owner)) {
                 // SAFETY: the owner is registered and the registry is locked, so it has
-                // not begun to drop (it retires first) and cannot until we unlock; its
-                // shards live as long as it does.
-                let shard = unsafe { &*m.shard };
-                shard.state.lock().extend(m.blocks);
+                // not begun to drop (it retires first) and cannot until we unlock.
+                unsafe { m.give_back() };
             }
         }
     }
@@ -104,12 +213,12 @@ fn prune(list: &mut Vec<Magazine>) {
 
 #[cfg(not(memres_loom))]
 thread_local! {
-    static MAGAZINES: RefCell<Magazines> = const { RefCell::new(Magazines(Vec::new())) };
+    static MAGAZINES: RefCell<Magazines> = const { RefCell::new(Magazines::new()) };
 }
 
 #[cfg(memres_loom)]
 loom::thread_local! {
-    static MAGAZINES: RefCell<Magazines> = RefCell::new(Magazines(Vec::new()));
+    static MAGAZINES: RefCell<Magazines> = RefCell::new(Magazines::new());
 }
 
 /// What a thread's exit does to its magazines, called by a loom model's thread as its
@@ -118,8 +227,11 @@ loom::thread_local! {
 /// cannot leave the drop to the thread's exit.
 #[cfg(memres_loom)]
 pub(crate) fn exit_thread() {
-    let magazines = MAGAZINES.with(|m| std::mem::take(&mut m.borrow_mut().0));
-    drop(Magazines(magazines));
+    let list = MAGAZINES.with(|m| std::mem::take(&mut m.borrow_mut().list));
+    drop(Magazines {
+        list,
+        hint: [0; HINTS],
+    });
 }
 
 /// The calling thread's magazines for one resource, within one call on it.
@@ -129,34 +241,66 @@ pub(crate) struct Cache<'a> {
     pub(crate) capacity: usize,
 }
 
-impl Cache<'_> {
-    /// Runs `f` on this thread's magazine for (owner, key), if the thread still has its
-    /// magazines (not during its exit) and `f` finds or makes one.
+impl<'a> Cache<'a> {
+    /// Runs `f` on this thread's magazines, if the thread still has them (not during its
+    /// exit) and `f` returns something.
     #[inline]
-    fn with<R>(&self, key: StreamKey, f: impl FnOnce(&mut Vec<Magazine>, usize) -> R) -> Option<R> {
+    fn with<R>(&self, f: impl FnOnce(&mut Magazines) -> Option<R>) -> Option<R> {
         MAGAZINES
-            .try_with(|m| {
-                let mut m = m.try_borrow_mut().ok()?;
-                let list = &mut m.0;
-                let at = list
-                    .iter()
-                    .position(|g| g.owner == self.owner.id && g.key == key)
-                    .unwrap_or(usize::MAX);
-                Some(f(list, at))
-            })
+            .try_with(|m| f(&mut *m.try_borrow_mut().ok()?))
             .ok()
             .flatten()
+    }
+
+    /// The magazine of (owner, key) on this thread, made if `make` and no reclaim is
+    /// under way; a stale one (made before a reclaim began) is given back first, with
+    /// every other magazine of the owner on this thread.
+    #[inline]
+    fn magazine<'m, 's>(
+        &self,
+        mags: &'m mut Magazines,
+        key: StreamKey,
+        make: Option<&dyn Fn() -> &'s Shard<Vec<usize>>>,
+    ) -> Option<&'m mut Magazine> {
+        let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
+        let found = mags.find(self.owner.id, key);
+        if let Some(at) = found
+            && mags.list[at].epoch == epoch
+        {
+            return Some(&mut mags.list[at]);
+        }
+        if found.is_some() {
+            // SAFETY: inside a call on the owner (rule (1)).
+            unsafe { mags.give_back(self.owner.id) };
+        }
+        let make = make?;
+        if epoch % 2 == 1 {
+            return None;
+        }
+        if mags.list.len() >= PRUNE_AT {
+            prune(&mut mags.list);
+        }
+        self.owner.shared.magazines.fetch_add(1, Ordering::Relaxed);
+        mags.list.push(Magazine {
+            owner: self.owner.id,
+            key,
+            epoch,
+            shard: make(),
+            shared: &*self.owner.shared,
+            blocks: Vec::with_capacity(self.capacity),
+        });
+        mags.list.last_mut()
     }
 
     /// A block from the thread's magazine, if it has one.
     #[inline]
     pub(crate) fn pop(&self, key: StreamKey) -> Option<usize> {
-        self.with(key, |list, at| list.get_mut(at)?.blocks.pop())
-            .flatten()
+        self.with(|mags| self.magazine(mags, key, None)?.blocks.pop())
     }
 
     /// Puts a freed block in the thread's magazine; when the magazine overflows, half of
-    /// it goes to the stream's list. Returns the block if there is no magazine to take it.
+    /// it goes to the stream's list. Returns the block if there is no magazine to take it
+    /// (the thread is exiting, or a reclaim is under way).
     ///
     /// # Safety
     /// `shard` returns the owner's shard for `key` (a new magazine keeps a pointer to it,
@@ -165,34 +309,21 @@ impl Cache<'_> {
     pub(crate) unsafe fn push<'s>(
         &self,
         key: StreamKey,
-        shard: impl FnOnce() -> &'s Shard<Vec<usize>>,
+        shard: impl Fn() -> &'s Shard<Vec<usize>>,
         addr: usize,
     ) -> Option<usize> {
         let capacity = self.capacity;
-        let done = self.with(key, |list, at| {
-            let m = match list.get_mut(at) {
-                Some(m) => m,
-                None => {
-                    if list.len() >= PRUNE_AT {
-                        prune(list);
-                    }
-                    list.push(Magazine {
-                        owner: self.owner.id,
-                        key,
-                        shard: shard(),
-                        blocks: Vec::with_capacity(capacity),
-                    });
-                    list.last_mut().expect("just pushed")
-                }
-            };
+        let done = self.with(|mags| {
+            let m = self.magazine(mags, key, Some(&shard))?;
             if m.blocks.len() >= capacity {
                 // SAFETY: the magazine (found by the owner's id) points at the owner's
-                // shard (`push`/`refill` made it so), alive during this call on the owner.
+                // shard (`magazine` made it so), alive during this call on the owner.
                 let shard = unsafe { &*m.shard }; // (rule (1) of the module)
                 let keep = capacity / 2;
                 shard.state.lock().extend(m.blocks.drain(keep..));
             }
             m.blocks.push(addr);
+            Some(())
         });
         match done {
             Some(()) => None,
@@ -208,59 +339,97 @@ impl Cache<'_> {
     #[inline]
     pub(crate) unsafe fn refill(&self, key: StreamKey, shard: &Shard<Vec<usize>>) -> Option<usize> {
         let more = (self.capacity / 2).saturating_sub(1);
-        let capacity = self.capacity;
-        let refilled = self.with(key, |list, at| {
-            let m = match list.get_mut(at) {
-                Some(m) => m,
-                None => {
-                    if list.len() >= PRUNE_AT {
-                        prune(list);
-                    }
-                    list.push(Magazine {
-                        owner: self.owner.id,
-                        key,
-                        shard,
-                        blocks: Vec::with_capacity(capacity),
-                    });
-                    list.last_mut().expect("just pushed")
-                }
-            };
+        let mut got = None;
+        let refilled = self.with(|mags| {
+            let m = self.magazine(mags, key, Some(&|| shard))?;
             let mut from = shard.state.lock();
-            let first = from.pop()?;
-            let n = more.min(from.len());
-            let start = from.len() - n;
-            m.blocks.extend(from.drain(start..));
-            Some(first)
+            got = from.pop();
+            if got.is_some() {
+                let n = more.min(from.len());
+                let start = from.len() - n;
+                m.blocks.extend(from.drain(start..));
+            }
+            Some(())
         });
         match refilled {
-            Some(got) => got,
-            // No magazines (the thread is exiting): straight from the list.
+            Some(()) => got,
+            // No magazine (the thread is exiting, or a reclaim is under way): straight
+            // from the list.
             None => shard.state.lock().pop(),
         }
     }
 
     /// Gives every block of the owner's magazines on this thread back to their lists.
     pub(crate) fn flush(&self) {
-        self.with(StreamKey::host(0), |list, _| {
-            for m in list.iter().filter(|m| m.owner == self.owner.id) {
-                if !m.blocks.is_empty() {
-                    // SAFETY: as in `push`: the owner's magazine, holding the owner's
-                    // shard, inside a call on the owner, so the shard is alive.
-                    let shard = unsafe { &*m.shard };
-                    shard.state.lock().extend(m.blocks.iter().copied());
-                }
-            }
-            list.retain(|m| m.owner != self.owner.id);
+        self.with(|mags| {
+            // SAFETY: inside a call on the owner (rule (1)).
+            unsafe { mags.give_back(self.owner.id) };
+            Some(())
         });
+    }
+
+    /// Asks every thread to give back the owner's magazines (this thread's at once,
+    /// others' at their next call on the owner) and turns the caches off until
+    /// [`resume`](Self::resume). The first call waits until no magazine is left or a
+    /// short while has passed; later ones, while the caches are still off, do not wait
+    /// again. The caller takes the blocks given back from the lists; it holds the owner's
+    /// growth lock, so reclaims and resumes do not overlap. True if no magazine is left.
+    pub(crate) fn reclaim(&self) -> bool {
+        self.flush();
+        let shared = &*self.owner.shared;
+        // Acquire: pairs with `give_back`'s release, so the blocks are in the lists.
+        let none_left = || shared.magazines.load(Ordering::Acquire) == 0;
+        if shared.epoch.load(Ordering::Relaxed) % 2 == 1 {
+            return none_left();
+        }
+        shared.epoch.fetch_add(1, Ordering::Relaxed);
+        #[cfg(not(memres_loom))]
+        let deadline = std::time::Instant::now() + RECLAIM_WAIT;
+        #[cfg(memres_loom)]
+        let mut turns = 0;
+        loop {
+            if none_left() {
+                return true;
+            }
+            #[cfg(not(memres_loom))]
+            let late = std::time::Instant::now() >= deadline;
+            #[cfg(memres_loom)]
+            let late = {
+                turns += 1;
+                turns > 2
+            };
+            if late {
+                return false;
+            }
+            crate::sync::yield_now();
+        }
+    }
+
+    /// Turns the caches back on after a [`reclaim`](Self::reclaim) (the owner has grown:
+    /// memory is no longer short). The caller holds the owner's growth lock.
+    pub(crate) fn resume(&self) {
+        let epoch = &self.owner.shared.epoch;
+        if epoch.load(Ordering::Relaxed) % 2 == 1 {
+            epoch.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Magazines of the owner on all threads.
+    #[cfg(memres_loom)]
+    pub(crate) fn magazines(&self) -> usize {
+        self.owner.shared.magazines.load(Ordering::Acquire)
     }
 
     /// Blocks of the owner in this thread's magazines.
     pub(crate) fn cached_here(&self) -> usize {
-        self.with(StreamKey::host(0), |list, _| {
-            list.iter()
-                .filter(|m| m.owner == self.owner.id)
-                .map(|m| m.blocks.len())
-                .sum()
+        self.with(|mags| {
+            Some(
+                mags.list
+                    .iter()
+                    .filter(|m| m.owner == self.owner.id)
+                    .map(|m| m.blocks.len())
+                    .sum(),
+            )
         })
         .unwrap_or(0)
     }
