@@ -327,27 +327,31 @@ impl<U: Resource> Arena<U> {
                 return Ok(addr);
             }
         }
-        // The stream's other lanes: blocks freed there by other threads (a producer on
-        // one thread, a consumer on another) come back here and coalesce, so superblocks
-        // become whole again instead of staying split between lanes. No wait: one stream.
-        if self.merge_lanes(own)
-            && let Some(addr) = own.state.lock().free.take(size, align)
-        {
-            return Ok(addr);
-        }
         let sb_size = size
             .checked_add(align - GRANULE)
             .map(|n| n.max(SUPERBLOCK_SIZE));
-        let sb = match sb_size {
-            Some(n) if n <= self.size => {
+        let fits = sb_size.filter(|&n| n <= self.size);
+        // A free superblock of the global arena, without waiting.
+        let mut sb = fits.and_then(|n| global.free.take(n, GRANULE));
+        if sb.is_none() {
+            // The stream's other lanes: blocks freed there by other threads (a producer on
+            // one thread, a consumer on another) come back here and coalesce, so
+            // superblocks become whole again instead of staying split between lanes. No
+            // wait: one stream. Only now, as lanes that took each other's blocks at every
+            // miss would trade them back and forth.
+            if self.merge_lanes(own)
+                && let Some(addr) = own.state.lock().free.take(size, align)
+            {
+                return Ok(addr);
+            }
+            if let Some(n) = fits {
                 let may_wait = match own.ctx {
                     Some(ctx) => !stream.is_capturing_in(ctx)?,
                     None => true,
                 };
-                self.take_global(&mut global, n, GRANULE, may_wait)?
+                sb = self.take_global(&mut global, n, GRANULE, may_wait)?;
             }
-            _ => None,
-        };
+        }
         let (Some(sb), Some(sb_size)) = (sb, sb_size) else {
             drop(global);
             return Err(self.out_of_memory(requested));
