@@ -130,22 +130,33 @@ impl Ring {
     /// next lap. Each position must be taken by one consumer, once, and the positions of a
     /// slot in lap order (`pos` before `pos + capacity`), which in-order consumers of
     /// disjoint ranges do.
-    #[inline]
+    #[cfg(all(test, memres_loom))]
     pub(super) fn take(&self, pos: u64) -> Option<Record> {
+        let mut out = None;
+        self.take_with(pos, |r| out = Some(*r));
+        out
+    }
+
+    /// [`take`](Self::take), handing the record to `use_it` in place in its slot (not
+    /// copied out: a copy of it through the stack, in moves of other widths than its
+    /// stores, stalled the consumer on every record); true if it was written. The slot is
+    /// freed once `use_it` returns.
+    #[inline]
+    pub(super) fn take_with(&self, pos: u64, use_it: impl FnOnce(&Record)) -> bool {
         let slot = &self.slots[(pos & self.mask) as usize];
         if slot.seq.load(Ordering::Acquire) != pos + 1 {
-            return None;
+            return false;
         }
         // SAFETY: `seq` says the record of `pos` is written (acquired), and no producer
         // writes the slot again before the release below; see `impl Sync`.
-        let record = slot.record.get().with(|r| unsafe { *r });
+        slot.record.get().with(|r| use_it(unsafe { &*r }));
         slot.seq.store(pos + self.mask + 1, Ordering::Release);
         // The records a little further on come from the producer's cache: ask for them
         // now, so that the consumer does not wait for each in turn. (Near the producer
         // this may fetch a slot not yet written, which the producer then takes back: a
         // few slots at the end of each burst.)
         crate::prefetch::for_read(&self.slots[((pos + TAKE_AHEAD) & self.mask) as usize]);
-        Some(record)
+        true
     }
 }
 
