@@ -85,34 +85,29 @@ const _: () = assert!(SHARDS.is_power_of_two());
 struct Shard(SpinLock<Record>);
 
 /// Frees remembered per shard, to tell a double free from a free of unknown memory.
-const FREED_PER_SHARD: u64 = 64;
+const FREED_PER_SHARD: usize = 64;
 
-/// What a shard knows of an address.
-enum Known {
-    /// Handed out and not freed since.
-    Live(Entry),
-    /// Freed by the shard's free number `at` (counted from 0), among its last
-    /// [`FREED_PER_SHARD`] frees, and not handed out since.
-    Freed { at: u64 },
-}
-
-/// A shard's blocks: the live ones, and the ones freed lately (one map, so that handing
-/// out or freeing a block is one lookup).
+/// A shard's blocks: the live ones, and the addresses of its last frees.
+///
+/// The last frees need no upkeep when blocks are handed out: an address that is not live
+/// but among them was freed lately and not handed out since (handed out again, it is
+/// live, or its new free is among them too). So they are a plain ring, looked at only
+/// when a free finds no live block, which is already an error.
 struct Record {
-    known: AddrMap<Known>,
-    /// Frees recorded by this shard so far.
-    frees: u64,
-    /// The addresses of the last [`FREED_PER_SHARD`] frees: free number `n` at
-    /// `n % FREED_PER_SHARD`.
-    last_freed: [usize; FREED_PER_SHARD as usize],
+    live: AddrMap<Entry>,
+    /// The addresses of the shard's last [`FREED_PER_SHARD`] frees of live blocks (0: no
+    /// free yet; never a block's address).
+    last_freed: [usize; FREED_PER_SHARD],
+    /// Where the next free goes in `last_freed`.
+    next: usize,
 }
 
 impl Default for Record {
     fn default() -> Self {
         Record {
-            known: AddrMap::default(),
-            frees: 0,
-            last_freed: [0; FREED_PER_SHARD as usize],
+            live: AddrMap::default(),
+            last_freed: [0; FREED_PER_SHARD],
+            next: 0,
         }
     }
 }
@@ -121,45 +116,26 @@ impl Record {
     /// Records the hand-out of `address`.
     #[inline]
     fn hand_out(&mut self, address: usize, entry: Entry) {
-        self.known.insert(address, Known::Live(entry));
+        self.live.insert(address, entry);
     }
 
     /// Records the free of `address`: its entry if it was live; otherwise whether it was
     /// freed lately and not handed out since (a double free).
     #[inline]
     fn free(&mut self, address: usize) -> Result<Entry, bool> {
-        let at = self.frees;
-        let Some(known) = self.known.get_mut(&address) else {
-            return Err(false);
-        };
-        let entry = match std::mem::replace(known, Known::Freed { at }) {
-            Known::Live(entry) => entry,
-            Known::Freed { at: before } => {
-                // Not freed now: the earlier free stays as it was.
-                *known = Known::Freed { at: before };
-                return Err(true);
+        match self.live.remove(&address) {
+            Some(entry) => {
+                self.last_freed[self.next] = address;
+                self.next = (self.next + 1) % FREED_PER_SHARD;
+                Ok(entry)
             }
-        };
-        self.frees += 1;
-        // The free `FREED_PER_SHARD` frees ago is forgotten, unless its address was
-        // handed out (and maybe freed again) since.
-        let slot = &mut self.last_freed[(at % FREED_PER_SHARD) as usize];
-        let oldest = std::mem::replace(slot, address);
-        if at >= FREED_PER_SHARD
-            && let Some(&Known::Freed { at: then }) = self.known.get(&oldest)
-            && then == at - FREED_PER_SHARD
-        {
-            self.known.remove(&oldest);
+            None => Err(self.last_freed.contains(&address)),
         }
-        Ok(entry)
     }
 
     /// The live blocks.
     fn live(&self) -> impl Iterator<Item = (usize, &Entry)> {
-        self.known.iter().filter_map(|(&address, k)| match k {
-            Known::Live(e) => Some((address, e)),
-            Known::Freed { .. } => None,
-        })
+        self.live.iter().map(|(&address, e)| (address, e))
     }
 }
 
@@ -305,7 +281,7 @@ impl<U: fmt::Debug> fmt::Debug for Tracking<U> {
                 &self
                     .shards
                     .iter()
-                    .map(|s| s.lock().live().count())
+                    .map(|s| s.lock().live.len())
                     .sum::<usize>(),
             )
             .finish()
@@ -359,11 +335,11 @@ mod tests {
     }
 
     /// A free is remembered (a second free of it is a double free) for exactly the
-    /// shard's next `FREED_PER_SHARD - 1` frees, and the map keeps no more than that.
+    /// shard's next `FREED_PER_SHARD - 1` frees.
     #[test]
     fn a_shard_remembers_its_last_frees_and_no_more() {
         let mut r = Record::default();
-        let n = FREED_PER_SHARD as usize;
+        let n = FREED_PER_SHARD;
         for a in 1..=3 * n {
             r.hand_out(a * 256, entry(a));
         }
@@ -378,7 +354,6 @@ mod tests {
         for a in n + 2..=3 * n {
             assert!(r.free(a * 256).is_ok());
         }
-        assert_eq!(r.known.len(), n, "only the last frees are kept");
         assert_eq!(r.live().count(), 0);
     }
 
@@ -396,7 +371,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             [(256, 2)]
         );
-        for a in 2..FREED_PER_SHARD as usize {
+        for a in 2..FREED_PER_SHARD {
             r.hand_out(a * 256, entry(a));
             assert!(r.free(a * 256).is_ok());
         }
