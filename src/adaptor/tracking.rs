@@ -2,7 +2,6 @@
 
 use std::alloc::Layout;
 use std::backtrace::Backtrace;
-use std::collections::VecDeque;
 use std::fmt::{self, Write as _};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -11,8 +10,7 @@ use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::suballoc::AddrMap;
-use crate::sync::{Mutex, MutexGuard};
+use crate::suballoc::{AddrMap, SpinGuard, SpinLock};
 
 /// One live allocation, as [`Tracking::outstanding`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,42 +78,71 @@ const SHARDS: usize = 64;
 const _: () = assert!(SHARDS.is_power_of_two());
 
 /// One shard: the live blocks whose address hashes to it, on cache lines of its own.
+/// (A spin lock: held for one map update, it costs one atomic read-modify-write where
+/// `std`'s mutex costs two.)
 #[repr(align(128))]
 #[derive(Default)]
-struct Shard(Mutex<Record>);
+struct Shard(SpinLock<Record>);
 
 /// Frees remembered per shard, to tell a double free from a free of unknown memory.
 const FREED_PER_SHARD: usize = 64;
 
-/// A shard's blocks: the live ones, and the last ones freed.
-#[derive(Default)]
+/// A shard's blocks: the live ones, and the addresses of its last frees.
+///
+/// The last frees need no upkeep when blocks are handed out: an address that is not live
+/// but among them was freed lately and not handed out since (handed out again, it is
+/// live, or its new free is among them too). So they are a plain ring, looked at only
+/// when a free finds no live block, which is already an error.
 struct Record {
     live: AddrMap<Entry>,
-    /// Addresses freed lately and not handed out since.
-    freed: AddrMap<()>,
-    /// The order they were freed in, oldest first (it may name an address that was
-    /// handed out again since: forgetting it then only forgets it early).
-    order: VecDeque<usize>,
+    /// The addresses of the shard's last [`FREED_PER_SHARD`] frees of live blocks (0: no
+    /// free yet; never a block's address).
+    last_freed: [usize; FREED_PER_SHARD],
+    /// Where the next free goes in `last_freed`.
+    next: usize,
+}
+
+impl Default for Record {
+    fn default() -> Self {
+        Record {
+            live: AddrMap::default(),
+            last_freed: [0; FREED_PER_SHARD],
+            next: 0,
+        }
+    }
 }
 
 impl Record {
-    fn remember_freed(&mut self, address: usize) {
-        if self.order.len() == FREED_PER_SHARD
-            && let Some(oldest) = self.order.pop_front()
-        {
-            self.freed.remove(&oldest);
+    /// Records the hand-out of `address`.
+    #[inline]
+    fn hand_out(&mut self, address: usize, entry: Entry) {
+        self.live.insert(address, entry);
+    }
+
+    /// Records the free of `address`: its entry if it was live; otherwise whether it was
+    /// freed lately and not handed out since (a double free).
+    #[inline]
+    fn free(&mut self, address: usize) -> Result<Entry, bool> {
+        match self.live.remove(&address) {
+            Some(entry) => {
+                self.last_freed[self.next] = address;
+                self.next = (self.next + 1) % FREED_PER_SHARD;
+                Ok(entry)
+            }
+            None => Err(self.last_freed.contains(&address)),
         }
-        self.order.push_back(address);
-        self.freed.insert(address, ());
+    }
+
+    /// The live blocks.
+    fn live(&self) -> impl Iterator<Item = (usize, &Entry)> {
+        self.live.iter().map(|(&address, e)| (address, e))
     }
 }
 
 impl Shard {
-    fn lock(&self) -> MutexGuard<'_, Record> {
-        // Each update is one insert or remove: a poisoned map is still consistent.
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    #[inline]
+    fn lock(&self) -> SpinGuard<'_, Record> {
+        self.0.lock()
     }
 }
 
@@ -141,7 +168,7 @@ impl<U> Tracking<U> {
 
     /// The shard that records `address`.
     #[inline]
-    fn shard(&self, address: usize) -> MutexGuard<'_, Record> {
+    fn shard(&self, address: usize) -> SpinGuard<'_, Record> {
         // Addresses are multiples of the alignment: hash them, then take the top bits.
         let h = ((address >> 8) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         self.shards[(h >> (64 - SHARDS.trailing_zeros())) as usize].lock()
@@ -156,9 +183,8 @@ impl<U> Tracking<U> {
             copied.extend(
                 shard
                     .lock()
-                    .live
-                    .iter()
-                    .map(|(&address, e)| (address, e.layout.size(), e.stack.clone())),
+                    .live()
+                    .map(|(address, e)| (address, e.layout.size(), e.stack.clone())),
             );
         }
         copied.sort_by_key(|c| c.0);
@@ -176,13 +202,7 @@ impl<U> Tracking<U> {
     pub fn allocated_bytes(&self) -> usize {
         self.shards
             .iter()
-            .map(|s| {
-                s.lock()
-                    .live
-                    .values()
-                    .map(|e| e.layout.size())
-                    .sum::<usize>()
-            })
+            .map(|s| s.lock().live().map(|(_, e)| e.layout.size()).sum::<usize>())
             .sum()
     }
 
@@ -205,9 +225,8 @@ impl<U> Tracking<U> {
         }
         let stack = self.stacks.then(|| Arc::new(Backtrace::force_capture()));
         let address = ptr.as_ptr() as usize;
-        let mut record = self.shard(address);
-        record.freed.remove(&address);
-        record.live.insert(address, Entry { layout, stack });
+        self.shard(address)
+            .hand_out(address, Entry { layout, stack });
     }
 
     /// Forgets the block; returns the layout to free it with upstream: the one it was
@@ -215,18 +234,12 @@ impl<U> Tracking<U> {
     /// the upstream.
     fn untrack(&self, ptr: NonNull<u8>, layout: Layout) -> Option<Layout> {
         let address = ptr.as_ptr() as usize;
-        let mut record = self.shard(address);
         // Looked up whatever the size: a tracked block freed as zero bytes must not leak.
         // (A zero-byte block's dangling address is never a tracked heap address.)
-        let removed = record.live.remove(&address);
-        if removed.is_some() {
-            record.remember_freed(address);
-        }
-        let freed_before = removed.is_none() && record.freed.contains_key(&address);
-        drop(record);
-        match removed {
-            None if layout.size() == 0 => Some(layout),
-            None if freed_before => {
+        let freed = self.shard(address).free(address);
+        match freed {
+            Err(_) if layout.size() == 0 => Some(layout),
+            Err(true) => {
                 tracing::error!(
                     address,
                     size = layout.size(),
@@ -235,7 +248,7 @@ impl<U> Tracking<U> {
                 );
                 None
             }
-            None => {
+            Err(false) => {
                 tracing::error!(
                     address,
                     size = layout.size(),
@@ -243,7 +256,7 @@ impl<U> Tracking<U> {
                 );
                 Some(layout)
             }
-            Some(e) if e.layout != layout => {
+            Ok(e) if e.layout != layout => {
                 tracing::error!(
                     address,
                     allocated = e.layout.size(),
@@ -252,7 +265,7 @@ impl<U> Tracking<U> {
                 );
                 Some(e.layout)
             }
-            Some(e) => Some(e.layout),
+            Ok(e) => Some(e.layout),
         }
     }
 }
@@ -307,5 +320,65 @@ unsafe impl<U: Resource> Resource for Tracking<U> {
             // SAFETY: as in `deallocate_sync`, in the caller's stream order.
             unsafe { self.upstream.deallocate(stream, ptr, layout) }
         }
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+
+    fn entry(size: usize) -> Entry {
+        Entry {
+            layout: Layout::from_size_align(size, 8).unwrap(),
+            stack: None,
+        }
+    }
+
+    /// A free is remembered (a second free of it is a double free) for exactly the
+    /// shard's next `FREED_PER_SHARD - 1` frees.
+    #[test]
+    fn a_shard_remembers_its_last_frees_and_no_more() {
+        let mut r = Record::default();
+        let n = FREED_PER_SHARD;
+        for a in 1..=3 * n {
+            r.hand_out(a * 256, entry(a));
+        }
+        for a in 1..=n {
+            assert_eq!(r.free(a * 256).map(|e| e.layout.size()), Ok(a));
+        }
+        assert!((1..=n).all(|a| r.free(a * 256).err() == Some(true)));
+        // One more free forgets the oldest, and only it.
+        assert!(r.free((n + 1) * 256).is_ok());
+        assert_eq!(r.free(256).err(), Some(false));
+        assert!((2..=n + 1).all(|a| r.free(a * 256).err() == Some(true)));
+        for a in n + 2..=3 * n {
+            assert!(r.free(a * 256).is_ok());
+        }
+        assert_eq!(r.live().count(), 0);
+    }
+
+    /// An address handed out again and freed again is remembered from its last free,
+    /// not forgotten when its first free leaves the window.
+    #[test]
+    fn a_reused_address_is_remembered_from_its_last_free() {
+        let mut r = Record::default();
+        r.hand_out(256, entry(1));
+        assert!(r.free(256).is_ok());
+        r.hand_out(256, entry(2));
+        assert_eq!(
+            r.live()
+                .map(|(a, e)| (a, e.layout.size()))
+                .collect::<Vec<_>>(),
+            [(256, 2)]
+        );
+        for a in 2..FREED_PER_SHARD {
+            r.hand_out(a * 256, entry(a));
+            assert!(r.free(a * 256).is_ok());
+        }
+        assert!(r.free(256).is_ok(), "live again: freed normally");
+        // The first free of 256 has left the window; the second has not.
+        r.hand_out(1 << 20, entry(3));
+        assert!(r.free(1 << 20).is_ok());
+        assert_eq!(r.free(256).err(), Some(true));
     }
 }

@@ -40,6 +40,7 @@ mod free_blocks;
 pub(crate) use chunks::to_ptr;
 pub(crate) use free_blocks::AddrMap;
 pub(crate) use shards::lock;
+pub(crate) use spin::{SpinGuard, SpinLock};
 mod pool;
 mod regions;
 mod shards;

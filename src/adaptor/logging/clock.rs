@@ -158,8 +158,13 @@ impl ToWall {
         match self.clock {
             Clock::Wall => t,
             Clock::Ticks => {
-                let delta = (t as i128 - self.anchor.ticks as i128) as f64 * self.ns_per_tick;
-                (self.anchor.wall as i128 + delta as i128).max(0) as u64
+                // In 64-bit integers (an `i128` made a library call of the conversion to
+                // `f64`, on every row): two counter readings are far less than 2^63
+                // ticks apart, and wall times below 2^63 ns (until 2262).
+                let delta = t.wrapping_sub(self.anchor.ticks) as i64 as f64 * self.ns_per_tick;
+                (self.anchor.wall as i64)
+                    .saturating_add(delta as i64)
+                    .max(0) as u64
             }
         }
     }

@@ -6,8 +6,8 @@
 //! ordered before that thread's free of it). Each slot's `seq` says what it holds: `pos`
 //! when it is free for position `pos`, `pos + 1` once the record of `pos` is written. A
 //! producer waits until its slot is free for its position, writes the record and stores
-//! `pos + 1`; a consumer of position `pos` waits for `pos + 1`, copies the record out and
-//! stores `pos + capacity`, freeing the slot for the next lap. Consumers of different
+//! `pos + 1`; a consumer of position `pos` waits for `pos + 1`, reads the record in place
+//! and stores `pos + capacity`, freeing the slot for the next lap. Consumers of different
 //! positions never touch the same slot, so several of them (the writer's lanes) can drain
 //! disjoint ranges of positions at once; nothing but the slots is shared with producers.
 
@@ -53,7 +53,7 @@ pub(super) struct Ring {
 
 // SAFETY: a slot's record is written only by the producer that holds its position, once
 // `seq` says the slot is free for it (the consumer of the previous lap released it after
-// copying the record out, and positions are unique), and read only by the one consumer of
+// reading the record, and positions are unique), and read only by the one consumer of
 // that position after the producer's release store of `pos + 1`.
 unsafe impl Sync for Ring {}
 
@@ -97,7 +97,7 @@ impl Ring {
             return;
         }
         // SAFETY: position `pos` is ours alone, and the slot's previous record has been
-        // copied out (its consumer stored `pos`, acquired above); see `impl Sync`.
+        // read (its consumer stored `pos`, acquired above); see `impl Sync`.
         slot.record.get_mut().with(|r| unsafe { *r = make() });
         slot.seq.store(pos + 1, Ordering::Release);
         // Ask for a slot a little ahead in writable state now: the consumer read it last,
@@ -126,26 +126,36 @@ impl Ring {
         self.tail.0.load(Ordering::Acquire)
     }
 
-    /// The record of position `pos`, if it is written; the slot is then free for the
-    /// next lap. Each position must be taken by one consumer, once, and the positions of a
-    /// slot in lap order (`pos` before `pos + capacity`), which in-order consumers of
-    /// disjoint ranges do.
-    #[inline]
+    /// [`take_with`](Self::take_with), copying the record out (for the loom models).
+    #[cfg(all(test, memres_loom))]
     pub(super) fn take(&self, pos: u64) -> Option<Record> {
+        let mut out = None;
+        self.take_with(pos, |r| out = Some(*r));
+        out
+    }
+
+    /// Hands the record of position `pos`, if it is written, to `use_it` in place in its
+    /// slot (not copied out: a copy through the stack, in moves of other widths than its
+    /// stores, stalled the consumer on every record); true if it was. The slot is free
+    /// for the next lap once `use_it` returns. Each position must be taken by one
+    /// consumer, once, and the positions of a slot in lap order (`pos` before
+    /// `pos + capacity`), which in-order consumers of disjoint ranges do.
+    #[inline]
+    pub(super) fn take_with(&self, pos: u64, use_it: impl FnOnce(&Record)) -> bool {
         let slot = &self.slots[(pos & self.mask) as usize];
         if slot.seq.load(Ordering::Acquire) != pos + 1 {
-            return None;
+            return false;
         }
         // SAFETY: `seq` says the record of `pos` is written (acquired), and no producer
         // writes the slot again before the release below; see `impl Sync`.
-        let record = slot.record.get().with(|r| unsafe { *r });
+        slot.record.get().with(|r| use_it(unsafe { &*r }));
         slot.seq.store(pos + self.mask + 1, Ordering::Release);
         // The records a little further on come from the producer's cache: ask for them
         // now, so that the consumer does not wait for each in turn. (Near the producer
         // this may fetch a slot not yet written, which the producer then takes back: a
         // few slots at the end of each burst.)
         crate::prefetch::for_read(&self.slots[((pos + TAKE_AHEAD) & self.mask) as usize]);
-        Some(record)
+        true
     }
 }
 

@@ -13,18 +13,39 @@ pub(super) fn action_code(action: Action) -> u8 {
     }
 }
 
-fn action_word(code: u8) -> &'static [u8] {
-    match code {
-        0 => Action::Allocate.as_str().as_bytes(),
-        1 => Action::Free.as_str().as_bytes(),
-        _ => Action::AllocateFailure.as_str().as_bytes(),
+/// The action word of `code`, padded to 16 bytes (so that it is copied in one constant-size
+/// move), and its length.
+fn action_word(code: u8) -> (&'static [u8; 16], usize) {
+    const fn padded(word: &str) -> [u8; 16] {
+        let mut out = [b' '; 16];
+        let mut i = 0;
+        while i < word.len() {
+            out[i] = word.as_bytes()[i];
+            i += 1;
+        }
+        out
     }
+    const WORDS: [[u8; 16]; 3] = [
+        padded(Action::Allocate.as_str()),
+        padded(Action::Free.as_str()),
+        padded(Action::AllocateFailure.as_str()),
+    ];
+    let (i, word) = match code {
+        0 => (0, Action::Allocate),
+        1 => (1, Action::Free),
+        _ => (2, Action::AllocateFailure),
+    };
+    (&WORDS[i], word.as_str().len())
 }
 
 /// The longest row: a 20-digit thread id, the time (15), `allocate failure` (16), an
 /// 18-character pointer, a 20-digit size, `host:` and 10 digits or an 18-character
 /// stream, five commas and the newline.
 const MAX_ROW: usize = 20 + 15 + 16 + 18 + 20 + 18 + 6;
+
+/// Room for a row: the longest, and the bytes that the fixed-size moves of its last field
+/// may write past the field's end (they are overwritten or cut off).
+const ROW_ROOM: usize = MAX_ROW + 16;
 
 /// Formats rows, keeping what repeats from row to row (the thread id's digits, the
 /// `HH:MM:SS` of the current second) so that most rows cost a few dozen stores.
@@ -53,6 +74,7 @@ impl<const N: usize> Default for Text<N> {
 }
 
 impl<const N: usize> Text<N> {
+    #[cfg(test)]
     fn as_slice(&self) -> &[u8] {
         &self.bytes[..self.len]
     }
@@ -87,6 +109,20 @@ impl Cursor<'_> {
         self.len += s.len();
     }
 
+    /// The `N` bytes of `text`'s buffer, in one constant-size move; the cursor advances by
+    /// the text's length.
+    #[inline]
+    fn text<const N: usize>(&mut self, text: &Text<N>) {
+        self.padded(&text.bytes, text.len);
+    }
+
+    /// `bytes` in one constant-size move; the cursor advances by `len` (at most `N`).
+    #[inline]
+    fn padded<const N: usize>(&mut self, bytes: &[u8; N], len: usize) {
+        self.bytes[self.len..self.len + N].copy_from_slice(bytes);
+        self.len += len.min(N);
+    }
+
     /// `n` in decimal, written in place (digits built elsewhere and copied in would be
     /// read back before their stores land, a stall on every row).
     #[inline]
@@ -113,23 +149,52 @@ impl Cursor<'_> {
     /// `n` (below 10^width) in exactly `width` digits, zero-padded.
     #[inline]
     fn fixed(&mut self, mut n: u64, width: usize) {
-        let end = self.len + width;
-        for i in (self.len..end).rev() {
-            self.bytes[i] = b'0' + (n % 10) as u8;
-            n /= 10;
+        let start = self.len;
+        let mut i = start + width;
+        self.len = i;
+        while i >= start + 2 {
+            let pair = (n % 100) as usize * 2;
+            n /= 100;
+            i -= 2;
+            self.bytes[i] = PAIRS[pair];
+            self.bytes[i + 1] = PAIRS[pair + 1];
         }
-        self.len = end;
+        if i > start {
+            self.bytes[i - 1] = b'0' + (n % 10) as u8;
+        }
     }
 
-    /// `0x` and lowercase hex digits, as `{:#x}` writes them.
+    /// `0x` and lowercase hex digits, as `{:#x}` writes them: all sixteen digits are
+    /// made at once in a register and stored in one move, the cursor advancing past the
+    /// significant ones.
     #[inline]
     fn hex(&mut self, n: u64) {
         let digits = (64 - (n | 1).leading_zeros()).div_ceil(4) as usize;
         self.extend(b"0x");
-        for i in (0..digits).rev() {
-            self.push(b"0123456789abcdef"[(n >> (4 * i)) as usize & 0xf]);
-        }
+        let text = hex_digits(n) >> (8 * (16 - digits));
+        self.padded(&text.to_le_bytes(), digits);
     }
+}
+
+/// The sixteen hex digits of `n` (lowercase, the most significant first), as the bytes of
+/// a little-endian `u128`.
+#[inline]
+fn hex_digits(n: u64) -> u128 {
+    /// Nibble `i` of `x` into byte `i`.
+    fn spread(x: u32) -> u64 {
+        let x = u64::from(x);
+        let x = (x | (x << 16)) & 0x0000_ffff_0000_ffff;
+        let x = (x | (x << 8)) & 0x00ff_00ff_00ff_00ff;
+        (x | (x << 4)) & 0x0f0f_0f0f_0f0f_0f0f
+    }
+    /// Each byte's nibble as its digit (`+ 6` carries into bit 4 for 10 to 15).
+    fn digits(nibbles: u64) -> u64 {
+        let letters = ((nibbles + 0x0606_0606_0606_0606) >> 4) & 0x0101_0101_0101_0101;
+        nibbles + 0x3030_3030_3030_3030 + letters * u64::from(b'a' - b'0' - 10)
+    }
+    let high = digits(spread((n >> 32) as u32)).swap_bytes();
+    let low = digits(spread(n as u32)).swap_bytes();
+    u128::from(high) | (u128::from(low) << 64)
 }
 
 /// "00" to "99".
@@ -168,18 +233,19 @@ impl RowFormat {
         }
         // Written straight into `out` (room made first), not built elsewhere and copied.
         let start = out.len();
-        out.resize(start + MAX_ROW, 0);
+        out.resize(start + ROW_ROOM, 0);
         let mut row = Cursor {
             bytes: &mut out[start..],
             len: 0,
         };
-        row.extend(self.thread_text.as_slice());
+        row.text(&self.thread_text);
         row.push(b',');
-        row.extend(self.hms.as_slice());
+        row.text(&self.hms);
         row.push(b'.');
         row.fixed(time_ns / 1_000 % 1_000_000, 6);
         row.push(b',');
-        row.extend(action_word(r.action));
+        let (word, len) = action_word(r.action);
+        row.padded(word, len);
         row.push(b',');
         match r.pointer {
             0 => row.extend(b"(nil)"),
@@ -213,12 +279,41 @@ mod tests {
             t.set(|c| c.decimal(n));
             assert_eq!(t.as_slice(), n.to_string().as_bytes());
         }
-        for n in [0u64, 1, 0xf, 0x10, 0x7ff490004d00, u64::MAX] {
+        let mut rng = 1u64;
+        let random = (0..1000).map(|_| {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            rng >> (rng % 64)
+        });
+        for n in [
+            0u64,
+            1,
+            9,
+            0xa,
+            0xf,
+            0x10,
+            0xabcdef,
+            0x7ff490004d00,
+            u64::MAX,
+        ]
+        .into_iter()
+        .chain(random)
+        {
             let mut t = Text::<18>::default();
             t.set(|c| c.hex(n));
             assert_eq!(t.as_slice(), format!("{n:#x}").as_bytes());
         }
-        for (n, w) in [(0u64, 2), (5, 2), (59, 2), (760754, 6), (42, 6)] {
+        for (n, w) in [
+            (0u64, 2),
+            (5, 2),
+            (59, 2),
+            (760754, 6),
+            (42, 6),
+            (7, 1),
+            (123, 3),
+            (0, 6),
+        ] {
             let mut t = Text::<6>::default();
             t.set(|c| c.fixed(n, w));
             assert_eq!(t.as_slice(), format!("{n:0w$}").as_bytes());

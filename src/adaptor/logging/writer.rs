@@ -246,8 +246,9 @@ fn run_lane(c: &Control, lane: u64, lanes: u64, pieces: &Sender<Piece>, mut to_w
     loop {
         to_wall.calibrate();
         let mut formatted = 0;
-        while let Some(r) = c.ring.take(pos) {
-            format.row(&mut piece.rows, &r, to_wall.wall(r.time));
+        while c.ring.take_with(pos, |r| {
+            format.row(&mut piece.rows, r, to_wall.wall(r.time));
+        }) {
             pos += 1;
             formatted += 1;
             if pos.is_multiple_of(CHUNK) {
