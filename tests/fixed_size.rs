@@ -167,7 +167,7 @@ fn a_starving_thread_gets_blocks_another_live_thread_had_cached() {
         cached.send(()).unwrap();
         // Keeps calling the resource (as a busy thread does) until told to stop.
         let small = layout(1).unwrap();
-        while worker_waits.try_recv().is_err() {
+        while matches!(worker_waits.try_recv(), Err(mpsc::TryRecvError::Empty)) {
             if let Ok(p) = theirs.allocate_sync(small) {
                 // SAFETY: allocated just above with `small`.
                 unsafe { theirs.deallocate_sync(p, small) };
@@ -201,7 +201,7 @@ fn a_starving_thread_gets_blocks_another_live_thread_had_cached() {
 
 /// A thread that does not call the resource again cannot answer: its cached blocks stay
 /// there (the starving thread gets `OutOfMemory` after a short wait) until its next call
-/// or its exit.
+/// (on any stream) or its exit.
 #[test]
 fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
     let fixed = one_chunk();
@@ -211,14 +211,19 @@ fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
     let (touched, main_waits_again) = mpsc::channel::<()>();
     let theirs = Arc::clone(&fixed);
     let worker = std::thread::spawn(move || {
-        cache_every_block(&theirs);
+        // Every block, all but one freed into this thread's cache.
+        let mut blocks: Vec<_> = (0..16).map(|_| theirs.allocate_sync(l).unwrap()).collect();
+        let kept = blocks.pop().unwrap();
+        for p in blocks {
+            // SAFETY: allocated above with `l`.
+            unsafe { theirs.deallocate_sync(p, l) };
+        }
         cached.send(()).unwrap();
         worker_waits.recv().unwrap();
-        // One call, which sees the reclaim and gives every block back.
-        let small = layout(1).unwrap();
-        let p = theirs.allocate_sync(small).unwrap();
-        // SAFETY: allocated just above with `small`.
-        unsafe { theirs.deallocate_sync(p, small) };
+        // One call, on another stream than the cached blocks' (a free, which needs no
+        // block), sees the reclaim and gives every cached block back.
+        // SAFETY: allocated above with `l`; freeing on host stream 7 means "unused now".
+        unsafe { theirs.deallocate(StreamRef::host(7), kept, l) };
         touched.send(()).unwrap();
         worker_waits.recv().unwrap();
     });

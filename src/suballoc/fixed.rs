@@ -37,8 +37,9 @@ const CACHE_MIN_BLOCKS: usize = 4;
 ///   the resource grows, and when its thread exits. Before it reports
 ///   [`Error::OutOfMemory`], a thread that finds no free block asks every thread to give
 ///   its cached blocks back (each does at its next call on the resource; the asker waits
-///   up to 2 ms for them) and the caches stay off until the resource next grows. Blocks
-///   cached by a thread that does not call the resource again come back at its exit.
+///   up to 2 ms for them) and the caches stay off until the resource next grows (or for
+///   65,536 calls, at a hard limit). Blocks cached by a thread that does not call the
+///   resource again come back at its exit.
 /// - Defaults: 1 MiB blocks, 128 per chunk (RMM's).
 /// - A request above the block size is [`Error::InvalidArgument`] naming both sizes (no
 ///   amount of freeing would make it fit); alignments above 256 bytes likewise.
@@ -370,4 +371,96 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         }
         self.shard_for(key).state.lock().push(addr);
     }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::adaptor::Limiting;
+    use crate::upstream::HostHeap;
+
+    /// One chunk of 16 blocks of 4 KiB, and no room for another.
+    fn one_chunk() -> FixedSize<Limiting<HostHeap>> {
+        FixedSize::with_block_size(Limiting::new(HostHeap::new(), 16 * 4096), 4096, 16).unwrap()
+    }
+
+    fn layout_4k() -> Layout {
+        Layout::from_size_align(4096, 256).unwrap()
+    }
+
+    /// Takes every block, checks that one more fails, and frees them all.
+    fn run_out(fixed: &FixedSize<Limiting<HostHeap>>) {
+        let l = layout_4k();
+        let all: Vec<_> = (0..16).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+        assert!(matches!(
+            fixed.allocate_sync(l),
+            Err(Error::OutOfMemory { .. })
+        ));
+        for p in all {
+            // SAFETY: allocated above with `l`.
+            unsafe { fixed.deallocate_sync(p, l) };
+        }
+    }
+
+    /// A failure with no other thread holding a magazine turns nothing off.
+    #[test]
+    fn running_out_alone_keeps_the_caches() {
+        let fixed = one_chunk();
+        run_out(&fixed);
+        assert!(fixed.cache().cached_here() > 0, "frees went to the cache");
+    }
+
+    /// While another thread holds a magazine, a failure turns the caches off; at a hard
+    /// limit (no growth ever again) they come back after `CALLS_OFF` calls.
+    #[test]
+    fn caches_come_back_after_a_while_at_a_hard_limit() {
+        let fixed = one_chunk();
+        let l = layout_4k();
+        let (made, main_waits) = mpsc::channel::<()>();
+        let (done, worker_waits) = mpsc::channel::<()>();
+        let fixed = &fixed;
+        // This thread holds half the blocks; the worker's one pair then takes the other
+        // half into its magazine (a refill moves up to half a magazine).
+        let mine: Vec<_> = (0..8).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+        // Nothing in this thread's cache: a free later shows whether caches are on.
+        fixed.cache().flush();
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let p = fixed.allocate_sync(l).unwrap();
+                // SAFETY: allocated just above with `l`.
+                unsafe { fixed.deallocate_sync(p, l) };
+                made.send(()).unwrap();
+                // Until this test is done (or has failed: `done` is dropped then).
+                let _ = worker_waits.recv();
+            });
+            let done = done;
+            main_waits.recv().unwrap();
+            // No free block here: the reclaim goes unanswered and turns the caches off.
+            assert!(matches!(
+                fixed.allocate_sync(l),
+                Err(Error::OutOfMemory { .. })
+            ));
+            for p in mine {
+                // SAFETY: allocated above with `l`.
+                unsafe { fixed.deallocate_sync(p, l) };
+            }
+            assert_eq!(
+                fixed.cache().cached_here(),
+                0,
+                "caches off: frees to the lists"
+            );
+            for _ in 0..CALLS_OFF_FOR_TESTS {
+                let p = fixed.allocate_sync(l).unwrap();
+                // SAFETY: allocated just above with `l`.
+                unsafe { fixed.deallocate_sync(p, l) };
+            }
+            assert!(fixed.cache().cached_here() > 0, "caches back on");
+            done.send(()).unwrap();
+        });
+    }
+
+    /// Pairs enough to turn the caches back on (each pair counts at least once).
+    const CALLS_OFF_FOR_TESTS: u64 = crate::suballoc::thread_cache::CALLS_OFF;
 }

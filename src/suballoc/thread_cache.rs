@@ -17,7 +17,8 @@
 //! reclaim ([`Cache::reclaim`]): the owner's epoch turns odd; every thread, at its next
 //! call on the owner, sees that its magazines are stale, gives their blocks back to their
 //! lists and keeps no magazine (calls go straight to the lists) until the epoch turns
-//! even again, when the owner next grows ([`Cache::resume`]). The reclaimer waits until
+//! even again, when the owner next grows or after 65,536 calls without caches
+//! ([`Cache::resume`]). The reclaimer waits until
 //! no magazine of the owner is left on any thread, or a short while (a thread that does
 //! not call the owner again cannot answer: its blocks stay cached until it does or
 //! exits). The epoch is one relaxed load on the fast path;
@@ -57,7 +58,12 @@ struct Shared {
     epoch: AtomicU64,
     /// Magazines of the owner on all threads.
     magazines: AtomicUsize,
+    /// Calls made while the caches are off (see [`CALLS_OFF`]).
+    calls_off: AtomicU64,
 }
+
+/// Calls on an owner without caches after which they come back on.
+pub(crate) const CALLS_OFF: u64 = 1 << 16;
 
 /// A resource's identity for the caches, registered while it lives.
 #[derive(Debug)]
@@ -78,6 +84,7 @@ impl Owner {
             shared: Box::new(Shared {
                 epoch: AtomicU64::new(0),
                 magazines: AtomicUsize::new(0),
+                calls_off: AtomicU64::new(0),
             }),
         }
     }
@@ -262,33 +269,52 @@ impl<'a> Cache<'a> {
         key: StreamKey,
         make: Option<&dyn Fn() -> &'s Shard<Vec<usize>>>,
     ) -> Option<&'m mut Magazine> {
-        let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
+        let shared = &*self.owner.shared;
+        let mut epoch = shared.epoch.load(Ordering::Relaxed);
         let found = mags.find(self.owner.id, key);
         if let Some(at) = found
             && mags.list[at].epoch == epoch
         {
             return Some(&mut mags.list[at]);
         }
-        if found.is_some() {
+        // A stale magazine here, or (a call on another stream) elsewhere on the thread:
+        // the owner's magazines on a thread are given back together, so they always share
+        // one epoch, and a thread answers a reclaim at its next call on any stream.
+        if found.is_some()
+            || mags
+                .list
+                .iter()
+                .any(|m| m.owner == self.owner.id && m.epoch != epoch)
+        {
             // SAFETY: inside a call on the owner (rule (1)).
             unsafe { mags.give_back(self.owner.id) };
         }
         let make = make?;
         if epoch % 2 == 1 {
-            return None;
+            // Caches off: after enough calls without them, they come back (a resource at
+            // a hard limit never grows again); if memory is still short, the next
+            // failure reclaims again.
+            if shared.calls_off.fetch_add(1, Ordering::Relaxed) + 1 < CALLS_OFF {
+                return None;
+            }
+            self.resume();
+            epoch = shared.epoch.load(Ordering::Relaxed);
+            if epoch % 2 == 1 {
+                return None;
+            }
         }
         if mags.list.len() >= PRUNE_AT {
             prune(&mut mags.list);
         }
-        self.owner.shared.magazines.fetch_add(1, Ordering::Relaxed);
         mags.list.push(Magazine {
             owner: self.owner.id,
             key,
             epoch,
             shard: make(),
-            shared: &*self.owner.shared,
+            shared,
             blocks: Vec::with_capacity(self.capacity),
         });
+        shared.magazines.fetch_add(1, Ordering::Relaxed);
         mags.list.last_mut()
     }
 
@@ -379,9 +405,11 @@ impl<'a> Cache<'a> {
         let shared = &*self.owner.shared;
         // Acquire: pairs with `give_back`'s release, so the blocks are in the lists.
         let none_left = || shared.magazines.load(Ordering::Acquire) == 0;
-        if shared.epoch.load(Ordering::Relaxed) % 2 == 1 {
+        if shared.epoch.load(Ordering::Relaxed) % 2 == 1 || none_left() {
+            // Caches already off, or no other thread has a magazine: nothing to ask for.
             return none_left();
         }
+        shared.calls_off.store(0, Ordering::Relaxed);
         shared.epoch.fetch_add(1, Ordering::Relaxed);
         #[cfg(not(memres_loom))]
         let deadline = std::time::Instant::now() + RECLAIM_WAIT;
@@ -405,12 +433,20 @@ impl<'a> Cache<'a> {
         }
     }
 
-    /// Turns the caches back on after a [`reclaim`](Self::reclaim) (the owner has grown:
-    /// memory is no longer short). The caller holds the owner's growth lock.
+    /// Turns the caches back on after a [`reclaim`](Self::reclaim): when the owner has
+    /// grown (memory is no longer short), or after [`CALLS_OFF`] calls without caches.
     pub(crate) fn resume(&self) {
-        let epoch = &self.owner.shared.epoch;
-        if epoch.load(Ordering::Relaxed) % 2 == 1 {
-            epoch.fetch_add(1, Ordering::Relaxed);
+        let shared = &*self.owner.shared;
+        let epoch = shared.epoch.load(Ordering::Relaxed);
+        if epoch % 2 == 1 {
+            shared.calls_off.store(0, Ordering::Relaxed);
+            // Only from this odd epoch: a concurrent resume or reclaim wins instead.
+            let _ = shared.epoch.compare_exchange(
+                epoch,
+                epoch + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
         }
     }
 
