@@ -55,6 +55,7 @@ pub const DEFAULT_ALIGNMENT: usize = 256;
 /// assert!(memres::layout(usize::MAX).is_err());
 /// # Ok::<(), memres::Error>(())
 /// ```
+#[inline]
 pub fn layout(size: usize) -> Result<Layout, Error> {
     layout_with_alignment(size, DEFAULT_ALIGNMENT)
 }
@@ -71,17 +72,26 @@ pub fn layout(size: usize) -> Result<Layout, Error> {
 /// assert!(err.to_string().contains("power of two"));
 /// # Ok::<(), memres::Error>(())
 /// ```
+#[inline]
 pub fn layout_with_alignment(size: usize, align: usize) -> Result<Layout, Error> {
-    if !align.is_power_of_two() {
-        return Err(Error::invalid_argument(format!(
-            "alignment {align} is not a power of two"
-        )));
+    // The checks inline into a caller's loop; the errors' text is built out of line.
+    match Layout::from_size_align(size, align) {
+        Ok(l) => Ok(l),
+        Err(_) => Err(layout_error(size, align)),
     }
-    Layout::from_size_align(size, align).map_err(|_| {
+}
+
+/// Why `Layout::from_size_align(size, align)` refused.
+#[cold]
+#[inline(never)]
+fn layout_error(size: usize, align: usize) -> Error {
+    if !align.is_power_of_two() {
+        Error::invalid_argument(format!("alignment {align} is not a power of two"))
+    } else {
         Error::invalid_argument(format!(
             "a size of {size} bytes aligned to {align} overflows the address space"
         ))
-    })
+    }
 }
 
 /// The pointer a zero-byte request returns: non-null, aligned to `layout.align()`, and

@@ -155,23 +155,33 @@ impl Magazines {
         }
     }
 
-    /// The index of the magazine of (owner, key), if the thread has one.
+    /// The hint's slot for (owner, key).
     #[inline]
+    fn slot(owner: u64, key: StreamKey) -> usize {
+        (key.hash_with(owner) >> (u64::BITS - HINTS.trailing_zeros())) as usize
+    }
+
+    /// The index of the magazine of (owner, key) if the hint knows it: one load and a
+    /// compare, the whole lookup on a cache hit.
+    #[inline]
+    fn hinted(&self, owner: u64, key: StreamKey) -> Option<usize> {
+        let at = usize::from(self.hint[Self::slot(owner, key)]);
+        let m = self.list.get(at)?;
+        (m.owner == owner && m.key == key).then_some(at)
+    }
+
+    /// The index of the magazine of (owner, key), if the thread has one; a scan when the
+    /// hint does not know it, which then points at it.
     fn find(&mut self, owner: u64, key: StreamKey) -> Option<usize> {
-        let slot = (key.hash_with(owner) >> (u64::BITS - HINTS.trailing_zeros())) as usize;
-        let hinted = usize::from(self.hint[slot]);
-        if let Some(m) = self.list.get(hinted)
-            && m.owner == owner
-            && m.key == key
-        {
-            return Some(hinted);
+        if let Some(at) = self.hinted(owner, key) {
+            return Some(at);
         }
         let at = self
             .list
             .iter()
             .position(|m| m.owner == owner && m.key == key)?;
         if let Ok(at) = u8::try_from(at) {
-            self.hint[slot] = at;
+            self.hint[Self::slot(owner, key)] = at;
         }
         Some(at)
     }
@@ -264,6 +274,25 @@ impl<'a> Cache<'a> {
     /// every other magazine of the owner on this thread.
     #[inline]
     fn magazine<'m, 's>(
+        &self,
+        mags: &'m mut Magazines,
+        key: StreamKey,
+        make: Option<&dyn Fn() -> &'s Shard<Vec<usize>>>,
+    ) -> Option<&'m mut Magazine> {
+        let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
+        if let Some(at) = mags.hinted(self.owner.id, key)
+            && mags.list[at].epoch == epoch
+        {
+            return Some(&mut mags.list[at]);
+        }
+        self.magazine_slow(mags, key, make)
+    }
+
+    /// [`magazine`](Self::magazine) where the hint does not lead to a current magazine:
+    /// a scan, a stale magazine given back, or a new one made.
+    #[cold]
+    #[inline(never)]
+    fn magazine_slow<'m, 's>(
         &self,
         mags: &'m mut Magazines,
         key: StreamKey,

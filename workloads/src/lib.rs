@@ -31,6 +31,7 @@ use std::time::Instant;
 use memres::{Error, Resource, StreamRef, layout};
 
 /// The workloads' random number generator (SplitMix64), as the anchors use it.
+#[inline]
 pub fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
@@ -59,6 +60,7 @@ pub fn pairs<R: Resource + ?Sized>(
 
 /// One step of the `random` walk: `Some(size)` to allocate, `None` to free a random live
 /// block (chosen with the next number).
+#[inline]
 fn random_step(rng: &mut u64, live: usize) -> Option<usize> {
     const CAP: usize = 10_000;
     let alloc = live == 0 || (live < CAP && splitmix64(rng).is_multiple_of(2));
