@@ -10,6 +10,9 @@
 //! On a machine with a CUDA driver the GPU stacks run (each on non-blocking streams, as
 //! the anchors do); without one, the host stacks run instead.
 //!
+//! The `floor` row is `random`'s own loop with no resource under it (sizes drawn, the
+//! live list kept, layouts built): part of every stack's `random` figure.
+//!
 //! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` (seed 42) the
 //! mean, max and min of peak held / peak live over seeds 1..=N.
 //!
@@ -109,6 +112,18 @@ fn main() {
         return;
     }
     println!("{}", workloads::Row::CSV_HEADER);
+    // `random`'s own loop with no resource under it: what every stack's figure includes.
+    if want("floor") {
+        let scale = if smoke_run() { 1000 } else { 1 };
+        println!(
+            "{}",
+            workloads::floor(Suite {
+                scale,
+                ..Suite::default()
+            })
+            .csv()
+        );
+    }
     if gpu {
         if want("cuda") {
             suite("cuda", &Cuda::new().expect("Cuda"), true, true);

@@ -133,29 +133,71 @@ pub fn random_with<R: Resource + ?Sized>(
     stream: StreamRef<'_>,
     seed: u64,
     ops: usize,
+    observe: impl FnMut(usize),
+) -> Result<f64, Error> {
+    walk(
+        seed,
+        ops,
+        |l| r.allocate(stream, l),
+        // SAFETY: `walk` frees only what `allocate` returned, with its layout, on the same
+        // stream, once; nothing used the memory.
+        |p, l| unsafe { r.deallocate(stream, p, l) },
+        observe,
+    )
+}
+
+/// The cost of `random`'s own loop (drawing sizes, keeping the live list, building
+/// layouts) with no resource under it: every allocation "returns" a dangling pointer and
+/// every free does nothing. ns per op, to set beside a stack's `random` figure (what is
+/// left over is the stack's own cost).
+pub fn random_floor(seed: u64, ops: usize) -> f64 {
+    let ok = walk(
+        seed,
+        ops,
+        |l| {
+            // An alignment is never zero: a pointer that may not be dereferenced.
+            NonNull::new(std::ptr::without_provenance_mut(black_box(l.align())))
+                .ok_or_else(|| Error::invalid_argument("a zero alignment"))
+        },
+        |p, l| {
+            black_box((p, l));
+        },
+        |_| {},
+    );
+    ok.unwrap_or(f64::NAN)
+}
+
+/// `random`'s walk over any allocate and free (ns per op); what is live at the end is
+/// freed untimed, and an allocation that fails frees everything live and returns the
+/// error.
+#[inline(always)]
+fn walk(
+    seed: u64,
+    ops: usize,
+    mut allocate: impl FnMut(Layout) -> Result<NonNull<u8>, Error>,
+    mut free: impl FnMut(NonNull<u8>, Layout),
     mut observe: impl FnMut(usize),
 ) -> Result<f64, Error> {
     let mut rng = seed;
     let mut live: Vec<(NonNull<u8>, usize)> = Vec::with_capacity(10_000);
     let mut live_bytes = 0;
-    let free_all = |live: Vec<(NonNull<u8>, usize)>| {
+    let free_all = |live: Vec<(NonNull<u8>, usize)>, free: &mut dyn FnMut(NonNull<u8>, Layout)| {
         for (p, n) in live {
             if let Ok(l) = layout(n) {
-                // SAFETY: `p` came from `r` with this layout on `stream`; never used.
-                unsafe { r.deallocate(stream, p, l) };
+                free(p, l);
             }
         }
     };
     let t0 = Instant::now();
     for _ in 0..ops {
         match random_step(&mut rng, live.len()) {
-            Some(n) => match layout(n).and_then(|l| r.allocate(stream, l)) {
+            Some(n) => match layout(n).and_then(&mut allocate) {
                 Ok(p) => {
                     live.push((black_box(p), n));
                     live_bytes += n;
                 }
                 Err(e) => {
-                    free_all(live);
+                    free_all(live, &mut free);
                     return Err(e);
                 }
             },
@@ -164,15 +206,14 @@ pub fn random_with<R: Resource + ?Sized>(
                 let (p, n) = live.swap_remove(k);
                 live_bytes -= n;
                 if let Ok(l) = layout(n) {
-                    // SAFETY: `p` came from `r` with this layout on `stream`; never used.
-                    unsafe { r.deallocate(stream, p, l) };
+                    free(p, l);
                 }
             }
         }
         observe(live_bytes);
     }
     let ns = t0.elapsed().as_nanos() as f64 / ops.max(1) as f64;
-    free_all(live);
+    free_all(live, &mut free);
     Ok(ns)
 }
 
@@ -267,6 +308,21 @@ fn measure(mut run: impl FnMut() -> Result<f64, Error>) -> Result<(f64, f64), Er
     let mut r = [run()?, run()?, run()?];
     r.sort_by(f64::total_cmp);
     Ok((r[0], r[1]))
+}
+
+/// The `floor` row: [`random_floor`] measured as [`suite`] measures `random` (one warm-up,
+/// three timed runs), under the resource name `floor`.
+pub fn floor(config: Suite) -> Row {
+    let ops = 200_000 / config.scale.max(1);
+    let (min, median) = measure(|| Ok(random_floor(42, ops))).unwrap_or((f64::NAN, f64::NAN));
+    Row {
+        resource: "floor".to_owned(),
+        workload: "random",
+        threads: 1,
+        ops,
+        ns_per_op_min: min,
+        ns_per_op_median: median,
+    }
 }
 
 /// The suite for one stack: the pairs and `random` on `streams[0]`, `random-mt` on
