@@ -16,7 +16,7 @@ nvcc -O3 -std=c++20 --expt-relaxed-constexpr -I$A -I$W/librmm/include/rapids -I$
   -Xlinker -rpath=$W/librmm/lib64:$W/rapids_logger/lib64 2>> $OUT/rmm_build.log
 cat $OUT/rmm_pool.csv
 for round in 1 2; do
-  for s in pool arena 'binning(pool)' fixed_size_1MiB; do timeout 150 $B "$s" 2>/dev/null; done
+  for s in floor pool arena 'binning(pool)' fixed_size_1MiB; do timeout 150 $B "$s" 2>/dev/null; done
 done | tee $OUT/memres.csv
 $W/rmm_bench arena | tee $OUT/rmm_more.csv
 $W/rmm_bench binning | tee -a $OUT/rmm_more.csv
