@@ -53,6 +53,10 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 ///   events are stamped with counter ticks, the writer converts them against wall-clock
 ///   readings it takes at every drain, with a rate measured over a baseline of at least a
 ///   millisecond (so the writer's first drain waits that long): microsecond-accurate.
+///   An event's time is read when the call begins, so that reading the clock overlaps
+///   the upstream's work: an allocation's row (placed once the upstream has returned)
+///   carries the time it was asked for, and rows of calls that overlapped on several
+///   threads may step back in time by up to a call's length.
 /// - A sink that allocates through this same adaptor would wait on itself: do not.
 ///
 /// ```
@@ -132,9 +136,11 @@ impl<U> Logging<U> {
         self.writer.flush().map_err(io_error)
     }
 
+    /// Logs one event that happened at `time` (on `self.clock`).
     #[inline(always)]
     fn log(
         &self,
+        time: u64,
         action: Action,
         pointer: Option<NonNull<u8>>,
         size: usize,
@@ -145,11 +151,6 @@ impl<U> Logging<U> {
             None => (u64::from(stream.host_id().unwrap_or(0)), true),
         };
         let thread = thread_id();
-        // The clock first, then the place in the log, so that the counter's latency
-        // overlaps the atomic add. (Read after the add, with the record's fields captured
-        // by reference, `logging(pool)` measured 1.6x of `pool` on `random` on the H100
-        // host, against 1.4x this way; BENCHMARKS.md.)
-        let time = self.clock.now();
         self.writer.log(move || Record {
             time,
             thread,
@@ -233,14 +234,17 @@ unsafe impl<U: SyncResource> SyncResource for Logging<U> {
 
     #[inline(always)]
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        // The time first (see the type's docs): its latency overlaps the upstream's work.
+        let time = self.clock.now();
         let result = self.upstream.allocate_sync(layout);
-        self.log_allocation(&result, layout, StreamRef::DEFAULT);
+        self.log_allocation(time, &result, layout, StreamRef::DEFAULT);
         result
     }
 
     #[inline(always)]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        self.log(Action::Free, Some(ptr), layout.size(), StreamRef::DEFAULT);
+        let time = self.clock.now();
+        self.log(time, Action::Free, Some(ptr), layout.size(), StreamRef::DEFAULT);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate_sync(ptr, layout) }
     }
@@ -250,13 +254,14 @@ impl<U> Logging<U> {
     #[inline(always)]
     fn log_allocation(
         &self,
+        time: u64,
         result: &Result<NonNull<u8>, Error>,
         layout: Layout,
         stream: StreamRef<'_>,
     ) {
         match result {
-            Ok(p) => self.log(Action::Allocate, Some(*p), layout.size(), stream),
-            Err(_) => self.log(Action::AllocateFailure, None, layout.size(), stream),
+            Ok(p) => self.log(time, Action::Allocate, Some(*p), layout.size(), stream),
+            Err(_) => self.log(time, Action::AllocateFailure, None, layout.size(), stream),
         }
     }
 }
@@ -265,14 +270,16 @@ impl<U> Logging<U> {
 unsafe impl<U: Resource> Resource for Logging<U> {
     #[inline(always)]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let time = self.clock.now();
         let result = self.upstream.allocate(stream, layout);
-        self.log_allocation(&result, layout, stream);
+        self.log_allocation(time, &result, layout, stream);
         result
     }
 
     #[inline(always)]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        self.log(Action::Free, Some(ptr), layout.size(), stream);
+        let time = self.clock.now();
+        self.log(time, Action::Free, Some(ptr), layout.size(), stream);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
