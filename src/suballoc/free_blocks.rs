@@ -7,9 +7,6 @@
 //! one before it when it begins a chunk, so blocks of different chunks stay apart even
 //! where the upstream placed the chunks next to each other.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use super::regions::{Links, Regions};
 
 /// The pool's unit of size and alignment: every block is a multiple of it.
@@ -30,38 +27,7 @@ const OWN_CLASS_SCAN: usize = 8;
 /// address region ([`Regions`]).
 const LOW_FIRST_UNITS: usize = 2048;
 
-/// A multiply-and-fold hash for addresses (multiples of 256, which `std`'s default
-/// SipHash would treat well but slowly, and a plain identity hash badly).
-#[derive(Default, Clone, Copy)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        let h = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = h ^ (h >> 29);
-    }
-
-    #[inline]
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-}
-
-/// A hash map keyed by address.
-pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
+pub(crate) use super::addr_map::AddrMap;
 
 /// One free block, as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -32,6 +32,7 @@
 //! safe to call from many threads at once: each stream has its own free list behind its
 //! own lock, found without taking a shared lock.
 
+mod addr_map;
 mod arena;
 mod binning;
 mod chunks;

@@ -244,7 +244,13 @@ unsafe impl<U: SyncResource> SyncResource for Logging<U> {
     #[inline(always)]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
         let time = self.clock.now();
-        self.log(time, Action::Free, Some(ptr), layout.size(), StreamRef::DEFAULT);
+        self.log(
+            time,
+            Action::Free,
+            Some(ptr),
+            layout.size(),
+            StreamRef::DEFAULT,
+        );
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate_sync(ptr, layout) }
     }

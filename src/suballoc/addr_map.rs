@@ -1,0 +1,285 @@
+//! [`AddrMap`]: a hash map keyed by address, for the hot paths of the sub-allocators and
+//! the adaptors that remember blocks (the pool's neighbour maps, `Tracking`'s live blocks).
+//!
+//! Open addressing with linear probing and backward-shift deletion (no tombstones, so a
+//! map that sees millions of inserts and removes never slows down or needs a rehash to
+//! clean up), at most half full. Keys are addresses: multiples of the alignment, so the
+//! hash is a multiply that carries every bit up to the top bits the index is cut from.
+//! A lookup is a multiply, a shift and, nearly always, one or two compares in one cache
+//! line. Against std's `HashMap` (SwissTable, with a multiply-fold hasher) it cut the
+//! instructions of `random` over `Pool<HostHeap>` by 13% and those `Tracking` adds on
+//! top by 29% (callgrind, 3 x 200,000 ops, loop included).
+
+use std::fmt;
+
+/// The fewest slots a map that holds anything has.
+const MIN_SLOTS: usize = 16;
+
+/// A map from addresses to `V` (see the module docs).
+pub(crate) struct AddrMap<V> {
+    /// `None`: a free slot. An entry sits at its key's home slot or after it, with no
+    /// free slot between (linear probing).
+    slots: Vec<Option<(usize, V)>>,
+    /// The number of entries.
+    len: usize,
+}
+
+impl<V> Default for AddrMap<V> {
+    fn default() -> Self {
+        AddrMap {
+            slots: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<V: fmt::Debug> fmt::Debug for AddrMap<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl<'a, V> IntoIterator for &'a AddrMap<V> {
+    type Item = (&'a usize, &'a V);
+    type IntoIter = std::iter::Map<
+        std::iter::Flatten<std::slice::Iter<'a, Option<(usize, V)>>>,
+        fn(&'a (usize, V)) -> (&'a usize, &'a V),
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        let pair: fn(&'a (usize, V)) -> (&'a usize, &'a V) = |(k, v)| (k, v);
+        self.slots.iter().flatten().map(pair)
+    }
+}
+
+impl<V> FromIterator<(usize, V)> for AddrMap<V> {
+    fn from_iter<I: IntoIterator<Item = (usize, V)>>(entries: I) -> Self {
+        let mut map = AddrMap::default();
+        for (k, v) in entries {
+            map.insert(k, v);
+        }
+        map
+    }
+}
+
+impl<V> AddrMap<V> {
+    /// The number of entries.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Removes every entry (the slots stay, for the entries to come).
+    pub(crate) fn clear(&mut self) {
+        self.slots.iter_mut().for_each(|s| *s = None);
+        self.len = 0;
+    }
+
+    /// The entries, in no particular order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&usize, &V)> {
+        self.into_iter()
+    }
+
+    /// The values, in no particular order.
+    pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
+        self.iter().map(|(_, v)| v)
+    }
+
+    /// The home slot of `key` (the table is not empty).
+    #[inline]
+    fn home(&self, key: usize) -> usize {
+        // Fibonacci hashing: the top bits of the product depend on every bit of the key,
+        // the alignment's zero bits included. `slots.len()` is a power of two.
+        let bits = self.slots.len().trailing_zeros();
+        ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (u64::BITS - bits)) as usize
+    }
+
+    /// The slot holding `key`, if any.
+    #[inline]
+    fn find(&self, key: usize) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        // The table is at most half full, so a free slot ends every probe.
+        loop {
+            match &self.slots[i] {
+                Some((k, _)) if *k == key => return Some(i),
+                Some(_) => i = (i + 1) & mask,
+                None => return None,
+            }
+        }
+    }
+
+    /// The value of `key`.
+    #[inline]
+    pub(crate) fn get(&self, key: &usize) -> Option<&V> {
+        let i = self.find(*key)?;
+        self.slots[i].as_ref().map(|(_, v)| v)
+    }
+
+    /// Whether `key` has an entry.
+    #[inline]
+    pub(crate) fn contains_key(&self, key: &usize) -> bool {
+        self.find(*key).is_some()
+    }
+
+    /// Sets `key`'s value; returns the one it replaced.
+    #[inline]
+    pub(crate) fn insert(&mut self, key: usize, value: V) -> Option<V> {
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.grow();
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            match &mut self.slots[i] {
+                Some((k, v)) if *k == key => return Some(std::mem::replace(v, value)),
+                Some(_) => i = (i + 1) & mask,
+                free @ None => {
+                    *free = Some((key, value));
+                    self.len += 1;
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Removes `key`'s entry; returns its value.
+    #[inline]
+    pub(crate) fn remove(&mut self, key: &usize) -> Option<V> {
+        let mut hole = self.find(*key)?;
+        let (_, value) = self.slots[hole].take()?;
+        self.len -= 1;
+        // Backward shift: entries after the hole that may live there (their home is not
+        // between the hole and where they are) move up, so no probe meets a gap.
+        let mask = self.slots.len() - 1;
+        let mut i = hole;
+        loop {
+            i = (i + 1) & mask;
+            let Some((k, _)) = &self.slots[i] else {
+                return Some(value);
+            };
+            let from_home = i.wrapping_sub(self.home(*k)) & mask;
+            let from_hole = i.wrapping_sub(hole) & mask;
+            if from_home >= from_hole {
+                self.slots[hole] = self.slots[i].take();
+                hole = i;
+            }
+        }
+    }
+
+    /// Doubles the slots (or makes the first) and puts every entry back.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self) {
+        let slots = (self.slots.len() * 2).max(MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, (0..slots).map(|_| None).collect());
+        self.len = 0;
+        for (k, v) in old.into_iter().flatten() {
+            self.insert(k, v);
+        }
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn inserts_replaces_and_removes() {
+        let mut m = AddrMap::default();
+        assert_eq!(m.get(&256), None);
+        assert_eq!(m.remove(&256), None);
+        assert_eq!(m.insert(256, 'a'), None);
+        assert_eq!(m.insert(256, 'b'), Some('a'));
+        assert_eq!(m.get(&256), Some(&'b'));
+        assert!(m.contains_key(&256));
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.remove(&256), Some('b'));
+        assert_eq!(m.len(), 0);
+        assert!(!m.contains_key(&256));
+        // Address 0 and the largest key are keys like any other.
+        m.insert(0, 'z');
+        m.insert(usize::MAX, 'm');
+        assert_eq!((m.get(&0), m.get(&usize::MAX)), (Some(&'z'), Some(&'m')));
+        m.clear();
+        assert_eq!((m.len(), m.iter().count(), m.get(&0)), (0, 0, None));
+    }
+
+    /// Keys that all want the same home slot, removed from the middle of their run: the
+    /// backward shift keeps every later one findable.
+    #[test]
+    fn a_removal_inside_a_run_of_collisions_keeps_the_run_findable() {
+        let mut m = AddrMap::default();
+        m.insert(1, 0); // sizes the table
+        let home = m.home(1 << 20);
+        let same: Vec<usize> = (1..)
+            .map(|k| k << 8)
+            .filter(|&k| m.home(k) == home)
+            .take(5)
+            .collect();
+        for (i, &k) in same.iter().enumerate() {
+            m.insert(k, i);
+        }
+        assert_eq!(m.remove(&same[1]), Some(1));
+        for (i, &k) in same.iter().enumerate() {
+            assert_eq!(m.get(&k), (i != 1).then_some(&i), "key {k:#x}");
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(usize, u32),
+        Remove(usize),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Few distinct keys (so inserts replace and removes hit), multiples of 256 as
+        // addresses are, and some around the top of the address space.
+        let key = prop_oneof![
+            (0usize..64).prop_map(|k| k << 8),
+            (0usize..4).prop_map(|k| usize::MAX - k),
+        ];
+        prop_oneof![
+            10 => (key.clone(), any::<u32>()).prop_map(|(k, v)| Op::Insert(k, v)),
+            8 => key.prop_map(Op::Remove),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        /// Every sequence of operations leaves the map equal to std's `HashMap` after the
+        /// same operations, each returning what std's returns.
+        #[test]
+        fn behaves_as_std_hash_map(ops in prop::collection::vec(op(), 0..400)) {
+            let mut ours = AddrMap::default();
+            let mut std_map = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Insert(k, v) => prop_assert_eq!(ours.insert(k, v), std_map.insert(k, v)),
+                    Op::Remove(k) => prop_assert_eq!(ours.remove(&k), std_map.remove(&k)),
+                    Op::Clear => {
+                        ours.clear();
+                        std_map.clear();
+                    }
+                }
+                prop_assert_eq!(ours.len(), std_map.len());
+            }
+            for (k, v) in &std_map {
+                prop_assert_eq!(ours.get(k), Some(v));
+            }
+            let mut listed: Vec<_> = ours.iter().map(|(&k, &v)| (k, v)).collect();
+            let mut expected: Vec<_> = std_map.into_iter().collect();
+            listed.sort_unstable();
+            expected.sort_unstable();
+            prop_assert_eq!(listed, expected);
+        }
+    }
+}
