@@ -247,3 +247,37 @@ fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
         unsafe { fixed.deallocate_sync(p, l) };
     }
 }
+
+/// Threads sharing one stream have lists of their own ("lanes"); blocks one of them
+/// freed serve another without the resource growing.
+#[test]
+fn threads_sharing_a_stream_reuse_each_others_blocks_without_growing() {
+    // Blocks of 2 MiB are not cached per thread (a cache's blocks come back only at its
+    // next call or after its thread's exit, which a scope's join does not wait for): the
+    // frees go straight to the freeing thread's lane.
+    let fixed = FixedSize::with_block_size(HostHeap::new(), 2 << 20, 16).unwrap();
+    let (l, s) = (layout(2 << 20).unwrap(), StreamRef::DEFAULT);
+    // Addresses, to cross to the other thread.
+    let blocks: Vec<usize> = (0..16)
+        .map(|_| fixed.allocate(s, l).unwrap().as_ptr().expose_provenance())
+        .collect();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for a in blocks {
+                let p = std::ptr::NonNull::new(std::ptr::with_exposed_provenance_mut(a));
+                // SAFETY: allocated above with `l` on `s`; nothing uses them.
+                unsafe { fixed.deallocate(s, p.unwrap(), l) };
+            }
+        });
+    });
+    let again: Vec<_> = (0..16).map(|_| fixed.allocate(s, l).unwrap()).collect();
+    assert_eq!(
+        fixed.upstream_allocations(),
+        1,
+        "no growth: the other lane's blocks"
+    );
+    for p in again {
+        // SAFETY: as above.
+        unsafe { fixed.deallocate(s, p, l) };
+    }
+}

@@ -25,7 +25,9 @@ const CACHE_MIN_BLOCKS: usize = 4;
 ///
 /// It takes chunks of `blocks_per_chunk` blocks from its upstream, one when it is made
 /// and another each time a stream finds no free block (after taking free blocks of host
-/// streams, which are free for all). When the upstream is out of memory it merges every
+/// streams, which are free for all, and of the stream's other lanes: threads sharing one
+/// stream get up to 16 lists of it, as in [`Pool`](super::Pool), so that they do not
+/// all wait for one lock; a lane that runs dry takes half of another's blocks). When the upstream is out of memory it merges every
 /// stream's blocks into the asking stream's list, having waited for the CUDA streams
 /// they were freed on, as [`Pool`](super::Pool) does. It never returns chunks before it
 /// drops.
@@ -166,7 +168,7 @@ impl<U: Resource> FixedSize<U> {
 
     #[inline]
     fn shard(&self, stream: StreamRef<'_>) -> &Shard<Vec<usize>> {
-        self.shard_for(StreamKey::of(stream))
+        self.shard_for(StreamKey::of_lane(stream))
     }
 
     #[inline]
@@ -217,11 +219,15 @@ impl<U: Resource> FixedSize<U> {
         if let Some(addr) = own.state.lock().pop() {
             return Ok(addr);
         }
-        for other in self.shards.all() {
-            if other.key.is_host()
-                && !ptr::eq(other, own)
-                && let Some(addr) = other.state.lock().pop()
-            {
+        // Host streams' blocks (free for all), then those of the stream's other lanes
+        // (one stream to the device): half of the first list found with any.
+        let others = self.shards.all();
+        let host_lists = others
+            .iter()
+            .filter(|other| other.key.is_host() && !ptr::eq(**other, own));
+        let lanes = self.shards.other_lanes(own);
+        for from in host_lists.chain(lanes.iter()) {
+            if let Some(addr) = take_half(from, own) {
                 return Ok(addr);
             }
         }
@@ -271,6 +277,25 @@ impl<U: Resource> FixedSize<U> {
             limit: None,
         })
     }
+}
+
+/// Moves half the blocks of `from`'s list (the most recently freed; at least one) to
+/// `into`'s and takes one: a thread whose list runs dry comes to the slow path once per
+/// batch, not per block (a thread that only allocates, its blocks freed by another
+/// thread on the stream; a new thread on a stream whose blocks are in an old one's
+/// list).
+fn take_half(from: &Shard<Vec<usize>>, into: &Shard<Vec<usize>>) -> Option<usize> {
+    let moved = {
+        let mut blocks = from.state.lock();
+        let keep = blocks.len() / 2;
+        blocks.split_off(keep)
+    };
+    if moved.is_empty() {
+        return None;
+    }
+    let mut list = into.state.lock();
+    list.extend(moved);
+    list.pop()
 }
 
 impl<U: Resource> Drop for FixedSize<U> {
@@ -334,7 +359,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
                 self.block_size
             )));
         }
-        let key = StreamKey::of(stream);
+        let key = StreamKey::of_lane(stream);
         let shard = if self.cached() {
             if let Some(addr) = self.cache().pop(key) {
                 return Ok(to_ptr(addr));
@@ -361,7 +386,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             return;
         }
         let addr = ptr.as_ptr().expose_provenance();
-        let key = StreamKey::of(stream);
+        let key = StreamKey::of_lane(stream);
         if self.cached() {
             // SAFETY: the closure returns this resource's shard for `key`.
             let left = unsafe { self.cache().push(key, || self.shard_for(key), addr) };
@@ -421,16 +446,18 @@ mod tests {
         let (made, main_waits) = mpsc::channel::<()>();
         let (done, worker_waits) = mpsc::channel::<()>();
         let fixed = &fixed;
-        // This thread holds half the blocks; the worker's one pair then takes the other
-        // half into its magazine (a refill moves up to half a magazine).
+        // This thread holds half the blocks; the worker takes the other half and frees
+        // them into its magazine.
         let mine: Vec<_> = (0..8).map(|_| fixed.allocate_sync(l).unwrap()).collect();
         // Nothing in this thread's cache: a free later shows whether caches are on.
         fixed.cache().flush();
         std::thread::scope(|scope| {
             scope.spawn(move || {
-                let p = fixed.allocate_sync(l).unwrap();
-                // SAFETY: allocated just above with `l`.
-                unsafe { fixed.deallocate_sync(p, l) };
+                let theirs: Vec<_> = (0..8).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+                for p in theirs {
+                    // SAFETY: allocated just above with `l`.
+                    unsafe { fixed.deallocate_sync(p, l) };
+                }
                 made.send(()).unwrap();
                 // Until this test is done (or has failed: `done` is dropped then).
                 let _ = worker_waits.recv();
