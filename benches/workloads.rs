@@ -13,6 +13,9 @@
 //! The `floor` row is `random`'s own loop with no resource under it (sizes drawn, the
 //! live list kept, layouts built): part of every stack's `random` figure.
 //!
+//! `MEMRES_THREADS=N` runs `random-mt` on N threads and `random-1stream` on N and 2N
+//! (8, 8 and 16 without it).
+//!
 //! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` (seed 42) the
 //! mean, max and min of peak held / peak live over seeds 1..=N.
 //!
@@ -63,9 +66,9 @@ fn suite<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool) {
 /// blocks, as the anchors run theirs). The workloads themselves are `memres_workloads` (the `workloads/` package),
 /// shared with `memres bench`.
 fn suite_of<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool, small_only: bool) {
-    const THREADS: usize = 8;
-    let streams = Streams::new(gpu, 1 + THREADS);
-    let refs: Vec<StreamRef<'_>> = (0..=THREADS).map(|i| streams.get(i)).collect();
+    let threads = threads();
+    let streams = Streams::new(gpu, 1 + threads);
+    let refs: Vec<StreamRef<'_>> = (0..=threads).map(|i| streams.get(i)).collect();
     // Run as a test (`run.sh` passes `--include-ignored`): a smoke run, 1/1000 of the ops.
     let config = Suite {
         slow,
@@ -79,6 +82,16 @@ fn suite_of<R: Resource + Sync>(name: &str, r: &R, gpu: bool, slow: bool, small_
         println!("{}", row.csv())
     })
     .expect("a workload suite");
+}
+
+/// Threads of `random-mt` and `random-1stream` (which also runs twice as many): 8, as
+/// the anchors run, or `MEMRES_THREADS`.
+fn threads() -> usize {
+    std::env::var("MEMRES_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .filter(|&t: &usize| t > 0)
+        .unwrap_or(8)
 }
 
 /// True when the binary runs as a test (the GPU bundle's `run.sh` runs every binary of
