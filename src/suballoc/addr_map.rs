@@ -69,10 +69,14 @@ impl<V> AddrMap<V> {
         self.len
     }
 
-    /// Removes every entry (the slots stay, for the entries to come).
+    /// Removes every entry, and the slots with them: clearing costs what the entries do,
+    /// not what the largest the map ever was does (lists are drained into others while
+    /// they are large), and the map regrows with its next entries.
     pub(crate) fn clear(&mut self) {
-        self.slots.iter_mut().for_each(|s| *s = None);
-        self.len = 0;
+        if self.len > 0 {
+            self.slots = Vec::new();
+            self.len = 0;
+        }
     }
 
     /// The entries, in no particular order.
