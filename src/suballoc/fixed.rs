@@ -13,6 +13,9 @@ use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
 
+/// A stream's list takes at most this many bytes of blocks at a time from a host
+/// stream's list (as a pool's does).
+const HOST_BATCH_BYTES: usize = 2 << 20;
 /// A thread's cache for one stream holds at most this many bytes...
 const CACHE_BYTES: usize = 4 << 20;
 /// ... and this many blocks; resources whose blocks are too large for 4 in that budget
@@ -25,9 +28,10 @@ const CACHE_MIN_BLOCKS: usize = 4;
 ///
 /// It takes chunks of `blocks_per_chunk` blocks from its upstream, one when it is made
 /// and another each time a stream finds no free block (after taking free blocks of host
-/// streams, which are free for all, and of the stream's other lanes: threads sharing one
-/// stream get up to 16 lists of it, as in [`Pool`](super::Pool), so that they do not
-/// all wait for one lock; a lane that runs dry takes half of another's blocks). When the upstream is out of memory it merges every
+/// streams, which are free for all, up to 2 MiB of them at a time, and of the stream's
+/// other lanes: threads sharing one stream get up to 16 lists of it, as in
+/// [`Pool`](super::Pool), so that they do not all wait for one lock; a lane that runs
+/// dry takes half of another's blocks). When the upstream is out of memory it merges every
 /// stream's blocks into the asking stream's list, having waited for the CUDA streams
 /// they were freed on, as [`Pool`](super::Pool) does. It never returns chunks before it
 /// drops.
@@ -219,15 +223,20 @@ impl<U: Resource> FixedSize<U> {
         if let Some(addr) = own.state.lock().pop() {
             return Ok(addr);
         }
-        // Host streams' blocks (free for all), then those of the stream's other lanes
-        // (one stream to the device): half of the first list found with any.
-        let others = self.shards.all();
-        let host_lists = others
-            .iter()
-            .filter(|other| other.key.is_host() && !ptr::eq(**other, own));
-        let lanes = self.shards.other_lanes(own);
-        for from in host_lists.chain(lanes.iter()) {
-            if let Some(addr) = take_half(from, own) {
+        // Host streams' blocks (free for all; at most 2 MiB of them, so that a stream
+        // does not keep what others would then grow for), then those of the stream's
+        // other lanes (one stream to the device): half of the first list found with any.
+        let host_batch = (HOST_BATCH_BYTES / self.block_size).max(1);
+        for other in self.shards.all() {
+            if other.key.is_host()
+                && !ptr::eq(other, own)
+                && let Some(addr) = take_half(other, own, host_batch)
+            {
+                return Ok(addr);
+            }
+        }
+        for lane in self.shards.other_lanes(own) {
+            if let Some(addr) = take_half(lane, own, usize::MAX) {
                 return Ok(addr);
             }
         }
@@ -279,15 +288,15 @@ impl<U: Resource> FixedSize<U> {
     }
 }
 
-/// Moves half the blocks of `from`'s list (the most recently freed; at least one) to
-/// `into`'s and takes one: a thread whose list runs dry comes to the slow path once per
-/// batch, not per block (a thread that only allocates, its blocks freed by another
-/// thread on the stream; a new thread on a stream whose blocks are in an old one's
-/// list).
-fn take_half(from: &Shard<Vec<usize>>, into: &Shard<Vec<usize>>) -> Option<usize> {
+/// Moves half the blocks of `from`'s list (the most recently freed; at least one, at
+/// most `most`) to `into`'s and takes one: a thread whose list runs dry comes to the
+/// slow path once per batch, not per block (a thread that only allocates, its blocks
+/// freed by another thread on the stream; a new thread on a stream whose blocks are in
+/// an old one's list).
+fn take_half(from: &Shard<Vec<usize>>, into: &Shard<Vec<usize>>, most: usize) -> Option<usize> {
     let moved = {
         let mut blocks = from.state.lock();
-        let keep = blocks.len() / 2;
+        let keep = blocks.len() - blocks.len().div_ceil(2).min(most);
         blocks.split_off(keep)
     };
     if moved.is_empty() {
