@@ -10,8 +10,6 @@
 //! instructions of `random` over `Pool<HostHeap>` by 13% and those `Tracking` adds on
 //! top by 29% (callgrind, 3 x 200,000 ops, loop included).
 
-use std::fmt;
-
 /// The fewest slots a map that holds anything has.
 const MIN_SLOTS: usize = 16;
 
@@ -30,12 +28,6 @@ impl<V> Default for AddrMap<V> {
             slots: Vec::new(),
             len: 0,
         }
-    }
-}
-
-impl<V: fmt::Debug> fmt::Debug for AddrMap<V> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map().entries(self.iter()).finish()
     }
 }
 

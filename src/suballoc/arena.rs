@@ -4,8 +4,9 @@ use std::alloc::Layout;
 use std::fmt::{self, Write as _};
 use std::ptr::{self, NonNull};
 
+use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::free_blocks::{AddrMap, FreeBlock, FreeBlocks, GRANULE};
+use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool::{PoolShard, block_size};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::device::{Context, DeviceId};

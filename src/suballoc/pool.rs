@@ -4,8 +4,9 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::{self, NonNull};
 
+use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::free_blocks::{AddrMap, FreeBlock, FreeBlocks, GRANULE};
+use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
