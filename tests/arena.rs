@@ -46,6 +46,40 @@ fn small_requests_share_superblocks_large_ones_get_their_own() {
     assert_eq!(arena.free_bytes(), 16 * MIB);
 }
 
+/// Superblocks are whole MiB (they start at whole MiB of the arena, where every stream's
+/// list finds them without a lock): a 1.5 MiB request takes 2 MiB, and the other half
+/// serves the stream's next small requests. The arena's size is whole MiB too.
+#[test]
+fn large_requests_take_whole_mib_and_the_rest_serves_small_ones() {
+    let arena = Arena::with_size(HostHeap::new(), 8 * MIB + 4096).unwrap();
+    assert_eq!(arena.size(), 8 * MIB);
+    let s = StreamRef::host(1);
+    let large = layout(3 * MIB / 2).unwrap();
+    let q = arena.allocate(s, large).unwrap();
+    assert_eq!(arena.superblocks(), 1);
+    let small = layout(100 << 10).unwrap();
+    let ps: Vec<_> = (0..4).map(|_| arena.allocate(s, small).unwrap()).collect();
+    assert_eq!(
+        arena.superblocks(),
+        1,
+        "the 2 MiB superblock's tail serves them"
+    );
+    assert_eq!(arena.free_bytes(), 8 * MIB - 3 * MIB / 2 - 4 * (100 << 10));
+    // Freed on another stream: the blocks of stream 1's superblock go to stream 2's list.
+    for p in ps {
+        // SAFETY: allocated above with `small`; host streams are always done.
+        unsafe { arena.deallocate(StreamRef::host(2), p, small) };
+    }
+    // SAFETY: allocated above with `large` on `s`.
+    unsafe { arena.deallocate(s, q, large) };
+    assert_eq!(arena.free_bytes(), 8 * MIB);
+    // Everything is one block again: all 8 MiB at once.
+    let all = layout(8 * MIB).unwrap();
+    let p = arena.allocate(StreamRef::host(3), all).unwrap();
+    // SAFETY: allocated just above with `all`.
+    unsafe { arena.deallocate(StreamRef::host(3), p, all) };
+}
+
 #[test]
 fn empty_superblocks_go_back_but_one_stays() {
     let arena = Arena::with_size(HostHeap::new(), 16 * MIB).unwrap();
@@ -126,7 +160,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     /// Random allocations and frees on three host streams: live blocks never overlap and
-    /// are aligned, and free + live = the arena's size throughout.
+    /// are aligned, free + live = the arena's size throughout, and once all is freed the
+    /// whole arena can be taken at once.
     #[test]
     fn arena_invariants(steps in proptest::collection::vec(step(), 1..200)) {
         let arena = Arena::with_size(HostHeap::new(), 32 * MIB).unwrap();
@@ -168,6 +203,12 @@ proptest! {
             unsafe { arena.deallocate(StreamRef::host(0), p, l) };
         }
         prop_assert_eq!(arena.free_bytes(), 32 * MIB);
+        // Whatever streams the pieces were freed on, the arena is one block again.
+        let all = layout(32 * MIB).unwrap();
+        let p = arena.allocate(StreamRef::host(1), all);
+        prop_assert!(p.is_ok(), "{:?}\n{}", p, arena.dump());
+        // SAFETY: allocated just above with `all`.
+        unsafe { arena.deallocate(StreamRef::host(1), p.unwrap(), all) };
     }
 }
 

@@ -115,12 +115,6 @@ impl<V> AddrMap<V> {
         self.slots[i].as_ref().map(|(_, v)| v)
     }
 
-    /// Whether `key` has an entry.
-    #[inline]
-    pub(crate) fn contains_key(&self, key: &usize) -> bool {
-        self.find(*key).is_some()
-    }
-
     /// Sets `key`'s value; returns the one it replaced.
     #[inline]
     pub(crate) fn insert(&mut self, key: usize, value: V) -> Option<V> {
@@ -195,11 +189,11 @@ mod tests {
         assert_eq!(m.insert(256, 'a'), None);
         assert_eq!(m.insert(256, 'b'), Some('a'));
         assert_eq!(m.get(&256), Some(&'b'));
-        assert!(m.contains_key(&256));
+        assert!(m.get(&256).is_some());
         assert_eq!(m.len(), 1);
         assert_eq!(m.remove(&256), Some('b'));
         assert_eq!(m.len(), 0);
-        assert!(!m.contains_key(&256));
+        assert!(m.get(&256).is_none());
         // Address 0 and the largest key are keys like any other.
         m.insert(0, 'z');
         m.insert(usize::MAX, 'm');

@@ -9,11 +9,12 @@ use super::chunks::{Chunk, release_all, to_ptr};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool::{PoolShard, block_size};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
+use super::superblocks::Superblocks;
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
-use crate::sync::Mutex;
+use crate::sync::{Arc, Mutex};
 
 /// The size of a superblock, and the largest request served from a stream's arena.
 pub const SUPERBLOCK_SIZE: usize = 1 << 20;
@@ -25,7 +26,8 @@ struct Global {
     free: FreeBlocks,
     /// Memory freed on CUDA streams, usable by others once their context is synchronised.
     pending: Vec<(FreeBlock, Option<Context>)>,
-    /// The superblocks that streams' arenas hold, start to size.
+    /// The superblocks that streams' arenas hold, start to size (also in the arena's
+    /// lock-free table, where the streams' lists read them).
     superblocks: AddrMap<usize>,
 }
 
@@ -46,8 +48,10 @@ struct Global {
 ///   Memory freed on a CUDA stream reaches other streams only after that stream's work
 ///   is waited for (`cuCtxSynchronize`), which the arena does only when the global arena
 ///   runs short; no event is recorded on the free path.
-/// - On out-of-memory it defragments: waits for the streams, returns every entirely free
-///   superblock of every stream to the global arena and retries; failing that, it returns
+/// - On out-of-memory it defragments: waits for the streams, coalesces every stream's
+///   free blocks in one list (a block freed on another stream than the one it was taken
+///   on goes to that stream's list, so a superblock's pieces may be in several), returns
+///   every entirely free superblock to the global arena and retries; failing that, it returns
 ///   [`Error::OutOfMemory`], and with [`dump_on_failure`](Arena::dump_on_failure) it logs
 ///   [`dump`](Arena::dump) (arena size, superblocks, free bytes, largest free block,
 ///   fragmentation) through `tracing` first.
@@ -70,6 +74,8 @@ pub struct Arena<U: Resource> {
     base: usize,
     size: usize,
     global: Mutex<Global>,
+    /// Where superblocks start, for every stream's list (changed under `global`).
+    table: Arc<Superblocks>,
     shards: ShardMap<PoolShard>,
     /// Free bytes a stream's arena keeps besides a superblock before returning it.
     keep: usize,
@@ -84,10 +90,11 @@ impl<U: Resource> Arena<U> {
         Arena::with_size(upstream, free / 2)
     }
 
-    /// An arena of `size` bytes (rounded down to a multiple of 256; at least 1 MiB, else
-    /// [`Error::InvalidArgument`]), taken from `upstream` at once.
+    /// An arena of `size` bytes (rounded down to a multiple of [`SUPERBLOCK_SIZE`], 1 MiB,
+    /// which superblocks are made of; at least 1 MiB, else [`Error::InvalidArgument`]),
+    /// taken from `upstream` at once.
     pub fn with_size(upstream: U, size: usize) -> Result<Arena<U>, Error> {
-        let size = size / GRANULE * GRANULE;
+        let size = size / SUPERBLOCK_SIZE * SUPERBLOCK_SIZE;
         if size < SUPERBLOCK_SIZE {
             return Err(Error::invalid_argument(format!(
                 "an arena of {size} bytes is smaller than one superblock ({SUPERBLOCK_SIZE} bytes)"
@@ -109,6 +116,7 @@ impl<U: Resource> Arena<U> {
             base,
             size,
             global: Mutex::new(global),
+            table: Arc::new(Superblocks::new(base, size)),
             shards: ShardMap::default(),
             keep: (size / 16).max(SUPERBLOCK_SIZE),
             dump_on_failure: false,
@@ -198,10 +206,8 @@ impl<U: Resource> Arena<U> {
 
     #[cold]
     fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
-        let global = lock(&self.global);
-        self.shards.get_or_insert_with(key, || {
-            PoolShard::new(global.superblocks.iter().map(|(&a, &n)| (a, n)), None)
-        })
+        self.shards
+            .get_or_insert_with(key, || PoolShard::in_arena(Arc::clone(&self.table)))
     }
 
     fn out_of_memory(&self, requested: usize) -> Error {
@@ -217,6 +223,7 @@ impl<U: Resource> Arena<U> {
     fn take_global(
         &self,
         global: &mut Global,
+        own: &Shard<PoolShard>,
         size: usize,
         align: usize,
         may_wait: bool,
@@ -231,7 +238,7 @@ impl<U: Resource> Arena<U> {
         if let Some(addr) = global.free.take(size, align) {
             return Ok(Some(addr));
         }
-        self.defragment(global)?;
+        self.defragment(global, own)?;
         Ok(global.free.take(size, align))
     }
 
@@ -267,30 +274,61 @@ impl<U: Resource> Arena<U> {
         Ok(())
     }
 
-    /// Returns every stream's entirely free superblocks to the global arena.
-    fn defragment(&self, global: &mut Global) -> Result<(), Error> {
-        let mut freed = Vec::new();
+    /// Returns every entirely free superblock to the global arena. A superblock's blocks
+    /// may have been freed on several streams, so every stream's free blocks are taken
+    /// out, their streams' work waited for, and coalesced in one list; the superblocks
+    /// whole there go back, the other blocks to `own`'s list (any stream may use them
+    /// now). If a wait fails, every block goes back where it was.
+    fn defragment(&self, global: &mut Global, own: &Shard<PoolShard>) -> Result<(), Error> {
+        let mut drained = Vec::new();
+        let mut contexts: Vec<Context> = Vec::new();
         for shard in self.shards.all() {
-            let mut s = shard.state.lock();
-            s.flush();
-            for (&sb, &size) in &global.superblocks {
-                if s.free.starting_at(sb).is_some_and(|b| b.size == size) {
-                    s.free.remove_starting_at(sb);
-                    freed.push((sb, size, shard.ctx));
+            let blocks = shard.state.lock().drain();
+            if blocks.is_empty() {
+                continue;
+            }
+            if let Some(ctx) = shard.ctx
+                && !contexts.contains(&ctx)
+            {
+                contexts.push(ctx);
+            }
+            drained.push((shard, blocks));
+        }
+        if let Err(e) = contexts.iter().try_for_each(|c| c.synchronize()) {
+            for (shard, blocks) in drained {
+                let mut s = shard.state.lock();
+                for b in blocks {
+                    s.free.insert(b);
                 }
             }
+            return Err(e);
         }
+        let mut merged = FreeBlocks::default();
+        for b in drained.into_iter().flat_map(|(_, blocks)| blocks) {
+            merged.insert(b);
+        }
+        let whole: Vec<(usize, usize)> = global
+            .superblocks
+            .iter()
+            .filter(|&(&sb, &size)| merged.starting_at(sb).is_some_and(|b| b.size == size))
+            .map(|(&sb, &size)| (sb, size))
+            .collect();
         tracing::debug!(
             target: "memres::arena",
-            superblocks = freed.len(),
-            bytes = freed.iter().map(|f| f.1).sum::<usize>(),
+            superblocks = whole.len(),
+            bytes = whole.iter().map(|w| w.1).sum::<usize>(),
             "memres: arena defragmented (entirely free superblocks back to the global arena)"
         );
-        for (sb, size, ctx) in freed {
+        for &(sb, size) in &whole {
+            merged.remove_starting_at(sb);
             self.unregister(global, sb);
-            global.pending.push((self.block(sb, size), ctx));
+            global.free.insert(self.block(sb, size));
         }
-        self.settle_pending(global)
+        let mut s = own.state.lock();
+        for b in merged.drain() {
+            s.free.insert(b);
+        }
+        Ok(())
     }
 
     fn block(&self, addr: usize, size: usize) -> FreeBlock {
@@ -304,9 +342,7 @@ impl<U: Resource> Arena<U> {
     /// Forgets a superblock (entirely free, in no stream's list).
     fn unregister(&self, global: &mut Global, sb: usize) {
         global.superblocks.remove(&sb);
-        for shard in self.shards.all() {
-            shard.state.lock().chunks.remove(&sb);
-        }
+        self.table.clear(sb);
     }
 
     /// The stream's arena has no fit: flush its cache, else give it a new superblock of
@@ -328,9 +364,11 @@ impl<U: Resource> Arena<U> {
                 return Ok(addr);
             }
         }
+        // Whole MiB, so that superblocks start at whole MiB from the base (see
+        // `Superblocks`); the rest of a large request's superblock serves later requests.
         let sb_size = size
             .checked_add(align - GRANULE)
-            .map(|n| n.max(SUPERBLOCK_SIZE));
+            .and_then(|n| n.checked_next_multiple_of(SUPERBLOCK_SIZE));
         let fits = sb_size.filter(|&n| n <= self.size);
         // A free superblock of the global arena, without waiting.
         let mut sb = fits.and_then(|n| global.free.take(n, GRANULE));
@@ -350,7 +388,7 @@ impl<U: Resource> Arena<U> {
                     Some(ctx) => !stream.is_capturing_in(ctx)?,
                     None => true,
                 };
-                sb = self.take_global(&mut global, n, GRANULE, may_wait)?;
+                sb = self.take_global(&mut global, own, n, GRANULE, may_wait)?;
             }
         }
         let (Some(sb), Some(sb_size)) = (sb, sb_size) else {
@@ -358,9 +396,7 @@ impl<U: Resource> Arena<U> {
             return Err(self.out_of_memory(requested));
         };
         global.superblocks.insert(sb, sb_size);
-        for shard in self.shards.all() {
-            shard.state.lock().chunks.insert(sb, sb_size);
-        }
+        self.table.set(sb, sb_size);
         let mut s = own.state.lock();
         s.free.insert(FreeBlock {
             addr: sb,
@@ -447,7 +483,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
                 // A whole superblock, and the stream keeps enough free memory besides.
                 Some(merged)
                     if merged.starts_chunk
-                        && s.chunks.get(&merged.addr) == Some(&merged.size)
+                        && s.chunk_at(merged.addr) == Some(merged.size)
                         && s.free_bytes() - merged.size >= self.keep =>
                 {
                     s.free.remove_starting_at(merged.addr)

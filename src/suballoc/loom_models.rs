@@ -1,9 +1,10 @@
 //! loom models: the spin lock excludes, the stream map hands every thread the same,
 //! fully built shard, two streams of one pool share its growth without overlap, memory
-//! freed on one stream goes to one other stream at a time, and the release threshold
-//! gives memory back while another stream allocates; FixedSize's thread caches give
-//! their blocks back when their thread exits, also while their owner drops, and when a
-//! starving thread reclaims them.
+//! freed on one stream goes to one other stream at a time, the release threshold gives
+//! memory back while another stream allocates, and a free on another stream finds an
+//! arena's superblock without a lock; FixedSize's thread caches give their blocks back
+//! when their thread exits, also while their owner drops, and when a starving thread
+//! reclaims them.
 
 use std::alloc::Layout;
 
@@ -166,6 +167,34 @@ fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
             );
         }
         assert_eq!(arena.free_bytes(), 2 << 20);
+    });
+}
+
+/// The arena's superblock table is read without a lock: a superblock taken on one stream
+/// is freed on another while a third stream takes and frees the other superblock (the
+/// table's writes under the global lock race the free's read). The freed superblock is
+/// filed whole, and defragmenting then makes the arena one block again.
+#[test]
+fn loom_a_superblock_freed_on_another_stream_is_found_whole() {
+    pools_model().check(|| {
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), 2 << 20).unwrap());
+        let l = Layout::from_size_align(1 << 20, 256).unwrap();
+        let p = arena.allocate(StreamRef::host(1), l).unwrap();
+        let other = Arc::clone(&arena);
+        let t = thread::spawn(move || {
+            let s = StreamRef::host(3);
+            let q = other.allocate(s, l).unwrap();
+            // SAFETY: from the arena with `l`; host streams are always done.
+            unsafe { other.deallocate(s, q, l) };
+        });
+        // SAFETY: from the arena with `l`; host streams are always done.
+        unsafe { arena.deallocate(StreamRef::host(2), p, l) };
+        t.join().unwrap();
+        assert_eq!(arena.free_bytes(), 2 << 20);
+        let all = Layout::from_size_align(2 << 20, 256).unwrap();
+        let whole = arena.allocate(StreamRef::host(4), all).unwrap();
+        // SAFETY: from the arena with `all`.
+        unsafe { arena.deallocate(StreamRef::host(4), whole, all) };
     });
 }
 

@@ -46,6 +46,7 @@ mod pool;
 mod regions;
 mod shards;
 mod spin;
+mod superblocks;
 mod thread_cache;
 
 pub use arena::{Arena, SUPERBLOCK_SIZE};

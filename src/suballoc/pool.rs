@@ -8,11 +8,12 @@ use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
+use super::superblocks::Superblocks;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{Arc, Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::Granules;
 
@@ -258,8 +259,11 @@ pub(super) struct PoolShard {
     large_bytes: usize,
     large_cap: usize,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
-    /// shared lock); blocks never merge across a chunk's start.
+    /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
+    /// lists, which read `superblocks`.
     pub(super) chunks: AddrMap<usize>,
+    /// An arena's superblocks, shared by all its lists.
+    superblocks: Option<Arc<Superblocks>>,
 }
 
 impl PoolShard {
@@ -281,6 +285,24 @@ impl PoolShard {
             large_bytes: 0,
             large_cap: 0,
             chunks: chunks.collect(),
+            superblocks: None,
+        }
+    }
+
+    /// The list of an arena with these superblocks (which are its chunks).
+    pub(super) fn in_arena(superblocks: Arc<Superblocks>) -> PoolShard {
+        PoolShard {
+            superblocks: Some(superblocks),
+            ..PoolShard::new(std::iter::empty(), None)
+        }
+    }
+
+    /// The size of the chunk starting at `addr`, if one does.
+    #[inline]
+    pub(super) fn chunk_at(&self, addr: usize) -> Option<usize> {
+        match &self.superblocks {
+            Some(table) => table.size_at(addr),
+            None => self.chunks.get(&addr).copied(),
         }
     }
 
@@ -335,7 +357,7 @@ impl PoolShard {
     }
 
     fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
-        let starts_chunk = self.chunks.contains_key(&addr);
+        let starts_chunk = self.chunk_at(addr).is_some();
         self.free.insert(FreeBlock {
             addr,
             size,
