@@ -90,11 +90,10 @@ impl<U: Resource> Arena<U> {
         Arena::with_size(upstream, free / 2)
     }
 
-    /// An arena of `size` bytes (rounded down to a multiple of [`SUPERBLOCK_SIZE`], 1 MiB,
-    /// which superblocks are made of; at least 1 MiB, else [`Error::InvalidArgument`]),
-    /// taken from `upstream` at once.
+    /// An arena of `size` bytes (rounded down to a multiple of 256; at least 1 MiB, else
+    /// [`Error::InvalidArgument`]), taken from `upstream` at once.
     pub fn with_size(upstream: U, size: usize) -> Result<Arena<U>, Error> {
-        let size = size / SUPERBLOCK_SIZE * SUPERBLOCK_SIZE;
+        let size = size / GRANULE * GRANULE;
         if size < SUPERBLOCK_SIZE {
             return Err(Error::invalid_argument(format!(
                 "an arena of {size} bytes is smaller than one superblock ({SUPERBLOCK_SIZE} bytes)"
@@ -223,7 +222,6 @@ impl<U: Resource> Arena<U> {
     fn take_global(
         &self,
         global: &mut Global,
-        own: &Shard<PoolShard>,
         size: usize,
         align: usize,
         may_wait: bool,
@@ -238,7 +236,7 @@ impl<U: Resource> Arena<U> {
         if let Some(addr) = global.free.take(size, align) {
             return Ok(Some(addr));
         }
-        self.defragment(global, own)?;
+        self.defragment(global)?;
         Ok(global.free.take(size, align))
     }
 
@@ -276,10 +274,10 @@ impl<U: Resource> Arena<U> {
 
     /// Returns every entirely free superblock to the global arena. A superblock's blocks
     /// may have been freed on several streams, so every stream's free blocks are taken
-    /// out, their streams' work waited for, and coalesced in one list; the superblocks
-    /// whole there go back, the other blocks to `own`'s list (any stream may use them
-    /// now). If a wait fails, every block goes back where it was.
-    fn defragment(&self, global: &mut Global, own: &Shard<PoolShard>) -> Result<(), Error> {
+    /// out and, once their streams' work is waited for, coalesced in one list to find the
+    /// whole superblocks; those go back, every other block to the list it came from. If a
+    /// wait fails, every block goes back where it was.
+    fn defragment(&self, global: &mut Global) -> Result<(), Error> {
         let mut drained = Vec::new();
         let mut contexts: Vec<Context> = Vec::new();
         for shard in self.shards.all() {
@@ -294,25 +292,33 @@ impl<U: Resource> Arena<U> {
             }
             drained.push((shard, blocks));
         }
-        if let Err(e) = contexts.iter().try_for_each(|c| c.synchronize()) {
-            for (shard, blocks) in drained {
-                let mut s = shard.state.lock();
-                for b in blocks {
-                    s.free.insert(b);
+        let waited = contexts.iter().try_for_each(|c| c.synchronize());
+        let mut whole: Vec<(usize, usize)> = Vec::new();
+        if waited.is_ok() {
+            let mut merged = FreeBlocks::default();
+            for (_, blocks) in &drained {
+                for &b in blocks {
+                    merged.insert(b);
                 }
             }
-            return Err(e);
+            whole = global
+                .superblocks
+                .iter()
+                .filter(|&(&sb, &size)| merged.starting_at(sb).is_some_and(|b| b.size == size))
+                .map(|(&sb, &size)| (sb, size))
+                .collect();
+            whole.sort_unstable();
         }
-        let mut merged = FreeBlocks::default();
-        for b in drained.into_iter().flat_map(|(_, blocks)| blocks) {
-            merged.insert(b);
+        let in_whole = |addr: usize| {
+            let i = whole.partition_point(|&(sb, _)| sb <= addr);
+            i > 0 && addr < whole[i - 1].0 + whole[i - 1].1
+        };
+        for (shard, blocks) in drained {
+            let mut s = shard.state.lock();
+            for b in blocks.into_iter().filter(|b| !in_whole(b.addr)) {
+                s.free.insert(b);
+            }
         }
-        let whole: Vec<(usize, usize)> = global
-            .superblocks
-            .iter()
-            .filter(|&(&sb, &size)| merged.starting_at(sb).is_some_and(|b| b.size == size))
-            .map(|(&sb, &size)| (sb, size))
-            .collect();
         tracing::debug!(
             target: "memres::arena",
             superblocks = whole.len(),
@@ -320,15 +326,10 @@ impl<U: Resource> Arena<U> {
             "memres: arena defragmented (entirely free superblocks back to the global arena)"
         );
         for &(sb, size) in &whole {
-            merged.remove_starting_at(sb);
             self.unregister(global, sb);
             global.free.insert(self.block(sb, size));
         }
-        let mut s = own.state.lock();
-        for b in merged.drain() {
-            s.free.insert(b);
-        }
-        Ok(())
+        waited
     }
 
     fn block(&self, addr: usize, size: usize) -> FreeBlock {
@@ -364,11 +365,9 @@ impl<U: Resource> Arena<U> {
                 return Ok(addr);
             }
         }
-        // Whole MiB, so that superblocks start at whole MiB from the base (see
-        // `Superblocks`); the rest of a large request's superblock serves later requests.
         let sb_size = size
             .checked_add(align - GRANULE)
-            .and_then(|n| n.checked_next_multiple_of(SUPERBLOCK_SIZE));
+            .map(|n| n.max(SUPERBLOCK_SIZE));
         let fits = sb_size.filter(|&n| n <= self.size);
         // A free superblock of the global arena, without waiting.
         let mut sb = fits.and_then(|n| global.free.take(n, GRANULE));
@@ -388,7 +387,7 @@ impl<U: Resource> Arena<U> {
                     Some(ctx) => !stream.is_capturing_in(ctx)?,
                     None => true,
                 };
-                sb = self.take_global(&mut global, own, n, GRANULE, may_wait)?;
+                sb = self.take_global(&mut global, n, GRANULE, may_wait)?;
             }
         }
         let (Some(sb), Some(sb_size)) = (sb, sb_size) else {

@@ -1,8 +1,8 @@
 //! loom models: the spin lock excludes, the stream map hands every thread the same,
 //! fully built shard, two streams of one pool share its growth without overlap, memory
 //! freed on one stream goes to one other stream at a time, the release threshold gives
-//! memory back while another stream allocates, and a free on another stream finds an
-//! arena's superblock without a lock; FixedSize's thread caches give their blocks back
+//! memory back while another stream allocates, and a free reads an arena's superblock
+//! table while another stream takes a superblock; FixedSize's thread caches give their blocks back
 //! when their thread exits, also while their owner drops, and when a starving thread
 //! reclaims them.
 
@@ -170,31 +170,46 @@ fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
     });
 }
 
-/// The arena's superblock table is read without a lock: a superblock taken on one stream
-/// is freed on another while a third stream takes and frees the other superblock (the
-/// table's writes under the global lock race the free's read). The freed superblock is
-/// filed whole, and defragmenting then makes the arena one block again.
+/// The arena's superblock table is read without a lock, one word per MiB. A block that
+/// lies in the same MiB as the start of another stream's superblock, but is not a
+/// superblock's start, is freed on a third stream while that superblock is taken (its
+/// word written under the global lock): the free must not take the block for a
+/// superblock's start, or it would not merge with its neighbour, its superblock would
+/// never be whole again, and the arena could not be taken whole at the end.
 #[test]
-fn loom_a_superblock_freed_on_another_stream_is_found_whole() {
+fn loom_a_free_reads_the_superblock_table_while_a_superblock_is_taken() {
     pools_model().check(|| {
-        let arena = Arc::new(Arena::with_size(HostHeap::new(), 2 << 20).unwrap());
-        let l = Layout::from_size_align(1 << 20, 256).unwrap();
-        let p = arena.allocate(StreamRef::host(1), l).unwrap();
+        const MIB: usize = 1 << 20;
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), 3 * MIB).unwrap());
+        let l = |size| Layout::from_size_align(size, 256).unwrap();
+        let one = StreamRef::host(1);
+        // Superblock S1 = [base, base + 1 MiB + 256), kept by stream 1, then cut in two:
+        // 1 MiB at its start, 256 bytes in the next MiB.
+        let whole = arena.allocate(one, l(MIB + 256)).unwrap();
+        // SAFETY: from the arena with this layout; host streams are always done.
+        unsafe { arena.deallocate(one, whole, l(MIB + 256)) };
+        let head = arena.allocate(one, l(MIB)).unwrap();
+        let tail = arena.allocate(one, l(256)).unwrap();
+        assert_eq!(tail.as_ptr() as usize, whole.as_ptr() as usize + MIB);
         let other = Arc::clone(&arena);
         let t = thread::spawn(move || {
+            // S2 starts right after S1, in the MiB that holds `tail`.
             let s = StreamRef::host(3);
-            let q = other.allocate(s, l).unwrap();
-            // SAFETY: from the arena with `l`; host streams are always done.
-            unsafe { other.deallocate(s, q, l) };
+            let p = other.allocate(s, l(MIB)).unwrap();
+            // SAFETY: from the arena with this layout; host streams are always done.
+            unsafe { other.deallocate(s, p, l(MIB)) };
         });
-        // SAFETY: from the arena with `l`; host streams are always done.
-        unsafe { arena.deallocate(StreamRef::host(2), p, l) };
+        let two = StreamRef::host(2);
+        // SAFETY: from the arena with these layouts; host streams are always done.
+        unsafe {
+            arena.deallocate(two, tail, l(256));
+            arena.deallocate(two, head, l(MIB));
+        }
         t.join().unwrap();
-        assert_eq!(arena.free_bytes(), 2 << 20);
-        let all = Layout::from_size_align(2 << 20, 256).unwrap();
-        let whole = arena.allocate(StreamRef::host(4), all).unwrap();
-        // SAFETY: from the arena with `all`.
-        unsafe { arena.deallocate(StreamRef::host(4), whole, all) };
+        assert_eq!(arena.free_bytes(), 3 * MIB);
+        let all = arena.allocate(StreamRef::host(4), l(3 * MIB)).unwrap();
+        // SAFETY: from the arena with this layout.
+        unsafe { arena.deallocate(StreamRef::host(4), all, l(3 * MIB)) };
     });
 }
 
