@@ -24,11 +24,56 @@ pub const SUPERBLOCK_SIZE: usize = 1 << 20;
 struct Global {
     /// Free memory no stream may still be using.
     free: FreeBlocks,
-    /// Memory freed on CUDA streams, usable by others once their context is synchronised.
-    pending: Vec<(FreeBlock, Option<Context>)>,
+    /// Superblocks given back by CUDA streams' arenas: free at once for their own stream
+    /// (any lane), for others once the stream's context is synchronised.
+    pending: Vec<Pending>,
     /// The superblocks that streams' arenas hold, start to size (also in the arena's
     /// lock-free table, where the streams' lists read them).
     superblocks: AddrMap<usize>,
+}
+
+/// Superblocks one stream gave back, waiting for its work. (Found by the stream's handle,
+/// as its lists are: see the module docs on streams destroyed with work pending.)
+struct Pending {
+    /// The stream (whatever the lane).
+    stream: StreamKey,
+    ctx: Option<Context>,
+    free: FreeBlocks,
+}
+
+impl Global {
+    fn pending_bytes(&self) -> usize {
+        self.pending.iter().map(|p| p.free.bytes()).sum()
+    }
+
+    /// Files a superblock `shard`'s stream gave back.
+    fn add_pending(&mut self, shard: &Shard<PoolShard>, block: FreeBlock) {
+        let stream = shard.key.stream();
+        match self.pending.iter_mut().find(|p| p.stream == stream) {
+            Some(p) => {
+                p.free.insert(block);
+            }
+            None => {
+                let mut free = FreeBlocks::default();
+                free.insert(block);
+                self.pending.push(Pending {
+                    stream,
+                    ctx: shard.ctx,
+                    free,
+                });
+            }
+        }
+    }
+
+    /// `size` bytes of what `shard`'s own stream gave back, which needs no wait.
+    fn take_own_pending(&mut self, shard: &Shard<PoolShard>, size: usize) -> Option<usize> {
+        let stream = shard.key.stream();
+        self.pending
+            .iter_mut()
+            .find(|p| p.stream == stream)?
+            .free
+            .take(size, GRANULE)
+    }
 }
 
 /// RMM's arena allocator (`arena_memory_resource`): one upstream allocation (the global
@@ -45,9 +90,10 @@ struct Global {
 ///   the global arena's lock.
 /// - A superblock that becomes entirely free goes back to the global arena once its
 ///   stream holds more free memory besides than 1/16 of the arena (at least 1 MiB).
-///   Memory freed on a CUDA stream reaches other streams only after that stream's work
-///   is waited for (`cuCtxSynchronize`), which the arena does only when the global arena
-///   runs short; no event is recorded on the free path.
+///   A superblock given back by a CUDA stream serves that stream again at once (any of
+///   its lanes), and reaches other streams only after that stream's work is waited for
+///   (`cuCtxSynchronize`), which the arena does only when the global arena runs short;
+///   no event is recorded on the free path.
 /// - On out-of-memory it defragments: waits for the streams, coalesces every stream's
 ///   free blocks in one list (a block freed on another stream than the one it was taken
 ///   on goes to that stream's list, so a superblock's pieces may be in several), returns
@@ -138,7 +184,7 @@ impl<U: Resource> Arena<U> {
     /// arena (a snapshot, list by list).
     pub fn free_bytes(&self) -> usize {
         let global = lock(&self.global);
-        let pending: usize = global.pending.iter().map(|(b, _)| b.size).sum();
+        let pending = global.pending_bytes();
         let streams: usize = self
             .shards
             .all()
@@ -162,7 +208,7 @@ impl<U: Resource> Arena<U> {
     /// (global and per stream), the largest free block and the fragmentation.
     pub fn dump(&self) -> String {
         let global = lock(&self.global);
-        let pending: usize = global.pending.iter().map(|(b, _)| b.size).sum();
+        let pending = global.pending_bytes();
         let mut free = global.free.bytes() + pending;
         let mut largest = global.free.largest();
         let mut streams = String::new();
@@ -240,34 +286,45 @@ impl<U: Resource> Arena<U> {
         Ok(global.free.take(size, align))
     }
 
-    /// Moves the free blocks of the other lanes of `own`'s stream into `own`'s list.
-    /// Returns whether anything moved.
-    fn merge_lanes(&self, own: &Shard<PoolShard>) -> bool {
+    /// A block from the other lanes of `own`'s stream: a fit in one of them, else all
+    /// their free blocks moved into `own`'s list (where they coalesce) and a fit there.
+    /// A fit first: a lane that misses while the global arena is dry would otherwise
+    /// empty the lists of the threads still running on the other lanes, which then miss
+    /// and empty it back.
+    fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        let lanes = self.shards.other_lanes(own);
+        for lane in &lanes {
+            if let Some(addr) = lane.state.lock().take(size, align) {
+                return Some(addr);
+            }
+        }
         let mut moved = Vec::new();
-        for lane in self.shards.other_lanes(own) {
+        for lane in &lanes {
             moved.extend(lane.state.lock().drain());
         }
         if moved.is_empty() {
-            return false;
+            return None;
         }
         let mut s = own.state.lock();
         for b in moved {
             s.free.insert(b);
         }
-        true
+        s.free.take(size, align)
     }
 
     /// Waits for the streams of pending memory and makes it free.
     fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
         let mut done: Vec<Context> = Vec::new();
-        for ctx in global.pending.iter().filter_map(|(_, c)| *c) {
+        for ctx in global.pending.iter().filter_map(|p| p.ctx) {
             if !done.contains(&ctx) {
                 ctx.synchronize()?;
                 done.push(ctx);
             }
         }
-        for (block, _) in std::mem::take(&mut global.pending) {
-            global.free.insert(block);
+        for mut p in std::mem::take(&mut global.pending) {
+            for block in p.free.drain() {
+                global.free.insert(block);
+            }
         }
         Ok(())
     }
@@ -369,17 +426,21 @@ impl<U: Resource> Arena<U> {
             .checked_add(align - GRANULE)
             .map(|n| n.max(SUPERBLOCK_SIZE));
         let fits = sb_size.filter(|&n| n <= self.size);
-        // A free superblock of the global arena, without waiting.
-        let mut sb = fits.and_then(|n| global.free.take(n, GRANULE));
+        // A free superblock of the global arena, or one the stream gave back, without
+        // waiting.
+        let mut sb = fits.and_then(|n| {
+            global
+                .free
+                .take(n, GRANULE)
+                .or_else(|| global.take_own_pending(own, n))
+        });
         if sb.is_none() {
-            // The stream's other lanes: blocks freed there by other threads (a producer on
-            // one thread, a consumer on another) come back here and coalesce, so
-            // superblocks become whole again instead of staying split between lanes. No
-            // wait: one stream. Only now, as lanes that took each other's blocks at every
-            // miss would trade them back and forth.
-            if self.merge_lanes(own)
-                && let Some(addr) = own.state.lock().free.take(size, align)
-            {
+            // The stream's other lanes (no wait: one stream): a fit there, else their
+            // blocks, which coalesce here: blocks freed by other threads (a producer on
+            // one thread, a consumer on another) come back, so superblocks become whole
+            // again instead of staying split between lanes. Only now, as lanes that took
+            // each other's blocks at every miss would trade them back and forth.
+            if let Some(addr) = self.take_from_lanes(own, size, align) {
                 return Ok(addr);
             }
             if let Some(n) = fits {
@@ -497,8 +558,55 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             if shard.key.is_host() {
                 global.free.insert(block);
             } else {
-                global.pending.push((block, shard.ctx));
+                global.add_pending(shard, block);
             }
         }
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+    use crate::upstream::HostHeap;
+
+    const MIB: usize = 1 << 20;
+
+    /// Superblocks a CUDA stream's lanes give back wait in the global arena for that
+    /// stream's work before others may use them, but serve the stream itself at once. A
+    /// made-up CUDA handle, so only on a machine without a driver.
+    #[test]
+    fn a_stream_takes_back_its_own_superblocks_without_a_wait() {
+        if crate::driver::is_present() {
+            println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+            return;
+        }
+        let arena = Arena::with_size(HostHeap::new(), 4 * MIB).unwrap();
+        // SAFETY: the handle is never given to a driver (there is none here).
+        let stream = unsafe { StreamRef::from_raw(0x5000 as _) };
+        let l = crate::layout(MIB).unwrap();
+        let blocks: Vec<_> = (0..4).map(|_| arena.allocate(stream, l).unwrap()).collect();
+        for p in blocks {
+            // SAFETY: allocated above with `l` on `stream`.
+            unsafe { arena.deallocate(stream, p, l) };
+        }
+        // The stream keeps 1 MiB (1/16 of the arena, at least 1 MiB); 3 MiB wait.
+        let pending = || lock(&arena.global).pending_bytes();
+        assert_eq!(pending(), 3 * MIB);
+        let two = crate::layout(2 * MIB).unwrap();
+        let p = arena.allocate(stream, two).unwrap();
+        assert_eq!(
+            pending(),
+            MIB,
+            "taken from what the stream gave back, no wait"
+        );
+        // Another stream waits for them (here: no driver, nothing to wait for).
+        let q = arena.allocate(StreamRef::host(1), l).unwrap();
+        assert_eq!(pending(), 0);
+        // SAFETY: allocated above with these layouts and streams.
+        unsafe {
+            arena.deallocate(stream, p, two);
+            arena.deallocate(StreamRef::host(1), q, l);
+        }
+        assert_eq!(arena.free_bytes(), 4 * MIB);
     }
 }
