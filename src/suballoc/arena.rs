@@ -292,7 +292,7 @@ impl<U: Resource> Arena<U> {
     /// empty the lists of the threads still running on the other lanes, which then miss
     /// and empty it back.
     fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
-        let lanes = self.shards.other_lanes(own);
+        let lanes: Vec<_> = self.shards.other_lanes(own).collect();
         for lane in &lanes {
             if let Some(addr) = lane.state.lock().take(size, align) {
                 return Some(addr);

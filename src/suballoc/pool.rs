@@ -809,6 +809,9 @@ impl<U: Resource> Pool<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
+        if let Some(addr) = self.take_lane_fit(own, size, align) {
+            return Ok(addr);
+        }
         if let Some(ctx) = own.ctx
             && stream.is_capturing_in(ctx)?
         {
@@ -899,14 +902,28 @@ impl<U: Resource> Pool<U> {
             .or_else(|| self.shards.all().into_iter().find_map(from_host_list))
     }
 
+    /// A block that fits from another lane of `own`'s stream, as that lane's list has it
+    /// (its caches not flushed), without the growth lock: no wait is needed (one stream),
+    /// and threads sharing a stream whose lanes trade blocks do not queue for the growth
+    /// lock (16 threads on one stream on the H100 spent most of their time there).
+    fn take_lane_fit(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        self.shards
+            .other_lanes(own)
+            .filter(|lane| lane.holds_free.load(Ordering::Relaxed))
+            .find_map(|lane| lane.state.lock().take(size, align))
+    }
+
     /// Free memory of the other lanes of `own`'s stream (threads that share the stream;
     /// see [`StreamKey::of_lane`]), which needs no wait: one stream's work is ordered
     /// whichever thread enqueued it. A fitting block from one lane, else all their free
     /// memory moved into `own`'s list, where neighbours coalesce. The caller holds the
     /// growth lock.
     fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
-        let mut lanes = self.shards.other_lanes(own);
-        lanes.retain(|s| s.holds_free.load(Ordering::Relaxed));
+        let lanes: Vec<_> = self
+            .shards
+            .other_lanes(own)
+            .filter(|s| s.holds_free.load(Ordering::Relaxed))
+            .collect();
         for lane in &lanes {
             let mut s = lane.state.lock();
             let found = s.take(size, align).or_else(|| {

@@ -85,6 +85,13 @@ impl StreamKey {
         StreamKey(key.0 | this_lane() << LANE_SHIFT)
     }
 
+    /// The key of the same stream in `lane` (not for the per-thread default stream).
+    #[inline]
+    fn in_lane(self, lane: u64) -> StreamKey {
+        debug_assert!(!self.is_per_thread() && lane < LANES);
+        StreamKey(self.stream().0 | lane << LANE_SHIFT)
+    }
+
     /// The stream the key names, whatever its lane.
     #[inline]
     pub(crate) fn stream(self) -> StreamKey {
@@ -226,7 +233,11 @@ fn this_thread() -> ThisThread {
         })
 }
 
-/// One stream's state.
+/// One stream's state, on cache lines of its own: the lists of threads sharing a stream
+/// (lanes) are written by those threads at once, and shards are allocated one by one,
+/// so two could otherwise share the line where one ends and the next begins (128 bytes:
+/// the unit the adjacent-line prefetcher fetches).
+#[repr(align(128))]
 pub(crate) struct Shard<S> {
     pub(crate) key: StreamKey,
     /// For CUDA streams, the context whose synchronisation completes the stream's work
@@ -516,13 +527,17 @@ impl<S> ShardMap<S> {
         Ok(any)
     }
 
-    /// The other lanes of `own`'s stream (see [`StreamKey::of_lane`]).
-    pub(crate) fn other_lanes(&self, own: &Shard<S>) -> Vec<&Shard<S>> {
-        let stream = own.key.stream();
-        self.all()
-            .into_iter()
-            .filter(|s| !ptr::eq(*s, own) && s.key.stream() == stream)
-            .collect()
+    /// The other lanes of `own`'s stream (see [`StreamKey::of_lane`]) that exist: one
+    /// lookup per lane, however many streams the map holds.
+    pub(crate) fn other_lanes(&self, own: &Shard<S>) -> impl Iterator<Item = &Shard<S>> {
+        let table = self.table();
+        let lanes = if own.key.is_per_thread() { 0 } else { LANES };
+        (0..lanes)
+            .map(move |lane| own.key.in_lane(lane))
+            .filter(move |&key| key != own.key)
+            .filter_map(move |key| table.find(key).ok())
+            // SAFETY: read from a slot.
+            .map(move |p| unsafe { self.at(p) })
     }
 
     /// Waits for the work of every CUDA stream seen so far (once per context).
