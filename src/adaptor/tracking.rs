@@ -114,14 +114,14 @@ impl Default for Record {
 
 impl Record {
     /// Records the hand-out of `address`.
-    #[inline]
+    #[inline(always)]
     fn hand_out(&mut self, address: usize, entry: Entry) {
         self.live.insert(address, entry);
     }
 
     /// Records the free of `address`: its entry if it was live; otherwise whether it was
     /// freed lately and not handed out since (a double free).
-    #[inline]
+    #[inline(always)]
     fn free(&mut self, address: usize) -> Result<Entry, bool> {
         match self.live.remove(&address) {
             Some(entry) => {

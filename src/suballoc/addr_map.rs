@@ -137,7 +137,7 @@ impl<V> AddrMap<V> {
     }
 
     /// Removes `key`'s entry; returns its value.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn remove(&mut self, key: &usize) -> Option<V> {
         let mut hole = self.find(*key)?;
         let (_, value) = self.slots[hole].take()?;
