@@ -46,18 +46,26 @@ impl Global {
         self.pending.iter().map(|p| p.free.bytes()).sum()
     }
 
+    /// The pending entry of `shard`'s stream: the same stream (any lane) in the same
+    /// context (the legacy default stream has one key on every device).
+    fn pending_of(&self, shard: &Shard<PoolShard>) -> Option<usize> {
+        let stream = shard.key.stream();
+        self.pending
+            .iter()
+            .position(|p| p.stream == stream && p.ctx == shard.ctx)
+    }
+
     /// Files a superblock `shard`'s stream gave back.
     fn add_pending(&mut self, shard: &Shard<PoolShard>, block: FreeBlock) {
-        let stream = shard.key.stream();
-        match self.pending.iter_mut().find(|p| p.stream == stream) {
-            Some(p) => {
-                p.free.insert(block);
+        match self.pending_of(shard) {
+            Some(i) => {
+                self.pending[i].free.insert(block);
             }
             None => {
                 let mut free = FreeBlocks::default();
                 free.insert(block);
                 self.pending.push(Pending {
-                    stream,
+                    stream: shard.key.stream(),
                     ctx: shard.ctx,
                     free,
                 });
@@ -65,14 +73,19 @@ impl Global {
         }
     }
 
-    /// `size` bytes of what `shard`'s own stream gave back, which needs no wait.
+    /// `size` bytes of what `shard`'s own stream gave back, which needs no wait. Not for
+    /// the list that threads share in their thread-local destructors (see
+    /// [`StreamKey::is_exiting_threads`]): its "own stream" is several.
     fn take_own_pending(&mut self, shard: &Shard<PoolShard>, size: usize) -> Option<usize> {
-        let stream = shard.key.stream();
-        self.pending
-            .iter_mut()
-            .find(|p| p.stream == stream)?
-            .free
-            .take(size, GRANULE)
+        if shard.key.is_exiting_threads() {
+            return None;
+        }
+        let i = self.pending_of(shard)?;
+        let addr = self.pending[i].free.take(size, GRANULE)?;
+        if self.pending[i].free.bytes() == 0 {
+            self.pending.swap_remove(i);
+        }
+        Some(addr)
     }
 }
 
@@ -282,7 +295,7 @@ impl<U: Resource> Arena<U> {
         if let Some(addr) = global.free.take(size, align) {
             return Ok(Some(addr));
         }
-        self.defragment(global)?;
+        self.defragment(global, size)?;
         Ok(global.free.take(size, align))
     }
 
@@ -330,59 +343,96 @@ impl<U: Resource> Arena<U> {
     }
 
     /// Returns every entirely free superblock to the global arena. A superblock's blocks
-    /// may have been freed on several streams, so every stream's free blocks are taken
-    /// out and, once their streams' work is waited for, coalesced in one list to find the
-    /// whole superblocks; those go back, every other block to the list it came from. If a
-    /// wait fails, every block goes back where it was.
-    fn defragment(&self, global: &mut Global) -> Result<(), Error> {
-        let mut drained = Vec::new();
+    /// may have been freed on several streams, so the lists are read (under each one's
+    /// lock, nothing moved) to add up each superblock's free bytes; only the superblocks
+    /// whose pieces add up to their size are then taken out of the lists holding them,
+    /// checked whole again (another thread may have taken a piece in between: then they
+    /// go back), and returned once the streams they were freed on are waited for. If a
+    /// wait fails, the pieces go back where they were. Nothing is done when all free
+    /// memory together is less than `need`.
+    fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
+        let shards = self.shards.all();
+        // Nothing to gain when all free memory together is less than the request.
+        let listed: usize = shards.iter().map(|s| s.state.lock().free_bytes()).sum();
+        if listed + global.free.bytes() < need {
+            return Ok(());
+        }
+        let mut starts: Vec<(usize, usize)> =
+            global.superblocks.iter().map(|(&a, &n)| (a, n)).collect();
+        starts.sort_unstable();
+        let holder = |addr: usize| {
+            let i = starts.partition_point(|&(sb, _)| sb <= addr);
+            (i > 0 && addr < starts[i - 1].0 + starts[i - 1].1).then(|| i - 1)
+        };
+        let mut free = vec![0usize; starts.len()];
+        for shard in &shards {
+            let s = shard.state.lock();
+            for (addr, size) in s.free_extents() {
+                if let Some(i) = holder(addr) {
+                    free[i] += size;
+                }
+            }
+        }
+        let whole = |i: usize| free[i] == starts[i].1;
+        if !(0..starts.len()).any(whole) {
+            return Ok(());
+        }
+        // Take the candidates' pieces out of every list that holds some.
+        let mut taken: Vec<(&Shard<PoolShard>, Vec<FreeBlock>)> = Vec::new();
         let mut contexts: Vec<Context> = Vec::new();
-        for shard in self.shards.all() {
-            let blocks = shard.state.lock().drain();
-            if blocks.is_empty() {
+        for shard in shards {
+            let mut s = shard.state.lock();
+            if !s.free_extents().any(|(a, _)| holder(a).is_some_and(whole)) {
                 continue;
             }
+            s.flush();
+            let addrs: Vec<usize> = s
+                .free
+                .blocks()
+                .filter(|b| holder(b.addr).is_some_and(whole))
+                .map(|b| b.addr)
+                .collect();
+            let blocks: Vec<FreeBlock> = addrs
+                .into_iter()
+                .filter_map(|a| s.free.remove_starting_at(a))
+                .collect();
+            drop(s);
             if let Some(ctx) = shard.ctx
                 && !contexts.contains(&ctx)
             {
                 contexts.push(ctx);
             }
-            drained.push((shard, blocks));
+            taken.push((shard, blocks));
         }
-        let waited = contexts.iter().try_for_each(|c| c.synchronize());
-        let mut whole: Vec<(usize, usize)> = Vec::new();
-        if waited.is_ok() {
-            let mut merged = FreeBlocks::default();
-            for (_, blocks) in &drained {
-                for &b in blocks {
-                    merged.insert(b);
+        let mut got = vec![0usize; starts.len()];
+        for (_, blocks) in &taken {
+            for b in blocks {
+                if let Some(i) = holder(b.addr) {
+                    got[i] += b.size;
                 }
             }
-            whole = global
-                .superblocks
-                .iter()
-                .filter(|&(&sb, &size)| merged.starting_at(sb).is_some_and(|b| b.size == size))
-                .map(|(&sb, &size)| (sb, size))
-                .collect();
-            whole.sort_unstable();
         }
-        let in_whole = |addr: usize| {
-            let i = whole.partition_point(|&(sb, _)| sb <= addr);
-            i > 0 && addr < whole[i - 1].0 + whole[i - 1].1
-        };
-        for (shard, blocks) in drained {
+        let waited = contexts.iter().try_for_each(|c| c.synchronize());
+        let back = |i: usize| waited.is_ok() && got[i] == starts[i].1;
+        for (shard, blocks) in taken {
             let mut s = shard.state.lock();
-            for b in blocks.into_iter().filter(|b| !in_whole(b.addr)) {
-                s.free.insert(b);
+            for b in blocks {
+                if !holder(b.addr).is_some_and(back) {
+                    s.free.insert(b);
+                }
             }
         }
+        let returned: Vec<(usize, usize)> = (0..starts.len())
+            .filter(|&i| back(i))
+            .map(|i| starts[i])
+            .collect();
         tracing::debug!(
             target: "memres::arena",
-            superblocks = whole.len(),
-            bytes = whole.iter().map(|w| w.1).sum::<usize>(),
+            superblocks = returned.len(),
+            bytes = returned.iter().map(|r| r.1).sum::<usize>(),
             "memres: arena defragmented (entirely free superblocks back to the global arena)"
         );
-        for &(sb, size) in &whole {
+        for (sb, size) in returned {
             self.unregister(global, sb);
             global.free.insert(self.block(sb, size));
         }
@@ -426,13 +476,12 @@ impl<U: Resource> Arena<U> {
             .checked_add(align - GRANULE)
             .map(|n| n.max(SUPERBLOCK_SIZE));
         let fits = sb_size.filter(|&n| n <= self.size);
-        // A free superblock of the global arena, or one the stream gave back, without
-        // waiting.
+        // A superblock the stream gave back (first: memory waiting there would make other
+        // streams wait for it), or a free one of the global arena, without waiting.
         let mut sb = fits.and_then(|n| {
             global
-                .free
-                .take(n, GRANULE)
-                .or_else(|| global.take_own_pending(own, n))
+                .take_own_pending(own, n)
+                .or_else(|| global.free.take(n, GRANULE))
         });
         if sb.is_none() {
             // The stream's other lanes (no wait: one stream): a fit there, else their
@@ -580,26 +629,27 @@ mod tests {
             println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
             return;
         }
-        let arena = Arena::with_size(HostHeap::new(), 4 * MIB).unwrap();
+        let arena = Arena::with_size(HostHeap::new(), 8 * MIB).unwrap();
         // SAFETY: the handle is never given to a driver (there is none here).
         let stream = unsafe { StreamRef::from_raw(0x5000 as _) };
         let l = crate::layout(MIB).unwrap();
-        let blocks: Vec<_> = (0..4).map(|_| arena.allocate(stream, l).unwrap()).collect();
+        let blocks: Vec<_> = (0..8).map(|_| arena.allocate(stream, l).unwrap()).collect();
         for p in blocks {
             // SAFETY: allocated above with `l` on `stream`.
             unsafe { arena.deallocate(stream, p, l) };
         }
-        // The stream keeps 1 MiB (1/16 of the arena, at least 1 MiB); 3 MiB wait.
+        // The stream keeps 1 MiB (1/16 of the arena, at least 1 MiB); 7 MiB wait.
         let pending = || lock(&arena.global).pending_bytes();
-        assert_eq!(pending(), 3 * MIB);
+        assert_eq!(pending(), 7 * MIB);
         let two = crate::layout(2 * MIB).unwrap();
         let p = arena.allocate(stream, two).unwrap();
         assert_eq!(
             pending(),
-            MIB,
+            5 * MIB,
             "taken from what the stream gave back, no wait"
         );
-        // Another stream waits for them (here: no driver, nothing to wait for).
+        // Another stream waits for all of it (here: no driver, nothing to wait for)
+        // rather than taking it as its own.
         let q = arena.allocate(StreamRef::host(1), l).unwrap();
         assert_eq!(pending(), 0);
         // SAFETY: allocated above with these layouts and streams.
@@ -607,6 +657,6 @@ mod tests {
             arena.deallocate(stream, p, two);
             arena.deallocate(StreamRef::host(1), q, l);
         }
-        assert_eq!(arena.free_bytes(), 4 * MIB);
+        assert_eq!(arena.free_bytes(), 8 * MIB);
     }
 }

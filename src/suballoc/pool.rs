@@ -382,6 +382,20 @@ impl PoolShard {
         self.quick_bytes = 0;
     }
 
+    /// Every free extent of the list, (address, size), cached ones included.
+    pub(super) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let quick = self
+            .quick
+            .iter()
+            .enumerate()
+            .flat_map(|(units, addrs)| addrs.iter().map(move |&a| (a, units * GRANULE)));
+        self.free
+            .blocks()
+            .map(|b| (b.addr, b.size))
+            .chain(quick)
+            .chain(self.large.iter().copied())
+    }
+
     pub(super) fn drain(&mut self) -> Vec<FreeBlock> {
         self.flush();
         self.free.drain()
@@ -809,6 +823,15 @@ impl<U: Resource> Pool<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
+        // The list's own cached blocks, coalesced, then a fit in a sibling lane: neither
+        // needs the growth lock.
+        {
+            let mut s = own.state.lock();
+            s.flush();
+            if let Some(addr) = s.free.take(size, align) {
+                return Ok(addr);
+            }
+        }
         if let Some(addr) = self.take_lane_fit(own, size, align) {
             return Ok(addr);
         }

@@ -119,6 +119,12 @@ impl StreamKey {
         self.0 >> KIND_SHIFT == HOST
     }
 
+    /// The per-thread list that threads use while their thread-local destructors run
+    /// (see `this_thread`): shared by every exiting thread, each on its own stream.
+    pub(crate) fn is_exiting_threads(self) -> bool {
+        self.0 == PER_THREAD << KIND_SHIFT
+    }
+
     #[inline]
     fn is_per_thread(self) -> bool {
         self.0 >> KIND_SHIFT == PER_THREAD

@@ -58,6 +58,7 @@ impl Superblocks {
     /// The size of the superblock starting at `addr`, if one does.
     #[inline]
     pub(crate) fn size_at(&self, addr: usize) -> Option<usize> {
+        debug_assert!(addr.wrapping_sub(self.base).is_multiple_of(GRANULE));
         let (word, at) = self.word(addr)?;
         let w = word.load(Ordering::Acquire);
         (w != 0 && w & OFFSET_MASK == at).then(|| (w >> OFFSET_BITS) as usize * GRANULE)
@@ -120,7 +121,7 @@ mod tests {
     }
 
     #[test]
-    fn sizes_up_to_the_whole_address_space_fit_a_word() {
+    fn a_superblock_of_half_a_tib_fits_a_word() {
         let t = Superblocks::new(0, 1 << 40);
         t.set(255 * MIB, 1 << 39);
         assert_eq!(t.size_at(255 * MIB), Some(1 << 39));
