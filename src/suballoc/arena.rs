@@ -107,10 +107,11 @@ impl Global {
 ///   its lanes), and reaches other streams only after that stream's work is waited for
 ///   (`cuCtxSynchronize`), which the arena does only when the global arena runs short;
 ///   no event is recorded on the free path.
-/// - On out-of-memory it defragments: waits for the streams, coalesces every stream's
-///   free blocks in one list (a block freed on another stream than the one it was taken
-///   on goes to that stream's list, so a superblock's pieces may be in several), returns
-///   every entirely free superblock to the global arena and retries; failing that, it returns
+/// - On out-of-memory it defragments: finds the superblocks whose free pieces, over every
+///   stream's list, add up to the whole (a block freed on another stream than the one it
+///   was taken on goes to that stream's list, so a superblock's pieces may be in
+///   several), takes them out, waits for the streams they were freed on, returns them to
+///   the global arena and retries; failing that, it returns
 ///   [`Error::OutOfMemory`], and with [`dump_on_failure`](Arena::dump_on_failure) it logs
 ///   [`dump`](Arena::dump) (arena size, superblocks, free bytes, largest free block,
 ///   fragmentation) through `tracing` first.
