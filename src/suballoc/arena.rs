@@ -4,11 +4,10 @@ use std::alloc::Layout;
 use std::fmt::{self, Write as _};
 use std::ptr::{self, NonNull};
 
-use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool::{PoolShard, block_size};
-use super::shards::{Shard, ShardMap, StreamKey, lock};
+use super::shards::{Shard, ShardMap, StreamKey, lock, synchronize};
 use super::superblocks::Superblocks;
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
@@ -27,9 +26,6 @@ struct Global {
     /// Superblocks given back by CUDA streams' arenas: free at once for their own stream
     /// (any lane), for others once the stream's context is synchronised.
     pending: Vec<Pending>,
-    /// The superblocks that streams' arenas hold, start to size (also in the arena's
-    /// lock-free table, where the streams' lists read them).
-    superblocks: AddrMap<usize>,
 }
 
 /// Superblocks one stream gave back, waiting for its work. (Found by the stream's handle,
@@ -134,7 +130,8 @@ pub struct Arena<U: Resource> {
     base: usize,
     size: usize,
     global: Mutex<Global>,
-    /// Where superblocks start, for every stream's list (changed under `global`).
+    /// The superblocks streams' arenas hold: where each starts and its size, read by
+    /// every stream's list without a lock, changed only under `global`.
     table: Arc<Superblocks>,
     shards: ShardMap<PoolShard>,
     /// Free bytes a stream's arena keeps besides a superblock before returning it.
@@ -210,7 +207,8 @@ impl<U: Resource> Arena<U> {
 
     /// Superblocks that streams' arenas hold.
     pub fn superblocks(&self) -> usize {
-        lock(&self.global).superblocks.len()
+        let _global = lock(&self.global);
+        self.table.iter().count()
     }
 
     /// The upstream resource.
@@ -247,7 +245,7 @@ impl<U: Resource> Arena<U> {
              global arena, {pending} waiting for their streams); largest free block {} \
              bytes; fragmentation {fragmentation:.1}%{streams}",
             self.size,
-            global.superblocks.len(),
+            self.table.iter().count(),
             free,
             global.free.bytes(),
             largest,
@@ -328,13 +326,7 @@ impl<U: Resource> Arena<U> {
 
     /// Waits for the streams of pending memory and makes it free.
     fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
-        let mut done: Vec<Context> = Vec::new();
-        for ctx in global.pending.iter().filter_map(|p| p.ctx) {
-            if !done.contains(&ctx) {
-                ctx.synchronize()?;
-                done.push(ctx);
-            }
-        }
+        synchronize(global.pending.iter().filter_map(|p| p.ctx))?;
         for mut p in std::mem::take(&mut global.pending) {
             for block in p.free.drain() {
                 global.free.insert(block);
@@ -352,35 +344,30 @@ impl<U: Resource> Arena<U> {
     /// wait fails, the pieces go back where they were. Nothing is done when all free
     /// memory together is less than `need`.
     fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
-        let shards = self.shards.all();
-        // Nothing to gain when all free memory together is less than the request.
-        let listed: usize = shards.iter().map(|s| s.state.lock().free_bytes()).sum();
-        if listed + global.free.bytes() < need {
-            return Ok(());
-        }
-        let mut starts: Vec<(usize, usize)> =
-            global.superblocks.iter().map(|(&a, &n)| (a, n)).collect();
-        starts.sort_unstable();
+        let starts: Vec<(usize, usize)> = self.table.iter().collect();
         let holder = |addr: usize| {
             let i = starts.partition_point(|&(sb, _)| sb <= addr);
             (i > 0 && addr < starts[i - 1].0 + starts[i - 1].1).then(|| i - 1)
         };
         let mut free = vec![0usize; starts.len()];
+        let mut listed = 0;
+        let shards = self.shards.all();
         for shard in &shards {
             let s = shard.state.lock();
             for (addr, size) in s.free_extents() {
+                listed += size;
                 if let Some(i) = holder(addr) {
                     free[i] += size;
                 }
             }
         }
         let whole = |i: usize| free[i] == starts[i].1;
-        if !(0..starts.len()).any(whole) {
+        // Nothing to gain when all free memory together is less than the request.
+        if listed + global.free.bytes() < need || !(0..starts.len()).any(whole) {
             return Ok(());
         }
         // Take the candidates' pieces out of every list that holds some.
         let mut taken: Vec<(&Shard<PoolShard>, Vec<FreeBlock>)> = Vec::new();
-        let mut contexts: Vec<Context> = Vec::new();
         for shard in shards {
             let mut s = shard.state.lock();
             if !s.free_extents().any(|(a, _)| holder(a).is_some_and(whole)) {
@@ -398,11 +385,6 @@ impl<U: Resource> Arena<U> {
                 .filter_map(|a| s.free.remove_starting_at(a))
                 .collect();
             drop(s);
-            if let Some(ctx) = shard.ctx
-                && !contexts.contains(&ctx)
-            {
-                contexts.push(ctx);
-            }
             taken.push((shard, blocks));
         }
         let mut got = vec![0usize; starts.len()];
@@ -413,7 +395,7 @@ impl<U: Resource> Arena<U> {
                 }
             }
         }
-        let waited = contexts.iter().try_for_each(|c| c.synchronize());
+        let waited = synchronize(taken.iter().filter_map(|(shard, _)| shard.ctx));
         let back = |i: usize| waited.is_ok() && got[i] == starts[i].1;
         for (shard, blocks) in taken {
             let mut s = shard.state.lock();
@@ -434,7 +416,7 @@ impl<U: Resource> Arena<U> {
             "memres: arena defragmented (entirely free superblocks back to the global arena)"
         );
         for (sb, size) in returned {
-            self.unregister(global, sb);
+            self.table.clear(sb);
             global.free.insert(self.block(sb, size));
         }
         waited
@@ -446,12 +428,6 @@ impl<U: Resource> Arena<U> {
             size,
             starts_chunk: addr == self.base,
         }
-    }
-
-    /// Forgets a superblock (entirely free, in no stream's list).
-    fn unregister(&self, global: &mut Global, sb: usize) {
-        global.superblocks.remove(&sb);
-        self.table.clear(sb);
     }
 
     /// The stream's arena has no fit: flush its cache, else give it a new superblock of
@@ -505,7 +481,6 @@ impl<U: Resource> Arena<U> {
             drop(global);
             return Err(self.out_of_memory(requested));
         };
-        global.superblocks.insert(sb, sb_size);
         self.table.set(sb, sb_size);
         let mut s = own.state.lock();
         s.free.insert(FreeBlock {
@@ -603,7 +578,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         };
         if let Some(sb) = emptied {
             let mut global = lock(&self.global);
-            self.unregister(&mut global, sb.addr);
+            self.table.clear(sb.addr);
             let block = self.block(sb.addr, sb.size);
             if shard.key.is_host() {
                 global.free.insert(block);

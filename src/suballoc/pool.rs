@@ -436,8 +436,8 @@ impl PoolShard {
 ///   share one stream use up to 16 lists of it ("lanes", by thread), so that they do not
 ///   queue for one lock either; a thread whose lane has no fit takes from the stream's
 ///   other lanes (no wait: one stream's work is ordered whoever enqueued it) before
-///   anything below, a fitting block first without taking the pool's growth lock. Memory freed on
-///   stream S is reused on S at once. Blocks freed on a host stream (and through the
+///   anything below, a fitting block first without taking the pool's growth lock. Memory
+///   freed on stream S is reused on S at once. Blocks freed on a host stream (and through the
 ///   synchronous API) are free for every stream. A stream that cannot be served (1)
 ///   takes a fitting block from those host lists, else (2) when the other streams' lists
 ///   hold at least the request in all, merges every list into its own and coalesces it,

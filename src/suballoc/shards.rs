@@ -553,7 +553,7 @@ impl<S> ShardMap<S> {
 }
 
 /// Synchronises each distinct context once.
-fn synchronize(ctxs: impl Iterator<Item = Context>) -> Result<(), Error> {
+pub(crate) fn synchronize(ctxs: impl Iterator<Item = Context>) -> Result<(), Error> {
     let mut done: Vec<Context> = Vec::new();
     for ctx in ctxs {
         if !done.contains(&ctx) {

@@ -64,6 +64,16 @@ impl Superblocks {
         (w != 0 && w & OFFSET_MASK == at).then(|| (w >> OFFSET_BITS) as usize * GRANULE)
     }
 
+    /// Every superblock, (start, size), in address order (a snapshot, word by word; whole
+    /// under the arena's global lock).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.words.iter().enumerate().filter_map(|(i, word)| {
+            let w = word.load(Ordering::Acquire);
+            let start = self.base + i * SUPERBLOCK_SIZE + (w & OFFSET_MASK) as usize * GRANULE;
+            (w != 0).then(|| (start, (w >> OFFSET_BITS) as usize * GRANULE))
+        })
+    }
+
     /// Records the superblock `[addr, addr + size)` (under the arena's global lock).
     pub(crate) fn set(&self, addr: usize, size: usize) {
         debug_assert!(size >= SUPERBLOCK_SIZE && size.is_multiple_of(GRANULE));
@@ -112,6 +122,10 @@ mod tests {
         t.set(next, MIB);
         assert_eq!(t.size_at(next), Some(MIB));
         assert_eq!(t.size_at(start), Some(3 * MIB / 2));
+        assert_eq!(
+            t.iter().collect::<Vec<_>>(),
+            [(start, 3 * MIB / 2), (next, MIB)]
+        );
         assert_eq!(t.size_at(base + 4 * MIB), None, "past the last whole MiB");
         assert_eq!(t.size_at(base - MIB), None, "below the base");
         assert_eq!(t.size_at(0), None);
