@@ -130,11 +130,10 @@ impl StreamKey {
         self.0 >> KIND_SHIFT == PER_THREAD
     }
 
-    /// A hash of the key and `salt` (another word naming what the key is looked up for),
-    /// its best bits at the top.
+    /// A hash of the key, its best bits at the top.
     #[inline]
-    pub(crate) fn hash_with(self, salt: u64) -> u64 {
-        (self.0 ^ salt.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    pub(crate) fn hash(self) -> u64 {
+        self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
     /// Where the key's probe starts in a table of `mask + 1` slots.

@@ -155,10 +155,15 @@ impl Magazines {
         }
     }
 
-    /// The hint's slot for (owner, key).
+    /// The hint's slot for (owner, key): the key's hash, whose multiply does not wait
+    /// for the owner (a `Binning` finds its bin, and so the owner, by loads that the key
+    /// does not need), then the owner's id mixed in with one `xor`. Owners made together
+    /// (a `Binning`'s bins) have consecutive ids, so up to [`HINTS`] of them never share
+    /// a slot for one stream.
     #[inline]
     fn slot(owner: u64, key: StreamKey) -> usize {
-        (key.hash_with(owner) >> (u64::BITS - HINTS.trailing_zeros())) as usize
+        let stream = key.hash() >> (u64::BITS - HINTS.trailing_zeros());
+        (stream ^ owner) as usize % HINTS
     }
 
     /// The index of the magazine of (owner, key) if the hint knows it: one load and a
