@@ -135,18 +135,22 @@ impl<U> Limiting<U> {
         charged.saturating_sub(reserved)
     }
 
-    /// What a request counts against the limit; `None` if rounding overflows.
-    fn charge(layout: Layout) -> Option<usize> {
-        // Alignments are powers of two: a mask rather than a division.
+    /// What a request counts against the limit: its size rounded up to its alignment,
+    /// and to at least [`DEFAULT_ALIGNMENT`].
+    #[inline]
+    fn charge(layout: Layout) -> usize {
+        // Alignments are powers of two: a mask rather than a division. No overflow: a
+        // `Layout`'s size rounded up to its alignment is at most `isize::MAX`, so adding
+        // less than `max(align, 256)` stays below `usize::MAX`.
         let mask = layout.align().max(DEFAULT_ALIGNMENT) - 1;
-        Some(layout.size().checked_add(mask)? & !mask)
+        (layout.size() + mask) & !mask
     }
 
     /// Takes `layout`'s charge from the limit, or refuses.
     #[inline]
     fn take(&self, layout: Layout) -> Result<(), Error> {
         let over = || Error::over_limit(layout.size(), self.limit);
-        let charge = Self::charge(layout).ok_or_else(over)?;
+        let charge = Self::charge(layout);
         let charged = self.quota.shared();
         let Some(reserve) = self.quota.get() else {
             // The thread is exiting: straight from the shared count.
@@ -184,9 +188,7 @@ impl<U> Limiting<U> {
     /// grab to the shared count once it holds more than two.
     #[inline]
     fn give_back(&self, layout: Layout) {
-        let Some(charge) = Self::charge(layout) else {
-            return;
-        };
+        let charge = Self::charge(layout);
         let charged = self.quota.shared();
         let Some(reserve) = self.quota.get() else {
             charged.give_back(charge);
