@@ -5,7 +5,7 @@
 # .gpu-shared (a copy of ../shared); results go to $OUT. See BENCHMARKS.md.
 set -uo pipefail
 N=${1:-5}
-B=target/gpu-bundle/tests/workloads
+B=${B:-target/gpu-bundle/tests/workloads}
 W=/tmp/anchors
 [ -x $W/rmm_bench ] || WHEELS=.whl bash .gpu-shared/bench/anchor/run_anchors.sh none > /dev/null 2>&1
 for i in $(seq $N); do

@@ -6,7 +6,7 @@
 set -uo pipefail
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 date -u +%FT%TZ
-B=target/gpu-bundle/tests/workloads
+B=${B:-target/gpu-bundle/tests/workloads}
 W=/tmp/anchors
 A=.gpu-shared/bench/anchor
 WHEELS=.whl bash $A/run_anchors.sh pool > $OUT/rmm_pool.csv 2> $OUT/rmm_build.log
