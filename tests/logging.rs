@@ -308,3 +308,45 @@ mod reader_fuzz {
         }
     }
 }
+
+/// Microseconds since midnight UTC, as the log's rows give times.
+fn micros_of_day() -> u64 {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    (since_epoch.as_micros() % (86_400 * 1_000_000)) as u64
+}
+
+/// A thread reuses its clock reading for a burst of events, but an event after a pause
+/// longer than the writer lanes' nap carries its own time: the lanes woke meanwhile.
+#[test]
+fn an_event_after_a_pause_carries_its_own_time() {
+    let out = Captured::default();
+    let log = Logging::to_writer(HostHeap::new(), out.clone()).unwrap();
+    let l = layout(256).unwrap();
+    // Two events: the reading they carry could stamp six more.
+    let p = log.allocate_sync(l).unwrap();
+    // SAFETY: allocated above with `l`.
+    unsafe { log.deallocate_sync(p, l) };
+    // Idle lanes nap at most a millisecond.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let before = micros_of_day();
+    let p = log.allocate_sync(l).unwrap();
+    let after = micros_of_day();
+    // SAFETY: allocated above with `l`.
+    unsafe { log.deallocate_sync(p, l) };
+    log.flush().unwrap();
+    let events = read_events(&out.0.lock().unwrap()[..]).unwrap();
+    let last_allocation = &events[events.len() - 2];
+    assert_eq!(last_allocation.action, Action::Allocate);
+    // The counter's conversion to wall time is good to a few microseconds; a reading
+    // from before the pause would be 20 ms early. (Midnight between the readings would
+    // wrap them: skipped.)
+    if after >= before {
+        let t = last_allocation.micros;
+        assert!(
+            t + 200 >= before && t <= after + 200,
+            "stamped {t}, called between {before} and {after}"
+        );
+    }
+}

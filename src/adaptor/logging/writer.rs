@@ -244,6 +244,7 @@ fn run_lane(c: &Control, lane: u64, lanes: u64, pieces: &Sender<Piece>, mut to_w
     let mut piece = Piece::at(pos);
     let mut naps = 0u32;
     loop {
+        super::clock::lane_woke();
         to_wall.calibrate();
         let mut formatted = 0;
         while c.ring.take_with(pos, |r| {
