@@ -178,9 +178,9 @@ impl<U: Resource> Binning<U> {
         &self.upstream
     }
 
-    /// The bin for `layout` (the smallest that holds it), or `None` for the upstream: a
-    /// table lookup by the size's power of two, then (for bins that are not powers of
-    /// two) a step or two.
+    /// The bin for `layout` (the smallest that holds it), or `None` for the upstream: the
+    /// size's power of two less the first bin's where the bins are consecutive powers of
+    /// two, else a table lookup by the size's power of two and a step or two.
     #[inline]
     fn bin(&self, layout: Layout) -> Option<&BinResource<U>> {
         let n = layout.size();

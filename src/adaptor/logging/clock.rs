@@ -47,11 +47,11 @@ impl Clock {
     /// rest of logging an event together (about 20 of 26 ns an event on the H100 host).
     #[inline]
     pub(super) fn stamp(self) -> u64 {
-        let wakes = WAKES.load(Ordering::Relaxed);
+        let turns = TURNS.0.load(Ordering::Relaxed);
         let reused = RECENT
             .try_with(|r| {
                 let last = r.get();
-                (last.left > 0 && last.wakes == wakes).then(|| {
+                (last.left > 0 && last.turns == turns).then(|| {
                     r.set(Recent {
                         left: last.left - 1,
                         ..last
@@ -63,19 +63,19 @@ impl Clock {
             .flatten();
         match reused {
             Some(time) => time,
-            None => self.read_for_reuse(wakes),
+            None => self.read_for_reuse(turns),
         }
     }
 
     /// [`stamp`](Self::stamp) when the thread's last reading may not be used: reads the
     /// clock and keeps the reading for the thread's next events.
     #[inline(never)]
-    fn read_for_reuse(self, wakes: u64) -> u64 {
+    fn read_for_reuse(self, turns: u64) -> u64 {
         let time = self.now();
         let _ = RECENT.try_with(|r| {
             r.set(Recent {
                 time,
-                wakes,
+                turns,
                 left: REUSES,
             });
         });
@@ -88,21 +88,21 @@ impl Clock {
 const REUSES: u8 = 7;
 
 /// A thread's last clock reading. It stamps the thread's next [`REUSES`] events as long
-/// as no writer lane has woken up since. So an event's time is its own call's, or that
-/// of one of the thread's seven events before it, read since the lanes last woke up
-/// (idle lanes wake at least every millisecond; a lane working through a backlog wakes
-/// when it is done). In a burst, where reading the clock costs most (about 20 of the
-/// 26 ns that logging an event cost on the H100 host), seven events take well under the
-/// microsecond the log prints; events further apart than the lanes' naps are stamped
-/// exactly. Only times are approximate: the log's order is the ring's, exact.
+/// as no writer lane has moved on since (see [`TURNS`]). So an event's time is its own
+/// call's, or that of one of the thread's seven calls before it, read since the lanes
+/// last moved on: at most a millisecond earlier while they are idle, and about the time
+/// a lane takes to format 256 rows while they work. In a burst, where reading the clock
+/// costs most (about 20 of the 26 ns that logging an event cost on the H100 host), seven
+/// calls take well under the microsecond the log prints. Only times are approximate:
+/// the log's order is the ring's, exact.
 ///
 /// Every `Logging` reads the same kind of clock ([`Clock::detect`] depends on the
 /// machine alone), so one reading serves the thread's events in all of them.
 #[derive(Clone, Copy)]
 struct Recent {
     time: u64,
-    /// [`WAKES`] when the clock was read.
-    wakes: u64,
+    /// [`TURNS`] when the clock was read.
+    turns: u64,
     /// Events the reading may still stamp (0 before the first reading).
     left: u8,
 }
@@ -110,18 +110,23 @@ struct Recent {
 thread_local! {
     // Const-initialised, no destructor: one load to read, usable during thread exit.
     static RECENT: Cell<Recent> = const {
-        Cell::new(Recent { time: 0, wakes: 0, left: 0 })
+        Cell::new(Recent { time: 0, turns: 0, left: 0 })
     };
 }
 
-/// Wake-ups of the writer lanes of every log, counted: a thread's clock reading is reused
-/// only while this stays the same. Written a few times a millisecond at most, so the
-/// logging threads read it from their own caches.
-static WAKES: AtomicU64 = AtomicU64::new(0);
+/// Turns of the writer lanes of every log, counted: a lane turns when it wakes up (at
+/// least every millisecond while idle, every 50 µs while events keep coming) and after
+/// each 256 rows it formats. A thread's clock reading is reused only while this count
+/// stays the same. On a cache line of its own: the logging threads read it from their
+/// own caches until a lane writes it.
+static TURNS: Padded = Padded(AtomicU64::new(0));
 
-/// Called by a writer lane each time it wakes up.
-pub(super) fn lane_woke() {
-    WAKES.fetch_add(1, Ordering::Relaxed);
+#[repr(align(128))]
+struct Padded(AtomicU64);
+
+/// Called by a writer lane as it wakes up and after each chunk of rows.
+pub(super) fn lane_turned() {
+    TURNS.0.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Wall-clock nanoseconds since the Unix epoch (0 before it).
@@ -253,15 +258,19 @@ impl ToWall {
     }
 }
 
+/// Sets the calling thread's last reading to `time`, usable `left` more times (for tests
+/// of what reads the clock).
+#[cfg(test)]
+pub(super) fn set_recent(time: u64, left: u8) {
+    let turns = TURNS.0.load(Ordering::Relaxed);
+    RECENT.with(|r| r.set(Recent { time, turns, left }));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Sets the calling thread's last reading to `time`, usable `left` more times.
-    fn recent(time: u64, left: u8) {
-        let wakes = WAKES.load(Ordering::Relaxed);
-        RECENT.with(|r| r.set(Recent { time, wakes, left }));
-    }
+    use super::set_recent as recent;
 
     /// A reading stamps the thread's next events while it may (other tests' lanes wake
     /// meanwhile and force fresh readings now and then: tried until one reuse is seen).
@@ -276,7 +285,7 @@ mod tests {
     }
 
     /// No reading stamps more than `REUSES` events after its own: with none left, the
-    /// clock is read (a real reading is never 42).
+    /// clock is read (a real reading is never 42), and each reuse counts down.
     #[test]
     fn a_used_up_reading_is_not_reused() {
         let clock = Clock::detect();
@@ -287,25 +296,29 @@ mod tests {
             REUSES,
             "a fresh reading's uses"
         );
-        let first = RECENT.with(|r| r.get().time);
-        let mut same = 0;
         for _ in 0..4 * u32::from(REUSES) {
-            if clock.stamp() == first {
-                same += 1;
+            let before = RECENT.with(Cell::get);
+            let time = clock.stamp();
+            let after = RECENT.with(Cell::get);
+            if before.left == 0 {
+                assert_eq!(after.left, REUSES, "a used-up reading was reused");
+            }
+            // A reuse hands out the kept reading and counts down; anything else is a
+            // fresh reading (another test's lanes moved on meanwhile).
+            if after.left + 1 == before.left {
+                assert_eq!(time, before.time);
+            } else {
+                assert_eq!((after.left, after.time), (REUSES, time));
             }
         }
-        assert!(
-            same <= u32::from(REUSES),
-            "one reading stamped {same} more events"
-        );
     }
 
-    /// A lane's wake-up ends every thread's reading.
+    /// A lane's turn ends every thread's reading.
     #[test]
-    fn a_lane_waking_ends_the_reuse() {
+    fn a_lane_turning_ends_the_reuse() {
         let clock = Clock::detect();
         recent(42, REUSES);
-        lane_woke();
+        lane_turned();
         assert_ne!(clock.stamp(), 42);
     }
 

@@ -31,8 +31,9 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 /// - Frees are logged before the upstream free (so the row exists even if the free
 ///   crashes); failures are logged and returned.
 /// - The logging thread only reads a clock (the CPU's time-stamp counter where it is
-///   invariant, else the wall clock; see below, and not for every event), takes the event's place in the log (one
-///   atomic add) and copies a 48-byte record into a ring; threads that the adaptor
+///   invariant, else the wall clock; not for every event: see below), takes the event's
+///   place in the log (one atomic add) and copies a 48-byte record into a ring; threads
+///   that the adaptor
 ///   owns do the rest: four lanes (`memres-log-0`..`3`) take turns by chunks of 256
 ///   events to format rows, one thread (`memres-log`) puts them back in order and writes
 ///   them, a megabyte per write call (one formatting thread could not keep up with a
@@ -52,18 +53,19 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 /// - Times are UTC wall clock (`HH:MM:SS.ffffff`); threads are OS thread ids. Where
 ///   events are stamped with counter ticks, the writer converts them against wall-clock
 ///   readings it takes at every drain, with a rate measured over a baseline of at least a
-///   millisecond (so the writer's first drain waits that long). An event's time is read
-///   when the call begins, so that reading the clock overlaps the upstream's work: an
-///   allocation's row (placed once the upstream has returned) carries the time it was
-///   asked for, and rows of calls that overlapped on several threads may step back in
-///   time by up to a call's length.
-/// - A thread reads the clock for at least every eighth event it logs, and again
-///   whenever a writer lane has woken up since its last reading (idle lanes wake at least
-///   every millisecond); its events in between carry that reading. Reading the clock
-///   was most of what logging cost (about 20 of 26 ns an event on the H100 host); in a
-///   burst, eight events take well under the microsecond a row shows, and events further
-///   apart than the lanes' naps carry their own time. The order of the rows is exact
-///   either way.
+///   millisecond (so the writer's first drain waits that long).
+/// - Times are approximate; the order is not. A thread reads the clock as a call begins
+///   (so that the reading overlaps the upstream's work), for at least every eighth event
+///   it logs, and again whenever a writer lane has moved on since its last reading (a
+///   lane does at each wake-up, at least every millisecond while idle, and after every
+///   256 rows it formats); its events in between carry that last reading. Reading the
+///   clock was most of what logging cost (about 20 of 26 ns an event on the H100 host).
+///   So a row's time may be earlier than its call by up to seven of the thread's calls
+///   and at most the lanes' longest nap (about a millisecond); in a burst, well under the
+///   microsecond a row shows. Rows of different threads may step back in time by as
+///   much, even where one call followed the other (a free on one thread may show a time
+///   before that of the allocation it frees, made on another); a thread's own rows never
+///   step back. [`exact_times`](Self::exact_times) reads the clock for every event.
 /// - A sink that allocates through this same adaptor would wait on itself: do not.
 ///
 /// ```
@@ -87,6 +89,7 @@ pub struct Logging<U> {
     writer: Writer,
     clock: Clock,
     auto_flush: bool,
+    exact_times: bool,
 }
 
 upstream_access!(Logging<U>);
@@ -105,6 +108,7 @@ impl<U> Logging<U> {
             writer,
             clock,
             auto_flush: false,
+            exact_times: false,
         })
     }
 
@@ -132,6 +136,25 @@ impl<U> Logging<U> {
     pub fn auto_flush(mut self, on: bool) -> Self {
         self.auto_flush = on;
         self
+    }
+
+    /// Reads the clock for every event when `on`, so that each row carries the time its
+    /// own call began (off by default: a thread's reading then serves up to seven more of
+    /// its events while the writer has not moved on; see the type's docs). Costs about
+    /// 20 ns an event on the H100 host.
+    pub fn exact_times(mut self, on: bool) -> Self {
+        self.exact_times = on;
+        self
+    }
+
+    /// An event's time, read as its call begins.
+    #[inline(always)]
+    fn time(&self) -> u64 {
+        if self.exact_times {
+            self.clock.now()
+        } else {
+            self.clock.stamp()
+        }
     }
 
     /// Waits until everything logged so far is written to the sink, and flushes it.
@@ -242,7 +265,7 @@ unsafe impl<U: SyncResource> SyncResource for Logging<U> {
     #[inline(always)]
     fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
         // The time first (see the type's docs): its latency overlaps the upstream's work.
-        let time = self.clock.stamp();
+        let time = self.time();
         let result = self.upstream.allocate_sync(layout);
         self.log_allocation(time, &result, layout, StreamRef::DEFAULT);
         result
@@ -250,7 +273,7 @@ unsafe impl<U: SyncResource> SyncResource for Logging<U> {
 
     #[inline(always)]
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        let time = self.clock.stamp();
+        let time = self.time();
         self.log(
             time,
             Action::Free,
@@ -283,7 +306,7 @@ impl<U> Logging<U> {
 unsafe impl<U: Resource> Resource for Logging<U> {
     #[inline(always)]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
-        let time = self.clock.stamp();
+        let time = self.time();
         let result = self.upstream.allocate(stream, layout);
         self.log_allocation(time, &result, layout, stream);
         result
@@ -291,9 +314,33 @@ unsafe impl<U: Resource> Resource for Logging<U> {
 
     #[inline(always)]
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        let time = self.clock.stamp();
+        let time = self.time();
         self.log(time, Action::Free, Some(ptr), layout.size(), stream);
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream::HostHeap;
+
+    /// With exact times every event reads the clock (a real reading is never 42); without,
+    /// a thread's recent reading stamps its next event (retried: other tests' lanes move
+    /// on now and then, which forces a fresh reading).
+    #[test]
+    fn exact_times_read_the_clock_for_every_event() {
+        let exact = Logging::to_writer(HostHeap::new(), io::sink())
+            .unwrap()
+            .exact_times(true);
+        clock::set_recent(42, 7);
+        assert_ne!(exact.time(), 42);
+        let reusing = exact.exact_times(false);
+        let reused = (0..1000).any(|_| {
+            clock::set_recent(42, 7);
+            reusing.time() == 42
+        });
+        assert!(reused);
     }
 }

@@ -244,7 +244,7 @@ fn run_lane(c: &Control, lane: u64, lanes: u64, pieces: &Sender<Piece>, mut to_w
     let mut piece = Piece::at(pos);
     let mut naps = 0u32;
     loop {
-        super::clock::lane_woke();
+        super::clock::lane_turned();
         to_wall.calibrate();
         let mut formatted = 0;
         while c.ring.take_with(pos, |r| {
@@ -254,7 +254,9 @@ fn run_lane(c: &Control, lane: u64, lanes: u64, pieces: &Sender<Piece>, mut to_w
             formatted += 1;
             if pos.is_multiple_of(CHUNK) {
                 // The chunk is done: the next of this lane's chunks starts lanes - 1
-                // chunks further on.
+                // chunks further on. (A turn too: logging threads read the clock afresh,
+                // however long the lane stays busy.)
+                super::clock::lane_turned();
                 let done = pos;
                 pos += (lanes - 1) * CHUNK;
                 if !piece.send(done, pos, pieces) {
