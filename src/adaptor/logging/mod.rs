@@ -33,11 +33,10 @@ pub const LOG_FILE_VARIABLE: &str = "MEMRES_LOG_FILE";
 /// - The logging thread only reads a clock (the CPU's time-stamp counter where it is
 ///   invariant, else the wall clock; not for every event: see below), takes the event's
 ///   place in the log (one atomic add) and copies a 48-byte record into a ring; threads
-///   that the adaptor
-///   owns do the rest: four lanes (`memres-log-0`..`3`) take turns by chunks of 256
-///   events to format rows, one thread (`memres-log`) puts them back in order and writes
-///   them, a megabyte per write call (one formatting thread could not keep up with a
-///   fast allocator: each record comes from another core's cache). The
+///   that the adaptor owns do the rest: four lanes (`memres-log-0`..`3`) take turns by
+///   chunks of 256 events to format rows, one thread (`memres-log`) puts them back in
+///   order and writes them, a megabyte per write call (one formatting thread could not
+///   keep up with a fast allocator: each record comes from another core's cache). The
 ///   place taken is the event's place in the file, so the file order is a real order of
 ///   events: an allocation's row precedes any free of that pointer on another thread and
 ///   any reuse of its address (a free is logged before the upstream free), which a
