@@ -14,7 +14,9 @@
  *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes over a pool
  *   "statistics(SPEC)"              counts bytes and allocations (see memres_stats)
  *   "logging(SPEC[,file=PATH])"     a CSV event log in RMM's format (default: the
- *                                   path in env MEMRES_LOG_FILE)
+ *                                   path in env MEMRES_LOG_FILE); exact_times=true
+ *                                   reads the clock for every event (by default a
+ *                                   thread's reading may stamp its next 7 events)
  *   "limiting(SPEC,limit=10GiB)"    a byte limit
  *
  * Sizes take units (KiB, MiB, GiB, TiB, kB, MB, GB, TB). memres_malloc and memres_free

@@ -53,6 +53,8 @@ pub(crate) enum Spec {
     Logging {
         inner: Box<Spec>,
         file: Option<PathBuf>,
+        /// `exact_times=true`: every event reads the clock (`Logging::exact_times`).
+        exact_times: bool,
     },
     Limiting {
         inner: Box<Spec>,
@@ -295,7 +297,7 @@ fn exponent(key: &str, value: &str) -> Result<u32, String> {
 fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String> {
     let own_keys: &[&str] = match name {
         "statistics" => &[],
-        "logging" => &["file"],
+        "logging" => &["file", "exact_times"],
         "limiting" => &["limit"],
         "cuda" | "cuda_async" | "virtual_pool" | "pool" | "arena" | "binning" => {
             return Err(format!(
@@ -338,6 +340,13 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
         "logging" => Spec::Logging {
             inner,
             file: value_of("file").map(PathBuf::from),
+            exact_times: match value_of("exact_times") {
+                None | Some("false") => false,
+                Some("true") => true,
+                Some(other) => {
+                    return Err(format!("exact_times={other:?}: write true or false"));
+                }
+            },
         },
         _ => Spec::Limiting {
             inner,
@@ -443,7 +452,8 @@ mod tests {
             ok("logging(pool,file=/tmp/log.csv)"),
             Spec::Logging {
                 inner: Box::new(plain_pool()),
-                file: Some("/tmp/log.csv".into())
+                file: Some("/tmp/log.csv".into()),
+                exact_times: false
             }
         );
         assert_eq!(
@@ -476,9 +486,19 @@ mod tests {
             ok("logging(statistics(pool),file=x.csv)"),
             Spec::Logging {
                 inner: Box::new(Spec::Statistics(Box::new(plain_pool()))),
-                file: Some("x.csv".into())
+                file: Some("x.csv".into()),
+                exact_times: false
             }
         );
+        assert_eq!(
+            ok("logging(pool,exact_times=true)"),
+            Spec::Logging {
+                inner: Box::new(plain_pool()),
+                file: None,
+                exact_times: true
+            }
+        );
+        assert!(err("logging(pool,exact_times=yes)").contains("true or false"));
     }
 
     #[test]

@@ -138,12 +138,17 @@ impl Layers {
                 self.statistics = Some(Arc::clone(&counted));
                 AnyResource::new(counted)
             }
-            Spec::Logging { inner, file } => {
+            Spec::Logging {
+                inner,
+                file,
+                exact_times,
+            } => {
                 let inner = self.layer(inner, device)?;
-                let logged = Arc::new(match file {
+                let logged = match file {
                     Some(path) => Logging::to_file(inner, path)?,
                     None => Logging::from_env(inner)?,
-                });
+                };
+                let logged = Arc::new(logged.exact_times(*exact_times));
                 self.logs.push(Arc::clone(&logged));
                 AnyResource::new(logged)
             }

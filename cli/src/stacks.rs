@@ -79,7 +79,8 @@ pub struct StackName {
 pub enum Wrapper {
     Statistics,
     Limiting(usize),
-    Logging(Option<std::path::PathBuf>),
+    /// The log's file (else `MEMRES_LOG_FILE`), and whether every event reads the clock.
+    Logging(Option<std::path::PathBuf>, bool),
 }
 
 pub const NAMES: &str = "pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
@@ -183,8 +184,12 @@ fn from_spec(spec: &crate::spec::Spec, options: &mut Options, wrappers: &mut Vec
             wrappers.push(Wrapper::Limiting(*limit));
             from_spec(inner, options, wrappers)
         }
-        Spec::Logging { inner, file } => {
-            wrappers.push(Wrapper::Logging(file.clone()));
+        Spec::Logging {
+            inner,
+            file,
+            exact_times,
+        } => {
+            wrappers.push(Wrapper::Logging(file.clone(), *exact_times));
             from_spec(inner, options, wrappers)
         }
     }
@@ -199,10 +204,13 @@ pub fn wrap(mut stack: Stack, wrappers: &[Wrapper]) -> Result<Stack, Error> {
             Wrapper::Limiting(limit) => {
                 AnyResource::new(memres::adaptor::Limiting::new(top, *limit))
             }
-            Wrapper::Logging(file) => AnyResource::new(match file {
-                Some(path) => memres::adaptor::Logging::to_file(top, path)?,
-                None => memres::adaptor::Logging::from_env(top)?,
-            }),
+            Wrapper::Logging(file, exact_times) => AnyResource::new(
+                match file {
+                    Some(path) => memres::adaptor::Logging::to_file(top, path)?,
+                    None => memres::adaptor::Logging::from_env(top)?,
+                }
+                .exact_times(*exact_times),
+            ),
         };
     }
     Ok(stack)
