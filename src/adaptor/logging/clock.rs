@@ -14,6 +14,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use super::ring::Padded;
+
 /// Which clock events are stamped with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Clock {
@@ -119,10 +121,7 @@ thread_local! {
 /// each 256 rows it formats. A thread's clock reading is reused only while this count
 /// stays the same. On a cache line of its own: the logging threads read it from their
 /// own caches until a lane writes it.
-static TURNS: Padded = Padded(AtomicU64::new(0));
-
-#[repr(align(128))]
-struct Padded(AtomicU64);
+static TURNS: Padded<AtomicU64> = Padded(AtomicU64::new(0));
 
 /// Called by a writer lane as it wakes up and after each chunk of rows.
 pub(super) fn lane_turned() {
@@ -270,15 +269,13 @@ pub(super) fn set_recent(time: u64, left: u8) {
 mod tests {
     use super::*;
 
-    use super::set_recent as recent;
-
     /// A reading stamps the thread's next events while it may (other tests' lanes wake
     /// meanwhile and force fresh readings now and then: tried until one reuse is seen).
     #[test]
     fn a_recent_reading_stamps_the_next_event() {
         let clock = Clock::detect();
         let reused = (0..1000).any(|_| {
-            recent(42, 1);
+            set_recent(42, 1);
             clock.stamp() == 42
         });
         assert!(reused, "a reading with uses left was never reused");
@@ -289,7 +286,7 @@ mod tests {
     #[test]
     fn a_used_up_reading_is_not_reused() {
         let clock = Clock::detect();
-        recent(42, 0);
+        set_recent(42, 0);
         assert_ne!(clock.stamp(), 42);
         assert_eq!(
             RECENT.with(|r| r.get().left),
@@ -317,7 +314,7 @@ mod tests {
     #[test]
     fn a_lane_turning_ends_the_reuse() {
         let clock = Clock::detect();
-        recent(42, REUSES);
+        set_recent(42, REUSES);
         lane_turned();
         assert_ne!(clock.stamp(), 42);
     }

@@ -31,9 +31,10 @@ pub(super) struct Record {
     pub(super) host: bool,
 }
 
-/// A value alone on its cache line (producers hammer `tail`, the consumer `head`).
+/// A value alone on its cache line (producers hammer `tail`, the consumer `head`; the
+/// lanes write the clock's turn counter that every logging thread reads).
 #[repr(align(128))]
-struct Padded<T>(T);
+pub(super) struct Padded<T>(pub(super) T);
 
 /// One cache line per slot, so an event touches one line.
 #[repr(align(64))]
