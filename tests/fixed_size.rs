@@ -252,11 +252,11 @@ fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
 /// freed serve another without the resource growing.
 #[test]
 fn threads_sharing_a_stream_reuse_each_others_blocks_without_growing() {
-    // Blocks of 2 MiB are not cached per thread (a cache's blocks come back only at its
+    // Blocks of 8 MiB are not cached per thread (a cache's blocks come back only at its
     // next call or after its thread's exit, which a scope's join does not wait for): the
     // frees go straight to the freeing thread's lane.
-    let fixed = FixedSize::with_block_size(HostHeap::new(), 2 << 20, 16).unwrap();
-    let (l, s) = (layout(2 << 20).unwrap(), StreamRef::DEFAULT);
+    let fixed = FixedSize::with_block_size(HostHeap::new(), 8 << 20, 16).unwrap();
+    let (l, s) = (layout(8 << 20).unwrap(), StreamRef::DEFAULT);
     // Addresses, to cross to the other thread.
     let blocks: Vec<usize> = (0..16)
         .map(|_| fixed.allocate(s, l).unwrap().as_ptr().expose_provenance())

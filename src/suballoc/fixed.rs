@@ -16,12 +16,14 @@ use crate::sync::Mutex;
 /// A stream's list takes at most this many bytes of blocks at a time from a host
 /// stream's list (as a pool's does).
 const HOST_BATCH_BYTES: usize = 2 << 20;
-/// A thread's cache for one stream holds at most this many bytes...
+/// A thread's cache for one stream holds at most this many bytes of blocks...
 const CACHE_BYTES: usize = 4 << 20;
-/// ... and this many blocks; resources whose blocks are too large for 4 in that budget
-/// (above 1 MiB) have no thread caches.
+/// ... and this many blocks...
 const CACHE_BLOCKS: usize = 64;
+/// ... but at least this many, so that blocks of 2 and 4 MiB (a `Binning`'s largest bins)
+/// are cached too, in 8 and 16 MiB; larger blocks have no thread caches.
 const CACHE_MIN_BLOCKS: usize = 4;
+const CACHE_LARGEST_BLOCK: usize = 4 << 20;
 
 /// Hands out blocks of one size (RMM's `fixed_size_memory_resource`): every request up
 /// to the block size gets a whole block, in O(1) (a pop from the stream's free list).
@@ -36,8 +38,9 @@ const CACHE_MIN_BLOCKS: usize = 4;
 /// they were freed on, as [`Pool`](super::Pool) does. It never returns chunks before it
 /// drops.
 ///
-/// - **Thread caches.** Blocks up to 1 MiB are also cached per thread and stream (at
-///   most 64 blocks and 4 MiB each): a free pushes onto the calling thread's cache and an
+/// - **Thread caches.** Blocks up to 4 MiB are also cached per thread and stream (at
+///   most 64 blocks and 4 MiB each, but 4 blocks however large: 8 MiB of 2 MiB blocks,
+///   16 MiB of 4 MiB ones): a free pushes onto the calling thread's cache and an
 ///   allocation pops from it, with no atomic operation; a cache trades half its blocks
 ///   with the stream's list when it overflows or runs dry, gives them all back before
 ///   the resource grows, and when its thread exits. Before it reports
@@ -100,11 +103,10 @@ impl<U: Resource> FixedSize<U> {
                  resource can allocate"
             )));
         }
-        let per_cache = (CACHE_BYTES / block_size).min(CACHE_BLOCKS);
         let fixed = FixedSize {
             owner: Owner::new(),
-            cache_capacity: if per_cache >= CACHE_MIN_BLOCKS {
-                per_cache
+            cache_capacity: if block_size <= CACHE_LARGEST_BLOCK {
+                (CACHE_BYTES / block_size).clamp(CACHE_MIN_BLOCKS, CACHE_BLOCKS)
             } else {
                 0
             },
@@ -136,9 +138,9 @@ impl<U: Resource> FixedSize<U> {
     }
 
     /// Blocks not handed out: in the streams' lists and the calling thread's caches
-    /// (other threads' caches, at most 4 MiB and 64 blocks per thread and stream, are
-    /// not counted; blocks above 1 MiB are never cached; see the type's docs for how an
-    /// out-of-memory takes them back).
+    /// (other threads' caches, per thread and stream at most 64 blocks and 4 MiB or 4
+    /// blocks, are not counted; blocks above 4 MiB are never cached; see the type's docs
+    /// for how an out-of-memory takes them back).
     pub fn free_blocks(&self) -> usize {
         let lists: usize = self.shards.all().iter().map(|s| s.state.lock().len()).sum();
         lists + self.cache().cached_here()
@@ -435,6 +437,25 @@ mod tests {
         for p in all {
             // SAFETY: allocated above with `l`.
             unsafe { fixed.deallocate_sync(p, l) };
+        }
+    }
+
+    /// A thread's cache holds up to 64 blocks and 4 MiB, but at least 4 blocks up to
+    /// 4 MiB (a `Binning`'s 2 and 4 MiB bins); none for larger blocks.
+    #[test]
+    fn thread_caches_are_bounded_by_bytes_and_blocks() {
+        for (size, blocks) in [
+            (256, 64),
+            (64 << 10, 64),
+            (128 << 10, 32),
+            (1 << 20, 4),
+            (2 << 20, 4),
+            (4 << 20, 4),
+            ((4 << 20) + 256, 0),
+            (8 << 20, 0),
+        ] {
+            let fixed = FixedSize::with_block_size(HostHeap::new(), size, 1).unwrap();
+            assert_eq!(fixed.cache_capacity, blocks, "blocks of {size} bytes");
         }
     }
 
