@@ -212,6 +212,20 @@ impl<U: Resource> FixedSize<U> {
         Ok(base)
     }
 
+    /// The error for a request larger than a block or aligned to more than 256 bytes (out
+    /// of line: the formatting would otherwise weigh on every allocation's frame).
+    #[cold]
+    #[inline(never)]
+    fn does_not_fit(&self, layout: Layout) -> Error {
+        Error::invalid_argument(format!(
+            "a request of {} bytes aligned to {} does not fit this FixedSize resource's \
+             blocks of {} bytes aligned to {GRANULE}",
+            layout.size(),
+            layout.align(),
+            self.block_size
+        ))
+    }
+
     #[cold]
     fn allocate_slow(
         &self,
@@ -362,13 +376,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             return Ok(dangling(layout));
         }
         if layout.size() > self.block_size || layout.align() > GRANULE {
-            return Err(Error::invalid_argument(format!(
-                "a request of {} bytes aligned to {} does not fit this FixedSize resource's \
-                 blocks of {} bytes aligned to {GRANULE}",
-                layout.size(),
-                layout.align(),
-                self.block_size
-            )));
+            return Err(self.does_not_fit(layout));
         }
         let key = StreamKey::of_lane(stream);
         let shard = if self.cached() {
