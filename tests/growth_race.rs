@@ -64,14 +64,17 @@ fn pool_growth_hands_the_grower_its_block() {
     }
 }
 
-/// FixedSize with 2 MiB blocks (no thread caches), one block per chunk: every growth adds
-/// exactly one block, which any thread on the stream could otherwise take.
+/// FixedSize with one block per chunk: every growth adds exactly one block, which any
+/// thread on the stream could otherwise take. Blocks of 2 MiB go through the thread
+/// caches, blocks of 8 MiB straight to the stream's lists.
 #[test]
 fn fixed_size_growth_hands_the_grower_its_block() {
     let faulty = Faulty::new(Fault::Never);
-    for threads in [4, 8] {
-        let make = || FixedSize::with_block_size(&faulty, 2 << 20, 1).unwrap();
-        hammer(make, threads, 300, 16, |_, _| 2 << 20);
-        assert_eq!(faulty.live_bytes(), 0);
+    for block in [2 << 20, 8 << 20] {
+        for threads in [4, 8] {
+            let make = || FixedSize::with_block_size(&faulty, block, 1).unwrap();
+            hammer(make, threads, 300, 16, |_, _| block);
+            assert_eq!(faulty.live_bytes(), 0);
+        }
     }
 }
