@@ -11,7 +11,9 @@
  *                                   (holds least; release= gives memory back above it)
  *   "pool[:initial=8GiB,max=60GiB]" memres's coalescing pool over cuMemAlloc
  *   "arena[:size=40GiB]"            RMM's arena (default: half the free memory)
- *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes over a pool
+ *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes; larger
+ *                                   requests and the bins' chunks from a default
+ *                                   virtual_pool
  *   "statistics(SPEC)"              counts bytes and allocations (see memres_stats)
  *   "logging(SPEC[,file=PATH])"     a CSV event log in RMM's format (default: the
  *                                   path in env MEMRES_LOG_FILE); exact_times=true

@@ -43,8 +43,8 @@ pub(crate) enum Spec {
     Arena {
         size: Option<usize>,
     },
-    /// Fixed-size bins of 2^min .. 2^max bytes over a pool; larger requests go to the
-    /// pool.
+    /// Fixed-size bins of 2^min .. 2^max bytes over a default virtual pool (the pool
+    /// growing in place, which holds least); larger requests go to that pool.
     Binning {
         min: u32,
         max: u32,

@@ -289,19 +289,25 @@ fn replay_one(
     let fail = |e: memres::Error| message(&e);
     // Granules of 2 MiB, as CUDA's on an H100, where a virtual pool runs off the GPU.
     const GRANULE: usize = 2 << 20;
+    const HOST_RESERVE: usize = 80 << 30;
+    let over_virtual = matches!(name.kind, Kind::VirtualPool | Kind::Binning);
     let stack: Stack = match memory {
-        Memory::Simulated(size) if name.kind == Kind::VirtualPool => {
+        Memory::Simulated(size) if over_virtual => {
             let leaf = memres::HostVirtual::new(size.max(GRANULE), GRANULE).map_err(fail)?;
-            stacks::build_virtual(leaf, options).map_err(fail)?
+            stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
         }
-        Memory::Host if name.kind == Kind::VirtualPool => {
-            let total = (plan.peak_live.0 as usize).saturating_mul(2).max(1 << 30);
+        Memory::Host if over_virtual => {
+            // Address space only (nothing is committed until mapped), as much as a large
+            // GPU's, so that the bins' chunks (128 blocks each) fit beside the pool.
+            let total = (plan.peak_live.0 as usize)
+                .saturating_mul(2)
+                .max(HOST_RESERVE);
             let leaf = memres::HostVirtual::new(total, GRANULE).map_err(fail)?;
-            stacks::build_virtual(leaf, options).map_err(fail)?
+            stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
         }
-        Memory::Gpu if name.kind == Kind::VirtualPool => {
-            stacks::build_virtual(memres::CudaVirtual::new().map_err(fail)?, options)
-                .map_err(fail)?
+        Memory::Gpu if over_virtual => {
+            let leaf = memres::CudaVirtual::new().map_err(fail)?;
+            stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
         }
         Memory::Simulated(size) if gpu_only => {
             return Err(format!(

@@ -44,7 +44,8 @@ pub enum Kind {
     Pool,
     /// RMM's arena.
     Arena,
-    /// Fixed-size bins over a pool; larger requests go to the pool.
+    /// Fixed-size bins over a pool growing in place (as `VirtualPool`), as the C ABI's
+    /// `binning`; larger requests go to the pool.
     Binning,
     /// One block size; larger requests fail.
     Fixed,
@@ -340,15 +341,6 @@ where
                 Some(Box::new(move || stats.stats())),
             )
         }
-        Kind::Binning => {
-            let pool = Arc::new(Pool::new(Arc::clone(&counted), pool_config())?);
-            let stats = Arc::clone(&pool);
-            let binning = Binning::new(pool, options.bin_min, options.bin_max)?;
-            (
-                AnyResource::new(binning),
-                Some(Box::new(move || stats.stats())),
-            )
-        }
         Kind::Arena => {
             let size = options.arena_size.unwrap_or(total / 2);
             (
@@ -364,8 +356,13 @@ where
             )?),
             None,
         ),
-        Kind::Direct | Kind::CudaAsync | Kind::Managed | Kind::VirtualPool => {
+        Kind::Direct | Kind::CudaAsync | Kind::Managed => {
             (AnyResource::new(Arc::clone(&counted)), None)
+        }
+        Kind::VirtualPool | Kind::Binning => {
+            return Err(Error::invalid_argument(format!(
+                "{kind:?} is built over a virtual-memory leaf (build_virtual)"
+            )));
         }
     };
     Ok(Stack {
@@ -375,15 +372,26 @@ where
     })
 }
 
-/// A pool that grows in place over `leaf` (its footprint: the bytes the leaf has mapped).
-pub fn build_virtual<B: Backend>(leaf: Virtual<B>, options: &Options) -> Result<Stack, Error>
+/// A pool that grows in place over `leaf` (its footprint: the bytes the leaf has mapped),
+/// with `Kind::Binning`'s bins over it or (`Kind::VirtualPool`) alone.
+pub fn build_virtual<B>(kind: Kind, leaf: Virtual<B>, options: &Options) -> Result<Stack, Error>
 where
+    B: Backend + Send + Sync + 'static,
     B::Properties: Contains<()>,
 {
     let pool = Arc::new(leaf.pool(pool_config(options))?);
     let (held, stats) = (Arc::clone(&pool), Arc::clone(&pool));
+    let top = match kind {
+        Kind::VirtualPool => AnyResource::new(pool),
+        Kind::Binning => AnyResource::new(Binning::new(pool, options.bin_min, options.bin_max)?),
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "{other:?} is not built over a virtual-memory leaf"
+            )));
+        }
+    };
     Ok(Stack {
-        top: AnyResource::new(pool),
+        top,
         footprint: Box::new(move || memres::adaptor::Counter {
             current: held.upstream().mapped_bytes() as i64,
             peak: held.upstream().peak_mapped_bytes() as i64,

@@ -139,11 +139,11 @@ fn the_sample_training_log_replays_and_compares() {
         "replay",
         log.to_str().unwrap(),
         "--compare",
-        "pool,binning,cuda,host-pool,virtual-pool",
+        "pool,binning,cuda,host-pool,virtual-pool,host-binning",
     ]);
     assert!(out.contains("238777 events"), "{out}");
     assert!(out.contains("on 3 threads and 4 streams"), "{out}");
-    for resource in ["pool", "binning", "cuda", "host-pool"] {
+    for resource in ["pool", "binning", "cuda", "host-pool", "host-binning"] {
         let cols = row(&out, resource);
         assert_eq!(cols[5], "0", "{resource}: {out}");
         // One metrics buffer is never freed.
@@ -162,6 +162,11 @@ fn the_sample_training_log_replays_and_compares() {
     let held: f64 = virtual_pool[7].parse().unwrap();
     assert!((328.42..=328.42 * 1.05).contains(&held), "{out}");
     assert_eq!(row(&out, "pool")[7..9], ["512.00", "MiB"], "{out}");
+    // Bins over the pool growing in place: each bin's chunk of 128 blocks, and the pool's
+    // granules for the rest (2.00 GiB over the chunked pool); the same on host memory.
+    for resource in ["binning", "host-binning"] {
+        assert_eq!(row(&out, resource)[7..9], ["1.11", "GiB"], "{out}");
+    }
 }
 
 #[test]
