@@ -74,8 +74,9 @@ int memres_init_device(int device);
 void* memres_malloc(ssize_t size, int device, void* stream);
 
 /* Frees ptr (from memres_malloc with the same size and device) in order on stream. A
-   pointer outside the default in-place pool's reservation is refused (memres_last_error)
-   and not freed; other misuse is not detected. */
+   pointer outside the reservation of an in-place pool (virtual_pool, the default, and
+   binning's) is refused (memres_last_error) and not freed; other misuse is not
+   detected. */
 void memres_free(void* ptr, ssize_t size, int device, void* stream);
 
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */

@@ -311,8 +311,9 @@ pub unsafe extern "C" fn memres_malloc(
 
 /// Frees `ptr` (from `memres_malloc(size, device, ..)`) in order on `stream`. Null is
 /// ignored. A pointer that is certainly not memory of the device's pool (outside the
-/// reservation of the default in-place pool) is refused with a message
-/// (`memres_last_error`) and not freed; other misuse is not detected.
+/// reservation of an in-place pool: `virtual_pool`, the default, and `binning`'s) is
+/// refused with a message (`memres_last_error`) and not freed; other misuse is not
+/// detected.
 ///
 /// # Safety
 /// `ptr` is null or came from `memres_malloc` with the same `size` and `device` and is not

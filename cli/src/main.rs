@@ -289,7 +289,7 @@ fn replay_one(
     let fail = |e: memres::Error| message(&e);
     // Granules of 2 MiB, as CUDA's on an H100, where a virtual pool runs off the GPU.
     const GRANULE: usize = 2 << 20;
-    const HOST_RESERVE: usize = 80 << 30;
+    const BINS_RESERVE: usize = 80 << 30;
     let over_virtual = matches!(name.kind, Kind::VirtualPool | Kind::Binning);
     let stack: Stack = match memory {
         Memory::Simulated(size) if over_virtual => {
@@ -297,11 +297,14 @@ fn replay_one(
             stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
         }
         Memory::Host if over_virtual => {
-            // Address space only (nothing is committed until mapped), as much as a large
-            // GPU's, so that the bins' chunks (128 blocks each) fit beside the pool.
-            let total = (plan.peak_live.0 as usize)
-                .saturating_mul(2)
-                .max(HOST_RESERVE);
+            // Address space only (nothing is committed until mapped): twice the live
+            // peak, and for bins as much as a large GPU's, so that their chunks (128
+            // blocks each, taken up front) fit beside the pool.
+            let least = match name.kind {
+                Kind::Binning => BINS_RESERVE,
+                _ => 1 << 30,
+            };
+            let total = (plan.peak_live.0 as usize).saturating_mul(2).max(least);
             let leaf = memres::HostVirtual::new(total, GRANULE).map_err(fail)?;
             stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
         }
