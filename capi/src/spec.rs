@@ -26,7 +26,8 @@ pub(crate) enum Spec {
         initial: Option<usize>,
         release_threshold: Option<u64>,
     },
-    /// memres's coalescing pool over `Cuda`.
+    /// memres's coalescing pool over `Cuda`, growing by doubling as RMM's (up to 2x of
+    /// what is live held; `VirtualPool` holds least).
     Pool {
         initial: Option<usize>,
         max: Option<usize>,
