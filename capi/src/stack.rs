@@ -62,15 +62,6 @@ impl DeviceStack {
     }
 }
 
-/// A virtual pool's sizes from its spec (`None`: the default).
-#[derive(Default)]
-struct PoolOptions {
-    initial: Option<usize>,
-    max: Option<usize>,
-    step: Option<usize>,
-    release: Option<usize>,
-}
-
 /// The layers found while building, inside out.
 #[derive(Default)]
 struct Layers {
@@ -102,16 +93,28 @@ impl Layers {
                 step,
                 release,
                 reserve,
-            } => AnyResource::new(self.virtual_pool_of(
-                device,
-                PoolOptions {
-                    initial: *initial,
-                    max: *max,
-                    step: *step,
-                    release: *release,
-                },
-                *reserve,
-            )?),
+            } => {
+                let mut config = PoolConfig::new();
+                if let Some(initial) = initial {
+                    config = config.initial_size(*initial);
+                }
+                if let Some(max) = max {
+                    config = config.maximum_size(*max);
+                }
+                if let Some(step) = step {
+                    config = config.growth_step(*step);
+                }
+                if let Some(release) = release {
+                    config = config.release_threshold(*release);
+                }
+                let mut leaf = CudaVirtualConfig::new();
+                if let Some(reserve) = reserve {
+                    leaf = leaf.reserve(*reserve);
+                }
+                let pool = Arc::new(CudaVirtual::with_config(device, leaf)?.pool(config)?);
+                self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
+                AnyResource::new(pool)
+            }
             Spec::Pool { initial, max } => {
                 let pool = self.pool_of(device, *initial, *max)?;
                 AnyResource::new(pool)
@@ -129,7 +132,7 @@ impl Layers {
                 // Over the pool that grows in place, as the default stack: under GPT-2
                 // training it holds 1.13x the live peak, where bins over the chunked
                 // `pool` held 1.45x (BENCHMARKS.md, "Real models under PyTorch").
-                let pool = self.virtual_pool_of(device, PoolOptions::default(), None)?;
+                let pool = self.layer(&Spec::default_spec(), device)?;
                 AnyResource::new(Binning::new(pool, *min, *max)?)
             }
             Spec::Statistics(inner) => {
@@ -156,36 +159,6 @@ impl Layers {
                 AnyResource::new(Limiting::new(self.layer(inner, device)?, *limit))
             }
         })
-    }
-
-    /// A pool growing in place over `CudaVirtual` (reserving `reserve` bytes of address
-    /// space, else the leaf's default), recorded as the stack's pool layer.
-    fn virtual_pool_of(
-        &mut self,
-        device: DeviceId,
-        options: PoolOptions,
-        reserve: Option<usize>,
-    ) -> Result<Arc<Pool<CudaVirtual>>, Error> {
-        let mut config = PoolConfig::new();
-        if let Some(initial) = options.initial {
-            config = config.initial_size(initial);
-        }
-        if let Some(max) = options.max {
-            config = config.maximum_size(max);
-        }
-        if let Some(step) = options.step {
-            config = config.growth_step(step);
-        }
-        if let Some(release) = options.release {
-            config = config.release_threshold(release);
-        }
-        let mut leaf = CudaVirtualConfig::new();
-        if let Some(reserve) = reserve {
-            leaf = leaf.reserve(reserve);
-        }
-        let pool = Arc::new(CudaVirtual::with_config(device, leaf)?.pool(config)?);
-        self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
-        Ok(pool)
     }
 
     fn pool_of(

@@ -294,7 +294,7 @@ fn replay_one(
     let stack: Stack = match memory {
         Memory::Simulated(size) if over_virtual => {
             let leaf = memres::HostVirtual::new(size.max(GRANULE), GRANULE).map_err(fail)?;
-            stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
+            stacks::build_virtual(leaf, options, name.kind == Kind::Binning).map_err(fail)?
         }
         Memory::Host if over_virtual => {
             // Address space only (nothing is committed until mapped): twice the live
@@ -306,11 +306,11 @@ fn replay_one(
             };
             let total = (plan.peak_live.0 as usize).saturating_mul(2).max(least);
             let leaf = memres::HostVirtual::new(total, GRANULE).map_err(fail)?;
-            stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
+            stacks::build_virtual(leaf, options, name.kind == Kind::Binning).map_err(fail)?
         }
         Memory::Gpu if over_virtual => {
             let leaf = memres::CudaVirtual::new().map_err(fail)?;
-            stacks::build_virtual(name.kind, leaf, options).map_err(fail)?
+            stacks::build_virtual(leaf, options, name.kind == Kind::Binning).map_err(fail)?
         }
         Memory::Simulated(size) if gpu_only => {
             return Err(format!(

@@ -373,22 +373,18 @@ where
 }
 
 /// A pool that grows in place over `leaf` (its footprint: the bytes the leaf has mapped),
-/// with `Kind::Binning`'s bins over it or (`Kind::VirtualPool`) alone.
-pub fn build_virtual<B>(kind: Kind, leaf: Virtual<B>, options: &Options) -> Result<Stack, Error>
+/// alone (`Kind::VirtualPool`) or with `binning`'s bins over it (`Kind::Binning`).
+pub fn build_virtual<B>(leaf: Virtual<B>, options: &Options, bins: bool) -> Result<Stack, Error>
 where
     B: Backend + Send + Sync + 'static,
     B::Properties: Contains<()>,
 {
     let pool = Arc::new(leaf.pool(pool_config(options))?);
     let (held, stats) = (Arc::clone(&pool), Arc::clone(&pool));
-    let top = match kind {
-        Kind::VirtualPool => AnyResource::new(pool),
-        Kind::Binning => AnyResource::new(Binning::new(pool, options.bin_min, options.bin_max)?),
-        other => {
-            return Err(Error::invalid_argument(format!(
-                "{other:?} is not built over a virtual-memory leaf"
-            )));
-        }
+    let top = if bins {
+        AnyResource::new(Binning::new(pool, options.bin_min, options.bin_max)?)
+    } else {
+        AnyResource::new(pool)
     };
     Ok(Stack {
         top,
@@ -399,4 +395,40 @@ where
         }),
         pool: Some(Box::new(move || stats.stats())),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kinds that need a virtual-memory leaf are refused over any other memory (the
+    /// replay builds them with `build_virtual`), as an error, not a stack of another kind.
+    #[test]
+    fn kinds_over_virtual_memory_are_refused_over_other_memory() {
+        for kind in [Kind::VirtualPool, Kind::Binning] {
+            let built = build(kind, memres::HostHeap, 1 << 30, &Options::default());
+            assert!(matches!(built, Err(Error::InvalidArgument(_))), "{kind:?}");
+        }
+    }
+
+    /// `build_virtual` puts `binning`'s bins over the pool when asked: a small request
+    /// then takes a whole bin's chunk from the pool.
+    #[test]
+    fn build_virtual_puts_bins_over_the_pool() {
+        let leaf = || memres::HostVirtual::new(1 << 30, 2 << 20).unwrap();
+        let options = Options::default();
+        for (bins, mapped) in [(false, false), (true, true)] {
+            let stack = build_virtual(leaf(), &options, bins).unwrap();
+            let (l, s) = (Layout::from_size_align(100, 8).unwrap(), StreamRef::HOST);
+            let p = stack.top.allocate(s, l).unwrap();
+            // The bins took their first chunks (128 blocks each) when they were made.
+            assert_eq!(
+                (stack.footprint)().current > (2 << 20),
+                mapped,
+                "bins: {bins}"
+            );
+            // SAFETY: allocated above with `l` on `s`.
+            unsafe { stack.top.deallocate(s, p, l) };
+        }
+    }
 }

@@ -139,8 +139,7 @@ impl StreamKey {
     /// Where the key's probe starts in a table of `mask + 1` slots.
     #[inline]
     fn slot(self, mask: usize) -> usize {
-        let h = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        (h >> 32) as usize & mask
+        (self.hash() >> 32) as usize & mask
     }
 }
 
