@@ -28,7 +28,7 @@
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig};
 use memres::{Cuda, CudaAsync, CudaVirtual, HostHeap, HostVirtual, Resource, StreamRef};
 use memres_workloads::{self as workloads, Suite};
 
@@ -161,11 +161,14 @@ fn main() {
             suite("pool_in_place", &in_place, true, false);
         }
         if want("footprint") {
-            let pool = Pool::new(Cuda::new().expect("Cuda"), PoolConfig::new()).expect("Pool");
-            let trim = || {
-                pool.trim().expect("trim");
-            };
-            footprints("pool", &pool, &|| pool.pool_size(), &trim, true);
+            for (name, growth) in [("pool", Growth::Fit), ("pool_rmm", Growth::Rmm)] {
+                let config = PoolConfig::new().growth(growth);
+                let pool = Pool::new(Cuda::new().expect("Cuda"), config).expect("Pool");
+                let trim = || {
+                    pool.trim().expect("trim");
+                };
+                footprints(name, &pool, &|| pool.pool_size(), &trim, true);
+            }
             let in_place = CudaVirtual::new()
                 .and_then(|v| v.pool(PoolConfig::new()))
                 .expect("an in-place pool");
@@ -196,11 +199,17 @@ fn main() {
         let pool = || Pool::new(HostHeap::new(), PoolConfig::new().initial_size(4 << 30));
         adaptor_suites("pool[host_heap]", || pool().expect("Pool"), false, &want);
         if want("footprint") {
-            let pool = Pool::new(HostHeap::new(), PoolConfig::new()).expect("Pool");
-            let trim = || {
-                pool.trim().expect("trim");
-            };
-            footprints("pool[host_heap]", &pool, &|| pool.pool_size(), &trim, false);
+            for (name, growth) in [
+                ("pool[host_heap]", Growth::Fit),
+                ("pool_rmm[host_heap]", Growth::Rmm),
+            ] {
+                let config = PoolConfig::new().growth(growth);
+                let pool = Pool::new(HostHeap::new(), config).expect("Pool");
+                let trim = || {
+                    pool.trim().expect("trim");
+                };
+                footprints(name, &pool, &|| pool.pool_size(), &trim, false);
+            }
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
                 .and_then(|v| v.pool(PoolConfig::new()))
                 .expect("an in-place pool");
@@ -254,9 +263,15 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
         let fixed = FixedSize::with_block_size(base(), 1 << 20, 1024).expect("FixedSize");
         suite_of(&name("fixed_size_1MiB"), &fixed, gpu, false, true);
     }
-    if want(&name("pool_from_0")) {
-        let make = || Pool::new(Statistics::new(base()), PoolConfig::new()).expect("Pool");
-        footprint(&name("pool_from_0"), make, gpu);
+    for (stack, growth) in [
+        ("pool_from_0", Growth::Fit),
+        ("pool_rmm_from_0", Growth::Rmm),
+    ] {
+        if want(&name(stack)) {
+            let config = PoolConfig::new().growth(growth);
+            let make = || Pool::new(Statistics::new(base()), config).expect("Pool");
+            footprint(&name(stack), make, gpu);
+        }
     }
 }
 
@@ -378,12 +393,13 @@ fn footprint<R: Resource>(name: &str, make: impl Fn() -> Pool<Statistics<R>>, gp
     let ops = 200_000 / if smoke_run() { 1000 } else { 1 };
     let pool = make();
     let mut peak_live = 0;
-    workloads::random_with(&pool, s, 42, ops, |live| peak_live = peak_live.max(live))
+    let ns = workloads::random_with(&pool, s, 42, ops, |live| peak_live = peak_live.max(live))
         .expect("allocation in random");
     let peak_upstream = pool.upstream().snapshot().bytes.peak as usize;
     println!(
         "# footprint,{name},random,{ops},peak_upstream_bytes={peak_upstream},\
-         peak_live_bytes={peak_live},ratio={:.3},upstream_allocations={}",
+         peak_live_bytes={peak_live},ratio={:.3},upstream_allocations={},\
+         ns_per_op_growths_included={ns:.1}",
         peak_upstream as f64 / peak_live as f64,
         pool.stats().upstream_allocations,
     );

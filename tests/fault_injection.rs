@@ -14,7 +14,7 @@ use std::sync::Arc;
 use common::faulty::{Fault, Faulty};
 use common::{Step, step};
 use memres::adaptor::{Limiting, Statistics, Tracking};
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig};
 use memres::{Error, Resource, StreamRef, layout, layout_with_alignment};
 use proptest::prelude::*;
 
@@ -244,7 +244,7 @@ proptest! {
     }
 }
 
-/// A failure at each of the first calls in turn: the pool's construction, its first
+/// A failure at each call in turn, under either growth rule: the pool's construction, its
 /// growths and its growth after a trim each fail once, and the pool recovers each time.
 #[test]
 fn each_of_the_first_calls_failing_in_turn() {
@@ -266,19 +266,26 @@ fn each_of_the_first_calls_failing_in_turn() {
             }
         })
         .collect();
-    for at in 1..12 {
-        let faulty = Arc::new(Faulty::new(Fault::At(at)));
-        let make =
-            |f: &Arc<Faulty>| Pool::new(Arc::clone(f), PoolConfig::new()).map(Statistics::new);
-        let trim = |s: &Statistics<Pool<Arc<Faulty>>>| {
-            let _ = s.upstream().trim();
-        };
-        let hooks = Hooks {
-            max_size: ANY,
-            trim: &trim,
-            counters: &statistics_exact,
-        };
-        check(&faulty, make, &steps, &hooks);
-        assert_eq!(faulty.failures(), 1, "call {at} failed");
+    let trim = |s: &Statistics<Pool<Arc<Faulty>>>| {
+        let _ = s.upstream().trim();
+    };
+    let hooks = Hooks {
+        max_size: ANY,
+        trim: &trim,
+        counters: &statistics_exact,
+    };
+    for growth in [Growth::Fit, Growth::Rmm] {
+        let config = PoolConfig::new().growth(growth);
+        let make = |f: &Arc<Faulty>| Pool::new(Arc::clone(f), config).map(Statistics::new);
+        // How many calls the steps make when none fails.
+        let clean = Arc::new(Faulty::new(Fault::Never));
+        check(&clean, make, &steps, &hooks);
+        let calls = clean.calls();
+        assert!(calls >= 2, "{growth:?}: {calls} calls");
+        for at in 1..=calls {
+            let faulty = Arc::new(Faulty::new(Fault::At(at)));
+            check(&faulty, make, &steps, &hooks);
+            assert_eq!(faulty.failures(), 1, "{growth:?}: call {at} failed");
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 use common::{Step, step};
 use memres::adaptor::Limiting;
-use memres::suballoc::{Pool, PoolConfig};
+use memres::suballoc::{Growth, Pool, PoolConfig};
 use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout, layout_with_alignment};
 use proptest::prelude::*;
 
@@ -42,11 +42,13 @@ fn sizes_not_multiples_of_256_are_rejected() {
     }
 }
 
-/// RMM's `ForceGrowth`: a pool from zero over a 6000-byte upstream. Growth is by the
-/// larger of the request and the pool's size, halving on failure down to the request.
+/// RMM's `ForceGrowth`: a pool from zero over a 6000-byte upstream. Growth by RMM's rule
+/// is by the larger of the request and the pool's size, halving on failure down to the
+/// request.
 #[test]
 fn forced_growth_against_a_limited_upstream() {
-    let pool = Pool::new(Limiting::new(HostHeap::new(), 6000), PoolConfig::new()).unwrap();
+    let config = PoolConfig::new().growth(Growth::Rmm);
+    let pool = Pool::new(Limiting::new(HostHeap::new(), 6000), config).unwrap();
     let s = StreamRef::HOST;
     let a = pool.allocate(s, layout(1000).unwrap()).unwrap();
     assert_eq!(pool.pool_size(), 1024);
@@ -72,11 +74,99 @@ fn forced_growth_against_a_limited_upstream() {
     unsafe { pool.deallocate(s, d, layout(2000).unwrap()) };
 }
 
-/// With a maximum, growth takes half of what remains; a pool that cannot grow returns its
-/// free chunks and grows once more before it reports `OutOfMemory`.
+/// The default rule fits each chunk to its request, rounded up to 2 MiB (and at least the
+/// growth step), never past the maximum; a refused chunk is asked for again at the size
+/// of the request itself.
+#[test]
+fn fitted_chunks_round_to_two_mib_and_fall_back_to_the_request() {
+    let pool = heap_pool(PoolConfig::new());
+    let s = StreamRef::HOST;
+    let sizes = [1000, 3 << 20, (5 << 20) + 1, 1 << 20];
+    let blocks: Vec<_> = sizes
+        .iter()
+        .map(|&n| pool.allocate(s, layout(n).unwrap()).unwrap())
+        .collect();
+    // 2 MiB for 1000 bytes (whose chunk then serves the 1 MiB request), 4 MiB for 3 MiB,
+    // 6 MiB for 5 MiB and a byte.
+    let stats = pool.stats();
+    assert_eq!(stats.upstream_allocations, 3, "{stats:?}");
+    assert_eq!(stats.pool_size, 12 << 20, "{stats:?}");
+    for (p, n) in blocks.into_iter().zip(sizes) {
+        // SAFETY: allocated above with this layout on `s`.
+        unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
+    }
+
+    // A growth step sets the smallest chunk; a maximum caps the rounding.
+    let stepped = heap_pool(PoolConfig::new().growth_step(8 << 20));
+    let a = stepped.allocate(s, layout(256).unwrap()).unwrap();
+    assert_eq!(stepped.pool_size(), 8 << 20);
+    let capped = heap_pool(PoolConfig::new().maximum_size(3 << 20));
+    let b = capped.allocate(s, layout(2560 << 10).unwrap()).unwrap();
+    assert_eq!(capped.pool_size(), 3 << 20, "4 MiB capped at the maximum");
+
+    // Over an upstream of 3 MiB, a 2.5 MiB request's 4 MiB chunk is refused, and the
+    // pool takes 2.5 MiB instead.
+    let limited = Pool::new(Limiting::new(HostHeap::new(), 3 << 20), PoolConfig::new()).unwrap();
+    let c = limited.allocate(s, layout(2560 << 10).unwrap()).unwrap();
+    assert_eq!(limited.pool_size(), 2560 << 10);
+    assert_eq!(limited.upstream().allocated_bytes(), 2560 << 10);
+    // SAFETY: allocated above with these layouts on `s`.
+    unsafe {
+        stepped.deallocate(s, a, layout(256).unwrap());
+        capped.deallocate(s, b, layout(2560 << 10).unwrap());
+        limited.deallocate(s, c, layout(2560 << 10).unwrap());
+    }
+}
+
+/// What the two rules hold on one random walk of allocations and frees (sizes 256 B to
+/// 4 MiB, up to 400 live): fitted chunks hold less than RMM's doubling, and both stay
+/// within their bounds (RMM's: 2x of what the pool needs, plus what is stranded between
+/// chunks).
+#[test]
+fn fitted_chunks_hold_less_than_doubling() {
+    let held_over_live = |growth: Growth| {
+        let pool = heap_pool(PoolConfig::new().growth(growth));
+        let s = StreamRef::HOST;
+        let mut rng = 42u64;
+        let mut next = || {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            rng >> 33
+        };
+        let (mut live, mut live_bytes, mut peak_live, mut peak_held) = (Vec::new(), 0, 0, 0);
+        for _ in 0..20_000 {
+            if live.len() < 400 && (live.is_empty() || next() % 2 == 0) {
+                let e = 8 + next() % 14;
+                let n = (1usize << e) + (next() % (1 << e)) as usize;
+                let l = layout(n).unwrap();
+                live.push((pool.allocate(s, l).unwrap(), l));
+                live_bytes += n;
+            } else {
+                let (p, l) = live.swap_remove(next() as usize % live.len());
+                // SAFETY: allocated above with `l` on `s`; not used.
+                unsafe { pool.deallocate(s, p, l) };
+                live_bytes -= l.size();
+            }
+            peak_live = peak_live.max(live_bytes);
+            peak_held = peak_held.max(pool.pool_size());
+        }
+        for (p, l) in live {
+            // SAFETY: as above.
+            unsafe { pool.deallocate(s, p, l) };
+        }
+        peak_held as f64 / peak_live as f64
+    };
+    let (fit, rmm) = (held_over_live(Growth::Fit), held_over_live(Growth::Rmm));
+    assert!(fit < rmm, "fit {fit:.3}, rmm {rmm:.3}");
+    assert!(fit < 1.5, "fit {fit:.3}");
+}
+
+/// With a maximum, growth by RMM's rule takes half of what remains; a pool that cannot grow
+/// returns its free chunks and grows once more before it reports `OutOfMemory`.
 #[test]
 fn a_capped_pool_trims_and_retries() {
-    let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20));
+    let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20).growth(Growth::Rmm));
     let s = StreamRef::host(1);
     let (one, one_half) = (layout(1 << 20).unwrap(), layout(3 << 19).unwrap());
     let a = pool.allocate(s, one).unwrap();
@@ -370,7 +460,7 @@ fn ten_thousand_streams_used_once_each_share_one_block() {
     }
     let stats = pool.stats();
     assert_eq!(stats.upstream_allocations, 1, "{stats:?}");
-    assert_eq!(stats.pool_size, 1 << 20, "{stats:?}");
+    assert_eq!(stats.pool_size, 2 << 20, "one chunk, 2 MiB: {stats:?}");
     assert_eq!(
         stats.stream_lists, 10_001,
         "the host list and 10,000 streams"
@@ -383,7 +473,7 @@ fn ten_thousand_streams_used_once_each_share_one_block() {
         unsafe { pool.deallocate(s, p, l) };
     }
     assert_eq!(pool.stats().stream_lists, 10_001);
-    assert_eq!(pool.stats().pool_size, 1 << 20);
+    assert_eq!(pool.stats().pool_size, 2 << 20, "no growth");
 }
 
 /// An alignment of 2^40 (a valid `Layout`, far beyond what a pool or the heap can

@@ -9,11 +9,11 @@
  *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
  *                                   pool growing in place over CUDA virtual memory
  *                                   (holds least; release= gives memory back above it)
- *   "pool[:initial=8GiB,max=60GiB]" memres's coalescing pool over cuMemAlloc; grows
- *                                   by doubling, as RMM's, so it may hold up to 2x
- *                                   what is live (GPT-2 training: 1.67x against
- *                                   virtual_pool's 1.09x) unless initial= covers
- *                                   the peak
+ *   "pool[:initial=8GiB,max=60GiB,growth=fit]"  memres's coalescing pool over
+ *                                   cuMemAlloc; each growth takes what the request
+ *                                   needs rounded up to 2 MiB (growth=rmm: RMM's
+ *                                   doubling, which may hold up to 2x what is live;
+ *                                   virtual_pool holds least)
  *   "arena[:size=40GiB]"            RMM's arena (default: half the free memory)
  *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes; larger
  *                                   requests and the bins' chunks from a default

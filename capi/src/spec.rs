@@ -14,6 +14,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
+use mr::suballoc::Growth;
 use mr::units::parse_size;
 
 /// A parsed stack, outermost layer first.
@@ -26,11 +27,13 @@ pub(crate) enum Spec {
         initial: Option<usize>,
         release_threshold: Option<u64>,
     },
-    /// memres's coalescing pool over `Cuda`, growing by doubling as RMM's (up to 2x of
-    /// what is live held; `VirtualPool` holds least).
+    /// memres's coalescing pool over `Cuda`, taking chunks fitted to the requests it
+    /// cannot serve (`growth=rmm`: RMM's doubling, up to 2x of what is live held);
+    /// `VirtualPool` holds least.
     Pool {
         initial: Option<usize>,
         max: Option<usize>,
+        growth: Growth,
     },
     /// memres's pool growing in place over `CudaVirtual` (the default): least memory held.
     VirtualPool {
@@ -143,6 +146,7 @@ impl Spec {
             }
             (Spec::Pool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
             (Spec::Pool { max, .. }, "max") => *max = Some(size(key, value)?),
+            (Spec::Pool { growth, .. }, "growth") => *growth = growth_rule(key, value)?,
             (Spec::VirtualPool { initial, .. }, "initial") => *initial = Some(size(key, value)?),
             (Spec::VirtualPool { max, .. }, "max") => *max = Some(size(key, value)?),
             (Spec::VirtualPool { step, .. }, "step") => *step = Some(size(key, value)?),
@@ -154,7 +158,7 @@ impl Spec {
             _ => {
                 let known = match name {
                     "cuda_async" => "initial, release",
-                    "pool" => "initial, max",
+                    "pool" => "initial, max, growth",
                     "virtual_pool" => "initial, max, step, release, reserve",
                     "arena" => "size",
                     "binning" => "min, max",
@@ -271,6 +275,7 @@ fn base(name: &str) -> Result<Spec, String> {
         "pool" => Spec::Pool {
             initial: None,
             max: None,
+            growth: Growth::Fit,
         },
         "virtual_pool" => Spec::default_spec(),
         "arena" => Spec::Arena { size: None },
@@ -284,6 +289,17 @@ fn base(name: &str) -> Result<Spec, String> {
             ));
         }
     })
+}
+
+fn growth_rule(key: &str, value: &str) -> Result<Growth, String> {
+    match value {
+        "fit" => Ok(Growth::Fit),
+        "rmm" => Ok(Growth::Rmm),
+        _ => Err(format!(
+            "{key}={value:?}: the growth rule is fit (chunks fitted to requests) or rmm \
+             (RMM's doubling)"
+        )),
+    }
 }
 
 fn exponent(key: &str, value: &str) -> Result<u32, String> {
@@ -375,6 +391,7 @@ mod tests {
         Spec::Pool {
             initial: None,
             max: None,
+            growth: Growth::Fit,
         }
     }
 
@@ -418,9 +435,19 @@ mod tests {
             ok("pool:initial=8GiB,max=60GiB"),
             Spec::Pool {
                 initial: Some(8 << 30),
-                max: Some(60 << 30)
+                max: Some(60 << 30),
+                growth: Growth::Fit
             }
         );
+        assert_eq!(
+            ok("pool:growth=rmm"),
+            Spec::Pool {
+                initial: None,
+                max: None,
+                growth: Growth::Rmm
+            }
+        );
+        assert_eq!(ok("pool:growth=fit"), plain_pool());
         assert_eq!(
             ok("arena:size=40GiB"),
             Spec::Arena {
@@ -446,7 +473,8 @@ mod tests {
             ok("statistics(pool:initial=4GiB)"),
             Spec::Statistics(Box::new(Spec::Pool {
                 initial: Some(4 << 30),
-                max: None
+                max: None,
+                growth: Growth::Fit
             }))
         );
         assert_eq!(
@@ -469,7 +497,8 @@ mod tests {
             Spec::Limiting {
                 inner: Box::new(Spec::Pool {
                     initial: Some(1 << 30),
-                    max: Some(4 << 30)
+                    max: Some(4 << 30),
+                    growth: Growth::Fit
                 }),
                 limit: 2 << 30
             }
@@ -509,7 +538,8 @@ mod tests {
             Spec::Statistics(Box::new(Spec::Limiting {
                 inner: Box::new(Spec::Pool {
                     initial: Some(4 << 30),
-                    max: None
+                    max: None,
+                    growth: Growth::Fit
                 }),
                 limit: 1 << 30
             }))
@@ -519,7 +549,8 @@ mod tests {
             Spec::Limiting {
                 inner: Box::new(Spec::Statistics(Box::new(Spec::Pool {
                     initial: Some(1 << 30),
-                    max: None
+                    max: None,
+                    growth: Growth::Fit
                 }))),
                 limit: 2 << 30
             }
@@ -551,8 +582,9 @@ mod tests {
             ("poool", "unknown resource \"poool\""),
             (
                 "pool:initial=8GB,maxx=1GiB",
-                "unknown option \"maxx\" for pool (options: initial, max)",
+                "unknown option \"maxx\" for pool (options: initial, max, growth)",
             ),
+            ("pool:growth=double", "the growth rule is fit"),
             ("pool:initial=eight", "initial: no number"),
             ("pool:initial", "option \"initial\" is not key=value"),
             ("pool(cuda)", "pool does not wrap a resource"),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use mr::adaptor::{ExactCounter, Limiting, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
+use mr::suballoc::Growth;
 use mr::upstream::CudaAsyncConfig;
 use mr::{
     AnyResource, Arena, Binning, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
@@ -115,8 +116,12 @@ impl Layers {
                 self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
                 AnyResource::new(pool)
             }
-            Spec::Pool { initial, max } => {
-                let pool = self.pool_of(device, *initial, *max)?;
+            Spec::Pool {
+                initial,
+                max,
+                growth,
+            } => {
+                let pool = self.pool_of(device, *initial, *max, *growth)?;
                 AnyResource::new(pool)
             }
             Spec::Arena { size } => {
@@ -166,8 +171,9 @@ impl Layers {
         device: DeviceId,
         initial: Option<usize>,
         max: Option<usize>,
+        growth: Growth,
     ) -> Result<Arc<Pool<Cuda>>, Error> {
-        let mut config = PoolConfig::new();
+        let mut config = PoolConfig::new().growth(growth);
         if let Some(initial) = initial {
             config = config.initial_size(initial);
         }

@@ -73,7 +73,8 @@ fn a_bad_spec_is_refused_with_a_message_and_changes_nothing() {
         CONFIG.lock().unwrap().spec,
         Some(Spec::Pool {
             initial: None,
-            max: None
+            max: None,
+            growth: mr::suballoc::Growth::Fit
         })
     );
     // SAFETY: null is allowed and refused.

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 use memres::adaptor::ExactCounter;
 use memres::property::Contains;
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, PoolStats};
+use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig, PoolStats};
 use memres::upstream::{Backend, Virtual};
 use memres::{AnyResource, Callback, Error, Resource, StreamRef};
 
@@ -151,9 +151,14 @@ fn from_spec(spec: &crate::spec::Spec, options: &mut Options, wrappers: &mut Vec
     match spec {
         Spec::Cuda => Kind::Direct,
         Spec::CudaAsync { .. } => Kind::CudaAsync,
-        Spec::Pool { initial, max } => {
+        Spec::Pool {
+            initial,
+            max,
+            growth,
+        } => {
             options.initial_size = initial.unwrap_or(options.initial_size);
             options.max_size = max.or(options.max_size);
+            options.growth = *growth;
             Kind::Pool
         }
         Spec::VirtualPool {
@@ -231,6 +236,8 @@ pub struct Options {
     pub step: Option<usize>,
     /// Free bytes above which a pool gives memory back (spec `release=`).
     pub release: Option<usize>,
+    /// How a pool over chunks grows (spec `growth=`).
+    pub growth: Growth,
 }
 
 impl Default for Options {
@@ -244,6 +251,7 @@ impl Default for Options {
             fixed_block: 1 << 20,
             step: None,
             release: None,
+            growth: Growth::Fit,
         }
     }
 }
@@ -308,7 +316,9 @@ where
 
 /// The pools' configuration from the options.
 fn pool_config(options: &Options) -> PoolConfig {
-    let mut config = PoolConfig::new().initial_size(options.initial_size);
+    let mut config = PoolConfig::new()
+        .initial_size(options.initial_size)
+        .growth(options.growth);
     if let Some(max) = options.max_size {
         config = config.maximum_size(max);
     }

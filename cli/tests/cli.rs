@@ -140,6 +140,7 @@ fn the_sample_training_log_replays_and_compares() {
         log.to_str().unwrap(),
         "--compare",
         "pool,binning,cuda,host-pool,virtual-pool,host-binning",
+        "pool:growth=rmm",
     ]);
     assert!(out.contains("238777 events"), "{out}");
     assert!(out.contains("on 3 threads and 4 streams"), "{out}");
@@ -153,15 +154,21 @@ fn the_sample_training_log_replays_and_compares() {
     assert!(out.contains("peak live 328.42 MiB"), "{out}");
     assert_eq!(row(&out, "cuda")[7..9], ["328.42", "MiB"], "{out}");
     // The pool growing in place (2 MiB granules) holds what the live peak needs, give or
-    // take a few granules, against the chunked pool's 512 MiB: 340 MiB with the 8 MiB
-    // quick cache per stream (336 with a 1 MiB cache, 342 before small requests were
-    // placed low). At most 5% above the live peak.
+    // take a few granules: 340 MiB with the 8 MiB quick cache per stream (336 with a 1 MiB
+    // cache, 342 before small requests were placed low). At most 5% above the live peak.
     let virtual_pool = row(&out, "virtual-pool");
     assert_eq!(virtual_pool[5], "0", "{out}");
     assert_eq!(virtual_pool[8], "MiB", "{out}");
     let held: f64 = virtual_pool[7].parse().unwrap();
     assert!((328.42..=328.42 * 1.05).contains(&held), "{out}");
-    assert_eq!(row(&out, "pool")[7..9], ["512.00", "MiB"], "{out}");
+    // The chunked pool: 360 MiB in chunks fitted to the requests, 512 MiB by RMM's
+    // doubling.
+    assert_eq!(row(&out, "pool")[7..9], ["360.00", "MiB"], "{out}");
+    assert_eq!(
+        row(&out, "pool:growth=rmm")[7..9],
+        ["512.00", "MiB"],
+        "{out}"
+    );
     // Bins over the pool growing in place: each bin's chunk of 128 blocks, and the pool's
     // granules for the rest (2.00 GiB over the chunked pool); the same on host memory.
     for resource in ["binning", "host-binning"] {

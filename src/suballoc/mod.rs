@@ -43,6 +43,7 @@ pub(crate) use chunks::to_ptr;
 pub(crate) use shards::lock;
 pub(crate) use spin::{SpinGuard, SpinLock};
 mod pool;
+mod pool_config;
 mod regions;
 mod shards;
 mod spin;
@@ -52,7 +53,8 @@ mod thread_cache;
 pub use arena::{Arena, SUPERBLOCK_SIZE};
 pub use binning::Binning;
 pub use fixed::FixedSize;
-pub use pool::{Pool, PoolConfig, PoolStats};
+pub use pool::{Pool, PoolStats};
+pub use pool_config::{Growth, PoolConfig};
 
 /// loom models of the sub-allocators' protocols (run by `.ci/run` with
 /// `--cfg memres_loom`; see `tests/loom.rs` for the public-API models).

@@ -7,6 +7,7 @@ use std::ptr::{self, NonNull};
 use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
+use super::pool_config::{FIT_ROUNDING, Growth as Rule, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use super::superblocks::Superblocks;
 use crate::error::Error;
@@ -43,124 +44,6 @@ const LARGE_BYTES: usize = 8 << 20;
 /// A CUDA stream that takes a small block from a host stream's list (where a pool's
 /// initial memory is) takes this much, and keeps the rest in its own list.
 const HOST_REFILL: usize = 2 << 20;
-
-/// How a [`Pool`] starts and how far it may grow.
-///
-/// Both sizes must be multiples of 256 bytes and the initial size may not exceed the
-/// maximum; [`Pool::new`] returns [`Error::InvalidArgument`] otherwise.
-///
-/// ```
-/// use memres::suballoc::PoolConfig;
-///
-/// let config = PoolConfig::new().initial_size(64 << 20).maximum_size(1 << 30);
-/// assert_eq!(config.maximum(), Some(1 << 30));
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PoolConfig {
-    initial: usize,
-    maximum: Option<usize>,
-    step: usize,
-    release_threshold: Option<usize>,
-}
-
-impl PoolConfig {
-    /// No memory at first, no maximum.
-    pub const fn new() -> PoolConfig {
-        PoolConfig {
-            initial: 0,
-            maximum: None,
-            step: 0,
-            release_threshold: None,
-        }
-    }
-
-    /// Bytes taken from the upstream when the pool is made.
-    #[must_use]
-    pub const fn initial_size(mut self, bytes: usize) -> PoolConfig {
-        self.initial = bytes;
-        self
-    }
-
-    /// The most bytes the pool may hold from its upstream.
-    #[must_use]
-    pub const fn maximum_size(mut self, bytes: usize) -> PoolConfig {
-        self.maximum = Some(bytes);
-        self
-    }
-
-    /// For a pool that grows in place ([`Pool::in_place`]): the least it maps at a time
-    /// (rounded up to the upstream's granularity; default: one granule). A larger step
-    /// means fewer, larger growths and more memory held ahead of need. Ignored by pools
-    /// over other upstreams, which grow by RMM's rule.
-    #[must_use]
-    pub const fn growth_step(mut self, bytes: usize) -> PoolConfig {
-        self.step = bytes;
-        self
-    }
-
-    /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
-    /// one stream's list: the pool then waits for the streams it has seen, merges its
-    /// lists and releases free memory (fully free granules of a pool that grows in place,
-    /// highest first, until at most `bytes` are free; entirely free upstream allocations
-    /// otherwise), as a `cudaMemPool`'s release threshold does at synchronisation points.
-    /// Default: none, keep everything until [`Pool::trim`] (as RMM's pool does).
-    #[must_use]
-    pub const fn release_threshold(mut self, bytes: usize) -> PoolConfig {
-        self.release_threshold = Some(bytes);
-        self
-    }
-
-    /// The release threshold, if any.
-    pub const fn threshold(&self) -> Option<usize> {
-        self.release_threshold
-    }
-
-    /// The initial size.
-    pub const fn initial(&self) -> usize {
-        self.initial
-    }
-
-    /// The maximum size, if any.
-    pub const fn maximum(&self) -> Option<usize> {
-        self.maximum
-    }
-
-    fn validate(&self) -> Result<(), Error> {
-        let multiple = |what: &str, n: usize| {
-            if n.is_multiple_of(GRANULE) {
-                Ok(())
-            } else {
-                Err(Error::invalid_argument(format!(
-                    "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
-                )))
-            }
-        };
-        let sizes = [
-            ("initial", Some(self.initial)),
-            ("maximum", self.maximum),
-            ("growth step", Some(self.step)),
-            ("release threshold", self.release_threshold),
-        ];
-        for (what, n) in sizes {
-            if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
-                return Err(Error::invalid_argument(format!(
-                    "the pool's {what} ({n} bytes) is larger than any allocation can be"
-                )));
-            }
-        }
-        multiple("initial", self.initial)?;
-        if let Some(max) = self.maximum {
-            multiple("maximum", max)?;
-            if self.initial > max {
-                return Err(Error::invalid_argument(format!(
-                    "the pool's initial size ({} bytes) exceeds its maximum ({max} bytes)",
-                    self.initial
-                )));
-            }
-        }
-        Ok(())
-    }
-}
 
 /// A snapshot of a pool's memory, from [`Pool::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -420,11 +303,14 @@ impl PoolShard {
 ///   speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python
 ///   shims. [`HostVirtual`](crate::HostVirtual) is the same over host pages.
 /// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
-///   [`Pool::new`]. It takes allocations ("chunks") by RMM's growth rule (without a
-///   maximum, the larger of the request and its current size, doubling; with one, the
-///   larger of the request and half of what remains; halving the attempt when the
-///   upstream refuses), so it holds between 1x and 2x of what it needs, and blocks of
-///   two chunks never merge. An `initial_size` that covers the peak avoids both.
+///   [`Pool::new`]. It takes allocations ("chunks") sized by its
+///   [`Growth`](super::Growth) rule: by default what the request needs, rounded up to
+///   2 MiB ([`Growth::Fit`](super::Growth::Fit)), or RMM's doubling
+///   ([`Growth::Rmm`](super::Growth::Rmm): between 1x and 2x of what the pool needs
+///   held, fewer upstream calls). When the upstream refuses a chunk, the pool asks for less (down to
+///   the request itself), then gives its entirely free chunks back and asks again.
+///   Blocks of two chunks never merge, so some memory stays stranded between chunks; an
+///   `initial_size` that covers the peak avoids that.
 ///
 /// # How it works
 /// - **Finding a block** is O(1): free blocks sit in size classes with bitmaps (a
@@ -1025,15 +911,23 @@ impl<U: Resource> Pool<U> {
         if let Some(space) = &self.space {
             return self.grow_in_place(space, growth, own, size, align, may_wait);
         }
-        let mut attempt = match self.config.maximum {
-            Some(max) => {
-                let remaining = max - growth.size;
-                if min > remaining {
-                    return Ok(None);
-                }
+        let remaining = match self.config.maximum {
+            Some(max) if min > max - growth.size => return Ok(None),
+            Some(max) => max - growth.size,
+            None => usize::MAX,
+        };
+        let mut attempt = match self.config.growth {
+            // (A rounding past what a `Layout` can hold, or past the maximum, falls back
+            // to what is left or to the request itself.)
+            Rule::Fit => min
+                .max(self.config.step)
+                .checked_next_multiple_of(FIT_ROUNDING)
+                .filter(|&n| n <= isize::MAX as usize)
+                .map_or(min, |n| n.min(remaining)),
+            Rule::Rmm if self.config.maximum.is_some() => {
                 min.max((remaining / 2).next_multiple_of(GRANULE))
             }
-            None => min.max(growth.size),
+            Rule::Rmm => min.max(growth.size),
         };
         loop {
             let Ok(layout) = Layout::from_size_align(attempt, GRANULE) else {
@@ -1046,8 +940,13 @@ impl<U: Resource> Pool<U> {
                     debug_assert!(addr.is_some(), "a new chunk fits its request");
                     return Ok(addr);
                 }
+                // Less, when the upstream refuses: RMM halves its attempt; a fitted chunk
+                // is at most 2 MiB over the request, so it asks for the request itself.
                 Err(Error::OutOfMemory { .. }) if attempt > min => {
-                    attempt = min.max((attempt / 2).next_multiple_of(GRANULE));
+                    attempt = match self.config.growth {
+                        Rule::Fit => min,
+                        Rule::Rmm => min.max((attempt / 2).next_multiple_of(GRANULE)),
+                    };
                 }
                 Err(Error::OutOfMemory { .. }) => return Ok(None),
                 Err(e) => return Err(e),

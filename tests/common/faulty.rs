@@ -63,6 +63,11 @@ impl Faulty {
         self.live_blocks.load(Ordering::SeqCst)
     }
 
+    /// Allocations asked for so far (refused ones included).
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
     /// Allocations refused so far.
     pub fn failures(&self) -> u64 {
         self.failures.load(Ordering::SeqCst)

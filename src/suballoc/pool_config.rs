@@ -1,0 +1,206 @@
+//! [`PoolConfig`]: how a [`Pool`](super::Pool) starts, grows and gives memory back.
+
+use super::free_blocks::GRANULE;
+use crate::error::Error;
+
+/// How a pool over chunks ([`Pool::new`]) sizes the upstream allocation it takes when
+/// no free block fits a request. (A pool that grows in place, [`Pool::in_place`], maps
+/// only the granules a request lacks and ignores this.)
+///
+/// A chunk's blocks never merge with another chunk's, and a chunk goes back to the
+/// upstream only once all of it is free, so the rule trades memory held against the
+/// number of upstream calls:
+///
+/// | rule | chunk | held / live, `random` seeds 1-6, mean (max) |
+/// | --- | --- | --- |
+/// | [`Fit`](Growth::Fit) | the request, rounded up to 2 MiB | 1.24 (1.34) |
+/// | [`Rmm`](Growth::Rmm) | the pool's size again (doubling) | 1.84 (2.18) |
+///
+/// (Host heap, 200,000 operations each; `BENCHMARKS.md` has the GPU figures.) `Fit`
+/// makes more upstream calls as the pool grows (50-100 instead of 8-14 in those runs),
+/// once each: a pool that has reached its working size calls the upstream no more under
+/// either rule.
+///
+/// ```
+/// use memres::suballoc::{Growth, Pool, PoolConfig};
+/// use memres::{HostHeap, SyncResource, layout};
+///
+/// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
+/// let p = pool.allocate_sync(layout(3 << 20)?)?;
+/// assert_eq!(pool.pool_size(), 4 << 20); // 3 MiB rounded up to 2 MiB pages
+///
+/// // RMM's rule: each growth at least doubles the pool.
+/// let rmm = Pool::new(HostHeap::new(), PoolConfig::new().growth(Growth::Rmm))?;
+/// let q = rmm.allocate_sync(layout(1 << 20)?)?;
+/// let r = rmm.allocate_sync(layout(1 << 20)?)?;
+/// assert_eq!(rmm.pool_size(), 2 << 20);
+/// # // SAFETY: allocated above with these layouts; not used.
+/// # unsafe {
+/// #     pool.deallocate_sync(p, layout(3 << 20)?);
+/// #     rmm.deallocate_sync(q, layout(1 << 20)?);
+/// #     rmm.deallocate_sync(r, layout(1 << 20)?);
+/// # }
+/// # Ok::<(), memres::Error>(())
+/// ```
+///
+/// [`Pool::new`]: super::Pool::new
+/// [`Pool::in_place`]: super::Pool::in_place
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Growth {
+    /// The default: a chunk of what the request needs (with room for its alignment), at
+    /// least the [growth step](PoolConfig::growth_step), rounded up to a multiple of
+    /// 2 MiB, the page in which the driver maps large allocations (PyTorch's caching
+    /// allocator rounds its large segments the same way). With a maximum, no more than
+    /// what remains below it.
+    #[default]
+    Fit,
+    /// RMM's `pool_memory_resource` rule: without a maximum, the larger of the request and
+    /// the pool's size (the pool doubles); with one, the larger of the request and half
+    /// of what remains. Holds between 1x and 2x of what the pool needs; fewest upstream
+    /// calls.
+    Rmm,
+}
+
+/// What [`Growth::Fit`] rounds a chunk up to.
+pub(super) const FIT_ROUNDING: usize = 2 << 20;
+
+/// How a [`Pool`] starts, how it grows and when it gives memory back.
+///
+/// Sizes must be multiples of 256 bytes and the initial size may not exceed the
+/// maximum; [`Pool::new`] returns [`Error::InvalidArgument`] otherwise.
+///
+/// ```
+/// use memres::suballoc::PoolConfig;
+///
+/// let config = PoolConfig::new().initial_size(64 << 20).maximum_size(1 << 30);
+/// assert_eq!(config.maximum(), Some(1 << 30));
+/// ```
+///
+/// [`Pool`]: super::Pool
+/// [`Pool::new`]: super::Pool::new
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolConfig {
+    pub(super) initial: usize,
+    pub(super) maximum: Option<usize>,
+    pub(super) step: usize,
+    pub(super) growth: Growth,
+    pub(super) release_threshold: Option<usize>,
+}
+
+impl PoolConfig {
+    /// No memory at first, no maximum.
+    pub const fn new() -> PoolConfig {
+        PoolConfig {
+            initial: 0,
+            maximum: None,
+            step: 0,
+            growth: Growth::Fit,
+            release_threshold: None,
+        }
+    }
+
+    /// Bytes taken from the upstream when the pool is made.
+    #[must_use]
+    pub const fn initial_size(mut self, bytes: usize) -> PoolConfig {
+        self.initial = bytes;
+        self
+    }
+
+    /// The most bytes the pool may hold from its upstream.
+    #[must_use]
+    pub const fn maximum_size(mut self, bytes: usize) -> PoolConfig {
+        self.maximum = Some(bytes);
+        self
+    }
+
+    /// The least a growth takes: for a pool that grows in place ([`Pool::in_place`]), the
+    /// least it maps at a time (rounded up to the upstream's granularity; default: one
+    /// granule); for a pool over chunks growing by [`Growth::Fit`], the smallest chunk
+    /// (rounded up to 2 MiB; default: 2 MiB). A larger step means fewer, larger growths
+    /// and more memory held ahead of need. [`Growth::Rmm`] ignores it.
+    ///
+    /// [`Pool::in_place`]: super::Pool::in_place
+    #[must_use]
+    pub const fn growth_step(mut self, bytes: usize) -> PoolConfig {
+        self.step = bytes;
+        self
+    }
+
+    /// How a pool over chunks sizes the chunks it takes (default: [`Growth::Fit`]).
+    #[must_use]
+    pub const fn growth(mut self, rule: Growth) -> PoolConfig {
+        self.growth = rule;
+        self
+    }
+
+    /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
+    /// one stream's list: the pool then waits for the streams it has seen, merges its
+    /// lists and releases free memory (fully free granules of a pool that grows in place,
+    /// highest first, until at most `bytes` are free; entirely free upstream allocations
+    /// otherwise), as a `cudaMemPool`'s release threshold does at synchronisation points.
+    /// Default: none, keep everything until [`Pool::trim`] (as RMM's pool does).
+    ///
+    /// [`Pool::trim`]: super::Pool::trim
+    #[must_use]
+    pub const fn release_threshold(mut self, bytes: usize) -> PoolConfig {
+        self.release_threshold = Some(bytes);
+        self
+    }
+
+    /// The release threshold, if any.
+    pub const fn threshold(&self) -> Option<usize> {
+        self.release_threshold
+    }
+
+    /// The initial size.
+    pub const fn initial(&self) -> usize {
+        self.initial
+    }
+
+    /// The maximum size, if any.
+    pub const fn maximum(&self) -> Option<usize> {
+        self.maximum
+    }
+
+    /// The growth rule of a pool over chunks.
+    pub const fn growth_rule(&self) -> Growth {
+        self.growth
+    }
+
+    pub(super) fn validate(&self) -> Result<(), Error> {
+        let multiple = |what: &str, n: usize| {
+            if n.is_multiple_of(GRANULE) {
+                Ok(())
+            } else {
+                Err(Error::invalid_argument(format!(
+                    "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
+                )))
+            }
+        };
+        let sizes = [
+            ("initial", Some(self.initial)),
+            ("maximum", self.maximum),
+            ("growth step", Some(self.step)),
+            ("release threshold", self.release_threshold),
+        ];
+        for (what, n) in sizes {
+            if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
+                return Err(Error::invalid_argument(format!(
+                    "the pool's {what} ({n} bytes) is larger than any allocation can be"
+                )));
+            }
+        }
+        multiple("initial", self.initial)?;
+        if let Some(max) = self.maximum {
+            multiple("maximum", max)?;
+            if self.initial > max {
+                return Err(Error::invalid_argument(format!(
+                    "the pool's initial size ({} bytes) exceeds its maximum ({max} bytes)",
+                    self.initial
+                )));
+            }
+        }
+        Ok(())
+    }
+}
