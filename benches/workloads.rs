@@ -161,7 +161,7 @@ fn main() {
             suite("pool_in_place", &in_place, true, false);
         }
         if want("footprint") {
-            for (name, growth) in [("pool", Growth::Fit), ("pool_rmm", Growth::Rmm)] {
+            for (name, growth) in [("pool", Growth::Eighth), ("pool_rmm", Growth::Rmm)] {
                 let config = PoolConfig::new().growth(growth);
                 let pool = Pool::new(Cuda::new().expect("Cuda"), config).expect("Pool");
                 let trim = || {
@@ -200,7 +200,7 @@ fn main() {
         adaptor_suites("pool[host_heap]", || pool().expect("Pool"), false, &want);
         if want("footprint") {
             for (name, growth) in [
-                ("pool[host_heap]", Growth::Fit),
+                ("pool[host_heap]", Growth::Eighth),
                 ("pool_rmm[host_heap]", Growth::Rmm),
             ] {
                 let config = PoolConfig::new().growth(growth);
@@ -264,7 +264,7 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
         suite_of(&name("fixed_size_1MiB"), &fixed, gpu, false, true);
     }
     for (stack, growth) in [
-        ("pool_from_0", Growth::Fit),
+        ("pool_from_0", Growth::Eighth),
         ("pool_rmm_from_0", Growth::Rmm),
     ] {
         if want(&name(stack)) {

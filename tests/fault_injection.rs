@@ -274,7 +274,7 @@ fn each_of_the_first_calls_failing_in_turn() {
         trim: &trim,
         counters: &statistics_exact,
     };
-    for growth in [Growth::Fit, Growth::Rmm] {
+    for growth in [Growth::Eighth, Growth::Rmm] {
         let config = PoolConfig::new().growth(growth);
         let make = |f: &Arc<Faulty>| Pool::new(Arc::clone(f), config).map(Statistics::new);
         // How many calls the steps make when none fails.

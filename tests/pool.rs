@@ -74,11 +74,11 @@ fn forced_growth_against_a_limited_upstream() {
     unsafe { pool.deallocate(s, d, layout(2000).unwrap()) };
 }
 
-/// The default rule fits each chunk to its request, rounded up to 2 MiB (and at least the
-/// growth step), never past the maximum; a refused chunk is asked for again at the size
-/// of the request itself.
+/// The default rule sizes a chunk to its request, at least an eighth of the pool and the
+/// growth step, rounded up to 2 MiB and never past the maximum; a refused chunk is asked
+/// for again at the size of the request itself.
 #[test]
-fn fitted_chunks_round_to_two_mib_and_fall_back_to_the_request() {
+fn chunks_round_to_two_mib_and_fall_back_to_the_request() {
     let pool = heap_pool(PoolConfig::new());
     let s = StreamRef::HOST;
     let sizes = [1000, 3 << 20, (5 << 20) + 1, 1 << 20];
@@ -96,6 +96,12 @@ fn fitted_chunks_round_to_two_mib_and_fall_back_to_the_request() {
         unsafe { pool.deallocate(s, p, layout(n).unwrap()) };
     }
 
+    // A pool of 64 MiB, all handed out, takes an eighth of that (8 MiB) for 256 KiB.
+    let full = heap_pool(PoolConfig::new().initial_size(64 << 20));
+    let all = full.allocate(s, layout(64 << 20).unwrap()).unwrap();
+    let small = full.allocate(s, layout(256 << 10).unwrap()).unwrap();
+    assert_eq!(full.pool_size(), 72 << 20);
+
     // A growth step sets the smallest chunk; a maximum caps the rounding.
     let stepped = heap_pool(PoolConfig::new().growth_step(8 << 20));
     let a = stepped.allocate(s, layout(256).unwrap()).unwrap();
@@ -112,6 +118,8 @@ fn fitted_chunks_round_to_two_mib_and_fall_back_to_the_request() {
     assert_eq!(limited.upstream().allocated_bytes(), 2560 << 10);
     // SAFETY: allocated above with these layouts on `s`.
     unsafe {
+        full.deallocate(s, all, layout(64 << 20).unwrap());
+        full.deallocate(s, small, layout(256 << 10).unwrap());
         stepped.deallocate(s, a, layout(256).unwrap());
         capped.deallocate(s, b, layout(2560 << 10).unwrap());
         limited.deallocate(s, c, layout(2560 << 10).unwrap());
@@ -119,11 +127,9 @@ fn fitted_chunks_round_to_two_mib_and_fall_back_to_the_request() {
 }
 
 /// What the two rules hold on one random walk of allocations and frees (sizes 256 B to
-/// 4 MiB, up to 400 live): fitted chunks hold less than RMM's doubling, and both stay
-/// within their bounds (RMM's: 2x of what the pool needs, plus what is stranded between
-/// chunks).
+/// 4 MiB, up to 400 live): growing by an eighth holds less than RMM's doubling.
 #[test]
-fn fitted_chunks_hold_less_than_doubling() {
+fn growing_by_an_eighth_holds_less_than_doubling() {
     let held_over_live = |growth: Growth| {
         let pool = heap_pool(PoolConfig::new().growth(growth));
         let s = StreamRef::HOST;
@@ -157,9 +163,9 @@ fn fitted_chunks_hold_less_than_doubling() {
         }
         peak_held as f64 / peak_live as f64
     };
-    let (fit, rmm) = (held_over_live(Growth::Fit), held_over_live(Growth::Rmm));
-    assert!(fit < rmm, "fit {fit:.3}, rmm {rmm:.3}");
-    assert!(fit < 1.5, "fit {fit:.3}");
+    let (eighth, rmm) = (held_over_live(Growth::Eighth), held_over_live(Growth::Rmm));
+    assert!(eighth < rmm, "eighth {eighth:.3}, rmm {rmm:.3}");
+    assert!(eighth < 1.5, "eighth {eighth:.3}");
 }
 
 /// With a maximum, growth by RMM's rule takes half of what remains; a pool that cannot grow

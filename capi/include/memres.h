@@ -9,11 +9,12 @@
  *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
  *                                   pool growing in place over CUDA virtual memory
  *                                   (holds least; release= gives memory back above it)
- *   "pool[:initial=8GiB,max=60GiB,growth=fit]"  memres's coalescing pool over
+ *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
- *                                   needs rounded up to 2 MiB (growth=rmm: RMM's
- *                                   doubling, which may hold up to 2x what is live;
- *                                   virtual_pool holds least)
+ *                                   needs, at least 1/8 of the pool, rounded up to
+ *                                   2 MiB (GPT-2 training: 1.13x of live held).
+ *                                   growth=rmm: RMM's doubling (1.67x there, up to
+ *                                   2x). virtual_pool holds least (1.09x)
  *   "arena[:size=40GiB]"            RMM's arena (default: half the free memory)
  *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes; larger
  *                                   requests and the bins' chunks from a default

@@ -27,8 +27,8 @@ pub(crate) enum Spec {
         initial: Option<usize>,
         release_threshold: Option<u64>,
     },
-    /// memres's coalescing pool over `Cuda`, taking chunks fitted to the requests it
-    /// cannot serve (`growth=rmm`: RMM's doubling, up to 2x of what is live held);
+    /// memres's coalescing pool over `Cuda`, growing by what a request needs, at least an
+    /// eighth of the pool (`growth=rmm`: RMM's doubling, up to 2x of what is live held);
     /// `VirtualPool` holds least.
     Pool {
         initial: Option<usize>,
@@ -275,7 +275,7 @@ fn base(name: &str) -> Result<Spec, String> {
         "pool" => Spec::Pool {
             initial: None,
             max: None,
-            growth: Growth::Fit,
+            growth: Growth::Eighth,
         },
         "virtual_pool" => Spec::default_spec(),
         "arena" => Spec::Arena { size: None },
@@ -293,11 +293,11 @@ fn base(name: &str) -> Result<Spec, String> {
 
 fn growth_rule(key: &str, value: &str) -> Result<Growth, String> {
     match value {
-        "fit" => Ok(Growth::Fit),
+        "eighth" => Ok(Growth::Eighth),
         "rmm" => Ok(Growth::Rmm),
         _ => Err(format!(
-            "{key}={value:?}: the growth rule is fit (chunks fitted to requests) or rmm \
-             (RMM's doubling)"
+            "{key}={value:?}: the growth rule is eighth (what a request needs, at least an \
+             eighth of the pool) or rmm (RMM's doubling)"
         )),
     }
 }
@@ -391,7 +391,7 @@ mod tests {
         Spec::Pool {
             initial: None,
             max: None,
-            growth: Growth::Fit,
+            growth: Growth::Eighth,
         }
     }
 
@@ -436,7 +436,7 @@ mod tests {
             Spec::Pool {
                 initial: Some(8 << 30),
                 max: Some(60 << 30),
-                growth: Growth::Fit
+                growth: Growth::Eighth
             }
         );
         assert_eq!(
@@ -447,7 +447,7 @@ mod tests {
                 growth: Growth::Rmm
             }
         );
-        assert_eq!(ok("pool:growth=fit"), plain_pool());
+        assert_eq!(ok("pool:growth=eighth"), plain_pool());
         assert_eq!(
             ok("arena:size=40GiB"),
             Spec::Arena {
@@ -474,7 +474,7 @@ mod tests {
             Spec::Statistics(Box::new(Spec::Pool {
                 initial: Some(4 << 30),
                 max: None,
-                growth: Growth::Fit
+                growth: Growth::Eighth
             }))
         );
         assert_eq!(
@@ -498,7 +498,7 @@ mod tests {
                 inner: Box::new(Spec::Pool {
                     initial: Some(1 << 30),
                     max: Some(4 << 30),
-                    growth: Growth::Fit
+                    growth: Growth::Eighth
                 }),
                 limit: 2 << 30
             }
@@ -539,7 +539,7 @@ mod tests {
                 inner: Box::new(Spec::Pool {
                     initial: Some(4 << 30),
                     max: None,
-                    growth: Growth::Fit
+                    growth: Growth::Eighth
                 }),
                 limit: 1 << 30
             }))
@@ -550,7 +550,7 @@ mod tests {
                 inner: Box::new(Spec::Statistics(Box::new(Spec::Pool {
                     initial: Some(1 << 30),
                     max: None,
-                    growth: Growth::Fit
+                    growth: Growth::Eighth
                 }))),
                 limit: 2 << 30
             }
@@ -584,7 +584,7 @@ mod tests {
                 "pool:initial=8GB,maxx=1GiB",
                 "unknown option \"maxx\" for pool (options: initial, max, growth)",
             ),
-            ("pool:growth=double", "the growth rule is fit"),
+            ("pool:growth=double", "the growth rule is eighth"),
             ("pool:initial=eight", "initial: no number"),
             ("pool:initial", "option \"initial\" is not key=value"),
             ("pool(cuda)", "pool does not wrap a resource"),

@@ -74,7 +74,7 @@ fn a_bad_spec_is_refused_with_a_message_and_changes_nothing() {
         Some(Spec::Pool {
             initial: None,
             max: None,
-            growth: mr::suballoc::Growth::Fit
+            growth: mr::suballoc::Growth::Eighth
         })
     );
     // SAFETY: null is allowed and refused.

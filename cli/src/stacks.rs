@@ -251,7 +251,7 @@ impl Default for Options {
             fixed_block: 1 << 20,
             step: None,
             release: None,
-            growth: Growth::Fit,
+            growth: Growth::Eighth,
         }
     }
 }

@@ -9,17 +9,20 @@ use crate::error::Error;
 ///
 /// A chunk's blocks never merge with another chunk's, and a chunk goes back to the
 /// upstream only once all of it is free, so the rule trades memory held against the
-/// number of upstream calls:
+/// number of upstream calls and the memory stranded between chunks:
 ///
-/// | rule | chunk | held / live, `random` seeds 1-6, mean (max) |
-/// | --- | --- | --- |
-/// | [`Fit`](Growth::Fit) | the request, rounded up to 2 MiB | 1.24 (1.34) |
-/// | [`Rmm`](Growth::Rmm) | the pool's size again (doubling) | 1.84 (2.18) |
+/// | rule | a new chunk | GPT-2 training, held / live | `random` seeds 1-6, mean (max) | upstream calls, `random` |
+/// | --- | --- | --- | --- | --- |
+/// | [`Eighth`](Growth::Eighth) | the request, at least 1/8 of the pool, rounded up to 2 MiB | 1.134 | 1.303 (1.488) | 24 |
+/// | [`Rmm`](Growth::Rmm) | at least the pool's size again (doubling) | 1.669 | 1.837 (2.178) | 8 |
 ///
-/// (Host heap, 200,000 operations each; `BENCHMARKS.md` has the GPU figures.) `Fit`
-/// makes more upstream calls as the pool grows (50-100 instead of 8-14 in those runs),
-/// once each: a pool that has reached its working size calls the upstream no more under
-/// either rule.
+/// (H100, 2026-11-25, `BENCHMARKS.md`; PyTorch's caching allocator held 1.123 of the same
+/// GPT-2 run, and a pool growing in place 1.089.) Chunks fitted exactly to each request
+/// held more under GPT-2 (1.240: free memory scattered over many small chunks) and
+/// chunks of 1/16 or 1/32 of the pool too (1.189, 1.324), so the default keeps a floor
+/// of an eighth, which also bounds how many chunks a pool has (each growth adds at least
+/// 1/8 of its size). A pool that has reached its working size calls the upstream no more
+/// under either rule.
 ///
 /// ```
 /// use memres::suballoc::{Growth, Pool, PoolConfig};
@@ -49,21 +52,25 @@ use crate::error::Error;
 #[non_exhaustive]
 pub enum Growth {
     /// The default: a chunk of what the request needs (with room for its alignment), at
-    /// least the [growth step](PoolConfig::growth_step), rounded up to a multiple of
-    /// 2 MiB, the page in which the driver maps large allocations (PyTorch's caching
-    /// allocator rounds its large segments the same way). With a maximum, no more than
-    /// what remains below it.
+    /// least an eighth of what the pool holds and at least the
+    /// [growth step](PoolConfig::growth_step), rounded up to a multiple of 2 MiB, the page
+    /// in which the driver maps large allocations (PyTorch's caching allocator rounds its
+    /// large segments the same way). With a maximum, no more than what remains below it.
+    /// When the upstream refuses such a chunk, the pool asks for the request alone.
     #[default]
-    Fit,
+    Eighth,
     /// RMM's `pool_memory_resource` rule: without a maximum, the larger of the request and
     /// the pool's size (the pool doubles); with one, the larger of the request and half
-    /// of what remains. Holds between 1x and 2x of what the pool needs; fewest upstream
-    /// calls.
+    /// of what remains; halving the attempt, down to the request, when the upstream
+    /// refuses. Holds up to 2x of what the pool needs; fewest upstream calls.
     Rmm,
 }
 
-/// What [`Growth::Fit`] rounds a chunk up to.
-pub(super) const FIT_ROUNDING: usize = 2 << 20;
+/// What [`Growth::Eighth`] rounds a chunk up to.
+pub(super) const CHUNK_ROUNDING: usize = 2 << 20;
+
+/// The least share of the pool's size that a [`Growth::Eighth`] chunk adds.
+pub(super) const EIGHTH: usize = 8;
 
 /// How a [`Pool`] starts, how it grows and when it gives memory back.
 ///
@@ -95,7 +102,7 @@ impl PoolConfig {
             initial: 0,
             maximum: None,
             step: 0,
-            growth: Growth::Fit,
+            growth: Growth::Eighth,
             release_threshold: None,
         }
     }
@@ -116,7 +123,7 @@ impl PoolConfig {
 
     /// The least a growth takes: for a pool that grows in place ([`Pool::in_place`]), the
     /// least it maps at a time (rounded up to the upstream's granularity; default: one
-    /// granule); for a pool over chunks growing by [`Growth::Fit`], the smallest chunk
+    /// granule); for a pool over chunks growing by [`Growth::Eighth`], the smallest chunk
     /// (rounded up to 2 MiB; default: 2 MiB). A larger step means fewer, larger growths
     /// and more memory held ahead of need. [`Growth::Rmm`] ignores it.
     ///
@@ -127,7 +134,7 @@ impl PoolConfig {
         self
     }
 
-    /// How a pool over chunks sizes the chunks it takes (default: [`Growth::Fit`]).
+    /// How a pool over chunks sizes the chunks it takes (default: [`Growth::Eighth`]).
     #[must_use]
     pub const fn growth(mut self, rule: Growth) -> PoolConfig {
         self.growth = rule;
