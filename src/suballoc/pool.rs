@@ -376,8 +376,9 @@ pub struct Pool<U: Resource> {
 
 impl<U: Resource> Pool<U> {
     /// A pool over `upstream`, taking `config.initial()` bytes from it at once. It grows
-    /// by upstream allocations of its own ("chunks"); over a [`GrowInPlace`] upstream,
-    /// [`Pool::in_place`] holds less.
+    /// by upstream allocations of its own ("chunks"), sized by `config`'s
+    /// [`Growth`](super::Growth) rule; over a [`GrowInPlace`] upstream, [`Pool::in_place`]
+    /// holds less.
     pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
         config.validate()?;
         let pool = Pool {
