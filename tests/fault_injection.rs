@@ -175,17 +175,22 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn pool(fault in random_fault(), steps in steps()) {
+    fn pool(fault in random_fault(), steps in steps(), rmm in any::<bool>()) {
         let faulty = Arc::new(Faulty::new(fault));
-        let make = |f: &Arc<Faulty>| Pool::new(Arc::clone(f), PoolConfig::new().initial_size(256 << 10));
+        let growth = if rmm { Growth::Rmm } else { Growth::Eighth };
+        let config = PoolConfig::new().initial_size(256 << 10).growth(growth);
+        let make = |f: &Arc<Faulty>| Pool::new(Arc::clone(f), config);
         let trim = |p: &Pool<Arc<Faulty>>| { let _ = p.trim(); };
         check(&faulty, make, &steps, &Hooks { max_size: ANY, trim: &trim, counters: &no_counters });
     }
 
     #[test]
-    fn capped_pool(fault in random_fault(), steps in steps()) {
+    fn capped_pool(fault in random_fault(), steps in steps(), rmm in any::<bool>()) {
         let faulty = Arc::new(Faulty::new(fault));
-        let make = |f: &Arc<Faulty>| Pool::new(Arc::clone(f), PoolConfig::new().maximum_size(2 << 20));
+        let growth = if rmm { Growth::Rmm } else { Growth::Eighth };
+        // 4 MiB: room for more than one chunk under either rule.
+        let config = PoolConfig::new().maximum_size(4 << 20).growth(growth);
+        let make = |f: &Arc<Faulty>| Pool::new(Arc::clone(f), config);
         check(&faulty, make, &steps, &Hooks { max_size: ANY, trim: &no_trim, counters: &no_counters });
     }
 
@@ -244,15 +249,15 @@ proptest! {
     }
 }
 
-/// A failure at each call in turn, under either growth rule: the pool's construction, its
-/// growths and its growth after a trim each fail once, and the pool recovers each time.
+/// A failure at each call in turn, under either growth rule: the pool's growths, its
+/// fallbacks and its growth after a trim each fail once, and the pool recovers each time.
 #[test]
 fn each_of_the_first_calls_failing_in_turn() {
     let steps: Vec<Step> = (0..40)
         .flat_map(|i| {
             let alloc = Step::Allocate {
                 stream: i % 3,
-                size: 1000 << (i % 9),
+                size: 1000 << (i % 13),
                 align_shift: 8,
             };
             let free = Step::Free {
@@ -281,7 +286,7 @@ fn each_of_the_first_calls_failing_in_turn() {
         let clean = Arc::new(Faulty::new(Fault::Never));
         check(&clean, make, &steps, &hooks);
         let calls = clean.calls();
-        assert!(calls >= 2, "{growth:?}: {calls} calls");
+        assert!(calls >= 6, "{growth:?}: {calls} calls");
         for at in 1..=calls {
             let faulty = Arc::new(Faulty::new(Fault::At(at)));
             check(&faulty, make, &steps, &hooks);

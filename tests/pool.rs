@@ -164,8 +164,91 @@ fn growing_by_an_eighth_holds_less_than_doubling() {
         peak_held as f64 / peak_live as f64
     };
     let (eighth, rmm) = (held_over_live(Growth::Eighth), held_over_live(Growth::Rmm));
-    assert!(eighth < rmm, "eighth {eighth:.3}, rmm {rmm:.3}");
-    assert!(eighth < 1.5, "eighth {eighth:.3}");
+    // (Measured: 1.477 against 2.084.)
+    assert!(eighth < 0.85 * rmm, "eighth {eighth:.3}, rmm {rmm:.3}");
+}
+
+/// When the upstream refuses the default rule's chunk, the pool asks for the request
+/// rounded up to 2 MiB, then for the request alone (RMM's rule would halve instead).
+#[test]
+fn a_refused_chunk_falls_back_to_the_rounded_request_then_the_request() {
+    let s = StreamRef::HOST;
+    // A pool of 64 MiB, all handed out: 1 MiB asks for an eighth, 8 MiB.
+    for (upstream, held) in [
+        // 5 MiB left upstream: 8 MiB refused, then 2 MiB (1 MiB rounded up) granted.
+        (69 << 20, 66 << 20),
+        // 1.5 MiB left: 8 and 2 MiB refused, then 1 MiB granted.
+        (131 << 19, 65 << 20),
+    ] {
+        let config = PoolConfig::new().initial_size(64 << 20);
+        let pool = Pool::new(Limiting::new(HostHeap::new(), upstream), config).unwrap();
+        let all = pool.allocate(s, layout(64 << 20).unwrap()).unwrap();
+        let one = pool.allocate(s, layout(1 << 20).unwrap()).unwrap();
+        let stats = pool.stats();
+        assert_eq!(
+            stats.pool_size, held,
+            "upstream of {upstream} bytes: {stats:?}"
+        );
+        assert_eq!(stats.upstream_allocations, 2, "{stats:?}");
+        // SAFETY: allocated above with these layouts on `s`.
+        unsafe {
+            pool.deallocate(s, all, layout(64 << 20).unwrap());
+            pool.deallocate(s, one, layout(1 << 20).unwrap());
+        }
+    }
+}
+
+/// The default rule with a maximum: chunks stop at the maximum, and a pool that cannot
+/// grow gives its free chunks back and grows once more before it reports `OutOfMemory`.
+#[test]
+fn a_capped_pool_growing_by_an_eighth_trims_and_retries() {
+    let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20));
+    let s = StreamRef::host(1);
+    let (one, one_half) = (layout(1 << 20).unwrap(), layout(3 << 19).unwrap());
+    let a = pool.allocate(s, one).unwrap();
+    assert_eq!(pool.pool_size(), 2 << 20);
+    // 1 MiB is left in the first chunk: a second chunk of 2 MiB, the whole maximum.
+    let b = pool.allocate(s, one_half).unwrap();
+    assert_eq!(pool.pool_size(), 4 << 20);
+    // SAFETY: allocated above with these layouts on `s`.
+    unsafe {
+        pool.deallocate(s, a, one);
+        pool.deallocate(s, b, one_half);
+    }
+    // 3 MiB fits in neither chunk and the pool is at its maximum: it gives both back and
+    // takes one chunk of 4 MiB (3 MiB rounded up, at the maximum).
+    let three = layout(3 << 20).unwrap();
+    let c = pool.allocate(s, three).unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.upstream_allocations, 1, "{stats:?}");
+    assert_eq!(stats.pool_size, 4 << 20, "{stats:?}");
+    match pool.allocate(s, three) {
+        Err(Error::OutOfMemory {
+            requested, limit, ..
+        }) => {
+            assert_eq!((requested, limit), (3 << 20, Some(4 << 20)));
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // SAFETY: as above.
+    unsafe { pool.deallocate(s, c, three) };
+    assert_eq!(pool.trim().unwrap(), 4 << 20);
+}
+
+/// A growth step beyond what any allocation can be still lets a capped pool grow: the
+/// chunk stops at the maximum.
+#[test]
+fn a_huge_growth_step_stops_at_the_maximum() {
+    let pool = heap_pool(
+        PoolConfig::new()
+            .maximum_size(64 << 20)
+            .growth_step(isize::MAX as usize),
+    );
+    let l = layout(1000).unwrap();
+    let p = pool.allocate(StreamRef::HOST, l).unwrap();
+    assert_eq!(pool.pool_size(), 64 << 20);
+    // SAFETY: allocated just above with `l` on the host stream.
+    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
 }
 
 /// With a maximum, growth by RMM's rule takes half of what remains; a pool that cannot grow
@@ -320,12 +403,17 @@ proptest! {
     /// overlap and are aligned, free + live = pool size, and once everything is freed and
     /// the lists merged, there is one free block per upstream allocation.
     #[test]
-    fn pool_invariants(steps in proptest::collection::vec(step(3, 13), 1..200), capped in any::<bool>()) {
+    fn pool_invariants(
+        steps in proptest::collection::vec(step(3, 13), 1..200),
+        capped in any::<bool>(),
+        rmm in any::<bool>(),
+    ) {
         let config = if capped {
             PoolConfig::new().initial_size(1 << 20).maximum_size(8 << 20)
         } else {
             PoolConfig::new()
         };
+        let config = config.growth(if rmm { Growth::Rmm } else { Growth::Eighth });
         let pool = heap_pool(config);
         let mut live: Vec<(NonNull<u8>, Layout)> = Vec::new();
         for step in steps {

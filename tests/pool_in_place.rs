@@ -283,8 +283,8 @@ fn cross_stream_frees_are_reused_before_the_pool_grows() {
         "in place: held {held}, live {live}"
     );
     // A chunked pool strands memory between its chunks, but never without bound (before
-    // the fix, it grew to 12.8x on the GPU and without end on the heap): up to 2x by
-    // either growth rule.
+    // the fix, it grew to 12.8x on the GPU and without end on the heap): here within 2x
+    // plus a chunk under either growth rule.
     for growth in [Growth::Eighth, Growth::Rmm] {
         let chunked = Pool::new(HostHeap::new(), PoolConfig::new().growth(growth)).unwrap();
         assert!(!chunked.grows_in_place());

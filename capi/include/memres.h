@@ -14,7 +14,8 @@
  *                                   needs, at least 1/8 of the pool, rounded up to
  *                                   2 MiB (GPT-2 training: 1.13x of live held).
  *                                   growth=rmm: RMM's doubling (1.67x there, up to
- *                                   2x). virtual_pool holds least (1.09x)
+ *                                   2x without max=). virtual_pool holds least
+ *                                   (1.09x)
  *   "arena[:size=40GiB]"            RMM's arena (default: half the free memory)
  *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes; larger
  *                                   requests and the bins' chunks from a default

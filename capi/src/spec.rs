@@ -28,7 +28,8 @@ pub(crate) enum Spec {
         release_threshold: Option<u64>,
     },
     /// memres's coalescing pool over `Cuda`, growing by what a request needs, at least an
-    /// eighth of the pool (`growth=rmm`: RMM's doubling, up to 2x of what is live held);
+    /// eighth of the pool (`growth=rmm`: RMM's doubling, up to 2x of what is live held
+    /// without a maximum);
     /// `VirtualPool` holds least.
     Pool {
         initial: Option<usize>,

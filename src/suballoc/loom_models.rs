@@ -112,7 +112,10 @@ fn pools_model() -> loom::model::Builder {
 fn loom_two_streams_grow_one_pool_without_overlap() {
     pools_model().check(|| {
         let pool = Arc::new(Pool::new(HostHeap::new(), PoolConfig::new()).unwrap());
-        let l = Layout::from_size_align(1000, 256).unwrap();
+        // 1.5 MiB: each chunk is 2 MiB, so neither request fits what the other's growth
+        // leaves over, and both streams grow.
+        let n = 3 << 19;
+        let l = Layout::from_size_align(n, 256).unwrap();
         let other = Arc::clone(&pool);
         let t = thread::spawn(move || {
             let s = StreamRef::host(1);
@@ -123,12 +126,10 @@ fn loom_two_streams_grow_one_pool_without_overlap() {
         let mine = pool.allocate(s, l).unwrap();
         let (theirs, their_stream) = t.join().unwrap();
         let (a, b) = (mine.as_ptr() as usize, theirs);
-        assert!(
-            a + 1024 <= b || b + 1024 <= a,
-            "blocks overlap: {a:#x} {b:#x}"
-        );
+        assert!(a + n <= b || b + n <= a, "blocks overlap: {a:#x} {b:#x}");
         let stats = pool.stats();
-        assert_eq!(stats.free_bytes + 2048, stats.pool_size);
+        assert_eq!(stats.upstream_allocations, 2, "{stats:?}");
+        assert_eq!(stats.free_bytes + 2 * n, stats.pool_size);
         // SAFETY: both came from `pool` with `l`; host streams are always done.
         unsafe {
             pool.deallocate(s, mine, l);

@@ -7,7 +7,7 @@ use std::ptr::{self, NonNull};
 use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth as Rule, PoolConfig};
+use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use super::superblocks::Superblocks;
 use crate::error::Error;
@@ -86,7 +86,7 @@ impl PoolStats {
 /// What changes only when the pool grows or shrinks; its mutex also serialises the
 /// allocation slow path.
 #[derive(Default)]
-struct Growth {
+struct GrowthState {
     chunks: Vec<Chunk>,
     size: usize,
     /// For a pool that grows in place: which granules of the reservation it holds.
@@ -97,19 +97,19 @@ struct Growth {
 /// pending while the lock was held (see `Pool::release_if_pending`).
 struct GrowthGuard<'a, U: Resource> {
     pool: &'a Pool<U>,
-    guard: Option<MutexGuard<'a, Growth>>,
+    guard: Option<MutexGuard<'a, GrowthState>>,
 }
 
 impl<U: Resource> std::ops::Deref for GrowthGuard<'_, U> {
-    type Target = Growth;
+    type Target = GrowthState;
 
-    fn deref(&self) -> &Growth {
+    fn deref(&self) -> &GrowthState {
         self.guard.as_ref().expect("held until dropped")
     }
 }
 
 impl<U: Resource> std::ops::DerefMut for GrowthGuard<'_, U> {
-    fn deref_mut(&mut self) -> &mut Growth {
+    fn deref_mut(&mut self) -> &mut GrowthState {
         self.guard.as_mut().expect("held until dropped")
     }
 }
@@ -304,10 +304,10 @@ impl PoolShard {
 ///   shims. [`HostVirtual`](crate::HostVirtual) is the same over host pages.
 /// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
 ///   [`Pool::new`]. It takes allocations ("chunks") sized by its
-///   [`Growth`](super::Growth) rule: by default what the request needs, at least an
-///   eighth of the pool, rounded up to 2 MiB ([`Growth::Eighth`](super::Growth::Eighth):
+///   [`Growth`] rule: by default what the request needs, at least an
+///   eighth of the pool, rounded up to 2 MiB ([`Growth::Eighth`]:
 ///   GPT-2 training held 1.13x of its live peak), or RMM's doubling
-///   ([`Growth::Rmm`](super::Growth::Rmm): up to 2x, 1.67x there; fewest upstream
+///   ([`Growth::Rmm`]: up to 2x, 1.67x there; fewest upstream
 ///   calls). When the upstream refuses a chunk, the pool asks for less (down to
 ///   the request itself), then gives its entirely free chunks back and asks again.
 ///   Blocks of two chunks never merge, so some memory stays stranded between chunks; an
@@ -365,7 +365,7 @@ impl PoolShard {
 pub struct Pool<U: Resource> {
     upstream: U,
     config: PoolConfig,
-    growth: Mutex<Growth>,
+    growth: Mutex<GrowthState>,
     shards: ShardMap<PoolShard>,
     /// Set when the pool grows in place.
     space: Option<Space<U>>,
@@ -377,14 +377,14 @@ pub struct Pool<U: Resource> {
 impl<U: Resource> Pool<U> {
     /// A pool over `upstream`, taking `config.initial()` bytes from it at once. It grows
     /// by upstream allocations of its own ("chunks"), sized by `config`'s
-    /// [`Growth`](super::Growth) rule; over a [`GrowInPlace`] upstream, [`Pool::in_place`]
+    /// [`Growth`] rule; over a [`GrowInPlace`] upstream, [`Pool::in_place`]
     /// holds less.
     pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
         config.validate()?;
         let pool = Pool {
             upstream,
             config,
-            growth: Mutex::new(Growth::default()),
+            growth: Mutex::new(GrowthState::default()),
             shards: ShardMap::default(),
             space: None,
             release_pending: AtomicBool::new(false),
@@ -441,9 +441,9 @@ impl<U: Resource> Pool<U> {
         let pool = Pool {
             upstream,
             config,
-            growth: Mutex::new(Growth {
+            growth: Mutex::new(GrowthState {
                 mapped: Granules::new(len / granularity),
-                ..Growth::default()
+                ..GrowthState::default()
             }),
             shards: ShardMap::default(),
             space: Some(Space {
@@ -543,7 +543,7 @@ impl<U: Resource> Pool<U> {
     /// bytes are free (or nothing more can go).
     fn release_down_to(
         &self,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         into: &Shard<PoolShard>,
         keep: usize,
     ) -> Result<usize, Error> {
@@ -586,7 +586,7 @@ impl<U: Resource> Pool<U> {
 
     /// The growth lock if no other thread holds it (the raw guard: its unlock runs no
     /// pending release, so the callers look for one afterwards).
-    fn try_lock_growth(&self) -> Option<MutexGuard<'_, Growth>> {
+    fn try_lock_growth(&self) -> Option<MutexGuard<'_, GrowthState>> {
         match self.growth.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -594,7 +594,7 @@ impl<U: Resource> Pool<U> {
         }
     }
 
-    fn release_into(&self, growth: &mut Growth, shard: &Shard<PoolShard>, keep: usize) {
+    fn release_into(&self, growth: &mut GrowthState, shard: &Shard<PoolShard>, keep: usize) {
         if let Err(e) = self.release_down_to(growth, shard, keep) {
             tracing::warn!("a pool could not give memory back at its release threshold: {e}");
         }
@@ -900,7 +900,7 @@ impl<U: Resource> Pool<U> {
     /// `Ok(None)` when neither the maximum nor the upstream allows it.
     fn grow(
         &self,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         stream: StreamRef<'_>,
         own: &Shard<PoolShard>,
         size: usize,
@@ -918,19 +918,21 @@ impl<U: Resource> Pool<U> {
             Some(max) => max - growth.size,
             None => usize::MAX,
         };
-        let mut attempt = match self.config.growth {
-            // (A rounding past what a `Layout` can hold, or past the maximum, falls back
-            // to what is left or to the request itself.)
-            Rule::Eighth => min
-                .max(self.config.step)
-                .max(growth.size / EIGHTH)
+        // `n` rounded up to 2 MiB pages, within what remains and what a `Layout` holds;
+        // else the request itself.
+        let rounded = |n: usize| {
+            let n = n
                 .checked_next_multiple_of(CHUNK_ROUNDING)
-                .filter(|&n| n <= isize::MAX as usize)
-                .map_or(min, |n| n.min(remaining)),
-            Rule::Rmm if self.config.maximum.is_some() => {
+                .unwrap_or(usize::MAX)
+                .min(remaining);
+            if n <= isize::MAX as usize { n } else { min }
+        };
+        let mut attempt = match self.config.growth {
+            Growth::Eighth => rounded(min.max(self.config.step).max(growth.size / EIGHTH)),
+            Growth::Rmm if self.config.maximum.is_some() => {
                 min.max((remaining / 2).next_multiple_of(GRANULE))
             }
-            Rule::Rmm => min.max(growth.size),
+            Growth::Rmm => min.max(growth.size),
         };
         loop {
             let Ok(layout) = Layout::from_size_align(attempt, GRANULE) else {
@@ -944,11 +946,13 @@ impl<U: Resource> Pool<U> {
                     return Ok(addr);
                 }
                 // Less, when the upstream refuses: RMM halves its attempt; the default
-                // asks for the request itself.
+                // asks for the request rounded up to 2 MiB pages (the driver maps no less),
+                // then for the request itself.
                 Err(Error::OutOfMemory { .. }) if attempt > min => {
                     attempt = match self.config.growth {
-                        Rule::Eighth => min,
-                        Rule::Rmm => min.max((attempt / 2).next_multiple_of(GRANULE)),
+                        Growth::Eighth if rounded(min) < attempt => rounded(min),
+                        Growth::Eighth => min,
+                        Growth::Rmm => min.max((attempt / 2).next_multiple_of(GRANULE)),
                     };
                 }
                 Err(Error::OutOfMemory { .. }) => return Ok(None),
@@ -966,7 +970,7 @@ impl<U: Resource> Pool<U> {
     fn grow_in_place(
         &self,
         space: &Space<U>,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         own: &Shard<PoolShard>,
         size: usize,
         align: usize,
@@ -1032,7 +1036,7 @@ impl<U: Resource> Pool<U> {
     fn map_into(
         &self,
         space: &Space<U>,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         into: &mut PoolShard,
         addr: usize,
         len: usize,
@@ -1056,7 +1060,7 @@ impl<U: Resource> Pool<U> {
     /// (so the grower takes its block before any other thread sees the chunk).
     fn add_chunk<'a>(
         &self,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         ptr: NonNull<u8>,
         layout: Layout,
         into: &'a Shard<PoolShard>,
@@ -1118,7 +1122,7 @@ impl<U: Resource> Pool<U> {
     fn unmap_free_granules(
         &self,
         space: &Space<U>,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         from: &Shard<PoolShard>,
         keep: usize,
     ) -> usize {
@@ -1143,7 +1147,7 @@ impl<U: Resource> Pool<U> {
     fn unmap_in(
         &self,
         space: &Space<U>,
-        growth: &mut Growth,
+        growth: &mut GrowthState,
         s: &mut PoolShard,
         keep: usize,
         spare: [usize; 2],
@@ -1197,7 +1201,7 @@ impl<U: Resource> Pool<U> {
     }
 
     /// Returns to the upstream every chunk that is one free block in `from`'s list.
-    fn release_free_chunks(&self, growth: &mut Growth, from: &Shard<PoolShard>) -> usize {
+    fn release_free_chunks(&self, growth: &mut GrowthState, from: &Shard<PoolShard>) -> usize {
         let whole = |s: &PoolShard, c: &Chunk| {
             s.free
                 .starting_at(c.addr)

@@ -56,13 +56,15 @@ pub enum Growth {
     /// [growth step](PoolConfig::growth_step), rounded up to a multiple of 2 MiB, the page
     /// in which the driver maps large allocations (PyTorch's caching allocator rounds its
     /// large segments the same way). With a maximum, no more than what remains below it.
-    /// When the upstream refuses such a chunk, the pool asks for the request alone.
+    /// When the upstream refuses such a chunk, the pool asks for the request rounded up to
+    /// 2 MiB, then for the request alone.
     #[default]
     Eighth,
     /// RMM's `pool_memory_resource` rule: without a maximum, the larger of the request and
     /// the pool's size (the pool doubles); with one, the larger of the request and half
     /// of what remains; halving the attempt, down to the request, when the upstream
-    /// refuses. Holds up to 2x of what the pool needs; fewest upstream calls.
+    /// refuses. Without a maximum it holds up to 2x of what the pool needs; fewest
+    /// upstream calls.
     Rmm,
 }
 
@@ -74,8 +76,8 @@ pub(super) const EIGHTH: usize = 8;
 
 /// How a [`Pool`] starts, how it grows and when it gives memory back.
 ///
-/// Sizes must be multiples of 256 bytes and the initial size may not exceed the
-/// maximum; [`Pool::new`] returns [`Error::InvalidArgument`] otherwise.
+/// The initial and maximum sizes must be multiples of 256 bytes and the initial size may
+/// not exceed the maximum; [`Pool::new`] returns [`Error::InvalidArgument`] otherwise.
 ///
 /// ```
 /// use memres::suballoc::PoolConfig;
@@ -124,7 +126,7 @@ impl PoolConfig {
     /// The least a growth takes: for a pool that grows in place ([`Pool::in_place`]), the
     /// least it maps at a time (rounded up to the upstream's granularity; default: one
     /// granule); for a pool over chunks growing by [`Growth::Eighth`], the smallest chunk
-    /// (rounded up to 2 MiB; default: 2 MiB). A larger step means fewer, larger growths
+    /// it asks for first (rounded up to 2 MiB and capped at the maximum; default: 2 MiB). A larger step means fewer, larger growths
     /// and more memory held ahead of need. [`Growth::Rmm`] ignores it.
     ///
     /// [`Pool::in_place`]: super::Pool::in_place
@@ -209,5 +211,16 @@ impl PoolConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_is_the_default() {
+        assert_eq!(PoolConfig::new(), PoolConfig::default());
+        assert_eq!(PoolConfig::new().growth_rule(), Growth::Eighth);
     }
 }
