@@ -198,43 +198,6 @@ fn a_refused_chunk_falls_back_to_the_rounded_request_then_the_request() {
     }
 }
 
-/// The default rule with a maximum: chunks stop at the maximum, and a pool that cannot
-/// grow gives its free chunks back and grows once more before it reports `OutOfMemory`.
-#[test]
-fn a_capped_pool_growing_by_an_eighth_trims_and_retries() {
-    let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20));
-    let s = StreamRef::host(1);
-    let (one, one_half) = (layout(1 << 20).unwrap(), layout(3 << 19).unwrap());
-    let a = pool.allocate(s, one).unwrap();
-    assert_eq!(pool.pool_size(), 2 << 20);
-    // 1 MiB is left in the first chunk: a second chunk of 2 MiB, the whole maximum.
-    let b = pool.allocate(s, one_half).unwrap();
-    assert_eq!(pool.pool_size(), 4 << 20);
-    // SAFETY: allocated above with these layouts on `s`.
-    unsafe {
-        pool.deallocate(s, a, one);
-        pool.deallocate(s, b, one_half);
-    }
-    // 3 MiB fits in neither chunk and the pool is at its maximum: it gives both back and
-    // takes one chunk of 4 MiB (3 MiB rounded up, at the maximum).
-    let three = layout(3 << 20).unwrap();
-    let c = pool.allocate(s, three).unwrap();
-    let stats = pool.stats();
-    assert_eq!(stats.upstream_allocations, 1, "{stats:?}");
-    assert_eq!(stats.pool_size, 4 << 20, "{stats:?}");
-    match pool.allocate(s, three) {
-        Err(Error::OutOfMemory {
-            requested, limit, ..
-        }) => {
-            assert_eq!((requested, limit), (3 << 20, Some(4 << 20)));
-        }
-        other => panic!("expected OutOfMemory, got {other:?}"),
-    }
-    // SAFETY: as above.
-    unsafe { pool.deallocate(s, c, three) };
-    assert_eq!(pool.trim().unwrap(), 4 << 20);
-}
-
 /// A growth step beyond what any allocation can be still lets a capped pool grow: the
 /// chunk stops at the maximum.
 #[test]
@@ -251,40 +214,50 @@ fn a_huge_growth_step_stops_at_the_maximum() {
     unsafe { pool.deallocate(StreamRef::HOST, p, l) };
 }
 
-/// With a maximum, growth by RMM's rule takes half of what remains; a pool that cannot grow
-/// returns its free chunks and grows once more before it reports `OutOfMemory`.
+/// With a maximum, growth by RMM's rule takes half of what remains, and the default rule
+/// stops at the maximum; a pool that cannot grow returns its free chunks and grows once
+/// more before it reports `OutOfMemory`.
 #[test]
 fn a_capped_pool_trims_and_retries() {
-    let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20).growth(Growth::Rmm));
-    let s = StreamRef::host(1);
-    let (one, one_half) = (layout(1 << 20).unwrap(), layout(3 << 19).unwrap());
-    let a = pool.allocate(s, one).unwrap();
-    assert_eq!(pool.pool_size(), 2 << 20);
-    let b = pool.allocate(s, one_half).unwrap();
-    assert_eq!(pool.pool_size(), (2 << 20) + (3 << 19));
-    // SAFETY: allocated above with these layouts on `s`.
-    unsafe {
-        pool.deallocate(s, a, one);
-        pool.deallocate(s, b, one_half);
-    }
-    // 3 MiB fits in neither chunk, and the pool may not grow by 3 MiB: it gives both back.
-    let three = layout(3 << 20).unwrap();
-    let c = pool.allocate(s, three).unwrap();
-    let stats = pool.stats();
-    assert_eq!(stats.upstream_allocations, 1);
-    assert_eq!(stats.pool_size, 3 << 20);
-    match pool.allocate(s, three) {
-        Err(Error::OutOfMemory {
-            requested, limit, ..
-        }) => {
-            assert_eq!((requested, limit), (3 << 20, Some(4 << 20)));
+    // The rule; the pool's size after 1 MiB and 1.5 MiB; its one chunk for 3 MiB.
+    for (growth, two, chunk) in [
+        // 2 MiB (half of 4), then 1.5 MiB (the request; half of what remains is 1).
+        (Growth::Rmm, (2 << 20) + (3 << 19), 3 << 20),
+        // 2 MiB, then 2 MiB (1.5 rounded up, the whole maximum); 3 MiB rounds up to 4.
+        (Growth::Eighth, 4 << 20, 4 << 20),
+    ] {
+        let pool = heap_pool(PoolConfig::new().maximum_size(4 << 20).growth(growth));
+        let s = StreamRef::host(1);
+        let (one, one_half) = (layout(1 << 20).unwrap(), layout(3 << 19).unwrap());
+        let a = pool.allocate(s, one).unwrap();
+        assert_eq!(pool.pool_size(), 2 << 20, "{growth:?}");
+        let b = pool.allocate(s, one_half).unwrap();
+        assert_eq!(pool.pool_size(), two, "{growth:?}");
+        // SAFETY: allocated above with these layouts on `s`.
+        unsafe {
+            pool.deallocate(s, a, one);
+            pool.deallocate(s, b, one_half);
         }
-        other => panic!("expected OutOfMemory, got {other:?}"),
+        // 3 MiB fits in neither chunk, and the pool may not grow by 3 MiB: it gives both
+        // back.
+        let three = layout(3 << 20).unwrap();
+        let c = pool.allocate(s, three).unwrap();
+        let stats = pool.stats();
+        assert_eq!(stats.upstream_allocations, 1, "{growth:?}");
+        assert_eq!(stats.pool_size, chunk, "{growth:?}");
+        match pool.allocate(s, three) {
+            Err(Error::OutOfMemory {
+                requested, limit, ..
+            }) => {
+                assert_eq!((requested, limit), (3 << 20, Some(4 << 20)));
+            }
+            other => panic!("{growth:?}: expected OutOfMemory, got {other:?}"),
+        }
+        // SAFETY: as above.
+        unsafe { pool.deallocate(s, c, three) };
+        assert_eq!(pool.trim().unwrap(), chunk);
+        assert_eq!(pool.stats().pool_size, 0);
     }
-    // SAFETY: as above.
-    unsafe { pool.deallocate(s, c, three) };
-    assert_eq!(pool.trim().unwrap(), 3 << 20);
-    assert_eq!(pool.stats().pool_size, 0);
 }
 
 #[test]
