@@ -388,12 +388,17 @@ mod tests {
         Spec::parse(text).unwrap_err().0
     }
 
-    fn plain_pool() -> Spec {
+    /// A `pool` spec with the default growth rule.
+    fn pool(initial: Option<usize>, max: Option<usize>) -> Spec {
         Spec::Pool {
-            initial: None,
-            max: None,
+            initial,
+            max,
             growth: Growth::Eighth,
         }
+    }
+
+    fn plain_pool() -> Spec {
+        pool(None, None)
     }
 
     #[test]
@@ -434,11 +439,7 @@ mod tests {
         assert_eq!(ok(" pool "), plain_pool());
         assert_eq!(
             ok("pool:initial=8GiB,max=60GiB"),
-            Spec::Pool {
-                initial: Some(8 << 30),
-                max: Some(60 << 30),
-                growth: Growth::Eighth
-            }
+            pool(Some(8 << 30), Some(60 << 30))
         );
         assert_eq!(
             ok("pool:growth=rmm"),
@@ -472,11 +473,7 @@ mod tests {
     fn wrappers() {
         assert_eq!(
             ok("statistics(pool:initial=4GiB)"),
-            Spec::Statistics(Box::new(Spec::Pool {
-                initial: Some(4 << 30),
-                max: None,
-                growth: Growth::Eighth
-            }))
+            Spec::Statistics(Box::new(pool(Some(4 << 30), None)))
         );
         assert_eq!(
             ok("logging(pool,file=/tmp/log.csv)"),
@@ -496,11 +493,7 @@ mod tests {
         assert_eq!(
             ok("limiting(pool:initial=1GiB,max=4GiB,limit=2GiB)"),
             Spec::Limiting {
-                inner: Box::new(Spec::Pool {
-                    initial: Some(1 << 30),
-                    max: Some(4 << 30),
-                    growth: Growth::Eighth
-                }),
+                inner: Box::new(pool(Some(1 << 30), Some(4 << 30))),
                 limit: 2 << 30
             }
         );
@@ -537,22 +530,14 @@ mod tests {
         assert_eq!(
             ok("statistics(limiting(pool,limit=1GiB),initial=4GiB)"),
             Spec::Statistics(Box::new(Spec::Limiting {
-                inner: Box::new(Spec::Pool {
-                    initial: Some(4 << 30),
-                    max: None,
-                    growth: Growth::Eighth
-                }),
+                inner: Box::new(pool(Some(4 << 30), None)),
                 limit: 1 << 30
             }))
         );
         assert_eq!(
             ok("limiting(statistics(pool),initial=1GiB,limit=2GiB)"),
             Spec::Limiting {
-                inner: Box::new(Spec::Statistics(Box::new(Spec::Pool {
-                    initial: Some(1 << 30),
-                    max: None,
-                    growth: Growth::Eighth
-                }))),
+                inner: Box::new(Spec::Statistics(Box::new(pool(Some(1 << 30), None)))),
                 limit: 2 << 30
             }
         );

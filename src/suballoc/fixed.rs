@@ -23,6 +23,7 @@ const CACHE_BLOCKS: usize = 64;
 /// ... but at least this many, so that blocks of 2 and 4 MiB (a `Binning`'s largest bins)
 /// are cached too, in 8 and 16 MiB; larger blocks have no thread caches.
 const CACHE_MIN_BLOCKS: usize = 4;
+/// The largest block a thread cache keeps (a `Binning`'s largest default bin).
 const CACHE_LARGEST_BLOCK: usize = 4 << 20;
 
 /// Hands out blocks of one size (RMM's `fixed_size_memory_resource`): every request up
