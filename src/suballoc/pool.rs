@@ -44,6 +44,8 @@ const LARGE_BYTES: usize = 8 << 20;
 /// A CUDA stream that takes a small block from a host stream's list (where a pool's
 /// initial memory is) takes this much, and keeps the rest in its own list.
 const HOST_REFILL: usize = 2 << 20;
+/// The key of the list that paths holding the growth lock use: host stream 0, lane 0.
+const HOST_LIST: StreamKey = StreamKey::host(0);
 
 /// A snapshot of a pool's memory, from [`Pool::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -389,8 +391,10 @@ impl<U: Resource> Pool<U> {
             space: None,
             release_pending: AtomicBool::new(false),
         };
-        // The host stream's list exists from the start, so that paths holding the growth
-        // lock can look it up without making it (which takes that lock).
+        // The host stream's list in lane 0 exists from the start, so that paths holding
+        // the growth lock can look it up without making it (which takes that lock). The
+        // initial memory goes to the calling thread's lane of the host stream.
+        pool.new_shard(HOST_LIST);
         let host = pool.shard(StreamRef::HOST);
         if config.initial > 0 {
             let layout = Layout::from_size_align(config.initial, GRANULE)
@@ -455,6 +459,7 @@ impl<U: Resource> Pool<U> {
             release_pending: AtomicBool::new(false),
         };
         // As in `new`: the host list exists from the start.
+        pool.new_shard(HOST_LIST);
         let host = pool.shard(StreamRef::HOST);
         if config.initial > 0 {
             let mut growth = pool.lock_growth();
@@ -525,7 +530,7 @@ impl<U: Resource> Pool<U> {
     /// blocks as the chunks allow (one per chunk once everything is freed; one per run of
     /// mapped granules for a pool that grows in place).
     pub fn coalesce(&self) -> Result<(), Error> {
-        let host = self.shard(StreamRef::HOST);
+        let host = self.host_list();
         let _growth = self.lock_growth();
         self.merge_into(host).map(drop)
     }
@@ -535,7 +540,7 @@ impl<U: Resource> Pool<U> {
     /// blocks stay where they are), else every entirely free chunk. Returns how many
     /// bytes went back.
     pub fn trim(&self) -> Result<usize, Error> {
-        let host = self.shard(StreamRef::HOST);
+        let host = self.host_list();
         self.release_down_to(&mut self.lock_growth(), host, 0)
     }
 
@@ -619,9 +624,7 @@ impl<U: Resource> Pool<U> {
             if !self.release_pending.swap(false, Ordering::AcqRel) {
                 continue; // another thread ran it; unlock, then look again
             }
-            // The host stream's list exists from the start: no growth lock is needed to
-            // find it.
-            self.release_into(&mut growth, self.shard(StreamRef::HOST), keep);
+            self.release_into(&mut growth, self.host_list(), keep);
         }
     }
 
@@ -631,6 +634,16 @@ impl<U: Resource> Pool<U> {
             pool: self,
             guard: Some(lock(&self.growth)),
         }
+    }
+
+    /// The host stream's list in lane 0, made with the pool: paths that hold the growth
+    /// lock find it without taking that lock again. (Not the calling thread's lane of the
+    /// host stream, [`Pool::shard`]`(StreamRef::HOST)`: that list may not exist yet, and
+    /// making it takes the growth lock, which the thread holds.)
+    fn host_list(&self) -> &Shard<PoolShard> {
+        self.shards
+            .get(HOST_LIST)
+            .expect("the host list is made with the pool")
     }
 
     /// The shard of `stream`, made on first use.

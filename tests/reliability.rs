@@ -1,0 +1,126 @@
+//! Reliability under thread and stream patterns that once went wrong (issue 33): each test
+//! would hang, grow without bound or fail before its fix. Tests that could hang run their
+//! work on other threads under a watchdog, so a hang fails the test instead of CI.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use memres::suballoc::{Pool, PoolConfig};
+use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
+
+/// Runs `work` on a thread of its own and fails if it has not finished in `limit`. (A
+/// hung thread is left behind; the test binary still exits.)
+fn within<F: FnOnce() + Send + 'static>(limit: Duration, what: &str, work: F) {
+    let (done, finished) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        work();
+        let _ = done.send(());
+    });
+    match finished.recv_timeout(limit) {
+        Ok(()) => worker.join().expect("the work panicked"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(worker.join().expect_err("the worker ended early"))
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what}: still running after {limit:?} (hung)")
+        }
+    }
+}
+
+/// Eight threads, each on its own host stream, allocating and freeing 64 KiB blocks past
+/// a release threshold of 1 MiB.
+fn threads_free_past_a_threshold<U: Resource + Send + Sync + 'static>(
+    pool: std::sync::Arc<Pool<U>>,
+) {
+    let l = layout(64 << 10).unwrap();
+    std::thread::scope(|s| {
+        for t in 1..=8u32 {
+            let pool = &pool;
+            s.spawn(move || {
+                let stream = StreamRef::host(t);
+                let mut live = Vec::new();
+                for i in 0..4_000 {
+                    if i % 3 == 2 || live.len() > 32 {
+                        while let Some(p) = live.pop() {
+                            // SAFETY: allocated below with `l` on `stream`; unused since.
+                            unsafe { pool.deallocate(stream, p, l) };
+                        }
+                    } else {
+                        live.push(pool.allocate(stream, l).expect("a 64 KiB block"));
+                    }
+                }
+                for p in live {
+                    // SAFETY: as above.
+                    unsafe { pool.deallocate(stream, p, l) };
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_release_threshold_with_many_threads_does_not_deadlock_the_chunked_pool() {
+    let pool = std::sync::Arc::new(
+        Pool::new(
+            HostHeap::new(),
+            PoolConfig::new().release_threshold(1 << 20),
+        )
+        .unwrap(),
+    );
+    let p = pool.clone();
+    within(Duration::from_secs(30), "chunked pool", move || {
+        threads_free_past_a_threshold(p)
+    });
+    assert_eq!(pool.stats().free_bytes, pool.stats().pool_size);
+}
+
+#[test]
+fn a_release_threshold_with_many_threads_does_not_deadlock_the_in_place_pool() {
+    let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
+    let pool = std::sync::Arc::new(
+        Pool::in_place(leaf, PoolConfig::new().release_threshold(1 << 20)).unwrap(),
+    );
+    let p = pool.clone();
+    within(Duration::from_secs(30), "in-place pool", move || {
+        threads_free_past_a_threshold(p)
+    });
+    assert!(pool.stats().pool_size <= 2 << 20, "{:?}", pool.stats());
+}
+
+/// One thread reads `stats()` in a loop (it takes the growth lock) while another frees
+/// past a threshold of 0, so its releases are often left pending to the reader.
+#[test]
+fn stats_in_a_loop_beside_frees_past_a_zero_threshold_does_not_deadlock() {
+    for in_place in [false, true] {
+        let config = PoolConfig::new().release_threshold(0);
+        within(Duration::from_secs(30), "stats beside frees", move || {
+            if in_place {
+                let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
+                stats_beside_frees(&Pool::in_place(leaf, config).unwrap());
+            } else {
+                stats_beside_frees(&Pool::new(HostHeap::new(), config).unwrap());
+            }
+        });
+    }
+}
+
+fn stats_beside_frees<U: Resource + Sync>(pool: &Pool<U>) {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let l = layout(256 << 10).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::hint::black_box(pool.stats());
+            }
+        });
+        s.spawn(|| {
+            let stream = StreamRef::host(7);
+            for _ in 0..20_000 {
+                let p = pool.allocate(stream, l).expect("a block");
+                // SAFETY: allocated just above with `l` on `stream`.
+                unsafe { pool.deallocate(stream, p, l) };
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+    });
+}
