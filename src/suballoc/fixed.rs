@@ -34,10 +34,11 @@ const CACHE_LARGEST_BLOCK: usize = 4 << 20;
 /// streams, which are free for all, up to 2 MiB of them at a time, and of the stream's
 /// other lanes: threads sharing one stream get up to 16 lists of it, as in
 /// [`Pool`](super::Pool), so that they do not all wait for one lock; a lane that runs
-/// dry takes half of another's blocks). When the upstream is out of memory it merges every
-/// stream's blocks into the asking stream's list, having waited for the CUDA streams
-/// they were freed on, as [`Pool`](super::Pool) does. It never returns chunks before it
-/// drops.
+/// dry takes half of another's blocks). Before it grows it merges every other stream's
+/// blocks into the asking stream's list, having waited for the CUDA streams they were
+/// freed on (one context synchronisation per batch moved), as [`Pool`](super::Pool)
+/// does: blocks allocated on one stream and freed on another are reused, not grown
+/// for. It never returns chunks before it drops.
 ///
 /// - **Thread caches.** Blocks up to 4 MiB are also cached per thread and stream (at
 ///   most 64 blocks and 4 MiB each, but 4 blocks however large: 8 MiB of 2 MiB blocks,
@@ -264,19 +265,6 @@ impl<U: Resource> FixedSize<U> {
             .ctx
             .map_or(Ok(false), |ctx| stream.is_capturing_in(ctx))?;
         let _relaxed = capturing.then(Relaxed::new).transpose()?;
-        let grow_on = if capturing { StreamRef::HOST } else { stream };
-        match self.grow(&mut chunks, grow_on, own) {
-            Ok(addr) => return Ok(addr),
-            Err(Error::OutOfMemory { .. }) => {}
-            Err(e) => return Err(e),
-        }
-        // Other streams' blocks need a wait, which a capture forbids.
-        if capturing {
-            return Err(Error::OutOfMemory {
-                requested,
-                limit: None,
-            });
-        }
         // The growth lock is held, so no other thread grows (or pops after growing) while
         // the other streams' blocks come over; a thread on `own`'s stream may still take
         // some of them, as it could any free block.
@@ -287,8 +275,25 @@ impl<U: Resource> FixedSize<U> {
                 })
                 .map(|_| own.state.lock().pop())
         };
-        if let Some(addr) = merge()? {
+        // Blocks freed on other streams, once their work is waited for, before growing
+        // (as the pools do): else a producer on one stream whose blocks are freed on
+        // another grows by a chunk per chunk of blocks it hands out. The wait is one
+        // context synchronisation per batch of blocks moved (all of them), not per block.
+        // Under capture that wait is forbidden: grow instead.
+        if !capturing && let Some(addr) = merge()? {
             return Ok(addr);
+        }
+        let grow_on = if capturing { StreamRef::HOST } else { stream };
+        match self.grow(&mut chunks, grow_on, own) {
+            Ok(addr) => return Ok(addr),
+            Err(Error::OutOfMemory { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        if capturing {
+            return Err(Error::OutOfMemory {
+                requested,
+                limit: None,
+            });
         }
         // Last, the blocks other threads hold in their caches: they give them back at
         // their next call, which the reclaim waits a little for.
