@@ -190,6 +190,80 @@ pub unsafe trait Resource: SyncResource {
     /// is ordered before this point on `stream` (enqueued on `stream` earlier, or on
     /// another stream that `stream` has been made to wait for), and none is started later.
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout);
+
+    /// Frees memory that work on other streams also used (PyTorch's `record_stream`): it
+    /// is not handed out again before the work that `used_on`'s streams had enqueued at
+    /// the time of this call is complete, nor before `stream`'s, as for
+    /// [`deallocate`](Resource::deallocate). Host streams in `used_on` (always complete)
+    /// and `stream` itself add nothing; an empty `used_on` is a plain `deallocate`.
+    ///
+    /// The sub-allocators ([`Pool`](crate::Pool), [`Arena`](crate::suballoc::Arena),
+    /// [`FixedSize`](crate::suballoc::FixedSize), [`Binning`](crate::suballoc::Binning))
+    /// record an event on each of those streams and hold the block back until the events
+    /// complete: no stream waits for another, and the allocation fast path never waits on
+    /// the host (held blocks are looked at on each such free and on the slow path, before
+    /// the resource grows). Adaptors and erased handles forward the call. Any other
+    /// resource gets this default: `stream` is made to wait for the work enqueued so far
+    /// on each of `used_on` (an event recorded there, waited for on the device), then the
+    /// block is freed on `stream`: correct for every resource, at the price of ordering
+    /// `stream`'s later work after the other streams'. Where no event can be recorded
+    /// (a broken context) the other stream is synchronised on the host; where even that
+    /// fails the block is never freed (leaked, with an error logged) rather than
+    /// handed out while in use.
+    ///
+    /// ```
+    /// use memres::{HostHeap, Pool, PoolConfig, Resource, StreamRef, layout};
+    ///
+    /// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
+    /// let l = layout(1 << 20)?;
+    /// let p = pool.allocate(StreamRef::host(1), l)?;
+    /// // ... work on host stream 1 and on host stream 2 used the block ...
+    /// // SAFETY: allocated above with `l`; no use of it is started after this.
+    /// unsafe { pool.deallocate_used_on(StreamRef::host(1), p, l, &[StreamRef::host(2)]) };
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    ///
+    /// # Safety
+    /// As [`deallocate`](Resource::deallocate), except that uses of the memory may also
+    /// be enqueued on the streams of `used_on` before this call (and none started later).
+    /// The streams of `used_on` are live during the call.
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        for &other in used_on {
+            if !order_after(stream, other) {
+                return;
+            }
+        }
+        // SAFETY: the caller's promise, with every use on `used_on` now ordered before
+        // this point on `stream` (or complete).
+        unsafe { self.deallocate(stream, ptr, layout) }
+    }
+}
+
+/// Makes work enqueued on `stream` from now on wait for the work enqueued on `other` so
+/// far (on the device; on the host where that fails). False when neither worked: the
+/// block must then never be freed.
+#[cold]
+#[inline(never)]
+fn order_after(stream: StreamRef<'_>, other: StreamRef<'_>) -> bool {
+    let Err(e) = stream.wait_for_stream(other) else {
+        return true;
+    };
+    match other.synchronize() {
+        Ok(()) => true,
+        Err(e2) => {
+            tracing::error!(
+                "memres: a block used on another stream is leaked: its stream could not be \
+                 waited for ({e}; {e2})"
+            );
+            false
+        }
+    }
 }
 
 /// Forwards every call of a handle (`&R`, `Box<R>`, `Arc<R>`) to the resource it points
@@ -226,6 +300,18 @@ macro_rules! forward_resource {
                 // SAFETY: the caller keeps `deallocate`'s contract, which is the same for
                 // the handle and the resource it points at.
                 unsafe { (**self).deallocate(stream, ptr, layout) }
+            }
+
+            #[inline]
+            unsafe fn deallocate_used_on(
+                &self,
+                stream: StreamRef<'_>,
+                ptr: NonNull<u8>,
+                layout: Layout,
+                used_on: &[StreamRef<'_>],
+            ) {
+                // SAFETY: as above.
+                unsafe { (**self).deallocate_used_on(stream, ptr, layout, used_on) }
             }
         }
     )*};

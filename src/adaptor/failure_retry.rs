@@ -99,4 +99,19 @@ unsafe impl<U: Resource, F: Fn(usize) -> bool> Resource for FailureRetry<U, F> {
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe {
+            self.upstream
+                .deallocate_used_on(stream, ptr, layout, used_on)
+        }
+    }
 }

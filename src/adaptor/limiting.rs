@@ -264,4 +264,20 @@ unsafe impl<U: Resource> Resource for Limiting<U> {
         unsafe { self.upstream.deallocate(stream, ptr, layout) };
         self.give_back(layout);
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe {
+            self.upstream
+                .deallocate_used_on(stream, ptr, layout, used_on)
+        };
+        self.give_back(layout);
+    }
 }

@@ -524,4 +524,21 @@ unsafe impl<U: Resource> Resource for Statistics<U> {
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // Freed by the caller: no longer live, whenever the upstream reuses it.
+        self.uncount(layout.size());
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe {
+            self.upstream
+                .deallocate_used_on(stream, ptr, layout, used_on)
+        }
+    }
 }

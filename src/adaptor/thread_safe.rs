@@ -133,4 +133,16 @@ unsafe impl<U: Resource> Resource for ThreadSafe<U> {
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.lock().deallocate(stream, ptr, layout) }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe { self.lock().deallocate_used_on(stream, ptr, layout, used_on) }
+    }
 }

@@ -321,6 +321,23 @@ unsafe impl<U: Resource> Resource for Tracking<U> {
             unsafe { self.upstream.deallocate(stream, ptr, layout) }
         }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        if let Some(layout) = self.untrack(ptr, layout) {
+            // SAFETY: as in `deallocate_sync`, in the caller's stream order and `used_on`'s.
+            unsafe {
+                self.upstream
+                    .deallocate_used_on(stream, ptr, layout, used_on)
+            }
+        }
+    }
 }
 
 #[cfg(all(test, not(memres_loom)))]

@@ -30,6 +30,16 @@ pub(crate) trait DynResource: DynSyncResource {
     /// # Safety
     /// As [`Resource::deallocate`].
     unsafe fn dyn_deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout);
+
+    /// # Safety
+    /// As [`Resource::deallocate_used_on`].
+    unsafe fn dyn_deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    );
 }
 
 impl<R: SyncResource + Sync + 'static> DynSyncResource for R {
@@ -64,5 +74,17 @@ impl<R: Resource + Sync + 'static> DynResource for R {
     unsafe fn dyn_deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: the caller keeps `Resource::deallocate`'s contract.
         unsafe { self.deallocate(stream, ptr, layout) }
+    }
+
+    #[inline]
+    unsafe fn dyn_deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller keeps `Resource::deallocate_used_on`'s contract.
+        unsafe { self.deallocate_used_on(stream, ptr, layout, used_on) }
     }
 }

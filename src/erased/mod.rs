@@ -96,6 +96,18 @@ macro_rules! impl_erased {
                 // is the contract of the erased resource it calls.
                 unsafe { self.inner.dyn_deallocate(stream, ptr, layout) }
             }
+
+            #[inline]
+            unsafe fn deallocate_used_on(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                ptr: std::ptr::NonNull<u8>,
+                layout: std::alloc::Layout,
+                used_on: &[crate::stream::StreamRef<'_>],
+            ) {
+                // SAFETY: as in `deallocate`.
+                unsafe { self.inner.dyn_deallocate_used_on(stream, ptr, layout, used_on) }
+            }
         }
     };
 }

@@ -115,4 +115,16 @@ unsafe impl<R: Resource> Resource for Shared<R> {
         // SAFETY: as in `deallocate_sync`.
         unsafe { self.inner.deallocate(stream, ptr, layout) }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: as in `deallocate_sync`.
+        unsafe { self.inner.deallocate_used_on(stream, ptr, layout, used_on) }
+    }
 }

@@ -81,7 +81,7 @@ impl Event {
         }
     }
 
-    pub(super) fn context(&self) -> Context {
+    pub(crate) fn context(&self) -> Context {
         self.ctx
     }
 

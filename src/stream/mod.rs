@@ -199,15 +199,23 @@ impl StreamRef<'_> {
         }
         // The event belongs to `earlier`'s device: it is recorded there, and may be waited
         // for from a stream of any device.
-        let ctx = match earlier.as_raw() {
-            Some(raw) if !earlier.is_default() && !earlier.is_per_thread() => {
-                Context::of_stream(raw as usize)?
-            }
-            _ => Context::current()?,
-        };
-        let done = Event::new_in(ctx)?;
+        let done = Event::new_in(earlier.context()?)?;
         done.record(earlier)?;
         self.wait_for(&done)
+    }
+}
+
+impl StreamRef<'_> {
+    /// The context of the stream's device: an explicit stream's own; the current one for
+    /// the default and per-thread streams (which name the current device's). Not for host
+    /// streams, which have none.
+    pub(crate) fn context(self) -> Result<Context, Error> {
+        match self.as_raw() {
+            Some(raw) if !self.is_default() && !self.is_per_thread() => {
+                Context::of_stream(raw as usize)
+            }
+            _ => Context::current(),
+        }
     }
 }
 

@@ -5,6 +5,7 @@ use std::fmt::{self, Write as _};
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
+use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool::{PoolShard, block_size};
 use super::shards::{Shard, ShardMap, StreamKey, lock, synchronize};
@@ -137,6 +138,8 @@ pub struct Arena<U: Resource> {
     /// Free bytes a stream's arena keeps besides a superblock before returning it.
     keep: usize,
     dump_on_failure: bool,
+    /// Blocks freed with [`Resource::deallocate_used_on`] that wait for other streams.
+    held: Deferred,
 }
 
 impl<U: Resource> Arena<U> {
@@ -176,7 +179,14 @@ impl<U: Resource> Arena<U> {
             shards: ShardMap::default(),
             keep: (size / 16).max(SUPERBLOCK_SIZE),
             dump_on_failure: false,
+            held: Deferred::default(),
         })
+    }
+
+    /// The blocks held for other streams (for the host tests and loom models).
+    #[cfg(any(test, memres_loom))]
+    pub(crate) fn held(&self) -> &Deferred {
+        &self.held
     }
 
     /// Whether an allocation that fails logs [`dump`](Self::dump) first (off by default).
@@ -441,6 +451,7 @@ impl<U: Resource> Arena<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
+        deferred::free_ready(self, &self.held);
         let mut global = lock(&self.global);
         {
             let mut s = own.state.lock();
@@ -496,6 +507,7 @@ impl<U: Resource> Arena<U> {
 
 impl<U: Resource> Drop for Arena<U> {
     fn drop(&mut self) {
+        self.held.wait_all();
         release_all(
             &self.upstream,
             &self.shards,
@@ -586,6 +598,17 @@ unsafe impl<U: Resource> Resource for Arena<U> {
                 global.add_pending(shard, block);
             }
         }
+    }
+
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller's promise; `held` is this resource's.
+        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }
 

@@ -268,6 +268,29 @@ unsafe impl<U: Resource> Resource for Binning<U> {
             }
         }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        if layout.size() == 0 {
+            return;
+        }
+        // SAFETY: as in `deallocate`.
+        unsafe {
+            match self.bin(layout) {
+                Some(BinResource::Fixed(f)) => f.deallocate_used_on(stream, ptr, layout, used_on),
+                Some(BinResource::Custom(a)) => a.deallocate_used_on(stream, ptr, layout, used_on),
+                None => self
+                    .upstream
+                    .deallocate_used_on(stream, ptr, layout, used_on),
+            }
+        }
+    }
 }
 
 #[cfg(all(test, not(memres_loom)))]

@@ -5,6 +5,7 @@ use std::fmt;
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
+use super::deferred::{self, Deferred};
 use super::free_blocks::GRANULE;
 use super::shards::{Shard, ShardMap, StreamKey, lock};
 use super::thread_cache::{Cache, Owner};
@@ -76,6 +77,8 @@ pub struct FixedSize<U: Resource> {
     blocks_per_chunk: usize,
     chunks: Mutex<Vec<Chunk>>,
     shards: ShardMap<Vec<usize>>,
+    /// Blocks freed with [`Resource::deallocate_used_on`] that wait for other streams.
+    held: Deferred,
 }
 
 impl<U: Resource> FixedSize<U> {
@@ -117,11 +120,18 @@ impl<U: Resource> FixedSize<U> {
             blocks_per_chunk,
             chunks: Mutex::new(Vec::new()),
             shards: ShardMap::default(),
+            held: Deferred::default(),
         };
         let host = fixed.shard(StreamRef::HOST);
         let first = fixed.grow(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
         host.state.lock().push(first);
         Ok(fixed)
+    }
+
+    /// The blocks held for other streams (for the host tests and loom models).
+    #[cfg(any(test, memres_loom))]
+    pub(crate) fn held(&self) -> &Deferred {
+        &self.held
     }
 
     /// The size of every block.
@@ -235,6 +245,7 @@ impl<U: Resource> FixedSize<U> {
         own: &Shard<Vec<usize>>,
         requested: usize,
     ) -> Result<usize, Error> {
+        deferred::free_ready(self, &self.held);
         // This thread's cached blocks (of every stream) go back to their lists first.
         self.cache().flush();
         let mut chunks = lock(&self.chunks);
@@ -331,6 +342,7 @@ fn take_half(from: &Shard<Vec<usize>>, into: &Shard<Vec<usize>>, most: usize) ->
 
 impl<U: Resource> Drop for FixedSize<U> {
     fn drop(&mut self) {
+        self.held.wait_all();
         // First, so no exiting thread gives blocks back to it from now on.
         self.owner.retire();
         let chunks = std::mem::take(&mut *lock(&self.chunks));
@@ -420,6 +432,17 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             }
         }
         self.shard_for(key).state.lock().push(addr);
+    }
+
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller's promise; `held` is this resource's.
+        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }
 

@@ -431,3 +431,82 @@ fn loom_a_reclaim_takes_blocks_back_from_a_busy_threads_cache() {
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
     });
 }
+
+/// Records what is freed through it (for the held-blocks model).
+#[derive(Default)]
+struct FreedLog(loom::sync::Mutex<Vec<usize>>);
+
+impl PartialEq for FreedLog {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+// SAFETY: hands out nothing; it only records frees (the model never allocates from it).
+unsafe impl crate::resource::SyncResource for FreedLog {
+    type Properties = crate::property::HostAccessible;
+    fn allocate_sync(&self, _: Layout) -> Result<std::ptr::NonNull<u8>, crate::Error> {
+        Err(crate::Error::invalid_argument("the model only frees"))
+    }
+    unsafe fn deallocate_sync(&self, ptr: std::ptr::NonNull<u8>, _: Layout) {
+        self.0.lock().unwrap().push(ptr.as_ptr() as usize);
+    }
+}
+
+// SAFETY: as above.
+unsafe impl Resource for FreedLog {
+    fn allocate(&self, _: StreamRef<'_>, l: Layout) -> Result<std::ptr::NonNull<u8>, crate::Error> {
+        crate::resource::SyncResource::allocate_sync(self, l)
+    }
+    unsafe fn deallocate(&self, _: StreamRef<'_>, ptr: std::ptr::NonNull<u8>, l: Layout) {
+        // SAFETY: records only.
+        unsafe { crate::resource::SyncResource::deallocate_sync(self, ptr, l) }
+    }
+}
+
+/// Blocks held for other streams (`Resource::deallocate_used_on`) are freed exactly
+/// once, and only after their marks complete, while one thread completes a mark and
+/// frees what is ready, another holds a block (already complete) and frees what is
+/// ready, and a third (this one) frees what is ready as well.
+#[test]
+fn loom_held_blocks_are_freed_once_after_their_marks() {
+    use super::deferred::{Deferred, Mark, free_ready};
+    use crate::sync::atomic::{AtomicBool, Ordering};
+
+    loom::model(|| {
+        let log = Arc::new(FreedLog::default());
+        let held = Arc::new(Deferred::default());
+        let l = Layout::from_size_align(256, 256).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        held.push_marked(0x1000, l, vec![Mark::Flag(done.clone())]);
+        let t1 = {
+            let (log, held, done) = (log.clone(), held.clone(), done.clone());
+            thread::spawn(move || {
+                done.store(true, Ordering::Release);
+                free_ready(&*log, &held);
+            })
+        };
+        let t2 = {
+            let (log, held) = (log.clone(), held.clone());
+            thread::spawn(move || {
+                let complete = Arc::new(AtomicBool::new(true));
+                held.push_marked(0x2000, l, vec![Mark::Flag(complete)]);
+                free_ready(&*log, &held);
+            })
+        };
+        free_ready(&*log, &held);
+        if log.0.lock().unwrap().contains(&0x1000) {
+            assert!(
+                done.load(Ordering::Acquire),
+                "freed before its mark completed"
+            );
+        }
+        t1.join().unwrap();
+        t2.join().unwrap();
+        // Both threads freed what was ready after their last change: nothing is left.
+        assert!(!held.any());
+        let mut freed = log.0.lock().unwrap().clone();
+        freed.sort_unstable();
+        assert_eq!(freed, [0x1000, 0x2000], "each block freed once");
+    });
+}

@@ -36,6 +36,7 @@ mod addr_map;
 mod arena;
 mod binning;
 mod chunks;
+mod deferred;
 mod fixed;
 mod free_blocks;
 pub(crate) use addr_map::AddrMap;

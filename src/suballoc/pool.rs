@@ -6,6 +6,7 @@ use std::ptr::{self, NonNull};
 
 use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
+use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey, lock};
@@ -66,12 +67,15 @@ pub struct PoolStats {
     /// per-thread default stream has one per thread running at once: a new thread takes
     /// over the list of one that has exited.
     pub stream_lists: usize,
+    /// Bytes freed with [`Resource::deallocate_used_on`] that wait for other streams'
+    /// work: held, neither free nor live.
+    pub waiting_bytes: usize,
 }
 
 impl PoolStats {
-    /// Bytes handed out and not yet freed (`pool_size - free_bytes`).
+    /// Bytes handed out and not yet freed (`pool_size - free_bytes - waiting_bytes`).
     pub fn live_bytes(&self) -> usize {
-        self.pool_size - self.free_bytes
+        self.pool_size - self.free_bytes - self.waiting_bytes
     }
 
     /// `1 - largest_free_block / free_bytes`: 0 when the free memory is one block (or
@@ -374,6 +378,9 @@ pub struct Pool<U: Resource> {
     /// A free crossed the release threshold while another thread held the growth lock:
     /// whoever unlocks it next releases (see [`GrowthGuard`]).
     release_pending: AtomicBool,
+    /// Blocks freed with [`Resource::deallocate_used_on`] whose other streams' work is
+    /// not known to be complete yet.
+    held: Deferred,
 }
 
 impl<U: Resource> Pool<U> {
@@ -390,6 +397,7 @@ impl<U: Resource> Pool<U> {
             shards: ShardMap::default(),
             space: None,
             release_pending: AtomicBool::new(false),
+            held: Deferred::default(),
         };
         // The host stream's list in lane 0 exists from the start, so that paths holding
         // the growth lock can look it up without making it (which takes that lock). The
@@ -457,6 +465,7 @@ impl<U: Resource> Pool<U> {
                 unmap: <U as GrowInPlace>::unmap_at,
             }),
             release_pending: AtomicBool::new(false),
+            held: Deferred::default(),
         };
         // As in `new`: the host list exists from the start.
         pool.new_shard(HOST_LIST);
@@ -482,6 +491,12 @@ impl<U: Resource> Pool<U> {
         self.config
     }
 
+    /// The blocks held for other streams (for the host tests and loom models).
+    #[cfg(any(test, memres_loom))]
+    pub(crate) fn held(&self) -> &Deferred {
+        &self.held
+    }
+
     /// Whether the pool grows in place ([`Pool::in_place`]).
     pub fn grows_in_place(&self) -> bool {
         self.space.is_some()
@@ -504,6 +519,7 @@ impl<U: Resource> Pool<U> {
                 growth.chunks.len()
             },
             stream_lists: self.shards.len(),
+            waiting_bytes: self.held.bytes(),
             ..PoolStats::default()
         };
         for shard in self.shards.all() {
@@ -540,6 +556,11 @@ impl<U: Resource> Pool<U> {
     /// blocks stay where they are), else every entirely free chunk. Returns how many
     /// bytes went back.
     pub fn trim(&self) -> Result<usize, Error> {
+        if self.held.any() {
+            // Blocks held for other streams (one freed under a capture needs this wait).
+            self.shards.synchronize_streams()?;
+            deferred::free_all(self, &self.held);
+        }
         let host = self.host_list();
         self.release_down_to(&mut self.lock_growth(), host, 0)
     }
@@ -724,6 +745,7 @@ impl<U: Resource> Pool<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
+        deferred::free_ready(self, &self.held);
         // A fit in a sibling lane, before the own list's cached blocks are coalesced
         // (flushing them at every miss cost more misses: H100 A/B, BENCHMARKS History).
         if let Some(addr) = self.take_lane_fit(own, size, align) {
@@ -1266,6 +1288,7 @@ impl<U: Resource> Pool<U> {
 
 impl<U: Resource> Drop for Pool<U> {
     fn drop(&mut self) {
+        self.held.wait_all();
         let growth = std::mem::take(&mut *lock(&self.growth));
         match &self.space {
             None => release_all(&self.upstream, &self.shards, growth.chunks),
@@ -1439,5 +1462,15 @@ unsafe impl<U: Resource> Resource for Pool<U> {
             drop(s);
             self.release_above(stream, shard, keep);
         }
+    }
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        // SAFETY: the caller's promise; `held` is this pool's.
+        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }

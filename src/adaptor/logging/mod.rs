@@ -318,6 +318,23 @@ unsafe impl<U: Resource> Resource for Logging<U> {
         // SAFETY: the caller's promise, for the upstream that allocated the block.
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
+
+    #[inline]
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        let time = self.time();
+        self.log(time, Action::Free, Some(ptr), layout.size(), stream);
+        // SAFETY: the caller's promise, for the upstream that allocated the block.
+        unsafe {
+            self.upstream
+                .deallocate_used_on(stream, ptr, layout, used_on)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,418 @@
+//! Blocks freed while work on other streams may still use them
+//! ([`Resource::deallocate_used_on`](crate::Resource::deallocate_used_on), PyTorch's
+//! `record_stream`): each is held back, with an event recorded on every stream that used
+//! it, until all its events are complete; then the sub-allocator frees it on a host
+//! stream (free for every stream: no work uses it any more).
+//!
+//! The protocol: a freer records its events and pushes the block under the list's lock,
+//! then sets `any`; a sub-allocator that looks at held blocks (at each such free, and on
+//! its slow path before it grows) reads `any` first, and only then takes the lock, moves
+//! the blocks whose events are complete out of the list, and clears `any` when the list
+//! is empty, all under the lock. Every block is therefore freed once, by one thread, and
+//! only after its events complete. Checking an event is `cuEventQuery`: the host never
+//! waits. The allocation fast path never looks here.
+//!
+//! Under stream capture no event can be queried later (it would be a node of the
+//! graph): a block freed on or used on a capturing stream is held until the
+//! sub-allocator next waits for every stream it has seen ([`Deferred::take_all`], from
+//! `trim`), or its drop.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use crate::device::Context;
+use crate::error::Error;
+use crate::resource::Resource;
+use crate::stream::{Event, StreamRef};
+use crate::sync::Mutex;
+use crate::sync::atomic::{AtomicBool, Ordering};
+
+use super::shards::lock;
+
+/// Events kept for reuse, at most.
+const SPARE_EVENTS: usize = 64;
+
+/// What one held block waits for.
+pub(crate) enum Mark {
+    /// An event recorded on a stream that used the block.
+    Event(Event),
+    /// The block was freed during a stream capture: only a wait for every stream frees it.
+    Capture,
+    /// A stand-in for an event in the host tests and loom models: complete once set.
+    #[cfg(any(test, memres_loom))]
+    Flag(crate::sync::Arc<AtomicBool>),
+}
+
+impl Mark {
+    fn is_complete(&self) -> bool {
+        match self {
+            Mark::Event(event) => event.is_complete().unwrap_or_else(|e| {
+                // A failed query is a broken context: no work of it runs any more.
+                tracing::error!("memres: a held block's event could not be queried: {e}");
+                true
+            }),
+            Mark::Capture => false,
+            #[cfg(any(test, memres_loom))]
+            Mark::Flag(done) => done.load(Ordering::Acquire),
+        }
+    }
+}
+
+struct Held {
+    addr: usize,
+    layout: Layout,
+    marks: Vec<Mark>,
+}
+
+/// The blocks a sub-allocator holds back for other streams (see the module docs).
+#[derive(Default)]
+pub(crate) struct Deferred {
+    /// Set (under the lock) when a block is pushed, cleared (under it) when the list is
+    /// found empty.
+    any: AtomicBool,
+    lists: Mutex<Lists>,
+}
+
+#[derive(Default)]
+struct Lists {
+    held: Vec<Held>,
+    /// Events of released blocks, for the next ones (creating one is a driver call).
+    spare: Vec<Event>,
+}
+
+impl Deferred {
+    /// Holds the block at `addr` back until the work enqueued so far on `stream` and on
+    /// each of `used_on` is complete. False when nothing needs holding (every stream of
+    /// `used_on` is a host stream or `stream` itself): the caller frees the block on
+    /// `stream` as usual.
+    pub(crate) fn hold(
+        &self,
+        stream: StreamRef<'_>,
+        addr: usize,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) -> bool {
+        let others = || used_on.iter().filter(|o| !o.is_host() && **o != stream);
+        if others().next().is_none() {
+            return false;
+        }
+        let mut marks = Vec::with_capacity(used_on.len() + 1);
+        for s in std::iter::once(&stream).chain(others()) {
+            match self.mark(*s) {
+                Ok(Some(mark)) => marks.push(mark),
+                Ok(None) => {}
+                Err(e) => {
+                    // No event: wait for the stream on the host instead (a broken context,
+                    // rare); if even that fails, the block is never freed.
+                    if let Err(e2) = s.synchronize() {
+                        tracing::error!(
+                            "memres: a block used on another stream is leaked: its stream \
+                             could not be waited for ({e}; {e2})"
+                        );
+                        return true;
+                    }
+                }
+            }
+        }
+        self.push(Held {
+            addr,
+            layout,
+            marks,
+        });
+        true
+    }
+
+    /// An event recorded on `stream` now (`None` for a host stream), or
+    /// [`Mark::Capture`] when the stream is being captured.
+    fn mark(&self, stream: StreamRef<'_>) -> Result<Option<Mark>, Error> {
+        if stream.is_host() {
+            return Ok(None);
+        }
+        let ctx = stream.context()?;
+        if stream.is_capturing_in(ctx)? {
+            return Ok(Some(Mark::Capture));
+        }
+        let event = match self.spare_event(ctx) {
+            Some(event) => event,
+            None => Event::new_in(ctx)?,
+        };
+        event.record(stream)?;
+        Ok(Some(Mark::Event(event)))
+    }
+
+    fn spare_event(&self, ctx: Context) -> Option<Event> {
+        let spare = &mut lock(&self.lists).spare;
+        let i = spare.iter().position(|e| e.context() == ctx)?;
+        Some(spare.swap_remove(i))
+    }
+
+    /// Holds a block with marks made by the caller (the host tests and loom models).
+    #[cfg(any(test, memres_loom))]
+    pub(crate) fn push_marked(&self, addr: usize, layout: Layout, marks: Vec<Mark>) {
+        self.push(Held {
+            addr,
+            layout,
+            marks,
+        });
+    }
+
+    fn push(&self, held: Held) {
+        lock(&self.lists).held.push(held);
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Whether any block is held (one load: the slow paths' test).
+    #[inline]
+    pub(crate) fn any(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
+    /// Bytes held back now.
+    pub(crate) fn bytes(&self) -> usize {
+        if !self.any() {
+            return 0;
+        }
+        lock(&self.lists).held.iter().map(|h| h.layout.size()).sum()
+    }
+
+    /// Takes the blocks whose events are all complete out of the list, for the caller to
+    /// free. Never waits.
+    pub(crate) fn take_ready(&self) -> Vec<(usize, Layout)> {
+        if !self.any() {
+            return Vec::new();
+        }
+        let mut lists = lock(&self.lists);
+        let Lists { held, spare } = &mut *lists;
+        let mut ready = Vec::new();
+        held.retain_mut(|h| {
+            if !h.marks.iter().all(Mark::is_complete) {
+                return true;
+            }
+            ready.push((h.addr, h.layout));
+            for mark in h.marks.drain(..) {
+                if let Mark::Event(e) = mark
+                    && spare.len() < SPARE_EVENTS
+                {
+                    spare.push(e);
+                }
+            }
+            false
+        });
+        self.settle(held);
+        ready
+    }
+
+    /// Takes every block out of the list: the caller has waited for every stream the
+    /// blocks were used on (or is dropping the resource).
+    pub(crate) fn take_all(&self) -> Vec<(usize, Layout)> {
+        if !self.any() {
+            return Vec::new();
+        }
+        let mut lists = lock(&self.lists);
+        let all: Vec<_> = lists.held.drain(..).map(|h| (h.addr, h.layout)).collect();
+        self.settle(&lists.held);
+        all
+    }
+
+    /// Under the lock: clears `any` if the list is empty.
+    fn settle(&self, held: &[Held]) {
+        if held.is_empty() {
+            self.any.store(false, Ordering::Release);
+        }
+    }
+
+    /// Waits on the host for every held block's events (for a resource's drop, which
+    /// returns the blocks' memory to its upstream).
+    pub(crate) fn wait_all(&self) {
+        if !self.any() || crate::device::process_is_exiting() {
+            return;
+        }
+        for held in lock(&self.lists).held.iter() {
+            for mark in &held.marks {
+                if let Mark::Event(event) = mark
+                    && let Err(e) = event.synchronize()
+                {
+                    tracing::error!("memres: could not wait for a held block's event: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// [`Resource::deallocate_used_on`] of a sub-allocator `r` whose held blocks are `held`:
+/// the block is held if another stream used it, else freed on `stream`; then the held
+/// blocks that are ready are freed.
+///
+/// # Safety
+/// As [`Resource::deallocate_used_on`] on `r`; `held` is `r`'s own.
+#[inline]
+pub(crate) unsafe fn deallocate_used_on<R: Resource + ?Sized>(
+    r: &R,
+    held: &Deferred,
+    stream: StreamRef<'_>,
+    ptr: NonNull<u8>,
+    layout: Layout,
+    used_on: &[StreamRef<'_>],
+) {
+    if layout.size() != 0 && !held.hold(stream, ptr.as_ptr().expose_provenance(), layout, used_on) {
+        // SAFETY: the caller's promise; no other stream's use is pending.
+        unsafe { r.deallocate(stream, ptr, layout) };
+    }
+    free_ready(r, held);
+}
+
+/// Frees the blocks of `held` (`r`'s own) whose streams' work is complete, on the host
+/// stream: no work uses them any more. Never waits.
+pub(crate) fn free_ready<R: Resource + ?Sized>(r: &R, held: &Deferred) {
+    for (addr, layout) in held.take_ready() {
+        // SAFETY: a block of `r`, freed by its caller with `layout`; every stream that
+        // used it has completed the work it had at the free.
+        unsafe { r.deallocate(StreamRef::HOST, super::to_ptr(addr), layout) };
+    }
+}
+
+/// Waits for every held block's streams, then frees them all on the host stream (a
+/// `trim`: blocks freed under a capture go back only here).
+pub(crate) fn free_all<R: Resource + ?Sized>(r: &R, held: &Deferred) {
+    held.wait_all();
+    for (addr, layout) in held.take_all() {
+        // SAFETY: as in `free_ready`: their events were waited for just above (blocks of
+        // a capture: the caller waited for every stream).
+        unsafe { r.deallocate(StreamRef::HOST, super::to_ptr(addr), layout) };
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn l(size: usize) -> Layout {
+        Layout::from_size_align(size, 256).unwrap()
+    }
+
+    #[test]
+    fn host_streams_and_the_freeing_stream_hold_nothing() {
+        let d = Deferred::default();
+        let s = StreamRef::host(1);
+        assert!(!d.hold(s, 0x1000, l(256), &[]));
+        assert!(!d.hold(s, 0x1000, l(256), &[StreamRef::host(2), s]));
+        assert!(!d.any());
+    }
+
+    #[test]
+    fn a_block_is_ready_once_all_its_marks_are_complete() {
+        let d = Deferred::default();
+        let (a, b) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        d.push_marked(
+            0x1000,
+            l(512),
+            vec![Mark::Flag(a.clone()), Mark::Flag(b.clone())],
+        );
+        d.push_marked(0x2000, l(256), vec![Mark::Flag(b.clone())]);
+        assert_eq!(d.bytes(), 768);
+        assert!(d.take_ready().is_empty());
+        b.store(true, Ordering::Release);
+        assert_eq!(d.take_ready(), vec![(0x2000, l(256))]);
+        assert!(d.any());
+        a.store(true, Ordering::Release);
+        assert_eq!(d.take_ready(), vec![(0x1000, l(512))]);
+        assert!(!d.any());
+        assert_eq!(d.bytes(), 0);
+    }
+
+    #[test]
+    fn capture_marks_wait_for_take_all() {
+        let d = Deferred::default();
+        d.push_marked(0x1000, l(256), vec![Mark::Capture]);
+        assert!(d.take_ready().is_empty());
+        assert_eq!(d.take_all(), vec![(0x1000, l(256))]);
+        assert!(!d.any());
+    }
+}
+
+/// Held blocks in each sub-allocator: not handed out again until their marks complete,
+/// then reused; counted as waiting, not free or live.
+#[cfg(all(test, not(memres_loom)))]
+mod held_in_suballocators {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::suballoc::{Arena, FixedSize, Pool, PoolConfig};
+    use crate::upstream::HostHeap;
+
+    /// Frees `n` blocks of `r` as if another stream still used them (marks that complete
+    /// when `done` is set), then checks that `n` new blocks avoid them until then, and
+    /// that the blocks come back once it is.
+    fn held_until_done<R: Resource>(r: &R, held: &Deferred, size: usize, n: usize) {
+        let l = Layout::from_size_align(size, 256).unwrap();
+        let s = StreamRef::host(3);
+        let done = Arc::new(AtomicBool::new(false));
+        let first: Vec<_> = (0..n).map(|_| r.allocate(s, l).unwrap()).collect();
+        for p in &first {
+            held.push_marked(p.as_ptr() as usize, l, vec![Mark::Flag(done.clone())]);
+        }
+        // Blocks freed on `s` while their other stream's work is pending are not reused.
+        let second: Vec<_> = (0..n).map(|_| r.allocate(s, l).unwrap()).collect();
+        for p in &second {
+            assert!(!first.contains(p), "a held block was handed out again");
+        }
+        assert_eq!(held.bytes(), n * size);
+        done.store(true, Ordering::Release);
+        for p in second {
+            // SAFETY: allocated above with `l` on `s`; unused.
+            unsafe { r.deallocate_used_on(s, p, l, &[StreamRef::host(4)]) };
+        }
+        // The free above looked at the held blocks: theirs are complete now.
+        assert!(!held.any());
+        assert_eq!(held.bytes(), 0);
+    }
+
+    #[test]
+    fn pool() {
+        let pool = Pool::new(HostHeap::new(), PoolConfig::new()).unwrap();
+        held_until_done(&pool, pool.held(), 1 << 20, 4);
+        let stats = pool.stats();
+        assert_eq!((stats.live_bytes(), stats.waiting_bytes), (0, 0));
+    }
+
+    #[test]
+    fn fixed_size() {
+        let fixed = FixedSize::with_block_size(HostHeap::new(), 4096, 8).unwrap();
+        held_until_done(&fixed, fixed.held(), 4096, 8);
+        assert_eq!(
+            fixed.upstream_allocations(),
+            2,
+            "held blocks made it grow once"
+        );
+        assert_eq!(fixed.free_blocks(), 16);
+    }
+
+    #[test]
+    fn arena() {
+        let arena = Arena::with_size(HostHeap::new(), 16 << 20).unwrap();
+        held_until_done(&arena, arena.held(), 64 << 10, 8);
+    }
+
+    /// A pool's statistics count held bytes as waiting: neither free nor live.
+    #[test]
+    fn pool_stats_count_held_bytes_as_waiting() {
+        let pool = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(4 << 20)).unwrap();
+        let l = Layout::from_size_align(1 << 20, 256).unwrap();
+        let p = pool.allocate(StreamRef::HOST, l).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        pool.held()
+            .push_marked(p.as_ptr() as usize, l, vec![Mark::Flag(done.clone())]);
+        let stats = pool.stats();
+        assert_eq!(
+            (stats.waiting_bytes, stats.live_bytes(), stats.free_bytes),
+            (1 << 20, 0, 3 << 20)
+        );
+        done.store(true, Ordering::Release);
+        assert_eq!(pool.trim().map(|_| pool.stats().free_bytes).ok(), Some(0));
+    }
+}
