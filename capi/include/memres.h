@@ -85,6 +85,15 @@ void* memres_malloc(ssize_t size, int device, void* stream);
    detected. */
 void memres_free(void* ptr, ssize_t size, int device, void* stream);
 
+/* Records that work on stream uses ptr (a live block of memres_malloc on device), as
+   PyTorch's Tensor.record_stream: once ptr is freed (on any stream), it is not handed
+   out again before the work stream has enqueued by then is complete (the pools record
+   an event there and hold the block until it completes; no stream waits for another).
+   stream must stay live until ptr is freed. MEMRES_OK; MEMRES_ERROR_INVALID_ARGUMENT
+   for NULL, a device memres never allocated on, or a pointer outside the default
+   stack's pool (other stacks do not detect foreign pointers). */
+int memres_record_stream(void* ptr, int device, void* stream);
+
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
 int memres_stats(int device, memres_stats_t* out);
 

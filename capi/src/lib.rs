@@ -13,6 +13,7 @@
 //! and turned into a failure code (or a null pointer).
 
 mod profile;
+mod recorded;
 mod spec;
 mod stack;
 
@@ -354,10 +355,69 @@ pub unsafe extern "C" fn memres_free(
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             stack.live().sub(layout.size() as i64); // as in `memres_malloc`
             mr::profile::count_free(layout.size());
-            // SAFETY: the caller's promise: `ptr` came from this device's stack (the only
-            // resource `memres_malloc` uses for it) with this size, and is ordered.
-            unsafe { stack.top().deallocate(stream, ptr, layout) };
+            match stack.recorded().take(ptr.as_ptr() as usize) {
+                // SAFETY: the caller's promise: `ptr` came from this device's stack (the
+                // only resource `memres_malloc` uses for it) with this size, and is ordered.
+                None => unsafe { stack.top().deallocate(stream, ptr, layout) },
+                Some(raw) => {
+                    // SAFETY: `memres_record_stream`'s promise: the recorded streams are
+                    // live until the block is freed.
+                    let used_on: Vec<_> = raw
+                        .into_iter()
+                        .map(|s| unsafe { StreamRef::from_raw(s as *mut _) })
+                        .collect();
+                    // SAFETY: as above; uses on `used_on` were enqueued before this free.
+                    unsafe {
+                        stack
+                            .top()
+                            .deallocate_used_on(stream, ptr, layout, &used_on)
+                    }
+                }
+            }
             Ok(())
+        },
+    )
+}
+
+/// Records that work on `stream` uses `ptr` (a live block of `memres_malloc` on
+/// `device`), as PyTorch's `Tensor.record_stream`: when the block is freed (on any
+/// stream), it is not handed out again before the work `stream` has enqueued by then is
+/// complete. Recording the stream the block is freed on, or twice, adds nothing.
+/// `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` for a null pointer, a device memres
+/// never allocated on, or a pointer outside the device's in-place pool (the default
+/// stack; other stacks keep no record of their blocks, so there a pointer memres did not
+/// hand out is not detected and its record is never used).
+///
+/// # Safety
+/// `stream` is a live CUDA stream of `device` (or a default-stream handle) and stays live
+/// until `ptr` is freed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_record_stream(
+    ptr: *mut c_void,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if ptr.is_null() {
+                return Err(Failure::invalid(
+                    "memres_record_stream: the pointer is null",
+                ));
+            }
+            let stack = built_stack(device)?.ok_or_else(|| {
+                Failure::invalid(format!(
+                    "memres_record_stream: memres never allocated on device {device}"
+                ))
+            })?;
+            if stack.may_hold(ptr as usize) == Some(false) {
+                return Err(Failure::invalid(format!(
+                    "memres_record_stream: {ptr:p} is not memory of device {device}'s pool \
+                     (memres never handed it out)"
+                )));
+            }
+            stack.recorded().record(ptr as usize, stream as usize);
+            Ok(MEMRES_OK)
         },
     )
 }

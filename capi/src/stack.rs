@@ -12,6 +12,7 @@ use mr::{
     Pool, PoolConfig,
 };
 
+use crate::recorded::Recorded;
 use crate::spec::Spec;
 
 /// The memory layer under the stack, for its figures and for trimming.
@@ -35,6 +36,8 @@ pub(crate) struct DeviceStack {
     /// call; PyTorch frees on its autograd thread what its main thread allocated, where a
     /// statistics layer's per-thread peak would be approximate).
     live: ExactCounter,
+    /// Streams recorded for live blocks (`memres_record_stream`).
+    recorded: Recorded,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -59,6 +62,7 @@ impl DeviceStack {
             pool: layers.pool,
             logs: layers.logs,
             live: ExactCounter::default(),
+            recorded: Recorded::default(),
         })
     }
 }
@@ -214,6 +218,11 @@ impl DeviceStack {
     /// The resource allocations go through.
     pub(crate) fn top(&self) -> &AnyResource<Device> {
         &self.top
+    }
+
+    /// The streams recorded for live blocks.
+    pub(crate) fn recorded(&self) -> &Recorded {
+        &self.recorded
     }
 
     /// The exact count of bytes live through the C ABI.

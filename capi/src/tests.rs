@@ -188,6 +188,15 @@ fn bad_arguments_fail_without_crashing() {
     let code = unsafe { memres_stats(0, std::ptr::null_mut()) };
     assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
     assert_eq!(memres_trim(-3), MEMRES_ERROR_INVALID_ARGUMENT);
+
+    // SAFETY: refused before the stream is used.
+    let code = unsafe { memres_record_stream(std::ptr::null_mut(), 0, std::ptr::null_mut()) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(last_error().contains("null"), "{}", last_error());
+    // SAFETY: as above: memres never allocated on device 9.
+    let code = unsafe { memres_record_stream(4096 as *mut c_void, 9, std::ptr::null_mut()) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(last_error().contains("device 9"), "{}", last_error());
 }
 
 #[test]
@@ -519,7 +528,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 12, "{rust:#?}");
+    assert_eq!(rust.len(), 13, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 

@@ -271,6 +271,33 @@ pub(crate) fn free_ready<R: Resource + ?Sized>(r: &R, held: &Deferred) {
     }
 }
 
+/// Runs `attempt`; when it runs out of memory while blocks are held for other streams,
+/// waits on the host for those streams' events, frees the blocks and runs it once more
+/// (PyTorch's caching allocator also synchronises and frees before it reports out of
+/// memory). Only on the failure path, and not under stream capture (`ctx`: the stream's
+/// context, `None` for host streams), where no wait is allowed and blocks held for a
+/// capture stay.
+#[inline]
+pub(crate) fn retry_after_waiting<R: Resource + ?Sized, T>(
+    r: &R,
+    held: &Deferred,
+    stream: StreamRef<'_>,
+    ctx: Option<Context>,
+    mut attempt: impl FnMut() -> Result<T, Error>,
+) -> Result<T, Error> {
+    match attempt() {
+        Err(Error::OutOfMemory { .. })
+            if held.any()
+                && ctx.is_none_or(|ctx| matches!(stream.is_capturing_in(ctx), Ok(false))) =>
+        {
+            held.wait_all();
+            free_ready(r, held);
+            attempt()
+        }
+        result => result,
+    }
+}
+
 /// Waits for every held block's streams, then frees them all on the host stream (a
 /// `trim`: blocks freed under a capture go back only here).
 pub(crate) fn free_all<R: Resource + ?Sized>(r: &R, held: &Deferred) {

@@ -414,7 +414,10 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             }
             shard
         };
-        self.allocate_slow(stream, shard, layout.size()).map(to_ptr)
+        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+            self.allocate_slow(stream, shard, layout.size())
+        })
+        .map(to_ptr)
     }
 
     #[inline]

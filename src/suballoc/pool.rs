@@ -731,8 +731,10 @@ impl<U: Resource> Pool<U> {
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_slow(stream, shard, size, align, layout.size())
-            .map(to_ptr)
+        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+            self.allocate_slow(stream, shard, size, align, layout.size())
+        })
+        .map(to_ptr)
     }
 
     /// The slow path: the stream's own list has no fit.
