@@ -63,6 +63,12 @@ typedef struct memres_stats_t {
     uint64_t pool_largest_free_block; /* 0 where the layer does not know it */
     int64_t live_bytes;      /* live through memres_malloc/free, exact, any spec */
     int64_t peak_live_bytes; /* its highest point since build or memres_reset_peak */
+    int64_t allocated_bytes;       /* bytes ever allocated through memres_malloc */
+    int64_t live_allocations;      /* blocks live, counted as live_bytes */
+    int64_t peak_live_allocations; /* its highest point since build or memres_reset_peak */
+    int64_t allocations;           /* blocks ever allocated */
+    int64_t out_of_memory;         /* memres_malloc calls that ran out of memory */
+    uint64_t pool_peak_size;       /* most bytes held at once since build or reset_peak */
 } memres_stats_t;
 
 /* Chooses every device's stack; call before the first allocation. MEMRES_OK, or
@@ -101,7 +107,8 @@ int memres_stats(int device, memres_stats_t* out);
    arena holds one allocation of its whole size while it lives: trimming it frees nothing. */
 int memres_trim(int device);
 
-/* Starts device's peak_live_bytes afresh from what is live now. */
+/* Starts device's peaks (peak_live_bytes, peak_live_allocations, pool_peak_size) afresh
+   from what is live and held now (torch.cuda.reset_peak_memory_stats). */
 int memres_reset_peak(int device);
 
 /* The message of the last failure on this thread, "" if none. */

@@ -75,6 +75,19 @@ pub struct memres_stats_t {
     pub live_bytes: i64,
     /// The highest `live_bytes` since the stack was built or `memres_reset_peak`.
     pub peak_live_bytes: i64,
+    /// Bytes ever allocated through `memres_malloc`.
+    pub allocated_bytes: i64,
+    /// Blocks live through `memres_malloc`/`memres_free`, counted as `live_bytes` is.
+    pub live_allocations: i64,
+    /// The highest `live_allocations` since the stack was built or `memres_reset_peak`.
+    pub peak_live_allocations: i64,
+    /// Blocks ever allocated through `memres_malloc`.
+    pub allocations: i64,
+    /// `memres_malloc` calls that ran out of memory.
+    pub out_of_memory: i64,
+    /// The most bytes the pool held at once since the stack was built or
+    /// `memres_reset_peak` (its size where it never changes: an arena).
+    pub pool_peak_size: u64,
 }
 
 /// A failure on its way to C: a code and a message for `memres_last_error`.
@@ -302,8 +315,9 @@ pub unsafe extern "C" fn memres_malloc(
             let stack = stack(device)?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            let ptr = stack.top().allocate(stream, layout)?;
-            stack.live().add(layout.size() as i64); // a layout's size is at most isize::MAX
+            let result = stack.top().allocate(stream, layout);
+            stack.count_allocation(result.as_ref().map(|_| layout.size()));
+            let ptr = result?;
             mr::profile::count_allocation(layout.size());
             Ok(ptr.as_ptr().cast())
         },
@@ -353,7 +367,7 @@ pub unsafe extern "C" fn memres_free(
             }
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            stack.live().sub(layout.size() as i64); // as in `memres_malloc`
+            stack.count_free(layout.size());
             mr::profile::count_free(layout.size());
             match stack.recorded().take(ptr.as_ptr() as usize) {
                 // SAFETY: the caller's promise: `ptr` came from this device's stack (the
@@ -438,8 +452,18 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
             let mut stats = memres_stats_t::default();
             if let Some(stack) = built_stack(device)? {
                 let figures = stack.figures()?;
-                (stats.live_bytes, stats.peak_live_bytes) =
-                    (figures.live.current, figures.live.peak);
+                (stats.live_bytes, stats.peak_live_bytes, stats.allocated_bytes) =
+                    (figures.live.current, figures.live.peak, figures.live.total);
+                (
+                    stats.live_allocations,
+                    stats.peak_live_allocations,
+                    stats.allocations,
+                ) = (
+                    figures.live_blocks.current,
+                    figures.live_blocks.peak,
+                    figures.live_blocks.total,
+                );
+                stats.out_of_memory = figures.out_of_memory;
                 if let Some(s) = figures.statistics {
                     stats.has_statistics = 1;
                     (stats.current_bytes, stats.peak_bytes, stats.total_bytes) =
@@ -454,13 +478,19 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
                         s.allocations.total,
                     );
                 }
-                if let Some((size, free, largest)) = figures.pool {
+                if let Some(pool) = figures.pool {
                     stats.has_pool = 1;
                     (
                         stats.pool_size,
                         stats.pool_free_bytes,
                         stats.pool_largest_free_block,
-                    ) = (size, free, largest);
+                        stats.pool_peak_size,
+                    ) = (
+                        pool.size,
+                        pool.free,
+                        pool.largest_free_block,
+                        pool.peak_size,
+                    );
                 }
             }
             // SAFETY: non-null and valid for one write (the caller's promise).
@@ -488,15 +518,16 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
     )
 }
 
-/// Starts `device`'s `peak_live_bytes` afresh from what is live now (as
-/// `torch.cuda.reset_peak_memory_stats`). 0 on success, also before the first allocation.
+/// Starts `device`'s peaks (`peak_live_bytes`, `peak_live_allocations`, `pool_peak_size`)
+/// afresh from what is live and held now (as `torch.cuda.reset_peak_memory_stats`). 0 on
+/// success, also before the first allocation.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_reset_peak(device: c_int) -> c_int {
     guarded(
         |code| code,
         || {
             if let Some(stack) = built_stack(device)? {
-                stack.live().reset_peak();
+                stack.reset_peaks()?;
             }
             Ok(MEMRES_OK)
         },

@@ -2,6 +2,7 @@
 //! `memres_stats` and `memres_trim` read.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use mr::adaptor::{ExactCounter, Limiting, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
@@ -36,6 +37,10 @@ pub(crate) struct DeviceStack {
     /// call; PyTorch frees on its autograd thread what its main thread allocated, where a
     /// statistics layer's per-thread peak would be approximate).
     live: ExactCounter,
+    /// Blocks live through the C ABI, counted as `live` is.
+    live_blocks: ExactCounter,
+    /// `memres_malloc` calls that ran out of memory.
+    out_of_memory: AtomicI64,
     /// Streams recorded for live blocks (`memres_record_stream`).
     recorded: Recorded,
 }
@@ -44,10 +49,22 @@ pub(crate) struct DeviceStack {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Figures {
     pub(crate) statistics: Option<mr::adaptor::StatisticsSnapshot>,
-    /// Pool size, free bytes, largest free block.
-    pub(crate) pool: Option<(u64, u64, u64)>,
-    /// Bytes live through the C ABI (`current`, `peak`).
+    pub(crate) pool: Option<PoolFigures>,
+    /// Bytes live through the C ABI.
     pub(crate) live: mr::adaptor::Counter,
+    /// Blocks live through the C ABI.
+    pub(crate) live_blocks: mr::adaptor::Counter,
+    /// `memres_malloc` calls that ran out of memory.
+    pub(crate) out_of_memory: i64,
+}
+
+/// What the memory layer reports; 0 where it does not know a figure.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PoolFigures {
+    pub(crate) size: u64,
+    pub(crate) free: u64,
+    pub(crate) largest_free_block: u64,
+    pub(crate) peak_size: u64,
 }
 
 impl DeviceStack {
@@ -62,6 +79,8 @@ impl DeviceStack {
             pool: layers.pool,
             logs: layers.logs,
             live: ExactCounter::default(),
+            live_blocks: ExactCounter::default(),
+            out_of_memory: AtomicI64::new(0),
             recorded: Recorded::default(),
         })
     }
@@ -190,13 +209,15 @@ impl Layers {
     }
 }
 
-/// Pool size, free bytes and largest free block of a memres pool.
-fn pool_figures(s: mr::suballoc::PoolStats) -> (u64, u64, u64) {
-    (
-        s.pool_size as u64,
-        s.free_bytes as u64,
-        s.largest_free_block as u64,
-    )
+/// The figures of a memres pool. Blocks waiting for other streams
+/// (`memres_record_stream`) are held, not free.
+fn pool_figures(s: mr::suballoc::PoolStats) -> PoolFigures {
+    PoolFigures {
+        size: s.pool_size as u64,
+        free: s.free_bytes as u64,
+        largest_free_block: s.largest_free_block as u64,
+        peak_size: s.peak_pool_size as u64,
+    }
 }
 
 impl DeviceStack {
@@ -225,10 +246,6 @@ impl DeviceStack {
         &self.recorded
     }
 
-    /// The exact count of bytes live through the C ABI.
-    pub(crate) fn live(&self) -> &ExactCounter {
-        &self.live
-    }
 
     pub(crate) fn figures(&self) -> Result<Figures, Error> {
         let pool = match &self.pool {
@@ -236,20 +253,66 @@ impl DeviceStack {
             Some(PoolLayer::Pool(pool)) => Some(pool_figures(pool.stats())),
             Some(PoolLayer::Virtual(pool)) => Some(pool_figures(pool.stats())),
             Some(PoolLayer::Arena(arena)) => {
-                // The arena does not track its largest free block.
-                Some((arena.size() as u64, arena.free_bytes() as u64, 0))
+                // The arena does not track its largest free block; it holds its whole
+                // size from the start.
+                Some(PoolFigures {
+                    size: arena.size() as u64,
+                    free: arena.free_bytes() as u64,
+                    largest_free_block: 0,
+                    peak_size: arena.size() as u64,
+                })
             }
             Some(PoolLayer::Async(pool)) => {
                 let (reserved, used) = (pool.reserved_bytes()?, pool.used_bytes()?);
                 // The driver does not report its largest free block.
-                Some((reserved, reserved.saturating_sub(used), 0))
+                Some(PoolFigures {
+                    size: reserved,
+                    free: reserved.saturating_sub(used),
+                    largest_free_block: 0,
+                    peak_size: pool.reserved_peak_bytes()?,
+                })
             }
         };
         Ok(Figures {
             statistics: self.statistics.as_ref().map(|s| s.snapshot()),
             pool,
             live: self.live.read(),
+            live_blocks: self.live_blocks.read(),
+            out_of_memory: self.out_of_memory.load(Ordering::Relaxed),
         })
+    }
+
+    /// Counts a block handed out (`bytes` long) or a request that ran out of memory.
+    pub(crate) fn count_allocation(&self, result: Result<usize, &Error>) {
+        match result {
+            Ok(bytes) => {
+                self.live.add(bytes as i64); // a layout's size is at most isize::MAX
+                self.live_blocks.add(1);
+            }
+            Err(Error::OutOfMemory { .. }) => {
+                self.out_of_memory.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Counts a block freed.
+    pub(crate) fn count_free(&self, bytes: usize) {
+        self.live.sub(bytes as i64);
+        self.live_blocks.sub(1);
+    }
+
+    /// Starts every peak afresh from what is live and held now.
+    pub(crate) fn reset_peaks(&self) -> Result<(), Error> {
+        self.live.reset_peak();
+        self.live_blocks.reset_peak();
+        match &self.pool {
+            Some(PoolLayer::Pool(pool)) => pool.reset_peak_size(),
+            Some(PoolLayer::Virtual(pool)) => pool.reset_peak_size(),
+            Some(PoolLayer::Async(pool)) => pool.reset_reserved_peak()?,
+            None | Some(PoolLayer::Arena(_)) => {}
+        }
+        Ok(())
     }
 
     /// `Some(false)` when `address` is certainly not memory this stack handed out (outside

@@ -590,6 +590,21 @@ fn the_header_has_the_codes_and_the_struct_layout() {
             "peak_live_bytes",
             offset_of!(memres_stats_t, peak_live_bytes),
         ),
+        (
+            "allocated_bytes",
+            offset_of!(memres_stats_t, allocated_bytes),
+        ),
+        (
+            "live_allocations",
+            offset_of!(memres_stats_t, live_allocations),
+        ),
+        (
+            "peak_live_allocations",
+            offset_of!(memres_stats_t, peak_live_allocations),
+        ),
+        ("allocations", offset_of!(memres_stats_t, allocations)),
+        ("out_of_memory", offset_of!(memres_stats_t, out_of_memory)),
+        ("pool_peak_size", offset_of!(memres_stats_t, pool_peak_size)),
     ];
     let mut c = String::from("#include <stddef.h>\n#include \"memres.h\"\n");
     c += &format!(

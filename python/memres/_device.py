@@ -36,25 +36,40 @@ def init_device(device: int) -> None:
 
 
 def stats(device: int = 0) -> Dict[str, int]:
-    """The figures of ``device``'s stack: ``live_bytes`` and ``peak_live_bytes`` always
-    (counted exactly by the C ABI, whatever the spec); the statistics keys when the stack
-    has a statistics layer; ``pool_size``, ``pool_free_bytes`` and
-    ``pool_largest_free_block`` when it has a pool. All zero before the device's first
+    """The figures of ``device``'s stack: always ``live_bytes``, ``peak_live_bytes``,
+    ``allocated_bytes`` (ever), ``live_allocations``, ``peak_live_allocations``,
+    ``allocations`` (ever) and ``out_of_memory`` (failed calls), counted exactly by the C
+    ABI whatever the spec; the statistics keys when the stack has a statistics layer;
+    ``pool_size``, ``pool_free_bytes``, ``pool_largest_free_block`` and
+    ``pool_peak_size`` when it has a pool. All zero before the device's first
     allocation."""
     out = Stats()
     check(lib().memres_stats(device, ctypes.byref(out)))
-    figures = {"live_bytes": out.live_bytes, "peak_live_bytes": out.peak_live_bytes}
+    figures = {
+        k: getattr(out, k)
+        for k in (
+            "live_bytes",
+            "peak_live_bytes",
+            "allocated_bytes",
+            "live_allocations",
+            "peak_live_allocations",
+            "allocations",
+            "out_of_memory",
+        )
+    }
     if out.has_statistics:
         figures.update((k, getattr(out, k)) for k in _STATISTICS_KEYS)
     if out.has_pool:
         figures["pool_size"] = out.pool_size
         figures["pool_free_bytes"] = out.pool_free_bytes
         figures["pool_largest_free_block"] = out.pool_largest_free_block
+        figures["pool_peak_size"] = out.pool_peak_size
     return figures
 
 
 def reset_peak(device: int = 0) -> None:
-    """Starts ``device``'s ``peak_live_bytes`` afresh from what is live now."""
+    """Starts ``device``'s peaks (``peak_live_bytes``, ``peak_live_allocations``,
+    ``pool_peak_size``) afresh from what is live and held now."""
     check(lib().memres_reset_peak(device))
 
 

@@ -42,6 +42,12 @@ class Stats(ctypes.Structure):
         ("pool_largest_free_block", ctypes.c_uint64),
         ("live_bytes", ctypes.c_int64),
         ("peak_live_bytes", ctypes.c_int64),
+        ("allocated_bytes", ctypes.c_int64),
+        ("live_allocations", ctypes.c_int64),
+        ("peak_live_allocations", ctypes.c_int64),
+        ("allocations", ctypes.c_int64),
+        ("out_of_memory", ctypes.c_int64),
+        ("pool_peak_size", ctypes.c_uint64),
     ]
 
 
@@ -91,6 +97,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "memres_stats": ([c.c_int, c.POINTER(Stats)], c.c_int),
         "memres_trim": ([c.c_int], c.c_int),
         "memres_reset_peak": ([c.c_int], c.c_int),
+        "memres_record_stream": ([c.c_void_p, c.c_int, c.c_void_p], c.c_int),
         "memres_last_error": ([], c.c_char_p),
         "memres_profile_push": ([c.c_char_p, c.c_int], c.c_int64),
         "memres_profile_pop": ([c.c_int64], c.c_int),

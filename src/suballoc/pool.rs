@@ -54,6 +54,9 @@ const HOST_LIST: StreamKey = StreamKey::host(0);
 pub struct PoolStats {
     /// Bytes held from the upstream.
     pub pool_size: usize,
+    /// The most bytes held at once since the pool was made or
+    /// [`Pool::reset_peak_size`] (PyTorch's `max_memory_reserved`).
+    pub peak_pool_size: usize,
     /// Bytes held but not handed out.
     pub free_bytes: usize,
     /// The largest free block of any one stream's list.
@@ -95,6 +98,8 @@ impl PoolStats {
 struct GrowthState {
     chunks: Vec<Chunk>,
     size: usize,
+    /// The highest `size` since the pool was made or [`Pool::reset_peak_size`].
+    peak: usize,
     /// For a pool that grows in place: which granules of the reservation it holds.
     mapped: Granules,
 }
@@ -507,12 +512,19 @@ impl<U: Resource> Pool<U> {
         self.lock_growth().size
     }
 
+    /// Starts [`PoolStats::peak_pool_size`] afresh from what the pool holds now.
+    pub fn reset_peak_size(&self) {
+        let mut growth = self.lock_growth();
+        growth.peak = growth.size;
+    }
+
     /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
     /// concurrent use it is exact for each list but not one instant.
     pub fn stats(&self) -> PoolStats {
         let growth = self.lock_growth();
         let mut stats = PoolStats {
             pool_size: growth.size,
+            peak_pool_size: growth.peak,
             upstream_allocations: if self.space.is_some() {
                 growth.mapped.mapped_runs().len()
             } else {
@@ -1082,6 +1094,7 @@ impl<U: Resource> Pool<U> {
         let g = space.granularity;
         growth.mapped.set((addr - space.base) / g, len / g, true);
         growth.size += len;
+        growth.peak = growth.peak.max(growth.size);
         into.insert(addr, len);
         tracing::debug!(
             target: "memres::pool",
@@ -1110,6 +1123,7 @@ impl<U: Resource> Pool<U> {
         }
         growth.chunks.push(chunk);
         growth.size += layout.size();
+        growth.peak = growth.peak.max(growth.size);
         tracing::debug!(
             target: "memres::pool",
             addr,

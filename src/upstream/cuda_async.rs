@@ -305,6 +305,20 @@ impl CudaAsync {
             .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
     }
 
+    /// The most bytes the pool has reserved at once since it was made or
+    /// [`reset_reserved_peak`](Self::reset_reserved_peak), read from the driver.
+    pub fn reserved_peak_bytes(&self) -> Result<u64, Error> {
+        self.inner
+            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+    }
+
+    /// Starts [`reserved_peak_bytes`](Self::reserved_peak_bytes) afresh from what the
+    /// pool reserves now (the driver resets the high watermark when it is set to 0).
+    pub fn reset_reserved_peak(&self) -> Result<(), Error> {
+        self.inner
+            .set_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)
+    }
+
     /// Bytes handed out and not yet freed, read from the driver.
     pub fn used_bytes(&self) -> Result<u64, Error> {
         self.inner
