@@ -65,6 +65,8 @@ class BuildWithLibrary(build_py):
         target = pathlib.Path(self.build_lib) / "memres" / "libmemres.so"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(built, target)
+        # The C header, for the PyTorch backend that memres/_torch.py compiles.
+        shutil.copyfile(MANIFEST.parent / "include" / "memres.h", target.parent / "memres.h")
 
 
 class BinaryDistribution(Distribution):

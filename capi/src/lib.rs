@@ -452,8 +452,11 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
             let mut stats = memres_stats_t::default();
             if let Some(stack) = built_stack(device)? {
                 let figures = stack.figures()?;
-                (stats.live_bytes, stats.peak_live_bytes, stats.allocated_bytes) =
-                    (figures.live.current, figures.live.peak, figures.live.total);
+                (
+                    stats.live_bytes,
+                    stats.peak_live_bytes,
+                    stats.allocated_bytes,
+                ) = (figures.live.current, figures.live.peak, figures.live.total);
                 (
                     stats.live_allocations,
                     stats.peak_live_allocations,

@@ -246,7 +246,6 @@ impl DeviceStack {
         &self.recorded
     }
 
-
     pub(crate) fn figures(&self) -> Result<Figures, Error> {
         let pool = match &self.pool {
             None => None,

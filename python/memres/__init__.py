@@ -31,6 +31,8 @@ from ._native import (
 )
 from ._profile import ProfileReport, profile, profile_report, profile_reset
 from ._setup import Setup, setup
+from ._torch import install as install_torch
+from ._torch import installed as torch_backend
 from ._torch import torch_allocator
 
 __version__ = "0.1.0"
@@ -47,6 +49,7 @@ __all__ = [
     "configure",
     "cupy_allocator",
     "init_device",
+    "install_torch",
     "last_error",
     "library_path",
     "profile",
@@ -56,5 +59,6 @@ __all__ = [
     "setup",
     "stats",
     "torch_allocator",
+    "torch_backend",
     "trim",
 ]

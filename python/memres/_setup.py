@@ -73,7 +73,9 @@ def setup(
        fails here (``None``: each device's stack is built on its first allocation, and
        devices the program never touches cost nothing);
     3. makes memres PyTorch's CUDA allocator (``torch=True``; before torch's first CUDA
-       allocation) and CuPy's (``cupy=True``).
+       allocation: the native backend, so that ``record_stream``, ``memory_stats`` and
+       ``empty_cache`` reach memres; see :func:`memres.install_torch`) and CuPy's
+       (``cupy=True``).
 
     Returns a :class:`Setup` that reads the figures of those devices::
 
@@ -88,11 +90,9 @@ def setup(
     for device in listed or []:
         init_device(device)
     if torch:
-        import torch as _torch
+        from ._torch import install
 
-        from ._torch import torch_allocator
-
-        _torch.cuda.memory.change_current_allocator(torch_allocator())
+        install()
     if cupy:
         import cupy as _cupy
 

@@ -315,8 +315,10 @@ impl CudaAsync {
     /// Starts [`reserved_peak_bytes`](Self::reserved_peak_bytes) afresh from what the
     /// pool reserves now (the driver resets the high watermark when it is set to 0).
     pub fn reset_reserved_peak(&self) -> Result<(), Error> {
-        self.inner
-            .set_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)
+        self.inner.set_u64(
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            0,
+        )
     }
 
     /// Bytes handed out and not yet freed, read from the driver.

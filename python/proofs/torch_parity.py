@@ -1,0 +1,259 @@
+"""What a PyTorch program does with its allocator, under torch's own and under memres.
+
+    python3 python/proofs/torch_parity.py          # every check, both allocators: a table
+    python3 python/proofs/torch_parity.py CHECK ALLOCATOR   # one, in this process (JSON)
+
+Each check runs in a fresh process per allocator (an allocator is chosen before CUDA is
+first used): ``torch`` (PyTorch's caching allocator) or ``memres`` (``memres.setup()``,
+the native backend). A check prints one JSON object: ``ok`` (whether it did what torch's
+allocator does) and what it saw. The table shows both; exit status 0 when memres passes
+every check that torch passes.
+
+Checks:
+  record_stream - x written on the current stream, read on a side stream after a long
+                  kernel there, x.record_stream(side), del x, a new tensor of the same
+                  size written at once on the current stream: the side stream must read
+                  x's bytes; 100 trials, wrong ones counted.
+  stats         - memory_allocated / max_memory_allocated / memory_reserved /
+                  max_memory_reserved / memory_stats / reset_peak_memory_stats /
+                  reset_accumulated_memory_stats / memory_summary around a 256 MiB tensor.
+  empty_cache   - a freed 1 GiB tensor's memory goes back to the device on empty_cache().
+  oom           - an impossible tensor raises torch.OutOfMemoryError; work goes on after.
+  cudnn         - torch.backends.cudnn.benchmark = True on a convolution (cacheInfo).
+  graphs        - two torch.cuda.graph captures replayed in turn, results checked.
+  compile       - torch.compile(mode="reduce-overhead") on a small MLP matches eager.
+  ipc           - a CUDA tensor sent to another process with torch.multiprocessing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "compile", "ipc"]
+MIB = 1 << 20
+
+
+def record_stream():
+    import torch
+
+    n = 64 * MIB // 4
+    side = torch.cuda.Stream()
+    wrong = 0
+    for _ in range(100):
+        x = torch.full((n,), 1.0, device="cuda")
+        out = torch.empty(n, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # a long kernel first
+            out.copy_(x)
+        x.record_stream(side)
+        del x
+        y = torch.full((n,), 2.0, device="cuda")  # may reuse x's memory
+        torch.cuda.synchronize()
+        wrong += int((out != 1.0).any().item())
+        del y, out
+    return {"ok": wrong == 0, "wrong_trials": wrong, "trials": 100}
+
+
+def stats():
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+    during = torch.cuda.memory_allocated()
+    peak = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.memory_reserved()
+    max_reserved = torch.cuda.max_memory_reserved()
+    s = torch.cuda.memory_stats()
+    del x
+    after = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    peak_after_reset = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_accumulated_memory_stats()
+    acc = torch.cuda.memory_stats()["allocation.all.allocated"]
+    summary = torch.cuda.memory_summary()
+    seen = {
+        "grew_by": during - base,
+        "peak": peak,
+        "reserved": reserved,
+        "max_reserved": max_reserved,
+        "after": after - base,
+        "peak_after_reset": peak_after_reset - base,
+        "allocations_after_accumulated_reset": acc,
+        "num_ooms": s.get("num_ooms"),
+        "summary_lines": len(summary.splitlines()),
+    }
+    ok = (
+        during - base >= 256 * MIB
+        and peak >= during
+        and reserved >= during
+        and max_reserved >= reserved
+        and after == base
+        and peak_after_reset - base < 256 * MIB
+        and acc == 0
+        and "allocated_bytes.all.current" in s
+        and "reserved_bytes.all.peak" in s
+        and "num_alloc_retries" in s
+        and len(summary.splitlines()) > 5
+    )
+    return {"ok": ok, **seen}
+
+
+def empty_cache():
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    x.fill_(1)
+    del x
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_reserved()
+    free_before, _ = torch.cuda.mem_get_info()
+    torch.cuda.empty_cache()
+    free_after, _ = torch.cuda.mem_get_info()
+    back = free_after - free_before
+    return {"ok": back >= (1 << 30) - 64 * MIB, "returned_mib": back // MIB, "reserved_mib": held // MIB}
+
+
+def oom():
+    import torch
+
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        raised = "nothing"
+    except torch.OutOfMemoryError:
+        raised = "OutOfMemoryError"
+    except RuntimeError as e:
+        raised = f"RuntimeError: {e}"
+    y = torch.ones(1024, device="cuda").sum().item()
+    return {"ok": raised == "OutOfMemoryError" and y == 1024, "raised": raised}
+
+
+def cudnn():
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda()
+    x = torch.randn(32, 64, 56, 56, device="cuda")
+    y = conv(x).sum().item()
+    ref = torch.nn.functional.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    close = abs(y - ref.sum().item()) < 1e-2 * max(1.0, abs(y))
+    return {"ok": close, "sum": y}
+
+
+def graphs():
+    import torch
+
+    a = torch.ones(1024, device="cuda")
+    outs = []
+    gs = []
+    for k in (2.0, 3.0):
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            (a * k).sum()  # warm up
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            out = (a * k) + 1
+        gs.append(g)
+        outs.append(out)
+    results = []
+    for _ in range(3):
+        for g, out, k in zip(gs, outs, (2.0, 3.0)):
+            g.replay()
+            torch.cuda.synchronize()
+            results.append(bool((out == k + 1).all().item()))
+    return {"ok": all(results), "replays_right": sum(results), "replays": len(results)}
+
+
+def compile_():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)).cuda().eval()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    worst = 0.0
+    with torch.no_grad():
+        for batch in (4, 8, 4, 16, 8):
+            x = torch.randn(batch, 64, device="cuda")
+            for _ in range(3):
+                got = compiled(x)
+            worst = max(worst, (got - model(x)).abs().max().item())
+    return {"ok": worst < 1e-4, "max_diff": worst}
+
+
+def _ipc_child(queue, done):
+    t = queue.get()
+    done.put(float(t.sum().item()))
+
+
+def ipc():
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_ipc_child, args=(queue, done))
+    p.start()
+    t = torch.full((1 << 20,), 2.0, device="cuda")
+    queue.put(t)
+    got = done.get(timeout=120)
+    p.join(60)
+    return {"ok": got == 2.0 * (1 << 20), "sum": got}
+
+
+def run_one(check, allocator):
+    if allocator == "memres":
+        import memres
+
+        memres.setup()
+    fn = {"compile": compile_}.get(check) or globals()[check]
+    try:
+        result = fn()
+    except Exception as e:  # the row's failure is its result
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        traceback.print_exc(file=sys.stderr)
+    if allocator == "memres":
+        import memres
+
+        result["backend"] = memres.torch_backend()
+    print(json.dumps(result))
+
+
+def main():
+    rows = []
+    failed = False
+    for check in CHECKS:
+        row = {"check": check}
+        for allocator in ("torch", "memres"):
+            done = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), check, allocator],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            lines = done.stdout.strip().splitlines()
+            try:
+                row[allocator] = json.loads(lines[-1])
+            except (IndexError, ValueError):
+                row[allocator] = {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+        if row["torch"].get("ok") and not row["memres"].get("ok"):
+            failed = True
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| check | torch | memres |\n| --- | --- | --- |")
+    for row in rows:
+        cell = lambda r: ("pass" if r.get("ok") else "FAIL") + " " + json.dumps({k: v for k, v in r.items() if k != "ok"})
+        print(f"| {row['check']} | {cell(row['torch'])} | {cell(row['memres'])} |")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3:
+        run_one(sys.argv[1], sys.argv[2])
+    else:
+        main()
