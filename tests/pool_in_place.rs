@@ -163,6 +163,33 @@ fn the_maximum_bounds_what_is_mapped() {
     }
 }
 
+/// A maximum that is not whole granules still bounds what is held; one below a granule,
+/// or one the rounded initial size passes, is refused (issue 33, finding 7).
+#[test]
+fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused() {
+    let pool = in_place(PoolConfig::new().maximum_size(256_000));
+    let s = StreamRef::host(1);
+    let mut live = Vec::new();
+    let l = layout(16 << 10).unwrap();
+    while let Ok(p) = pool.allocate(s, l) {
+        live.push(p);
+        assert!(pool.stats().pool_size <= 256_000, "{:?}", pool.stats());
+    }
+    assert_eq!(pool.stats().pool_size, 3 * G, "three whole granules fit under 256,000 B");
+    for p in live {
+        // SAFETY: allocated above with `l` on `s`.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    for config in [
+        PoolConfig::new().maximum_size(G - 256),
+        PoolConfig::new().initial_size(256_000).maximum_size(256_000),
+    ] {
+        let e = leaf().pool(config).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(e.to_string().contains("granule"), "{e}");
+    }
+}
+
 #[test]
 fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
     let pool = HostVirtual::new(8 * G, G)

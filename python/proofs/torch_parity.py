@@ -1,6 +1,6 @@
 """What a PyTorch program does with its allocator, under torch's own and under memres.
 
-    python3 python/proofs/torch_parity.py          # every check, both allocators: a table
+    python3 python/proofs/torch_parity.py [--checks a,b]   # both allocators: a table
     python3 python/proofs/torch_parity.py CHECK ALLOCATOR   # one, in this process (JSON)
 
 Each check runs in a fresh process per allocator (an allocator is chosen before CUDA is
@@ -197,12 +197,15 @@ def ipc():
 
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_ipc_child, args=(queue, done))
+    p = ctx.Process(target=_ipc_child, args=(queue, done), daemon=True)
     p.start()
-    t = torch.full((1 << 20,), 2.0, device="cuda")
-    queue.put(t)
-    got = done.get(timeout=120)
-    p.join(60)
+    try:
+        t = torch.full((1 << 20,), 2.0, device="cuda")
+        queue.put(t)
+        got = done.get(timeout=120)
+    finally:
+        p.terminate()
+        p.join(60)
     return {"ok": got == 2.0 * (1 << 20), "sum": got}
 
 
@@ -224,10 +227,10 @@ def run_one(check, allocator):
     print(json.dumps(result))
 
 
-def main():
+def main(checks):
     rows = []
     failed = False
-    for check in CHECKS:
+    for check in checks:
         row = {"check": check}
         for allocator in ("torch", "memres"):
             done = subprocess.run(
@@ -253,7 +256,9 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3:
+    if len(sys.argv) == 3 and sys.argv[1] in CHECKS:
         run_one(sys.argv[1], sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--checks":
+        main(sys.argv[2].split(","))
     else:
-        main()
+        main(CHECKS)

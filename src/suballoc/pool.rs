@@ -423,7 +423,9 @@ impl<U: Resource> Pool<U> {
     /// the free memory at the top of what it holds, so blocks merge across growth steps
     /// and no upstream allocation boundary fragments it; [`trim`](Self::trim) unmaps
     /// every fully free granule, also between live blocks. `config.initial()` is mapped
-    /// at once (rounded up to the granularity); `config.maximum()` bounds what is mapped.
+    /// at once (rounded up to the granularity); `config.maximum()` bounds what is mapped
+    /// (a maximum below one granule, or one that the rounded initial size passes, is
+    /// [`Error::InvalidArgument`]).
     ///
     /// ```
     /// use memres::{HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout};
@@ -454,6 +456,23 @@ impl<U: Resource> Pool<U> {
                 "an in-place pool needs a granularity that is a power of two of at least \
                  {GRANULE} bytes; the upstream's is {granularity}"
             )));
+        }
+        // The pool maps whole granules and never holds more than its maximum.
+        if let Some(max) = config.maximum {
+            if max < granularity {
+                return Err(Error::invalid_argument(format!(
+                    "an in-place pool's maximum of {max} bytes is below one granule of its \
+                     upstream ({granularity} bytes): it could never map anything"
+                )));
+            }
+            if config.initial.next_multiple_of(granularity) > max {
+                return Err(Error::invalid_argument(format!(
+                    "an in-place pool's initial size of {} bytes rounds up to {} bytes \
+                     (whole granules of {granularity}), above its maximum of {max}",
+                    config.initial,
+                    config.initial.next_multiple_of(granularity)
+                )));
+            }
         }
         let pool = Pool {
             upstream,
