@@ -175,14 +175,20 @@ fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused
         live.push(p);
         assert!(pool.stats().pool_size <= 256_000, "{:?}", pool.stats());
     }
-    assert_eq!(pool.stats().pool_size, 3 * G, "three whole granules fit under 256,000 B");
+    assert_eq!(
+        pool.stats().pool_size,
+        3 * G,
+        "three whole granules fit under 256,000 B"
+    );
     for p in live {
         // SAFETY: allocated above with `l` on `s`.
         unsafe { pool.deallocate(s, p, l) };
     }
     for config in [
         PoolConfig::new().maximum_size(G - 256),
-        PoolConfig::new().initial_size(256_000).maximum_size(256_000),
+        PoolConfig::new()
+            .initial_size(256_000)
+            .maximum_size(256_000),
     ] {
         let e = leaf().pool(config).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");

@@ -45,8 +45,6 @@ const LARGE_BYTES: usize = 8 << 20;
 /// A CUDA stream that takes a small block from a host stream's list (where a pool's
 /// initial memory is) takes this much, and keeps the rest in its own list.
 const HOST_REFILL: usize = 2 << 20;
-/// The key of the list that paths holding the growth lock use: host stream 0, lane 0.
-const HOST_LIST: StreamKey = StreamKey::host(0);
 
 /// A snapshot of a pool's memory, from [`Pool::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -386,6 +384,9 @@ pub struct Pool<U: Resource> {
     /// Blocks freed with [`Resource::deallocate_used_on`] whose other streams' work is
     /// not known to be complete yet.
     held: Deferred,
+    /// The key of the host stream's list made with the pool (in the lane of the thread
+    /// that made it), which paths holding the growth lock use.
+    host_key: StreamKey,
 }
 
 impl<U: Resource> Pool<U> {
@@ -403,12 +404,11 @@ impl<U: Resource> Pool<U> {
             space: None,
             release_pending: AtomicBool::new(false),
             held: Deferred::default(),
+            host_key: StreamKey::of_lane(StreamRef::HOST),
         };
-        // The host stream's list in lane 0 exists from the start, so that paths holding
-        // the growth lock can look it up without making it (which takes that lock). The
-        // initial memory goes to the calling thread's lane of the host stream.
-        pool.new_shard(HOST_LIST);
-        let host = pool.shard(StreamRef::HOST);
+        // The host stream's list exists from the start, so that paths holding the growth
+        // lock can look it up without making it (which takes that lock).
+        let host = pool.new_shard(pool.host_key);
         if config.initial > 0 {
             let layout = Layout::from_size_align(config.initial, GRANULE)
                 .map_err(|_| Error::invalid_argument("the pool's initial size is too large"))?;
@@ -490,10 +490,10 @@ impl<U: Resource> Pool<U> {
             }),
             release_pending: AtomicBool::new(false),
             held: Deferred::default(),
+            host_key: StreamKey::of_lane(StreamRef::HOST),
         };
         // As in `new`: the host list exists from the start.
-        pool.new_shard(HOST_LIST);
-        let host = pool.shard(StreamRef::HOST);
+        let host = pool.new_shard(pool.host_key);
         if config.initial > 0 {
             let mut growth = pool.lock_growth();
             let space = pool.space.as_ref().expect("set above");
@@ -688,13 +688,14 @@ impl<U: Resource> Pool<U> {
         }
     }
 
-    /// The host stream's list in lane 0, made with the pool: paths that hold the growth
-    /// lock find it without taking that lock again. (Not the calling thread's lane of the
-    /// host stream, [`Pool::shard`]`(StreamRef::HOST)`: that list may not exist yet, and
-    /// making it takes the growth lock, which the thread holds.)
+    /// The host stream's list made with the pool: paths that hold the growth lock find
+    /// it without taking that lock again. (Not the calling thread's lane of the host
+    /// stream, [`Pool::shard`]`(StreamRef::HOST)`: on another thread than the one that
+    /// made the pool that list may not exist yet, and making it takes the growth lock,
+    /// which the thread holds.)
     fn host_list(&self) -> &Shard<PoolShard> {
         self.shards
-            .get(HOST_LIST)
+            .get(self.host_key)
             .expect("the host list is made with the pool")
     }
 
