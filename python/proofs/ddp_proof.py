@@ -9,7 +9,9 @@ its own group of N processes (rank r on GPU r, env:// rendezvous on localhost). 
 memres every rank calls `memres.setup()` before touching CUDA, so all of PyTorch's
 allocations on its device come from memres: activations, gradients, DDP's gradient
 buckets and the tensors NCCL's collectives read and write (NCCL's own internal buffers
-are cudaMalloc'd by NCCL and stay outside any PyTorch allocator).
+are cudaMalloc'd by NCCL and stay outside any PyTorch allocator). Ranks run with
+TORCH_NCCL_AVOID_RECORD_STREAMS=0, so NCCL's process group records its stream on the
+tensors of each collective (Tensor.record_stream, memres's native backend).
 
 The model is transformers' GPT-2 small from its config (random weights, seed 0 on every
 rank, so DDP starts from equal replicas), bf16 autocast, AdamW; per step the batch
@@ -105,6 +107,10 @@ def run_group(mode, gpus, steps, deterministic):
     for rank in range(gpus):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(gpus))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        # NCCL's process group calls Tensor.record_stream on the tensors its collectives
+        # use (on its own stream) unless told to avoid it: the native backend's
+        # record_stream path is exercised under memres.
+        env.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")
         if deterministic:
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         args = [sys.executable, os.path.abspath(__file__), "--rank", mode, str(steps)]
