@@ -131,7 +131,15 @@ impl Layers {
                 if let Some(release) = release {
                     config = config.release_threshold(*release);
                 }
-                let mut leaf = CudaVirtualConfig::new();
+                // Every device that can reach this one's memory may: copies between devices
+                // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc`
+                // memory with peer access on, which memory mapped with `cuMemMap` only
+                // gets from an access descriptor per device.
+                let peers: Vec<DeviceId> = DeviceId::all()?
+                    .into_iter()
+                    .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
+                    .collect();
+                let mut leaf = CudaVirtualConfig::new().peers(peers);
                 if let Some(reserve) = reserve {
                     leaf = leaf.reserve(*reserve);
                 }

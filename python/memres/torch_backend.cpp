@@ -151,6 +151,24 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
   }
 
+  // Copies between devices go through cudaMemcpyPeerAsync: memres's default pool maps
+  // memory with cuMemMap, which a plain cudaMemcpyAsync cannot copy between devices
+  // without peer access (PyTorch's own allocator does the same for its expandable
+  // segments). The pool also grants access to every peer-capable device.
+  cudaError_t memcpyAsync(
+      void* dst,
+      int dst_device,
+      const void* src,
+      int src_device,
+      size_t count,
+      cudaStream_t stream,
+      bool /*p2p_enabled*/) override {
+    if (dst_device == src_device) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+  }
+
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
     memres_stats_t s = stats_of(device);
     size_t free_bytes = 0;

@@ -37,7 +37,7 @@ def main():
         e = torch.full((96 * mib,), 3, dtype=torch.uint8, device="cuda:1")
         torch.cuda.synchronize(1)
     summed = int(d.item())
-    del a, c, e
+    del a, c, d, e
     torch.cuda.synchronize(0)
     torch.cuda.empty_cache()
     after = {d: memres.stats(d) for d in (0, 1)}

@@ -78,6 +78,19 @@ impl DeviceId {
         Ok((0..n).map(DeviceId).collect())
     }
 
+    /// Whether kernels and copies on this device can reach `peer`'s memory directly
+    /// (`cuDeviceCanAccessPeer`: NVLink or PCIe peer-to-peer). False for the device itself.
+    pub fn can_access_peer(self, peer: DeviceId) -> Result<bool, Error> {
+        if peer == self {
+            return Ok(false);
+        }
+        let (dev, peer_dev) = (self.handle()?, peer.handle()?);
+        let mut can = 0;
+        // SAFETY: both handles are valid devices; `can` is a valid place for the result.
+        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer_dev) })?;
+        Ok(can != 0)
+    }
+
     /// The number of CUDA devices.
     pub fn count() -> Result<usize, Error> {
         init()?;
