@@ -211,3 +211,111 @@ fn fixed_size_under_a_limit_serves_cross_stream_frees_without_running_out() {
         limited.allocated_bytes() >> 20
     );
 }
+
+/// splitmix64, for the stress test's choices.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// 16 threads, four to each of four host streams (so they share streams through lanes),
+/// allocating blocks of 256 B to 1 MiB, writing their own stamp at both ends, checking
+/// it before each free, and freeing a third of the blocks on another stream than the one
+/// they were allocated on; one thread trims and reads the statistics as it goes. Within a
+/// watchdog: no hang, no block handed out twice (a stamp overwritten), everything free
+/// at the end. (loom cannot model lanes: a thread's lane is a std thread-local.)
+fn stress<R: Resource + Sync>(r: &R, trim: &(dyn Fn() + Sync), ops: usize) {
+    const STREAMS: u32 = 4;
+    std::thread::scope(|s| {
+        for t in 0..16u64 {
+            s.spawn(move || {
+                let mut rng = 0x5EED ^ t;
+                let own = StreamRef::host(1 + t as u32 % STREAMS);
+                let mut live: Vec<(std::ptr::NonNull<u8>, std::alloc::Layout, u64)> = Vec::new();
+                for i in 0..ops {
+                    let r1 = next(&mut rng);
+                    if live.len() < 32 && (live.is_empty() || r1 % 2 == 0) {
+                        let size = 256 << (r1 >> 8) % 13; // 256 B .. 1 MiB
+                        let l = layout(size).unwrap();
+                        let p = r
+                            .allocate(own, l)
+                            .unwrap_or_else(|e| panic!("thread {t}: {e}"));
+                        let stamp = t << 48 | i as u64;
+                        // SAFETY: the block holds `size` >= 256 bytes; 8-byte writes at
+                        // both ends, unaligned-safe.
+                        unsafe {
+                            p.as_ptr().cast::<u64>().write_unaligned(stamp);
+                            p.as_ptr()
+                                .add(size - 8)
+                                .cast::<u64>()
+                                .write_unaligned(stamp);
+                        }
+                        live.push((p, l, stamp));
+                    } else {
+                        let (p, l, stamp) = live.swap_remove((r1 >> 16) as usize % live.len());
+                        // SAFETY: written above; still ours.
+                        let ends = unsafe {
+                            (
+                                p.as_ptr().cast::<u64>().read_unaligned(),
+                                p.as_ptr().add(l.size() - 8).cast::<u64>().read_unaligned(),
+                            )
+                        };
+                        assert_eq!(ends, (stamp, stamp), "thread {t}: a live block was reused");
+                        let on = if r1 % 3 == 0 {
+                            StreamRef::host(1 + (t as u32 + 1) % STREAMS)
+                        } else {
+                            own
+                        };
+                        // SAFETY: allocated with `l`; host streams are always complete, so
+                        // it may be freed on any of them.
+                        unsafe { r.deallocate(on, p, l) };
+                    }
+                    if t == 0 && i % 2_000 == 1_999 {
+                        trim();
+                    }
+                }
+                for (p, l, _) in live {
+                    // SAFETY: as above.
+                    unsafe { r.deallocate(own, p, l) };
+                }
+            });
+        }
+    });
+}
+
+const STRESS_OPS: usize = 20_000;
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "a release-mode stress test: .ci/run runs it with --release"
+)]
+fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
+    for (name, threshold) in [("no threshold", None), ("threshold 4 MiB", Some(4 << 20))] {
+        let config = match threshold {
+            Some(t) => PoolConfig::new().release_threshold(t),
+            None => PoolConfig::new(),
+        };
+        within(Duration::from_secs(120), name, move || {
+            let chunked = Pool::new(HostHeap::new(), config).unwrap();
+            stress(&chunked, &|| drop(chunked.trim()), STRESS_OPS);
+            let s = chunked.stats();
+            assert_eq!(s.free_bytes, s.pool_size, "chunked, {name}: {s:?}");
+            let leaf = HostVirtual::new(8 << 30, 64 << 10).unwrap();
+            let in_place = Pool::in_place(leaf, config).unwrap();
+            stress(&in_place, &|| drop(in_place.trim()), STRESS_OPS);
+            let s = in_place.stats();
+            assert_eq!(s.free_bytes, s.pool_size, "in place, {name}: {s:?}");
+            in_place.trim().unwrap();
+            assert_eq!(in_place.stats().pool_size, 0, "in place, {name}");
+        });
+    }
+    within(Duration::from_secs(120), "binning", || {
+        let pool = std::sync::Arc::new(Pool::new(HostHeap::new(), PoolConfig::new()).unwrap());
+        let bins = Binning::new(pool.clone(), 8, 18).unwrap();
+        stress(&bins, &|| drop(pool.trim()), STRESS_OPS);
+    });
+}
