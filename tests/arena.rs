@@ -225,7 +225,7 @@ fn an_arena_of_every_byte_is_an_invalid_argument() {
 #[test]
 fn a_producer_and_a_consumer_on_one_stream_do_not_run_the_arena_out() {
     if memres::driver::is_present() {
-        println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
         return;
     }
     let arena = Arena::with_size(HostHeap::new(), 8 * MIB).unwrap();
@@ -269,7 +269,7 @@ fn stream_of(i: u32) -> StreamRef<'static> {
 #[test]
 fn threads_on_several_streams_run_an_arena_dry_without_losing_a_byte() {
     if memres::driver::is_present() {
-        println!("skipped: uses made-up CUDA stream handles (for machines without a driver)");
+        println!("memres-skip: uses made-up CUDA stream handles (for machines without a driver)");
         return;
     }
     use std::sync::Mutex;

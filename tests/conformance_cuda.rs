@@ -101,7 +101,7 @@ fn managed_pool() -> Option<CudaAsyncManaged> {
     match CudaAsyncManaged::new() {
         Ok(r) => Some(r),
         Err(Error::Unsupported(why)) => {
-            eprintln!("CudaAsyncManaged unsupported here: {why}");
+            println!("memres-skip: CudaAsyncManaged unsupported here: {why}");
             None
         }
         Err(e) => panic!("CudaAsyncManaged::new: {e}"),

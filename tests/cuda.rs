@@ -453,7 +453,7 @@ fn access_of_device_1(ptr: u64) -> u64 {
 fn a_peer_device_writes_every_granule_of_an_in_place_pool() {
     let d1 = DeviceId::new(1);
     if DeviceId::count().unwrap() < 2 {
-        eprintln!("skipped: fewer than two GPUs");
+        println!("memres-skip: fewer than two GPUs");
         return;
     }
     let mut can = 0;
@@ -461,7 +461,7 @@ fn a_peer_device_writes_every_granule_of_an_in_place_pool() {
     let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, 1, 0) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     if can == 0 {
-        eprintln!("skipped: device 1 cannot access device 0's memory");
+        println!("memres-skip: device 1 cannot access device 0's memory");
         return;
     }
     let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new().peers([d1])).unwrap();
@@ -654,7 +654,7 @@ fn prefetch_moves_managed_memory_to_the_device_and_leaves_other_memory_alone() {
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
         assert_eq!(location, 0, "prefetched to device 0");
     } else {
-        eprintln!("no concurrent managed access: Prefetch only forwards here");
+        println!("memres-skip: (in part) no concurrent managed access here: only the forwarding path of Prefetch ran");
     }
     // SAFETY: allocated above on `stream`; nothing uses it.
     unsafe { managed.deallocate(stream.as_ref(), p, l) };

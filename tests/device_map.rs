@@ -138,7 +138,7 @@ fn set_get_reset_on_the_current_device_from_many_threads() {
 fn every_device_has_its_own_default() {
     let n = DeviceId::count().unwrap();
     if n < 2 {
-        eprintln!("only {n} GPU here: the two-device case needs two (skipped)");
+        println!("memres-skip: only {n} GPU here: the two-device case needs two");
         return;
     }
     let (d0, d1) = (DeviceId::new(0), DeviceId::new(1));

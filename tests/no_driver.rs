@@ -29,7 +29,7 @@ fn assert_no_driver<T: std::fmt::Debug>(what: &str, result: Result<T, Error>) {
 #[test]
 fn every_cuda_constructor_reports_no_driver() {
     if !no_driver() {
-        println!("skipped: a CUDA driver is present (this test is for machines without one)");
+        println!("memres-skip: a CUDA driver is present (this test is for machines without one)");
         return;
     }
     let d0 = DeviceId::new(0);
@@ -80,7 +80,7 @@ fn every_cuda_constructor_reports_no_driver() {
 #[test]
 fn devices_streams_and_defaults_report_no_driver() {
     if !no_driver() {
-        println!("skipped: a CUDA driver is present (this test is for machines without one)");
+        println!("memres-skip: a CUDA driver is present (this test is for machines without one)");
         return;
     }
     assert_no_driver("DeviceId::current", DeviceId::current());

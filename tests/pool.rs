@@ -613,7 +613,7 @@ fn a_large_block_comes_back_whole_and_trims() {
 #[test]
 fn threads_sharing_a_stream_share_its_memory_across_lanes() {
     if memres::driver::is_present() {
-        println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
         return;
     }
     let pool = heap_pool(
@@ -659,7 +659,7 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
 #[test]
 fn a_cuda_stream_takes_a_larger_piece_of_the_initial_memory() {
     if memres::driver::is_present() {
-        println!("skipped: uses a made-up CUDA stream handle (for machines without a driver)");
+        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
         return;
     }
     let pool = heap_pool(PoolConfig::new().initial_size(8 << 20));

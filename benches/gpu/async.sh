@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CudaAsync against RMM's cuda_async: N alternating runs of the whole suite each.
 # Run on the GPU machine from the repository root, carrying target/gpu-bundle (built by
-# ../shared/gpu/bundle.sh), .whl (librmm-cu13 26.10 and rapids-logger wheels) and
+# benches/gpu/bundle.sh), .whl (librmm-cu13 26.10 and rapids-logger wheels) and
 # .gpu-shared (a copy of ../shared); results go to $OUT. See BENCHMARKS.md.
 set -uo pipefail
 N=${1:-5}

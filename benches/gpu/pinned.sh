@@ -8,7 +8,7 @@
 # fastest core, and the same unpinned, so that both protocols sit side by side.
 #
 # Run on the GPU machine from the repository root, carrying target/gpu-bundle (built by
-# ../shared/gpu/bundle.sh), .whl and .gpu-shared as for speed.sh; results go to $OUT.
+# benches/gpu/bundle.sh), .whl and .gpu-shared as for speed.sh; results go to $OUT.
 #
 #   bash benches/gpu/pinned.sh
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed figures side by side with RMM 26.10 (one device call).
 # Run on the GPU machine from the repository root, carrying target/gpu-bundle (built by
-# ../shared/gpu/bundle.sh), .whl (librmm-cu13 26.10 and rapids-logger wheels) and
+# benches/gpu/bundle.sh), .whl (librmm-cu13 26.10 and rapids-logger wheels) and
 # .gpu-shared (a copy of ../shared); results go to $OUT. See BENCHMARKS.md.
 set -uo pipefail
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
