@@ -226,7 +226,8 @@ fn default_resource_containers_hold_their_resource() {
 fn dropped_with_another_device_current() {
     let devices = DeviceId::count().unwrap();
     if devices < 2 {
-        println!("memres-skip: one GPU only ({devices}); needs two to drop on device 0 with 1 current"
+        println!(
+            "memres-skip: one GPU only ({devices}); needs two to drop on device 0 with 1 current"
         );
         return;
     }

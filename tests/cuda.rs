@@ -654,7 +654,9 @@ fn prefetch_moves_managed_memory_to_the_device_and_leaves_other_memory_alone() {
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
         assert_eq!(location, 0, "prefetched to device 0");
     } else {
-        println!("memres-skip: (in part) no concurrent managed access here: only the forwarding path of Prefetch ran");
+        println!(
+            "memres-skip: (in part) no concurrent managed access here: only the forwarding path of Prefetch ran"
+        );
     }
     // SAFETY: allocated above on `stream`; nothing uses it.
     unsafe { managed.deallocate(stream.as_ref(), p, l) };

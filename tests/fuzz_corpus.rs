@@ -11,7 +11,8 @@ fn the_suballoc_corpus_replays_clean() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/suballoc");
     let Ok(entries) = std::fs::read_dir(&dir) else {
         // The GPU bundle carries binaries only.
-        println!("memres-skip: no corpus at {} (run from a checkout)",
+        println!(
+            "memres-skip: no corpus at {} (run from a checkout)",
             dir.display()
         );
         return;

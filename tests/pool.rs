@@ -217,6 +217,40 @@ fn a_huge_growth_step_stops_at_the_maximum() {
 /// With a maximum, growth by RMM's rule takes half of what remains, and the default rule
 /// stops at the maximum; a pool that cannot grow returns its free chunks and grows once
 /// more before it reports `OutOfMemory`.
+/// A capped pool growing by an eighth fits as many equal requests as RMM's halving
+/// (issue 33, finding 6: 6 of 8 blocks of 768 KiB fitted, 3 of 4 of 3 MiB, 17 of 20 of
+/// 600 KiB, where RMM's rule fits 8, 4 and 19).
+#[test]
+fn a_capped_pool_fits_what_rmm_s_rule_fits() {
+    let fitted = |count: usize, size: usize, growth: Growth| {
+        let pool = heap_pool(PoolConfig::new().maximum_size(count * size).growth(growth));
+        let l = layout(size).unwrap();
+        let s = StreamRef::host(1);
+        let mut live = Vec::new();
+        while let Ok(p) = pool.allocate(s, l) {
+            live.push(p);
+        }
+        let n = live.len();
+        for p in live {
+            // SAFETY: allocated above with `l` on `s`.
+            unsafe { pool.deallocate(s, p, l) };
+        }
+        n
+    };
+    for (count, size, rmm) in [(8, 768 << 10, 8), (4, 3 << 20, 4), (20, 600 << 10, 19)] {
+        assert_eq!(
+            fitted(count, size, Growth::Rmm),
+            rmm,
+            "RMM's rule, {size} B"
+        );
+        assert_eq!(
+            fitted(count, size, Growth::Eighth),
+            count,
+            "an eighth, {size} B"
+        );
+    }
+}
+
 #[test]
 fn a_capped_pool_trims_and_retries() {
     // The rule; the pool's size after 1 MiB and 1.5 MiB; its one chunk for 3 MiB.

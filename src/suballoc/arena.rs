@@ -627,7 +627,9 @@ mod tests {
     #[test]
     fn a_stream_takes_back_its_own_superblocks_without_a_wait() {
         if crate::driver::is_present() {
-            println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
+            println!(
+                "memres-skip: uses a made-up CUDA stream handle (for machines without a driver)"
+            );
             return;
         }
         let arena = Arena::with_size(HostHeap::new(), 8 * MIB).unwrap();

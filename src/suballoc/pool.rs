@@ -997,6 +997,17 @@ impl<U: Resource> Pool<U> {
             if n <= isize::MAX as usize { n } else { min }
         };
         let mut attempt = match self.config.growth {
+            // Under a maximum, a chunk holds a whole number of such requests (within what
+            // remains): blocks never span chunks, so a 2 MiB chunk for 768 KiB requests
+            // would strand 512 KiB of the maximum in each chunk (a maximum of 8 such
+            // requests fitted 6; RMM's halving fits 8, and so does this).
+            Growth::Eighth if self.config.maximum.is_some() => {
+                let n = rounded(min.max(self.config.step).max(growth.size / EIGHTH));
+                match n.checked_next_multiple_of(min) {
+                    Some(whole) if whole <= remaining => whole,
+                    _ => n,
+                }
+            }
             Growth::Eighth => rounded(min.max(self.config.step).max(growth.size / EIGHTH)),
             Growth::Rmm if self.config.maximum.is_some() => {
                 min.max((remaining / 2).next_multiple_of(GRANULE))
