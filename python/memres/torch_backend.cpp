@@ -15,19 +15,35 @@
 // - cacheInfo (cudnn.benchmark's workspace bound): the pool's largest free block or the
 //   device's free memory, whichever is larger (memres can grow into the latter).
 // - Out of memory stays torch.OutOfMemoryError, with memres's message.
+// - Private pools for CUDA graphs (torch.cuda.graph, its pool= sharing, and the
+//   cudagraph trees of torch.compile(mode="reduce-overhead")): while a capture routes to a
+//   pool, allocations it selects come from that pool's segments (taken from memres) and
+//   go back to it when freed, never to other allocations, since replays write them again;
+//   a pool whose graphs are gone returns its segments to memres once its last block is
+//   freed. checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState work
+//   on a pool's block table.
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "memres.h"
 
@@ -40,8 +56,14 @@ using c10::CachingDeviceAllocator::DeviceStats;
 
 constexpr int kMaxDevices = 64;
 
+void* routed_to_private_pool(size_t size, int device, cudaStream_t stream, bool* routed);
+
 void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
-  void* ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
+  bool routed = false;
+  void* ptr = routed_to_private_pool(size, device, stream, &routed);
+  if (!routed) {
+    ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
+  }
   if (ptr == nullptr && size != 0) {
     std::string why = memres_last_error();
     TORCH_CHECK_WITH(OutOfMemoryError, why.rfind("out of memory", 0) != 0, "memres: ", why);
@@ -76,9 +98,342 @@ void set_all(StatArray& array, const Stat& value) {
   array[static_cast<size_t>(StatType::AGGREGATE)] = value;
 }
 
+// ---- Private pools for CUDA graphs -------------------------------------------------
+
+constexpr size_t kBlockRounding = 512;
+constexpr size_t kSegmentRounding = size_t{2} << 20;
+
+size_t round_up(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
+}
+
+struct Block {
+  size_t size = 0;
+  bool allocated = false;
+};
+
+// One allocation from memres, cut into blocks; blocks of one segment are used in the
+// order of the stream it was taken on (as PyTorch's own private pools do).
+struct Segment {
+  char* base = nullptr;
+  size_t size = 0;
+  cudaStream_t stream = nullptr;
+  std::map<size_t, Block> blocks;  // by offset; they tile the segment
+};
+
+// A pool's block tables, for torch's cudagraph trees to restore later.
+struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
+  c10::DeviceIndex device = 0;
+  c10::MempoolId_t id{0, 0};
+  std::vector<std::pair<const Segment*, std::map<size_t, Block>>> layouts;
+};
+
+struct PrivatePool {
+  c10::DeviceIndex device = 0;
+  int use_count = 0;
+  size_t live_blocks = 0;
+  std::vector<std::unique_ptr<Segment>> segments;
+
+  // A block of `size` bytes for `stream`: the best fit among its segments' free blocks,
+  // else a new segment from memres. nullptr (memres_last_error says why) when memres has
+  // no memory.
+  void* allocate(size_t size, cudaStream_t stream) {
+    size = round_up(std::max<size_t>(size, 1), kBlockRounding);
+    Segment* best_segment = nullptr;
+    size_t best_offset = 0;
+    size_t best_size = SIZE_MAX;
+    for (auto& seg : segments) {
+      if (seg->stream != stream) {
+        continue;
+      }
+      for (auto& [offset, block] : seg->blocks) {
+        if (!block.allocated && block.size >= size && block.size < best_size) {
+          best_segment = seg.get();
+          best_offset = offset;
+          best_size = block.size;
+        }
+      }
+    }
+    if (best_segment == nullptr) {
+      size_t seg_size = round_up(size, kSegmentRounding);
+      void* base = memres_malloc(static_cast<ssize_t>(seg_size), device, stream);
+      if (base == nullptr) {
+        return nullptr;
+      }
+      auto seg = std::make_unique<Segment>();
+      seg->base = static_cast<char*>(base);
+      seg->size = seg_size;
+      seg->stream = stream;
+      seg->blocks[0] = Block{seg_size, false};
+      best_segment = seg.get();
+      best_offset = 0;
+      segments.push_back(std::move(seg));
+    }
+    Block& block = best_segment->blocks[best_offset];
+    if (block.size - size >= kBlockRounding) {
+      best_segment->blocks[best_offset + size] = Block{block.size - size, false};
+      block.size = size;
+    }
+    block.allocated = true;
+    ++live_blocks;
+    return best_segment->base + best_offset;
+  }
+
+  // Frees the block at `ptr` if it is one of this pool's, merging it with free neighbours.
+  bool free(void* ptr) {
+    for (auto& seg : segments) {
+      char* p = static_cast<char*>(ptr);
+      if (p < seg->base || p >= seg->base + seg->size) {
+        continue;
+      }
+      auto it = seg->blocks.find(static_cast<size_t>(p - seg->base));
+      if (it == seg->blocks.end() || !it->second.allocated) {
+        return false;
+      }
+      it->second.allocated = false;
+      --live_blocks;
+      auto next = std::next(it);
+      if (next != seg->blocks.end() && !next->second.allocated) {
+        it->second.size += next->second.size;
+        seg->blocks.erase(next);
+      }
+      if (it != seg->blocks.begin()) {
+        auto prev = std::prev(it);
+        if (!prev->second.allocated) {
+          prev->second.size += it->second.size;
+          seg->blocks.erase(it);
+        }
+      }
+      return true;
+    }
+    return false;
+  }
+
+  std::vector<void*> allocated_blocks() const {
+    std::vector<void*> out;
+    for (const auto& seg : segments) {
+      for (const auto& [offset, block] : seg->blocks) {
+        if (block.allocated) {
+          out.push_back(seg->base + offset);
+        }
+      }
+    }
+    return out;
+  }
+
+  // Gives every segment back to memres. The caller has waited for the device: graph
+  // replays that wrote these segments may have run on any stream.
+  void release_segments() {
+    for (auto& seg : segments) {
+      memres_free(seg->base, static_cast<ssize_t>(seg->size), device, nullptr);
+    }
+    segments.clear();
+  }
+};
+
+struct PoolIdHash {
+  size_t operator()(const c10::MempoolId_t& id) const noexcept {
+    return std::hash<unsigned long long>()(id.first) * 31 + std::hash<unsigned long long>()(id.second);
+  }
+};
+
+class MemresAllocator;
+MemresAllocator* g_allocator = nullptr;
+
 class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
   MemresAllocator() : CUDAPluggableAllocator(memres_torch_malloc, memres_torch_free) {}
+
+  // ---- CUDA graph pools ----
+
+  // The pool a capture routes this request to, if any (`routed` says so), and its block.
+  void* route(size_t size, int device, cudaStream_t stream, bool* routed) {
+    if (routing_.load(std::memory_order_acquire) == 0) {
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    for (auto& [id, filter] : captures_[device]) {
+      if (filter(stream)) {
+        *routed = true;
+        PrivatePool& pool = pools_.at(id);
+        void* ptr = pool.allocate(size, stream);
+        if (ptr != nullptr) {
+          private_blocks_[ptr] = id;
+          private_count_.store(private_blocks_.size(), std::memory_order_release);
+        }
+        return ptr;
+      }
+    }
+    return nullptr;
+  }
+
+  void beginAllocateToPool(
+      c10::DeviceIndex device,
+      c10::MempoolId_t id,
+      std::function<bool(cudaStream_t)> filter) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    for (auto& capture : captures_[device]) {
+      TORCH_CHECK(capture.first != id, "memres: already allocating to this graph pool");
+    }
+    PrivatePool& pool = pools_[id];
+    pool.device = device;
+    ++pool.use_count;
+    captures_[device].emplace_back(id, std::move(filter));
+    routing_.fetch_add(1, std::memory_order_release);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    auto& list = captures_[device];
+    for (auto it = list.begin(); it != list.end(); ++it) {
+      if (it->first == id) {
+        list.erase(it);
+        routing_.fetch_sub(1, std::memory_order_release);
+        return;
+      }
+    }
+    TORCH_CHECK(false, "memres: endAllocateToPool of a graph pool that is not being allocated to");
+  }
+
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    auto it = pools_.find(id);
+    TORCH_CHECK(
+        it != pools_.end() && it->second.use_count > 0,
+        "memres: releasePool of a graph pool that is not held (released twice?)");
+    --it->second.use_count;
+    release_unused_pools(device);
+  }
+
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      c10::MempoolId_t id,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    TORCH_CHECK(
+        allocator == nullptr || allocator.get() == this,
+        "memres: a memory pool of another allocator while memres is PyTorch's allocator");
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    PrivatePool& pool = pools_[id];
+    pool.device = device;
+    ++pool.use_count;
+  }
+
+  int getPoolUseCount(c10::DeviceIndex /*device*/, c10::MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    auto it = pools_.find(id);
+    return it == pools_.end() ? 0 : it->second.use_count;
+  }
+
+  bool checkPoolLiveAllocations(
+      c10::DeviceIndex /*device*/,
+      c10::MempoolId_t id,
+      const std::unordered_set<void*>& expected) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    auto it = pools_.find(id);
+    if (it == pools_.end()) {
+      return expected.empty();
+    }
+    std::vector<void*> live = it->second.allocated_blocks();
+    if (live.size() != expected.size()) {
+      return false;
+    }
+    for (void* ptr : live) {
+      if (expected.count(ptr) == 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex device,
+      c10::MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    auto it = pools_.find(id);
+    TORCH_CHECK(it != pools_.end(), "memres: getCheckpointState of an unknown graph pool");
+    auto state = std::make_shared<PoolCheckpoint>();
+    state->device = device;
+    state->id = id;
+    for (const auto& seg : it->second.segments) {
+      state->layouts.emplace_back(seg.get(), seg->blocks);
+    }
+    return state;
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<PoolCheckpoint>(pps);
+    TORCH_CHECK(state != nullptr, "memres: a checkpoint that memres did not make");
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    std::vector<void*> freed;
+    {
+      std::lock_guard<std::mutex> lock(pools_mutex_);
+      auto it = pools_.find(state->id);
+      TORCH_CHECK(it != pools_.end(), "memres: setCheckpointPoolState of an unknown graph pool");
+      PrivatePool& pool = it->second;
+      // Every block allocated now is freed; the checkpoint's blocks are allocated again,
+      // at the same addresses (segments stay while the pool lives).
+      freed = pool.allocated_blocks();
+      for (void* ptr : freed) {
+        private_blocks_.erase(ptr);
+      }
+      private_count_.store(private_blocks_.size(), std::memory_order_release);
+      for (auto& seg : pool.segments) {
+        seg->blocks.clear();
+        seg->blocks[0] = Block{seg->size, false};
+      }
+      pool.live_blocks = 0;
+      for (const auto& [seg_ptr, layout] : state->layouts) {
+        Segment* seg = nullptr;
+        for (auto& s : pool.segments) {
+          if (s.get() == seg_ptr) {
+            seg = s.get();
+          }
+        }
+        TORCH_CHECK(seg != nullptr, "memres: a checkpoint's segment is gone from its pool");
+        seg->blocks = layout;
+        for (const auto& [offset, block] : layout) {
+          if (block.allocated) {
+            void* ptr = seg->base + offset;
+            ++pool.live_blocks;
+            private_blocks_[ptr] = state->id;
+            delta.dataptrs_allocd.emplace_back(
+                ptr, ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+          }
+        }
+      }
+      private_count_.store(private_blocks_.size(), std::memory_order_release);
+    }
+    {
+      // The freed blocks' records in the base class go too (their storages were
+      // released by torch without calling the deleter).
+      std::lock_guard<std::mutex> lock(allocator_mutex_);
+      for (void* ptr : freed) {
+        allocation_metadata_.erase(ptr);
+      }
+    }
+    delta.ptrs_freed = std::move(freed);
+    return delta;
+  }
+
+  void raw_delete(void* ptr) override {
+    if (private_count_.load(std::memory_order_acquire) != 0) {
+      std::unique_lock<std::mutex> lock(pools_mutex_);
+      auto it = private_blocks_.find(ptr);
+      if (it != private_blocks_.end()) {
+        c10::MempoolId_t id = it->second;
+        private_blocks_.erase(it);
+        private_count_.store(private_blocks_.size(), std::memory_order_release);
+        TORCH_CHECK(pools_.at(id).free(ptr), "memres: a graph pool's block freed twice");
+        lock.unlock();
+        std::lock_guard<std::mutex> meta(allocator_mutex_);
+        allocation_metadata_.erase(ptr);
+        return;
+      }
+    }
+    CUDAPluggableAllocator::raw_delete(ptr);
+  }
 
   std::string name() override {
     return "memres";
@@ -87,6 +442,15 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get() == nullptr) {
       return;  // an empty tensor: nothing to keep
+    }
+    {
+      // A graph pool's blocks are reused only by that pool's captures, which replay in
+      // the order their graphs are launched: no record (PyTorch's own private pools do
+      // not recycle them across streams either).
+      std::lock_guard<std::mutex> lock(pools_mutex_);
+      if (private_blocks_.count(ptr.get()) != 0) {
+        return;
+      }
     }
     int code = memres_record_stream(ptr.get(), ptr.device().index(), stream.stream());
     TORCH_CHECK(code == MEMRES_OK, "memres: ", memres_last_error());
@@ -145,6 +509,12 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void emptyCache(c10::cuda::MempoolId_t /*mempool_id*/) override {
+    {
+      std::lock_guard<std::mutex> lock(pools_mutex_);
+      for (int device = 0; device < kMaxDevices; ++device) {
+        release_unused_pools(static_cast<c10::DeviceIndex>(device));
+      }
+    }
     for (int device = 0; device < kMaxDevices; ++device) {
       // A device memres never allocated on has nothing to trim (MEMRES_OK).
       TORCH_CHECK(memres_trim(device) == MEMRES_OK, "memres: ", memres_last_error());
@@ -181,9 +551,50 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
  private:
+  // Under pools_mutex_: gives back the segments of `device`'s pools that no graph holds
+  // and no block uses, after waiting for the device (their graphs' replays may have run
+  // on any stream). Not while a capture is underway on the device (no wait is allowed).
+  void release_unused_pools(c10::DeviceIndex device) {
+    if (!captures_[device].empty()) {
+      return;
+    }
+    bool waited = false;
+    for (auto it = pools_.begin(); it != pools_.end();) {
+      PrivatePool& pool = it->second;
+      if (pool.device != device || pool.use_count > 0 || pool.live_blocks > 0) {
+        ++it;
+        continue;
+      }
+      if (!pool.segments.empty() && !waited) {
+        c10::cuda::CUDAGuard guard(device);
+        if (cudaDeviceSynchronize() != cudaSuccess) {
+          (void)cudaGetLastError();
+          return;  // keep the segments: a later release tries again
+        }
+        waited = true;
+      }
+      pool.release_segments();
+      it = pools_.erase(it);
+    }
+  }
+
   std::mutex mutex_;
   std::array<Baseline, kMaxDevices> baseline_{};
+
+  std::mutex pools_mutex_;
+  std::unordered_map<c10::MempoolId_t, PrivatePool, PoolIdHash> pools_;
+  std::array<std::vector<std::pair<c10::MempoolId_t, std::function<bool(cudaStream_t)>>>, kMaxDevices>
+      captures_;
+  std::unordered_map<void*, c10::MempoolId_t> private_blocks_;
+  // Captures routing now (the allocation path reads only this while it is 0).
+  std::atomic<int> routing_{0};
+  // private_blocks_.size(): frees look a pointer up only while it is not 0.
+  std::atomic<size_t> private_count_{0};
 };
+
+void* routed_to_private_pool(size_t size, int device, cudaStream_t stream, bool* routed) {
+  return g_allocator == nullptr ? nullptr : g_allocator->route(size, device, stream, routed);
+}
 
 }  // namespace
 
@@ -192,7 +603,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 extern "C" const char* memres_torch_install() {
   static thread_local std::string error;
   try {
-    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(std::make_shared<MemresAllocator>());
+    auto allocator = std::make_shared<MemresAllocator>();
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+    g_allocator = allocator.get();  // torch keeps the allocator for the process's life
     return nullptr;
   } catch (const std::exception& e) {
     error = e.what();
