@@ -237,8 +237,8 @@ fn stress<R: Resource + Sync>(r: &R, trim: &(dyn Fn() + Sync), ops: usize) {
                 let mut live: Vec<(std::ptr::NonNull<u8>, std::alloc::Layout, u64)> = Vec::new();
                 for i in 0..ops {
                     let r1 = next(&mut rng);
-                    if live.len() < 32 && (live.is_empty() || r1 % 2 == 0) {
-                        let size = 256 << (r1 >> 8) % 13; // 256 B .. 1 MiB
+                    if live.len() < 32 && (live.is_empty() || r1.is_multiple_of(2)) {
+                        let size = 256 << ((r1 >> 8) % 13); // 256 B .. 1 MiB
                         let l = layout(size).unwrap();
                         let p = r
                             .allocate(own, l)
@@ -264,7 +264,7 @@ fn stress<R: Resource + Sync>(r: &R, trim: &(dyn Fn() + Sync), ops: usize) {
                             )
                         };
                         assert_eq!(ends, (stamp, stamp), "thread {t}: a live block was reused");
-                        let on = if r1 % 3 == 0 {
+                        let on = if r1.is_multiple_of(3) {
                             StreamRef::host(1 + (t as u32 + 1) % STREAMS)
                         } else {
                             own
