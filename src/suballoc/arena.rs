@@ -451,7 +451,7 @@ impl<U: Resource> Arena<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::free_ready(self, &self.held);
+        deferred::free_ready(self, &self.held, stream);
         let mut global = lock(&self.global);
         {
             let mut s = own.state.lock();

@@ -44,13 +44,12 @@ pub(crate) enum Mark {
 }
 
 impl Mark {
+    /// Whether the work the mark stands for is complete. A query that fails (while a
+    /// capture is underway the driver refuses it) counts as not complete: the block stays
+    /// held, and the next look asks again.
     fn is_complete(&self) -> bool {
         match self {
-            Mark::Event(event) => event.is_complete().unwrap_or_else(|e| {
-                // A failed query is a broken context: no work of it runs any more.
-                tracing::error!("memres: a held block's event could not be queried: {e}");
-                true
-            }),
+            Mark::Event(event) => event.is_complete().unwrap_or(false),
             Mark::Capture => false,
             #[cfg(any(test, memres_loom))]
             Mark::Flag(done) => done.load(Ordering::Acquire),
@@ -176,11 +175,16 @@ impl Deferred {
     }
 
     /// Takes the blocks whose events are all complete out of the list, for the caller to
-    /// free. Never waits.
+    /// free. Never waits. The queries run in the relaxed capture mode, which a capture
+    /// underway on another thread would otherwise forbid.
     pub(crate) fn take_ready(&self) -> Vec<(usize, Layout)> {
         if !self.any() {
             return Vec::new();
         }
+        #[cfg(not(memres_loom))]
+        let _relaxed = crate::driver::is_present()
+            .then(crate::stream::Relaxed::new)
+            .and_then(Result::ok);
         let mut lists = lock(&self.lists);
         let Lists { held, spare } = &mut *lists;
         let mut ready = Vec::new();
@@ -202,16 +206,24 @@ impl Deferred {
         ready
     }
 
-    /// Takes every block out of the list: the caller has waited for every stream the
-    /// blocks were used on (or is dropping the resource).
-    pub(crate) fn take_all(&self) -> Vec<(usize, Layout)> {
+    /// Takes every block out of the list, with its marks, in one critical section.
+    fn drain(&self) -> Vec<Held> {
         if !self.any() {
             return Vec::new();
         }
         let mut lists = lock(&self.lists);
-        let all: Vec<_> = lists.held.drain(..).map(|h| (h.addr, h.layout)).collect();
+        let all: Vec<Held> = lists.held.drain(..).collect();
         self.settle(&lists.held);
         all
+    }
+
+    /// Puts blocks taken with [`drain`](Self::drain) back.
+    fn restore(&self, blocks: Vec<Held>) {
+        if blocks.is_empty() {
+            return;
+        }
+        lock(&self.lists).held.extend(blocks);
+        self.any.store(true, Ordering::Release);
     }
 
     /// Under the lock: clears `any` if the list is empty.
@@ -258,12 +270,17 @@ pub(crate) unsafe fn deallocate_used_on<R: Resource + ?Sized>(
         // SAFETY: the caller's promise; no other stream's use is pending.
         unsafe { r.deallocate(stream, ptr, layout) };
     }
-    free_ready(r, held);
+    free_ready(r, held, stream);
 }
 
 /// Frees the blocks of `held` (`r`'s own) whose streams' work is complete, on the host
-/// stream: no work uses them any more. Never waits.
-pub(crate) fn free_ready<R: Resource + ?Sized>(r: &R, held: &Deferred) {
+/// stream: no work uses them any more. Never waits. Not while `stream` (the caller's) is
+/// being captured: a free may release memory to the upstream past a threshold, which
+/// waits for streams.
+pub(crate) fn free_ready<R: Resource + ?Sized>(r: &R, held: &Deferred, stream: StreamRef<'_>) {
+    if !held.any() || !matches!(stream.is_capturing(), Ok(false)) {
+        return;
+    }
     for (addr, layout) in held.take_ready() {
         // SAFETY: a block of `r`, freed by its caller with `layout`; every stream that
         // used it has completed the work it had at the free.
@@ -291,22 +308,45 @@ pub(crate) fn retry_after_waiting<R: Resource + ?Sized, T>(
                 && ctx.is_none_or(|ctx| matches!(stream.is_capturing_in(ctx), Ok(false))) =>
         {
             held.wait_all();
-            free_ready(r, held);
+            free_ready(r, held, stream);
             attempt()
         }
         result => result,
     }
 }
 
-/// Waits for every held block's streams, then frees them all on the host stream (a
-/// `trim`: blocks freed under a capture go back only here).
-pub(crate) fn free_all<R: Resource + ?Sized>(r: &R, held: &Deferred) {
-    held.wait_all();
-    for (addr, layout) in held.take_all() {
-        // SAFETY: as in `free_ready`: their events were waited for just above (blocks of
-        // a capture: the caller waited for every stream).
-        unsafe { r.deallocate(StreamRef::HOST, super::to_ptr(addr), layout) };
+/// Takes every held block, then runs `wait_for_streams` (which waits for every stream
+/// the caller has seen: blocks freed under a capture go back only here) and waits for
+/// the blocks' own events, then frees them on the host stream (a `trim`). Blocks held
+/// after the take stay held. If the wait fails, the blocks go back to the list.
+pub(crate) fn free_all<R: Resource + ?Sized>(
+    r: &R,
+    held: &Deferred,
+    wait_for_streams: impl FnOnce() -> Result<(), Error>,
+) -> Result<(), Error> {
+    let taken = held.drain();
+    if taken.is_empty() {
+        return Ok(());
     }
+    if let Err(e) = wait_for_streams() {
+        held.restore(taken);
+        return Err(e);
+    }
+    for block in &taken {
+        for mark in &block.marks {
+            if let Mark::Event(event) = mark
+                && let Err(e) = event.synchronize()
+            {
+                tracing::error!("memres: could not wait for a held block's event: {e}");
+            }
+        }
+    }
+    for block in taken {
+        // SAFETY: as in `free_ready`: their events were waited for just above, and the
+        // caller waited for every stream (blocks of a capture).
+        unsafe { r.deallocate(StreamRef::HOST, super::to_ptr(block.addr), block.layout) };
+    }
+    Ok(())
 }
 
 #[cfg(all(test, not(memres_loom)))]
@@ -353,12 +393,15 @@ mod tests {
     }
 
     #[test]
-    fn capture_marks_wait_for_take_all() {
+    fn capture_marks_wait_for_a_drain() {
         let d = Deferred::default();
         d.push_marked(0x1000, l(256), vec![Mark::Capture]);
         assert!(d.take_ready().is_empty());
-        assert_eq!(d.take_all(), vec![(0x1000, l(256))]);
+        let taken = d.drain();
+        assert_eq!(taken.iter().map(|h| h.addr).collect::<Vec<_>>(), [0x1000]);
         assert!(!d.any());
+        d.restore(taken);
+        assert!(d.any() && d.bytes() == 256);
     }
 }
 

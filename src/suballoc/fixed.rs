@@ -245,7 +245,7 @@ impl<U: Resource> FixedSize<U> {
         own: &Shard<Vec<usize>>,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::free_ready(self, &self.held);
+        deferred::free_ready(self, &self.held, stream);
         // This thread's cached blocks (of every stream) go back to their lists first.
         self.cache().flush();
         let mut chunks = lock(&self.chunks);

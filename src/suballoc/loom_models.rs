@@ -483,7 +483,7 @@ fn loom_held_blocks_are_freed_once_after_their_marks() {
             let (log, held, done) = (log.clone(), held.clone(), done.clone());
             thread::spawn(move || {
                 done.store(true, Ordering::Release);
-                free_ready(&*log, &held);
+                free_ready(&*log, &held, StreamRef::HOST);
             })
         };
         let t2 = {
@@ -491,10 +491,10 @@ fn loom_held_blocks_are_freed_once_after_their_marks() {
             thread::spawn(move || {
                 let complete = Arc::new(AtomicBool::new(true));
                 held.push_marked(0x2000, l, vec![Mark::Flag(complete)]);
-                free_ready(&*log, &held);
+                free_ready(&*log, &held, StreamRef::HOST);
             })
         };
-        free_ready(&*log, &held);
+        free_ready(&*log, &held, StreamRef::HOST);
         if log.0.lock().unwrap().contains(&0x1000) {
             assert!(
                 done.load(Ordering::Acquire),

@@ -589,8 +589,7 @@ impl<U: Resource> Pool<U> {
     pub fn trim(&self) -> Result<usize, Error> {
         if self.held.any() {
             // Blocks held for other streams (one freed under a capture needs this wait).
-            self.shards.synchronize_streams()?;
-            deferred::free_all(self, &self.held);
+            deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
         }
         let host = self.host_list();
         self.release_down_to(&mut self.lock_growth(), host, 0)
@@ -779,7 +778,7 @@ impl<U: Resource> Pool<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::free_ready(self, &self.held);
+        deferred::free_ready(self, &self.held, stream);
         // A fit in a sibling lane, before the own list's cached blocks are coalesced
         // (flushing them at every miss cost more misses: H100 A/B, BENCHMARKS History).
         if let Some(addr) = self.take_lane_fit(own, size, align) {
