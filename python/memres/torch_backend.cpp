@@ -57,16 +57,47 @@ using c10::CachingDeviceAllocator::DeviceStats;
 constexpr int kMaxDevices = 64;
 
 void* routed_to_private_pool(size_t size, int device, cudaStream_t stream, bool* routed);
+void reclaim_graph_pools(int device);
+void* from_pools_on_oom(size_t size, int device, cudaStream_t stream);
+
+// Per device: torch's num_alloc_retries (requests memres could not serve at first, so
+// graph pools were reclaimed and memres asked again) and num_ooms (requests that failed
+// after that).
+std::array<std::atomic<int64_t>, 64> g_retries{};
+std::array<std::atomic<int64_t>, 64> g_ooms{};
+
+bool is_out_of_memory(const std::string& why) {
+  return why.rfind("out of memory", 0) == 0;
+}
 
 void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   bool routed = false;
   void* ptr = routed_to_private_pool(size, device, stream, &routed);
+  std::string why;
   if (!routed) {
     ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
+    if (ptr == nullptr && size != 0) {
+      why = memres_last_error();
+      if (is_out_of_memory(why) && device >= 0 && device < 64) {
+        // Graph pools that no graph holds, and blocks waiting for other streams, first;
+        // then the free blocks of pools made with use_on_oom=True.
+        g_retries[device].fetch_add(1, std::memory_order_relaxed);
+        reclaim_graph_pools(device);
+        ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
+        if (ptr == nullptr) {
+          why = memres_last_error();
+          ptr = from_pools_on_oom(size, device, stream);
+        }
+      }
+    }
+  } else if (ptr == nullptr && size != 0) {
+    why = memres_last_error();
   }
   if (ptr == nullptr && size != 0) {
-    std::string why = memres_last_error();
-    TORCH_CHECK_WITH(OutOfMemoryError, why.rfind("out of memory", 0) != 0, "memres: ", why);
+    if (is_out_of_memory(why) && device >= 0 && device < 64) {
+      g_ooms[device].fetch_add(1, std::memory_order_relaxed);
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, !is_out_of_memory(why), "memres: ", why);
     TORCH_CHECK(false, "memres: ", why);
   }
   return ptr;
@@ -91,6 +122,7 @@ struct Baseline {
   int64_t allocations = 0;
   int64_t frees = 0;
   int64_t out_of_memory = 0;
+  int64_t retries = 0;
 };
 
 void set_all(StatArray& array, const Stat& value) {
@@ -128,16 +160,99 @@ struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
   std::vector<std::pair<const Segment*, std::map<size_t, Block>>> layouts;
 };
 
+// A freed block of a graph pool that other streams used (Tensor.record_stream): it goes
+// back to its pool once events recorded on those streams complete. Freed while a capture
+// is underway on the device, its events are recorded once no capture is (an event
+// recorded or queried then would be a node of the graph, or refused).
+struct Pending {
+  void* ptr = nullptr;
+  std::vector<cudaStream_t> streams;
+  std::vector<cudaEvent_t> events;
+};
+
 struct PrivatePool {
   c10::DeviceIndex device = 0;
   int use_count = 0;
   size_t live_blocks = 0;
+  // MemPool(use_on_oom=True): other allocations may take its free blocks when memres
+  // runs out. MemPool(no_split=True): a block is handed out whole, never split.
+  bool use_on_oom = false;
+  bool no_split = false;
   std::vector<std::unique_ptr<Segment>> segments;
+  // Streams recorded for live blocks, and freed blocks waiting for them.
+  std::unordered_map<void*, std::vector<cudaStream_t>> recorded;
+  std::vector<Pending> pending;
+
+  // Frees the pending blocks whose streams' work is complete (`capturing`: a capture is
+  // underway on the device; nothing is recorded or queried then). Never waits.
+  void free_pending(bool capturing) {
+    if (capturing || pending.empty()) {
+      return;
+    }
+    c10::cuda::CUDAGuard guard(device);  // events belong to the pool's device
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (it->events.empty()) {
+        for (cudaStream_t s : it->streams) {
+          cudaEvent_t ev = nullptr;
+          if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess ||
+              cudaEventRecord(ev, s) != cudaSuccess) {
+            (void)cudaGetLastError();
+            // No event: wait for the stream itself (rare; a broken stream or context).
+            (void)cudaStreamSynchronize(s);
+            (void)cudaGetLastError();
+            if (ev != nullptr) {
+              (void)cudaEventDestroy(ev);
+            }
+            continue;
+          }
+          it->events.push_back(ev);
+        }
+        it->streams.clear();
+      }
+      bool done = true;
+      for (cudaEvent_t ev : it->events) {
+        cudaError_t q = cudaEventQuery(ev);
+        if (q == cudaErrorNotReady) {
+          done = false;
+          break;
+        }
+        if (q != cudaSuccess) {
+          (void)cudaGetLastError();
+          done = false;  // keep it held: a later look asks again
+          break;
+        }
+      }
+      if (!done) {
+        ++it;
+        continue;
+      }
+      for (cudaEvent_t ev : it->events) {
+        (void)cudaEventDestroy(ev);
+      }
+      free(it->ptr);
+      it = pending.erase(it);
+    }
+  }
+
+  // Waits for every pending block's events and frees them (before memres runs out).
+  void wait_pending() {
+    free_pending(false);
+    c10::cuda::CUDAGuard guard(device);
+    for (auto& p : pending) {
+      for (cudaEvent_t ev : p.events) {
+        (void)cudaEventSynchronize(ev);
+        (void)cudaEventDestroy(ev);
+      }
+      p.events.clear();
+      free(p.ptr);
+    }
+    pending.clear();
+  }
 
   // A block of `size` bytes for `stream`: the best fit among its segments' free blocks,
-  // else a new segment from memres. nullptr (memres_last_error says why) when memres has
-  // no memory.
-  void* allocate(size_t size, cudaStream_t stream) {
+  // else (`may_grow`) a new segment from memres. nullptr when there is none (memres's
+  // last error says why when it ran out).
+  void* allocate(size_t size, cudaStream_t stream, bool may_grow = true) {
     size = round_up(std::max<size_t>(size, 1), kBlockRounding);
     Segment* best_segment = nullptr;
     size_t best_offset = 0;
@@ -155,7 +270,10 @@ struct PrivatePool {
       }
     }
     if (best_segment == nullptr) {
-      size_t seg_size = round_up(size, kSegmentRounding);
+      if (!may_grow) {
+        return nullptr;
+      }
+      size_t seg_size = no_split ? size : round_up(size, kSegmentRounding);
       void* base = memres_malloc(static_cast<ssize_t>(seg_size), device, stream);
       if (base == nullptr) {
         return nullptr;
@@ -170,7 +288,7 @@ struct PrivatePool {
       segments.push_back(std::move(seg));
     }
     Block& block = best_segment->blocks[best_offset];
-    if (block.size - size >= kBlockRounding) {
+    if (!no_split && block.size - size >= kBlockRounding) {
       best_segment->blocks[best_offset + size] = Block{block.size - size, false};
       block.size = size;
     }
@@ -209,16 +327,33 @@ struct PrivatePool {
     return false;
   }
 
+  // The blocks handed out and not freed (pending blocks are freed: their tensors are
+  // gone, as in PyTorch's pools).
   std::vector<void*> allocated_blocks() const {
+    std::unordered_set<void*> waiting;
+    for (const auto& p : pending) {
+      waiting.insert(p.ptr);
+    }
     std::vector<void*> out;
     for (const auto& seg : segments) {
       for (const auto& [offset, block] : seg->blocks) {
-        if (block.allocated) {
+        if (block.allocated && waiting.count(seg->base + offset) == 0) {
           out.push_back(seg->base + offset);
         }
       }
     }
     return out;
+  }
+
+  // The segment stream of the block at `ptr` (nullptr if none).
+  const Segment* segment_of(void* ptr) const {
+    char* p = static_cast<char*>(ptr);
+    for (const auto& seg : segments) {
+      if (p >= seg->base && p < seg->base + seg->size) {
+        return seg.get();
+      }
+    }
+    return nullptr;
   }
 
   // Gives every segment back to memres. The caller has waited for the device: graph
@@ -256,6 +391,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (filter(stream)) {
         *routed = true;
         PrivatePool& pool = pools_.at(id);
+        pool.free_pending(is_capturing(device));
         void* ptr = pool.allocate(size, stream);
         if (ptr != nullptr) {
           private_blocks_[ptr] = id;
@@ -289,6 +425,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (it->first == id) {
         list.erase(it);
         routing_.fetch_sub(1, std::memory_order_release);
+        for (auto& [pid, pool] : pools_) {
+          if (pool.device == device) {
+            pool.free_pending(is_capturing(device));
+          }
+        }
         return;
       }
     }
@@ -316,6 +457,37 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     PrivatePool& pool = pools_[id];
     pool.device = device;
     ++pool.use_count;
+  }
+
+  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t id, bool use_on_oom) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    PrivatePool& pool = pools_[id];
+    pool.device = device;
+    pool.use_on_oom = use_on_oom;
+  }
+
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    PrivatePool& pool = pools_[id];
+    pool.device = device;
+    pool.no_split = true;
+  }
+
+  // After memres ran out: a free block of a pool made with use_on_oom=True, if one fits.
+  void* take_from_pools_on_oom(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    for (auto& [id, pool] : pools_) {
+      if (pool.device != device || !pool.use_on_oom) {
+        continue;
+      }
+      void* ptr = pool.allocate(size, stream, /*may_grow=*/false);
+      if (ptr != nullptr) {
+        private_blocks_[ptr] = id;
+        private_count_.store(private_blocks_.size(), std::memory_order_release);
+        return ptr;
+      }
+    }
+    return nullptr;
   }
 
   int getPoolUseCount(c10::DeviceIndex /*device*/, c10::MempoolId_t id) override {
@@ -425,10 +597,22 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         c10::MempoolId_t id = it->second;
         private_blocks_.erase(it);
         private_count_.store(private_blocks_.size(), std::memory_order_release);
-        TORCH_CHECK(pools_.at(id).free(ptr), "memres: a graph pool's block freed twice");
-        lock.unlock();
-        std::lock_guard<std::mutex> meta(allocator_mutex_);
-        allocation_metadata_.erase(ptr);
+        PrivatePool& pool = pools_.at(id);
+        auto rec = pool.recorded.find(ptr);
+        if (rec != pool.recorded.end()) {
+          // Used on other streams: held until their work (at this point) completes.
+          pool.pending.push_back(Pending{ptr, std::move(rec->second), {}});
+          pool.recorded.erase(rec);
+          pool.free_pending(is_capturing(pool.device));
+        } else {
+          TORCH_CHECK(pool.free(ptr), "memres: a graph pool's block freed twice");
+        }
+        {
+          // Under pools_mutex_, so the address cannot be handed out (and its new record
+          // made) before the old record goes.
+          std::lock_guard<std::mutex> meta(allocator_mutex_);
+          allocation_metadata_.erase(ptr);
+        }
         return;
       }
     }
@@ -444,11 +628,19 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       return;  // an empty tensor: nothing to keep
     }
     {
-      // A graph pool's blocks are reused only by that pool's captures, which replay in
-      // the order their graphs are launched: no record (PyTorch's own private pools do
-      // not recycle them across streams either).
+      // A graph pool's block: its pool keeps the stream and holds the block back when it
+      // is freed (memres's own record covers memory memres hands out).
       std::lock_guard<std::mutex> lock(pools_mutex_);
-      if (private_blocks_.count(ptr.get()) != 0) {
+      auto it = private_blocks_.find(ptr.get());
+      if (it != private_blocks_.end()) {
+        PrivatePool& pool = pools_.at(it->second);
+        const Segment* seg = pool.segment_of(ptr.get());
+        if (seg != nullptr && seg->stream != stream.stream()) {
+          auto& streams = pool.recorded[ptr.get()];
+          if (std::find(streams.begin(), streams.end(), stream.stream()) == streams.end()) {
+            streams.push_back(stream.stream());
+          }
+        }
         return;
       }
     }
@@ -489,7 +681,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       reserved.peak = s.peak_live_bytes;
     }
     set_all(out.reserved_bytes, reserved);
-    out.num_ooms = s.out_of_memory - base.out_of_memory;
+    out.num_ooms = g_ooms.at(device).load(std::memory_order_relaxed) - base.out_of_memory;
+    out.num_alloc_retries = g_retries.at(device).load(std::memory_order_relaxed) - base.retries;
     return out;
   }
 
@@ -505,7 +698,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     base.freed_bytes = s.allocated_bytes - s.live_bytes;
     base.allocations = s.allocations;
     base.frees = s.allocations - s.live_allocations;
-    base.out_of_memory = s.out_of_memory;
+    base.out_of_memory = g_ooms.at(device).load(std::memory_order_relaxed);
+    base.retries = g_retries.at(device).load(std::memory_order_relaxed);
   }
 
   void emptyCache(c10::cuda::MempoolId_t /*mempool_id*/) override {
@@ -550,13 +744,40 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     *largest_block = std::max<size_t>(static_cast<size_t>(s.pool_largest_free_block), free_bytes);
   }
 
+ public:
+  // Before memres reports out of memory: pending graph-pool blocks are waited for and
+  // pools no graph holds give their segments back. Not while a capture is underway on
+  // the device (no wait is allowed then).
+  void reclaim(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    if (device < 0 || device >= kMaxDevices || !captures_[device].empty()) {
+      return;
+    }
+    for (auto& [id, pool] : pools_) {
+      if (pool.device == device) {
+        pool.wait_pending();
+      }
+    }
+    release_unused_pools(device);
+  }
+
  private:
+  // Under pools_mutex_: whether a capture routes to a pool of `device` now.
+  bool is_capturing(c10::DeviceIndex device) const {
+    return device < 0 || device >= kMaxDevices || !captures_[device].empty();
+  }
+
   // Under pools_mutex_: gives back the segments of `device`'s pools that no graph holds
   // and no block uses, after waiting for the device (their graphs' replays may have run
   // on any stream). Not while a capture is underway on the device (no wait is allowed).
   void release_unused_pools(c10::DeviceIndex device) {
     if (!captures_[device].empty()) {
       return;
+    }
+    for (auto& [id, pool] : pools_) {
+      if (pool.device == device) {
+        pool.free_pending(false);
+      }
     }
     bool waited = false;
     for (auto it = pools_.begin(); it != pools_.end();) {
@@ -594,6 +815,18 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
 void* routed_to_private_pool(size_t size, int device, cudaStream_t stream, bool* routed) {
   return g_allocator == nullptr ? nullptr : g_allocator->route(size, device, stream, routed);
+}
+
+void reclaim_graph_pools(int device) {
+  if (g_allocator != nullptr) {
+    g_allocator->reclaim(static_cast<c10::DeviceIndex>(device));
+  }
+}
+
+void* from_pools_on_oom(size_t size, int device, cudaStream_t stream) {
+  return g_allocator == nullptr
+      ? nullptr
+      : g_allocator->take_from_pools_on_oom(size, static_cast<c10::DeviceIndex>(device), stream);
 }
 
 }  // namespace

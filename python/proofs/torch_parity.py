@@ -25,6 +25,8 @@ Checks:
                   the first capture, an eager tensor made after capture: replays give
                   the right values and never write the eager tensor; once the graphs and
                   their outputs are gone, empty_cache() gives their memory back.
+  pool_record_stream - the record_stream row inside torch.cuda.use_mem_pool (a private
+                  pool): 20 trials, wrong ones counted.
   compile       - torch.compile(mode="reduce-overhead") on a small MLP matches eager.
   ipc           - a CUDA tensor sent to another process with torch.multiprocessing.
 """
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "compile", "ipc"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "ipc"]
 MIB = 1 << 20
 
 
@@ -214,6 +216,31 @@ def graph_pools():
     # workspaces of the capture stream).
     ok = all(right) and held - back >= 3 * 4 * n and back - base < held - base
     return {"ok": ok, "replays_right": sum(right), "held_mib": held // MIB, "after_mib": back // MIB}
+
+
+def pool_record_stream():
+    import torch
+
+    n = 16 * MIB // 4
+    side = torch.cuda.Stream()
+    pool = torch.cuda.MemPool()
+    wrong = 0
+    for _ in range(20):
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.full((n,), 1.0, device="cuda")
+            out = torch.empty(n, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+            out.copy_(x)
+        x.record_stream(side)
+        del x
+        with torch.cuda.use_mem_pool(pool):
+            y = torch.full((n,), 2.0, device="cuda")
+        torch.cuda.synchronize()
+        wrong += int((out != 1.0).any().item())
+        del y, out
+    return {"ok": wrong == 0, "wrong_trials": wrong, "trials": 20}
 
 
 def compile_():
