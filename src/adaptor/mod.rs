@@ -78,6 +78,29 @@ macro_rules! eq_by_upstream {
 
 pub(crate) use eq_by_upstream;
 
+/// [`Resource::deallocate_used_on`](crate::Resource::deallocate_used_on) for an adaptor
+/// that hands blocks to and from its `upstream` unchanged: runs its bookkeeping (the
+/// block, given the names of the call's arguments), then passes the free on with the
+/// streams that used the block, so that a sub-allocator below holds it for them.
+macro_rules! deallocate_used_on_upstream {
+    (|$this:ident, $stream:ident, $ptr:ident, $layout:ident| $before:block) => {
+        #[inline]
+        unsafe fn deallocate_used_on(
+            &$this,
+            $stream: $crate::stream::StreamRef<'_>,
+            $ptr: std::ptr::NonNull<u8>,
+            $layout: std::alloc::Layout,
+            used_on: &[$crate::stream::StreamRef<'_>],
+        ) {
+            $before
+            // SAFETY: the caller's promise, for the upstream that allocated the block.
+            unsafe { $this.upstream.deallocate_used_on($stream, $ptr, $layout, used_on) }
+        }
+    };
+}
+
+pub(crate) use deallocate_used_on_upstream;
+
 /// An upstream out-of-memory for a padded request (of `Aligned` or `Guard`), reported for the size the caller
 /// asked for.
 pub(crate) fn as_asked(

@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 
 use cudarc::driver::sys;
 
-use super::{eq_by_upstream, upstream_access};
+use super::{deallocate_used_on_upstream, eq_by_upstream, upstream_access};
 use crate::device::{Context, DeviceId, bind};
 use crate::driver::{check, require_version};
 use crate::error::Error;
@@ -147,18 +147,5 @@ unsafe impl<U: Resource> Resource for Prefetch<U> {
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
 
-    #[inline]
-    unsafe fn deallocate_used_on(
-        &self,
-        stream: StreamRef<'_>,
-        ptr: NonNull<u8>,
-        layout: Layout,
-        used_on: &[StreamRef<'_>],
-    ) {
-        // SAFETY: the caller's promise, for the upstream that allocated the block.
-        unsafe {
-            self.upstream
-                .deallocate_used_on(stream, ptr, layout, used_on)
-        }
-    }
+    deallocate_used_on_upstream!(|self, stream, ptr, layout| {});
 }

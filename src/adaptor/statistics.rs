@@ -4,7 +4,7 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
 
-use super::{eq_by_upstream, upstream_access};
+use super::{deallocate_used_on_upstream, eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::per_thread::{PerThread, ThreadSlot};
 use crate::resource::{Resource, SyncResource};
@@ -525,20 +525,8 @@ unsafe impl<U: Resource> Resource for Statistics<U> {
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
 
-    #[inline]
-    unsafe fn deallocate_used_on(
-        &self,
-        stream: StreamRef<'_>,
-        ptr: NonNull<u8>,
-        layout: Layout,
-        used_on: &[StreamRef<'_>],
-    ) {
+    deallocate_used_on_upstream!(|self, stream, ptr, layout| {
         // Freed by the caller: no longer live, whenever the upstream reuses it.
         self.uncount(layout.size());
-        // SAFETY: the caller's promise, for the upstream that allocated the block.
-        unsafe {
-            self.upstream
-                .deallocate_used_on(stream, ptr, layout, used_on)
-        }
-    }
+    });
 }

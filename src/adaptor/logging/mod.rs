@@ -13,7 +13,7 @@ use std::io::{self, Write};
 use std::path::Path;
 use std::ptr::NonNull;
 
-use super::{eq_by_upstream, upstream_access};
+use super::{deallocate_used_on_upstream, eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::log::{Action, HEADER};
 use crate::resource::{Resource, SyncResource};
@@ -319,22 +319,10 @@ unsafe impl<U: Resource> Resource for Logging<U> {
         unsafe { self.upstream.deallocate(stream, ptr, layout) }
     }
 
-    #[inline]
-    unsafe fn deallocate_used_on(
-        &self,
-        stream: StreamRef<'_>,
-        ptr: NonNull<u8>,
-        layout: Layout,
-        used_on: &[StreamRef<'_>],
-    ) {
+    deallocate_used_on_upstream!(|self, stream, ptr, layout| {
         let time = self.time();
         self.log(time, Action::Free, Some(ptr), layout.size(), stream);
-        // SAFETY: the caller's promise, for the upstream that allocated the block.
-        unsafe {
-            self.upstream
-                .deallocate_used_on(stream, ptr, layout, used_on)
-        }
-    }
+    });
 }
 
 #[cfg(test)]
