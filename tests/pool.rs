@@ -687,6 +687,72 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
     assert!(stats.stream_lists >= 2, "{stats:?}");
 }
 
+/// Threads that share one stream get lists of their own ("lanes"): four threads at once
+/// on one host stream make at least two lists of it besides the pool's host list.
+#[test]
+fn threads_sharing_a_stream_get_lanes_of_their_own() {
+    let pool = heap_pool(PoolConfig::new());
+    let l = layout(1 << 20).unwrap();
+    let together = std::sync::Barrier::new(4);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (pool, together) = (&pool, &together);
+            s.spawn(move || {
+                let p = pool.allocate(StreamRef::host(9), l).unwrap();
+                together.wait();
+                // SAFETY: allocated just above with `l` on host stream 9.
+                unsafe { pool.deallocate(StreamRef::host(9), p, l) };
+            });
+        }
+    });
+    let lists = pool.stats().stream_lists;
+    assert!(
+        lists >= 3,
+        "{lists} lists: the host's and fewer than two lanes"
+    );
+}
+
+/// Free blocks in one lane of a CUDA stream serve another lane's request that needs them
+/// coalesced, without merging every stream's lists (which waits for the device): one
+/// stream's work is ordered whichever thread enqueued it. A made-up CUDA handle, so only
+/// on a machine without a driver.
+#[test]
+fn lanes_of_a_stream_trade_fragmented_memory_without_a_merge() {
+    if memres::driver::is_present() {
+        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
+        return;
+    }
+    let pool = heap_pool(
+        PoolConfig::new()
+            .initial_size(1 << 20)
+            .maximum_size(1 << 20),
+    );
+    // SAFETY: the handle is never given to a driver (there is none here).
+    let stream = unsafe { StreamRef::from_raw(0x5000 as _) };
+    let small = layout(64 << 10).unwrap();
+    std::thread::scope(|s| {
+        // One thread (one lane) takes all the memory in 64 KiB blocks and frees them:
+        // they stay in its lane's list, uncoalesced.
+        s.spawn(|| {
+            let blocks: Vec<_> = (0..16)
+                .map(|_| pool.allocate(stream, small).unwrap())
+                .collect();
+            for p in blocks {
+                // SAFETY: allocated above with `small` on `stream`.
+                unsafe { pool.deallocate(stream, p, small) };
+            }
+        })
+        .join()
+        .unwrap();
+    });
+    // This thread is another lane: 1 MiB needs all 16 blocks coalesced.
+    let big = layout(1 << 20).unwrap();
+    let p = pool.allocate(stream, big).expect("the other lane's blocks");
+    assert_eq!(pool.stats().stream_merges, 0, "{:?}", pool.stats());
+    // SAFETY: allocated just above with `big` on `stream`.
+    unsafe { pool.deallocate(stream, p, big) };
+}
+
 /// A CUDA stream's list takes 2 MiB at a time from the host list that holds a pool's
 /// initial memory, and keeps what its request did not use: its next small requests are
 /// served from its own list. (A made-up CUDA handle on a host pool, as above.)

@@ -196,6 +196,37 @@ fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused
     }
 }
 
+/// Before it maps more, a growth gives back as many fully free granules elsewhere in the
+/// list as it is about to map, so what the pool holds follows what is live, not how
+/// fragmented its range is.
+#[test]
+fn growing_first_gives_back_free_granules_elsewhere() {
+    let pool = in_place(PoolConfig::new());
+    let s = StreamRef::host(1);
+    let l = layout(G).unwrap();
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
+    assert_eq!(pool.stats().pool_size, 40 * G);
+    // Every other granule free: 20 one-granule holes, none fits two granules.
+    for &p in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: allocated above with `l`; unused afterwards.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    let two = layout(2 * G).unwrap();
+    let q = pool.allocate(s, two).unwrap();
+    let held = pool.stats().pool_size;
+    assert!(
+        held <= 40 * G,
+        "mapped 2 more granules and gave none back: {held}"
+    );
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        for &p in blocks.iter().step_by(2) {
+            pool.deallocate(s, p, l);
+        }
+    }
+}
+
 #[test]
 fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
     let pool = HostVirtual::new(8 * G, G)

@@ -319,3 +319,67 @@ fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
         stress(&bins, &|| drop(pool.trim()), STRESS_OPS);
     });
 }
+
+/// A free that crosses the release threshold while another thread holds the growth lock
+/// leaves the release to that thread, which runs it as it unlocks: here the lock is held
+/// by a growth whose upstream call waits until the free has happened.
+#[test]
+fn a_release_left_pending_runs_when_the_growth_lock_is_released() {
+    use memres::Host;
+    use memres::upstream::Callback;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let calls = AtomicUsize::new(0);
+    let (entered, growing) = mpsc::channel::<()>();
+    let (go, wait) = mpsc::channel::<()>();
+    let gate = std::sync::Mutex::new((entered, wait));
+    let allocate = |l: std::alloc::Layout, _: StreamRef<'_>| {
+        if calls.fetch_add(1, Ordering::SeqCst) == 1 {
+            // The second chunk: hold the growth lock until the main thread has freed.
+            let gate = gate.lock().unwrap();
+            gate.0.send(()).unwrap();
+            gate.1.recv().unwrap();
+        }
+        memres::SyncResource::allocate_sync(&HostHeap::new(), l)
+    };
+    let deallocate = |p: std::ptr::NonNull<u8>, l: std::alloc::Layout, _: StreamRef<'_>| {
+        // SAFETY: the block came from the heap with `l` (the closure above).
+        unsafe { memres::SyncResource::deallocate_sync(&HostHeap::new(), p, l) }
+    };
+    // SAFETY: the closures hand out and take back heap blocks, host memory, used at once.
+    let upstream = unsafe { Callback::<Host>::new(allocate, deallocate) };
+    let pool = Pool::new(upstream, PoolConfig::new().release_threshold(0)).unwrap();
+    let small = layout(1 << 20).unwrap();
+    let a = pool.allocate(StreamRef::host(1), small).unwrap(); // the first chunk
+    let big = layout(8 << 20).unwrap();
+    let b = grow_while_freeing(&pool, &growing, &go, a, small, big);
+    let stats = pool.stats();
+    assert_eq!(
+        stats.upstream_allocations, 1,
+        "the first chunk, entirely free, went back once the growth unlocked: {stats:?}"
+    );
+    // SAFETY: allocated by the grower with `big` on host stream 2; unused.
+    unsafe { pool.deallocate(StreamRef::host(2), b, big) };
+}
+
+/// One thread grows the pool for `big` (its upstream call waits for `go`) while this one
+/// frees `a` past the threshold; returns the grower's block.
+fn grow_while_freeing<R: Resource + Sync>(
+    pool: &Pool<R>,
+    growing: &mpsc::Receiver<()>,
+    go: &mpsc::Sender<()>,
+    a: std::ptr::NonNull<u8>,
+    small: std::alloc::Layout,
+    big: std::alloc::Layout,
+) -> std::ptr::NonNull<u8> {
+    std::thread::scope(|s| {
+        let grower = s.spawn(|| pool.allocate(StreamRef::host(2), big).unwrap().as_ptr() as usize);
+        growing
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the growth began");
+        // SAFETY: allocated on host stream 1 with `small`; unused since.
+        unsafe { pool.deallocate(StreamRef::host(1), a, small) };
+        go.send(()).unwrap();
+        std::ptr::NonNull::new(grower.join().unwrap() as *mut u8).unwrap()
+    })
+}

@@ -14,6 +14,7 @@ use crate::device::{Context, DeviceId};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
+use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, Mutex};
 
 /// The size of a superblock, and the largest request served from a stream's arena.
@@ -140,6 +141,8 @@ pub struct Arena<U: Resource> {
     dump_on_failure: bool,
     /// Blocks freed with [`Resource::deallocate_used_on`] that wait for other streams.
     held: Deferred,
+    /// Defragmentations that took pieces out of streams' lists (each after a wait).
+    stream_merges: AtomicU64,
 }
 
 impl<U: Resource> Arena<U> {
@@ -180,6 +183,7 @@ impl<U: Resource> Arena<U> {
             keep: (size / 16).max(SUPERBLOCK_SIZE),
             dump_on_failure: false,
             held: Deferred::default(),
+            stream_merges: AtomicU64::new(0),
         })
     }
 
@@ -187,6 +191,13 @@ impl<U: Resource> Arena<U> {
     #[cfg(any(test, memres_loom))]
     pub(crate) fn held(&self) -> &Deferred {
         &self.held
+    }
+
+    /// How often the arena took free pieces out of the streams' lists to make superblocks
+    /// whole again, each time after waiting for those streams' work (one
+    /// `cuCtxSynchronize` per device on a GPU). Lanes of one stream trade without it.
+    pub fn stream_merges(&self) -> u64 {
+        self.stream_merges.load(Ordering::Relaxed)
     }
 
     /// Whether an allocation that fails logs [`dump`](Self::dump) first (off by default).
@@ -404,6 +415,9 @@ impl<U: Resource> Arena<U> {
                     got[i] += b.size;
                 }
             }
+        }
+        if !taken.is_empty() {
+            self.stream_merges.fetch_add(1, Ordering::Relaxed);
         }
         let waited = synchronize(taken.iter().filter_map(|(shard, _)| shard.ctx));
         let back = |i: usize| waited.is_ok() && got[i] == starts[i].1;

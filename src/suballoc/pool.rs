@@ -71,6 +71,11 @@ pub struct PoolStats {
     /// Bytes freed with [`Resource::deallocate_used_on`] that wait for other streams'
     /// work: held, neither free nor live.
     pub waiting_bytes: usize,
+    /// How often the pool merged other streams' free lists into one, each time after
+    /// waiting for their work (one `cuCtxSynchronize` per device on a GPU): a count that
+    /// climbs with the calls where streams trade memory. Lanes of one stream trade
+    /// without it.
+    pub stream_merges: u64,
 }
 
 impl PoolStats {
@@ -551,6 +556,7 @@ impl<U: Resource> Pool<U> {
             },
             stream_lists: self.shards.len(),
             waiting_bytes: self.held.bytes(),
+            stream_merges: self.shards.merges(),
             ..PoolStats::default()
         };
         for shard in self.shards.all() {

@@ -364,6 +364,8 @@ pub(crate) struct ShardMap<S> {
     /// The shard whose [`Shard::holds_free`] was set last: where a search for free memory
     /// in other streams' lists looks first.
     recent: AtomicPtr<Shard<S>>,
+    /// Merges that moved other streams' free items (each after a wait for their work).
+    merges: AtomicU64,
 }
 
 // SAFETY: the map owns its tables and shards (boxed, freed only in `drop`); sending it
@@ -384,6 +386,7 @@ impl<S> Default for ShardMap<S> {
                 shards: 0,
             }),
             recent: AtomicPtr::new(ptr::null_mut()),
+            merges: AtomicU64::new(0),
         }
     }
 }
@@ -489,6 +492,11 @@ impl<S> ShardMap<S> {
         (!p.is_null()).then(|| unsafe { self.at(p) })
     }
 
+    /// How many merges moved other shards' free items (see [`ShardMap::merge_into`]).
+    pub(crate) fn merges(&self) -> u64 {
+        self.merges.load(Ordering::Relaxed)
+    }
+
     /// How many shards (streams) the map holds.
     pub(crate) fn len(&self) -> usize {
         lock(&self.tables).shards
@@ -527,6 +535,7 @@ impl<S> ShardMap<S> {
         absorb(&mut into.state.lock(), all);
         if any {
             self.note_free(into);
+            self.merges.fetch_add(1, Ordering::Relaxed);
         }
         Ok(any)
     }

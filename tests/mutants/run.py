@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""One-line mutations of the sub-allocators and adaptors, each of which a test must kill.
+
+    python3 tests/mutants/run.py [NAME ...]     # from the repository root
+
+Each mutation replaces one snippet of the source (it must occur exactly once), runs the
+host tests that cover it in release mode (their own target folder, target/mutants), and
+puts the source back. A mutation whose tests all still pass "survived": a feature whose
+removal no test notices. The list began with the survivors an audit found (issue 33,
+finding 9). Prints one line per mutation and exits 1 if any survived; docs/mutation-
+testing.md records the last run.
+"""
+
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TESTS = [
+    "--lib",
+    "--test", "pool", "--test", "pool_in_place", "--test", "arena", "--test", "fixed_size",
+    "--test", "reliability", "--test", "growth_race", "--test", "adaptors",
+    "--test", "fault_injection", "--test", "conformance_host",
+]
+
+# name, file, snippet, replacement
+MUTATIONS = [
+    ("lanes off: every thread in lane 0", "src/suballoc/shards.rs",
+     "fn this_lane() -> u64 {\n", "fn this_lane() -> u64 {\n    return 0;\n"),
+    ("Pool: no take_from_lanes on the slow path", "src/suballoc/pool.rs",
+     "        let mut growth = self.lock_growth();\n        if let Some(addr) = self\n            .take_listed(own, size, align)\n            .or_else(|| self.take_from_lanes(own, size, align))",
+     "        let mut growth = self.lock_growth();\n        if let Some(addr) = self\n            .take_listed(own, size, align)"),
+    ("Arena: no take_from_lanes", "src/suballoc/arena.rs",
+     "if let Some(addr) = self.take_from_lanes(own, size, align) {",
+     "if let Some(addr) = None::<usize> {"),
+    ("in-place pool: no unmapping before growing", "src/suballoc/pool.rs",
+     "if may_wait && surplus >= best.len + g {", "if false && may_wait && surplus >= best.len + g {"),
+    ("FixedSize: the grower's block goes through the list (growth race)", "src/suballoc/fixed.rs",
+     "            Ok(addr) => return Ok(addr),\n            Err(Error::OutOfMemory { .. }) => {}",
+     "            Ok(addr) => {\n                own.state.lock().push(addr);\n                drop(chunks);\n                std::thread::yield_now();\n                return own.state.lock().pop().ok_or(Error::OutOfMemory { requested, limit: None });\n            }\n            Err(Error::OutOfMemory { .. }) => {}"),
+    ("Pool: a pending release never runs", "src/suballoc/pool.rs",
+     "    fn release_if_pending(&self) {\n", "    fn release_if_pending(&self) {\n        return;\n"),
+    ("Tracking: a double free is passed on", "src/adaptor/tracking.rs",
+     "not passed on\"\n                );\n                None", "not passed on\"\n                );\n                Some(layout)"),
+    ("FixedSize: no merge of other streams' blocks before growing", "src/suballoc/fixed.rs",
+     "if !capturing && let Some(addr) = merge()? {", "if false && let Some(addr) = merge()? {"),
+    ("Pool: the release at a threshold makes the thread's own host list (deadlock)", "src/suballoc/pool.rs",
+     "            self.release_into(&mut growth, self.host_list(), keep);",
+     "            self.release_into(&mut growth, self.shard(StreamRef::HOST), keep);"),
+    ("held blocks: freed before their events complete", "src/suballoc/deferred.rs",
+     "            if !h.marks.iter().all(Mark::is_complete) {", "            if false {"),
+    ("Growth::Eighth under a maximum: chunks not whole requests", "src/suballoc/pool.rs",
+     "                    Some(whole) if whole <= remaining => whole,", "                    Some(whole) if false && whole <= remaining => whole,"),
+]
+
+
+def run(selected):
+    survived = []
+    for name, path, snippet, replacement in MUTATIONS:
+        if selected and not any(s.lower() in name.lower() for s in selected):
+            continue
+        file = ROOT / path
+        original = file.read_text()
+        if original.count(snippet) != 1:
+            print(f"STALE     {name}: the snippet is not in {path} exactly once")
+            survived.append(name)
+            continue
+        file.write_text(original.replace(snippet, replacement))
+        start = time.time()
+        try:
+            # Every test under a time limit: a mutation that makes a test hang is killed.
+            done = subprocess.run(
+                ["cargo", "test", "--release", "-q", "-p", "memres", "--target-dir", "target/mutants", *TESTS],
+                cwd=ROOT, capture_output=True, text=True, timeout=900,
+            )
+            killed = done.returncode != 0
+        except subprocess.TimeoutExpired:
+            killed = True
+        finally:
+            file.write_text(original)
+        verdict = "killed" if killed else "SURVIVED"
+        print(f"{verdict:9} {name} ({time.time() - start:.0f} s)", flush=True)
+        if not killed:
+            survived.append(name)
+    print(f"{len(survived)} survived" + (": " + "; ".join(survived) if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
