@@ -325,6 +325,14 @@ fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
 /// by a growth whose upstream call waits until the free has happened.
 #[test]
 fn a_release_left_pending_runs_when_the_growth_lock_is_released() {
+    within(
+        Duration::from_secs(30),
+        "a release left pending",
+        release_left_pending,
+    );
+}
+
+fn release_left_pending() {
     use memres::Host;
     use memres::upstream::Callback;
     use std::sync::atomic::{AtomicUsize, Ordering};
