@@ -12,6 +12,17 @@ use memres::suballoc::{Growth, Pool, PoolConfig};
 use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout, layout_with_alignment};
 use proptest::prelude::*;
 
+/// A made-up CUDA stream handle for a host pool, or `None` (the test reports itself
+/// skipped) on a machine with a driver, which would otherwise be asked about it.
+fn made_up_stream(handle: usize) -> Option<StreamRef<'static>> {
+    if memres::driver::is_present() {
+        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
+        return None;
+    }
+    // SAFETY: the handle is never given to a driver (there is none here).
+    Some(unsafe { StreamRef::from_raw(handle as _) })
+}
+
 fn heap_pool(config: PoolConfig) -> Pool<HostHeap> {
     Pool::new(HostHeap::new(), config).expect("a pool over the heap")
 }
@@ -646,17 +657,14 @@ fn a_large_block_comes_back_whole_and_trims() {
 /// machine without a driver, which would otherwise be asked about it.)
 #[test]
 fn threads_sharing_a_stream_share_its_memory_across_lanes() {
-    if memres::driver::is_present() {
-        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
+    let Some(stream) = made_up_stream(0x1000) else {
         return;
-    }
+    };
     let pool = heap_pool(
         PoolConfig::new()
             .initial_size(1 << 20)
             .maximum_size(1 << 20),
     );
-    // SAFETY: the handle is never given to a driver (there is none here).
-    let stream = unsafe { StreamRef::from_raw(0x1000 as _) };
     let l = layout(1 << 20).unwrap();
     let turn = std::sync::Mutex::new(0usize);
     let done = std::sync::Barrier::new(8);
@@ -718,17 +726,14 @@ fn threads_sharing_a_stream_get_lanes_of_their_own() {
 /// on a machine without a driver.
 #[test]
 fn lanes_of_a_stream_trade_fragmented_memory_without_a_merge() {
-    if memres::driver::is_present() {
-        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
+    let Some(stream) = made_up_stream(0x5000) else {
         return;
-    }
+    };
     let pool = heap_pool(
         PoolConfig::new()
             .initial_size(1 << 20)
             .maximum_size(1 << 20),
     );
-    // SAFETY: the handle is never given to a driver (there is none here).
-    let stream = unsafe { StreamRef::from_raw(0x5000 as _) };
     let small = layout(64 << 10).unwrap();
     std::thread::scope(|s| {
         // One thread (one lane) takes all the memory in 64 KiB blocks and frees them:
@@ -758,13 +763,10 @@ fn lanes_of_a_stream_trade_fragmented_memory_without_a_merge() {
 /// served from its own list. (A made-up CUDA handle on a host pool, as above.)
 #[test]
 fn a_cuda_stream_takes_a_larger_piece_of_the_initial_memory() {
-    if memres::driver::is_present() {
-        println!("memres-skip: uses a made-up CUDA stream handle (for machines without a driver)");
+    let Some(stream) = made_up_stream(0x2000) else {
         return;
-    }
+    };
     let pool = heap_pool(PoolConfig::new().initial_size(8 << 20));
-    // SAFETY: the handle is never given to a driver (there is none here).
-    let stream = unsafe { StreamRef::from_raw(0x2000 as _) };
     let l = layout(1000).unwrap();
     let first = pool.allocate(stream, l).unwrap();
     // The host list kept 6 MiB; the stream's own list holds the rest of its 2 MiB.
