@@ -248,7 +248,6 @@ pub unsafe trait Resource: SyncResource {
 /// Makes work enqueued on `stream` from now on wait for the work enqueued on `other` so
 /// far (on the device; on the host where that fails). False when neither worked: the
 /// block must then never be freed.
-#[cold]
 #[inline(never)]
 fn order_after(stream: StreamRef<'_>, other: StreamRef<'_>) -> bool {
     let Err(e) = stream.wait_for_stream(other) else {
