@@ -100,6 +100,27 @@ void memres_free(void* ptr, ssize_t size, int device, void* stream);
    stack's pool (other stacks do not detect foreign pointers). */
 int memres_record_stream(void* ptr, int device, void* stream);
 
+/* Sharing blocks with other processes (PyTorch's CUDA tensors in torch.multiprocessing).
+ *
+ * memres_ipc_export writes into out (at most capacity bytes) a handle with which another
+ * process maps the live block ptr (size bytes from memres_malloc on device), and the
+ * block's offset in the mapped range into *offset; it returns the handle's length (with
+ * out NULL only the length, nothing exported) or a negative code. Blocks of the in-place
+ * pool (the default) export their granules as POSIX file descriptors, kept open until
+ * the block is freed: the receiver takes them with pidfd_getfd, which needs the right to
+ * ptrace the sender (same user; yama ptrace_scope 0 or CAP_SYS_PTRACE), as PyTorch's
+ * expandable segments do. Blocks of cuMemAlloc memory (pool, arena, cuda) give the
+ * 64-byte cudaIpcMemHandle_t of their allocation, which PyTorch's own allocator opens
+ * too. Driver pools (cuda_async) are refused.
+ *
+ * memres_ipc_open maps such a handle (or any 64-byte CUDA IPC handle) on device and
+ * writes the range's first address into *base (add the sender's offset); opening the
+ * same handle again gives the same address. Each open is closed by memres_ipc_close,
+ * the last one waiting for the device before unmapping. */
+int64_t memres_ipc_export(void* ptr, ssize_t size, int device, void* out, size_t capacity, size_t* offset);
+int memres_ipc_open(const void* handle, size_t len, int device, void** base);
+int memres_ipc_close(void* base);
+
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
 int memres_stats(int device, memres_stats_t* out);
 

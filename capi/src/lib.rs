@@ -12,11 +12,13 @@
 //! No function unwinds into C: a panic is caught, reported through `memres_last_error`
 //! and turned into a failure code (or a null pointer).
 
+mod ipc;
 mod profile;
 mod recorded;
 mod spec;
 mod stack;
 
+pub use ipc::{memres_ipc_close, memres_ipc_export, memres_ipc_open};
 pub use profile::{
     memres_profile_pop, memres_profile_push, memres_profile_report, memres_profile_reset,
 };
@@ -369,6 +371,7 @@ pub unsafe extern "C" fn memres_free(
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             stack.count_free(layout.size());
             mr::profile::count_free(layout.size());
+            stack.exported().release(ptr.as_ptr() as usize);
             match stack.recorded().take(ptr.as_ptr() as usize) {
                 // SAFETY: the caller's promise: `ptr` came from this device's stack (the
                 // only resource `memres_malloc` uses for it) with this size, and is ordered.

@@ -10,9 +10,10 @@ use mr::suballoc::Growth;
 use mr::upstream::CudaAsyncConfig;
 use mr::{
     AnyResource, Arena, Binning, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
-    Pool, PoolConfig,
+    ExportHandle, Pool, PoolConfig,
 };
 
+use crate::ipc::{Exported, Shared};
 use crate::recorded::Recorded;
 use crate::spec::Spec;
 
@@ -43,6 +44,8 @@ pub(crate) struct DeviceStack {
     out_of_memory: AtomicI64,
     /// Streams recorded for live blocks (`memres_record_stream`).
     recorded: Recorded,
+    /// Descriptors exported for live blocks (`memres_ipc_export`).
+    exported: Exported,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -82,6 +85,7 @@ impl DeviceStack {
             live_blocks: ExactCounter::default(),
             out_of_memory: AtomicI64::new(0),
             recorded: Recorded::default(),
+            exported: Exported::default(),
         })
     }
 }
@@ -143,7 +147,14 @@ impl Layers {
                 if let Some(reserve) = reserve {
                     leaf = leaf.reserve(*reserve);
                 }
-                let pool = Arc::new(CudaVirtual::with_config(device, leaf)?.pool(config)?);
+                // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
+                // PyTorch's CUDA tensors sent to other processes).
+                let exportable = leaf.clone().export(ExportHandle::PosixFd);
+                let virt = match CudaVirtual::with_config(device, exportable) {
+                    Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf)?,
+                    built => built?,
+                };
+                let pool = Arc::new(virt.pool(config)?);
                 self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
                 AnyResource::new(pool)
             }
@@ -237,6 +248,55 @@ impl DeviceStack {
                 eprintln!("memres: cannot write the allocation log: {e}");
             }
         }
+    }
+
+    /// The descriptors exported for live blocks.
+    pub(crate) fn exported(&self) -> &Exported {
+        &self.exported
+    }
+
+    /// What another process needs to map the `size` bytes at `address` (a live block of
+    /// this stack): the granules' descriptors where the memory is the in-place pool's
+    /// virtual memory, else the IPC handle of the `cuMemAlloc` allocation holding it.
+    pub(crate) fn share(&self, address: usize, size: usize) -> Result<Shared, Error> {
+        if let Some(PoolLayer::Virtual(pool)) = &self.pool {
+            let leaf = pool.upstream();
+            let (base, len) = mr::GrowInPlace::reservation(leaf);
+            if address.wrapping_sub(base) < len {
+                let granule = mr::GrowInPlace::granularity(leaf);
+                let (first, fds) = leaf.export_fds(address, size)?;
+                return Ok(Shared::Granules {
+                    granule,
+                    offset: address - first,
+                    fds,
+                });
+            }
+        }
+        match &self.pool {
+            Some(PoolLayer::Async(_)) => Err(Error::unsupported(
+                "sharing a block of a driver pool (cuda_async) with another process",
+            )),
+            _ => {
+                let (handle, offset) = mr::upstream::ipc_handle(address)?;
+                Ok(Shared::CudaHandle { handle, offset })
+            }
+        }
+    }
+
+    /// How many granules the handle of the `size` bytes at `address` names, where they are
+    /// the in-place pool's (`None` for memory shared by a CUDA IPC handle).
+    pub(crate) fn granules_of(&self, address: usize, size: usize) -> Option<usize> {
+        let Some(PoolLayer::Virtual(pool)) = &self.pool else {
+            return None;
+        };
+        let leaf = pool.upstream();
+        let (base, len) = mr::GrowInPlace::reservation(leaf);
+        if address.wrapping_sub(base) >= len {
+            return None;
+        }
+        let g = mr::GrowInPlace::granularity(leaf);
+        let first = address - address % g;
+        Some((address + size).next_multiple_of(g).saturating_sub(first) / g)
     }
 
     /// Whether the stack has a logging layer.

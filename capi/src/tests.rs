@@ -197,6 +197,59 @@ fn bad_arguments_fail_without_crashing() {
     let code = unsafe { memres_record_stream(4096 as *mut c_void, 9, std::ptr::null_mut()) };
     assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
     assert!(last_error().contains("device 9"), "{}", last_error());
+
+    // The IPC calls refuse what they cannot use, before touching anything.
+    let mut offset = 0;
+    // SAFETY: a null pointer, refused.
+    let code = unsafe {
+        memres_ipc_export(
+            std::ptr::null_mut(),
+            64,
+            0,
+            std::ptr::null_mut(),
+            0,
+            &mut offset,
+        )
+    };
+    assert_eq!(code, i64::from(MEMRES_ERROR_INVALID_ARGUMENT));
+    // SAFETY: a size of 0, refused.
+    let code = unsafe {
+        memres_ipc_export(
+            4096 as *mut c_void,
+            0,
+            0,
+            std::ptr::null_mut(),
+            0,
+            &mut offset,
+        )
+    };
+    assert_eq!(code, i64::from(MEMRES_ERROR_INVALID_ARGUMENT));
+    assert!(last_error().contains("size 0"), "{}", last_error());
+    // SAFETY: a device memres never allocated on, refused.
+    let code = unsafe {
+        memres_ipc_export(
+            4096 as *mut c_void,
+            64,
+            9,
+            std::ptr::null_mut(),
+            0,
+            &mut offset,
+        )
+    };
+    assert_eq!(code, i64::from(MEMRES_ERROR_INVALID_ARGUMENT));
+    assert!(last_error().contains("device 9"), "{}", last_error());
+    let mut base = std::ptr::null_mut();
+    // SAFETY: 5 readable bytes; `base` a valid place.
+    let code = unsafe { memres_ipc_open(b"bogus".as_ptr().cast(), 5, 0, &mut base) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(last_error().contains("5-byte handle"), "{}", last_error());
+    // SAFETY: a null handle, refused.
+    let code = unsafe { memres_ipc_open(std::ptr::null(), 64, 0, &mut base) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert_eq!(
+        memres_ipc_close(4096 as *mut c_void),
+        MEMRES_ERROR_INVALID_ARGUMENT
+    );
 }
 
 #[test]
@@ -309,6 +362,113 @@ fn live_bytes_child() {
     assert_eq!(memres_reset_peak(0), MEMRES_OK);
     assert_eq!(stats(0).peak_live_bytes, before);
     println!("live bytes: exact");
+
+    // A pointer memres never handed out is refused by memres_record_stream as by free.
+    // SAFETY: refused before the stream is used.
+    let code =
+        unsafe { memres_record_stream(not_ours.as_mut_ptr().cast(), 0, std::ptr::null_mut()) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("is not memory of device 0's pool"),
+        "{}",
+        last_error()
+    );
+    ipc_in_one_process();
+    println!("ipc: the same bytes through the imported range");
+}
+
+/// Exports a block of the default pool and maps the handle in this same process (the
+/// granules' descriptors taken with `pidfd_getfd` from our own pid): the bytes written
+/// through the block read back through the second mapping.
+fn ipc_in_one_process() {
+    use cudarc::driver::sys;
+    const N: usize = 3 << 20; // spans two 2 MiB granules at least
+    // SAFETY: the legacy default stream.
+    let block = unsafe { memres_malloc(N as isize, 0, std::ptr::null_mut()) };
+    assert!(!block.is_null(), "{}", last_error());
+    // SAFETY: `out` null asks for the length only.
+    let len = unsafe {
+        memres_ipc_export(
+            block,
+            N as isize,
+            0,
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+        )
+    };
+    assert!(len > 64, "a granules handle: {len} ({})", last_error());
+    let mut handle = vec![0u8; len as usize];
+    let mut offset = usize::MAX;
+    // SAFETY: a buffer one byte too small: refused, nothing written or exported.
+    let short = unsafe {
+        memres_ipc_export(
+            block,
+            N as isize,
+            0,
+            handle.as_mut_ptr().cast(),
+            handle.len() - 1,
+            &mut offset,
+        )
+    };
+    assert_eq!(short, i64::from(MEMRES_ERROR_INVALID_ARGUMENT));
+    assert!(last_error().contains("buffer"), "{}", last_error());
+    // SAFETY: `handle` has `len` bytes; `offset` is a valid place.
+    let written = unsafe {
+        memres_ipc_export(
+            block,
+            N as isize,
+            0,
+            handle.as_mut_ptr().cast(),
+            handle.len(),
+            &mut offset,
+        )
+    };
+    assert_eq!(written, len, "{}", last_error());
+    let pattern: Vec<u8> = (0..N).map(|i| (i * 7 % 251) as u8).collect();
+    // SAFETY: `block` is N device bytes; the host slice N bytes.
+    let r = unsafe { sys::cuMemcpyHtoD_v2(block as sys::CUdeviceptr, pattern.as_ptr().cast(), N) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let mut base = std::ptr::null_mut();
+    // SAFETY: `handle` is `len` bytes; `base` a valid place.
+    let code = unsafe { memres_ipc_open(handle.as_ptr().cast(), handle.len(), 0, &mut base) };
+    assert_eq!(code, MEMRES_OK, "{}", last_error());
+    assert_ne!(base as usize + offset, block as usize, "a second mapping");
+    let mut back = vec![0u8; N];
+    // SAFETY: the imported range holds the block at `offset`, N bytes.
+    let r = unsafe {
+        sys::cuMemcpyDtoH_v2(
+            back.as_mut_ptr().cast(),
+            (base as usize + offset) as sys::CUdeviceptr,
+            N,
+        )
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    assert!(
+        back == pattern,
+        "the imported range shows the block's bytes"
+    );
+    // Opening the same handle again shares the mapping; two closes unmap it; a third
+    // is refused.
+    let mut again = std::ptr::null_mut();
+    // SAFETY: as above.
+    let code = unsafe { memres_ipc_open(handle.as_ptr().cast(), handle.len(), 0, &mut again) };
+    assert_eq!((code, again), (MEMRES_OK, base));
+    assert_eq!(memres_ipc_close(base), MEMRES_OK);
+    assert_eq!(memres_ipc_close(base), MEMRES_OK, "{}", last_error());
+    assert_eq!(memres_ipc_close(base), MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(last_error().contains("closed twice"), "{}", last_error());
+    // A handle of another allocator's format is refused with a message.
+    // SAFETY: 10 readable bytes.
+    let code = unsafe { memres_ipc_open(b"\x02e-garbage".as_ptr().cast(), 10, 0, &mut base) };
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("neither a CUDA IPC handle nor memres's"),
+        "{}",
+        last_error()
+    );
+    // SAFETY: from `memres_malloc(N, 0, ..)` above; the copies are complete (synchronous).
+    unsafe { memres_free(block, N as isize, 0, std::ptr::null_mut()) };
 }
 
 /// `MEMRES_RESOURCE` is read at the first allocation, in a child process of its own
@@ -451,7 +611,12 @@ fn header() -> String {
 }
 
 fn source() -> String {
-    [include_str!("lib.rs"), include_str!("profile.rs")].concat()
+    [
+        include_str!("lib.rs"),
+        include_str!("profile.rs"),
+        include_str!("ipc.rs"),
+    ]
+    .concat()
 }
 
 /// `name(params) -> ret` of every `extern "C" fn memres_*` in the source, in C types.
@@ -466,6 +631,9 @@ fn rust_prototypes() -> Vec<String> {
             "*mut c_char" => "char*",
             "*mut c_void" => "void*",
             "*const c_char" => "const char*",
+            "*const c_void" => "const void*",
+            "*mut usize" => "size_t*",
+            "*mut *mut c_void" => "void**",
             "*mut memres_stats_t" => "memres_stats_t*",
             "" => "void",
             other => panic!("no C type for the Rust type {other:?}"),
@@ -529,7 +697,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 13, "{rust:#?}");
+    assert_eq!(rust.len(), 16, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 

@@ -22,6 +22,9 @@
 //   a pool whose graphs are gone returns its segments to memres once its last block is
 //   freed. checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState work
 //   on a pool's block table.
+// - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
+//   torch.multiprocessing sends CUDA tensors of memres (the receiver needs memres too for
+//   the default in-place pool's blocks; chunked pools' handles open in any torch).
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -621,6 +624,50 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   std::string name() override {
     return "memres";
+  }
+
+  // ---- IPC (torch.multiprocessing's CUDA tensors) ----
+
+  // The handle another process opens for the block at ptr: the in-place pool's granules
+  // as file descriptors (kept open until the block is freed), or the cudaIpcMemHandle_t
+  // of cuMemAlloc memory, which torch's own allocator opens too.
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    size_t size = 0;
+    c10::DeviceIndex device = -1;
+    {
+      std::lock_guard<std::mutex> lock(allocator_mutex_);
+      auto it = allocation_metadata_.find(ptr);
+      TORCH_CHECK(
+          it != allocation_metadata_.end(),
+          "memres: shareIpcHandle of ", ptr, ", which is not a live block of memres");
+      size = it->second.size;
+      device = it->second.device_idx;
+    }
+    TORCH_CHECK(size > 0, "memres: shareIpcHandle of a zero-byte block");
+    int64_t len = memres_ipc_export(ptr, static_cast<ssize_t>(size), device, nullptr, 0, nullptr);
+    TORCH_CHECK(len > 0, "memres: ", memres_last_error());
+    std::string handle(static_cast<size_t>(len), '\0');
+    size_t offset = 0;
+    int64_t written = memres_ipc_export(
+        ptr, static_cast<ssize_t>(size), device, handle.data(), handle.size(), &offset);
+    TORCH_CHECK(written == len, "memres: ", memres_last_error());
+    return {static_cast<ptrdiff_t>(offset), std::move(handle)};
+  }
+
+  // Maps another process's handle on the current device (memres's own, or a 64-byte CUDA
+  // IPC handle from torch's allocator); the range is unmapped when the last tensor on it
+  // goes. Torch adds the sender's offset.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    void* base = nullptr;
+    int code = memres_ipc_open(handle.data(), handle.size(), device, &base);
+    TORCH_CHECK(code == MEMRES_OK, "memres: cannot open an IPC handle: ", memres_last_error());
+    return std::shared_ptr<void>(base, [](void* p) {
+      if (memres_ipc_close(p) != MEMRES_OK) {
+        TORCH_WARN("memres: ", memres_last_error());
+      }
+    });
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {

@@ -28,7 +28,11 @@ Checks:
   pool_record_stream - the record_stream row inside torch.cuda.use_mem_pool (a private
                   pool): 20 trials, wrong ones counted.
   compile       - torch.compile(mode="reduce-overhead") on a small MLP matches eager.
-  ipc           - a CUDA tensor sent to another process with torch.multiprocessing.
+  ipc           - two CUDA tensors (one a view at an offset) sent to another process with
+                  torch.multiprocessing, receiver on the same allocator: it reads both and
+                  writes one, which the sender then reads.
+  ipc_pool      - the same with memres on a chunked pool (MEMRES_RESOURCE=pool) sending to
+                  a receiver on torch's own allocator.
 """
 
 import json
@@ -37,7 +41,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "ipc"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "ipc", "ipc_pool"]
 MIB = 1 << 20
 
 
@@ -259,33 +263,68 @@ def compile_():
     return {"ok": worst < 1e-4, "max_diff": worst}
 
 
-def _ipc_child(queue, done):
-    t = queue.get()
-    done.put(float(t.sum().item()))
+def _ipc_child(queue, done, use_memres):
+    import torch
+
+    if use_memres:
+        import memres
+
+        memres.setup()
+    a, b = queue.get()
+    done.put((float(a.sum().item()), float(b.double().sum().item()), b.data_ptr() - a.data_ptr()))
+    a.add_(1.0)  # written here, read by the sender
+    torch.cuda.synchronize()
+    done.put("written")
+    queue.get()  # hold the tensors until the sender has read
+    del a, b
 
 
-def ipc():
+def _ipc(child_memres):
     import torch
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_ipc_child, args=(queue, done), daemon=True)
+    p = ctx.Process(target=_ipc_child, args=(queue, done, child_memres), daemon=True)
     p.start()
     try:
-        t = torch.full((1 << 20,), 2.0, device="cuda")
-        queue.put(t)
-        got = done.get(timeout=120)
-    finally:
-        p.terminate()
+        n = 1 << 20
+        a = torch.full((n,), 2.0, device="cuda")
+        big = torch.arange(6 << 20, device="cuda", dtype=torch.float32)  # 24 MiB
+        b = big[1000:]  # a view: the storage's offset travels with it
+        queue.put((a, b))
+        sum_a, sum_b, _ = done.get(timeout=180)
+        assert done.get(timeout=60) == "written"
+        seen = float(a.sum().item())
+        queue.put("bye")
         p.join(60)
-    return {"ok": got == 2.0 * (1 << 20), "sum": got}
+        want_b = float(b.double().sum().item())
+    finally:
+        if p.is_alive():
+            p.terminate()
+            p.join(60)
+    ok = sum_a == 2.0 * n and sum_b == want_b and seen == 3.0 * n
+    return {"ok": ok, "sum_a": sum_a, "sum_b_ok": sum_b == want_b, "written_back": seen == 3.0 * n}
+
+
+def ipc():
+    """Sender and receiver on the same allocator; the receiver writes, the sender reads."""
+    return _ipc(child_memres=os.environ.get("PARITY_ALLOCATOR") == "memres")
+
+
+def ipc_pool():
+    """memres with a chunked pool (MEMRES_RESOURCE=pool) sends to a receiver on torch's own
+    allocator (its handles are CUDA IPC handles, which any torch opens)."""
+    return _ipc(child_memres=False)
 
 
 def run_one(check, allocator):
+    os.environ["PARITY_ALLOCATOR"] = allocator
     if allocator == "memres":
         import memres
 
+        if check == "ipc_pool":
+            os.environ["MEMRES_RESOURCE"] = "pool"
         memres.setup()
     fn = {"compile": compile_}.get(check) or globals()[check]
     try:

@@ -14,6 +14,7 @@
 //! | [`SamHeadroom`] | as `System`, keeping some GPU memory free | host + device |
 //! | [`CudaVirtual`] | one reserved range, mapped a granule at a time (`cuMemCreate` + `cuMemMap`) | device |
 //! | [`HostVirtual`] | the same over host pages (`mmap`), for tests and replays | host |
+//! | [`Imported`] | another process's device memory ([`ipc_handle`], [`Virtual::export_fds`]) | device |
 //!
 //! Every CUDA leaf returns [`Error::NoDriver`](crate::Error::NoDriver) from its constructor
 //! where libcuda is absent, maps the driver's out-of-memory to
@@ -25,6 +26,7 @@ mod cuda;
 mod cuda_async;
 pub(crate) mod driver_leaf;
 mod host_heap;
+mod ipc;
 mod managed;
 mod pinned_host;
 mod system;
@@ -34,6 +36,7 @@ pub use callback::Callback;
 pub use cuda::Cuda;
 pub use cuda_async::{CudaAsync, CudaAsyncConfig, CudaAsyncManaged, CudaAsyncView, ExportHandle};
 pub use host_heap::HostHeap;
+pub use ipc::{IPC_HANDLE_SIZE, Imported, ipc_handle};
 pub use managed::Managed;
 pub use pinned_host::PinnedHost;
 pub use system::{SamHeadroom, System};

@@ -173,6 +173,27 @@ impl Virtual<CudaPhysical> {
         // SAFETY: the driver handed us a new descriptor that nothing else owns.
         Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
+    /// POSIX file descriptors for the granules under `addr..addr + len` (all mapped), in
+    /// address order, and the first granule's address: what another process needs to map
+    /// the same memory ([`Imported::map_fds`](crate::upstream::Imported::map_fds)). The
+    /// descriptors keep the memory alive while they are open, even after this leaf unmaps
+    /// it: close them once the other process has its own.
+    pub fn export_fds(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<(usize, Vec<std::os::fd::OwnedFd>), Error> {
+        let g = self.backend.granularity;
+        let end = addr
+            .checked_add(len.max(1))
+            .ok_or_else(|| Error::invalid_argument("the exported range overflows"))?;
+        let first = addr - addr % g;
+        let fds = (first..end)
+            .step_by(g)
+            .map(|granule| self.export_fd(granule))
+            .collect::<Result<Vec<_>, Error>>()?;
+        Ok((first, fds))
+    }
 }
 
 impl CudaPhysical {

@@ -1,0 +1,503 @@
+//! Blocks shared with other processes (`memres_ipc_export`, `memres_ipc_open`,
+//! `memres_ipc_close`): PyTorch's CUDA tensors sent through `torch.multiprocessing`.
+//!
+//! A handle is bytes, in one of two forms:
+//!
+//! - **64 bytes**: the `cudaIpcMemHandle_t` of a `cuMemAlloc` allocation (chunked pools,
+//!   arenas, `cuda`). PyTorch's own allocator sends and opens the same bytes, so either
+//!   process may run without memres. The form `2, 'c', <64 bytes>` of newer PyTorch
+//!   versions is opened too.
+//! - **granules** (the default in-place pool, whose memory is mapped a granule at a time):
+//!
+//!   | bytes | what |
+//!   | --- | --- |
+//!   | 0 | 2, PyTorch's handle version (its own allocator then refuses the type below) |
+//!   | 1 | `'m'` |
+//!   | 2..8 | `memres` |
+//!   | 8..12 | this format's version, 1 (little-endian, as every field) |
+//!   | 12..16 | the sender's process id |
+//!   | 16..24 | bytes per granule |
+//!   | 24..28 | granules, `n` |
+//!   | 28.. | `n` descriptor numbers in the sender (`i32`) |
+//!
+//!   The receiver takes the descriptors with `pidfd_getfd` (Linux 5.6; it needs the right
+//!   to ptrace the sender, as PyTorch's expandable segments do) and maps them in order.
+//!   The sender keeps its descriptors open until the block is freed (PyTorch keeps a
+//!   sent block alive until every receiver released it).
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use std::ffi::{c_int, c_void};
+
+use mr::Error;
+use mr::device::DeviceId;
+
+use crate::{Failure, MEMRES_OK, built_stack, guarded, slot};
+use mr::upstream::{IPC_HANDLE_SIZE, Imported};
+
+/// What [`DeviceStack::share`](crate::stack::DeviceStack::share) gives for a block.
+pub(crate) enum Shared {
+    /// The allocation's IPC handle; the block starts `offset` bytes into it.
+    CudaHandle {
+        handle: [u8; IPC_HANDLE_SIZE],
+        offset: usize,
+    },
+    /// One descriptor per granule; the block starts `offset` bytes into the first.
+    Granules {
+        granule: usize,
+        offset: usize,
+        fds: Vec<OwnedFd>,
+    },
+}
+
+const MAGIC: &[u8; 8] = b"\x02mmemres";
+const VERSION: u32 = 1;
+const HEADER: usize = 28;
+
+/// A decoded handle.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Handle {
+    Cuda([u8; IPC_HANDLE_SIZE]),
+    Granules {
+        pid: u32,
+        granule: u64,
+        fds: Vec<i32>,
+    },
+}
+
+impl Handle {
+    /// The length of a granules handle of `n` granules.
+    pub(crate) fn granules_len(n: usize) -> usize {
+        HEADER + 4 * n
+    }
+
+    /// The bytes of a granules handle.
+    pub(crate) fn encode_granules(pid: u32, granule: u64, fds: &[i32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER + 4 * fds.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&pid.to_le_bytes());
+        out.extend_from_slice(&granule.to_le_bytes());
+        out.extend_from_slice(&(fds.len() as u32).to_le_bytes());
+        for fd in fds {
+            out.extend_from_slice(&fd.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads a handle; a message saying what is wrong with one it cannot read.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Handle, String> {
+        if bytes.len() == IPC_HANDLE_SIZE {
+            return Ok(Handle::Cuda(bytes.try_into().expect("64 bytes")));
+        }
+        if bytes.len() == IPC_HANDLE_SIZE + 2 && bytes[..2] == [2, b'c'] {
+            return Ok(Handle::Cuda(bytes[2..].try_into().expect("64 bytes")));
+        }
+        if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+            return Err(format!(
+                "a {}-byte handle that is neither a CUDA IPC handle nor memres's",
+                bytes.len()
+            ));
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(format!(
+                "a memres handle of format {version}; this memres reads format {VERSION}"
+            ));
+        }
+        let pid = u32_at(12);
+        let granule = u64::from_le_bytes(bytes[16..24].try_into().expect("8"));
+        let n = u32_at(24) as usize;
+        let fds: Vec<i32> = bytes[HEADER..]
+            .chunks(4)
+            .map(|c| c.try_into().map(i32::from_le_bytes))
+            .collect::<Result<_, _>>()
+            .map_err(|_| "a memres handle cut short".to_string())?;
+        if fds.len() != n || n == 0 || granule == 0 {
+            return Err(format!(
+                "a memres handle of {n} granules of {granule} bytes with {} descriptors",
+                fds.len()
+            ));
+        }
+        Ok(Handle::Granules { pid, granule, fds })
+    }
+}
+
+/// Per device: block address -> descriptors exported for it, closed when it is freed.
+#[derive(Default)]
+pub(crate) struct Exported {
+    /// Blocks in `map`: `memres_free` reads this one atomic and skips the lock while it is 0.
+    blocks: AtomicUsize,
+    map: Mutex<HashMap<usize, Vec<OwnedFd>>>,
+}
+
+impl Exported {
+    /// Keeps `fds` open until the block at `address` is freed.
+    pub(crate) fn keep(&self, address: usize, fds: Vec<OwnedFd>) {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        map.entry(address)
+            .or_insert_with(|| {
+                self.blocks.fetch_add(1, Ordering::Relaxed);
+                Vec::new()
+            })
+            .extend(fds);
+    }
+
+    /// Closes the descriptors exported for the block at `address` (being freed).
+    #[inline]
+    pub(crate) fn release(&self, address: usize) {
+        if self.blocks.load(Ordering::Relaxed) != 0 {
+            self.release_slow(address);
+        }
+    }
+
+    #[cold]
+    fn release_slow(&self, address: usize) {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.remove(&address).is_some() {
+            self.blocks.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Takes descriptor `fd` of process `pid` (`pidfd_open` + `pidfd_getfd`).
+fn take_fd(pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, std::io::Error> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on descriptors we own; a failure is -1 with errno.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if got < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel handed us a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
+}
+
+fn open_pid(pid: u32) -> Result<OwnedFd, std::io::Error> {
+    // SAFETY: plain syscall; a failure is -1 with errno.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if got < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel handed us a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
+}
+
+/// Maps a decoded handle on `device`.
+pub(crate) fn import(handle: &Handle, device: DeviceId) -> Result<Imported, Error> {
+    match handle {
+        Handle::Cuda(bytes) => Imported::open_ipc_handle(device, bytes),
+        Handle::Granules { pid, granule, fds } => {
+            let pidfd = open_pid(*pid).map_err(|e| {
+                Error::invalid_argument(format!(
+                    "the sending process {pid} cannot be reached (pidfd_open: {e}); has it \
+                     exited?"
+                ))
+            })?;
+            let taken = fds
+                .iter()
+                .map(|&fd| take_fd(&pidfd, fd))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| {
+                    Error::invalid_argument(format!(
+                        "cannot take the sending process {pid}'s memory descriptors \
+                         (pidfd_getfd: {e}); the receiver needs the right to ptrace the \
+                         sender (the same user, and /proc/sys/kernel/yama/ptrace_scope 0 \
+                         or CAP_SYS_PTRACE), as for PyTorch's expandable segments"
+                    ))
+                })?;
+            let granule = usize::try_from(*granule)
+                .map_err(|_| Error::invalid_argument("a granule larger than memory"))?;
+            let borrowed: Vec<_> = taken.iter().map(AsFd::as_fd).collect();
+            Imported::map_fds(device, granule, &borrowed)
+        }
+    }
+}
+
+/// Ranges opened in this process, shared by every open of the same handle (a CUDA IPC
+/// handle can be opened once per process).
+#[derive(Default)]
+pub(crate) struct Opened {
+    by_handle: HashMap<Vec<u8>, usize>,
+    by_base: HashMap<usize, OpenRange>,
+}
+
+struct OpenRange {
+    imported: Imported,
+    handle: Vec<u8>,
+    opens: usize,
+}
+
+impl Opened {
+    /// The base of the range `handle` names on `device`, mapped now or by an earlier open.
+    pub(crate) fn open(&mut self, handle: &[u8], device: DeviceId) -> Result<usize, Error> {
+        if let Some(&base) = self.by_handle.get(handle) {
+            let range = self.by_base.get_mut(&base).expect("both maps agree");
+            if range.imported.device() == device {
+                range.opens += 1;
+                return Ok(base);
+            }
+        }
+        let decoded = Handle::decode(handle).map_err(Error::invalid_argument)?;
+        let imported = import(&decoded, device)?;
+        let base = imported.base();
+        self.by_handle.insert(handle.to_vec(), base);
+        self.by_base.insert(
+            base,
+            OpenRange {
+                imported,
+                handle: handle.to_vec(),
+                opens: 1,
+            },
+        );
+        Ok(base)
+    }
+
+    /// Closes one open of the range at `base`; the last unmaps it. `false` for an address
+    /// no open returned.
+    pub(crate) fn close(&mut self, base: usize) -> bool {
+        let Some(range) = self.by_base.get_mut(&base) else {
+            return false;
+        };
+        range.opens -= 1;
+        if range.opens == 0 {
+            let range = self.by_base.remove(&base).expect("found above");
+            if self.by_handle.get(&range.handle) == Some(&base) {
+                self.by_handle.remove(&range.handle);
+            }
+            drop(range.imported); // waits for the device, then unmaps
+        }
+        true
+    }
+}
+
+/// The ranges this process opened.
+pub(crate) static OPENED: Mutex<Option<Opened>> = Mutex::new(None);
+
+/// Writes into `out` (at most `capacity` bytes) a handle with which another process maps
+/// the block `ptr` (`size` bytes from `memres_malloc` on `device`, live) through
+/// `memres_ipc_open`, and the block's offset in the mapped range into `offset`. Returns the
+/// handle's length; with `out` NULL, only that length (nothing is exported). Blocks of the
+/// in-place pool (the default) export their granules as POSIX descriptors, kept open
+/// until the block is freed; others the `cudaIpcMemHandle_t` of their allocation (the
+/// bytes PyTorch's own allocator sends). A negative code on failure: a null or foreign
+/// pointer, a driver pool (`cuda_async`), a buffer too small.
+///
+/// # Safety
+/// `out` is null or valid for `capacity` bytes; `offset` is null or valid for one
+/// `size_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_ipc_export(
+    ptr: *mut c_void,
+    size: isize,
+    device: c_int,
+    out: *mut c_void,
+    capacity: usize,
+    offset: *mut usize,
+) -> i64 {
+    guarded(
+        i64::from,
+        || {
+            let size = usize::try_from(size)
+                .ok()
+                .filter(|&s| s > 0)
+                .ok_or_else(|| Failure::invalid(format!("memres_ipc_export: size {size}")))?;
+            if ptr.is_null() {
+                return Err(Failure::invalid("memres_ipc_export: the pointer is null"));
+            }
+            let stack = built_stack(device)?.ok_or_else(|| {
+                Failure::invalid(format!(
+                    "memres_ipc_export: memres never allocated on device {device}"
+                ))
+            })?;
+            if stack.may_hold(ptr as usize) == Some(false) {
+                return Err(Failure::invalid(format!(
+                    "memres_ipc_export: {ptr:p} is not memory of device {device}'s pool \
+                     (memres never handed it out)"
+                )));
+            }
+            let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
+            if out.is_null() {
+                // Only the length, which follows from the range.
+                let len = match stack.granules_of(ptr as usize, size) {
+                    Some(n) => Handle::granules_len(n),
+                    None => mr::upstream::IPC_HANDLE_SIZE,
+                };
+                return Ok(len as i64);
+            }
+            let (bytes, at, kept) = match stack.share(ptr as usize, size)? {
+                Shared::CudaHandle { handle, offset } => (handle.to_vec(), offset, None),
+                Shared::Granules {
+                    granule,
+                    offset,
+                    fds,
+                } => {
+                    use std::os::fd::AsRawFd;
+                    let numbers: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+                    let bytes =
+                        Handle::encode_granules(std::process::id(), granule as u64, &numbers);
+                    (bytes, offset, Some(fds))
+                }
+            };
+            if bytes.len() > capacity {
+                return Err(Failure::invalid(format!(
+                    "memres_ipc_export: the handle takes {} bytes; the buffer has {capacity}",
+                    bytes.len()
+                )));
+            }
+            // SAFETY: the caller's promise: `out` is valid for `capacity` bytes, which
+            // holds the handle (checked above).
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len()) };
+            if !offset.is_null() {
+                // SAFETY: the caller's promise about `offset`.
+                unsafe { offset.write(at) };
+            }
+            if let Some(fds) = kept {
+                stack.exported().keep(ptr as usize, fds);
+            }
+            Ok(bytes.len() as i64)
+        },
+    )
+}
+
+/// Maps on `device` the memory a handle of `memres_ipc_export` (in another process) names,
+/// or a CUDA IPC handle of 64 bytes (as PyTorch sends), and writes its first address into
+/// `base` (add the sender's offset). Opening the same handle again returns the same
+/// address; each open is closed with `memres_ipc_close`. `MEMRES_ERROR_INVALID_ARGUMENT`
+/// for a malformed handle or a sender that cannot be reached; `MEMRES_ERROR_CUDA` where
+/// the driver refuses it.
+///
+/// # Safety
+/// `handle` is valid for `len` bytes; `base` is valid for one pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_ipc_open(
+    handle: *const c_void,
+    len: usize,
+    device: c_int,
+    base: *mut *mut c_void,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if handle.is_null() || base.is_null() {
+                return Err(Failure::invalid("memres_ipc_open: a null pointer"));
+            }
+            slot(device)?; // a device ordinal memres serves
+            // SAFETY: the caller's promise about `handle`.
+            let bytes = unsafe { std::slice::from_raw_parts(handle.cast::<u8>(), len) };
+            let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
+            let at = opened
+                .get_or_insert_with(Opened::default)
+                .open(bytes, DeviceId::new(device))?;
+            // SAFETY: the caller's promise about `base`.
+            unsafe { base.write(std::ptr::without_provenance_mut(at)) };
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Closes one `memres_ipc_open` of the range at `base`; the last close waits for the
+/// device and unmaps it. `MEMRES_ERROR_INVALID_ARGUMENT` for an address no open returned.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_ipc_close(base: *mut c_void) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
+            if opened
+                .get_or_insert_with(Opened::default)
+                .close(base as usize)
+            {
+                Ok(MEMRES_OK)
+            } else {
+                Err(Failure::invalid(format!(
+                    "memres_ipc_close: {base:p} is not a range memres_ipc_open returned (closed \
+                     twice?)"
+                )))
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_granules_handle_reads_back() {
+        let bytes = Handle::encode_granules(4242, 2 << 20, &[7, 8, 31]);
+        assert_eq!(bytes.len(), Handle::granules_len(3));
+        assert_eq!(
+            Handle::decode(&bytes),
+            Ok(Handle::Granules {
+                pid: 4242,
+                granule: 2 << 20,
+                fds: vec![7, 8, 31]
+            })
+        );
+    }
+
+    #[test]
+    fn cuda_handles_read_in_both_forms() {
+        let raw = [9u8; IPC_HANDLE_SIZE];
+        assert_eq!(Handle::decode(&raw), Ok(Handle::Cuda(raw)));
+        let mut torch = vec![2, b'c'];
+        torch.extend_from_slice(&raw);
+        assert_eq!(Handle::decode(&torch), Ok(Handle::Cuda(raw)));
+    }
+
+    #[test]
+    fn malformed_handles_say_what_is_wrong() {
+        let err = |b: &[u8]| Handle::decode(b).unwrap_err();
+        assert!(err(b"").contains("neither a CUDA IPC handle nor memres's"));
+        assert!(err(&[2, b'e', 0, 0]).contains("neither"));
+        let good = Handle::encode_granules(1, 4096, &[3, 4]);
+        assert!(err(&good[..good.len() - 2]).contains("cut short"));
+        assert!(err(&good[..good.len() - 4]).contains("with 1 descriptors"));
+        let mut future = good.clone();
+        future[8] = 2;
+        assert!(err(&future).contains("format 2"));
+        let none = Handle::encode_granules(1, 4096, &[]);
+        assert!(err(&none).contains("0 granules"));
+        let zero = Handle::encode_granules(1, 0, &[3]);
+        assert!(err(&zero).contains("of 0 bytes"));
+    }
+
+    #[test]
+    fn exported_descriptors_close_with_their_block() {
+        use std::io::Read;
+        let e = Exported::default();
+        e.release(0x1000); // nothing exported: the fast path
+        let (mut r, w) = std::io::pipe().expect("a pipe");
+        let w: OwnedFd = w.into();
+        let w2 = w.try_clone().expect("a second write end");
+        e.keep(0x1000, vec![w]);
+        e.keep(0x1000, vec![w2]);
+        assert_eq!(e.blocks.load(Ordering::Relaxed), 1);
+        e.release(0x2000);
+        assert_eq!(e.blocks.load(Ordering::Relaxed), 1);
+        e.release(0x1000);
+        assert_eq!(e.blocks.load(Ordering::Relaxed), 0);
+        // Every write end is closed: the read end sees the end of the pipe at once.
+        assert_eq!(r.read(&mut [0u8; 1]).expect("read"), 0);
+    }
+
+    #[test]
+    fn a_vanished_sender_is_an_error() {
+        let handle = Handle::Granules {
+            pid: u32::MAX - 1,
+            granule: 4096,
+            fds: vec![3],
+        };
+        let e = import(&handle, DeviceId::new(0)).unwrap_err();
+        assert!(e.to_string().contains("cannot be reached"), "{e}");
+    }
+
+    #[test]
+    fn closing_an_address_never_opened_is_refused() {
+        assert!(!Opened::default().close(0x1000));
+    }
+}

@@ -1,0 +1,255 @@
+//! Device memory shared between processes.
+//!
+//! Two ways, after how the memory was made:
+//!
+//! - **`cuMemAlloc` memory** ([`Cuda`](crate::Cuda), and the pools and arenas over it):
+//!   [`ipc_handle`] gives the 64-byte `cudaIpcMemHandle_t` of the whole allocation that
+//!   holds a pointer, and the pointer's offset in it; the other process opens it with
+//!   [`Imported::open_ipc_handle`]. This is the handle PyTorch's own allocator sends, so
+//!   either side may be PyTorch without memres.
+//! - **Virtual memory** ([`CudaVirtual`](crate::CudaVirtual) made with
+//!   [`ExportHandle::PosixFd`](crate::ExportHandle), the in-place pool's leaf): each granule
+//!   is its own physical allocation, exported as a POSIX file descriptor
+//!   ([`Virtual::export_fds`](crate::Virtual::export_fds)); the other process gets the
+//!   descriptors (over a Unix socket, or with `pidfd_getfd`) and maps them in order at a
+//!   new address with [`Imported::map_fds`].
+//!
+//! Either way the importer sees the same bytes at another address; ordering between the
+//! processes' work is the caller's (an IPC event, or a synchronize before sending).
+
+use std::ffi::c_void;
+use std::fmt;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use cudarc::driver::sys;
+
+use crate::device::{Context, DeviceId, bind, process_is_exiting};
+use crate::driver::{self, check, check_alloc, report};
+use crate::error::Error;
+
+/// Bytes in a `cudaIpcMemHandle_t` / `CUipcMemHandle`.
+pub const IPC_HANDLE_SIZE: usize = 64;
+
+/// The IPC handle of the `cuMemAlloc` allocation that holds device address `ptr`, and the
+/// offset of `ptr` in that allocation.
+///
+/// [`Error::Driver`] where the memory cannot be shared this way (virtual memory mapped
+/// with `cuMemMap`, memory of a driver pool); [`Error::NoDriver`] without libcuda.
+pub fn ipc_handle(ptr: usize) -> Result<([u8; IPC_HANDLE_SIZE], usize), Error> {
+    driver::init()?;
+    let _current = bind(Context::current()?)?;
+    let mut base = 0;
+    let mut size = 0;
+    // SAFETY: the call only reads the driver's record of `ptr`; the out-places are valid.
+    check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr as sys::CUdeviceptr) })?;
+    let mut handle = sys::CUipcMemHandle_st {
+        reserved: [0; IPC_HANDLE_SIZE],
+    };
+    // SAFETY: `handle` is a valid place; the driver checks `ptr` (an error for memory it
+    // cannot share).
+    check(unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr as sys::CUdeviceptr) })?;
+    Ok((handle.reserved.map(|b| b as u8), ptr - base as usize))
+}
+
+/// How an [`Imported`] range was made, for its release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// `cuIpcOpenMemHandle`: closed with `cuIpcCloseMemHandle`.
+    IpcHandle,
+    /// Granules mapped into a reservation of ours: unmapped and the reservation freed.
+    Mapped,
+}
+
+/// Device memory of another process, mapped into this one; unmapped when dropped (after
+/// waiting for the device, so no queued work still reads it).
+///
+/// ```no_run
+/// use memres::device::DeviceId;
+/// use memres::upstream::{Imported, ipc_handle};
+///
+/// # fn main() -> Result<(), memres::Error> {
+/// # let (handle, _offset) = ipc_handle(0)?;
+/// // `handle` came from another process's `ipc_handle`.
+/// let shared = Imported::open_ipc_handle(DeviceId::new(0), &handle)?;
+/// println!("{} bytes at {:#x}", shared.len(), shared.base());
+/// # Ok(())
+/// # }
+/// ```
+pub struct Imported {
+    ctx: Context,
+    base: usize,
+    /// Bytes mapped (from `base`).
+    len: usize,
+    /// Bytes of address space reserved (`Origin::Mapped`; else 0).
+    reserved: usize,
+    origin: Origin,
+}
+
+impl fmt::Debug for Imported {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Imported")
+            .field("device", &self.ctx.device())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .field("origin", &self.origin)
+            .finish()
+    }
+}
+
+impl Imported {
+    /// Opens another process's [`ipc_handle`] on `device` (the allocation's first byte is
+    /// at [`base`](Self::base); add the sender's offset). Peer access is enabled lazily
+    /// where the memory is on another device. A process opens a given allocation once:
+    /// opening it twice is a driver error.
+    pub fn open_ipc_handle(
+        device: DeviceId,
+        handle: &[u8; IPC_HANDLE_SIZE],
+    ) -> Result<Imported, Error> {
+        driver::init()?;
+        let ctx = Context::primary(device)?;
+        let _current = bind(ctx)?;
+        let raw = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut base = 0;
+        // SAFETY: `base` is a valid place; the driver validates the handle.
+        check(unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        let mut start = 0;
+        let mut len = 0;
+        // SAFETY: `base` is mapped (opened above); the out-places are valid.
+        let ranged = check(unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut len, base) });
+        let imported = Imported {
+            ctx,
+            base: base as usize,
+            len,
+            reserved: 0,
+            origin: Origin::IpcHandle,
+        };
+        ranged?; // dropping `imported` closes the handle
+        Ok(imported)
+    }
+
+    /// Maps physical allocations that another process exported as POSIX file descriptors
+    /// (each `granule` bytes, in order) into one new range on `device`, readable and
+    /// writable there. The descriptors stay the caller's (close them after: the mapping
+    /// keeps the memory). [`Error::InvalidArgument`] for no descriptors or a granule of 0.
+    pub fn map_fds(
+        device: DeviceId,
+        granule: usize,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Imported, Error> {
+        if fds.is_empty() || granule == 0 {
+            return Err(Error::invalid_argument(
+                "importing memory needs at least one descriptor of at least one byte",
+            ));
+        }
+        let len = granule
+            .checked_mul(fds.len())
+            .ok_or_else(|| Error::invalid_argument("the imported range overflows"))?;
+        driver::init()?;
+        let ctx = Context::primary(device)?;
+        let _current = bind(ctx)?;
+        let mut base = 0;
+        // SAFETY: reserves address space only; `base` is a valid place.
+        let reserved = unsafe { sys::cuMemAddressReserve(&mut base, len, granule, 0, 0) };
+        check_alloc(reserved, len)?;
+        // From here on, dropping `imported` unmaps what is mapped and frees the range.
+        let mut imported = Imported {
+            ctx,
+            base: base as usize,
+            len: 0,
+            reserved: len,
+            origin: Origin::Mapped,
+        };
+        for fd in fds {
+            let mut handle = 0;
+            // SAFETY: for POSIX descriptors the OS handle is the descriptor itself, passed
+            // as a pointer-sized integer; `handle` is a valid place.
+            check(unsafe {
+                sys::cuMemImportFromShareableHandle(
+                    &mut handle,
+                    fd.as_raw_fd() as usize as *mut c_void,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                )
+            })?;
+            let at = imported.base + imported.len;
+            // SAFETY: `at..at + granule` is unmapped space of our reservation; `handle` is
+            // live (imported above). A size mismatch is the driver's error.
+            let mapped =
+                check(unsafe { sys::cuMemMap(at as sys::CUdeviceptr, granule, 0, handle, 0) });
+            // SAFETY: our reference from the import; the mapping keeps the memory.
+            report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+            mapped?;
+            imported.len += granule;
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: device.ordinal(),
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range is mapped (above); one descriptor for our device.
+        check(unsafe { sys::cuMemSetAccess(base, len, &access, 1) })?;
+        Ok(imported)
+    }
+
+    /// The first address of the range in this process.
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: an import maps at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device it is mapped on.
+    pub fn device(&self) -> DeviceId {
+        self.ctx.device()
+    }
+}
+
+impl Drop for Imported {
+    fn drop(&mut self) {
+        if process_is_exiting() {
+            return;
+        }
+        let Ok(_current) = bind(self.ctx) else {
+            tracing::error!("memres: cannot release memory imported from another process");
+            return;
+        };
+        // Work queued on any stream may still use the range.
+        // SAFETY: the context is current; the call only waits.
+        report("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+        let base = self.base as sys::CUdeviceptr;
+        match self.origin {
+            // SAFETY: `base` was opened by `cuIpcOpenMemHandle` and is closed once, here.
+            Origin::IpcHandle => report("cuIpcCloseMemHandle", unsafe {
+                sys::cuIpcCloseMemHandle(base)
+            }),
+            Origin::Mapped => {
+                if self.len > 0 {
+                    // SAFETY: `base..base + len` is what we mapped; nothing uses it (the
+                    // owner dropped it and the device is idle).
+                    report("cuMemUnmap", unsafe { sys::cuMemUnmap(base, self.len) });
+                }
+                // SAFETY: our reservation, nothing mapped in it any more.
+                report("cuMemAddressFree", unsafe {
+                    sys::cuMemAddressFree(base, self.reserved)
+                });
+            }
+        }
+    }
+}
