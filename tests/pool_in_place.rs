@@ -56,6 +56,68 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
 }
 
 #[test]
+fn segments_are_the_mapped_runs_and_shrink_with_trim() {
+    let pool = in_place(PoolConfig::new());
+    let (base, _) = GrowInPlace::reservation(pool.upstream());
+    let s = StreamRef::host(1);
+    let big = layout(5 * G).unwrap();
+    let small = layout(G / 2).unwrap();
+    let pa = pool.allocate(s, big).unwrap();
+    let pb = pool.allocate(s, small).unwrap();
+    let segments = pool.segments();
+    assert_eq!(
+        segments.iter().map(|&(_, n)| n).sum::<usize>(),
+        pool.stats().pool_size
+    );
+    assert!(
+        segments
+            .iter()
+            .all(|&(a, n)| a >= base && a % G == 0 && n % G == 0)
+    );
+    let covers = |p: NonNull<u8>, n: usize| {
+        let p = p.as_ptr() as usize;
+        segments.iter().any(|&(a, len)| a <= p && p + n <= a + len)
+    };
+    assert!(covers(pa, 5 * G) && covers(pb, G / 2), "{segments:x?}");
+    // SAFETY: allocated above with its layout on `s`; unused afterwards.
+    unsafe { pool.deallocate(s, pa, big) };
+    pool.trim().unwrap();
+    let after = pool.segments();
+    assert_eq!(
+        after.iter().map(|&(_, n)| n).sum::<usize>(),
+        pool.stats().pool_size
+    );
+    assert!(
+        after.iter().map(|&(_, n)| n).sum::<usize>() < 5 * G,
+        "{after:x?}"
+    );
+    // SAFETY: as above.
+    unsafe { pool.deallocate(s, pb, small) };
+    pool.trim().unwrap();
+    assert_eq!(pool.segments(), vec![], "everything given back");
+}
+
+#[test]
+fn chunked_segments_are_the_chunks() {
+    let pool = Pool::new(HostHeap, PoolConfig::new().initial_size(1 << 20)).unwrap();
+    let s = StreamRef::host(1);
+    let l = layout(3 << 20).unwrap();
+    let p = pool.allocate(s, l).unwrap();
+    let segments = pool.segments();
+    assert_eq!(segments.len(), pool.stats().upstream_allocations);
+    assert_eq!(
+        segments.iter().map(|&(_, n)| n).sum::<usize>(),
+        pool.stats().pool_size
+    );
+    assert!(
+        segments.windows(2).all(|w| w[0].0 < w[1].0),
+        "address order"
+    );
+    // SAFETY: allocated above with its layout on `s`; unused afterwards.
+    unsafe { pool.deallocate(s, p, l) };
+}
+
+#[test]
 fn small_requests_go_to_the_lowest_free_memory() {
     const MIB: usize = 1 << 20;
     let leaf = HostVirtual::new(4 << 30, 2 * MIB).unwrap();

@@ -124,6 +124,13 @@ int memres_ipc_close(void* base);
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
 int memres_stats(int device, memres_stats_t* out);
 
+/* Writes the memory device's pool holds as {address, bytes} pairs in address order into
+   out (at most capacity pairs; out may be NULL with capacity 0) and returns how many
+   there are: the chunks of a chunked pool, the mapped runs of the in-place pool (what
+   PyTorch's memory snapshots draw as segments). 0 for a device memres never allocated on
+   and for stacks that keep no such list (arena, cuda_async, cuda). */
+int64_t memres_segments(int device, uint64_t* out, size_t capacity);
+
 /* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()). An
    arena holds one allocation of its whole size while it lives: trimming it frees nothing. */
 int memres_trim(int device);

@@ -298,69 +298,65 @@ pub unsafe extern "C" fn memres_ipc_export(
     capacity: usize,
     offset: *mut usize,
 ) -> i64 {
-    guarded(
-        i64::from,
-        || {
-            let size = usize::try_from(size)
-                .ok()
-                .filter(|&s| s > 0)
-                .ok_or_else(|| Failure::invalid(format!("memres_ipc_export: size {size}")))?;
-            if ptr.is_null() {
-                return Err(Failure::invalid("memres_ipc_export: the pointer is null"));
-            }
-            let stack = built_stack(device)?.ok_or_else(|| {
-                Failure::invalid(format!(
-                    "memres_ipc_export: memres never allocated on device {device}"
-                ))
-            })?;
-            if stack.may_hold(ptr as usize) == Some(false) {
-                return Err(Failure::invalid(format!(
-                    "memres_ipc_export: {ptr:p} is not memory of device {device}'s pool \
+    guarded(i64::from, || {
+        let size = usize::try_from(size)
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| Failure::invalid(format!("memres_ipc_export: size {size}")))?;
+        if ptr.is_null() {
+            return Err(Failure::invalid("memres_ipc_export: the pointer is null"));
+        }
+        let stack = built_stack(device)?.ok_or_else(|| {
+            Failure::invalid(format!(
+                "memres_ipc_export: memres never allocated on device {device}"
+            ))
+        })?;
+        if stack.may_hold(ptr as usize) == Some(false) {
+            return Err(Failure::invalid(format!(
+                "memres_ipc_export: {ptr:p} is not memory of device {device}'s pool \
                      (memres never handed it out)"
-                )));
-            }
-            let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
-            if out.is_null() {
-                // Only the length, which follows from the range.
-                let len = match stack.granules_of(ptr as usize, size) {
-                    Some(n) => Handle::granules_len(n),
-                    None => mr::upstream::IPC_HANDLE_SIZE,
-                };
-                return Ok(len as i64);
-            }
-            let (bytes, at, kept) = match stack.share(ptr as usize, size)? {
-                Shared::CudaHandle { handle, offset } => (handle.to_vec(), offset, None),
-                Shared::Granules {
-                    granule,
-                    offset,
-                    fds,
-                } => {
-                    use std::os::fd::AsRawFd;
-                    let numbers: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-                    let bytes =
-                        Handle::encode_granules(std::process::id(), granule as u64, &numbers);
-                    (bytes, offset, Some(fds))
-                }
+            )));
+        }
+        let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
+        if out.is_null() {
+            // Only the length, which follows from the range.
+            let len = match stack.granules_of(ptr as usize, size) {
+                Some(n) => Handle::granules_len(n),
+                None => mr::upstream::IPC_HANDLE_SIZE,
             };
-            if bytes.len() > capacity {
-                return Err(Failure::invalid(format!(
-                    "memres_ipc_export: the handle takes {} bytes; the buffer has {capacity}",
-                    bytes.len()
-                )));
+            return Ok(len as i64);
+        }
+        let (bytes, at, kept) = match stack.share(ptr as usize, size)? {
+            Shared::CudaHandle { handle, offset } => (handle.to_vec(), offset, None),
+            Shared::Granules {
+                granule,
+                offset,
+                fds,
+            } => {
+                use std::os::fd::AsRawFd;
+                let numbers: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+                let bytes = Handle::encode_granules(std::process::id(), granule as u64, &numbers);
+                (bytes, offset, Some(fds))
             }
-            // SAFETY: the caller's promise: `out` is valid for `capacity` bytes, which
-            // holds the handle (checked above).
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len()) };
-            if !offset.is_null() {
-                // SAFETY: the caller's promise about `offset`.
-                unsafe { offset.write(at) };
-            }
-            if let Some(fds) = kept {
-                stack.exported().keep(ptr as usize, fds);
-            }
-            Ok(bytes.len() as i64)
-        },
-    )
+        };
+        if bytes.len() > capacity {
+            return Err(Failure::invalid(format!(
+                "memres_ipc_export: the handle takes {} bytes; the buffer has {capacity}",
+                bytes.len()
+            )));
+        }
+        // SAFETY: the caller's promise: `out` is valid for `capacity` bytes, which
+        // holds the handle (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len()) };
+        if !offset.is_null() {
+            // SAFETY: the caller's promise about `offset`.
+            unsafe { offset.write(at) };
+        }
+        if let Some(fds) = kept {
+            stack.exported().keep(ptr as usize, fds);
+        }
+        Ok(bytes.len() as i64)
+    })
 }
 
 /// Maps on `device` the memory a handle of `memres_ipc_export` (in another process) names,

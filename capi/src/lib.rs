@@ -506,6 +506,36 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
     )
 }
 
+/// Writes the memory `device`'s pool holds as `[address, bytes]` pairs in address order
+/// into `out` (at most `capacity` pairs) and returns how many there are (call again with
+/// more room if that is larger): the chunks of a chunked pool, the mapped runs of the
+/// in-place pool (PyTorch's memory snapshots draw them as segments). 0 for a device
+/// memres never allocated on and for stacks that keep no such list (arena, cuda_async,
+/// cuda: each block is its own allocation there).
+///
+/// # Safety
+/// `out` is null (with `capacity` 0) or valid for `2 * capacity` `uint64_t`s.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segments(device: c_int, out: *mut u64, capacity: usize) -> i64 {
+    guarded(i64::from, || {
+        let Some(stack) = built_stack(device)? else {
+            return Ok(0);
+        };
+        if out.is_null() && capacity > 0 {
+            return Err(Failure::invalid("memres_segments: a null buffer with room"));
+        }
+        let segments = stack.segments();
+        for (i, &(addr, len)) in segments.iter().take(capacity).enumerate() {
+            // SAFETY: the caller's promise: `out` holds `2 * capacity` values; i < capacity.
+            unsafe {
+                out.add(2 * i).write(addr as u64);
+                out.add(2 * i + 1).write(len as u64);
+            }
+        }
+        Ok(segments.len() as i64)
+    })
+}
+
 /// Gives memory the pool of `device` holds but does not use back to the driver (what
 /// `torch.cuda.empty_cache()` users expect). 0 on success, also where there is nothing to
 /// trim. An `arena` stack gives nothing back: its memory is one allocation of its whole

@@ -250,6 +250,17 @@ impl DeviceStack {
         }
     }
 
+    /// The memory the stack's pool holds, as `(address, bytes)` in address order; empty
+    /// where the stack has no pool that keeps such a list (an arena, a driver pool, no
+    /// pool: every block is then its own allocation).
+    pub(crate) fn segments(&self) -> Vec<(usize, usize)> {
+        match &self.pool {
+            Some(PoolLayer::Pool(pool)) => pool.segments(),
+            Some(PoolLayer::Virtual(pool)) => pool.segments(),
+            Some(PoolLayer::Arena(_) | PoolLayer::Async(_)) | None => Vec::new(),
+        }
+    }
+
     /// The descriptors exported for live blocks.
     pub(crate) fn exported(&self) -> &Exported {
         &self.exported

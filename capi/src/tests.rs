@@ -373,6 +373,16 @@ fn live_bytes_child() {
         "{}",
         last_error()
     );
+    let mut pairs = [0u64; 2 * 64];
+    // SAFETY: `pairs` holds 64 pairs.
+    let n = unsafe { memres_segments(0, pairs.as_mut_ptr(), 64) };
+    assert!((1..=64).contains(&n), "{n}: {}", last_error());
+    let held: u64 = pairs.chunks(2).take(n as usize).map(|p| p[1]).sum();
+    assert_eq!(
+        held,
+        stats(0).pool_size,
+        "the segments are what the pool holds"
+    );
     ipc_in_one_process();
     println!("ipc: the same bytes through the imported range");
 }
@@ -633,6 +643,7 @@ fn rust_prototypes() -> Vec<String> {
             "*const c_char" => "const char*",
             "*const c_void" => "const void*",
             "*mut usize" => "size_t*",
+            "*mut u64" => "uint64_t*",
             "*mut *mut c_void" => "void**",
             "*mut memres_stats_t" => "memres_stats_t*",
             "" => "void",
@@ -697,7 +708,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 16, "{rust:#?}");
+    assert_eq!(rust.len(), 17, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 

@@ -30,6 +30,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -73,6 +74,79 @@ bool is_out_of_memory(const std::string& why) {
   return why.rfind("out of memory", 0) == 0;
 }
 
+using c10::CachingDeviceAllocator::RecordContext;
+using c10::CachingDeviceAllocator::TraceEntry;
+
+// torch.cuda.memory._record_memory_history: the allocation and free events of every
+// device in a ring of max_entries each, with the stacks torch's recorder gathers, and the
+// stack of each live block's allocation (what _snapshot() draws). Off, it costs one
+// relaxed load per call.
+struct History {
+  std::atomic<bool> on{false};
+  std::mutex mutex;
+  c10::cuda::CUDACachingAllocator::CreateContextFn recorder = nullptr;
+  RecordContext when = RecordContext::NEVER;
+  size_t max_entries = 0;
+  std::array<std::vector<TraceEntry>, kMaxDevices> traces;
+  std::array<size_t, kMaxDevices> next{};  // where the ring writes next, once full
+  std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts;
+
+  void record(TraceEntry::Action action, int device, void* ptr, size_t size, cudaStream_t stream) {
+    if (device < 0 || device >= kMaxDevices) {
+      return;
+    }
+    std::shared_ptr<c10::GatheredContext> context;
+    RecordContext wanted = action == TraceEntry::ALLOC ? RecordContext::STATE : RecordContext::ALL;
+    if (recorder != nullptr && when >= wanted) {
+      context = recorder();  // outside the lock: it may take the GIL
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!on.load(std::memory_order_relaxed)) {
+      return;
+    }
+    if (action == TraceEntry::ALLOC && when >= RecordContext::STATE) {
+      contexts[ptr] = context;
+    } else if (action == TraceEntry::FREE_COMPLETED) {
+      contexts.erase(ptr);
+    }
+    auto& ring = traces[device];
+    TraceEntry entry(
+        action,
+        static_cast<c10::DeviceIndex>(device),
+        reinterpret_cast<size_t>(ptr),
+        size,
+        stream,
+        {0, 0},
+        c10::getApproximateTime(),
+        when >= RecordContext::ALLOC ? context : nullptr);
+    if (max_entries == 0) {
+      return;
+    }
+    if (ring.size() < max_entries) {
+      ring.push_back(std::move(entry));
+    } else {
+      ring[next[device]] = std::move(entry);
+      next[device] = (next[device] + 1) % max_entries;
+    }
+  }
+
+  // The ring of `device` oldest first.
+  std::vector<TraceEntry> trace(int device) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto& ring = traces[device];
+    std::vector<TraceEntry> out(ring.begin() + next[device], ring.end());
+    out.insert(out.end(), ring.begin(), ring.begin() + next[device]);
+    return out;
+  }
+
+  std::shared_ptr<c10::GatheredContext> context_of(void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = contexts.find(ptr);
+    return it == contexts.end() ? nullptr : it->second;
+  }
+};
+History g_history;
+
 void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   bool routed = false;
   void* ptr = routed_to_private_pool(size, device, stream, &routed);
@@ -99,9 +173,21 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   if (ptr == nullptr && size != 0) {
     if (is_out_of_memory(why) && device >= 0 && device < 64) {
       g_ooms[device].fetch_add(1, std::memory_order_relaxed);
+      if (g_history.on.load(std::memory_order_relaxed)) {
+        size_t free_bytes = 0;
+        size_t total_bytes = 0;
+        if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+          (void)cudaGetLastError();
+        }
+        // torch's OOM entry carries the device's free bytes as its address.
+        g_history.record(TraceEntry::OOM, device, reinterpret_cast<void*>(free_bytes), size, stream);
+      }
     }
     TORCH_CHECK_WITH(OutOfMemoryError, !is_out_of_memory(why), "memres: ", why);
     TORCH_CHECK(false, "memres: ", why);
+  }
+  if (g_history.on.load(std::memory_order_relaxed) && ptr != nullptr) {
+    g_history.record(TraceEntry::ALLOC, device, ptr, size, stream);
   }
   return ptr;
 }
@@ -593,6 +679,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void raw_delete(void* ptr) override {
+    if (g_history.on.load(std::memory_order_relaxed) && ptr != nullptr) {
+      trace_free(ptr);
+    }
     if (private_count_.load(std::memory_order_acquire) != 0) {
       std::unique_lock<std::mutex> lock(pools_mutex_);
       auto it = private_blocks_.find(ptr);
@@ -624,6 +713,141 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   std::string name() override {
     return "memres";
+  }
+
+  // ---- memory history and snapshots ----
+
+  void recordHistory(
+      bool enabled,
+      c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+      size_t alloc_trace_max_entries,
+      RecordContext when,
+      bool clear_history,
+      const std::vector<std::string>& /*skip_actions*/) override {
+    std::lock_guard<std::mutex> lock(g_history.mutex);
+    g_history.recorder = context_recorder;
+    g_history.when = enabled ? when : RecordContext::NEVER;
+    if (clear_history || g_history.max_entries != alloc_trace_max_entries) {
+      for (int d = 0; d < kMaxDevices; ++d) {
+        g_history.traces[d].clear();
+        g_history.next[d] = 0;
+      }
+    }
+    g_history.max_entries = alloc_trace_max_entries;
+    if (!enabled) {
+      g_history.contexts.clear();
+    }
+    g_history.on.store(enabled, std::memory_order_relaxed);
+  }
+
+  bool isHistoryEnabled() override {
+    return g_history.on.load(std::memory_order_relaxed);
+  }
+
+  // torch.cuda.memory._snapshot() / memory_snapshot(): memres's pool memory as segments
+  // (the chunks of a chunked pool, the mapped runs of the in-place pool; every live block
+  // its own segment where the stack keeps no such list), the live blocks in them as
+  // allocated blocks (a CUDA graph pool's segment counts as one), the rest as free; and
+  // the recorded history.
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
+      c10::cuda::MempoolId_t /*mempool_id*/,
+      bool include_traces) override {
+    struct Live {
+      size_t size;
+      cudaStream_t stream;
+      std::shared_ptr<c10::GatheredContext> context;
+    };
+    std::array<std::map<size_t, Live>, kMaxDevices> live;
+    {
+      std::lock_guard<std::mutex> pools(pools_mutex_);
+      std::lock_guard<std::mutex> meta(allocator_mutex_);
+      for (const auto& [ptr, m] : allocation_metadata_) {
+        if (private_blocks_.count(ptr) == 0 && m.device_idx >= 0 && m.device_idx < kMaxDevices) {
+          live[m.device_idx][reinterpret_cast<size_t>(ptr)] = Live{m.size, m.stream, nullptr};
+        }
+      }
+      for (const auto& [id, pool] : pools_) {
+        for (const auto& seg : pool.segments) {
+          live[pool.device][reinterpret_cast<size_t>(seg->base)] = Live{seg->size, seg->stream, nullptr};
+        }
+      }
+    }
+    c10::cuda::CUDACachingAllocator::SnapshotInfo out;
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+      (void)cudaGetLastError();
+      devices = 0;
+    }
+    for (int device = 0; device < std::min(devices, kMaxDevices); ++device) {
+      auto& blocks = live[device];
+      for (auto& [addr, block] : blocks) {
+        block.context = g_history.context_of(reinterpret_cast<void*>(addr));
+      }
+      int64_t n = memres_segments(device, nullptr, 0);
+      TORCH_CHECK(n >= 0, "memres: ", memres_last_error());
+      std::vector<uint64_t> pairs(2 * static_cast<size_t>(n));
+      if (n > 0) {
+        n = std::min<int64_t>(n, memres_segments(device, pairs.data(), static_cast<size_t>(n)));
+      }
+      auto block_info = [](size_t size, bool allocated, std::shared_ptr<c10::GatheredContext> ctx) {
+        c10::CachingDeviceAllocator::BlockInfo b;
+        b.size = size;
+        b.requested_size = allocated ? size : 0;
+        b.allocated = allocated;
+        b.active = allocated;
+        b.context_when_allocated = std::move(ctx);
+        return b;
+      };
+      auto segment = [&](size_t addr, size_t size) {
+        c10::CachingDeviceAllocator::SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(device);
+        seg.address = addr;
+        seg.total_size = size;
+        seg.is_large = true;
+        return seg;
+      };
+      for (int64_t i = 0; i < n; ++i) {
+        size_t start = pairs[2 * i];
+        size_t end = start + pairs[2 * i + 1];
+        auto seg = segment(start, end - start);
+        size_t at = start;
+        for (auto it = blocks.lower_bound(start); it != blocks.end() && it->first < end;) {
+          if (it->first > at) {
+            seg.blocks.push_back(block_info(it->first - at, false, nullptr));
+          }
+          size_t size = std::min(it->second.size, end - it->first);
+          seg.blocks.push_back(block_info(size, true, it->second.context));
+          seg.allocated_size += size;
+          seg.active_size += size;
+          seg.requested_size += size;
+          if (seg.stream == nullptr) {
+            seg.stream = it->second.stream;
+          }
+          at = it->first + size;
+          it = blocks.erase(it);
+        }
+        if (at < end) {
+          seg.blocks.push_back(block_info(end - at, false, nullptr));
+        }
+        out.segments.push_back(std::move(seg));
+      }
+      // Blocks outside any listed segment: each is its own allocation.
+      for (const auto& [addr, block] : blocks) {
+        auto seg = segment(addr, block.size);
+        seg.stream = block.stream;
+        seg.allocated_size = seg.active_size = seg.requested_size = block.size;
+        seg.blocks.push_back(block_info(block.size, true, block.context));
+        out.segments.push_back(std::move(seg));
+      }
+      out.device_traces.push_back(
+          include_traces ? g_history.trace(device) : std::vector<TraceEntry>{});
+    }
+    std::sort(out.segments.begin(), out.segments.end(), [](const auto& a, const auto& b) {
+      return std::make_pair(a.device, a.address) < std::make_pair(b.device, b.address);
+    });
+    out.config_metadata.expandable_segments = true;
+    out.config_metadata.last_allocator_settings = "memres";
+    return out;
   }
 
   // ---- IPC (torch.multiprocessing's CUDA tensors) ----
@@ -809,6 +1033,26 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
  private:
+  // The history's free events of a block torch is freeing (memres frees at once, or holds
+  // the block for recorded streams without telling: both events are written here).
+  void trace_free(void* ptr) {
+    size_t size = 0;
+    int device = -1;
+    cudaStream_t stream = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(allocator_mutex_);
+      auto it = allocation_metadata_.find(ptr);
+      if (it == allocation_metadata_.end()) {
+        return;
+      }
+      size = it->second.size;
+      device = it->second.device_idx;
+      stream = it->second.stream;
+    }
+    g_history.record(TraceEntry::FREE_REQUESTED, device, ptr, size, stream);
+    g_history.record(TraceEntry::FREE_COMPLETED, device, ptr, size, stream);
+  }
+
   // Under pools_mutex_: whether a capture routes to a pool of `device` now.
   bool is_capturing(c10::DeviceIndex device) const {
     return device < 0 || device >= kMaxDevices || !captures_[device].empty();

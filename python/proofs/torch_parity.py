@@ -28,6 +28,10 @@ Checks:
   pool_record_stream - the record_stream row inside torch.cuda.use_mem_pool (a private
                   pool): 20 trials, wrong ones counted.
   compile       - torch.compile(mode="reduce-overhead") on a small MLP matches eager.
+  snapshot      - torch.cuda.memory._record_memory_history, two tensors, one freed,
+                  _snapshot(): the live tensor is an allocated block of a segment, the
+                  history has its allocation with this file's stack and the free, the
+                  segments add up to memory_reserved(), the visualiser's plots render.
   ipc           - two CUDA tensors (one a view at an offset) sent to another process with
                   torch.multiprocessing, receiver on the same allocator: it reads both and
                   writes one, which the sender then reads.
@@ -41,7 +45,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "ipc", "ipc_pool"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool"]
 MIB = 1 << 20
 
 
@@ -261,6 +265,46 @@ def compile_():
                 got = compiled(x)
             worst = max(worst, (got - model(x)).abs().max().item())
     return {"ok": worst < 1e-4, "max_diff": worst}
+
+
+def snapshot():
+    import torch
+    from torch.cuda import _memory_viz
+
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    y = torch.empty(MIB, dtype=torch.uint8, device="cuda")
+    y_ptr = y.data_ptr()
+    del y
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+    x_block = [b for b in blocks if b.get("address") == x.data_ptr() and b["state"] == "active_allocated"]
+    trace = snap["device_traces"][0]
+    alloc_x = [e for e in trace if e["action"] == "alloc" and e["addr"] == x.data_ptr()]
+    freed_y = [e for e in trace if e["action"] == "free_completed" and e["addr"] == y_ptr]
+    here = lambda e: any("torch_parity" in f.get("filename", "") for f in e.get("frames", []))
+    held = sum(seg["total_size"] for seg in snap["segments"])
+    segment_html = _memory_viz.segment_plot(snap)
+    trace_html = _memory_viz.trace_plot(snap)
+    ok = (
+        len(x_block) == 1
+        and x_block[0]["size"] >= 64 * MIB
+        and len(alloc_x) == 1
+        and here(alloc_x[0])
+        and len(freed_y) == 1
+        and held == torch.cuda.memory_reserved()
+        and len(segment_html) > 1000
+        and len(trace_html) > 1000
+    )
+    return {
+        "ok": ok,
+        "segments": len(snap["segments"]),
+        "x_block": len(x_block),
+        "alloc_with_stack": bool(alloc_x and here(alloc_x[0])),
+        "free_seen": len(freed_y),
+        "held_is_reserved": held == torch.cuda.memory_reserved(),
+    }
 
 
 def _ipc_child(queue, done, use_memres):

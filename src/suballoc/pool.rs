@@ -542,6 +542,42 @@ impl<U: Resource> Pool<U> {
         growth.peak = growth.size;
     }
 
+    /// The memory the pool holds from its upstream, as `(address, bytes)` in address
+    /// order: its chunks, or for a pool that grows in place the mapped runs of its
+    /// reservation (what PyTorch's memory snapshots call segments).
+    ///
+    /// ```
+    /// use memres::{HostHeap, Pool, PoolConfig};
+    ///
+    /// let pool = Pool::new(HostHeap, PoolConfig::new().initial_size(1 << 20))?;
+    /// let segments = pool.segments();
+    /// assert_eq!(segments.iter().map(|&(_, n)| n).sum::<usize>(), pool.stats().pool_size);
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn segments(&self) -> Vec<(usize, usize)> {
+        let growth = self.lock_growth();
+        let mut out: Vec<(usize, usize)> = match &self.space {
+            Some(space) => growth
+                .mapped
+                .mapped_runs()
+                .into_iter()
+                .map(|(first, n)| {
+                    (
+                        space.base + first * space.granularity,
+                        n * space.granularity,
+                    )
+                })
+                .collect(),
+            None => growth
+                .chunks
+                .iter()
+                .map(|c| (c.addr, c.layout.size()))
+                .collect(),
+        };
+        out.sort_unstable();
+        out
+    }
+
     /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
     /// concurrent use it is exact for each list but not one instant.
     pub fn stats(&self) -> PoolStats {
