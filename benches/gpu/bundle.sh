@@ -31,7 +31,10 @@ for line in sys.stdin:
     target = msg["target"]
     kind = target["kind"][0]
     if msg["profile"].get("test"):
-        folder, name = "tests", target["name"] + ("-lib" if kind == "lib" else "")
+        # A library target is named after its package: the C ABI library is called
+        # `memres` as well, and would overwrite the crate library tests.
+        package = msg["package_id"].split("#")[-1].split("@")[0].split("/")[-1]
+        folder, name = "tests", (package + "-lib" if kind.endswith("lib") else target["name"])
     elif kind in ("bench", "example"):
         folder, name = kind + "s" if kind == "example" else "benches", target["name"]
     else:

@@ -69,9 +69,12 @@ pub(crate) enum Handle {
 }
 
 impl Handle {
-    /// The length of a granules handle of `n` granules.
+    /// The length of a granules handle of `n` granules: never 64 bytes, the length of a
+    /// CUDA IPC handle (which PyTorch's own allocator would try to open): 4 bytes of
+    /// padding go after 9 descriptors.
     pub(crate) fn granules_len(n: usize) -> usize {
-        HEADER + 4 * n
+        let len = HEADER + 4 * n;
+        if len == IPC_HANDLE_SIZE { len + 4 } else { len }
     }
 
     /// The bytes of a granules handle.
@@ -85,23 +88,28 @@ impl Handle {
         for fd in fds {
             out.extend_from_slice(&fd.to_le_bytes());
         }
+        out.resize(Handle::granules_len(fds.len()), 0);
         out
     }
 
     /// Reads a handle; a message saying what is wrong with one it cannot read.
     pub(crate) fn decode(bytes: &[u8]) -> Result<Handle, String> {
+        if bytes.len() >= HEADER && &bytes[..8] == MAGIC {
+            return Handle::decode_granules(bytes);
+        }
         if bytes.len() == IPC_HANDLE_SIZE {
             return Ok(Handle::Cuda(bytes.try_into().expect("64 bytes")));
         }
         if bytes.len() == IPC_HANDLE_SIZE + 2 && bytes[..2] == [2, b'c'] {
             return Ok(Handle::Cuda(bytes[2..].try_into().expect("64 bytes")));
         }
-        if bytes.len() < HEADER || &bytes[..8] != MAGIC {
-            return Err(format!(
-                "a {}-byte handle that is neither a CUDA IPC handle nor memres's",
-                bytes.len()
-            ));
-        }
+        Err(format!(
+            "a {}-byte handle that is neither a CUDA IPC handle nor memres's",
+            bytes.len()
+        ))
+    }
+
+    fn decode_granules(bytes: &[u8]) -> Result<Handle, String> {
         let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
         let version = u32_at(8);
         if version != VERSION {
@@ -112,17 +120,22 @@ impl Handle {
         let pid = u32_at(12);
         let granule = u64::from_le_bytes(bytes[16..24].try_into().expect("8"));
         let n = u32_at(24) as usize;
-        let fds: Vec<i32> = bytes[HEADER..]
-            .chunks(4)
-            .map(|c| c.try_into().map(i32::from_le_bytes))
-            .collect::<Result<_, _>>()
-            .map_err(|_| "a memres handle cut short".to_string())?;
-        if fds.len() != n || n == 0 || granule == 0 {
+        if n == 0 || granule == 0 {
             return Err(format!(
-                "a memres handle of {n} granules of {granule} bytes with {} descriptors",
-                fds.len()
+                "a memres handle of {n} granules of {granule} bytes"
             ));
         }
+        if bytes.len() != Handle::granules_len(n) {
+            return Err(format!(
+                "a memres handle of {n} granules is {} bytes, not {}: cut short or padded",
+                Handle::granules_len(n),
+                bytes.len()
+            ));
+        }
+        let fds: Vec<i32> = bytes[HEADER..HEADER + 4 * n]
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
         Ok(Handle::Granules { pid, granule, fds })
     }
 }
@@ -437,6 +450,24 @@ mod tests {
     }
 
     #[test]
+    fn no_granules_handle_has_the_length_of_a_cuda_handle() {
+        for n in 1..40 {
+            let fds: Vec<i32> = (0..n).collect();
+            let bytes = Handle::encode_granules(7, 1 << 21, &fds);
+            assert_ne!(bytes.len(), IPC_HANDLE_SIZE, "{n} granules");
+            assert_eq!(bytes.len(), Handle::granules_len(n as usize));
+            assert_eq!(
+                Handle::decode(&bytes),
+                Ok(Handle::Granules {
+                    pid: 7,
+                    granule: 1 << 21,
+                    fds
+                })
+            );
+        }
+    }
+
+    #[test]
     fn cuda_handles_read_in_both_forms() {
         let raw = [9u8; IPC_HANDLE_SIZE];
         assert_eq!(Handle::decode(&raw), Ok(Handle::Cuda(raw)));
@@ -452,7 +483,10 @@ mod tests {
         assert!(err(&[2, b'e', 0, 0]).contains("neither"));
         let good = Handle::encode_granules(1, 4096, &[3, 4]);
         assert!(err(&good[..good.len() - 2]).contains("cut short"));
-        assert!(err(&good[..good.len() - 4]).contains("with 1 descriptors"));
+        assert!(err(&good[..good.len() - 4]).contains("cut short"));
+        let mut long = good.clone();
+        long.push(0);
+        assert!(err(&long).contains("padded"));
         let mut future = good.clone();
         future[8] = 2;
         assert!(err(&future).contains("format 2"));

@@ -407,7 +407,11 @@ fn ipc_in_one_process() {
             std::ptr::null_mut(),
         )
     };
-    assert!(len > 64, "a granules handle: {len} ({})", last_error());
+    assert!(
+        len > 0 && len != 64,
+        "a granules handle: {len} ({})",
+        last_error()
+    );
     let mut handle = vec![0u8; len as usize];
     let mut offset = usize::MAX;
     // SAFETY: a buffer one byte too small: refused, nothing written or exported.

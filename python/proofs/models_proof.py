@@ -1,14 +1,17 @@
 """Real models trained under three allocators: losses, step time, memory held and live.
 
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
-    python3 python/proofs/models_proof.py [--models gpt2,resnet50] [--steps 40] [--rounds 2]
+    python3 python/proofs/models_proof.py [--models gpt2,resnet50,gpt2_infer] [--steps 40] [--rounds 2]
                                    [--no-deterministic] [--profile]
 
 Models, built from their configs (random weights, no download):
   gpt2     - transformers' GPT-2 small, bf16 autocast, AdamW; batch 4..16 and sequence
              length 128..1024 drawn per step from a seeded generator.
+  gpt2_infer - GPT-2 small inference (eval, no_grad, bf16 autocast): batch 1..32 and
+             sequence length 16..1024 drawn per step.
   resnet50 - torchvision's ResNet-50, AMP (fp16 autocast with a GradScaler), channels-last,
-             SGD with momentum; batch 16..128 of 224x224 images drawn per step.
+             SGD with momentum; batch 16..128 of square images of side 160..288 (step
+             32) drawn per step.
 Allocators, one process each: PyTorch's caching allocator ("torch"), the same with
 expandable_segments:True ("expandable"), and memres's default stack ("memres": the
 in-place pool on CUDA virtual memory, installed by `memres.setup()`). memres's peak
@@ -18,7 +21,9 @@ live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
 Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
 (steps after the third) per run, best run per allocator; peak device memory in use
 (cudaMemGetInfo after every step, less what was in use before CUDA work began) against the
-allocator's own peak live bytes. Then one deterministic run per allocator
+allocator's own peak live bytes; and the allocator's own peak held bytes (memres's pool
+peak, PyTorch's max_memory_reserved) against the same, which leaves out the memory CUDA
+libraries take outside the allocator. Then one deterministic run per allocator
 (torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN
 deterministic, no cuDNN benchmark): its losses must equal torch's bit for bit, since the
 allocator changes no kernel's arithmetic. The timing runs' losses are compared within a
@@ -67,6 +72,21 @@ def build(name, dev, torch, scope=no_scope):
             return loss
 
         return step
+    if name == "gpt2_infer":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()
+        gen = torch.Generator().manual_seed(42)
+
+        def step():
+            batch = int(torch.randint(1, 33, (1,), generator=gen))
+            seq = int(torch.randint(16, 1025, (1,), generator=gen))
+            ids = torch.randint(0, 50257, (batch, seq), generator=gen).to(dev)
+            with scope("forward"), torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(ids).logits
+            return logits[:, -1].float().mean()
+
+        return step
     if name == "resnet50":
         import torchvision
 
@@ -78,7 +98,8 @@ def build(name, dev, torch, scope=no_scope):
 
         def step():
             batch = int(torch.randint(16, 129, (1,), generator=gen))
-            x = torch.randn(batch, 3, 224, 224, generator=gen).to(dev)
+            side = 160 + 32 * int(torch.randint(0, 5, (1,), generator=gen))  # 160..288
+            x = torch.randn(batch, 3, side, side, generator=gen).to(dev)
             x = x.contiguous(memory_format=torch.channels_last)
             y = torch.randint(0, 1000, (batch,), generator=gen).to(dev)
             with scope("forward"), torch.autocast("cuda", dtype=torch.float16):
@@ -128,7 +149,7 @@ def run(model_name, mode, steps, deterministic, profiled=False):
     if mode == "memres":
         s = memres.stats(0)
         peak_live = s["peak_live_bytes"]
-        extra = {"pool_size_end": s.get("pool_size")}
+        extra = {"pool_size_end": s.get("pool_size"), "pool_peak": s.get("pool_peak_size")}
         if profiled:
             report = memres.profile_report()
             print(report, file=sys.stderr)
@@ -172,7 +193,7 @@ def child(model, mode, steps, deterministic, profiled=False):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--models", default="gpt2,resnet50")
+    p.add_argument("--models", default="gpt2,resnet50,gpt2_infer")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-deterministic", action="store_true")
@@ -203,8 +224,11 @@ def main():
                 "step_times_s": [r["median_step_s"] for r in runs[mode]],
                 "max_loss_diff_vs_torch": diff,
             }
+            held = max(r.get("pool_peak") or r.get("reserved_peak") or 0 for r in runs[mode])
+            summary[f"{model}/{mode}"]["allocator_peak_held"] = held
             print(
-                f"{model:9s} {mode:11s} peak used {peak_used / 2**30:7.3f} GiB  "
+                f"{model:9s} {mode:11s} allocator held/live {held / peak_live:.3f}  "
+                f"peak used {peak_used / 2**30:7.3f} GiB  "
                 f"peak live {peak_live / 2**30:7.3f} GiB  ratio {peak_used / peak_live:.3f}  "
                 f"median step {best['median_step_s'] * 1e3:8.2f} ms ({slower:+.1%} vs torch)  "
                 f"max |loss - torch's| {diff:.3g}"

@@ -142,6 +142,27 @@ struct Space<U> {
     granularity: usize,
     map: fn(&U, usize, usize) -> Result<(), Error>,
     unmap: unsafe fn(&U, usize, usize),
+    keep_unmapped: fn(&U, bool),
+}
+
+/// Keeps the physical memory of granules unmapped while it lives for the maps that follow
+/// (see [`GrowInPlace::keep_unmapped`]); gives the rest back when dropped.
+struct KeepUnmapped<'a, U> {
+    space: &'a Space<U>,
+    upstream: &'a U,
+}
+
+impl<'a, U> KeepUnmapped<'a, U> {
+    fn new(space: &'a Space<U>, upstream: &'a U) -> Self {
+        (space.keep_unmapped)(upstream, true);
+        KeepUnmapped { space, upstream }
+    }
+}
+
+impl<U> Drop for KeepUnmapped<'_, U> {
+    fn drop(&mut self) {
+        (self.space.keep_unmapped)(self.upstream, false);
+    }
 }
 
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
@@ -492,6 +513,7 @@ impl<U: Resource> Pool<U> {
                 granularity,
                 map: <U as GrowInPlace>::map_at,
                 unmap: <U as GrowInPlace>::unmap_at,
+                keep_unmapped: <U as GrowInPlace>::keep_unmapped,
             }),
             release_pending: AtomicBool::new(false),
             held: Deferred::default(),
@@ -1119,10 +1141,13 @@ impl<U: Resource> Pool<U> {
             .iter()
             .sum::<usize>();
         let surplus = s.free_bytes() - joined;
-        if may_wait && surplus >= best.len + g {
+        // Granules unmapped here are mapped again at the growth site: their memory moves
+        // (a remap) rather than being given back and allocated anew.
+        let _keep = KeepUnmapped::new(space, &self.upstream);
+        if may_wait && surplus >= g {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
             if waited.is_ok() {
-                let keep = s.free_bytes() - best.len;
+                let keep = s.free_bytes().saturating_sub(best.len);
                 let spare = best.joins.map(|b| b.map_or(usize::MAX, |b| b.addr));
                 if self.unmap_in(space, growth, &mut s, keep, spare) > 0 {
                     // Unmapping made new holes: a better site may be among them.

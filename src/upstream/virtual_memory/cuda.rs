@@ -75,6 +75,9 @@ pub struct CudaPhysical {
     prop: sys::CUmemAllocationProp,
     access: Vec<sys::CUmemAccessDesc>,
     export: ExportHandle,
+    /// While [`Backend::keep_unmapped`] is on: the allocations of granules unmapped since,
+    /// each with our reference, for `map` to use before creating new ones.
+    spare: std::sync::Mutex<Option<Vec<sys::CUmemGenericAllocationHandle>>>,
 }
 
 // SAFETY: the raw pointer inside `prop` (`win32HandleMetaData`) is always null; the rest
@@ -267,12 +270,31 @@ impl CudaPhysical {
             prop,
             access,
             export: config.export,
+            spare: std::sync::Mutex::new(None),
         })
     }
 
-    /// Unmaps granules `addr..addr + len` one by one (each is its own mapping).
+    /// The spare allocations, locked.
+    fn spare(&self) -> std::sync::MutexGuard<'_, Option<Vec<sys::CUmemGenericAllocationHandle>>> {
+        self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Unmaps granules `addr..addr + len` one by one (each is its own mapping), keeping
+    /// their allocations as spares while that is on.
     fn unmap_granules(&self, addr: usize, len: usize) {
+        let mut spare = self.spare();
         for a in (addr..addr + len).step_by(self.granularity) {
+            if let Some(kept) = spare.as_mut() {
+                let mut handle = 0;
+                // SAFETY: `a` starts a mapped granule (the callers' promise), which has an
+                // allocation; retaining it gives us a reference, kept in `kept`.
+                let retained = unsafe {
+                    sys::cuMemRetainAllocationHandle(&mut handle, std::ptr::without_provenance_mut(a))
+                };
+                if retained == CUresult::CUDA_SUCCESS {
+                    kept.push(handle);
+                }
+            }
             // SAFETY: `a` starts a mapped granule (the callers' promise); unmapping drops
             // the last reference to its memory.
             report("cuMemUnmap", unsafe {
@@ -299,11 +321,18 @@ impl Backend for CudaPhysical {
         let mut done = 0;
         let result = (|| {
             while done < len {
-                let mut handle = 0;
-                // SAFETY: `prop` describes pinned device memory of our device; the size is
-                // one granule; `handle` is a valid place.
-                let created = unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) };
-                check_alloc(created, len)?;
+                let spare = self.spare().as_mut().and_then(Vec::pop);
+                let handle = match spare {
+                    Some(handle) => handle,
+                    None => {
+                        let mut handle = 0;
+                        // SAFETY: `prop` describes pinned device memory of our device; the
+                        // size is one granule; `handle` is a valid place.
+                        let created = unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) };
+                        check_alloc(created, len)?;
+                        handle
+                    }
+                };
                 // SAFETY: `addr + done` is an unmapped granule of our reservation (the
                 // caller's promise) and `handle` a live allocation of one granule.
                 let mapped =
@@ -347,10 +376,27 @@ impl Backend for CudaPhysical {
     fn wait(&self, stream: StreamRef<'_>) -> Result<(), Error> {
         stream.synchronize_in(self.ctx)
     }
+
+    fn keep_unmapped(&self, keep: bool) {
+        let left = std::mem::replace(&mut *self.spare(), keep.then(Vec::new));
+        let left = left.unwrap_or_default();
+        if left.is_empty() || process_is_exiting() {
+            return;
+        }
+        let Ok(_current) = bind(self.ctx) else {
+            tracing::error!("memres: CudaVirtual: cannot give spare granules back");
+            return;
+        };
+        for handle in left {
+            // SAFETY: our reference to an allocation no mapping uses any more.
+            report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+        }
+    }
 }
 
 impl Drop for CudaPhysical {
     fn drop(&mut self) {
+        self.keep_unmapped(false);
         if process_is_exiting() {
             return;
         }

@@ -66,6 +66,14 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
 
     /// Waits until work on `stream` is done (before memory freed on it is unmapped).
     fn wait(&self, stream: StreamRef<'_>) -> Result<(), Error>;
+
+    /// While `keep` is on, [`unmap`](Self::unmap) keeps the physical memory it takes away
+    /// for the next [`map`](Self::map)s to use again (moving memory to another address
+    /// costs a remap, not a new allocation); turning it off gives back what no map took.
+    /// The default keeps nothing.
+    fn keep_unmapped(&self, keep: bool) {
+        let _ = keep;
+    }
 }
 
 /// A resource whose memory lies in one reserved address range that it maps a granule at
@@ -95,6 +103,14 @@ pub unsafe trait GrowInPlace: Resource {
     /// The range was mapped by this resource (through `map_at` or `allocate`) and nothing
     /// uses it any more, on the host or on any stream.
     unsafe fn unmap_at(&self, addr: usize, len: usize);
+
+    /// While `keep` is on, memory [`unmap_at`](Self::unmap_at) takes away is kept for the
+    /// next [`map_at`](Self::map_at)s (a pool that moves free memory to where a request
+    /// fits remaps it instead of allocating anew); turning it off gives back the rest.
+    /// The default keeps nothing.
+    fn keep_unmapped(&self, keep: bool) {
+        let _ = keep;
+    }
 }
 
 /// A leaf that hands out whole granules of one reserved range ([`CudaVirtual`],
@@ -323,5 +339,9 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
         // SAFETY: mapped (checked above) and unused (the caller's promise).
         unsafe { self.backend.unmap(addr, len) };
         granules.set(first, n, false);
+    }
+
+    fn keep_unmapped(&self, keep: bool) {
+        self.backend.keep_unmapped(keep);
     }
 }
