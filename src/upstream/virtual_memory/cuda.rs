@@ -276,7 +276,9 @@ impl CudaPhysical {
 
     /// The spare allocations, locked.
     fn spare(&self) -> std::sync::MutexGuard<'_, Option<Vec<sys::CUmemGenericAllocationHandle>>> {
-        self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.spare
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Unmaps granules `addr..addr + len` one by one (each is its own mapping), keeping
@@ -289,7 +291,10 @@ impl CudaPhysical {
                 // SAFETY: `a` starts a mapped granule (the callers' promise), which has an
                 // allocation; retaining it gives us a reference, kept in `kept`.
                 let retained = unsafe {
-                    sys::cuMemRetainAllocationHandle(&mut handle, std::ptr::without_provenance_mut(a))
+                    sys::cuMemRetainAllocationHandle(
+                        &mut handle,
+                        std::ptr::without_provenance_mut(a),
+                    )
                 };
                 if retained == CUresult::CUDA_SUCCESS {
                     kept.push(handle);
