@@ -35,6 +35,9 @@ Checks:
   ipc           - two CUDA tensors (one a view at an offset) sent to another process with
                   torch.multiprocessing, receiver on the same allocator: it reads both and
                   writes one, which the sender then reads.
+  bad_input     - an IPC handle of another allocator's format, a graph pool released
+                  twice: exceptions with a message, and work goes on (what each says is
+                  shown).
   ipc_pool      - the same with memres on a chunked pool (MEMRES_RESOURCE=pool) sending to
                   a receiver on torch's own allocator.
 """
@@ -45,7 +48,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input"]
 MIB = 1 << 20
 
 
@@ -305,6 +308,35 @@ def snapshot():
         "free_seen": len(freed_y),
         "held_is_reserved": held == torch.cuda.memory_reserved(),
     }
+
+
+def bad_input():
+    """Misuse gives a Python exception with a message, and the process goes on."""
+    import torch
+
+    seen = {}
+    # An IPC handle of another allocator's format (PyTorch's expandable segments, 'e').
+    try:
+        torch.UntypedStorage._new_shared_cuda(0, b"\x02e" + bytes(40), 64, 0, b"nosuch", 0, bytes(64), False)
+        seen["foreign_ipc"] = "accepted"
+    except Exception as e:
+        seen["foreign_ipc"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    # A graph pool released twice.
+    pool = torch.cuda.graph_pool_handle()
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(1024, device="cuda")
+    with torch.cuda.graph(g, pool=pool):
+        y = x * 2
+    del g, y
+    torch.cuda.synchronize()
+    try:
+        torch._C._cuda_releasePool(0, pool)
+        seen["pool_released_twice"] = "accepted"
+    except Exception as e:
+        seen["pool_released_twice"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    after = float((torch.ones(1 << 20, device="cuda") * 3).sum().item())
+    seen["ok"] = after == 3.0 * (1 << 20) and seen["foreign_ipc"] != "accepted"
+    return seen
 
 
 def _ipc_child(queue, done, use_memres):
