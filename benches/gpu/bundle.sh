@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 out=target/gpu-bundle
 rm -rf "$out"
-mkdir -p "$out/tests" "$out/benches" "$out/examples"
+mkdir -p "$out/tests" "$out/benches" "$out/examples" "$out/bin"
 cargo build --release --workspace --tests --benches --examples --message-format=json "$@" \
   | python3 -c '
 import json, os, shutil, sys
@@ -35,6 +35,8 @@ for line in sys.stdin:
         # `memres` as well, and would overwrite the crate library tests.
         package = msg["package_id"].split("#")[-1].split("@")[0].split("/")[-1]
         folder, name = "tests", (package + "-lib" if kind.endswith("lib") else target["name"])
+    elif kind == "bin":
+        folder, name = "bin", target["name"]
     elif kind in ("bench", "example"):
         folder, name = kind + "s" if kind == "example" else "benches", target["name"]
     else:

@@ -5,6 +5,11 @@
 # its work here: it is listed as skipped, with its reason, not counted as passed).
 # ONLY=regex limits the run to matching binary names; extra arguments go to each binary.
 cd "$(dirname "$0")"
+# The command's tests run the bundled binary, on the repository this bundle lies in
+# (target/gpu-bundle under its root), not the paths of the machine that built them.
+export MEMRES_BIN="$PWD/bin/memres"
+MEMRES_REPO="$(cd ../.. && pwd)"
+export MEMRES_REPO
 log=$(mktemp)
 failed=()
 for t in tests/*; do

@@ -4,20 +4,28 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The `cli/` folder: where cargo built the test, or under `MEMRES_REPO` (the GPU
+/// bundle's `run.sh` sets it: the test runs on another machine there).
+fn cli_dir() -> PathBuf {
+    match std::env::var_os("MEMRES_REPO") {
+        Some(repo) => PathBuf::from(repo).join("cli"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+    }
+}
+
 fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
-        .join(name)
+    cli_dir().join("tests/data").join(name)
 }
 
 fn sample(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../examples/data")
-        .join(name)
+    cli_dir().join("../examples/data").join(name)
 }
 
 fn memres(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memres"))
+    // The bundle's copy of the binary where `run.sh` says so.
+    let bin = std::env::var_os("MEMRES_BIN")
+        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_memres")), PathBuf::from);
+    Command::new(bin)
         .args(args)
         .output()
         .expect("the memres binary runs")
