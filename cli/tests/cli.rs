@@ -1,7 +1,7 @@
 //! The `memres` command, run as a user runs it: replays of crafted logs with known
 //! answers, the sample logs, malformed input, `stats` and `plot`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 /// The `cli/` folder: where cargo built the test, or under `MEMRES_REPO` (the GPU
@@ -23,8 +23,10 @@ fn sample(name: &str) -> PathBuf {
 
 fn memres(args: &[&str]) -> Output {
     // The bundle's copy of the binary where `run.sh` says so.
-    let bin = std::env::var_os("MEMRES_BIN")
-        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_memres")), PathBuf::from);
+    let bin = std::env::var_os("MEMRES_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_memres")),
+        PathBuf::from,
+    );
     Command::new(bin)
         .args(args)
         .output()

@@ -49,7 +49,9 @@ struct Node {
 pub(crate) struct FreeBlocks {
     nodes: Vec<Node>,
     spare: Vec<u32>,
-    heads: Box<[u32; CLASSES]>,
+    /// The head of each class's list; allocated with the first block (empty before, and
+    /// again after [`FreeBlocks::release_memory`]).
+    heads: Vec<u32>,
     /// Bit `g` is set when group `g` has a non-empty class.
     groups_in_use: u64,
     /// Per group, bit `c` is set when class `16 g + c` is non-empty.
@@ -90,7 +92,7 @@ impl Default for FreeBlocks {
         FreeBlocks {
             nodes: Vec::new(),
             spare: Vec::new(),
-            heads: Box::new([NIL; CLASSES]),
+            heads: Vec::new(),
             groups_in_use: 0,
             classes_in_use: [0; GROUPS],
             by_start: AddrMap::default(),
@@ -168,6 +170,22 @@ impl FreeBlocks {
         self.links.clear();
         self.bytes = 0;
         out
+    }
+
+    /// Gives back the heap memory of an empty list (a stream's list that holds nothing
+    /// costs then only its inline fields). Nothing happens while it holds a block.
+    pub(crate) fn release_memory(&mut self) {
+        if self.by_start.len() != 0 {
+            return;
+        }
+        let regions = self
+            .regions
+            .as_ref()
+            .map(|r| Box::new(Regions::new(r.base())));
+        *self = FreeBlocks {
+            regions,
+            ..FreeBlocks::default()
+        };
     }
 
     /// Removes the block that begins at `addr` (which must be in the list).
@@ -283,6 +301,9 @@ impl FreeBlocks {
     /// it is big enough, else the head of the first class whose blocks all fit.
     #[inline]
     fn find(&self, units: usize) -> Option<u32> {
+        if self.groups_in_use == 0 {
+            return None; // no block (and maybe no `heads` yet)
+        }
         let own = class_of(units);
         if own < CLASSES {
             // The first few blocks of the request's own class: a fit there keeps larger
@@ -350,6 +371,9 @@ impl FreeBlocks {
 
     /// Puts node `i` at the head of `class`'s list.
     fn list_push(&mut self, i: u32, class: usize) {
+        if self.heads.is_empty() {
+            self.heads = vec![NIL; CLASSES];
+        }
         let head = self.heads[class];
         self.nodes[i as usize].prev = NIL;
         self.nodes[i as usize].next = head;

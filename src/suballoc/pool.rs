@@ -168,7 +168,8 @@ impl<U> Drop for KeepUnmapped<'_, U> {
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
 pub(super) struct PoolShard {
     pub(super) free: FreeBlocks,
-    /// Recently freed small blocks by size in granules, handed out again whole.
+    /// Recently freed small blocks by size in granules, handed out again whole. Empty
+    /// (no heap) until the first small block is freed, and again after `release_memory`.
     quick: Vec<Vec<usize>>,
     quick_bytes: usize,
     /// Recently freed larger blocks, (address, size), oldest first: at most
@@ -197,7 +198,7 @@ impl PoolShard {
                 Some(base) => FreeBlocks::address_ordered(base),
                 None => FreeBlocks::default(),
             },
-            quick: vec![Vec::new(); QUICK_UNITS + 1],
+            quick: Vec::new(),
             quick_bytes: 0,
             large: Vec::new(),
             large_bytes: 0,
@@ -236,7 +237,7 @@ impl PoolShard {
         let units = size / GRANULE;
         if align == GRANULE
             && units <= QUICK_UNITS
-            && let Some(addr) = self.quick[units].pop()
+            && let Some(addr) = self.quick.get_mut(units).and_then(Vec::pop)
         {
             self.quick_bytes -= size;
             return Some(addr);
@@ -257,6 +258,9 @@ impl PoolShard {
     pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
+            if self.quick.is_empty() {
+                self.quick = vec![Vec::new(); QUICK_UNITS + 1];
+            }
             self.quick[units].push(addr);
             self.quick_bytes += size;
             None
@@ -292,12 +296,23 @@ impl PoolShard {
         if self.quick_bytes == 0 {
             return;
         }
-        for units in 1..=QUICK_UNITS {
+        for units in 1..self.quick.len() {
             while let Some(addr) = self.quick[units].pop() {
                 self.insert(addr, units * GRANULE);
             }
         }
         self.quick_bytes = 0;
+    }
+
+    /// Gives back the heap memory of a list that holds nothing (see
+    /// [`Pool::trim`]): what a stream that is not used any more costs then is its
+    /// inline fields and the copy of the chunk table.
+    pub(super) fn release_memory(&mut self) {
+        if self.free_bytes() == 0 {
+            self.quick = Vec::new();
+            self.large = Vec::new();
+            self.free.release_memory();
+        }
     }
 
     /// Every free extent of the list, (address, size), cached ones included.
@@ -624,7 +639,7 @@ impl<U: Resource> Pool<U> {
                 s.free.len() + s.quick.iter().map(Vec::len).sum::<usize>() + s.large.len();
             let quick_largest = (1..=QUICK_UNITS)
                 .rev()
-                .find(|&u| !s.quick[u].is_empty())
+                .find(|&u| s.quick.get(u).is_some_and(|q| !q.is_empty()))
                 .map_or(0, |u| u * GRANULE);
             let large_largest = s.large.iter().map(|&(_, n)| n).max().unwrap_or(0);
             stats.largest_free_block = stats
@@ -649,14 +664,22 @@ impl<U: Resource> Pool<U> {
     /// Gives free memory back to the upstream (after [`coalesce`](Self::coalesce) has
     /// merged the lists): every fully free granule for a pool that grows in place (live
     /// blocks stay where they are), else every entirely free chunk. Returns how many
-    /// bytes went back.
+    /// bytes went back. The emptied lists of the pool's streams give their heap memory
+    /// back too, so streams used once cost little once trimmed.
     pub fn trim(&self) -> Result<usize, Error> {
         if self.held.any() {
             // Blocks held for other streams (one freed under a capture needs this wait).
             deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
         }
         let host = self.host_list();
-        self.release_down_to(&mut self.lock_growth(), host, 0)
+        let released = self.release_down_to(&mut self.lock_growth(), host, 0)?;
+        // Every other list was merged into the host list: what their streams' lists cost
+        // on the heap goes too (a stream used once and never again then costs its inline
+        // fields only).
+        for shard in self.shards.all() {
+            shard.state.lock().release_memory();
+        }
+        Ok(released)
     }
 
     /// Merges every list into `into`'s and releases free memory until at most `keep`

@@ -124,6 +124,11 @@ impl Regions {
         }
     }
 
+    /// The first address of region 0.
+    pub(crate) fn base(&self) -> usize {
+        self.base
+    }
+
     #[inline]
     fn region(&self, addr: usize) -> usize {
         addr.saturating_sub(self.base) >> REGION_SHIFT
