@@ -1,0 +1,48 @@
+"""PyTorch's allocator APIs under memres on a GPU: every check of
+python/proofs/torch_parity.py, each in fresh processes under torch's allocator and under
+memres, must pass under memres wherever it passes under torch. Skipped, saying why, on a
+machine without torch or a CUDA device (CI has neither).
+
+    python -m unittest discover -s python/tests -p 'test_torch_gpu.py' -v
+"""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+import unittest
+
+PARITY = pathlib.Path(__file__).resolve().parents[1] / "proofs" / "torch_parity.py"
+
+
+def cuda_available():
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@unittest.skipUnless(cuda_available(), "memres-skip: needs torch and a CUDA device")
+class TorchParity(unittest.TestCase):
+    def run_checks(self, checks):
+        done = subprocess.run(
+            [sys.executable, str(PARITY), "--checks", ",".join(checks)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        self.assertEqual(done.returncode, 0, done.stdout[-4000:] + done.stderr[-2000:])
+
+    def test_record_stream_stats_empty_cache_and_oom(self):
+        self.run_checks(["record_stream", "stats", "empty_cache", "oom", "cudnn", "bad_input"])
+
+    def test_graphs_pools_and_compile(self):
+        self.run_checks(["graphs", "graph_pools", "pool_record_stream", "compile"])
+
+    def test_snapshots_and_ipc(self):
+        self.run_checks(["snapshot", "ipc", "ipc_pool"])
+
+
+if __name__ == "__main__":
+    unittest.main()
