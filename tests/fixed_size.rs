@@ -54,11 +54,15 @@ fn a_thread_that_exits_gives_its_cached_blocks_back() {
     .unwrap();
     // The thread is gone; every block is back in a list this thread can count.
     assert_eq!(fixed.free_blocks(), 64);
-    // And host stream 1's blocks serve other streams.
-    let blocks: Vec<_> = (0..64)
+    // And host stream 1's blocks serve other streams, all but the last, which stays in
+    // its list for its own stream (else many streams holding one block each would take
+    // each other's at every allocation); the 64th request grows.
+    let mut blocks: Vec<_> = (0..63)
         .map(|_| fixed.allocate(StreamRef::host(2), l).unwrap())
         .collect();
     assert_eq!(fixed.upstream_allocations(), 1);
+    blocks.push(fixed.allocate(StreamRef::host(2), l).unwrap());
+    assert_eq!(fixed.upstream_allocations(), 2);
     for p in blocks {
         // SAFETY: as above, on host stream 2.
         unsafe { fixed.deallocate(StreamRef::host(2), p, l) };

@@ -255,17 +255,22 @@ impl<U: Resource> FixedSize<U> {
         // Host streams' blocks (free for all; at most 2 MiB of them, so that a stream
         // does not keep what others would then grow for), then those of the stream's
         // other lanes (one stream to the device): half of the first list found with any.
+        // A host stream's last block stays in its list (its stream would come here for one
+        // at once, and over many streams each holding one block every allocation would
+        // take another's: issue 33, finding 3), but for the shared host stream's.
         let host_batch = (HOST_BATCH_BYTES / self.block_size).max(1);
-        for other in self.shards.all() {
+        let shared_host = StreamKey::of(StreamRef::HOST);
+        for other in self.shards.iter() {
+            let leave = usize::from(other.key.stream() != shared_host);
             if other.key.is_host()
                 && !ptr::eq(other, own)
-                && let Some(addr) = take_half(other, own, host_batch)
+                && let Some(addr) = take_half(other, own, host_batch, leave)
             {
                 return Ok(addr);
             }
         }
         for lane in self.shards.other_lanes(own) {
-            if let Some(addr) = take_half(lane, own, usize::MAX) {
+            if let Some(addr) = take_half(lane, own, usize::MAX, 0) {
                 return Ok(addr);
             }
         }
@@ -279,19 +284,24 @@ impl<U: Resource> FixedSize<U> {
         // The growth lock is held, so no other thread grows (or pops after growing) while
         // the other streams' blocks come over; a thread on `own`'s stream may still take
         // some of them, as it could any free block.
-        let merge = || {
+        // `leave`: blocks each other list keeps (its stream's next allocation then needs
+        // no merge of its own).
+        let merge = |leave: usize| {
             self.shards
-                .merge_into(own, std::mem::take, |list, mut items| {
-                    list.append(&mut items)
-                })
+                .merge_into(
+                    own,
+                    |list: &mut Vec<usize>| list.split_off(leave.min(list.len())),
+                    |list, mut items| list.append(&mut items),
+                )
                 .map(|_| own.state.lock().pop())
         };
         // Blocks freed on other streams, once their work is waited for, before growing
         // (as the pools do): else a producer on one stream whose blocks are freed on
         // another grows by a chunk per chunk of blocks it hands out. The wait is one
         // context synchronisation per batch of blocks moved (all of them), not per block.
+        // Each list keeps one block here; all of them move before out-of-memory, below.
         // Under capture that wait is forbidden: grow instead.
-        if !capturing && let Some(addr) = merge()? {
+        if !capturing && let Some(addr) = merge(1)? {
             return Ok(addr);
         }
         let grow_on = if capturing { StreamRef::HOST } else { stream };
@@ -306,11 +316,15 @@ impl<U: Resource> FixedSize<U> {
                 limit: None,
             });
         }
-        // Last, the blocks other threads hold in their caches: they give them back at
-        // their next call, which the reclaim waits a little for.
+        // Last, every block of the other lists, and those other threads hold in their
+        // caches: they give them back at their next call, which the reclaim waits a
+        // little for.
+        if let Some(addr) = merge(0)? {
+            return Ok(addr);
+        }
         if self.cached() {
             self.cache().reclaim();
-            if let Some(addr) = merge()? {
+            if let Some(addr) = merge(0)? {
                 return Ok(addr);
             }
         }
@@ -322,14 +336,20 @@ impl<U: Resource> FixedSize<U> {
 }
 
 /// Moves half the blocks of `from`'s list (the most recently freed; at least one, at
-/// most `most`) to `into`'s and takes one: a thread whose list runs dry comes to the
+/// most `most`, leaving at least `leave`) to `into`'s and takes one: a thread whose list runs dry comes to the
 /// slow path once per batch, not per block (a thread that only allocates, its blocks
 /// freed by another thread on the stream; a new thread on a stream whose blocks are in
 /// an old one's list).
-fn take_half(from: &Shard<Vec<usize>>, into: &Shard<Vec<usize>>, most: usize) -> Option<usize> {
+fn take_half(
+    from: &Shard<Vec<usize>>,
+    into: &Shard<Vec<usize>>,
+    most: usize,
+    leave: usize,
+) -> Option<usize> {
     let moved = {
         let mut blocks = from.state.lock();
-        let keep = blocks.len() - blocks.len().div_ceil(2).min(most);
+        let len = blocks.len();
+        let keep = (len - len.div_ceil(2).min(most)).max(leave).min(len);
         blocks.split_off(keep)
     };
     if moved.is_empty() {

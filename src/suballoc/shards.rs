@@ -464,6 +464,11 @@ impl<S> ShardMap<S> {
 
     /// Every shard so far (a shard being inserted concurrently may be missing).
     pub(crate) fn all(&self) -> Vec<&Shard<S>> {
+        self.iter().collect()
+    }
+
+    /// As [`all`](Self::all), without collecting them.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Shard<S>> {
         self.table()
             .slots
             .iter()
@@ -471,7 +476,6 @@ impl<S> ShardMap<S> {
             .filter(|p| !p.is_null())
             // SAFETY: read from a slot.
             .map(|p| unsafe { self.at(p) })
-            .collect()
     }
 
     /// Sets `shard`'s [`Shard::holds_free`] hint (the caller holds its state's lock) and,
@@ -515,7 +519,7 @@ impl<S> ShardMap<S> {
         absorb: impl Fn(&mut S, Vec<T>),
     ) -> Result<bool, Error> {
         let mut moved = Vec::new();
-        for other in self.all() {
+        for other in self.iter() {
             if !ptr::eq(other, into) {
                 let items = drain(&mut other.state.lock());
                 if !items.is_empty() {

@@ -1,0 +1,73 @@
+//! What an allocation costs as the number of streams a sub-allocator has seen grows
+//! (issue 33, finding 3). Over host memory on host streams: first every stream allocates
+//! and frees one 4 KiB block (so each has a list), then the timed loop goes round the
+//! streams, (a) "steady": allocating and freeing on the same stream, (b) "cross":
+//! allocating on one stream and freeing on the next. Prints nanoseconds per
+//! allocate + free pair, the best of three rounds, for 16 to 16,384 streams.
+//!
+//!     cargo bench --bench many_streams
+
+use std::time::Instant;
+
+use memres::{
+    Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout,
+};
+
+const PAIRS: usize = 200_000;
+
+fn main() {
+    println!("resource,pattern,streams,ns_per_pair");
+    for streams in [16u32, 1_024, 4_096, 16_384] {
+        report("pool", streams, || {
+            Box::new(Pool::new(HostHeap, PoolConfig::new().initial_size(64 << 20)).unwrap())
+        });
+        report("pool_in_place", streams, || {
+            let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
+            Box::new(leaf.pool(PoolConfig::new()).unwrap())
+        });
+        report("fixed", streams, || {
+            Box::new(FixedSize::with_block_size(HostHeap, 4096, 1024).unwrap())
+        });
+        report("binning", streams, || {
+            let pool = Pool::new(HostHeap, PoolConfig::new().initial_size(64 << 20)).unwrap();
+            Box::new(Binning::new(pool, 8, 16).unwrap())
+        });
+    }
+}
+
+fn report(name: &str, streams: u32, make: impl Fn() -> Box<dyn Dyn>) {
+    for cross in [false, true] {
+        let best = (0..3)
+            .map(|_| round(&*make(), streams, cross))
+            .fold(f64::INFINITY, f64::min);
+        let pattern = if cross { "cross" } else { "steady" };
+        println!("{name},{pattern},{streams},{best:.1}");
+    }
+}
+
+/// The resources behind one object type, for the loop below.
+trait Dyn {
+    fn pair(&self, on: StreamRef<'_>, off: StreamRef<'_>);
+}
+
+impl<R: Resource> Dyn for R {
+    fn pair(&self, on: StreamRef<'_>, off: StreamRef<'_>) {
+        let l = layout(4096).unwrap();
+        let p = self.allocate(on, l).expect("memory");
+        // SAFETY: allocated just above, unused; host streams are always complete.
+        unsafe { self.deallocate(off, p, l) };
+    }
+}
+
+fn round(r: &dyn Dyn, streams: u32, cross: bool) -> f64 {
+    for id in 1..=streams {
+        r.pair(StreamRef::host(id), StreamRef::host(id));
+    }
+    let start = Instant::now();
+    for i in 0..PAIRS {
+        let id = (i as u32 % streams) + 1;
+        let next = if cross { id % streams + 1 } else { id };
+        r.pair(StreamRef::host(id), StreamRef::host(next));
+    }
+    start.elapsed().as_nanos() as f64 / PAIRS as f64
+}
