@@ -1,6 +1,7 @@
-//! Replays the committed fuzz corpus of the sub-allocators (`fuzz/corpus/suballoc`, found
-//! by `cargo +nightly fuzz run suballoc`) on stable Rust, with the fuzz target's own
-//! checks (`fuzz/common/suballoc.rs`).
+//! Replays the committed fuzz corpora on stable Rust, with the fuzz targets' own checks:
+//! the sub-allocators (`fuzz/corpus/suballoc`, found by `cargo +nightly fuzz run
+//! suballoc`; the target's code is `fuzz/common/suballoc.rs`) and the log reader
+//! (`fuzz/corpus/read_events`). The spec parser's corpus replays in `capi/src/spec.rs`.
 
 mod target {
     include!("../fuzz/common/suballoc.rs");
@@ -21,6 +22,37 @@ fn the_suballoc_corpus_replays_clean() {
     for entry in entries {
         let path = entry.unwrap().path();
         target::run(&std::fs::read(&path).unwrap());
+        inputs += 1;
+    }
+    assert!(
+        inputs >= 10,
+        "the corpus at {} has {inputs} inputs",
+        dir.display()
+    );
+}
+
+/// The log reader's corpus (`fuzz/corpus/read_events`, found by `cargo +nightly fuzz run
+/// read_events`), with the target's own checks: events or an error, every event naming a
+/// line of the input, never a panic.
+#[test]
+fn the_read_events_corpus_replays_clean() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/read_events");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        println!(
+            "memres-skip: no corpus at {} (run from a checkout)",
+            dir.display()
+        );
+        return;
+    };
+    let mut inputs = 0;
+    for entry in entries {
+        let data = std::fs::read(entry.unwrap().path()).unwrap();
+        if let Ok(events) = memres::log::read_events(&data[..]) {
+            assert!(events.iter().all(|e| e.line >= 2));
+        }
+        if let Ok(text) = std::str::from_utf8(&data) {
+            let _ = memres::log::parse_event(text, 2);
+        }
         inputs += 1;
     }
     assert!(

@@ -868,14 +868,29 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       device = it->second.device_idx;
     }
     TORCH_CHECK(size > 0, "memres: shareIpcHandle of a zero-byte block");
-    int64_t len = memres_ipc_export(ptr, static_cast<ssize_t>(size), device, nullptr, 0, nullptr);
+    // A graph pool's block is shared as its segment (a block memres handed out, whose
+    // exported descriptors close when the segment goes back to memres).
+    void* block = ptr;
+    size_t into = 0;
+    {
+      std::lock_guard<std::mutex> lock(pools_mutex_);
+      auto it = private_blocks_.find(ptr);
+      if (it != private_blocks_.end()) {
+        const Segment* seg = pools_.at(it->second).segment_of(ptr);
+        TORCH_CHECK(seg != nullptr, "memres: a graph pool's block outside its segments");
+        block = seg->base;
+        into = static_cast<size_t>(static_cast<char*>(ptr) - seg->base);
+        size = seg->size;
+      }
+    }
+    int64_t len = memres_ipc_export(block, static_cast<ssize_t>(size), device, nullptr, 0, nullptr);
     TORCH_CHECK(len > 0, "memres: ", memres_last_error());
     std::string handle(static_cast<size_t>(len), '\0');
     size_t offset = 0;
     int64_t written = memres_ipc_export(
-        ptr, static_cast<ssize_t>(size), device, handle.data(), handle.size(), &offset);
+        block, static_cast<ssize_t>(size), device, handle.data(), handle.size(), &offset);
     TORCH_CHECK(written == len, "memres: ", memres_last_error());
-    return {static_cast<ptrdiff_t>(offset), std::move(handle)};
+    return {static_cast<ptrdiff_t>(offset + into), std::move(handle)};
   }
 
   // Maps another process's handle on the current device (memres's own, or a 64-byte CUDA
