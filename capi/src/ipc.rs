@@ -127,9 +127,10 @@ impl Handle {
         }
         if bytes.len() != Handle::granules_len(n) {
             return Err(format!(
-                "a memres handle of {n} granules is {} bytes, not {}: cut short or padded",
-                Handle::granules_len(n),
-                bytes.len()
+                "a memres handle of {} bytes names {n} granules, which take {}: cut short or \
+                 padded",
+                bytes.len(),
+                Handle::granules_len(n)
             ));
         }
         let fds: Vec<i32> = bytes[HEADER..HEADER + 4 * n]
@@ -140,24 +141,52 @@ impl Handle {
     }
 }
 
-/// Per device: block address -> descriptors exported for it, closed when it is freed.
+/// Per device: block address -> what was exported for it, its descriptors closed when
+/// the block is freed.
 #[derive(Default)]
 pub(crate) struct Exported {
     /// Blocks in `map`: `memres_free` reads this one atomic and skips the lock while it is 0.
     blocks: AtomicUsize,
-    map: Mutex<HashMap<usize, Vec<OwnedFd>>>,
+    map: Mutex<HashMap<usize, Export>>,
+}
+
+/// A block's export: its handle and offset (handed out again by later exports of the
+/// block, so sending a tensor to many processes costs its descriptors once), and every
+/// descriptor exported for it.
+struct Export {
+    handle: Vec<u8>,
+    offset: usize,
+    fds: Vec<OwnedFd>,
 }
 
 impl Exported {
-    /// Keeps `fds` open until the block at `address` is freed.
-    pub(crate) fn keep(&self, address: usize, fds: Vec<OwnedFd>) {
+    /// Keeps `fds` open until the block at `address` is freed; `handle` and `offset` are
+    /// what later exports of the block return.
+    pub(crate) fn keep(&self, address: usize, handle: Vec<u8>, offset: usize, fds: Vec<OwnedFd>) {
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        map.entry(address)
-            .or_insert_with(|| {
-                self.blocks.fetch_add(1, Ordering::Relaxed);
-                Vec::new()
-            })
-            .extend(fds);
+        let export = map.entry(address).or_insert_with(|| {
+            self.blocks.fetch_add(1, Ordering::Relaxed);
+            Export {
+                handle: Vec::new(),
+                offset,
+                fds: Vec::new(),
+            }
+        });
+        export.handle = handle;
+        export.offset = offset;
+        export.fds.extend(fds);
+    }
+
+    /// The handle and offset exported for the block at `address`, if one of `len` bytes
+    /// was (the same range: its descriptors are still open).
+    pub(crate) fn handle_of(&self, address: usize, len: usize) -> Option<(Vec<u8>, usize)> {
+        if self.blocks.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        map.get(&address)
+            .filter(|e| e.handle.len() == len)
+            .map(|e| (e.handle.clone(), e.offset))
     }
 
     /// Closes the descriptors exported for the block at `address` (being freed).
@@ -269,21 +298,20 @@ impl Opened {
         Ok(base)
     }
 
-    /// Closes one open of the range at `base`; the last unmaps it. `false` for an address
-    /// no open returned.
-    pub(crate) fn close(&mut self, base: usize) -> bool {
-        let Some(range) = self.by_base.get_mut(&base) else {
-            return false;
-        };
+    /// Closes one open of the range at `base`; the last returns the range, for the caller
+    /// to drop (which waits for the device, then unmaps) once it has let go of the lock.
+    /// `None` for an address no open returned.
+    pub(crate) fn close(&mut self, base: usize) -> Option<Option<Imported>> {
+        let range = self.by_base.get_mut(&base)?;
         range.opens -= 1;
-        if range.opens == 0 {
-            let range = self.by_base.remove(&base).expect("found above");
-            if self.by_handle.get(&range.handle) == Some(&base) {
-                self.by_handle.remove(&range.handle);
-            }
-            drop(range.imported); // waits for the device, then unmaps
+        if range.opens > 0 {
+            return Some(None);
         }
-        true
+        let range = self.by_base.remove(&base).expect("found above");
+        if self.by_handle.get(&range.handle) == Some(&base) {
+            self.by_handle.remove(&range.handle);
+        }
+        Some(Some(range.imported))
     }
 }
 
@@ -339,18 +367,27 @@ pub unsafe extern "C" fn memres_ipc_export(
             };
             return Ok(len as i64);
         }
-        let (bytes, at, kept) = match stack.share(ptr as usize, size)? {
-            Shared::CudaHandle { handle, offset } => (handle.to_vec(), offset, None),
-            Shared::Granules {
-                granule,
-                offset,
-                fds,
-            } => {
-                use std::os::fd::AsRawFd;
-                let numbers: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-                let bytes = Handle::encode_granules(std::process::id(), granule as u64, &numbers);
-                (bytes, offset, Some(fds))
-            }
+        let again = stack.granules_of(ptr as usize, size).and_then(|n| {
+            stack
+                .exported()
+                .handle_of(ptr as usize, Handle::granules_len(n))
+        });
+        let (bytes, at, kept) = match again {
+            Some((bytes, at)) => (bytes, at, None),
+            None => match stack.share(ptr as usize, size)? {
+                Shared::CudaHandle { handle, offset } => (handle.to_vec(), offset, None),
+                Shared::Granules {
+                    granule,
+                    offset,
+                    fds,
+                } => {
+                    use std::os::fd::AsRawFd;
+                    let numbers: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+                    let bytes =
+                        Handle::encode_granules(std::process::id(), granule as u64, &numbers);
+                    (bytes, offset, Some(fds))
+                }
+            },
         };
         if bytes.len() > capacity {
             return Err(Failure::invalid(format!(
@@ -366,7 +403,7 @@ pub unsafe extern "C" fn memres_ipc_export(
             unsafe { offset.write(at) };
         }
         if let Some(fds) = kept {
-            stack.exported().keep(ptr as usize, fds);
+            stack.exported().keep(ptr as usize, bytes.clone(), at, fds);
         }
         Ok(bytes.len() as i64)
     })
@@ -415,11 +452,13 @@ pub extern "C" fn memres_ipc_close(base: *mut c_void) -> c_int {
     guarded(
         |code| code,
         || {
-            let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
-            if opened
+            let closed = OPENED
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
                 .get_or_insert_with(Opened::default)
-                .close(base as usize)
-            {
+                .close(base as usize);
+            if let Some(last) = closed {
+                drop(last); // the last close: unmapped here, outside the lock
                 Ok(MEMRES_OK)
             } else {
                 Err(Failure::invalid(format!(
@@ -504,8 +543,10 @@ mod tests {
         let (mut r, w) = std::io::pipe().expect("a pipe");
         let w: OwnedFd = w.into();
         let w2 = w.try_clone().expect("a second write end");
-        e.keep(0x1000, vec![w]);
-        e.keep(0x1000, vec![w2]);
+        e.keep(0x1000, vec![1], 0, vec![w]);
+        assert_eq!(e.handle_of(0x1000, 1), Some((vec![1], 0)));
+        e.keep(0x1000, vec![2], 0, vec![w2]);
+        assert_eq!(e.handle_of(0x1000, 2), None, "another length");
         assert_eq!(e.blocks.load(Ordering::Relaxed), 1);
         e.release(0x2000);
         assert_eq!(e.blocks.load(Ordering::Relaxed), 1);
@@ -528,6 +569,6 @@ mod tests {
 
     #[test]
     fn closing_an_address_never_opened_is_refused() {
-        assert!(!Opened::default().close(0x1000));
+        assert!(Opened::default().close(0x1000).is_none());
     }
 }

@@ -10,24 +10,74 @@ use memres_workloads::{Row, Suite, suite};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Only these stacks (comma-separated names as printed, e.g. `pool,arena`).
+    /// Only these stacks, comma-separated: on a GPU cuda, cuda_async, pool, arena,
+    /// binning(pool), fixed_size_1MiB; on host memory host_heap, pool, arena,
+    /// binning(pool), fixed_size_1MiB.
     #[arg(long, value_delimiter = ',')]
     stacks: Vec<String>,
-    /// Only these workloads (pair-256B, pair-64KiB, pair-4MiB, random, random-mt).
+    /// Only these workloads, comma-separated: pair-256B, pair-64KiB, pair-4MiB, random,
+    /// random-mt, random-1stream (defined in workloads/src/lib.rs).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
-    /// Divide every op count by this (the full counts take minutes on a small machine).
-    #[arg(long, default_value_t = 1)]
-    scale: usize,
-    /// Bytes the pools and the arena start with.
+    /// Divide every op count by this, at least 1 (the full counts take minutes on a small
+    /// machine).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    scale: u64,
+    /// Bytes the pools and the arena start with (default: 16 GiB on a GPU, 8 GiB of host
+    /// memory without one, untouched until used: what the 16 threads of random-1stream
+    /// hold at once, about 4.6 GB, fits).
     #[arg(long, value_parser = crate::size_arg)]
     pool_size: Option<usize>,
+}
+
+/// The stacks `memres bench` runs on a GPU and on host memory.
+const GPU_STACKS: [&str; 6] = [
+    "cuda",
+    "cuda_async",
+    "pool",
+    "arena",
+    "binning(pool)",
+    "fixed_size_1MiB",
+];
+const HOST_STACKS: [&str; 5] = [
+    "host_heap",
+    "pool",
+    "arena",
+    "binning(pool)",
+    "fixed_size_1MiB",
+];
+/// Every workload the suite runs.
+const WORKLOADS: [&str; 6] = [
+    "pair-256B",
+    "pair-64KiB",
+    "pair-4MiB",
+    "random",
+    "random-mt",
+    "random-1stream",
+];
+
+/// An error naming the first of `asked` that is not among `known`, and what is.
+fn check_names(what: &str, asked: &[String], known: &[&str], here: &str) -> Result<(), String> {
+    match asked.iter().find(|a| !known.contains(&a.as_str())) {
+        Some(bad) => Err(format!(
+            "unknown {what} {bad:?}{here}; the {what}s are: {}",
+            known.join(", ")
+        )),
+        None => Ok(()),
+    }
 }
 
 const THREADS: usize = 8;
 
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let gpu = crate::gpu_present();
+    let (stacks, here) = if gpu {
+        (&GPU_STACKS[..], " on a GPU")
+    } else {
+        (&HOST_STACKS[..], " on host memory (no GPU found)")
+    };
+    check_names("stack", &args.stacks, stacks, here)?;
+    check_names("workload", &args.workloads, &WORKLOADS, "")?;
     let streams: Vec<Stream> = if gpu {
         (0..=THREADS)
             .map(|_| Stream::with_flags(StreamFlags::NonBlocking))
@@ -63,7 +113,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         bench.one("cuda_async", &CudaAsync::new().map_err(fail)?, false, false)?;
         bench.suballocators(Cuda::new, pool_size)?;
     } else {
-        let pool_size = args.pool_size.unwrap_or(1 << 30);
+        let pool_size = args.pool_size.unwrap_or(8 << 30);
         bench.one("host_heap", &HostHeap::new(), false, false)?;
         bench.suballocators(|| Ok(HostHeap::new()), pool_size)?;
     }
@@ -95,7 +145,7 @@ impl Bench<'_, '_> {
         let config = Suite {
             slow,
             small_only,
-            scale: self.args.scale.max(1),
+            scale: usize::try_from(self.args.scale).unwrap_or(usize::MAX),
         };
         let workloads = &self.args.workloads;
         let want = |w: &str| workloads.is_empty() || workloads.iter().any(|x| x == w);
@@ -104,7 +154,13 @@ impl Bench<'_, '_> {
             println!("{}", row.csv());
             rows.push(row);
         })
-        .map_err(|e| format!("{name}: {e}"))
+        .map_err(|e| match e {
+            memres::Error::OutOfMemory { .. } => format!(
+                "{name}: {e} (the pools and the arena start with --pool-size bytes; give \
+                 more, e.g. --pool-size 8GiB)"
+            ),
+            e => format!("{name}: {e}"),
+        })
     }
 
     /// The sub-allocators as the anchors build theirs.

@@ -63,8 +63,8 @@ enum Command {
         #[arg(short, long)]
         output: PathBuf,
     },
-    /// The standard workloads (shared/bench/WORKLOADS.md) over the main stacks: on the GPU
-    /// if there is one, else on host memory.
+    /// The standard workloads (defined in workloads/src/lib.rs) over the main stacks: on
+    /// the GPU if there is one, else on host memory.
     Bench(bench::BenchArgs),
 }
 

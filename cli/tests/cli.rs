@@ -431,3 +431,21 @@ fn a_pointer_allocated_twice_counts_as_never_freed_and_midnight_is_crossed() {
     let cols = row(&out, "pool");
     assert_eq!(cols[cols.len() - 3..].join(" "), "1 (100 B)", "{out}");
 }
+
+#[test]
+fn bench_refuses_what_it_does_not_know() {
+    let err = fails(&["bench", "--stacks", "nosuch"]);
+    assert!(
+        err.contains("unknown stack \"nosuch\"") && err.contains("pool"),
+        "{err}"
+    );
+    let err = fails(&["bench", "--workloads", "pool,nosuch"]);
+    assert!(err.contains("unknown workload \"pool\""), "{err}");
+    let err = fails(&["bench", "--scale", "0"]);
+    assert!(err.contains("'0'") && err.contains("--scale"), "{err}");
+    let help = ok(&["bench", "--help"]);
+    assert!(
+        help.contains("workloads/src/lib.rs") && !help.contains("shared/"),
+        "{help}"
+    );
+}

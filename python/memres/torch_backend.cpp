@@ -91,14 +91,34 @@ struct History {
   std::array<size_t, kMaxDevices> next{};  // where the ring writes next, once full
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts;
 
+  // The stack to keep for an event of `action`, gathered now if the settings want one
+  // (the settings are read under the lock, the recorder called outside it: it may take
+  // the GIL).
+  std::shared_ptr<c10::GatheredContext> gather(TraceEntry::Action action) {
+    c10::cuda::CUDACachingAllocator::CreateContextFn fn = nullptr;
+    RecordContext now = RecordContext::NEVER;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      fn = recorder;
+      now = when;
+    }
+    RecordContext wanted = action == TraceEntry::ALLOC ? RecordContext::STATE : RecordContext::ALL;
+    return fn != nullptr && now >= wanted ? fn() : nullptr;
+  }
+
   void record(TraceEntry::Action action, int device, void* ptr, size_t size, cudaStream_t stream) {
+    record_with(action, device, ptr, size, stream, gather(action));
+  }
+
+  void record_with(
+      TraceEntry::Action action,
+      int device,
+      void* ptr,
+      size_t size,
+      cudaStream_t stream,
+      std::shared_ptr<c10::GatheredContext> context) {
     if (device < 0 || device >= kMaxDevices) {
       return;
-    }
-    std::shared_ptr<c10::GatheredContext> context;
-    RecordContext wanted = action == TraceEntry::ALLOC ? RecordContext::STATE : RecordContext::ALL;
-    if (recorder != nullptr && when >= wanted) {
-      context = recorder();  // outside the lock: it may take the GIL
     }
     std::lock_guard<std::mutex> lock(mutex);
     if (!on.load(std::memory_order_relaxed)) {
@@ -674,6 +694,12 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         allocation_metadata_.erase(ptr);
       }
     }
+    if (g_history.on.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> lock(g_history.mutex);
+      for (void* ptr : freed) {
+        g_history.contexts.erase(ptr);
+      }
+    }
     delta.ptrs_freed = std::move(freed);
     return delta;
   }
@@ -767,6 +793,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         }
       }
       for (const auto& [id, pool] : pools_) {
+        if (pool.device < 0 || pool.device >= kMaxDevices) {
+          continue;
+        }
         for (const auto& seg : pool.segments) {
           live[pool.device][reinterpret_cast<size_t>(seg->base)] = Live{seg->size, seg->stream, nullptr};
         }
@@ -1064,8 +1093,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       device = it->second.device_idx;
       stream = it->second.stream;
     }
-    g_history.record(TraceEntry::FREE_REQUESTED, device, ptr, size, stream);
-    g_history.record(TraceEntry::FREE_COMPLETED, device, ptr, size, stream);
+    auto context = g_history.gather(TraceEntry::FREE_REQUESTED);  // one stack for both
+    g_history.record_with(TraceEntry::FREE_REQUESTED, device, ptr, size, stream, context);
+    g_history.record_with(TraceEntry::FREE_COMPLETED, device, ptr, size, stream, context);
   }
 
   // Under pools_mutex_: whether a capture routes to a pool of `device` now.

@@ -238,6 +238,23 @@ impl<U: Resource> FixedSize<U> {
         ))
     }
 
+    /// Half the blocks of the first other host stream's list that has any (at most 2 MiB
+    /// of them), taken into `own`'s. With `leave_last`, a list's last block stays, but the
+    /// shared host stream's: its stream would come here for one at once, and over many
+    /// streams each holding one block every allocation would take another's (issue 33,
+    /// finding 3).
+    fn take_from_host_lists(&self, own: &Shard<Vec<usize>>, leave_last: bool) -> Option<usize> {
+        let host_batch = (HOST_BATCH_BYTES / self.block_size).max(1);
+        let shared_host = StreamKey::of(StreamRef::HOST);
+        self.shards
+            .iter()
+            .filter(|other| other.key.is_host() && !ptr::eq(*other, own))
+            .find_map(|other| {
+                let leave = usize::from(leave_last && other.key.stream() != shared_host);
+                take_half(other, own, host_batch, leave)
+            })
+    }
+
     #[cold]
     fn allocate_slow(
         &self,
@@ -258,16 +275,8 @@ impl<U: Resource> FixedSize<U> {
         // A host stream's last block stays in its list (its stream would come here for one
         // at once, and over many streams each holding one block every allocation would
         // take another's: issue 33, finding 3), but for the shared host stream's.
-        let host_batch = (HOST_BATCH_BYTES / self.block_size).max(1);
-        let shared_host = StreamKey::of(StreamRef::HOST);
-        for other in self.shards.iter() {
-            let leave = usize::from(other.key.stream() != shared_host);
-            if other.key.is_host()
-                && !ptr::eq(other, own)
-                && let Some(addr) = take_half(other, own, host_batch, leave)
-            {
-                return Ok(addr);
-            }
+        if let Some(addr) = self.take_from_host_lists(own, true) {
+            return Ok(addr);
         }
         for lane in self.shards.other_lanes(own) {
             if let Some(addr) = take_half(lane, own, usize::MAX, 0) {
@@ -311,10 +320,13 @@ impl<U: Resource> FixedSize<U> {
             Err(e) => return Err(e),
         }
         if capturing {
-            return Err(Error::OutOfMemory {
-                requested,
-                limit: None,
-            });
+            // The host lists' last blocks need no wait either.
+            return self
+                .take_from_host_lists(own, false)
+                .ok_or(Error::OutOfMemory {
+                    requested,
+                    limit: None,
+                });
         }
         // Last, every block of the other lists, and those other threads hold in their
         // caches: they give them back at their next call, which the reclaim waits a
@@ -336,7 +348,8 @@ impl<U: Resource> FixedSize<U> {
 }
 
 /// Moves half the blocks of `from`'s list (the most recently freed; at least one, at
-/// most `most`, leaving at least `leave`) to `into`'s and takes one: a thread whose list runs dry comes to the
+/// most `most`, leaving at least `leave`) to `into`'s and takes one: a thread whose list
+/// runs dry comes to the
 /// slow path once per batch, not per block (a thread that only allocates, its blocks
 /// freed by another thread on the stream; a new thread on a stream whose blocks are in
 /// an old one's list).

@@ -1167,11 +1167,19 @@ impl<U: Resource> Pool<U> {
         // Granules unmapped here are mapped again at the growth site: their memory moves
         // (a remap) rather than being given back and allocated anew.
         let _keep = KeepUnmapped::new(space, &self.upstream);
-        if may_wait && surplus >= g {
+        let spare = best.joins.map(|b| b.map_or(usize::MAX, |b| b.addr));
+        // Only when a free block outside the joined ones holds a whole granule: else
+        // nothing can move, and the wait (for the whole device) would be for nothing.
+        let whole_granule_free = || {
+            s.free.blocks().any(|b| {
+                let lo = (b.addr - space.base).next_multiple_of(g);
+                !spare.contains(&b.addr) && lo + g <= b.addr - space.base + b.size
+            })
+        };
+        if may_wait && surplus >= g && whole_granule_free() {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
             if waited.is_ok() {
                 let keep = s.free_bytes().saturating_sub(best.len);
-                let spare = best.joins.map(|b| b.map_or(usize::MAX, |b| b.addr));
                 if self.unmap_in(space, growth, &mut s, keep, spare) > 0 {
                     // Unmapping made new holes: a better site may be among them.
                     let top = space.base + growth.mapped.top() * g;

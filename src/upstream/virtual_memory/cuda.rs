@@ -83,7 +83,8 @@ pub struct CudaPhysical {
 // SAFETY: the raw pointer inside `prop` (`win32HandleMetaData`) is always null; the rest
 // is plain integers describing memory, not owning any.
 unsafe impl Send for CudaPhysical {}
-// SAFETY: as for `Send`; nothing is mutated through `&self`.
+// SAFETY: as for `Send`; what changes through `&self` (the spare allocations) is behind a
+// mutex.
 unsafe impl Sync for CudaPhysical {}
 
 impl fmt::Debug for CudaPhysical {
