@@ -169,12 +169,14 @@ fn main() -> ExitCode {
                 stats::report(&log.display().to_string(), &events, &plan)
             );
         }),
-        Command::Plot { log, output } => read_log(&log).and_then(|events| {
-            let plan = Plan::new(&events);
-            plot::write(&output, &title(&log), &plan, &[])?;
-            println!("wrote {}", output.display());
-            Ok(())
-        }),
+        Command::Plot { log, output } => plot::check_writable(&output)
+            .and_then(|()| read_log(&log))
+            .and_then(|events| {
+                let plan = Plan::new(&events);
+                plot::write(&output, &title(&log), &plan, &[])?;
+                println!("wrote {}", output.display());
+                Ok(())
+            }),
         Command::Bench(args) => bench::run(args),
     };
     match result {
@@ -195,6 +197,9 @@ fn title(log: &Path) -> String {
 }
 
 fn run_replay(args: ReplayArgs) -> Result<(), String> {
+    if let Some(out) = &args.plot {
+        plot::check_writable(out)?;
+    }
     let options = Options {
         initial_size: args.initial_size,
         max_size: args.max_size,

@@ -28,6 +28,15 @@ const COLORS: [RGBColor; 8] = [
 /// At most this many points per line: plots of long logs stay small and quick.
 const MAX_POINTS: usize = 4000;
 
+/// Fails at once, naming the path, where the plot could not be written later (a missing
+/// folder, no permission): checked before a long replay rather than after it. Creates
+/// the file (empty until the plot is written).
+pub fn check_writable(out: &Path) -> Result<(), String> {
+    std::fs::File::create(out)
+        .map(drop)
+        .map_err(|e| format!("{}: {e}", out.display()))
+}
+
 /// Writes the plot of `plan` (and `replays`: stack name and outcome) to `out`.
 pub fn write(
     out: &Path,

@@ -449,3 +449,19 @@ fn bench_refuses_what_it_does_not_know() {
         "{help}"
     );
 }
+
+#[test]
+fn an_output_path_that_cannot_be_written_fails_before_the_work() {
+    let log = sample("training.csv.gz");
+    let log = log.to_str().unwrap();
+    for args in [
+        vec!["replay", log, "--plot", "/nonexistent/x.svg"],
+        vec!["plot", log, "-o", "/nonexistent/x.svg"],
+    ] {
+        let out = memres(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("/nonexistent/x.svg"), "{err}");
+        // Refused before the log was read: nothing was replayed or printed.
+        assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    }
+}
