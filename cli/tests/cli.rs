@@ -460,8 +460,15 @@ fn an_output_path_that_cannot_be_written_fails_before_the_work() {
     ] {
         let out = memres(&args);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains("/nonexistent/x.svg"), "{err}");
+        assert!(
+            !out.status.success() && err.contains("/nonexistent/x.svg"),
+            "{err}"
+        );
         // Refused before the log was read: nothing was replayed or printed.
-        assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
 }
