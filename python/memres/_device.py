@@ -26,6 +26,8 @@ def configure(spec: str) -> None:
     ``capi/include/memres.h``. Raises MemresError (code ERROR_INVALID_ARGUMENT) for a bad
     spec, and (code ERROR_IN_USE) once memres has allocated.
     """
+    if not isinstance(spec, str):
+        raise TypeError(f"memres.configure() takes a spec string such as 'virtual_pool', not {spec!r}")
     check(lib().memres_configure(spec.encode("utf-8")))
 
 

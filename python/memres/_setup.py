@@ -4,7 +4,34 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional
 
+import ctypes
+import importlib.util
+
 from ._device import configure, init_device, reset_peak, stats, trim
+from ._native import ERROR_CUDA, ERROR_INVALID_ARGUMENT, MemresError
+
+
+def _require(module: str, flag: str, install: str) -> None:
+    """A MemresError saying what to install, where ``module`` is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise MemresError(
+            ERROR_INVALID_ARGUMENT,
+            f"memres.setup({flag}=True) needs {module}, which is not installed ({install}); "
+            f"pass {flag}=False to set up memres without it",
+        )
+
+
+def _require_driver() -> None:
+    """A MemresError at once where there is no CUDA driver (rather than at the first
+    allocation)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        raise MemresError(
+            ERROR_CUDA,
+            "memres.setup(): no CUDA driver on this machine (libcuda.so.1 cannot be loaded); "
+            "memres allocates GPU memory, so it needs one",
+        ) from None
 
 
 class Setup:
@@ -77,6 +104,9 @@ def setup(
        ``empty_cache`` reach memres; see :func:`memres.install_torch`) and CuPy's
        (``cupy=True``).
 
+    Raises :class:`MemresError` at once, saying what is missing, where torch (or CuPy)
+    is asked for and not installed, or where the machine has no CUDA driver.
+
     Returns a :class:`Setup` that reads the figures of those devices::
 
         import memres
@@ -84,8 +114,13 @@ def setup(
         ...                      # train
         print(mr.stats())        # {0: {"live_bytes": ..., "peak_live_bytes": ..., ...}}
     """
+    if torch:
+        _require("torch", "torch", "pip install torch")
+    if cupy:
+        _require("cupy", "cupy", "pip install cupy-cuda12x or cupy-cuda13x")
     if spec is not None:
         configure(spec)
+    _require_driver()
     listed = None if devices is None else [int(d) for d in devices]
     for device in listed or []:
         init_device(device)

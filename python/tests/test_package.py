@@ -55,10 +55,37 @@ class Package(unittest.TestCase):
         with self.assertRaises(memres.MemresError):
             memres.setup("virtual_pool", devices=[0], torch=False)
 
-    def test_setup_without_devices_configures_only(self):
-        mr = memres.setup("virtual_pool", torch=False)
-        self.assertIsNone(mr.devices)
-        self.assertEqual(mr.stats(0), {0: ZERO})
+    def test_setup_says_at_once_what_is_missing(self):
+        import ctypes
+        import importlib.util
+
+        try:
+            ctypes.CDLL("libcuda.so.1")
+            driver = True
+        except OSError:
+            driver = False
+        if importlib.util.find_spec("torch") is None:
+            with self.assertRaises(memres.MemresError) as caught:
+                memres.setup("virtual_pool")
+            self.assertIn("pip install torch", str(caught.exception))
+            self.assertIn("torch=False", str(caught.exception))
+        if importlib.util.find_spec("cupy") is None:
+            with self.assertRaises(memres.MemresError) as caught:
+                memres.setup("virtual_pool", torch=False, cupy=True)
+            self.assertIn("cupy", str(caught.exception))
+        if driver:
+            mr = memres.setup("virtual_pool", torch=False)
+            self.assertIsNone(mr.devices)
+            return
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.setup("virtual_pool", torch=False)
+        self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
+        self.assertIn("no CUDA driver", str(caught.exception))
+
+    def test_configure_takes_a_string(self):
+        with self.assertRaises(TypeError) as caught:
+            memres.configure(None)
+        self.assertIn("spec string", str(caught.exception))
 
     def test_profile_scopes_nest_and_decorate(self):
         memres.profile_reset()
