@@ -23,6 +23,21 @@
 //! # Ok::<(), memres::Error>(())
 //! ```
 //!
+//! # Choosing a resource
+//!
+//! | you want | use |
+//! | --- | --- |
+//! | least memory held (the C ABI's and Python's default) | a pool growing in place: `CudaVirtual::new()?.pool(PoolConfig::new())` |
+//! | the fastest general pool over `cuMemAlloc` | `Pool::new(Cuda::new()?, PoolConfig::new())` |
+//! | a fixed amount up front, many threads | [`Arena`] |
+//! | many small blocks | [`Binning`] over a pool |
+//! | blocks of one size | [`FixedSize`] |
+//! | the driver's own pool | [`CudaAsync`] |
+//! | counts, limits, leak hunting, logs, bounds checks | the [`adaptor`]s over any of them |
+//!
+//! README.md gives the measured footprint and speed of each (against RMM and PyTorch)
+//! and the limitations.
+//!
 //! # Layers
 //! - [`resource`] holds the [`SyncResource`] and [`Resource`] traits and their contract.
 //! - [`property`] holds compile-time properties ([`DeviceAccessible`], [`HostAccessible`],
@@ -30,16 +45,21 @@
 //! - [`erased`] holds [`ResourceRef`], [`SyncResourceRef`], [`AnyResource`],
 //!   [`AnySyncResource`] and [`Shared`].
 //! - [`stream`] holds [`StreamRef`], owned streams, events and the stream pool.
-//! - [`upstream`] holds the leaf resources: [`HostHeap`], [`Callback`], and the CUDA ones
+//! - [`upstream`] holds the leaf resources: [`HostHeap`], [`Callback`], the CUDA ones
 //!   ([`Cuda`], [`Managed`], [`PinnedHost`], [`CudaAsync`], [`CudaAsyncView`],
-//!   [`CudaAsyncManaged`], [`System`], [`SamHeadroom`]).
+//!   [`CudaAsyncManaged`], [`System`], [`SamHeadroom`]), the virtual-memory leaves
+//!   ([`CudaVirtual`], [`HostVirtual`]) and memory of other processes
+//!   ([`Imported`](upstream::Imported)).
+//! - [`suballoc`] holds the sub-allocators: [`Pool`] (chunked, or growing in place over a
+//!   virtual-memory leaf), [`Arena`], [`Binning`], [`FixedSize`].
 //! - [`device`] holds devices, the per-device default resource and
 //!   [`process_is_exiting`](device::process_is_exiting).
 //! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
 //!   [`Tracking`](adaptor::Tracking), [`Limiting`](adaptor::Limiting),
 //!   [`Aligned`](adaptor::Aligned), [`FailureRetry`](adaptor::FailureRetry),
 //!   [`ThreadSafe`](adaptor::ThreadSafe), [`Logging`](adaptor::Logging),
-//!   [`Prefetch`](adaptor::Prefetch), [`Profiling`](adaptor::Profiling).
+//!   [`Prefetch`](adaptor::Prefetch), [`Profiling`](adaptor::Profiling),
+//!   [`Guard`](adaptor::Guard).
 //! - [`container`] holds [`DeviceBuffer`](container::DeviceBuffer),
 //!   [`DeviceVec`](container::DeviceVec), [`DeviceScalar`](container::DeviceScalar), the
 //!   `allocator_api2` bridge [`HostAllocator`](container::HostAllocator) and
