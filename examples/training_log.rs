@@ -2,8 +2,8 @@
 //! `examples/data/` that `memres replay`, `stats` and `plot` are shown with.
 //!
 //! ```sh
-//! cargo run --release --example training_log -- examples/data/training.csv
-//! gzip -9 examples/data/training.csv
+//! cargo run --release --example training_log       # writes target/training.csv
+//! gzip -9c target/training.csv > examples/data/training.csv.gz   # to refresh the sample
 //! ```
 //!
 //! Three threads on four streams, as a data-parallel training step looks from its
@@ -27,7 +27,7 @@ const STEPS: usize = 1200;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args()
         .nth(1)
-        .unwrap_or_else(|| "examples/data/training.csv".into());
+        .unwrap_or_else(|| "target/training.csv".into());
     let log = Logging::to_file(HostHeap::new(), &path)?;
     // SAFETY: the handles are only written to the log: `HostHeap` never gives a stream to
     // the CUDA driver, and nothing else sees them.
