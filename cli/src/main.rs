@@ -33,7 +33,7 @@ use memres::units::parse_size;
 use memres::{Cuda, HostHeap, Managed, StreamRef};
 
 use crate::replay::{Outcome, Plan};
-use crate::stacks::{Kind, Memory, NAMES, Options, Stack, StackName};
+use crate::stacks::{Kind, Memory, Options, Stack, StackName};
 
 #[derive(Parser)]
 #[command(
@@ -82,9 +82,9 @@ struct ReplayArgs {
     /// (`pool,arena,binning`).
     #[arg(long, num_args = 1..)]
     compare: Vec<String>,
-    /// Replay against simulated device memory of this size (default where there is no
-    /// GPU: 80GiB).
-    #[arg(long, value_parser = size_arg)]
+    /// Replay against simulated device memory of this size, at least 1 MiB (default where
+    /// there is no GPU: 80GiB).
+    #[arg(long, value_parser = simulated_size)]
     simulate: Option<usize>,
     /// The pool's initial size.
     #[arg(long, value_parser = size_arg, default_value = "0")]
@@ -95,8 +95,8 @@ struct ReplayArgs {
     /// The arena's size (default: half the memory).
     #[arg(long, value_parser = size_arg)]
     arena_size: Option<usize>,
-    /// The fixed-size resource's block size.
-    #[arg(long, value_parser = size_arg, default_value = "1MiB")]
+    /// The fixed-size resource's block size (256 bytes at least).
+    #[arg(long, value_parser = block_size, default_value = "1MiB")]
     fixed_block: usize,
     /// The smallest and largest bin of `binning`, as powers of two.
     #[arg(long, default_value_t = 10)]
@@ -110,6 +110,26 @@ struct ReplayArgs {
 
 fn size_arg(text: &str) -> Result<usize, String> {
     parse_size(text).map_err(|e| e.to_string())
+}
+
+/// A simulated device's size: at least 1 MiB (a smaller one fails every request).
+fn simulated_size(text: &str) -> Result<usize, String> {
+    let size = size_arg(text)?;
+    if size < 1 << 20 {
+        return Err(format!(
+            "{size} bytes of simulated memory: give at least 1MiB"
+        ));
+    }
+    Ok(size)
+}
+
+/// A fixed-size block: at least 256 bytes (the granule every block is rounded to).
+fn block_size(text: &str) -> Result<usize, String> {
+    let size = size_arg(text)?;
+    if size < 256 {
+        return Err(format!("blocks of {size} bytes: give at least 256"));
+    }
+    Ok(size)
 }
 
 /// A byte count as people read it: `1.50 GiB`.
@@ -319,7 +339,9 @@ fn replay_one(
         }
         Memory::Simulated(size) if gpu_only => {
             return Err(format!(
-                "needs a GPU; {NAMES} run on simulated memory ({size} bytes) except cuda-async and managed"
+                "needs a GPU (the driver's own pool and managed memory cannot be simulated); \
+                 every other stack replays on simulated memory ({})",
+                bytes(size as u64)
             ));
         }
         Memory::Simulated(size) => {

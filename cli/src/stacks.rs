@@ -86,6 +86,16 @@ pub enum Wrapper {
 
 pub const NAMES: &str = "pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
 
+/// At most the first 80 characters of `text`, marked where cut: errors quote what was
+/// given without echoing a whole file's worth of it.
+fn excerpt(text: &str) -> String {
+    const MOST: usize = 80;
+    match text.char_indices().nth(MOST) {
+        Some((cut, _)) => format!("{}... ({} bytes in all)", &text[..cut], text.len()),
+        None => text.to_owned(),
+    }
+}
+
 impl StackName {
     pub fn parse(text: &str) -> Result<StackName, String> {
         let name = text.trim().to_ascii_lowercase();
@@ -105,7 +115,8 @@ impl StackName {
             "managed" if !host => Kind::Managed,
             _ => {
                 return Err(format!(
-                    "unknown resource {text:?} (expected one of {NAMES})"
+                    "unknown resource {:?} (expected one of {NAMES})",
+                    excerpt(text)
                 ));
             }
         };
@@ -124,7 +135,11 @@ impl StackName {
             return Ok((name, *defaults));
         }
         let spec = crate::spec::Spec::parse(text).map_err(|e| {
-            format!("unknown resource {text:?}: neither one of {NAMES} nor a spec string ({e})")
+            format!(
+                "unknown resource {:?}: neither one of {NAMES} nor a spec string ({})",
+                excerpt(text),
+                excerpt(&e.to_string())
+            )
         })?;
         let mut options = *defaults;
         let mut wrappers = Vec::new();

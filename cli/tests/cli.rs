@@ -472,3 +472,21 @@ fn an_output_path_that_cannot_be_written_fails_before_the_work() {
         );
     }
 }
+
+#[test]
+fn replay_options_out_of_range_and_long_specs_get_short_clear_errors() {
+    let log = sample("rmm-log-sample.csv");
+    let log = log.to_str().unwrap();
+    let err = fails(&["replay", log, "--simulate", "0"]);
+    assert!(err.contains("at least 1MiB"), "{err}");
+    let err = fails(&["replay", log, "--fixed-block", "0"]);
+    assert!(err.contains("at least 256"), "{err}");
+    let long = "statistics(".repeat(10_000);
+    let err = fails(&["replay", log, "-r", &long]);
+    assert!(err.len() < 1_000, "the error echoes {} bytes", err.len());
+    assert!(err.contains("110000 bytes in all"), "{err}");
+    // Both spellings of the spec names work as stack names.
+    for name in ["virtual_pool", "virtual-pool", "fixed"] {
+        ok(&["replay", log, "-r", name]);
+    }
+}
