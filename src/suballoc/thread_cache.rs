@@ -2,7 +2,10 @@
 //! calling thread's magazine for (resource, stream) and an allocation pops from it, with
 //! no atomic read-modify-write at all. A magazine trades blocks with its stream's shared
 //! list in batches (when it runs empty or overflows), and gives everything back when its
-//! thread exits or when a reclaim asks for it.
+//! thread exits or when a reclaim asks for it. A thread keeps magazines for at most
+//! [`MAGAZINES_PER_OWNER`] streams of one resource; its calls on further streams go to
+//! the streams' lists (so a thread on thousands of streams does not scan a magazine per
+//! stream on every call).
 //!
 //! Safety rests on one rule: a magazine's shard and owner-state pointers are dereferenced
 //! only (1) inside a call on the resource that owns them (the magazine is found by the
