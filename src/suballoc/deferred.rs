@@ -14,7 +14,7 @@
 //!
 //! Under stream capture no event can be queried later (it would be a node of the
 //! graph): a block freed on or used on a capturing stream is held until the
-//! sub-allocator next waits for every stream it has seen ([`Deferred::take_all`], from
+//! sub-allocator next waits for every stream it has seen ([`free_all`], from
 //! `trim`), or its drop.
 
 use std::alloc::Layout;

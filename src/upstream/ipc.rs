@@ -10,7 +10,7 @@
 //! - **Virtual memory** ([`CudaVirtual`](crate::CudaVirtual) made with
 //!   [`ExportHandle::PosixFd`](crate::ExportHandle), the in-place pool's leaf): each granule
 //!   is its own physical allocation, exported as a POSIX file descriptor
-//!   ([`Virtual::export_fds`](crate::Virtual::export_fds)); the other process gets the
+//!   (`CudaVirtual::export_fds`); the other process gets the
 //!   descriptors (over a Unix socket, or with `pidfd_getfd`) and maps them in order at a
 //!   new address with [`Imported::map_fds`].
 //!
