@@ -206,6 +206,35 @@ impl Exported {
     }
 }
 
+/// Raises this process's soft limit on open descriptors to its hard limit, once: a block
+/// of the in-place pool travels as one descriptor per granule (a 10 GiB tensor: 5,120 of
+/// 2 MiB), which the usual soft limit of 1,024 would refuse on both sides.
+fn raise_descriptor_limit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `limit` is a valid place for the call to write.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0
+            && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            // SAFETY: raising the soft limit up to the hard one needs no privilege; a
+            // failure leaves the limit as it was.
+            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+        }
+    });
+}
+
+/// What another process needs to map the block (see `DeviceStack::share`), with the
+/// descriptor limit raised first.
+fn share(stack: &crate::stack::DeviceStack, address: usize, size: usize) -> Result<Shared, Error> {
+    raise_descriptor_limit();
+    stack.share(address, size)
+}
+
 /// Takes descriptor `fd` of process `pid` (`pidfd_open` + `pidfd_getfd`).
 fn take_fd(pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, std::io::Error> {
     use std::os::fd::AsRawFd;
@@ -233,6 +262,7 @@ pub(crate) fn import(handle: &Handle, device: DeviceId) -> Result<Imported, Erro
     match handle {
         Handle::Cuda(bytes) => Imported::open_ipc_handle(device, bytes),
         Handle::Granules { pid, granule, fds } => {
+            raise_descriptor_limit();
             let pidfd = open_pid(*pid).map_err(|e| {
                 Error::invalid_argument(format!(
                     "the sending process {pid} cannot be reached (pidfd_open: {e}); has it \
@@ -374,7 +404,7 @@ pub unsafe extern "C" fn memres_ipc_export(
         });
         let (bytes, at, kept) = match again {
             Some((bytes, at)) => (bytes, at, None),
-            None => match stack.share(ptr as usize, size)? {
+            None => match share(stack, ptr as usize, size)? {
                 Shared::CudaHandle { handle, offset } => (handle.to_vec(), offset, None),
                 Shared::Granules {
                     granule,
@@ -565,6 +595,17 @@ mod tests {
         };
         let e = import(&handle, DeviceId::new(0)).unwrap_err();
         assert!(e.to_string().contains("cannot be reached"), "{e}");
+        // The import raised the descriptor limit first (a block's granules each take one).
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `limit` is a valid place for the call to write.
+        assert_eq!(
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
+            0
+        );
+        assert_eq!(limit.rlim_cur, limit.rlim_max);
     }
 
     #[test]
