@@ -601,10 +601,8 @@ mod tests {
             rlim_max: 0,
         };
         // SAFETY: `limit` is a valid place for the call to write.
-        assert_eq!(
-            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
-            0
-        );
+        let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+        assert_eq!(got, 0);
         assert_eq!(limit.rlim_cur, limit.rlim_max);
     }
 
