@@ -21,7 +21,7 @@ TESTS = [
     "--lib",
     "--test", "pool", "--test", "pool_in_place", "--test", "arena", "--test", "fixed_size",
     "--test", "reliability", "--test", "growth_race", "--test", "adaptors",
-    "--test", "fault_injection", "--test", "conformance_host",
+    "--test", "fault_injection", "--test", "conformance_host", "--test", "stream_lists",
 ]
 
 # name, file, snippet, replacement
@@ -35,7 +35,8 @@ MUTATIONS = [
      "if let Some(addr) = self.take_from_lanes(own, size, align) {",
      "if let Some(addr) = None::<usize> {"),
     ("in-place pool: no unmapping before growing", "src/suballoc/pool.rs",
-     "if may_wait && surplus >= best.len + g {", "if false && may_wait && surplus >= best.len + g {"),
+     "if may_wait && surplus >= g && whole_granule_free() {",
+     "if false && may_wait && surplus >= g && whole_granule_free() {"),
     ("FixedSize: the grower's block goes through the list (growth race)", "src/suballoc/fixed.rs",
      "            Ok(addr) => return Ok(addr),\n            Err(Error::OutOfMemory { .. }) => {}",
      "            Ok(addr) => {\n                own.state.lock().push(addr);\n                drop(chunks);\n                std::thread::yield_now();\n                return own.state.lock().pop().ok_or(Error::OutOfMemory { requested, limit: None });\n            }\n            Err(Error::OutOfMemory { .. }) => {}"),
@@ -44,7 +45,7 @@ MUTATIONS = [
     ("Tracking: a double free is passed on", "src/adaptor/tracking.rs",
      "not passed on\"\n                );\n                None", "not passed on\"\n                );\n                Some(layout)"),
     ("FixedSize: no merge of other streams' blocks before growing", "src/suballoc/fixed.rs",
-     "if !capturing && let Some(addr) = merge()? {", "if false && let Some(addr) = merge()? {"),
+     "if !capturing && let Some(addr) = merge(1)? {", "if false && let Some(addr) = merge(1)? {"),
     ("Pool: the release at a threshold makes the thread's own host list (deadlock)", "src/suballoc/pool.rs",
      "            self.release_into(&mut growth, self.host_list(), keep);",
      "            self.release_into(&mut growth, self.shard(StreamRef::HOST), keep);"),
@@ -52,6 +53,11 @@ MUTATIONS = [
      "            if !h.marks.iter().all(Mark::is_complete) {", "            if false {"),
     ("Growth::Eighth under a maximum: chunks not whole requests", "src/suballoc/pool.rs",
      "                    Some(whole) if whole <= remaining => whole,", "                    Some(whole) if false && whole <= remaining => whole,"),
+    ("FixedSize: a host list's last block is taken too (the steal cascade)", "src/suballoc/fixed.rs",
+     "let leave = usize::from(leave_last && other.key.stream() != shared_host);",
+     "let leave = usize::from(leave_last && other.key.stream() != shared_host) * 0;"),
+    ("Pool::trim keeps the lists' heap memory", "src/suballoc/pool.rs",
+     "            shard.state.lock().release_memory();\n", ""),
 ]
 
 
