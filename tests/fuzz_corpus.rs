@@ -7,11 +7,13 @@ mod target {
     include!("../fuzz/common/suballoc.rs");
 }
 
-#[test]
-fn the_suballoc_corpus_replays_clean() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/suballoc");
+/// Runs `check` on every input of `fuzz/corpus/<target>` (at least 10 of them); skips,
+/// saying so, where the corpus is absent (the GPU bundle carries binaries only).
+fn replay(target: &str, check: impl Fn(&[u8])) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
     let Ok(entries) = std::fs::read_dir(&dir) else {
-        // The GPU bundle carries binaries only.
         println!(
             "memres-skip: no corpus at {} (run from a checkout)",
             dir.display()
@@ -20,8 +22,7 @@ fn the_suballoc_corpus_replays_clean() {
     };
     let mut inputs = 0;
     for entry in entries {
-        let path = entry.unwrap().path();
-        target::run(&std::fs::read(&path).unwrap());
+        check(&std::fs::read(entry.unwrap().path()).unwrap());
         inputs += 1;
     }
     assert!(
@@ -31,33 +32,22 @@ fn the_suballoc_corpus_replays_clean() {
     );
 }
 
+#[test]
+fn the_suballoc_corpus_replays_clean() {
+    replay("suballoc", target::run);
+}
+
 /// The log reader's corpus (`fuzz/corpus/read_events`, found by `cargo +nightly fuzz run
 /// read_events`), with the target's own checks: events or an error, every event naming a
 /// line of the input, never a panic.
 #[test]
 fn the_read_events_corpus_replays_clean() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/read_events");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        println!(
-            "memres-skip: no corpus at {} (run from a checkout)",
-            dir.display()
-        );
-        return;
-    };
-    let mut inputs = 0;
-    for entry in entries {
-        let data = std::fs::read(entry.unwrap().path()).unwrap();
-        if let Ok(events) = memres::log::read_events(&data[..]) {
+    replay("read_events", |data| {
+        if let Ok(events) = memres::log::read_events(data) {
             assert!(events.iter().all(|e| e.line >= 2));
         }
-        if let Ok(text) = std::str::from_utf8(&data) {
+        if let Ok(text) = std::str::from_utf8(data) {
             let _ = memres::log::parse_event(text, 2);
         }
-        inputs += 1;
-    }
-    assert!(
-        inputs >= 10,
-        "the corpus at {} has {inputs} inputs",
-        dir.display()
-    );
+    });
 }

@@ -35,7 +35,7 @@ use std::ffi::{c_int, c_void};
 use mr::Error;
 use mr::device::DeviceId;
 
-use crate::{Failure, MEMRES_OK, built_stack, guarded, slot};
+use crate::{Failure, MEMRES_OK, guarded, slot};
 use mr::upstream::{IPC_HANDLE_SIZE, Imported};
 
 /// What [`DeviceStack::share`](crate::stack::DeviceStack::share) gives for a block.
@@ -163,18 +163,23 @@ impl Exported {
     /// Keeps `fds` open until the block at `address` is freed; `handle` and `offset` are
     /// what later exports of the block return.
     pub(crate) fn keep(&self, address: usize, handle: Vec<u8>, offset: usize, fds: Vec<OwnedFd>) {
+        use std::collections::hash_map::Entry;
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        let export = map.entry(address).or_insert_with(|| {
-            self.blocks.fetch_add(1, Ordering::Relaxed);
-            Export {
-                handle: Vec::new(),
-                offset,
-                fds: Vec::new(),
+        match map.entry(address) {
+            Entry::Occupied(mut e) => {
+                let export = e.get_mut();
+                (export.handle, export.offset) = (handle, offset);
+                export.fds.extend(fds);
             }
-        });
-        export.handle = handle;
-        export.offset = offset;
-        export.fds.extend(fds);
+            Entry::Vacant(e) => {
+                self.blocks.fetch_add(1, Ordering::Relaxed);
+                e.insert(Export {
+                    handle,
+                    offset,
+                    fds,
+                });
+            }
+        }
     }
 
     /// The handle and offset exported for the block at `address`, if one of `len` bytes
@@ -377,17 +382,7 @@ pub unsafe extern "C" fn memres_ipc_export(
         if ptr.is_null() {
             return Err(Failure::invalid("memres_ipc_export: the pointer is null"));
         }
-        let stack = built_stack(device)?.ok_or_else(|| {
-            Failure::invalid(format!(
-                "memres_ipc_export: memres never allocated on device {device}"
-            ))
-        })?;
-        if stack.may_hold(ptr as usize) == Some(false) {
-            return Err(Failure::invalid(format!(
-                "memres_ipc_export: {ptr:p} is not memory of device {device}'s pool \
-                     (memres never handed it out)"
-            )));
-        }
+        let stack = crate::stack_of_block("memres_ipc_export", ptr as usize, device, "")?;
         let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
         if out.is_null() {
             // Only the length, which follows from the range.

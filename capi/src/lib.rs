@@ -241,6 +241,30 @@ fn built_stack(device: c_int) -> Result<Option<&'static DeviceStack>, Failure> {
     Ok(slot(device)?.get())
 }
 
+/// The stack of `device`, for a call (`what`, named in the messages) on a block it handed
+/// out at `ptr`: a failure for a device memres never allocated on, or an address outside
+/// the stack's pool where the stack can tell (the default stack). `tail` ends the
+/// messages (what became of the call).
+fn stack_of_block(
+    what: &str,
+    ptr: usize,
+    device: c_int,
+    tail: &str,
+) -> Result<&'static DeviceStack, Failure> {
+    let stack = built_stack(device)?.ok_or_else(|| {
+        Failure::invalid(format!(
+            "{what}: memres never allocated on device {device}{tail}"
+        ))
+    })?;
+    if stack.may_hold(ptr) == Some(false) {
+        return Err(Failure::invalid(format!(
+            "{what}: {ptr:#x} is not memory of device {device}'s pool (memres never handed \
+             it out){tail}"
+        )));
+    }
+    Ok(stack)
+}
+
 /// Chooses the resource stack of every device, before the first allocation. See
 /// `memres.h` for the spec syntax.
 ///
@@ -356,17 +380,7 @@ pub unsafe extern "C" fn memres_free(
                 Failure::invalid(format!("memres_free: negative size {size}; block leaked"))
             })?;
             let layout = mr::layout(size)?;
-            let stack = built_stack(device)?.ok_or_else(|| {
-                Failure::invalid(format!(
-                    "memres_free: memres never allocated on device {device}; block ignored"
-                ))
-            })?;
-            if stack.may_hold(ptr.as_ptr() as usize) == Some(false) {
-                return Err(Failure::invalid(format!(
-                    "memres_free: {ptr:p} is not memory of device {device}'s pool (memres \
-                     never handed it out); ignored"
-                )));
-            }
+            let stack = stack_of_block("memres_free", ptr.as_ptr() as usize, device, "; ignored")?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
             stack.count_free(layout.size());
@@ -422,17 +436,7 @@ pub unsafe extern "C" fn memres_record_stream(
                     "memres_record_stream: the pointer is null",
                 ));
             }
-            let stack = built_stack(device)?.ok_or_else(|| {
-                Failure::invalid(format!(
-                    "memres_record_stream: memres never allocated on device {device}"
-                ))
-            })?;
-            if stack.may_hold(ptr as usize) == Some(false) {
-                return Err(Failure::invalid(format!(
-                    "memres_record_stream: {ptr:p} is not memory of device {device}'s pool \
-                     (memres never handed it out)"
-                )));
-            }
+            let stack = stack_of_block("memres_record_stream", ptr as usize, device, "")?;
             stack.recorded().record(ptr as usize, stream as usize);
             Ok(MEMRES_OK)
         },

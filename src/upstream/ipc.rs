@@ -253,3 +253,36 @@ impl Drop for Imported {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+
+    #[test]
+    fn nothing_to_map_is_an_invalid_argument() {
+        let (r, _w) = std::io::pipe().expect("a pipe");
+        let fd: std::os::fd::OwnedFd = r.into();
+        for (granule, fds) in [(2 << 20, vec![]), (0, vec![fd.as_fd()])] {
+            let e = Imported::map_fds(DeviceId::new(0), granule, &fds).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        }
+        let e =
+            Imported::map_fds(DeviceId::new(0), usize::MAX, &[fd.as_fd(), fd.as_fd()]).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+    }
+
+    #[test]
+    fn without_a_driver_there_is_no_handle_to_take_or_open() {
+        if driver::is_present() {
+            println!(
+                "memres-skip: a CUDA driver is present (this test is for machines without one)"
+            );
+            return;
+        }
+        assert!(matches!(ipc_handle(0x1000), Err(Error::NoDriver)));
+        let e = Imported::open_ipc_handle(DeviceId::new(0), &[0; IPC_HANDLE_SIZE]).unwrap_err();
+        assert!(matches!(e, Error::NoDriver), "{e}");
+    }
+}
