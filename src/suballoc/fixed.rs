@@ -271,10 +271,8 @@ impl<U: Resource> FixedSize<U> {
         }
         // Host streams' blocks (free for all; at most 2 MiB of them, so that a stream
         // does not keep what others would then grow for), then those of the stream's
-        // other lanes (one stream to the device): half of the first list found with any.
-        // A host stream's last block stays in its list (its stream would come here for one
-        // at once, and over many streams each holding one block every allocation would
-        // take another's: issue 33, finding 3), but for the shared host stream's.
+        // other lanes (one stream to the device): half of the first list found with any,
+        // host lists keeping their last block (see `take_from_host_lists`).
         if let Some(addr) = self.take_from_host_lists(own, true) {
             return Ok(addr);
         }
@@ -349,10 +347,9 @@ impl<U: Resource> FixedSize<U> {
 
 /// Moves half the blocks of `from`'s list (the most recently freed; at least one, at
 /// most `most`, leaving at least `leave`) to `into`'s and takes one: a thread whose list
-/// runs dry comes to the
-/// slow path once per batch, not per block (a thread that only allocates, its blocks
-/// freed by another thread on the stream; a new thread on a stream whose blocks are in
-/// an old one's list).
+/// runs dry comes to the slow path once per batch, not per block (a thread that only
+/// allocates, its blocks freed by another thread on the stream; a new thread on a stream
+/// whose blocks are in an old one's list).
 fn take_half(
     from: &Shard<Vec<usize>>,
     into: &Shard<Vec<usize>>,
