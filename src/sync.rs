@@ -84,3 +84,104 @@ pub(crate) fn yield_now() {
 
 #[cfg(memres_loom)]
 pub(crate) use loom::thread::yield_now;
+
+/// An asymmetric pair of fences: [`light`](barrier::light), which a hot path runs on every
+/// call and which costs nothing at run time, and [`heavy`](barrier::heavy), which a rare
+/// path runs and which makes every thread of the process execute a full fence (Linux's
+/// `membarrier`). Together they order a store before each against a load after the
+/// other, as two `SeqCst` fences would (the Dekker pattern: each side stores its flag,
+/// fences, then reads the other's; at least one sees the other's flag). Under loom both
+/// are `SeqCst` fences, whose meaning the heavy one gives the pair.
+pub(crate) mod barrier {
+    /// The hot side: a compiler fence. Pairs with [`heavy`], whose caller must go
+    /// without the pairing when it returns false.
+    #[cfg(not(memres_loom))]
+    #[inline(always)]
+    pub(crate) fn light() {
+        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The hot side (under loom: a `SeqCst` fence).
+    #[cfg(memres_loom)]
+    pub(crate) fn light() {
+        loom::sync::atomic::fence(loom::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`heavy`] is offered here: Linux's `membarrier` with its private
+    /// expedited command (Linux 4.14 and later), for which the process registers on the
+    /// first call. A caller that finds it false may not rely on the pairing.
+    #[cfg(all(not(memres_loom), target_os = "linux"))]
+    pub(crate) fn heavy_available() -> bool {
+        use std::sync::OnceLock;
+        static REGISTERED: OnceLock<bool> = OnceLock::new();
+        *REGISTERED.get_or_init(|| {
+            let offered = membarrier(QUERY);
+            offered >= 0
+                && offered & PRIVATE_EXPEDITED != 0
+                && membarrier(REGISTER_PRIVATE_EXPEDITED) == 0
+        })
+    }
+
+    /// Whether [`heavy`] is offered here: not outside Linux.
+    #[cfg(all(not(memres_loom), not(target_os = "linux")))]
+    pub(crate) fn heavy_available() -> bool {
+        false
+    }
+
+    /// Whether [`heavy`] is offered here (under loom: always).
+    #[cfg(memres_loom)]
+    pub(crate) fn heavy_available() -> bool {
+        true
+    }
+
+    /// The rare side: every running thread of the process executes a full memory
+    /// barrier before this returns, so a thread's stores before its [`light`] are seen
+    /// here, or its loads after it see this thread's stores before this call. Only where
+    /// [`heavy_available`] said true.
+    #[cfg(all(not(memres_loom), target_os = "linux"))]
+    pub(crate) fn heavy() {
+        debug_assert!(heavy_available());
+        // After a registration, the command fails only for a process that is not
+        // registered (`EPERM`) or a kernel without it (`EINVAL`), which the registration
+        // ruled out.
+        let done = membarrier(PRIVATE_EXPEDITED);
+        if done != 0 {
+            tracing::error!(done, "memres: membarrier failed after its registration");
+        }
+    }
+
+    /// The rare side: never called outside Linux (see [`heavy_available`]).
+    #[cfg(all(not(memres_loom), not(target_os = "linux")))]
+    pub(crate) fn heavy() {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The rare side (under loom: a `SeqCst` fence).
+    #[cfg(memres_loom)]
+    pub(crate) fn heavy() {
+        loom::sync::atomic::fence(loom::sync::atomic::Ordering::SeqCst);
+    }
+
+    // The kernel's `membarrier` commands (linux/membarrier.h).
+    #[cfg(all(not(memres_loom), target_os = "linux"))]
+    const QUERY: libc::c_long = 0;
+    #[cfg(all(not(memres_loom), target_os = "linux"))]
+    const PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
+    #[cfg(all(not(memres_loom), target_os = "linux"))]
+    const REGISTER_PRIVATE_EXPEDITED: libc::c_long = 1 << 4;
+
+    /// `membarrier(cmd, 0, 0)`.
+    #[cfg(all(not(memres_loom), target_os = "linux"))]
+    fn membarrier(cmd: libc::c_long) -> libc::c_long {
+        // SAFETY: `membarrier(cmd, flags = 0, cpu_id = 0)` reads and writes no memory of
+        // ours; an unknown command is an error return.
+        unsafe {
+            libc::syscall(
+                libc::SYS_membarrier,
+                cmd,
+                0 as libc::c_long,
+                0 as libc::c_long,
+            )
+        }
+    }
+}

@@ -203,11 +203,24 @@ fn a_starving_thread_gets_blocks_another_live_thread_had_cached() {
     unsafe { fixed.deallocate_sync(p, l) };
 }
 
-/// A thread that does not call the resource again cannot answer: its cached blocks stay
-/// there (the starving thread gets `OutOfMemory` after a short wait) until its next call
-/// (on any stream) or its exit.
+/// Whether the kernel offers `membarrier`'s private expedited command, with which a
+/// reclaim takes an idle thread's cached blocks (else it can only ask).
+fn membarrier_offered() -> bool {
+    // SAFETY: `membarrier(MEMBARRIER_CMD_QUERY, 0, 0)` only returns a mask.
+    let mask = unsafe { libc::syscall(libc::SYS_membarrier, 0 as libc::c_long, 0, 0) };
+    mask >= 0 && mask & (1 << 3) != 0
+}
+
+/// A thread that caches blocks and then makes no call: a thread that runs out takes the
+/// cached blocks from it (issue 33, finding 8: it used to get `OutOfMemory` until the
+/// idle thread's next call), without the resource growing; the block the idle thread
+/// still holds comes back when it frees it.
 #[test]
-fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
+fn an_idle_threads_cached_blocks_are_taken_before_out_of_memory() {
+    if !membarrier_offered() {
+        println!("memres-skip: no membarrier here: an idle thread's cache can only be asked");
+        return;
+    }
     let fixed = one_chunk();
     let l = layout(4096).unwrap();
     let (cached, main_waits) = mpsc::channel::<()>();
@@ -224,26 +237,27 @@ fn an_idle_threads_cached_blocks_come_back_at_its_next_call() {
         }
         cached.send(()).unwrap();
         worker_waits.recv().unwrap();
-        // One call, on another stream than the cached blocks' (a free, which needs no
-        // block), sees the reclaim and gives every cached block back.
         // SAFETY: allocated above with `l`; freeing on host stream 7 means "unused now".
         unsafe { theirs.deallocate(StreamRef::host(7), kept, l) };
         touched.send(()).unwrap();
         worker_waits.recv().unwrap();
     });
     main_waits.recv().unwrap();
-    let started = std::time::Instant::now();
+    let mut blocks: Vec<_> = (0..15)
+        .map(|_| {
+            fixed
+                .allocate_sync(l)
+                .expect("taken from the idle thread's cache")
+        })
+        .collect();
+    assert_eq!(fixed.upstream_allocations(), 1, "no growth");
     assert!(matches!(
         fixed.allocate_sync(l),
         Err(Error::OutOfMemory { .. })
     ));
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(1),
-        "a short wait"
-    );
     touch.send(()).unwrap();
     main_waits_again.recv().unwrap();
-    let blocks: Vec<_> = (0..16).map(|_| fixed.allocate_sync(l).unwrap()).collect();
+    blocks.push(fixed.allocate_sync(l).expect("the block freed last"));
     touch.send(()).unwrap();
     worker.join().unwrap();
     for p in blocks {

@@ -366,8 +366,10 @@ fn loom_an_exited_threads_cached_blocks_come_back() {
 }
 
 /// A thread that finds no free block while another thread caches every block of the
-/// resource starts a reclaim: the caching thread gives its blocks back at its next call
-/// and keeps none while the caches are off. Whatever the interleaving, no block is held
+/// resource starts a reclaim, which takes the caching thread's blocks, maybe while that
+/// thread is using its cache (the flags and fences of `thread_cache`; loom checks the
+/// cache's cell is never used by both); the caching thread keeps none while the caches
+/// are off. Whatever the interleaving, no block is held
 /// by both threads at once, every failure is `OutOfMemory`, and once both are done every
 /// block is free in a list without the resource growing.
 #[test]
@@ -429,6 +431,62 @@ fn loom_a_reclaim_takes_blocks_back_from_a_busy_threads_cache() {
         }
         super::thread_cache::exit_thread();
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
+    });
+}
+
+/// A thread caches both blocks of the resource and then makes no further call while
+/// another thread needs them: the reclaim takes them out of its cache (the `busy` /
+/// `taken` flags and the two fences of `thread_cache`), so both allocations succeed
+/// without the resource growing, and the idle thread's exit gives back nothing twice.
+#[test]
+fn loom_a_reclaim_takes_blocks_from_an_idle_threads_cache() {
+    use crate::adaptor::Limiting;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+
+    type Fixed = FixedSize<Limiting<HostHeap>>;
+    let l = Layout::from_size_align(256, 256).unwrap();
+    loom::model(move || {
+        // One chunk of two blocks, and no room for another.
+        let upstream = Limiting::new(HostHeap::new(), 512);
+        let fixed: Arc<Fixed> = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
+        let cached = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let (other, cached2, done2) = (Arc::clone(&fixed), Arc::clone(&cached), Arc::clone(&done));
+        let idle = thread::spawn(move || {
+            let a = other.allocate(StreamRef::HOST, l).unwrap();
+            let b = other.allocate(StreamRef::HOST, l).unwrap();
+            // SAFETY: from `other` with `l` on the host stream, not used afterwards.
+            unsafe {
+                other.deallocate(StreamRef::HOST, a, l);
+                other.deallocate(StreamRef::HOST, b, l);
+            }
+            cached2.store(true, Ordering::Release);
+            while !done2.load(Ordering::Acquire) {
+                loom::thread::yield_now();
+            }
+            super::thread_cache::exit_thread();
+        });
+        while !cached.load(Ordering::Acquire) {
+            loom::thread::yield_now();
+        }
+        let a = fixed
+            .allocate(StreamRef::HOST, l)
+            .expect("taken from the idle cache");
+        let b = fixed
+            .allocate(StreamRef::HOST, l)
+            .expect("taken from the idle cache");
+        assert_ne!(a, b);
+        assert_eq!(fixed.upstream_allocations(), 1, "taken, not grown");
+        done.store(true, Ordering::Release);
+        idle.join().unwrap();
+        // SAFETY: from `fixed` with `l` on the host stream, not used afterwards.
+        unsafe {
+            fixed.deallocate(StreamRef::HOST, a, l);
+            fixed.deallocate(StreamRef::HOST, b, l);
+        }
+        super::thread_cache::exit_thread();
+        assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
+        assert_eq!(fixed.free_blocks(), 2, "each block free once");
     });
 }
 

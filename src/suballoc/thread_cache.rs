@@ -17,25 +17,42 @@
 //!
 //! **Reclaim.** A thread about to report out-of-memory may hold the owner's growth lock
 //! and still find no free block while other threads' magazines hold some. It starts a
-//! reclaim ([`Cache::reclaim`]): the owner's epoch turns odd; every thread, at its next
-//! call on the owner, sees that its magazines are stale, gives their blocks back to their
-//! lists and keeps no magazine (calls go straight to the lists) until the epoch turns
-//! even again, when the owner next grows or after 65,536 calls without caches
-//! ([`Cache::resume`]). The reclaimer waits until
-//! no magazine of the owner is left on any thread, or a short while (a thread that does
-//! not call the owner again cannot answer: its blocks stay cached until it does or
-//! exits). The epoch is one relaxed load on the fast path;
-//! blocks only ever move under their list's lock, so the protocol needs no ordering for
-//! safety, only the release/acquire pair on the magazine count for the reclaimer to see
-//! the blocks given back.
+//! reclaim ([`Cache::reclaim`]): the owner's epoch turns odd, so that no thread keeps a
+//! magazine of the owner (calls go straight to the lists) until the epoch turns even
+//! again, when the owner next grows or after 65,536 calls without caches
+//! ([`Cache::resume`]); and the reclaimer takes the blocks of every thread's magazines
+//! itself, also from threads that never call the owner again (an idle thread's cache
+//! would otherwise starve the others: issue 33, finding 8).
+//!
+//! **Taking another thread's blocks.** A magazine's blocks live in a [`Stash`], which the
+//! owner also lists. The thread that owns the magazine marks each use of the blocks:
+//! `busy = true`, a light fence, a check that `taken` is clear, the use, `busy = false`
+//! (release). The reclaimer sets `taken` on every listed stash, runs a heavy fence, then
+//! waits for each stash's `busy` to read false (acquire) and moves its blocks to their
+//! stream's list. The two fences ([`crate::sync::barrier`]: a compiler fence and Linux's
+//! `membarrier`, which makes every thread of the process execute a full fence) order each
+//! side's store before the other's load, so for every use either the reclaimer sees
+//! `busy` set and waits for the use to end, or the use sees `taken` and leaves the blocks
+//! alone (its thread then drops the magazine). The fast path thus stays free of atomic
+//! read-modify-writes: two plain stores and a load on a line only its thread writes.
+//! `tests/loom.rs` checks the protocol with `SeqCst` fences on both sides (the meaning
+//! `membarrier` gives the pair). Where the kernel has no `membarrier` (before Linux
+//! 4.14), the reclaimer instead waits a short while for the threads to give their blocks
+//! back at their next call on the owner (a thread that does not call again cannot
+//! answer).
+//!
+//! A magazine is made (and listed) under the list's lock only while the epoch is the one
+//! it was read as, and a reclaim turns the epoch odd under the same lock: a magazine is
+//! either listed before a reclaim takes the list's stashes, or never made.
 
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::sync::PoisonError;
 
-use super::shards::{Shard, StreamKey};
-use crate::sync::Mutex;
-use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use super::shards::{Shard, StreamKey, lock};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::cell::UnsafeCell;
+use crate::sync::{Arc, Mutex, barrier};
 
 // Owners alive now. Taken only when an owner comes or goes and when a thread exits.
 // (Under loom, a lazy static, which each model execution builds afresh.)
@@ -49,7 +66,8 @@ loom::lazy_static! {
 /// Owner ids, never reused (they only need to be unique, so no model checks them).
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// How long a reclaim waits for the threads holding magazines to answer.
+/// How long a reclaim waits for the threads holding magazines to answer (where it cannot
+/// take their blocks itself).
 #[cfg(not(memres_loom))]
 const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
 
@@ -57,10 +75,11 @@ const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
 /// every magazine) survives the owner being moved.
 #[derive(Debug)]
 struct Shared {
-    /// Even: caches work. Odd: a reclaim is under way.
+    /// Even: caches work. Odd: a reclaim is under way. Turned odd only under
+    /// `stashes`' lock.
     epoch: AtomicU64,
-    /// Magazines of the owner on all threads.
-    magazines: AtomicUsize,
+    /// The stashes of the owner's magazines on all threads.
+    stashes: Mutex<Vec<Arc<Stash>>>,
     /// Calls made while the caches are off (see [`CALLS_OFF`]).
     calls_off: AtomicU64,
 }
@@ -86,7 +105,7 @@ impl Owner {
             retired: false,
             shared: Box::new(Shared {
                 epoch: AtomicU64::new(0),
-                magazines: AtomicUsize::new(0),
+                stashes: Mutex::new(Vec::new()),
                 calls_off: AtomicU64::new(0),
             }),
         }
@@ -111,31 +130,90 @@ impl Drop for Owner {
     }
 }
 
+/// A magazine's blocks, where a reclaim can take them (see the module's "Taking another
+/// thread's blocks").
+#[derive(Debug)]
+struct Stash {
+    /// Set by the magazine's thread while it uses `blocks`.
+    busy: AtomicBool,
+    /// Set by a reclaim: the blocks are the reclaimer's, the magazine is dead.
+    taken: AtomicBool,
+    blocks: UnsafeCell<Vec<usize>>,
+    /// The list the blocks go back to.
+    shard: *const Shard<Vec<usize>>,
+}
+
+// SAFETY: `blocks` is used by one thread at a time, by the protocol of the module's docs
+// (the magazine's thread between `busy` and its release; the reclaimer after `taken`,
+// the heavy fence and an acquire load of `busy` reading false); `shard` is dereferenced
+// only under the module's rules (1) and (2). The rest is atomics.
+unsafe impl Send for Stash {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Stash {}
+
+impl Stash {
+    /// Runs `f` on the blocks, as the magazine's thread; `None` if a reclaim took them.
+    #[inline]
+    fn with<R>(&self, f: impl FnOnce(&mut Vec<usize>) -> R) -> Option<R> {
+        self.busy.store(true, Ordering::Relaxed);
+        barrier::light();
+        if self.taken.load(Ordering::Relaxed) {
+            self.busy.store(false, Ordering::Relaxed);
+            return None;
+        }
+        // SAFETY: `busy` is set and `taken` was clear after the light fence: the
+        // reclaimer has not taken the blocks and waits for `busy` to clear before it
+        // does; no other thread uses them (the magazine is this thread's).
+        let done = self
+            .blocks
+            .get_mut()
+            .with(|blocks| f(unsafe { &mut *blocks }));
+        // Release: the reclaimer's acquire load that reads false sees this use's writes.
+        self.busy.store(false, Ordering::Release);
+        Some(done)
+    }
+
+    /// Takes the blocks, as the reclaimer, once `taken` is set and the heavy fence has
+    /// run (or, without one, the blocks are known to be given back: then empty).
+    fn take(&self) -> Vec<usize> {
+        while self.busy.load(Ordering::Acquire) {
+            crate::sync::yield_now();
+        }
+        // SAFETY: `taken` was set before the heavy fence, so every use of the blocks
+        // either began before it (and `busy`, set then, has since read false with
+        // acquire: the use is over and its writes seen) or sees `taken` and leaves them.
+        self.blocks
+            .get_mut()
+            .with(|blocks| std::mem::take(unsafe { &mut *blocks }))
+    }
+}
+
 struct Magazine {
     owner: u64,
     key: StreamKey,
     /// The owner's epoch when the magazine was made: another one means "give back".
     epoch: u64,
-    shard: *const Shard<Vec<usize>>,
+    stash: Arc<Stash>,
     shared: *const Shared,
-    blocks: Vec<usize>,
 }
 
 impl Magazine {
-    /// Gives the blocks back to their list and leaves the owner's count.
+    /// Gives the blocks back to their list (unless a reclaim took them) and leaves the
+    /// owner's list of stashes.
     ///
     /// # Safety
     /// The owner is alive until this returns (rule (1) or (2) of the module).
     unsafe fn give_back(self) {
-        if !self.blocks.is_empty() {
-            // SAFETY: the caller's promise; the owner's shards live as long as it does.
-            let shard = unsafe { &*self.shard };
-            shard.state.lock().extend(self.blocks);
-        }
+        // SAFETY: the caller's promise; the owner's shards live as long as it does.
+        let shard = unsafe { &*self.stash.shard };
+        self.stash.with(|blocks| {
+            if !blocks.is_empty() {
+                shard.state.lock().append(blocks);
+            }
+        });
         // SAFETY: as above; `shared` is the owner's boxed state.
         let shared = unsafe { &*self.shared };
-        // Release: the blocks are in their list before the reclaimer sees the count.
-        shared.magazines.fetch_sub(1, Ordering::Release);
+        lock(&shared.stashes).retain(|s| !Arc::ptr_eq(s, &self.stash));
     }
 }
 
@@ -359,22 +437,35 @@ impl<'a> Cache<'a> {
         if mags.list.len() >= PRUNE_AT {
             prune(&mut mags.list);
         }
+        let stash = Arc::new(Stash {
+            busy: AtomicBool::new(false),
+            taken: AtomicBool::new(false),
+            blocks: UnsafeCell::new(Vec::with_capacity(self.capacity)),
+            shard: make(),
+        });
+        {
+            // Listed while the epoch is still the one read: else a reclaim has begun (and
+            // may have taken the list's stashes already), and no magazine is made.
+            let mut stashes = lock(&shared.stashes);
+            if shared.epoch.load(Ordering::Relaxed) != epoch {
+                return None;
+            }
+            stashes.push(Arc::clone(&stash));
+        }
         mags.list.push(Magazine {
             owner: self.owner.id,
             key,
             epoch,
-            shard: make(),
+            stash,
             shared,
-            blocks: Vec::with_capacity(self.capacity),
         });
-        shared.magazines.fetch_add(1, Ordering::Relaxed);
         mags.list.last_mut()
     }
 
     /// A block from the thread's magazine, if it has one.
     #[inline]
     pub(crate) fn pop(&self, key: StreamKey) -> Option<usize> {
-        self.with(|mags| self.magazine(mags, key, None)?.blocks.pop())
+        self.with(|mags| self.magazine(mags, key, None)?.stash.with(Vec::pop)?)
     }
 
     /// Puts a freed block in the thread's magazine; when the magazine overflows, half of
@@ -393,16 +484,17 @@ impl<'a> Cache<'a> {
     ) -> Option<usize> {
         let capacity = self.capacity;
         let done = self.with(|mags| {
-            let m = self.magazine(mags, key, Some(&shard))?;
-            if m.blocks.len() >= capacity {
-                // SAFETY: the magazine (found by the owner's id) points at the owner's
-                // shard (`magazine` made it so), alive during this call on the owner.
-                let shard = unsafe { &*m.shard }; // (rule (1) of the module)
-                let keep = capacity / 2;
-                shard.state.lock().extend(m.blocks.drain(keep..));
-            }
-            m.blocks.push(addr);
-            Some(())
+            let stash = &*self.magazine(mags, key, Some(&shard))?.stash;
+            stash.with(|blocks| {
+                if blocks.len() >= capacity {
+                    // SAFETY: the magazine (found by the owner's id) points at the owner's
+                    // shard (`magazine` made it so), alive during this call on the owner.
+                    let shard = unsafe { &*stash.shard }; // (rule (1) of the module)
+                    let keep = capacity / 2;
+                    shard.state.lock().extend(blocks.drain(keep..));
+                }
+                blocks.push(addr);
+            })
         });
         match done {
             Some(()) => None,
@@ -421,19 +513,20 @@ impl<'a> Cache<'a> {
         let mut got = None;
         let refilled = self.with(|mags| {
             let m = self.magazine(mags, key, Some(&|| shard))?;
-            let mut from = shard.state.lock();
-            got = from.pop();
-            if got.is_some() {
-                let n = more.min(from.len());
-                let start = from.len() - n;
-                m.blocks.extend(from.drain(start..));
-            }
-            Some(())
+            m.stash.with(|blocks| {
+                let mut from = shard.state.lock();
+                got = from.pop();
+                if got.is_some() {
+                    let n = more.min(from.len());
+                    let start = from.len() - n;
+                    blocks.extend(from.drain(start..));
+                }
+            })
         });
         match refilled {
             Some(()) => got,
-            // No magazine (the thread is exiting, or a reclaim is under way): straight
-            // from the list.
+            // No magazine (the thread is exiting, or a reclaim is under way or took this
+            // one's blocks): straight from the list.
             None => shard.state.lock().pop(),
         }
     }
@@ -447,39 +540,55 @@ impl<'a> Cache<'a> {
         });
     }
 
-    /// Asks every thread to give back the owner's magazines (this thread's at once,
-    /// others' at their next call on the owner) and turns the caches off until
-    /// [`resume`](Self::resume). The first call waits until no magazine is left or a
-    /// short while has passed; later ones, while the caches are still off, do not wait
-    /// again. The caller takes the blocks given back from the lists; it holds the owner's
-    /// growth lock, so reclaims and resumes do not overlap. True if no magazine is left.
+    /// Takes the blocks of the owner's magazines on every thread back to their lists
+    /// (this thread's given back, the others' taken: see the module's docs) and turns the
+    /// caches off until [`resume`](Self::resume). The caller then takes blocks from the
+    /// lists; it holds the owner's growth lock, so reclaims and resumes do not overlap.
+    /// True if no magazine is left. Without `membarrier` other threads give their blocks
+    /// back at their next call on the owner: the first such reclaim waits a short while
+    /// for them, later ones (while the caches are still off) do not wait again.
     pub(crate) fn reclaim(&self) -> bool {
         self.flush();
         let shared = &*self.owner.shared;
-        // Acquire: pairs with `give_back`'s release, so the blocks are in the lists.
-        let none_left = || shared.magazines.load(Ordering::Acquire) == 0;
-        if shared.epoch.load(Ordering::Relaxed) % 2 == 1 || none_left() {
-            // Caches already off, or no other thread has a magazine: nothing to ask for.
-            return none_left();
+        let waits = {
+            let mut stashes = lock(&shared.stashes);
+            if stashes.is_empty() {
+                // No other thread has a magazine: nothing to take or turn off.
+                return true;
+            }
+            let was_on = shared.epoch.load(Ordering::Relaxed).is_multiple_of(2);
+            if was_on {
+                shared.calls_off.store(0, Ordering::Relaxed);
+                shared.epoch.fetch_add(1, Ordering::Relaxed);
+            }
+            if barrier::heavy_available() {
+                for stash in stashes.iter() {
+                    stash.taken.store(true, Ordering::Relaxed);
+                }
+                barrier::heavy();
+                for stash in stashes.drain(..) {
+                    let blocks = stash.take();
+                    if !blocks.is_empty() {
+                        // SAFETY: inside a call on the owner (rule (1)): its shards live.
+                        let shard = unsafe { &*stash.shard };
+                        shard.state.lock().extend(blocks);
+                    }
+                }
+                return true;
+            }
+            was_on
+        };
+        if !waits {
+            return lock(&shared.stashes).is_empty();
         }
-        shared.calls_off.store(0, Ordering::Relaxed);
-        shared.epoch.fetch_add(1, Ordering::Relaxed);
         #[cfg(not(memres_loom))]
         let deadline = std::time::Instant::now() + RECLAIM_WAIT;
-        #[cfg(memres_loom)]
-        let mut turns = 0;
         loop {
-            if none_left() {
+            if lock(&shared.stashes).is_empty() {
                 return true;
             }
             #[cfg(not(memres_loom))]
-            let late = std::time::Instant::now() >= deadline;
-            #[cfg(memres_loom)]
-            let late = {
-                turns += 1;
-                turns > 2
-            };
-            if late {
+            if std::time::Instant::now() >= deadline {
                 return false;
             }
             crate::sync::yield_now();
@@ -506,7 +615,7 @@ impl<'a> Cache<'a> {
     /// Magazines of the owner on all threads.
     #[cfg(memres_loom)]
     pub(crate) fn magazines(&self) -> usize {
-        self.owner.shared.magazines.load(Ordering::Acquire)
+        lock(&self.owner.shared.stashes).len()
     }
 
     /// Blocks of the owner in this thread's magazines.
@@ -516,7 +625,7 @@ impl<'a> Cache<'a> {
                 mags.list
                     .iter()
                     .filter(|m| m.owner == self.owner.id)
-                    .map(|m| m.blocks.len())
+                    .map(|m| m.stash.with(|blocks| blocks.len()).unwrap_or(0))
                     .sum(),
             )
         })
