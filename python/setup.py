@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -27,6 +28,19 @@ except ImportError:  # wheel is a build requirement; without it there is no whee
 
 HERE = pathlib.Path(__file__).resolve().parent
 MANIFEST = HERE.parent / "capi" / "Cargo.toml"
+
+
+def say(line):
+    """Shows a line during the build: pip keeps a build's output to itself unless run with
+    -v, so the line also goes to the terminal, when there is one."""
+    print(line, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line + "\n")
+    except OSError:
+        pass  # no terminal (CI, a pipe): pip -v shows the line above
 
 
 def build_libmemres():
@@ -42,6 +56,10 @@ def build_libmemres():
     profile = os.environ.get("MEMRES_CARGO_PROFILE", "release")
     cmd = [cargo, "build", "--manifest-path", str(MANIFEST), "--lib", "--profile", profile]
     cmd += ["--message-format=json-render-diagnostics"]
+    say(
+        f"memres: building libmemres.so with cargo ({profile}; about a minute on 2 cores "
+        "the first time; pip install -v shows cargo's progress)"
+    )
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise SystemExit(f"memres: cargo failed ({done.returncode}); see its output above")

@@ -26,7 +26,7 @@ use std::io::{BufReader, IsTerminal};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memres::log::{Event, LoggedStream};
 use memres::units::parse_size;
@@ -39,7 +39,9 @@ use crate::stacks::{Kind, Memory, Options, Stack, StackName};
 #[command(
     name = "memres",
     version,
-    about = "Replay, compare and plot GPU memory allocation logs (RMM's CSV format) through memres resource stacks."
+    about = "Replay, compare and plot GPU memory allocation logs (RMM's CSV format) through memres resource stacks.",
+    // Our own `help` command, which takes `--help` like the others.
+    disable_help_subcommand = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -66,6 +68,11 @@ enum Command {
     /// The standard workloads (defined in workloads/src/lib.rs) over the main stacks: on
     /// the GPU if there is one, else on host memory.
     Bench(bench::BenchArgs),
+    /// Print this message or the help of the given command.
+    Help {
+        /// The command whose help to print.
+        command: Option<String>,
+    },
 }
 
 #[derive(Args)]
@@ -198,6 +205,7 @@ fn main() -> ExitCode {
                 Ok(())
             }),
         Command::Bench(args) => bench::run(args),
+        Command::Help { command } => help(command.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -206,6 +214,31 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `memres help [COMMAND]`: the help of the whole command or of one of its commands.
+fn help(command: Option<&str>) -> Result<(), String> {
+    let mut cli = Cli::command();
+    // Built, so that a command's usage line starts with `memres`.
+    cli.build();
+    let page = match command {
+        None => cli.render_help(),
+        Some(name) => match cli.find_subcommand_mut(name) {
+            Some(sub) => sub.render_help(),
+            None => {
+                let names: Vec<_> = Cli::command()
+                    .get_subcommands()
+                    .map(|c| c.get_name().to_owned())
+                    .collect();
+                return Err(format!(
+                    "no command named {name:?}; the commands: {}",
+                    names.join(", ")
+                ));
+            }
+        },
+    };
+    print!("{page}");
+    Ok(())
 }
 
 fn title(log: &Path) -> String {

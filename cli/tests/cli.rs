@@ -495,3 +495,16 @@ fn replay_options_out_of_range_and_long_specs_get_short_clear_errors() {
         ok(&["replay", log, "-r", name]);
     }
 }
+
+#[test]
+fn help_takes_help_and_names_the_commands() {
+    let out = ok(&["help", "--help"]);
+    assert!(out.contains("Usage: memres help [COMMAND]"), "{out}");
+    let out = ok(&["help", "replay"]);
+    assert!(out.contains("Usage: memres replay [OPTIONS] <LOG>"), "{out}");
+    let err = fails(&["help", "nosuch"]);
+    assert!(
+        err.contains("no command named \"nosuch\"; the commands: replay, stats, plot, bench"),
+        "{err}"
+    );
+}
