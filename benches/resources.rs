@@ -1,6 +1,6 @@
 //! Host-side cost of the resource layers: one allocate + free of 256 bytes (the
 #![allow(missing_docs)] // criterion_group! makes undocumented public items
-//! `pair-256B` workload of `shared/bench/WORKLOADS.md`) through the heap directly and
+//! `pair-256B` workload of `docs/workloads.md`) through the heap directly and
 //! through each kind of handle, so the price of a handle or of erasure shows.
 //!
 //! `cargo bench --bench resources`

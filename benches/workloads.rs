@@ -1,4 +1,4 @@
-//! The workloads of `shared/bench/WORKLOADS.md` (spec v1) over memres's stacks, printing
+//! The workloads of `docs/workloads.md` (spec v1) over memres's stacks, printing
 #![allow(missing_docs)] // a bench binary
 //! the same CSV as the RMM and PyTorch anchors so the figures sit side by side.
 //!
@@ -275,9 +275,9 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
     }
 }
 
-/// The footprint workloads (peak held / peak live, WORKLOADS.md v1.1), each over a stack
+/// The footprint workloads (peak held / peak live, docs/workloads.md, v1.1), each over a stack
 /// grown from nothing:
-/// - `random`: WORKLOADS.md's `random`, seed 42, 200,000 ops.
+/// - `random`: the `random` workload's walk, seed 42, 200,000 ops.
 /// - `fragmenting`: 8 rounds; round r allocates 400 blocks of 2^(16 + r/2) bytes plus a
 ///   random part below that (splitmix64, seed 7), then frees every other block of the
 ///   round, so each round's sizes outgrow the holes the last one left.

@@ -1,8 +1,8 @@
-// A subset of the RMM anchor (shared/bench/anchor/rmm_bench.cu): only `pair-256B` and
+// A subset of the RMM anchor (benches/anchor/rmm_bench.cu): only `pair-256B` and
 // `random` on RMM's cuda_async_memory_resource, so that many short runs can alternate with
 // memres's `benches/workloads.rs cuda_async` (MEMRES_WORKLOADS=pair-256B,random) and the
 // comparison is not at the mercy of one slow minute. Built on the GPU machine with the
-// same flags as run_anchors.sh; uses the shared workloads.hpp.
+// same flags by benches/anchor/run.sh (BUILD=rmm_cuda_async_subset); uses workloads.hpp.
 #include "workloads.hpp"
 
 #include <rmm/mr/cuda_async_memory_resource.hpp>

@@ -8,7 +8,7 @@
 // - cross-stream: `random`'s sequence, every allocation on stream A, every free on B.
 // Held: the pool's upstream bytes (a statistics adaptor under the pool), or the driver
 // pool's reserved memory high-water mark for cuda_async. Each workload on a fresh resource.
-// Built on the GPU machine with run_anchors.sh's flags. Output: CSV
+// Built by benches/anchor/run.sh (BUILD=rmm_footprint). Output: CSV
 // impl,resource,workload,peak_held_bytes,peak_live_bytes,ratio
 #include "workloads.hpp"
 

@@ -2,7 +2,7 @@
 // and then 16 threads (seeds 42 + t, 100,000 ops each) that all use ONE non-blocking
 // stream, for RMM's pool and arena over cuda_memory_resource (16 GiB, as the shared
 // anchors build them). Same sequences as memres's (random_ops of the shared
-// workloads.hpp). Built on the GPU machine with run_anchors.sh's flags (see
+// workloads.hpp). Built by benches/anchor/run.sh (BUILD=rmm_random_1stream; see
 // benches/anchor/README in BENCHMARKS.md). Output: the anchors' CSV rows.
 #include "workloads.hpp"
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # CudaAsync against RMM's cuda_async: N alternating runs of the whole suite each.
 # Run on the GPU machine from the repository root, carrying target/gpu-bundle (built by
-# benches/gpu/bundle.sh), .whl (librmm-cu13 26.10 and rapids-logger wheels) and
-# .gpu-shared (a copy of ../shared); results go to $OUT. See BENCHMARKS.md.
+# benches/gpu/bundle.sh) and .whl (librmm-cu13 26.10 and rapids-logger wheels: see
+# benches/anchor/run.sh); results go to $OUT. See BENCHMARKS.md.
 set -uo pipefail
 N=${1:-5}
 B=${B:-target/gpu-bundle/tests/workloads}
-W=/tmp/anchors
-[ -x $W/rmm_bench ] || WHEELS=.whl bash .gpu-shared/bench/anchor/run_anchors.sh none > /dev/null 2>&1
+W=${WORK:-/tmp/memres-anchors}
+[ -x $W/rmm_bench ] || WHEELS=.whl WORK=$W benches/anchor/run.sh build > /dev/null 2>&1
 for i in $(seq $N); do
   $W/rmm_bench cuda_async 2>/dev/null | grep cuda_async
   timeout 200 $B cuda_async 2>/dev/null | grep cuda_async

@@ -8,7 +8,7 @@
 # fastest core, and the same unpinned, so that both protocols sit side by side.
 #
 # Run on the GPU machine from the repository root, carrying target/gpu-bundle (built by
-# benches/gpu/bundle.sh), .whl and .gpu-shared as for speed.sh; results go to $OUT.
+# benches/gpu/bundle.sh), and .whl as for speed.sh; results go to $OUT.
 #
 #   bash benches/gpu/pinned.sh
 set -uo pipefail
@@ -20,8 +20,8 @@ date -u +%FT%TZ
 lscpu | grep -E 'Model name|^CPU\(s\)|Thread|MHz' || true
 
 # RMM's binning anchor (built first: nvcc takes a minute, and no timing runs meanwhile).
-W=/tmp/anchors
-WHEELS=.whl bash .gpu-shared/bench/anchor/run_anchors.sh binning > "$OUT/rmm_binning_build.csv" \
+W=${WORK:-/tmp/memres-anchors}
+WHEELS=.whl WORK=$W benches/anchor/run.sh binning > "$OUT/rmm_binning_build.csv" \
   2> "$OUT/rmm_build.log"
 
 # The bare loop on every core: the fastest core is the one the rest pins to.

@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
 # Speed figures side by side with RMM 26.10 (one device call).
 # Run on the GPU machine from the repository root, carrying target/gpu-bundle (built by
-# benches/gpu/bundle.sh), .whl (librmm-cu13 26.10 and rapids-logger wheels) and
-# .gpu-shared (a copy of ../shared); results go to $OUT. See BENCHMARKS.md.
+# benches/gpu/bundle.sh) and .whl (librmm-cu13 26.10 and rapids-logger wheels: see
+# benches/anchor/run.sh); results go to $OUT. See BENCHMARKS.md.
 set -uo pipefail
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 date -u +%FT%TZ
 B=${B:-target/gpu-bundle/tests/workloads}
-W=/tmp/anchors
-A=.gpu-shared/bench/anchor
-WHEELS=.whl bash $A/run_anchors.sh pool > $OUT/rmm_pool.csv 2> $OUT/rmm_build.log
-nvcc -O3 -std=c++20 --expt-relaxed-constexpr -I$A -I$W/librmm/include/rapids -I$W/librmm/include \
-  -I$W/rapids_logger/include benches/anchor/rmm_random_1stream.cu -o $W/rmm_1stream \
-  -L$W/librmm/lib64 -lrmm -L$W/rapids_logger/lib64 -lrapids_logger \
-  -Xlinker -rpath=$W/librmm/lib64:$W/rapids_logger/lib64 2>> $OUT/rmm_build.log
+W=${WORK:-/tmp/memres-anchors}
+WHEELS=.whl WORK=$W BUILD=rmm_random_1stream benches/anchor/run.sh pool > $OUT/rmm_pool.csv \
+  2> $OUT/rmm_build.log
 cat $OUT/rmm_pool.csv
 for round in 1 2; do
   for s in floor pool arena 'binning(pool)' fixed_size_1MiB; do timeout 150 $B "$s" 2>/dev/null; done
 done | tee $OUT/memres.csv
 $W/rmm_bench arena | tee $OUT/rmm_more.csv
 $W/rmm_bench binning | tee -a $OUT/rmm_more.csv
-$W/rmm_1stream | tee -a $OUT/rmm_more.csv
+$W/rmm_random_1stream | tee -a $OUT/rmm_more.csv
 date -u +%FT%TZ

@@ -1,5 +1,5 @@
-//! The standard benchmark workloads (spec v1 of the team's `WORKLOADS.md`, the same ones
-//! the RAPIDS RMM and PyTorch anchors run), for timing any resource.
+//! The standard benchmark workloads (`docs/workloads.md`, spec v1; the same ones the RAPIDS
+//! RMM and PyTorch anchors of `benches/anchor/` run), for timing any resource.
 //!
 //! - `pair-<size>`: allocate and free one block of `size` bytes, `n` times; ns per pair.
 //! - `random`: a seeded random walk of allocations (256 B to 8 MiB, log-uniform) and frees
@@ -306,7 +306,7 @@ fn measure(mut run: impl FnMut() -> Result<f64, Error>) -> Result<(f64, f64), Er
     Ok((r[0], r[1]))
 }
 
-/// `random`'s ops per run (WORKLOADS.md), for stacks that do not call the driver each time.
+/// `random`'s ops per run (docs/workloads.md), for stacks that do not call the driver each time.
 const RANDOM_OPS: usize = 200_000;
 
 /// The `floor` row: [`random_floor`] measured as [`suite`] measures `random` (one warm-up,
