@@ -501,7 +501,10 @@ fn help_takes_help_and_names_the_commands() {
     let out = ok(&["help", "--help"]);
     assert!(out.contains("Usage: memres help [COMMAND]"), "{out}");
     let out = ok(&["help", "replay"]);
-    assert!(out.contains("Usage: memres replay [OPTIONS] <LOG>"), "{out}");
+    assert!(
+        out.contains("Usage: memres replay [OPTIONS] <LOG>"),
+        "{out}"
+    );
     let err = fails(&["help", "nosuch"]);
     assert!(
         err.contains("no command named \"nosuch\"; the commands: replay, stats, plot, bench"),
