@@ -97,6 +97,9 @@ pub(crate) struct Owner {
 
 impl Owner {
     pub(crate) fn new() -> Owner {
+        // Registers the process for `membarrier` now, not inside a reclaim (where the
+        // registration's wait would hold the growth lock).
+        barrier::heavy_available();
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
         live.get_or_insert_with(HashSet::new).insert(id);
@@ -155,22 +158,28 @@ impl Stash {
     /// Runs `f` on the blocks, as the magazine's thread; `None` if a reclaim took them.
     #[inline]
     fn with<R>(&self, f: impl FnOnce(&mut Vec<usize>) -> R) -> Option<R> {
+        /// Clears `busy` (release: the reclaimer's acquire load that reads false sees
+        /// the use's writes), also if the use unwinds, so that no reclaim waits forever.
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
         self.busy.store(true, Ordering::Relaxed);
+        let _done = Done(&self.busy);
         barrier::light();
         if self.taken.load(Ordering::Relaxed) {
-            self.busy.store(false, Ordering::Relaxed);
             return None;
         }
         // SAFETY: `busy` is set and `taken` was clear after the light fence: the
         // reclaimer has not taken the blocks and waits for `busy` to clear before it
         // does; no other thread uses them (the magazine is this thread's).
-        let done = self
-            .blocks
-            .get_mut()
-            .with(|blocks| f(unsafe { &mut *blocks }));
-        // Release: the reclaimer's acquire load that reads false sees this use's writes.
-        self.busy.store(false, Ordering::Release);
-        Some(done)
+        Some(
+            self.blocks
+                .get_mut()
+                .with(|blocks| f(unsafe { &mut *blocks })),
+        )
     }
 
     /// Takes the blocks, as the reclaimer, once `taken` is set and the heavy fence has
@@ -543,8 +552,10 @@ impl<'a> Cache<'a> {
     /// Takes the blocks of the owner's magazines on every thread back to their lists
     /// (this thread's given back, the others' taken: see the module's docs) and turns the
     /// caches off until [`resume`](Self::resume). The caller then takes blocks from the
-    /// lists; it holds the owner's growth lock, so reclaims and resumes do not overlap.
-    /// True if no magazine is left. Without `membarrier` other threads give their blocks
+    /// lists; it holds the owner's growth lock, so reclaims do not overlap (a resume may:
+    /// a thread past its count of calls without caches turns them back on, which can
+    /// only make a later allocation find fewer blocks in the lists). True if no
+    /// magazine is left. Without `membarrier` other threads give their blocks
     /// back at their next call on the owner: the first such reclaim waits a short while
     /// for them, later ones (while the caches are still off) do not wait again.
     pub(crate) fn reclaim(&self) -> bool {
