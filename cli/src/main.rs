@@ -79,7 +79,7 @@ enum Command {
 struct ReplayArgs {
     /// The log (CSV, or gzip-compressed .csv.gz).
     log: PathBuf,
-    /// The stack: pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, a host
+    /// The stack: pool, virtual_pool, arena, binning, fixed, cuda, cuda_async, managed, a host
     /// variant (host, host-pool, host-arena, host-binning, host-fixed), or a spec string as
     /// the C ABI takes it (`statistics(pool:initial=1GiB)`, `limiting(virtual_pool,limit=8GiB)`).
     #[arg(short, long, default_value = "pool", conflicts_with = "compare")]

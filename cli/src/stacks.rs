@@ -61,8 +61,9 @@ pub enum Kind {
     VirtualPool,
 }
 
-/// A stack by name: `pool`, `virtual-pool`, `arena`, `binning`, `fixed`, `cuda`,
-/// `cuda-async`, `managed`, and the host variants `host`, `host-pool`, `host-arena`,
+/// A stack by name: `pool`, `virtual_pool`, `arena`, `binning`, `fixed`, `cuda`,
+/// `cuda_async`, `managed` (the spec strings' names; the older `virtual-pool` and
+/// `cuda-async` work too, with a note saying so), and the host variants `host`, `host-pool`, `host-arena`,
 /// `host-binning`, `host-fixed`; or a spec string of the C ABI
 /// (`statistics(pool:initial=1GiB)`, see `capi/include/memres.h`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,7 +85,7 @@ pub enum Wrapper {
     Logging(Option<std::path::PathBuf>, bool),
 }
 
-pub const NAMES: &str = "pool, virtual-pool, arena, binning, fixed, cuda, cuda-async, managed, host, host-pool, host-arena, host-binning, host-fixed";
+pub const NAMES: &str = "pool, virtual_pool, arena, binning, fixed, cuda, cuda_async, managed, host, host-pool, host-arena, host-binning, host-fixed";
 
 /// At most the first 80 characters of `text`, marked where cut: errors quote what was
 /// given without echoing a whole file's worth of it.
@@ -104,14 +105,23 @@ impl StackName {
             None if name == "host" => (true, "cuda".to_owned()),
             None => (false, name.clone()),
         };
+        // The spellings of earlier versions: taken, with a note naming the spec's.
+        let base = match base.as_str() {
+            old @ ("virtual-pool" | "cuda-async") => {
+                let spec = old.replace('-', "_");
+                eprintln!("memres: note: {old:?} is spelled {spec:?} now, as in spec strings");
+                spec
+            }
+            _ => base,
+        };
         let kind = match base.as_str() {
             "pool" => Kind::Pool,
-            "virtual-pool" | "virtual_pool" => Kind::VirtualPool,
+            "virtual_pool" => Kind::VirtualPool,
             "arena" => Kind::Arena,
             "binning" => Kind::Binning,
             "fixed" => Kind::Fixed,
             "cuda" => Kind::Direct,
-            "cuda-async" | "cuda_async" if !host => Kind::CudaAsync,
+            "cuda_async" if !host => Kind::CudaAsync,
             "managed" if !host => Kind::Managed,
             _ => {
                 return Err(format!(

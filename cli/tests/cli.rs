@@ -490,10 +490,18 @@ fn replay_options_out_of_range_and_long_specs_get_short_clear_errors() {
     let err = fails(&["replay", log, "-r", &long]);
     assert!(err.len() < 1_000, "the error echoes {} bytes", err.len());
     assert!(err.contains("110000 bytes in all"), "{err}");
-    // Both spellings of the spec names work as stack names.
+    // The spec names work as stack names; the older spelling too, with a note.
     for name in ["virtual_pool", "virtual-pool", "fixed"] {
         ok(&["replay", log, "-r", name]);
     }
+    let out = memres(&["replay", log, "-r", "virtual-pool"]);
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        note.contains("\"virtual-pool\" is spelled \"virtual_pool\" now"),
+        "{note}"
+    );
+    let out = memres(&["replay", log, "-r", "virtual_pool"]);
+    assert!(out.stderr.is_empty(), "no note for the spec's name");
 }
 
 #[test]
