@@ -2,7 +2,10 @@
 //! (issue 33, finding 3). Over host memory on host streams: first every stream allocates
 //! and frees one 4 KiB block (so each has a list), then the timed loop goes round the
 //! streams, (a) "steady": allocating and freeing on the same stream, (b) "cross":
-//! allocating on one stream and freeing on the next. Prints nanoseconds per
+//! allocating on one stream and freeing on the next; (c) "seen" and "seen-cross": the
+//! same round the first 16 streams only, after all were used once (what the streams a
+//! resource has seen cost the ones in use). "floor" is the cost of any per-stream state
+//! used round all the streams: a hash map of lists, no resource. Prints nanoseconds per
 //! allocate + free pair, the best of three rounds, for 16 to 16,384 streams.
 //!
 //!     cargo bench --bench many_streams
@@ -18,6 +21,8 @@ const PAIRS: usize = 200_000;
 fn main() {
     println!("resource,pattern,streams,ns_per_pair");
     for streams in [16u32, 1_024, 4_096, 16_384] {
+        let best = (0..3).map(|_| floor(streams)).fold(f64::INFINITY, f64::min);
+        println!("floor,steady,{streams},{best:.1}");
         report("pool", streams, || {
             Box::new(Pool::new(HostHeap, PoolConfig::new().initial_size(64 << 20)).unwrap())
         });
@@ -36,13 +41,34 @@ fn main() {
 }
 
 fn report(name: &str, streams: u32, make: impl Fn() -> Box<dyn Dyn>) {
-    for cross in [false, true] {
+    // Round all the streams, or (after all were used once) round the first 16 only.
+    for (pattern, active, cross) in [
+        ("steady", streams, false),
+        ("cross", streams, true),
+        ("seen", streams.min(16), false),
+        ("seen-cross", streams.min(16), true),
+    ] {
         let best = (0..3)
-            .map(|_| round(&*make(), streams, cross))
+            .map(|_| round(&*make(), streams, active, cross))
             .fold(f64::INFINITY, f64::min);
-        let pattern = if cross { "cross" } else { "steady" };
         println!("{name},{pattern},{streams},{best:.1}");
     }
+}
+
+/// What keeping any state per stream costs when every call is on another of `streams`
+/// streams: a hash map from stream to a list of 4 KiB blocks, one pop and one push per
+/// pair, no resource and no lock (the caches of the machine are all it measures).
+fn floor(streams: u32) -> f64 {
+    let mut lists: std::collections::HashMap<u32, Vec<usize>> =
+        (1..=streams).map(|id| (id, vec![id as usize * 4096])).collect();
+    let start = Instant::now();
+    for i in 0..PAIRS {
+        let id = (i as u32 % streams) + 1;
+        let list = lists.get_mut(&std::hint::black_box(id)).expect("a list");
+        let block = list.pop().expect("a block");
+        list.push(std::hint::black_box(block));
+    }
+    start.elapsed().as_nanos() as f64 / PAIRS as f64
 }
 
 /// The resources behind one object type, for the loop below.
@@ -59,14 +85,14 @@ impl<R: Resource> Dyn for R {
     }
 }
 
-fn round(r: &dyn Dyn, streams: u32, cross: bool) -> f64 {
+fn round(r: &dyn Dyn, streams: u32, active: u32, cross: bool) -> f64 {
     for id in 1..=streams {
         r.pair(StreamRef::host(id), StreamRef::host(id));
     }
     let start = Instant::now();
     for i in 0..PAIRS {
-        let id = (i as u32 % streams) + 1;
-        let next = if cross { id % streams + 1 } else { id };
+        let id = (i as u32 % active) + 1;
+        let next = if cross { id % active + 1 } else { id };
         r.pair(StreamRef::host(id), StreamRef::host(next));
     }
     start.elapsed().as_nanos() as f64 / PAIRS as f64
