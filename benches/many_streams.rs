@@ -59,8 +59,9 @@ fn report(name: &str, streams: u32, make: impl Fn() -> Box<dyn Dyn>) {
 /// streams: a hash map from stream to a list of 4 KiB blocks, one pop and one push per
 /// pair, no resource and no lock (the caches of the machine are all it measures).
 fn floor(streams: u32) -> f64 {
-    let mut lists: std::collections::HashMap<u32, Vec<usize>> =
-        (1..=streams).map(|id| (id, vec![id as usize * 4096])).collect();
+    let mut lists: std::collections::HashMap<u32, Vec<usize>> = (1..=streams)
+        .map(|id| (id, vec![id as usize * 4096]))
+        .collect();
     let start = Instant::now();
     for i in 0..PAIRS {
         let id = (i as u32 % streams) + 1;

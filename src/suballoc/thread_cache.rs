@@ -265,20 +265,11 @@ impl Magazines {
         (m.owner == owner && m.key == key).then_some(at)
     }
 
-    /// The index of the magazine of (owner, key), if the thread has one; a scan when the
-    /// hint does not know it, which then points at it.
-    fn find(&mut self, owner: u64, key: StreamKey) -> Option<usize> {
-        if let Some(at) = self.hinted(owner, key) {
-            return Some(at);
-        }
-        let at = self
-            .list
-            .iter()
-            .position(|m| m.owner == owner && m.key == key)?;
+    /// Points the hint for (owner, key) at index `at`.
+    fn point_at(&mut self, owner: u64, key: StreamKey, at: usize) {
         if let Ok(at) = u8::try_from(at) {
             self.hint[Self::slot(owner, key)] = at;
         }
-        Some(at)
     }
 
     /// Gives back every magazine of `owner` on this thread.
@@ -399,23 +390,33 @@ impl<'a> Cache<'a> {
     ) -> Option<&'m mut Magazine> {
         let shared = &*self.owner.shared;
         let mut epoch = shared.epoch.load(Ordering::Relaxed);
-        let found = mags.find(self.owner.id, key);
+        let id = self.owner.id;
+        // One pass over the thread's magazines: this stream's, whether the owner's are
+        // stale, how many the owner has (a call on a stream past the owner's limit comes
+        // here every time).
+        let (mut found, mut stale, mut own) = (None, false, 0);
+        for (at, m) in mags.list.iter().enumerate() {
+            if m.owner == id {
+                own += 1;
+                stale |= m.epoch != epoch;
+                if m.key == key {
+                    found = Some(at);
+                }
+            }
+        }
         if let Some(at) = found
             && mags.list[at].epoch == epoch
         {
+            mags.point_at(id, key, at);
             return Some(&mut mags.list[at]);
         }
         // A stale magazine here, or (a call on another stream) elsewhere on the thread:
         // the owner's magazines on a thread are given back together, so they always share
         // one epoch, and a thread answers a reclaim at its next call on any stream.
-        if found.is_some()
-            || mags
-                .list
-                .iter()
-                .any(|m| m.owner == self.owner.id && m.epoch != epoch)
-        {
+        if stale {
             // SAFETY: inside a call on the owner (rule (1)).
-            unsafe { mags.give_back(self.owner.id) };
+            unsafe { mags.give_back(id) };
+            own = 0;
         }
         let make = make?;
         if epoch % 2 == 1 {
@@ -435,11 +436,6 @@ impl<'a> Cache<'a> {
         // straight to the lists for the others: its lookups stay short however many
         // streams it uses (a magazine per stream made the lookup a scan of all of them:
         // 79 us per allocation over 16,384 streams).
-        let own = mags
-            .list
-            .iter()
-            .filter(|m| m.owner == self.owner.id)
-            .count();
         if own >= MAGAZINES_PER_OWNER {
             return None;
         }
