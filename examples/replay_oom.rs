@@ -69,7 +69,8 @@ fn main() -> Result<(), Error> {
         match e.action {
             Action::Allocate => live += e.size as i64,
             Action::Free => live -= e.size as i64,
-            Action::AllocateFailure => {}
+            // A failed allocation, or an action of a later log format.
+            _ => {}
         }
         peak = peak.max(live);
     }

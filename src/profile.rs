@@ -249,6 +249,7 @@ impl fmt::Debug for Scope {
 
 /// The figures of one name's closed scopes (see the [module docs](self)).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Record {
     /// The scopes' name.
     pub name: String,

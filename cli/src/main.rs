@@ -28,7 +28,7 @@ use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use memres::log::{Event, LoggedStream};
+use memres::log::Event;
 use memres::units::parse_size;
 use memres::{Cuda, HostHeap, Managed, StreamRef};
 
@@ -421,9 +421,8 @@ fn replay_one(
         plan.streams
             .iter()
             .enumerate()
-            .map(|(i, s)| match s {
-                LoggedStream::Cuda(_) | LoggedStream::Host(_) => StreamRef::host(i as u32),
-            })
+            // Every logged stream (CUDA or host) is a host stream on simulated memory.
+            .map(|(i, _)| StreamRef::host(i as u32))
             .collect()
     } else {
         owned.iter().map(|s| s.as_ref()).collect()

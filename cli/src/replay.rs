@@ -138,7 +138,9 @@ impl Plan {
                     )),
                 },
                 (Action::AllocateFailure, _) => plan.failures_in_log += 1,
-                (_, None) => {} // the reader gives every allocate and free a pointer
+                // The reader gives every allocate and free a pointer; an action of a
+                // later log format is skipped.
+                _ => {}
             }
             if live > plan.peak_live.0 {
                 plan.peak_live = (live, event.line);

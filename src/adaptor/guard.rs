@@ -30,6 +30,7 @@ const KEPT_REPORTS: usize = 64;
 
 /// Which side of a block a damaged canary was on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Side {
     /// Below the block: an underrun.
     Before,
@@ -39,6 +40,7 @@ pub enum Side {
 
 /// A damaged canary: something wrote outside a block it was given.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Overrun {
     /// The block's address, as handed out.
     pub address: usize,

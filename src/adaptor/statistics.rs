@@ -82,6 +82,7 @@ impl ExactCounter {
 
 /// Both statistics of one counter frame.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StatisticsSnapshot {
     /// Bytes.
     pub bytes: Counter,

@@ -14,6 +14,7 @@ use crate::suballoc::{AddrMap, SpinGuard, SpinLock};
 
 /// One live allocation, as [`Tracking::outstanding`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Outstanding {
     /// Its address.
     pub address: usize,

@@ -38,6 +38,7 @@ pub struct DeviceId(i32);
 
 /// Free and total memory of a device, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MemoryInfo {
     /// Bytes the driver could hand out now.
     pub free: usize,

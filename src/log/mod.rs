@@ -33,6 +33,7 @@ pub const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Action {
     /// A successful allocation.
     Allocate,
@@ -55,6 +56,7 @@ impl Action {
 
 /// The stream of an event, as the log names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum LoggedStream {
     /// A CUDA stream handle (0 is the legacy default stream).
     Cuda(usize),
@@ -64,6 +66,7 @@ pub enum LoggedStream {
 
 /// One row of a log.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Event {
     /// The OS thread id.
     pub thread: u64,

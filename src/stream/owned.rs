@@ -13,6 +13,7 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 
 /// How a new stream orders itself against the legacy default stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum StreamFlags {
     /// Work on it waits for, and is waited for by, the legacy default stream.
     #[default]

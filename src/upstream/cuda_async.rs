@@ -158,6 +158,7 @@ macro_rules! pool_resource {
 /// multi-node NVLink systems); memres has no way to export or test one, so it offers
 /// none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ExportHandle {
     /// Not exportable.
     #[default]
