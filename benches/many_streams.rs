@@ -4,11 +4,12 @@
 //! streams, (a) "steady": allocating and freeing on the same stream, (b) "cross":
 //! allocating on one stream and freeing on the next; (c) "seen" and "seen-cross": the
 //! same round the first 16 streams only, after all were used once (what the streams a
-//! resource has seen cost the ones in use). "floor" is the cost of any per-stream state
+//! resource has seen cost the ones in use); (d) "first": each stream's first pair, with
+//! every stream before it seen (the untimed set-up of the others). "floor" is the cost of any per-stream state
 //! used round all the streams: a hash map of lists, no resource. Prints nanoseconds per
 //! allocate + free pair, the best of three rounds, for 16 to 16,384 streams.
 //!
-//!     cargo bench --bench many_streams
+//!     cargo bench --bench many_streams            (MANY_STREAMS=N: only N streams)
 
 use std::time::Instant;
 
@@ -19,8 +20,13 @@ use memres::{
 const PAIRS: usize = 200_000;
 
 fn main() {
+    // MANY_STREAMS=N runs N streams only (e.g. under `perf record`).
+    let counts: Vec<u32> = match std::env::var("MANY_STREAMS") {
+        Ok(n) => vec![n.parse().expect("MANY_STREAMS: a number of streams")],
+        Err(_) => vec![16, 1_024, 4_096, 16_384],
+    };
     println!("resource,pattern,streams,ns_per_pair");
-    for streams in [16u32, 1_024, 4_096, 16_384] {
+    for streams in counts {
         let best = (0..3).map(|_| floor(streams)).fold(f64::INFINITY, f64::min);
         println!("floor,steady,{streams},{best:.1}");
         report("pool", streams, || {
@@ -41,6 +47,18 @@ fn main() {
 }
 
 fn report(name: &str, streams: u32, make: impl Fn() -> Box<dyn Dyn>) {
+    // A stream's first pair, with all the streams before it seen.
+    let best = (0..3)
+        .map(|_| {
+            let r = make();
+            let start = Instant::now();
+            for id in 1..=streams {
+                r.pair(StreamRef::host(id), StreamRef::host(id));
+            }
+            start.elapsed().as_nanos() as f64 / f64::from(streams)
+        })
+        .fold(f64::INFINITY, f64::min);
+    println!("{name},first,{streams},{best:.1}");
     // Round all the streams, or (after all were used once) round the first 16 only.
     for (pattern, active, cross) in [
         ("steady", streams, false),

@@ -13,10 +13,17 @@ use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
+use crate::sync::atomic::Ordering;
 
 /// A stream's list takes at most this many bytes of blocks at a time from a host
 /// stream's list (as a pool's does).
 const HOST_BATCH_BYTES: usize = 2 << 20;
+
+/// ... and at most this many blocks: a batch is a few slow-path visits' worth for the
+/// taker, and leaves the giver blocks for the next stream (taking half of a list each
+/// time drained the lists a new stream's search finds first, so that over thousands of
+/// streams each new one searched further).
+const HOST_BATCH_BLOCKS: usize = 32;
 /// A thread's cache for one stream holds at most this many bytes of blocks...
 const CACHE_BYTES: usize = 4 << 20;
 /// ... and this many blocks...
@@ -221,6 +228,7 @@ impl<U: Resource> FixedSize<U> {
                 .rev()
                 .map(|i| base + i * self.block_size),
         );
+        note_spare(&self.shards, into, list.len());
         Ok(base)
     }
 
@@ -244,15 +252,40 @@ impl<U: Resource> FixedSize<U> {
     /// streams each holding one block every allocation would take another's (issue 33,
     /// finding 3).
     fn take_from_host_lists(&self, own: &Shard<Vec<usize>>, leave_last: bool) -> Option<usize> {
-        let host_batch = (HOST_BATCH_BYTES / self.block_size).max(1);
-        let shared_host = StreamKey::of(StreamRef::HOST);
-        self.shards
+        let host_batch = (HOST_BATCH_BYTES / self.block_size).clamp(1, HOST_BATCH_BLOCKS);
+        let take = |other: &Shard<Vec<usize>>| {
+            let leave = if leave_last {
+                other.key.kept_for_itself()
+            } else {
+                0
+            };
+            take_half(other, own, host_batch, leave)
+        };
+        // Lists with spare blocks (the hint; a list with one block has none to spare,
+        // and over thousands of streams a search through every list made each new
+        // stream's first allocation cost 39 us at 16,384 streams): the one that got
+        // some last first, then any other.
+        let spare = |other: &Shard<Vec<usize>>| {
+            other.key.is_host()
+                && !ptr::eq(other, own)
+                && (!leave_last || other.holds_free.load(Ordering::Relaxed))
+        };
+        if let Some(recent) = self.shards.recent()
+            && spare(recent)
+            && let Some(addr) = take(recent)
+        {
+            return Some(addr);
+        }
+        let (addr, donor) = self
+            .shards
             .iter()
-            .filter(|other| other.key.is_host() && !ptr::eq(*other, own))
-            .find_map(|other| {
-                let leave = usize::from(leave_last && other.key.stream() != shared_host);
-                take_half(other, own, host_batch, leave)
-            })
+            .filter(|other| spare(other))
+            .find_map(|other| take(other).map(|addr| (addr, other)))?;
+        if donor.holds_free.load(Ordering::Relaxed) {
+            // The next stream's search starts where this one found blocks to spare.
+            self.shards.set_recent(donor);
+        }
+        Some(addr)
     }
 
     #[cold]
@@ -360,6 +393,10 @@ fn take_half(
         let mut blocks = from.state.lock();
         let len = blocks.len();
         let keep = (len - len.div_ceil(2).min(most)).max(leave).min(len);
+        if keep <= from.key.kept_for_itself() {
+            // Nothing left to spare (see `note_spare`).
+            from.holds_free.store(false, Ordering::Relaxed);
+        }
         blocks.split_off(keep)
     };
     if moved.is_empty() {
@@ -367,7 +404,26 @@ fn take_half(
     }
     let mut list = into.state.lock();
     list.extend(moved);
-    list.pop()
+    let taken = list.pop();
+    if list.len() > into.key.kept_for_itself() {
+        // A mark, not the first place searches look: that stays with the giver, which
+        // has more to give (marking each taker first made every search look at a list
+        // with half as much as the last one's).
+        into.holds_free.store(true, Ordering::Relaxed);
+    }
+    taken
+}
+
+/// Marks a list that holds `len` blocks as one with blocks to spare (more than it keeps
+/// for its own stream, see [`StreamKey::kept_for_itself`]), the first
+/// that searches of other lists look at. Called with the list's lock held, as
+/// `take_half` clears the mark with it held: the mark may be stale (a search then finds
+/// nothing there, or misses a list the merge before growing still reaches), never
+/// unsafe.
+fn note_spare(shards: &ShardMap<Vec<usize>>, shard: &Shard<Vec<usize>>, len: usize) {
+    if len > shard.key.kept_for_itself() {
+        shards.note_free(shard);
+    }
 }
 
 impl<U: Resource> Drop for FixedSize<U> {
@@ -464,7 +520,10 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
                 return;
             }
         }
-        self.shard_for(key).state.lock().push(addr);
+        let shard = self.shard_for(key);
+        let mut list = shard.state.lock();
+        list.push(addr);
+        note_spare(&self.shards, shard, list.len());
     }
 
     unsafe fn deallocate_used_on(

@@ -102,6 +102,14 @@ impl StreamKey {
         }
     }
 
+    /// Blocks a list of this stream keeps for its own stream rather than give to others
+    /// (`FixedSize`'s rule: a list's last block stays, but the shared host stream's, whose
+    /// blocks every stream takes): lists holding more than this have blocks to spare.
+    #[inline]
+    pub(crate) fn kept_for_itself(self) -> usize {
+        usize::from(self.stream() != StreamKey::host(0))
+    }
+
     /// The key of host stream `id`.
     pub(crate) const fn host(id: u32) -> StreamKey {
         StreamKey((HOST << KIND_SHIFT) | id as u64)
@@ -487,6 +495,13 @@ impl<S> ShardMap<S> {
             self.recent
                 .store(ptr::from_ref(shard).cast_mut(), Ordering::Release);
         }
+    }
+
+    /// Makes `shard` the first a search looks at.
+    #[inline]
+    pub(crate) fn set_recent(&self, shard: &Shard<S>) {
+        self.recent
+            .store(ptr::from_ref(shard).cast_mut(), Ordering::Release);
     }
 
     /// The shard that last started to hold free memory, if any.

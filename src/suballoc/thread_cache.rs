@@ -197,6 +197,18 @@ impl Stash {
     }
 }
 
+/// Puts blocks back in a stream's list, marking it as one with blocks to spare when it
+/// then holds more than it keeps for its own stream (the hint `FixedSize`'s searches of
+/// other lists follow).
+fn put_back(shard: &Shard<Vec<usize>>, blocks: impl IntoIterator<Item = usize>) {
+    let mut list = shard.state.lock();
+    let before = list.len();
+    list.extend(blocks);
+    if list.len() > before && list.len() > shard.key.kept_for_itself() {
+        shard.holds_free.store(true, Ordering::Relaxed);
+    }
+}
+
 struct Magazine {
     owner: u64,
     key: StreamKey,
@@ -216,9 +228,7 @@ impl Magazine {
         // SAFETY: the caller's promise; the owner's shards live as long as it does.
         let shard = unsafe { &*self.stash.shard };
         self.stash.with(|blocks| {
-            if !blocks.is_empty() {
-                shard.state.lock().append(blocks);
-            }
+            put_back(shard, blocks.drain(..));
         });
         // SAFETY: as above; `shared` is the owner's boxed state.
         let shared = unsafe { &*self.shared };
@@ -496,7 +506,7 @@ impl<'a> Cache<'a> {
                     // shard (`magazine` made it so), alive during this call on the owner.
                     let shard = unsafe { &*stash.shard }; // (rule (1) of the module)
                     let keep = capacity / 2;
-                    shard.state.lock().extend(blocks.drain(keep..));
+                    put_back(shard, blocks.drain(keep..));
                 }
                 blocks.push(addr);
             })
@@ -575,11 +585,9 @@ impl<'a> Cache<'a> {
                 barrier::heavy();
                 for stash in stashes.drain(..) {
                     let blocks = stash.take();
-                    if !blocks.is_empty() {
-                        // SAFETY: inside a call on the owner (rule (1)): its shards live.
-                        let shard = unsafe { &*stash.shard };
-                        shard.state.lock().extend(blocks);
-                    }
+                    // SAFETY: inside a call on the owner (rule (1)): its shards live.
+                    let shard = unsafe { &*stash.shard };
+                    put_back(shard, blocks);
                 }
                 return true;
             }
