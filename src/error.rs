@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use cudarc::driver::DriverError;
+use cudarc::driver::sys::CUresult;
 
 /// Everything that can go wrong when memory is asked for.
 ///
@@ -92,17 +92,91 @@ impl Error {
     }
 }
 
+/// An error the CUDA driver reported: its result code (`CUresult`), with its name and,
+/// where a driver is loaded, the driver's description.
+///
+/// memres's own type, so that the crate's API does not change with the version of the
+/// crate it calls the driver through.
+///
+/// ```
+/// use memres::{Cuda, Error, SyncResource, layout};
+///
+/// // Without a GPU this is `NoDriver`; with one, a 1 MiB block.
+/// match Cuda::new().and_then(|cuda| cuda.allocate_sync(layout(1 << 20)?)) {
+///     Err(Error::Driver(e)) => eprintln!("driver error {} ({})", e.code(), e.name()),
+///     Err(e) => eprintln!("{e}"),
+///     Ok(_) => {}
+/// }
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DriverError(CUresult);
+
+impl DriverError {
+    /// The error of a driver call that returned `result`.
+    pub(crate) fn new(result: CUresult) -> DriverError {
+        DriverError(result)
+    }
+
+    /// The driver's result code (`CUresult`'s numeric value, e.g. 1 for
+    /// `CUDA_ERROR_INVALID_VALUE`).
+    pub fn code(&self) -> u32 {
+        self.0 as u32
+    }
+
+    /// The code's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+    pub fn name(&self) -> String {
+        format!("{:?}", self.0)
+    }
+
+    /// The driver's description of the error where a driver is loaded, else its name.
+    pub fn message(&self) -> String {
+        if crate::driver::presence::is_present()
+            && let Ok(s) = cudarc::driver::DriverError(self.0).error_string()
+        {
+            return s.to_string_lossy().into_owned();
+        }
+        self.name()
+    }
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    /// Maps `CUDA_ERROR_OUT_OF_MEMORY` to [`Error::OutOfMemory`] with an unknown size
+    /// (0); callers that know the size build the variant themselves.
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::from(DriverError(e.0))
+    }
+}
+
 impl From<DriverError> for Error {
     /// Maps `CUDA_ERROR_OUT_OF_MEMORY` to [`Error::OutOfMemory`] with an unknown size
     /// (0); callers that know the size build the variant themselves.
     fn from(e: DriverError) -> Self {
-        use cudarc::driver::sys::CUresult;
         match e.0 {
             CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::out_of_memory(0),
             _ => Error::Driver(e),
         }
     }
 }
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (message, name) = (self.message(), self.name());
+        if message == name {
+            f.write_str(&name)
+        } else {
+            write!(f, "{message} ({name})")
+        }
+    }
+}
+
+impl fmt::Debug for DriverError {
+    /// The code's name: no driver call, so it works without a driver too.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DriverError({:?})", self.0)
+    }
+}
+
+impl std::error::Error for DriverError {}
 
 /// Writes a byte count the way people read them: `1.5 GiB (1610612736 bytes)`.
 pub(crate) struct Bytes(pub(crate) usize);
@@ -158,7 +232,7 @@ impl fmt::Display for Error {
                 "no CUDA driver: libcuda could not be loaded (install the NVIDIA driver, \
                  or use a host resource such as HostHeap)",
             ),
-            Error::Driver(e) => write!(f, "CUDA driver error: {}", driver_error_text(e)),
+            Error::Driver(e) => write!(f, "CUDA driver error: {e}"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
         }
     }
@@ -179,22 +253,11 @@ impl fmt::Debug for Error {
                 .field("address", &format_args!("{address:#x}"))
                 .finish(),
             Error::NoDriver => f.write_str("NoDriver"),
-            // cudarc's own Debug asks the driver for the error's name; we print the code,
-            // which works whether or not a driver is loaded.
+            // The code's name, which works whether or not a driver is loaded.
             Error::Driver(e) => f.debug_tuple("Driver").field(&e.0).finish(),
             Error::Unsupported(msg) => f.debug_tuple("Unsupported").field(msg).finish(),
         }
     }
-}
-
-/// The driver's own description of `e` where a driver is loaded, else its code.
-fn driver_error_text(e: &DriverError) -> String {
-    if crate::driver::presence::is_present()
-        && let Ok(s) = e.error_string()
-    {
-        return format!("{} ({:?})", s.to_string_lossy(), e.0);
-    }
-    format!("{:?}", e.0)
 }
 
 impl std::error::Error for Error {
@@ -228,13 +291,19 @@ mod tests {
 
     #[test]
     fn driver_out_of_memory_maps_to_out_of_memory() {
-        use cudarc::driver::sys::CUresult;
         let e: Error = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).into();
         assert!(e.is_out_of_memory());
         let e: Error = DriverError(CUresult::CUDA_ERROR_INVALID_VALUE).into();
         assert!(matches!(e, Error::Driver(_)));
         // Debug must not need a driver.
         assert!(format!("{e:?}").contains("CUDA_ERROR_INVALID_VALUE"));
+        let d = DriverError::new(CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            (d.code(), d.name().as_str()),
+            (1, "CUDA_ERROR_INVALID_VALUE")
+        );
+        assert!(e.to_string().contains("CUDA_ERROR_INVALID_VALUE"), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub use presence::is_present;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use crate::error::Error;
+use crate::error::{DriverError, Error};
 
 /// Loads and initialises the driver (`cuInit`) once; every CUDA entry point of memres calls
 /// this first. Returns [`Error::NoDriver`] where libcuda is absent, and the driver's error
@@ -74,7 +74,7 @@ pub(crate) fn require_version(required: i32, what: &str) -> Result<(), Error> {
 pub(crate) fn check(result: CUresult) -> Result<(), Error> {
     match result {
         CUresult::CUDA_SUCCESS => Ok(()),
-        other => Err(Error::from(cudarc::driver::DriverError(other))),
+        other => Err(Error::from(DriverError::new(other))),
     }
 }
 
@@ -84,7 +84,7 @@ pub(crate) fn check_alloc(result: CUresult, requested: usize) -> Result<(), Erro
     match result {
         CUresult::CUDA_SUCCESS => Ok(()),
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::out_of_memory(requested)),
-        other => Err(Error::Driver(cudarc::driver::DriverError(other))),
+        other => Err(Error::Driver(DriverError::new(other))),
     }
 }
 
