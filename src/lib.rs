@@ -88,7 +88,6 @@ pub mod suballoc;
 pub mod units;
 pub mod upstream;
 
-mod per_thread;
 mod prefetch;
 mod sync;
 

@@ -59,13 +59,14 @@
 //! The counters here are plain atomics updated independently and one lock; there is no
 //! hand-off between threads to model-check.
 
+use crate::sync::lock_std as lock;
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, LazyLock, Mutex};
 
 /// How many scopes are open, on all threads together: the fast path's only read.
 static OPEN: AtomicUsize = AtomicUsize::new(0);
@@ -79,12 +80,6 @@ static RECORDS: LazyLock<Mutex<HashMap<Arc<str>, Totals>>> = LazyLock::new(Mutex
 thread_local! {
     /// The calling thread's open scopes, outermost first.
     static THREAD: RefCell<Vec<Arc<Frame>>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Locks `m`; the data behind these locks is never left half-updated (single `Vec` and
-/// map operations), so a panic elsewhere does not make it unusable.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The counters of one open scope.

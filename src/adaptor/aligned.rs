@@ -131,9 +131,7 @@ impl<U> Aligned<U> {
 
     fn originals(&self) -> crate::sync::MutexGuard<'_, AddrMap<usize>> {
         // Each update is one insert or remove: a poisoned map is still consistent.
-        self.originals
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock(&self.originals)
     }
 
     /// Aligns `original` (from the upstream) up to `align` and remembers it.

@@ -17,8 +17,9 @@ use crate::error::Error;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::{Event, StreamRef};
 use crate::suballoc::AddrMap;
+use crate::sync::Mutex;
 use crate::sync::atomic::{AtomicU64, Ordering};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::lock;
 use crate::upstream::PinnedHost;
 
 /// The byte every canary is made of.
@@ -393,14 +394,6 @@ impl Checks {
 fn intact(bytes: &[u8]) -> bool {
     static PAGE: [u8; 4096] = [CANARY; 4096];
     bytes.chunks(PAGE.len()).all(|c| c == &PAGE[..c.len()])
-}
-
-/// Locks `mutex`; each update under these locks leaves the state consistent, so a
-/// poisoned lock is still usable.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl<U: SyncResource> Guard<U> {

@@ -6,10 +6,10 @@ use std::ptr::NonNull;
 
 use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
-use crate::per_thread::{PerThread, ThreadSlot};
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicUsize, Ordering};
+use crate::sync::per_thread::{PerThread, ThreadSlot};
 
 /// Refuses allocations that would take the bytes outstanding past a limit (RMM's
 /// `limiting_resource_adaptor`).

@@ -6,11 +6,11 @@ use std::ptr::NonNull;
 
 use super::{deallocate_used_on_upstream, eq_by_upstream, upstream_access};
 use crate::error::Error;
-use crate::per_thread::{PerThread, ThreadSlot};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
 use crate::sync::Mutex;
 use crate::sync::atomic::{AtomicI64, Ordering};
+use crate::sync::per_thread::{PerThread, ThreadSlot};
 
 /// One statistic: its value now, the highest it has been, and the sum of everything added.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -330,9 +330,7 @@ impl<U> Statistics<U> {
 
     fn frames(&self) -> crate::sync::MutexGuard<'_, Vec<Frame>> {
         // The frame stack is never left half-updated (single Vec operations).
-        self.frames
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock(&self.frames)
     }
 
     /// The byte counter of the current frame.

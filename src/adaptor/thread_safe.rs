@@ -7,6 +7,7 @@ use std::ptr::NonNull;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
+use crate::sync::lock;
 use crate::sync::{Mutex, MutexGuard};
 
 /// Makes a resource that is `Send` but not `Sync` shareable between threads by taking a
@@ -65,9 +66,7 @@ impl<U> ThreadSafe<U> {
     pub fn lock(&self) -> MutexGuard<'_, U> {
         // A panic inside the upstream leaves it as the upstream left it; the lock adds no
         // state of its own, so a poisoned lock is passed through.
-        self.upstream
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.upstream)
     }
 
     /// The wrapped resource, mutably (no lock needed: `&mut self` is exclusive).

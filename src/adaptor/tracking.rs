@@ -10,7 +10,8 @@ use super::{eq_by_upstream, upstream_access};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::suballoc::{AddrMap, SpinGuard, SpinLock};
+use crate::suballoc::AddrMap;
+use crate::sync::{SpinGuard, SpinLock};
 
 /// One live allocation, as [`Tracking::outstanding`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::sys;
 
@@ -43,7 +43,7 @@ impl Context {
             return Ok(Context { raw, device });
         }
         let dev = device.handle()?;
-        let mut map = PRIMARY.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = crate::sync::lock_std(&PRIMARY);
         let map = map.get_or_insert_with(HashMap::new);
         if let Some(&raw) = map.get(&device) {
             return Ok(Context { raw, device });

@@ -37,9 +37,7 @@ impl DeviceMap {
     fn lock(&self) -> crate::sync::MutexGuard<'_, HashMap<DeviceId, AnyResource<Device>>> {
         // A panic while the lock was held cannot leave the map half-updated (each update
         // is one `insert` or `remove`), so a poisoned lock is still good.
-        self.slots
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock(&self.slots)
     }
 
     /// The resource of `device`, made by `make` if there is none yet.

@@ -27,7 +27,7 @@ use crate::stream::{Event, StreamRef};
 use crate::sync::Mutex;
 use crate::sync::atomic::{AtomicBool, Ordering};
 
-use super::shards::lock;
+use crate::sync::lock;
 
 /// Events kept for reuse, at most.
 const SPARE_EVENTS: usize = 64;

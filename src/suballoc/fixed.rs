@@ -7,13 +7,14 @@ use std::ptr::{self, NonNull};
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::deferred::{self, Deferred};
 use super::free_blocks::GRANULE;
-use super::shards::{Shard, ShardMap, StreamKey, lock};
+use super::shards::{Shard, ShardMap, StreamKey};
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
 use crate::sync::atomic::Ordering;
+use crate::sync::lock;
 
 /// A stream's list takes at most this many bytes of blocks at a time from a host
 /// stream's list (as a pool's does).

@@ -12,10 +12,10 @@ use loom::sync::Arc;
 use loom::thread;
 
 use super::shards::{ShardMap, StreamKey};
-use super::spin::SpinLock;
 use super::{Arena, FixedSize, Pool, PoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
+use crate::sync::spin::SpinLock;
 use crate::upstream::HostHeap;
 
 #[test]

@@ -41,13 +41,10 @@ mod fixed;
 mod free_blocks;
 pub(crate) use addr_map::AddrMap;
 pub(crate) use chunks::to_ptr;
-pub(crate) use shards::lock;
-pub(crate) use spin::{SpinGuard, SpinLock};
 mod pool;
 mod pool_config;
 mod regions;
 mod shards;
-mod spin;
 mod superblocks;
 mod thread_cache;
 

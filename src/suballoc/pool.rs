@@ -9,12 +9,13 @@ use super::chunks::{Chunk, release_all, to_ptr};
 use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth, PoolConfig};
-use super::shards::{Shard, ShardMap, StreamKey, lock};
+use super::shards::{Shard, ShardMap, StreamKey};
 use super::superblocks::Superblocks;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
+use crate::sync::lock;
 use crate::sync::{Arc, Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::Granules;
@@ -1242,7 +1243,7 @@ impl<U: Resource> Pool<U> {
         ptr: NonNull<u8>,
         layout: Layout,
         into: &'a Shard<PoolShard>,
-    ) -> super::spin::SpinGuard<'a, PoolShard> {
+    ) -> crate::sync::spin::SpinGuard<'a, PoolShard> {
         let chunk = Chunk::new(ptr, layout);
         let addr = chunk.addr;
         // Every list learns the chunk's start before any block of it can reach one.

@@ -19,25 +19,18 @@
 
 use std::fmt;
 use std::ptr;
-use std::sync::PoisonError;
 
-use super::spin::SpinLock;
 use crate::device::Context;
 use crate::driver;
 use crate::error::Error;
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::spin::SpinLock;
+use crate::sync::{Mutex, lock};
 
 /// Slots of a new map's table, a power of two. (Few under loom, where every slot read is
 /// a step to explore; the models then also cover the table's growth.)
 const FIRST_SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
-
-/// Locks a mutex, ignoring poisoning: the sub-allocators' critical sections leave their
-/// state consistent at every point a panic could leave them.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// What identifies a stream's free list: the stream's kind in the top two bits, its
 /// handle, host id or thread number below (one word, so that comparing and hashing keys
@@ -205,10 +198,7 @@ static NEXT_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::Atomic
 
 impl NumberHolder {
     fn take() -> NumberHolder {
-        let reused = FREE_NUMBERS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
+        let reused = crate::sync::lock_std(&FREE_NUMBERS).pop();
         NumberHolder(ThisThread {
             number: reused
                 .unwrap_or_else(|| NEXT_NUMBER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
@@ -223,10 +213,7 @@ fn new_generation() -> u64 {
 
 impl Drop for NumberHolder {
     fn drop(&mut self) {
-        FREE_NUMBERS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(self.0.number);
+        crate::sync::lock_std(&FREE_NUMBERS).push(self.0.number);
     }
 }
 

@@ -47,11 +47,11 @@
 
 use std::cell::RefCell;
 use std::collections::HashSet;
-use std::sync::PoisonError;
 
-use super::shards::{Shard, StreamKey, lock};
+use super::shards::{Shard, StreamKey};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::cell::UnsafeCell;
+use crate::sync::lock;
 use crate::sync::{Arc, Mutex, barrier};
 
 // Owners alive now. Taken only when an owner comes or goes and when a thread exits.
@@ -101,7 +101,7 @@ impl Owner {
         // registration's wait would hold the growth lock).
         barrier::heavy_available();
         let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut live = lock(&LIVE);
         live.get_or_insert_with(HashSet::new).insert(id);
         Owner {
             id,
@@ -118,7 +118,7 @@ impl Owner {
     /// owner calls it first thing in its drop, before freeing anything.
     pub(crate) fn retire(&mut self) {
         if !self.retired {
-            let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut live = lock(&LIVE);
             if let Some(live) = live.as_mut() {
                 live.remove(&self.id);
             }
@@ -304,7 +304,7 @@ impl Drop for Magazines {
         if self.list.is_empty() {
             return;
         }
-        let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+        let live = lock(&LIVE);
         for m in self.list.drain(..) {
             if live.as_ref().is_some_and(|l| l.contains(&m.owner)) {
                 // SAFETY: the owner is registered and the registry is locked, so it has
@@ -324,7 +324,7 @@ const MAGAZINES_PER_OWNER: usize = 16;
 
 /// Drops the magazines of owners that are gone (their blocks are only addresses).
 fn prune(list: &mut Vec<Magazine>) {
-    let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+    let live = lock(&LIVE);
     list.retain(|m| live.as_ref().is_some_and(|l| l.contains(&m.owner)));
 }
 

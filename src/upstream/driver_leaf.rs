@@ -10,6 +10,7 @@ use crate::device::{Context, process_is_exiting};
 use crate::error::Error;
 use crate::resource::dangling;
 use crate::stream::{Relaxed, StreamRef, on_capture_path};
+use crate::sync::lock_std;
 
 /// The contract's rules before any driver call: `Ok(Some(dangling))` for zero bytes,
 /// [`Error::InvalidArgument`] for an alignment above what the resource guarantees,
@@ -102,9 +103,7 @@ static DEFERRED: Mutex<Vec<Deferred>> = Mutex::new(Vec::new());
 static ANY_DEFERRED: AtomicBool = AtomicBool::new(false);
 
 fn defer(ctx: Context, free: Box<dyn FnOnce() + Send>) {
-    let mut deferred = DEFERRED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut deferred = lock_std(&DEFERRED);
     deferred.push((ctx, free));
     ANY_DEFERRED.store(true, Ordering::Release);
 }
@@ -118,9 +117,7 @@ pub(crate) fn settle() {
         return;
     }
     let taken = {
-        let mut deferred = DEFERRED
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut deferred = lock_std(&DEFERRED);
         ANY_DEFERRED.store(false, Ordering::Relaxed);
         std::mem::take(&mut *deferred)
     };

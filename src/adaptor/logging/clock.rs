@@ -14,7 +14,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::ring::Padded;
+use crate::sync::CachePadded;
 
 /// Which clock events are stamped with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +121,7 @@ thread_local! {
 /// each 256 rows it formats. A thread's clock reading is reused only while this count
 /// stays the same. On a cache line of its own: the logging threads read it from their
 /// own caches until a lane writes it.
-static TURNS: Padded<AtomicU64> = Padded(AtomicU64::new(0));
+static TURNS: CachePadded<AtomicU64> = CachePadded(AtomicU64::new(0));
 
 /// Called by a writer lane as it wakes up and after each chunk of rows.
 pub(super) fn lane_turned() {

@@ -11,6 +11,7 @@
 //! positions never touch the same slot, so several of them (the writer's lanes) can drain
 //! disjoint ranges of positions at once; nothing but the slots is shared with producers.
 
+use crate::sync::CachePadded;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::cell::UnsafeCell;
 
@@ -31,11 +32,6 @@ pub(super) struct Record {
     pub(super) host: bool,
 }
 
-/// A value alone on its cache line (producers hammer `tail`, the consumer `head`; the
-/// lanes write the clock's turn counter that every logging thread reads).
-#[repr(align(128))]
-pub(super) struct Padded<T>(pub(super) T);
-
 /// One cache line per slot, so an event touches one line.
 #[repr(align(64))]
 struct Slot {
@@ -48,8 +44,8 @@ struct Slot {
 pub(super) struct Ring {
     slots: Box<[Slot]>,
     mask: u64,
-    /// The next position a producer takes.
-    tail: Padded<AtomicU64>,
+    /// The next position a producer takes (alone on its lines: producers hammer it).
+    tail: CachePadded<AtomicU64>,
 }
 
 // SAFETY: a slot's record is written only by the producer that holds its position, once
@@ -83,7 +79,7 @@ impl Ring {
                 })
                 .collect(),
             mask: capacity as u64 - 1,
-            tail: Padded(AtomicU64::new(0)),
+            tail: CachePadded(AtomicU64::new(0)),
         }
     }
 

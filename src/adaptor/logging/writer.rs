@@ -79,7 +79,7 @@ impl Control {
     }
 
     fn status(&self) -> MutexGuard<'_, Status> {
-        self.status.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock_std(&self.status)
     }
 }
 

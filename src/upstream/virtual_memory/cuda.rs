@@ -277,9 +277,7 @@ impl CudaPhysical {
 
     /// The spare allocations, locked.
     fn spare(&self) -> std::sync::MutexGuard<'_, Option<Vec<sys::CUmemGenericAllocationHandle>>> {
-        self.spare
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock_std(&self.spare)
     }
 
     /// Unmaps granules `addr..addr + len` one by one (each is its own mapping), keeping

@@ -192,7 +192,7 @@ impl<B: Backend> Virtual<B> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Granules> {
-        crate::suballoc::lock(&self.granules)
+        crate::sync::lock(&self.granules)
     }
 
     /// The granule range of `addr..addr + len`, if both ends are granule-aligned and

@@ -55,9 +55,7 @@ struct Inner<T: ThreadSlot> {
 impl<T: ThreadSlot> Inner<T> {
     fn lock(&self) -> MutexGuard<'_, Vec<Arc<Slot<T>>>> {
         // The list is never left half-updated (single Vec operations).
-        self.slots
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock(&self.slots)
     }
 }
 
