@@ -80,6 +80,7 @@ pub mod erased;
 pub mod error;
 pub mod layer;
 pub mod log;
+pub mod per_device;
 pub mod profile;
 pub mod property;
 pub mod resource;

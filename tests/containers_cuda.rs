@@ -209,15 +209,16 @@ fn default_resource_containers_hold_their_resource() {
     let mut v = DeviceVec::<f32, _>::new_default(1000, D).unwrap();
     v.set_to_zero(D).unwrap(); // `new` leaves the elements uninitialized
     assert_eq!(v.len(), 1000);
-    let before = memres::device::current_resource().unwrap();
+    let before = memres::per_device::current_resource().unwrap();
     assert!(*v.resource() == before);
     // Replacing the default does not touch the vector's resource.
-    let old = memres::device::set_current_resource(memres::AnyResource::new(Cuda::new().unwrap()))
-        .unwrap();
+    let old =
+        memres::per_device::set_current_resource(memres::AnyResource::new(Cuda::new().unwrap()))
+            .unwrap();
     assert!(v.to_vec(D).is_ok());
     drop(v);
     if let Some(old) = old {
-        memres::device::set_current_resource(old).unwrap();
+        memres::per_device::set_current_resource(old).unwrap();
     }
 }
 

@@ -2,8 +2,9 @@
 //! per-device calls need no driver, so most of this runs in CI with stand-in resources;
 //! the current-device calls and the lazily made `Cuda` default need a GPU.
 
-use memres::device::{
-    self, DeviceId, per_device_resource, reset_per_device_resource, set_per_device_resource,
+use memres::device::DeviceId;
+use memres::per_device::{
+    self, per_device_resource, reset_per_device_resource, set_per_device_resource,
 };
 use memres::{AnyResource, Device, SyncResource};
 
@@ -78,26 +79,28 @@ fn the_current_device_starts_with_a_cuda_resource() {
     fn address(r: &AnyResource<Device>) -> *const memres::Cuda {
         r.downcast_ref::<memres::Cuda>().expect("a Cuda resource")
     }
-    let _ = device::reset_current_resource().unwrap();
-    let first = device::current_resource().unwrap();
-    let again = device::current_resource().unwrap();
+    let _ = per_device::reset_current_resource().unwrap();
+    let first = per_device::current_resource().unwrap();
+    let again = per_device::current_resource().unwrap();
     assert_eq!(address(&first), address(&again), "made once, then shared");
     let pool = AnyResource::<Device>::new(memres::CudaAsync::new().unwrap());
-    let previous = device::set_current_resource(pool.clone()).unwrap().unwrap();
+    let previous = per_device::set_current_resource(pool.clone())
+        .unwrap()
+        .unwrap();
     assert_eq!(
         address(&previous),
         address(&first),
         "set returns what it replaced"
     );
-    assert_eq!(device::current_resource().unwrap(), pool);
+    assert_eq!(per_device::current_resource().unwrap(), pool);
     // From other threads too (each starts with no context current: device 0).
     std::thread::scope(|s| {
         for _ in 0..4 {
-            s.spawn(|| assert_eq!(device::current_resource().unwrap(), pool));
+            s.spawn(|| assert_eq!(per_device::current_resource().unwrap(), pool));
         }
     });
-    assert_eq!(device::reset_current_resource().unwrap(), Some(pool));
-    let fresh = device::current_resource().unwrap();
+    assert_eq!(per_device::reset_current_resource().unwrap(), Some(pool));
+    let fresh = per_device::current_resource().unwrap();
     assert_ne!(
         address(&fresh),
         address(&first),
@@ -114,22 +117,22 @@ fn set_get_reset_on_the_current_device_from_many_threads() {
             s.spawn(move || {
                 for i in 0..50u32 {
                     let mine = AnyResource::<Device>::new(StandIn::new(t * 100 + i));
-                    device::set_current_resource(mine).unwrap();
-                    let now = device::current_resource().unwrap();
+                    per_device::set_current_resource(mine).unwrap();
+                    let now = per_device::current_resource().unwrap();
                     // Whatever is current (a stand-in or a fresh `Cuda`) serves memory.
                     let l = memres::layout(256).unwrap();
                     let p = now.allocate_sync(l).unwrap();
                     // SAFETY: allocated just above from `now`.
                     unsafe { now.deallocate_sync(p, l) };
                     if i % 10 == 0 {
-                        device::reset_current_resource().unwrap();
+                        per_device::reset_current_resource().unwrap();
                     }
                 }
             });
         }
     });
-    device::reset_current_resource().unwrap();
-    let made = device::current_resource().unwrap();
+    per_device::reset_current_resource().unwrap();
+    let made = per_device::current_resource().unwrap();
     assert!(made.downcast_ref::<memres::Cuda>().is_some(), "{made:?}");
 }
 
@@ -157,14 +160,15 @@ fn several_devices_in_one_call_all_or_nothing() {
         DeviceId::new(1012),
     ];
     let replaced =
-        device::set_per_device_resources(devs, |d| Ok(StandIn::new(d.ordinal() as u32))).unwrap();
+        per_device::set_per_device_resources(devs, |d| Ok(StandIn::new(d.ordinal() as u32)))
+            .unwrap();
     assert!(replaced.iter().all(Option::is_none));
     for d in devs {
         assert_eq!(id_of(&per_device_resource(d).unwrap()), d.ordinal() as u32);
     }
     // The third fails: nothing changes on the first two.
     let mut made = 0;
-    let e = device::set_per_device_resources(devs, |d| {
+    let e = per_device::set_per_device_resources(devs, |d| {
         made += 1;
         if d == devs[2] {
             Err(memres::Error::out_of_memory(1 << 30))
@@ -179,12 +183,12 @@ fn several_devices_in_one_call_all_or_nothing() {
         assert_eq!(id_of(&per_device_resource(d).unwrap()), d.ordinal() as u32);
     }
     // A device listed twice is refused before anything is built.
-    let e =
-        device::set_per_device_resources([devs[0], devs[0]], |_| Ok(StandIn::new(9))).unwrap_err();
+    let e = per_device::set_per_device_resources([devs[0], devs[0]], |_| Ok(StandIn::new(9)))
+        .unwrap_err();
     assert!(e.to_string().contains("listed twice"), "{e}");
     assert_eq!(id_of(&per_device_resource(devs[0]).unwrap()), 1010);
     // What the next call replaces comes back in order.
-    let replaced = device::set_per_device_resources(devs, |_| Ok(StandIn::new(3))).unwrap();
+    let replaced = per_device::set_per_device_resources(devs, |_| Ok(StandIn::new(3))).unwrap();
     let ids: Vec<u32> = replaced
         .iter()
         .map(|r| id_of(r.as_ref().unwrap()))

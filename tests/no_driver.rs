@@ -5,6 +5,7 @@
 mod common;
 
 use memres::device::{self, DeviceId};
+use memres::per_device;
 use memres::stream::{Event, Stream, StreamFlags, StreamPool};
 use memres::upstream::{CudaAsyncConfig, ExportHandle};
 use memres::{
@@ -101,16 +102,19 @@ fn devices_streams_and_defaults_report_no_driver() {
         "per-thread synchronize",
         StreamRef::PER_THREAD.synchronize(),
     );
-    assert_no_driver("reset_current_resource", device::reset_current_resource());
+    assert_no_driver(
+        "reset_current_resource",
+        per_device::reset_current_resource(),
+    );
     let stand_in = memres::AnyResource::new(common::HeapAs::<memres::Device>::new(1));
     assert_no_driver(
         "set_current_resource",
-        device::set_current_resource(stand_in),
+        per_device::set_current_resource(stand_in),
     );
-    assert_no_driver("current_resource", device::current_resource());
+    assert_no_driver("current_resource", per_device::current_resource());
     assert_no_driver(
         "per_device_resource",
-        device::per_device_resource(DeviceId::new(0)),
+        per_device::per_device_resource(DeviceId::new(0)),
     );
     // Host streams need no driver.
     assert_eq!(StreamRef::host(3).synchronize(), Ok(()));

@@ -9,7 +9,8 @@ use std::alloc::Layout;
 use std::process::Command;
 use std::ptr::NonNull;
 
-use memres::device::{DeviceId, process_is_exiting, set_per_device_resource};
+use memres::device::{DeviceId, process_is_exiting};
+use memres::per_device::set_per_device_resource;
 use memres::{AnyResource, Device, Resource, StreamRef, SyncResource};
 
 /// Wraps a resource (and keeps other CUDA objects alive with it) and says, when dropped,

@@ -203,7 +203,7 @@ fn stack(device: c_int) -> Result<&'static DeviceStack, Failure> {
     };
     let id = DeviceId::new(device);
     let built = DeviceStack::build(&spec, id)?;
-    mr::device::set_per_device_resource(id, built.top().clone());
+    mr::per_device::set_per_device_resource(id, built.top().clone());
     config.frozen = true;
     if built.logs() {
         flush_logs_at_exit();

@@ -485,10 +485,10 @@ pub(super) fn host_vec<T: Clone>(len: usize, value: T) -> Result<Vec<T>, Error> 
 
 impl<'s> DeviceBuffer<'s, AnyResource<Device>> {
     /// A buffer of `size` bytes from the current device's resource
-    /// ([`device::current_resource`](crate::device::current_resource)); the buffer holds
+    /// ([`per_device::current_resource`](crate::per_device::current_resource)); the buffer holds
     /// the resource, so replacing the default later cannot leave it dangling.
     pub fn new_default(size: usize, stream: StreamRef<'s>) -> Result<Self, Error> {
-        DeviceBuffer::new(size, stream, crate::device::current_resource()?)
+        DeviceBuffer::new(size, stream, crate::per_device::current_resource()?)
     }
 }
 

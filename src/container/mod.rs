@@ -11,7 +11,7 @@
 //! - `Arc<..>`, [`Shared`](crate::Shared), [`AnyResource<Device>`](crate::AnyResource):
 //!   owned; the resource lives as long as the container.
 //! - `new_default` constructors use the current device's resource
-//!   ([`device::current_resource`](crate::device::current_resource)) and keep the handle,
+//!   ([`per_device::current_resource`](crate::per_device::current_resource)) and keep the handle,
 //!   so replacing the default later cannot leave a container dangling.
 //! - A container on a [`Stream`](crate::stream::Stream) borrows it: it cannot outlive the
 //!   stream it will be freed on.

@@ -349,7 +349,7 @@ impl<'s, T: Pod> DeviceVec<'s, T, AnyResource<Device>> {
     /// A vector of `len` elements from the current device's resource; see
     /// [`DeviceBuffer::new_default`].
     pub fn new_default(len: usize, stream: StreamRef<'s>) -> Result<Self, Error> {
-        DeviceVec::new(len, stream, crate::device::current_resource()?)
+        DeviceVec::new(len, stream, crate::per_device::current_resource()?)
     }
 }
 

@@ -8,7 +8,6 @@
 //! does.
 
 mod context;
-mod current;
 
 use std::fmt;
 
@@ -17,10 +16,6 @@ use cudarc::driver::sys;
 pub use crate::driver::exit::process_is_exiting;
 pub use context::DeviceGuard;
 pub(crate) use context::{Bound, Context, bind};
-pub use current::{
-    current_resource, per_device_resource, reset_current_resource, reset_per_device_resource,
-    set_current_resource, set_per_device_resource, set_per_device_resources,
-};
 
 use crate::driver::{check, init};
 use crate::error::Error;

@@ -18,7 +18,7 @@ use crate::sync::atomic::{AtomicBool, Ordering, fence};
 use crate::sync::lock;
 use crate::sync::{Arc, Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
-use crate::upstream::virtual_memory::Granules;
+use crate::upstream::virtual_memory::{Backend, Granules, Virtual};
 
 /// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
 const QUICK_UNITS: usize = 256;
@@ -429,6 +429,29 @@ pub struct Pool<U: Resource> {
     /// The key of the host stream's list made with the pool (in the lane of the thread
     /// that made it), which paths holding the growth lock use.
     host_key: StreamKey,
+}
+
+// The in-place pool's constructor on its leaf, written here beside the pool (not in
+// `upstream`, which imports nothing from `suballoc`).
+impl<B: Backend> Virtual<B> {
+    /// A [`Pool`] over this leaf that grows in place ([`Pool::in_place`]).
+    ///
+    /// ```
+    /// use memres::{HostVirtual, PoolConfig, Resource, StreamRef, layout};
+    ///
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool(PoolConfig::new())?;
+    /// let l = layout(100 << 10)?;
+    /// let p = pool.allocate(StreamRef::HOST, l)?;
+    /// assert_eq!(pool.stats().pool_size, 128 << 10, "two 64 KiB granules");
+    /// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    /// pool.trim()?;
+    /// assert_eq!(pool.stats().pool_size, 0);
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn pool(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
+        Pool::in_place(self, config)
+    }
 }
 
 impl<U: Resource> Pool<U> {

@@ -26,7 +26,6 @@ pub use host::HostPages;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::StreamRef;
-use crate::suballoc::{Pool, PoolConfig};
 use crate::sync::{Mutex, MutexGuard};
 
 /// A virtual-memory leaf over CUDA's virtual memory management (`cuMemAddressReserve`,
@@ -118,7 +117,7 @@ pub unsafe trait GrowInPlace: Resource {
 ///
 /// On its own it is a simple resource (first fit over the granules, every allocation
 /// rounded up to whole granules, so use it under a pool); its point is
-/// [`Virtual::pool`], a [`Pool`] that grows in place.
+/// [`Virtual::pool`], a [`Pool`](crate::suballoc::Pool) that grows in place.
 ///
 /// - Alignment: any power of two up to the granularity.
 /// - Stream-ordered frees wait for the stream before unmapping (memory usable at once is
@@ -170,25 +169,6 @@ impl<B: Backend> Virtual<B> {
     /// of whatever runs over it.
     pub fn peak_mapped_bytes(&self) -> usize {
         self.lock().peak() * self.backend.granularity()
-    }
-
-    /// A [`Pool`] over this leaf that grows in place ([`Pool::in_place`]).
-    ///
-    /// ```
-    /// use memres::{HostVirtual, PoolConfig, Resource, StreamRef, layout};
-    ///
-    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool(PoolConfig::new())?;
-    /// let l = layout(100 << 10)?;
-    /// let p = pool.allocate(StreamRef::HOST, l)?;
-    /// assert_eq!(pool.stats().pool_size, 128 << 10, "two 64 KiB granules");
-    /// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
-    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
-    /// pool.trim()?;
-    /// assert_eq!(pool.stats().pool_size, 0);
-    /// # Ok::<(), memres::Error>(())
-    /// ```
-    pub fn pool(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
-        Pool::in_place(self, config)
     }
 
     fn lock(&self) -> MutexGuard<'_, Granules> {
@@ -262,7 +242,10 @@ unsafe impl<B: Backend> SyncResource for Virtual<B> {
             .find_unmapped(n)
             .ok_or_else(|| Error::out_of_memory(layout.size()))?;
         self.map_granules(&mut granules, first, n)?;
-        Ok(crate::suballoc::to_ptr(self.backend.range().0 + first * g))
+        let addr = self.backend.range().0 + first * g;
+        // A reservation never starts at address 0.
+        NonNull::new(std::ptr::with_exposed_provenance_mut(addr))
+            .ok_or_else(|| Error::invalid_argument("a virtual-memory reservation at address 0"))
     }
 
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {

@@ -7,14 +7,14 @@
 //! keeps the resource it got alive even if another thread replaces it meanwhile.
 //!
 //! Resources stored here live until the process exits; they are then dropped with
-//! [`process_is_exiting`](super::process_is_exiting) true, so their drops skip the driver.
+//! [`process_is_exiting`](crate::device::process_is_exiting) true, so their drops skip the driver.
 //!
 //! [`Cuda`]: crate::upstream::Cuda
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use super::DeviceId;
+use crate::device::DeviceId;
 use crate::erased::AnyResource;
 use crate::error::Error;
 use crate::property::{Contains, Device};
@@ -108,7 +108,7 @@ fn make_default(device: DeviceId) -> Result<AnyResource<Device>, Error> {
 ///
 /// ```no_run
 /// use memres::{SyncResource, layout};
-/// let mr = memres::device::current_resource()?; // a `Cuda` resource unless one was set
+/// let mr = memres::per_device::current_resource()?; // a `Cuda` resource unless one was set
 /// let l = layout(1 << 20)?;
 /// let p = mr.allocate_sync(l)?;
 /// // SAFETY: allocated just above with `l`.
@@ -156,7 +156,8 @@ pub fn set_per_device_resource(
 /// [`DeviceId::all`] lists every device.
 ///
 /// ```no_run
-/// use memres::device::{DeviceId, set_per_device_resources};
+/// use memres::device::DeviceId;
+/// use memres::per_device::set_per_device_resources;
 /// use memres::{Cuda, PoolConfig, ResourceExt};
 ///
 /// // A statistics-counted pool on every GPU, 1 GiB to start with.
