@@ -68,6 +68,11 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
+// No loom model for these: the registries below change only under their mutexes, and
+// the counters are figures and a fast-path hint (a scope that opens while an
+// allocation reads `OPEN` as 0 misses that one allocation, as if it had come just
+// before), not a hand-off of memory between threads.
+
 /// How many scopes are open, on all threads together: the fast path's only read.
 static OPEN: AtomicUsize = AtomicUsize::new(0);
 /// How many all-threads scopes are open.

@@ -98,6 +98,13 @@ pub(crate) fn free_after(
 type Deferred = (Context, Box<dyn FnOnce() + Send>);
 
 /// Frees made on streams under capture, not yet carried out.
+///
+/// No loom model: every free moves in or out of the list under its mutex, and
+/// `ANY_DEFERRED` is only a hint that lets the common call skip the lock. It is set after
+/// a push (release) and cleared under the lock before the list is taken, so a reader that
+/// misses a set flag only settles the frees at a later call: a free is delayed, never
+/// lost or made twice. (Process-wide statics, which loom's types, made afresh in each
+/// model run, cannot be.)
 static DEFERRED: Mutex<Vec<Deferred>> = Mutex::new(Vec::new());
 /// Set while `DEFERRED` may hold something: the common case costs one load.
 static ANY_DEFERRED: AtomicBool = AtomicBool::new(false);

@@ -39,6 +39,13 @@ const NAP: Duration = Duration::from_micros(50);
 const MAX_NAP: Duration = Duration::from_millis(1);
 
 /// What the logging threads and the writer threads share.
+///
+/// The records themselves go through the ring, whose protocol has loom models
+/// (`ring::loom_models`). The rest needs none: what a `flush` waits for (`flushed`,
+/// `error` in `status`, and `dead`) changes under the `status` mutex or is followed by
+/// taking it before `flushed_cond` is notified, the condition variable's own discipline;
+/// `flush_to` and `stop` are requests to the writer threads, which are unparked after
+/// each one (a thread's park token makes a wake before its park count).
 struct Control {
     ring: Ring,
     /// The lanes, to wake them.
