@@ -7,9 +7,9 @@ use std::ptr::{self, NonNull};
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::pool::{PoolShard, block_size};
 use super::shards::{Shard, ShardMap, StreamKey, synchronize};
-use super::superblocks::Superblocks;
+use super::stream_list::{PoolShard, block_size};
+use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
@@ -17,9 +17,6 @@ use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
 use crate::sync::{Arc, Mutex};
-
-/// The size of a superblock, and the largest request served from a stream's arena.
-pub const SUPERBLOCK_SIZE: usize = 1 << 20;
 
 /// The global arena.
 #[derive(Default)]

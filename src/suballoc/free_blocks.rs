@@ -9,8 +9,7 @@
 
 use super::regions::{Links, Regions};
 
-/// The pool's unit of size and alignment: every block is a multiple of it.
-pub(crate) const GRANULE: usize = 256;
+pub(crate) use super::granule::{GRANULE, NIL};
 
 /// Classes below this many granules hold one exact size each.
 const LINEAR: usize = 16;
@@ -19,8 +18,6 @@ const SUB_BITS: u32 = 4;
 /// Groups of 16 classes; the first is the linear range, the others one power of two each.
 const GROUPS: usize = 56;
 const CLASSES: usize = GROUPS * LINEAR;
-/// No node: the end of a list.
-pub(super) const NIL: u32 = u32::MAX;
 /// How many blocks of a request's own size class are tried before a larger class.
 const OWN_CLASS_SCAN: usize = 8;
 /// In an address-ordered list, requests below this many granules (512 KiB) are placed by

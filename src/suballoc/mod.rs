@@ -39,20 +39,23 @@ mod chunks;
 mod deferred;
 mod fixed;
 mod free_blocks;
+mod granule;
 pub(crate) use addr_map::AddrMap;
 pub(crate) use chunks::to_ptr;
 mod pool;
 mod pool_config;
 mod regions;
 mod shards;
+mod stream_list;
 mod superblocks;
 mod thread_cache;
 
-pub use arena::{Arena, SUPERBLOCK_SIZE};
+pub use arena::Arena;
 pub use binning::Binning;
 pub use fixed::FixedSize;
 pub use pool::{Pool, PoolStats};
 pub use pool_config::{Growth, PoolConfig};
+pub use superblocks::SUPERBLOCK_SIZE;
 
 /// loom models of the sub-allocators' protocols (run by `.ci/run` with
 /// `--cfg memres_loom`; see `tests/loom.rs` for the public-API models).

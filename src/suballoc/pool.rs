@@ -4,44 +4,20 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::{self, NonNull};
 
-use super::addr_map::AddrMap;
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey};
-use super::superblocks::Superblocks;
+use super::stream_list::{PoolShard, QUICK_UNITS, block_size};
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
 use crate::sync::lock;
-use crate::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::{Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::{Backend, Granules, Virtual};
-
-/// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
-const QUICK_UNITS: usize = 256;
-/// At most this many bytes are cached per stream; beyond it frees coalesce at once.
-///
-/// Pools that grow in place keep the same limit, although a cached block is handed out
-/// again where it was rather than low (see [`FreeBlocks::address_ordered`]): on the H100
-/// (2026-11-23, three alternating runs), 1 MiB instead made the in-place pool's `random`
-/// 97-164 ns against 84-120 and `random-mt` 20-28 ns against 17-19, for a footprint of
-/// 1.085 of live against 1.091 (`random`, seeds 1-6, mean).
-const QUICK_BYTES: usize = 8 << 20;
-
-/// A pool's stream list (of a pool over chunks; not one that grows in place, whose
-/// footprint it would raise) also keeps this many recently freed large blocks (1 to 8 MiB),
-/// handed out again whole to a request of the same size: a loop that allocates and frees
-/// one large buffer then costs what a small one does. Few, so that little memory waits
-/// uncoalesced (random sizes almost never match).
-const LARGE_BLOCKS: usize = 2;
-/// The smallest block kept that way (smaller ones coalesce at once, or are cached as
-/// small blocks)...
-const LARGE_MIN: usize = 1 << 20;
-/// ... and the largest.
-const LARGE_BYTES: usize = 8 << 20;
 
 /// A CUDA stream that takes a small block from a host stream's list (where a pool's
 /// initial memory is) takes this much, and keeps the rest in its own list.
@@ -163,180 +139,6 @@ impl<'a, U> KeepUnmapped<'a, U> {
 impl<U> Drop for KeepUnmapped<'_, U> {
     fn drop(&mut self) {
         (self.space.keep_unmapped)(self.upstream, false);
-    }
-}
-
-/// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
-pub(super) struct PoolShard {
-    pub(super) free: FreeBlocks,
-    /// Recently freed small blocks by size in granules, handed out again whole. Empty
-    /// (no heap) until the first small block is freed, and again after `release_memory`.
-    quick: Vec<Vec<usize>>,
-    quick_bytes: usize,
-    /// Recently freed larger blocks, (address, size), oldest first: at most
-    /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
-    large: Vec<(usize, usize)>,
-    large_bytes: usize,
-    large_cap: usize,
-    /// The pool's chunks, start to size (a copy per stream, so the free path needs no
-    /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
-    /// lists, which read `superblocks`.
-    pub(super) chunks: AddrMap<usize>,
-    /// An arena's superblocks, shared by all its lists.
-    superblocks: Option<Arc<Superblocks>>,
-}
-
-impl PoolShard {
-    /// `low_first`: for a pool that grows in place, the start of its reservation; small
-    /// requests then go to the lowest address region with a fit
-    /// ([`FreeBlocks::address_ordered`]).
-    pub(super) fn new(
-        chunks: impl Iterator<Item = (usize, usize)>,
-        low_first: Option<usize>,
-    ) -> PoolShard {
-        PoolShard {
-            free: match low_first {
-                Some(base) => FreeBlocks::address_ordered(base),
-                None => FreeBlocks::default(),
-            },
-            quick: Vec::new(),
-            quick_bytes: 0,
-            large: Vec::new(),
-            large_bytes: 0,
-            large_cap: 0,
-            chunks: chunks.collect(),
-            superblocks: None,
-        }
-    }
-
-    /// The list of an arena with these superblocks (which are its chunks).
-    pub(super) fn in_arena(superblocks: Arc<Superblocks>) -> PoolShard {
-        PoolShard {
-            superblocks: Some(superblocks),
-            ..PoolShard::new(std::iter::empty(), None)
-        }
-    }
-
-    /// The size of the chunk starting at `addr`, if one does.
-    #[inline]
-    pub(super) fn chunk_at(&self, addr: usize) -> Option<usize> {
-        match &self.superblocks {
-            Some(table) => table.size_at(addr),
-            None => self.chunks.get(&addr).copied(),
-        }
-    }
-
-    /// Also keeps the last [`LARGE_BLOCKS`] larger blocks freed (see there): a pool's
-    /// lists do, an arena's do not.
-    pub(super) fn with_large_cache(mut self) -> PoolShard {
-        self.large_cap = LARGE_BLOCKS;
-        self
-    }
-
-    #[inline]
-    pub(super) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
-        let units = size / GRANULE;
-        if align == GRANULE
-            && units <= QUICK_UNITS
-            && let Some(addr) = self.quick.get_mut(units).and_then(Vec::pop)
-        {
-            self.quick_bytes -= size;
-            return Some(addr);
-        }
-        if align == GRANULE
-            && size >= LARGE_MIN
-            && let Some(i) = self.large.iter().rposition(|&(_, n)| n == size)
-        {
-            self.large_bytes -= size;
-            return Some(self.large.remove(i).0);
-        }
-        self.free.take(size, align)
-    }
-
-    /// Frees a block into the list: cached if small, else coalesced (and then returned,
-    /// merged with its neighbours).
-    #[inline]
-    pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
-        let units = size / GRANULE;
-        if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
-            if self.quick.is_empty() {
-                self.quick = vec![Vec::new(); QUICK_UNITS + 1];
-            }
-            self.quick[units].push(addr);
-            self.quick_bytes += size;
-            None
-        } else if (LARGE_MIN..=LARGE_BYTES).contains(&size) && self.large_cap > 0 {
-            if self.large.len() == self.large_cap {
-                let (old, n) = self.large.remove(0);
-                self.large_bytes -= n;
-                self.insert(old, n);
-            }
-            self.large.push((addr, size));
-            self.large_bytes += size;
-            None
-        } else {
-            Some(self.insert(addr, size))
-        }
-    }
-
-    fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
-        let starts_chunk = self.chunk_at(addr).is_some();
-        self.free.insert(FreeBlock {
-            addr,
-            size,
-            starts_chunk,
-        })
-    }
-
-    /// Coalesces the cached small blocks into the free list.
-    pub(super) fn flush(&mut self) {
-        for (addr, size) in std::mem::take(&mut self.large) {
-            self.insert(addr, size);
-        }
-        self.large_bytes = 0;
-        if self.quick_bytes == 0 {
-            return;
-        }
-        for units in 1..self.quick.len() {
-            while let Some(addr) = self.quick[units].pop() {
-                self.insert(addr, units * GRANULE);
-            }
-        }
-        self.quick_bytes = 0;
-    }
-
-    /// Gives back the heap memory of a list that holds nothing (see
-    /// [`Pool::trim`]): what a stream that is not used any more costs then is its
-    /// inline fields and the copy of the chunk table.
-    pub(super) fn release_memory(&mut self) {
-        if self.free_bytes() == 0 {
-            self.quick = Vec::new();
-            self.large = Vec::new();
-            self.free.release_memory();
-        }
-    }
-
-    /// Every free extent of the list, (address, size), cached ones included.
-    pub(super) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        let quick = self
-            .quick
-            .iter()
-            .enumerate()
-            .flat_map(|(units, addrs)| addrs.iter().map(move |&a| (a, units * GRANULE)));
-        self.free
-            .blocks()
-            .map(|b| (b.addr, b.size))
-            .chain(quick)
-            .chain(self.large.iter().copied())
-    }
-
-    pub(super) fn drain(&mut self) -> Vec<FreeBlock> {
-        self.flush();
-        self.free.drain()
-    }
-
-    pub(super) fn free_bytes(&self) -> usize {
-        self.free.bytes() + self.quick_bytes + self.large_bytes
     }
 }
 
@@ -1555,17 +1357,6 @@ fn growth_sites(
     // Stable: among equal needs the lower address (and the stepped top site) first.
     sites.sort_by_key(|&(need, _)| need);
     sites.into_iter().map(|(_, site)| site).collect()
-}
-
-/// The block size for `layout` (a multiple of the granule) and its alignment (at least
-/// the granule).
-#[inline]
-pub(crate) fn block_size(layout: Layout) -> (usize, usize) {
-    // `layout.size()` is at most `isize::MAX`, so rounding up cannot overflow.
-    (
-        layout.size().next_multiple_of(GRANULE),
-        layout.align().max(GRANULE),
-    )
 }
 
 // SAFETY: blocks are disjoint pieces of chunks from the upstream (free blocks are tracked

@@ -17,7 +17,7 @@
 //! small blocks together is that they go low, not the exact address. Figures in
 //! `BENCHMARKS.md`.
 
-use super::free_blocks::{GRANULE, NIL};
+use super::granule::{GRANULE, NIL};
 
 /// log2 of a region's size in bytes (16 MiB).
 const REGION_SHIFT: u32 = 24;

@@ -19,11 +19,13 @@
 //! list under its lock: work that grew with the lists (a lane per thread per stream), on
 //! a path `random` takes for every request above 1 MiB.
 
-use super::arena::SUPERBLOCK_SIZE;
 use super::free_blocks::GRANULE;
 use crate::sync::atomic::{AtomicU64, Ordering};
 
 /// Bits of a word that say where in its MiB the superblock starts, in granules.
+/// The size of a superblock, and the largest request served from a stream's arena.
+pub const SUPERBLOCK_SIZE: usize = 1 << 20;
+
 const OFFSET_BITS: u32 = (SUPERBLOCK_SIZE / GRANULE).trailing_zeros();
 const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
 

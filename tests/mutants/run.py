@@ -53,9 +53,9 @@ MUTATIONS = [
      "            if !h.marks.iter().all(Mark::is_complete) {", "            if false {"),
     ("Growth::Eighth under a maximum: chunks not whole requests", "src/suballoc/pool.rs",
      "                    Some(whole) if whole <= remaining => whole,", "                    Some(whole) if false && whole <= remaining => whole,"),
-    ("FixedSize: a host list's last block is taken too (the steal cascade)", "src/suballoc/fixed.rs",
-     "let leave = usize::from(leave_last && other.key.stream() != shared_host);",
-     "let leave = usize::from(leave_last && other.key.stream() != shared_host) * 0;"),
+    ("FixedSize: a host list's last block is taken too (the steal cascade)", "src/suballoc/shards.rs",
+     "usize::from(self.stream() != StreamKey::host(0))",
+     "0 * usize::from(self.stream() != StreamKey::host(0))"),
     ("Pool::trim keeps the lists' heap memory", "src/suballoc/pool.rs",
      "            shard.state.lock().release_memory();\n", ""),
 ]
