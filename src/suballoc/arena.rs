@@ -12,7 +12,7 @@ use super::stream_list::{PoolShard, block_size};
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
-use crate::resource::{Resource, SyncResource, dangling};
+use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
@@ -543,26 +543,12 @@ impl<U: Resource + fmt::Debug> fmt::Debug for Arena<U> {
     }
 }
 
+sync_on_the_host_stream!(Arena);
+
 // SAFETY: blocks are disjoint pieces of the one upstream allocation (each free byte is in
 // exactly one list: the global arena's, a pending entry, or one stream's), aligned as
 // asked, with the upstream's properties; memory freed on a CUDA stream reaches another
 // stream only through the global arena after that stream's context was synchronised.
-unsafe impl<U: Resource> SyncResource for Arena<U> {
-    type Properties = U::Properties;
-
-    #[inline]
-    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
-        self.allocate(StreamRef::HOST, layout)
-    }
-
-    #[inline]
-    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise; freeing on a host stream means "unused now".
-        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
-    }
-}
-
-// SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for Arena<U> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {

@@ -9,7 +9,7 @@ use super::fixed::FixedSize;
 use super::free_blocks::GRANULE;
 use crate::erased::AnyResource;
 use crate::error::Error;
-use crate::resource::{Resource, SyncResource, dangling};
+use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
 
 /// What serves one bin.
@@ -218,26 +218,12 @@ impl<U: Resource + fmt::Debug> fmt::Debug for Binning<U> {
     }
 }
 
+sync_on_the_host_stream!(Binning);
+
 // SAFETY: every block comes from a bin or the upstream, which keep the contract and
 // offer at least the upstream's properties; a free goes to the same place as the
 // allocation did, because the route depends only on the layout and the bins, which
 // cannot change once memory has been handed out.
-unsafe impl<U: Resource> SyncResource for Binning<U> {
-    type Properties = U::Properties;
-
-    #[inline]
-    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
-        self.allocate(StreamRef::HOST, layout)
-    }
-
-    #[inline]
-    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise; freeing on a host stream means "unused now".
-        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
-    }
-}
-
-// SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for Binning<U> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {

@@ -10,7 +10,7 @@ use super::free_blocks::GRANULE;
 use super::shards::{Shard, ShardMap, StreamKey};
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
-use crate::resource::{Resource, SyncResource, dangling};
+use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
 use crate::sync::atomic::Ordering;
@@ -454,26 +454,12 @@ impl<U: Resource + fmt::Debug> fmt::Debug for FixedSize<U> {
     }
 }
 
+sync_on_the_host_stream!(FixedSize);
+
 // SAFETY: blocks are disjoint slices of chunks from the upstream, each free one in
-// exactly one free list or one thread's cache (a magazine), 256-byte aligned (chunks are, and the block size is a multiple of 256),
-// with the upstream's properties; a block freed on a stream goes to another stream only
+// exactly one free list or one thread's cache (a magazine), 256-byte aligned (chunks
+// are, and the block size is a multiple of 256), with the upstream's properties; a block freed on a stream goes to another stream only
 // once that stream's work is complete (host streams) or waited for (`merge_into`).
-unsafe impl<U: Resource> SyncResource for FixedSize<U> {
-    type Properties = U::Properties;
-
-    #[inline]
-    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
-        self.allocate(StreamRef::HOST, layout)
-    }
-
-    #[inline]
-    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise; freeing on a host stream means "unused now".
-        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
-    }
-}
-
-// SAFETY: as for `SyncResource`.
 unsafe impl<U: Resource> Resource for FixedSize<U> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
@@ -542,6 +528,8 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
 #[cfg(all(test, not(memres_loom)))]
 mod tests {
     use std::sync::mpsc;
+
+    use crate::resource::SyncResource;
 
     use super::*;
     use crate::adaptor::Limiting;

@@ -32,6 +32,37 @@
 //! safe to call from many threads at once: each stream has its own free list behind its
 //! own lock, found without taking a shared lock.
 
+/// `SyncResource` for a stream-ordered sub-allocator: its synchronous calls are its calls
+/// on the host stream (whose work is always complete), and its properties its upstream's.
+macro_rules! sync_on_the_host_stream {
+    ($ty:ident) => {
+        // SAFETY: the type's `Resource` impl (beside its use of this macro) keeps the
+        // contract on every stream; these calls are that impl's on the host stream.
+        unsafe impl<U: crate::resource::Resource> crate::resource::SyncResource for $ty<U> {
+            type Properties = U::Properties;
+
+            #[inline]
+            fn allocate_sync(
+                &self,
+                layout: std::alloc::Layout,
+            ) -> Result<std::ptr::NonNull<u8>, crate::error::Error> {
+                self.allocate(crate::stream::StreamRef::HOST, layout)
+            }
+
+            #[inline]
+            unsafe fn deallocate_sync(
+                &self,
+                ptr: std::ptr::NonNull<u8>,
+                layout: std::alloc::Layout,
+            ) {
+                // SAFETY: the caller's promise (from this resource with `layout`, unused
+                // now), which is what freeing on a host stream means.
+                unsafe { self.deallocate(crate::stream::StreamRef::HOST, ptr, layout) }
+            }
+        }
+    };
+}
+
 mod addr_map;
 mod arena;
 mod binning;

@@ -11,7 +11,7 @@ use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey};
 use super::stream_list::{PoolShard, QUICK_UNITS, block_size};
 use crate::error::Error;
-use crate::resource::{Resource, SyncResource, dangling};
+use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
 use crate::sync::lock;
@@ -1359,28 +1359,14 @@ fn growth_sites(
     sites.into_iter().map(|(_, site)| site).collect()
 }
 
+sync_on_the_host_stream!(Pool);
+
 // SAFETY: blocks are disjoint pieces of chunks from the upstream (free blocks are tracked
 // exactly once, in one list), aligned as asked, and carry the upstream's properties; a
 // block freed on stream S is handed to another stream only after S's work is complete
-// (host streams) or waited for (`merge_into`). Only the pool itself is equal to it.
-unsafe impl<U: Resource> SyncResource for Pool<U> {
-    type Properties = U::Properties;
-
-    #[inline]
-    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
-        self.allocate(StreamRef::HOST, layout)
-    }
-
-    #[inline]
-    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise: from this pool with `layout`, and unused now,
-        // which is what freeing on a host stream means.
-        unsafe { self.deallocate(StreamRef::HOST, ptr, layout) }
-    }
-}
-
-// SAFETY: as for `SyncResource`; memory freed on a stream is reused on that stream at
-// once, and on another only after the first's work was waited for.
+// (host streams) or waited for (`merge_into`): memory freed on a stream is reused on that
+// stream at once, and on another only after the first's work was waited for. Only the
+// pool itself is equal to it.
 unsafe impl<U: Resource> Resource for Pool<U> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
