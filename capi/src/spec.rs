@@ -276,7 +276,7 @@ fn base(name: &str) -> Result<Spec, String> {
         "pool" => Spec::Pool {
             initial: None,
             max: None,
-            growth: Growth::Eighth,
+            growth: Growth::default(),
         },
         "virtual_pool" => Spec::default_spec(),
         "arena" => Spec::Arena { size: None },
@@ -393,7 +393,7 @@ mod tests {
         Spec::Pool {
             initial,
             max,
-            growth: Growth::Eighth,
+            growth: Growth::default(),
         }
     }
 

@@ -276,7 +276,7 @@ impl Default for Options {
             fixed_block: 1 << 20,
             step: None,
             release: None,
-            growth: Growth::Eighth,
+            growth: Growth::default(),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::ptr::{self, NonNull};
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::pool_config::{CHUNK_ROUNDING, EIGHTH, Growth, PoolConfig};
+use super::pool_config::{ChunkSizes, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey};
 use super::stream_list::{PoolShard, QUICK_UNITS, block_size};
 use crate::error::Error;
@@ -894,38 +894,10 @@ impl<U: Resource> Pool<U> {
         if let Some(space) = &self.space {
             return self.grow_in_place(space, growth, own, size, align, may_wait);
         }
-        let remaining = match self.config.maximum {
-            Some(max) if min > max - growth.size => return Ok(None),
-            Some(max) => max - growth.size,
-            None => usize::MAX,
+        let Some(sizes) = ChunkSizes::new(&self.config, min, growth.size) else {
+            return Ok(None);
         };
-        // `n` rounded up to 2 MiB pages, within what remains and what a `Layout` holds;
-        // else the request itself.
-        let rounded = |n: usize| {
-            let n = n
-                .checked_next_multiple_of(CHUNK_ROUNDING)
-                .unwrap_or(usize::MAX)
-                .min(remaining);
-            if n <= isize::MAX as usize { n } else { min }
-        };
-        let mut attempt = match self.config.growth {
-            // Under a maximum, a chunk holds a whole number of such requests (within what
-            // remains): blocks never span chunks, so a 2 MiB chunk for 768 KiB requests
-            // would strand 512 KiB of the maximum in each chunk (a maximum of 8 such
-            // requests fitted 6; RMM's halving fits 8, and so does this).
-            Growth::Eighth if self.config.maximum.is_some() => {
-                let n = rounded(min.max(self.config.step).max(growth.size / EIGHTH));
-                match n.checked_next_multiple_of(min) {
-                    Some(whole) if whole <= remaining => whole,
-                    _ => n,
-                }
-            }
-            Growth::Eighth => rounded(min.max(self.config.step).max(growth.size / EIGHTH)),
-            Growth::Rmm if self.config.maximum.is_some() => {
-                min.max((remaining / 2).next_multiple_of(GRANULE))
-            }
-            Growth::Rmm => min.max(growth.size),
-        };
+        let mut attempt = sizes.first(growth.size);
         loop {
             let Ok(layout) = Layout::from_size_align(attempt, GRANULE) else {
                 return Ok(None);
@@ -937,15 +909,9 @@ impl<U: Resource> Pool<U> {
                     debug_assert!(addr.is_some(), "a new chunk fits its request");
                     return Ok(addr);
                 }
-                // Less, when the upstream refuses: RMM halves its attempt; the default
-                // asks for the request rounded up to 2 MiB pages (the driver maps no less),
-                // then for the request itself.
-                Err(Error::OutOfMemory { .. }) if attempt > min => {
-                    attempt = match self.config.growth {
-                        Growth::Eighth if rounded(min) < attempt => rounded(min),
-                        Growth::Eighth => min,
-                        Growth::Rmm => min.max((attempt / 2).next_multiple_of(GRANULE)),
-                    };
+                // Less, when the upstream refuses (see `ChunkSizes::after_refusal`).
+                Err(Error::OutOfMemory { .. }) if attempt > sizes.min() => {
+                    attempt = sizes.after_refusal(attempt);
                 }
                 Err(Error::OutOfMemory { .. }) => return Ok(None),
                 Err(e) => return Err(e),

@@ -214,9 +214,143 @@ impl PoolConfig {
     }
 }
 
+/// The chunk sizes a pool over chunks asks its upstream for, for one request: a pure
+/// function of the request, what the pool holds and its configuration (the growth rule
+/// of [`Growth`], written once).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ChunkSizes {
+    growth: Growth,
+    /// The request with room for its alignment: no chunk is smaller.
+    min: usize,
+    /// What remains below the maximum (`usize::MAX` without one).
+    remaining: usize,
+    capped: bool,
+    step: usize,
+}
+
+impl ChunkSizes {
+    /// The sizes for a request needing `min` bytes while the pool holds `held`; `None`
+    /// when the maximum leaves no room for it.
+    pub(super) fn new(config: &PoolConfig, min: usize, held: usize) -> Option<ChunkSizes> {
+        let remaining = match config.maximum {
+            Some(max) if min > max.saturating_sub(held) => return None,
+            Some(max) => max - held,
+            None => usize::MAX,
+        };
+        Some(ChunkSizes {
+            growth: config.growth,
+            min,
+            remaining,
+            capped: config.maximum.is_some(),
+            step: config.step,
+        })
+    }
+
+    /// `n` rounded up to 2 MiB pages, within what remains and what a `Layout` holds;
+    /// else the request itself.
+    fn rounded(&self, n: usize) -> usize {
+        let n = n
+            .checked_next_multiple_of(CHUNK_ROUNDING)
+            .unwrap_or(usize::MAX)
+            .min(self.remaining);
+        if n <= isize::MAX as usize {
+            n
+        } else {
+            self.min
+        }
+    }
+
+    /// The first chunk to ask for, the pool holding `held` bytes.
+    pub(super) fn first(&self, held: usize) -> usize {
+        let min = self.min;
+        match self.growth {
+            // Under a maximum, a chunk holds a whole number of such requests (within what
+            // remains): blocks never span chunks, so a 2 MiB chunk for 768 KiB requests
+            // would strand 512 KiB of the maximum in each chunk (a maximum of 8 such
+            // requests fitted 6; RMM's halving fits 8, and so does this).
+            Growth::Eighth if self.capped => {
+                let n = self.rounded(min.max(self.step).max(held / EIGHTH));
+                match n.checked_next_multiple_of(min) {
+                    Some(whole) if whole <= self.remaining => whole,
+                    _ => n,
+                }
+            }
+            Growth::Eighth => self.rounded(min.max(self.step).max(held / EIGHTH)),
+            Growth::Rmm if self.capped => min.max((self.remaining / 2).next_multiple_of(GRANULE)),
+            Growth::Rmm => min.max(held),
+        }
+    }
+
+    /// The next chunk to ask for after the upstream refused `attempt` (larger than the
+    /// request): RMM halves its attempt; the default asks for the request rounded up to
+    /// 2 MiB pages (the driver maps no less), then for the request itself.
+    pub(super) fn after_refusal(&self, attempt: usize) -> usize {
+        let min = self.min;
+        match self.growth {
+            Growth::Eighth if self.rounded(min) < attempt => self.rounded(min),
+            Growth::Eighth => min,
+            Growth::Rmm => min.max((attempt / 2).next_multiple_of(GRANULE)),
+        }
+    }
+
+    /// The request with room for its alignment.
+    pub(super) fn min(&self) -> usize {
+        self.min
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn eighth_grows_by_an_eighth_in_2_mib_pages_and_falls_back_to_the_request() {
+        let sizes = ChunkSizes::new(&PoolConfig::new(), 3 * MIB + 256, 0).unwrap();
+        assert_eq!(sizes.first(0), 4 * MIB, "the request in 2 MiB pages");
+        assert_eq!(
+            sizes.first(256 * MIB),
+            32 * MIB,
+            "an eighth of what is held"
+        );
+        assert_eq!(sizes.after_refusal(32 * MIB), 4 * MIB);
+        assert_eq!(
+            sizes.after_refusal(4 * MIB),
+            3 * MIB + 256,
+            "then the request"
+        );
+    }
+
+    #[test]
+    fn under_a_maximum_a_chunk_holds_whole_requests_within_what_remains() {
+        let config = PoolConfig::new().maximum_size(8 * (768 << 10));
+        let sizes = ChunkSizes::new(&config, 768 << 10, 0).unwrap();
+        assert_eq!(
+            sizes.first(0),
+            3 * (768 << 10),
+            "2 MiB up to whole requests"
+        );
+        let sizes = ChunkSizes::new(&config, 768 << 10, 7 * (768 << 10)).unwrap();
+        assert_eq!(sizes.first(7 * (768 << 10)), 768 << 10, "what remains");
+        assert!(
+            ChunkSizes::new(&config, 768 << 10, 8 * (768 << 10)).is_none(),
+            "full"
+        );
+    }
+
+    #[test]
+    fn rmm_doubles_and_halves() {
+        let config = PoolConfig::new().growth(Growth::Rmm);
+        let sizes = ChunkSizes::new(&config, MIB, 64 * MIB).unwrap();
+        assert_eq!(sizes.first(64 * MIB), 64 * MIB, "the pool doubles");
+        assert_eq!(sizes.after_refusal(64 * MIB), 32 * MIB);
+        let capped = PoolConfig::new()
+            .growth(Growth::Rmm)
+            .maximum_size(100 * MIB);
+        let sizes = ChunkSizes::new(&capped, MIB, 0).unwrap();
+        assert_eq!(sizes.first(0), 50 * MIB, "half of what remains");
+    }
 
     #[test]
     fn new_is_the_default() {
