@@ -157,10 +157,10 @@ impl<U> Drop for KeepUnmapped<'_, U> {
 ///   shims. [`HostVirtual`](crate::HostVirtual) is the same over host pages.
 /// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
 ///   [`Pool::new`]. It takes allocations ("chunks") sized by its
-///   [`Growth`] rule: by default what the request needs, at least an
-///   eighth of the pool, rounded up to 2 MiB ([`Growth::Eighth`]:
+///   [`Growth`](super::Growth) rule: by default what the request needs, at least an
+///   eighth of the pool, rounded up to 2 MiB ([`Growth::Eighth`](super::Growth::Eighth):
 ///   GPT-2 training held 1.13x of its live peak), or RMM's doubling
-///   ([`Growth::Rmm`]: up to 2x, 1.67x there; fewest upstream
+///   ([`Growth::Rmm`](super::Growth::Rmm): up to 2x, 1.67x there; fewest upstream
 ///   calls). When the upstream refuses a chunk, the pool asks for less (down to
 ///   the request itself), then gives its entirely free chunks back and asks again.
 ///   Blocks of two chunks never merge, so some memory stays stranded between chunks; an
@@ -259,7 +259,7 @@ impl<B: Backend> Virtual<B> {
 impl<U: Resource> Pool<U> {
     /// A pool over `upstream`, taking `config.initial()` bytes from it at once. It grows
     /// by upstream allocations of its own ("chunks"), sized by `config`'s
-    /// [`Growth`] rule; over a [`GrowInPlace`] upstream, [`Pool::in_place`]
+    /// [`Growth`](super::Growth) rule; over a [`GrowInPlace`] upstream, [`Pool::in_place`]
     /// holds less.
     pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
         config.validate()?;
