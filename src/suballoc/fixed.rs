@@ -394,10 +394,7 @@ fn take_half(
         let mut blocks = from.state.lock();
         let len = blocks.len();
         let keep = (len - len.div_ceil(2).min(most)).max(leave).min(len);
-        if keep <= from.key.kept_for_itself() {
-            // Nothing left to spare (see `note_spare`).
-            from.holds_free.store(false, Ordering::Relaxed);
-        }
+        from.mark_spare(keep);
         blocks.split_off(keep)
     };
     if moved.is_empty() {
@@ -406,23 +403,19 @@ fn take_half(
     let mut list = into.state.lock();
     list.extend(moved);
     let taken = list.pop();
-    if list.len() > into.key.kept_for_itself() {
-        // A mark, not the first place searches look: that stays with the giver, which
-        // has more to give (marking each taker first made every search look at a list
-        // with half as much as the last one's).
-        into.holds_free.store(true, Ordering::Relaxed);
-    }
+    // A mark, not the first place searches look: that stays with the giver, which has
+    // more to give (making each taker the first made every search look at a list with
+    // half as much as the last one's).
+    into.mark_spare(list.len());
     taken
 }
 
-/// Marks a list that holds `len` blocks as one with blocks to spare (more than it keeps
-/// for its own stream, see [`StreamKey::kept_for_itself`]), the first
-/// that searches of other lists look at. Called with the list's lock held, as
-/// `take_half` clears the mark with it held: the mark may be stale (a search then finds
-/// nothing there, or misses a list the merge before growing still reaches), never
-/// unsafe.
+/// Marks a list that holds `len` blocks (its lock held) as one with blocks to spare, if
+/// it has some ([`Shard::spares`]), and as the first that searches of other lists look
+/// at if it was not marked yet. The mark may be stale (a search then finds nothing
+/// there, or misses a list the merge before growing still reaches), never unsafe.
 fn note_spare(shards: &ShardMap<Vec<usize>>, shard: &Shard<Vec<usize>>, len: usize) {
-    if len > shard.key.kept_for_itself() {
+    if shard.spares(len) {
         shards.note_free(shard);
     }
 }
@@ -458,8 +451,9 @@ sync_on_the_host_stream!(FixedSize);
 
 // SAFETY: blocks are disjoint slices of chunks from the upstream, each free one in
 // exactly one free list or one thread's cache (a magazine), 256-byte aligned (chunks
-// are, and the block size is a multiple of 256), with the upstream's properties; a block freed on a stream goes to another stream only
-// once that stream's work is complete (host streams) or waited for (`merge_into`).
+// are, and the block size is a multiple of 256), with the upstream's properties; a block
+// freed on a stream goes to another stream only once that stream's work is complete
+// (host streams) or waited for (`merge_into`).
 unsafe impl<U: Resource> Resource for FixedSize<U> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {

@@ -310,6 +310,24 @@ impl<S> Shard<S> {
     }
 }
 
+impl Shard<Vec<usize>> {
+    /// Whether a fixed-size list holding `len` blocks has blocks to spare for other
+    /// streams: more than it keeps for its own (see [`StreamKey::kept_for_itself`]).
+    #[inline]
+    pub(crate) fn spares(&self, len: usize) -> bool {
+        len > self.key.kept_for_itself()
+    }
+
+    /// Sets the [`holds_free`](Shard::holds_free) mark of a fixed-size list that now
+    /// holds `len` blocks to whether it has blocks to spare. The caller holds the list's
+    /// lock, so the mark follows the list's length (a reader without the lock may see
+    /// it stale: it is a hint, never a promise).
+    #[inline]
+    pub(crate) fn mark_spare(&self, len: usize) {
+        self.holds_free.store(self.spares(len), Ordering::Relaxed);
+    }
+}
+
 /// One open-addressing table of shard pointers; its length is a power of two.
 struct Table<S> {
     slots: Box<[AtomicPtr<Shard<S>>]>,

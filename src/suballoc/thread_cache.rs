@@ -172,14 +172,12 @@ impl Stash {
         if self.taken.load(Ordering::Relaxed) {
             return None;
         }
-        // SAFETY: `busy` is set and `taken` was clear after the light fence: the
-        // reclaimer has not taken the blocks and waits for `busy` to clear before it
-        // does; no other thread uses them (the magazine is this thread's).
-        Some(
-            self.blocks
-                .get_mut()
-                .with(|blocks| f(unsafe { &mut *blocks })),
-        )
+        Some(self.blocks.get_mut().with(|blocks| {
+            // SAFETY: `busy` is set and `taken` was clear after the light fence: the
+            // reclaimer has not taken the blocks and waits for `busy` to clear before it
+            // does; no other thread uses them (the magazine is this thread's).
+            f(unsafe { &mut *blocks })
+        }))
     }
 
     /// Takes the blocks, as the reclaimer, once `taken` is set and the heavy fence has
@@ -188,25 +186,22 @@ impl Stash {
         while self.busy.load(Ordering::Acquire) {
             crate::sync::yield_now();
         }
-        // SAFETY: `taken` was set before the heavy fence, so every use of the blocks
-        // either began before it (and `busy`, set then, has since read false with
-        // acquire: the use is over and its writes seen) or sees `taken` and leaves them.
-        self.blocks
-            .get_mut()
-            .with(|blocks| std::mem::take(unsafe { &mut *blocks }))
+        self.blocks.get_mut().with(|blocks| {
+            // SAFETY: `taken` was set before the heavy fence, so every use of the blocks
+            // either began before it (and `busy`, set then, has since read false with
+            // acquire: the use is over and its writes seen) or sees `taken` and leaves
+            // them.
+            std::mem::take(unsafe { &mut *blocks })
+        })
     }
 }
 
-/// Puts blocks back in a stream's list, marking it as one with blocks to spare when it
-/// then holds more than it keeps for its own stream (the hint `FixedSize`'s searches of
-/// other lists follow).
+/// Puts blocks back in a stream's list, with its mark of blocks to spare (see
+/// [`Shard::mark_spare`]).
 fn put_back(shard: &Shard<Vec<usize>>, blocks: impl IntoIterator<Item = usize>) {
     let mut list = shard.state.lock();
-    let before = list.len();
     list.extend(blocks);
-    if list.len() > before && list.len() > shard.key.kept_for_itself() {
-        shard.holds_free.store(true, Ordering::Relaxed);
-    }
+    shard.mark_spare(list.len());
 }
 
 struct Magazine {
