@@ -8,6 +8,7 @@
 //
 // stack: cuda, cuda_async, pool, arena, binning, fixed, statistics, logging; none: all of
 // them; "build": nothing (only builds). Output: the CSV rows of `memres bench`.
+#include "rmm_adapter.hpp"
 #include "workloads.hpp"
 
 #include <rmm/mr/arena_memory_resource.hpp>
@@ -21,18 +22,10 @@
 
 #include <string>
 
-// The workloads' adapter over any RMM resource (256-byte alignment, as memres's layouts).
-template <typename Resource>
-struct Adapter {
-  Resource& mr;
-  void* alloc(std::size_t n, cudaStream_t s) { return mr.allocate(cuda::stream_ref{s}, n, 256); }
-  void free(void* p, std::size_t n, cudaStream_t s) { mr.deallocate(cuda::stream_ref{s}, p, n, 256); }
-};
-
 template <typename Resource>
 void bench(char const* name, Resource& mr, bool slow, bool small_only = false)
 {
-  Adapter<Resource> a{mr};
+  RmmAdapter<Resource> a{mr};
   anchor::suite("rmm", name, a, slow, small_only);
 }
 

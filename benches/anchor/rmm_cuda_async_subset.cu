@@ -3,20 +3,15 @@
 // memres's `benches/workloads.rs cuda_async` (MEMRES_WORKLOADS=pair-256B,random) and the
 // comparison is not at the mercy of one slow minute. Built on the GPU machine with the
 // same flags by benches/anchor/run.sh (BUILD=rmm_cuda_async_subset); uses workloads.hpp.
+#include "rmm_adapter.hpp"
 #include "workloads.hpp"
 
 #include <rmm/mr/cuda_async_memory_resource.hpp>
 
-struct Adapter {
-  rmm::mr::cuda_async_memory_resource& mr;
-  void* alloc(std::size_t n, cudaStream_t s) { return mr.allocate(cuda::stream_ref{s}, n, 256); }
-  void free(void* p, std::size_t n, cudaStream_t s) { mr.deallocate(cuda::stream_ref{s}, p, n, 256); }
-};
-
 int main()
 {
   rmm::mr::cuda_async_memory_resource mr;
-  Adapter a{mr};
+  RmmAdapter<rmm::mr::cuda_async_memory_resource> a{mr};
   cudaStream_t s;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   anchor::report("rmm", "cuda_async", "pair-256B", 1, 1000000,

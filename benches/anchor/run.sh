@@ -15,7 +15,7 @@
 #
 # Anchors are built into $WORK (default ${TMPDIR:-/tmp}/memres-anchors), each named after its
 # .cu file: rmm_bench always, the others named in $BUILD (e.g. BUILD="rmm_footprint
-# rmm_random_1stream"; BUILD=all: every .cu file here), all with the same flags.
+# rmm_cuda_async_subset"; BUILD=all: every .cu file here), all with the same flags.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 wheels=${WHEELS:-.whl}
@@ -32,7 +32,7 @@ build=${BUILD:-}
 for name in rmm_bench $build; do
   src="$here/$name.cu" bin="$work/$name"
   [ -f "$src" ] || { echo "run.sh: no $src" >&2; exit 2; }
-  [ "$bin" -nt "$src" ] && [ "$bin" -nt "$here/workloads.hpp" ] && continue
+  [ "$bin" -nt "$src" ] && [ "$bin" -nt "$here/workloads.hpp" ] && [ "$bin" -nt "$here/rmm_adapter.hpp" ] && continue
   # cuda_async_probe uses the driver API directly, the others RMM.
   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -I"$here" -I"$rmm/include/rapids" \
     -I"$rmm/include" -I"$logger/include" "$src" -o "$bin" \
