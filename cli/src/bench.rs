@@ -16,7 +16,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     stacks: Vec<String>,
     /// Only these workloads, comma-separated: pair-256B, pair-64KiB, pair-4MiB, random,
-    /// random-mt, random-1stream (defined in workloads/src/lib.rs).
+    /// random-mt, random-1stream (docs/workloads.md; code in workloads/src/lib.rs).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Divide every op count by this, at least 1 (the full counts take minutes on a small
