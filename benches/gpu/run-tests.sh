@@ -3,7 +3,9 @@
 # target/gpu-bundle/run.sh), ignored (GPU) tests included, and ends with a summary: the
 # binaries that failed, and every test that printed "memres-skip: REASON" (it could not do
 # its work here: it is listed as skipped, with its reason, not counted as passed).
-# ONLY=regex limits the run to matching binary names; extra arguments go to each binary.
+# ONLY=regex limits the run to matching binary names, SKIP=regex leaves matching ones out,
+# TIMEOUT=seconds bounds each binary; extra arguments go to each binary. Each binary's
+# time is printed after its output.
 cd "$(dirname "$0")"
 # The command's tests run the bundled binary, on the repository this bundle lies in
 # (target/gpu-bundle under its root), not the paths of the machine that built them.
@@ -16,10 +18,18 @@ for t in tests/*; do
   name=$(basename "$t")
   case "$name" in ui*) echo "=== $t left out (compile-fail tests need cargo)"; continue ;; esac
   if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then continue; fi
+  if [ -n "${SKIP:-}" ] && [[ "$name" =~ $SKIP ]]; then continue; fi
   echo "=== $t"
+  start=$SECONDS
   # --show-output prints what passing tests printed, so their skip lines reach the log.
-  "./$t" --include-ignored --show-output "$@" > "$log.one" 2>&1
+  # TIMEOUT=seconds ends a binary that runs longer (it then counts as failed).
+  if [ -n "${TIMEOUT:-}" ]; then
+    timeout "$TIMEOUT" "./$t" --include-ignored --show-output "$@" > "$log.one" 2>&1
+  else
+    "./$t" --include-ignored --show-output "$@" > "$log.one" 2>&1
+  fi
   status=$?
+  echo "    ($((SECONDS - start)) s, exit $status)"
   cat "$log.one" >> "$log"
   grep -v -e '^---- .* stdout ----$' -e '^memres-skip: ' -e '^successes:$' -e '^$' "$log.one" || true
   [ "$status" -eq 0 ] || failed+=("$name")
