@@ -9,7 +9,9 @@
 //! used round all the streams: a hash map of lists, no resource. Prints nanoseconds per
 //! allocate + free pair, the best of three rounds, for 16 to 16,384 streams.
 //!
-//!     cargo bench --bench many_streams            (MANY_STREAMS=N: only N streams)
+//!     cargo bench --bench many_streams            (MANY_STREAMS=N: only N streams;
+//!                                                  ONLY=fixed,steady: only those resources
+//!                                                  and patterns, e.g. under `perf record`)
 
 use std::time::Instant;
 
@@ -17,7 +19,10 @@ use memres::{
     Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout,
 };
 
-const PAIRS: usize = 200_000;
+/// Pairs timed per round (PAIRS=N to change it, e.g. for a profile of the loop alone).
+fn pairs() -> usize {
+    std::env::var("PAIRS").map_or(200_000, |n| n.parse().expect("PAIRS: a number"))
+}
 
 fn main() {
     // MANY_STREAMS=N runs N streams only (e.g. under `perf record`).
@@ -46,19 +51,34 @@ fn main() {
     }
 }
 
+/// Whether ONLY (a comma-separated list of resource and pattern names) lets `name` run.
+fn wanted(name: &str) -> bool {
+    std::env::var("ONLY").map_or(true, |only| only.split(',').any(|n| n == name))
+}
+
 fn report(name: &str, streams: u32, make: impl Fn() -> Box<dyn Dyn>) {
+    if !wanted(name) {
+        return;
+    }
+    let only_patterns = std::env::var("ONLY").is_ok_and(|only| {
+        only.split(',')
+            .any(|n| ["first", "steady", "cross", "seen", "seen-cross"].contains(&n))
+    });
+    let run = |pattern: &str| !only_patterns || wanted(pattern);
     // A stream's first pair, with all the streams before it seen.
-    let best = (0..3)
-        .map(|_| {
-            let r = make();
-            let start = Instant::now();
-            for id in 1..=streams {
-                r.pair(StreamRef::host(id), StreamRef::host(id));
-            }
-            start.elapsed().as_nanos() as f64 / f64::from(streams)
-        })
-        .fold(f64::INFINITY, f64::min);
-    println!("{name},first,{streams},{best:.1}");
+    if run("first") {
+        let best = (0..3)
+            .map(|_| {
+                let r = make();
+                let start = Instant::now();
+                for id in 1..=streams {
+                    r.pair(StreamRef::host(id), StreamRef::host(id));
+                }
+                start.elapsed().as_nanos() as f64 / f64::from(streams)
+            })
+            .fold(f64::INFINITY, f64::min);
+        println!("{name},first,{streams},{best:.1}");
+    }
     // Round all the streams, or (after all were used once) round the first 16 only.
     for (pattern, active, cross) in [
         ("steady", streams, false),
@@ -66,6 +86,9 @@ fn report(name: &str, streams: u32, make: impl Fn() -> Box<dyn Dyn>) {
         ("seen", streams.min(16), false),
         ("seen-cross", streams.min(16), true),
     ] {
+        if !run(pattern) {
+            continue;
+        }
         let best = (0..3)
             .map(|_| round(&*make(), streams, active, cross))
             .fold(f64::INFINITY, f64::min);
@@ -81,13 +104,13 @@ fn floor(streams: u32) -> f64 {
         .map(|id| (id, vec![id as usize * 4096]))
         .collect();
     let start = Instant::now();
-    for i in 0..PAIRS {
+    for i in 0..pairs() {
         let id = (i as u32 % streams) + 1;
         let list = lists.get_mut(&std::hint::black_box(id)).expect("a list");
         let block = list.pop().expect("a block");
         list.push(std::hint::black_box(block));
     }
-    start.elapsed().as_nanos() as f64 / PAIRS as f64
+    start.elapsed().as_nanos() as f64 / pairs() as f64
 }
 
 /// The resources behind one object type, for the loop below.
@@ -109,10 +132,10 @@ fn round(r: &dyn Dyn, streams: u32, active: u32, cross: bool) -> f64 {
         r.pair(StreamRef::host(id), StreamRef::host(id));
     }
     let start = Instant::now();
-    for i in 0..PAIRS {
+    for i in 0..pairs() {
         let id = (i as u32 % active) + 1;
         let next = if cross { id % active + 1 } else { id };
         r.pair(StreamRef::host(id), StreamRef::host(next));
     }
-    start.elapsed().as_nanos() as f64 / PAIRS as f64
+    start.elapsed().as_nanos() as f64 / pairs() as f64
 }

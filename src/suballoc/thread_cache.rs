@@ -240,6 +240,12 @@ const HINTS: usize = 32;
 struct Magazines {
     list: Vec<Magazine>,
     hint: [u8; HINTS],
+    /// The last (owner, stream, epoch) found to have no magazine with the owner already
+    /// at [`MAGAZINES_PER_OWNER`] on this thread: a thread going round more streams than
+    /// that asks for one up to three times per allocate and free (pop, refill, push),
+    /// and scanned its magazines each time (issue 33, finding 3). Cleared whenever the
+    /// thread's magazines of an owner go.
+    full_miss: Option<(u64, StreamKey, u64)>,
 }
 
 impl Magazines {
@@ -247,6 +253,7 @@ impl Magazines {
         Magazines {
             list: Vec::new(),
             hint: [0; HINTS],
+            full_miss: None,
         }
     }
 
@@ -282,6 +289,7 @@ impl Magazines {
     /// # Safety
     /// Inside a call on the owner (rule (1) of the module).
     unsafe fn give_back(&mut self, owner: u64) {
+        self.full_miss = None;
         let mut i = 0;
         while i < self.list.len() {
             if self.list[i].owner == owner {
@@ -380,6 +388,9 @@ impl<'a> Cache<'a> {
         {
             return Some(&mut mags.list[at]);
         }
+        if mags.full_miss == Some((self.owner.id, key, epoch)) {
+            return None;
+        }
         self.magazine_slow(mags, key, make)
     }
 
@@ -442,6 +453,7 @@ impl<'a> Cache<'a> {
         // streams it uses (a magazine per stream made the lookup a scan of all of them:
         // 79 us per allocation over 16,384 streams).
         if own >= MAGAZINES_PER_OWNER {
+            mags.full_miss = Some((id, key, epoch));
             return None;
         }
         if mags.list.len() >= PRUNE_AT {
