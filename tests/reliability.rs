@@ -228,14 +228,29 @@ fn next(state: &mut u64) -> u64 {
 /// watchdog: no hang, no block handed out twice (a stamp overwritten), everything free
 /// at the end. (loom cannot model lanes: a thread's lane is a std thread-local.)
 fn stress<R: Resource + Sync>(r: &R, trim: &(dyn Fn() + Sync), ops: usize) {
-    const STREAMS: u32 = 4;
+    stress_on(r, trim, ops, 4, usize::MAX);
+}
+
+/// [`stress`] over `streams` host streams, each thread moving to the next stream every
+/// `switch` operations (streams come and go, so trims free their lists).
+fn stress_on<R: Resource + Sync>(
+    r: &R,
+    trim: &(dyn Fn() + Sync),
+    ops: usize,
+    streams: u32,
+    switch: usize,
+) {
     std::thread::scope(|s| {
         for t in 0..16u64 {
             s.spawn(move || {
                 let mut rng = 0x5EED ^ t;
-                let own = StreamRef::host(1 + t as u32 % STREAMS);
+                let mut own = StreamRef::host(1 + t as u32 % streams);
                 let mut live: Vec<(std::ptr::NonNull<u8>, std::alloc::Layout, u64)> = Vec::new();
                 for i in 0..ops {
+                    if i % switch == switch - 1 {
+                        let moved = (t as usize + i / switch) as u32 % streams;
+                        own = StreamRef::host(1 + moved);
+                    }
                     let r1 = next(&mut rng);
                     if live.len() < 32 && (live.is_empty() || r1.is_multiple_of(2)) {
                         let size = 256 << ((r1 >> 8) % 13); // 256 B .. 1 MiB
@@ -265,7 +280,7 @@ fn stress<R: Resource + Sync>(r: &R, trim: &(dyn Fn() + Sync), ops: usize) {
                         };
                         assert_eq!(ends, (stamp, stamp), "thread {t}: a live block was reused");
                         let on = if r1.is_multiple_of(3) {
-                            StreamRef::host(1 + (t as u32 + 1) % STREAMS)
+                            StreamRef::host(1 + (t as u32 + 1) % streams)
                         } else {
                             own
                         };
@@ -318,6 +333,53 @@ fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
         let bins = Binning::new(pool.clone(), 8, 18).unwrap();
         stress(&bins, &|| drop(pool.trim()), STRESS_OPS);
     });
+}
+
+/// Streams come and go (each of 16 threads moves to another of 256 host streams every
+/// 100 operations) while a 17th thread trims in a loop, each trim freeing the lists of
+/// the streams it finds empty (issue 33, finding 4) while the others use theirs: stamps
+/// checked, no hang, everything free at the end.
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "a release-mode stress test: .ci/run runs it with --release"
+)]
+fn trims_free_stream_lists_while_16_threads_use_streams_that_come_and_go() {
+    within(Duration::from_secs(120), "lists freed under use", || {
+        let chunked = Pool::new(HostHeap::new(), PoolConfig::new()).unwrap();
+        lists_freed_under_use("chunked", &chunked);
+        let leaf = HostVirtual::new(8 << 30, 64 << 10).unwrap();
+        let in_place = Pool::in_place(leaf, PoolConfig::new()).unwrap();
+        lists_freed_under_use("in place", &in_place);
+    });
+}
+
+fn lists_freed_under_use<U: Resource + Sync>(name: &str, pool: &Pool<U>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let done = AtomicBool::new(false);
+    let trims = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Relaxed) {
+                pool.trim().unwrap();
+                trims.fetch_add(1, Relaxed);
+            }
+        });
+        stress_on(pool, &|| {}, STRESS_OPS, 256, 100);
+        done.store(true, Relaxed);
+    });
+    let s = pool.stats();
+    assert_eq!(
+        s.free_bytes, s.pool_size,
+        "{name}: everything free at the end"
+    );
+    pool.trim().unwrap();
+    println!(
+        "{name}: {} trims beside the threads; {} lists at the end, {} after a last trim",
+        trims.into_inner(),
+        s.stream_lists,
+        pool.stats().stream_lists
+    );
 }
 
 /// A free that crosses the release threshold while another thread holds the growth lock

@@ -568,3 +568,93 @@ fn loom_held_blocks_are_freed_once_after_their_marks() {
         assert_eq!(freed, [0x1000, 0x2000], "each block freed once");
     });
 }
+
+/// A grace period (`crate::sync::grace`): a reclaimer that unlinks a value and waits for
+/// readers may then write it (free it), and no reader that pinned before the wait is
+/// still reading it; a reader that pins later finds the new value. loom reports a data
+/// race on the cell if the wait does not order the reader's last read before the write.
+#[test]
+fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
+    use crate::sync::atomic::{AtomicPtr, Ordering};
+    use crate::sync::cell::UnsafeCell;
+    use crate::sync::grace;
+
+    struct Value(UnsafeCell<u32>);
+
+    loom::model(|| {
+        let first = Box::into_raw(Box::new(Value(UnsafeCell::new(1))));
+        let current = Arc::new(AtomicPtr::new(first));
+        let reader = Arc::clone(&current);
+        let t = thread::spawn(move || {
+            let _pin = grace::pin();
+            let p = reader.load(Ordering::Acquire);
+            // SAFETY: loaded while pinned: freed only after a grace period that this pin
+            // is inside of.
+            let value = unsafe { &*p };
+            value.0.get().with(|v| {
+                // SAFETY: read under the pin; the only write comes after the grace period.
+                let v = unsafe { *v };
+                assert!(v == 1 || v == 2);
+            });
+        });
+        let second = Box::into_raw(Box::new(Value(UnsafeCell::new(2))));
+        let old = current.swap(second, Ordering::AcqRel);
+        assert!(grace::wait_for_readers());
+        // SAFETY: unlinked before the grace period; no reader is left.
+        unsafe { &*old }.0.get_mut().with(|v| {
+            // SAFETY: as above: this thread alone reaches it now.
+            unsafe { *v = 0 };
+        });
+        // SAFETY: made by `Box::into_raw` above, unlinked, and no reader is left.
+        drop(unsafe { Box::from_raw(old) });
+        t.join().unwrap();
+        // SAFETY: made by `Box::into_raw` above; every thread is done.
+        drop(unsafe { Box::from_raw(current.load(Ordering::Acquire)) });
+    });
+}
+
+/// A stream's list retired while another thread frees into it: the free lands in the
+/// stream's list either way (the old one's late item is moved to the new one), and the
+/// old list is freed only after the freeing thread is done with it.
+#[test]
+fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
+    use crate::sync::grace;
+
+    loom::model(|| {
+        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        let key = StreamKey::host(7);
+        map.get_or_insert_with(key, Vec::new);
+        let other = Arc::clone(&map);
+        let t = thread::spawn(move || {
+            let _pin = grace::pin();
+            // A free on the stream: into whatever list the stream has.
+            let shard = match other.get(key) {
+                Some(shard) => shard,
+                None => other.get_or_insert_with(key, Vec::new),
+            };
+            shard.state.lock().push(5);
+        });
+        // SAFETY: the only other user pins around its use; this thread is not pinned and
+        // holds no lock.
+        let retired = unsafe {
+            map.retire(
+                |shard| shard.state.lock().is_empty(),
+                |key| match map.get(key) {
+                    Some(shard) => shard,
+                    None => map.get_or_insert_with(key, Vec::new),
+                },
+                std::mem::take,
+                |list: &mut Vec<u32>, items| list.extend(items),
+            )
+        };
+        t.join().unwrap();
+        assert!(retired <= 1);
+        let items: Vec<u32> = map
+            .all()
+            .iter()
+            .flat_map(|s| s.state.lock().clone())
+            .collect();
+        assert_eq!(items, vec![5], "the free is in the stream's list, once");
+        assert_eq!(map.all().len(), 1);
+    });
+}

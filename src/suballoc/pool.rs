@@ -14,6 +14,7 @@ use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
+use crate::sync::grace;
 use crate::sync::lock;
 use crate::sync::{Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
@@ -396,11 +397,13 @@ impl<U: Resource> Pool<U> {
 
     /// Bytes held from the upstream (mapped, for a pool that grows in place).
     pub fn pool_size(&self) -> usize {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         self.lock_growth().size
     }
 
     /// Starts [`PoolStats::peak_pool_size`] afresh from what the pool holds now.
     pub fn reset_peak_size(&self) {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let mut growth = self.lock_growth();
         growth.peak = growth.size;
     }
@@ -418,6 +421,7 @@ impl<U: Resource> Pool<U> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn segments(&self) -> Vec<(usize, usize)> {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
         let mut out: Vec<(usize, usize)> = match &self.space {
             Some(space) => growth
@@ -444,6 +448,7 @@ impl<U: Resource> Pool<U> {
     /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
     /// concurrent use it is exact for each list but not one instant.
     pub fn stats(&self) -> PoolStats {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
         let mut stats = PoolStats {
             pool_size: growth.size,
@@ -482,6 +487,7 @@ impl<U: Resource> Pool<U> {
     /// blocks as the chunks allow (one per chunk once everything is freed; one per run of
     /// mapped granules for a pool that grows in place).
     pub fn coalesce(&self) -> Result<(), Error> {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let host = self.host_list();
         let _growth = self.lock_growth();
         self.merge_into(host).map(drop)
@@ -490,22 +496,58 @@ impl<U: Resource> Pool<U> {
     /// Gives free memory back to the upstream (after [`coalesce`](Self::coalesce) has
     /// merged the lists): every fully free granule for a pool that grows in place (live
     /// blocks stay where they are), else every entirely free chunk. Returns how many
-    /// bytes went back. The emptied lists of the pool's streams give their heap memory
-    /// back too, so streams used once cost little once trimmed.
+    /// bytes went back.
+    ///
+    /// The lists of the pool's streams go too (issue 33, finding 4: 50,000 streams used
+    /// once held 515 MiB until the pool dropped): every list emptied by the merge is
+    /// freed, on Linux 4.14 and later (`membarrier`), once no other thread can be using it
+    /// (a grace period, `crate::sync::grace`: the call waits for the pool's calls under
+    /// way on other threads to return); a stream used again gets a new list. Elsewhere,
+    /// emptied lists give their heap memory back and keep their inline fields and copy of
+    /// the chunk table.
     pub fn trim(&self) -> Result<usize, Error> {
-        if self.held.any() {
-            // Blocks held for other streams (one freed under a capture needs this wait).
-            deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
-        }
-        let host = self.host_list();
-        let released = self.release_down_to(&mut self.lock_growth(), host, 0)?;
-        // Every other list was merged into the host list: what their streams' lists cost
-        // on the heap goes too (a stream used once and never again then costs its inline
-        // fields only).
-        for shard in self.shards.all() {
-            shard.state.lock().release_memory();
-        }
+        let released = {
+            let _pin = grace::pin(); // (see `ShardMap::retire`)
+            if self.held.any() {
+                // Blocks held for other streams (one freed under a capture needs this wait).
+                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+            }
+            let host = self.host_list();
+            let released = self.release_down_to(&mut self.lock_growth(), host, 0)?;
+            // Every other list was merged into the host list: what their streams' lists
+            // cost on the heap goes too (where they cannot be freed below, a stream used
+            // once and never again then costs its inline fields only).
+            for shard in self.shards.all() {
+                shard.state.lock().release_memory();
+            }
+            released
+        };
+        self.retire_empty_lists();
         Ok(released)
+    }
+
+    /// Frees every stream's list that holds no free memory, but the host list the pool
+    /// was made with (see [`trim`](Self::trim)); returns how many went. The caller is
+    /// not pinned and holds no lock.
+    fn retire_empty_lists(&self) -> usize {
+        // SAFETY: every use of this pool's shards is inside a pin (its entry points pin
+        // before they look one up, and hold no shard between calls); this thread is not
+        // pinned and holds no lock; `home` pins while it looks up and fills the stream's
+        // new list (the retirement's late items go there).
+        unsafe {
+            self.shards.retire(
+                |shard| shard.key != self.host_key && shard.state.lock().free_bytes() == 0,
+                |key| {
+                    let _pin = grace::pin();
+                    match self.shards.get(key) {
+                        Some(shard) => shard,
+                        None => self.new_shard(key),
+                    }
+                },
+                PoolShard::drain,
+                PoolShard::absorb,
+            )
+        }
     }
 
     /// Merges every list into `into`'s and releases free memory until at most `keep`
@@ -667,6 +709,7 @@ impl<U: Resource> Pool<U> {
         stream: StreamRef<'_>,
         layout: Layout,
     ) -> Result<NonNull<u8>, Error> {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         if layout.size() == 0 {
             return Ok(dangling(layout));
         }
@@ -1067,16 +1110,7 @@ impl<U: Resource> Pool<U> {
         into.state.lock().flush();
         let moved = self
             .shards
-            .merge_into(into, PoolShard::drain, |s, mut blocks| {
-                s.flush();
-                // Highest first, so the lowest blocks head their size classes' lists,
-                // whatever order the lists held them in (their maps' order depends on the
-                // addresses the upstream gave).
-                blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
-                for b in blocks {
-                    s.free.insert(b);
-                }
-            })?;
+            .merge_into(into, PoolShard::drain, PoolShard::absorb)?;
         if moved {
             tracing::debug!(
                 target: "memres::pool",
@@ -1363,6 +1397,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let shard = self.shard(stream);
         let mut s = shard.state.lock();
         s.put(addr, size);
@@ -1381,6 +1416,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this pool's.
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

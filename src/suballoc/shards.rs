@@ -9,7 +9,8 @@
 //! twice the size is filled and published in its place; old tables stay allocated until
 //! the map drops (a reader may still be probing one; together they are smaller than the
 //! current one), and a reader that misses a shard in an old table finds it under the
-//! insertion lock. Shards live until the map drops.
+//! insertion lock. Shards live until the map drops, or until [`ShardMap::retire`] frees
+//! the idle ones of an owner whose readers pin their threads ([`grace`]).
 //!
 //! The per-thread default stream has one list per thread. Threads are numbered, and the
 //! number of a thread that has exited goes to the next new thread, so the lists of a
@@ -25,6 +26,7 @@ use crate::driver;
 use crate::error::Error;
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use crate::sync::grace;
 use crate::sync::spin::SpinLock;
 use crate::sync::{Mutex, lock};
 
@@ -372,13 +374,29 @@ struct Tables<S> {
 pub(crate) struct ShardMap<S> {
     /// The current table, where lock-free lookups start.
     table: AtomicPtr<Table<S>>,
-    /// Serialises insertions and owns the tables.
-    tables: Mutex<Tables<S>>,
     /// The shard whose [`Shard::holds_free`] was set last: where a search for free memory
     /// in other streams' lists looks first.
     recent: AtomicPtr<Shard<S>>,
     /// Merges that moved other streams' free items (each after a wait for their work).
     merges: AtomicU64,
+    /// What insertions and [`retire`](ShardMap::retire) use (boxed: off the allocation
+    /// path, and a `Binning` holds many maps).
+    rare: Box<Rare<S>>,
+}
+
+/// The map's state that lookups do not touch.
+struct Rare<S> {
+    /// Serialises insertions and owns the tables.
+    tables: Mutex<Tables<S>>,
+    /// Whether `limbo` holds any (so that iterations take its lock only then).
+    limbo_any: AtomicBool,
+    /// Shards taken out of the table that readers may still hold:
+    /// [`iter`](ShardMap::iter) still visits them (a growth's new chunk must reach every
+    /// list a block can be freed into), until a grace period has passed.
+    limbo: Mutex<Vec<*mut Shard<S>>>,
+    /// Held through a retirement: one at a time, so that the shards one finds for its
+    /// late items (`home`) are not another's to free.
+    one_at_a_time: Mutex<()>,
 }
 
 // SAFETY: the map owns its tables and shards (boxed, freed only in `drop`); sending it
@@ -394,12 +412,17 @@ impl<S> Default for ShardMap<S> {
         let first = Box::into_raw(Box::new(Table::new(FIRST_SLOTS)));
         ShardMap {
             table: AtomicPtr::new(first),
-            tables: Mutex::new(Tables {
-                all: vec![first],
-                shards: 0,
-            }),
             recent: AtomicPtr::new(ptr::null_mut()),
             merges: AtomicU64::new(0),
+            rare: Box::new(Rare {
+                tables: Mutex::new(Tables {
+                    all: vec![first],
+                    shards: 0,
+                }),
+                limbo_any: AtomicBool::new(false),
+                limbo: Mutex::new(Vec::new()),
+                one_at_a_time: Mutex::new(()),
+            }),
         }
     }
 }
@@ -441,7 +464,7 @@ impl<S> ShardMap<S> {
         key: StreamKey,
         state: impl FnOnce() -> S,
     ) -> &Shard<S> {
-        let mut tables = lock(&self.tables);
+        let mut tables = lock(&self.rare.tables);
         let mut table = self.table();
         let mut empty = match table.find(key) {
             Ok(p) => {
@@ -480,15 +503,135 @@ impl<S> ShardMap<S> {
         self.iter().collect()
     }
 
-    /// As [`all`](Self::all), without collecting them.
+    /// As [`all`](Self::all), without collecting them (but those in limbo: see
+    /// [`retire`](Self::retire)).
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Shard<S>> {
+        let limbo = if self.rare.limbo_any.load(Ordering::Acquire) {
+            lock(&self.rare.limbo).clone()
+        } else {
+            Vec::new()
+        };
         self.table()
             .slots
             .iter()
             .map(|slot| slot.load(Ordering::Acquire))
             .filter(|p| !p.is_null())
-            // SAFETY: read from a slot.
+            .chain(limbo)
+            // SAFETY: read from a slot, or from limbo (whose shards are freed only a grace
+            // period after they left it, which the caller's pin outlasts).
             .map(|p| unsafe { self.at(p) })
+    }
+
+    /// Frees the shards `idle` picks (it sees each with nothing locked), once no reader
+    /// can hold them, and returns how many went. Items freed into one of them while it
+    /// was going are moved by `drain` and `absorb` to `home`'s shard for its key (the same
+    /// stream: no wait). Where grace periods are not offered ([`grace::wait_for_readers`]
+    /// returns false) nothing is freed: the shards stay in limbo, visited and correct,
+    /// until the map drops.
+    ///
+    /// Steps: the idle shards leave the table (a new table without them is published,
+    /// the old tables are kept) for limbo, where iterations still find them; after a
+    /// grace period no reader holds one from a lookup, so they leave limbo; after a
+    /// second no reader holds one from an iteration, and they and the old tables are
+    /// freed, their late items moved first.
+    ///
+    /// # Safety
+    /// Every reference to a shard of this map is used only while its thread is pinned
+    /// ([`grace::pin`]), but the shards `home` returns (only a retirement frees a shard,
+    /// one at a time, and this one does not free those); the caller is not pinned and
+    /// holds no lock a pinned thread may wait for.
+    pub(crate) unsafe fn retire<'a, T>(
+        &'a self,
+        idle: impl Fn(&Shard<S>) -> bool,
+        home: impl Fn(StreamKey) -> &'a Shard<S>,
+        drain: impl Fn(&mut S) -> Vec<T>,
+        absorb: impl Fn(&mut S, Vec<T>),
+    ) -> usize {
+        if !grace::can_wait() {
+            return 0;
+        }
+        let _one_at_a_time = lock(&self.rare.one_at_a_time);
+        let (removed, old_tables) = {
+            let mut tables = lock(&self.rare.tables);
+            let table = self.table();
+            let (mut kept, mut removed) = (Vec::new(), Vec::new());
+            for slot in table.slots.iter() {
+                let p = slot.load(Ordering::Relaxed);
+                if !p.is_null() {
+                    // SAFETY: read from a slot.
+                    if idle(unsafe { self.at(p) }) {
+                        removed.push(p);
+                    } else {
+                        kept.push(p);
+                    }
+                }
+            }
+            if removed.is_empty() {
+                return 0;
+            }
+            // At most half full after the next insertion, as `get_or_insert_with` keeps it.
+            let len = (kept.len() * 2 + 2).next_power_of_two().max(FIRST_SLOTS);
+            let smaller = Table::new(len);
+            for &p in &kept {
+                // SAFETY: read from a slot (its key is not in `smaller` yet).
+                let at = smaller.find(unsafe { self.at(p) }.key).unwrap_err();
+                smaller.slots[at].store(p, Ordering::Relaxed);
+            }
+            let smaller = Box::into_raw(Box::new(smaller));
+            lock(&self.rare.limbo).extend(removed.iter().copied());
+            self.rare.limbo_any.store(true, Ordering::Release);
+            self.table.store(smaller, Ordering::Release);
+            let old = std::mem::replace(&mut tables.all, vec![smaller]);
+            tables.shards = kept.len();
+            (removed, old)
+        };
+        let leave_limbo = |removed: &[*mut Shard<S>]| {
+            let mut limbo = lock(&self.rare.limbo);
+            limbo.retain(|p| !removed.contains(p));
+            self.rare
+                .limbo_any
+                .store(!limbo.is_empty(), Ordering::Release);
+        };
+        // A grace period: no lookup that found a removed shard is still going on.
+        if !grace::wait_for_readers() {
+            lock(&self.rare.tables).all.extend(old_tables);
+            return 0;
+        }
+        leave_limbo(&removed);
+        // A second: no iteration that found one in limbo is still going on.
+        if !grace::wait_for_readers() {
+            lock(&self.rare.limbo).extend(removed.iter().copied());
+            self.rare.limbo_any.store(true, Ordering::Release);
+            lock(&self.rare.tables).all.extend(old_tables);
+            return 0;
+        }
+        for &p in &removed {
+            // Only a reader holding `p` could have set it, and none does now.
+            let _ = self.recent.compare_exchange(
+                p,
+                ptr::null_mut(),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+        for &p in &removed {
+            // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; out of every table
+            // and of limbo, and two grace periods have passed, so no reference to it is
+            // left: it is freed once.
+            let shard = unsafe { Box::from_raw(p) };
+            let late = drain(&mut shard.state.lock());
+            if !late.is_empty() {
+                let to = home(shard.key);
+                absorb(&mut to.state.lock(), late);
+                self.note_free(to);
+            }
+        }
+        for table in old_tables {
+            // SAFETY: made by `Box::into_raw`, no longer current or listed, and no reader
+            // probing it is left (the grace periods above).
+            drop(unsafe { Box::from_raw(table) });
+        }
+        removed.len()
     }
 
     /// Sets `shard`'s [`Shard::holds_free`] hint (the caller holds its state's lock) and,
@@ -523,7 +666,7 @@ impl<S> ShardMap<S> {
 
     /// How many shards (streams) the map holds.
     pub(crate) fn len(&self) -> usize {
-        lock(&self.tables).shards
+        lock(&self.rare.tables).shards
     }
 
     /// Moves the free items of every shard but `into` into `into`, once the work of the
@@ -606,9 +749,14 @@ impl<S> Drop for ShardMap<S> {
                 drop(unsafe { Box::from_raw(p) });
             }
         }
-        for &table in lock(&self.tables).all.iter() {
-            // SAFETY: made by `Box::into_raw` (in `default` or `get_or_insert_with`), once.
+        for &table in lock(&self.rare.tables).all.iter() {
+            // SAFETY: made by `Box::into_raw` (in `default`, `get_or_insert_with` or
+            // `retire`), once.
             drop(unsafe { Box::from_raw(table) });
+        }
+        for &p in lock(&self.rare.limbo).iter() {
+            // SAFETY: made by `Box::into_raw`; in limbo, so in no table.
+            drop(unsafe { Box::from_raw(p) });
         }
     }
 }

@@ -196,6 +196,19 @@ impl PoolShard {
             .chain(self.large.iter().copied())
     }
 
+    /// Takes in blocks drained from other lists of the pool (coalescing them with its
+    /// own).
+    pub(super) fn absorb(&mut self, mut blocks: Vec<FreeBlock>) {
+        self.flush();
+        // Highest first, so the lowest blocks head their size classes' lists, whatever
+        // order the lists held them in (their maps' order depends on the addresses the
+        // upstream gave).
+        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+        for b in blocks {
+            self.free.insert(b);
+        }
+    }
+
     pub(super) fn drain(&mut self) -> Vec<FreeBlock> {
         self.flush();
         self.free.drain()

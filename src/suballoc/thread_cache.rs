@@ -350,7 +350,7 @@ pub(crate) fn exit_thread() {
     let list = MAGAZINES.with(|m| std::mem::take(&mut m.borrow_mut().list));
     drop(Magazines {
         list,
-        hint: [0; HINTS],
+        ..Magazines::new()
     });
 }
 

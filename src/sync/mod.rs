@@ -1,6 +1,7 @@
 //! The synchronisation primitives every shared-state type in memres goes through, each
 //! in a file of its own: the std/loom switch and loom-checkable cells (here), the
-//! asymmetric fence pair ([`barrier`]), the spin lock ([`spin`]), per-thread slots
+//! asymmetric fence pair ([`barrier`]), grace periods for freeing what lock-free readers
+//! reach ([`grace`]), the spin lock ([`spin`]), per-thread slots
 //! folded in at thread exit ([`per_thread`]), a value on cache lines of its own
 //! ([`CachePadded`]) and the lock that ignores poisoning ([`lock`]).
 //!
@@ -90,6 +91,7 @@ pub(crate) fn yield_now() {
 pub(crate) use loom::thread::yield_now;
 
 pub(crate) mod barrier;
+pub(crate) mod grace;
 mod padded;
 pub(crate) mod per_thread;
 pub(crate) mod spin;

@@ -1,0 +1,257 @@
+//! Grace periods: when memory that other threads reach through lock-free pointers may be
+//! freed.
+//!
+//! A reader marks the time it may hold such pointers by [`pin`]ning its thread (a guard;
+//! pins nest). A reclaimer first makes the memory unreachable (no pointer to it is left
+//! where a reader could newly load one), then calls [`wait_for_readers`]: once it returns
+//! true, every reader that could have loaded a pointer to the memory has unpinned, and the
+//! memory can be freed.
+//!
+//! **Protocol.** Each thread has a slot with a counter that only it writes: odd while it
+//! is pinned. Pinning stores the odd value (relaxed) and runs the light fence
+//! ([`barrier::light`], a compiler fence); unpinning stores the next even value (release).
+//! The reclaimer, after unlinking, runs the heavy fence ([`barrier::heavy`]: every thread
+//! executes a full fence), then reads every registered slot (acquire) and waits until each
+//! odd one has changed. The fences order each side's store before its later loads (the
+//! pattern of [`barrier`]), so for every pin either the reclaimer reads it odd (and waits
+//! for its end) or the reader's loads after its light fence see the unlinking, and never
+//! reach the memory. A thread that registers its slot after the reclaimer's read of the
+//! registry takes the registry's lock after it, so its loads see the unlinking too.
+//! A thread whose slot is gone (code in its thread-local destructors) pins through a
+//! process-wide count instead, with a read-modify-write and a full fence; the reclaimer
+//! waits for that count to reach 0.
+//!
+//! The hot side costs a thread-local access and two plain stores; the reclaimer's side
+//! is a system call and a scan of the threads, for rare work (`Pool::trim`). Where the
+//! heavy fence is not offered (no `membarrier`: Linux before 4.14, other systems),
+//! [`wait_for_readers`] returns false and nothing may be freed. `src/suballoc/
+//! loom_models.rs` checks the protocol (under loom both fences are `SeqCst` fences).
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+
+use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
+use crate::sync::{Arc, Mutex, barrier, lock, yield_now};
+
+/// One thread's pin counter (odd: pinned).
+struct Slot {
+    seq: AtomicU64,
+}
+
+// Every thread's slot. (Under loom, lazy statics, which each model execution builds
+// afresh.)
+#[cfg(not(memres_loom))]
+static SLOTS: Mutex<Vec<Arc<Slot>>> = Mutex::new(Vec::new());
+#[cfg(not(memres_loom))]
+static EXITING: AtomicUsize = AtomicUsize::new(0);
+#[cfg(memres_loom)]
+loom::lazy_static! {
+    static ref SLOTS: Mutex<Vec<Arc<Slot>>> = Mutex::new(Vec::new());
+    static ref EXITING: AtomicUsize = AtomicUsize::new(0);
+}
+
+/// The calling thread's registration: holds its slot in the registry until the thread
+/// exits.
+struct Registration {
+    slot: Arc<Slot>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // Never pinned here (a pin ends before the code that made it returns), so the
+        // slot reads even; from now on the thread pins through `EXITING`.
+        let _ = SLOT.try_with(|s| s.set(std::ptr::null()));
+        // (Under loom a thread's thread-locals drop after the model's lazy statics are
+        // gone: the slot stays listed, even, which a reclaimer passes over.)
+        if cfg!(not(memres_loom)) {
+            lock(&SLOTS).retain(|s| !Arc::ptr_eq(s, &self.slot));
+        }
+    }
+}
+
+// The thread's slot (null until it registers, and again once it has left the registry)
+// and how deep its pins nest: thread-locals without destructors, read in one load each.
+#[cfg(not(memres_loom))]
+thread_local! {
+    static SLOT: Cell<*const Slot> = const { Cell::new(std::ptr::null()) };
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+    static REGISTRATION: std::cell::OnceCell<Registration> = const { std::cell::OnceCell::new() };
+}
+#[cfg(memres_loom)]
+loom::thread_local! {
+    static SLOT: Cell<*const Slot> = Cell::new(std::ptr::null());
+    static DEPTH: Cell<u32> = Cell::new(0);
+    static REGISTRATION: std::cell::OnceCell<Registration> = std::cell::OnceCell::new();
+}
+
+/// The calling thread's slot, registered on its first pin; null once the thread has
+/// left the registry (it is exiting).
+#[cold]
+fn register() -> *const Slot {
+    REGISTRATION
+        .try_with(|r| {
+            if r.get().is_some() {
+                // Registered and left: the thread is exiting.
+                return std::ptr::null();
+            }
+            let slot = Arc::new(Slot {
+                seq: AtomicU64::new(0),
+            });
+            lock(&SLOTS).push(Arc::clone(&slot));
+            let at: *const Slot = &*slot;
+            let _ = r.set(Registration { slot });
+            SLOT.with(|s| s.set(at));
+            at
+        })
+        .unwrap_or(std::ptr::null())
+}
+
+/// A pinned thread: memory reached through pointers loaded while it lives is not freed
+/// by a reclaimer that waits for readers ([`wait_for_readers`]). Not `Send`: it marks
+/// the thread that made it.
+#[must_use = "the thread is pinned only while the guard lives"]
+pub(crate) struct Pin {
+    /// Pinned through the process-wide count (the thread's slot was gone).
+    exiting: bool,
+    _thread: PhantomData<*const ()>,
+}
+
+/// Pins the calling thread until the guard drops.
+#[inline]
+pub(crate) fn pin() -> Pin {
+    let mut slot = SLOT.with(Cell::get);
+    if slot.is_null() {
+        slot = register();
+    }
+    let depth = DEPTH.with(Cell::get);
+    DEPTH.with(|d| d.set(depth + 1));
+    if slot.is_null() {
+        EXITING.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        return Pin {
+            exiting: true,
+            _thread: PhantomData,
+        };
+    }
+    if depth == 0 {
+        // SAFETY: the registration (alive until the thread exits, and clearing `SLOT`
+        // first) holds the slot.
+        let slot = unsafe { &*slot };
+        // Only this thread writes its slot: a relaxed load reads its own last store.
+        let seq = slot.seq.load(Ordering::Relaxed) + 1;
+        slot.seq.store(seq, Ordering::Relaxed);
+        barrier::light();
+    }
+    Pin {
+        exiting: false,
+        _thread: PhantomData,
+    }
+}
+
+impl Drop for Pin {
+    #[inline]
+    fn drop(&mut self) {
+        let depth = DEPTH.with(Cell::get) - 1;
+        DEPTH.with(|d| d.set(depth));
+        if self.exiting {
+            EXITING.fetch_sub(1, Ordering::Release);
+            return;
+        }
+        if depth == 0 {
+            let slot = SLOT.with(Cell::get);
+            // SAFETY: as in `pin`: the thread is pinned, so it has not begun to exit,
+            // and its slot is registered.
+            let slot = unsafe { &*slot };
+            let seq = slot.seq.load(Ordering::Relaxed) + 1;
+            slot.seq.store(seq, Ordering::Release);
+        }
+    }
+}
+
+/// Whether the calling thread is pinned now.
+fn pinned_here() -> bool {
+    DEPTH.with(Cell::get) > 0
+}
+
+/// Whether [`wait_for_readers`] can wait here: grace periods are offered and the calling
+/// thread is not pinned. (A caller checks this before it unlinks anything, so that it
+/// does not unlink what it then cannot free.)
+pub(crate) fn can_wait() -> bool {
+    barrier::heavy_available() && !pinned_here()
+}
+
+/// Waits until every thread that was pinned when this was called has unpinned, so that
+/// memory unlinked before the call (unreachable to new loads) can be freed. Returns false,
+/// at once, where this cannot be known: without the heavy fence, or when the calling
+/// thread is pinned itself (it would wait for itself); the caller must then not free.
+pub(crate) fn wait_for_readers() -> bool {
+    if !can_wait() {
+        return false;
+    }
+    barrier::heavy();
+    let pinned: Vec<(Arc<Slot>, u64)> = lock(&SLOTS)
+        .iter()
+        .map(|s| (Arc::clone(s), s.seq.load(Ordering::Acquire)))
+        .filter(|(_, seq)| seq % 2 == 1)
+        .collect();
+    for (slot, seq) in pinned {
+        while slot.seq.load(Ordering::Acquire) == seq {
+            yield_now();
+        }
+    }
+    while EXITING.load(Ordering::Acquire) != 0 {
+        yield_now();
+    }
+    true
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+
+    /// Pins nest: the thread stays pinned until the outer guard drops.
+    #[test]
+    fn pins_nest() {
+        assert!(!pinned_here());
+        let outer = pin();
+        {
+            let _inner = pin();
+            assert!(pinned_here());
+        }
+        assert!(pinned_here());
+        drop(outer);
+        assert!(!pinned_here());
+    }
+
+    /// A pinned thread cannot wait for readers (it would wait for itself).
+    #[test]
+    fn a_pinned_thread_does_not_wait_for_itself() {
+        let _pin = pin();
+        assert!(!wait_for_readers());
+    }
+
+    /// The reclaimer waits while another thread is pinned, and returns once it unpins.
+    #[test]
+    fn waits_for_a_pinned_thread() {
+        if !barrier::heavy_available() {
+            println!("memres-skip: no membarrier here: grace periods are not offered");
+            return;
+        }
+        let released = std::sync::atomic::AtomicBool::new(false);
+        let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let _pin = pin();
+                pinned_tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                released.store(true, std::sync::atomic::Ordering::SeqCst);
+            });
+            pinned_rx.recv().unwrap();
+            assert!(wait_for_readers());
+            assert!(
+                released.load(std::sync::atomic::Ordering::SeqCst),
+                "returned while the other thread was pinned"
+            );
+        });
+    }
+}
