@@ -613,9 +613,10 @@ fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
     });
 }
 
-/// A stream's list retired while another thread frees into it: the free lands in the
-/// stream's list either way (the old one's late item is moved to the new one), and the
-/// old list is freed only after the freeing thread is done with it.
+/// A stream's list retired while another thread looks at it as the `recent` list and
+/// frees into it: the free lands in the stream's list either way (the old one's late item
+/// is moved to the new one), and the old list is freed only after the other thread is
+/// done with it.
 #[test]
 fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
     use crate::sync::grace;
@@ -623,10 +624,15 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
     loom::model(|| {
         let map = Arc::new(ShardMap::<Vec<u32>>::default());
         let key = StreamKey::host(7);
-        map.get_or_insert_with(key, Vec::new);
+        // The list is the first a search looks at (as after a free into it).
+        map.note_free(map.get_or_insert_with(key, Vec::new));
         let other = Arc::clone(&map);
         let t = thread::spawn(move || {
             let _pin = grace::pin();
+            // A search's first look, at whatever list is `recent`.
+            if let Some(recent) = other.recent() {
+                drop(recent.state.lock());
+            }
             // A free on the stream: into whatever list the stream has.
             let shard = match other.get(key) {
                 Some(shard) => shard,
@@ -639,9 +645,9 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
         let retired = unsafe {
             map.retire(
                 |shard| shard.state.lock().is_empty(),
-                |key| match map.get(key) {
+                |old| match map.find(old.key) {
                     Some(shard) => shard,
-                    None => map.get_or_insert_with(key, Vec::new),
+                    None => map.get_or_insert_like(old, Vec::new),
                 },
                 std::mem::take,
                 |list: &mut Vec<u32>, items| list.extend(items),

@@ -537,11 +537,11 @@ impl<U: Resource> Pool<U> {
         unsafe {
             self.shards.retire(
                 |shard| shard.key != self.host_key && shard.state.lock().free_bytes() == 0,
-                |key| {
+                |old| {
                     let _pin = grace::pin();
-                    match self.shards.get(key) {
+                    match self.shards.find(old.key) {
                         Some(shard) => shard,
-                        None => self.new_shard(key),
+                        None => self.new_shard_like(old),
                     }
                 },
                 PoolShard::drain,
@@ -669,20 +669,34 @@ impl<U: Resource> Pool<U> {
         // raw lock: its unlock runs no pending release, which waits for streams and may
         // come here under stream capture; the next unlock elsewhere runs it.)
         let growth = lock(&self.growth);
-        self.shards.get_or_insert_with(key, || {
-            let shard = PoolShard::new(
-                growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
-                self.space.as_ref().map(|s| s.base),
-            );
-            // Not for a pool that grows in place: a cached block is handed out again
-            // where it was, not low, which costs footprint (host, `random` seed 42:
-            // 1.128 of live against 1.114).
-            if self.space.is_none() {
-                shard.with_large_cache()
-            } else {
-                shard
-            }
-        })
+        self.shards
+            .get_or_insert_with(key, || self.new_list(&growth))
+    }
+
+    /// A new list of a retired list's stream, with its context and owner (for the items
+    /// freed into the retired one while it went: see [`trim`](Self::trim)).
+    #[cold]
+    fn new_shard_like(&self, old: &Shard<PoolShard>) -> &Shard<PoolShard> {
+        let growth = lock(&self.growth);
+        self.shards
+            .get_or_insert_like(old, || self.new_list(&growth))
+    }
+
+    /// An empty stream list that knows the pool's chunks (the caller holds the growth
+    /// lock).
+    fn new_list(&self, growth: &GrowthState) -> PoolShard {
+        let shard = PoolShard::new(
+            growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
+            self.space.as_ref().map(|s| s.base),
+        );
+        // Not for a pool that grows in place: a cached block is handed out again where it
+        // was, not low, which costs footprint (host, `random` seed 42: 1.128 of live
+        // against 1.114).
+        if self.space.is_none() {
+            shard.with_large_cache()
+        } else {
+            shard
+        }
     }
 
     /// Free bytes in the lists of streams other than `own`.

@@ -256,6 +256,18 @@ pub(crate) struct Shard<S> {
 }
 
 impl<S> Shard<S> {
+    /// A new list of `old`'s stream, with its context and owner (see
+    /// [`ShardMap::retire`]: not the inserting thread's).
+    fn like(old: &Shard<S>, state: S) -> Shard<S> {
+        Shard {
+            key: old.key,
+            ctx: old.ctx,
+            state: SpinLock::new(state),
+            owner: AtomicU64::new(old.owner.load(Ordering::Relaxed)),
+            holds_free: AtomicBool::new(false),
+        }
+    }
+
     fn new(key: StreamKey, state: S) -> Shard<S> {
         let ctx = if key.is_host() || !driver::is_present() {
             None
@@ -368,6 +380,10 @@ impl<S> Table<S> {
 struct Tables<S> {
     all: Vec<*mut Table<S>>,
     shards: usize,
+    /// The contexts of every shard made so far, each once: what waiting for "every stream
+    /// seen" waits for, retired lists included (a block allocated on a stream whose list
+    /// went may still be freed later).
+    contexts: Vec<Context>,
 }
 
 /// The map from stream to shard.
@@ -418,6 +434,7 @@ impl<S> Default for ShardMap<S> {
                 tables: Mutex::new(Tables {
                     all: vec![first],
                     shards: 0,
+                    contexts: Vec::new(),
                 }),
                 limbo_any: AtomicBool::new(false),
                 limbo: Mutex::new(Vec::new()),
@@ -451,9 +468,7 @@ impl<S> ShardMap<S> {
     /// new thread finds under an exited thread's number is taken over first.
     #[inline]
     pub(crate) fn get(&self, key: StreamKey) -> Option<&Shard<S>> {
-        let p = self.table().find(key).ok()?;
-        // SAFETY: read from a slot.
-        let shard = unsafe { self.at(p) };
+        let shard = self.find(key)?;
         shard.claim();
         Some(shard)
     }
@@ -464,15 +479,37 @@ impl<S> ShardMap<S> {
         key: StreamKey,
         state: impl FnOnce() -> S,
     ) -> &Shard<S> {
+        let shard = self.insert(key, || Shard::new(key, state()));
+        shard.claim();
+        shard
+    }
+
+    /// The shard of `old`'s stream, made if there is none with `old`'s context and owner
+    /// (for a retired shard's late items: see [`retire`](Self::retire)); nobody claims
+    /// it.
+    pub(crate) fn get_or_insert_like(
+        &self,
+        old: &Shard<S>,
+        state: impl FnOnce() -> S,
+    ) -> &Shard<S> {
+        self.insert(old.key, || Shard::like(old, state()))
+    }
+
+    /// The shard of `key` if it exists, as [`get`](Self::get) but without claiming a
+    /// per-thread list for the calling thread.
+    pub(crate) fn find(&self, key: StreamKey) -> Option<&Shard<S>> {
+        let p = self.table().find(key).ok()?;
+        // SAFETY: read from a slot.
+        Some(unsafe { self.at(p) })
+    }
+
+    /// The shard of `key`, made by `make` if there is none.
+    fn insert(&self, key: StreamKey, make: impl FnOnce() -> Shard<S>) -> &Shard<S> {
         let mut tables = lock(&self.rare.tables);
         let mut table = self.table();
         let mut empty = match table.find(key) {
-            Ok(p) => {
-                // SAFETY: read from a slot.
-                let shard = unsafe { self.at(p) };
-                shard.claim();
-                return shard;
-            }
+            // SAFETY: read from a slot.
+            Ok(p) => return unsafe { self.at(p) },
             Err(empty) => empty,
         };
         if (tables.shards + 1) * 2 > table.slots.len() {
@@ -491,7 +528,13 @@ impl<S> ShardMap<S> {
             table = self.table();
             empty = table.find(key).unwrap_err();
         }
-        let new = Box::into_raw(Box::new(Shard::new(key, state())));
+        let new = Box::into_raw(Box::new(make()));
+        // SAFETY: made just above, not yet shared.
+        if let Some(ctx) = unsafe { &*new }.ctx
+            && !tables.contexts.contains(&ctx)
+        {
+            tables.contexts.push(ctx);
+        }
         table.slots[empty].store(new, Ordering::Release);
         tables.shards += 1;
         // SAFETY: just published in a slot.
@@ -506,16 +549,21 @@ impl<S> ShardMap<S> {
     /// As [`all`](Self::all), without collecting them (but those in limbo: see
     /// [`retire`](Self::retire)).
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Shard<S>> {
+        // The table first, then limbo: a shard on its way from one to the other (which
+        // enters limbo before it leaves the table) is in one or both; once in both
+        // (limbo not empty) the table's copy is passed over.
+        let table = self.table();
         let limbo = if self.rare.limbo_any.load(Ordering::Acquire) {
             lock(&self.rare.limbo).clone()
         } else {
             Vec::new()
         };
-        self.table()
+        let in_limbo: std::collections::HashSet<*mut Shard<S>> = limbo.iter().copied().collect();
+        table
             .slots
             .iter()
             .map(|slot| slot.load(Ordering::Acquire))
-            .filter(|p| !p.is_null())
+            .filter(move |p| !p.is_null() && !in_limbo.contains(p))
             .chain(limbo)
             // SAFETY: read from a slot, or from limbo (whose shards are freed only a grace
             // period after they left it, which the caller's pin outlasts).
@@ -524,8 +572,11 @@ impl<S> ShardMap<S> {
 
     /// Frees the shards `idle` picks (it sees each with nothing locked), once no reader
     /// can hold them, and returns how many went. Items freed into one of them while it
-    /// was going are moved by `drain` and `absorb` to `home`'s shard for its key (the same
-    /// stream: no wait). Where grace periods are not offered ([`grace::wait_for_readers`]
+    /// was going are moved by `drain` and `absorb` to the shard `home` gives for it: the
+    /// same stream's current one (no wait), made with the retired one's context and owner
+    /// ([`get_or_insert_like`](Self::get_or_insert_like)) if there is none. The contexts
+    /// of retired shards stay in what [`synchronize_streams`](Self::synchronize_streams)
+    /// waits for. Where grace periods are not offered ([`grace::wait_for_readers`]
     /// returns false) nothing is freed: the shards stay in limbo, visited and correct,
     /// until the map drops.
     ///
@@ -538,12 +589,13 @@ impl<S> ShardMap<S> {
     /// # Safety
     /// Every reference to a shard of this map is used only while its thread is pinned
     /// ([`grace::pin`]), but the shards `home` returns (only a retirement frees a shard,
-    /// one at a time, and this one does not free those); the caller is not pinned and
-    /// holds no lock a pinned thread may wait for.
+    /// one at a time, and this one does not free those); a shard found by an iteration
+    /// is never made [`recent`](Self::recent) (`set_recent`, `note_free`); the caller is
+    /// not pinned and holds no lock a pinned thread may wait for.
     pub(crate) unsafe fn retire<'a, T>(
         &'a self,
         idle: impl Fn(&Shard<S>) -> bool,
-        home: impl Fn(StreamKey) -> &'a Shard<S>,
+        home: impl Fn(&Shard<S>) -> &'a Shard<S>,
         drain: impl Fn(&mut S) -> Vec<T>,
         absorb: impl Fn(&mut S, Vec<T>),
     ) -> usize {
@@ -598,21 +650,24 @@ impl<S> ShardMap<S> {
             return 0;
         }
         leave_limbo(&removed);
-        // A second: no iteration that found one in limbo is still going on.
-        if !grace::wait_for_readers() {
-            lock(&self.rare.limbo).extend(removed.iter().copied());
-            self.rare.limbo_any.store(true, Ordering::Release);
-            lock(&self.rare.tables).all.extend(old_tables);
-            return 0;
-        }
+        // Only a thread holding one could make it the first a search looks at (the
+        // caller's promise: never one found by an iteration), and none holding one from a
+        // lookup is left; a reader of `recent` that found one is waited for below.
         for &p in &removed {
-            // Only a reader holding `p` could have set it, and none does now.
             let _ = self.recent.compare_exchange(
                 p,
                 ptr::null_mut(),
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             );
+        }
+        // A second: no iteration that found one in limbo, and no search that found one as
+        // `recent`, is still going on.
+        if !grace::wait_for_readers() {
+            lock(&self.rare.limbo).extend(removed.iter().copied());
+            self.rare.limbo_any.store(true, Ordering::Release);
+            lock(&self.rare.tables).all.extend(old_tables);
+            return 0;
         }
         for &p in &removed {
             // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; out of every table
@@ -621,7 +676,7 @@ impl<S> ShardMap<S> {
             let shard = unsafe { Box::from_raw(p) };
             let late = drain(&mut shard.state.lock());
             if !late.is_empty() {
-                let to = home(shard.key);
+                let to = home(&shard);
                 absorb(&mut to.state.lock(), late);
                 self.note_free(to);
             }
@@ -722,7 +777,8 @@ impl<S> ShardMap<S> {
 
     /// Waits for the work of every CUDA stream seen so far (once per context).
     pub(crate) fn synchronize_streams(&self) -> Result<(), Error> {
-        synchronize(self.all().iter().filter_map(|s| s.ctx))
+        let contexts = lock(&self.rare.tables).contexts.clone();
+        synchronize(contexts.into_iter())
     }
 }
 
