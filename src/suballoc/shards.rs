@@ -253,6 +253,9 @@ pub(crate) struct Shard<S> {
     /// finds the list empty. Searches skip lists whose hint is clear, so a pool with
     /// thousands of streams does not lock each one on its slow path.
     pub(crate) holds_free: AtomicBool,
+    /// Whether the list is on its owner's stack of lists with blocks to spare (a
+    /// `FixedSize`'s donors; unused elsewhere).
+    pub(crate) in_donors: AtomicBool,
 }
 
 impl<S> Shard<S> {
@@ -265,6 +268,7 @@ impl<S> Shard<S> {
             state: SpinLock::new(state),
             owner: AtomicU64::new(old.owner.load(Ordering::Relaxed)),
             holds_free: AtomicBool::new(false),
+            in_donors: AtomicBool::new(false),
         }
     }
 
@@ -291,6 +295,7 @@ impl<S> Shard<S> {
             state: SpinLock::new(state),
             owner: AtomicU64::new(owner),
             holds_free: AtomicBool::new(false),
+            in_donors: AtomicBool::new(false),
         }
     }
 

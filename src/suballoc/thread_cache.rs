@@ -288,17 +288,21 @@ impl Magazines {
     ///
     /// # Safety
     /// Inside a call on the owner (rule (1) of the module).
-    unsafe fn give_back(&mut self, owner: u64) {
+    unsafe fn give_back(&mut self, owner: u64) -> Vec<*const Shard<Vec<usize>>> {
         self.full_miss = None;
+        let mut lists = Vec::new();
         let mut i = 0;
         while i < self.list.len() {
             if self.list[i].owner == owner {
+                let m = self.list.swap_remove(i);
+                lists.push(m.stash.shard);
                 // SAFETY: the caller's promise.
-                unsafe { self.list.swap_remove(i).give_back() };
+                unsafe { m.give_back() };
             } else {
                 i += 1;
             }
         }
+        lists
     }
 }
 
@@ -553,13 +557,14 @@ impl<'a> Cache<'a> {
         }
     }
 
-    /// Gives every block of the owner's magazines on this thread back to their lists.
-    pub(crate) fn flush(&self) {
+    /// Gives every block of the owner's magazines on this thread back to their lists, and
+    /// returns those lists (the owner's shards: they live as long as it does).
+    pub(crate) fn flush(&self) -> Vec<*const Shard<Vec<usize>>> {
         self.with(|mags| {
             // SAFETY: inside a call on the owner (rule (1)).
-            unsafe { mags.give_back(self.owner.id) };
-            Some(())
-        });
+            Some(unsafe { mags.give_back(self.owner.id) })
+        })
+        .unwrap_or_default()
     }
 
     /// Takes the blocks of the owner's magazines on every thread back to their lists
