@@ -172,8 +172,9 @@ impl PoolShard {
     }
 
     /// Gives back the heap memory of a list that holds nothing (see
-    /// [`Pool::trim`]): what a stream that is not used any more costs then is its
-    /// inline fields and the copy of the chunk table.
+    /// [`Pool::trim`](super::Pool::trim), which then frees the list itself where it can):
+    /// what a stream that is not used any more costs then is its inline fields and the
+    /// copy of the chunk table.
     pub(super) fn release_memory(&mut self) {
         if self.free_bytes() == 0 {
             self.quick = Vec::new();

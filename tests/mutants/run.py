@@ -34,7 +34,7 @@ MUTATIONS = [
     ("Arena: no take_from_lanes", "src/suballoc/arena.rs",
      "if let Some(addr) = self.take_from_lanes(own, size, align) {",
      "if let Some(addr) = None::<usize> {"),
-    ("in-place pool: no unmapping before growing", "src/suballoc/pool.rs",
+    ("in-place pool: no unmapping before growing", "src/suballoc/pool/in_place.rs",
      "if may_wait && surplus >= g && whole_granule_free() {",
      "if false && may_wait && surplus >= g && whole_granule_free() {"),
     ("FixedSize: the grower's block goes through the list (growth race)", "src/suballoc/fixed.rs",
@@ -58,8 +58,8 @@ MUTATIONS = [
      "0 * usize::from(self.stream() != StreamKey::host(0))"),
     ("FixedSize: a reclaim does not take idle threads' cached blocks", "src/suballoc/thread_cache.rs",
      "            if barrier::heavy_available() {\n", "            if false && barrier::heavy_available() {\n"),
-    ("Pool::trim keeps the lists' heap memory", "src/suballoc/pool.rs",
-     "            shard.state.lock().release_memory();\n", ""),
+    ("Pool::trim frees no lists", "src/suballoc/pool.rs",
+     "        self.retire_empty_lists();\n", ""),
 ]
 
 
