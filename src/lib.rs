@@ -52,8 +52,8 @@
 //!   ([`Imported`](upstream::Imported)).
 //! - [`suballoc`] holds the sub-allocators: [`Pool`] (chunked, or growing in place over a
 //!   virtual-memory leaf), [`Arena`], [`Binning`], [`FixedSize`].
-//! - [`device`] holds devices, the per-device default resource and
-//!   [`process_is_exiting`](device::process_is_exiting).
+//! - [`device`] holds devices and [`process_is_exiting`](device::process_is_exiting);
+//!   [`per_device`] the per-device default resources.
 //! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
 //!   [`Tracking`](adaptor::Tracking), [`Limiting`](adaptor::Limiting),
 //!   [`Aligned`](adaptor::Aligned), [`FailureRetry`](adaptor::FailureRetry),
@@ -69,6 +69,8 @@
 //!   [`Profiling`](adaptor::Profiling) adaptor).
 //! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
 //! - [`units`] parses byte counts written by people (`512MiB`).
+//! - `spec` (with the `spec` feature) parses stack specs, the text language of the C ABI
+//!   and the `memres` command (`statistics(pool:max=4GiB)`).
 //! - [`error`] holds the one [`Error`] type; [`driver`] says whether a CUDA driver is
 //!   present.
 
@@ -84,6 +86,8 @@ pub mod per_device;
 pub mod profile;
 pub mod property;
 pub mod resource;
+#[cfg(feature = "spec")]
+pub mod spec;
 pub mod stream;
 pub mod suballoc;
 pub mod units;

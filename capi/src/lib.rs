@@ -15,7 +15,6 @@
 mod ipc;
 mod profile;
 mod recorded;
-mod spec;
 mod stack;
 
 pub use ipc::{memres_ipc_close, memres_ipc_export, memres_ipc_open};
@@ -32,8 +31,8 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use mr::device::DeviceId;
 use mr::{Error, Resource, StreamRef};
 
-use crate::spec::Spec;
 use crate::stack::DeviceStack;
+use mr::spec::Spec;
 
 /// Success.
 pub const MEMRES_OK: c_int = 0;
@@ -282,7 +281,7 @@ pub unsafe extern "C" fn memres_configure(spec: *const c_char) -> c_int {
             let text = unsafe { CStr::from_ptr(spec) }
                 .to_str()
                 .map_err(|_| Failure::invalid("memres_configure: the spec is not UTF-8"))?;
-            let parsed = Spec::parse(text).map_err(|e| Failure::invalid(e.0))?;
+            let parsed = Spec::parse(text).map_err(|e| Failure::invalid(e.message().to_owned()))?;
             let mut config = CONFIG.lock().unwrap_or_else(PoisonError::into_inner);
             if config.frozen {
                 return Err(Failure {

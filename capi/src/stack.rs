@@ -15,7 +15,7 @@ use mr::{
 
 use crate::ipc::{Exported, Shared};
 use crate::recorded::Recorded;
-use crate::spec::Spec;
+use mr::spec::Spec;
 
 /// The memory layer under the stack, for its figures and for trimming.
 enum PoolLayer {
@@ -182,13 +182,13 @@ impl Layers {
                 let pool = self.layer(&Spec::default_spec(), device)?;
                 AnyResource::new(Binning::new(pool, *min, *max)?)
             }
-            Spec::Statistics(inner) => {
+            Spec::WithStatistics(inner) => {
                 let counted = Arc::new(Statistics::new(self.layer(inner, device)?));
                 // Built inside out, so the last one set is the outermost.
                 self.statistics = Some(Arc::clone(&counted));
                 AnyResource::new(counted)
             }
-            Spec::Logging {
+            Spec::Logged {
                 inner,
                 file,
                 exact_times,
@@ -202,7 +202,7 @@ impl Layers {
                 self.logs.push(Arc::clone(&logged));
                 AnyResource::new(logged)
             }
-            Spec::Limiting { inner, limit } => {
+            Spec::Limited { inner, limit } => {
                 AnyResource::new(Limiting::new(self.layer(inner, device)?, *limit))
             }
         })

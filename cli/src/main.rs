@@ -15,13 +15,6 @@ mod simulated;
 mod stacks;
 mod stats;
 
-// The C ABI's spec strings (`statistics(pool:initial=1GiB)`), parsed by the C ABI's own
-// parser, compiled in here as the fuzz target does; `mr` is the name it knows memres by.
-extern crate memres as mr;
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../capi/src/spec.rs"]
-mod spec;
-
 use std::io::{BufReader, IsTerminal};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -144,7 +144,7 @@ impl StackName {
         if let Ok(name) = StackName::parse(text) {
             return Ok((name, *defaults));
         }
-        let spec = crate::spec::Spec::parse(text).map_err(|e| {
+        let spec = memres::spec::Spec::parse(text).map_err(|e| {
             format!(
                 "unknown resource {:?}: neither one of {NAMES} nor a spec string ({})",
                 excerpt(text),
@@ -171,8 +171,12 @@ impl StackName {
 /// outermost first. Two options of the C ABI do not apply to a replay: `virtual_pool`'s
 /// `reserve=` (a replay reserves what its memory source has) and `cuda_async`'s sizes (the
 /// replay's driver pool keeps its defaults).
-fn from_spec(spec: &crate::spec::Spec, options: &mut Options, wrappers: &mut Vec<Wrapper>) -> Kind {
-    use crate::spec::Spec;
+fn from_spec(
+    spec: &memres::spec::Spec,
+    options: &mut Options,
+    wrappers: &mut Vec<Wrapper>,
+) -> Kind {
+    use memres::spec::Spec;
     match spec {
         Spec::Cuda => Kind::Direct,
         Spec::CudaAsync { .. } => Kind::CudaAsync,
@@ -207,15 +211,15 @@ fn from_spec(spec: &crate::spec::Spec, options: &mut Options, wrappers: &mut Vec
             (options.bin_min, options.bin_max) = (*min, *max);
             Kind::Binning
         }
-        Spec::Statistics(inner) => {
+        Spec::WithStatistics(inner) => {
             wrappers.push(Wrapper::Statistics);
             from_spec(inner, options, wrappers)
         }
-        Spec::Limiting { inner, limit } => {
+        Spec::Limited { inner, limit } => {
             wrappers.push(Wrapper::Limiting(*limit));
             from_spec(inner, options, wrappers)
         }
-        Spec::Logging {
+        Spec::Logged {
             inner,
             file,
             exact_times,

@@ -1,4 +1,4 @@
-//! The C ABI's spec parser (`capi/src/spec.rs`, compiled in as a module) on arbitrary
+//! The stack spec parser (`memres::spec`, the library's `spec` feature) on arbitrary
 //! text: a spec or an error with a message, never a panic, and the same answer twice.
 //!
 //! ```sh
@@ -6,13 +6,8 @@
 //! ```
 #![no_main]
 
-extern crate memres as mr;
-
 use libfuzzer_sys::fuzz_target;
-
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../capi/src/spec.rs"]
-mod spec;
+use memres::spec;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -20,6 +15,6 @@ fuzz_target!(|data: &[u8]| {
     };
     match spec::Spec::parse(text) {
         Ok(parsed) => assert_eq!(spec::Spec::parse(text).ok(), Some(parsed)),
-        Err(e) => assert!(!e.0.is_empty()),
+        Err(e) => assert!(!e.message().is_empty()),
     }
 });

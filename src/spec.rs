@@ -1,4 +1,7 @@
-//! The configuration strings of `memres_configure` and `MEMRES_RESOURCE`.
+//! Stack specs: the one text language for a resource stack, read by the C ABI
+//! (`memres_configure`, `MEMRES_RESOURCE`), the Python package and the `memres` command
+//! (`--stack`, `compare`). Behind the `spec` feature (off by default: a Rust program
+//! builds its stack as types).
 //!
 //! ```text
 //! spec    := base [":" options] | wrapper "(" spec ["," options] ")"
@@ -10,66 +13,111 @@
 //! Sizes take units (`8GiB`, `512MiB`). Inside a wrapper, options that are not the
 //! wrapper's own belong to the spec it wraps, so `limiting(pool:initial=1GiB,max=4GiB,
 //! limit=2GiB)` reads as a pool of 1 to 4 GiB under a 2 GiB limit.
+//!
+//! ```
+//! use memres::spec::Spec;
+//!
+//! let spec = Spec::parse("statistics(pool:initial=1GiB,max=4GiB)")?;
+//! assert!(matches!(spec, Spec::WithStatistics(_)));
+//! assert!(Spec::parse("pool:initial=lots").is_err());
+//! # Ok::<(), memres::spec::SpecError>(())
+//! ```
+//!
+//! This module parses; each program builds the stack a spec names over its own leaves
+//! (the C ABI over the CUDA driver, the command over simulated device memory).
 
 use std::fmt;
 use std::path::PathBuf;
 
-use mr::suballoc::Growth;
-use mr::units::parse_size;
+use crate::suballoc::Growth;
+use crate::units::parse_size;
 
-/// A parsed stack, outermost layer first.
+/// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
+/// program building the stack uses (the C ABI's are in `capi/include/memres.h`). The
+/// wrappers are named as the builders of [`ResourceExt`](crate::ResourceExt) are
+/// (`with_statistics`, `limited`), not as the adaptor types, which rustc would then
+/// print with their whole paths in its messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Spec {
-    /// `cuMemAlloc` per request.
+pub enum Spec {
+    /// `cuda`: `cuMemAlloc` per request.
     Cuda,
-    /// A driver pool (`cuMemAllocFromPoolAsync`).
+    /// `cuda_async`: a driver pool (`cuMemAllocFromPoolAsync`).
     CudaAsync {
+        /// `initial=`: bytes the driver pool keeps from the start.
         initial: Option<usize>,
+        /// `release=`: the driver pool's release threshold.
         release_threshold: Option<u64>,
     },
-    /// memres's coalescing pool over `Cuda`, growing by what a request needs, at least an
-    /// eighth of the pool (`growth=rmm`: RMM's doubling, up to 2x of what is live held
-    /// without a maximum);
-    /// `VirtualPool` holds least.
+    /// `pool`: memres's coalescing pool over `Cuda`, growing by what a request needs, at
+    /// least an eighth of the pool (`growth=rmm`: RMM's doubling, up to 2x of what is
+    /// live held without a maximum); `VirtualPool` holds least.
     Pool {
+        /// `initial=`: bytes taken at once.
         initial: Option<usize>,
+        /// `max=`: the most the pool holds.
         max: Option<usize>,
+        /// `growth=eighth|rmm`: how a chunk is sized.
         growth: Growth,
     },
-    /// memres's pool growing in place over `CudaVirtual` (the default): least memory held.
+    /// `virtual_pool`: memres's pool growing in place over `CudaVirtual` (the default):
+    /// least memory held.
     VirtualPool {
+        /// `initial=`: bytes mapped at once.
         initial: Option<usize>,
+        /// `max=`: the most the pool maps.
         max: Option<usize>,
+        /// `step=`: the least a growth maps.
         step: Option<usize>,
+        /// `release=`: free bytes kept before frees give memory back.
         release: Option<usize>,
+        /// `reserve=`: the virtual address range reserved.
         reserve: Option<usize>,
     },
-    /// RMM's arena over `Cuda` (`size`: default half the free memory).
+    /// `arena`: RMM's arena over `Cuda`.
     Arena {
+        /// `size=`: the arena's size (default: half the free memory).
         size: Option<usize>,
     },
-    /// Fixed-size bins of 2^min .. 2^max bytes over a default virtual pool (the pool
-    /// growing in place, which holds least); larger requests go to that pool.
+    /// `binning`: fixed-size bins of 2^min .. 2^max bytes over a default virtual pool
+    /// (the pool growing in place, which holds least); larger requests go to that pool.
     Binning {
+        /// `min=`: the smallest bin's exponent.
         min: u32,
+        /// `max=`: the largest bin's exponent.
         max: u32,
     },
-    Statistics(Box<Spec>),
-    Logging {
+    /// `statistics(..)`: counts of bytes and allocations over the spec inside.
+    WithStatistics(Box<Spec>),
+    /// `logging(..)`: an RMM-format CSV log of every event.
+    Logged {
+        /// The spec logged.
         inner: Box<Spec>,
+        /// `file=`: where the log goes (default: the program's choice).
         file: Option<PathBuf>,
         /// `exact_times=true`: every event reads the clock (`Logging::exact_times`).
         exact_times: bool,
     },
-    Limiting {
+    /// `limiting(..)`: a cap on the bytes live through it.
+    Limited {
+        /// The spec limited.
         inner: Box<Spec>,
+        /// `limit=`: the cap.
         limit: usize,
     },
 }
 
 /// What was wrong with a spec, in words that name the offending part.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct SpecError(pub(crate) String);
+pub struct SpecError(String);
+
+impl SpecError {
+    /// The message: the spec, and what was wrong with which part of it.
+    pub fn message(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::error::Error for SpecError {}
 
 impl fmt::Display for SpecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -87,7 +135,7 @@ const MAX_LEN: usize = 4096;
 
 impl Spec {
     /// Parses a whole spec.
-    pub(crate) fn parse(text: &str) -> Result<Spec, SpecError> {
+    pub fn parse(text: &str) -> Result<Spec, SpecError> {
         let fail = |e: String| SpecError(format!("invalid resource spec {text:?}: {e}"));
         if text.len() > MAX_LEN {
             return Err(fail(format!("longer than {MAX_LEN} bytes")));
@@ -97,7 +145,7 @@ impl Spec {
 
     /// The spec used when none is configured: the pool that holds least, growing in
     /// place over CUDA virtual memory from nothing.
-    pub(crate) fn default_spec() -> Spec {
+    pub fn default_spec() -> Spec {
         Spec::VirtualPool {
             initial: None,
             max: None,
@@ -116,18 +164,18 @@ impl Spec {
             Spec::VirtualPool { .. } => "virtual_pool",
             Spec::Arena { .. } => "arena",
             Spec::Binning { .. } => "binning",
-            Spec::Statistics(_) => "statistics",
-            Spec::Logging { .. } => "logging",
-            Spec::Limiting { .. } => "limiting",
+            Spec::WithStatistics(_) => "statistics",
+            Spec::Logged { .. } => "logging",
+            Spec::Limited { .. } => "limiting",
         }
     }
 
     /// The base (non-wrapper) spec at the bottom of the stack.
     fn base_mut(&mut self) -> &mut Spec {
         match self {
-            Spec::Statistics(inner)
-            | Spec::Logging { inner, .. }
-            | Spec::Limiting { inner, .. } => inner.base_mut(),
+            Spec::WithStatistics(inner)
+            | Spec::Logged { inner, .. }
+            | Spec::Limited { inner, .. } => inner.base_mut(),
             base => base,
         }
     }
@@ -260,7 +308,7 @@ fn key_value(option: &str) -> Result<(&str, &str), String> {
 
 fn size(key: &str, value: &str) -> Result<usize, String> {
     parse_size(value).map_err(|e| match e {
-        mr::Error::InvalidArgument(message) => format!("{key}: {message}"),
+        crate::Error::InvalidArgument(message) => format!("{key}: {message}"),
         other => format!("{key}: {other}"),
     })
 }
@@ -354,8 +402,8 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
     }
     let value_of = |key: &str| own.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| *v);
     Ok(match name {
-        "statistics" => Spec::Statistics(inner),
-        "logging" => Spec::Logging {
+        "statistics" => Spec::WithStatistics(inner),
+        "logging" => Spec::Logged {
             inner,
             file: value_of("file").map(PathBuf::from),
             exact_times: match value_of("exact_times") {
@@ -366,7 +414,7 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
                 }
             },
         },
-        _ => Spec::Limiting {
+        _ => Spec::Limited {
             inner,
             limit: size(
                 "limit",
@@ -416,7 +464,7 @@ mod tests {
         );
         assert_eq!(
             ok("statistics(virtual_pool:release=1GiB)"),
-            Spec::Statistics(Box::new(Spec::VirtualPool {
+            Spec::WithStatistics(Box::new(Spec::VirtualPool {
                 initial: None,
                 max: None,
                 step: None,
@@ -473,11 +521,11 @@ mod tests {
     fn wrappers() {
         assert_eq!(
             ok("statistics(pool:initial=4GiB)"),
-            Spec::Statistics(Box::new(pool(Some(4 << 30), None)))
+            Spec::WithStatistics(Box::new(pool(Some(4 << 30), None)))
         );
         assert_eq!(
             ok("logging(pool,file=/tmp/log.csv)"),
-            Spec::Logging {
+            Spec::Logged {
                 inner: Box::new(plain_pool()),
                 file: Some("/tmp/log.csv".into()),
                 exact_times: false
@@ -485,21 +533,21 @@ mod tests {
         );
         assert_eq!(
             ok("limiting(pool,limit=10GiB)"),
-            Spec::Limiting {
+            Spec::Limited {
                 inner: Box::new(plain_pool()),
                 limit: 10 << 30
             }
         );
         assert_eq!(
             ok("limiting(pool:initial=1GiB,max=4GiB,limit=2GiB)"),
-            Spec::Limiting {
+            Spec::Limited {
                 inner: Box::new(pool(Some(1 << 30), Some(4 << 30))),
                 limit: 2 << 30
             }
         );
         assert_eq!(
             ok("statistics(limiting(arena:size=2GiB, limit=1GiB))"),
-            Spec::Statistics(Box::new(Spec::Limiting {
+            Spec::WithStatistics(Box::new(Spec::Limited {
                 inner: Box::new(Spec::Arena {
                     size: Some(2 << 30)
                 }),
@@ -508,15 +556,15 @@ mod tests {
         );
         assert_eq!(
             ok("logging(statistics(pool),file=x.csv)"),
-            Spec::Logging {
-                inner: Box::new(Spec::Statistics(Box::new(plain_pool()))),
+            Spec::Logged {
+                inner: Box::new(Spec::WithStatistics(Box::new(plain_pool()))),
                 file: Some("x.csv".into()),
                 exact_times: false
             }
         );
         assert_eq!(
             ok("logging(pool,exact_times=true)"),
-            Spec::Logging {
+            Spec::Logged {
                 inner: Box::new(plain_pool()),
                 file: None,
                 exact_times: true
@@ -529,15 +577,15 @@ mod tests {
     fn options_after_nested_wrappers_reach_the_base() {
         assert_eq!(
             ok("statistics(limiting(pool,limit=1GiB),initial=4GiB)"),
-            Spec::Statistics(Box::new(Spec::Limiting {
+            Spec::WithStatistics(Box::new(Spec::Limited {
                 inner: Box::new(pool(Some(4 << 30), None)),
                 limit: 1 << 30
             }))
         );
         assert_eq!(
             ok("limiting(statistics(pool),initial=1GiB,limit=2GiB)"),
-            Spec::Limiting {
-                inner: Box::new(Spec::Statistics(Box::new(pool(Some(1 << 30), None)))),
+            Spec::Limited {
+                inner: Box::new(Spec::WithStatistics(Box::new(pool(Some(1 << 30), None)))),
                 limit: 2 << 30
             }
         );
@@ -615,7 +663,7 @@ mod fuzz_corpus {
 
     #[test]
     fn the_spec_corpus_replays_clean() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/spec");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/spec");
         let Ok(entries) = std::fs::read_dir(&dir) else {
             // The GPU bundle carries binaries only.
             println!(
