@@ -25,21 +25,15 @@
 //! would otherwise starve the others: issue 33, finding 8).
 //!
 //! **Taking another thread's blocks.** A magazine's blocks live in a [`Stash`], which the
-//! owner also lists. The thread that owns the magazine marks each use of the blocks:
-//! `busy = true`, a light fence, a check that `taken` is clear, the use, `busy = false`
-//! (release). The reclaimer sets `taken` on every listed stash, runs a heavy fence, then
-//! waits for each stash's `busy` to read false (acquire) and moves its blocks to their
-//! stream's list. The two fences ([`crate::sync::barrier`]: a compiler fence and Linux's
-//! `membarrier`, which makes every thread of the process execute a full fence) order each
-//! side's store before the other's load, so for every use either the reclaimer sees
-//! `busy` set and waits for the use to end, or the use sees `taken` and leaves the blocks
-//! alone (its thread then drops the magazine). The fast path thus stays free of atomic
-//! read-modify-writes: two plain stores and a load on a line only its thread writes.
-//! `tests/loom.rs` checks the protocol with `SeqCst` fences on both sides (the meaning
-//! `membarrier` gives the pair). Where the kernel has no `membarrier` (before Linux
-//! 4.14), the reclaimer instead waits a short while for the threads to give their blocks
-//! back at their next call on the owner (a thread that does not call again cannot
-//! answer).
+//! owner also lists: a [`Takeable`] (`crate::sync::takeable`, where the protocol and its
+//! own loom model are), which the magazine's thread uses with two plain stores and a load
+//! on a line only it writes, and which the reclaimer marks on every listed stash, runs
+//! the heavy fence once (Linux's `membarrier`), then takes, moving the blocks to their
+//! stream's list. A magazine whose blocks were taken is dropped by its thread at its next
+//! call. The models in `suballoc/loom_models.rs` check the reclaim through the thread
+//! caches. Where the kernel has no `membarrier` (before Linux 4.14), the reclaimer instead
+//! waits a short while for the threads to give their blocks back at their next call on
+//! the owner (a thread that does not call again cannot answer).
 //!
 //! A magazine is made (and listed) under the list's lock only while the epoch is the one
 //! it was read as, and a reclaim turns the epoch odd under the same lock: a magazine is
@@ -49,9 +43,9 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 
 use super::shards::{Shard, StreamKey};
-use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::cell::UnsafeCell;
+use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
+use crate::sync::takeable::Takeable;
 use crate::sync::{Arc, Mutex, barrier};
 
 // Owners alive now. Taken only when an owner comes or goes and when a thread exits.
@@ -134,22 +128,16 @@ impl Drop for Owner {
 }
 
 /// A magazine's blocks, where a reclaim can take them (see the module's "Taking another
-/// thread's blocks").
+/// thread's blocks" and [`Takeable`]).
 #[derive(Debug)]
 struct Stash {
-    /// Set by the magazine's thread while it uses `blocks`.
-    busy: AtomicBool,
-    /// Set by a reclaim: the blocks are the reclaimer's, the magazine is dead.
-    taken: AtomicBool,
-    blocks: UnsafeCell<Vec<usize>>,
+    blocks: Takeable<Vec<usize>>,
     /// The list the blocks go back to.
     shard: *const Shard<Vec<usize>>,
 }
 
-// SAFETY: `blocks` is used by one thread at a time, by the protocol of the module's docs
-// (the magazine's thread between `busy` and its release; the reclaimer after `taken`,
-// the heavy fence and an acquire load of `busy` reading false); `shard` is dereferenced
-// only under the module's rules (1) and (2). The rest is atomics.
+// SAFETY: `blocks` is a `Takeable` (Send and Sync); `shard` is dereferenced only under
+// the module's rules (1) and (2).
 unsafe impl Send for Stash {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Stash {}
@@ -158,41 +146,7 @@ impl Stash {
     /// Runs `f` on the blocks, as the magazine's thread; `None` if a reclaim took them.
     #[inline]
     fn with<R>(&self, f: impl FnOnce(&mut Vec<usize>) -> R) -> Option<R> {
-        /// Clears `busy` (release: the reclaimer's acquire load that reads false sees
-        /// the use's writes), also if the use unwinds, so that no reclaim waits forever.
-        struct Done<'a>(&'a AtomicBool);
-        impl Drop for Done<'_> {
-            fn drop(&mut self) {
-                self.0.store(false, Ordering::Release);
-            }
-        }
-        self.busy.store(true, Ordering::Relaxed);
-        let _done = Done(&self.busy);
-        barrier::light();
-        if self.taken.load(Ordering::Relaxed) {
-            return None;
-        }
-        Some(self.blocks.get_mut().with(|blocks| {
-            // SAFETY: `busy` is set and `taken` was clear after the light fence: the
-            // reclaimer has not taken the blocks and waits for `busy` to clear before it
-            // does; no other thread uses them (the magazine is this thread's).
-            f(unsafe { &mut *blocks })
-        }))
-    }
-
-    /// Takes the blocks, as the reclaimer, once `taken` is set and the heavy fence has
-    /// run (or, without one, the blocks are known to be given back: then empty).
-    fn take(&self) -> Vec<usize> {
-        while self.busy.load(Ordering::Acquire) {
-            crate::sync::yield_now();
-        }
-        self.blocks.get_mut().with(|blocks| {
-            // SAFETY: `taken` was set before the heavy fence, so every use of the blocks
-            // either began before it (and `busy`, set then, has since read false with
-            // acquire: the use is over and its writes seen) or sees `taken` and leaves
-            // them.
-            std::mem::take(unsafe { &mut *blocks })
-        })
+        self.blocks.with(f)
     }
 }
 
@@ -464,9 +418,7 @@ impl<'a> Cache<'a> {
             prune(&mut mags.list);
         }
         let stash = Arc::new(Stash {
-            busy: AtomicBool::new(false),
-            taken: AtomicBool::new(false),
-            blocks: UnsafeCell::new(Vec::with_capacity(self.capacity)),
+            blocks: Takeable::new(Vec::with_capacity(self.capacity)),
             shard: make(),
         });
         {
@@ -592,11 +544,14 @@ impl<'a> Cache<'a> {
             }
             if barrier::heavy_available() {
                 for stash in stashes.iter() {
-                    stash.taken.store(true, Ordering::Relaxed);
+                    stash.blocks.mark_taken();
                 }
                 barrier::heavy();
                 for stash in stashes.drain(..) {
-                    let blocks = stash.take();
+                    // SAFETY: marked above, before the heavy fence; the stashes list is
+                    // locked, and a stash leaves it as it is taken, so no other reclaim
+                    // takes it.
+                    let blocks = unsafe { stash.blocks.take() };
                     // SAFETY: inside a call on the owner (rule (1)): its shards live.
                     let shard = unsafe { &*stash.shard };
                     put_back(shard, blocks);
