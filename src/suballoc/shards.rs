@@ -12,10 +12,10 @@
 //! insertion lock. Shards live until the map drops, or until [`ShardMap::retire`] frees
 //! the idle ones of an owner whose readers pin their threads ([`grace`]).
 //!
-//! The per-thread default stream has one list per thread. Threads are numbered, and the
-//! number of a thread that has exited goes to the next new thread, so the lists of a
-//! program that starts and ends many threads stay as many as it runs at once. A thread
-//! that takes over a list first waits for the device work of the exited thread (whose
+//! The per-thread default stream has one list per thread. Threads are numbered
+//! (`crate::sync::threads`), and the number of a thread that has exited goes to the next
+//! new thread, so the lists of a program that starts and ends many threads stay as many
+//! as it runs at once. A thread that takes over a list first waits for the device work of the exited thread (whose
 //! per-thread stream was another stream), so the blocks it finds there are free.
 
 use std::fmt;
@@ -28,6 +28,7 @@ use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use crate::sync::grace;
 use crate::sync::spin::SpinLock;
+use crate::sync::threads::{this_lane, this_thread};
 use crate::sync::{Mutex, lock};
 
 /// Slots of a new map's table, a power of two. (Few under loom, where every slot read is
@@ -45,9 +46,9 @@ const CUDA: u64 = 0;
 const HOST: u64 = 1;
 const PER_THREAD: u64 = 2;
 
-/// Lanes of one stream (see [`StreamKey::of_lane`]), in the bits below the kind: CUDA
+/// Lanes of one stream (see [`StreamKey::of_lane`]) sit in the bits below the kind: CUDA
 /// stream handles are pointers, far below 2^56, and host ids are 32 bits.
-pub(crate) const LANES: u64 = 16;
+pub(crate) use crate::sync::threads::LANES;
 const LANE_SHIFT: u32 = 56;
 const LANE_MASK: u64 = (LANES - 1) << LANE_SHIFT;
 
@@ -159,79 +160,6 @@ impl fmt::Debug for StreamKey {
             _ => write!(f, "CUDA stream {n:#x}, lane {lane}"),
         }
     }
-}
-
-/// Lanes are handed to threads in turn, so threads that run together have different ones.
-static NEXT_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-// The calling thread's lane, `u64::MAX` until its first use. A plain `Cell` with a const
-// initialiser and no destructor: the cheapest thread-local there is (one load), and
-// usable in every thread-local destructor.
-thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(u64::MAX) });
-
-/// The calling thread's lane of a shared stream.
-#[inline]
-fn this_lane() -> u64 {
-    let lane = LANE.with(std::cell::Cell::get);
-    if lane != u64::MAX {
-        return lane;
-    }
-    let lane = NEXT_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % LANES;
-    LANE.with(|l| l.set(lane));
-    lane
-}
-
-/// The calling thread as the per-thread lists see it: a `number` that names its list (a
-/// number freed by an exited thread is given to the next new thread) and a `generation`
-/// that no other thread ever has.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct ThisThread {
-    number: usize,
-    generation: u64,
-}
-
-/// Holds the thread's number; gives it back when the thread exits.
-struct NumberHolder(ThisThread);
-
-/// Thread numbers that exited threads gave back.
-static FREE_NUMBERS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
-static NEXT_NUMBER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
-static NEXT_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
-impl NumberHolder {
-    fn take() -> NumberHolder {
-        let reused = crate::sync::lock_std(&FREE_NUMBERS).pop();
-        NumberHolder(ThisThread {
-            number: reused
-                .unwrap_or_else(|| NEXT_NUMBER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
-            generation: new_generation(),
-        })
-    }
-}
-
-fn new_generation() -> u64 {
-    NEXT_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-impl Drop for NumberHolder {
-    fn drop(&mut self) {
-        crate::sync::lock_std(&FREE_NUMBERS).push(self.0.number);
-    }
-}
-
-thread_local!(static THIS_THREAD: NumberHolder = NumberHolder::take());
-
-/// The calling thread's number and generation. A thread whose number has already been
-/// given back (code running in its thread-local destructors) uses list 0 with a fresh
-/// generation each time: list 0 is then taken over, after a wait, on every such call.
-#[inline]
-fn this_thread() -> ThisThread {
-    THIS_THREAD
-        .try_with(|t| t.0)
-        .unwrap_or_else(|_| ThisThread {
-            number: 0,
-            generation: new_generation(),
-        })
 }
 
 /// One stream's state, on cache lines of its own: the lists of threads sharing a stream

@@ -1,7 +1,8 @@
 //! The synchronisation primitives every shared-state type in memres goes through, each
 //! in a file of its own: the std/loom switch and loom-checkable cells (here), the
 //! asymmetric fence pair ([`barrier`]), grace periods for freeing what lock-free readers
-//! reach ([`grace`]), a value one thread uses and another can take ([`takeable`]), the
+//! reach ([`grace`]), a value one thread uses and another can take ([`takeable`]), thread numbers
+//! and lanes ([`threads`]), the
 //! spin lock ([`spin`]), per-thread slots
 //! folded in at thread exit ([`per_thread`]), a value on cache lines of its own
 //! ([`CachePadded`]) and the lock that ignores poisoning ([`lock`]).
@@ -97,6 +98,7 @@ mod padded;
 pub(crate) mod per_thread;
 pub(crate) mod spin;
 pub(crate) mod takeable;
+pub(crate) mod threads;
 
 pub(crate) use padded::CachePadded;
 pub(crate) use spin::{SpinGuard, SpinLock};

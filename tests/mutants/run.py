@@ -26,7 +26,7 @@ TESTS = [
 
 # name, file, snippet, replacement
 MUTATIONS = [
-    ("lanes off: every thread in lane 0", "src/suballoc/shards.rs",
+    ("lanes off: every thread in lane 0", "src/sync/threads.rs",
      "fn this_lane() -> u64 {\n", "fn this_lane() -> u64 {\n    return 0;\n"),
     ("Pool: no take_from_lanes on the slow path", "src/suballoc/pool.rs",
      "        let mut growth = self.lock_growth();\n        if let Some(addr) = self\n            .take_listed(own, size, align)\n            .or_else(|| self.take_from_lanes(own, size, align))",
