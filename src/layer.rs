@@ -17,6 +17,30 @@
 //! Adaptors plug in through [`Layer`], as in tower: a layer is a small value that knows how
 //! to wrap an upstream, and [`ResourceExt::with`] applies it. Nothing happens at run time
 //! that writing the nested constructor by hand would not do; the chain is the same types.
+//!
+//! Every adaptor whose constructor cannot fail ships a layer ([`StatisticsLayer`],
+//! [`LimitingLayer`], [`TrackingLayer`], [`ProfilingLayer`], [`GuardLayer`],
+//! [`ThreadSafeLayer`], [`SharedLayer`]), and a pair or triple of layers is a layer that
+//! applies them in order, innermost first. A stack recipe is then a value, made once and
+//! applied to each device's leaf or pool:
+//!
+//! ```
+//! use memres::layer::{LimitingLayer, StatisticsLayer};
+//! use memres::{HostHeap, PoolConfig, ResourceExt};
+//!
+//! let recipe = (LimitingLayer::new(1 << 30), StatisticsLayer);
+//! let stacks = (0..2)
+//!     .map(|_| Ok(HostHeap::new().pool(PoolConfig::new())?.with(recipe)))
+//!     .collect::<Result<Vec<_>, memres::Error>>()?;
+//! // Statistics<Limiting<Pool<HostHeap>>>, one per "device".
+//! assert_eq!(stacks[1].upstream().limit(), 1 << 30);
+//! # Ok::<(), memres::Error>(())
+//! ```
+//!
+//! Adaptors whose constructors check their arguments ([`Aligned`](crate::adaptor::Aligned))
+//! or take a closure ([`FailureRetry`](crate::adaptor::FailureRetry)), and the pools, are
+//! made with their builder methods of [`ResourceExt`] (`aligned`, `retry_on_failure`,
+//! `pool`), which return what they return.
 
 use crate::erased::{AnyResource, AnySyncResource, ResourceRef, Shared};
 use crate::property::{Contains, PropertySet};
@@ -27,14 +51,14 @@ use crate::resource::{Resource, SyncResource};
 /// ```
 /// use memres::{HostHeap, Layer, ResourceExt, Shared};
 ///
-/// /// Puts any resource behind a `Shared` handle.
-/// struct SharedLayer;
-/// impl<U> Layer<U> for SharedLayer {
+/// /// Puts any resource behind a `Shared` handle (as memres's own `SharedLayer` does).
+/// struct BehindShared;
+/// impl<U> Layer<U> for BehindShared {
 ///     type Resource = Shared<U>;
 ///     fn layer(self, upstream: U) -> Shared<U> { Shared::new(upstream) }
 /// }
 ///
-/// let mr: Shared<HostHeap> = HostHeap::new().with(SharedLayer);
+/// let mr: Shared<HostHeap> = HostHeap::new().with(BehindShared);
 /// ```
 pub trait Layer<U> {
     /// The adaptor over `U`.
@@ -42,6 +66,138 @@ pub trait Layer<U> {
 
     /// Wraps `upstream`.
     fn layer(self, upstream: U) -> Self::Resource;
+}
+
+/// Two layers applied in order: `self.0` over the upstream, then `self.1` over that.
+impl<U, A: Layer<U>, B: Layer<A::Resource>> Layer<U> for (A, B) {
+    type Resource = B::Resource;
+
+    #[inline]
+    fn layer(self, upstream: U) -> B::Resource {
+        self.1.layer(self.0.layer(upstream))
+    }
+}
+
+/// Three layers applied in order, the first innermost.
+impl<U, A, B, C> Layer<U> for (A, B, C)
+where
+    A: Layer<U>,
+    B: Layer<A::Resource>,
+    C: Layer<B::Resource>,
+{
+    type Resource = C::Resource;
+
+    #[inline]
+    fn layer(self, upstream: U) -> C::Resource {
+        self.2.layer(self.1.layer(self.0.layer(upstream)))
+    }
+}
+
+/// Layers that wrap an upstream in an adaptor, one per adaptor, each `Copy` so that one
+/// recipe serves many stacks.
+macro_rules! unit_layer {
+    ($(#[$doc:meta])* $layer:ident => $adaptor:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct $layer;
+
+        impl<U> Layer<U> for $layer {
+            type Resource = crate::adaptor::$adaptor<U>;
+
+            #[inline]
+            fn layer(self, upstream: U) -> Self::Resource {
+                crate::adaptor::$adaptor::new(upstream)
+            }
+        }
+    };
+}
+
+unit_layer!(
+    /// Wraps in [`Statistics`](crate::adaptor::Statistics) (as
+    /// [`ResourceExt::with_statistics`]).
+    StatisticsLayer => Statistics
+);
+unit_layer!(
+    /// Wraps in [`Profiling`](crate::adaptor::Profiling) (as
+    /// [`ResourceExt::with_profiling`]).
+    ProfilingLayer => Profiling
+);
+unit_layer!(
+    /// Wraps in [`Guard`](crate::adaptor::Guard) (as [`ResourceExt::guarded`]).
+    GuardLayer => Guard
+);
+unit_layer!(
+    /// Wraps in [`ThreadSafe`](crate::adaptor::ThreadSafe) (as
+    /// [`ResourceExt::thread_safe`]).
+    ThreadSafeLayer => ThreadSafe
+);
+
+/// Wraps in [`Limiting`](crate::adaptor::Limiting) with a cap of `limit` bytes (as
+/// [`ResourceExt::limited`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitingLayer {
+    limit: usize,
+}
+
+impl LimitingLayer {
+    /// At most `limit` bytes outstanding.
+    pub fn new(limit: usize) -> LimitingLayer {
+        LimitingLayer { limit }
+    }
+}
+
+impl<U> Layer<U> for LimitingLayer {
+    type Resource = crate::adaptor::Limiting<U>;
+
+    #[inline]
+    fn layer(self, upstream: U) -> Self::Resource {
+        crate::adaptor::Limiting::new(upstream, self.limit)
+    }
+}
+
+/// Wraps in [`Tracking`](crate::adaptor::Tracking), with call stacks or without (as
+/// [`ResourceExt::with_tracking`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TrackingLayer {
+    stacks: bool,
+}
+
+impl TrackingLayer {
+    /// Records live allocations, without call stacks.
+    pub fn new() -> TrackingLayer {
+        TrackingLayer { stacks: false }
+    }
+
+    /// Records live allocations with the call stack of each.
+    pub fn with_stacks() -> TrackingLayer {
+        TrackingLayer { stacks: true }
+    }
+}
+
+impl<U> Layer<U> for TrackingLayer {
+    type Resource = crate::adaptor::Tracking<U>;
+
+    #[inline]
+    fn layer(self, upstream: U) -> Self::Resource {
+        if self.stacks {
+            crate::adaptor::Tracking::with_stacks(upstream)
+        } else {
+            crate::adaptor::Tracking::new(upstream)
+        }
+    }
+}
+
+/// Puts the upstream behind a [`Shared`] handle (as [`ResourceExt::shared`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedLayer;
+
+impl<U> Layer<U> for SharedLayer {
+    type Resource = Shared<U>;
+
+    #[inline]
+    fn layer(self, upstream: U) -> Shared<U> {
+        Shared::new(upstream)
+    }
 }
 
 /// Methods to build stacks top-down; implemented for every resource.

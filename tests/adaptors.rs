@@ -818,3 +818,32 @@ fn limiting_a_free_through_an_equal_adaptor_does_not_wrap_the_count() {
     let again = alloc(&b, 4096);
     free(&b, again);
 }
+
+/// A recipe of shipped layers is a value applied to several stacks: each gets the
+/// adaptors in order (the limit below the statistics), the same types the builder
+/// methods give, and the adaptors work (the limit refuses, the statistics count).
+#[test]
+fn a_recipe_of_layers_builds_the_same_stack_each_time() {
+    use memres::adaptor::{Guard, Limiting, Statistics, Tracking};
+    use memres::layer::{GuardLayer, LimitingLayer, StatisticsLayer, TrackingLayer};
+    use memres::{HostHeap, ResourceExt, SyncResource, layout};
+
+    let recipe = (LimitingLayer::new(4096), StatisticsLayer);
+    for _ in 0..2 {
+        let stack: Statistics<Limiting<HostHeap>> = HostHeap::new().with(recipe);
+        let l = layout(3000).unwrap();
+        let p = stack.allocate_sync(l).unwrap();
+        assert!(
+            matches!(
+                stack.allocate_sync(l),
+                Err(memres::Error::OutOfMemory { .. })
+            ),
+            "the limit is below the statistics"
+        );
+        assert_eq!(stack.bytes().current, 3000);
+        // SAFETY: allocated above with `l`, unused.
+        unsafe { stack.deallocate_sync(p, l) };
+        assert_eq!(stack.bytes().current, 0);
+    }
+    let _: Guard<Tracking<HostHeap>> = HostHeap::new().with((TrackingLayer::new(), GuardLayer));
+}
