@@ -39,7 +39,7 @@ fn main() {
         });
         report("pool_in_place", streams, || {
             let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-            Box::new(leaf.pool(PoolConfig::new()).unwrap())
+            Box::new(leaf.pool_in_place(PoolConfig::new()).unwrap())
         });
         report("fixed", streams, || {
             Box::new(FixedSize::with_block_size(HostHeap, 4096, 1024).unwrap())

@@ -73,7 +73,7 @@ fn suballocators(c: &mut Criterion) {
 fn guard(c: &mut Criterion) {
     let pool = || Pool::new(HostHeap::new(), PoolConfig::new().initial_size(64 << 20)).unwrap();
     let plain = pool();
-    let guarded = pool().guarded();
+    let guarded = pool().with_guard();
     let small = Guard::with_pad(pool(), 16).unwrap();
     let l = layout(256).unwrap();
     let mut g = c.benchmark_group("guard-pair-256B");

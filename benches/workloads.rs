@@ -156,7 +156,7 @@ fn main() {
         adaptor_suites("pool", || pool().expect("Pool"), true, &want);
         if want("pool_in_place") {
             let in_place = CudaVirtual::new()
-                .and_then(|v| v.pool(PoolConfig::new().initial_size(16 << 30)))
+                .and_then(|v| v.pool_in_place(PoolConfig::new().initial_size(16 << 30)))
                 .expect("an in-place pool");
             suite("pool_in_place", &in_place, true, false);
         }
@@ -170,7 +170,7 @@ fn main() {
                 footprints(name, &pool, &|| pool.pool_size(), &trim, true);
             }
             let in_place = CudaVirtual::new()
-                .and_then(|v| v.pool(PoolConfig::new()))
+                .and_then(|v| v.pool_in_place(PoolConfig::new()))
                 .expect("an in-place pool");
             let trim = || {
                 in_place.trim().expect("trim");
@@ -211,7 +211,7 @@ fn main() {
                 footprints(name, &pool, &|| pool.pool_size(), &trim, false);
             }
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
-                .and_then(|v| v.pool(PoolConfig::new()))
+                .and_then(|v| v.pool_in_place(PoolConfig::new()))
                 .expect("an in-place pool");
             let trim = || {
                 in_place.trim().expect("trim");
@@ -221,7 +221,7 @@ fn main() {
         }
         if want("pool_in_place[host]") {
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
-                .and_then(|v| v.pool(PoolConfig::new().initial_size(4 << 30)))
+                .and_then(|v| v.pool_in_place(PoolConfig::new().initial_size(4 << 30)))
                 .expect("an in-place pool");
             suite("pool_in_place[host]", &in_place, false, false);
         }

@@ -30,7 +30,7 @@ fn work<R: Resource>(mr: &R, stream: StreamRef<'_>) -> Result<(), Error> {
 fn main() -> Result<(), Error> {
     match CudaVirtual::new() {
         Ok(leaf) => {
-            let pool = leaf.pool(PoolConfig::new())?;
+            let pool = leaf.pool_in_place(PoolConfig::new())?;
             let stats = pool.with_statistics();
             let stream = memres::stream::Stream::new()?;
             work(&stats, stream.as_ref())?;
@@ -43,7 +43,7 @@ fn main() -> Result<(), Error> {
         }
         Err(e) => {
             println!("no GPU here ({e}); the same stack over host pages:");
-            let pool = HostVirtual::new(64 << 30, 2 << 20)?.pool(PoolConfig::new())?;
+            let pool = HostVirtual::new(64 << 30, 2 << 20)?.pool_in_place(PoolConfig::new())?;
             let stats = pool.with_statistics();
             work(&stats, StreamRef::HOST)?;
             report(

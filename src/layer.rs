@@ -8,7 +8,7 @@
 //! use memres::{AnyResource, Host, HostHeap, ResourceExt};
 //!
 //! let mr: AnyResource<Host> = HostHeap::new()
-//!     .limited(1 << 30)  // Limiting<HostHeap>: at most 1 GiB outstanding
+//!     .with_limit(1 << 30) // Limiting<HostHeap>: at most 1 GiB outstanding
 //!     .with_statistics() // Statistics<Limiting<HostHeap>>
 //!     .shared()          // Shared<..>: clones share one stack
 //!     .into_any();       // AnyResource<Host>: erased at the API boundary
@@ -37,10 +37,19 @@
 //! # Ok::<(), memres::Error>(())
 //! ```
 //!
-//! Adaptors whose constructors check their arguments ([`Aligned`](crate::adaptor::Aligned))
-//! or take a closure ([`FailureRetry`](crate::adaptor::FailureRetry)), and the pools, are
-//! made with their builder methods of [`ResourceExt`] (`aligned`, `retry_on_failure`,
-//! `pool`), which return what they return.
+//! Adaptors whose constructors check their arguments ([`Aligned`](crate::adaptor::Aligned),
+//! [`Prefetch`](crate::adaptor::Prefetch)) or take a closure
+//! ([`FailureRetry`](crate::adaptor::FailureRetry)), and the sub-allocators, are made
+//! with their builder methods of [`ResourceExt`] (`with_alignment`, `with_prefetch`,
+//! `with_retry`, `pool`, `arena`, ...), which return what they return.
+//!
+//! **Names.** An adaptor's builder is `with_` and what the adaptor adds, as a noun
+//! (`with_statistics`, `with_tracking`, `with_profiling`, `with_guard`, `with_limit`,
+//! `with_alignment`, `with_retry`, `with_lock`, `with_prefetch`); its layer is the
+//! adaptor's type name and `Layer` (`StatisticsLayer`); a sub-allocator's builder is the
+//! sub-allocator, as a noun (`pool`, `arena`, `binning`, `fixed_size`; a virtual-memory
+//! leaf's `pool_in_place`). [`Logging`](crate::adaptor::Logging) has no builder: it needs
+//! a destination, made with its own constructors.
 
 use crate::erased::{AnyResource, AnySyncResource, ResourceRef, Shared};
 use crate::property::{Contains, PropertySet};
@@ -123,17 +132,17 @@ unit_layer!(
     ProfilingLayer => Profiling
 );
 unit_layer!(
-    /// Wraps in [`Guard`](crate::adaptor::Guard) (as [`ResourceExt::guarded`]).
+    /// Wraps in [`Guard`](crate::adaptor::Guard) (as [`ResourceExt::with_guard`]).
     GuardLayer => Guard
 );
 unit_layer!(
     /// Wraps in [`ThreadSafe`](crate::adaptor::ThreadSafe) (as
-    /// [`ResourceExt::thread_safe`]).
+    /// [`ResourceExt::with_lock`]).
     ThreadSafeLayer => ThreadSafe
 );
 
 /// Wraps in [`Limiting`](crate::adaptor::Limiting) with a cap of `limit` bytes (as
-/// [`ResourceExt::limited`]).
+/// [`ResourceExt::with_limit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitingLayer {
     limit: usize,
@@ -235,20 +244,20 @@ pub trait ResourceExt: SyncResource + Sized {
     /// Pads every block with canaries checked when it is freed, to catch writes out of
     /// bounds: [`Guard`](crate::adaptor::Guard).
     #[inline]
-    fn guarded(self) -> crate::adaptor::Guard<Self> {
+    fn with_guard(self) -> crate::adaptor::Guard<Self> {
         crate::adaptor::Guard::new(self)
     }
 
     /// Caps the bytes outstanding: [`Limiting`](crate::adaptor::Limiting).
     #[inline]
-    fn limited(self, limit: usize) -> crate::adaptor::Limiting<Self> {
+    fn with_limit(self, limit: usize) -> crate::adaptor::Limiting<Self> {
         crate::adaptor::Limiting::new(self, limit)
     }
 
     /// Aligns requests of at least `threshold` bytes to `alignment`:
     /// [`Aligned`](crate::adaptor::Aligned).
     #[inline]
-    fn aligned(
+    fn with_alignment(
         self,
         alignment: usize,
         threshold: usize,
@@ -259,7 +268,7 @@ pub trait ResourceExt: SyncResource + Sized {
     /// Retries out-of-memory failures while `on_failure` says so:
     /// [`FailureRetry`](crate::adaptor::FailureRetry).
     #[inline]
-    fn retry_on_failure<F: Fn(usize) -> bool>(
+    fn with_retry<F: Fn(usize) -> bool>(
         self,
         on_failure: F,
     ) -> crate::adaptor::FailureRetry<Self, F> {
@@ -269,7 +278,7 @@ pub trait ResourceExt: SyncResource + Sized {
     /// Puts `self` behind a lock so it can be shared between threads:
     /// [`ThreadSafe`](crate::adaptor::ThreadSafe).
     #[inline]
-    fn thread_safe(self) -> crate::adaptor::ThreadSafe<Self> {
+    fn with_lock(self) -> crate::adaptor::ThreadSafe<Self> {
         crate::adaptor::ThreadSafe::new(self)
     }
 
@@ -290,6 +299,49 @@ pub trait ResourceExt: SyncResource + Sized {
         Self: crate::resource::Resource,
     {
         crate::suballoc::Pool::new(self, config)
+    }
+
+    /// Prefetches new managed memory to the device: [`Prefetch`](crate::adaptor::Prefetch).
+    #[inline]
+    fn with_prefetch(self) -> Result<crate::adaptor::Prefetch<Self>, crate::Error> {
+        crate::adaptor::Prefetch::new(self)
+    }
+
+    /// An [`Arena`](crate::suballoc::Arena) of `size` bytes over `self`.
+    #[inline]
+    fn arena(self, size: usize) -> Result<crate::suballoc::Arena<Self>, crate::Error>
+    where
+        Self: crate::resource::Resource,
+    {
+        crate::suballoc::Arena::with_size(self, size)
+    }
+
+    /// A [`Binning`](crate::suballoc::Binning) over `self`: bins of 2^`min_exponent` ..
+    /// 2^`max_exponent` bytes; larger requests go to `self`.
+    #[inline]
+    fn binning(
+        self,
+        min_exponent: u32,
+        max_exponent: u32,
+    ) -> Result<crate::suballoc::Binning<Self>, crate::Error>
+    where
+        Self: crate::resource::Resource + Send + Sync + 'static,
+    {
+        crate::suballoc::Binning::new(self, min_exponent, max_exponent)
+    }
+
+    /// A [`FixedSize`](crate::suballoc::FixedSize) over `self`: blocks of `block_size`
+    /// bytes, taken `blocks_per_chunk` at a time.
+    #[inline]
+    fn fixed_size(
+        self,
+        block_size: usize,
+        blocks_per_chunk: usize,
+    ) -> Result<crate::suballoc::FixedSize<Self>, crate::Error>
+    where
+        Self: crate::resource::Resource,
+    {
+        crate::suballoc::FixedSize::with_block_size(self, block_size, blocks_per_chunk)
     }
 
     /// Puts `self` behind a [`Shared`] handle whose clones share it.

@@ -27,7 +27,7 @@
 //!
 //! | you want | use |
 //! | --- | --- |
-//! | least memory held (the C ABI's and Python's default) | a pool growing in place: `CudaVirtual::new()?.pool(PoolConfig::new())` |
+//! | least memory held (the C ABI's and Python's default) | a pool growing in place: `CudaVirtual::new()?.pool_in_place(PoolConfig::new())` |
 //! | the fastest general pool over `cuMemAlloc` | `Pool::new(Cuda::new()?, PoolConfig::new())` |
 //! | a fixed amount up front, many threads | [`Arena`] |
 //! | many small blocks | [`Binning`] over a pool |
@@ -93,7 +93,7 @@ pub mod suballoc;
 pub mod units;
 pub mod upstream;
 
-mod prefetch;
+mod cache_prefetch;
 mod sync;
 
 pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};

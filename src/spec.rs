@@ -35,7 +35,7 @@ use crate::units::parse_size;
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
 /// program building the stack uses (the C ABI's are in `capi/include/memres.h`). The
 /// wrappers are named as the builders of [`ResourceExt`](crate::ResourceExt) are
-/// (`with_statistics`, `limited`), not as the adaptor types, which rustc would then
+/// (`with_statistics`, `with_limit`: `Limited`), not as the adaptor types, which rustc would then
 /// print with their whole paths in its messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Spec {

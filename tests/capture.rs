@@ -137,7 +137,10 @@ fn pools_grow_under_capture_without_waiting() {
     assert!(pool.pool_size() > 0);
     afterwards(&pool);
 
-    let in_place = CudaVirtual::new().unwrap().pool(PoolConfig::new()).unwrap();
+    let in_place = CudaVirtual::new()
+        .unwrap()
+        .pool_in_place(PoolConfig::new())
+        .unwrap();
     assert!(capture(&in_place, "Pool::in_place", &SIZES).is_empty());
 
     let stats = Statistics::new(Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap());

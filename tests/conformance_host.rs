@@ -210,13 +210,13 @@ conformance_tests!(
 );
 conformance_tests!(
     pool_in_place,
-    host_virtual().pool(PoolConfig::new()).unwrap(),
+    host_virtual().pool_in_place(PoolConfig::new()).unwrap(),
     Caps::host()
 );
 conformance_tests!(
     pool_in_place_with_initial_size_step_and_threshold,
     host_virtual()
-        .pool(
+        .pool_in_place(
             PoolConfig::new()
                 .initial_size(1 << 20)
                 .growth_step(4 << 20)
@@ -228,7 +228,7 @@ conformance_tests!(
 conformance_tests!(
     statistics_over_pool_in_place,
     host_virtual()
-        .pool(PoolConfig::new())
+        .pool_in_place(PoolConfig::new())
         .unwrap()
         .with_statistics(),
     Caps::host()

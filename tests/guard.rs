@@ -78,7 +78,7 @@ fn an_overrun_into_the_next_pooled_block_is_caught() {
     // lands silently in the second.
     let guard = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(1 << 20))
         .unwrap()
-        .guarded();
+        .with_guard();
     let l = layout(512).unwrap();
     let a = guard.allocate_sync(l).unwrap();
     let b = guard.allocate_sync(l).unwrap();

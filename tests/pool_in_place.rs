@@ -21,7 +21,7 @@ fn leaf() -> HostVirtual {
 }
 
 fn in_place(config: PoolConfig) -> Pool<HostVirtual> {
-    leaf().pool(config).expect("an in-place pool")
+    leaf().pool_in_place(config).expect("an in-place pool")
 }
 
 #[test]
@@ -122,7 +122,9 @@ fn small_requests_go_to_the_lowest_free_memory() {
     const MIB: usize = 1 << 20;
     let leaf = HostVirtual::new(4 << 30, 2 * MIB).unwrap();
     let base = leaf.reservation().0;
-    let pool = leaf.pool(PoolConfig::new().initial_size(64 * MIB)).unwrap();
+    let pool = leaf
+        .pool_in_place(PoolConfig::new().initial_size(64 * MIB))
+        .unwrap();
     // The stream whose list holds the initial mapping, so that all blocks are in one list.
     let s = StreamRef::HOST;
     let (big1, big2) = (layout(24 * MIB).unwrap(), layout(20 * MIB).unwrap());
@@ -252,7 +254,7 @@ fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused
             .initial_size(256_000)
             .maximum_size(256_000),
     ] {
-        let e = leaf().pool(config).unwrap_err();
+        let e = leaf().pool_in_place(config).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
         assert!(e.to_string().contains("granule"), "{e}");
     }
@@ -293,7 +295,7 @@ fn growing_first_gives_back_free_granules_elsewhere() {
 fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
     let pool = HostVirtual::new(8 * G, G)
         .unwrap()
-        .pool(PoolConfig::new())
+        .pool_in_place(PoolConfig::new())
         .unwrap();
     let s = StreamRef::host(1);
     let l = layout(G).unwrap();

@@ -100,6 +100,6 @@ fn trim_frees_the_lists_of_used_streams() {
     let chunked = Pool::new(HostHeap, PoolConfig::new().initial_size(1 << 20)).unwrap();
     check("chunked pool", &chunked);
     let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-    let in_place = leaf.pool(PoolConfig::new()).unwrap();
+    let in_place = leaf.pool_in_place(PoolConfig::new()).unwrap();
     check("in-place pool", &in_place);
 }

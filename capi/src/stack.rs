@@ -154,7 +154,7 @@ impl Layers {
                     Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf)?,
                     built => built?,
                 };
-                let pool = Arc::new(virt.pool(config)?);
+                let pool = Arc::new(virt.pool_in_place(config)?);
                 self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
                 AnyResource::new(pool)
             }

@@ -418,7 +418,7 @@ where
     B: Backend + Send + Sync + 'static,
     B::Properties: Contains<()>,
 {
-    let pool = Arc::new(leaf.pool(pool_config(options))?);
+    let pool = Arc::new(leaf.pool_in_place(pool_config(options))?);
     let (held, stats) = (Arc::clone(&pool), Arc::clone(&pool));
     let top = if bins {
         AnyResource::new(Binning::new(pool, options.bin_min, options.bin_max)?)

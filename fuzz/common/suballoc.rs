@@ -54,7 +54,7 @@ pub(crate) fn run(data: &[u8]) {
             } else {
                 PoolConfig::new().release_threshold(256 << 10)
             };
-            let pool = leaf.pool(config).expect("an in-place pool");
+            let pool = leaf.pool_in_place(config).expect("an in-place pool");
             exercise(&pool, ops, &|op| maintain_pool(&pool, op));
             pool.trim().expect("trim");
             assert_eq!(pool.stats().pool_size, 0, "a trimmed, empty pool holds nothing");

@@ -123,7 +123,7 @@ impl<U: Resource> Drop for GrowthGuard<'_, U> {
 ///
 /// # Which upstream for which goal
 /// - **Least memory held** (GPU training, anything near the memory limit): a pool that
-///   grows in place over [`CudaVirtual`](crate::CudaVirtual) (`CudaVirtual::new()?.pool(config)`,
+///   grows in place over [`CudaVirtual`](crate::CudaVirtual) (`CudaVirtual::new()?.pool_in_place(config)`,
 ///   or [`Pool::in_place`]). It maps exactly the granules a request lacks, right after its
 ///   free memory, so its memory is one range where every free block can merge with its
 ///   neighbours, and [`trim`](Pool::trim) gives back every fully free granule. Requests

@@ -100,7 +100,9 @@ impl Ring {
         // Ask for a slot a little ahead in writable state now: the consumer read it last,
         // so writing it later would wait for its cache line to come back from the
         // consumer's core, a wait the next event's atomic add would sit out in full.
-        crate::prefetch::for_write(&self.slots[((pos + PREFETCH_AHEAD) & self.mask) as usize]);
+        crate::cache_prefetch::for_write(
+            &self.slots[((pos + PREFETCH_AHEAD) & self.mask) as usize],
+        );
     }
 
     /// Waits until `slot` is free for position `pos` (true), or the consumers are gone
@@ -151,7 +153,7 @@ impl Ring {
         // now, so that the consumer does not wait for each in turn. (Near the producer
         // this may fetch a slot not yet written, which the producer then takes back: a
         // few slots at the end of each burst.)
-        crate::prefetch::for_read(&self.slots[((pos + TAKE_AHEAD) & self.mask) as usize]);
+        crate::cache_prefetch::for_read(&self.slots[((pos + TAKE_AHEAD) & self.mask) as usize]);
         true
     }
 }

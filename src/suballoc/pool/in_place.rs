@@ -43,7 +43,7 @@ impl<B: Backend> Virtual<B> {
     /// ```
     /// use memres::{HostVirtual, PoolConfig, Resource, StreamRef, layout};
     ///
-    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool(PoolConfig::new())?;
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool_in_place(PoolConfig::new())?;
     /// let l = layout(100 << 10)?;
     /// let p = pool.allocate(StreamRef::HOST, l)?;
     /// assert_eq!(pool.stats().pool_size, 128 << 10, "two 64 KiB granules");
@@ -53,8 +53,16 @@ impl<B: Backend> Virtual<B> {
     /// assert_eq!(pool.stats().pool_size, 0);
     /// # Ok::<(), memres::Error>(())
     /// ```
-    pub fn pool(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
+    pub fn pool_in_place(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
         Pool::in_place(self, config)
+    }
+
+    /// The in-place pool under its old name, kept so that code written for it keeps the
+    /// pool growing in place (without it, `.pool(config)` on the leaf would reach
+    /// [`ResourceExt::pool`](crate::ResourceExt::pool), a chunked pool over the leaf).
+    #[deprecated(note = "renamed `pool_in_place` (`ResourceExt::pool` makes a chunked pool)")]
+    pub fn pool(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
+        self.pool_in_place(config)
     }
 }
 

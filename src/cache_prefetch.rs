@@ -1,4 +1,5 @@
-//! Prefetches: ask for a cache line ahead of a store or a load.
+//! CPU cache prefetches (named apart from [`adaptor::Prefetch`](crate::adaptor::Prefetch),
+//! which moves managed memory to a GPU): ask for a cache line ahead of a store or a load.
 
 /// Defines a prefetch function: `$insn` on x86_64, a no-op elsewhere.
 macro_rules! prefetch {
