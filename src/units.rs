@@ -1,7 +1,8 @@
 //! Byte counts written the way people write them: `512MiB`, `80GiB`, `1.5 GB`.
 //!
-//! Used by the C ABI's configuration strings and the `memres` command, and handy for any
-//! program that takes a pool size from its user.
+//! Used by the stack specs (the library's `spec` feature: the C ABI's configuration
+//! strings and the `memres` command), and handy for any program that takes a pool size
+//! from its user.
 
 use crate::error::Error;
 
