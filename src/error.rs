@@ -139,6 +139,7 @@ impl DriverError {
     }
 }
 
+#[cfg(feature = "cudarc-interop")]
 impl From<cudarc::driver::DriverError> for Error {
     /// Maps `CUDA_ERROR_OUT_OF_MEMORY` to [`Error::OutOfMemory`] with an unknown size
     /// (0); callers that know the size build the variant themselves.

@@ -24,12 +24,14 @@
 //! host-accessible.
 //!
 //! # cudarc
-//! [`DeviceVec::cudarc`] / [`DeviceVec::cudarc_mut`] lend a vector to cudarc's copies,
-//! memsets and kernel launches ([`CudarcView`], [`CudarcViewMut`]); streams convert both
-//! ways (`StreamRef::from(&cuda_stream)`, [`Stream::from_cudarc`](crate::stream::Stream::from_cudarc)).
+//! With the `cudarc-interop` feature (on by default), `DeviceVec::cudarc` /
+//! `DeviceVec::cudarc_mut` lend a vector to cudarc's copies, memsets and kernel launches
+//! (`CudarcView`, `CudarcViewMut`); streams convert both ways
+//! (`StreamRef::from(&cuda_stream)`, `Stream::from_cudarc`).
 
 mod buffer;
 pub(crate) mod copy;
+#[cfg(feature = "cudarc-interop")]
 mod cudarc_view;
 mod host_alloc;
 mod scalar;
@@ -37,6 +39,7 @@ mod stream_alloc;
 mod vec;
 
 pub use buffer::{DeviceBuffer, RawParts};
+#[cfg(feature = "cudarc-interop")]
 pub use cudarc_view::{CudarcView, CudarcViewMut};
 pub use host_alloc::{HostAllocator, ShareOnClone};
 pub use scalar::DeviceScalar;

@@ -219,6 +219,7 @@ impl StreamRef<'_> {
     }
 }
 
+#[cfg(feature = "cudarc-interop")]
 impl<'a> From<&'a cudarc::driver::CudaStream> for StreamRef<'a> {
     /// Names a cudarc stream; the borrow keeps the stream alive while the handle is used.
     fn from(stream: &'a cudarc::driver::CudaStream) -> Self {

@@ -2,8 +2,10 @@
 
 use std::sync::Arc;
 
+#[cfg(feature = "cudarc-interop")]
+use cudarc::driver::CudaContext;
+use cudarc::driver::CudaStream;
 use cudarc::driver::sys::{self, CUstream};
-use cudarc::driver::{CudaContext, CudaStream};
 
 use super::StreamRef;
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
@@ -101,12 +103,14 @@ impl Stream {
         self.raw as CUstream
     }
 
-    /// The same stream as a cudarc [`CudaStream`], for cudarc's copies and launches.
+    /// The same stream as a cudarc [`CudaStream`], for cudarc's copies and launches
+    /// (feature `cudarc-interop`).
     ///
     /// # Safety
     /// `ctx` is the primary context of this stream's device (what
     /// `CudaContext::new(ordinal)` returns), and the returned stream, and every clone of
     /// it, is dropped before this `Stream`.
+    #[cfg(feature = "cudarc-interop")]
     pub unsafe fn as_cudarc(&self, ctx: &Arc<CudaContext>) -> Arc<CudaStream> {
         // SAFETY: the caller promises the context matches and the wrapper does not outlive
         // the stream; a borrowed wrapper never destroys the stream.
@@ -114,10 +118,11 @@ impl Stream {
     }
 }
 
+#[cfg(feature = "cudarc-interop")]
 impl Stream {
     /// Takes a cudarc stream of a device's primary context (what cudarc's
     /// `CudaContext::new` makes); it stays alive as long as this `Stream`, and cudarc
-    /// destroys it when its last reference goes.
+    /// destroys it when its last reference goes (feature `cudarc-interop`).
     pub fn from_cudarc(stream: Arc<CudaStream>) -> Result<Stream, Error> {
         let device = DeviceId::new(stream.context().ordinal() as i32);
         let ctx = Context::primary(device)?;
