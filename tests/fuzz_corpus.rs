@@ -1,7 +1,9 @@
 //! Replays the committed fuzz corpora on stable Rust, with the fuzz targets' own checks:
 //! the sub-allocators (`fuzz/corpus/suballoc`, found by `cargo +nightly fuzz run
 //! suballoc`; the target's code is `fuzz/common/suballoc.rs`) and the log reader
-//! (`fuzz/corpus/read_events`). The spec parser's corpus replays in `capi/src/spec.rs`.
+//! (`fuzz/corpus/read_events`) and, with the `spec` feature (on whenever the workspace is
+//! tested: the C ABI and the command enable it), the stack spec parser
+//! (`fuzz/corpus/spec`).
 
 mod target {
     include!("../fuzz/common/suballoc.rs");
@@ -48,6 +50,24 @@ fn the_read_events_corpus_replays_clean() {
         }
         if let Ok(text) = std::str::from_utf8(data) {
             let _ = memres::log::parse_event(text, 2);
+        }
+    });
+}
+
+/// The spec parser's corpus (`fuzz/corpus/spec`, found by `cargo +nightly fuzz run spec`),
+/// with the target's own checks: a spec or an error with a message, never a panic, and
+/// the same answer twice.
+#[cfg(feature = "spec")]
+#[test]
+fn the_spec_corpus_replays_clean() {
+    use memres::spec::Spec;
+    replay("spec", |data| {
+        let Ok(text) = std::str::from_utf8(data) else {
+            return;
+        };
+        match Spec::parse(text) {
+            Ok(parsed) => assert_eq!(Spec::parse(text).ok(), Some(parsed)),
+            Err(e) => assert!(!e.message().is_empty()),
         }
     });
 }
