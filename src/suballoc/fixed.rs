@@ -268,7 +268,12 @@ impl<U: Resource> FixedSize<U> {
 
     /// Puts a host stream's list on the stack of donors, unless it is there already.
     fn list_donor(&self, shard: &Shard<Vec<usize>>) {
-        if shard.key.is_host() && !shard.in_donors.swap(true, Ordering::Relaxed) {
+        // A load first: a list freed into again and again is listed already, and the
+        // swap (a read-modify-write) is then not paid on every such free.
+        if shard.key.is_host()
+            && !shard.in_donors.load(Ordering::Relaxed)
+            && !shard.in_donors.swap(true, Ordering::Relaxed)
+        {
             self.donors
                 .lock()
                 .push(ptr::from_ref(shard).expose_provenance());
@@ -308,7 +313,7 @@ impl<U: Resource> FixedSize<U> {
                 && !ptr::eq(other, own)
                 && (!leave_last || other.holds_free.load(Ordering::Relaxed))
         };
-        let taken = self.take_from_donors(own, &spare, &take);
+        let taken = self.take_from_donors(&spare, &take);
         if taken.is_some() && own.holds_free.load(Ordering::Relaxed) {
             // The taker has blocks to spare now, most likely: the next stream's donor.
             self.list_donor(own);
@@ -321,7 +326,6 @@ impl<U: Resource> FixedSize<U> {
     /// spare leaves the stack), then (lists the marks missed) every list.
     fn take_from_donors(
         &self,
-        own: &Shard<Vec<usize>>,
         spare: &dyn Fn(&Shard<Vec<usize>>) -> bool,
         take: &dyn Fn(&Shard<Vec<usize>>) -> Option<usize>,
     ) -> Option<usize> {
@@ -353,7 +357,7 @@ impl<U: Resource> FixedSize<U> {
         let (addr, donor) = self
             .shards
             .iter()
-            .filter(|other| spare(other) && !ptr::eq(*other, own))
+            .filter(|other| spare(other))
             .find_map(|other| take(other).map(|addr| (addr, other)))?;
         if donor.holds_free.load(Ordering::Relaxed) {
             // The next stream's search starts where this one found blocks to spare.

@@ -599,7 +599,7 @@ fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
         });
         let second = Box::into_raw(Box::new(Value(UnsafeCell::new(2))));
         let old = current.swap(second, Ordering::AcqRel);
-        assert!(grace::wait_for_readers());
+        grace::wait_for_readers(&grace::can_wait().expect("loom offers grace periods"));
         // SAFETY: unlinked before the grace period; no reader is left.
         unsafe { &*old }.0.get_mut().with(|v| {
             // SAFETY: as above: this thread alone reaches it now.

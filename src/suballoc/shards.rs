@@ -491,12 +491,14 @@ impl<S> ShardMap<S> {
         } else {
             Vec::new()
         };
-        let in_limbo: std::collections::HashSet<*mut Shard<S>> = limbo.iter().copied().collect();
+        // Only while a retirement is under way (else no set is built on this path).
+        let in_limbo: Option<std::collections::HashSet<*mut Shard<S>>> =
+            (!limbo.is_empty()).then(|| limbo.iter().copied().collect());
         table
             .slots
             .iter()
             .map(|slot| slot.load(Ordering::Acquire))
-            .filter(move |p| !p.is_null() && !in_limbo.contains(p))
+            .filter(move |p| !p.is_null() && !in_limbo.as_ref().is_some_and(|l| l.contains(p)))
             .chain(limbo)
             // SAFETY: read from a slot, or from limbo (whose shards are freed only a grace
             // period after they left it, which the caller's pin outlasts).
@@ -509,9 +511,8 @@ impl<S> ShardMap<S> {
     /// same stream's current one (no wait), made with the retired one's context and owner
     /// ([`get_or_insert_like`](Self::get_or_insert_like)) if there is none. The contexts
     /// of retired shards stay in what [`synchronize_streams`](Self::synchronize_streams)
-    /// waits for. Where grace periods are not offered ([`grace::wait_for_readers`]
-    /// returns false) nothing is freed: the shards stay in limbo, visited and correct,
-    /// until the map drops.
+    /// waits for. Where grace periods are not offered ([`grace::can_wait`]) nothing is
+    /// retired.
     ///
     /// Steps: the idle shards leave the table (a new table without them is published,
     /// the old tables are kept) for limbo, where iterations still find them; after a
@@ -532,9 +533,9 @@ impl<S> ShardMap<S> {
         drain: impl Fn(&mut S) -> Vec<T>,
         absorb: impl Fn(&mut S, Vec<T>),
     ) -> usize {
-        if !grace::can_wait() {
+        let Some(waiter) = grace::can_wait() else {
             return 0;
-        }
+        };
         let _one_at_a_time = lock(&self.rare.one_at_a_time);
         let (removed, old_tables) = {
             let mut tables = lock(&self.rare.tables);
@@ -570,19 +571,12 @@ impl<S> ShardMap<S> {
             tables.shards = kept.len();
             (removed, old)
         };
-        let leave_limbo = |removed: &[*mut Shard<S>]| {
-            let mut limbo = lock(&self.rare.limbo);
-            limbo.retain(|p| !removed.contains(p));
-            self.rare
-                .limbo_any
-                .store(!limbo.is_empty(), Ordering::Release);
-        };
         // A grace period: no lookup that found a removed shard is still going on.
-        if !grace::wait_for_readers() {
-            lock(&self.rare.tables).all.extend(old_tables);
-            return 0;
-        }
-        leave_limbo(&removed);
+        grace::wait_for_readers(&waiter);
+        // They leave limbo, which holds only them (retirements run one at a time, and each
+        // empties it).
+        lock(&self.rare.limbo).clear();
+        self.rare.limbo_any.store(false, Ordering::Release);
         // Only a thread holding one could make it the first a search looks at (the
         // caller's promise: never one found by an iteration), and none holding one from a
         // lookup is left; a reader of `recent` that found one is waited for below.
@@ -596,12 +590,7 @@ impl<S> ShardMap<S> {
         }
         // A second: no iteration that found one in limbo, and no search that found one as
         // `recent`, is still going on.
-        if !grace::wait_for_readers() {
-            lock(&self.rare.limbo).extend(removed.iter().copied());
-            self.rare.limbo_any.store(true, Ordering::Release);
-            lock(&self.rare.tables).all.extend(old_tables);
-            return 0;
-        }
+        grace::wait_for_readers(&waiter);
         for &p in &removed {
             // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; out of every table
             // and of limbo, and two grace periods have passed, so no reference to it is

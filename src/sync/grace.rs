@@ -2,10 +2,10 @@
 //! freed.
 //!
 //! A reader marks the time it may hold such pointers by [`pin`]ning its thread (a guard;
-//! pins nest). A reclaimer first makes the memory unreachable (no pointer to it is left
-//! where a reader could newly load one), then calls [`wait_for_readers`]: once it returns
-//! true, every reader that could have loaded a pointer to the memory has unpinned, and the
-//! memory can be freed.
+//! pins nest). A reclaimer takes a [`Waiter`] ([`can_wait`]), makes the memory
+//! unreachable (no pointer to it is left where a reader could newly load one), then calls
+//! [`wait_for_readers`]: once it returns, every reader that could have loaded a pointer to
+//! the memory has unpinned, and the memory can be freed.
 //!
 //! **Protocol.** Each thread has a slot with a counter that only it writes: odd while it
 //! is pinned. Pinning stores the odd value (relaxed) and runs the light fence
@@ -24,7 +24,7 @@
 //! The hot side costs a thread-local access and two plain stores; the reclaimer's side
 //! is a system call and a scan of the threads, for rare work (`Pool::trim`). Where the
 //! heavy fence is not offered (no `membarrier`: Linux before 4.14, other systems),
-//! [`wait_for_readers`] returns false and nothing may be freed. `src/suballoc/
+//! [`can_wait`] gives no [`Waiter`] and nothing may be freed. `src/suballoc/
 //! loom_models.rs` checks the protocol (under loom both fences are `SeqCst` fences).
 
 use std::cell::Cell;
@@ -173,21 +173,26 @@ fn pinned_here() -> bool {
     DEPTH.with(Cell::get) > 0
 }
 
-/// Whether [`wait_for_readers`] can wait here: grace periods are offered and the calling
-/// thread is not pinned. (A caller checks this before it unlinks anything, so that it
-/// does not unlink what it then cannot free.)
-pub(crate) fn can_wait() -> bool {
-    barrier::heavy_available() && !pinned_here()
+/// Proof that the calling thread may wait for readers ([`can_wait`]): grace periods are
+/// offered here, and the thread was not pinned when it got this (it must not pin while
+/// it waits: it would wait for itself). Not `Send`: it speaks for one thread.
+pub(crate) struct Waiter {
+    _thread: PhantomData<*const ()>,
+}
+
+/// A [`Waiter`] if the calling thread can wait for readers: grace periods are offered
+/// (`membarrier`) and it is not pinned. A caller asks before it unlinks anything, so that
+/// it never unlinks what it then cannot free.
+pub(crate) fn can_wait() -> Option<Waiter> {
+    (barrier::heavy_available() && !pinned_here()).then_some(Waiter {
+        _thread: PhantomData,
+    })
 }
 
 /// Waits until every thread that was pinned when this was called has unpinned, so that
-/// memory unlinked before the call (unreachable to new loads) can be freed. Returns false,
-/// at once, where this cannot be known: without the heavy fence, or when the calling
-/// thread is pinned itself (it would wait for itself); the caller must then not free.
-pub(crate) fn wait_for_readers() -> bool {
-    if !can_wait() {
-        return false;
-    }
+/// memory unlinked before the call (unreachable to new loads) can be freed.
+pub(crate) fn wait_for_readers(_: &Waiter) {
+    debug_assert!(!pinned_here(), "a pinned thread would wait for itself");
     barrier::heavy();
     let pinned: Vec<(Arc<Slot>, u64)> = lock(&SLOTS)
         .iter()
@@ -202,7 +207,6 @@ pub(crate) fn wait_for_readers() -> bool {
     while EXITING.load(Ordering::Acquire) != 0 {
         yield_now();
     }
-    true
 }
 
 #[cfg(all(test, not(memres_loom)))]
@@ -227,7 +231,7 @@ mod tests {
     #[test]
     fn a_pinned_thread_does_not_wait_for_itself() {
         let _pin = pin();
-        assert!(!wait_for_readers());
+        assert!(can_wait().is_none());
     }
 
     /// The reclaimer waits while another thread is pinned, and returns once it unpins.
@@ -247,7 +251,7 @@ mod tests {
                 released.store(true, std::sync::atomic::Ordering::SeqCst);
             });
             pinned_rx.recv().unwrap();
-            assert!(wait_for_readers());
+            wait_for_readers(&can_wait().expect("membarrier, checked above"));
             assert!(
                 released.load(std::sync::atomic::Ordering::SeqCst),
                 "returned while the other thread was pinned"
