@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! spec    := base [":" options] | wrapper "(" spec ["," options] ")"
-//! base    := cuda | cuda_async | virtual_pool | pool | arena | binning
+//! base    := cuda | cuda_async | managed | virtual_pool | pool | arena | binning | fixed_size
 //! wrapper := statistics | logging | limiting
 //! options := key "=" value ["," options]
 //! ```
@@ -23,14 +23,19 @@
 //! # Ok::<(), memres::spec::SpecError>(())
 //! ```
 //!
-//! This module parses; each program builds the stack a spec names over its own leaves
-//! (the C ABI over the CUDA driver, the command over simulated device memory).
+//! [`Spec::build`] builds the stack a spec names over the leaves a [`Target`] gives (the C
+//! ABI's are the CUDA driver's, the command's simulated or host memory), so every program
+//! reading specs builds them by the same rules and with the same defaults.
 
 use std::fmt;
 use std::path::PathBuf;
 
 use crate::suballoc::Growth;
 use crate::units::parse_size;
+
+mod build;
+
+pub use build::{Built, Target};
 
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
 /// program building the stack uses (the C ABI's are in `capi/include/memres.h`). The
@@ -77,6 +82,15 @@ pub enum Spec {
     Arena {
         /// `size=`: the arena's size (default: half the free memory).
         size: Option<usize>,
+    },
+    /// `managed`: `cuMemAllocManaged` per request.
+    Managed,
+    /// `fixed_size`: blocks of one size, taken `blocks` at a time; larger requests fail.
+    FixedSize {
+        /// `block=`: the size of every block (default 1 MiB).
+        block: usize,
+        /// `blocks=`: blocks per chunk taken from the memory (default 128).
+        blocks: usize,
     },
     /// `binning`: fixed-size bins of 2^min .. 2^max bytes over a default virtual pool
     /// (the pool growing in place, which holds least); larger requests go to that pool.
@@ -125,8 +139,8 @@ impl fmt::Display for SpecError {
     }
 }
 
-const RESOURCES: &str = "cuda, cuda_async, virtual_pool, pool, arena, binning, statistics(..), \
-                         logging(..), limiting(..)";
+const RESOURCES: &str = "cuda, cuda_async, managed, virtual_pool, pool, arena, binning, \
+                         fixed_size, statistics(..), logging(..), limiting(..)";
 
 /// The most wrappers a spec may nest (real stacks have two or three).
 const MAX_DEPTH: usize = 16;
@@ -160,6 +174,8 @@ impl Spec {
         match self {
             Spec::Cuda => "cuda",
             Spec::CudaAsync { .. } => "cuda_async",
+            Spec::Managed => "managed",
+            Spec::FixedSize { .. } => "fixed_size",
             Spec::Pool { .. } => "pool",
             Spec::VirtualPool { .. } => "virtual_pool",
             Spec::Arena { .. } => "arena",
@@ -171,7 +187,25 @@ impl Spec {
     }
 
     /// The base (non-wrapper) spec at the bottom of the stack.
-    fn base_mut(&mut self) -> &mut Spec {
+    ///
+    /// ```
+    /// use memres::spec::Spec;
+    ///
+    /// let spec = Spec::parse("statistics(limiting(arena, limit=1GiB))")?;
+    /// assert_eq!(spec.base(), &Spec::Arena { size: None });
+    /// # Ok::<(), memres::spec::SpecError>(())
+    /// ```
+    pub fn base(&self) -> &Spec {
+        match self {
+            Spec::WithStatistics(inner)
+            | Spec::Logged { inner, .. }
+            | Spec::Limited { inner, .. } => inner.base(),
+            base => base,
+        }
+    }
+
+    /// The base spec, to change.
+    pub fn base_mut(&mut self) -> &mut Spec {
         match self {
             Spec::WithStatistics(inner)
             | Spec::Logged { inner, .. }
@@ -202,6 +236,10 @@ impl Spec {
             (Spec::VirtualPool { release, .. }, "release") => *release = Some(size(key, value)?),
             (Spec::VirtualPool { reserve, .. }, "reserve") => *reserve = Some(size(key, value)?),
             (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
+            (Spec::FixedSize { block, .. }, "block") => *block = nonzero(size(key, value)?, key)?,
+            (Spec::FixedSize { blocks, .. }, "blocks") => {
+                *blocks = nonzero(count(key, value)?, key)?;
+            }
             (Spec::Binning { min, .. }, "min") => *min = exponent(key, value)?,
             (Spec::Binning { max, .. }, "max") => *max = exponent(key, value)?,
             _ => {
@@ -211,6 +249,7 @@ impl Spec {
                     "virtual_pool" => "initial, max, step, release, reserve",
                     "arena" => "size",
                     "binning" => "min, max",
+                    "fixed_size" => "block, blocks",
                     _ => "none",
                 };
                 return Err(format!(
@@ -326,6 +365,11 @@ fn base(name: &str) -> Result<Spec, String> {
             max: None,
             growth: Growth::default(),
         },
+        "managed" => Spec::Managed,
+        "fixed_size" => Spec::FixedSize {
+            block: 1 << 20,
+            blocks: 128,
+        },
         "virtual_pool" => Spec::default_spec(),
         "arena" => Spec::Arena { size: None },
         "binning" => Spec::Binning { min: 10, max: 22 },
@@ -338,6 +382,19 @@ fn base(name: &str) -> Result<Spec, String> {
             ));
         }
     })
+}
+
+fn count(key: &str, value: &str) -> Result<usize, String> {
+    value
+        .parse::<usize>()
+        .map_err(|_| format!("{key}={value:?}: expected a count of blocks"))
+}
+
+fn nonzero(n: usize, key: &str) -> Result<usize, String> {
+    if n == 0 {
+        return Err(format!("{key}=0: must be at least 1"));
+    }
+    Ok(n)
 }
 
 fn growth_rule(key: &str, value: &str) -> Result<Growth, String> {
@@ -365,7 +422,8 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
         "statistics" => &[],
         "logging" => &["file", "exact_times"],
         "limiting" => &["limit"],
-        "cuda" | "cuda_async" | "virtual_pool" | "pool" | "arena" | "binning" => {
+        "cuda" | "cuda_async" | "managed" | "virtual_pool" | "pool" | "arena" | "binning"
+        | "fixed_size" => {
             return Err(format!(
                 "{name} does not wrap a resource: write {name}:key=value for its options"
             ));
@@ -508,6 +566,17 @@ mod tests {
             ok("binning:min=10,max=22"),
             Spec::Binning { min: 10, max: 22 }
         );
+        assert_eq!(ok("managed"), Spec::Managed);
+        assert_eq!(
+            ok("fixed_size:block=64KiB,blocks=16"),
+            Spec::FixedSize {
+                block: 64 << 10,
+                blocks: 16
+            }
+        );
+        assert!(err("fixed_size:block=0").contains("at least 1"));
+        assert!(err("fixed_size:blocks=many").contains("count of blocks"));
+        assert!(err("managed(pool)").contains("does not wrap"));
         assert_eq!(
             ok("cuda_async:initial=1GiB,release=2GiB"),
             Spec::CudaAsync {

@@ -2,8 +2,8 @@
 //! the sub-allocators (`fuzz/corpus/suballoc`, found by `cargo +nightly fuzz run
 //! suballoc`; the target's code is `fuzz/common/suballoc.rs`) and the log reader
 //! (`fuzz/corpus/read_events`) and, with the `spec` feature (on whenever the workspace is
-//! tested: the C ABI and the command enable it), the stack spec parser
-//! (`fuzz/corpus/spec`).
+//! tested: the C ABI and the command enable it), the stack spec language
+//! (`fuzz/corpus/spec`; the target's code is `fuzz/common/spec.rs`).
 
 mod target {
     include!("../fuzz/common/suballoc.rs");
@@ -54,20 +54,16 @@ fn the_read_events_corpus_replays_clean() {
     });
 }
 
-/// The spec parser's corpus (`fuzz/corpus/spec`, found by `cargo +nightly fuzz run spec`),
-/// with the target's own checks: a spec or an error with a message, never a panic, and
-/// the same answer twice.
+/// The spec language's corpus (`fuzz/corpus/spec`, found by `cargo +nightly fuzz run
+/// spec`), with the target's own checks (`fuzz/common/spec.rs`): a spec or an error with a
+/// message, never a panic, the same answer twice, small specs built over host memory.
 #[cfg(feature = "spec")]
 #[test]
 fn the_spec_corpus_replays_clean() {
-    use memres::spec::Spec;
-    replay("spec", |data| {
-        let Ok(text) = std::str::from_utf8(data) else {
-            return;
-        };
-        match Spec::parse(text) {
-            Ok(parsed) => assert_eq!(Spec::parse(text).ok(), Some(parsed)),
-            Err(e) => assert!(!e.message().is_empty()),
-        }
-    });
+    replay("spec", spec_target::run);
+}
+
+#[cfg(feature = "spec")]
+mod spec_target {
+    include!("../fuzz/common/spec.rs");
 }

@@ -6,6 +6,7 @@
  *
  *   "cuda"                          cuMemAlloc per request
  *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
+ *   "managed"                       cuMemAllocManaged per request
  *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
  *                                   pool growing in place over CUDA virtual memory
  *                                   (holds least; release= gives memory back above it)
@@ -20,6 +21,8 @@
  *   "binning[:min=10,max=22]"       fixed-size bins of 2^min..2^max bytes; larger
  *                                   requests and the bins' chunks from a default
  *                                   virtual_pool
+ *   "fixed_size[:block=1MiB,blocks=128]"  blocks of one size, taken 128 at a time
+ *                                   from cuMemAlloc; larger requests fail
  *   "statistics(SPEC)"              counts bytes and allocations (see memres_stats)
  *   "logging(SPEC[,file=PATH])"     a CSV event log in RMM's format (default: the
  *                                   path in env MEMRES_LOG_FILE); exact_times=true

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use mr::adaptor::{ExactCounter, Limiting, Logging, Statistics};
+use mr::adaptor::{ExactCounter, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
-use mr::suballoc::Growth;
-use mr::upstream::CudaAsyncConfig;
+use mr::spec::{Built, Target};
+use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed};
 use mr::{
-    AnyResource, Arena, Binning, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
-    ExportHandle, Pool, PoolConfig,
+    AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
+    ExportHandle, Pool,
 };
 
 use crate::ipc::{Exported, Shared};
@@ -74,8 +74,13 @@ impl DeviceStack {
     /// Builds `spec` for `device` (made current while building).
     pub(crate) fn build(spec: &Spec, device: DeviceId) -> Result<DeviceStack, Error> {
         let _on = DeviceGuard::new(device)?;
-        let mut layers = Layers::default();
-        let top = layers.layer(spec, device)?;
+        let mut layers = Layers {
+            device,
+            statistics: None,
+            pool: None,
+            logs: Vec::new(),
+        };
+        let top = spec.build(&mut layers)?;
         Ok(DeviceStack {
             top,
             statistics: layers.statistics,
@@ -90,141 +95,79 @@ impl DeviceStack {
     }
 }
 
-/// The layers found while building, inside out.
-#[derive(Default)]
+/// The device's leaves, and the layers found while building (inside out).
 struct Layers {
+    device: DeviceId,
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     pool: Option<PoolLayer>,
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
 }
 
-impl Layers {
-    fn layer(&mut self, spec: &Spec, device: DeviceId) -> Result<AnyResource<Device>, Error> {
-        Ok(match spec {
-            Spec::Cuda => AnyResource::new(Cuda::on(device)?),
-            Spec::CudaAsync {
-                initial,
-                release_threshold,
-            } => {
-                let config = CudaAsyncConfig {
-                    initial_size: *initial,
-                    release_threshold: *release_threshold,
-                    ..CudaAsyncConfig::default()
-                };
-                let pool = Arc::new(CudaAsync::on(device, config)?);
-                self.pool = Some(PoolLayer::Async(Arc::clone(&pool)));
-                AnyResource::new(pool)
-            }
-            Spec::VirtualPool {
-                initial,
-                max,
-                step,
-                release,
-                reserve,
-            } => {
-                let mut config = PoolConfig::new();
-                if let Some(initial) = initial {
-                    config = config.initial_size(*initial);
-                }
-                if let Some(max) = max {
-                    config = config.maximum_size(*max);
-                }
-                if let Some(step) = step {
-                    config = config.growth_step(*step);
-                }
-                if let Some(release) = release {
-                    config = config.release_threshold(*release);
-                }
-                // Every device that can reach this one's memory may: copies between devices
-                // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc`
-                // memory with peer access on, which memory mapped with `cuMemMap` only
-                // gets from an access descriptor per device.
-                let peers: Vec<DeviceId> = DeviceId::all()?
-                    .into_iter()
-                    .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
-                    .collect();
-                let mut leaf = CudaVirtualConfig::new().peers(peers);
-                if let Some(reserve) = reserve {
-                    leaf = leaf.reserve(*reserve);
-                }
-                // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
-                // PyTorch's CUDA tensors sent to other processes).
-                let exportable = leaf.clone().export(ExportHandle::PosixFd);
-                let virt = match CudaVirtual::with_config(device, exportable) {
-                    Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf)?,
-                    built => built?,
-                };
-                let pool = Arc::new(virt.pool_in_place(config)?);
-                self.pool = Some(PoolLayer::Virtual(Arc::clone(&pool)));
-                AnyResource::new(pool)
-            }
-            Spec::Pool {
-                initial,
-                max,
-                growth,
-            } => {
-                let pool = self.pool_of(device, *initial, *max, *growth)?;
-                AnyResource::new(pool)
-            }
-            Spec::Arena { size } => {
-                let cuda = Cuda::on(device)?;
-                let arena = Arc::new(match size {
-                    Some(size) => Arena::with_size(cuda, *size)?,
-                    None => Arena::new(cuda)?,
-                });
-                self.pool = Some(PoolLayer::Arena(Arc::clone(&arena)));
-                AnyResource::new(arena)
-            }
-            Spec::Binning { min, max } => {
-                // Over the pool that grows in place, as the default stack: under GPT-2
-                // training it holds 1.13x the live peak, where bins over the chunked
-                // `pool` held 1.45x (BENCHMARKS.md, "Real models under PyTorch").
-                let pool = self.layer(&Spec::default_spec(), device)?;
-                AnyResource::new(Binning::new(pool, *min, *max)?)
-            }
-            Spec::WithStatistics(inner) => {
-                let counted = Arc::new(Statistics::new(self.layer(inner, device)?));
-                // Built inside out, so the last one set is the outermost.
-                self.statistics = Some(Arc::clone(&counted));
-                AnyResource::new(counted)
-            }
-            Spec::Logged {
-                inner,
-                file,
-                exact_times,
-            } => {
-                let inner = self.layer(inner, device)?;
-                let logged = match file {
-                    Some(path) => Logging::to_file(inner, path)?,
-                    None => Logging::from_env(inner)?,
-                };
-                let logged = Arc::new(logged.exact_times(*exact_times));
-                self.logs.push(Arc::clone(&logged));
-                AnyResource::new(logged)
-            }
-            Spec::Limited { inner, limit } => {
-                AnyResource::new(Limiting::new(self.layer(inner, device)?, *limit))
-            }
-        })
+impl Target for Layers {
+    type Properties = Device;
+    type Memory = Cuda;
+    type Backend = CudaPhysical;
+
+    fn memory(&mut self) -> Result<Cuda, Error> {
+        Cuda::on(self.device)
     }
 
-    fn pool_of(
+    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<CudaVirtual, Error> {
+        let device = self.device;
+        // Every device that can reach this one's memory may: copies between devices
+        // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc` memory with
+        // peer access on, which memory mapped with `cuMemMap` only gets from an access
+        // descriptor per device.
+        let peers: Vec<DeviceId> = DeviceId::all()?
+            .into_iter()
+            .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
+            .collect();
+        let mut leaf = CudaVirtualConfig::new().peers(peers);
+        if let Some(reserve) = reserve {
+            leaf = leaf.reserve(reserve);
+        }
+        // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
+        // PyTorch's CUDA tensors sent to other processes).
+        let exportable = leaf.clone().export(ExportHandle::PosixFd);
+        match CudaVirtual::with_config(device, exportable) {
+            Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf),
+            built => built,
+        }
+    }
+
+    fn arena_size(&mut self) -> Result<usize, Error> {
+        Ok(self.device.memory_info()?.free / 2)
+    }
+
+    fn driver_pool(
         &mut self,
-        device: DeviceId,
         initial: Option<usize>,
-        max: Option<usize>,
-        growth: Growth,
-    ) -> Result<Arc<Pool<Cuda>>, Error> {
-        let mut config = PoolConfig::new().growth(growth);
-        if let Some(initial) = initial {
-            config = config.initial_size(initial);
+        release_threshold: Option<u64>,
+    ) -> Result<AnyResource<Device>, Error> {
+        let config = CudaAsyncConfig {
+            initial_size: initial,
+            release_threshold,
+            ..CudaAsyncConfig::default()
+        };
+        let pool = Arc::new(CudaAsync::on(self.device, config)?);
+        self.pool = Some(PoolLayer::Async(Arc::clone(&pool)));
+        Ok(AnyResource::new(pool))
+    }
+
+    fn managed(&mut self) -> Result<AnyResource<Device>, Error> {
+        Ok(AnyResource::new(Managed::on(self.device)?))
+    }
+
+    fn built(&mut self, layer: Built<'_, Self>) {
+        match layer {
+            Built::Pool(pool) => self.pool = Some(PoolLayer::Pool(Arc::clone(pool))),
+            Built::VirtualPool(pool) => self.pool = Some(PoolLayer::Virtual(Arc::clone(pool))),
+            Built::Arena(arena) => self.pool = Some(PoolLayer::Arena(Arc::clone(arena))),
+            // Built inside out, so the last one kept is the outermost.
+            Built::Statistics(counted) => self.statistics = Some(Arc::clone(counted)),
+            Built::Logging(logged) => self.logs.push(Arc::clone(logged)),
+            _ => {}
         }
-        if let Some(max) = max {
-            config = config.maximum_size(max);
-        }
-        let pool = Arc::new(Pool::new(Cuda::on(device)?, config)?);
-        self.pool = Some(PoolLayer::Pool(Arc::clone(&pool)));
-        Ok(pool)
     }
 }
 

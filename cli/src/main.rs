@@ -22,11 +22,12 @@ use std::process::ExitCode;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memres::log::Event;
+use memres::spec::Spec;
 use memres::units::parse_size;
-use memres::{Cuda, HostHeap, Managed, StreamRef};
+use memres::{Cuda, HostHeap, StreamRef};
 
 use crate::replay::{Outcome, Plan};
-use crate::stacks::{Kind, Memory, Options, Stack, StackName};
+use crate::stacks::{Memory, Options, Replay, Stack, StackName};
 
 #[derive(Parser)]
 #[command(
@@ -72,9 +73,9 @@ enum Command {
 struct ReplayArgs {
     /// The log (CSV, or gzip-compressed .csv.gz).
     log: PathBuf,
-    /// The stack: pool, virtual_pool, arena, binning, fixed, cuda, cuda_async, managed, a host
-    /// variant (host, host-pool, host-arena, host-binning, host-fixed), or a spec string as
-    /// the C ABI takes it (`statistics(pool:initial=1GiB)`, `limiting(virtual_pool,limit=8GiB)`).
+    /// The stack: pool, virtual_pool, arena, binning, fixed_size, cuda, cuda_async, managed, a
+    /// host variant (host, host-pool, host-virtual_pool, host-arena, host-binning,
+    /// host-fixed_size), or a spec string as the C ABI takes it (`statistics(pool:initial=1GiB)`, `limiting(virtual_pool,limit=8GiB)`).
     #[arg(short, long, default_value = "pool", conflicts_with = "compare")]
     resource: String,
     /// Several stacks, one table: names or spec strings, each its own argument
@@ -253,14 +254,13 @@ fn run_replay(args: ReplayArgs) -> Result<(), String> {
         bin_min: args.bin_min,
         bin_max: args.bin_max,
         fixed_block: args.fixed_block,
-        ..Options::default()
     };
     let texts: Vec<&str> = if args.compare.is_empty() {
         vec![args.resource.as_str()]
     } else {
         args.compare.iter().flat_map(|t| split_names(t)).collect()
     };
-    let names: Vec<(StackName, Options)> = texts
+    let names: Vec<StackName> = texts
         .iter()
         .map(|t| StackName::parse_with(t, &options))
         .collect::<Result<_, _>>()?;
@@ -295,13 +295,13 @@ fn run_replay(args: ReplayArgs) -> Result<(), String> {
     }
     let sample_every = args.plot.as_ref().map(|_| plan.len().div_ceil(2000).max(1));
     let mut results: Vec<(String, Memory, Outcome)> = Vec::new();
-    for (name, options) in &names {
+    for name in &names {
         let memory = if name.host {
             Memory::Host
         } else {
             device_memory
         };
-        let outcome = replay_one(&plan, name, memory, options, sample_every)
+        let outcome = replay_one(&plan, name, memory, sample_every)
             .map_err(|e| format!("{}: {e}", name.name))?;
         results.push((name.name.clone(), memory, outcome));
     }
@@ -321,7 +321,8 @@ fn run_replay(args: ReplayArgs) -> Result<(), String> {
 /// comma-separated too) as one.
 fn split_names(text: &str) -> Vec<&str> {
     let pieces: Vec<&str> = text.split(',').collect();
-    if pieces.len() > 1 && pieces.iter().all(|p| StackName::parse(p).is_ok()) {
+    let options = Options::default();
+    if pieces.len() > 1 && pieces.iter().all(|p| StackName::parse(p, &options).is_ok()) {
         pieces
     } else {
         vec![text]
@@ -333,37 +334,15 @@ fn replay_one(
     plan: &Plan,
     name: &StackName,
     memory: Memory,
-    options: &Options,
     sample_every: Option<usize>,
 ) -> Result<Outcome, String> {
-    let gpu_only = matches!(name.kind, Kind::CudaAsync | Kind::Managed);
     let fail = |e: memres::Error| message(&e);
     // Granules of 2 MiB, as CUDA's on an H100, where a virtual pool runs off the GPU.
     const GRANULE: usize = 2 << 20;
     const BINS_RESERVE: usize = 80 << 30;
-    let over_virtual = matches!(name.kind, Kind::VirtualPool | Kind::Binning);
+    let base = name.spec.base();
     let stack: Stack = match memory {
-        Memory::Simulated(size) if over_virtual => {
-            let leaf = memres::HostVirtual::new(size.max(GRANULE), GRANULE).map_err(fail)?;
-            stacks::build_virtual(leaf, options, name.kind == Kind::Binning).map_err(fail)?
-        }
-        Memory::Host if over_virtual => {
-            // Address space only (nothing is committed until mapped): twice the live
-            // peak, and for bins as much as a large GPU's, so that their chunks (128
-            // blocks each, taken up front) fit beside the pool.
-            let least = match name.kind {
-                Kind::Binning => BINS_RESERVE,
-                _ => 1 << 30,
-            };
-            let total = (plan.peak_live.0 as usize).saturating_mul(2).max(least);
-            let leaf = memres::HostVirtual::new(total, GRANULE).map_err(fail)?;
-            stacks::build_virtual(leaf, options, name.kind == Kind::Binning).map_err(fail)?
-        }
-        Memory::Gpu if over_virtual => {
-            let leaf = memres::CudaVirtual::new().map_err(fail)?;
-            stacks::build_virtual(leaf, options, name.kind == Kind::Binning).map_err(fail)?
-        }
-        Memory::Simulated(size) if gpu_only => {
+        Memory::Simulated(size) if matches!(base, Spec::CudaAsync { .. } | Spec::Managed) => {
             return Err(format!(
                 "needs a GPU (the driver's own pool and managed memory cannot be simulated); \
                  every other stack replays on simulated memory ({})",
@@ -371,36 +350,38 @@ fn replay_one(
             ));
         }
         Memory::Simulated(size) => {
-            stacks::build(name.kind, simulated::simulated(size), size, options).map_err(fail)?
+            let leaf = move || memres::HostVirtual::new(size.max(GRANULE), GRANULE);
+            Replay::new(simulated::simulated(size), leaf, size / 2, false).build(&name.spec)
         }
         Memory::Host => {
-            let total = options
-                .arena_size
-                .unwrap_or((plan.peak_live.0 as usize).saturating_mul(2))
-                .max(1 << 21);
-            stacks::build(name.kind, HostHeap, total, options).map_err(fail)?
+            // Address space only (nothing is committed until mapped): twice the live
+            // peak, and for bins as much as a large GPU's, so that their chunks (128
+            // blocks each, taken up front) fit beside the pool.
+            let twice_peak = (plan.peak_live.0 as usize).saturating_mul(2);
+            let least = match base {
+                Spec::Binning { .. } => BINS_RESERVE,
+                _ => 1 << 30,
+            };
+            let reserve = twice_peak.max(least);
+            let leaf = move || memres::HostVirtual::new(reserve, GRANULE);
+            let arena = twice_peak.max(1 << 21) / 2;
+            Replay::new(HostHeap, leaf, arena, false).build(&name.spec)
         }
         Memory::Gpu => {
-            let total = memres::device::DeviceId::new(0)
+            let free = memres::device::DeviceId::new(0)
                 .memory_info()
                 .map_err(fail)?
                 .free;
-            match name.kind {
-                Kind::CudaAsync => stacks::build(
-                    name.kind,
-                    memres::CudaAsync::new().map_err(fail)?,
-                    total,
-                    options,
-                ),
-                Kind::Managed => {
-                    stacks::build(name.kind, Managed::new().map_err(fail)?, total, options)
-                }
-                _ => stacks::build(name.kind, Cuda::new().map_err(fail)?, total, options),
-            }
-            .map_err(fail)?
+            Replay::new(
+                Cuda::new().map_err(fail)?,
+                memres::CudaVirtual::new,
+                free / 2,
+                true,
+            )
+            .build(&name.spec)
         }
-    };
-    let stack = stacks::wrap(stack, &name.wrappers).map_err(fail)?;
+    }
+    .map_err(fail)?;
     // One replay stream per logged stream: CUDA streams on the GPU, host streams else.
     let owned: Vec<memres::stream::Stream> = if memory == Memory::Gpu {
         (0..plan.streams.len())

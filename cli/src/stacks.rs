@@ -1,4 +1,5 @@
-//! The resource stacks a replay can run through, by name, over a memory source.
+//! The resource stacks a replay can run through, by name or spec string, built by the
+//! library's spec builder (`memres::spec`) over a memory source.
 
 use std::fmt;
 use std::sync::Arc;
@@ -6,11 +7,12 @@ use std::sync::Arc;
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use memres::adaptor::ExactCounter;
+use memres::adaptor::{Counter, ExactCounter};
 use memres::property::Contains;
-use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig, PoolStats};
-use memres::upstream::{Backend, Virtual};
-use memres::{AnyResource, Callback, Error, Resource, StreamRef};
+use memres::spec::{Built, Spec, Target};
+use memres::suballoc::PoolStats;
+use memres::upstream::{Backend, CudaAsync, Managed, Virtual};
+use memres::{AnyResource, Error, Resource, StreamRef, SyncResource};
 
 /// Where the memory comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,55 +39,22 @@ impl fmt::Display for Memory {
     }
 }
 
-/// The sub-allocator (or none) a stack puts over its memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// memres's coalescing pool.
-    Pool,
-    /// RMM's arena.
-    Arena,
-    /// Fixed-size bins over a pool growing in place (as `VirtualPool`), as the C ABI's
-    /// `binning`; larger requests go to the pool.
-    Binning,
-    /// One block size; larger requests fail.
-    Fixed,
-    /// No sub-allocator: every request goes to the memory (`cuda`, `host`).
-    Direct,
-    /// The driver's stream-ordered pool (GPU only).
-    CudaAsync,
-    /// Managed memory, directly (GPU only).
-    Managed,
-    /// A pool growing in place over a virtual-memory leaf (the C ABI's `virtual_pool`):
-    /// `CudaVirtual` on the GPU, `HostVirtual` (2 MiB granules, as on an H100) on
-    /// simulated or host memory.
-    VirtualPool,
-}
-
-/// A stack by name: `pool`, `virtual_pool`, `arena`, `binning`, `fixed`, `cuda`,
-/// `cuda_async`, `managed` (the spec strings' names; the older `virtual-pool` and
-/// `cuda-async` work too, with a note saying so), and the host variants `host`, `host-pool`, `host-arena`,
-/// `host-binning`, `host-fixed`; or a spec string of the C ABI
-/// (`statistics(pool:initial=1GiB)`, see `capi/include/memres.h`).
+/// A stack by name: `pool`, `virtual_pool`, `arena`, `binning`, `fixed_size`, `cuda`,
+/// `cuda_async`, `managed` (the spec strings' names; the older `virtual-pool`,
+/// `cuda-async` and `fixed` work too, with a note saying so), the host variants `host`,
+/// `host-pool`, `host-virtual_pool`, `host-arena`, `host-binning`, `host-fixed_size`
+/// (that stack over host memory, whatever the replay's memory is); or a spec string
+/// (`statistics(pool:initial=1GiB)`, the grammar of `memres::spec`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StackName {
     pub name: String,
-    pub kind: Kind,
+    /// The stack.
+    pub spec: Spec,
     /// Host memory whatever the memory source is.
     pub host: bool,
-    /// Adaptors over the sub-allocator, innermost first (from a spec string).
-    pub wrappers: Vec<Wrapper>,
 }
 
-/// An adaptor a spec string puts over the stack.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Wrapper {
-    Statistics,
-    Limiting(usize),
-    /// The log's file (else `MEMRES_LOG_FILE`), and whether every event reads the clock.
-    Logging(Option<std::path::PathBuf>, bool),
-}
-
-pub const NAMES: &str = "pool, virtual_pool, arena, binning, fixed, cuda, cuda_async, managed, host, host-pool, host-arena, host-binning, host-fixed";
+pub const NAMES: &str = "pool, virtual_pool, arena, binning, fixed_size, cuda, cuda_async, managed, host, host-pool, host-virtual_pool, host-arena, host-binning, host-fixed_size";
 
 /// At most the first 80 characters of `text`, marked where cut: errors quote what was
 /// given without echoing a whole file's worth of it.
@@ -98,7 +67,8 @@ fn excerpt(text: &str) -> String {
 }
 
 impl StackName {
-    pub fn parse(text: &str) -> Result<StackName, String> {
+    /// A name of [`NAMES`] (the stack with the command line's `options`).
+    pub fn parse(text: &str, options: &Options) -> Result<StackName, String> {
         let name = text.trim().to_ascii_lowercase();
         let (host, base) = match name.strip_prefix("host-") {
             Some(base) => (true, base.to_owned()),
@@ -107,151 +77,57 @@ impl StackName {
         };
         // The spellings of earlier versions: taken, with a note naming the spec's.
         let base = match base.as_str() {
-            old @ ("virtual-pool" | "cuda-async") => {
-                let spec = old.replace('-', "_");
+            old @ ("virtual-pool" | "cuda-async" | "fixed") => {
+                let spec = match old {
+                    "fixed" => "fixed_size".to_owned(),
+                    _ => old.replace('-', "_"),
+                };
                 eprintln!("memres: note: {old:?} is spelled {spec:?} now, as in spec strings");
                 spec
             }
             _ => base,
         };
-        let kind = match base.as_str() {
-            "pool" => Kind::Pool,
-            "virtual_pool" => Kind::VirtualPool,
-            "arena" => Kind::Arena,
-            "binning" => Kind::Binning,
-            "fixed" => Kind::Fixed,
-            "cuda" => Kind::Direct,
-            "cuda_async" if !host => Kind::CudaAsync,
-            "managed" if !host => Kind::Managed,
-            _ => {
-                return Err(format!(
-                    "unknown resource {:?} (expected one of {NAMES})",
-                    excerpt(text)
-                ));
-            }
+        let unknown = || {
+            format!(
+                "unknown resource {:?} (expected one of {NAMES})",
+                excerpt(text)
+            )
         };
-        Ok(StackName {
-            name,
-            kind,
-            host,
-            wrappers: Vec::new(),
-        })
+        let spec = match base.as_str() {
+            "pool" | "virtual_pool" | "arena" | "binning" | "fixed_size" | "cuda" => {
+                Spec::parse(&base).map_err(|_| unknown())?
+            }
+            "cuda_async" | "managed" if !host => Spec::parse(&base).map_err(|_| unknown())?,
+            _ => return Err(unknown()),
+        };
+        let mut spec = spec;
+        options.apply(&mut spec, true);
+        Ok(StackName { name, spec, host })
     }
 
-    /// A name of [`NAMES`], else a spec string of the C ABI, with the options it sets
-    /// over `defaults` (the command line's).
-    pub fn parse_with(text: &str, defaults: &Options) -> Result<(StackName, Options), String> {
-        if let Ok(name) = StackName::parse(text) {
-            return Ok((name, *defaults));
+    /// A name of [`NAMES`], else a spec string: the command line's `options` fill what
+    /// the spec leaves to its default.
+    pub fn parse_with(text: &str, options: &Options) -> Result<StackName, String> {
+        if let Ok(name) = StackName::parse(text, options) {
+            return Ok(name);
         }
-        let spec = memres::spec::Spec::parse(text).map_err(|e| {
+        let mut spec = Spec::parse(text).map_err(|e| {
             format!(
                 "unknown resource {:?}: neither one of {NAMES} nor a spec string ({})",
                 excerpt(text),
                 excerpt(&e.to_string())
             )
         })?;
-        let mut options = *defaults;
-        let mut wrappers = Vec::new();
-        let kind = from_spec(&spec, &mut options, &mut wrappers);
-        wrappers.reverse(); // innermost first
-        Ok((
-            StackName {
-                name: text.trim().to_owned(),
-                kind,
-                host: false,
-                wrappers,
-            },
-            options,
-        ))
+        options.apply(&mut spec, false);
+        Ok(StackName {
+            name: text.trim().to_owned(),
+            spec,
+            host: false,
+        })
     }
 }
 
-/// The sub-allocator of `spec` (its options set in `options`), collecting its adaptors
-/// outermost first. Two options of the C ABI do not apply to a replay: `virtual_pool`'s
-/// `reserve=` (a replay reserves what its memory source has) and `cuda_async`'s sizes (the
-/// replay's driver pool keeps its defaults).
-fn from_spec(
-    spec: &memres::spec::Spec,
-    options: &mut Options,
-    wrappers: &mut Vec<Wrapper>,
-) -> Kind {
-    use memres::spec::Spec;
-    match spec {
-        Spec::Cuda => Kind::Direct,
-        Spec::CudaAsync { .. } => Kind::CudaAsync,
-        Spec::Pool {
-            initial,
-            max,
-            growth,
-        } => {
-            options.initial_size = initial.unwrap_or(options.initial_size);
-            options.max_size = max.or(options.max_size);
-            options.growth = *growth;
-            Kind::Pool
-        }
-        Spec::VirtualPool {
-            initial,
-            max,
-            step,
-            release,
-            reserve: _,
-        } => {
-            options.initial_size = initial.unwrap_or(options.initial_size);
-            options.max_size = max.or(options.max_size);
-            options.step = step.or(options.step);
-            options.release = release.or(options.release);
-            Kind::VirtualPool
-        }
-        Spec::Arena { size } => {
-            options.arena_size = size.or(options.arena_size);
-            Kind::Arena
-        }
-        Spec::Binning { min, max } => {
-            (options.bin_min, options.bin_max) = (*min, *max);
-            Kind::Binning
-        }
-        Spec::WithStatistics(inner) => {
-            wrappers.push(Wrapper::Statistics);
-            from_spec(inner, options, wrappers)
-        }
-        Spec::Limited { inner, limit } => {
-            wrappers.push(Wrapper::Limiting(*limit));
-            from_spec(inner, options, wrappers)
-        }
-        Spec::Logged {
-            inner,
-            file,
-            exact_times,
-        } => {
-            wrappers.push(Wrapper::Logging(file.clone(), *exact_times));
-            from_spec(inner, options, wrappers)
-        }
-    }
-}
-
-/// Puts `wrappers` (innermost first) over the stack's top.
-pub fn wrap(mut stack: Stack, wrappers: &[Wrapper]) -> Result<Stack, Error> {
-    for w in wrappers {
-        let top = std::mem::replace(&mut stack.top, AnyResource::new(memres::HostHeap));
-        stack.top = match w {
-            Wrapper::Statistics => AnyResource::new(memres::adaptor::Statistics::new(top)),
-            Wrapper::Limiting(limit) => {
-                AnyResource::new(memres::adaptor::Limiting::new(top, *limit))
-            }
-            Wrapper::Logging(file, exact_times) => AnyResource::new(
-                match file {
-                    Some(path) => memres::adaptor::Logging::to_file(top, path)?,
-                    None => memres::adaptor::Logging::from_env(top)?,
-                }
-                .exact_times(*exact_times),
-            ),
-        };
-    }
-    Ok(stack)
-}
-
-/// Sizes and shapes of the sub-allocators.
+/// Sizes and shapes of the sub-allocators, from the command line.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
     pub initial_size: usize,
@@ -261,12 +137,6 @@ pub struct Options {
     pub bin_min: u32,
     pub bin_max: u32,
     pub fixed_block: usize,
-    /// The smallest growth of a pool that grows in place (spec `step=`).
-    pub step: Option<usize>,
-    /// Free bytes above which a pool gives memory back (spec `release=`).
-    pub release: Option<usize>,
-    /// How a pool over chunks grows (spec `growth=`).
-    pub growth: Growth,
 }
 
 impl Default for Options {
@@ -278,9 +148,28 @@ impl Default for Options {
             bin_min: 10,
             bin_max: 22,
             fixed_block: 1 << 20,
-            step: None,
-            release: None,
-            growth: Growth::default(),
+        }
+    }
+}
+
+impl Options {
+    /// Puts the options into `spec`'s base where it leaves them to their defaults; a
+    /// plain `name`'s bins and block size too (a spec string's are its own). Two options
+    /// of spec strings do not apply to a replay: `virtual_pool`'s `reserve=` (a replay
+    /// reserves what its memory source has) and `cuda_async`'s sizes (the replay's driver
+    /// pool keeps its defaults).
+    fn apply(&self, spec: &mut Spec, name: bool) {
+        match spec.base_mut() {
+            Spec::Pool { initial, max, .. } | Spec::VirtualPool { initial, max, .. } => {
+                initial.get_or_insert(self.initial_size);
+                if max.is_none() {
+                    *max = self.max_size;
+                }
+            }
+            Spec::Arena { size } if size.is_none() => *size = self.arena_size,
+            Spec::Binning { min, max } if name => (*min, *max) = (self.bin_min, self.bin_max),
+            Spec::FixedSize { block, .. } if name => *block = self.fixed_block,
+            _ => {}
         }
     }
 }
@@ -289,7 +178,7 @@ impl Default for Options {
 /// footprint it takes from its memory, and the pool's figures where it has a pool.
 pub struct Stack {
     pub top: AnyResource<()>,
-    footprint: Box<dyn Fn() -> memres::adaptor::Counter + Send + Sync>,
+    footprint: Box<dyn Fn() -> Counter + Send + Sync>,
     pool: Option<PoolFigures>,
 }
 
@@ -298,7 +187,7 @@ type PoolFigures = Box<dyn Fn() -> PoolStats + Send + Sync>;
 
 impl Stack {
     /// Bytes the stack holds from its memory: now, and the most it held.
-    pub fn footprint(&self) -> memres::adaptor::Counter {
+    pub fn footprint(&self) -> Counter {
         (self.footprint)()
     }
 
@@ -308,166 +197,236 @@ impl Stack {
     }
 }
 
-/// `memory` with every block it hands out counted in the returned counter (exact: the
-/// replay interleaves threads, where `Statistics`' per-thread counting may be off by a
-/// few ops).
-fn counted<U>(
-    memory: U,
-) -> (
-    impl Resource<Properties = U::Properties> + Send + Sync + 'static,
-    Arc<ExactCounter>,
-)
-where
-    U: Resource + Send + Sync + 'static,
-{
-    let footprint = Arc::new(ExactCounter::default());
-    let memory = Arc::new(memory);
-    let (up, count) = (Arc::clone(&memory), Arc::clone(&footprint));
-    let allocate = move |l: Layout, s: StreamRef<'_>| {
-        let p = up.allocate(s, l)?;
-        count.add(l.size() as i64); // a layout's size is at most isize::MAX
+/// `U` with every block it hands out counted (exact: the replay interleaves threads,
+/// where `Statistics`' per-thread counting may be off by a few ops).
+pub struct Counted<U> {
+    memory: Arc<U>,
+    count: Arc<ExactCounter>,
+}
+
+impl<U> PartialEq for Counted<U> {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.memory, &other.memory)
+    }
+}
+
+// SAFETY: every call goes to `memory`, which keeps the contract; the wrapper only counts.
+unsafe impl<U: Resource> SyncResource for Counted<U> {
+    type Properties = U::Properties;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let p = self.memory.allocate_sync(layout)?;
+        self.count.add(layout.size() as i64); // a layout's size is at most isize::MAX
         Ok(p)
-    };
-    let count = Arc::clone(&footprint);
-    let deallocate = move |p: NonNull<u8>, l: Layout, s: StreamRef<'_>| {
-        count.sub(l.size() as i64);
-        // SAFETY: `Callback` hands back only blocks `allocate` returned, from `memory`
-        // with this layout, under `Resource::deallocate`'s contract.
-        unsafe { memory.deallocate(s, p, l) }
-    };
-    // SAFETY: every call goes to `memory`, which keeps the contract; the closures only
-    // count.
-    (
-        unsafe { Callback::<U::Properties>::new(allocate, deallocate) },
-        footprint,
-    )
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        self.count.sub(layout.size() as i64);
+        // SAFETY: the caller hands back a block `allocate_sync` returned, from `memory`
+        // with this layout.
+        unsafe { self.memory.deallocate_sync(ptr, layout) }
+    }
 }
 
-/// The pools' configuration from the options.
-fn pool_config(options: &Options) -> PoolConfig {
-    let mut config = PoolConfig::new()
-        .initial_size(options.initial_size)
-        .growth(options.growth);
-    if let Some(max) = options.max_size {
-        config = config.maximum_size(max);
+// SAFETY: as for `SyncResource` above.
+unsafe impl<U: Resource> Resource for Counted<U> {
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let p = self.memory.allocate(stream, layout)?;
+        self.count.add(layout.size() as i64);
+        Ok(p)
     }
-    if let Some(step) = options.step {
-        config = config.growth_step(step);
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        self.count.sub(layout.size() as i64);
+        // SAFETY: the caller hands back a block `allocate` returned, from `memory` with
+        // this layout, under `Resource::deallocate`'s contract.
+        unsafe { self.memory.deallocate(stream, ptr, layout) }
     }
-    if let Some(release) = options.release {
-        config = config.release_threshold(release);
-    }
-    config
 }
 
-/// Builds `kind` over `memory` (counted, to measure the footprint).
-/// `total` is the memory's size, for the arena's default.
-pub fn build<U>(kind: Kind, memory: U, total: usize, options: &Options) -> Result<Stack, Error>
+/// A replay's memory for the spec builder: `memory` (counted) for chunks and `cuda`,
+/// `leaf` for a `virtual_pool`, the driver's pool and managed memory where `gpu`.
+pub struct Replay<U, B: Backend> {
+    memory: Arc<U>,
+    count: Arc<ExactCounter>,
+    leaf: Box<dyn FnMut() -> Result<Virtual<B>, Error>>,
+    /// The size of an arena whose spec gives none.
+    arena_size: usize,
+    gpu: bool,
+    /// Set where a `virtual_pool` is built: its leaf's mapped bytes.
+    mapped: Option<Box<dyn Fn() -> Counter + Send + Sync>>,
+    pool: Option<PoolFigures>,
+}
+
+impl<U, B> Replay<U, B>
 where
-    U: Resource + Send + Sync + 'static,
-    U::Properties: Contains<()>,
+    U: Resource<Properties: Contains<()>> + Send + Sync + 'static,
+    B: Backend<Properties: Contains<()>>,
 {
-    let (memory, count) = counted(memory);
-    let counted = Arc::new(memory);
-    let footprint = Box::new(move || count.read());
-    let pool_config = || pool_config(options);
-    let (top, pool): (AnyResource<()>, Option<PoolFigures>) = match kind {
-        Kind::Pool => {
-            let pool = Arc::new(Pool::new(Arc::clone(&counted), pool_config())?);
-            let stats = Arc::clone(&pool);
-            (
-                AnyResource::new(pool),
-                Some(Box::new(move || stats.stats())),
-            )
+    pub fn new(
+        memory: U,
+        leaf: impl FnMut() -> Result<Virtual<B>, Error> + 'static,
+        arena_size: usize,
+        gpu: bool,
+    ) -> Self {
+        Replay {
+            memory: Arc::new(memory),
+            count: Arc::default(),
+            leaf: Box::new(leaf),
+            arena_size,
+            gpu,
+            mapped: None,
+            pool: None,
         }
-        Kind::Arena => {
-            let size = options.arena_size.unwrap_or(total / 2);
-            (
-                AnyResource::new(Arena::with_size(Arc::clone(&counted), size)?),
-                None,
-            )
-        }
-        Kind::Fixed => (
-            AnyResource::new(FixedSize::with_block_size(
-                Arc::clone(&counted),
-                options.fixed_block,
-                128,
-            )?),
-            None,
-        ),
-        Kind::Direct | Kind::CudaAsync | Kind::Managed => {
-            (AnyResource::new(Arc::clone(&counted)), None)
-        }
-        Kind::VirtualPool | Kind::Binning => {
-            return Err(Error::invalid_argument(format!(
-                "{kind:?} is built over a virtual-memory leaf (build_virtual)"
-            )));
-        }
-    };
-    Ok(Stack {
-        top,
-        footprint,
-        pool,
-    })
+    }
+
+    /// Builds `spec` over this memory. The footprint is what the stack's virtual-memory
+    /// leaf mapped where it has one, else the bytes it took from the memory.
+    pub fn build(mut self, spec: &Spec) -> Result<Stack, Error> {
+        let top = spec.build(&mut self)?;
+        let count = self.count;
+        Ok(Stack {
+            top,
+            footprint: self
+                .mapped
+                .unwrap_or_else(|| Box::new(move || count.read())),
+            pool: self.pool,
+        })
+    }
+
+    fn counted<V>(&self, memory: V) -> AnyResource<()>
+    where
+        V: Resource<Properties: Contains<()>> + Send + Sync + 'static,
+    {
+        AnyResource::new(Counted {
+            memory: Arc::new(memory),
+            count: Arc::clone(&self.count),
+        })
+    }
 }
 
-/// A pool that grows in place over `leaf` (its footprint: the bytes the leaf has mapped),
-/// alone (`Kind::VirtualPool`) or with `binning`'s bins over it (`Kind::Binning`).
-pub fn build_virtual<B>(leaf: Virtual<B>, options: &Options, bins: bool) -> Result<Stack, Error>
+impl<U, B> Target for Replay<U, B>
 where
-    B: Backend + Send + Sync + 'static,
-    B::Properties: Contains<()>,
+    U: Resource<Properties: Contains<()>> + Send + Sync + 'static,
+    B: Backend<Properties: Contains<()>>,
 {
-    let pool = Arc::new(leaf.pool_in_place(pool_config(options))?);
-    let (held, stats) = (Arc::clone(&pool), Arc::clone(&pool));
-    let top = if bins {
-        AnyResource::new(Binning::new(pool, options.bin_min, options.bin_max)?)
-    } else {
-        AnyResource::new(pool)
-    };
-    Ok(Stack {
-        top,
-        footprint: Box::new(move || memres::adaptor::Counter {
-            current: held.upstream().mapped_bytes() as i64,
-            peak: held.upstream().peak_mapped_bytes() as i64,
-            total: 0,
-        }),
-        pool: Some(Box::new(move || stats.stats())),
-    })
+    type Properties = ();
+    type Memory = Counted<U>;
+    type Backend = B;
+
+    fn memory(&mut self) -> Result<Counted<U>, Error> {
+        Ok(Counted {
+            memory: Arc::clone(&self.memory),
+            count: Arc::clone(&self.count),
+        })
+    }
+
+    fn virtual_leaf(&mut self, _reserve: Option<usize>) -> Result<Virtual<B>, Error> {
+        (self.leaf)()
+    }
+
+    fn arena_size(&mut self) -> Result<usize, Error> {
+        Ok(self.arena_size)
+    }
+
+    fn driver_pool(&mut self, _: Option<usize>, _: Option<u64>) -> Result<AnyResource<()>, Error> {
+        if !self.gpu {
+            return Err(Error::unsupported("cuda_async without a GPU"));
+        }
+        Ok(self.counted(CudaAsync::new()?))
+    }
+
+    fn managed(&mut self) -> Result<AnyResource<()>, Error> {
+        if !self.gpu {
+            return Err(Error::unsupported("managed memory without a GPU"));
+        }
+        Ok(self.counted(Managed::new()?))
+    }
+
+    fn built(&mut self, layer: Built<'_, Self>) {
+        match layer {
+            Built::Pool(pool) => {
+                let pool = Arc::clone(pool);
+                self.pool = Some(Box::new(move || pool.stats()));
+            }
+            Built::VirtualPool(pool) => {
+                let (held, stats) = (Arc::clone(pool), Arc::clone(pool));
+                self.mapped = Some(Box::new(move || Counter {
+                    current: held.upstream().mapped_bytes() as i64,
+                    peak: held.upstream().peak_mapped_bytes() as i64,
+                    total: 0,
+                }));
+                self.pool = Some(Box::new(move || stats.stats()));
+            }
+            _ => {}
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memres::suballoc::Growth;
 
-    /// The kinds that need a virtual-memory leaf are refused over any other memory (the
-    /// replay builds them with `build_virtual`), as an error, not a stack of another kind.
-    #[test]
-    fn kinds_over_virtual_memory_are_refused_over_other_memory() {
-        for kind in [Kind::VirtualPool, Kind::Binning] {
-            let built = build(kind, memres::HostHeap, 1 << 30, &Options::default());
-            assert!(matches!(built, Err(Error::InvalidArgument(_))), "{kind:?}");
-        }
+    fn host(spec: &str) -> Result<Stack, Error> {
+        let leaf = || memres::HostVirtual::new(1 << 30, 2 << 20);
+        let name = StackName::parse_with(spec, &Options::default()).unwrap();
+        Replay::new(memres::HostHeap, leaf, 64 << 20, false).build(&name.spec)
     }
 
-    /// `build_virtual` puts `binning`'s bins over the pool when asked: a small request
-    /// then takes a whole bin's chunk from the pool.
+    /// `binning` puts its bins over a pool growing in place: a small request then takes
+    /// a whole bin's chunk, and the footprint is what the leaf mapped.
     #[test]
-    fn build_virtual_puts_bins_over_the_pool() {
-        let leaf = || memres::HostVirtual::new(1 << 30, 2 << 20).unwrap();
-        let options = Options::default();
-        for (bins, mapped) in [(false, false), (true, true)] {
-            let stack = build_virtual(leaf(), &options, bins).unwrap();
+    fn binning_puts_bins_over_the_virtual_pool() {
+        for (name, mapped) in [("virtual_pool", false), ("binning", true)] {
+            let stack = host(name).unwrap();
             let (l, s) = (Layout::from_size_align(100, 8).unwrap(), StreamRef::HOST);
             let p = stack.top.allocate(s, l).unwrap();
             // The bins took their first chunks (128 blocks each) when they were made.
-            assert_eq!(
-                (stack.footprint)().current > (2 << 20),
-                mapped,
-                "bins: {bins}"
-            );
+            assert_eq!(stack.footprint().current > (2 << 20), mapped, "{name}");
+            assert!(stack.pool_stats().is_some(), "{name}");
             // SAFETY: allocated above with `l` on `s`.
             unsafe { stack.top.deallocate(s, p, l) };
         }
+    }
+
+    /// Without a GPU, the driver's pool and managed memory are refused as unsupported,
+    /// not built over other memory.
+    #[test]
+    fn gpu_only_stacks_are_refused_without_a_gpu() {
+        for name in ["cuda_async", "managed"] {
+            assert!(matches!(host(name), Err(Error::Unsupported(_))), "{name}");
+        }
+    }
+
+    /// Plain names take the command line's options; spec strings keep their own and
+    /// take the command line's only where they leave an option to its default.
+    #[test]
+    fn options_fill_what_a_spec_leaves_open() {
+        let options = Options {
+            initial_size: 1 << 20,
+            max_size: Some(1 << 30),
+            bin_min: 12,
+            fixed_block: 4096,
+            ..Options::default()
+        };
+        let spec = |text| StackName::parse_with(text, &options).unwrap().spec;
+        let pool = |initial, max| Spec::Pool {
+            initial: Some(initial),
+            max: Some(max),
+            growth: Growth::default(),
+        };
+        assert_eq!(spec("pool"), pool(1 << 20, 1 << 30));
+        assert_eq!(spec("pool:initial=2MiB"), pool(2 << 20, 1 << 30));
+        assert_eq!(spec("binning"), Spec::Binning { min: 12, max: 22 });
+        assert_eq!(spec("binning:min=11"), Spec::Binning { min: 11, max: 22 });
+        assert_eq!(
+            spec("fixed"),
+            Spec::FixedSize {
+                block: 4096,
+                blocks: 128
+            }
+        );
+        assert!(StackName::parse("host-cuda_async", &options).is_err());
     }
 }

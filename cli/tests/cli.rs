@@ -491,7 +491,13 @@ fn replay_options_out_of_range_and_long_specs_get_short_clear_errors() {
     assert!(err.len() < 1_000, "the error echoes {} bytes", err.len());
     assert!(err.contains("110000 bytes in all"), "{err}");
     // The spec names work as stack names; the older spelling too, with a note.
-    for name in ["virtual_pool", "virtual-pool", "fixed"] {
+    for name in [
+        "virtual_pool",
+        "virtual-pool",
+        "fixed",
+        "fixed_size",
+        "host-fixed_size",
+    ] {
         ok(&["replay", log, "-r", name]);
     }
     let out = memres(&["replay", log, "-r", "virtual-pool"]);

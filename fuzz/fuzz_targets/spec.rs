@@ -1,5 +1,6 @@
-//! The stack spec parser (`memres::spec`, the library's `spec` feature) on arbitrary
-//! text: a spec or an error with a message, never a panic, and the same answer twice.
+//! The stack spec language (`memres::spec`, the library's `spec` feature) on arbitrary
+//! text (see `fuzz/common/spec.rs`): a spec or an error with a message, never a panic, the
+//! same answer twice, and small specs built over host memory by the library's builder.
 //!
 //! ```sh
 //! cargo +nightly fuzz run spec fuzz/corpus/spec
@@ -7,14 +8,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use memres::spec;
 
-fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else {
-        return;
-    };
-    match spec::Spec::parse(text) {
-        Ok(parsed) => assert_eq!(spec::Spec::parse(text).ok(), Some(parsed)),
-        Err(e) => assert!(!e.message().is_empty()),
-    }
-});
+include!("../common/spec.rs");
+
+fuzz_target!(|data: &[u8]| run(data));

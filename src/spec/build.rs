@@ -1,0 +1,319 @@
+//! Building the stack a [`Spec`] names: one set of rules and defaults for every program
+//! that reads specs (the C ABI, `MEMRES_RESOURCE`, the `memres` command, the fuzz
+//! target). A program says what its leaves are with a [`Target`]; the layers are built
+//! here.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::Spec;
+use crate::adaptor::{Limiting, Logging, Statistics};
+use crate::property::Contains;
+use crate::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use crate::upstream::{Backend, Virtual};
+use crate::{AnyResource, Error, Resource};
+
+/// The leaves a spec is built over, and where the program keeps handles on the layers
+/// it will read later (figures, trimming, flushing logs).
+///
+/// The defaults are the C ABI's: a `virtual_pool`'s leaf reserves what the target
+/// decides, an `arena` without `size=` takes [`arena_size`](Target::arena_size).
+///
+/// ```
+/// use memres::spec::{Spec, Target};
+/// use memres::upstream::{HostPages, Virtual};
+/// use memres::{AnyResource, Error, Host, HostHeap, HostVirtual, Resource, StreamRef, layout};
+///
+/// /// Host memory: heap blocks, and a 1 GiB reservation of 2 MiB granules.
+/// struct OnTheHost;
+///
+/// impl Target for OnTheHost {
+///     type Properties = Host;
+///     type Memory = HostHeap;
+///     type Backend = HostPages;
+///
+///     fn memory(&mut self) -> Result<HostHeap, Error> {
+///         Ok(HostHeap)
+///     }
+///     fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<HostVirtual, Error> {
+///         HostVirtual::new(reserve.unwrap_or(1 << 30), 2 << 20)
+///     }
+///     fn arena_size(&mut self) -> Result<usize, Error> {
+///         Ok(64 << 20)
+///     }
+/// }
+///
+/// let stack: AnyResource<Host> = Spec::parse("statistics(virtual_pool)")?.build(&mut OnTheHost)?;
+/// let l = layout(4096)?;
+/// let p = stack.allocate(StreamRef::HOST, l)?;
+/// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+/// unsafe { stack.deallocate(StreamRef::HOST, p, l) };
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub trait Target {
+    /// What every layer of the built stack gives (e.g. [`Device`](crate::Device)).
+    type Properties: Contains<Self::Properties>;
+    /// The memory `cuda`, `pool`, `arena` and `fixed_size` take from (`Cuda` for the C
+    /// ABI).
+    type Memory: Resource<Properties: Contains<Self::Properties>> + Send + Sync + 'static;
+    /// The backend of the leaf a `virtual_pool` grows in.
+    type Backend: Backend<Properties: Contains<Self::Properties>>;
+
+    /// The memory, for one layer (called once per layer that takes from it).
+    fn memory(&mut self) -> Result<Self::Memory, Error>;
+
+    /// A virtual-memory leaf for a `virtual_pool`, reserving `reserve` bytes where the
+    /// spec says (`reserve=`).
+    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<Virtual<Self::Backend>, Error>;
+
+    /// The size of an `arena` whose spec gives none (the C ABI's: half the device's free
+    /// memory).
+    fn arena_size(&mut self) -> Result<usize, Error>;
+
+    /// The driver's stream-ordered pool of `cuda_async`. By default, refused as
+    /// [`Error::Unsupported`].
+    fn driver_pool(
+        &mut self,
+        initial: Option<usize>,
+        release_threshold: Option<u64>,
+    ) -> Result<AnyResource<Self::Properties>, Error> {
+        let _ = (initial, release_threshold);
+        Err(Error::unsupported(
+            "cuda_async (a driver pool) on this target",
+        ))
+    }
+
+    /// Managed memory, for `managed`. By default, refused as [`Error::Unsupported`].
+    fn managed(&mut self) -> Result<AnyResource<Self::Properties>, Error> {
+        Err(Error::unsupported("managed memory on this target"))
+    }
+
+    /// A layer just built, for the target to keep a handle on. By default, none is kept.
+    fn built(&mut self, layer: Built<'_, Self>) {
+        let _ = layer;
+    }
+}
+
+/// A layer [`Spec::build`] made, shown to [`Target::built`] (inner layers first).
+#[non_exhaustive]
+pub enum Built<'a, T: Target + ?Sized> {
+    /// A chunked `pool`.
+    Pool(&'a Arc<Pool<T::Memory>>),
+    /// A `virtual_pool`, growing in place.
+    VirtualPool(&'a Arc<Pool<Virtual<T::Backend>>>),
+    /// An `arena`.
+    Arena(&'a Arc<Arena<T::Memory>>),
+    /// A `statistics(..)` layer.
+    Statistics(&'a Arc<Statistics<AnyResource<T::Properties>>>),
+    /// A `logging(..)` layer.
+    Logging(&'a Arc<Logging<AnyResource<T::Properties>>>),
+}
+
+impl Spec {
+    /// The stack this spec names, over `target`'s leaves, erased at its top.
+    ///
+    /// `binning`'s bins go over a default `virtual_pool` (the pool that holds least);
+    /// `logging(..)` without `file=` logs where `MEMRES_LOG_FILE` says, else to standard
+    /// error ([`Logging::from_env`]).
+    pub fn build<T: Target>(&self, target: &mut T) -> Result<AnyResource<T::Properties>, Error> {
+        Ok(match self {
+            Spec::Cuda => AnyResource::new(target.memory()?),
+            Spec::CudaAsync {
+                initial,
+                release_threshold,
+            } => target.driver_pool(*initial, *release_threshold)?,
+            Spec::Managed => target.managed()?,
+            Spec::Pool {
+                initial,
+                max,
+                growth,
+            } => {
+                let config = pool_config(*initial, *max, None, None).growth(*growth);
+                let pool = Arc::new(Pool::new(target.memory()?, config)?);
+                target.built(Built::Pool(&pool));
+                AnyResource::new(pool)
+            }
+            Spec::VirtualPool {
+                initial,
+                max,
+                step,
+                release,
+                reserve,
+            } => {
+                let config = pool_config(*initial, *max, *step, *release);
+                let leaf = target.virtual_leaf(*reserve)?;
+                let pool = Arc::new(leaf.pool_in_place(config)?);
+                target.built(Built::VirtualPool(&pool));
+                AnyResource::new(pool)
+            }
+            Spec::Arena { size } => {
+                let size = match size {
+                    Some(size) => *size,
+                    None => target.arena_size()?,
+                };
+                let arena = Arc::new(Arena::with_size(target.memory()?, size)?);
+                target.built(Built::Arena(&arena));
+                AnyResource::new(arena)
+            }
+            Spec::FixedSize { block, blocks } => AnyResource::new(FixedSize::with_block_size(
+                target.memory()?,
+                *block,
+                *blocks,
+            )?),
+            Spec::Binning { min, max } => {
+                let pool = Spec::default_spec().build(target)?;
+                AnyResource::new(Binning::new(pool, *min, *max)?)
+            }
+            Spec::WithStatistics(inner) => {
+                let counted = Arc::new(Statistics::new(inner.build(target)?));
+                target.built(Built::Statistics(&counted));
+                AnyResource::new(counted)
+            }
+            Spec::Logged {
+                inner,
+                file,
+                exact_times,
+            } => {
+                let inner = inner.build(target)?;
+                let logged = match file {
+                    Some(path) => Logging::to_file(inner, Path::new(path))?,
+                    None => Logging::from_env(inner)?,
+                };
+                let logged = Arc::new(logged.exact_times(*exact_times));
+                target.built(Built::Logging(&logged));
+                AnyResource::new(logged)
+            }
+            Spec::Limited { inner, limit } => {
+                AnyResource::new(Limiting::new(inner.build(target)?, *limit))
+            }
+        })
+    }
+}
+
+/// A pool's configuration from a spec's options; `None` keeps [`PoolConfig`]'s default.
+fn pool_config(
+    initial: Option<usize>,
+    max: Option<usize>,
+    step: Option<usize>,
+    release: Option<usize>,
+) -> PoolConfig {
+    let mut config = PoolConfig::new();
+    if let Some(initial) = initial {
+        config = config.initial_size(initial);
+    }
+    if let Some(max) = max {
+        config = config.maximum_size(max);
+    }
+    if let Some(step) = step {
+        config = config.growth_step(step);
+    }
+    if let Some(release) = release {
+        config = config.release_threshold(release);
+    }
+    config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream::HostPages;
+    use crate::{Host, HostHeap, HostVirtual, StreamRef, layout};
+
+    /// Host memory, keeping what it was shown.
+    #[derive(Default)]
+    struct Recording {
+        reserved: Vec<Option<usize>>,
+        built: Vec<&'static str>,
+    }
+
+    impl Target for Recording {
+        type Properties = Host;
+        type Memory = HostHeap;
+        type Backend = HostPages;
+
+        fn memory(&mut self) -> Result<HostHeap, Error> {
+            Ok(HostHeap)
+        }
+        fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<HostVirtual, Error> {
+            self.reserved.push(reserve);
+            HostVirtual::new(reserve.unwrap_or(1 << 30), 64 << 10)
+        }
+        fn arena_size(&mut self) -> Result<usize, Error> {
+            Ok(4 << 20)
+        }
+        fn built(&mut self, layer: Built<'_, Self>) {
+            self.built.push(match layer {
+                Built::Pool(_) => "pool",
+                Built::VirtualPool(_) => "virtual_pool",
+                Built::Arena(_) => "arena",
+                Built::Statistics(_) => "statistics",
+                Built::Logging(_) => "logging",
+            });
+        }
+    }
+
+    fn round_trip(stack: &AnyResource<Host>, bytes: usize) -> Result<(), Error> {
+        let l = layout(bytes)?;
+        let p = stack.allocate(StreamRef::HOST, l)?;
+        // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+        unsafe { stack.deallocate(StreamRef::HOST, p, l) };
+        Ok(())
+    }
+
+    /// Every base the host can give builds and serves a request; the layers are shown
+    /// to the target inner first, and the virtual leaf gets the spec's reservation.
+    #[test]
+    fn every_host_spec_builds_and_serves() {
+        for (text, shown) in [
+            ("cuda", &[][..]),
+            ("pool:initial=1MiB,growth=rmm", &["pool"][..]),
+            ("virtual_pool:reserve=256MiB,step=1MiB", &["virtual_pool"]),
+            ("arena", &["arena"]),
+            ("fixed_size:block=8KiB,blocks=4", &[]),
+            ("binning:min=10,max=14", &["virtual_pool"]),
+            (
+                "statistics(limiting(pool, limit=1GiB))",
+                &["pool", "statistics"],
+            ),
+        ] {
+            let mut target = Recording::default();
+            let stack = Spec::parse(text).unwrap().build(&mut target).unwrap();
+            round_trip(&stack, 4096).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(target.built, shown, "{text}");
+        }
+        let mut target = Recording::default();
+        Spec::parse("virtual_pool:reserve=256MiB")
+            .unwrap()
+            .build(&mut target)
+            .unwrap();
+        assert_eq!(target.reserved, [Some(256 << 20)]);
+    }
+
+    /// What a target cannot give is an error naming it, not a stack of another kind.
+    #[test]
+    fn a_target_without_a_leaf_refuses_its_spec() {
+        for text in ["cuda_async", "managed"] {
+            let built = Spec::parse(text).unwrap().build(&mut Recording::default());
+            assert!(matches!(built, Err(Error::Unsupported(_))), "{text}");
+        }
+    }
+
+    /// The spec's options reach the layers: a limit refuses what is past it, a fixed
+    /// block size refuses a larger request, an arena's size is what the spec says.
+    #[test]
+    fn options_reach_the_layers() {
+        let build = |text: &str| Spec::parse(text).unwrap().build(&mut Recording::default());
+        let limited = build("limiting(pool, limit=1MiB)").unwrap();
+        assert!(matches!(
+            round_trip(&limited, 2 << 20),
+            Err(Error::OutOfMemory { .. })
+        ));
+        let fixed = build("fixed_size:block=8KiB,blocks=4").unwrap();
+        assert!(round_trip(&fixed, 8 << 10).is_ok());
+        assert!(round_trip(&fixed, 16 << 10).is_err());
+        assert!(matches!(
+            build("arena:size=1KiB"),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}
