@@ -93,7 +93,9 @@ pub mod suballoc;
 pub mod units;
 pub mod upstream;
 
+mod addr_map;
 mod cache_prefetch;
+mod copy;
 mod sync;
 
 pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};

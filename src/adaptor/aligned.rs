@@ -8,10 +8,10 @@ use std::ptr::NonNull;
 use typenum::{And, B1, Eq, GrEq, IsEqual, IsGreaterOrEqual, Sub1, U0, U256, Unsigned};
 
 use super::{as_asked, upstream_access};
+use crate::addr_map::AddrMap;
 use crate::error::Error;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::suballoc::AddrMap;
 use crate::sync::Mutex;
 
 /// Aligns allocations of at least `threshold` bytes to `alignment` (RMM's

@@ -10,13 +10,13 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::{as_asked, upstream_access};
-use crate::container::copy::{self, Access};
+use crate::addr_map::AddrMap;
+use crate::copy::{self, Access};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
 use crate::driver::check;
 use crate::error::Error;
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::{Event, StreamRef};
-use crate::suballoc::AddrMap;
 use crate::sync::Mutex;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;

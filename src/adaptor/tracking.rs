@@ -7,10 +7,10 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::{eq_by_upstream, upstream_access};
+use crate::addr_map::AddrMap;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::suballoc::AddrMap;
 use crate::sync::{SpinGuard, SpinLock};
 
 /// One live allocation, as [`Tracking::outstanding`] reports it.

@@ -5,7 +5,7 @@ use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 
-use super::copy::{self, Access};
+use crate::copy::{self, Access};
 use crate::device::{Bound, Context, DeviceId, bind, process_is_exiting};
 use crate::erased::AnyResource;
 use crate::error::Error;

@@ -30,7 +30,6 @@
 //! (`StreamRef::from(&cuda_stream)`, `Stream::from_cudarc`).
 
 mod buffer;
-pub(crate) mod copy;
 #[cfg(feature = "cudarc-interop")]
 mod cudarc_view;
 mod host_alloc;

@@ -7,7 +7,7 @@ use std::mem::size_of;
 use bytemuck::Pod;
 
 use super::buffer::{DeviceBuffer, bind_device, bind_for, host_vec, order_after};
-use super::copy::{self, Access};
+use crate::copy::{self, Access};
 use crate::device::DeviceId;
 use crate::erased::AnyResource;
 use crate::error::Error;

@@ -24,7 +24,7 @@ const OWN_CLASS_SCAN: usize = 8;
 /// address region ([`Regions`]).
 const LOW_FIRST_UNITS: usize = 2048;
 
-use super::addr_map::AddrMap;
+use crate::addr_map::AddrMap;
 
 /// One free block, as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

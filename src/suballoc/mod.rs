@@ -63,7 +63,6 @@ macro_rules! sync_on_the_host_stream {
     };
 }
 
-mod addr_map;
 mod arena;
 mod binning;
 mod chunks;
@@ -71,7 +70,6 @@ mod deferred;
 mod fixed;
 mod free_blocks;
 mod granule;
-pub(crate) use addr_map::AddrMap;
 pub(crate) use chunks::to_ptr;
 mod pool;
 mod pool_config;

@@ -4,9 +4,9 @@
 
 use std::alloc::Layout;
 
-use super::addr_map::AddrMap;
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::superblocks::Superblocks;
+use crate::addr_map::AddrMap;
 use crate::sync::Arc;
 
 /// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
