@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use memres::adaptor::Limiting;
-use memres::suballoc::{Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
 
 /// Runs `work` on a thread of its own and fails if it has not finished in `limit`. (A
@@ -351,7 +351,40 @@ fn trims_free_stream_lists_while_16_threads_use_streams_that_come_and_go() {
         let leaf = HostVirtual::new(8 << 30, 64 << 10).unwrap();
         let in_place = Pool::in_place(leaf, PoolConfig::new()).unwrap();
         lists_freed_under_use("in place", &in_place);
+        arena_lists_freed_under_use();
     });
+}
+
+/// The arena's `trim` beside 16 threads (each at most 32 blocks of up to 1 MiB live):
+/// contents kept, no false out-of-memory, every superblock back at the end.
+fn arena_lists_freed_under_use() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let arena = Arena::with_size(HostHeap::new(), 2 << 30).unwrap();
+    let (done, trims) = (AtomicBool::new(false), AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Relaxed) {
+                arena.trim().unwrap();
+                trims.fetch_add(1, Relaxed);
+            }
+        });
+        // Rounds until the trimming thread has run often enough to meet the others.
+        for _ in 0..8 {
+            stress_on(&arena, &|| {}, STRESS_OPS, 256, 100);
+            if trims.load(Relaxed) >= 50 {
+                break;
+            }
+        }
+        done.store(true, Relaxed);
+    });
+    assert_eq!(arena.free_bytes(), arena.size(), "arena: everything free");
+    arena.trim().unwrap();
+    assert_eq!(
+        arena.superblocks(),
+        0,
+        "arena: every superblock back after trim"
+    );
+    println!("arena: {} trims beside the threads", trims.into_inner());
 }
 
 fn lists_freed_under_use<U: Resource + Sync>(name: &str, pool: &Pool<U>) {

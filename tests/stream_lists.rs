@@ -1,12 +1,12 @@
-//! What a pool's per-stream lists cost on the heap, counted by a global allocator of
-//! this test binary: a stream used once leaves a list behind; `trim()` frees the lists
-//! (issue 33, item 4), or where Linux's `membarrier` is not offered (no grace periods),
-//! gives back their heap memory.
+//! What the per-stream lists of a pool or an arena cost on the heap, counted by a global
+//! allocator of this test binary: a stream used once leaves a list behind; `trim()` frees
+//! the lists (issue 33, item 4), or where Linux's `membarrier` is not offered (no grace
+//! periods), gives back their heap memory.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use memres::suballoc::{Pool, PoolConfig};
+use memres::suballoc::{Arena, Pool, PoolConfig};
 use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
 
 /// Bytes live on the heap of this process.
@@ -46,7 +46,7 @@ fn grace_periods_offered() -> bool {
 
 /// Heap bytes per stream: after each of `STREAMS` streams allocated and freed a small and
 /// a 64 KiB block, and after `trim()`.
-fn per_stream<U: Resource>(pool: &Pool<U>) -> (isize, isize) {
+fn per_stream<R: Resource>(pool: &R, trim: impl Fn(&R)) -> (isize, isize) {
     let small = layout(256).unwrap();
     let mid = layout(64 << 10).unwrap();
     let before = HEAP.load(Ordering::Relaxed);
@@ -61,7 +61,7 @@ fn per_stream<U: Resource>(pool: &Pool<U>) -> (isize, isize) {
         }
     }
     let used = HEAP.load(Ordering::Relaxed) - before;
-    pool.trim().unwrap();
+    trim(pool);
     let trimmed = HEAP.load(Ordering::Relaxed) - before;
     let n = STREAMS as isize;
     (used / n, trimmed / n)
@@ -74,7 +74,10 @@ fn trimmed_bound() -> isize {
 }
 
 fn check<U: Resource>(name: &str, pool: &Pool<U>) {
-    let (used, trimmed) = per_stream(pool);
+    let trim = |p: &Pool<U>| {
+        p.trim().unwrap();
+    };
+    let (used, trimmed) = per_stream(pool, trim);
     println!("{name}: {used} B per stream in use, {trimmed} B after trim");
     assert!(
         used > 4 << 10,
@@ -89,7 +92,7 @@ fn check<U: Resource>(name: &str, pool: &Pool<U>) {
         assert_eq!(pool.stats().stream_lists, 1, "lists after trim");
     }
     // The streams again: new lists, the same memory, and no more after another trim.
-    let (again, trimmed_again) = per_stream(pool);
+    let (again, trimmed_again) = per_stream(pool, trim);
     println!("{name}, the same streams again: {again} B, {trimmed_again} B after trim");
     assert!(trimmed_again <= trimmed_bound(), "{trimmed_again} B");
 }
@@ -102,4 +105,28 @@ fn trim_frees_the_lists_of_used_streams() {
     let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
     let in_place = leaf.pool_in_place(PoolConfig::new()).unwrap();
     check("in-place pool", &in_place);
+
+    // An arena of 64 superblocks: most streams take one, and the arena defragments
+    // (takes whole superblocks back from other streams' lists) when the global arena
+    // runs dry.
+    let arena = Arena::with_size(HostHeap, 64 << 20).unwrap();
+    let trim = |a: &Arena<HostHeap>| a.trim().unwrap();
+    for round in ["", ", the same streams again"] {
+        let (used, trimmed) = per_stream(&arena, trim);
+        println!("arena{round}: {used} B per stream in use, {trimmed} B after trim");
+        assert!(
+            used > 200,
+            "the lists hold their tables while in use: {used} B"
+        );
+        assert!(
+            trimmed <= trimmed_bound(),
+            "{trimmed} B per stream after trim"
+        );
+        assert_eq!(
+            arena.superblocks(),
+            0,
+            "every superblock back in the global arena"
+        );
+        assert_eq!(arena.free_bytes(), arena.size());
+    }
 }

@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::grace;
 use crate::sync::lock;
 use crate::sync::{Arc, Mutex};
 
@@ -213,6 +214,7 @@ impl<U: Resource> Arena<U> {
     /// Bytes not handed out: in the global arena, waiting for a stream, or in a stream's
     /// arena (a snapshot, list by list).
     pub fn free_bytes(&self) -> usize {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let global = lock(&self.global);
         let pending = global.pending_bytes();
         let streams: usize = self
@@ -230,6 +232,85 @@ impl<U: Resource> Arena<U> {
         self.table.iter().count()
     }
 
+    /// Waits for the work of every stream the arena has served, gives every superblock
+    /// that is then entirely free back to the global arena, and frees the lists of the
+    /// streams left with no free memory (a stream used again gets a new list), so an
+    /// arena that served many streams holds memory for its host lists only. Free pieces
+    /// of superblocks still partly in use go to the calling thread's host list. Linux 4.14
+    /// and later free the lists (the call waits for the arena's calls under way on other
+    /// threads to return); elsewhere the lists stay, emptied.
+    ///
+    /// ```
+    /// use memres::suballoc::Arena;
+    /// use memres::{HostHeap, Resource, StreamRef, layout};
+    ///
+    /// let arena = Arena::with_size(HostHeap::new(), 64 << 20)?;
+    /// let l = layout(1000)?;
+    /// for stream in 1..100 {
+    ///     let p = arena.allocate(StreamRef::host(stream), l)?;
+    ///     // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+    ///     unsafe { arena.deallocate(StreamRef::host(stream), p, l) };
+    /// }
+    /// arena.trim()?;
+    /// assert_eq!(arena.superblocks(), 0, "every superblock back in the global arena");
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn trim(&self) -> Result<(), Error> {
+        {
+            let _pin = grace::pin(); // (see `ShardMap::retire`)
+            if self.held.any() {
+                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+            }
+            let mut global = lock(&self.global);
+            // Every stream's work is done: its free memory may serve any stream.
+            self.shards.synchronize_streams()?;
+            let host = self.shard(StreamRef::HOST);
+            let mut moved = Vec::new();
+            for shard in self.shards.all() {
+                if !ptr::eq(shard, host) {
+                    moved.extend(shard.state.lock().drain());
+                }
+            }
+            host.state.lock().absorb(moved);
+            self.settle_pending(&mut global)?;
+            self.defragment(&mut global, 0)?;
+            for shard in self.shards.all() {
+                shard.state.lock().release_memory();
+            }
+        }
+        self.retire_empty_lists();
+        Ok(())
+    }
+
+    /// Frees every list that holds no free memory but those of the default host stream
+    /// (`StreamRef::HOST`, one per lane) (see [`trim`](Self::trim)); returns how many went. The caller is not
+    /// pinned and holds no lock.
+    fn retire_empty_lists(&self) -> usize {
+        // SAFETY: every use of this arena's shards is inside a pin (its entry points pin
+        // before they look one up, and hold no shard between calls); this thread is not
+        // pinned and holds no lock; `home` pins while it looks up the stream's new list
+        // (the retirement's late items go there).
+        unsafe {
+            self.shards.retire(
+                |shard| {
+                    shard.key.stream() != StreamKey::of(StreamRef::HOST)
+                        && shard.state.lock().free_bytes() == 0
+                },
+                |old| {
+                    let _pin = grace::pin();
+                    match self.shards.find(old.key) {
+                        Some(shard) => shard,
+                        None => self.shards.get_or_insert_like(old, || {
+                            PoolShard::in_arena(Arc::clone(&self.table))
+                        }),
+                    }
+                },
+                PoolShard::drain,
+                PoolShard::absorb,
+            )
+        }
+    }
+
     /// The upstream resource.
     pub fn upstream(&self) -> &U {
         &self.upstream
@@ -238,6 +319,7 @@ impl<U: Resource> Arena<U> {
     /// The arena's state in words: its size, the superblocks streams hold, free bytes
     /// (global and per stream), the largest free block and the fragmentation.
     pub fn dump(&self) -> String {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let global = lock(&self.global);
         let pending = global.pending_bytes();
         let mut free = global.free.bytes() + pending;
@@ -370,16 +452,22 @@ impl<U: Resource> Arena<U> {
         };
         let mut free = vec![0usize; starts.len()];
         let mut listed = 0;
-        let shards = self.shards.all();
-        for shard in &shards {
+        // Only the lists holding free memory are read again below (after a trim or a
+        // defragmentation most lists of many streams hold none).
+        let mut shards = self.shards.all();
+        shards.retain(|shard| {
             let s = shard.state.lock();
+            if s.free_bytes() == 0 {
+                return false;
+            }
             for (addr, size) in s.free_extents() {
                 listed += size;
                 if let Some(i) = holder(addr) {
                     free[i] += size;
                 }
             }
-        }
+            true
+        });
         let whole = |i: usize| free[i] == starts[i].1;
         // Nothing to gain when all free memory together is less than the request.
         if listed + global.free.bytes() < need || !(0..starts.len()).any(whole) {
@@ -556,6 +644,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             return Ok(dangling(layout));
         }
         let (size, align) = block_size(layout);
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let shard = self.shard(stream);
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
@@ -573,6 +662,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let shard = self.shard(stream);
         let emptied = {
             let mut s = shard.state.lock();
@@ -607,6 +697,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
