@@ -352,7 +352,45 @@ fn trims_free_stream_lists_while_16_threads_use_streams_that_come_and_go() {
         let in_place = Pool::in_place(leaf, PoolConfig::new()).unwrap();
         lists_freed_under_use("in place", &in_place);
         arena_lists_freed_under_use();
+        let fixed = FixedSize::with_block_size(HostHeap::new(), 1 << 20, 16).unwrap();
+        trimmed_under_use("fixed size", &fixed, &|| fixed.trim().unwrap());
+        assert_eq!(fixed.free_blocks(), 16 * fixed.upstream_allocations());
+        let bins = Binning::new(
+            Pool::new(HostHeap::new(), PoolConfig::new()).unwrap(),
+            8,
+            20,
+        )
+        .unwrap();
+        trimmed_under_use("binning", &bins, &|| {
+            bins.trim().unwrap();
+            bins.upstream().trim().unwrap();
+        });
     });
+}
+
+/// `trim` (of a `FixedSize`, whose thread caches keep lists across calls, or of a
+/// `Binning`'s bins and pool) on a thread of its own beside the 16 of [`stress_on`]:
+/// contents kept, no false out-of-memory, no list freed under a thread or a cache.
+fn trimmed_under_use<R: Resource + Sync>(name: &str, r: &R, trim: &(dyn Fn() + Sync)) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let (done, trims) = (AtomicBool::new(false), AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Relaxed) {
+                trim();
+                trims.fetch_add(1, Relaxed);
+            }
+        });
+        for _ in 0..8 {
+            stress_on(r, &|| {}, STRESS_OPS, 256, 100);
+            if trims.load(Relaxed) >= 50 {
+                break;
+            }
+        }
+        done.store(true, Relaxed);
+    });
+    trim();
+    println!("{name}: {} trims beside the threads", trims.into_inner());
 }
 
 /// The arena's `trim` beside 16 threads (each at most 32 blocks of up to 1 MiB live):

@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use memres::suballoc::{Arena, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
 
 /// Bytes live on the heap of this process.
@@ -47,17 +47,22 @@ fn grace_periods_offered() -> bool {
 /// Heap bytes per stream: after each of `STREAMS` streams allocated and freed a small and
 /// a 64 KiB block, and after `trim()`.
 fn per_stream<R: Resource>(pool: &R, trim: impl Fn(&R)) -> (isize, isize) {
-    let small = layout(256).unwrap();
-    let mid = layout(64 << 10).unwrap();
+    per_stream_of(pool, &[256, 64 << 10], trim)
+}
+
+/// [`per_stream`] with blocks of `sizes`.
+fn per_stream_of<R: Resource>(pool: &R, sizes: &[usize], trim: impl Fn(&R)) -> (isize, isize) {
+    let layouts: Vec<Layout> = sizes.iter().map(|&n| layout(n).unwrap()).collect();
     let before = HEAP.load(Ordering::Relaxed);
     for id in 1..=STREAMS {
         let s = StreamRef::host(id);
-        let a = pool.allocate(s, small).unwrap();
-        let b = pool.allocate(s, mid).unwrap();
-        // SAFETY: allocated just above on `s`, unused.
-        unsafe {
-            pool.deallocate(s, a, small);
-            pool.deallocate(s, b, mid);
+        let blocks: Vec<_> = layouts
+            .iter()
+            .map(|&l| (pool.allocate(s, l).unwrap(), l))
+            .collect();
+        for (p, l) in blocks {
+            // SAFETY: allocated just above on `s`, unused.
+            unsafe { pool.deallocate(s, p, l) };
         }
     }
     let used = HEAP.load(Ordering::Relaxed) - before;
@@ -128,5 +133,46 @@ fn trim_frees_the_lists_of_used_streams() {
             "every superblock back in the global arena"
         );
         assert_eq!(arena.free_bytes(), arena.size());
+    }
+
+    // Blocks of one size (with thread caches), and bins of them over a pool; their
+    // chunks come from mapped memory (not the heap counted here). A host stream's list
+    // keeps its last block until `trim` (so that over many streams each one's next
+    // allocation does not take another's), which the second round then reuses.
+    let chunks = HostVirtual::new(1 << 30, 64 << 10).unwrap();
+    let fixed = FixedSize::with_block_size(&chunks, 4096, 64).unwrap();
+    let trim = |f: &FixedSize<&HostVirtual>| f.trim().unwrap();
+    let mut grown = Vec::new();
+    for round in ["", ", the same streams again"] {
+        let (used, trimmed) = per_stream_of(&fixed, &[4096], trim);
+        println!("fixed size{round}: {used} B per stream in use, {trimmed} B after trim");
+        assert!(used > 100, "the lists live while in use: {used} B");
+        assert!(
+            trimmed <= trimmed_bound(),
+            "{trimmed} B per stream after trim"
+        );
+        assert_eq!(fixed.free_blocks(), 64 * fixed.upstream_allocations());
+        grown.push(fixed.upstream_allocations());
+    }
+    assert_eq!(
+        grown[0], grown[1],
+        "the second round reuses the first's blocks"
+    );
+    let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
+    let bins = Binning::new(leaf.pool_in_place(PoolConfig::new()).unwrap(), 8, 12).unwrap();
+    let trim = |b: &Binning<Pool<HostVirtual>>| {
+        b.trim().unwrap();
+        b.upstream().trim().unwrap();
+    };
+    for round in ["", ", the same streams again"] {
+        let (used, trimmed) = per_stream_of(&bins, &[256, 4096], trim);
+        println!("binning{round}: {used} B per stream in use, {trimmed} B after trim");
+        assert!(used > 200, "the bins' lists live while in use: {used} B");
+        // Beyond the lists: the pool's records of the bins' chunks, which the first
+        // round grew (a host list keeps its last block) and the second reuses.
+        assert!(
+            trimmed <= 2 * trimmed_bound(),
+            "{trimmed} B per stream after trim"
+        );
     }
 }

@@ -160,12 +160,12 @@ impl Target for Layers {
 
     fn built(&mut self, layer: Built<'_, Self>) {
         match layer {
-            Built::Pool(pool) => self.pool = Some(PoolLayer::Pool(Arc::clone(pool))),
-            Built::VirtualPool(pool) => self.pool = Some(PoolLayer::Virtual(Arc::clone(pool))),
-            Built::Arena(arena) => self.pool = Some(PoolLayer::Arena(Arc::clone(arena))),
+            Built::ChunkedPool(pool) => self.pool = Some(PoolLayer::Pool(Arc::clone(pool))),
+            Built::InPlacePool(pool) => self.pool = Some(PoolLayer::Virtual(Arc::clone(pool))),
+            Built::SuperblockArena(arena) => self.pool = Some(PoolLayer::Arena(Arc::clone(arena))),
             // Built inside out, so the last one kept is the outermost.
-            Built::Statistics(counted) => self.statistics = Some(Arc::clone(counted)),
-            Built::Logging(logged) => self.logs.push(Arc::clone(logged)),
+            Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
+            Built::Logged(logged) => self.logs.push(Arc::clone(logged)),
             _ => {}
         }
     }

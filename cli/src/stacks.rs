@@ -345,11 +345,11 @@ where
 
     fn built(&mut self, layer: Built<'_, Self>) {
         match layer {
-            Built::Pool(pool) => {
+            Built::ChunkedPool(pool) => {
                 let pool = Arc::clone(pool);
                 self.pool = Some(Box::new(move || pool.stats()));
             }
-            Built::VirtualPool(pool) => {
+            Built::InPlacePool(pool) => {
                 let (held, stats) = (Arc::clone(pool), Arc::clone(pool));
                 self.mapped = Some(Box::new(move || Counter {
                     current: held.upstream().mapped_bytes() as i64,

@@ -49,7 +49,10 @@ fn small(spec: &Spec) -> bool {
             reserve,
         } => [initial, max, step, release, reserve].into_iter().all(fits),
         Spec::Arena { size } => fits(size),
-        Spec::FixedSize { block, blocks } => block.saturating_mul(*blocks) <= MOST,
+        // Blocks are rounded up to 256 bytes: `block=2B,blocks=18999999` takes 4.9 GB.
+        Spec::FixedSize { block, blocks } => {
+            (*block).max(256).saturating_add(255).saturating_mul(*blocks) <= MOST
+        }
         Spec::Binning { max, .. } => *max <= 20,
         _ => true,
     }

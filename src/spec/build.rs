@@ -94,19 +94,21 @@ pub trait Target {
     }
 }
 
-/// A layer [`Spec::build`] made, shown to [`Target::built`] (inner layers first).
+/// A layer [`Spec::build`] made, shown to [`Target::built`] (inner layers first). (The
+/// variants are not named as the types they hold, whose names rustc would then print
+/// with their whole paths in its messages.)
 #[non_exhaustive]
 pub enum Built<'a, T: Target + ?Sized> {
     /// A chunked `pool`.
-    Pool(&'a Arc<Pool<T::Memory>>),
+    ChunkedPool(&'a Arc<Pool<T::Memory>>),
     /// A `virtual_pool`, growing in place.
-    VirtualPool(&'a Arc<Pool<Virtual<T::Backend>>>),
+    InPlacePool(&'a Arc<Pool<Virtual<T::Backend>>>),
     /// An `arena`.
-    Arena(&'a Arc<Arena<T::Memory>>),
+    SuperblockArena(&'a Arc<Arena<T::Memory>>),
     /// A `statistics(..)` layer.
-    Statistics(&'a Arc<Statistics<AnyResource<T::Properties>>>),
+    WithStatistics(&'a Arc<Statistics<AnyResource<T::Properties>>>),
     /// A `logging(..)` layer.
-    Logging(&'a Arc<Logging<AnyResource<T::Properties>>>),
+    Logged(&'a Arc<Logging<AnyResource<T::Properties>>>),
 }
 
 impl Spec {
@@ -130,7 +132,7 @@ impl Spec {
             } => {
                 let config = pool_config(*initial, *max, None, None).growth(*growth);
                 let pool = Arc::new(Pool::new(target.memory()?, config)?);
-                target.built(Built::Pool(&pool));
+                target.built(Built::ChunkedPool(&pool));
                 AnyResource::new(pool)
             }
             Spec::VirtualPool {
@@ -143,7 +145,7 @@ impl Spec {
                 let config = pool_config(*initial, *max, *step, *release);
                 let leaf = target.virtual_leaf(*reserve)?;
                 let pool = Arc::new(leaf.pool_in_place(config)?);
-                target.built(Built::VirtualPool(&pool));
+                target.built(Built::InPlacePool(&pool));
                 AnyResource::new(pool)
             }
             Spec::Arena { size } => {
@@ -152,7 +154,7 @@ impl Spec {
                     None => target.arena_size()?,
                 };
                 let arena = Arc::new(Arena::with_size(target.memory()?, size)?);
-                target.built(Built::Arena(&arena));
+                target.built(Built::SuperblockArena(&arena));
                 AnyResource::new(arena)
             }
             Spec::FixedSize { block, blocks } => AnyResource::new(FixedSize::with_block_size(
@@ -166,7 +168,7 @@ impl Spec {
             }
             Spec::WithStatistics(inner) => {
                 let counted = Arc::new(Statistics::new(inner.build(target)?));
-                target.built(Built::Statistics(&counted));
+                target.built(Built::WithStatistics(&counted));
                 AnyResource::new(counted)
             }
             Spec::Logged {
@@ -180,7 +182,7 @@ impl Spec {
                     None => Logging::from_env(inner)?,
                 };
                 let logged = Arc::new(logged.exact_times(*exact_times));
-                target.built(Built::Logging(&logged));
+                target.built(Built::Logged(&logged));
                 AnyResource::new(logged)
             }
             Spec::Limited { inner, limit } => {
@@ -243,11 +245,11 @@ mod tests {
         }
         fn built(&mut self, layer: Built<'_, Self>) {
             self.built.push(match layer {
-                Built::Pool(_) => "pool",
-                Built::VirtualPool(_) => "virtual_pool",
-                Built::Arena(_) => "arena",
-                Built::Statistics(_) => "statistics",
-                Built::Logging(_) => "logging",
+                Built::ChunkedPool(_) => "pool",
+                Built::InPlacePool(_) => "virtual_pool",
+                Built::SuperblockArena(_) => "arena",
+                Built::WithStatistics(_) => "statistics",
+                Built::Logged(_) => "logging",
             });
         }
     }

@@ -307,6 +307,7 @@ impl<U: Resource> Arena<U> {
                 },
                 PoolShard::drain,
                 PoolShard::absorb,
+                |_| {},
             )
         }
     }

@@ -130,6 +130,20 @@ impl<U: Resource + Send + Sync + 'static> Binning<U> {
         Ok(())
     }
 
+    /// Trims every fixed-size bin ([`FixedSize::trim`]): every thread's cached blocks
+    /// back, every stream's blocks in the host list, and the lists of streams left
+    /// without blocks freed. Bins added with [`add_bin`](Self::add_bin) and the
+    /// upstream are left as they are (trim them through their own handles: a pool under
+    /// the bins gives memory back with [`Pool::trim`](super::Pool::trim)).
+    pub fn trim(&self) -> Result<(), Error> {
+        for bin in &self.bins {
+            if let BinResource::Fixed(fixed) = &bin.resource {
+                fixed.trim()?;
+            }
+        }
+        Ok(())
+    }
+
     fn check_new_bin(&mut self, size: usize) -> Result<(), Error> {
         if *self.used.get_mut() {
             return Err(Error::invalid_argument(

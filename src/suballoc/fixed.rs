@@ -14,8 +14,8 @@ use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
 use crate::sync::atomic::Ordering;
-use crate::sync::lock;
 use crate::sync::spin::SpinLock;
+use crate::sync::{grace, lock};
 
 /// A stream's list takes at most this many bytes of blocks at a time from a host
 /// stream's list (as a pool's does).
@@ -169,6 +169,7 @@ impl<U: Resource> FixedSize<U> {
     /// blocks, are not counted; blocks above 4 MiB are never cached; see the type's docs
     /// for how an out-of-memory takes them back).
     pub fn free_blocks(&self) -> usize {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let lists: usize = self.shards.all().iter().map(|s| s.state.lock().len()).sum();
         lists + self.cache().cached_here()
     }
@@ -177,6 +178,13 @@ impl<U: Resource> FixedSize<U> {
     #[cfg(memres_loom)]
     pub(crate) fn magazines(&self) -> usize {
         self.cache().magazines()
+    }
+
+    /// Whether the calling thread's lane of `stream` has a list (for the loom models).
+    #[cfg(memres_loom)]
+    pub(crate) fn has_list(&self, stream: StreamRef<'_>) -> bool {
+        let _pin = grace::pin();
+        self.shards.find(StreamKey::of_lane(stream)).is_some()
     }
 
     /// Whether this resource keeps blocks in per-thread caches.
@@ -191,6 +199,96 @@ impl<U: Resource> FixedSize<U> {
         Cache {
             owner: &self.owner,
             capacity: self.cache_capacity,
+        }
+    }
+
+    /// Waits for the work of every stream the resource has served, takes every
+    /// thread's cached blocks back (the caches come back at the next growth), moves
+    /// every stream's free blocks to the calling thread's host list, and frees the lists
+    /// of streams then left without free blocks (a stream used again gets a new list),
+    /// so a resource that served many streams holds lists for its host stream's lanes
+    /// only. Chunks are kept (a `FixedSize` returns them when it drops). Linux 4.14 and
+    /// later free the lists (the call waits for the resource's calls under way on other
+    /// threads to return); elsewhere the lists stay, emptied.
+    ///
+    /// ```
+    /// use memres::suballoc::FixedSize;
+    /// use memres::{HostHeap, Resource, StreamRef, layout};
+    ///
+    /// let blocks = FixedSize::with_block_size(HostHeap::new(), 4096, 64)?;
+    /// let l = layout(4096)?;
+    /// for stream in 1..100 {
+    ///     let p = blocks.allocate(StreamRef::host(stream), l)?;
+    ///     // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+    ///     unsafe { blocks.deallocate(StreamRef::host(stream), p, l) };
+    /// }
+    /// blocks.trim()?;
+    /// // Every block free, in the host list (each stream's list had kept its last one).
+    /// assert_eq!(blocks.free_blocks(), 64 * blocks.upstream_allocations());
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn trim(&self) -> Result<(), Error> {
+        {
+            let _pin = grace::pin(); // (see `ShardMap::retire`)
+            if self.held.any() {
+                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+            }
+            let _chunks = lock(&self.chunks);
+            if self.cached() {
+                self.cache().reclaim();
+            }
+            let host = self.shard(StreamRef::HOST);
+            self.shards
+                .merge_into(host, std::mem::take, |list: &mut Vec<usize>, mut items| {
+                    list.append(&mut items)
+                })?;
+            for shard in self.shards.all() {
+                let mut list = shard.state.lock();
+                if list.is_empty() {
+                    *list = Vec::new();
+                }
+            }
+            let len = host.state.lock().len();
+            self.note_spare(host, len);
+        }
+        self.retire_empty_lists();
+        Ok(())
+    }
+
+    /// Frees every list without free blocks but those of the default host stream
+    /// (`StreamRef::HOST`, one per lane); returns how many went. The caller is not
+    /// pinned and holds no lock.
+    fn retire_empty_lists(&self) -> usize {
+        // SAFETY: every use of this resource's shards is inside a pin (its entry points
+        // pin before they look one up, the thread caches while they make a magazine), but
+        // those kept across calls: the donors stack and the magazines, which take in no
+        // retired list and give them up in `unlinked` (the donors leave the stack; the
+        // reclaim takes every magazine's blocks, and a magazine whose blocks were taken
+        // never touches its list again); this thread is not pinned and holds no lock;
+        // `home` pins while it looks up the stream's new list.
+        unsafe {
+            self.shards.retire(
+                |shard| {
+                    shard.key.stream() != StreamKey::of(StreamRef::HOST)
+                        && shard.state.lock().is_empty()
+                },
+                |old| {
+                    let _pin = grace::pin();
+                    match self.shards.find(old.key) {
+                        Some(shard) => shard,
+                        None => self.shards.get_or_insert_like(old, Vec::new),
+                    }
+                },
+                std::mem::take,
+                |list: &mut Vec<usize>, mut items| list.append(&mut items),
+                |retired| {
+                    self.donors.lock().retain(|addr| !retired.contains(addr));
+                    if self.cached() {
+                        let _chunks = lock(&self.chunks);
+                        self.cache().reclaim();
+                    }
+                },
+            )
         }
     }
 
@@ -269,9 +367,11 @@ impl<U: Resource> FixedSize<U> {
     /// Puts a host stream's list on the stack of donors, unless it is there already.
     fn list_donor(&self, shard: &Shard<Vec<usize>>) {
         // A load first: a list freed into again and again is listed already, and the
-        // swap (a read-modify-write) is then not paid on every such free.
+        // swap (a read-modify-write) is then not paid on every such free. A retired list
+        // (`trim`) is never listed again: the stack outlives the call.
         if shard.key.is_host()
             && !shard.in_donors.load(Ordering::Relaxed)
+            && !shard.is_retired()
             && !shard.in_donors.swap(true, Ordering::Relaxed)
         {
             self.donors
@@ -343,8 +443,9 @@ impl<U: Resource> FixedSize<U> {
             let Some(addr) = self.donors.lock().last().copied() else {
                 break;
             };
-            // SAFETY: the stack holds addresses of this resource's shards, which live as
-            // long as it does (a `FixedSize` never retires a list).
+            // SAFETY: the stack holds addresses of this resource's shards; one that `trim`
+            // retires leaves the stack a grace period before it is freed, and this call
+            // is pinned.
             let donor = unsafe { &*ptr::with_exposed_provenance::<Shard<Vec<usize>>>(addr) };
             let taken = if spare(donor) { take(donor) } else { None };
             if !donor.holds_free.load(Ordering::Relaxed) || taken.is_none() {
@@ -539,10 +640,14 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             return Err(self.does_not_fit(layout));
         }
         let key = StreamKey::of_lane(stream);
+        // The thread's magazine first: it touches no list, so it needs no pin.
+        if self.cached()
+            && let Some(addr) = self.cache().pop(key)
+        {
+            return Ok(to_ptr(addr));
+        }
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let shard = if self.cached() {
-            if let Some(addr) = self.cache().pop(key) {
-                return Ok(to_ptr(addr));
-            }
             let shard = self.shard_for(key);
             // SAFETY: `shard` is this resource's shard for `key`.
             if let Some(addr) = unsafe { self.cache().refill(key, shard) } {
@@ -570,12 +675,14 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         let addr = ptr.as_ptr().expose_provenance();
         let key = StreamKey::of_lane(stream);
         if self.cached() {
-            // SAFETY: the closure returns this resource's shard for `key`.
+            // SAFETY: the closure returns this resource's shard for `key` (the cache pins
+            // while it makes a magazine, the only time it calls it).
             let left = unsafe { self.cache().push(key, || self.shard_for(key), addr) };
             if left.is_none() {
                 return;
             }
         }
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         let shard = self.shard_for(key);
         let mut list = shard.state.lock();
         list.push(addr);
@@ -589,6 +696,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

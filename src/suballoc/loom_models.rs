@@ -613,6 +613,50 @@ fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
     });
 }
 
+/// `FixedSize::trim` while another thread uses a stream's list through its thread cache
+/// (a magazine, which keeps the list across calls): the list is freed only once no
+/// magazine can touch it, and no block is lost or handed out twice (both blocks of the
+/// one chunk come back, and both serve the main thread without growing).
+#[test]
+fn loom_a_trim_frees_a_list_a_thread_cache_was_using() {
+    use crate::adaptor::Limiting;
+
+    type Fixed = FixedSize<Limiting<HostHeap>>;
+    let l = Layout::from_size_align(256, 256).unwrap();
+    loom::model(move || {
+        let upstream = Limiting::new(HostHeap::new(), 512);
+        let fixed: Arc<Fixed> = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
+        let other = Arc::clone(&fixed);
+        let user = thread::spawn(move || {
+            let s = StreamRef::host(7);
+            for _ in 0..2 {
+                let a = other.allocate(s, l).unwrap();
+                // SAFETY: from `other` with `l` on `s`, not used afterwards.
+                unsafe { other.deallocate(s, a, l) };
+            }
+            super::thread_cache::exit_thread();
+        });
+        fixed.trim().unwrap();
+        user.join().unwrap();
+        fixed.trim().unwrap();
+        assert!(
+            !fixed.has_list(StreamRef::host(7)),
+            "the stream's list is freed"
+        );
+        assert_eq!(fixed.free_blocks(), 2, "every block back");
+        let a = fixed.allocate(StreamRef::HOST, l).unwrap();
+        let b = fixed.allocate(StreamRef::HOST, l).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(fixed.upstream_allocations(), 1, "not grown");
+        // SAFETY: from `fixed` with `l` on the host stream, not used afterwards.
+        unsafe {
+            fixed.deallocate(StreamRef::HOST, a, l);
+            fixed.deallocate(StreamRef::HOST, b, l);
+        }
+        super::thread_cache::exit_thread();
+    });
+}
+
 /// A stream's list retired while another thread looks at it as the `recent` list and
 /// frees into it: the free lands in the stream's list either way (the old one's late item
 /// is moved to the new one), and the old list is freed only after the other thread is
@@ -651,6 +695,7 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
                 },
                 std::mem::take,
                 |list: &mut Vec<u32>, items| list.extend(items),
+                |_| {},
             )
         };
         t.join().unwrap();

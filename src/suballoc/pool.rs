@@ -410,6 +410,7 @@ impl<U: Resource> Pool<U> {
                 },
                 PoolShard::drain,
                 PoolShard::absorb,
+                |_| {},
             )
         }
     }

@@ -184,9 +184,20 @@ pub(crate) struct Shard<S> {
     /// Whether the list is on its owner's stack of lists with blocks to spare (a
     /// `FixedSize`'s donors; unused elsewhere).
     pub(crate) in_donors: AtomicBool,
+    /// Set when [`ShardMap::retire`] takes the shard out of the table: from then on no
+    /// place that outlives a call (`recent`, a `FixedSize`'s donors and thread caches)
+    /// takes it in.
+    retired: AtomicBool,
 }
 
 impl<S> Shard<S> {
+    /// Whether [`ShardMap::retire`] has taken the shard out of the table (it is freed
+    /// once no reader can hold it).
+    #[inline]
+    pub(crate) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+
     /// A new list of `old`'s stream, with its context and owner (see
     /// [`ShardMap::retire`]: not the inserting thread's).
     fn like(old: &Shard<S>, state: S) -> Shard<S> {
@@ -197,6 +208,7 @@ impl<S> Shard<S> {
             owner: AtomicU64::new(old.owner.load(Ordering::Relaxed)),
             holds_free: AtomicBool::new(false),
             in_donors: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
         }
     }
 
@@ -224,6 +236,7 @@ impl<S> Shard<S> {
             owner: AtomicU64::new(owner),
             holds_free: AtomicBool::new(false),
             in_donors: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
         }
     }
 
@@ -516,22 +529,30 @@ impl<S> ShardMap<S> {
     ///
     /// Steps: the idle shards leave the table (a new table without them is published,
     /// the old tables are kept) for limbo, where iterations still find them; after a
-    /// grace period no reader holds one from a lookup, so they leave limbo; after a
-    /// second no reader holds one from an iteration, and they and the old tables are
-    /// freed, their late items moved first.
+    /// grace period no reader holds one from a lookup, so they leave limbo and `recent`,
+    /// and `unlinked` gets their addresses (for the caller's own places that keep shards
+    /// across calls); after a second no reader holds one from an iteration or from such
+    /// a place, and they and the old tables are freed, their late items moved first.
+    /// They are marked retired as they leave the table ([`Shard::is_retired`]):
+    /// `set_recent` and `note_free` pass them over, and so must every place of the
+    /// caller's that keeps shards across calls; a thread that read the mark clear was
+    /// pinned, so the first grace period outlasts what it did with it (the mark is
+    /// stored before that grace period's heavy fence, and read after a pin's light
+    /// one).
     ///
     /// # Safety
     /// Every reference to a shard of this map is used only while its thread is pinned
     /// ([`grace::pin`]), but the shards `home` returns (only a retirement frees a shard,
-    /// one at a time, and this one does not free those); a shard found by an iteration
-    /// is never made [`recent`](Self::recent) (`set_recent`, `note_free`); the caller is
-    /// not pinned and holds no lock a pinned thread may wait for.
+    /// one at a time, and this one does not free those) and those the caller keeps
+    /// across calls, which it takes in only unless retired and gives up in `unlinked`;
+    /// the caller is not pinned and holds no lock a pinned thread may wait for.
     pub(crate) unsafe fn retire<'a, T>(
         &'a self,
         idle: impl Fn(&Shard<S>) -> bool,
         home: impl Fn(&Shard<S>) -> &'a Shard<S>,
         drain: impl Fn(&mut S) -> Vec<T>,
         absorb: impl Fn(&mut S, Vec<T>),
+        unlinked: impl FnOnce(&[usize]),
     ) -> usize {
         let Some(waiter) = grace::can_wait() else {
             return 0;
@@ -554,6 +575,10 @@ impl<S> ShardMap<S> {
             }
             if removed.is_empty() {
                 return 0;
+            }
+            for &p in &removed {
+                // SAFETY: read from a slot; shards are freed only below.
+                unsafe { self.at(p) }.retired.store(true, Ordering::Relaxed);
             }
             // At most half full after the next insertion, as `get_or_insert_with` keeps it.
             let len = (kept.len() * 2 + 2).next_power_of_two().max(FIRST_SLOTS);
@@ -588,8 +613,18 @@ impl<S> ShardMap<S> {
                 Ordering::Relaxed,
             );
         }
-        // A second: no iteration that found one in limbo, and no search that found one as
-        // `recent`, is still going on.
+        // Every thread that may have put one anywhere that outlives a call (it read the
+        // `retired` flag clear) has moved on, and no thread puts one anywhere now: the
+        // caller takes them out of its own such places.
+        unlinked(
+            &removed
+                .iter()
+                .map(|&p| p.expose_provenance())
+                .collect::<Vec<_>>(),
+        );
+        // A second: no iteration that found one in limbo, no search that found one as
+        // `recent`, and no reader of the caller's places that found one there is still
+        // going on.
         grace::wait_for_readers(&waiter);
         for &p in &removed {
             // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; out of every table
@@ -617,16 +652,17 @@ impl<S> ShardMap<S> {
     pub(crate) fn note_free(&self, shard: &Shard<S>) {
         if !shard.holds_free.load(Ordering::Relaxed) {
             shard.holds_free.store(true, Ordering::Relaxed);
-            self.recent
-                .store(ptr::from_ref(shard).cast_mut(), Ordering::Release);
+            self.set_recent(shard);
         }
     }
 
-    /// Makes `shard` the first a search looks at.
+    /// Makes `shard` the first a search looks at, unless it is retired.
     #[inline]
     pub(crate) fn set_recent(&self, shard: &Shard<S>) {
-        self.recent
-            .store(ptr::from_ref(shard).cast_mut(), Ordering::Release);
+        if !shard.is_retired() {
+            self.recent
+                .store(ptr::from_ref(shard).cast_mut(), Ordering::Release);
+        }
     }
 
     /// The shard that last started to hold free memory, if any.

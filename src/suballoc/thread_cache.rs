@@ -13,7 +13,9 @@
 //! the call), or (2) at thread exit while holding the registry lock, after checking that
 //! the owner is still registered; an owner leaves the registry (under that lock) before
 //! it frees anything. Magazines of owners that are gone hold plain addresses that are
-//! never handed out.
+//! never handed out. A magazine's shard pointer is dereferenced only while its blocks
+//! have not been taken: `FixedSize::trim` frees a list only after a reclaim has taken the
+//! blocks of every magazine that points at it (see its `retire_empty_lists`).
 //!
 //! **Reclaim.** A thread about to report out-of-memory may hold the owner's growth lock
 //! and still find no free block while other threads' magazines hold some. It starts a
@@ -46,7 +48,7 @@ use super::shards::{Shard, StreamKey};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
 use crate::sync::takeable::Takeable;
-use crate::sync::{Arc, Mutex, barrier};
+use crate::sync::{Arc, Mutex, barrier, grace};
 
 // Owners alive now. Taken only when an owner comes or goes and when a thread exits.
 // (Under loom, a lazy static, which each model execution builds afresh.)
@@ -173,15 +175,21 @@ impl Magazine {
     ///
     /// # Safety
     /// The owner is alive until this returns (rule (1) or (2) of the module).
-    unsafe fn give_back(self) {
-        // SAFETY: the caller's promise; the owner's shards live as long as it does.
-        let shard = unsafe { &*self.stash.shard };
-        self.stash.with(|blocks| {
+    ///
+    /// Returns the list the blocks went to, or `None` if a reclaim had taken them (the
+    /// list may then be gone: a `FixedSize::trim` retires lists only after a reclaim
+    /// has taken every stash that points at them).
+    unsafe fn give_back(self) -> Option<*const Shard<Vec<usize>>> {
+        let gave = self.stash.with(|blocks| {
+            // SAFETY: the caller's promise; the blocks were not taken, so the list is
+            // not retired and lives as long as the owner.
+            let shard = unsafe { &*self.stash.shard };
             put_back(shard, blocks.drain(..));
         });
         // SAFETY: as above; `shared` is the owner's boxed state.
         let shared = unsafe { &*self.shared };
         lock(&shared.stashes).retain(|s| !Arc::ptr_eq(s, &self.stash));
+        gave.map(|()| self.stash.shard)
     }
 }
 
@@ -249,9 +257,8 @@ impl Magazines {
         while i < self.list.len() {
             if self.list[i].owner == owner {
                 let m = self.list.swap_remove(i);
-                lists.push(m.stash.shard);
                 // SAFETY: the caller's promise.
-                unsafe { m.give_back() };
+                lists.extend(unsafe { m.give_back() });
             } else {
                 i += 1;
             }
@@ -270,7 +277,7 @@ impl Drop for Magazines {
             if live.as_ref().is_some_and(|l| l.contains(&m.owner)) {
                 // SAFETY: the owner is registered and the registry is locked, so it has
                 // not begun to drop (it retires first) and cannot until we unlock.
-                unsafe { m.give_back() };
+                let _ = unsafe { m.give_back() };
             }
         }
     }
@@ -417,6 +424,12 @@ impl<'a> Cache<'a> {
         if mags.list.len() >= PRUNE_AT {
             prune(&mut mags.list);
         }
+        // Pinned from the lookup until the magazine is listed: a magazine of a list that
+        // `FixedSize::trim` retires is then listed before the trim's first grace period
+        // ends, and the reclaim the trim runs after it takes the magazine's blocks (see
+        // `FixedSize::retire_empty_lists`). (`make` is a lookup: no retired list comes
+        // from one after that grace period.)
+        let _pin = grace::pin();
         let stash = Arc::new(Stash {
             blocks: Takeable::new(Vec::with_capacity(self.capacity)),
             shard: make(),

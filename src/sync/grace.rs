@@ -31,7 +31,13 @@ use std::cell::Cell;
 use std::marker::PhantomData;
 
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
-use crate::sync::{Arc, Mutex, barrier, lock, yield_now};
+// A slot's keep-alive count is std's also under loom: no ordering of the protocol rests
+// on it, and a loom count dropped in a thread's thread-local destructors (which loom runs
+// in no fixed order once a model's execution ends) made models that also keep loom
+// objects in thread-locals (a `Limiting`'s per-thread reserves) nondeterministic.
+use std::sync::Arc;
+
+use crate::sync::{Mutex, barrier, lock, yield_now};
 
 /// One thread's pin counter (odd: pinned).
 struct Slot {
