@@ -286,8 +286,13 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
 ///   and freed on the compute stream). Two non-blocking CUDA streams on a GPU; on the
 ///   host, two host streams (always complete, so the host cannot show the defect).
 ///
+/// - `serve`: [`workloads::serve_with`], seed 42, [`SERVE_REQUESTS`] requests.
+///
 /// `held` reads what the stack holds from the device (sampled after every op, untimed
 /// runs only).
+/// Requests of the `serve` footprint workload.
+const SERVE_REQUESTS: usize = 1_000;
+
 fn footprints<R: Resource + ?Sized>(
     name: &str,
     r: &R,
@@ -361,6 +366,15 @@ fn footprints<R: Resource + ?Sized>(
     })
     .expect("allocation in cross-stream");
     report("cross-stream", peak_held, peak_live);
+    // serve: requests of varying batch and length through a model, overlapping.
+    let (mut peak_live, mut peak_held) = (0, 0);
+    let requests = if smoke_run() { 20 } else { SERVE_REQUESTS };
+    workloads::serve_with(r, a, 42, requests, |live| {
+        peak_live = peak_live.max(live);
+        peak_held = peak_held.max(held());
+    })
+    .expect("allocation in serve");
+    report("serve", peak_held, peak_live);
     // Last, so that the standard sequences start as they always did. A peak is one
     // moment of one sequence: seeds 1..=N show how typical seed 42 is.
     let seeds: u64 = std::env::var("MEMRES_FOOTPRINT_SEEDS").map_or(0, |n| {

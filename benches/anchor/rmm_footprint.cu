@@ -5,7 +5,8 @@
 // - random: WORKLOADS.md's `random`, seed 42, 200,000 ops, on stream A;
 // - fragmenting: 8 rounds of 400 blocks of 2^(16 + r/2) bytes plus a random part below
 //   that (seed 7), every other block of a round freed after it;
-// - cross-stream: `random`'s sequence, every allocation on stream A, every free on B.
+// - cross-stream: `random`'s sequence, every allocation on stream A, every free on B;
+// - serve: requests of varying batch and length through a 12-layer model (see `serve`).
 // Held: the pool's upstream bytes (a statistics adaptor under the pool), or the driver
 // pool's reserved memory high-water mark for cuda_async. Each workload on a fresh resource.
 // Built by benches/anchor/run.sh (BUILD=rmm_footprint). Output: CSV
@@ -18,6 +19,7 @@
 #include <rmm/mr/statistics_resource_adaptor.hpp>
 
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <vector>
 
@@ -87,12 +89,70 @@ Run fragmenting(Alloc const& alloc, Free const& free, cudaStream_t a)
   return r;
 }
 
-// Workload `w` (0 random, 1 fragmenting, 2 cross-stream) through `alloc` and `free`.
+// `serve` (docs/workloads.md v1.2, workloads/src/lib.rs `serve_with`): 1,000 requests of
+// batch 1..32 x 16..1024 tokens through 12 layers on stream `a`; a request's KV cache (24
+// blocks of batch * tokens * 1536 bytes) lives until 4 newer requests hold theirs; per
+// layer the output (a) and the MLP's hidden activations (4a), the hidden ones and the
+// previous output freed as it goes.
+Run serve(Alloc const& alloc, Free const& free, cudaStream_t a)
+{
+  anchor::Rng rng{42};
+  std::deque<std::vector<anchor::Live>> in_flight;
+  std::size_t bytes = 0;
+  Run r;
+  auto take = [&](std::size_t n) {
+    anchor::Live l{alloc(n, a), n};
+    bytes += n;
+    r.peak_live = std::max(r.peak_live, bytes);
+    return l;
+  };
+  auto give = [&](anchor::Live l) {
+    free(l.p, l.n, a);
+    bytes -= l.n;
+  };
+  for (int q = 0; q < 1000; ++q) {
+    std::size_t batch  = 1 + rng.next() % 32;
+    std::size_t tokens = 16 + rng.next() % 1009;
+    std::size_t act    = batch * tokens * 1536;
+    std::vector<anchor::Live> kv;
+    for (int i = 0; i < 24; ++i) {
+      kv.push_back(take(act));
+    }
+    bool have = false;
+    anchor::Live out{};
+    for (int layer = 0; layer < 12; ++layer) {
+      anchor::Live hidden = take(4 * act);
+      anchor::Live next   = take(act);
+      give(hidden);
+      if (have) give(out);
+      out  = next;
+      have = true;
+    }
+    give(out);
+    in_flight.push_back(std::move(kv));
+    if (in_flight.size() > 4) {
+      for (auto& l : in_flight.front()) {
+        give(l);
+      }
+      in_flight.pop_front();
+    }
+  }
+  for (auto& kv : in_flight) {
+    for (auto& l : kv) {
+      give(l);
+    }
+  }
+  return r;
+}
+
+// Workload `w` (0 random, 1 fragmenting, 2 cross-stream, 3 serve) through `alloc` and
+// `free`.
 Run workload(int w, Alloc const& alloc, Free const& free, cudaStream_t a, cudaStream_t b)
 {
   Run r = w == 0 ? random_seq(alloc, free, a, a)
           : w == 1 ? fragmenting(alloc, free, a)
-                   : random_seq(alloc, free, a, b);
+          : w == 2 ? random_seq(alloc, free, a, b)
+                   : serve(alloc, free, a);
   cudaDeviceSynchronize();
   return r;
 }
@@ -110,8 +170,8 @@ int main()
   cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
   cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
   std::printf("impl,resource,workload,peak_held_bytes,peak_live_bytes,ratio\n");
-  char const* names[] = {"random", "fragmenting", "cross-stream"};
-  for (int w = 0; w < 3; ++w) {
+  char const* names[] = {"random", "fragmenting", "cross-stream", "serve"};
+  for (int w = 0; w < 4; ++w) {
     rmm::mr::cuda_memory_resource cuda;
     rmm::mr::statistics_resource_adaptor up{cuda};
     rmm::mr::pool_memory_resource pool{up, 0};
@@ -124,7 +184,7 @@ int main()
     Run r = workload(w, alloc, free, a, b);
     print("pool", names[w], std::size_t(up.get_bytes_counter().peak), r);
   }
-  for (int w = 0; w < 3; ++w) {
+  for (int w = 0; w < 4; ++w) {
     rmm::mr::cuda_async_memory_resource mr;
     Alloc alloc = [&](std::size_t n, cudaStream_t s) {
       return mr.allocate(cuda::stream_ref{s}, n, 256);

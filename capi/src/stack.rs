@@ -354,7 +354,9 @@ impl DeviceStack {
     /// while it lives, so it gives nothing back (0).
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         match &self.pool {
-            None | Some(PoolLayer::Arena(_)) => Ok(0),
+            None => Ok(0),
+            // The arena holds its whole size; its trim frees the lists of streams.
+            Some(PoolLayer::Arena(arena)) => arena.trim().map(|()| 0),
             Some(PoolLayer::Pool(pool)) => Ok(pool.trim()? as u64),
             Some(PoolLayer::Virtual(pool)) => Ok(pool.trim()? as u64),
             Some(PoolLayer::Async(pool)) => {

@@ -115,6 +115,109 @@ pub fn cross_stream_with<R: Resource + ?Sized>(
     result
 }
 
+/// Requests in flight at once in [`serve_with`]: a finished request's KV cache is freed
+/// when this many newer ones hold theirs.
+pub const SERVE_IN_FLIGHT: usize = 4;
+/// Layers of [`serve_with`]'s model (GPT-2 small's 12).
+pub const SERVE_LAYERS: usize = 12;
+/// Bytes of one token's activation in [`serve_with`]: GPT-2 small's 768 values in fp16.
+pub const SERVE_TOKEN_BYTES: usize = 768 * 2;
+
+/// The `serve` footprint workload (docs/workloads.md, v1.2): `requests` inference
+/// requests, each of a batch of 1 to 32 sequences of 16 to 1,024 tokens (splitmix64 from
+/// `seed`: batch `1 + x % 32`, then tokens `16 + x % 1009`), through a 12-layer model on
+/// one stream. With `a = batch * tokens * 1536` bytes, a request allocates its KV cache
+/// (a key and a value block of `a` bytes per layer), then per layer its MLP's hidden
+/// activations (`4a`) and the layer's output (`a`), freeing the hidden ones and then the
+/// previous layer's output; its last output is freed at the end. Its KV
+/// cache stays until [`SERVE_IN_FLIGHT`] newer requests hold theirs (requests
+/// overlapping, as a server's do). Calls `observe(live_bytes)` after every allocation
+/// and free; what is live at the end is freed.
+pub fn serve_with<R: Resource + ?Sized>(
+    r: &R,
+    stream: StreamRef<'_>,
+    seed: u64,
+    requests: usize,
+    mut observe: impl FnMut(usize),
+) -> Result<(), Error> {
+    let mut rng = seed;
+    let mut live_bytes = 0usize;
+    let mut in_flight: std::collections::VecDeque<Vec<(NonNull<u8>, Layout)>> =
+        std::collections::VecDeque::new();
+    let allocate = |n: usize, live_bytes: &mut usize| -> Result<(NonNull<u8>, Layout), Error> {
+        let l = layout(n)?;
+        let p = r.allocate(stream, l)?;
+        *live_bytes += n;
+        Ok((p, l))
+    };
+    let free = |(p, l): (NonNull<u8>, Layout), live_bytes: &mut usize| {
+        *live_bytes -= l.size();
+        // SAFETY: allocated by `allocate` above from `r` with `l` on `stream`; never used,
+        // freed once.
+        unsafe { r.deallocate(stream, p, l) };
+    };
+    let mut result = Ok(());
+    'requests: for _ in 0..requests {
+        let batch = 1 + (splitmix64(&mut rng) % 32) as usize;
+        let tokens = 16 + (splitmix64(&mut rng) % 1009) as usize;
+        let a = batch * tokens * SERVE_TOKEN_BYTES;
+        let mut kv = Vec::with_capacity(2 * SERVE_LAYERS);
+        let mut output: Option<(NonNull<u8>, Layout)> = None;
+        for _ in 0..2 * SERVE_LAYERS {
+            match allocate(a, &mut live_bytes) {
+                Ok(block) => kv.push(block),
+                Err(e) => {
+                    result = Err(e);
+                    in_flight.push_back(kv);
+                    break 'requests;
+                }
+            }
+            observe(live_bytes);
+        }
+        for _ in 0..SERVE_LAYERS {
+            let step = allocate(4 * a, &mut live_bytes).and_then(|hidden| {
+                observe(live_bytes);
+                let out = allocate(a, &mut live_bytes);
+                if out.is_ok() {
+                    observe(live_bytes);
+                }
+                free(hidden, &mut live_bytes);
+                observe(live_bytes);
+                out
+            });
+            match step {
+                Ok(out) => {
+                    if let Some(previous) = output.replace(out) {
+                        free(previous, &mut live_bytes);
+                        observe(live_bytes);
+                    }
+                }
+                Err(e) => {
+                    result = Err(e);
+                    kv.extend(output.take());
+                    in_flight.push_back(kv);
+                    break 'requests;
+                }
+            }
+        }
+        if let Some(last) = output.take() {
+            free(last, &mut live_bytes);
+            observe(live_bytes);
+        }
+        in_flight.push_back(kv);
+        if in_flight.len() > SERVE_IN_FLIGHT {
+            for block in in_flight.pop_front().into_iter().flatten() {
+                free(block, &mut live_bytes);
+                observe(live_bytes);
+            }
+        }
+    }
+    for block in in_flight.into_iter().flatten() {
+        free(block, &mut live_bytes);
+    }
+    result
+}
+
 /// The `random` workload: ns per op. What is live at the end is freed untimed; an
 /// allocation that fails frees everything live and returns the error.
 pub fn random<R: Resource + ?Sized>(
@@ -384,4 +487,44 @@ pub fn suite<R: Resource + Sync + ?Sized>(
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memres::adaptor::{Limiting, Statistics};
+    use memres::{HostVirtual, PoolConfig};
+
+    /// `serve` frees everything it allocated, reports the live bytes it holds, and on
+    /// out-of-memory returns the error with everything freed.
+    #[test]
+    fn serve_frees_what_it_allocates_and_reports_what_is_live() {
+        // Address space only: the workload never touches its blocks.
+        let leaf = HostVirtual::new(64 << 30, 2 << 20).unwrap();
+        let counted = Statistics::new(leaf.pool_in_place(PoolConfig::new()).unwrap());
+        let (mut peak, mut last) = (0, usize::MAX);
+        serve_with(&counted, StreamRef::HOST, 42, 12, |live| {
+            peak = peak.max(live);
+            last = live;
+        })
+        .unwrap();
+        let bytes = counted.snapshot().bytes;
+        assert_eq!(bytes.current, 0, "everything freed");
+        assert_eq!(bytes.peak as usize, peak, "observe saw the peak");
+        assert!(last > 0, "the last observation is before the final frees");
+        let limited = Statistics::new(Limiting::new(
+            HostVirtual::new(1 << 30, 2 << 20).unwrap(),
+            64 << 20,
+        ));
+        let failed = serve_with(&limited, StreamRef::HOST, 42, 12, |_| {});
+        assert!(
+            matches!(failed, Err(Error::OutOfMemory { .. })),
+            "{failed:?}"
+        );
+        assert_eq!(
+            limited.snapshot().bytes.current,
+            0,
+            "freed after the failure"
+        );
+    }
 }
