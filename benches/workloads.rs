@@ -54,6 +54,15 @@ impl Streams {
             Streams::Host => StreamRef::host(i as u32),
         }
     }
+
+    /// Waits for every stream's work (host streams have none).
+    fn synchronize(&self) {
+        if let Streams::Cuda(streams) = self {
+            for s in streams {
+                s.synchronize().expect("a stream synchronisation");
+            }
+        }
+    }
 }
 
 /// The suite for one stack (`slow`: the stack calls the driver on every allocation, so
@@ -303,7 +312,15 @@ fn footprints<R: Resource + ?Sized>(
     let streams = Streams::new(gpu, 2);
     let (a, b) = (streams.get(0), streams.get(1));
     let ops = 200_000 / if smoke_run() { 1000 } else { 1 };
-    // Each workload starts from nothing: what the last one left is given back first.
+    // Each workload starts from nothing: what the last one left is given back first,
+    // once the streams' work is done (a driver pool keeps what was freed on a stream
+    // until the stream reaches the free: without the wait, `cuda_async` started each
+    // workload holding the last one's peak, as RMM's run, a fresh resource per workload,
+    // does not).
+    let trim = || {
+        streams.synchronize();
+        trim();
+    };
     let report = |workload: &str, peak_held: usize, peak_live: usize| {
         trim();
         println!(
@@ -358,14 +375,30 @@ fn footprints<R: Resource + ?Sized>(
         unsafe { r.deallocate(a, p, l) };
     }
     report("fragmenting", peak_held, peak_live);
-    // cross-stream
+    // cross-stream, with how often the stack grew while it held at least as much free
+    // as the growth (memory it had but could not use: fragmented, or freed on the other
+    // stream and not yet reached)
     let (mut peak_live, mut peak_held) = (0, 0);
+    let (mut last_live, mut last_held) = (0, held());
+    let (mut growths, mut with_free, mut most_free) = (0, 0, 0);
     workloads::cross_stream_with(r, [a, b], 42, ops, |live| {
+        let now = held();
+        if now > last_held {
+            growths += 1;
+            let free = last_held.saturating_sub(last_live);
+            with_free += usize::from(free >= now - last_held);
+            most_free = most_free.max(free);
+        }
+        (last_live, last_held) = (live, now);
         peak_live = peak_live.max(live);
-        peak_held = peak_held.max(held());
+        peak_held = peak_held.max(now);
     })
     .expect("allocation in cross-stream");
     report("cross-stream", peak_held, peak_live);
+    println!(
+        "# growths,{name},cross-stream,growths={growths},with_as_much_free={with_free},\
+         most_free_at_a_growth={most_free}"
+    );
     // serve: requests of varying batch and length through a model, overlapping.
     let (mut peak_live, mut peak_held) = (0, 0);
     let requests = if smoke_run() { 20 } else { SERVE_REQUESTS };
