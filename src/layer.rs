@@ -45,7 +45,7 @@
 //!
 //! **Names.** An adaptor's builder is `with_` and what the adaptor adds, as a noun
 //! (`with_statistics`, `with_tracking`, `with_profiling`, `with_guard`, `with_limit`,
-//! `with_alignment`, `with_retry`, `with_lock`, `with_prefetch`); its layer is the
+//! `with_alignment`, `with_retry`, `with_fallback`, `with_lock`, `with_prefetch`); its layer is the
 //! adaptor's type name and `Layer` (`StatisticsLayer`); a sub-allocator's builder is the
 //! sub-allocator, as a noun (`pool`, `arena`, `binning`, `fixed_size`; a virtual-memory
 //! leaf's `pool_in_place`). [`Logging`](crate::adaptor::Logging) has no builder: it needs
@@ -273,6 +273,15 @@ pub trait ResourceExt: SyncResource + Sized {
         on_failure: F,
     ) -> crate::adaptor::FailureRetry<Self, F> {
         crate::adaptor::FailureRetry::new(self, on_failure)
+    }
+
+    /// Sends what `self` has no memory for to `then`, with `self`'s properties (which
+    /// `then` must give too; for a set both give, name it:
+    /// `Fallback::<_, _, Device>::new(first, then)`):
+    /// [`Fallback`](crate::adaptor::Fallback).
+    #[inline]
+    fn with_fallback<B>(self, then: B) -> crate::adaptor::Fallback<Self, B, Self::Properties> {
+        crate::adaptor::Fallback::new(self, then)
     }
 
     /// Puts `self` behind a lock so it can be shared between threads:

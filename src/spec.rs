@@ -5,7 +5,9 @@
 //!
 //! ```text
 //! spec    := base [":" options] | wrapper "(" spec ["," options] ")"
-//! base    := cuda | cuda_async | managed | virtual_pool | pool | arena | binning | fixed_size
+//!          | "fallback(" spec "," spec ")"
+//! base    := cuda | cuda_async | managed | pinned | pinned_pool | virtual_pool | pool
+//!          | arena | binning | fixed_size
 //! wrapper := statistics | logging | limiting
 //! options := key "=" value ["," options]
 //! ```
@@ -35,7 +37,7 @@ use crate::units::parse_size;
 
 mod build;
 
-pub use build::{Built, Target};
+pub use build::{Built, Target, Tiers};
 
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
 /// program building the stack uses (the C ABI's are in `capi/include/memres.h`). The
@@ -85,6 +87,10 @@ pub enum Spec {
     },
     /// `managed`: `cuMemAllocManaged` per request.
     Managed,
+    /// `pinned`: pinned host memory (`cuMemHostAlloc`) per request.
+    Pinned,
+    /// `pinned_pool`: memres's coalescing pool over pinned host memory.
+    PinnedPool,
     /// `fixed_size`: blocks of one size, taken `blocks` at a time; larger requests fail.
     FixedSize {
         /// `block=`: the size of every block (default 1 MiB).
@@ -110,6 +116,14 @@ pub enum Spec {
         file: Option<PathBuf>,
         /// `exact_times=true`: every event reads the clock (`Logging::exact_times`).
         exact_times: bool,
+    },
+    /// `fallback(first, then)`: `then` serves what `first` has no memory for
+    /// ([`Fallback`](crate::adaptor::Fallback)).
+    Fallback {
+        /// The first tier.
+        first: Box<Spec>,
+        /// The tier for what the first cannot hold.
+        then: Box<Spec>,
     },
     /// `limiting(..)`: a cap on the bytes live through it.
     Limited {
@@ -139,8 +153,9 @@ impl fmt::Display for SpecError {
     }
 }
 
-const RESOURCES: &str = "cuda, cuda_async, managed, virtual_pool, pool, arena, binning, \
-                         fixed_size, statistics(..), logging(..), limiting(..)";
+const RESOURCES: &str = "cuda, cuda_async, managed, pinned, pinned_pool, virtual_pool, pool, \
+                         arena, binning, fixed_size, statistics(..), logging(..), limiting(..), \
+                         fallback(..)";
 
 /// The most wrappers a spec may nest (real stacks have two or three).
 const MAX_DEPTH: usize = 16;
@@ -175,6 +190,9 @@ impl Spec {
             Spec::Cuda => "cuda",
             Spec::CudaAsync { .. } => "cuda_async",
             Spec::Managed => "managed",
+            Spec::Pinned => "pinned",
+            Spec::PinnedPool => "pinned_pool",
+            Spec::Fallback { .. } => "fallback",
             Spec::FixedSize { .. } => "fixed_size",
             Spec::Pool { .. } => "pool",
             Spec::VirtualPool { .. } => "virtual_pool",
@@ -366,6 +384,8 @@ fn base(name: &str) -> Result<Spec, String> {
             growth: Growth::default(),
         },
         "managed" => Spec::Managed,
+        "pinned" => Spec::Pinned,
+        "pinned_pool" => Spec::PinnedPool,
         "fixed_size" => Spec::FixedSize {
             block: 1 << 20,
             blocks: 128,
@@ -375,6 +395,11 @@ fn base(name: &str) -> Result<Spec, String> {
         "binning" => Spec::Binning { min: 10, max: 22 },
         "statistics" | "logging" | "limiting" => {
             return Err(format!("{name} wraps another resource: write {name}(pool)"));
+        }
+        "fallback" => {
+            return Err(
+                "fallback takes two resources: write fallback(virtual_pool, pinned_pool)".into(),
+            );
         }
         other => {
             return Err(format!(
@@ -418,12 +443,29 @@ fn exponent(key: &str, value: &str) -> Result<u32, String> {
 }
 
 fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String> {
+    if name == "fallback" {
+        let parts = split_top_level(inside)?;
+        let [first, then] = parts[..] else {
+            return Err(format!(
+                "fallback(..) takes two resources, the first tier and the next (got {}): \
+                 write fallback(virtual_pool, pinned_pool)",
+                parts.len()
+            ));
+        };
+        if first.is_empty() || then.is_empty() {
+            return Err("fallback(..) takes two resources, neither empty".into());
+        }
+        return Ok(Spec::Fallback {
+            first: Box::new(parse(first, depth + 1)?),
+            then: Box::new(parse(then, depth + 1)?),
+        });
+    }
     let own_keys: &[&str] = match name {
         "statistics" => &[],
         "logging" => &["file", "exact_times"],
         "limiting" => &["limit"],
-        "cuda" | "cuda_async" | "managed" | "virtual_pool" | "pool" | "arena" | "binning"
-        | "fixed_size" => {
+        "cuda" | "cuda_async" | "managed" | "pinned" | "pinned_pool" | "virtual_pool" | "pool"
+        | "arena" | "binning" | "fixed_size" => {
             return Err(format!(
                 "{name} does not wrap a resource: write {name}:key=value for its options"
             ));
@@ -567,6 +609,28 @@ mod tests {
             Spec::Binning { min: 10, max: 22 }
         );
         assert_eq!(ok("managed"), Spec::Managed);
+        assert_eq!(ok("pinned"), Spec::Pinned);
+        assert_eq!(
+            ok("fallback(virtual_pool:max=1GiB, pinned_pool)"),
+            Spec::Fallback {
+                first: Box::new(Spec::VirtualPool {
+                    initial: None,
+                    max: Some(1 << 30),
+                    step: None,
+                    release: None,
+                    reserve: None,
+                }),
+                then: Box::new(Spec::PinnedPool),
+            }
+        );
+        assert!(matches!(
+            ok("statistics(fallback(pool, fallback(managed, pinned)))"),
+            Spec::WithStatistics(_)
+        ));
+        assert!(err("fallback(pool)").contains("two resources"));
+        assert!(err("fallback(pool, pinned, cuda)").contains("two resources"));
+        assert!(err("fallback").contains("two resources"));
+        assert!(err("fallback(pool, )").contains("neither empty"));
         assert_eq!(
             ok("fixed_size:block=64KiB,blocks=16"),
             Spec::FixedSize {

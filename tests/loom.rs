@@ -251,3 +251,52 @@ fn limiting_read_while_a_thread_exits_counts_its_block_once() {
         unsafe { lim.deallocate_sync(p, l) };
     });
 }
+
+/// `Fallback`'s routing: a block the second tier served, handed to another thread and
+/// freed there while a third thread frees a block of the first tier, goes back to the
+/// second tier (the set of its blocks, and the count that lets frees skip the set).
+#[test]
+fn fallback_frees_reach_the_tier_that_served_them_across_threads() {
+    use memres::adaptor::{Fallback, Limiting};
+
+    loom::model(|| {
+        let l = layout(256).unwrap();
+        let tiers = Arc::new(Fallback::<_, _, Host>::new(
+            Limiting::new(HostHeap::new(), 256),
+            Limiting::new(HostHeap::new(), 1 << 20),
+        ));
+        let first = tiers.allocate_sync(l).unwrap();
+        let handed = Arc::new(loom::sync::Mutex::new(None::<usize>));
+        let (t, h) = (Arc::clone(&tiers), Arc::clone(&handed));
+        let producer = thread::spawn(move || {
+            let p = t.allocate_sync(l).unwrap(); // the first tier is full
+            *h.lock().unwrap() = Some(p.as_ptr() as usize);
+        });
+        let (t, h) = (Arc::clone(&tiers), Arc::clone(&handed));
+        let consumer = thread::spawn(move || {
+            loop {
+                if let Some(addr) = h.lock().unwrap().take() {
+                    let p = NonNull::new(addr as *mut u8).unwrap();
+                    // SAFETY: allocated by the producer with `l`, handed over, freed once.
+                    unsafe { t.deallocate_sync(p, l) };
+                    return;
+                }
+                thread::yield_now();
+            }
+        });
+        // The first tier's block is freed while the consumer frees the other (the
+        // producer has allocated by then: the first tier stayed full for it).
+        producer.join().unwrap();
+        // SAFETY: allocated above with `l`, not used; freed once.
+        unsafe { tiers.deallocate_sync(first, l) };
+        consumer.join().unwrap();
+        assert_eq!(tiers.first().allocated_bytes(), 0);
+        assert_eq!(
+            tiers.then().allocated_bytes(),
+            0,
+            "the second tier got its block back"
+        );
+        let [a, b] = tiers.tiers();
+        assert_eq!((a.blocks.total, b.blocks.total), (1, 1));
+    });
+}

@@ -7,6 +7,7 @@
  *   "cuda"                          cuMemAlloc per request
  *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
  *   "managed"                       cuMemAllocManaged per request
+ *   "pinned" / "pinned_pool"        pinned host memory per request / a pool over it
  *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
  *                                   pool growing in place over CUDA virtual memory
  *                                   (holds least; release= gives memory back above it)
@@ -29,6 +30,8 @@
  *                                   reads the clock for every event (by default a
  *                                   thread's reading may stamp its next 7 events)
  *   "limiting(SPEC,limit=10GiB)"    a byte limit
+ *   "fallback(SPEC,SPEC)"           the second serves what the first has no memory
+ *                                   for, e.g. fallback(virtual_pool, pinned_pool)
  *
  * Sizes take units (KiB, MiB, GiB, TiB, kB, MB, GB, TB). memres_malloc and memres_free
  * have the signatures PyTorch's CUDAPluggableAllocator calls. No function unwinds or

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use mr::adaptor::{ExactCounter, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
 use mr::spec::{Built, Target};
-use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed};
+use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost};
 use mr::{
     AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
     ExportHandle, Pool,
@@ -156,6 +156,10 @@ impl Target for Layers {
 
     fn managed(&mut self) -> Result<AnyResource<Device>, Error> {
         Ok(AnyResource::new(Managed::on(self.device)?))
+    }
+
+    fn pinned(&mut self) -> Result<AnyResource<Device>, Error> {
+        Ok(AnyResource::new(PinnedHost::on(self.device)?))
     }
 
     fn built(&mut self, layer: Built<'_, Self>) {

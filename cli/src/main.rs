@@ -473,6 +473,17 @@ fn table(results: &[(String, Memory, Outcome)]) -> String {
         );
     }
     for (name, _, o) in results {
+        if let Some([first, then]) = &o.tiers {
+            let _ = writeln!(
+                out,
+                "{name}: the first tier served {} blocks (at most {} at once), the next {} \
+                 (at most {})",
+                first.blocks.total,
+                bytes(first.bytes.peak.max(0) as u64),
+                then.blocks.total,
+                bytes(then.bytes.peak.max(0) as u64),
+            );
+        }
         if let Some((line, size, error)) = &o.first_failure {
             let _ = writeln!(
                 out,

@@ -205,6 +205,8 @@ pub struct Outcome {
     /// Allocations still live at the end (freed by the replay afterwards): count, bytes.
     pub leaks: (usize, u64),
     pub samples: Vec<Sample>,
+    /// What each tier of a `fallback(..)` served (peak bytes, blocks in all).
+    pub tiers: Option<[memres::adaptor::Tier; 2]>,
 }
 
 impl Outcome {
@@ -395,6 +397,7 @@ pub fn replay(
         fragmentation,
         leaks,
         samples,
+        tiers: stack.tiers(),
     })
 }
 

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use memres::adaptor::{Counter, ExactCounter};
+use memres::adaptor::{Counter, ExactCounter, Tier};
 use memres::property::Contains;
 use memres::spec::{Built, Spec, Target};
 use memres::suballoc::PoolStats;
-use memres::upstream::{Backend, CudaAsync, Managed, Virtual};
-use memres::{AnyResource, Error, Resource, StreamRef, SyncResource};
+use memres::upstream::{Backend, CudaAsync, Managed, PinnedHost, Virtual};
+use memres::{AnyResource, Error, HostHeap, Resource, StreamRef, SyncResource};
 
 /// Where the memory comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,10 +180,14 @@ pub struct Stack {
     pub top: AnyResource<()>,
     footprint: Box<dyn Fn() -> Counter + Send + Sync>,
     pool: Option<PoolFigures>,
+    tiers: Option<TierFigures>,
 }
 
 /// Reads a pool's figures.
 type PoolFigures = Box<dyn Fn() -> PoolStats + Send + Sync>;
+
+/// Reads a `fallback(..)`'s figures per tier.
+type TierFigures = Box<dyn Fn() -> [Tier; 2] + Send + Sync>;
 
 impl Stack {
     /// Bytes the stack holds from its memory: now, and the most it held.
@@ -194,6 +198,11 @@ impl Stack {
     /// The pool's figures (size, free bytes, largest free block), where there is a pool.
     pub fn pool_stats(&self) -> Option<PoolStats> {
         self.pool.as_ref().map(|f| f())
+    }
+
+    /// What each tier of a `fallback(..)` served, where the stack has one.
+    pub fn tiers(&self) -> Option<[Tier; 2]> {
+        self.tiers.as_ref().map(|f| f())
     }
 }
 
@@ -256,6 +265,7 @@ pub struct Replay<U, B: Backend> {
     /// Set where a `virtual_pool` is built: its leaf's mapped bytes.
     mapped: Option<Box<dyn Fn() -> Counter + Send + Sync>>,
     pool: Option<PoolFigures>,
+    tiers: Option<TierFigures>,
 }
 
 impl<U, B> Replay<U, B>
@@ -277,6 +287,7 @@ where
             gpu,
             mapped: None,
             pool: None,
+            tiers: None,
         }
     }
 
@@ -291,6 +302,7 @@ where
                 .mapped
                 .unwrap_or_else(|| Box::new(move || count.read())),
             pool: self.pool,
+            tiers: self.tiers,
         })
     }
 
@@ -343,11 +355,25 @@ where
         Ok(self.counted(Managed::new()?))
     }
 
+    /// Pinned host memory on a GPU; host memory elsewhere (what a replay on simulated
+    /// device memory falls back to). Host memory: not in the device footprint.
+    fn pinned(&mut self) -> Result<AnyResource<()>, Error> {
+        if self.gpu {
+            Ok(AnyResource::new(PinnedHost::new()?))
+        } else {
+            Ok(AnyResource::new(HostHeap))
+        }
+    }
+
     fn built(&mut self, layer: Built<'_, Self>) {
         match layer {
             Built::ChunkedPool(pool) => {
                 let pool = Arc::clone(pool);
                 self.pool = Some(Box::new(move || pool.stats()));
+            }
+            Built::Tiers(tiers) => {
+                let tiers = Arc::clone(tiers);
+                self.tiers = Some(Box::new(move || tiers.tiers()));
             }
             Built::InPlacePool(pool) => {
                 let (held, stats) = (Arc::clone(pool), Arc::clone(pool));

@@ -525,3 +525,40 @@ fn help_takes_help_and_names_the_commands() {
         "{err}"
     );
 }
+
+/// A replay larger than its simulated device memory completes through `fallback(..)`
+/// (issue 37: the host simulation of a device pool falling back to pinned host memory),
+/// with what each tier served; the pool alone fails.
+#[test]
+fn a_replay_larger_than_the_device_completes_through_a_fallback() {
+    let log = sample("training.csv.gz");
+    let log = log.to_str().unwrap();
+    let out = ok(&[
+        "replay",
+        log,
+        "--simulate",
+        "200MiB",
+        "--compare",
+        "pool",
+        "fallback(pool, pinned_pool)",
+    ]);
+    let row = |name: &str| {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no row for {name}: {out}"))
+            .split_whitespace()
+            .nth(if name == "pool" { 5 } else { 6 })
+            .unwrap()
+            .to_owned()
+    };
+    assert_ne!(row("pool"), "0", "the pool alone runs out: {out}");
+    assert_eq!(row("fallback(pool, pinned_pool)"), "0", "no failure: {out}");
+    let tiers = out
+        .lines()
+        .find(|l| l.starts_with("fallback(pool, pinned_pool): the first tier served"))
+        .unwrap_or_else(|| panic!("no tier line: {out}"));
+    assert!(
+        !tiers.contains("the next 0 "),
+        "the next tier served some: {tiers}"
+    );
+}

@@ -40,6 +40,7 @@ fn small(spec: &Spec) -> bool {
     match spec {
         Spec::Logged { .. } => false,
         Spec::WithStatistics(inner) | Spec::Limited { inner, .. } => small(inner),
+        Spec::Fallback { first, then } => small(first) && small(then),
         Spec::Pool { initial, max, .. } => fits(initial) && fits(max),
         Spec::VirtualPool {
             initial,

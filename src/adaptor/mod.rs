@@ -17,6 +17,7 @@ use crate::error::Error;
 
 mod aligned;
 mod failure_retry;
+mod fallback;
 mod guard;
 mod limiting;
 mod logging;
@@ -28,6 +29,7 @@ mod tracking;
 
 pub use aligned::{Aligned, AlignmentHolds};
 pub use failure_retry::FailureRetry;
+pub use fallback::{Fallback, Tier};
 pub use guard::{CANARY, Guard, Overrun, Side};
 pub use limiting::Limiting;
 pub use logging::{LOG_FILE_VARIABLE, Logging};

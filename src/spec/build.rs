@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::Spec;
-use crate::adaptor::{Limiting, Logging, Statistics};
+use crate::adaptor::{Fallback, Limiting, Logging, Statistics};
 use crate::property::Contains;
 use crate::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use crate::upstream::{Backend, Virtual};
@@ -88,11 +88,20 @@ pub trait Target {
         Err(Error::unsupported("managed memory on this target"))
     }
 
+    /// Pinned host memory, for `pinned` and under `pinned_pool`. By default, refused as
+    /// [`Error::Unsupported`].
+    fn pinned(&mut self) -> Result<AnyResource<Self::Properties>, Error> {
+        Err(Error::unsupported("pinned host memory on this target"))
+    }
+
     /// A layer just built, for the target to keep a handle on. By default, none is kept.
     fn built(&mut self, layer: Built<'_, Self>) {
         let _ = layer;
     }
 }
+
+/// A `fallback(..)` as [`Spec::build`] makes it: two erased tiers.
+pub type Tiers<P> = Fallback<AnyResource<P>, AnyResource<P>, P>;
 
 /// A layer [`Spec::build`] made, shown to [`Target::built`] (inner layers first). (The
 /// variants are not named as the types they hold, whose names rustc would then print
@@ -109,6 +118,8 @@ pub enum Built<'a, T: Target + ?Sized> {
     WithStatistics(&'a Arc<Statistics<AnyResource<T::Properties>>>),
     /// A `logging(..)` layer.
     Logged(&'a Arc<Logging<AnyResource<T::Properties>>>),
+    /// A `fallback(..)`: its two tiers, with their figures.
+    Tiers(&'a Arc<Tiers<T::Properties>>),
 }
 
 impl Spec {
@@ -125,6 +136,16 @@ impl Spec {
                 release_threshold,
             } => target.driver_pool(*initial, *release_threshold)?,
             Spec::Managed => target.managed()?,
+            Spec::Pinned => target.pinned()?,
+            Spec::PinnedPool => AnyResource::new(Pool::new(target.pinned()?, PoolConfig::new())?),
+            Spec::Fallback { first, then } => {
+                let tiers = Arc::new(Fallback::<_, _, T::Properties>::new(
+                    first.build(target)?,
+                    then.build(target)?,
+                ));
+                target.built(Built::Tiers(&tiers));
+                AnyResource::new(tiers)
+            }
             Spec::Pool {
                 initial,
                 max,
@@ -250,6 +271,7 @@ mod tests {
                 Built::SuperblockArena(_) => "arena",
                 Built::WithStatistics(_) => "statistics",
                 Built::Logged(_) => "logging",
+                Built::Tiers(_) => "fallback",
             });
         }
     }
@@ -277,6 +299,10 @@ mod tests {
                 "statistics(limiting(pool, limit=1GiB))",
                 &["pool", "statistics"],
             ),
+            (
+                "fallback(limiting(pool, limit=1MiB), virtual_pool)",
+                &["pool", "virtual_pool", "fallback"],
+            ),
         ] {
             let mut target = Recording::default();
             let stack = Spec::parse(text).unwrap().build(&mut target).unwrap();
@@ -294,7 +320,12 @@ mod tests {
     /// What a target cannot give is an error naming it, not a stack of another kind.
     #[test]
     fn a_target_without_a_leaf_refuses_its_spec() {
-        for text in ["cuda_async", "managed"] {
+        for text in [
+            "cuda_async",
+            "managed",
+            "pinned",
+            "fallback(pool, pinned_pool)",
+        ] {
             let built = Spec::parse(text).unwrap().build(&mut Recording::default());
             assert!(matches!(built, Err(Error::Unsupported(_))), "{text}");
         }
@@ -317,5 +348,8 @@ mod tests {
             build("arena:size=1KiB"),
             Err(Error::InvalidArgument(_))
         ));
+        // What the first tier cannot hold, the second serves.
+        let tiers = build("fallback(limiting(pool, limit=1MiB), virtual_pool)").unwrap();
+        assert!(round_trip(&tiers, 4 << 20).is_ok());
     }
 }

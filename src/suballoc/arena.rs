@@ -232,11 +232,11 @@ impl<U: Resource> Arena<U> {
         self.table.iter().count()
     }
 
-    /// Waits for the work of every stream the arena has served, gives every superblock
-    /// that is then entirely free back to the global arena, and frees the lists of the
-    /// streams left with no free memory (a stream used again gets a new list), so an
-    /// arena that served many streams holds memory for its host lists only. Free pieces
-    /// of superblocks still partly in use go to the calling thread's host list. Linux 4.14
+    /// Moves every stream's free memory to the calling thread's host list (after waiting
+    /// for the streams it was freed on), gives every superblock that is then entirely
+    /// free back to the global arena, and frees the lists of the streams left with no
+    /// free memory (a stream used again gets a new list), so an arena that served many
+    /// streams holds lists for its host stream only. Linux 4.14
     /// and later free the lists (the call waits for the arena's calls under way on other
     /// threads to return); elsewhere the lists stay, emptied.
     ///
@@ -262,16 +262,12 @@ impl<U: Resource> Arena<U> {
                 deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
             let mut global = lock(&self.global);
-            // Every stream's work is done: its free memory may serve any stream.
-            self.shards.synchronize_streams()?;
+            // Every list's free memory moves to the host list once the streams it was
+            // freed on are waited for (taken first, then waited for: a block freed on a
+            // stream after a wait could still be in use by the stream's work).
             let host = self.shard(StreamRef::HOST);
-            let mut moved = Vec::new();
-            for shard in self.shards.all() {
-                if !ptr::eq(shard, host) {
-                    moved.extend(shard.state.lock().drain());
-                }
-            }
-            host.state.lock().absorb(moved);
+            self.shards
+                .merge_into(host, PoolShard::drain, PoolShard::absorb)?;
             self.settle_pending(&mut global)?;
             self.defragment(&mut global, 0)?;
             for shard in self.shards.all() {

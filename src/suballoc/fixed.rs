@@ -282,6 +282,8 @@ impl<U: Resource> FixedSize<U> {
                 std::mem::take,
                 |list: &mut Vec<usize>, mut items| list.append(&mut items),
                 |retired| {
+                    let retired: std::collections::HashSet<usize> =
+                        retired.iter().copied().collect();
                     self.donors.lock().retain(|addr| !retired.contains(addr));
                     if self.cached() {
                         let _chunks = lock(&self.chunks);
@@ -479,7 +481,9 @@ impl<U: Resource> FixedSize<U> {
         // This thread's cached blocks (of every stream) go back to their lists first; the
         // lists that then have blocks to spare are donors.
         for list in self.cache().flush() {
-            // SAFETY: the cache returns this resource's shards, which live as long as it.
+            // SAFETY: the cache returns this resource's shards it gave blocks to; this call
+            // is pinned (since before the flush), so a shard `trim` retires meanwhile is
+            // not freed before the call returns.
             let list = unsafe { &*list };
             if list.holds_free.load(Ordering::Relaxed) {
                 self.list_donor(list);

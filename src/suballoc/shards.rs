@@ -312,7 +312,9 @@ impl<S> Table<S> {
                 return Err(i);
             }
             // SAFETY: every non-null slot holds a shard made by `Box::into_raw` and
-            // published with a release store; shards are freed only when the map drops.
+            // published with a release store; a shard is freed only by `retire`, two
+            // grace periods after it left every table, which the caller's pin outlasts
+            // (or when the map drops).
             if unsafe { &*p }.key == key {
                 return Ok(p);
             }
@@ -395,7 +397,9 @@ impl<S> ShardMap<S> {
     #[inline]
     fn table(&self) -> &Table<S> {
         // SAFETY: the pointer was made by `Box::into_raw` and published with a release
-        // store after the table was filled; tables are freed only when the map drops.
+        // store after the table was filled; a table is freed only by `retire`, two grace
+        // periods after it stopped being current, which the caller's pin (or the
+        // `tables` lock) outlasts (or when the map drops).
         unsafe { &*self.table.load(Ordering::Acquire) }
     }
 
@@ -406,7 +410,8 @@ impl<S> ShardMap<S> {
     #[inline]
     unsafe fn at(&self, p: *mut Shard<S>) -> &Shard<S> {
         // SAFETY: (the caller's promise) `p` is a published shard; shards are freed only
-        // when the map drops, which `&self` outlives.
+        // by `retire`, after every reader pinned when it left the tables has unpinned (the
+        // caller is pinned), or when the map drops, which `&self` outlives.
         unsafe { &*p }
     }
 
@@ -529,9 +534,9 @@ impl<S> ShardMap<S> {
     ///
     /// Steps: the idle shards leave the table (a new table without them is published,
     /// the old tables are kept) for limbo, where iterations still find them; after a
-    /// grace period no reader holds one from a lookup, so they leave limbo and `recent`,
-    /// and `unlinked` gets their addresses (for the caller's own places that keep shards
-    /// across calls); after a second no reader holds one from an iteration or from such
+    /// grace period no reader holds one from a lookup: `unlinked` gets their addresses
+    /// (for the caller's own places that keep shards across calls), then they leave
+    /// limbo and `recent`; after a second no reader holds one from an iteration or from such
     /// a place, and they and the old tables are freed, their late items moved first.
     /// They are marked retired as they leave the table ([`Shard::is_retired`]):
     /// `set_recent` and `note_free` pass them over, and so must every place of the
@@ -598,13 +603,23 @@ impl<S> ShardMap<S> {
         };
         // A grace period: no lookup that found a removed shard is still going on.
         grace::wait_for_readers(&waiter);
+        // Every thread that may have put one anywhere that outlives a call (it read the
+        // `retired` flag clear) has moved on, and no thread puts one anywhere now: the
+        // caller takes them out of its own such places (while they are still in limbo,
+        // so that what the caller puts back into them stays in reach of iterations).
+        unlinked(
+            &removed
+                .iter()
+                .map(|&p| p.expose_provenance())
+                .collect::<Vec<_>>(),
+        );
         // They leave limbo, which holds only them (retirements run one at a time, and each
         // empties it).
         lock(&self.rare.limbo).clear();
         self.rare.limbo_any.store(false, Ordering::Release);
-        // Only a thread holding one could make it the first a search looks at (the
-        // caller's promise: never one found by an iteration), and none holding one from a
-        // lookup is left; a reader of `recent` that found one is waited for below.
+        // No thread makes one the first a search looks at now (`set_recent` passes over
+        // retired shards, and a thread that read the mark clear has moved on); a reader
+        // of `recent` that found one is waited for below.
         for &p in &removed {
             let _ = self.recent.compare_exchange(
                 p,
@@ -613,15 +628,7 @@ impl<S> ShardMap<S> {
                 Ordering::Relaxed,
             );
         }
-        // Every thread that may have put one anywhere that outlives a call (it read the
-        // `retired` flag clear) has moved on, and no thread puts one anywhere now: the
-        // caller takes them out of its own such places.
-        unlinked(
-            &removed
-                .iter()
-                .map(|&p| p.expose_provenance())
-                .collect::<Vec<_>>(),
-        );
+
         // A second: no iteration that found one in limbo, no search that found one as
         // `recent`, and no reader of the caller's places that found one there is still
         // going on.

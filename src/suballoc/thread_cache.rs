@@ -181,8 +181,9 @@ impl Magazine {
     /// has taken every stash that points at them).
     unsafe fn give_back(self) -> Option<*const Shard<Vec<usize>>> {
         let gave = self.stash.with(|blocks| {
-            // SAFETY: the caller's promise; the blocks were not taken, so the list is
-            // not retired and lives as long as the owner.
+            // SAFETY: the caller's promise; the blocks were not taken, so the list is not
+            // freed yet: `FixedSize::trim` frees a list only after its reclaim has taken
+            // every stash pointing at it, and that take waits for this `with` to end.
             let shard = unsafe { &*self.stash.shard };
             put_back(shard, blocks.drain(..));
         });
@@ -523,7 +524,9 @@ impl<'a> Cache<'a> {
     }
 
     /// Gives every block of the owner's magazines on this thread back to their lists, and
-    /// returns those lists (the owner's shards: they live as long as it does).
+    /// returns those lists (the owner's shards; one `FixedSize::trim` retires is freed
+    /// only after every call pinned when it left the tables has returned, so a caller
+    /// pinned before this call may use them until it unpins).
     pub(crate) fn flush(&self) -> Vec<*const Shard<Vec<usize>>> {
         self.with(|mags| {
             // SAFETY: inside a call on the owner (rule (1)).
@@ -565,7 +568,8 @@ impl<'a> Cache<'a> {
                     // locked, and a stash leaves it as it is taken, so no other reclaim
                     // takes it.
                     let blocks = unsafe { stash.blocks.take() };
-                    // SAFETY: inside a call on the owner (rule (1)): its shards live.
+                    // SAFETY: inside a call on the owner (rule (1)), or in `FixedSize::trim`'s
+                    // retirement before the lists it retires are freed: the shard lives.
                     let shard = unsafe { &*stash.shard };
                     put_back(shard, blocks);
                 }

@@ -41,6 +41,8 @@ use crate::sync::{Mutex, barrier, lock, yield_now};
 
 /// One thread's pin counter (odd: pinned).
 struct Slot {
+    /// Odd while the thread is pinned (its outermost pin turns it odd, that pin's drop
+    /// even again); only the thread writes it.
     seq: AtomicU64,
 }
 
@@ -76,17 +78,18 @@ impl Drop for Registration {
 }
 
 // The thread's slot (null until it registers, and again once it has left the registry)
-// and how deep its pins nest: thread-locals without destructors, read in one load each.
+// and how deep the pins of a thread without a slot (exiting) nest: thread-locals without
+// destructors, read in one load each.
 #[cfg(not(memres_loom))]
 thread_local! {
     static SLOT: Cell<*const Slot> = const { Cell::new(std::ptr::null()) };
-    static DEPTH: Cell<u32> = const { Cell::new(0) };
+    static EXIT_DEPTH: Cell<u32> = const { Cell::new(0) };
     static REGISTRATION: std::cell::OnceCell<Registration> = const { std::cell::OnceCell::new() };
 }
 #[cfg(memres_loom)]
 loom::thread_local! {
     static SLOT: Cell<*const Slot> = Cell::new(std::ptr::null());
-    static DEPTH: Cell<u32> = Cell::new(0);
+    static EXIT_DEPTH: Cell<u32> = Cell::new(0);
     static REGISTRATION: std::cell::OnceCell<Registration> = std::cell::OnceCell::new();
 }
 
@@ -117,9 +120,11 @@ fn register() -> *const Slot {
 /// the thread that made it.
 #[must_use = "the thread is pinned only while the guard lives"]
 pub(crate) struct Pin {
-    /// Pinned through the process-wide count (the thread's slot was gone).
+    /// The thread's slot, where this is its outermost pin; null for a nested pin, and
+    /// where the thread pinned through the process-wide count (its slot was gone: it is
+    /// exiting; `exiting` says which).
+    slot: *const Slot,
     exiting: bool,
-    _thread: PhantomData<*const ()>,
 }
 
 /// Pins the calling thread until the guard drops.
@@ -128,55 +133,60 @@ pub(crate) fn pin() -> Pin {
     let mut slot = SLOT.with(Cell::get);
     if slot.is_null() {
         slot = register();
+        if slot.is_null() {
+            EXIT_DEPTH.with(|d| d.set(d.get() + 1));
+            EXITING.fetch_add(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            return Pin {
+                slot,
+                exiting: true,
+            };
+        }
     }
-    let depth = DEPTH.with(Cell::get);
-    DEPTH.with(|d| d.set(depth + 1));
-    if slot.is_null() {
-        EXITING.fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+    // SAFETY: the registration (alive until the thread exits, and clearing `SLOT`
+    // first) holds the slot.
+    let s = unsafe { &*slot };
+    // Only this thread writes its slot: a relaxed load reads its own last store. Odd:
+    // pinned already (this pin nests in another, which keeps the thread pinned).
+    let seq = s.seq.load(Ordering::Relaxed);
+    if seq % 2 == 1 {
         return Pin {
-            exiting: true,
-            _thread: PhantomData,
+            slot: std::ptr::null(),
+            exiting: false,
         };
     }
-    if depth == 0 {
-        // SAFETY: the registration (alive until the thread exits, and clearing `SLOT`
-        // first) holds the slot.
-        let slot = unsafe { &*slot };
-        // Only this thread writes its slot: a relaxed load reads its own last store.
-        let seq = slot.seq.load(Ordering::Relaxed) + 1;
-        slot.seq.store(seq, Ordering::Relaxed);
-        barrier::light();
-    }
+    s.seq.store(seq + 1, Ordering::Relaxed);
+    barrier::light();
     Pin {
+        slot,
         exiting: false,
-        _thread: PhantomData,
     }
 }
 
 impl Drop for Pin {
     #[inline]
     fn drop(&mut self) {
-        let depth = DEPTH.with(Cell::get) - 1;
-        DEPTH.with(|d| d.set(depth));
         if self.exiting {
+            EXIT_DEPTH.with(|d| d.set(d.get() - 1));
             EXITING.fetch_sub(1, Ordering::Release);
             return;
         }
-        if depth == 0 {
-            let slot = SLOT.with(Cell::get);
+        if !self.slot.is_null() {
             // SAFETY: as in `pin`: the thread is pinned, so it has not begun to exit,
             // and its slot is registered.
-            let slot = unsafe { &*slot };
-            let seq = slot.seq.load(Ordering::Relaxed) + 1;
-            slot.seq.store(seq, Ordering::Release);
+            let s = unsafe { &*self.slot };
+            let seq = s.seq.load(Ordering::Relaxed) + 1;
+            s.seq.store(seq, Ordering::Release);
         }
     }
 }
 
 /// Whether the calling thread is pinned now.
 fn pinned_here() -> bool {
-    DEPTH.with(Cell::get) > 0
+    let slot = SLOT.with(Cell::get);
+    // SAFETY: as in `pin`: a slot in `SLOT` is registered.
+    let in_slot = !slot.is_null() && unsafe { &*slot }.seq.load(Ordering::Relaxed) % 2 == 1;
+    in_slot || EXIT_DEPTH.with(Cell::get) > 0
 }
 
 /// Proof that the calling thread may wait for readers ([`can_wait`]): grace periods are

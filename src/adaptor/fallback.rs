@@ -1,0 +1,341 @@
+//! [`Fallback`]: a second resource for what the first cannot hold.
+
+use std::alloc::Layout;
+use std::collections::HashSet;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+use super::statistics::{Counter, ExactCounter};
+use crate::error::Error;
+use crate::property::{Contains, PropertySet};
+use crate::resource::{Resource, SyncResource};
+use crate::stream::StreamRef;
+use crate::sync::atomic::{AtomicUsize, Ordering};
+use crate::sync::{Mutex, lock};
+
+/// Tries `first`; when it runs out of memory ([`Error::OutOfMemory`]), `then` (RAPIDS users'
+/// device pool -> pinned host pool, or -> managed memory). Other errors pass through:
+/// only a full first tier sends requests on.
+///
+/// - **Properties**: `P`, what both tiers give (a device pool and a pinned host pool
+///   are both device-accessible: `Fallback<_, _, Device>`); naming a property one of
+///   them lacks does not compile.
+/// - **Frees** go to the tier that served the block. The fallback tier's blocks are
+///   remembered (a set under a lock); while it has none live, a free goes to `first`
+///   without a lookup, so a program that never falls back pays one relaxed load per
+///   free. Stream-ordered frees keep their stream in either tier.
+/// - **Figures** per tier ([`tiers`](Self::tiers)): bytes and blocks served, now and at
+///   most, each counted exactly.
+///
+/// ```
+/// use memres::adaptor::{Fallback, Limiting};
+/// use memres::{Host, HostHeap, SyncResource, layout};
+///
+/// // 1 MiB of "device" memory, then the heap.
+/// let tiers = Fallback::<_, _, Host>::new(Limiting::new(HostHeap::new(), 1 << 20), HostHeap::new());
+/// let small = tiers.allocate_sync(layout(512 << 10)?)?;
+/// let large = tiers.allocate_sync(layout(2 << 20)?)?; // does not fit the first tier
+/// let [first, then] = tiers.tiers();
+/// assert_eq!((first.bytes.current, then.bytes.current), (512 << 10, 2 << 20));
+/// // SAFETY: each allocated above with its layout, not used afterwards.
+/// unsafe {
+///     tiers.deallocate_sync(large, layout(2 << 20)?);
+///     tiers.deallocate_sync(small, layout(512 << 10)?);
+/// }
+/// assert_eq!(tiers.tiers()[1].bytes.current, 0);
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub struct Fallback<A, B, P> {
+    first: A,
+    then: B,
+    /// Addresses of the blocks `then` holds.
+    from_then: Mutex<HashSet<usize>>,
+    /// How many: 0 lets a free skip the set.
+    then_live: AtomicUsize,
+    counts: [TierCounters; 2],
+    properties: PhantomData<fn() -> P>,
+}
+
+#[derive(Default)]
+struct TierCounters {
+    bytes: ExactCounter,
+    blocks: ExactCounter,
+}
+
+/// What one tier of a [`Fallback`] serves: bytes and blocks, now, at most and in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Tier {
+    /// Bytes of the blocks this tier handed out (as the caller asked for them).
+    pub bytes: Counter,
+    /// Blocks this tier handed out.
+    pub blocks: Counter,
+}
+
+impl<A, B, P> Fallback<A, B, P> {
+    /// `first`, and `then` for what `first` has no memory for.
+    pub fn new(first: A, then: B) -> Self {
+        Fallback {
+            first,
+            then,
+            from_then: Mutex::new(HashSet::new()),
+            then_live: AtomicUsize::new(0),
+            counts: Default::default(),
+            properties: PhantomData,
+        }
+    }
+
+    /// The first tier.
+    pub fn first(&self) -> &A {
+        &self.first
+    }
+
+    /// The fallback tier.
+    pub fn then(&self) -> &B {
+        &self.then
+    }
+
+    /// The figures of `[first, then]`.
+    pub fn tiers(&self) -> [Tier; 2] {
+        self.counts.each_ref().map(|c| Tier {
+            bytes: c.bytes.read(),
+            blocks: c.blocks.read(),
+        })
+    }
+
+    /// Counts a block of `layout` handed out by tier `tier` (`served`) or freed.
+    fn count(&self, tier: usize, layout: Layout, served: bool) {
+        let c = &self.counts[tier];
+        // A layout's size is at most `isize::MAX`.
+        let bytes = layout.size() as i64;
+        if served {
+            c.bytes.add(bytes);
+            c.blocks.add(1);
+        } else {
+            c.bytes.sub(bytes);
+            c.blocks.sub(1);
+        }
+    }
+
+    /// Remembers a block `then` served.
+    fn note_then(&self, ptr: NonNull<u8>, layout: Layout) {
+        lock(&self.from_then).insert(ptr.as_ptr().expose_provenance());
+        // After the insertion: a free that reads the count nonzero finds the block.
+        self.then_live.fetch_add(1, Ordering::Release);
+        self.count(1, layout, true);
+    }
+
+    /// Whether `then` served the block at `ptr` (which the caller is freeing, so no other
+    /// thread frees it at the same time), forgetting it if so.
+    fn take_then(&self, ptr: NonNull<u8>) -> bool {
+        // The block's allocation happened before its free (the caller's contract hands
+        // the pointer over with that order), so a block of `then` has been counted.
+        if self.then_live.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let found = lock(&self.from_then).remove(&ptr.as_ptr().expose_provenance());
+        if found {
+            self.then_live.fetch_sub(1, Ordering::Relaxed);
+        }
+        found
+    }
+
+    /// Allocates from `first`, else (out of memory) from `then`.
+    fn allocate_with(
+        &self,
+        layout: Layout,
+        first: impl FnOnce() -> Result<NonNull<u8>, Error>,
+        then: impl FnOnce() -> Result<NonNull<u8>, Error>,
+    ) -> Result<NonNull<u8>, Error> {
+        match first() {
+            Ok(p) => {
+                self.count(0, layout, true);
+                Ok(p)
+            }
+            Err(Error::OutOfMemory { .. }) if layout.size() > 0 => {
+                let p = then()?;
+                self.note_then(p, layout);
+                Ok(p)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl<A: PartialEq, B: PartialEq, P> PartialEq for Fallback<A, B, P> {
+    /// Equal when both tiers are: each can then free the other's blocks.
+    fn eq(&self, other: &Self) -> bool {
+        self.first == other.first && self.then == other.then
+    }
+}
+
+impl<A: fmt::Debug, B: fmt::Debug, P> fmt::Debug for Fallback<A, B, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fallback")
+            .field("first", &self.first)
+            .field("then", &self.then)
+            .field("tiers", &self.tiers())
+            .finish()
+    }
+}
+
+// SAFETY: every block comes from one tier unchanged and goes back to that tier: a block
+// is `then`'s exactly when its address is in `from_then` (inserted before the block is
+// handed out, removed by its free), and both tiers give at least `P`.
+unsafe impl<A, B, P> SyncResource for Fallback<A, B, P>
+where
+    A: SyncResource<Properties: Contains<P>>,
+    B: SyncResource<Properties: Contains<P>>,
+    P: PropertySet,
+{
+    type Properties = P;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate_with(
+            layout,
+            || self.first.allocate_sync(layout),
+            || self.then.allocate_sync(layout),
+        )
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() > 0 && self.take_then(ptr) {
+            self.count(1, layout, false);
+            // SAFETY: the caller's promise; the block is `then`'s.
+            unsafe { self.then.deallocate_sync(ptr, layout) }
+        } else {
+            self.count(0, layout, false);
+            // SAFETY: the caller's promise; the block is `first`'s.
+            unsafe { self.first.deallocate_sync(ptr, layout) }
+        }
+    }
+}
+
+// SAFETY: as for `SyncResource`; a free keeps its stream in the tier it goes to.
+unsafe impl<A, B, P> Resource for Fallback<A, B, P>
+where
+    A: Resource<Properties: Contains<P>>,
+    B: Resource<Properties: Contains<P>>,
+    P: PropertySet,
+{
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate_with(
+            layout,
+            || self.first.allocate(stream, layout),
+            || self.then.allocate(stream, layout),
+        )
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() > 0 && self.take_then(ptr) {
+            self.count(1, layout, false);
+            // SAFETY: the caller's promise; the block is `then`'s.
+            unsafe { self.then.deallocate(stream, ptr, layout) }
+        } else {
+            self.count(0, layout, false);
+            // SAFETY: the caller's promise; the block is `first`'s.
+            unsafe { self.first.deallocate(stream, ptr, layout) }
+        }
+    }
+
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        if layout.size() > 0 && self.take_then(ptr) {
+            self.count(1, layout, false);
+            // SAFETY: the caller's promise; the block is `then`'s.
+            unsafe { self.then.deallocate_used_on(stream, ptr, layout, used_on) }
+        } else {
+            self.count(0, layout, false);
+            // SAFETY: the caller's promise; the block is `first`'s.
+            unsafe { self.first.deallocate_used_on(stream, ptr, layout, used_on) }
+        }
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+    use crate::adaptor::Limiting;
+    use crate::property::Host;
+    use crate::resource::layout;
+    use crate::upstream::HostHeap;
+
+    fn tiers(first_limit: usize) -> Fallback<Limiting<HostHeap>, Limiting<HostHeap>, Host> {
+        Fallback::new(
+            Limiting::new(HostHeap::new(), first_limit),
+            Limiting::new(HostHeap::new(), 1 << 30),
+        )
+    }
+
+    /// Requests go to the first tier until it is full, then to the second; each block is
+    /// freed through the tier that served it (each `Limiting` counts exactly its own),
+    /// whatever the order of the frees and their streams.
+    #[test]
+    fn frees_reach_the_tier_that_served_the_block() {
+        let r = tiers(1 << 20);
+        let l = layout(256 << 10).unwrap();
+        let blocks: Vec<_> = (0..8u32)
+            .map(|i| (r.allocate(StreamRef::host(i), l).unwrap(), i))
+            .collect();
+        assert_eq!(
+            r.first().allocated_bytes(),
+            1 << 20,
+            "four blocks fill the first tier"
+        );
+        assert_eq!(
+            r.then().allocated_bytes(),
+            1 << 20,
+            "four more in the second"
+        );
+        let [first, then] = r.tiers();
+        assert_eq!((first.blocks.current, then.blocks.current), (4, 4));
+        assert_eq!(then.bytes.peak, 1 << 20);
+        // Freed in an order that mixes the tiers (odd ones, then even ones), each on
+        // another stream than its own.
+        let (odd, even): (Vec<_>, Vec<_>) = blocks.into_iter().partition(|(_, i)| i % 2 == 1);
+        for (n, (p, i)) in odd.into_iter().chain(even).enumerate() {
+            // SAFETY: allocated above with `l`, not used; freed once.
+            unsafe { r.deallocate(StreamRef::host(i + 100), p, l) };
+            if n == 3 {
+                assert_eq!(r.first().allocated_bytes(), 512 << 10, "two of each freed");
+                assert_eq!(r.then().allocated_bytes(), 512 << 10);
+            }
+        }
+        assert_eq!(r.first().allocated_bytes() + r.then().allocated_bytes(), 0);
+        let p = r.allocate_sync(l).unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate_sync(p, l) };
+    }
+
+    /// Only out-of-memory falls back: a request no tier can take (an alignment the
+    /// first refuses as invalid) is that error, and a full second tier is out of memory.
+    #[test]
+    fn only_out_of_memory_falls_back() {
+        let r = tiers(1 << 20);
+        let huge = layout(2 << 30).unwrap();
+        assert!(matches!(
+            r.allocate_sync(huge),
+            Err(Error::OutOfMemory { .. })
+        ));
+        let [first, then] = r.tiers();
+        assert_eq!((first.blocks.total, then.blocks.total), (0, 0));
+        let fits_then = layout(4 << 20).unwrap();
+        let p = r.allocate_sync(fits_then).unwrap();
+        assert_eq!(r.tiers()[1].bytes.current, 4 << 20);
+        // SAFETY: allocated above with `fits_then`, not used.
+        unsafe { r.deallocate_sync(p, fits_then) };
+        assert_eq!(r.then().allocated_bytes(), 0);
+        // A zero-byte request is the first tier's, and never falls back.
+        let zero = Layout::from_size_align(0, 256).unwrap();
+        let z = r.allocate_sync(zero).unwrap();
+        // SAFETY: as above.
+        unsafe { r.deallocate_sync(z, zero) };
+        assert_eq!(r.tiers()[1].blocks.total, 1);
+    }
+}
