@@ -46,6 +46,9 @@ pub(crate) struct DeviceStack {
     recorded: Recorded,
     /// Descriptors exported for live blocks (`memres_ipc_export`).
     exported: Exported,
+    /// Whether the stack has a `fallback(..)`: its blocks may then lie outside the pool's
+    /// range.
+    tiered: bool,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -79,6 +82,7 @@ impl DeviceStack {
             statistics: None,
             pool: None,
             logs: Vec::new(),
+            tiered: false,
         };
         let top = spec.build(&mut layers)?;
         Ok(DeviceStack {
@@ -91,6 +95,7 @@ impl DeviceStack {
             out_of_memory: AtomicI64::new(0),
             recorded: Recorded::default(),
             exported: Exported::default(),
+            tiered: layers.tiered,
         })
     }
 }
@@ -101,6 +106,7 @@ struct Layers {
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     pool: Option<PoolLayer>,
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
+    tiered: bool,
 }
 
 impl Target for Layers {
@@ -170,6 +176,7 @@ impl Target for Layers {
             // Built inside out, so the last one kept is the outermost.
             Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
             Built::Logged(logged) => self.logs.push(Arc::clone(logged)),
+            Built::Tiers(_) => self.tiered = true,
             _ => {}
         }
     }
@@ -342,8 +349,13 @@ impl DeviceStack {
 
     /// `Some(false)` when `address` is certainly not memory this stack handed out (outside
     /// the reservation of an in-place pool, the default stack); `None` where the stack
-    /// cannot tell cheaply (its other layers keep no range).
+    /// cannot tell cheaply (its other layers keep no range, or a `fallback(..)` may have
+    /// served it from another memory).
     pub(crate) fn may_hold(&self, address: usize) -> Option<bool> {
+        if self.tiered {
+            // A fallback's next tier hands out memory outside the first tier's range.
+            return None;
+        }
         match &self.pool {
             Some(PoolLayer::Virtual(pool)) => {
                 let (base, len) = mr::GrowInPlace::reservation(pool.upstream());

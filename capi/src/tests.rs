@@ -300,6 +300,66 @@ fn live_bytes_are_exact_when_another_thread_frees() {
     );
 }
 
+/// A `fallback(..)` stack: a block its next tier (pinned host memory) served lies outside
+/// the first tier's reservation, and its free is taken, not refused as foreign
+/// (found on the H200: 2 GiB of tensors stayed live under PyTorch). In a child process,
+/// as the test above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn blocks_of_a_fallback_tier_are_freed() {
+    assert!(
+        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
+        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tests::fallback_child", "--nocapture"])
+        .env("MEMRES_CAPI_FALLBACK_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("fallback: freed"),
+        "the child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The body of the test above, run only in its child process.
+#[test]
+fn fallback_child() {
+    if std::env::var_os("MEMRES_CAPI_FALLBACK_CHILD").is_none() {
+        return; // not the child
+    }
+    assert_eq!(
+        configure("fallback(virtual_pool:max=64MiB, pinned_pool)"),
+        MEMRES_OK,
+        "{}",
+        last_error()
+    );
+    const SIZE: isize = 48 << 20;
+    // SAFETY: the legacy default stream.
+    let blocks: Vec<*mut c_void> = (0..3)
+        .map(|_| unsafe { memres_malloc(SIZE, 0, std::ptr::null_mut()) })
+        .collect();
+    assert!(blocks.iter().all(|p| !p.is_null()), "{}", last_error());
+    assert_eq!(
+        stats(0).live_bytes,
+        3 * SIZE as i64,
+        "two of them past the first tier"
+    );
+    for p in blocks {
+        // SAFETY: from `memres_malloc(SIZE, 0, ..)` above, unused, legacy stream.
+        unsafe { memres_free(p, SIZE, 0, std::ptr::null_mut()) };
+    }
+    assert_eq!(
+        stats(0).live_bytes,
+        0,
+        "every block freed: {}",
+        last_error()
+    );
+    println!("fallback: freed");
+}
+
 /// The body of the test above, run only in its child process.
 #[test]
 fn live_bytes_child() {
