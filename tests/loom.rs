@@ -297,6 +297,6 @@ fn fallback_frees_reach_the_tier_that_served_them_across_threads() {
             "the second tier got its block back"
         );
         let [a, b] = tiers.tiers();
-        assert_eq!((a.blocks.total, b.blocks.total), (1, 1));
+        assert_eq!((a.allocations.total, b.allocations.total), (1, 1));
     });
 }

@@ -478,9 +478,9 @@ fn table(results: &[(String, Memory, Outcome)]) -> String {
                 out,
                 "{name}: the first tier served {} blocks (at most {} at once), the next {} \
                  (at most {})",
-                first.blocks.total,
+                first.allocations.total,
                 bytes(first.bytes.peak.max(0) as u64),
-                then.blocks.total,
+                then.allocations.total,
                 bytes(then.bytes.peak.max(0) as u64),
             );
         }

@@ -206,7 +206,7 @@ pub struct Outcome {
     pub leaks: (usize, u64),
     pub samples: Vec<Sample>,
     /// What each tier of a `fallback(..)` served (peak bytes, blocks in all).
-    pub tiers: Option<[memres::adaptor::Tier; 2]>,
+    pub tiers: Option<[memres::adaptor::StatisticsSnapshot; 2]>,
 }
 
 impl Outcome {

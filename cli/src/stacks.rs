@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use memres::adaptor::{Counter, ExactCounter, Tier};
+use memres::adaptor::{Counter, ExactCounter, StatisticsSnapshot};
 use memres::property::Contains;
 use memres::spec::{Built, Spec, Target};
 use memres::suballoc::PoolStats;
@@ -187,7 +187,7 @@ pub struct Stack {
 type PoolFigures = Box<dyn Fn() -> PoolStats + Send + Sync>;
 
 /// Reads a `fallback(..)`'s figures per tier.
-type TierFigures = Box<dyn Fn() -> [Tier; 2] + Send + Sync>;
+type TierFigures = Box<dyn Fn() -> [StatisticsSnapshot; 2] + Send + Sync>;
 
 impl Stack {
     /// Bytes the stack holds from its memory: now, and the most it held.
@@ -201,7 +201,7 @@ impl Stack {
     }
 
     /// What each tier of a `fallback(..)` served, where the stack has one.
-    pub fn tiers(&self) -> Option<[Tier; 2]> {
+    pub fn tiers(&self) -> Option<[StatisticsSnapshot; 2]> {
         self.tiers.as_ref().map(|f| f())
     }
 }

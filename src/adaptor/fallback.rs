@@ -6,7 +6,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
-use super::statistics::{Counter, ExactCounter};
+use super::statistics::{Statistics, StatisticsSnapshot};
 use crate::error::Error;
 use crate::property::{Contains, PropertySet};
 use crate::resource::{Resource, SyncResource};
@@ -23,10 +23,11 @@ use crate::sync::{Mutex, lock};
 ///   them lacks does not compile.
 /// - **Frees** go to the tier that served the block. The fallback tier's blocks are
 ///   remembered (a set under a lock); while it has none live, a free goes to `first`
-///   without a lookup, so a program that never falls back pays one relaxed load per
-///   free. Stream-ordered frees keep their stream in either tier.
-/// - **Figures** per tier ([`tiers`](Self::tiers)): bytes and blocks served, now and at
-///   most, each counted exactly.
+///   without a lookup, so a program that never falls back pays one load per free.
+///   Stream-ordered frees keep their stream in either tier.
+/// - **Figures** per tier ([`tiers`](Self::tiers)): each tier is counted by a
+///   [`Statistics`] layer of its own (bytes and allocations, now, at most and in all; the
+///   peak across threads is approximate, as there).
 ///
 /// ```
 /// use memres::adaptor::{Fallback, Limiting};
@@ -47,91 +48,55 @@ use crate::sync::{Mutex, lock};
 /// # Ok::<(), memres::Error>(())
 /// ```
 pub struct Fallback<A, B, P> {
-    first: A,
-    then: B,
+    first: Statistics<A>,
+    then: Statistics<B>,
     /// Addresses of the blocks `then` holds.
     from_then: Mutex<HashSet<usize>>,
     /// How many: 0 lets a free skip the set.
     then_live: AtomicUsize,
-    counts: [TierCounters; 2],
     properties: PhantomData<fn() -> P>,
-}
-
-#[derive(Default)]
-struct TierCounters {
-    bytes: ExactCounter,
-    blocks: ExactCounter,
-}
-
-/// What one tier of a [`Fallback`] serves: bytes and blocks, now, at most and in all.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Tier {
-    /// Bytes of the blocks this tier handed out (as the caller asked for them).
-    pub bytes: Counter,
-    /// Blocks this tier handed out.
-    pub blocks: Counter,
 }
 
 impl<A, B, P> Fallback<A, B, P> {
     /// `first`, and `then` for what `first` has no memory for.
     pub fn new(first: A, then: B) -> Self {
         Fallback {
-            first,
-            then,
+            first: Statistics::new(first),
+            then: Statistics::new(then),
             from_then: Mutex::new(HashSet::new()),
             then_live: AtomicUsize::new(0),
-            counts: Default::default(),
             properties: PhantomData,
         }
     }
 
     /// The first tier.
     pub fn first(&self) -> &A {
-        &self.first
+        self.first.upstream()
     }
 
     /// The fallback tier.
     pub fn then(&self) -> &B {
-        &self.then
+        self.then.upstream()
     }
 
-    /// The figures of `[first, then]`.
-    pub fn tiers(&self) -> [Tier; 2] {
-        self.counts.each_ref().map(|c| Tier {
-            bytes: c.bytes.read(),
-            blocks: c.blocks.read(),
-        })
-    }
-
-    /// Counts a block of `layout` handed out by tier `tier` (`served`) or freed.
-    fn count(&self, tier: usize, layout: Layout, served: bool) {
-        let c = &self.counts[tier];
-        // A layout's size is at most `isize::MAX`.
-        let bytes = layout.size() as i64;
-        if served {
-            c.bytes.add(bytes);
-            c.blocks.add(1);
-        } else {
-            c.bytes.sub(bytes);
-            c.blocks.sub(1);
-        }
+    /// The figures of `[first, then]`: bytes and allocations each served.
+    pub fn tiers(&self) -> [StatisticsSnapshot; 2] {
+        [self.first.snapshot(), self.then.snapshot()]
     }
 
     /// Remembers a block `then` served.
-    fn note_then(&self, ptr: NonNull<u8>, layout: Layout) {
+    fn note_then(&self, ptr: NonNull<u8>) {
         lock(&self.from_then).insert(ptr.as_ptr().expose_provenance());
         // After the insertion: a free that reads the count nonzero finds the block.
         self.then_live.fetch_add(1, Ordering::Release);
-        self.count(1, layout, true);
     }
 
-    /// Whether `then` served the block at `ptr` (which the caller is freeing, so no other
-    /// thread frees it at the same time), forgetting it if so.
-    fn take_then(&self, ptr: NonNull<u8>) -> bool {
+    /// Whether `then` served the `layout` block at `ptr` (which the caller is freeing, so
+    /// no other thread frees it at the same time), forgetting it if so.
+    fn served_by_then(&self, ptr: NonNull<u8>, layout: Layout) -> bool {
         // The block's allocation happened before its free (the caller's contract hands
         // the pointer over with that order), so a block of `then` has been counted.
-        if self.then_live.load(Ordering::Acquire) == 0 {
+        if layout.size() == 0 || self.then_live.load(Ordering::Acquire) == 0 {
             return false;
         }
         let found = lock(&self.from_then).remove(&ptr.as_ptr().expose_provenance());
@@ -149,16 +114,12 @@ impl<A, B, P> Fallback<A, B, P> {
         then: impl FnOnce() -> Result<NonNull<u8>, Error>,
     ) -> Result<NonNull<u8>, Error> {
         match first() {
-            Ok(p) => {
-                self.count(0, layout, true);
-                Ok(p)
-            }
             Err(Error::OutOfMemory { .. }) if layout.size() > 0 => {
                 let p = then()?;
-                self.note_then(p, layout);
+                self.note_then(p);
                 Ok(p)
             }
-            Err(e) => Err(e),
+            served => served,
         }
     }
 }
@@ -166,17 +127,16 @@ impl<A, B, P> Fallback<A, B, P> {
 impl<A: PartialEq, B: PartialEq, P> PartialEq for Fallback<A, B, P> {
     /// Equal when both tiers are: each can then free the other's blocks.
     fn eq(&self, other: &Self) -> bool {
-        self.first == other.first && self.then == other.then
+        self.first() == other.first() && self.then() == other.then()
     }
 }
 
 impl<A: fmt::Debug, B: fmt::Debug, P> fmt::Debug for Fallback<A, B, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fallback")
-            .field("first", &self.first)
-            .field("then", &self.then)
-            .field("tiers", &self.tiers())
-            .finish()
+            .field("first", self.first())
+            .field("then", self.then())
+            .finish_non_exhaustive()
     }
 }
 
@@ -200,14 +160,13 @@ where
     }
 
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() > 0 && self.take_then(ptr) {
-            self.count(1, layout, false);
-            // SAFETY: the caller's promise; the block is `then`'s.
-            unsafe { self.then.deallocate_sync(ptr, layout) }
-        } else {
-            self.count(0, layout, false);
-            // SAFETY: the caller's promise; the block is `first`'s.
-            unsafe { self.first.deallocate_sync(ptr, layout) }
+        // SAFETY: the caller's promise, for the tier that served the block.
+        unsafe {
+            if self.served_by_then(ptr, layout) {
+                self.then.deallocate_sync(ptr, layout)
+            } else {
+                self.first.deallocate_sync(ptr, layout)
+            }
         }
     }
 }
@@ -228,14 +187,13 @@ where
     }
 
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        if layout.size() > 0 && self.take_then(ptr) {
-            self.count(1, layout, false);
-            // SAFETY: the caller's promise; the block is `then`'s.
-            unsafe { self.then.deallocate(stream, ptr, layout) }
-        } else {
-            self.count(0, layout, false);
-            // SAFETY: the caller's promise; the block is `first`'s.
-            unsafe { self.first.deallocate(stream, ptr, layout) }
+        // SAFETY: the caller's promise, for the tier that served the block.
+        unsafe {
+            if self.served_by_then(ptr, layout) {
+                self.then.deallocate(stream, ptr, layout)
+            } else {
+                self.first.deallocate(stream, ptr, layout)
+            }
         }
     }
 
@@ -246,14 +204,13 @@ where
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        if layout.size() > 0 && self.take_then(ptr) {
-            self.count(1, layout, false);
-            // SAFETY: the caller's promise; the block is `then`'s.
-            unsafe { self.then.deallocate_used_on(stream, ptr, layout, used_on) }
-        } else {
-            self.count(0, layout, false);
-            // SAFETY: the caller's promise; the block is `first`'s.
-            unsafe { self.first.deallocate_used_on(stream, ptr, layout, used_on) }
+        // SAFETY: the caller's promise, for the tier that served the block.
+        unsafe {
+            if self.served_by_then(ptr, layout) {
+                self.then.deallocate_used_on(stream, ptr, layout, used_on)
+            } else {
+                self.first.deallocate_used_on(stream, ptr, layout, used_on)
+            }
         }
     }
 }
@@ -294,7 +251,10 @@ mod tests {
             "four more in the second"
         );
         let [first, then] = r.tiers();
-        assert_eq!((first.blocks.current, then.blocks.current), (4, 4));
+        assert_eq!(
+            (first.allocations.current, then.allocations.current),
+            (4, 4)
+        );
         assert_eq!(then.bytes.peak, 1 << 20);
         // Freed in an order that mixes the tiers (odd ones, then even ones), each on
         // another stream than its own.
@@ -324,7 +284,7 @@ mod tests {
             Err(Error::OutOfMemory { .. })
         ));
         let [first, then] = r.tiers();
-        assert_eq!((first.blocks.total, then.blocks.total), (0, 0));
+        assert_eq!((first.allocations.total, then.allocations.total), (0, 0));
         let fits_then = layout(4 << 20).unwrap();
         let p = r.allocate_sync(fits_then).unwrap();
         assert_eq!(r.tiers()[1].bytes.current, 4 << 20);
@@ -336,6 +296,6 @@ mod tests {
         let z = r.allocate_sync(zero).unwrap();
         // SAFETY: as above.
         unsafe { r.deallocate_sync(z, zero) };
-        assert_eq!(r.tiers()[1].blocks.total, 1);
+        assert_eq!(r.tiers()[1].allocations.total, 1);
     }
 }

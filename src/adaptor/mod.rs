@@ -29,7 +29,7 @@ mod tracking;
 
 pub use aligned::{Aligned, AlignmentHolds};
 pub use failure_retry::FailureRetry;
-pub use fallback::{Fallback, Tier};
+pub use fallback::Fallback;
 pub use guard::{CANARY, Guard, Overrun, Side};
 pub use limiting::Limiting;
 pub use logging::{LOG_FILE_VARIABLE, Logging};

@@ -279,28 +279,16 @@ impl<U: Resource> Arena<U> {
     }
 
     /// Frees every list that holds no free memory but those of the default host stream
-    /// (`StreamRef::HOST`, one per lane) (see [`trim`](Self::trim)); returns how many went. The caller is not
-    /// pinned and holds no lock.
+    /// (see [`trim`](Self::trim)); returns how many went. The caller is not pinned and
+    /// holds no lock.
     fn retire_empty_lists(&self) -> usize {
         // SAFETY: every use of this arena's shards is inside a pin (its entry points pin
         // before they look one up, and hold no shard between calls); this thread is not
-        // pinned and holds no lock; `home` pins while it looks up the stream's new list
-        // (the retirement's late items go there).
+        // pinned and holds no lock.
         unsafe {
-            self.shards.retire(
-                |shard| {
-                    shard.key.stream() != StreamKey::of(StreamRef::HOST)
-                        && shard.state.lock().free_bytes() == 0
-                },
-                |old| {
-                    let _pin = grace::pin();
-                    match self.shards.find(old.key) {
-                        Some(shard) => shard,
-                        None => self.shards.get_or_insert_like(old, || {
-                            PoolShard::in_arena(Arc::clone(&self.table))
-                        }),
-                    }
-                },
+            self.shards.retire_empty(
+                |list| list.free_bytes() == 0,
+                || PoolShard::in_arena(Arc::clone(&self.table)),
                 PoolShard::drain,
                 PoolShard::absorb,
                 |_| {},

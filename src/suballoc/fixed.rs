@@ -264,21 +264,11 @@ impl<U: Resource> FixedSize<U> {
         // those kept across calls: the donors stack and the magazines, which take in no
         // retired list and give them up in `unlinked` (the donors leave the stack; the
         // reclaim takes every magazine's blocks, and a magazine whose blocks were taken
-        // never touches its list again); this thread is not pinned and holds no lock;
-        // `home` pins while it looks up the stream's new list.
+        // never touches its list again); this thread is not pinned and holds no lock.
         unsafe {
-            self.shards.retire(
-                |shard| {
-                    shard.key.stream() != StreamKey::of(StreamRef::HOST)
-                        && shard.state.lock().is_empty()
-                },
-                |old| {
-                    let _pin = grace::pin();
-                    match self.shards.find(old.key) {
-                        Some(shard) => shard,
-                        None => self.shards.get_or_insert_like(old, Vec::new),
-                    }
-                },
+            self.shards.retire_empty(
+                Vec::is_empty,
+                Vec::new,
                 std::mem::take,
                 |list: &mut Vec<usize>, mut items| list.append(&mut items),
                 |retired| {

@@ -653,6 +653,40 @@ impl<S> ShardMap<S> {
         removed.len()
     }
 
+    /// [`retire`](Self::retire) of every shard whose state `empty` says holds nothing, but
+    /// the default host stream's (`StreamRef::HOST`, one per lane), with late items going
+    /// to the stream's current shard (found, or made like the retired one with `make`;
+    /// pinned while it looks).
+    ///
+    /// # Safety
+    /// As for [`retire`](Self::retire).
+    pub(crate) unsafe fn retire_empty<T>(
+        &self,
+        empty: impl Fn(&S) -> bool,
+        make: impl Fn() -> S,
+        drain: impl Fn(&mut S) -> Vec<T>,
+        absorb: impl Fn(&mut S, Vec<T>),
+        unlinked: impl FnOnce(&[usize]),
+    ) -> usize {
+        let host = StreamKey::of(StreamRef::HOST);
+        // SAFETY: the caller's promise; `home` pins while it looks up and makes.
+        unsafe {
+            self.retire(
+                |shard| shard.key.stream() != host && empty(&shard.state.lock()),
+                |old| {
+                    let _pin = grace::pin();
+                    match self.find(old.key) {
+                        Some(shard) => shard,
+                        None => self.get_or_insert_like(old, &make),
+                    }
+                },
+                drain,
+                absorb,
+                unlinked,
+            )
+        }
+    }
+
     /// Sets `shard`'s [`Shard::holds_free`] hint (the caller holds its state's lock) and,
     /// if it was clear, makes `shard` the first a search looks at.
     #[inline]
