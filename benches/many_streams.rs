@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use memres::{
-    Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout,
+    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout,
 };
 
 /// Pairs timed per round (PAIRS=N to change it, e.g. for a profile of the loop alone).
@@ -40,6 +40,9 @@ fn main() {
         report("pool_in_place", streams, || {
             let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
             Box::new(leaf.pool_in_place(PoolConfig::new()).unwrap())
+        });
+        report("arena", streams, || {
+            Box::new(Arena::with_size(HostHeap, 64 << 20).unwrap())
         });
         report("fixed", streams, || {
             Box::new(FixedSize::with_block_size(HostHeap, 4096, 1024).unwrap())
