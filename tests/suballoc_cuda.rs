@@ -47,6 +47,48 @@ fn race<R: Resource>(r: &R, what: &str) {
     unsafe { r.deallocate(b.as_ref(), q, l) };
 }
 
+/// Allocates on A, writes the block on A for a long while, frees on A, then trims: the
+/// trim moves the block to the host list, which serves any stream at once, so it must
+/// have waited for A's work. Then the block is taken on the host stream and written
+/// synchronously (on the legacy default stream, which does not wait for the non-blocking
+/// A): once A is done, the block holds the host's bytes, never A's.
+fn trim_then_reuse<R: Resource>(r: &R, trim: impl Fn(), what: &str) {
+    let a = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let l = layout(N).unwrap();
+    let p = r.allocate(a.as_ref(), l).unwrap();
+    fill(p.as_ptr(), N, 0xAA, &a, 200);
+    // SAFETY: allocated on `a` with `l`; all work on it is enqueued on `a`.
+    unsafe { r.deallocate(a.as_ref(), p, l) };
+    trim();
+    let q = r.allocate(StreamRef::HOST, l).unwrap();
+    assert_eq!(p, q, "{what}: the host stream should get A's block back");
+    // SAFETY: `q` holds N device bytes, handed to the host stream: usable at once.
+    check(unsafe { sys::cuMemsetD8_v2(q.as_ptr() as u64, 0xBB, N) });
+    a.synchronize().unwrap();
+    let mut host = vec![0u8; N];
+    // SAFETY: `q` holds N device bytes; `host` holds N bytes; all work is done.
+    check(unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), q.as_ptr() as u64, N) });
+    let wrong = host.iter().filter(|&&x| x != 0xBB).count();
+    assert_eq!(wrong, 0, "{what}: {wrong} bytes are A's, written after the trim");
+    // SAFETY: allocated on the host stream with `l`; its work is done.
+    unsafe { r.deallocate(StreamRef::HOST, q, l) };
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn arena_trim_waits_for_the_streams_of_what_it_moves() {
+    let arena = Arena::with_size(Cuda::new().unwrap(), N).unwrap();
+    trim_then_reuse(&arena, || arena.trim().unwrap(), "Arena");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fixed_size_trim_waits_for_the_streams_of_what_it_moves() {
+    let upstream = Limiting::new(Cuda::new().unwrap(), N);
+    let fixed = FixedSize::with_block_size(upstream, N, 1).unwrap();
+    trim_then_reuse(&fixed, || fixed.trim().unwrap(), "FixedSize");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pool_reuse_across_streams_waits_for_the_first() {
