@@ -69,7 +69,10 @@ fn trim_then_reuse<R: Resource>(r: &R, trim: impl Fn(), what: &str) {
     // SAFETY: `q` holds N device bytes; `host` holds N bytes; all work is done.
     check(unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), q.as_ptr() as u64, N) });
     let wrong = host.iter().filter(|&&x| x != 0xBB).count();
-    assert_eq!(wrong, 0, "{what}: {wrong} bytes are A's, written after the trim");
+    assert_eq!(
+        wrong, 0,
+        "{what}: {wrong} bytes are A's, written after the trim"
+    );
     // SAFETY: allocated on the host stream with `l`; its work is done.
     unsafe { r.deallocate(StreamRef::HOST, q, l) };
 }
