@@ -51,6 +51,9 @@ pub enum Error {
     Driver(DriverError),
     /// The resource or the device does not support what was asked (the message says what).
     Unsupported(Cow<'static, str>),
+    /// The pool is asleep ([`Pool::sleep`](crate::Pool::sleep)): it hands out no memory
+    /// until [`Pool::wake`](crate::Pool::wake).
+    Asleep,
 }
 
 impl Error {
@@ -235,6 +238,9 @@ impl fmt::Display for Error {
             ),
             Error::Driver(e) => write!(f, "CUDA driver error: {e}"),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
+            Error::Asleep => f.write_str(
+                "the pool is asleep: it hands out no memory until it is woken (wake it first)",
+            ),
         }
     }
 }
@@ -257,6 +263,7 @@ impl fmt::Debug for Error {
             // The code's name, which works whether or not a driver is loaded.
             Error::Driver(e) => f.debug_tuple("Driver").field(&e.0).finish(),
             Error::Unsupported(msg) => f.debug_tuple("Unsupported").field(msg).finish(),
+            Error::Asleep => f.write_str("Asleep"),
         }
     }
 }

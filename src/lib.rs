@@ -106,7 +106,7 @@ pub use property::{
 };
 pub use resource::{DEFAULT_ALIGNMENT, Has, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
-pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, SleepMode};
 pub use upstream::{
     Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, CudaVirtual, CudaVirtualConfig,
     ExportHandle, GrowInPlace, HostHeap, HostVirtual, Managed, PinnedHost, SamHeadroom, System,

@@ -709,3 +709,44 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
         assert_eq!(map.all().len(), 1);
     });
 }
+
+/// An allocation that read the pool awake races `sleep`: it is served before the pool
+/// sleeps (and its memory goes to sleep with the rest) or refused with `Asleep`; it never
+/// maps memory into a sleeping pool. Fails if the slow path does not look at the sleep
+/// under the growth lock.
+#[test]
+fn loom_an_allocation_racing_sleep_maps_nothing_into_the_sleeping_pool() {
+    use crate::error::Error;
+    use crate::suballoc::SleepMode;
+    use crate::upstream::HostVirtual;
+
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(2);
+    builder.check(|| {
+        let pool = Arc::new(
+            HostVirtual::new(1 << 20, 64 << 10)
+                .and_then(|v| v.pool_in_place(PoolConfig::new()))
+                .unwrap(),
+        );
+        let other = Arc::clone(&pool);
+        let l = Layout::from_size_align(1000, 256).unwrap();
+        let t = thread::spawn(move || match other.allocate(StreamRef::host(1), l) {
+            Ok(p) => Some(p.as_ptr() as usize),
+            Err(Error::Asleep) => None,
+            Err(e) => panic!("{e}"),
+        });
+        // SAFETY: the other thread never touches the memory it gets.
+        unsafe { pool.sleep(SleepMode::Discard) }.unwrap();
+        assert_eq!(pool.upstream().mapped_bytes(), 0, "asleep: nothing mapped");
+        let got = t.join().unwrap();
+        assert_eq!(pool.upstream().mapped_bytes(), 0, "still nothing mapped");
+        pool.wake().unwrap();
+        if let Some(addr) = got {
+            let p = std::ptr::NonNull::new(addr as *mut u8).unwrap();
+            // SAFETY: allocated by the other thread with `l`; never touched.
+            unsafe { pool.deallocate(StreamRef::host(1), p, l) };
+        }
+        pool.trim().unwrap();
+        assert_eq!(pool.upstream().mapped_bytes(), 0);
+    });
+}

@@ -82,7 +82,7 @@ mod thread_cache;
 pub use arena::Arena;
 pub use binning::Binning;
 pub use fixed::FixedSize;
-pub use pool::{Pool, PoolStats};
+pub use pool::{Pool, PoolStats, SleepMode};
 pub use pool_config::{Growth, PoolConfig};
 pub use superblocks::SUPERBLOCK_SIZE;
 
@@ -94,3 +94,7 @@ mod loom_models;
 /// The pool that grows in place with its maps failing at chosen calls.
 #[cfg(all(test, not(memres_loom)))]
 mod pool_faults;
+
+/// Sleep and wake of the pool that grows in place, its misuse included.
+#[cfg(all(test, not(memres_loom)))]
+mod pool_sleep;

@@ -23,7 +23,9 @@ use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::Granules;
 
 mod in_place;
+mod sleep;
 use in_place::Space;
+pub use sleep::SleepMode;
 
 /// A CUDA stream that takes a small block from a host stream's list (where a pool's
 /// initial memory is) takes this much, and keeps the rest in its own list.
@@ -59,12 +61,19 @@ pub struct PoolStats {
     /// climbs with the calls where streams trade memory. Lanes of one stream trade
     /// without it.
     pub stream_merges: u64,
+    /// While the pool sleeps ([`Pool::sleep`]): the bytes it gave back to the driver and
+    /// maps again when woken (`pool_size` and the free figures are then 0). 0 while it is
+    /// awake.
+    pub asleep_bytes: usize,
 }
 
 impl PoolStats {
-    /// Bytes handed out and not yet freed (`pool_size - free_bytes - waiting_bytes`).
+    /// Bytes handed out and not yet freed (`pool_size - free_bytes - waiting_bytes`; 0
+    /// while the pool sleeps).
     pub fn live_bytes(&self) -> usize {
-        self.pool_size - self.free_bytes - self.waiting_bytes
+        self.pool_size
+            .saturating_sub(self.free_bytes)
+            .saturating_sub(self.waiting_bytes)
     }
 
     /// `1 - largest_free_block / free_bytes`: 0 when the free memory is one block (or
@@ -86,8 +95,11 @@ struct GrowthState {
     size: usize,
     /// The highest `size` since the pool was made or [`Pool::reset_peak_size`].
     peak: usize,
-    /// For a pool that grows in place: which granules of the reservation it holds.
+    /// For a pool that grows in place: which granules of the reservation it holds
+    /// (while it sleeps: which it maps again when woken).
     mapped: Granules,
+    /// Set while the pool sleeps: what waking it maps and restores.
+    slept: Option<sleep::Slept>,
 }
 
 /// The growth lock of a [`Pool`], held: on unlock it runs a release that a free left
@@ -201,6 +213,9 @@ pub struct Pool<U: Resource> {
     /// A free crossed the release threshold while another thread held the growth lock:
     /// whoever unlocks it next releases (see [`GrowthGuard`]).
     release_pending: AtomicBool,
+    /// Set while the pool sleeps (read first by every allocation; written under the
+    /// growth lock, with [`GrowthState::slept`]).
+    asleep: AtomicBool,
     /// Blocks freed with [`Resource::deallocate_used_on`] whose other streams' work is
     /// not known to be complete yet.
     held: Deferred,
@@ -223,6 +238,7 @@ impl<U: Resource> Pool<U> {
             shards: ShardMap::default(),
             space: None,
             release_pending: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
             held: Deferred::default(),
             host_key: StreamKey::of_lane(StreamRef::HOST),
         };
@@ -287,6 +303,9 @@ impl<U: Resource> Pool<U> {
     pub fn segments(&self) -> Vec<(usize, usize)> {
         let _pin = grace::pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
+        if growth.slept.is_some() {
+            return Vec::new(); // nothing is mapped while the pool sleeps
+        }
         let mut out: Vec<(usize, usize)> = match &self.space {
             Some(space) => growth
                 .mapped
@@ -314,6 +333,16 @@ impl<U: Resource> Pool<U> {
     pub fn stats(&self) -> PoolStats {
         let _pin = grace::pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
+        if let Some(slept) = &growth.slept {
+            return PoolStats {
+                peak_pool_size: growth.peak,
+                stream_lists: self.shards.len(),
+                waiting_bytes: self.held.bytes(),
+                stream_merges: self.shards.merges(),
+                asleep_bytes: slept.size(),
+                ..PoolStats::default()
+            };
+        }
         let mut stats = PoolStats {
             pool_size: growth.size,
             peak_pool_size: growth.peak,
@@ -423,6 +452,9 @@ impl<U: Resource> Pool<U> {
         into: &Shard<PoolShard>,
         keep: usize,
     ) -> Result<usize, Error> {
+        if growth.slept.is_some() {
+            return Ok(0); // nothing is mapped while the pool sleeps
+        }
         self.merge_into(into)?;
         let released = match &self.space {
             Some(space) => self.unmap_free_granules(space, growth, into, keep),
@@ -592,6 +624,9 @@ impl<U: Resource> Pool<U> {
         if layout.size() == 0 {
             return Ok(dangling(layout));
         }
+        if self.asleep.load(Ordering::Relaxed) {
+            return Err(Error::Asleep);
+        }
         let (size, align) = block_size(layout);
         let shard = self.shard(stream);
         if let Some(addr) = shard.state.lock().take(size, align) {
@@ -625,6 +660,9 @@ impl<U: Resource> Pool<U> {
             return self.allocate_captured(own, size, align, requested);
         }
         let mut growth = self.lock_growth();
+        if growth.slept.is_some() {
+            return Err(Error::Asleep);
+        }
         if let Some(addr) = self
             .take_listed(own, size, align)
             .or_else(|| self.take_from_lanes(own, size, align))
@@ -779,6 +817,9 @@ impl<U: Resource> Pool<U> {
         requested: usize,
     ) -> Result<usize, Error> {
         let mut growth = lock(&self.growth);
+        if growth.slept.is_some() {
+            return Err(Error::Asleep);
+        }
         if let Some(addr) = self
             .take_listed(own, size, align)
             .or_else(|| self.take_from_lanes(own, size, align))
@@ -950,6 +991,8 @@ impl<U: Resource> Drop for Pool<U> {
         let growth = std::mem::take(&mut *lock(&self.growth));
         match &self.space {
             None => release_all(&self.upstream, &self.shards, growth.chunks),
+            // Asleep: nothing is mapped (the copies go with `growth`).
+            Some(_) if growth.slept.is_some() => {}
             Some(space) => {
                 if !crate::device::process_is_exiting()
                     && let Err(e) = self.shards.synchronize_streams()

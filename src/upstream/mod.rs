@@ -41,6 +41,6 @@ pub use managed::Managed;
 pub use pinned_host::PinnedHost;
 pub use system::{SamHeadroom, System};
 pub use virtual_memory::{
-    Backend, CudaPhysical, CudaVirtual, CudaVirtualConfig, GrowInPlace, HostPages, HostVirtual,
-    Virtual,
+    Backend, CudaPhysical, CudaVirtual, CudaVirtualConfig, GrowInPlace, HostCopy, HostPages,
+    HostVirtual, Virtual,
 };

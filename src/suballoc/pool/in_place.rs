@@ -3,16 +3,19 @@
 //! fully free granules; the rest of the pool is shared with the chunked one.
 
 use super::*;
-use crate::upstream::virtual_memory::{Backend, Virtual};
+use crate::upstream::virtual_memory::{Backend, HostCopy, Virtual};
 
 /// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
 /// when the pool is made, so that `Pool<U>` needs no other bound).
 pub(super) struct Space<U> {
     pub(super) base: usize,
     pub(super) granularity: usize,
-    map: fn(&U, usize, usize) -> Result<(), Error>,
+    pub(super) map: fn(&U, usize, usize) -> Result<(), Error>,
     pub(super) unmap: unsafe fn(&U, usize, usize),
     keep_unmapped: fn(&U, bool),
+    pub(super) save: unsafe fn(&U, usize, usize) -> Result<HostCopy, Error>,
+    pub(super) restore: unsafe fn(&U, usize, &HostCopy) -> Result<(), Error>,
+    pub(super) synchronize: fn(&U) -> Result<(), Error>,
 }
 
 /// Keeps the physical memory of granules unmapped while it lives for the maps that follow
@@ -137,8 +140,12 @@ impl<U: Resource> Pool<U> {
                 map: <U as GrowInPlace>::map_at,
                 unmap: <U as GrowInPlace>::unmap_at,
                 keep_unmapped: <U as GrowInPlace>::keep_unmapped,
+                save: <U as GrowInPlace>::save_at,
+                restore: <U as GrowInPlace>::restore_at,
+                synchronize: <U as GrowInPlace>::synchronize,
             }),
             release_pending: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
             held: Deferred::default(),
             host_key: StreamKey::of_lane(StreamRef::HOST),
         };

@@ -4,13 +4,13 @@ use std::fmt;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::{Backend, Virtual, sealed};
+use super::{Backend, HostCopy, Virtual, sealed};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
 use crate::driver::{self, check, check_alloc, report};
 use crate::error::Error;
 use crate::property::DeviceAccessible;
 use crate::stream::StreamRef;
-use crate::upstream::ExportHandle;
+use crate::upstream::{ExportHandle, PinnedHost};
 
 /// How to make a [`CudaVirtual`](super::CudaVirtual).
 ///
@@ -379,6 +379,30 @@ impl Backend for CudaPhysical {
 
     fn wait(&self, stream: StreamRef<'_>) -> Result<(), Error> {
         stream.synchronize_in(self.ctx)
+    }
+
+    unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
+        let copy = HostCopy::pinned(PinnedHost::on(self.ctx.device())?, len)?;
+        let _current = bind(self.ctx)?;
+        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to (the
+        // caller's promise); the copy is fresh pinned memory of at least `len` bytes.
+        check(unsafe {
+            sys::cuMemcpyDtoH_v2(copy.as_ptr().cast(), addr as sys::CUdeviceptr, len)
+        })?;
+        Ok(copy)
+    }
+
+    unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
+        let _current = bind(self.ctx)?;
+        // SAFETY: `addr..addr + copy.len()` is mapped device memory nothing uses (the
+        // caller's promise); the copy is host memory of that length.
+        check(unsafe {
+            sys::cuMemcpyHtoD_v2(addr as sys::CUdeviceptr, copy.as_ptr().cast(), copy.len())
+        })
+    }
+
+    fn synchronize(&self) -> Result<(), Error> {
+        self.ctx.synchronize()
     }
 
     fn keep_unmapped(&self, keep: bool) {

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::{Backend, Virtual, sealed};
+use super::{Backend, HostCopy, Virtual, sealed};
 use crate::error::Error;
 use crate::property::HostAccessible;
 use crate::stream::StreamRef;
@@ -155,6 +155,41 @@ impl Backend for HostPages {
         // Host memory is only used by the host, whose work is done when it frees.
         Ok(())
     }
+
+    unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
+        #[cfg(test)]
+        if faults::fail_saves() {
+            return Err(Error::out_of_memory(len));
+        }
+        let copy = HostCopy::heap(len)?;
+        // SAFETY: `addr..addr + len` is mapped and unwritten (the caller's promise); the
+        // copy is fresh memory of at least `len` bytes, so the two do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                std::ptr::with_exposed_provenance::<u8>(addr),
+                copy.as_ptr(),
+                len,
+            )
+        };
+        Ok(copy)
+    }
+
+    unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
+        // SAFETY: `addr..addr + copy.len()` is mapped and unused (the caller's promise);
+        // the copy is separate host memory of that length.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                copy.as_ptr(),
+                std::ptr::with_exposed_provenance_mut::<u8>(addr),
+                copy.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), Error> {
+        Ok(()) // no device: host work is done when the call comes
+    }
 }
 
 impl Drop for HostPages {
@@ -179,6 +214,17 @@ pub(crate) mod faults {
     thread_local! {
         /// (maps made so far, fail every map whose number is a multiple of this; 0: none).
         static PLAN: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+        /// Whether copies to the host fail, as when host memory runs out.
+        static SAVES_FAIL: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// From now on, on this thread, copies to the host fail (or work again).
+    pub(crate) fn fail_saves_from_now(fail: bool) {
+        SAVES_FAIL.with(|f| f.set(fail));
+    }
+
+    pub(super) fn fail_saves() -> bool {
+        SAVES_FAIL.with(Cell::get)
     }
 
     /// From now on, on this thread, every `every`-th map fails (0: none).

@@ -11,6 +11,7 @@
 mod cuda;
 mod granules;
 mod host;
+mod host_copy;
 
 #[cfg(test)]
 pub(crate) use host::faults;
@@ -22,6 +23,7 @@ use std::ptr::NonNull;
 pub use cuda::{CudaPhysical, CudaVirtualConfig};
 pub(crate) use granules::Granules;
 pub use host::HostPages;
+pub use host_copy::HostCopy;
 
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
@@ -73,6 +75,23 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
     fn keep_unmapped(&self, keep: bool) {
         let _ = keep;
     }
+
+    /// Copies `len` bytes at `addr` into new host memory (pinned for device memory).
+    /// [`Error::OutOfMemory`] when that memory cannot be had.
+    ///
+    /// # Safety
+    /// `addr..addr + len` is mapped, and nothing writes to it until the call returns.
+    unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error>;
+
+    /// Copies `copy` back to `addr`.
+    ///
+    /// # Safety
+    /// `addr..addr + copy.len()` is mapped, and nothing else uses it until the call
+    /// returns.
+    unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error>;
+
+    /// Waits until all work on the device is done (on every stream).
+    fn synchronize(&self) -> Result<(), Error>;
 }
 
 /// A resource whose memory lies in one reserved address range that it maps a granule at
@@ -109,6 +128,42 @@ pub unsafe trait GrowInPlace: Resource {
     /// The default keeps nothing.
     fn keep_unmapped(&self, keep: bool) {
         let _ = keep;
+    }
+
+    /// Copies `len` bytes at `addr` (mapped granules) into new host memory, for a pool
+    /// that sleeps with [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload).
+    /// The default: [`Error::Unsupported`].
+    ///
+    /// # Safety
+    /// `addr..addr + len` was mapped by this resource, and nothing writes to it until the
+    /// call returns, on the host or on any stream.
+    unsafe fn save_at(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
+        let _ = (addr, len);
+        Err(Error::unsupported(
+            "this resource cannot copy its memory to the host",
+        ))
+    }
+
+    /// Copies `copy` back to `addr` (mapped granules). The default:
+    /// [`Error::Unsupported`].
+    ///
+    /// # Safety
+    /// `addr..addr + copy.len()` was mapped by this resource, and nothing else uses it
+    /// until the call returns.
+    unsafe fn restore_at(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
+        let _ = (addr, copy);
+        Err(Error::unsupported(
+            "this resource cannot copy host memory into its own",
+        ))
+    }
+
+    /// Waits until all work on the memory's device is done, on every stream (before a
+    /// pool that sleeps copies or unmaps its memory). The default:
+    /// [`Error::Unsupported`].
+    fn synchronize(&self) -> Result<(), Error> {
+        Err(Error::unsupported(
+            "this resource cannot wait for its device",
+        ))
     }
 }
 
@@ -326,5 +381,34 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
 
     fn keep_unmapped(&self, keep: bool) {
         self.backend.keep_unmapped(keep);
+    }
+
+    unsafe fn save_at(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
+        self.check_mapped(addr, len)?;
+        // SAFETY: mapped (checked above); unwritten while it runs (the caller's promise).
+        unsafe { self.backend.save(addr, len) }
+    }
+
+    unsafe fn restore_at(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
+        self.check_mapped(addr, copy.len())?;
+        // SAFETY: mapped (checked above); unused while it runs (the caller's promise).
+        unsafe { self.backend.restore(addr, copy) }
+    }
+
+    fn synchronize(&self) -> Result<(), Error> {
+        self.backend.synchronize()
+    }
+}
+
+impl<B: Backend> Virtual<B> {
+    /// [`Error::InvalidArgument`] unless `addr..addr + len` is whole mapped granules of
+    /// the reservation.
+    fn check_mapped(&self, addr: usize, len: usize) -> Result<(), Error> {
+        match self.granule_range(addr, len) {
+            Some((first, n)) if self.lock().all(first, n, true) => Ok(()),
+            _ => Err(Error::invalid_argument(format!(
+                "{len} bytes at {addr:#x} are not mapped granules of the reservation"
+            ))),
+        }
     }
 }

@@ -1,0 +1,215 @@
+//! Sleep and wake for the pool that grows in place ([`Pool::sleep`], [`Pool::wake`]): the
+//! physical memory goes back to the driver while the addresses stay reserved, so that
+//! every block, and whatever recorded its address (a captured CUDA graph), is where it
+//! was once the pool wakes.
+
+use super::*;
+use crate::upstream::HostCopy;
+
+/// What becomes of the contents of a pool's memory while it sleeps ([`Pool::sleep`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SleepMode {
+    /// The contents are lost: after [`Pool::wake`] the blocks hold whatever the new
+    /// memory holds (for a KV cache, activations, scratch memory).
+    Discard,
+    /// The contents are copied to host memory (pinned, for device memory) before the
+    /// memory goes back, and copied back when the pool wakes (for model weights). It
+    /// costs as much host memory as the pool holds while it sleeps.
+    Offload,
+}
+
+/// What a sleeping pool maps and restores when it wakes.
+pub(super) struct Slept {
+    mode: SleepMode,
+    /// The mapped runs, as `(address, bytes)`, in address order.
+    runs: Vec<(usize, usize)>,
+    /// One per run, when the contents were offloaded.
+    copies: Vec<HostCopy>,
+}
+
+impl Slept {
+    /// Bytes the pool held when it went to sleep.
+    pub(super) fn size(&self) -> usize {
+        self.runs.iter().map(|&(_, len)| len).sum()
+    }
+}
+
+impl<U: Resource> Pool<U> {
+    /// Puts the pool to sleep: gives every granule it holds back to the driver while its
+    /// address range stays reserved, so that [`wake`](Self::wake) maps memory at the same
+    /// addresses again and every block handed out is valid where it was. What the blocks
+    /// hold is lost or kept on the host as `mode` says. Returns the bytes given back.
+    ///
+    /// First it waits for all work on the device (every stream), gives fully free
+    /// granules back as [`trim`](Self::trim) does, then (for [`SleepMode::Offload`])
+    /// copies the rest to host memory and unmaps it. While the pool sleeps:
+    /// - allocations fail with [`Error::Asleep`] (not a wait);
+    /// - frees are taken (the block is free once the pool wakes), as are
+    ///   [`trim`](Self::trim) (it gives nothing back) and [`stats`](Self::stats)
+    ///   (`pool_size` 0, [`PoolStats::asleep_bytes`] what waking maps);
+    /// - dropping the pool frees the host copies.
+    ///
+    /// Errors leave the pool awake and its memory where it was:
+    /// [`Error::Unsupported`] for a pool that does not grow in place (only mapped
+    /// granules can go back while their addresses stay), [`Error::InvalidArgument`] for
+    /// a pool asleep already, [`Error::OutOfMemory`] when host memory for the copies runs
+    /// out.
+    ///
+    /// Separate pools sleep and wake separately: a program that wants its weights back
+    /// before its KV cache gives each its own pool (a tag each, in the C ABI and Python:
+    /// `memres.tag("weights")`) and wakes them in turn.
+    ///
+    /// ```
+    /// use memres::{HostVirtual, PoolConfig, Resource, SleepMode, StreamRef, layout};
+    ///
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool_in_place(PoolConfig::new())?;
+    /// let l = layout(100 << 10)?;
+    /// let p = pool.allocate(StreamRef::HOST, l)?;
+    /// // SAFETY: fresh block of 100 KiB, host memory.
+    /// unsafe { p.as_ptr().write_bytes(7, l.size()) };
+    /// // SAFETY: nothing touches the block until the pool wakes.
+    /// let released = unsafe { pool.sleep(SleepMode::Offload)? };
+    /// assert_eq!(released, 128 << 10);
+    /// assert!(pool.allocate(StreamRef::HOST, l).is_err(), "no memory while asleep");
+    /// pool.wake()?;
+    /// // SAFETY: the block is mapped again, with its contents.
+    /// assert_eq!(unsafe { p.as_ptr().add(l.size() - 1).read() }, 7);
+    /// // SAFETY: allocated above with `l`; not used afterwards.
+    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    ///
+    /// # Safety
+    /// From this call until [`wake`](Self::wake) returns `Ok`, nothing uses the memory of
+    /// this pool's blocks, on the host or on any stream: it is not mapped (a kernel that
+    /// touches it faults, and so does the host). Work enqueued before the call is waited
+    /// for.
+    pub unsafe fn sleep(&self, mode: SleepMode) -> Result<usize, Error> {
+        let Some(space) = &self.space else {
+            return Err(Error::unsupported(
+                "only a pool that grows in place (over virtual memory) can sleep: its \
+                 addresses stay reserved while its memory goes back",
+            ));
+        };
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let mut growth = self.lock_growth();
+        if growth.slept.is_some() {
+            return Err(Error::invalid_argument(
+                "the pool is asleep already: wake it before it sleeps again",
+            ));
+        }
+        // From here allocations fail at once; the growth lock keeps out those already
+        // past that check (they look at `slept` under it).
+        self.asleep.store(true, Ordering::SeqCst);
+        match self.fall_asleep(space, &mut growth, mode) {
+            Ok(slept) => {
+                let size = slept.size();
+                growth.size -= size;
+                growth.slept = Some(slept);
+                tracing::debug!(target: "memres::pool", size, ?mode, "memres: pool asleep");
+                Ok(size)
+            }
+            Err(e) => {
+                self.asleep.store(false, Ordering::SeqCst);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for the device, gives free granules back, copies the rest (`Offload`) and
+    /// unmaps it; on an error nothing is unmapped but what `trim` would have given back.
+    fn fall_asleep(
+        &self,
+        space: &Space<U>,
+        growth: &mut GrowthState,
+        mode: SleepMode,
+    ) -> Result<Slept, Error> {
+        (space.synchronize)(&self.upstream)?;
+        let host = self.host_list();
+        self.release_down_to(growth, host, 0)?;
+        let g = space.granularity;
+        let runs: Vec<(usize, usize)> = growth
+            .mapped
+            .mapped_runs()
+            .into_iter()
+            .map(|(first, n)| (space.base + first * g, n * g))
+            .collect();
+        let copies = match mode {
+            SleepMode::Discard => Vec::new(),
+            SleepMode::Offload => runs
+                .iter()
+                // SAFETY: mapped runs of the pool; all work on the device is done (waited
+                // for above) and the caller promises no new use until the pool wakes.
+                .map(|&(addr, len)| unsafe { (space.save)(&self.upstream, addr, len) })
+                .collect::<Result<_, _>>()?,
+        };
+        for &(addr, len) in &runs {
+            // SAFETY: mapped by this pool; no work uses them (as above), and the copies,
+            // if any, are made.
+            unsafe { (space.unmap)(&self.upstream, addr, len) };
+        }
+        Ok(Slept { mode, runs, copies })
+    }
+
+    /// Wakes a sleeping pool: maps its memory again at the addresses it had and, if it
+    /// slept with [`SleepMode::Offload`], copies the contents back. Returns the bytes
+    /// mapped. Afterwards the pool serves allocations as before it slept.
+    ///
+    /// [`Error::InvalidArgument`] for a pool that is not asleep; [`Error::OutOfMemory`]
+    /// when the device cannot back the memory (another process holds it): the pool stays
+    /// asleep with its copies, and a later `wake` may succeed.
+    pub fn wake(&self) -> Result<usize, Error> {
+        let Some(space) = &self.space else {
+            return Err(Error::invalid_argument(
+                "the pool is not asleep: only a pool that grows in place sleeps",
+            ));
+        };
+        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let mut growth = self.lock_growth();
+        let Some(slept) = growth.slept.take() else {
+            return Err(Error::invalid_argument(
+                "the pool is not asleep: wake() without sleep()",
+            ));
+        };
+        if let Err(e) = self.wake_up(space, &slept) {
+            growth.slept = Some(slept);
+            return Err(e);
+        }
+        let size = slept.size();
+        growth.size += size;
+        growth.peak = growth.peak.max(growth.size);
+        self.asleep.store(false, Ordering::SeqCst);
+        tracing::debug!(target: "memres::pool", size, mode = ?slept.mode, "memres: pool awake");
+        Ok(size)
+    }
+
+    /// Maps every run of `slept` and restores its copies; on an error unmaps what it
+    /// mapped.
+    fn wake_up(&self, space: &Space<U>, slept: &Slept) -> Result<(), Error> {
+        let mut mapped = 0;
+        let result = (|| {
+            for &(addr, len) in &slept.runs {
+                (space.map)(&self.upstream, addr, len)?;
+                mapped += 1;
+            }
+            for (copy, &(addr, _)) in slept.copies.iter().zip(&slept.runs) {
+                // SAFETY: mapped just above, by this pool; nothing uses a sleeping pool's
+                // memory (`sleep`'s contract) until this call returns.
+                unsafe { (space.restore)(&self.upstream, addr, copy)? };
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            for &(addr, len) in &slept.runs[..mapped] {
+                // SAFETY: mapped above by this call; nothing uses it (as above).
+                unsafe { (space.unmap)(&self.upstream, addr, len) };
+            }
+        }
+        result
+    }
+
+    /// Whether the pool sleeps ([`sleep`](Self::sleep)).
+    pub fn is_asleep(&self) -> bool {
+        self.asleep.load(Ordering::Relaxed)
+    }
+}

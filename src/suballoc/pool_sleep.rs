@@ -1,0 +1,307 @@
+//! Sleep and wake of the in-place pool over host pages: what goes back, what comes back
+//! (at the same addresses), and every misuse the issue lists answered with an error that
+//! leaves the pool usable.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use crate::error::Error;
+use crate::resource::{Resource, layout};
+use crate::stream::StreamRef;
+use crate::suballoc::{Pool, PoolConfig, SleepMode};
+use crate::upstream::HostVirtual;
+use crate::upstream::virtual_memory::faults;
+
+const GRANULE: usize = 64 << 10;
+
+fn pool() -> Pool<HostVirtual> {
+    HostVirtual::new(1 << 30, GRANULE)
+        .and_then(|v| v.pool_in_place(PoolConfig::new()))
+        .unwrap()
+}
+
+/// Blocks of several sizes on three host streams, each filled with its own byte.
+fn fill(pool: &Pool<HostVirtual>) -> Vec<(NonNull<u8>, Layout, StreamRef<'static>, u8)> {
+    (0..40u8)
+        .map(|i| {
+            let l = layout(1000 + usize::from(i) * 37_000).unwrap();
+            let s = StreamRef::host(u32::from(i % 3));
+            let p = pool.allocate(s, l).unwrap();
+            // SAFETY: a fresh block of `l.size()` bytes of host memory.
+            unsafe { p.as_ptr().write_bytes(i, l.size()) };
+            (p, l, s, i)
+        })
+        .collect()
+}
+
+fn holds(p: NonNull<u8>, l: Layout, byte: u8) -> bool {
+    // SAFETY: a live block of `l.size()` bytes, mapped (the pool is awake).
+    unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) }
+        .iter()
+        .all(|&b| b == byte)
+}
+
+fn free_all(pool: &Pool<HostVirtual>, blocks: Vec<(NonNull<u8>, Layout, StreamRef<'static>, u8)>) {
+    for (p, l, s, _) in blocks {
+        // SAFETY: allocated by `fill` with `l` on `s`; not used afterwards.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+}
+
+#[test]
+fn offload_gives_every_granule_back_and_restores_the_contents_where_they_were() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    // A freed block in the middle: its granules may go back, its neighbours stay.
+    let (p, l, s, _) = blocks[20];
+    // SAFETY: allocated by `fill`; not used afterwards.
+    unsafe { pool.deallocate(s, p, l) };
+    let before = pool.segments();
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    let held = before.iter().map(|&(_, n)| n).sum::<usize>();
+    assert!(released > 0 && released <= held, "{released} of {held}");
+    assert_eq!(pool.upstream().mapped_bytes(), 0, "every granule went back");
+    assert!(pool.is_asleep());
+    let asleep = pool.stats();
+    assert_eq!((asleep.pool_size, asleep.asleep_bytes), (0, released));
+    assert!(pool.segments().is_empty());
+    assert_eq!(pool.wake().unwrap(), released);
+    assert!(!pool.is_asleep());
+    assert_eq!(pool.upstream().mapped_bytes(), released);
+    assert_eq!(pool.stats().pool_size, released);
+    for (i, &(p, l, _, byte)) in blocks.iter().enumerate() {
+        if i != 20 {
+            assert!(holds(p, l, byte), "block {i} restored at its address");
+        }
+    }
+    let mut blocks = blocks;
+    blocks.remove(20);
+    // The pool serves as before.
+    let more = fill(&pool);
+    free_all(&pool, more);
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+}
+
+#[test]
+fn discard_gives_the_memory_back_and_wake_maps_it_at_the_same_addresses() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let held = pool.stats().pool_size;
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    let released = unsafe { pool.sleep(SleepMode::Discard) }.unwrap();
+    assert_eq!(
+        released, held,
+        "every block was live: nothing trimmed first"
+    );
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+    pool.wake().unwrap();
+    for &(p, l, _, _) in &blocks {
+        // The contents are gone (fresh pages read zero); the block is writable where it
+        // was.
+        assert!(holds(p, l, 0));
+        // SAFETY: a live block, mapped again.
+        unsafe { p.as_ptr().write_bytes(9, l.size()) };
+    }
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+}
+
+#[test]
+fn a_sleeping_pool_refuses_allocations_takes_frees_and_trims_and_stays_exact() {
+    let pool = pool();
+    let mut blocks = fill(&pool);
+    // A free block on stream 0's list, which the fast path would hand out.
+    let (p, l, s, _) = blocks.pop().unwrap();
+    // SAFETY: allocated by `fill`; not used afterwards.
+    unsafe { pool.deallocate(s, p, l) };
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    for size in [l.size(), 100, 64 << 20] {
+        for stream in [s, StreamRef::host(9)] {
+            assert_eq!(
+                pool.allocate(stream, layout(size).unwrap()),
+                Err(Error::Asleep),
+                "{size} bytes on {stream:?}"
+            );
+        }
+    }
+    // A free while asleep is taken: the block is free once the pool wakes.
+    let (p, l, s, _) = blocks.pop().unwrap();
+    // SAFETY: allocated by `fill`; not used afterwards.
+    unsafe { pool.deallocate(s, p, l) };
+    assert_eq!(pool.trim(), Ok(0), "nothing to give back while asleep");
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+    let live = blocks.iter().map(|&(_, l, _, _)| l.size()).sum::<usize>();
+    pool.wake().unwrap();
+    let stats = pool.stats();
+    assert!(stats.live_bytes() >= live && stats.live_bytes() < live + 40 * 512);
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+    assert_eq!(pool.stats().free_bytes, 0);
+}
+
+#[test]
+fn waking_an_awake_pool_and_sleeping_twice_are_errors_that_change_nothing() {
+    let pool = pool();
+    assert!(matches!(pool.wake(), Err(Error::InvalidArgument(_))));
+    let blocks = fill(&pool);
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    // SAFETY: as above.
+    let again = unsafe { pool.sleep(SleepMode::Discard) };
+    assert!(matches!(again, Err(Error::InvalidArgument(_))), "{again:?}");
+    assert_eq!(
+        pool.wake(),
+        Ok(released),
+        "the first sleep's copies are kept"
+    );
+    assert!(matches!(pool.wake(), Err(Error::InvalidArgument(_))));
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    free_all(&pool, blocks);
+}
+
+#[test]
+fn offload_without_host_memory_fails_and_leaves_the_pool_awake_with_its_contents() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    faults::fail_saves_from_now(true);
+    // SAFETY: nothing touches the blocks while the call runs.
+    let slept = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_saves_from_now(false);
+    assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
+    assert!(!pool.is_asleep());
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "nothing lost");
+    }
+    let extra = pool
+        .allocate(StreamRef::HOST, layout(1 << 20).unwrap())
+        .unwrap();
+    // SAFETY: allocated just above; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, extra, layout(1 << 20).unwrap()) };
+    free_all(&pool, blocks);
+}
+
+#[test]
+fn a_wake_the_device_cannot_back_fails_keeps_the_pool_asleep_and_can_be_tried_again() {
+    let pool = pool();
+    let mut blocks = fill(&pool);
+    // A freed block of whole granules in the middle: the pool holds two runs when it
+    // sleeps.
+    let (p, l, s, _) = blocks.remove(30);
+    // SAFETY: allocated by `fill`; not used afterwards.
+    unsafe { pool.deallocate(s, p, l) };
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    assert_eq!(pool.stats().asleep_bytes, released);
+    // The second map fails: another process took the memory.
+    faults::fail_every(2);
+    assert!(matches!(pool.wake(), Err(Error::OutOfMemory { .. })));
+    faults::fail_every(0);
+    assert!(pool.is_asleep());
+    assert_eq!(
+        pool.upstream().mapped_bytes(),
+        0,
+        "what the failed wake mapped went back"
+    );
+    assert_eq!(pool.wake(), Ok(released));
+    assert_eq!(
+        pool.segments().len(),
+        2,
+        "two runs: the first map of the failed wake held"
+    );
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    free_all(&pool, blocks);
+}
+
+#[test]
+fn a_pool_dropped_asleep_and_a_chunked_pool_asked_to_sleep() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    // SAFETY: the blocks are never touched again (the pool goes away asleep).
+    unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    drop(blocks);
+    drop(pool);
+    let chunked = Pool::new(crate::upstream::HostHeap, PoolConfig::new()).unwrap();
+    // SAFETY: the pool has handed nothing out.
+    let refused = unsafe { chunked.sleep(SleepMode::Discard) };
+    assert!(matches!(refused, Err(Error::Unsupported(_))), "{refused:?}");
+    assert!(matches!(chunked.wake(), Err(Error::InvalidArgument(_))));
+    assert!(
+        chunked
+            .allocate(StreamRef::HOST, layout(10).unwrap())
+            .is_ok_and(|p| {
+                // SAFETY: allocated just above with this layout.
+                unsafe { chunked.deallocate(StreamRef::HOST, p, layout(10).unwrap()) };
+                true
+            })
+    );
+}
+
+/// Threads allocate and free (without touching the memory) while the main thread puts
+/// the pool to sleep and wakes it again and again: every allocation is served or refused
+/// with `Asleep`, nothing hangs, nothing is mapped while the pool sleeps, and at the end
+/// everything goes back.
+#[test]
+fn sleep_and_wake_beside_threads_that_allocate() {
+    let pool = pool();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for t in 0..4u32 {
+            let (pool, stop) = (&pool, &stop);
+            scope.spawn(move || {
+                let mut live = Vec::new();
+                let mut i = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    i += 1;
+                    let l = layout(256 + (i * 7919 + t as usize * 104_729) % (3 << 20)).unwrap();
+                    let s = StreamRef::host(t);
+                    match pool.allocate(s, l) {
+                        Ok(p) => live.push((p, l)),
+                        Err(Error::Asleep) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                    if live.len() > 16 {
+                        let (p, l) = live.swap_remove(i % live.len());
+                        // SAFETY: allocated above with `l` on `s`; never touched.
+                        unsafe { pool.deallocate(s, p, l) };
+                    }
+                }
+                for (p, l) in live {
+                    // SAFETY: as above.
+                    unsafe { pool.deallocate(StreamRef::host(t), p, l) };
+                }
+            });
+        }
+        for round in 0..200 {
+            let mode = if round % 2 == 0 {
+                SleepMode::Offload
+            } else {
+                SleepMode::Discard
+            };
+            // SAFETY: the threads never touch the memory they get.
+            unsafe { pool.sleep(mode) }.unwrap();
+            assert_eq!(
+                pool.upstream().mapped_bytes(),
+                0,
+                "nothing maps while asleep"
+            );
+            let expected = pool.stats().asleep_bytes;
+            assert_eq!(pool.wake(), Ok(expected));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    pool.trim().unwrap();
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+}
