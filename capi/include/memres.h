@@ -54,6 +54,11 @@ extern "C" {
 #define MEMRES_ERROR_CUDA (-3)
 #define MEMRES_ERROR_PANIC (-4)
 #define MEMRES_ERROR_OUT_OF_MEMORY (-5)
+#define MEMRES_ERROR_ASLEEP (-6)
+
+/* What memres_sleep does with the contents of the memory it gives back. */
+#define MEMRES_SLEEP_DISCARD 0
+#define MEMRES_SLEEP_OFFLOAD 1
 
 typedef struct memres_stats_t {
     int32_t has_statistics;  /* 1 when the stack has a statistics layer */
@@ -144,6 +149,34 @@ int memres_trim(int device);
 /* Starts device's peaks (peak_live_bytes, peak_live_allocations, pool_peak_size) afresh
    from what is live and held now (torch.cuda.reset_peak_memory_stats). */
 int memres_reset_peak(int device);
+
+/* Tagged memory and sleep/wake: giving a device's memory back to the driver while its
+ * addresses stay reserved, so that every block (and a CUDA graph that recorded its
+ * address) is where it was after waking.
+ *
+ * memres_set_tag makes memres_malloc serve every device from the pool of tag (process-
+ * wide, until the next call): a pool that grows in place over its own reservation, made
+ * on the tag's first allocation on the device. NULL, "" and "default" go back to the
+ * device's own stack. Frees find the pool by address, whatever tag is set then.
+ *
+ * memres_sleep waits for all work on device, gives back the memory of the pool of tag
+ * ("default": the device's own stack, which must then be an in-place pool, spec
+ * virtual_pool, the default; NULL: every pool of the device that can sleep and is
+ * awake), MEMRES_SLEEP_DISCARD losing what the blocks hold, MEMRES_SLEEP_OFFLOAD copying
+ * it to pinned host memory first; it returns the bytes given back or a negative code.
+ * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
+ * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
+ * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out
+ * of pinned memory MEMRES_ERROR_OUT_OF_MEMORY; on any failure the pools this call put to
+ * sleep wake again. memres_wake maps the memory again at the same addresses (restoring
+ * offloaded contents) and returns the bytes mapped: tag by tag for a staged wake (the
+ * weights before the KV cache), NULL for every sleeping pool. Waking a pool that is awake
+ * by name is MEMRES_ERROR_INVALID_ARGUMENT; a device that cannot back the memory
+ * (another process holds it) gives MEMRES_ERROR_OUT_OF_MEMORY and the pool stays asleep,
+ * its copies kept, for a later try. */
+int memres_set_tag(const char* tag);
+int64_t memres_sleep(int device, const char* tag, int mode);
+int64_t memres_wake(int device, const char* tag);
 
 /* The message of the last failure on this thread, "" if none. */
 const char* memres_last_error(void);

@@ -16,11 +16,13 @@ mod ipc;
 mod profile;
 mod recorded;
 mod stack;
+mod tags;
 
 pub use ipc::{memres_ipc_close, memres_ipc_export, memres_ipc_open};
 pub use profile::{
     memres_profile_pop, memres_profile_push, memres_profile_report, memres_profile_reset,
 };
+pub use tags::{memres_set_tag, memres_sleep, memres_wake};
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -46,6 +48,12 @@ pub const MEMRES_ERROR_CUDA: c_int = -3;
 pub const MEMRES_ERROR_PANIC: c_int = -4;
 /// Out of memory.
 pub const MEMRES_ERROR_OUT_OF_MEMORY: c_int = -5;
+/// The pool is asleep (`memres_sleep`): wake it first.
+pub const MEMRES_ERROR_ASLEEP: c_int = -6;
+/// `memres_sleep`: the contents of the memory given back are lost.
+pub const MEMRES_SLEEP_DISCARD: c_int = 0;
+/// `memres_sleep`: the contents are copied to pinned host memory and restored on wake.
+pub const MEMRES_SLEEP_OFFLOAD: c_int = 1;
 
 /// Devices memres serves through the C ABI (ordinals 0 to 63).
 const MAX_DEVICES: usize = 64;
@@ -104,6 +112,14 @@ impl Failure {
             message: message.into(),
         }
     }
+
+    /// The same failure, its message prefixed with `what` (the call and its argument).
+    fn within(self, what: &str) -> Failure {
+        Failure {
+            message: format!("{what}: {}", self.message),
+            ..self
+        }
+    }
 }
 
 impl From<Error> for Failure {
@@ -111,6 +127,7 @@ impl From<Error> for Failure {
         let code = match e {
             Error::InvalidArgument(_) => MEMRES_ERROR_INVALID_ARGUMENT,
             Error::OutOfMemory { .. } => MEMRES_ERROR_OUT_OF_MEMORY,
+            Error::Asleep => MEMRES_ERROR_ASLEEP,
             _ => MEMRES_ERROR_CUDA,
         };
         Failure {
@@ -340,7 +357,10 @@ pub unsafe extern "C" fn memres_malloc(
             let stack = stack(device)?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            let result = stack.top().allocate(stream, layout);
+            let result = match stack.tagged_pool(device)? {
+                None => stack.top().allocate(stream, layout),
+                Some(pool) => pool.allocate(stream, layout),
+            };
             stack.count_allocation(result.as_ref().map(|_| layout.size()));
             let ptr = result?;
             mr::profile::count_allocation(layout.size());
@@ -385,10 +405,18 @@ pub unsafe extern "C" fn memres_free(
             stack.count_free(layout.size());
             mr::profile::count_free(layout.size());
             stack.exported().release(ptr.as_ptr() as usize);
+            // A block of a tag's pool goes back there (each pool has its own range).
+            let tagged = stack.tags().holding(ptr.as_ptr() as usize);
             match stack.recorded().take(ptr.as_ptr() as usize) {
-                // SAFETY: the caller's promise: `ptr` came from this device's stack (the
-                // only resource `memres_malloc` uses for it) with this size, and is ordered.
-                None => unsafe { stack.top().deallocate(stream, ptr, layout) },
+                // SAFETY: the caller's promise: `ptr` came from this device's stack or the
+                // tag's pool whose range holds it (the resources `memres_malloc` uses for
+                // the device) with this size, and is ordered.
+                None => unsafe {
+                    match &tagged {
+                        Some(pool) => pool.deallocate(stream, ptr, layout),
+                        None => stack.top().deallocate(stream, ptr, layout),
+                    }
+                },
                 Some(raw) => {
                     // SAFETY: `memres_record_stream`'s promise: the recorded streams are
                     // live until the block is freed.
@@ -398,9 +426,12 @@ pub unsafe extern "C" fn memres_free(
                         .collect();
                     // SAFETY: as above; uses on `used_on` were enqueued before this free.
                     unsafe {
-                        stack
-                            .top()
-                            .deallocate_used_on(stream, ptr, layout, &used_on)
+                        match &tagged {
+                            Some(pool) => pool.deallocate_used_on(stream, ptr, layout, &used_on),
+                            None => stack
+                                .top()
+                                .deallocate_used_on(stream, ptr, layout, &used_on),
+                        }
                     }
                 }
             }

@@ -15,6 +15,7 @@ use mr::{
 
 use crate::ipc::{Exported, Shared};
 use crate::recorded::Recorded;
+use crate::tags::TagPools;
 use mr::spec::Spec;
 
 /// The memory layer under the stack, for its figures and for trimming.
@@ -49,6 +50,8 @@ pub(crate) struct DeviceStack {
     /// Whether the stack has a `fallback(..)`: its blocks may then lie outside the pool's
     /// range.
     tiered: bool,
+    /// The pools of the tags allocated under on this device (`memres_set_tag`).
+    tags: TagPools,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -96,6 +99,7 @@ impl DeviceStack {
             recorded: Recorded::default(),
             exported: Exported::default(),
             tiered: layers.tiered,
+            tags: TagPools::default(),
         })
     }
 }
@@ -119,26 +123,7 @@ impl Target for Layers {
     }
 
     fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<CudaVirtual, Error> {
-        let device = self.device;
-        // Every device that can reach this one's memory may: copies between devices
-        // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc` memory with
-        // peer access on, which memory mapped with `cuMemMap` only gets from an access
-        // descriptor per device.
-        let peers: Vec<DeviceId> = DeviceId::all()?
-            .into_iter()
-            .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
-            .collect();
-        let mut leaf = CudaVirtualConfig::new().peers(peers);
-        if let Some(reserve) = reserve {
-            leaf = leaf.reserve(reserve);
-        }
-        // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
-        // PyTorch's CUDA tensors sent to other processes).
-        let exportable = leaf.clone().export(ExportHandle::PosixFd);
-        match CudaVirtual::with_config(device, exportable) {
-            Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf),
-            built => built,
-        }
+        virtual_leaf(self.device, reserve)
     }
 
     fn arena_size(&mut self) -> Result<usize, Error> {
@@ -208,11 +193,39 @@ impl DeviceStack {
     /// where the stack has no pool that keeps such a list (an arena, a driver pool, no
     /// pool: every block is then its own allocation).
     pub(crate) fn segments(&self) -> Vec<(usize, usize)> {
-        match &self.pool {
+        let mut out = match &self.pool {
             Some(PoolLayer::Pool(pool)) => pool.segments(),
             Some(PoolLayer::Virtual(pool)) => pool.segments(),
             Some(PoolLayer::Arena(_) | PoolLayer::Async(_)) | None => Vec::new(),
+        };
+        for (_, pool) in self.tags.all() {
+            out.extend(pool.segments());
         }
+        out.sort_unstable();
+        out
+    }
+
+    /// The pools of the tags allocated under on this device.
+    pub(crate) fn tags(&self) -> &TagPools {
+        &self.tags
+    }
+
+    /// The stack's own pool, if it grows in place (the default stack).
+    pub(crate) fn in_place_pool(&self) -> Option<Arc<Pool<CudaVirtual>>> {
+        match &self.pool {
+            Some(PoolLayer::Virtual(pool)) => Some(Arc::clone(pool)),
+            _ => None,
+        }
+    }
+
+    /// The in-place pool (the stack's own or a tag's) whose reservation holds `address`.
+    fn in_place_holding(&self, address: usize) -> Option<Arc<Pool<CudaVirtual>>> {
+        self.in_place_pool()
+            .filter(|pool| {
+                let (base, len) = mr::GrowInPlace::reservation(pool.upstream());
+                address.wrapping_sub(base) < len
+            })
+            .or_else(|| self.tags.holding(address))
     }
 
     /// The descriptors exported for live blocks.
@@ -224,18 +237,15 @@ impl DeviceStack {
     /// this stack): the granules' descriptors where the memory is the in-place pool's
     /// virtual memory, else the IPC handle of the `cuMemAlloc` allocation holding it.
     pub(crate) fn share(&self, address: usize, size: usize) -> Result<Shared, Error> {
-        if let Some(PoolLayer::Virtual(pool)) = &self.pool {
+        if let Some(pool) = self.in_place_holding(address) {
             let leaf = pool.upstream();
-            let (base, len) = mr::GrowInPlace::reservation(leaf);
-            if address.wrapping_sub(base) < len {
-                let granule = mr::GrowInPlace::granularity(leaf);
-                let (first, fds) = leaf.export_fds(address, size)?;
-                return Ok(Shared::Granules {
-                    granule,
-                    offset: address - first,
-                    fds,
-                });
-            }
+            let granule = mr::GrowInPlace::granularity(leaf);
+            let (first, fds) = leaf.export_fds(address, size)?;
+            return Ok(Shared::Granules {
+                granule,
+                offset: address - first,
+                fds,
+            });
         }
         match &self.pool {
             Some(PoolLayer::Async(_)) => Err(Error::unsupported(
@@ -251,15 +261,8 @@ impl DeviceStack {
     /// How many granules the handle of the `size` bytes at `address` names, where they are
     /// the in-place pool's (`None` for memory shared by a CUDA IPC handle).
     pub(crate) fn granules_of(&self, address: usize, size: usize) -> Option<usize> {
-        let Some(PoolLayer::Virtual(pool)) = &self.pool else {
-            return None;
-        };
-        let leaf = pool.upstream();
-        let (base, len) = mr::GrowInPlace::reservation(leaf);
-        if address.wrapping_sub(base) >= len {
-            return None;
-        }
-        let g = mr::GrowInPlace::granularity(leaf);
+        let pool = self.in_place_holding(address)?;
+        let g = mr::GrowInPlace::granularity(pool.upstream());
         let first = address - address % g;
         Some((address + size).next_multiple_of(g).saturating_sub(first) / g)
     }
@@ -305,6 +308,18 @@ impl DeviceStack {
                 })
             }
         };
+        // The tags' pools count with the stack's own (PyTorch's `memory_reserved` is
+        // everything memres holds on the device).
+        let pool = self.tags.all().into_iter().fold(pool, |sum, (_, tagged)| {
+            let t = pool_figures(tagged.stats());
+            let s = sum.unwrap_or_default();
+            Some(PoolFigures {
+                size: s.size + t.size,
+                free: s.free + t.free,
+                largest_free_block: s.largest_free_block.max(t.largest_free_block),
+                peak_size: s.peak_size + t.peak_size,
+            })
+        });
         Ok(Figures {
             statistics: self.statistics.as_ref().map(|s| s.snapshot()),
             pool,
@@ -344,6 +359,9 @@ impl DeviceStack {
             Some(PoolLayer::Async(pool)) => pool.reset_reserved_peak()?,
             None | Some(PoolLayer::Arena(_)) => {}
         }
+        for (_, pool) in self.tags.all() {
+            pool.reset_peak_size();
+        }
         Ok(())
     }
 
@@ -352,6 +370,9 @@ impl DeviceStack {
     /// cannot tell cheaply (its other layers keep no range, or a `fallback(..)` may have
     /// served it from another memory).
     pub(crate) fn may_hold(&self, address: usize) -> Option<bool> {
+        if self.tags.holding(address).is_some() {
+            return Some(true);
+        }
         if self.tiered {
             // A fallback's next tier hands out memory outside the first tier's range.
             return None;
@@ -369,7 +390,11 @@ impl DeviceStack {
     /// the layer knows them. An arena's memory is one upstream allocation that it keeps
     /// while it lives, so it gives nothing back (0).
     pub(crate) fn trim(&self) -> Result<u64, Error> {
-        match &self.pool {
+        let mut tagged = 0;
+        for (_, pool) in self.tags.all() {
+            tagged += pool.trim()? as u64;
+        }
+        let own = match &self.pool {
             None => Ok(0),
             // The arena holds its whole size; its trim frees the lists of streams.
             Some(PoolLayer::Arena(arena)) => arena.trim().map(|()| 0),
@@ -380,6 +405,31 @@ impl DeviceStack {
                 pool.trim_to(0)?;
                 Ok(before.saturating_sub(pool.reserved_bytes()?))
             }
-        }
+        }?;
+        Ok(own + tagged)
+    }
+}
+
+/// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
+/// tag's): reachable from every peer, exportable where the device can.
+pub(crate) fn virtual_leaf(device: DeviceId, reserve: Option<usize>) -> Result<CudaVirtual, Error> {
+    // Every device that can reach this one's memory may: copies between devices
+    // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc` memory with
+    // peer access on, which memory mapped with `cuMemMap` only gets from an access
+    // descriptor per device.
+    let peers: Vec<DeviceId> = DeviceId::all()?
+        .into_iter()
+        .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
+        .collect();
+    let mut leaf = CudaVirtualConfig::new().peers(peers);
+    if let Some(reserve) = reserve {
+        leaf = leaf.reserve(reserve);
+    }
+    // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
+    // PyTorch's CUDA tensors sent to other processes).
+    let exportable = leaf.clone().export(ExportHandle::PosixFd);
+    match CudaVirtual::with_config(device, exportable) {
+        Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf),
+        built => built,
     }
 }

@@ -689,6 +689,7 @@ fn source() -> String {
         include_str!("lib.rs"),
         include_str!("profile.rs"),
         include_str!("ipc.rs"),
+        include_str!("tags.rs"),
     ]
     .concat()
 }
@@ -772,7 +773,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 17, "{rust:#?}");
+    assert_eq!(rust.len(), 20, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -789,6 +790,9 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         ("MEMRES_ERROR_CUDA", MEMRES_ERROR_CUDA),
         ("MEMRES_ERROR_PANIC", MEMRES_ERROR_PANIC),
         ("MEMRES_ERROR_OUT_OF_MEMORY", MEMRES_ERROR_OUT_OF_MEMORY),
+        ("MEMRES_ERROR_ASLEEP", MEMRES_ERROR_ASLEEP),
+        ("MEMRES_SLEEP_DISCARD", MEMRES_SLEEP_DISCARD),
+        ("MEMRES_SLEEP_OFFLOAD", MEMRES_SLEEP_OFFLOAD),
     ] {
         let written = if value < 0 {
             format!("({value})")
@@ -886,4 +890,123 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         Err(e) => println!("memres-skip: (in part) the C layout check: no C compiler ({e})"),
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+fn c(text: &str) -> CString {
+    CString::new(text).unwrap()
+}
+
+#[test]
+fn tags_and_sleep_answer_bad_arguments_and_a_missing_driver_with_messages() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: NUL-terminated strings or null.
+    unsafe {
+        assert_eq!(memres_set_tag(c("weights").as_ptr()), MEMRES_OK);
+        assert!(tags::current() > 0);
+        assert_eq!(memres_set_tag(std::ptr::null()), MEMRES_OK);
+        assert_eq!(tags::current(), 0);
+        assert_eq!(memres_set_tag(c("default").as_ptr()), MEMRES_OK);
+        assert_eq!(tags::current(), 0);
+        assert_eq!(
+            memres_sleep(0, std::ptr::null(), 7),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT)
+        );
+        assert!(last_error().contains("mode 7"), "{}", last_error());
+        assert_eq!(
+            memres_sleep(-1, std::ptr::null(), MEMRES_SLEEP_DISCARD),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT)
+        );
+        assert!(last_error().contains("device -1"), "{}", last_error());
+    }
+    if !mr::driver::is_present() {
+        // SAFETY: as above.
+        let code = unsafe { memres_wake(0, std::ptr::null()) };
+        assert_eq!(code, i64::from(MEMRES_ERROR_CUDA));
+        assert!(last_error().contains("no CUDA driver"), "{}", last_error());
+    }
+}
+
+/// Tags, sleep and wake through the C ABI on a GPU, in a child process (as the tests
+/// above): a tagged block keeps its bytes across an offload, the untagged pool discards,
+/// allocations while asleep fail with `MEMRES_ERROR_ASLEEP`, and every misuse is an error.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tagged_pools_sleep_and_wake() {
+    assert!(
+        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
+        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tests::sleep_child", "--nocapture"])
+        .env("MEMRES_CAPI_SLEEP_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("sleep: woken"),
+        "the child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The body of the test above, run only in its child process.
+#[test]
+fn sleep_child() {
+    use cudarc::driver::sys;
+    if std::env::var_os("MEMRES_CAPI_SLEEP_CHILD").is_none() {
+        return; // not the child
+    }
+    const SIZE: usize = 48 << 20;
+    let pattern: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8).collect();
+    // SAFETY: NUL-terminated strings, the legacy default stream, blocks of `SIZE` bytes
+    // from `memres_malloc` written and read by synchronous copies while the pools wake.
+    unsafe {
+        let untagged = memres_malloc(SIZE as isize, 0, std::ptr::null_mut());
+        assert!(!untagged.is_null(), "{}", last_error());
+        assert_eq!(memres_set_tag(c("weights").as_ptr()), MEMRES_OK);
+        let weights = memres_malloc(SIZE as isize, 0, std::ptr::null_mut());
+        assert_eq!(memres_set_tag(std::ptr::null()), MEMRES_OK);
+        assert!(!weights.is_null(), "{}", last_error());
+        assert_eq!(
+            sys::cuMemcpyHtoD_v2(weights as u64, pattern.as_ptr().cast(), SIZE),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        let held = stats(0).pool_size;
+        let offloaded = memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD);
+        assert!(offloaded >= SIZE as i64, "{offloaded}: {}", last_error());
+        assert_eq!(
+            memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT),
+            "twice"
+        );
+        assert_eq!(
+            memres_sleep(0, c("kv_cache").as_ptr(), MEMRES_SLEEP_OFFLOAD),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT),
+            "a tag never set"
+        );
+        // The rest (the default stack) discards; NULL skips the sleeping tag.
+        let discarded = memres_sleep(0, std::ptr::null(), MEMRES_SLEEP_DISCARD);
+        assert!(discarded >= SIZE as i64, "{discarded}: {}", last_error());
+        assert_eq!(stats(0).pool_size, 0, "held {held} before, nothing now");
+        assert!(memres_malloc(4096, 0, std::ptr::null_mut()).is_null());
+        assert!(last_error().contains("asleep"), "{}", last_error());
+        // Staged: the weights first.
+        assert_eq!(memres_wake(0, c("weights").as_ptr()), offloaded);
+        let mut back = vec![0u8; SIZE];
+        assert_eq!(
+            sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), weights as u64, SIZE),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert!(back == pattern, "the weights' bytes came back");
+        assert_eq!(memres_wake(0, std::ptr::null()), discarded);
+        assert_eq!(
+            memres_wake(0, c("default").as_ptr()),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT),
+            "awake already"
+        );
+        memres_free(weights, SIZE as isize, 0, std::ptr::null_mut());
+        memres_free(untagged, SIZE as isize, 0, std::ptr::null_mut());
+        assert_eq!(stats(0).live_bytes, 0, "{}", last_error());
+    }
+    println!("sleep: woken");
 }

@@ -5,6 +5,11 @@
     ...                      # train
     print(mr.stats())        # per device: live, peak live, pool size
 
+    with memres.tag("weights"):       # a pool of its own
+        model = build().cuda()
+    memres.sleep({"weights": "offload", "default": "discard"})   # memory back to the driver
+    memres.wake("weights"); memres.wake()                         # same addresses again
+
 ``setup(spec)`` takes a stack spec (``"virtual_pool"``, ``"pool:initial=8GiB"``,
 ``"statistics(virtual_pool)"``, ...; see ``capi/include/memres.h``). The scope profiler
 attributes allocations to named regions::
@@ -20,6 +25,7 @@ The library is the ``libmemres.so`` installed inside this package (``pip install
 from ._cupy import cupy_allocator
 from ._device import configure, init_device, reset_peak, stats, trim
 from ._native import (
+    ERROR_ASLEEP,
     ERROR_CUDA,
     ERROR_IN_USE,
     ERROR_INVALID_ARGUMENT,
@@ -31,6 +37,7 @@ from ._native import (
 )
 from ._profile import ProfileReport, profile, profile_report, profile_reset
 from ._setup import Setup, setup
+from ._sleep import sleep, tag, wake
 from ._torch import install as install_torch
 from ._torch import installed as torch_backend
 from ._torch import torch_allocator
@@ -38,6 +45,7 @@ from ._torch import torch_allocator
 __version__ = "0.1.0"
 
 __all__ = [
+    "ERROR_ASLEEP",
     "ERROR_CUDA",
     "ERROR_IN_USE",
     "ERROR_INVALID_ARGUMENT",
@@ -57,8 +65,11 @@ __all__ = [
     "profile_reset",
     "reset_peak",
     "setup",
+    "sleep",
     "stats",
+    "tag",
     "torch_allocator",
     "torch_backend",
     "trim",
+    "wake",
 ]

@@ -15,6 +15,9 @@ ERROR_IN_USE = -2
 ERROR_CUDA = -3
 ERROR_PANIC = -4
 ERROR_OUT_OF_MEMORY = -5
+ERROR_ASLEEP = -6
+SLEEP_DISCARD = 0
+SLEEP_OFFLOAD = 1
 
 
 class MemresError(RuntimeError):
@@ -103,6 +106,9 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "memres_profile_pop": ([c.c_int64], c.c_int),
         "memres_profile_report": ([c.c_char_p, c.c_size_t], c.c_ssize_t),
         "memres_profile_reset": ([], None),
+        "memres_set_tag": ([c.c_char_p], c.c_int),
+        "memres_sleep": ([c.c_int, c.c_char_p, c.c_int], c.c_int64),
+        "memres_wake": ([c.c_int, c.c_char_p], c.c_int64),
     }
     for name, (args, ret) in table.items():
         fn = getattr(lib, name)

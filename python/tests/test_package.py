@@ -130,3 +130,23 @@ class Package(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Sleep(unittest.TestCase):
+    def test_tags_nest_and_bad_sleep_arguments_are_refused_before_the_driver(self):
+        with memres.tag("weights"):
+            with memres.tag("kv_cache"):
+                pass
+        with self.assertRaises(TypeError):
+            memres.tag("")
+        with self.assertRaises(ValueError):
+            memres.sleep("weights", mode="compress")
+        with self.assertRaises(ValueError):
+            memres.sleep({"weights": "keep"})
+
+    def test_without_a_driver_sleep_and_wake_fail_cleanly(self):
+        for call in (lambda: memres.sleep(), lambda: memres.wake("weights")):
+            with self.assertRaises(memres.MemresError) as caught:
+                call()
+            self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
+            self.assertIn("driver", str(caught.exception).lower())

@@ -1,0 +1,287 @@
+//! Tagged memory and sleep/wake (`memres_set_tag`, `memres_sleep`, `memres_wake`).
+//!
+//! While a tag is set (process-wide, as vLLM's and SGLang's sleep modes have it: the
+//! threads PyTorch runs a model on all allocate under it), `memres_malloc` serves each
+//! device from that tag's own pool, an in-place pool over its own virtual-memory
+//! reservation, made on the tag's first allocation on the device. Each such pool, and the
+//! device's default stack when it is an in-place pool (tag `"default"`), can sleep and
+//! wake on its own: the weights can wake before the KV cache. Frees find their pool by
+//! address (each reservation is its own range).
+
+use std::ffi::{CStr, c_char, c_int};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use mr::device::DeviceId;
+use mr::{CudaVirtual, Error, GrowInPlace, Pool, PoolConfig, SleepMode};
+
+use crate::stack::{DeviceStack, virtual_leaf};
+use crate::{Failure, MEMRES_OK, MEMRES_SLEEP_DISCARD, MEMRES_SLEEP_OFFLOAD, guarded, stack};
+
+/// The name of the memory allocated with no tag set: the device's own stack.
+pub(crate) const DEFAULT_TAG: &str = "default";
+
+/// Tag names, in the order they were first set: a tag's id is its index plus one.
+static NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// The tag set now (its id), 0 for none.
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+
+/// The id of the tag set now, 0 for none.
+#[inline]
+pub(crate) fn current() -> usize {
+    CURRENT.load(Ordering::Relaxed)
+}
+
+fn names() -> std::sync::MutexGuard<'static, Vec<String>> {
+    NAMES.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The id of `name`, if it was ever set.
+fn id_of(name: &str) -> Option<usize> {
+    names().iter().position(|n| n == name).map(|i| i + 1)
+}
+
+/// One device's tagged pools.
+#[derive(Default)]
+pub(crate) struct TagPools {
+    /// Set once the device has a tagged pool: frees skip the lookup until then.
+    any: AtomicBool,
+    /// By tag id: the pool and its reservation `(base, len)`.
+    pools: RwLock<Vec<(usize, Arc<Pool<CudaVirtual>>, usize, usize)>>,
+}
+
+impl TagPools {
+    /// The pool of tag `id` on `device`, made on first use.
+    pub(crate) fn pool(
+        &self,
+        id: usize,
+        device: DeviceId,
+    ) -> Result<Arc<Pool<CudaVirtual>>, Error> {
+        if let Some(pool) = self.find(id) {
+            return Ok(pool);
+        }
+        let mut pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, pool, _, _)) = pools.iter().find(|(i, ..)| *i == id) {
+            return Ok(Arc::clone(pool));
+        }
+        let _on = mr::device::DeviceGuard::new(device)?;
+        let pool = Arc::new(Pool::in_place(
+            virtual_leaf(device, None)?,
+            PoolConfig::new(),
+        )?);
+        let (base, len) = pool.upstream().reservation();
+        pools.push((id, Arc::clone(&pool), base, len));
+        self.any.store(true, Ordering::Release);
+        Ok(pool)
+    }
+
+    /// The pool of tag `id`, if the device has one.
+    pub(crate) fn find(&self, id: usize) -> Option<Arc<Pool<CudaVirtual>>> {
+        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
+        pools
+            .iter()
+            .find(|(i, ..)| *i == id)
+            .map(|(_, pool, ..)| Arc::clone(pool))
+    }
+
+    /// The tagged pool whose reservation holds `address`.
+    #[inline]
+    pub(crate) fn holding(&self, address: usize) -> Option<Arc<Pool<CudaVirtual>>> {
+        if !self.any.load(Ordering::Acquire) {
+            return None;
+        }
+        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
+        pools
+            .iter()
+            .find(|&&(_, _, base, len)| address.wrapping_sub(base) < len)
+            .map(|(_, pool, ..)| Arc::clone(pool))
+    }
+
+    /// Every tagged pool, with its tag id.
+    pub(crate) fn all(&self) -> Vec<(usize, Arc<Pool<CudaVirtual>>)> {
+        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
+        pools
+            .iter()
+            .map(|(id, pool, ..)| (*id, Arc::clone(pool)))
+            .collect()
+    }
+}
+
+/// The tag named by a C string: `None` for NULL (every pool), `Some("")` never (the empty
+/// name is the default).
+fn tag_name(tag: *const c_char, what: &str) -> Result<Option<String>, Failure> {
+    if tag.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null and NUL-terminated (the caller's promise).
+    let text = unsafe { CStr::from_ptr(tag) }
+        .to_str()
+        .map_err(|_| Failure::invalid(format!("{what}: the tag is not UTF-8")))?;
+    Ok(Some(
+        if text.is_empty() { DEFAULT_TAG } else { text }.to_owned(),
+    ))
+}
+
+/// Sets the tag that `memres_malloc` serves every device from, process-wide: NULL, `""`
+/// and `"default"` go back to the device's own stack.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_set_tag(tag: *const c_char) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            let id = match tag_name(tag, "memres_set_tag")? {
+                None => 0,
+                Some(name) if name == DEFAULT_TAG => 0,
+                Some(name) => {
+                    let mut names = names();
+                    match names.iter().position(|n| *n == name) {
+                        Some(i) => i + 1,
+                        None => {
+                            names.push(name);
+                            names.len()
+                        }
+                    }
+                }
+            };
+            CURRENT.store(id, Ordering::Relaxed);
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// The pools of `device` that `tag` names (NULL: all that can sleep), each with its name.
+fn pools_named(
+    device: c_int,
+    tag: *const c_char,
+    what: &str,
+) -> Result<(Vec<(String, Arc<Pool<CudaVirtual>>)>, bool), Failure> {
+    let stack = stack(device)?;
+    let name = tag_name(tag, what)?;
+    let mut out = Vec::new();
+    let every = name.is_none();
+    if name.as_deref().is_none_or(|n| n == DEFAULT_TAG) {
+        match stack.in_place_pool() {
+            Some(pool) => out.push((DEFAULT_TAG.to_owned(), pool)),
+            None if !every => {
+                return Err(Failure::from(Error::unsupported(format!(
+                    "{what}: device {device}'s stack has no pool that grows in place (spec \
+                     `virtual_pool`), so its untagged memory cannot sleep; tag what should"
+                ))));
+            }
+            None => {}
+        }
+    }
+    let all_names = names().clone();
+    for (id, pool) in stack.tags().all() {
+        let tag = &all_names[id - 1];
+        if name.as_deref().is_none_or(|n| n == tag) {
+            out.push((tag.clone(), pool));
+        }
+    }
+    if let Some(n) = &name
+        && out.is_empty()
+    {
+        let known = id_of(n).is_some();
+        return Err(Failure::invalid(format!(
+            "{what}: no memory tagged `{n}` on device {device}{}",
+            if known {
+                ""
+            } else {
+                " (the tag was never set)"
+            }
+        )));
+    }
+    Ok((out, every))
+}
+
+/// `MEMRES_SLEEP_DISCARD` / `MEMRES_SLEEP_OFFLOAD`.
+fn mode_of(mode: c_int) -> Result<SleepMode, Failure> {
+    match mode {
+        MEMRES_SLEEP_DISCARD => Ok(SleepMode::Discard),
+        MEMRES_SLEEP_OFFLOAD => Ok(SleepMode::Offload),
+        other => Err(Failure::invalid(format!(
+            "memres_sleep: mode {other} is neither MEMRES_SLEEP_DISCARD (0) nor \
+             MEMRES_SLEEP_OFFLOAD (1)"
+        ))),
+    }
+}
+
+/// Puts the pools of `device` that `tag` names to sleep (NULL: every pool that can and
+/// is awake): see `memres.h`. Returns the bytes given back to the driver.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string; until the pools wake, nothing uses the
+/// memory of their blocks (on the host or on any stream).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c_int) -> i64 {
+    guarded(i64::from, || {
+        let mode = mode_of(mode)?;
+        let (pools, every) = pools_named(device, tag, "memres_sleep")?;
+        let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
+        let mut released = 0usize;
+        let mut slept: Vec<&Arc<Pool<CudaVirtual>>> = Vec::new();
+        for (name, pool) in &pools {
+            if every && pool.is_asleep() {
+                continue;
+            }
+            // SAFETY: the caller's promise: nothing uses the memory until it wakes.
+            match unsafe { pool.sleep(mode) } {
+                Ok(bytes) => {
+                    released += bytes;
+                    slept.push(pool);
+                }
+                Err(e) => {
+                    // All or nothing: those put to sleep by this call wake again.
+                    for pool in slept {
+                        if let Err(again) = pool.wake() {
+                            crate::set_last_error(&again.to_string());
+                        }
+                    }
+                    return Err(Failure::from(e).within(&format!("memres_sleep `{name}`")));
+                }
+            }
+        }
+        Ok(released as i64)
+    })
+}
+
+/// Wakes the pools of `device` that `tag` names (NULL: every sleeping pool): see
+/// `memres.h`. Returns the bytes mapped again.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_wake(device: c_int, tag: *const c_char) -> i64 {
+    guarded(i64::from, || {
+        let (pools, every) = pools_named(device, tag, "memres_wake")?;
+        let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
+        let mut mapped = 0usize;
+        for (name, pool) in &pools {
+            if every && !pool.is_asleep() {
+                continue;
+            }
+            mapped += pool
+                .wake()
+                .map_err(|e| Failure::from(e).within(&format!("memres_wake `{name}`")))?;
+        }
+        Ok(mapped as i64)
+    })
+}
+
+impl DeviceStack {
+    /// The pool `memres_malloc` serves from now (the tag's, if one is set) or `None` for
+    /// the stack's own top.
+    #[inline]
+    pub(crate) fn tagged_pool(
+        &self,
+        device: c_int,
+    ) -> Result<Option<Arc<Pool<CudaVirtual>>>, Error> {
+        match current() {
+            0 => Ok(None),
+            id => self.tags().pool(id, DeviceId::new(device)).map(Some),
+        }
+    }
+}
