@@ -41,28 +41,34 @@ fn id_of(name: &str) -> Option<usize> {
     names().iter().position(|n| n == name).map(|i| i + 1)
 }
 
+/// A tag's pool: it grows in place over its own reservation.
+pub(crate) type TagPool = Arc<Pool<CudaVirtual>>;
+
+/// A tag's pool on a device, with its tag id and reservation.
+struct Tagged {
+    id: usize,
+    pool: TagPool,
+    base: usize,
+    len: usize,
+}
+
 /// One device's tagged pools.
 #[derive(Default)]
 pub(crate) struct TagPools {
     /// Set once the device has a tagged pool: frees skip the lookup until then.
     any: AtomicBool,
-    /// By tag id: the pool and its reservation `(base, len)`.
-    pools: RwLock<Vec<(usize, Arc<Pool<CudaVirtual>>, usize, usize)>>,
+    pools: RwLock<Vec<Tagged>>,
 }
 
 impl TagPools {
     /// The pool of tag `id` on `device`, made on first use.
-    pub(crate) fn pool(
-        &self,
-        id: usize,
-        device: DeviceId,
-    ) -> Result<Arc<Pool<CudaVirtual>>, Error> {
+    pub(crate) fn pool(&self, id: usize, device: DeviceId) -> Result<TagPool, Error> {
         if let Some(pool) = self.find(id) {
             return Ok(pool);
         }
         let mut pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, pool, _, _)) = pools.iter().find(|(i, ..)| *i == id) {
-            return Ok(Arc::clone(pool));
+        if let Some(t) = pools.iter().find(|t| t.id == id) {
+            return Ok(Arc::clone(&t.pool));
         }
         let _on = mr::device::DeviceGuard::new(device)?;
         let pool = Arc::new(Pool::in_place(
@@ -70,40 +76,42 @@ impl TagPools {
             PoolConfig::new(),
         )?);
         let (base, len) = pool.upstream().reservation();
-        pools.push((id, Arc::clone(&pool), base, len));
+        pools.push(Tagged {
+            id,
+            pool: Arc::clone(&pool),
+            base,
+            len,
+        });
         self.any.store(true, Ordering::Release);
         Ok(pool)
     }
 
     /// The pool of tag `id`, if the device has one.
-    pub(crate) fn find(&self, id: usize) -> Option<Arc<Pool<CudaVirtual>>> {
+    pub(crate) fn find(&self, id: usize) -> Option<TagPool> {
         let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
         pools
             .iter()
-            .find(|(i, ..)| *i == id)
-            .map(|(_, pool, ..)| Arc::clone(pool))
+            .find(|t| t.id == id)
+            .map(|t| Arc::clone(&t.pool))
     }
 
     /// The tagged pool whose reservation holds `address`.
     #[inline]
-    pub(crate) fn holding(&self, address: usize) -> Option<Arc<Pool<CudaVirtual>>> {
+    pub(crate) fn holding(&self, address: usize) -> Option<TagPool> {
         if !self.any.load(Ordering::Acquire) {
             return None;
         }
         let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
         pools
             .iter()
-            .find(|&&(_, _, base, len)| address.wrapping_sub(base) < len)
-            .map(|(_, pool, ..)| Arc::clone(pool))
+            .find(|t| address.wrapping_sub(t.base) < t.len)
+            .map(|t| Arc::clone(&t.pool))
     }
 
     /// Every tagged pool, with its tag id.
-    pub(crate) fn all(&self) -> Vec<(usize, Arc<Pool<CudaVirtual>>)> {
+    pub(crate) fn all(&self) -> Vec<(usize, TagPool)> {
         let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools
-            .iter()
-            .map(|(id, pool, ..)| (*id, Arc::clone(pool)))
-            .collect()
+        pools.iter().map(|t| (t.id, Arc::clone(&t.pool))).collect()
     }
 }
 
@@ -152,12 +160,13 @@ pub unsafe extern "C" fn memres_set_tag(tag: *const c_char) -> c_int {
     )
 }
 
-/// The pools of `device` that `tag` names (NULL: all that can sleep), each with its name.
+/// The pools of `device` that `tag` names, each with its name, and whether the tag was
+/// NULL (every pool that can sleep).
 fn pools_named(
     device: c_int,
     tag: *const c_char,
     what: &str,
-) -> Result<(Vec<(String, Arc<Pool<CudaVirtual>>)>, bool), Failure> {
+) -> Result<(Vec<(String, TagPool)>, bool), Failure> {
     let stack = stack(device)?;
     let name = tag_name(tag, what)?;
     let mut out = Vec::new();
@@ -222,7 +231,7 @@ pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c
         let (pools, every) = pools_named(device, tag, "memres_sleep")?;
         let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
         let mut released = 0usize;
-        let mut slept: Vec<&Arc<Pool<CudaVirtual>>> = Vec::new();
+        let mut slept: Vec<&TagPool> = Vec::new();
         for (name, pool) in &pools {
             if every && pool.is_asleep() {
                 continue;
@@ -275,10 +284,7 @@ impl DeviceStack {
     /// The pool `memres_malloc` serves from now (the tag's, if one is set) or `None` for
     /// the stack's own top.
     #[inline]
-    pub(crate) fn tagged_pool(
-        &self,
-        device: c_int,
-    ) -> Result<Option<Arc<Pool<CudaVirtual>>>, Error> {
+    pub(crate) fn tagged_pool(&self, device: c_int) -> Result<Option<TagPool>, Error> {
         match current() {
             0 => Ok(None),
             id => self.tags().pool(id, DeviceId::new(device)).map(Some),
