@@ -78,6 +78,8 @@ def gpt2_round(failures):
         graphed = static_out.clone()
     if not torch.equal(eager, graphed):
         failures.append("the graph's logits differ from the eager ones before the sleep")
+    # The default pool is discarded: what to compare with, and the input, go to the host.
+    ids_cpu, eager_cpu, graphed_cpu = ids.cpu(), eager.cpu(), graphed.cpu()
     torch.cuda.synchronize()
 
     before = memres.stats(0)
@@ -113,16 +115,17 @@ def gpt2_round(failures):
     print(f"staged wake: weights {woke_weights >> 20} MiB in {weights_s * 1e3:.0f} ms, "
           f"the rest {woke_rest >> 20} MiB in {rest_s * 1e3:.0f} ms")
     with torch.no_grad():
-        again = model(ids).logits
+        ids = ids_cpu.cuda()
+        again = model(ids).logits.cpu()
         static_ids.copy_(ids)  # the default pool was discarded: its contents are new
         graph.replay()
-        torch.cuda.synchronize()
-    if not torch.equal(eager, again):
+        replayed = static_out.cpu()
+    eager_equal, graph_equal = torch.equal(eager_cpu, again), torch.equal(graphed_cpu, replayed)
+    if not eager_equal:
         failures.append("eager logits after the wake differ from before the sleep")
-    if not torch.equal(graphed, static_out):
+    if not graph_equal:
         failures.append("the graph captured before the sleep replays different logits")
-    print(f"after the wake: eager logits bit-equal: {torch.equal(eager, again)}; "
-          f"graph replay bit-equal: {torch.equal(graphed, static_out)}")
+    print(f"after the wake: eager logits bit-equal: {eager_equal}; graph replay bit-equal: {graph_equal}")
     del model, graph, static_out, static_ids, eager, graphed, again, ids
     torch.cuda.empty_cache()
 

@@ -174,10 +174,14 @@ fn waking_an_awake_pool_and_sleeping_twice_are_errors_that_change_nothing() {
 fn offload_without_host_memory_fails_and_leaves_the_pool_awake_with_its_contents() {
     let pool = pool();
     let blocks = fill(&pool);
-    faults::fail_saves_from_now(true);
+    // Copies of the upper half fail: those of the lower half are made, then dropped.
+    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    let held = pool.stats().pool_size;
+    assert!(held > 8 * (256 << 10), "several pieces");
+    faults::fail_saves(base + held / 2, base + len, true);
     // SAFETY: nothing touches the blocks while the call runs.
     let slept = unsafe { pool.sleep(SleepMode::Offload) };
-    faults::fail_saves_from_now(false);
+    faults::fail_saves(base + held / 2, base + len, false);
     assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
     assert!(!pool.is_asleep());
     for &(p, l, _, byte) in &blocks {

@@ -18,19 +18,25 @@ pub enum SleepMode {
     Offload,
 }
 
+/// The most bytes copied or mapped in one piece: a wake maps the next piece while the
+/// last one's contents are copied back. (Small in the tests, so that their pools have
+/// several.)
+const PIECE: usize = if cfg!(test) { 256 << 10 } else { 256 << 20 };
+
 /// What a sleeping pool maps and restores when it wakes.
 pub(super) struct Slept {
     mode: SleepMode,
-    /// The mapped runs, as `(address, bytes)`, in address order.
-    runs: Vec<(usize, usize)>,
-    /// One per run, when the contents were offloaded.
+    /// What was mapped, as `(address, bytes)` in address order: the mapped runs, cut
+    /// into pieces of at most [`PIECE`] bytes (whole granules).
+    pieces: Vec<(usize, usize)>,
+    /// One per piece, when the contents were offloaded.
     copies: Vec<HostCopy>,
 }
 
 impl Slept {
     /// Bytes the pool held when it went to sleep.
     pub(super) fn size(&self) -> usize {
-        self.runs.iter().map(|&(_, len)| len).sum()
+        self.pieces.iter().map(|&(_, len)| len).sum()
     }
 }
 
@@ -128,27 +134,34 @@ impl<U: Resource> Pool<U> {
         let host = self.host_list();
         self.release_down_to(growth, host, 0)?;
         let g = space.granularity;
-        let runs: Vec<(usize, usize)> = growth
+        let piece = PIECE.next_multiple_of(g);
+        let pieces: Vec<(usize, usize)> = growth
             .mapped
             .mapped_runs()
             .into_iter()
-            .map(|(first, n)| (space.base + first * g, n * g))
+            .flat_map(|(first, n)| {
+                let (start, end) = (space.base + first * g, space.base + (first + n) * g);
+                (start..end)
+                    .step_by(piece)
+                    .map(move |addr| (addr, piece.min(end - addr)))
+            })
             .collect();
         let copies = match mode {
             SleepMode::Discard => Vec::new(),
-            SleepMode::Offload => runs
-                .iter()
-                // SAFETY: mapped runs of the pool; all work on the device is done (waited
-                // for above) and the caller promises no new use until the pool wakes.
-                .map(|&(addr, len)| unsafe { (space.save)(&self.upstream, addr, len) })
-                .collect::<Result<_, _>>()?,
+            // SAFETY: mapped by the pool; all work on the device is done (waited for
+            // above) and the caller promises no new use until the pool wakes.
+            SleepMode::Offload => unsafe { (space.save)(&self.upstream, &pieces)? },
         };
-        for &(addr, len) in &runs {
+        for &(addr, len) in &pieces {
             // SAFETY: mapped by this pool; no work uses them (as above), and the copies,
             // if any, are made.
             unsafe { (space.unmap)(&self.upstream, addr, len) };
         }
-        Ok(Slept { mode, runs, copies })
+        Ok(Slept {
+            mode,
+            pieces,
+            copies,
+        })
     }
 
     /// Wakes a sleeping pool: maps its memory again at the addresses it had and, if it
@@ -180,28 +193,51 @@ impl<U: Resource> Pool<U> {
         growth.peak = growth.peak.max(growth.size);
         self.asleep.store(false, Ordering::SeqCst);
         tracing::debug!(target: "memres::pool", size, mode = ?slept.mode, "memres: pool awake");
+        // Unpinning host memory takes about as long as pinning it: the copies go on a
+        // thread of their own, not in the wake's time.
+        if !slept.copies.is_empty() {
+            let copies = slept.copies;
+            if std::thread::Builder::new()
+                .name("memres-unpin".into())
+                .spawn(move || drop(copies))
+                .is_err()
+            {
+                tracing::debug!("memres: no thread to free a wake's host copies on");
+            }
+        }
         Ok(size)
     }
 
-    /// Maps every run of `slept` and restores its copies; on an error unmaps what it
-    /// mapped.
+    /// Maps every piece of `slept`, each followed by the copy of its contents (which runs
+    /// while the next piece is mapped), then waits for the copies; on an error unmaps
+    /// what it mapped.
     fn wake_up(&self, space: &Space<U>, slept: &Slept) -> Result<(), Error> {
         let mut mapped = 0;
         let result = (|| {
-            for &(addr, len) in &slept.runs {
+            for (i, &(addr, len)) in slept.pieces.iter().enumerate() {
                 (space.map)(&self.upstream, addr, len)?;
                 mapped += 1;
+                if let Some(copy) = slept.copies.get(i) {
+                    // SAFETY: mapped just above, by this pool; nothing uses a sleeping
+                    // pool's memory (`sleep`'s contract) and `slept` lives until the
+                    // copies are waited for, below.
+                    unsafe { (space.restore)(&self.upstream, addr, copy)? };
+                }
             }
-            for (copy, &(addr, _)) in slept.copies.iter().zip(&slept.runs) {
-                // SAFETY: mapped just above, by this pool; nothing uses a sleeping pool's
-                // memory (`sleep`'s contract) until this call returns.
-                unsafe { (space.restore)(&self.upstream, addr, copy)? };
-            }
-            Ok(())
+            (space.synchronize)(&self.upstream)
         })();
         if result.is_err() {
-            for &(addr, len) in &slept.runs[..mapped] {
-                // SAFETY: mapped above by this call; nothing uses it (as above).
+            // Copies may be under way into what is about to be unmapped.
+            let waited = (space.synchronize)(&self.upstream);
+            for &(addr, len) in &slept.pieces[..mapped] {
+                if waited.is_err() {
+                    // A broken device: leave the memory mapped rather than unmap it under
+                    // a copy (the pool stays asleep; dropping it leaves the leaf to
+                    // unmap what is mapped).
+                    break;
+                }
+                // SAFETY: mapped above by this call; nothing uses it and the copies into
+                // it are done (waited for above).
                 unsafe { (space.unmap)(&self.upstream, addr, len) };
             }
         }

@@ -394,10 +394,17 @@ impl Backend for CudaPhysical {
 
     unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + copy.len()` is mapped device memory nothing uses (the
-        // caller's promise); the copy is host memory of that length.
+        // SAFETY: `addr..addr + copy.len()` is mapped device memory nothing uses, and the
+        // copy, pinned host memory of that length, lives until `synchronize` (the caller's
+        // promise). Asynchronous on the legacy stream, so that the next granules are
+        // mapped while this copy runs.
         check(unsafe {
-            sys::cuMemcpyHtoD_v2(addr as sys::CUdeviceptr, copy.as_ptr().cast(), copy.len())
+            sys::cuMemcpyHtoDAsync_v2(
+                addr as sys::CUdeviceptr,
+                copy.as_ptr().cast(),
+                copy.len(),
+                std::ptr::null_mut(),
+            )
         })
     }
 

@@ -158,7 +158,7 @@ impl Backend for HostPages {
 
     unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
         #[cfg(test)]
-        if faults::fail_saves() {
+        if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
         }
         let copy = HostCopy::heap(len)?;
@@ -214,17 +214,24 @@ pub(crate) mod faults {
     thread_local! {
         /// (maps made so far, fail every map whose number is a multiple of this; 0: none).
         static PLAN: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
-        /// Whether copies to the host fail, as when host memory runs out.
-        static SAVES_FAIL: Cell<bool> = const { Cell::new(false) };
     }
 
-    /// From now on, on this thread, copies to the host fail (or work again).
-    pub(crate) fn fail_saves_from_now(fail: bool) {
-        SAVES_FAIL.with(|f| f.set(fail));
+    /// Address ranges whose copies to the host fail, as when host memory runs out (on
+    /// any thread: a pool copies on several at once).
+    static FAILING_SAVES: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+    /// From now on, copies to the host of memory in `from..to` fail (`on`) or work again.
+    pub(crate) fn fail_saves(from: usize, to: usize, on: bool) {
+        let mut failing = FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
+        failing.retain(|&r| r != (from, to));
+        if on {
+            failing.push((from, to));
+        }
     }
 
-    pub(super) fn fail_saves() -> bool {
-        SAVES_FAIL.with(Cell::get)
+    pub(super) fn save_fails(addr: usize) -> bool {
+        let failing = FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
+        failing.iter().any(|&(from, to)| (from..to).contains(&addr))
     }
 
     /// From now on, on this thread, every `every`-th map fails (0: none).
