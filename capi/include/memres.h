@@ -135,6 +135,12 @@ int memres_ipc_close(void* base);
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
 int memres_stats(int device, memres_stats_t* out);
 
+/* The figures of each tier of device's fallback(first, then) (the outermost one): writes
+   at most capacity entries into out (the first tier first; out may be NULL with capacity
+   0), each with the statistics fields filled (has_statistics 1) and the rest 0, and
+   returns how many tiers there are: 2, or 0 for a stack without a fallback. */
+int64_t memres_tier_stats(int device, memres_stats_t* out, size_t capacity);
+
 /* Writes the memory device's pool holds as {address, bytes} pairs in address order into
    out (at most capacity pairs; out may be NULL with capacity 0) and returns how many
    there are: the chunks of a chunked pool, the mapped runs of the in-place pool (what

@@ -540,6 +540,47 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
     )
 }
 
+/// Writes the figures of each tier of `device`'s `fallback(first, then)` (the outermost
+/// one) into `out` (at most `capacity` entries, the first tier first): the statistics
+/// fields of a `memres_stats_t` (`has_statistics` 1), the rest 0. Returns how many tiers
+/// there are: 2, or 0 for a stack without a fallback or a device memres never allocated
+/// on.
+///
+/// # Safety
+/// `out` is null (with `capacity` 0) or valid for writing `capacity` `memres_stats_t`s.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_tier_stats(
+    device: c_int,
+    out: *mut memres_stats_t,
+    capacity: usize,
+) -> i64 {
+    guarded(i64::from, || {
+        if out.is_null() && capacity > 0 {
+            return Err(Failure::invalid(
+                "memres_tier_stats: a null buffer with room",
+            ));
+        }
+        let Some(tiers) = built_stack(device)?.and_then(DeviceStack::tiers) else {
+            return Ok(0);
+        };
+        for (i, s) in tiers.iter().take(capacity).enumerate() {
+            let figures = memres_stats_t {
+                has_statistics: 1,
+                current_bytes: s.bytes.current,
+                peak_bytes: s.bytes.peak,
+                total_bytes: s.bytes.total,
+                current_allocations: s.allocations.current,
+                peak_allocations: s.allocations.peak,
+                total_allocations: s.allocations.total,
+                ..memres_stats_t::default()
+            };
+            // SAFETY: the caller's promise: `out` holds `capacity` entries; i < capacity.
+            unsafe { out.add(i).write(figures) };
+        }
+        Ok(tiers.len() as i64)
+    })
+}
+
 /// Writes the memory `device`'s pool holds as `[address, bytes]` pairs in address order
 /// into `out` (at most `capacity` pairs) and returns how many there are (call again with
 /// more room if that is larger): the chunks of a chunked pool, the mapped runs of the

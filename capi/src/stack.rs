@@ -50,6 +50,8 @@ pub(crate) struct DeviceStack {
     /// Whether the stack has a `fallback(..)`: its blocks may then lie outside the pool's
     /// range.
     tiered: bool,
+    /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`).
+    tiers: Option<Arc<mr::spec::Tiers<Device>>>,
     /// The pools of the tags allocated under on this device (`memres_set_tag`).
     tags: TagPools,
 }
@@ -85,7 +87,7 @@ impl DeviceStack {
             statistics: None,
             pool: None,
             logs: Vec::new(),
-            tiered: false,
+            tiers: None,
         };
         let top = spec.build(&mut layers)?;
         Ok(DeviceStack {
@@ -98,7 +100,8 @@ impl DeviceStack {
             out_of_memory: AtomicI64::new(0),
             recorded: Recorded::default(),
             exported: Exported::default(),
-            tiered: layers.tiered,
+            tiered: layers.tiers.is_some(),
+            tiers: layers.tiers,
             tags: TagPools::default(),
         })
     }
@@ -110,7 +113,7 @@ struct Layers {
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     pool: Option<PoolLayer>,
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
-    tiered: bool,
+    tiers: Option<Arc<mr::spec::Tiers<Device>>>,
 }
 
 impl Target for Layers {
@@ -161,7 +164,8 @@ impl Target for Layers {
             // Built inside out, so the last one kept is the outermost.
             Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
             Built::Logged(logged) => self.logs.push(Arc::clone(logged)),
-            Built::Tiers(_) => self.tiered = true,
+            // Built inside out: the last one kept is the outermost.
+            Built::Tiers(tiers) => self.tiers = Some(Arc::clone(tiers)),
             _ => {}
         }
     }
@@ -327,6 +331,11 @@ impl DeviceStack {
             live_blocks: self.live_blocks.read(),
             out_of_memory: self.out_of_memory.load(Ordering::Relaxed),
         })
+    }
+
+    /// The figures of each tier of the outermost `fallback(..)`, if the stack has one.
+    pub(crate) fn tiers(&self) -> Option<[mr::adaptor::StatisticsSnapshot; 2]> {
+        self.tiers.as_ref().map(|t| t.tiers())
     }
 
     /// Counts a block handed out (`bytes` long) or a request that ran out of memory.

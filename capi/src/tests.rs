@@ -347,6 +347,14 @@ fn fallback_child() {
         3 * SIZE as i64,
         "two of them past the first tier"
     );
+    let mut tiers = [memres_stats_t::default(); 2];
+    // SAFETY: `tiers` holds two entries.
+    assert_eq!(unsafe { memres_tier_stats(0, tiers.as_mut_ptr(), 2) }, 2);
+    assert_eq!(
+        (tiers[0].current_bytes, tiers[1].current_bytes),
+        (SIZE as i64, 2 * SIZE as i64),
+        "one block from the device, two from pinned memory"
+    );
     for p in blocks {
         // SAFETY: from `memres_malloc(SIZE, 0, ..)` above, unused, legacy stream.
         unsafe { memres_free(p, SIZE, 0, std::ptr::null_mut()) };
@@ -663,6 +671,8 @@ fn profiler_scopes_open_close_and_report_through_the_abi() {
 
 #[test]
 fn stats_and_trim_of_an_unused_device_are_zero() {
+    // SAFETY: a null buffer with no room.
+    assert_eq!(unsafe { memres_tier_stats(5, std::ptr::null_mut(), 0) }, 0);
     let mut out = memres_stats_t {
         has_pool: 7,
         ..memres_stats_t::default()
@@ -773,7 +783,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 20, "{rust:#?}");
+    assert_eq!(rust.len(), 21, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 

@@ -23,7 +23,7 @@ The library is the ``libmemres.so`` installed inside this package (``pip install
 """
 
 from ._cupy import cupy_allocator
-from ._device import configure, init_device, reset_peak, stats, trim
+from ._device import configure, init_device, reset_peak, stats, tier_stats, trim
 from ._native import (
     ERROR_ASLEEP,
     ERROR_CUDA,
@@ -68,6 +68,7 @@ __all__ = [
     "sleep",
     "stats",
     "tag",
+    "tier_stats",
     "torch_allocator",
     "torch_backend",
     "trim",

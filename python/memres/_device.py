@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Dict
+from typing import Dict, List
 
 from ._native import Stats, check, lib
 
@@ -67,6 +67,16 @@ def stats(device: int = 0) -> Dict[str, int]:
         figures["pool_largest_free_block"] = out.pool_largest_free_block
         figures["pool_peak_size"] = out.pool_peak_size
     return figures
+
+
+def tier_stats(device: int = 0) -> List[Dict[str, int]]:
+    """What each tier of ``device``'s ``fallback(first, then)`` stack served (the first
+    tier first): the statistics keys (``current_bytes``, ``peak_bytes``, ``total_bytes``,
+    ``current_allocations``, ``peak_allocations``, ``total_allocations``). Empty for a
+    stack without a fallback, and before the device's first allocation."""
+    out = (Stats * 2)()
+    n = check(lib().memres_tier_stats(device, out, 2))
+    return [{k: getattr(out[i], k) for k in _STATISTICS_KEYS} for i in range(min(n, 2))]
 
 
 def reset_peak(device: int = 0) -> None:

@@ -107,6 +107,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "memres_profile_report": ([c.c_char_p, c.c_size_t], c.c_ssize_t),
         "memres_profile_reset": ([], None),
         "memres_set_tag": ([c.c_char_p], c.c_int),
+        "memres_tier_stats": ([c.c_int, c.POINTER(Stats), c.c_size_t], c.c_int64),
         "memres_sleep": ([c.c_int, c.c_char_p, c.c_int], c.c_int64),
         "memres_wake": ([c.c_int, c.c_char_p], c.c_int64),
     }

@@ -50,6 +50,13 @@ def main() -> int:
     print(f"{n} tensors of 256 MiB ({n * piece >> 20} MiB) allocated and filled on the GPU")
     print(f"device memory the process took: {device_taken >> 20} MiB (first tier cap {cap >> 20} MiB)")
     print(f"memres: {stats}")
+    tiers = memres.tier_stats(0)
+    print("bytes served by each tier now: "
+          + ", ".join(f"{name} {t['current_bytes'] >> 20} MiB" for name, t in zip(("device", "pinned host"), tiers)))
+    if len(tiers) != 2 or tiers[0]["current_bytes"] + tiers[1]["current_bytes"] < n * piece:
+        failures.append(f"the tiers' figures {tiers} do not add up to the {n * piece} bytes live")
+    elif tiers[1]["current_bytes"] < n * piece - cap:
+        failures.append(f"the pinned tier served {tiers[1]['current_bytes']}, less than what passed the cap")
     if device_taken > cap + (256 << 20):
         failures.append(f"device memory {device_taken >> 20} MiB is past the cap")
     # The tensors, and the few small blocks torch's reductions took.

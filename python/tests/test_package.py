@@ -42,6 +42,7 @@ class Package(unittest.TestCase):
 
     def test_stats_of_a_device_not_yet_used_are_zero(self):
         self.assertEqual(memres.stats(0), ZERO)
+        self.assertEqual(memres.tier_stats(0), [])
         memres.trim(0)
         memres.reset_peak(0)
         with self.assertRaises(memres.MemresError):
