@@ -183,6 +183,12 @@ int memres_reset_peak(int device);
 int memres_set_tag(const char* tag);
 int64_t memres_sleep(int device, const char* tag, int mode);
 int64_t memres_wake(int device, const char* tag);
+/* 1 if the pool of tag on device sleeps, 0 if it is awake; MEMRES_ERROR_INVALID_ARGUMENT
+   for a tag with no memory on device ("default": the device's own stack). A stack with
+   binning cannot sleep (its bins would hand out the pool's blocks unmapped), nor can a
+   pool while blocks of it are exported to other processes (memres_ipc_export): both are
+   refused with a message. */
+int memres_is_asleep(int device, const char* tag);
 
 /* The message of the last failure on this thread, "" if none. */
 const char* memres_last_error(void);

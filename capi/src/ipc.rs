@@ -184,6 +184,16 @@ impl Exported {
 
     /// The handle and offset exported for the block at `address`, if one of `len` bytes
     /// was (the same range: its descriptors are still open).
+    /// Whether a live block in `base..base + len` has been exported (its descriptors keep
+    /// its memory alive in other processes).
+    pub(crate) fn any_in(&self, base: usize, len: usize) -> bool {
+        if self.blocks.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        map.keys().any(|&a| a.wrapping_sub(base) < len)
+    }
+
     pub(crate) fn handle_of(&self, address: usize, len: usize) -> Option<(Vec<u8>, usize)> {
         if self.blocks.load(Ordering::Relaxed) == 0 {
             return None;

@@ -22,7 +22,7 @@ pub use ipc::{memres_ipc_close, memres_ipc_export, memres_ipc_open};
 pub use profile::{
     memres_profile_pop, memres_profile_push, memres_profile_report, memres_profile_reset,
 };
-pub use tags::{memres_set_tag, memres_sleep, memres_wake};
+pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -114,7 +114,7 @@ impl Failure {
     }
 
     /// The same failure, its message prefixed with `what` (the call and its argument).
-    fn within(self, what: &str) -> Failure {
+    pub(crate) fn within(self, what: &str) -> Failure {
         Failure {
             message: format!("{what}: {}", self.message),
             ..self

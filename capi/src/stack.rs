@@ -50,6 +50,9 @@ pub(crate) struct DeviceStack {
     /// Whether the stack has a `fallback(..)`: its blocks may then lie outside the pool's
     /// range.
     tiered: bool,
+    /// Whether the spec has a `binning`: its bins keep blocks of the in-place pool and
+    /// hand them out again, so that pool cannot sleep (they would serve unmapped memory).
+    binned: bool,
     /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`).
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
     /// The pools of the tags allocated under on this device (`memres_set_tag`).
@@ -101,6 +104,7 @@ impl DeviceStack {
             recorded: Recorded::default(),
             exported: Exported::default(),
             tiered: layers.tiers.is_some(),
+            binned: has_binning(spec),
             tiers: layers.tiers,
             tags: TagPools::default(),
         })
@@ -220,6 +224,18 @@ impl DeviceStack {
             Some(PoolLayer::Virtual(pool)) => Some(Arc::clone(pool)),
             _ => None,
         }
+    }
+
+    /// The stack's own pool if it can sleep: it grows in place and no layer above it
+    /// keeps its blocks to hand out again (`binning`'s bins would serve them unmapped).
+    pub(crate) fn sleepable_pool(&self) -> Result<Option<Arc<Pool<CudaVirtual>>>, Error> {
+        if self.binned {
+            return Err(Error::unsupported(
+                "a stack with `binning` cannot sleep: its bins keep blocks of the pool and \
+                 would hand them out while it sleeps; tag what should sleep instead",
+            ));
+        }
+        Ok(self.in_place_pool())
     }
 
     /// The in-place pool (the stack's own or a tag's) whose reservation holds `address`.
@@ -440,5 +456,17 @@ pub(crate) fn virtual_leaf(device: DeviceId, reserve: Option<usize>) -> Result<C
     match CudaVirtual::with_config(device, exportable) {
         Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf),
         built => built,
+    }
+}
+
+/// Whether `spec` has a `binning` anywhere.
+fn has_binning(spec: &Spec) -> bool {
+    match spec {
+        Spec::Binning { .. } => true,
+        Spec::WithStatistics(inner) | Spec::Logged { inner, .. } | Spec::Limited { inner, .. } => {
+            has_binning(inner)
+        }
+        Spec::Fallback { first, then } => has_binning(first) || has_binning(then),
+        _ => false,
     }
 }

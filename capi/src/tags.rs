@@ -172,20 +172,26 @@ fn pools_named(
     let mut out = Vec::new();
     let every = name.is_none();
     if name.as_deref().is_none_or(|n| n == DEFAULT_TAG) {
-        match stack.in_place_pool() {
-            Some(pool) => out.push((DEFAULT_TAG.to_owned(), pool)),
-            None if !every => {
+        match stack.sleepable_pool() {
+            Ok(Some(pool)) => out.push((DEFAULT_TAG.to_owned(), pool)),
+            Ok(None) if !every => {
                 return Err(Failure::from(Error::unsupported(format!(
                     "{what}: device {device}'s stack has no pool that grows in place (spec \
                      `virtual_pool`), so its untagged memory cannot sleep; tag what should"
                 ))));
             }
-            None => {}
+            Err(e) if !every => return Err(Failure::from(e).within(what)),
+            Ok(None) | Err(_) => {}
         }
     }
+    // The pools first: a tag's name is set before its pool is made, and names are only
+    // ever added, so every pool's name is in the copy taken after.
+    let tagged = stack.tags().all();
     let all_names = names().clone();
-    for (id, pool) in stack.tags().all() {
-        let tag = &all_names[id - 1];
+    for (id, pool) in tagged {
+        let Some(tag) = all_names.get(id - 1) else {
+            continue;
+        };
         if name.as_deref().is_none_or(|n| n == tag) {
             out.push((tag.clone(), pool));
         }
@@ -229,9 +235,22 @@ pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c
     guarded(i64::from, || {
         let mode = mode_of(mode)?;
         let (pools, every) = pools_named(device, tag, "memres_sleep")?;
+        let stack = stack(device)?;
+        // An exported block's memory lives on in the processes that opened it: sleep
+        // could neither give it back nor keep the processes sharing after the wake.
+        for (name, pool) in &pools {
+            let (base, len) = pool.upstream().reservation();
+            if stack.exported().any_in(base, len) {
+                return Err(Failure::invalid(format!(
+                    "memres_sleep `{name}`: blocks of it are shared with other processes \
+                     (memres_ipc_export, a CUDA tensor sent to another process); free them \
+                     first"
+                )));
+            }
+        }
         let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
         let mut released = 0usize;
-        let mut slept: Vec<&TagPool> = Vec::new();
+        let mut slept: Vec<(&String, &TagPool)> = Vec::new();
         for (name, pool) in &pools {
             if every && pool.is_asleep() {
                 continue;
@@ -240,21 +259,45 @@ pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c
             match unsafe { pool.sleep(mode) } {
                 Ok(bytes) => {
                     released += bytes;
-                    slept.push(pool);
+                    slept.push((name, pool));
                 }
                 Err(e) => {
-                    // All or nothing: those put to sleep by this call wake again.
-                    for pool in slept {
+                    let mut failure = Failure::from(e).within(&format!("memres_sleep `{name}`"));
+                    // All or nothing: those put to sleep by this call wake again (their
+                    // contents discarded, where the mode said so).
+                    for (other, pool) in slept {
                         if let Err(again) = pool.wake() {
-                            crate::set_last_error(&again.to_string());
+                            failure.message += &format!(
+                                "; and `{other}`, put to sleep by this call, could not be \
+                                 woken again ({again}): it is still asleep"
+                            );
                         }
                     }
-                    return Err(Failure::from(e).within(&format!("memres_sleep `{name}`")));
+                    return Err(failure);
                 }
             }
         }
         Ok(released as i64)
     })
+}
+
+/// 1 if the pool of `device` that `tag` names sleeps, 0 if it is awake, or a negative
+/// code (`MEMRES_ERROR_INVALID_ARGUMENT` for a tag with no pool there): see `memres.h`.
+///
+/// # Safety
+/// `tag` is a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_is_asleep(device: c_int, tag: *const c_char) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            if tag.is_null() {
+                return Err(Failure::invalid("memres_is_asleep: the tag is null"));
+            }
+            let (pools, _) = pools_named(device, tag, "memres_is_asleep")?;
+            Ok(c_int::from(pools.iter().any(|(_, pool)| pool.is_asleep())))
+        },
+    )
 }
 
 /// Wakes the pools of `device` that `tag` names (NULL: every sleeping pool): see

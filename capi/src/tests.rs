@@ -783,7 +783,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 21, "{rust:#?}");
+    assert_eq!(rust.len(), 22, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -927,6 +927,10 @@ fn tags_and_sleep_answer_bad_arguments_and_a_missing_driver_with_messages() {
             i64::from(MEMRES_ERROR_INVALID_ARGUMENT)
         );
         assert!(last_error().contains("device -1"), "{}", last_error());
+        assert_eq!(
+            memres_is_asleep(0, std::ptr::null()),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
     }
     if !mr::driver::is_present() {
         // SAFETY: as above.
@@ -998,6 +1002,8 @@ fn sleep_child() {
         let discarded = memres_sleep(0, std::ptr::null(), MEMRES_SLEEP_DISCARD);
         assert!(discarded >= SIZE as i64, "{discarded}: {}", last_error());
         assert_eq!(stats(0).pool_size, 0, "held {held} before, nothing now");
+        assert_eq!(memres_is_asleep(0, c("weights").as_ptr()), 1);
+        assert_eq!(memres_is_asleep(0, c("default").as_ptr()), 1);
         assert!(memres_malloc(4096, 0, std::ptr::null_mut()).is_null());
         assert!(last_error().contains("asleep"), "{}", last_error());
         // Staged: the weights first.
@@ -1008,6 +1014,7 @@ fn sleep_child() {
             sys::CUresult::CUDA_SUCCESS
         );
         assert!(back == pattern, "the weights' bytes came back");
+        assert_eq!(memres_is_asleep(0, c("weights").as_ptr()), 0);
         assert_eq!(memres_wake(0, std::ptr::null()), discarded);
         assert_eq!(
             memres_wake(0, c("default").as_ptr()),
@@ -1017,6 +1024,98 @@ fn sleep_child() {
         memres_free(weights, SIZE as isize, 0, std::ptr::null_mut());
         memres_free(untagged, SIZE as isize, 0, std::ptr::null_mut());
         assert_eq!(stats(0).live_bytes, 0, "{}", last_error());
+
+        // A block shared with another process keeps its memory there: its pool may not
+        // sleep until it is freed.
+        assert_eq!(memres_set_tag(c("shared").as_ptr()), MEMRES_OK);
+        let shared = memres_malloc(SIZE as isize, 0, std::ptr::null_mut());
+        assert_eq!(memres_set_tag(std::ptr::null()), MEMRES_OK);
+        assert!(!shared.is_null(), "{}", last_error());
+        let mut offset = 0usize;
+        let len = memres_ipc_export(
+            shared,
+            SIZE as isize,
+            0,
+            std::ptr::null_mut(),
+            0,
+            &mut offset,
+        );
+        assert!(len > 0, "{}", last_error());
+        let mut handle = vec![0u8; len as usize];
+        let written = memres_ipc_export(
+            shared,
+            SIZE as isize,
+            0,
+            handle.as_mut_ptr().cast(),
+            handle.len(),
+            &mut offset,
+        );
+        assert_eq!(written, len, "{}", last_error());
+        assert_eq!(
+            memres_sleep(0, c("shared").as_ptr(), MEMRES_SLEEP_DISCARD),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT)
+        );
+        assert!(
+            last_error().contains("shared with other processes"),
+            "{}",
+            last_error()
+        );
+        memres_free(shared, SIZE as isize, 0, std::ptr::null_mut());
+        assert!(
+            memres_sleep(0, c("shared").as_ptr(), MEMRES_SLEEP_DISCARD) >= 0,
+            "{}",
+            last_error()
+        );
+        assert!(
+            memres_wake(0, c("shared").as_ptr()) >= 0,
+            "{}",
+            last_error()
+        );
     }
     println!("sleep: woken");
+}
+
+/// A `binning` stack keeps blocks of its pool in its bins: its untagged memory cannot
+/// sleep (the bins would hand the blocks out unmapped). In a child process, as above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_binning_stack_refuses_to_sleep() {
+    assert!(
+        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
+        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tests::binning_sleep_child", "--nocapture"])
+        .env("MEMRES_CAPI_BINNING_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("binning: refused"),
+        "the child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The body of the test above, run only in its child process.
+#[test]
+fn binning_sleep_child() {
+    if std::env::var_os("MEMRES_CAPI_BINNING_CHILD").is_none() {
+        return; // not the child
+    }
+    assert_eq!(configure("binning"), MEMRES_OK, "{}", last_error());
+    // SAFETY: the legacy default stream; NUL-terminated strings.
+    unsafe {
+        let p = memres_malloc(4096, 0, std::ptr::null_mut());
+        assert!(!p.is_null(), "{}", last_error());
+        assert!(memres_sleep(0, c("default").as_ptr(), MEMRES_SLEEP_DISCARD) < 0);
+        assert!(last_error().contains("binning"), "{}", last_error());
+        // NULL (every pool that can) skips it: nothing sleeps.
+        assert_eq!(memres_sleep(0, std::ptr::null(), MEMRES_SLEEP_DISCARD), 0);
+        let q = memres_malloc(4096, 0, std::ptr::null_mut());
+        assert!(!q.is_null(), "still serving: {}", last_error());
+        memres_free(p, 4096, 0, std::ptr::null_mut());
+        memres_free(q, 4096, 0, std::ptr::null_mut());
+    }
+    println!("binning: refused");
 }

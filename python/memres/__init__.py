@@ -37,7 +37,7 @@ from ._native import (
 )
 from ._profile import ProfileReport, profile, profile_report, profile_reset
 from ._setup import Setup, setup
-from ._sleep import sleep, tag, wake
+from ._sleep import is_asleep, sleep, tag, wake
 from ._torch import install as install_torch
 from ._torch import installed as torch_backend
 from ._torch import torch_allocator
@@ -57,6 +57,7 @@ __all__ = [
     "configure",
     "cupy_allocator",
     "init_device",
+    "is_asleep",
     "install_torch",
     "last_error",
     "library_path",

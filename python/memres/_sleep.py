@@ -12,19 +12,23 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from ._native import SLEEP_DISCARD, SLEEP_OFFLOAD, check, lib
+from ._native import ERROR_INVALID_ARGUMENT, SLEEP_DISCARD, SLEEP_OFFLOAD, MemresError, check, lib
 
 DEFAULT = "default"
 _MODES = {"discard": SLEEP_DISCARD, "offload": SLEEP_OFFLOAD}
 
-# The tags entered and not yet left, innermost last (the tag is process-wide: so is
-# this stack).
-_STACK: List[Optional[str]] = []
+# The tags entered and not yet left, in the order entered (the tag is process-wide: so is
+# this list; a block that leaves removes its own entry, wherever it is).
+_STACK: List["tag"] = []
 _STACK_LOCK = threading.Lock()
 
 
 def _set(name: Optional[str]) -> None:
     check(lib().memres_set_tag(None if name is None else name.encode("utf-8")))
+
+
+def _c(name: Optional[str]) -> Optional[bytes]:
+    return None if name is None else name.encode("utf-8")
 
 
 class tag:
@@ -46,13 +50,22 @@ class tag:
     def __enter__(self) -> "tag":
         with _STACK_LOCK:
             _set(self.name)
-            _STACK.append(self.name)
+            _STACK.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with _STACK_LOCK:
-            _STACK.pop()
-            _set(_STACK[-1] if _STACK else None)
+            for i in range(len(_STACK) - 1, -1, -1):
+                if _STACK[i] is self:
+                    del _STACK[i]
+                    break
+            _set(_STACK[-1].name if _STACK else None)
+
+
+def is_asleep(name: str = DEFAULT, device: int = 0) -> bool:
+    """Whether the pool of tag ``name`` (``"default"``: the untagged memory) sleeps on
+    ``device``. Raises :class:`MemresError` for a tag with no memory there."""
+    return bool(check(lib().memres_is_asleep(device, _c(name))))
 
 
 def _plan(tags: Union[None, str, Iterable[str], Dict[str, str]], mode: str) -> List[tuple]:
@@ -84,21 +97,33 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
 
     Until the pools wake, tensors in them must not be used (a kernel that reads one
     faults), and allocating from them raises :class:`MemresError` (code
-    ``ERROR_ASLEEP``). If one pool fails (out of pinned memory), those this call put to
-    sleep wake again and the error is raised.
+    ``ERROR_ASLEEP``). Every named pool is checked first (it exists, it is awake), and
+    offloads run before discards, so that a failure for want of pinned memory comes before
+    anything is discarded; on a failure the pools this call put to sleep wake again (a
+    discarded one without its contents) and the error is raised.
 
     >>> memres.sleep({"weights": "offload", "default": "discard"})
     """
     plan = _plan(tags, mode)
+    # Every named pool must exist and be awake before any sleeps; offloads go first, so
+    # that what can fail for want of pinned memory fails before anything is discarded.
+    for name, _ in plan:
+        if name is not None and is_asleep(name, device):
+            raise MemresError(ERROR_INVALID_ARGUMENT, f"memres.sleep: `{name}` is asleep already")
+    plan.sort(key=lambda step: step[1] != SLEEP_OFFLOAD)
     done: List[Optional[str]] = []
     released = 0
     try:
         for name, how in plan:
-            released += check(lib().memres_sleep(device, None if name is None else name.encode("utf-8"), how))
+            released += check(lib().memres_sleep(device, _c(name), how))
             done.append(name)
-    except BaseException:
+    except BaseException as error:
+        stuck = []
         for name in reversed(done):
-            lib().memres_wake(device, None if name is None else name.encode("utf-8"))
+            if lib().memres_wake(device, _c(name)) < 0:
+                stuck.append(name or "every pool")
+        if stuck and isinstance(error, MemresError):
+            error.args = (f"{error.args[0]}; could not be woken again, still asleep: {', '.join(stuck)}",)
         raise
     return released
 
@@ -118,5 +143,5 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
         names = list(tags)
     mapped = 0
     for name in names:
-        mapped += check(lib().memres_wake(device, None if name is None else name.encode("utf-8")))
+        mapped += check(lib().memres_wake(device, _c(name)))
     return mapped

@@ -146,7 +146,7 @@ class Sleep(unittest.TestCase):
             memres.sleep({"weights": "keep"})
 
     def test_without_a_driver_sleep_and_wake_fail_cleanly(self):
-        for call in (lambda: memres.sleep(), lambda: memres.wake("weights")):
+        for call in (lambda: memres.sleep(), lambda: memres.wake("weights"), lambda: memres.is_asleep("weights")):
             with self.assertRaises(memres.MemresError) as caught:
                 call()
             self.assertEqual(caught.exception.code, memres.ERROR_CUDA)

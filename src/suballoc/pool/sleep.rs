@@ -104,8 +104,10 @@ impl<U: Resource> Pool<U> {
                 "the pool is asleep already: wake it before it sleeps again",
             ));
         }
-        // From here allocations fail at once; the growth lock keeps out those already
-        // past that check (they look at `slept` under it).
+        // From here allocations fail at once. One already past that check may still take
+        // a listed block (its memory then sleeps with the rest: the caller's race, which
+        // `sleep`'s contract rules out), but none maps memory: growth looks at `slept`
+        // under the growth lock, held here until the pool sleeps.
         self.asleep.store(true, Ordering::SeqCst);
         match self.fall_asleep(space, &mut growth, mode) {
             Ok(slept) => {
