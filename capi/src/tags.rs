@@ -174,13 +174,14 @@ fn pools_named(
     if name.as_deref().is_none_or(|n| n == DEFAULT_TAG) {
         match stack.sleepable_pool() {
             Ok(Some(pool)) => out.push((DEFAULT_TAG.to_owned(), pool)),
+            // Both are the caller's choice of stack: an invalid argument, not a CUDA error.
             Ok(None) if !every => {
-                return Err(Failure::from(Error::unsupported(format!(
+                return Err(Failure::invalid(format!(
                     "{what}: device {device}'s stack has no pool that grows in place (spec \
                      `virtual_pool`), so its untagged memory cannot sleep; tag what should"
-                ))));
+                )));
             }
-            Err(e) if !every => return Err(Failure::from(e).within(what)),
+            Err(e) if !every => return Err(Failure::invalid(format!("{what}: {e}"))),
             Ok(None) | Err(_) => {}
         }
     }
