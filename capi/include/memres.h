@@ -148,8 +148,10 @@ int64_t memres_tier_stats(int device, memres_stats_t* out, size_t capacity);
    and for stacks that keep no such list (arena, cuda_async, cuda). */
 int64_t memres_segments(int device, uint64_t* out, size_t capacity);
 
-/* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()). An
-   arena holds one allocation of its whole size while it lives: trimming it frees nothing. */
+/* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()), and the
+   pinned host memory a wake kept for the next MEMRES_SLEEP_OFFLOAD (so that a loop that
+   sleeps every step only copies). An arena holds one allocation of its whole size while
+   it lives: trimming it frees nothing. */
 int memres_trim(int device);
 
 /* Starts device's peaks (peak_live_bytes, peak_live_allocations, pool_peak_size) afresh

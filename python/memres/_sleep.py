@@ -134,7 +134,9 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     pool; a name or a list of names wakes those, in that order (a staged wake: the weights
     before the KV cache). Raises :class:`MemresError` (code ``ERROR_OUT_OF_MEMORY``) when
     the device cannot back the memory (another process holds it); the pool stays asleep
-    and can be woken later."""
+    and can be woken later. The pinned host memory of offloaded pools is kept for their
+    next sleep (which then only copies) until :func:`memres.trim` or
+    ``torch.cuda.empty_cache()``."""
     if tags is None:
         names: List[Optional[str]] = [None]
     elif isinstance(tags, str):

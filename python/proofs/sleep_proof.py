@@ -16,7 +16,8 @@ graph captured before the sleep included.
    first ones bit for bit.
 5. Figures for a ``--big-gib`` pool of one tag: sleep (offload) and wake times, the wake's
    bandwidth against a plain pinned-to-device copy of the same size measured in the same
-   process, and a discard round; the bytes are checked after the offload round.
+   process, a second offload round (it uses the host copies the first wake kept), and a
+   discard round; the bytes are checked after each offload round.
 
 Exits 1 on any failed check.
 """
@@ -159,7 +160,8 @@ def big_round(gib, failures):
     torch.cuda.synchronize()
 
     rows = []
-    for mode in ("offload", "discard"):
+    # The second offload uses the host copies the first wake kept (only copies).
+    for mode in ("offload", "offload", "discard"):
         free_before, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
         released = memres.sleep("big", mode=mode)
@@ -168,7 +170,8 @@ def big_round(gib, failures):
         t0 = time.perf_counter()
         mapped = memres.wake("big")
         wake_s = time.perf_counter() - t0
-        rows.append((mode, released, free_asleep - free_before, sleep_s, wake_s))
+        label = mode if not any(r[0] == mode for r in rows) else f"{mode} again (host copies kept)"
+        rows.append((label, released, free_asleep - free_before, sleep_s, wake_s))
         if mode == "offload":
             after = int(big.view(torch.int64).sum(dtype=torch.int64).item())
             if after != checksum:
@@ -184,7 +187,7 @@ def big_round(gib, failures):
         print(f"| {mode} | {released / GIB:.2f} GiB | {returned / GIB:.2f} GiB | {sleep_s:.2f} s | "
               f"{wake_s:.2f} s | {bw / 1e9:.1f} GB/s | {bw / limit:.2f} |")
     del big
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # also frees the host copies kept for a next sleep
 
 
 def main() -> int:

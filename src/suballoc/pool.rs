@@ -65,6 +65,10 @@ pub struct PoolStats {
     /// maps again when woken (`pool_size` and the free figures are then 0). 0 while it is
     /// awake.
     pub asleep_bytes: usize,
+    /// Host memory (pinned, for device memory) held for [`Pool::sleep`]: the offloaded
+    /// contents while the pool sleeps, and after a wake the copies kept for the next
+    /// sleep, until [`Pool::trim`].
+    pub host_copy_bytes: usize,
 }
 
 impl PoolStats {
@@ -100,6 +104,8 @@ struct GrowthState {
     mapped: Granules,
     /// Set while the pool sleeps: what waking it maps and restores.
     slept: Option<sleep::Slept>,
+    /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
+    kept: Vec<crate::upstream::HostCopy>,
 }
 
 /// The growth lock of a [`Pool`], held: on unlock it runs a release that a free left
@@ -340,6 +346,7 @@ impl<U: Resource> Pool<U> {
                 waiting_bytes: self.held.bytes(),
                 stream_merges: self.shards.merges(),
                 asleep_bytes: slept.size(),
+                host_copy_bytes: slept.copy_bytes() + sleep::bytes(&growth.kept),
                 ..PoolStats::default()
             };
         }
@@ -354,6 +361,7 @@ impl<U: Resource> Pool<U> {
             stream_lists: self.shards.len(),
             waiting_bytes: self.held.bytes(),
             stream_merges: self.shards.merges(),
+            host_copy_bytes: sleep::bytes(&growth.kept),
             ..PoolStats::default()
         };
         for shard in self.shards.all() {
@@ -406,7 +414,13 @@ impl<U: Resource> Pool<U> {
                 deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
             let host = self.host_list();
-            let released = self.release_down_to(&mut self.lock_growth(), host, 0)?;
+            let (released, kept) = {
+                let mut growth = self.lock_growth();
+                let released = self.release_down_to(&mut growth, host, 0)?;
+                (released, std::mem::take(&mut growth.kept))
+            };
+            // The host copies kept for a sleep (unpinned outside the lock: it takes time).
+            drop(kept);
             // Every other list was merged into the host list: what their streams' lists
             // cost on the heap goes too (where they cannot be freed below, a stream used
             // once and never again then costs its inline fields only).

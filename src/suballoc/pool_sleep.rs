@@ -309,3 +309,46 @@ fn sleep_and_wake_beside_threads_that_allocate() {
     pool.trim().unwrap();
     assert_eq!(pool.upstream().mapped_bytes(), 0);
 }
+
+#[test]
+fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    // SAFETY: nothing touches the blocks until the pool wakes (each round).
+    let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    assert_eq!(
+        pool.stats().host_copy_bytes,
+        released,
+        "the copies, while asleep"
+    );
+    pool.wake().unwrap();
+    assert_eq!(
+        pool.stats().host_copy_bytes,
+        released,
+        "kept after the wake"
+    );
+    // The next sleeps use them again: no more host memory, the same contents back.
+    for round in 0..3 {
+        // SAFETY: as above.
+        assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(released));
+        assert_eq!(pool.stats().host_copy_bytes, released, "round {round}");
+        pool.wake().unwrap();
+        for &(p, l, _, byte) in &blocks {
+            assert!(holds(p, l, byte), "round {round}");
+        }
+    }
+    // A failed sleep keeps them too (they go back to the spares).
+    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    faults::fail_saves(base + released / 2, base + len, true);
+    // SAFETY: as above.
+    let failed = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_saves(base + released / 2, base + len, false);
+    assert!(
+        matches!(failed, Err(Error::OutOfMemory { .. })),
+        "{failed:?}"
+    );
+    assert_eq!(pool.stats().host_copy_bytes, released);
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees them");
+}

@@ -6,7 +6,7 @@ use super::*;
 use crate::upstream::virtual_memory::{Backend, HostCopy, Virtual};
 
 /// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
-type Save<U> = unsafe fn(&U, &[(usize, usize)]) -> Result<Vec<HostCopy>, Error>;
+type Save<U> = unsafe fn(&U, &[(usize, usize)], &mut Vec<HostCopy>) -> Result<Vec<HostCopy>, Error>;
 
 /// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
 /// when the pool is made, so that `Pool<U>` needs no other bound).
@@ -17,7 +17,7 @@ pub(super) struct Space<U> {
     pub(super) unmap: unsafe fn(&U, usize, usize),
     keep_unmapped: fn(&U, bool),
     pub(super) save: Save<U>,
-    pub(super) restore: unsafe fn(&U, usize, &HostCopy) -> Result<(), Error>,
+    pub(super) restore: unsafe fn(&U, usize, usize, &HostCopy) -> Result<(), Error>,
     pub(super) synchronize: fn(&U) -> Result<(), Error>,
 }
 

@@ -381,28 +381,28 @@ impl Backend for CudaPhysical {
         stream.synchronize_in(self.ctx)
     }
 
-    unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
-        let copy = HostCopy::pinned(PinnedHost::on(self.ctx.device())?, len)?;
-        let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to (the
-        // caller's promise); the copy is fresh pinned memory of at least `len` bytes.
-        check(unsafe {
-            sys::cuMemcpyDtoH_v2(copy.as_ptr().cast(), addr as sys::CUdeviceptr, len)
-        })?;
-        Ok(copy)
+    fn host_copy(&self, len: usize) -> Result<HostCopy, Error> {
+        HostCopy::pinned(PinnedHost::on(self.ctx.device())?, len)
     }
 
-    unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
+    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + copy.len()` is mapped device memory nothing uses, and the
-        // copy, pinned host memory of that length, lives until `synchronize` (the caller's
-        // promise). Asynchronous on the legacy stream, so that the next granules are
-        // mapped while this copy runs.
+        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to, and the
+        // copy is pinned host memory of at least `len` bytes (the caller's promises).
+        check(unsafe { sys::cuMemcpyDtoH_v2(into.as_ptr().cast(), addr as sys::CUdeviceptr, len) })
+    }
+
+    unsafe fn restore(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
+        let _current = bind(self.ctx)?;
+        // SAFETY: `addr..addr + len` is mapped device memory nothing uses, and the copy,
+        // pinned host memory of at least that length, lives until `synchronize` (the
+        // caller's promise). Asynchronous on the legacy stream, so that the next granules
+        // are mapped while this copy runs.
         check(unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 addr as sys::CUdeviceptr,
                 copy.as_ptr().cast(),
-                copy.len(),
+                len,
                 std::ptr::null_mut(),
             )
         })

@@ -156,32 +156,35 @@ impl Backend for HostPages {
         Ok(())
     }
 
-    unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error> {
+    fn host_copy(&self, len: usize) -> Result<HostCopy, Error> {
+        HostCopy::heap(len)
+    }
+
+    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
         #[cfg(test)]
         if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
         }
-        let copy = HostCopy::heap(len)?;
         // SAFETY: `addr..addr + len` is mapped and unwritten (the caller's promise); the
-        // copy is fresh memory of at least `len` bytes, so the two do not overlap.
+        // copy is separate memory of at least `len` bytes (the caller's promise).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 std::ptr::with_exposed_provenance::<u8>(addr),
-                copy.as_ptr(),
+                into.as_ptr(),
                 len,
             )
         };
-        Ok(copy)
+        Ok(())
     }
 
-    unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
-        // SAFETY: `addr..addr + copy.len()` is mapped and unused (the caller's promise);
-        // the copy is separate host memory of that length.
+    unsafe fn restore(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
+        // SAFETY: `addr..addr + len` is mapped and unused (the caller's promise); the
+        // copy is separate host memory of at least that length.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 copy.as_ptr(),
                 std::ptr::with_exposed_provenance_mut::<u8>(addr),
-                copy.len(),
+                len,
             )
         };
         Ok(())

@@ -76,20 +76,24 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
         let _ = keep;
     }
 
-    /// Copies `len` bytes at `addr` into new host memory (pinned for device memory).
-    /// [`Error::OutOfMemory`] when that memory cannot be had.
+    /// `len` bytes of new host memory for [`save`](Self::save) (pinned for device
+    /// memory). [`Error::OutOfMemory`] when it cannot be had.
+    fn host_copy(&self, len: usize) -> Result<HostCopy, Error>;
+
+    /// Copies `len` bytes at `addr` into `into` (at least `len` bytes, from
+    /// [`host_copy`](Self::host_copy)).
     ///
     /// # Safety
     /// `addr..addr + len` is mapped, and nothing writes to it until the call returns.
-    unsafe fn save(&self, addr: usize, len: usize) -> Result<HostCopy, Error>;
+    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error>;
 
-    /// Copies `copy` back to `addr`; the copy may still be under way when the call
-    /// returns ([`synchronize`](Self::synchronize) waits for it).
+    /// Copies the first `len` bytes of `copy` back to `addr`; the copy may still be under
+    /// way when the call returns ([`synchronize`](Self::synchronize) waits for it).
     ///
     /// # Safety
-    /// `addr..addr + copy.len()` is mapped, nothing else uses it, and `copy` lives, until
-    /// `synchronize` returns.
-    unsafe fn restore(&self, addr: usize, copy: &HostCopy) -> Result<(), Error>;
+    /// `addr..addr + len` is mapped, nothing else uses it, and `copy` (at least `len`
+    /// bytes) lives, until `synchronize` returns.
+    unsafe fn restore(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error>;
 
     /// Waits until all work on the device is done (on every stream).
     fn synchronize(&self) -> Result<(), Error>;
@@ -131,30 +135,36 @@ pub unsafe trait GrowInPlace: Resource {
         let _ = keep;
     }
 
-    /// Copies each `(address, bytes)` range (mapped granules) into new host memory, one
-    /// copy per range in their order, for a pool that sleeps with
-    /// [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload). On an error no copy
-    /// is kept. The default: [`Error::Unsupported`].
+    /// Copies each `(address, bytes)` range (mapped granules) into host memory, one copy
+    /// per range in their order, for a pool that sleeps with
+    /// [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload): into copies taken
+    /// from `spare` where one is large enough (an earlier sleep's), else into new host
+    /// memory. On an error the copies taken or made go back to `spare`. The default:
+    /// [`Error::Unsupported`].
     ///
     /// # Safety
     /// The ranges were mapped by this resource, and nothing writes to them until the call
     /// returns, on the host or on any stream.
-    unsafe fn save_at(&self, ranges: &[(usize, usize)]) -> Result<Vec<HostCopy>, Error> {
-        let _ = ranges;
+    unsafe fn save_at(
+        &self,
+        ranges: &[(usize, usize)],
+        spare: &mut Vec<HostCopy>,
+    ) -> Result<Vec<HostCopy>, Error> {
+        let _ = (ranges, spare);
         Err(Error::unsupported(
             "this resource cannot copy its memory to the host",
         ))
     }
 
-    /// Copies `copy` back to `addr` (mapped granules). The copy may still be under way
-    /// when the call returns: [`synchronize`](Self::synchronize) waits for it. The
-    /// default: [`Error::Unsupported`].
+    /// Copies the first `len` bytes of `copy` back to `addr` (mapped granules). The copy
+    /// may still be under way when the call returns: [`synchronize`](Self::synchronize)
+    /// waits for it. The default: [`Error::Unsupported`].
     ///
     /// # Safety
-    /// `addr..addr + copy.len()` was mapped by this resource, nothing else uses it, and
-    /// `copy` lives, until `synchronize` returns.
-    unsafe fn restore_at(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
-        let _ = (addr, copy);
+    /// `addr..addr + len` was mapped by this resource, nothing else uses it, and `copy`
+    /// (at least `len` bytes) lives, until `synchronize` returns.
+    unsafe fn restore_at(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
+        let _ = (addr, len, copy);
         Err(Error::unsupported(
             "this resource cannot copy host memory into its own",
         ))
@@ -386,23 +396,55 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
         self.backend.keep_unmapped(keep);
     }
 
-    unsafe fn save_at(&self, ranges: &[(usize, usize)]) -> Result<Vec<HostCopy>, Error> {
+    unsafe fn save_at(
+        &self,
+        ranges: &[(usize, usize)],
+        spare: &mut Vec<HostCopy>,
+    ) -> Result<Vec<HostCopy>, Error> {
         for &(addr, len) in ranges {
             self.check_mapped(addr, len)?;
         }
-        // SAFETY: mapped (checked above); unwritten while it runs (the caller's promise).
-        let save = |&(addr, len): &(usize, usize)| unsafe { self.backend.save(addr, len) };
         // One range after another: pinning host memory costs more than copying into it
         // (about 3 GB/s against 55 on an H200), and pinning on several threads at once
-        // was slower still there (4 GiB in 2.3 s on 8 threads, 1.3 s on one).
-        ranges.iter().map(save).collect()
+        // was slower still there (4 GiB in 2.3 s on 8 threads, 1.3 s on one). Hence the
+        // spares: a sleep after the first only copies.
+        let mut copies = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            // The smallest spare that holds the range, else new memory.
+            let fit = (0..spare.len())
+                .filter(|&i| spare[i].len() >= len)
+                .min_by_key(|&i| spare[i].len())
+                .map(|i| Ok(spare.swap_remove(i)));
+            let copy = match fit.unwrap_or_else(|| self.backend.host_copy(len)) {
+                Ok(copy) => copy,
+                Err(e) => {
+                    spare.append(&mut copies);
+                    return Err(e);
+                }
+            };
+            // SAFETY: mapped (checked above); unwritten while it runs (the caller's
+            // promise); the copy holds `len` bytes.
+            let saved = unsafe { self.backend.save(addr, len, &copy) };
+            copies.push(copy);
+            if let Err(e) = saved {
+                spare.append(&mut copies);
+                return Err(e);
+            }
+        }
+        Ok(copies)
     }
 
-    unsafe fn restore_at(&self, addr: usize, copy: &HostCopy) -> Result<(), Error> {
-        self.check_mapped(addr, copy.len())?;
+    unsafe fn restore_at(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
+        self.check_mapped(addr, len)?;
+        if copy.len() < len {
+            return Err(Error::invalid_argument(format!(
+                "a host copy of {} bytes cannot restore {len}",
+                copy.len()
+            )));
+        }
         // SAFETY: mapped (checked above); unused and `copy` alive until `synchronize`
-        // returns (the caller's promise).
-        unsafe { self.backend.restore(addr, copy) }
+        // returns (the caller's promise); `copy` holds `len` bytes (checked above).
+        unsafe { self.backend.restore(addr, len, copy) }
     }
 
     fn synchronize(&self) -> Result<(), Error> {
