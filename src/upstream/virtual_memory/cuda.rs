@@ -5,6 +5,7 @@ use std::fmt;
 use cudarc::driver::sys::{self, CUresult};
 
 use super::{Backend, HostCopy, Virtual, sealed};
+use crate::copy::{self, Access};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
 use crate::driver::{self, check, check_alloc, report};
 use crate::error::Error;
@@ -388,24 +389,37 @@ impl Backend for CudaPhysical {
     unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
         // SAFETY: `addr..addr + len` is mapped device memory nothing writes to, and the
-        // copy is pinned host memory of at least `len` bytes (the caller's promises).
-        check(unsafe { sys::cuMemcpyDtoH_v2(into.as_ptr().cast(), addr as sys::CUdeviceptr, len) })
+        // copy is pinned host memory of at least `len` bytes (the caller's promises); both
+        // stay valid until the wait below; the context is current.
+        unsafe {
+            copy::copy(
+                into.as_ptr(),
+                Access::HOST,
+                std::ptr::with_exposed_provenance(addr),
+                Access::DEVICE,
+                len,
+                StreamRef::DEFAULT,
+            )?
+        };
+        StreamRef::DEFAULT.synchronize_in(self.ctx)
     }
 
-    unsafe fn restore(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
+    unsafe fn restore(&self, addr: usize, len: usize, from: &HostCopy) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
         // SAFETY: `addr..addr + len` is mapped device memory nothing uses, and the copy,
         // pinned host memory of at least that length, lives until `synchronize` (the
-        // caller's promise). Asynchronous on the legacy stream, so that the next granules
-        // are mapped while this copy runs.
-        check(unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                addr as sys::CUdeviceptr,
-                copy.as_ptr().cast(),
+        // caller's promises); the context is current. Asynchronous on the legacy stream,
+        // so that the next granules are mapped while this copy runs.
+        unsafe {
+            copy::copy(
+                std::ptr::with_exposed_provenance_mut(addr),
+                Access::DEVICE,
+                from.as_ptr(),
+                Access::HOST,
                 len,
-                std::ptr::null_mut(),
+                StreamRef::DEFAULT,
             )
-        })
+        }
     }
 
     fn synchronize(&self) -> Result<(), Error> {

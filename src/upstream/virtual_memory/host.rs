@@ -3,6 +3,7 @@
 use std::fmt;
 
 use super::{Backend, HostCopy, Virtual, sealed};
+use crate::copy::{self, Access};
 use crate::error::Error;
 use crate::property::HostAccessible;
 use crate::stream::StreamRef;
@@ -165,29 +166,34 @@ impl Backend for HostPages {
         if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
         }
-        // SAFETY: `addr..addr + len` is mapped and unwritten (the caller's promise); the
-        // copy is separate memory of at least `len` bytes (the caller's promise).
+        // SAFETY: `addr..addr + len` is mapped host memory nobody writes to, and the copy
+        // separate host memory of at least `len` bytes (the caller's promises); a host
+        // stream copies at once.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                std::ptr::with_exposed_provenance::<u8>(addr),
+            copy::copy(
                 into.as_ptr(),
+                Access::HOST,
+                std::ptr::with_exposed_provenance(addr),
+                Access::HOST,
                 len,
+                StreamRef::HOST,
             )
-        };
-        Ok(())
+        }
     }
 
-    unsafe fn restore(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
-        // SAFETY: `addr..addr + len` is mapped and unused (the caller's promise); the
-        // copy is separate host memory of at least that length.
+    unsafe fn restore(&self, addr: usize, len: usize, from: &HostCopy) -> Result<(), Error> {
+        // SAFETY: `addr..addr + len` is mapped host memory nobody uses, and the copy
+        // separate host memory of at least that length (the caller's promises).
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                copy.as_ptr(),
-                std::ptr::with_exposed_provenance_mut::<u8>(addr),
+            copy::copy(
+                std::ptr::with_exposed_provenance_mut(addr),
+                Access::HOST,
+                from.as_ptr(),
+                Access::HOST,
                 len,
+                StreamRef::HOST,
             )
-        };
-        Ok(())
+        }
     }
 
     fn synchronize(&self) -> Result<(), Error> {
