@@ -47,13 +47,11 @@ pub(crate) struct DeviceStack {
     recorded: Recorded,
     /// Descriptors exported for live blocks (`memres_ipc_export`).
     exported: Exported,
-    /// Whether the stack has a `fallback(..)`: its blocks may then lie outside the pool's
-    /// range.
-    tiered: bool,
     /// Whether the spec has a `binning`: its bins keep blocks of the in-place pool and
     /// hand them out again, so that pool cannot sleep (they would serve unmapped memory).
     binned: bool,
-    /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`).
+    /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`); with
+    /// one, blocks may lie outside the pool's range.
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
     /// The pools of the tags allocated under on this device (`memres_set_tag`).
     tags: TagPools,
@@ -103,7 +101,6 @@ impl DeviceStack {
             out_of_memory: AtomicI64::new(0),
             recorded: Recorded::default(),
             exported: Exported::default(),
-            tiered: layers.tiers.is_some(),
             binned: has_binning(spec),
             tiers: layers.tiers,
             tags: TagPools::default(),
@@ -398,7 +395,7 @@ impl DeviceStack {
         if self.tags.holding(address).is_some() {
             return Some(true);
         }
-        if self.tiered {
+        if self.tiers.is_some() {
             // A fallback's next tier hands out memory outside the first tier's range.
             return None;
         }
