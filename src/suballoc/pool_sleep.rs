@@ -352,3 +352,33 @@ fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees them");
 }
+
+#[test]
+fn a_leaf_refuses_copies_of_unmapped_ranges_and_restores_too_long_for_their_copy() {
+    use crate::resource::SyncResource;
+    use crate::upstream::GrowInPlace;
+
+    let leaf = HostVirtual::new(1 << 20, GRANULE).unwrap();
+    let l = layout(GRANULE).unwrap();
+    let p = leaf.allocate_sync(l).unwrap();
+    let addr = p.as_ptr() as usize;
+    let mut spare = Vec::new();
+    // SAFETY: the range asked for is refused before any byte is read.
+    let unmapped = unsafe { leaf.save_at(&[(addr + GRANULE, GRANULE)], &mut spare) };
+    assert!(
+        matches!(unmapped, Err(Error::InvalidArgument(_))),
+        "{unmapped:?}"
+    );
+    // SAFETY: half a granule: refused before any byte is read.
+    let partial = unsafe { leaf.save_at(&[(addr, GRANULE / 2)], &mut spare) };
+    assert!(
+        matches!(partial, Err(Error::InvalidArgument(_))),
+        "{partial:?}"
+    );
+    let half = crate::upstream::HostCopy::heap(GRANULE / 2).unwrap();
+    // SAFETY: refused before any byte is written: the copy holds half a granule.
+    let long = unsafe { leaf.restore_at(addr, GRANULE, &half) };
+    assert!(matches!(long, Err(Error::InvalidArgument(_))), "{long:?}");
+    // SAFETY: allocated above with `l`.
+    unsafe { leaf.deallocate_sync(p, l) };
+}
