@@ -21,7 +21,10 @@ use crate::sync::{Mutex, lock};
 /// - **Properties**: `P`, what both tiers give (a device pool and a pinned host pool
 ///   are both device-accessible: `Fallback<_, _, Device>`); naming a property one of
 ///   them lacks does not compile.
-/// - **Frees** go to the tier that served the block. The fallback tier's blocks are
+/// - **Frees** go to the tier that served the block. Where the first tier's blocks all lie
+///   in one address range ([`with_first_range`](Self::with_first_range): an in-place
+///   pool's reservation, which `fallback(virtual_pool, ..)` in a spec uses), the address
+///   says which tier, without a lookup. Otherwise the fallback tier's blocks are
 ///   remembered (a set under a lock); while it has none live, a free goes to `first`
 ///   without a lookup, so a program that never falls back pays one load per free.
 ///   Stream-ordered frees keep their stream in either tier.
@@ -54,6 +57,9 @@ pub struct Fallback<A, B, P> {
     from_then: Mutex<HashSet<usize>>,
     /// How many: 0 lets a free skip the set.
     then_live: AtomicUsize,
+    /// `(base, len)`: every block of `first`, and none of `then`, lies in this range
+    /// (then the set is not used).
+    first_range: Option<(usize, usize)>,
     properties: PhantomData<fn() -> P>,
 }
 
@@ -65,8 +71,41 @@ impl<A, B, P> Fallback<A, B, P> {
             then: Statistics::new(then),
             from_then: Mutex::new(HashSet::new()),
             then_live: AtomicUsize::new(0),
+            first_range: None,
             properties: PhantomData,
         }
+    }
+
+    /// Tells the tiers apart by address: `first`'s blocks all lie in `base..base + len`
+    /// (the reservation of an in-place pool, [`GrowInPlace::reservation`]), so a free
+    /// inside it goes to `first` and one outside to `then`, with no set of `then`'s
+    /// blocks kept.
+    ///
+    /// ```
+    /// use memres::adaptor::Fallback;
+    /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, PoolConfig, SyncResource, layout};
+    ///
+    /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.pool_in_place(PoolConfig::new())?;
+    /// let (base, len) = pool.upstream().reservation();
+    /// // SAFETY: the pool's blocks lie in its leaf's reservation; the heap's never do.
+    /// let tiers = unsafe { Fallback::<_, _, Host>::new(pool, HostHeap).with_first_range(base, len) };
+    /// let l = layout(2 << 20)?; // past the pool's 1 MiB of memory: the heap serves it
+    /// let p = tiers.allocate_sync(l)?;
+    /// // SAFETY: allocated above with `l`; not used afterwards.
+    /// unsafe { tiers.deallocate_sync(p, l) };
+    /// assert_eq!(tiers.tiers()[1].bytes.current, 0);
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    ///
+    /// # Safety
+    /// Every block `first` hands out lies in `base..base + len`, and no block `then` hands
+    /// out does (else a free would reach the wrong tier).
+    ///
+    /// [`GrowInPlace::reservation`]: crate::GrowInPlace::reservation
+    #[must_use]
+    pub unsafe fn with_first_range(mut self, base: usize, len: usize) -> Self {
+        self.first_range = Some((base, len));
+        self
     }
 
     /// The first tier.
@@ -79,13 +118,22 @@ impl<A, B, P> Fallback<A, B, P> {
         self.then.upstream()
     }
 
+    /// The address range that tells the tiers apart, if one was given
+    /// ([`with_first_range`](Self::with_first_range)).
+    pub fn first_range(&self) -> Option<(usize, usize)> {
+        self.first_range
+    }
+
     /// The figures of `[first, then]`: bytes and allocations each served.
     pub fn tiers(&self) -> [StatisticsSnapshot; 2] {
         [self.first.snapshot(), self.then.snapshot()]
     }
 
-    /// Remembers a block `then` served.
+    /// Remembers a block `then` served (not needed where the address tells).
     fn note_then(&self, ptr: NonNull<u8>) {
+        if self.first_range.is_some() {
+            return;
+        }
         lock(&self.from_then).insert(ptr.as_ptr().expose_provenance());
         // After the insertion: a free that reads the count nonzero finds the block.
         self.then_live.fetch_add(1, Ordering::Release);
@@ -96,7 +144,13 @@ impl<A, B, P> Fallback<A, B, P> {
     fn served_by_then(&self, ptr: NonNull<u8>, layout: Layout) -> bool {
         // The block's allocation happened before its free (the caller's contract hands
         // the pointer over with that order), so a block of `then` has been counted.
-        if layout.size() == 0 || self.then_live.load(Ordering::Acquire) == 0 {
+        if layout.size() == 0 {
+            return false; // only `first` serves empty blocks
+        }
+        if let Some((base, len)) = self.first_range {
+            return ptr.as_ptr().addr().wrapping_sub(base) >= len;
+        }
+        if self.then_live.load(Ordering::Acquire) == 0 {
             return false;
         }
         let found = lock(&self.from_then).remove(&ptr.as_ptr().expose_provenance());
@@ -142,7 +196,8 @@ impl<A: fmt::Debug, B: fmt::Debug, P> fmt::Debug for Fallback<A, B, P> {
 
 // SAFETY: every block comes from one tier unchanged and goes back to that tier: a block
 // is `then`'s exactly when its address is in `from_then` (inserted before the block is
-// handed out, removed by its free), and both tiers give at least `P`.
+// handed out, removed by its free), or, with a first range, outside that range
+// (`with_first_range`'s contract); and both tiers give at least `P`.
 unsafe impl<A, B, P> SyncResource for Fallback<A, B, P>
 where
     A: SyncResource<Properties: Contains<P>>,
@@ -297,5 +352,51 @@ mod tests {
         // SAFETY: as above.
         unsafe { r.deallocate_sync(z, zero) };
         assert_eq!(r.tiers()[1].allocations.total, 1);
+    }
+
+    /// With the first tier's range known, each free goes by its address: no set is kept,
+    /// and every block still reaches the tier that served it (each tier's own count ends
+    /// at zero), whatever the order and the stream of the frees.
+    #[test]
+    fn a_first_range_routes_frees_by_address_without_the_set() {
+        use crate::upstream::{GrowInPlace, HostVirtual};
+        use crate::{Pool, PoolConfig};
+
+        let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)
+            .and_then(|v| Pool::in_place(v, PoolConfig::new()))
+            .unwrap();
+        let (base, len) = pool.upstream().reservation();
+        // SAFETY: the pool's blocks lie in its leaf's reservation; the heap's never do.
+        let r = unsafe {
+            Fallback::<_, _, Host>::new(pool, Limiting::new(HostHeap::new(), 1 << 30))
+                .with_first_range(base, len)
+        };
+        let l = layout(192 << 10).unwrap();
+        let mut blocks: Vec<_> = (0..12u32)
+            .map(|i| (r.allocate(StreamRef::host(i % 3), l).unwrap(), i % 3))
+            .collect();
+        let [first, then] = r.tiers();
+        assert!(first.allocations.current > 0 && then.allocations.current > 0);
+        assert_eq!(r.then_live.load(Ordering::Relaxed), 0, "no set kept");
+        assert!(lock(&r.from_then).is_empty());
+        // Freed in another order, some on other streams.
+        blocks.reverse();
+        blocks.rotate_left(5);
+        for (p, s) in blocks {
+            // SAFETY: allocated above with `l`, not used; host streams.
+            unsafe { r.deallocate(StreamRef::host((s + 1) % 3), p, l) };
+        }
+        let [first, then] = r.tiers();
+        assert_eq!((first.bytes.current, then.bytes.current), (0, 0));
+        assert_eq!(
+            r.then().allocated_bytes(),
+            0,
+            "each heap block went back to the heap"
+        );
+        assert_eq!(
+            r.first().stats().live_bytes(),
+            0,
+            "and each pool block to the pool"
+        );
     }
 }

@@ -100,6 +100,10 @@ pub trait Target {
     }
 }
 
+/// A stack as `Spec::build_ranged` makes it: with the address range all its blocks lie
+/// in, where it knows one.
+type Ranged<P> = (AnyResource<P>, Option<(usize, usize)>);
+
 /// A `fallback(..)` as [`Spec::build`] makes it: two erased tiers.
 pub type Tiers<P> = Fallback<AnyResource<P>, AnyResource<P>, P>;
 
@@ -129,22 +133,37 @@ impl Spec {
     /// `logging(..)` without `file=` logs where `MEMRES_LOG_FILE` says, else to standard
     /// error ([`Logging::from_env`]).
     pub fn build<T: Target>(&self, target: &mut T) -> Result<AnyResource<T::Properties>, Error> {
+        self.build_ranged(target).map(|(built, _)| built)
+    }
+
+    /// [`build`](Self::build), with the address range `(base, len)` every block of the stack lies in
+    /// where one in-place pool serves them all (wrappers pass their inner one's on): a
+    /// `fallback(..)` tells its tiers apart by it.
+    fn build_ranged<T: Target>(&self, target: &mut T) -> Result<Ranged<T::Properties>, Error> {
         Ok(match self {
-            Spec::Cuda => AnyResource::new(target.memory()?),
+            Spec::Cuda => (AnyResource::new(target.memory()?), None),
             Spec::CudaAsync {
                 initial,
                 release_threshold,
-            } => target.driver_pool(*initial, *release_threshold)?,
-            Spec::Managed => target.managed()?,
-            Spec::Pinned => target.pinned()?,
-            Spec::PinnedPool => AnyResource::new(Pool::new(target.pinned()?, PoolConfig::new())?),
+            } => (target.driver_pool(*initial, *release_threshold)?, None),
+            Spec::Managed => (target.managed()?, None),
+            Spec::Pinned => (target.pinned()?, None),
+            Spec::PinnedPool => (
+                AnyResource::new(Pool::new(target.pinned()?, PoolConfig::new())?),
+                None,
+            ),
             Spec::Fallback { first, then } => {
-                let tiers = Arc::new(Fallback::<_, _, T::Properties>::new(
-                    first.build(target)?,
-                    then.build(target)?,
-                ));
+                let (first, range) = first.build_ranged(target)?;
+                let mut tiers = Fallback::<_, _, T::Properties>::new(first, then.build(target)?);
+                if let Some((base, len)) = range {
+                    // SAFETY: every block of `first` comes from one in-place pool, inside
+                    // its leaf's reservation (wrappers hand out their inner blocks
+                    // unchanged); `then` was built over leaves of its own, outside it.
+                    tiers = unsafe { tiers.with_first_range(base, len) };
+                }
+                let tiers = Arc::new(tiers);
                 target.built(Built::Tiers(&tiers));
-                AnyResource::new(tiers)
+                (AnyResource::new(tiers), None)
             }
             Spec::Pool {
                 initial,
@@ -154,7 +173,7 @@ impl Spec {
                 let config = pool_config(*initial, *max, None, None).growth(*growth);
                 let pool = Arc::new(Pool::new(target.memory()?, config)?);
                 target.built(Built::ChunkedPool(&pool));
-                AnyResource::new(pool)
+                (AnyResource::new(pool), None)
             }
             Spec::VirtualPool {
                 initial,
@@ -167,7 +186,8 @@ impl Spec {
                 let leaf = target.virtual_leaf(*reserve)?;
                 let pool = Arc::new(leaf.pool_in_place(config)?);
                 target.built(Built::InPlacePool(&pool));
-                AnyResource::new(pool)
+                let range = crate::upstream::GrowInPlace::reservation(pool.upstream());
+                (AnyResource::new(pool), Some(range))
             }
             Spec::Arena { size } => {
                 let size = match size {
@@ -176,38 +196,44 @@ impl Spec {
                 };
                 let arena = Arc::new(Arena::with_size(target.memory()?, size)?);
                 target.built(Built::SuperblockArena(&arena));
-                AnyResource::new(arena)
+                (AnyResource::new(arena), None)
             }
-            Spec::FixedSize { block, blocks } => AnyResource::new(FixedSize::with_block_size(
-                target.memory()?,
-                *block,
-                *blocks,
-            )?),
+            Spec::FixedSize { block, blocks } => (
+                AnyResource::new(FixedSize::with_block_size(
+                    target.memory()?,
+                    *block,
+                    *blocks,
+                )?),
+                None,
+            ),
             Spec::Binning { min, max } => {
-                let pool = Spec::default_spec().build(target)?;
-                AnyResource::new(Binning::new(pool, *min, *max)?)
+                // The bins' blocks come from the pool too.
+                let (pool, range) = Spec::default_spec().build_ranged(target)?;
+                (AnyResource::new(Binning::new(pool, *min, *max)?), range)
             }
             Spec::WithStatistics(inner) => {
-                let counted = Arc::new(Statistics::new(inner.build(target)?));
+                let (inner, range) = inner.build_ranged(target)?;
+                let counted = Arc::new(Statistics::new(inner));
                 target.built(Built::WithStatistics(&counted));
-                AnyResource::new(counted)
+                (AnyResource::new(counted), range)
             }
             Spec::Logged {
                 inner,
                 file,
                 exact_times,
             } => {
-                let inner = inner.build(target)?;
+                let (inner, range) = inner.build_ranged(target)?;
                 let logged = match file {
                     Some(path) => Logging::to_file(inner, Path::new(path))?,
                     None => Logging::from_env(inner)?,
                 };
                 let logged = Arc::new(logged.exact_times(*exact_times));
                 target.built(Built::Logged(&logged));
-                AnyResource::new(logged)
+                (AnyResource::new(logged), range)
             }
             Spec::Limited { inner, limit } => {
-                AnyResource::new(Limiting::new(inner.build(target)?, *limit))
+                let (inner, range) = inner.build_ranged(target)?;
+                (AnyResource::new(Limiting::new(inner, *limit)), range)
             }
         })
     }
@@ -247,6 +273,8 @@ mod tests {
     struct Recording {
         reserved: Vec<Option<usize>>,
         built: Vec<&'static str>,
+        /// Per `fallback(..)`: whether it tells its tiers apart by address.
+        by_address: Vec<bool>,
     }
 
     impl Target for Recording {
@@ -271,7 +299,10 @@ mod tests {
                 Built::SuperblockArena(_) => "arena",
                 Built::WithStatistics(_) => "statistics",
                 Built::Logged(_) => "logging",
-                Built::Tiers(_) => "fallback",
+                Built::Tiers(tiers) => {
+                    self.by_address.push(tiers.first_range().is_some());
+                    "fallback"
+                }
             });
         }
     }
@@ -315,6 +346,30 @@ mod tests {
             .build(&mut target)
             .unwrap();
         assert_eq!(target.reserved, [Some(256 << 20)]);
+    }
+
+    /// A `fallback(..)` whose first tier is one in-place pool (under any wrappers) tells
+    /// its tiers apart by the pool's reservation; other first tiers keep the set. Either
+    /// way a block past the first tier comes and goes through the second.
+    #[test]
+    fn a_fallback_over_an_in_place_pool_routes_by_address() {
+        for (text, by_address) in [
+            (
+                "fallback(statistics(limiting(virtual_pool, limit=1MiB)), pool)",
+                true,
+            ),
+            ("fallback(logging(binning, file=/dev/null), pool)", true),
+            ("fallback(limiting(pool, limit=1MiB), virtual_pool)", false),
+            (
+                "fallback(fallback(limiting(virtual_pool, limit=1MiB), pool), pool)",
+                false,
+            ),
+        ] {
+            let mut target = Recording::default();
+            let stack = Spec::parse(text).unwrap().build(&mut target).unwrap();
+            assert_eq!(target.by_address.last(), Some(&by_address), "{text}");
+            round_trip(&stack, 2 << 20).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
     }
 
     /// What a target cannot give is an error naming it, not a stack of another kind.
