@@ -565,7 +565,7 @@ impl<U: Resource> Pool<U> {
     }
 
     /// The shard of `stream`, made on first use.
-    #[inline]
+    #[inline(always)]
     fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
         let key = StreamKey::of_lane(stream);
         if let Some(shard) = self.shards.get(key) {
