@@ -646,10 +646,24 @@ impl<U: Resource> Pool<U> {
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
+        self.allocate_missed(stream, shard, size, align, layout.size())
+            .map(to_ptr)
+    }
+
+    /// The slow path, with a retry after waiting for blocks held for other streams. A
+    /// call of its own, so the fast path above saves few registers.
+    #[inline(never)]
+    fn allocate_missed(
+        &self,
+        stream: StreamRef<'_>,
+        shard: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
         deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
-            self.allocate_slow(stream, shard, size, align, layout.size())
+            self.allocate_slow(stream, shard, size, align, requested)
         })
-        .map(to_ptr)
     }
 
     /// The slow path: the stream's own list has no fit.

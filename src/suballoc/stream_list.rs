@@ -99,7 +99,14 @@ impl PoolShard {
         self
     }
 
-    #[inline]
+    /// Takes a block of `size` bytes aligned to `align`: a cached one of that size, else
+    /// one cut from the coalesced free blocks.
+    ///
+    /// The cache's pop is inlined into the callers and the rest is a call of its own
+    /// ([`take_uncached`](Self::take_uncached)), as in [`put`](Self::put): the fast path
+    /// then saves and restores few registers (callgrind, `pair-256B` over
+    /// `Pool<HostHeap>`: 212 instructions per allocate and free before).
+    #[inline(always)]
     pub(super) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
         let units = size / GRANULE;
         if align == GRANULE
@@ -109,6 +116,12 @@ impl PoolShard {
             self.quick_bytes -= size;
             return Some(addr);
         }
+        self.take_uncached(size, align)
+    }
+
+    /// [`take`](Self::take) past the small blocks' cache.
+    #[inline(never)]
+    fn take_uncached(&mut self, size: usize, align: usize) -> Option<usize> {
         if align == GRANULE
             && size >= LARGE_MIN
             && let Some(i) = self.large.iter().rposition(|&(_, n)| n == size)
@@ -121,13 +134,28 @@ impl PoolShard {
 
     /// Frees a block into the list: cached if small, else coalesced (and then returned,
     /// merged with its neighbours).
-    #[inline]
+    #[inline(always)]
     pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
+        if units <= QUICK_UNITS
+            && self.quick_bytes + size <= QUICK_BYTES
+            && let Some(cached) = self.quick.get_mut(units)
+        {
+            cached.push(addr);
+            self.quick_bytes += size;
+            return None;
+        }
+        self.put_uncached(addr, size)
+    }
+
+    /// [`put`](Self::put) where the small blocks' cache does not take the block (or has
+    /// no bins yet).
+    #[inline(never)]
+    fn put_uncached(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
+        let units = size / GRANULE;
         if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
-            if self.quick.is_empty() {
-                self.quick = vec![Vec::new(); QUICK_UNITS + 1];
-            }
+            // The first small block: the cache's bins.
+            self.quick = vec![Vec::new(); QUICK_UNITS + 1];
             self.quick[units].push(addr);
             self.quick_bytes += size;
             None
