@@ -525,6 +525,22 @@ impl<U: Resource> Arena<U> {
         }
     }
 
+    /// The slow path, with a retry after waiting for blocks held for other streams. A
+    /// call of its own, so the fast path saves few registers (as `Pool`'s).
+    #[inline(never)]
+    fn allocate_missed(
+        &self,
+        stream: StreamRef<'_>,
+        shard: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+            self.allocate_slow(stream, shard, size, align, requested)
+        })
+    }
+
     /// The stream's arena has no fit: flush its cache, else give it a new superblock of
     /// 1 MiB, or of the request's size (with room for its alignment) when larger.
     #[cold]
@@ -634,10 +650,8 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
-            self.allocate_slow(stream, shard, size, align, layout.size())
-        })
-        .map(to_ptr)
+        self.allocate_missed(stream, shard, size, align, layout.size())
+            .map(to_ptr)
     }
 
     #[inline]
