@@ -340,6 +340,8 @@ impl FreeBlocks {
             let g = above.trailing_zeros() as usize;
             g * LINEAR + self.classes_in_use[g].trailing_zeros() as usize
         };
+        // A class's bit is set only while its list holds a block (not its sentinel).
+        debug_assert_ne!(self.lists[class].next, class as u32);
         Some(self.lists[class].next - CLASSES as u32)
     }
 
@@ -535,5 +537,101 @@ mod tests {
         assert_eq!(drained.len(), 6);
         assert_eq!(f.len(), 0);
         assert_eq!(f.bytes(), 0);
+    }
+
+    impl FreeBlocks {
+        /// Checks the class lists against the blocks: every block sits in its class's
+        /// list once, the links run both ways, and a class's (and its group's) bit is set
+        /// exactly when its list holds a block.
+        fn check_lists(&self) {
+            let mut listed = 0;
+            for class in 0..CLASSES {
+                let in_use = self.classes_in_use[class / LINEAR] & (1 << (class % LINEAR)) != 0;
+                if self.lists.is_empty() {
+                    assert!(!in_use);
+                    continue;
+                }
+                let mut at = self.lists[class].next;
+                let mut prev = class as u32;
+                let mut n = 0;
+                while at != class as u32 {
+                    assert_eq!(self.lists[at as usize].prev, prev, "class {class}");
+                    let i = (at - CLASSES as u32) as usize;
+                    assert_eq!(class_of(self.nodes[i].size / GRANULE), class);
+                    assert_eq!(self.by_start.get(&self.nodes[i].addr), Some(&(i as u32)));
+                    (prev, at) = (at, self.lists[at as usize].next);
+                    n += 1;
+                }
+                assert_eq!(
+                    self.lists[class].prev, prev,
+                    "class {class}: the last block"
+                );
+                assert_eq!(in_use, n > 0, "class {class}'s bit");
+                listed += n;
+            }
+            for group in 0..GROUPS {
+                let bit = self.groups_in_use & (1 << group) != 0;
+                assert_eq!(bit, self.classes_in_use[group] != 0, "group {group}");
+            }
+            assert_eq!(listed, self.len());
+        }
+    }
+
+    proptest::proptest! {
+        /// Any sequence of takes, frees, drains and refills keeps the class lists whole
+        /// and the blocks apart: what is taken never overlaps what is free or other taken
+        /// blocks, and free plus taken bytes stay what the list started with.
+        #[test]
+        fn class_lists_stay_whole(ops in proptest::collection::vec((0u8..8, 1usize..3000, 0u32..4), 1..400)) {
+            let base = 1usize << 32;
+            let chunks = [(base, 4096 * GRANULE), (base + 4096 * GRANULE, 1024 * GRANULE)];
+            let mut f = FreeBlocks::default();
+            for &(addr, size) in &chunks {
+                f.insert(block(addr, size, true));
+            }
+            let total: usize = chunks.iter().map(|c| c.1).sum();
+            let mut taken: Vec<(usize, usize)> = Vec::new();
+            for (op, units, align) in ops {
+                match op {
+                    0..=3 => {
+                        let size = units * GRANULE;
+                        if let Some(addr) = f.take(size, GRANULE << align) {
+                            proptest::prop_assert_eq!(addr % (GRANULE << align), 0);
+                            for b in f.blocks() {
+                                proptest::prop_assert!(addr + size <= b.addr || b.addr + b.size <= addr);
+                            }
+                            taken.push((addr, size));
+                        }
+                    }
+                    4..=6 if !taken.is_empty() => {
+                        let (addr, size) = taken.swap_remove(units % taken.len());
+                        let starts_chunk = chunks.iter().any(|c| c.0 == addr);
+                        f.insert(block(addr, size, starts_chunk));
+                    }
+                    _ => {
+                        let mut blocks = f.drain();
+                        f.check_lists();
+                        if units % 2 == 0 {
+                            f.release_memory();
+                        }
+                        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+                        for b in blocks {
+                            f.insert(b);
+                        }
+                    }
+                }
+                f.check_lists();
+                let live: usize = taken.iter().map(|t| t.1).sum();
+                proptest::prop_assert_eq!(f.bytes() + live, total);
+            }
+            for (addr, size) in taken {
+                f.insert(block(addr, size, chunks.iter().any(|c| c.0 == addr)));
+            }
+            f.check_lists();
+            // Everything free again: each chunk one block, never merged with the other.
+            let mut all: Vec<_> = f.blocks().map(|b| (b.addr, b.size)).collect();
+            all.sort_unstable();
+            proptest::prop_assert_eq!(all, chunks.to_vec());
+        }
     }
 }

@@ -75,6 +75,10 @@ MUTATIONS = [
      "            return ptr.as_ptr().addr().wrapping_sub(base) >= len;", "            return base == 0 && len == 0;"),
     ("Pool: a failed wake leaves what it mapped", "src/suballoc/pool/sleep.rs",
      "        if result.is_err() {\n            // Copies may be under way", "        if false {\n            // Copies may be under way"),
+    ("free lists: an emptied class keeps its bit", "src/suballoc/free_blocks.rs",
+     "        self.classes_in_use[group] &= !(empty << (class % LINEAR));", "        let _ = empty;"),
+    ("free lists: a removed block's successor keeps its old link", "src/suballoc/free_blocks.rs",
+     "        self.lists[next as usize].prev = prev;", "        let _ = prev;"),
 ]
 
 
