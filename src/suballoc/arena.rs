@@ -403,6 +403,9 @@ impl<U: Resource> Arena<U> {
         if moved.is_empty() {
             return None;
         }
+        // Highest first, as the pool's merges do, so the lowest blocks head their size
+        // classes whatever order the lanes' maps held them in.
+        moved.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
         let mut s = own.state.lock();
         for b in moved {
             s.free.insert(b);
@@ -413,10 +416,14 @@ impl<U: Resource> Arena<U> {
     /// Waits for the streams of pending memory and makes it free.
     fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
         synchronize(global.pending.iter().filter_map(|p| p.ctx))?;
-        for mut p in std::mem::take(&mut global.pending) {
-            for block in p.free.drain() {
-                global.free.insert(block);
-            }
+        let mut blocks: Vec<_> = std::mem::take(&mut global.pending)
+            .iter_mut()
+            .flat_map(|p| p.free.drain())
+            .collect();
+        // Highest first (see `take_from_lanes`).
+        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+        for block in blocks {
+            global.free.insert(block);
         }
         Ok(())
     }

@@ -406,9 +406,9 @@ impl FreeBlocks {
     /// Makes the class sentinels (each list empty: the sentinel linked to itself).
     #[cold]
     fn make_lists(&mut self) {
-        self.lists = (0..CLASSES as u32)
-            .map(|c| Link { prev: c, next: c })
-            .collect();
+        self.lists.clear(); // keeps the capacity a drained list had
+        self.lists
+            .extend((0..CLASSES as u32).map(|c| Link { prev: c, next: c }));
         self.lists.resize(
             entry(self.nodes.len() as u32) as usize,
             Link { prev: 0, next: 0 },
@@ -430,7 +430,9 @@ impl FreeBlocks {
                 if self.regions.is_some() {
                     self.links.push(Links::NONE);
                 }
-                u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 free blocks")
+                // The node's entry in `lists` must fit too.
+                u32::try_from(self.nodes.len() - 1 + CLASSES).expect("fewer than 2^32 free blocks")
+                    - CLASSES as u32
             }
         };
         self.list_push(i, class_of(block.size / GRANULE));
@@ -457,6 +459,8 @@ impl FreeBlocks {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn block(addr: usize, size: usize, starts_chunk: bool) -> FreeBlock {
@@ -577,61 +581,84 @@ mod tests {
         }
     }
 
-    proptest::proptest! {
-        /// Any sequence of takes, frees, drains and refills keeps the class lists whole
-        /// and the blocks apart: what is taken never overlaps what is free or other taken
-        /// blocks, and free plus taken bytes stay what the list started with.
-        #[test]
-        fn class_lists_stay_whole(ops in proptest::collection::vec((0u8..8, 1usize..3000, 0u32..4), 1..400)) {
-            let base = 1usize << 32;
-            let chunks = [(base, 4096 * GRANULE), (base + 4096 * GRANULE, 1024 * GRANULE)];
-            let mut f = FreeBlocks::default();
-            for &(addr, size) in &chunks {
-                f.insert(block(addr, size, true));
-            }
-            let total: usize = chunks.iter().map(|c| c.1).sum();
-            let mut taken: Vec<(usize, usize)> = Vec::new();
-            for (op, units, align) in ops {
-                match op {
-                    0..=3 => {
-                        let size = units * GRANULE;
-                        if let Some(addr) = f.take(size, GRANULE << align) {
-                            proptest::prop_assert_eq!(addr % (GRANULE << align), 0);
-                            for b in f.blocks() {
-                                proptest::prop_assert!(addr + size <= b.addr || b.addr + b.size <= addr);
-                            }
-                            taken.push((addr, size));
+    /// Runs `ops` (see `class_lists_stay_whole`) on `f`, checking the lists after each.
+    fn run_ops(mut f: FreeBlocks, ops: Vec<(u8, usize, u32)>) -> Result<(), TestCaseError> {
+        let base = 1usize << 32;
+        let chunks = [
+            (base, 4096 * GRANULE),
+            (base + 4096 * GRANULE, 1024 * GRANULE),
+        ];
+        for &(addr, size) in &chunks {
+            f.insert(block(addr, size, true));
+        }
+        let total: usize = chunks.iter().map(|c| c.1).sum();
+        let mut taken: Vec<(usize, usize)> = Vec::new();
+        for (op, units, align) in ops {
+            match op {
+                0..=3 => {
+                    let size = units * GRANULE;
+                    if let Some(addr) = f.take(size, GRANULE << align) {
+                        prop_assert_eq!(addr % (GRANULE << align), 0);
+                        for b in f.blocks() {
+                            prop_assert!(addr + size <= b.addr || b.addr + b.size <= addr);
                         }
+                        for &(t, n) in &taken {
+                            prop_assert!(addr + size <= t || t + n <= addr);
+                        }
+                        taken.push((addr, size));
                     }
-                    4..=6 if !taken.is_empty() => {
+                }
+                4..=6 => {
+                    if !taken.is_empty() {
                         let (addr, size) = taken.swap_remove(units % taken.len());
                         let starts_chunk = chunks.iter().any(|c| c.0 == addr);
                         f.insert(block(addr, size, starts_chunk));
                     }
-                    _ => {
-                        let mut blocks = f.drain();
-                        f.check_lists();
-                        if units % 2 == 0 {
-                            f.release_memory();
-                        }
-                        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
-                        for b in blocks {
-                            f.insert(b);
-                        }
+                }
+                _ => {
+                    let mut blocks = f.drain();
+                    f.check_lists();
+                    if units % 2 == 0 {
+                        f.release_memory();
+                    }
+                    blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+                    for b in blocks {
+                        f.insert(b);
                     }
                 }
-                f.check_lists();
-                let live: usize = taken.iter().map(|t| t.1).sum();
-                proptest::prop_assert_eq!(f.bytes() + live, total);
-            }
-            for (addr, size) in taken {
-                f.insert(block(addr, size, chunks.iter().any(|c| c.0 == addr)));
             }
             f.check_lists();
-            // Everything free again: each chunk one block, never merged with the other.
-            let mut all: Vec<_> = f.blocks().map(|b| (b.addr, b.size)).collect();
-            all.sort_unstable();
-            proptest::prop_assert_eq!(all, chunks.to_vec());
+            let live: usize = taken.iter().map(|t| t.1).sum();
+            prop_assert_eq!(f.bytes() + live, total);
+        }
+        for (addr, size) in taken {
+            f.insert(block(addr, size, chunks.iter().any(|c| c.0 == addr)));
+        }
+        f.check_lists();
+        // Everything free again: each chunk one block, never merged with the other.
+        let mut all: Vec<_> = f.blocks().map(|b| (b.addr, b.size)).collect();
+        all.sort_unstable();
+        prop_assert_eq!(all, chunks.to_vec());
+        Ok(())
+    }
+
+    fn ops() -> impl Strategy<Value = Vec<(u8, usize, u32)>> {
+        proptest::collection::vec((0u8..8, 1usize..3000, 0u32..4), 1..400)
+    }
+
+    proptest! {
+        /// Any sequence of takes, frees, drains and refills keeps the class lists whole
+        /// and the blocks apart: what is taken overlaps neither what is free nor other
+        /// taken blocks, and free plus taken bytes stay what the list started with.
+        #[test]
+        fn class_lists_stay_whole(ops in ops()) {
+            run_ops(FreeBlocks::default(), ops)?;
+        }
+
+        /// The same for a list that places small requests by address region.
+        #[test]
+        fn class_lists_stay_whole_in_address_order(ops in ops()) {
+            run_ops(FreeBlocks::address_ordered(1 << 32), ops)?;
         }
     }
 }

@@ -154,7 +154,8 @@ impl PoolShard {
     fn put_uncached(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
-            // The first small block: the cache's bins.
+            // The first small block: the cache's bins (with bins, `put` took the block).
+            debug_assert!(self.quick.is_empty());
             self.quick = vec![Vec::new(); QUICK_UNITS + 1];
             self.quick[units].push(addr);
             self.quick_bytes += size;
