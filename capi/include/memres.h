@@ -80,6 +80,8 @@ typedef struct memres_stats_t {
     int64_t allocations;           /* blocks ever allocated */
     int64_t out_of_memory;         /* memres_malloc calls that ran out of memory */
     uint64_t pool_peak_size;       /* most bytes held at once since build or reset_peak */
+    uint64_t pool_host_copy_bytes; /* host copies of pool contents: during an offload
+                                      sleep, and after its wake until memres_trim */
 } memres_stats_t;
 
 /* Chooses every device's stack; call before the first allocation. MEMRES_OK, or

@@ -97,6 +97,10 @@ pub struct memres_stats_t {
     /// The most bytes the pool held at once since the stack was built or
     /// `memres_reset_peak` (its size where it never changes: an arena).
     pub pool_peak_size: u64,
+    /// Host memory holding copies of the pools' contents: while a pool sleeps with
+    /// `MEMRES_SLEEP_OFFLOAD`, and after its wake until `memres_trim` (kept for the next
+    /// sleep). 0 for stacks that cannot sleep.
+    pub pool_host_copy_bytes: u64,
 }
 
 /// A failure on its way to C: a code and a message for `memres_last_error`.
@@ -525,11 +529,13 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
                         stats.pool_free_bytes,
                         stats.pool_largest_free_block,
                         stats.pool_peak_size,
+                        stats.pool_host_copy_bytes,
                     ) = (
                         pool.size,
                         pool.free,
                         pool.largest_free_block,
                         pool.peak_size,
+                        pool.host_copy_bytes,
                     );
                 }
             }

@@ -77,6 +77,8 @@ pub(crate) struct PoolFigures {
     pub(crate) free: u64,
     pub(crate) largest_free_block: u64,
     pub(crate) peak_size: u64,
+    /// Host copies of the pool's contents (a sleeping or woken in-place pool's).
+    pub(crate) host_copy_bytes: u64,
 }
 
 impl DeviceStack {
@@ -180,6 +182,7 @@ fn pool_figures(s: mr::suballoc::PoolStats) -> PoolFigures {
         free: s.free_bytes as u64,
         largest_free_block: s.largest_free_block as u64,
         peak_size: s.peak_pool_size as u64,
+        host_copy_bytes: s.host_copy_bytes as u64,
     }
 }
 
@@ -312,6 +315,7 @@ impl DeviceStack {
                     free: arena.free_bytes() as u64,
                     largest_free_block: 0,
                     peak_size: arena.size() as u64,
+                    host_copy_bytes: 0,
                 })
             }
             Some(PoolLayer::Async(pool)) => {
@@ -322,6 +326,7 @@ impl DeviceStack {
                     free: reserved.saturating_sub(used),
                     largest_free_block: 0,
                     peak_size: pool.reserved_peak_bytes()?,
+                    host_copy_bytes: 0,
                 })
             }
         };
@@ -335,6 +340,7 @@ impl DeviceStack {
                 free: s.free + t.free,
                 largest_free_block: s.largest_free_block.max(t.largest_free_block),
                 peak_size: s.peak_size + t.peak_size,
+                host_copy_bytes: s.host_copy_bytes + t.host_copy_bytes,
             })
         });
         Ok(Figures {

@@ -863,6 +863,10 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         ("allocations", offset_of!(memres_stats_t, allocations)),
         ("out_of_memory", offset_of!(memres_stats_t, out_of_memory)),
         ("pool_peak_size", offset_of!(memres_stats_t, pool_peak_size)),
+        (
+            "pool_host_copy_bytes",
+            offset_of!(memres_stats_t, pool_host_copy_bytes),
+        ),
     ];
     let mut c = String::from("#include <stddef.h>\n#include \"memres.h\"\n");
     c += &format!(
@@ -988,6 +992,12 @@ fn sleep_child() {
         let held = stats(0).pool_size;
         let offloaded = memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD);
         assert!(offloaded >= SIZE as i64, "{offloaded}: {}", last_error());
+        // The copies: the block's granules (the sleep gave back free ones uncopied).
+        let copies = stats(0).pool_host_copy_bytes;
+        assert!(
+            (SIZE as u64..=offloaded as u64).contains(&copies),
+            "{copies} B of copies, {offloaded} B given back"
+        );
         assert_eq!(
             memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD),
             i64::from(MEMRES_ERROR_INVALID_ARGUMENT),
@@ -1014,6 +1024,11 @@ fn sleep_child() {
             sys::CUresult::CUDA_SUCCESS
         );
         assert!(back == pattern, "the weights' bytes came back");
+        assert_eq!(
+            stats(0).pool_host_copy_bytes,
+            copies,
+            "kept for the next sleep"
+        );
         assert_eq!(memres_is_asleep(0, c("weights").as_ptr()), 0);
         assert_eq!(memres_wake(0, std::ptr::null()), discarded);
         assert_eq!(
@@ -1024,6 +1039,8 @@ fn sleep_child() {
         memres_free(weights, SIZE as isize, 0, std::ptr::null_mut());
         memres_free(untagged, SIZE as isize, 0, std::ptr::null_mut());
         assert_eq!(stats(0).live_bytes, 0, "{}", last_error());
+        assert_eq!(memres_trim(0), MEMRES_OK, "{}", last_error());
+        assert_eq!(stats(0).pool_host_copy_bytes, 0, "trim frees the copies");
 
         // A block shared with another process keeps its memory there: its pool may not
         // sleep until it is freed.

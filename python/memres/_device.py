@@ -42,9 +42,10 @@ def stats(device: int = 0) -> Dict[str, int]:
     ``allocated_bytes`` (ever), ``live_allocations``, ``peak_live_allocations``,
     ``allocations`` (ever) and ``out_of_memory`` (failed calls), counted exactly by the C
     ABI whatever the spec; the statistics keys when the stack has a statistics layer;
-    ``pool_size``, ``pool_free_bytes``, ``pool_largest_free_block`` and
-    ``pool_peak_size`` when it has a pool. All zero before the device's first
-    allocation."""
+    ``pool_size``, ``pool_free_bytes``, ``pool_largest_free_block``, ``pool_peak_size``
+    and ``pool_host_copy_bytes`` (host copies of the pools' contents: during an offload
+    sleep, and after its wake until ``empty_cache``) when it has a pool. All zero before
+    the device's first allocation."""
     out = Stats()
     check(lib().memres_stats(device, ctypes.byref(out)))
     figures = {
@@ -66,6 +67,7 @@ def stats(device: int = 0) -> Dict[str, int]:
         figures["pool_free_bytes"] = out.pool_free_bytes
         figures["pool_largest_free_block"] = out.pool_largest_free_block
         figures["pool_peak_size"] = out.pool_peak_size
+        figures["pool_host_copy_bytes"] = out.pool_host_copy_bytes
     return figures
 
 

@@ -51,6 +51,7 @@ class Stats(ctypes.Structure):
         ("allocations", ctypes.c_int64),
         ("out_of_memory", ctypes.c_int64),
         ("pool_peak_size", ctypes.c_uint64),
+        ("pool_host_copy_bytes", ctypes.c_uint64),
     ]
 
 

@@ -3,6 +3,7 @@ clean errors where a driver is needed. Run: python -m unittest discover -s pytho
 
 import os
 import pathlib
+import re
 import threading
 import unittest
 
@@ -39,6 +40,16 @@ class Package(unittest.TestCase):
             memres.configure("nonsense(")
         self.assertEqual(caught.exception.code, memres.ERROR_INVALID_ARGUMENT)
         self.assertIn("nonsense", str(caught.exception))
+
+    def test_the_stats_struct_has_the_headers_fields_in_order(self):
+        # The header installed with the package, else the repository's.
+        here = pathlib.Path(memres.__file__).parent / "memres.h"
+        repo = pathlib.Path(__file__).resolve().parents[2] / "capi" / "include" / "memres.h"
+        header = (here if here.is_file() else repo).read_text()
+        body = re.search(r"typedef struct memres_stats_t \{(.*?)\} memres_stats_t;", header, re.S)
+        self.assertIsNotNone(body)
+        fields = re.findall(r"^\s*u?int\d+_t (\w+);", body.group(1), re.M)
+        self.assertEqual(fields, [name for name, _ in memres._native.Stats._fields_])
 
     def test_stats_of_a_device_not_yet_used_are_zero(self):
         self.assertEqual(memres.stats(0), ZERO)
