@@ -26,9 +26,8 @@ pub(crate) struct AddrMap<V, const SPREAD: u32 = 1> {
 
 /// An [`AddrMap`] at most a quarter full, for maps on an allocation path that change
 /// with nearly every call (a free list's neighbour maps): a probe then nearly always ends
-/// at the first or second slot, so its branches are predicted. Measured on `random` over
-/// `Pool<HostHeap>` (`benches/workloads.rs`, 2-core VM): 40.8 -> 37.0 ns per op, branch
-/// mispredictions 2.71 M -> 2.24 M (callgrind `--branch-sim`). It costs twice the slots,
+/// at the first or second slot, so its branches are predicted (`random` over
+/// `Pool<HostHeap>`: `BENCHMARKS.md`, "Speed against RMM"). It costs twice the slots,
 /// 24 bytes each, which a free list's few hundred to few thousand blocks afford; maps of
 /// live blocks (`Tracking`), which can hold millions, stay half full.
 pub(crate) type SparseAddrMap<V> = AddrMap<V, 2>;

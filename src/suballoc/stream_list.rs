@@ -104,8 +104,7 @@ impl PoolShard {
     ///
     /// The cache's pop is inlined into the callers and the rest is a call of its own
     /// ([`take_uncached`](Self::take_uncached)), as in [`put`](Self::put): the fast path
-    /// then saves and restores few registers (callgrind, `pair-256B` over
-    /// `Pool<HostHeap>`: 212 instructions per allocate and free before).
+    /// then saves and restores few registers (`BENCHMARKS.md`, "Speed against RMM").
     #[inline(always)]
     pub(super) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
         let units = size / GRANULE;
