@@ -403,16 +403,14 @@ impl FreeBlocks {
         self.groups_in_use = (self.groups_in_use & !(1 << group)) | in_use << group;
     }
 
-    /// Makes the class sentinels (each list empty: the sentinel linked to itself).
+    /// Makes the class sentinels (each list empty: the sentinel linked to itself). The
+    /// lists go only with the nodes (`drain`, `release_memory`), so there are none yet.
     #[cold]
     fn make_lists(&mut self) {
+        debug_assert!(self.nodes.is_empty());
         self.lists.clear(); // keeps the capacity a drained list had
         self.lists
             .extend((0..CLASSES as u32).map(|c| Link { prev: c, next: c }));
-        self.lists.resize(
-            entry(self.nodes.len() as u32) as usize,
-            Link { prev: 0, next: 0 },
-        );
     }
 
     fn link(&mut self, block: FreeBlock) {
