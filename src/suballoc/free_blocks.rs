@@ -24,6 +24,8 @@ const OWN_CLASS_SCAN: usize = 8;
 /// address region ([`Regions`]).
 const LOW_FIRST_UNITS: usize = 2048;
 
+use std::num::NonZeroU32;
+
 use crate::addr_map::SparseAddrMap;
 
 /// One free block, as stored.
@@ -41,6 +43,26 @@ pub(crate) struct FreeBlock {
 struct Link {
     prev: u32,
     next: u32,
+}
+
+/// Node `i` as the neighbour maps hold it: never zero, so that a map slot (an address
+/// and an optional node) is 16 bytes, not 24, and four share a cache line.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct NodeRef(NonZeroU32);
+
+const _: () = assert!(size_of::<Option<(usize, NodeRef)>>() == 16);
+
+impl NodeRef {
+    #[inline]
+    fn of(i: u32) -> NodeRef {
+        // `i` is below 2^32 - CLASSES (checked where nodes are made): no saturation.
+        NodeRef(NonZeroU32::MIN.saturating_add(i))
+    }
+
+    #[inline]
+    fn index(self) -> u32 {
+        self.0.get() - 1
+    }
 }
 
 /// The entry of node `i` in [`FreeBlocks::lists`].
@@ -65,13 +87,22 @@ pub(crate) struct FreeBlocks {
     groups_in_use: u64,
     /// Per group, bit `c` is set when class `16 g + c` is non-empty.
     classes_in_use: [u16; GROUPS],
-    by_start: SparseAddrMap<u32>,
-    by_end: SparseAddrMap<u32>,
+    by_start: SparseAddrMap<NodeRef>,
+    by_end: SparseAddrMap<NodeRef>,
     /// Blocks by address region, in a list made
     /// [`address_ordered`](FreeBlocks::address_ordered); node `i`'s links in `links[i]`.
     regions: Option<Box<Regions>>,
     links: Vec<Links>,
     bytes: usize,
+}
+
+/// `addr` rounded up to `align`, a power of two (a mask: `next_multiple_of` divides,
+/// which on the allocation path cost more than the rest of the arithmetic); `None` past
+/// the top of the address space.
+#[inline]
+fn align_up(addr: usize, align: usize) -> Option<usize> {
+    debug_assert!(align.is_power_of_two());
+    Some(addr.checked_add(align - 1)? & !(align - 1))
 }
 
 /// The class that holds blocks of `units` granules (`units >= 1`).
@@ -144,17 +175,23 @@ impl FreeBlocks {
 
     /// Every free block, in no particular order.
     pub(crate) fn blocks(&self) -> impl Iterator<Item = FreeBlock> + '_ {
-        self.by_start.values().map(|&i| self.nodes[i as usize])
+        self.by_start
+            .values()
+            .map(|i| self.nodes[i.index() as usize])
     }
 
     /// The free block that begins at `addr`, if any.
     pub(crate) fn starting_at(&self, addr: usize) -> Option<FreeBlock> {
-        self.by_start.get(&addr).map(|&i| self.nodes[i as usize])
+        self.by_start
+            .get(&addr)
+            .map(|i| self.nodes[i.index() as usize])
     }
 
     /// The free block that ends at `addr`, if any.
     pub(crate) fn ending_at(&self, addr: usize) -> Option<FreeBlock> {
-        self.by_end.get(&addr).map(|&i| self.nodes[i as usize])
+        self.by_end
+            .get(&addr)
+            .map(|i| self.nodes[i.index() as usize])
     }
 
     /// Takes every block out of the list, in no particular order.
@@ -193,35 +230,41 @@ impl FreeBlocks {
 
     /// Removes the block that begins at `addr` (which must be in the list).
     pub(crate) fn remove_starting_at(&mut self, addr: usize) -> Option<FreeBlock> {
-        let i = *self.by_start.get(&addr)?;
+        let i = self.by_start.get(&addr)?.index();
         let block = self.nodes[i as usize];
         self.unlink(i);
         Some(block)
     }
 
     /// Adds a free block, merging it with free neighbours of the same chunk; returns the
-    /// merged block. A neighbour's node is reused for the merged block, so a merge costs
-    /// two map updates, not six.
+    /// merged block. A neighbour's node is reused for the merged block, and a neighbour's
+    /// map entry is removed where its lookup found it (no second probe): a merge with one
+    /// neighbour moves one key, a merge with both removes two and renames one.
     pub(crate) fn insert(&mut self, block: FreeBlock) -> FreeBlock {
         let end = block.addr + block.size;
         let before = if block.starts_chunk {
             None
         } else {
-            self.by_end.get(&block.addr).copied()
+            self.by_end
+                .find_slot(block.addr)
+                .map(|(s, i)| (s, i.index()))
         };
         let after = self
             .by_start
-            .get(&end)
-            .copied()
-            .filter(|&i| !self.nodes[i as usize].starts_chunk);
+            .find_slot(end)
+            .map(|(s, i)| (s, i.index()))
+            .filter(|&(_, i)| !self.nodes[i as usize].starts_chunk);
         match (before, after) {
             (None, None) => {
                 self.link(block);
                 block
             }
-            (Some(b), None) => {
+            (Some((slot, b)), None) => {
+                // The block before grows to this one's end.
+                self.by_end.remove_at(slot);
+                self.by_end.insert(end, NodeRef::of(b));
                 let prev = self.nodes[b as usize];
-                self.resize(
+                self.set_extent(
                     b,
                     FreeBlock {
                         size: end - prev.addr,
@@ -229,9 +272,12 @@ impl FreeBlocks {
                     },
                 )
             }
-            (None, Some(a)) => {
+            (None, Some((slot, a))) => {
+                // The block after grows down to this one's start.
+                self.by_start.remove_at(slot);
+                self.by_start.insert(block.addr, NodeRef::of(a));
                 let next = self.nodes[a as usize];
-                self.resize(
+                self.set_extent(
                     a,
                     FreeBlock {
                         size: next.addr + next.size - block.addr,
@@ -239,14 +285,20 @@ impl FreeBlocks {
                     },
                 )
             }
-            (Some(b), Some(a)) => {
+            (Some((end_slot, b)), Some((start_slot, a))) => {
+                // The block before takes this one and the one after, whose node goes; the
+                // end key of the one after now names the one before.
                 let next = self.nodes[a as usize];
-                self.unlink(a);
+                let next_end = next.addr + next.size;
+                self.by_start.remove_at(start_slot);
+                self.by_end.remove_at(end_slot);
+                self.by_end.insert(next_end, NodeRef::of(b));
+                self.forget(a);
                 let prev = self.nodes[b as usize];
-                self.resize(
+                self.set_extent(
                     b,
                     FreeBlock {
-                        size: next.addr + next.size - prev.addr,
+                        size: next_end - prev.addr,
                         ..prev
                     },
                 )
@@ -263,7 +315,9 @@ impl FreeBlocks {
             Some(regions) if units < LOW_FIRST_UNITS => {
                 let fits = |i: u32| {
                     let b = self.nodes[i as usize];
-                    b.addr.next_multiple_of(align) + size <= b.addr + b.size
+                    align_up(b.addr, align)
+                        .and_then(|a| a.checked_add(size))
+                        .is_some_and(|end| end <= b.addr + b.size)
                 };
                 regions.find(&self.links, units, OWN_CLASS_SCAN, fits)
             }
@@ -274,7 +328,9 @@ impl FreeBlocks {
             None => self.find(units)?,
         };
         let block = self.nodes[i as usize];
-        let addr = block.addr.next_multiple_of(align);
+        // The block holds `need` bytes, so its aligned start (at most `align - GRANULE`
+        // past its start) is inside it.
+        let addr = align_up(block.addr, align)?;
         let front = addr - block.addr;
         let back = block.size - front - size;
         if back > 0 {
@@ -352,12 +408,19 @@ impl FreeBlocks {
         let (old_end, new_end) = (old.addr + old.size, new.addr + new.size);
         if old.addr != new.addr {
             self.by_start.remove(&old.addr);
-            self.by_start.insert(new.addr, i);
+            self.by_start.insert(new.addr, NodeRef::of(i));
         }
         if old_end != new_end {
             self.by_end.remove(&old_end);
-            self.by_end.insert(new_end, i);
+            self.by_end.insert(new_end, NodeRef::of(i));
         }
+        self.set_extent(i, new)
+    }
+
+    /// [`resize`](Self::resize) past the maps (which the caller has updated): the class
+    /// list, the address regions, the node and the byte count.
+    fn set_extent(&mut self, i: u32, new: FreeBlock) -> FreeBlock {
+        let old = self.nodes[i as usize];
         let (from, to) = (class_of(old.size / GRANULE), class_of(new.size / GRANULE));
         if from != to {
             self.list_remove(i, from);
@@ -434,8 +497,8 @@ impl FreeBlocks {
             }
         };
         self.list_push(i, class_of(block.size / GRANULE));
-        self.by_start.insert(block.addr, i);
-        self.by_end.insert(block.addr + block.size, i);
+        self.by_start.insert(block.addr, NodeRef::of(i));
+        self.by_end.insert(block.addr + block.size, NodeRef::of(i));
         if let Some(r) = &mut self.regions {
             r.link(&mut self.links, i, block.addr, block.size);
         }
@@ -444,9 +507,16 @@ impl FreeBlocks {
 
     fn unlink(&mut self, i: u32) {
         let block = self.nodes[i as usize];
-        self.list_remove(i, class_of(block.size / GRANULE));
         self.by_start.remove(&block.addr);
         self.by_end.remove(&(block.addr + block.size));
+        self.forget(i);
+    }
+
+    /// [`unlink`](Self::unlink) past the maps (which the caller has updated): node `i`
+    /// leaves its class list and regions, and becomes spare.
+    fn forget(&mut self, i: u32) {
+        let block = self.nodes[i as usize];
+        self.list_remove(i, class_of(block.size / GRANULE));
         if let Some(r) = &mut self.regions {
             r.unlink(&mut self.links, i, block.addr, block.size);
         }
@@ -560,7 +630,9 @@ mod tests {
                     assert_eq!(self.lists[at as usize].prev, prev, "class {class}");
                     let i = (at - CLASSES as u32) as usize;
                     assert_eq!(class_of(self.nodes[i].size / GRANULE), class);
-                    assert_eq!(self.by_start.get(&self.nodes[i].addr), Some(&(i as u32)));
+                    let (b, node) = (self.nodes[i], Some(&NodeRef::of(i as u32)));
+                    assert_eq!(self.by_start.get(&b.addr), node);
+                    assert_eq!(self.by_end.get(&(b.addr + b.size)), node);
                     (prev, at) = (at, self.lists[at as usize].next);
                     n += 1;
                 }
@@ -576,6 +648,7 @@ mod tests {
                 assert_eq!(bit, self.classes_in_use[group] != 0, "group {group}");
             }
             assert_eq!(listed, self.len());
+            assert_eq!(self.by_end.len(), self.len());
         }
     }
 

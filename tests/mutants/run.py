@@ -79,6 +79,9 @@ MUTATIONS = [
      "        self.classes_in_use[group] &= !(empty << (class % LINEAR));", "        let _ = empty;"),
     ("free lists: a removed block's successor keeps its old link", "src/suballoc/free_blocks.rs",
      "        self.lists[next as usize].prev = prev;", "        let _ = prev;"),
+    ("free lists: a merge with both neighbours leaves the end key naming the one after",
+     "src/suballoc/free_blocks.rs",
+     "                self.by_end.insert(next_end, NodeRef::of(b));", "                let _ = next_end;"),
 ]
 
 
