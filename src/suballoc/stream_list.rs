@@ -173,6 +173,7 @@ impl PoolShard {
         }
     }
 
+    #[inline]
     pub(super) fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
         let starts_chunk = self.chunk_at(addr).is_some();
         self.free.insert(FreeBlock {

@@ -52,6 +52,7 @@ impl<T> Takeable<T> {
         /// use's writes), also if the use unwinds, so that no taker waits forever.
         struct Done<'a>(&'a AtomicBool);
         impl Drop for Done<'_> {
+            #[inline]
             fn drop(&mut self) {
                 self.0.store(false, Ordering::Release);
             }
