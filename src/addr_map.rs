@@ -31,9 +31,10 @@ pub(crate) struct AddrMap<V, const SPREAD: u32 = 1> {
 /// An [`AddrMap`] at most a quarter full, for maps on an allocation path that change
 /// with nearly every call (a free list's neighbour maps): a probe then nearly always ends
 /// at the first or second slot, so its branches are predicted (`random` over
-/// `Pool<HostHeap>`: `BENCHMARKS.md`, "Speed against RMM"). It costs twice the slots,
-/// 24 bytes each, which a free list's few hundred to few thousand blocks afford; maps of
-/// live blocks (`Tracking`), which can hold millions, stay half full.
+/// `Pool<HostHeap>`: `BENCHMARKS.md`, "Speed against RMM"). It costs twice the slots (16
+/// bytes each for a free list's node numbers), which a free list's few hundred to few
+/// thousand blocks afford; maps of live blocks (`Tracking`), which can hold millions, stay
+/// half full.
 pub(crate) type SparseAddrMap<V> = AddrMap<V, 2>;
 
 impl<V, const SPREAD: u32> Default for AddrMap<V, SPREAD> {

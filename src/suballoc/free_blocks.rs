@@ -55,6 +55,7 @@ const _: () = assert!(size_of::<Option<(usize, NodeRef)>>() == 16);
 impl NodeRef {
     #[inline]
     fn of(i: u32) -> NodeRef {
+        debug_assert!(i < u32::MAX);
         // `i` is below 2^32 - CLASSES (checked where nodes are made): no saturation.
         NodeRef(NonZeroU32::MIN.saturating_add(i))
     }
@@ -261,7 +262,8 @@ impl FreeBlocks {
             }
             (Some((slot, b)), None) => {
                 // The block before grows to this one's end.
-                self.by_end.remove_at(slot);
+                let gone = self.by_end.remove_at(slot);
+                debug_assert_eq!(gone, Some(NodeRef::of(b)));
                 self.by_end.insert(end, NodeRef::of(b));
                 let prev = self.nodes[b as usize];
                 self.set_extent(
@@ -274,7 +276,8 @@ impl FreeBlocks {
             }
             (None, Some((slot, a))) => {
                 // The block after grows down to this one's start.
-                self.by_start.remove_at(slot);
+                let gone = self.by_start.remove_at(slot);
+                debug_assert_eq!(gone, Some(NodeRef::of(a)));
                 self.by_start.insert(block.addr, NodeRef::of(a));
                 let next = self.nodes[a as usize];
                 self.set_extent(
@@ -290,8 +293,11 @@ impl FreeBlocks {
                 // end key of the one after now names the one before.
                 let next = self.nodes[a as usize];
                 let next_end = next.addr + next.size;
-                self.by_start.remove_at(start_slot);
-                self.by_end.remove_at(end_slot);
+                let gone = (
+                    self.by_start.remove_at(start_slot),
+                    self.by_end.remove_at(end_slot),
+                );
+                debug_assert_eq!(gone, (Some(NodeRef::of(a)), Some(NodeRef::of(b))));
                 self.by_end.insert(next_end, NodeRef::of(b));
                 self.forget(a);
                 let prev = self.nodes[b as usize];
@@ -328,8 +334,8 @@ impl FreeBlocks {
             None => self.find(units)?,
         };
         let block = self.nodes[i as usize];
-        // The block holds `need` bytes, so its aligned start (at most `align - GRANULE`
-        // past its start) is inside it.
+        // The block fits the aligned request (`fits` rounded the same start, or the block
+        // holds `need` bytes), so this rounding stays inside it and does not fail.
         let addr = align_up(block.addr, align)?;
         let front = addr - block.addr;
         let back = block.size - front - size;
@@ -513,7 +519,8 @@ impl FreeBlocks {
     }
 
     /// [`unlink`](Self::unlink) past the maps (which the caller has updated): node `i`
-    /// leaves its class list and regions, and becomes spare.
+    /// leaves its class list and regions, its bytes leave the count, and it becomes
+    /// spare.
     fn forget(&mut self, i: u32) {
         let block = self.nodes[i as usize];
         self.list_remove(i, class_of(block.size / GRANULE));
