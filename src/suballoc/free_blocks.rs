@@ -340,11 +340,15 @@ impl FreeBlocks {
         let front = addr - block.addr;
         let back = block.size - front - size;
         if back > 0 {
-            // The node lives on as the back remainder (same end, so one map update).
-            self.resize(
+            // The node lives on as the back remainder: same end, so only its start key
+            // moves.
+            let rest = addr + size;
+            self.by_start.remove(&block.addr);
+            self.by_start.insert(rest, NodeRef::of(i));
+            self.set_extent(
                 i,
                 FreeBlock {
-                    addr: addr + size,
+                    addr: rest,
                     size: back,
                     starts_chunk: false,
                 },
@@ -407,24 +411,9 @@ impl FreeBlocks {
         Some(self.lists[class].next - CLASSES as u32)
     }
 
-    /// Gives node `i` a new extent, updating only the maps whose key changed and moving
-    /// it to another class list only when its class changed; returns the new block.
-    fn resize(&mut self, i: u32, new: FreeBlock) -> FreeBlock {
-        let old = self.nodes[i as usize];
-        let (old_end, new_end) = (old.addr + old.size, new.addr + new.size);
-        if old.addr != new.addr {
-            self.by_start.remove(&old.addr);
-            self.by_start.insert(new.addr, NodeRef::of(i));
-        }
-        if old_end != new_end {
-            self.by_end.remove(&old_end);
-            self.by_end.insert(new_end, NodeRef::of(i));
-        }
-        self.set_extent(i, new)
-    }
-
-    /// [`resize`](Self::resize) past the maps (which the caller has updated): the class
-    /// list, the address regions, the node and the byte count.
+    /// Gives node `i` a new extent past the maps (which the caller has updated): moves it
+    /// to another class list only when its class changed, and updates the address
+    /// regions, the node and the byte count; returns the new block.
     fn set_extent(&mut self, i: u32, new: FreeBlock) -> FreeBlock {
         let old = self.nodes[i as usize];
         let (from, to) = (class_of(old.size / GRANULE), class_of(new.size / GRANULE));
