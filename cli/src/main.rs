@@ -179,7 +179,20 @@ fn gpu_present() -> bool {
     memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0
 }
 
+/// A closed standard output (`memres replay LOG | head -1`) ends the command as it ends
+/// `cat`: quietly, by SIGPIPE (exit status 141 in a shell), never a panic. Rust's
+/// runtime ignores the signal, which turns the next `println!` into a panic.
+fn end_quietly_on_a_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to its default, before any thread starts;
+    // no handler runs Rust code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
+    end_quietly_on_a_closed_pipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => run_replay(args),
@@ -190,7 +203,7 @@ fn main() -> ExitCode {
                 stats::report(&log.display().to_string(), &events, &plan)
             );
         }),
-        Command::Plot { log, output } => plot::check_writable(&output)
+        Command::Plot { log, output } => plot::check_writable(&output, &log)
             .and_then(|()| read_log(&log))
             .and_then(|events| {
                 let plan = Plan::new(&events);
@@ -245,7 +258,7 @@ fn title(log: &Path) -> String {
 
 fn run_replay(args: ReplayArgs) -> Result<(), String> {
     if let Some(out) = &args.plot {
-        plot::check_writable(out)?;
+        plot::check_writable(out, &args.log)?;
     }
     let options = Options {
         initial_size: args.initial_size,

@@ -29,12 +29,58 @@ const COLORS: [RGBColor; 8] = [
 const MAX_POINTS: usize = 4000;
 
 /// Fails at once, naming the path, where the plot could not be written later (a missing
-/// folder, no permission): checked before a long replay rather than after it. Creates
-/// the file (empty until the plot is written).
-pub fn check_writable(out: &Path) -> Result<(), String> {
-    std::fs::File::create(out)
-        .map(drop)
-        .map_err(|e| format!("{}: {e}", out.display()))
+/// folder, a folder in its place, the log itself): checked before a long replay rather
+/// than after it. Opens nothing: the plot is written only once the log has been read
+/// whole, and never over the log.
+pub fn check_writable(out: &Path, log: &Path) -> Result<(), String> {
+    let named = |what: &str| format!("{}: {what}", out.display());
+    if same_file(out, log) {
+        return Err(named(
+            "is the log being read; the plot would replace it: give another output file",
+        ));
+    }
+    match std::fs::metadata(out) {
+        Ok(m) if m.is_dir() => Err(named("is a folder; give a file name for the SVG")),
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let folder = out
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            match std::fs::metadata(folder) {
+                Ok(m) if m.is_dir() => Ok(()),
+                Ok(_) => Err(named(&format!("{} is not a folder", folder.display()))),
+                Err(e) => Err(named(&format!("{}: {e}", folder.display()))),
+            }
+        }
+        Err(e) => Err(named(&e.to_string())),
+    }
+}
+
+/// Whether `a` and `b` name one file (through links or other spellings too).
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        #[cfg(unix)]
+        (Ok(a), Ok(b)) => {
+            use std::os::unix::fs::MetadataExt;
+            (a.dev(), a.ino()) == (b.dev(), b.ino())
+        }
+        #[cfg(not(unix))]
+        (Ok(_), Ok(_)) => a.canonicalize().ok() == b.canonicalize().ok(),
+        _ => false,
+    }
+}
+
+/// Writes `text` to `out` through a file beside it renamed over `out` when whole: a
+/// failure part way leaves what `out` held before.
+fn replace_file(out: &Path, text: &str) -> Result<(), String> {
+    let name = out.file_name().unwrap_or_default().to_string_lossy();
+    let part = out.with_file_name(format!(".{name}.memres-part"));
+    let written = std::fs::write(&part, text).and_then(|()| std::fs::rename(&part, out));
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&part);
+        format!("writing the plot {}: {e}", out.display())
+    })
 }
 
 /// Writes the plot of `plan` (and `replays`: stack name and outcome) to `out`.
@@ -102,7 +148,8 @@ pub fn write(
     .unwrap_or(("B", 1));
     let scale = scale as f64;
     let fail = |e: &dyn std::fmt::Display| format!("writing the plot {}: {e}", out.display());
-    let root = SVGBackend::new(out, (1000, 600)).into_drawing_area();
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, (1000, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -136,5 +183,7 @@ pub fn write(
         .draw()
         .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    replace_file(out, &svg)
 }

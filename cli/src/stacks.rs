@@ -8,10 +8,11 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use memres::adaptor::{Counter, ExactCounter, StatisticsSnapshot};
+use memres::device::DeviceId;
 use memres::property::Contains;
 use memres::spec::{Built, Spec, Target};
 use memres::suballoc::PoolStats;
-use memres::upstream::{Backend, CudaAsync, Managed, PinnedHost, Virtual};
+use memres::upstream::{Backend, CudaAsync, CudaAsyncConfig, Managed, PinnedHost, Virtual};
 use memres::{AnyResource, Error, HostHeap, Resource, StreamRef, SyncResource};
 
 /// Where the memory comes from.
@@ -66,59 +67,81 @@ fn excerpt(text: &str) -> String {
     }
 }
 
+/// A message shown whole up to 600 characters; past that its first and last 300,
+/// with what was left out counted between them (a spec parser's message quotes the
+/// spec, and the reason is often at its end).
+pub fn bounded(message: &str) -> String {
+    const HALF: usize = 300;
+    let chars = message.chars().count();
+    if chars <= 2 * HALF {
+        return message.to_owned();
+    }
+    let head: String = message.chars().take(HALF).collect();
+    let tail: String = message.chars().skip(chars - HALF).collect();
+    let left_out = message.len() - head.len() - tail.len();
+    format!("{head} ... ({left_out} bytes left out) ... {tail}")
+}
+
 impl StackName {
-    /// A name of [`NAMES`] (the stack with the command line's `options`).
+    /// A name of [`NAMES`] (the stack with the command line's `options`). An option
+    /// that breaks the spec form's rules is an error in that form's words.
     pub fn parse(text: &str, options: &Options) -> Result<StackName, String> {
-        let name = text.trim().to_ascii_lowercase();
-        let (host, base) = match name.strip_prefix("host-") {
-            Some(base) => (true, base.to_owned()),
-            None if name == "host" => (true, "cuda".to_owned()),
-            None => (false, name.clone()),
-        };
-        // The spellings of earlier versions: taken, with a note naming the spec's.
-        let base = match base.as_str() {
-            old @ ("virtual-pool" | "cuda-async" | "fixed") => {
-                let spec = match old {
-                    "fixed" => "fixed_size".to_owned(),
-                    _ => old.replace('-', "_"),
-                };
-                eprintln!("memres: note: {old:?} is spelled {spec:?} now, as in spec strings");
-                spec
-            }
-            _ => base,
-        };
-        let unknown = || {
-            format!(
+        let Some((name, host, base)) = Self::known(text) else {
+            return Err(format!(
                 "unknown resource {:?} (expected one of {NAMES})",
                 excerpt(text)
-            )
+            ));
         };
-        let spec = match base.as_str() {
-            "pool" | "virtual_pool" | "arena" | "binning" | "fixed_size" | "cuda" => {
-                Spec::parse(&base).map_err(|_| unknown())?
-            }
-            "cuda_async" | "managed" if !host => Spec::parse(&base).map_err(|_| unknown())?,
-            _ => return Err(unknown()),
-        };
-        let mut spec = spec;
-        options.apply(&mut spec, true);
+        if let Some(old) = ["virtual-pool", "cuda-async", "fixed"]
+            .into_iter()
+            .find(|old| name.ends_with(old))
+        {
+            eprintln!("memres: note: {old:?} is spelled {base:?} now, as in spec strings");
+        }
+        let mut spec = Spec::parse(&base).map_err(|e| e.to_string())?;
+        options.apply(&mut spec, true)?;
         Ok(StackName { name, spec, host })
     }
 
+    /// The name (lower case), whether it is a host variant, and its spec word, where
+    /// `text` is one of [`NAMES`] (or an earlier spelling of one).
+    fn known(text: &str) -> Option<(String, bool, String)> {
+        let name = text.trim().to_ascii_lowercase();
+        let (host, base) = match name.strip_prefix("host-") {
+            Some(base) => (true, base),
+            None if name == "host" => (true, "cuda"),
+            None => (false, name.as_str()),
+        };
+        // The spellings of earlier versions are taken (`parse` notes the new one).
+        let base = match base {
+            "fixed" => "fixed_size",
+            "virtual-pool" => "virtual_pool",
+            "cuda-async" => "cuda_async",
+            other => other,
+        };
+        let known = match base {
+            "pool" | "virtual_pool" | "arena" | "binning" | "fixed_size" | "cuda" => true,
+            "cuda_async" | "managed" => !host,
+            _ => false,
+        };
+        let base = base.to_owned();
+        known.then_some((name, host, base))
+    }
+
     /// A name of [`NAMES`], else a spec string: the command line's `options` fill what
-    /// the spec leaves to its default.
+    /// the spec leaves to its default. Errors are shown whole ([`bounded`]).
     pub fn parse_with(text: &str, options: &Options) -> Result<StackName, String> {
-        if let Ok(name) = StackName::parse(text, options) {
-            return Ok(name);
+        if Self::known(text).is_some() {
+            return StackName::parse(text, options);
         }
         let mut spec = Spec::parse(text).map_err(|e| {
             format!(
-                "unknown resource {:?}: neither one of {NAMES} nor a spec string ({})",
+                "unknown resource {:?}: not one of {NAMES}, and not a spec string: {}",
                 excerpt(text),
-                excerpt(&e.to_string())
+                bounded(e.message())
             )
         })?;
-        options.apply(&mut spec, false);
+        options.apply(&mut spec, false)?;
         Ok(StackName {
             name: text.trim().to_owned(),
             spec,
@@ -154,11 +177,22 @@ impl Default for Options {
 
 impl Options {
     /// Puts the options into `spec`'s base where it leaves them to their defaults; a
-    /// plain `name`'s bins and block size too (a spec string's are its own). Two options
-    /// of spec strings do not apply to a replay: `virtual_pool`'s `reserve=` (a replay
-    /// reserves what its memory source has) and `cuda_async`'s sizes (the replay's driver
-    /// pool keeps its defaults).
-    fn apply(&self, spec: &mut Spec, name: bool) {
+    /// plain `name`'s bins and block size too (a spec string's are its own), checked by
+    /// the spec form's rules (`--bin-min 40 --bin-max 2` is refused as
+    /// `binning:min=40,max=2` is). One option of spec strings does not apply to a
+    /// replay: `virtual_pool`'s `reserve=` (a replay reserves what its memory source has).
+    fn apply(&self, spec: &mut Spec, name: bool) -> Result<(), String> {
+        if name && matches!(spec.base_mut(), Spec::Binning { .. }) {
+            let text = format!("binning:min={},max={}", self.bin_min, self.bin_max);
+            *spec.base_mut() = Spec::parse(&text).map_err(|e| {
+                format!(
+                    "--bin-min {} --bin-max {}: {}",
+                    self.bin_min,
+                    self.bin_max,
+                    e.message()
+                )
+            })?;
+        }
         match spec.base_mut() {
             Spec::Pool { initial, max, .. } | Spec::VirtualPool { initial, max, .. } => {
                 initial.get_or_insert(self.initial_size);
@@ -167,10 +201,10 @@ impl Options {
                 }
             }
             Spec::Arena { size } if size.is_none() => *size = self.arena_size,
-            Spec::Binning { min, max } if name => (*min, *max) = (self.bin_min, self.bin_max),
             Spec::FixedSize { block, .. } if name => *block = self.fixed_block,
             _ => {}
         }
+        Ok(())
     }
 }
 
@@ -341,11 +375,21 @@ where
         Ok(self.arena_size)
     }
 
-    fn driver_pool(&mut self, _: Option<usize>, _: Option<u64>) -> Result<AnyResource<()>, Error> {
+    /// The driver's pool on device 0 with the spec's `initial=` and `release=`.
+    fn driver_pool(
+        &mut self,
+        initial: Option<usize>,
+        release_threshold: Option<u64>,
+    ) -> Result<AnyResource<()>, Error> {
         if !self.gpu {
             return Err(Error::unsupported("cuda_async without a GPU"));
         }
-        Ok(self.counted(CudaAsync::new()?))
+        let config = CudaAsyncConfig {
+            initial_size: initial,
+            release_threshold,
+            ..CudaAsyncConfig::default()
+        };
+        Ok(self.counted(CudaAsync::on(DeviceId::new(0), config)?))
     }
 
     fn managed(&mut self) -> Result<AnyResource<()>, Error> {

@@ -343,7 +343,7 @@ fn spec_strings_compose_stacks_as_the_c_abi_does() {
     row(&out, "arena");
     let err = fails(&["replay", log.to_str().unwrap(), "-r", "statistics(pooll)"]);
     assert!(
-        err.contains("nor a spec string") && err.contains("unknown resource \"pooll\""),
+        err.contains("not a spec string") && err.contains("unknown resource \"pooll\""),
         "{err}"
     );
 }
@@ -561,4 +561,165 @@ fn a_replay_larger_than_the_device_completes_through_a_fallback() {
         !tiers.contains("the next 0 "),
         "the next tier served some: {tiers}"
     );
+}
+
+/// A scratch folder of this test's own under the target folder.
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn a_plot_over_its_own_log_is_refused_and_the_log_kept() {
+    let dir = scratch("plot-over-log");
+    let original = std::fs::read(sample("training.csv.gz")).unwrap();
+    let log = dir.join("run.csv.gz");
+    std::fs::write(&log, &original).unwrap();
+    let link = dir.join("link.csv.gz");
+    std::os::unix::fs::symlink(&log, &link).unwrap();
+    let (log, link) = (log.to_str().unwrap(), link.to_str().unwrap());
+    for args in [
+        vec!["plot", log, "-o", log],
+        vec!["plot", log, "-o", link],
+        vec!["replay", log, "--plot", log],
+        vec!["replay", log, "-r", "host-pool", "--plot", link],
+    ] {
+        let err = fails(&args);
+        assert!(err.contains("is the log being read"), "{args:?}: {err}");
+        assert_eq!(
+            std::fs::read(log).unwrap(),
+            original,
+            "{args:?} changed the log"
+        );
+    }
+    // An existing plot is replaced only when the new one is whole.
+    let svg = dir.join("memory.svg");
+    std::fs::write(&svg, "old").unwrap();
+    ok(&["plot", log, "-o", svg.to_str().unwrap()]);
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    let names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 3, "no part file is left: {names:?}");
+}
+
+/// `memres ... | head -1`: the reader goes away after one line.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let bin = std::env::var_os("MEMRES_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_memres")),
+        PathBuf::from,
+    );
+    let log = sample("training.csv.gz");
+    let log = log.to_str().unwrap();
+    for args in [
+        vec![
+            "replay",
+            log,
+            "--compare",
+            "host-pool,host-arena,host-binning",
+        ],
+        vec!["bench", "--scale", "1000", "--stacks", "pool"],
+    ] {
+        let mut child = Command::new(&bin)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        assert!(!first.is_empty(), "{args:?} printed nothing");
+        // The reading end is closed here: later lines meet a broken pipe.
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            out.status.success() || out.status.signal() == Some(libc_sigpipe()),
+            "{args:?} ended with {:?}: {stderr}",
+            out.status
+        );
+    }
+}
+
+/// SIGPIPE's number on Linux (and every other unix memres builds on).
+fn libc_sigpipe() -> i32 {
+    13
+}
+
+#[test]
+fn endless_lines_are_errors_naming_the_line_with_a_short_quote() {
+    let dir = scratch("endless-lines");
+    // A 4 MiB line of NUL bytes after the header: refused at 1 MiB.
+    let nul = dir.join("nul.csv");
+    let mut text = b"Thread,Time,Action,Pointer,Size,Stream\n".to_vec();
+    text.resize(text.len() + (4 << 20), 0);
+    std::fs::write(&nul, &text).unwrap();
+    let err = fails(&["stats", nul.to_str().unwrap()]);
+    assert!(err.contains("log line 2: longer than 1 MiB"), "{err}");
+    assert!(err.len() < 1_000, "the error echoes {} bytes", err.len());
+    // A long malformed line under the limit: quoted in part, with its size.
+    let long = dir.join("long.csv");
+    let row = format!(
+        "Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000001,allocate,0x10,{},0\n",
+        "9".repeat(100_000)
+    );
+    std::fs::write(&long, row).unwrap();
+    let err = fails(&["stats", long.to_str().unwrap()]);
+    assert!(err.contains("log line 2: bad size"), "{err}");
+    assert!(err.contains("(100000 bytes in all)"), "{err}");
+    assert!(err.len() < 1_000, "the error echoes {} bytes", err.len());
+}
+
+#[test]
+fn bin_options_follow_the_spec_forms_rules() {
+    let log = data("known.csv");
+    let log = log.to_str().unwrap();
+    for (min, max, says) in [
+        ("40", "2", "min=40 is above max=2"),
+        ("10", "64", "a bin size is a power-of-two exponent below 48"),
+    ] {
+        let err = fails(&[
+            "replay",
+            log,
+            "-r",
+            "binning",
+            "--bin-min",
+            min,
+            "--bin-max",
+            max,
+        ]);
+        assert!(
+            err.contains(&format!("--bin-min {min} --bin-max {max}")),
+            "{err}"
+        );
+        assert!(err.contains(says), "{err}");
+        assert!(!err.contains("out of memory"), "{err}");
+    }
+}
+
+#[test]
+fn spec_errors_are_shown_whole() {
+    let log = data("known.csv");
+    let log = log.to_str().unwrap();
+    // Only an option is wrong: the error says which, not "unknown resource".
+    let err = fails(&["replay", log, "-r", "statistics(pool:initial=lots)"]);
+    assert!(err.contains("initial"), "{err}");
+    assert!(err.contains("lots"), "{err}");
+    // A spec longer than the cut still says why at the end.
+    let deep = format!(
+        "{}pool:initial=lots{}",
+        "statistics(".repeat(40),
+        ")".repeat(40)
+    );
+    let err = fails(&["replay", log, "-r", &deep]);
+    assert!(err.contains("lots"), "{err}");
 }

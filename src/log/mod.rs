@@ -24,7 +24,7 @@
 //! # Ok::<(), memres::Error>(())
 //! ```
 
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 
 use crate::error::Error;
 
@@ -84,8 +84,22 @@ pub struct Event {
     pub line: usize,
 }
 
+/// The longest line a log may have: 1 MiB (an event's row is under 100 bytes; a longer
+/// one is not a log, and is not read into memory whole).
+pub const MAX_LINE: usize = 1 << 20;
+
 fn bad(line: usize, what: &str, text: &str) -> Error {
-    Error::invalid_argument(format!("log line {line}: {what}: {text:?}"))
+    Error::invalid_argument(format!("log line {line}: {what}: {}", quoted(text)))
+}
+
+/// `text` quoted, cut to its first 100 characters with its size where longer: an error
+/// names what it read without echoing a whole line of junk.
+fn quoted(text: &str) -> String {
+    const MOST: usize = 100;
+    match text.char_indices().nth(MOST) {
+        Some((cut, _)) => format!("{:?}... ({} bytes in all)", &text[..cut], text.len()),
+        None => format!("{text:?}"),
+    }
 }
 
 fn hex(field: &str) -> Option<usize> {
@@ -143,31 +157,52 @@ pub fn parse_event(row: &str, line: usize) -> Result<Event, Error> {
 }
 
 /// Reads a whole log (RMM's or memres's): the header, then one event per line; blank
-/// lines are skipped. A malformed line is [`Error::InvalidArgument`] naming the line.
-pub fn read_events(reader: impl BufRead) -> Result<Vec<Event>, Error> {
+/// lines are skipped. A malformed line, or one longer than [`MAX_LINE`], is
+/// [`Error::InvalidArgument`] naming the line.
+pub fn read_events(mut reader: impl BufRead) -> Result<Vec<Event>, Error> {
     let mut events = Vec::new();
-    let mut header = false;
-    for (i, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => Error::invalid_argument(format!(
-                "log line {}: not UTF-8 text: a log is CSV with the header {HEADER:?}",
-                i + 1
-            )),
-            _ => Error::invalid_argument(format!("reading the log: {e}")),
-        })?;
-        if i == 0 {
-            if line.trim_end() != HEADER {
-                return Err(bad(1, "expected the header", &line));
+    let mut buf = Vec::new();
+    let mut number = 0;
+    loop {
+        buf.clear();
+        // At most one byte past the limit: a line without end is never read whole.
+        let read = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| Error::invalid_argument(format!("reading the log: {e}")))?;
+        if read == 0 {
+            break;
+        }
+        number += 1;
+        if buf.last() == Some(&b'\n') {
+            buf.pop();
+            if buf.last() == Some(&b'\r') {
+                buf.pop();
             }
-            header = true;
+        } else if read > MAX_LINE {
+            return Err(Error::invalid_argument(format!(
+                "log line {number}: longer than {} MiB: a log is CSV with the header \
+                 {HEADER:?}, one short row per event",
+                MAX_LINE >> 20
+            )));
+        }
+        let line = std::str::from_utf8(&buf).map_err(|_| {
+            Error::invalid_argument(format!(
+                "log line {number}: not UTF-8 text: a log is CSV with the header {HEADER:?}"
+            ))
+        })?;
+        if number == 1 {
+            if line.trim_end() != HEADER {
+                return Err(bad(1, "expected the header", line));
+            }
             continue;
         }
         if line.trim().is_empty() {
             continue;
         }
-        events.push(parse_event(&line, i + 1)?);
+        events.push(parse_event(line, number)?);
     }
-    if !header {
+    if number == 0 {
         return Err(Error::invalid_argument(format!(
             "the log is empty: expected the header {HEADER:?} on line 1"
         )));
