@@ -791,3 +791,37 @@ fn a_cuda_stream_takes_a_larger_piece_of_the_initial_memory() {
     pool.coalesce().unwrap();
     assert_eq!(pool.stats().largest_free_block, 8 << 20);
 }
+
+/// `set_limit` bounds what the pool holds (PyTorch's memory fraction under memres): a
+/// request that would grow past it is out of memory, the pool gives back its free
+/// chunks before refusing, and lifting the bound lets it grow again.
+#[test]
+fn a_run_time_limit_bounds_growth_after_releasing_free_memory() {
+    const MIB: usize = 1 << 20;
+    let pool = heap_pool(PoolConfig::new());
+    assert_eq!(pool.limit(), None);
+    // 6 MiB held, then freed: free chunks the pool keeps.
+    let six = layout(6 * MIB).unwrap();
+    let p = pool.allocate_sync(six).unwrap();
+    // SAFETY: allocated above with `six`; not used afterwards.
+    unsafe { pool.deallocate_sync(p, six) };
+    pool.set_limit(Some(8 * MIB));
+    assert_eq!(pool.limit(), Some(8 * MIB));
+    // 7 MiB fits under 8 only once the free 6 MiB chunk is given back.
+    let seven = layout(7 * MIB).unwrap();
+    let q = pool.allocate_sync(seven).expect("7 MiB under a limit of 8");
+    assert!(pool.stats().pool_size <= 8 * MIB, "{:?}", pool.stats());
+    // Another 2 MiB would pass the limit.
+    let two = layout(2 * MIB).unwrap();
+    match pool.allocate_sync(two) {
+        Err(Error::OutOfMemory { limit, .. }) => assert_eq!(limit, Some(8 * MIB)),
+        other => panic!("expected out of memory at the limit, got {other:?}"),
+    }
+    pool.set_limit(None);
+    let r = pool.allocate_sync(two).expect("no limit: the pool grows");
+    // SAFETY: allocated above with these layouts; not used afterwards.
+    unsafe {
+        pool.deallocate_sync(q, seven);
+        pool.deallocate_sync(r, two);
+    }
+}

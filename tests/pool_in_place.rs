@@ -10,7 +10,8 @@ use std::sync::mpsc;
 use common::{Step, step};
 use memres::suballoc::{Growth, Pool, PoolConfig};
 use memres::{
-    Error, GrowInPlace, HostHeap, HostVirtual, Resource, StreamRef, layout, layout_with_alignment,
+    Error, GrowInPlace, HostHeap, HostVirtual, Resource, StreamRef, SyncResource, layout,
+    layout_with_alignment,
 };
 use proptest::prelude::*;
 
@@ -488,5 +489,28 @@ proptest! {
         pool.trim().unwrap();
         prop_assert_eq!(pool.stats().pool_size, 0);
         prop_assert_eq!(pool.upstream().mapped_bytes(), 0);
+    }
+}
+
+/// `set_limit` bounds what an in-place pool maps, as it bounds a chunked pool.
+#[test]
+fn a_run_time_limit_bounds_what_is_mapped() {
+    let pool = in_place(PoolConfig::new());
+    pool.set_limit(Some(4 * G));
+    let l = layout(3 * G).unwrap();
+    let p = pool.allocate_sync(l).unwrap();
+    assert!(matches!(
+        pool.allocate_sync(layout(2 * G).unwrap()),
+        Err(Error::OutOfMemory { limit: Some(limit), .. }) if limit == 4 * G
+    ));
+    assert!(pool.upstream().mapped_bytes() <= 4 * G);
+    pool.set_limit(Some(8 * G));
+    let q = pool
+        .allocate_sync(layout(2 * G).unwrap())
+        .expect("under the raised limit");
+    // SAFETY: allocated above with these layouts; not used afterwards.
+    unsafe {
+        pool.deallocate_sync(p, l);
+        pool.deallocate_sync(q, layout(2 * G).unwrap());
     }
 }

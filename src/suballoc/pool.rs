@@ -106,6 +106,19 @@ struct GrowthState {
     slept: Option<sleep::Slept>,
     /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
     kept: Vec<crate::upstream::HostCopy>,
+    /// The bound set with [`Pool::set_limit`], below the configured maximum.
+    limit: Option<usize>,
+}
+
+impl GrowthState {
+    /// The most the pool may hold now: the smaller of `maximum` (the configured one) and
+    /// the run-time limit.
+    fn maximum(&self, maximum: Option<usize>) -> Option<usize> {
+        match (maximum, self.limit) {
+            (Some(m), Some(l)) => Some(m.min(l)),
+            (m, l) => m.or(l),
+        }
+    }
 }
 
 /// The growth lock of a [`Pool`], held: on unlock it runs a release that a free left
@@ -268,6 +281,31 @@ impl<U: Resource> Pool<U> {
     /// The configuration the pool was made with.
     pub fn config(&self) -> PoolConfig {
         self.config
+    }
+
+    /// Bounds what the pool holds from now on, under its configured maximum (`None`:
+    /// only that maximum). Growth that would pass the bound is refused, after the pool
+    /// has given back what it holds free, so a request past it is
+    /// [`Error::OutOfMemory`]; what it already holds above a lowered bound stays until
+    /// freed and trimmed. PyTorch's `set_per_process_memory_fraction` under memres is
+    /// this bound. Costs nothing on the allocation path: only growth reads it.
+    ///
+    /// ```
+    /// use memres::{HostHeap, Pool, PoolConfig, ResourceExt, layout};
+    ///
+    /// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
+    /// pool.set_limit(Some(4 << 20));
+    /// assert_eq!(pool.limit(), Some(4 << 20));
+    /// assert!(pool.allocate_sync(layout(8 << 20)?).is_err());
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn set_limit(&self, bytes: Option<usize>) {
+        self.lock_growth().limit = bytes;
+    }
+
+    /// The bound set with [`Pool::set_limit`], if any.
+    pub fn limit(&self) -> Option<usize> {
+        self.lock_growth().limit
     }
 
     /// The blocks held for other streams (for the host tests and loom models).
@@ -727,7 +765,7 @@ impl<U: Resource> Pool<U> {
         }
         Err(Error::OutOfMemory {
             requested,
-            limit: self.config.maximum,
+            limit: growth.maximum(self.config.maximum),
         })
     }
 
@@ -862,7 +900,7 @@ impl<U: Resource> Pool<U> {
             Some(addr) => Ok(addr),
             None => Err(Error::OutOfMemory {
                 requested,
-                limit: self.config.maximum,
+                limit: growth.maximum(self.config.maximum),
             }),
         }
     }
@@ -885,7 +923,11 @@ impl<U: Resource> Pool<U> {
         if let Some(space) = &self.space {
             return self.grow_in_place(space, growth, own, size, align, may_wait);
         }
-        let Some(sizes) = ChunkSizes::new(&self.config, min, growth.size) else {
+        let config = PoolConfig {
+            maximum: growth.maximum(self.config.maximum),
+            ..self.config
+        };
+        let Some(sizes) = ChunkSizes::new(&config, min, growth.size) else {
             return Ok(None);
         };
         let mut attempt = sizes.first(growth.size);

@@ -226,9 +226,8 @@ impl<U: Resource> Pool<U> {
             }
         }
         for site in tries {
-            if self
-                .config
-                .maximum
+            if growth
+                .maximum(self.config.maximum)
                 .is_some_and(|max| growth.size.saturating_add(site.len) > max)
             {
                 continue;
