@@ -291,7 +291,7 @@ impl<U: Resource> Pool<U> {
     /// this bound. Costs nothing on the allocation path: only growth reads it.
     ///
     /// ```
-    /// use memres::{HostHeap, Pool, PoolConfig, ResourceExt, layout};
+    /// use memres::{HostHeap, Pool, PoolConfig, SyncResource, layout};
     ///
     /// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
     /// pool.set_limit(Some(4 << 20));
