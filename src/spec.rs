@@ -161,11 +161,22 @@ const RESOURCES: &str = "cuda, cuda_async, managed, pinned, pinned_pool, virtual
 const MAX_DEPTH: usize = 16;
 /// The longest spec accepted.
 const MAX_LEN: usize = 4096;
+/// The most characters of a spec (or a part of one) that an error quotes.
+const QUOTE_CHARS: usize = 200;
+
+/// `text` quoted for an error message as `{:?}` writes it, cut after [`QUOTE_CHARS`]
+/// characters with its whole length stated: a 100 kB spec must not make a 100 kB message.
+fn quoted(text: &str) -> String {
+    match text.char_indices().nth(QUOTE_CHARS) {
+        None => format!("{text:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes in all)", &text[..end], text.len()),
+    }
+}
 
 impl Spec {
     /// Parses a whole spec.
     pub fn parse(text: &str) -> Result<Spec, SpecError> {
-        let fail = |e: String| SpecError(format!("invalid resource spec {text:?}: {e}"));
+        let fail = |e: String| SpecError(format!("invalid resource spec {}: {e}", quoted(text)));
         if text.len() > MAX_LEN {
             return Err(fail(format!("longer than {MAX_LEN} bytes")));
         }
@@ -271,7 +282,8 @@ impl Spec {
                     _ => "none",
                 };
                 return Err(format!(
-                    "unknown option {key:?} for {name} (options: {known})"
+                    "unknown option {} for {name} (options: {known})",
+                    quoted(key)
                 ));
             }
         }
@@ -289,7 +301,8 @@ fn parse(text: &str, depth: usize) -> Result<Spec, String> {
     let (name, rest) = text.split_at(name_end);
     if name.is_empty() {
         return Err(format!(
-            "{text:?} does not start with a resource name ({RESOURCES})"
+            "{} does not start with a resource name ({RESOURCES})",
+            quoted(text)
         ));
     }
     let rest = rest.trim_start();
@@ -303,11 +316,13 @@ fn parse(text: &str, depth: usize) -> Result<Spec, String> {
             }
             (level == 0).then_some(i)
         });
-        let close = close.ok_or_else(|| format!("{text:?}: unbalanced parentheses"))?;
+        let close = close.ok_or_else(|| format!("{}: unbalanced parentheses", quoted(text)))?;
         let after = after_open[close + 1..].trim();
         if !after.is_empty() {
             return Err(format!(
-                "{text:?}: text after the closing parenthesis: {after:?}"
+                "{}: text after the closing parenthesis: {}",
+                quoted(text),
+                quoted(after)
             ));
         }
         return parse_wrapper(name, &after_open[..close], depth);
@@ -315,7 +330,13 @@ fn parse(text: &str, depth: usize) -> Result<Spec, String> {
     let options = match rest.strip_prefix(':') {
         Some(options) => split_top_level(options)?,
         None if rest.is_empty() => Vec::new(),
-        None => return Err(format!("{text:?}: expected ':' or '(' after {name:?}")),
+        None => {
+            return Err(format!(
+                "{}: expected ':' or '(' after {}",
+                quoted(text),
+                quoted(name)
+            ));
+        }
     };
     let mut spec = base(name)?;
     for option in options {
@@ -345,11 +366,11 @@ fn split_top_level(text: &str) -> Result<Vec<&str>, String> {
             _ => {}
         }
         if depth < 0 {
-            return Err(format!("{text:?}: unbalanced parentheses"));
+            return Err(format!("{}: unbalanced parentheses", quoted(text)));
         }
     }
     if depth != 0 {
-        return Err(format!("{text:?}: unbalanced parentheses"));
+        return Err(format!("{}: unbalanced parentheses", quoted(text)));
     }
     parts.push(text[start..].trim());
     Ok(parts)
@@ -360,7 +381,7 @@ fn key_value(option: &str) -> Result<(&str, &str), String> {
         .split_once('=')
         .map(|(k, v)| (k.trim(), v.trim()))
         .filter(|(k, v)| !k.is_empty() && !v.is_empty())
-        .ok_or_else(|| format!("option {option:?} is not key=value"))
+        .ok_or_else(|| format!("option {} is not key=value", quoted(option)))
 }
 
 fn size(key: &str, value: &str) -> Result<usize, String> {
@@ -403,7 +424,8 @@ fn base(name: &str) -> Result<Spec, String> {
         }
         other => {
             return Err(format!(
-                "unknown resource {other:?} (expected one of {RESOURCES})"
+                "unknown resource {} (expected one of {RESOURCES})",
+                quoted(other)
             ));
         }
     })
@@ -412,7 +434,7 @@ fn base(name: &str) -> Result<Spec, String> {
 fn count(key: &str, value: &str) -> Result<usize, String> {
     value
         .parse::<usize>()
-        .map_err(|_| format!("{key}={value:?}: expected a count of blocks"))
+        .map_err(|_| format!("{key}={}: expected a count of blocks", quoted(value)))
 }
 
 fn nonzero(n: usize, key: &str) -> Result<usize, String> {
@@ -427,8 +449,9 @@ fn growth_rule(key: &str, value: &str) -> Result<Growth, String> {
         "eighth" => Ok(Growth::Eighth),
         "rmm" => Ok(Growth::Rmm),
         _ => Err(format!(
-            "{key}={value:?}: the growth rule is eighth (what a request needs, at least an \
-             eighth of the pool) or rmm (RMM's doubling)"
+            "{key}={}: the growth rule is eighth (what a request needs, at least an \
+             eighth of the pool) or rmm (RMM's doubling)",
+            quoted(value)
         )),
     }
 }
@@ -437,7 +460,8 @@ fn exponent(key: &str, value: &str) -> Result<u32, String> {
     match value.parse::<u32>() {
         Ok(e) if e < 48 => Ok(e),
         _ => Err(format!(
-            "{key}={value:?}: a bin size is a power-of-two exponent below 48 (10 = 1 KiB)"
+            "{key}={}: a bin size is a power-of-two exponent below 48 (10 = 1 KiB)",
+            quoted(value)
         )),
     }
 }
@@ -472,7 +496,8 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
         }
         other => {
             return Err(format!(
-                "unknown resource {other:?} (expected one of {RESOURCES})"
+                "unknown resource {} (expected one of {RESOURCES})",
+                quoted(other)
             ));
         }
     };
@@ -510,7 +535,10 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
                 None | Some("false") => false,
                 Some("true") => true,
                 Some(other) => {
-                    return Err(format!("exact_times={other:?}: write true or false"));
+                    return Err(format!(
+                        "exact_times={}: write true or false",
+                        quoted(other)
+                    ));
                 }
             },
         },
@@ -740,6 +768,24 @@ mod tests {
         );
         let fine = format!("{}pool{}", "statistics(".repeat(5), ")".repeat(5));
         assert!(Spec::parse(&fine).is_ok());
+    }
+
+    /// Quoted input is cut with its size stated: a 100 kB spec, or a 4 kB name inside
+    /// one, does not make a message of that size (issue 49).
+    #[test]
+    fn long_specs_are_quoted_cut_with_their_size() {
+        let long = "x".repeat(100_000);
+        let message = err(&long);
+        assert!(message.len() < 1000, "{} bytes", message.len());
+        assert!(message.contains("100000 bytes in all"), "{message}");
+        assert!(message.contains("longer than 4096 bytes"), "{message}");
+        let name = format!("statistics({})", "y".repeat(4000));
+        let message = err(&name);
+        assert!(message.len() < 1000, "{} bytes", message.len());
+        assert!(message.contains("unknown resource"), "{message}");
+        assert!(message.contains("4000 bytes in all"), "{message}");
+        // Short specs are quoted whole, as before.
+        assert!(err("poool").contains("\"poool\""));
     }
 
     #[test]

@@ -85,7 +85,9 @@ typedef struct memres_stats_t {
 } memres_stats_t;
 
 /* Chooses every device's stack; call before the first allocation. MEMRES_OK, or
- * MEMRES_ERROR_INVALID_ARGUMENT for a bad spec, MEMRES_ERROR_IN_USE once allocated. */
+ * MEMRES_ERROR_INVALID_ARGUMENT for a bad spec (not UTF-8, longer than 4096 bytes, ...;
+ * the message quotes at most 200 characters of it, with its size), MEMRES_ERROR_IN_USE
+ * once allocated. The spec ends at its first NUL. */
 int memres_configure(const char* spec);
 
 /* Builds device's stack now instead of on its first allocation (so a spec the device

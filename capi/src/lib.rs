@@ -136,8 +136,32 @@ impl From<Error> for Failure {
         };
         Failure {
             code,
-            message: e.to_string(),
+            message: describe(&e),
         }
+    }
+}
+
+/// `e` in words for the C ABI's callers (C programs, the Python package), who have none
+/// of the Rust API that the library's own messages may point to.
+pub(crate) fn describe(e: &Error) -> String {
+    match e {
+        // The library's message suggests a Rust host resource (`HostHeap`).
+        Error::NoDriver => "no CUDA driver: libcuda could not be loaded (install the NVIDIA \
+                            driver; memres allocates GPU memory, so it needs one)"
+            .to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// The most characters of a caller's text (a tag name) that a message quotes.
+const QUOTE_CHARS: usize = 200;
+
+/// `text` quoted for a message (as `{:?}` writes it), cut after [`QUOTE_CHARS`]
+/// characters with its whole length stated.
+pub(crate) fn quoted(text: &str) -> String {
+    match text.char_indices().nth(QUOTE_CHARS) {
+        None => format!("{text:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes in all)", &text[..end], text.len()),
     }
 }
 
@@ -286,10 +310,13 @@ fn stack_of_block(
 }
 
 /// Chooses the resource stack of every device, before the first allocation. See
-/// `memres.h` for the spec syntax.
+/// `memres.h` for the spec syntax. A spec that is not UTF-8 or that the parser refuses
+/// (longer than 4096 bytes included) is `MEMRES_ERROR_INVALID_ARGUMENT`, its message
+/// quoting at most 200 characters of it with its size.
 ///
 /// # Safety
-/// `spec` is null or a NUL-terminated string.
+/// `spec` is null or a NUL-terminated string (the spec ends at the first NUL: a caller
+/// whose text may hold one, as Python's strings may, refuses it before calling).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memres_configure(spec: *const c_char) -> c_int {
     guarded(

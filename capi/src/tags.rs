@@ -16,7 +16,10 @@ use mr::device::DeviceId;
 use mr::{CudaVirtual, Error, GrowInPlace, Pool, PoolConfig, SleepMode};
 
 use crate::stack::{DeviceStack, virtual_leaf};
-use crate::{Failure, MEMRES_OK, MEMRES_SLEEP_DISCARD, MEMRES_SLEEP_OFFLOAD, guarded, stack};
+use crate::{
+    Failure, MEMRES_OK, MEMRES_SLEEP_DISCARD, MEMRES_SLEEP_OFFLOAD, describe, guarded, quoted,
+    stack,
+};
 
 /// The name of the memory allocated with no tag set: the device's own stack.
 pub(crate) const DEFAULT_TAG: &str = "default";
@@ -202,7 +205,8 @@ fn pools_named(
     {
         let known = id_of(n).is_some();
         return Err(Failure::invalid(format!(
-            "{what}: no memory tagged `{n}` on device {device}{}",
+            "{what}: no memory tagged {} on device {device}{}",
+            quoted(n),
             if known {
                 ""
             } else {
@@ -243,9 +247,10 @@ pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c
             let (base, len) = pool.upstream().reservation();
             if stack.exported().any_in(base, len) {
                 return Err(Failure::invalid(format!(
-                    "memres_sleep `{name}`: blocks of it are shared with other processes \
+                    "memres_sleep {}: blocks of it are shared with other processes \
                      (memres_ipc_export, a CUDA tensor sent to another process); free them \
-                     first"
+                     first",
+                    quoted(name)
                 )));
             }
         }
@@ -263,14 +268,17 @@ pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c
                     slept.push((name, pool));
                 }
                 Err(e) => {
-                    let mut failure = Failure::from(e).within(&format!("memres_sleep `{name}`"));
+                    let mut failure =
+                        Failure::from(e).within(&format!("memres_sleep {}", quoted(name)));
                     // All or nothing: those put to sleep by this call wake again (their
                     // contents discarded, where the mode said so).
                     for (other, pool) in slept {
                         if let Err(again) = pool.wake() {
                             failure.message += &format!(
-                                "; and `{other}`, put to sleep by this call, could not be \
-                                 woken again ({again}): it is still asleep"
+                                "; and {}, put to sleep by this call, could not be woken \
+                                 again ({}): it is still asleep",
+                                quoted(other),
+                                describe(&again)
                             );
                         }
                     }
@@ -318,7 +326,7 @@ pub unsafe extern "C" fn memres_wake(device: c_int, tag: *const c_char) -> i64 {
             }
             mapped += pool
                 .wake()
-                .map_err(|e| Failure::from(e).within(&format!("memres_wake `{name}`")))?;
+                .map_err(|e| Failure::from(e).within(&format!("memres_wake {}", quoted(name))))?;
         }
         Ok(mapped as i64)
     })

@@ -88,6 +88,43 @@ fn a_bad_spec_is_refused_with_a_message_and_changes_nothing() {
     assert!(last_error().contains("UTF-8"));
 }
 
+/// A long spec (or tag name) is quoted cut, with its size: a 100 kB spec gave a 100 kB
+/// message (issue 49).
+#[test]
+fn a_long_spec_gets_a_bounded_message() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    assert_eq!(configure("pool"), MEMRES_OK);
+    for (spec, size) in [
+        ("x".repeat(100_000), "100000 bytes"),
+        (format!("statistics({})", "y".repeat(4000)), "4000 bytes"),
+        (
+            format!("pool:initial=1GiB,{}=1", "k".repeat(3000)),
+            "3000 bytes",
+        ),
+    ] {
+        assert_eq!(configure(&spec), MEMRES_ERROR_INVALID_ARGUMENT);
+        let message = last_error();
+        assert!(
+            message.len() < 1000,
+            "{} bytes: {message:.300}",
+            message.len()
+        );
+        assert!(message.contains(size), "{message}");
+    }
+    assert!(matches!(
+        CONFIG.lock().unwrap().spec,
+        Some(Spec::Pool { .. })
+    ));
+    // Tag names: cut at a character, not inside one.
+    let name = "é".repeat(300);
+    let cut = quoted(&name);
+    assert!(
+        cut.len() < 500 && cut.ends_with("(600 bytes in all)"),
+        "{cut}"
+    );
+    assert_eq!(quoted("weights"), "\"weights\"");
+}
+
 #[test]
 fn panics_are_caught_and_reported() {
     let code = guarded(
@@ -265,6 +302,8 @@ fn without_a_driver_malloc_returns_null_and_says_why() {
     assert!(last_error().contains("driver"), "{}", last_error());
     assert_eq!(memres_init_device(0), MEMRES_ERROR_CUDA);
     assert!(last_error().contains("driver"), "{}", last_error());
+    // C and Python callers have no Rust host resource to turn to (issue 49).
+    assert!(!last_error().contains("HostHeap"), "{}", last_error());
     assert_eq!(memres_init_device(-1), MEMRES_ERROR_INVALID_ARGUMENT);
     // Nothing was built, so the configuration may still change.
     let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Dict, List
 
-from ._native import Stats, check, lib
+from ._native import Stats, c_string, check, device_ordinal, lib
 
 _STATISTICS_KEYS = (
     "current_bytes",
@@ -24,17 +24,16 @@ def configure(spec: str) -> None:
     memory, holding least), ``"virtual_pool:release=2GiB"``, ``"pool:initial=8GiB"``,
     ``"statistics(virtual_pool)"``, ``"cuda_async"``. The syntax is in
     ``capi/include/memres.h``. Raises MemresError (code ERROR_INVALID_ARGUMENT) for a bad
-    spec, and (code ERROR_IN_USE) once memres has allocated.
+    spec, and (code ERROR_IN_USE) once memres has allocated; TypeError for a spec that is
+    not a ``str``, ValueError for one the C ABI cannot read (a NUL character in it).
     """
-    if not isinstance(spec, str):
-        raise TypeError(f"memres.configure() takes a spec string such as 'virtual_pool', not {spec!r}")
-    check(lib().memres_configure(spec.encode("utf-8")))
+    check(lib().memres_configure(c_string(spec, "memres.configure(): the spec", "virtual_pool")))
 
 
 def init_device(device: int) -> None:
     """Builds ``device``'s stack now rather than on its first allocation, so that a spec
     the device cannot serve (or a missing driver) fails here."""
-    check(lib().memres_init_device(device))
+    check(lib().memres_init_device(device_ordinal(device, "memres.init_device(): device")))
 
 
 def stats(device: int = 0) -> Dict[str, int]:
@@ -46,6 +45,7 @@ def stats(device: int = 0) -> Dict[str, int]:
     and ``pool_host_copy_bytes`` (host copies of the pools' contents: during an offload
     sleep, and after its wake until ``empty_cache``) when it has a pool. All zero before
     the device's first allocation."""
+    device = device_ordinal(device, "memres.stats(): device")
     out = Stats()
     check(lib().memres_stats(device, ctypes.byref(out)))
     figures = {
@@ -76,6 +76,7 @@ def tier_stats(device: int = 0) -> List[Dict[str, int]]:
     tier first): the statistics keys (``current_bytes``, ``peak_bytes``, ``total_bytes``,
     ``current_allocations``, ``peak_allocations``, ``total_allocations``). Empty for a
     stack without a fallback, and before the device's first allocation."""
+    device = device_ordinal(device, "memres.tier_stats(): device")
     out = (Stats * 2)()
     n = check(lib().memres_tier_stats(device, out, 2))
     return [{k: getattr(out[i], k) for k in _STATISTICS_KEYS} for i in range(min(n, 2))]
@@ -84,11 +85,11 @@ def tier_stats(device: int = 0) -> List[Dict[str, int]]:
 def reset_peak(device: int = 0) -> None:
     """Starts ``device``'s peaks (``peak_live_bytes``, ``peak_live_allocations``,
     ``pool_peak_size``) afresh from what is live and held now."""
-    check(lib().memres_reset_peak(device))
+    check(lib().memres_reset_peak(device_ordinal(device, "memres.reset_peak(): device")))
 
 
 def trim(device: int = 0) -> None:
     """Gives the memory ``device``'s pool holds but does not use back to the driver (what
     ``torch.cuda.empty_cache()`` does for PyTorch's own allocator). An ``arena`` stack
     keeps its one allocation while it lives, so trimming it frees nothing."""
-    check(lib().memres_trim(device))
+    check(lib().memres_trim(device_ordinal(device, "memres.trim(): device")))

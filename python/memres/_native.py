@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import operator
 import os
 import pathlib
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 OK = 0
 ERROR_INVALID_ARGUMENT = -1
@@ -20,12 +21,73 @@ SLEEP_DISCARD = 0
 SLEEP_OFFLOAD = 1
 
 
+#: The most characters of an argument that a message quotes (the rest is counted).
+QUOTE_LIMIT = 200
+
+_C_INT_MIN, _C_INT_MAX = -(2**31), 2**31 - 1
+
+
 class MemresError(RuntimeError):
     """A failed memres call; ``code`` is the C ABI's (negative) code."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"memres: {message} (code {code})")
         self.code = code
+
+
+def quote(value: Any) -> str:
+    """``repr(value)`` for a message, cut to ``QUOTE_LIMIT`` characters with its whole
+    size stated (a 100 kB argument must not make a 100 kB message)."""
+    if isinstance(value, (str, bytes)) and len(value) > QUOTE_LIMIT:
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return f"{value[:QUOTE_LIMIT]!r}... ({len(value)} {unit} in all)"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**QUOTE_LIMIT:
+        # Python refuses to write an int of more than 4300 digits; none is shown whole.
+        return f"an int of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the error being reported
+        return f"a {type(value).__name__}"
+    if len(text) > QUOTE_LIMIT:
+        return f"{text[:QUOTE_LIMIT]}... ({len(text)} characters in all)"
+    return text
+
+
+def c_string(value: Any, what: str, example: str) -> bytes:
+    """``value`` as the NUL-terminated UTF-8 text the C ABI reads. ``what`` names the
+    argument in the errors: TypeError for anything but a ``str`` (``example`` shows one),
+    ValueError for a NUL character (C would read only what comes before it) or text that
+    UTF-8 cannot encode (lone surrogates)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str such as {example!r}, not {type(value).__name__} {quote(value)}")
+    nul = value.find("\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{what} holds a NUL character at index {nul} (C would read only what comes "
+            f"before it): {quote(value)}"
+        )
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text ({e.reason} at index {e.start}): {quote(value)}") from None
+
+
+def device_ordinal(device: Any, what: str) -> int:
+    """``device`` as the C ABI's ``int`` device ordinal: TypeError naming ``what`` for
+    anything but an int (``bool`` included), ValueError for one a C int cannot hold (it
+    would wrap round to another device). Ordinals a C int holds are the C ABI's to check
+    (MemresError for one memres does not serve)."""
+    if isinstance(device, bool):
+        raise TypeError(f"{what} must be an int (a CUDA device ordinal), not bool {device!r}")
+    try:
+        ordinal = operator.index(device)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an int (a CUDA device ordinal), not {type(device).__name__} {quote(device)}"
+        ) from None
+    if not _C_INT_MIN <= ordinal <= _C_INT_MAX:
+        raise ValueError(f"{what} is {quote(ordinal)}, which a C int cannot hold: not a CUDA device ordinal")
+    return ordinal
 
 
 class Stats(ctypes.Structure):

@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 from typing import Any, Dict, List
 
-from ._native import check, lib
+from ._native import c_string, check, lib, quote
 
 _FIELDS = ("calls", "allocations", "bytes", "peak_bytes", "retained_bytes")
 
@@ -31,8 +31,16 @@ class profile(contextlib.ContextDecorator):
     """
 
     def __init__(self, name: str, all_threads: bool = True) -> None:
+        # Checked here, not when the scope opens: a decorator's mistake shows where it is
+        # written.
+        self._name = c_string(name, "memres.profile(): the name", "forward")
+        if not isinstance(all_threads, (bool, int)):
+            raise TypeError(
+                f"memres.profile(): all_threads must be a bool, not {type(all_threads).__name__} "
+                f"{quote(all_threads)}"
+            )
         self.name = name
-        self.all_threads = all_threads
+        self.all_threads = bool(all_threads)
         self._ids: List[int] = []
 
     def _recreate_cm(self) -> "profile":
@@ -40,7 +48,7 @@ class profile(contextlib.ContextDecorator):
         return profile(self.name, self.all_threads)
 
     def __enter__(self) -> "profile":
-        self._ids.append(check(lib().memres_profile_push(self.name.encode("utf-8"), int(self.all_threads))))
+        self._ids.append(check(lib().memres_profile_push(self._name, int(self.all_threads))))
         return self
 
     def __exit__(self, *exc: Any) -> None:

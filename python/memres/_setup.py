@@ -8,7 +8,7 @@ import ctypes
 import importlib.util
 
 from ._device import configure, init_device, reset_peak, stats, trim
-from ._native import ERROR_CUDA, ERROR_INVALID_ARGUMENT, MemresError
+from ._native import ERROR_CUDA, ERROR_INVALID_ARGUMENT, MemresError, c_string, device_ordinal, quote
 
 
 def _require(module: str, flag: str, install: str) -> None:
@@ -86,6 +86,20 @@ def _visible_devices() -> List[int]:
         return [0]
 
 
+def _ordinals(devices: Iterable[int]) -> List[int]:
+    """``setup``'s ``devices``, each checked as a device ordinal."""
+    if isinstance(devices, (str, bytes)):
+        raise TypeError(f"memres.setup(): devices must be a list of ints, not {type(devices).__name__} {quote(devices)}")
+    try:
+        items = list(devices)
+    except TypeError:
+        raise TypeError(
+            f"memres.setup(): devices must be a list of ints (or None), not {type(devices).__name__} "
+            f"{quote(devices)}"
+        ) from None
+    return [device_ordinal(d, f"memres.setup(): devices[{i}]") for i, d in enumerate(items)]
+
+
 def setup(
     spec: Optional[str] = None,
     devices: Optional[Iterable[int]] = None,
@@ -105,7 +119,9 @@ def setup(
        (``cupy=True``).
 
     Raises :class:`MemresError` at once, saying what is missing, where torch (or CuPy)
-    is asked for and not installed, or where the machine has no CUDA driver.
+    is asked for and not installed, or where the machine has no CUDA driver; TypeError or
+    ValueError, before anything is done, for a spec that is not a string the C ABI can
+    read or ``devices`` that are not device ordinals.
 
     Returns a :class:`Setup` that reads the figures of those devices::
 
@@ -114,6 +130,10 @@ def setup(
         ...                      # train
         print(mr.stats())        # {0: {"live_bytes": ..., "peak_live_bytes": ..., ...}}
     """
+    # Arguments first: a bad one is a TypeError or ValueError whatever the machine has.
+    if spec is not None:
+        c_string(spec, "memres.setup(): the spec", "virtual_pool")
+    listed = None if devices is None else _ordinals(devices)
     if torch:
         _require("torch", "torch", "pip install torch")
     if cupy:
@@ -121,7 +141,6 @@ def setup(
     if spec is not None:
         configure(spec)
     _require_driver()
-    listed = None if devices is None else [int(d) for d in devices]
     for device in listed or []:
         init_device(device)
     if torch:

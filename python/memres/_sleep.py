@@ -12,7 +12,17 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from ._native import ERROR_INVALID_ARGUMENT, SLEEP_DISCARD, SLEEP_OFFLOAD, MemresError, check, lib
+from ._native import (
+    ERROR_INVALID_ARGUMENT,
+    SLEEP_DISCARD,
+    SLEEP_OFFLOAD,
+    MemresError,
+    c_string,
+    check,
+    device_ordinal,
+    lib,
+    quote,
+)
 
 DEFAULT = "default"
 _MODES = {"discard": SLEEP_DISCARD, "offload": SLEEP_OFFLOAD}
@@ -31,6 +41,36 @@ def _c(name: Optional[str]) -> Optional[bytes]:
     return None if name is None else name.encode("utf-8")
 
 
+def _names(tags: Any, what: str) -> List[str]:
+    """``tags`` as a list of tag names (a name, or an iterable of names), each checked as
+    a string the C ABI can read; TypeError or ValueError naming ``what`` otherwise."""
+    if isinstance(tags, str):
+        items = [tags]
+    elif isinstance(tags, (bytes, bytearray)):
+        raise TypeError(f"{what} must be a tag name (str) or a list of them, not {type(tags).__name__} {quote(tags)}")
+    else:
+        try:
+            items = list(tags)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be None, a tag name (str) or a list of them, not "
+                f"{type(tags).__name__} {quote(tags)}"
+            ) from None
+    for i, name in enumerate(items):
+        c_string(name, f"{what}[{i}]" if not isinstance(tags, str) else what, "weights")
+    return items
+
+
+def _mode(how: Any, what: str) -> int:
+    """A sleep mode's C value: TypeError or ValueError naming ``what`` for anything but
+    "discard" or "offload"."""
+    if not isinstance(how, str):
+        raise TypeError(f"{what} must be 'discard' or 'offload', not {type(how).__name__} {quote(how)}")
+    if how not in _MODES:
+        raise ValueError(f"{what} is {quote(how)}: neither 'discard' nor 'offload'")
+    return _MODES[how]
+
+
 class tag:
     """Allocations made inside ``with memres.tag(name):`` come from the pool of ``name``
     (on every device; made on first use), whichever thread makes them: the tag is
@@ -43,8 +83,9 @@ class tag:
     """
 
     def __init__(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"memres.tag() takes a tag name such as 'weights', not {name!r}")
+        c_string(name, "memres.tag(): the name", "weights")
+        if not name:
+            raise ValueError("memres.tag(): the name is empty; give the tag a name such as 'weights'")
         self.name = name
 
     def __enter__(self) -> "tag":
@@ -65,24 +106,19 @@ class tag:
 def is_asleep(name: str = DEFAULT, device: int = 0) -> bool:
     """Whether the pool of tag ``name`` (``"default"``: the untagged memory) sleeps on
     ``device``. Raises :class:`MemresError` for a tag with no memory there."""
-    return bool(check(lib().memres_is_asleep(device, _c(name))))
+    tag_name = c_string(name, "memres.is_asleep(): the name", "weights")
+    device = device_ordinal(device, "memres.is_asleep(): device")
+    return bool(check(lib().memres_is_asleep(device, tag_name)))
 
 
 def _plan(tags: Union[None, str, Iterable[str], Dict[str, str]], mode: str) -> List[tuple]:
     if isinstance(tags, dict):
-        items = list(tags.items())
-    elif tags is None:
-        items = [(None, mode)]
-    elif isinstance(tags, str):
-        items = [(tags, mode)]
-    else:
-        items = [(t, mode) for t in tags]
-    plan = []
-    for name, how in items:
-        if how not in _MODES:
-            raise ValueError(f"memres.sleep: mode {how!r} is neither 'discard' nor 'offload'")
-        plan.append((name, _MODES[how]))
-    return plan
+        names = _names(list(tags), "memres.sleep(): tags")
+        return [(name, _mode(tags[name], f"memres.sleep(): the mode of tags[{quote(name)}]")) for name in names]
+    how = _mode(mode, "memres.sleep(): mode")
+    if tags is None:
+        return [(None, how)]
+    return [(name, how) for name in _names(tags, "memres.sleep(): tags")]
 
 
 def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: str = "discard", device: int = 0) -> int:
@@ -105,11 +141,12 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     >>> memres.sleep({"weights": "offload", "default": "discard"})
     """
     plan = _plan(tags, mode)
+    device = device_ordinal(device, "memres.sleep(): device")
     # Every named pool must exist and be awake before any sleeps; offloads go first, so
     # that what can fail for want of pinned memory fails before anything is discarded.
     for name, _ in plan:
         if name is not None and is_asleep(name, device):
-            raise MemresError(ERROR_INVALID_ARGUMENT, f"memres.sleep: `{name}` is asleep already")
+            raise MemresError(ERROR_INVALID_ARGUMENT, f"memres.sleep(): {quote(name)} is asleep already")
     plan.sort(key=lambda step: step[1] != SLEEP_OFFLOAD)
     done: List[Optional[str]] = []
     released = 0
@@ -137,12 +174,8 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     and can be woken later. The pinned host memory of offloaded pools is kept for their
     next sleep (which then only copies) until :func:`memres.trim` or
     ``torch.cuda.empty_cache()``."""
-    if tags is None:
-        names: List[Optional[str]] = [None]
-    elif isinstance(tags, str):
-        names = [tags]
-    else:
-        names = list(tags)
+    names: List[Optional[str]] = [None] if tags is None else list(_names(tags, "memres.wake(): tags"))
+    device = device_ordinal(device, "memres.wake(): device")
     mapped = 0
     for name in names:
         mapped += check(lib().memres_wake(device, _c(name)))

@@ -97,7 +97,8 @@ class Package(unittest.TestCase):
     def test_configure_takes_a_string(self):
         with self.assertRaises(TypeError) as caught:
             memres.configure(None)
-        self.assertIn("spec string", str(caught.exception))
+        self.assertIn("spec", str(caught.exception))
+        self.assertIn("str", str(caught.exception))
 
     def test_profile_scopes_nest_and_decorate(self):
         memres.profile_reset()
@@ -140,16 +141,12 @@ class Package(unittest.TestCase):
         self.assertEqual(memres.profile_report().as_dict()["py.thread"]["calls"], 1)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class Sleep(unittest.TestCase):
     def test_tags_nest_and_bad_sleep_arguments_are_refused_before_the_driver(self):
         with memres.tag("weights"):
             with memres.tag("kv_cache"):
                 pass
-        with self.assertRaises(TypeError):
+        with self.assertRaises(ValueError):
             memres.tag("")
         with self.assertRaises(ValueError):
             memres.sleep("weights", mode="compress")
@@ -162,3 +159,114 @@ class Sleep(unittest.TestCase):
                 call()
             self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
             self.assertIn("driver", str(caught.exception).lower())
+
+
+class Arguments(unittest.TestCase):
+    """Bad arguments get Python's exceptions naming them, before the C ABI is called;
+    what the C ABI refuses comes back as a MemresError; quoted input is cut."""
+
+    def assert_names(self, error, kind, *words):
+        self.assertIsInstance(error, kind)
+        for word in words:
+            self.assertIn(word, str(error))
+
+    def test_arguments_of_the_wrong_type_are_type_errors_naming_them(self):
+        cases = [
+            (lambda: memres.profile(None), "name"),
+            (lambda: memres.profile(b"forward"), "name"),
+            (lambda: memres.profile("forward", all_threads="no"), "all_threads"),
+            (lambda: memres.sleep(123), "tags"),
+            (lambda: memres.sleep(["weights", 7]), "tags"),
+            (lambda: memres.sleep(b"weights"), "tags"),
+            (lambda: memres.sleep({"weights": 1}), "mode"),
+            (lambda: memres.sleep("weights", mode=None), "mode"),
+            (lambda: memres.sleep("weights", mode=["offload"]), "mode"),
+            (lambda: memres.wake(123), "tags"),
+            (lambda: memres.wake([None]), "tags"),
+            (lambda: memres.is_asleep(None), "name"),
+            (lambda: memres.stats("0"), "device"),
+            (lambda: memres.stats(1.0), "device"),
+            (lambda: memres.stats(True), "device"),
+            (lambda: memres.tier_stats("0"), "device"),
+            (lambda: memres.trim(None), "device"),
+            (lambda: memres.reset_peak("0"), "device"),
+            (lambda: memres.init_device("0"), "device"),
+            (lambda: memres.sleep(device="0"), "device"),
+            (lambda: memres.wake(device=[0]), "device"),
+            (lambda: memres.is_asleep("weights", device="0"), "device"),
+            (lambda: memres.setup("virtual_pool", devices=["0"], torch=False), "devices"),
+            (lambda: memres.setup("virtual_pool", devices=0, torch=False), "devices"),
+        ]
+        for i, (call, word) in enumerate(cases):
+            with self.subTest(case=i, argument=word):
+                with self.assertRaises(TypeError) as caught:
+                    call()
+                self.assertIn(word, str(caught.exception))
+
+    def test_values_the_c_abi_cannot_take_are_value_errors_naming_them(self):
+        cases = [
+            (lambda: memres.configure("pool\x00junk"), "spec", "NUL"),
+            (lambda: memres.configure("pool\udc80"), "spec", "UTF-8"),
+            (lambda: memres.tag("weights\x00kv"), "name", "NUL"),
+            (lambda: memres.profile("forward\x00"), "name", "NUL"),
+            (lambda: memres.sleep("weights\x00"), "tags", "NUL"),
+            (lambda: memres.wake(["weights", "kv\x00"]), "tags", "NUL"),
+            (lambda: memres.stats(10**30), "device", "C int"),
+            (lambda: memres.stats(-(2**31) - 1), "device", "C int"),
+            (lambda: memres.trim(2**31), "device", "C int"),
+            (lambda: memres.sleep(device=2**40), "device", "C int"),
+            (lambda: memres.sleep("weights", mode="compress"), "mode", "compress"),
+        ]
+        for i, (call, *words) in enumerate(cases):
+            with self.subTest(case=i, words=words):
+                with self.assertRaises(ValueError) as caught:
+                    call()
+                for word in words:
+                    self.assertIn(word, str(caught.exception))
+        # Refused before the C ABI: the configuration is what it was.
+        memres.configure("pool")
+        with self.assertRaises(ValueError):
+            memres.configure("pool\x00junk")
+        # A device ordinal a C int holds but memres does not serve: the C ABI's refusal.
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.stats(64)
+        self.assertEqual(caught.exception.code, memres.ERROR_INVALID_ARGUMENT)
+        self.assertIn("device 64", str(caught.exception))
+
+    def test_long_input_is_quoted_cut_with_its_size(self):
+        long_spec = "x" * 100_000
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.configure(long_spec)
+        message = str(caught.exception)
+        self.assertEqual(caught.exception.code, memres.ERROR_INVALID_ARGUMENT)
+        self.assertLess(len(message), 1000, message[:300])
+        self.assertIn("100000 bytes", message)
+        for call, size in [
+            (lambda: memres.sleep("weights", mode="k" * 100_000), "100000"),
+            (lambda: memres.configure("pool\x00" + "j" * 100_000), "100005"),
+            (lambda: memres.stats("7" * 100_000), "100000"),
+            (lambda: memres.sleep(list(range(100_000))), ""),
+        ]:
+            with self.assertRaises((TypeError, ValueError)) as caught:
+                call()
+            message = str(caught.exception)
+            self.assertLess(len(message), 1000, message[:300])
+            self.assertIn(size, message)
+
+    def test_messages_to_python_users_name_python_things(self):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libcuda.so.1")
+            self.skipTest("a CUDA driver is present (this test is for machines without one)")
+        except OSError:
+            pass
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.init_device(0)
+        message = str(caught.exception)
+        self.assertIn("driver", message)
+        self.assertNotIn("HostHeap", message)
+
+
+if __name__ == "__main__":
+    unittest.main()
