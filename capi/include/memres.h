@@ -62,7 +62,7 @@ extern "C" {
 
 typedef struct memres_stats_t {
     int32_t has_statistics;  /* 1 when the stack has a statistics layer */
-    int32_t has_pool;        /* 1 when it has a pool, arena or driver pool */
+    int32_t has_pool;        /* 1 when it has a pool (any kind), arena or driver pool */
     int64_t current_bytes;
     int64_t peak_bytes;
     int64_t total_bytes;
@@ -136,7 +136,10 @@ int64_t memres_ipc_export(void* ptr, ssize_t size, int device, void* out, size_t
 int memres_ipc_open(const void* handle, size_t len, int device, void** base);
 int memres_ipc_close(void* base);
 
-/* The statistics and pool figures of device's stack (zeros where it lacks the layer). */
+/* The statistics and pool figures of device's stack (zeros where it lacks the layer).
+   The pool figures are those of every pool of the stack summed (every tier of a
+   fallback(..), a pinned_pool's pinned host memory included, and the tags' pools); the
+   largest free block is the largest of any, the peak the sum of their peaks. */
 int memres_stats(int device, memres_stats_t* out);
 
 /* The figures of each tier of device's fallback(first, then) (the outermost one): writes
@@ -145,17 +148,23 @@ int memres_stats(int device, memres_stats_t* out);
    returns how many tiers there are: 2, or 0 for a stack without a fallback. */
 int64_t memres_tier_stats(int device, memres_stats_t* out, size_t capacity);
 
-/* Writes the memory device's pool holds as {address, bytes} pairs in address order into
+/* Writes the memory device's pools hold as {address, bytes} pairs in address order into
    out (at most capacity pairs; out may be NULL with capacity 0) and returns how many
-   there are: the chunks of a chunked pool, the mapped runs of the in-place pool (what
-   PyTorch's memory snapshots draw as segments). 0 for a device memres never allocated on
-   and for stacks that keep no such list (arena, cuda_async, cuda). */
+   there are: the chunks of a chunked pool (pool, pinned_pool), the mapped runs of an
+   in-place pool (what PyTorch's memory snapshots draw as segments), for every pool of
+   the stack (every tier of a fallback(..)) and every tag's. 0 for a device memres never
+   allocated on and for stacks that keep no such list (arena, fixed_size, cuda_async,
+   cuda). */
 int64_t memres_segments(int device, uint64_t* out, size_t capacity);
 
 /* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()), and the
    pinned host memory a wake kept for the next MEMRES_SLEEP_OFFLOAD (so that a loop that
-   sleeps every step only copies). An arena holds one allocation of its whole size while
-   it lives: trimming it frees nothing. */
+   sleeps every step only copies): every pool of the stack (every tier of a fallback(..),
+   a pinned_pool too) and every tag's. binning's bins and fixed_size give back their
+   streams' lists and thread caches (their chunks stay until the stack goes); then the
+   pool under the bins gives back what is free. An arena holds one allocation of its
+   whole size while it lives: trimming it frees nothing. Every pool is trimmed even if
+   one fails; the first failure is returned. */
 int memres_trim(int device);
 
 /* Starts device's peaks (peak_live_bytes, peak_live_allocations, pool_peak_size) afresh
@@ -172,28 +181,37 @@ int memres_reset_peak(int device);
  * device's own stack. Frees find the pool by address, whatever tag is set then.
  *
  * memres_sleep waits for all work on device, gives back the memory of the pool of tag
- * ("default": the device's own stack, which must then be an in-place pool, spec
- * virtual_pool, the default; NULL: every pool of the device that can sleep and is
- * awake), MEMRES_SLEEP_DISCARD losing what the blocks hold, MEMRES_SLEEP_OFFLOAD copying
- * it to pinned host memory first; it returns the bytes given back or a negative code.
+ * ("default": the device's own stack, every in-place pool of it, spec virtual_pool, the
+ * default, on every tier of a fallback(..); see below for the stacks that cannot; NULL:
+ * every pool of the device that can sleep and is awake), MEMRES_SLEEP_DISCARD losing
+ * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to pinned host memory first; it
+ * returns the bytes given back or a negative code.
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out
  * of pinned memory MEMRES_ERROR_OUT_OF_MEMORY; on any failure the pools this call put to
  * sleep wake again. memres_wake maps the memory again at the same addresses (restoring
  * offloaded contents) and returns the bytes mapped: tag by tag for a staged wake (the
- * weights before the KV cache), NULL for every sleeping pool. Waking a pool that is awake
- * by name is MEMRES_ERROR_INVALID_ARGUMENT; a device that cannot back the memory
- * (another process holds it) gives MEMRES_ERROR_OUT_OF_MEMORY and the pool stays asleep,
- * its copies kept, for a later try. */
+ * weights before the KV cache), NULL for every sleeping pool. Waking by name a tag none
+ * of whose pools sleeps is MEMRES_ERROR_INVALID_ARGUMENT; a device that cannot back the
+ * memory (another process holds it) gives MEMRES_ERROR_OUT_OF_MEMORY and the pool stays
+ * asleep, its copies kept, for a later try. */
 int memres_set_tag(const char* tag);
 int64_t memres_sleep(int device, const char* tag, int mode);
 int64_t memres_wake(int device, const char* tag);
-/* 1 if the pool of tag on device sleeps, 0 if it is awake; MEMRES_ERROR_INVALID_ARGUMENT
-   for a tag with no memory on device ("default": the device's own stack). A stack with
-   binning cannot sleep (its bins would hand out the pool's blocks unmapped), nor can a
-   pool while blocks of it are exported to other processes (memres_ipc_export): both are
-   refused with a message. */
+/* 1 if the pool of tag on device sleeps (for "default", any of the stack's in-place
+   pools), 0 if it is awake; MEMRES_ERROR_INVALID_ARGUMENT for a tag with no memory on
+   device ("default": the device's own stack).
+ *
+ * The device's own stack sleeps only where every part of it that holds device memory is
+ * an in-place pool: pinned host memory beside them (a pinned or pinned_pool tier, as in
+ * fallback(virtual_pool, pinned_pool)) stays as it is, its blocks usable, since it holds
+ * no device memory. A stack with binning (its bins would hand out the pool's blocks
+ * unmapped) or with any other part holding device memory (pool, arena, fixed_size, cuda,
+ * cuda_async, managed: they cannot give it back and keep its addresses) cannot sleep:
+ * memres_sleep of "default" is refused with a message naming the part, and NULL skips
+ * the stack. Nor can a pool sleep while blocks of it are exported to other processes
+ * (memres_ipc_export): refused with a message. */
 int memres_is_asleep(int device, const char* tag);
 
 /* The message of the last failure on this thread, "" if none. */

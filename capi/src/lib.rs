@@ -505,7 +505,9 @@ pub unsafe extern "C" fn memres_record_stream(
 }
 
 /// Fills `out` with the statistics and pool figures of `device`'s stack (zeros where the
-/// stack lacks the layer or is not built yet).
+/// stack lacks the layer or is not built yet). The pool figures are every pool's of the
+/// stack summed: every tier of a `fallback(..)` (a `pinned_pool`'s host memory too) and
+/// every tag's pool.
 ///
 /// # Safety
 /// `out` is null or valid for writing one `memres_stats_t`.
@@ -614,12 +616,13 @@ pub unsafe extern "C" fn memres_tier_stats(
     })
 }
 
-/// Writes the memory `device`'s pool holds as `[address, bytes]` pairs in address order
+/// Writes the memory `device`'s pools hold as `[address, bytes]` pairs in address order
 /// into `out` (at most `capacity` pairs) and returns how many there are (call again with
-/// more room if that is larger): the chunks of a chunked pool, the mapped runs of the
-/// in-place pool (PyTorch's memory snapshots draw them as segments). 0 for a device
-/// memres never allocated on and for stacks that keep no such list (arena, cuda_async,
-/// cuda: each block is its own allocation there).
+/// more room if that is larger): the chunks of a chunked pool (`pool`, `pinned_pool`),
+/// the mapped runs of an in-place pool (PyTorch's memory snapshots draw them as
+/// segments), of every pool of the stack and every tag's. 0 for a device memres never
+/// allocated on and for stacks that keep no such list (arena, fixed_size, cuda_async,
+/// cuda: each block is its own allocation there, or the library lists no chunks).
 ///
 /// # Safety
 /// `out` is null (with `capacity` 0) or valid for `2 * capacity` `uint64_t`s.
@@ -644,11 +647,13 @@ pub unsafe extern "C" fn memres_segments(device: c_int, out: *mut u64, capacity:
     })
 }
 
-/// Gives memory the pool of `device` holds but does not use back to the driver (what
-/// `torch.cuda.empty_cache()` users expect). 0 on success, also where there is nothing to
-/// trim. An `arena` stack gives nothing back: its memory is one allocation of its whole
-/// size, made when it is built and kept while it lives (as RMM's arena); a stack without
-/// a pool has nothing to give back either.
+/// Gives memory the pools of `device` hold but do not use back to the driver (what
+/// `torch.cuda.empty_cache()` users expect): every pool of the stack (every tier of a
+/// `fallback(..)`, `binning`'s bins and the pool under them) and every tag's. 0 on
+/// success, also where there is nothing to trim. An `arena` stack gives nothing back: its
+/// memory is one allocation of its whole size, made when it is built and kept while it
+/// lives (as RMM's arena); bins and `fixed_size` keep their chunks (they give back their
+/// streams' lists); a stack without a pool has nothing to give back either.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_trim(device: c_int) -> c_int {
     guarded(

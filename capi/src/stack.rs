@@ -1,5 +1,6 @@
 //! A device's resource stack, built from a [`Spec`], with handles kept on the layers that
-//! `memres_stats` and `memres_trim` read.
+//! `memres_stats`, `memres_trim`, `memres_segments` and `memres_sleep` reach: every pool
+//! it builds, on every tier of a `fallback(..)` and under every `binning`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -7,7 +8,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use mr::adaptor::{ExactCounter, Logging, Statistics};
 use mr::device::{DeviceGuard, DeviceId};
 use mr::spec::{Built, Target};
-use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost};
+use mr::suballoc::{Binning, FixedSize};
+use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost, Virtual};
 use mr::{
     AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
     ExportHandle, Pool,
@@ -18,20 +20,254 @@ use crate::recorded::Recorded;
 use crate::tags::TagPools;
 use mr::spec::Spec;
 
-/// The memory layer under the stack, for its figures and for trimming.
-enum PoolLayer {
-    Pool(Arc<Pool<Cuda>>),
-    Virtual(Arc<Pool<CudaVirtual>>),
-    Arena(Arc<Arena<Cuda>>),
-    Async(Arc<CudaAsync>),
+/// Every layer of a stack that holds memory to hand out again, as [`Spec::build`]
+/// showed them to its target (`Target::built`), and the driver pools the target made:
+/// `memres_stats` sums their figures, `memres_trim` trims each, `memres_segments` lists
+/// the memory of each, and `memres_sleep` puts every in-place pool to sleep. Generic over
+/// the target so that the host tests build stacks of host memory into it.
+pub(crate) struct Pools<T: Target> {
+    chunked: Vec<Arc<Pool<T::Memory>>>,
+    in_place: Vec<InPlace<T>>,
+    arenas: Vec<Arc<Arena<T::Memory>>>,
+    /// `pinned_pool`s (pinned host memory).
+    pinned: Vec<Arc<Pool<AnyResource<T::Properties>>>>,
+    /// `binning`s' bins (their chunks come from an in-place pool, in `in_place`).
+    bins: Vec<Arc<Binning<AnyResource<T::Properties>>>>,
+    fixed: Vec<Arc<FixedSize<T::Memory>>>,
+    /// `cuda_async` (made by the C ABI's target, not shown by `built`).
+    driver: Vec<Arc<CudaAsync>>,
+}
+
+/// An in-place pool over a target's virtual memory.
+pub(crate) type InPlace<T> = Arc<Pool<Virtual<<T as Target>::Backend>>>;
+
+impl<T: Target> Default for Pools<T> {
+    fn default() -> Self {
+        Pools {
+            chunked: Vec::new(),
+            in_place: Vec::new(),
+            arenas: Vec::new(),
+            pinned: Vec::new(),
+            bins: Vec::new(),
+            fixed: Vec::new(),
+            driver: Vec::new(),
+        }
+    }
+}
+
+impl<T: Target> Pools<T> {
+    /// Keeps `layer` if it holds memory (a target's `built` passes every layer here).
+    pub(crate) fn keep(&mut self, layer: &Built<'_, T>) {
+        match layer {
+            Built::ChunkedPool(pool) => self.chunked.push(Arc::clone(pool)),
+            Built::InPlacePool(pool) => self.in_place.push(Arc::clone(pool)),
+            Built::SuperblockArena(arena) => self.arenas.push(Arc::clone(arena)),
+            Built::PinnedPool(pool) => self.pinned.push(Arc::clone(pool)),
+            Built::Bins(bins) => self.bins.push(Arc::clone(bins)),
+            Built::FixedBlocks(fixed) => self.fixed.push(Arc::clone(fixed)),
+            _ => {}
+        }
+    }
+
+    /// The in-place pools, inner tiers first.
+    pub(crate) fn in_place(&self) -> &[InPlace<T>] {
+        &self.in_place
+    }
+
+    /// Whether the only memory kept is driver pools' (`cuda_async`).
+    fn only_driver_pools(&self) -> bool {
+        !self.driver.is_empty()
+            && self.chunked.is_empty()
+            && self.in_place.is_empty()
+            && self.arenas.is_empty()
+            && self.pinned.is_empty()
+            && self.fixed.is_empty()
+    }
+
+    /// The figures of every pool, summed (the largest free block: the largest of any);
+    /// `None` for a stack without one.
+    pub(crate) fn figures(&self) -> Result<Option<PoolFigures>, Error> {
+        let mut all: Vec<PoolFigures> = Vec::new();
+        for pool in &self.chunked {
+            all.push(pool_figures(pool.stats()));
+        }
+        for pool in &self.in_place {
+            all.push(pool_figures(pool.stats()));
+        }
+        for pool in &self.pinned {
+            all.push(pool_figures(pool.stats()));
+        }
+        for arena in &self.arenas {
+            // The arena does not track its largest free block; it holds its whole size
+            // from the start.
+            all.push(PoolFigures {
+                size: arena.size() as u64,
+                free: arena.free_bytes() as u64,
+                largest_free_block: 0,
+                peak_size: arena.size() as u64,
+                host_copy_bytes: 0,
+            });
+        }
+        for fixed in &self.fixed {
+            // Chunks are kept until the resource drops: what it holds is its peak. Free
+            // blocks are those in the lists and this thread's caches.
+            let block = fixed.block_size() as u64;
+            let size = (fixed.upstream_allocations() * fixed.blocks_per_chunk()) as u64 * block;
+            let free = fixed.free_blocks() as u64 * block;
+            all.push(PoolFigures {
+                size,
+                free,
+                largest_free_block: if free > 0 { block } else { 0 },
+                peak_size: size,
+                host_copy_bytes: 0,
+            });
+        }
+        for pool in &self.driver {
+            let (reserved, used) = (pool.reserved_bytes()?, pool.used_bytes()?);
+            // The driver does not report its largest free block.
+            all.push(PoolFigures {
+                size: reserved,
+                free: reserved.saturating_sub(used),
+                largest_free_block: 0,
+                peak_size: pool.reserved_peak_bytes()?,
+                host_copy_bytes: 0,
+            });
+        }
+        Ok(all.into_iter().reduce(PoolFigures::plus))
+    }
+
+    /// The memory of every pool that keeps a list of it (chunked, in-place and pinned
+    /// pools), as `(address, bytes)` in address order.
+    pub(crate) fn segments(&self) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for pool in &self.chunked {
+            out.extend(pool.segments());
+        }
+        for pool in &self.in_place {
+            out.extend(pool.segments());
+        }
+        for pool in &self.pinned {
+            out.extend(pool.segments());
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// Trims every pool, bins first (their free blocks and the lists of their streams;
+    /// their chunks stay, as a `FixedSize`'s do), then the pools under them. Returns the
+    /// bytes given back where the layers know them; every layer is trimmed even if one
+    /// fails, and the first failure is returned.
+    pub(crate) fn trim(&self) -> Result<u64, Error> {
+        let mut released = 0u64;
+        let mut first_error = None;
+        let mut note = |result: Result<u64, Error>| match result {
+            Ok(bytes) => released += bytes,
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        };
+        for bins in &self.bins {
+            note(bins.trim().map(|()| 0));
+        }
+        for fixed in &self.fixed {
+            note(fixed.trim().map(|()| 0));
+        }
+        // An arena holds its whole size; its trim frees the lists of streams.
+        for arena in &self.arenas {
+            note(arena.trim().map(|()| 0));
+        }
+        for pool in &self.chunked {
+            note(pool.trim().map(|n| n as u64));
+        }
+        for pool in &self.in_place {
+            note(pool.trim().map(|n| n as u64));
+        }
+        for pool in &self.pinned {
+            note(pool.trim().map(|n| n as u64));
+        }
+        for pool in &self.driver {
+            note((|| {
+                let before = pool.reserved_bytes()?;
+                pool.trim_to(0)?;
+                Ok(before.saturating_sub(pool.reserved_bytes()?))
+            })());
+        }
+        match first_error {
+            None => Ok(released),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Starts every pool's peak size afresh from what it holds now.
+    pub(crate) fn reset_peaks(&self) -> Result<(), Error> {
+        for pool in &self.chunked {
+            pool.reset_peak_size();
+        }
+        for pool in &self.in_place {
+            pool.reset_peak_size();
+        }
+        for pool in &self.pinned {
+            pool.reset_peak_size();
+        }
+        for pool in &self.driver {
+            pool.reset_reserved_peak()?;
+        }
+        Ok(())
+    }
+
+    /// The pools that sleep when the stack's own memory (tag `"default"`) does: every
+    /// in-place pool, on every tier. `refusal` is [`why_it_cannot_sleep`] of the spec.
+    /// Pinned host memory (`pinned`, `pinned_pool` tiers) stays as it is: it holds no
+    /// device memory, and its blocks stay usable while the device memory sleeps.
+    pub(crate) fn sleepable(&self, refusal: Option<&str>) -> Result<Vec<InPlace<T>>, Error> {
+        match refusal {
+            Some(why) if !self.in_place.is_empty() => Err(Error::unsupported(why.to_owned())),
+            _ => Ok(self.in_place.clone()),
+        }
+    }
+}
+
+/// Why the memory of a stack built from `spec` cannot sleep, if it cannot: only a pool
+/// that grows in place can give its device memory back and keep its addresses, so every
+/// part that holds device memory must be one. Pinned host memory may sit beside them (a
+/// `fallback(virtual_pool, pinned_pool)`): it stays as it is.
+pub(crate) fn why_it_cannot_sleep(spec: &Spec) -> Option<String> {
+    let part = match spec {
+        Spec::VirtualPool { .. } | Spec::Pinned | Spec::PinnedPool => return None,
+        Spec::WithStatistics(inner) | Spec::Logged { inner, .. } | Spec::Limited { inner, .. } => {
+            return why_it_cannot_sleep(inner);
+        }
+        Spec::Fallback { first, then } => {
+            return why_it_cannot_sleep(first).or_else(|| why_it_cannot_sleep(then));
+        }
+        Spec::Binning { .. } => {
+            return Some(
+                "a stack with `binning` cannot sleep: its bins keep blocks of the pool and \
+                 would hand them out while it sleeps; tag what should sleep instead"
+                    .to_owned(),
+            );
+        }
+        Spec::Cuda => "cuda",
+        Spec::CudaAsync { .. } => "cuda_async",
+        Spec::Managed => "managed",
+        Spec::Pool { .. } => "pool",
+        Spec::Arena { .. } => "arena",
+        Spec::FixedSize { .. } => "fixed_size",
+    };
+    Some(format!(
+        "a stack with `{part}` cannot sleep: only a pool that grows in place \
+         (`virtual_pool`) gives its device memory back and keeps its addresses, and \
+         `{part}` would keep its memory awake; tag what should sleep instead"
+    ))
 }
 
 /// One device's stack: the erased top that allocations go through, the outermost
-/// statistics layer and the memory layer, if the spec has them.
+/// statistics layer and the layers that hold memory.
 pub(crate) struct DeviceStack {
     top: AnyResource<Device>,
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
-    pool: Option<PoolLayer>,
+    /// Every pool of the stack, on every tier.
+    pools: Pools<Layers>,
     /// Logging layers: the stack lives in a static, never dropped, so their last rows are
     /// flushed at exit (`flush_logs`).
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
@@ -47,9 +283,8 @@ pub(crate) struct DeviceStack {
     recorded: Recorded,
     /// Descriptors exported for live blocks (`memres_ipc_export`).
     exported: Exported,
-    /// Whether the spec has a `binning`: its bins keep blocks of the in-place pool and
-    /// hand them out again, so that pool cannot sleep (they would serve unmapped memory).
-    binned: bool,
+    /// Why the stack's own memory cannot sleep ([`why_it_cannot_sleep`]), if it cannot.
+    sleep_refusal: Option<String>,
     /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`); with
     /// one, blocks may lie outside the pool's range.
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
@@ -70,7 +305,7 @@ pub(crate) struct Figures {
     pub(crate) out_of_memory: i64,
 }
 
-/// What the memory layer reports; 0 where it does not know a figure.
+/// What the memory layers report; 0 where they do not know a figure.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PoolFigures {
     pub(crate) size: u64,
@@ -81,6 +316,20 @@ pub(crate) struct PoolFigures {
     pub(crate) host_copy_bytes: u64,
 }
 
+impl PoolFigures {
+    /// The figures of two pools together: sizes add up (peaks too: an upper bound on the
+    /// peak of the sum), the largest free block is the larger.
+    fn plus(self, other: PoolFigures) -> PoolFigures {
+        PoolFigures {
+            size: self.size + other.size,
+            free: self.free + other.free,
+            largest_free_block: self.largest_free_block.max(other.largest_free_block),
+            peak_size: self.peak_size + other.peak_size,
+            host_copy_bytes: self.host_copy_bytes + other.host_copy_bytes,
+        }
+    }
+}
+
 impl DeviceStack {
     /// Builds `spec` for `device` (made current while building).
     pub(crate) fn build(spec: &Spec, device: DeviceId) -> Result<DeviceStack, Error> {
@@ -88,7 +337,7 @@ impl DeviceStack {
         let mut layers = Layers {
             device,
             statistics: None,
-            pool: None,
+            pools: Pools::default(),
             logs: Vec::new(),
             tiers: None,
         };
@@ -96,14 +345,14 @@ impl DeviceStack {
         Ok(DeviceStack {
             top,
             statistics: layers.statistics,
-            pool: layers.pool,
+            pools: layers.pools,
             logs: layers.logs,
             live: ExactCounter::default(),
             live_blocks: ExactCounter::default(),
             out_of_memory: AtomicI64::new(0),
             recorded: Recorded::default(),
             exported: Exported::default(),
-            binned: has_binning(spec),
+            sleep_refusal: why_it_cannot_sleep(spec),
             tiers: layers.tiers,
             tags: TagPools::default(),
         })
@@ -111,10 +360,10 @@ impl DeviceStack {
 }
 
 /// The device's leaves, and the layers found while building (inside out).
-struct Layers {
+pub(crate) struct Layers {
     device: DeviceId,
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
-    pool: Option<PoolLayer>,
+    pools: Pools<Layers>,
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
 }
@@ -147,7 +396,7 @@ impl Target for Layers {
             ..CudaAsyncConfig::default()
         };
         let pool = Arc::new(CudaAsync::on(self.device, config)?);
-        self.pool = Some(PoolLayer::Async(Arc::clone(&pool)));
+        self.pools.driver.push(Arc::clone(&pool));
         Ok(AnyResource::new(pool))
     }
 
@@ -160,10 +409,8 @@ impl Target for Layers {
     }
 
     fn built(&mut self, layer: Built<'_, Self>) {
+        self.pools.keep(&layer);
         match layer {
-            Built::ChunkedPool(pool) => self.pool = Some(PoolLayer::Pool(Arc::clone(pool))),
-            Built::InPlacePool(pool) => self.pool = Some(PoolLayer::Virtual(Arc::clone(pool))),
-            Built::SuperblockArena(arena) => self.pool = Some(PoolLayer::Arena(Arc::clone(arena))),
             // Built inside out, so the last one kept is the outermost.
             Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
             Built::Logged(logged) => self.logs.push(Arc::clone(logged)),
@@ -197,15 +444,12 @@ impl DeviceStack {
         }
     }
 
-    /// The memory the stack's pool holds, as `(address, bytes)` in address order; empty
-    /// where the stack has no pool that keeps such a list (an arena, a driver pool, no
-    /// pool: every block is then its own allocation).
+    /// The memory the stack's pools (every tier's) and its tags' pools hold, as
+    /// `(address, bytes)` in address order; nothing for layers that keep no such list (an
+    /// arena, `fixed_size`, a driver pool, no pool: every block is then its own
+    /// allocation).
     pub(crate) fn segments(&self) -> Vec<(usize, usize)> {
-        let mut out = match &self.pool {
-            Some(PoolLayer::Pool(pool)) => pool.segments(),
-            Some(PoolLayer::Virtual(pool)) => pool.segments(),
-            Some(PoolLayer::Arena(_) | PoolLayer::Async(_)) | None => Vec::new(),
-        };
+        let mut out = self.pools.segments();
         for (_, pool) in self.tags.all() {
             out.extend(pool.segments());
         }
@@ -218,33 +462,26 @@ impl DeviceStack {
         &self.tags
     }
 
-    /// The stack's own pool, if it grows in place (the default stack).
-    pub(crate) fn in_place_pool(&self) -> Option<Arc<Pool<CudaVirtual>>> {
-        match &self.pool {
-            Some(PoolLayer::Virtual(pool)) => Some(Arc::clone(pool)),
-            _ => None,
-        }
+    /// The stack's own pools that sleep when its memory does (tag `"default"`): every
+    /// in-place pool on every tier. An error says why the stack cannot sleep: a part of
+    /// it holds device memory that cannot (`binning`'s bins would serve the pool's blocks
+    /// unmapped; a chunked pool, an arena, ... would keep theirs awake). Empty for a
+    /// stack without an in-place pool.
+    pub(crate) fn sleepable_pools(&self) -> Result<Vec<Arc<Pool<CudaVirtual>>>, Error> {
+        self.pools.sleepable(self.sleep_refusal.as_deref())
     }
 
-    /// The stack's own pool if it can sleep: it grows in place and no layer above it
-    /// keeps its blocks to hand out again (`binning`'s bins would serve them unmapped).
-    pub(crate) fn sleepable_pool(&self) -> Result<Option<Arc<Pool<CudaVirtual>>>, Error> {
-        if self.binned {
-            return Err(Error::unsupported(
-                "a stack with `binning` cannot sleep: its bins keep blocks of the pool and \
-                 would hand them out while it sleeps; tag what should sleep instead",
-            ));
-        }
-        Ok(self.in_place_pool())
-    }
-
-    /// The in-place pool (the stack's own or a tag's) whose reservation holds `address`.
+    /// The in-place pool (the stack's own, on any tier, or a tag's) whose reservation
+    /// holds `address`.
     fn in_place_holding(&self, address: usize) -> Option<Arc<Pool<CudaVirtual>>> {
-        self.in_place_pool()
-            .filter(|pool| {
+        self.pools
+            .in_place()
+            .iter()
+            .find(|pool| {
                 let (base, len) = mr::GrowInPlace::reservation(pool.upstream());
                 address.wrapping_sub(base) < len
             })
+            .cloned()
             .or_else(|| self.tags.holding(address))
     }
 
@@ -254,7 +491,7 @@ impl DeviceStack {
     }
 
     /// What another process needs to map the `size` bytes at `address` (a live block of
-    /// this stack): the granules' descriptors where the memory is the in-place pool's
+    /// this stack): the granules' descriptors where the memory is an in-place pool's
     /// virtual memory, else the IPC handle of the `cuMemAlloc` allocation holding it.
     pub(crate) fn share(&self, address: usize, size: usize) -> Result<Shared, Error> {
         if let Some(pool) = self.in_place_holding(address) {
@@ -267,19 +504,17 @@ impl DeviceStack {
                 fds,
             });
         }
-        match &self.pool {
-            Some(PoolLayer::Async(_)) => Err(Error::unsupported(
+        if self.pools.only_driver_pools() {
+            return Err(Error::unsupported(
                 "sharing a block of a driver pool (cuda_async) with another process",
-            )),
-            _ => {
-                let (handle, offset) = mr::upstream::ipc_handle(address)?;
-                Ok(Shared::CudaHandle { handle, offset })
-            }
+            ));
         }
+        let (handle, offset) = mr::upstream::ipc_handle(address)?;
+        Ok(Shared::CudaHandle { handle, offset })
     }
 
     /// How many granules the handle of the `size` bytes at `address` names, where they are
-    /// the in-place pool's (`None` for memory shared by a CUDA IPC handle).
+    /// an in-place pool's (`None` for memory shared by a CUDA IPC handle).
     pub(crate) fn granules_of(&self, address: usize, size: usize) -> Option<usize> {
         let pool = self.in_place_holding(address)?;
         let g = mr::GrowInPlace::granularity(pool.upstream());
@@ -302,47 +537,19 @@ impl DeviceStack {
         &self.recorded
     }
 
+    /// The figures of the stack: its pools' (every tier's and bin's) and its tags' pools'
+    /// summed.
     pub(crate) fn figures(&self) -> Result<Figures, Error> {
-        let pool = match &self.pool {
-            None => None,
-            Some(PoolLayer::Pool(pool)) => Some(pool_figures(pool.stats())),
-            Some(PoolLayer::Virtual(pool)) => Some(pool_figures(pool.stats())),
-            Some(PoolLayer::Arena(arena)) => {
-                // The arena does not track its largest free block; it holds its whole
-                // size from the start.
-                Some(PoolFigures {
-                    size: arena.size() as u64,
-                    free: arena.free_bytes() as u64,
-                    largest_free_block: 0,
-                    peak_size: arena.size() as u64,
-                    host_copy_bytes: 0,
-                })
-            }
-            Some(PoolLayer::Async(pool)) => {
-                let (reserved, used) = (pool.reserved_bytes()?, pool.used_bytes()?);
-                // The driver does not report its largest free block.
-                Some(PoolFigures {
-                    size: reserved,
-                    free: reserved.saturating_sub(used),
-                    largest_free_block: 0,
-                    peak_size: pool.reserved_peak_bytes()?,
-                    host_copy_bytes: 0,
-                })
-            }
-        };
         // The tags' pools count with the stack's own (PyTorch's `memory_reserved` is
         // everything memres holds on the device).
-        let pool = self.tags.all().into_iter().fold(pool, |sum, (_, tagged)| {
-            let t = pool_figures(tagged.stats());
-            let s = sum.unwrap_or_default();
-            Some(PoolFigures {
-                size: s.size + t.size,
-                free: s.free + t.free,
-                largest_free_block: s.largest_free_block.max(t.largest_free_block),
-                peak_size: s.peak_size + t.peak_size,
-                host_copy_bytes: s.host_copy_bytes + t.host_copy_bytes,
-            })
-        });
+        let pool = self
+            .tags
+            .all()
+            .into_iter()
+            .map(|(_, tagged)| pool_figures(tagged.stats()))
+            .fold(self.pools.figures()?, |sum, t| {
+                Some(sum.map_or(t, |s| s.plus(t)))
+            });
         Ok(Figures {
             statistics: self.statistics.as_ref().map(|s| s.snapshot()),
             pool,
@@ -381,12 +588,7 @@ impl DeviceStack {
     pub(crate) fn reset_peaks(&self) -> Result<(), Error> {
         self.live.reset_peak();
         self.live_blocks.reset_peak();
-        match &self.pool {
-            Some(PoolLayer::Pool(pool)) => pool.reset_peak_size(),
-            Some(PoolLayer::Virtual(pool)) => pool.reset_peak_size(),
-            Some(PoolLayer::Async(pool)) => pool.reset_reserved_peak()?,
-            None | Some(PoolLayer::Arena(_)) => {}
-        }
+        self.pools.reset_peaks()?;
         for (_, pool) in self.tags.all() {
             pool.reset_peak_size();
         }
@@ -405,8 +607,10 @@ impl DeviceStack {
             // A fallback's next tier hands out memory outside the first tier's range.
             return None;
         }
-        match &self.pool {
-            Some(PoolLayer::Virtual(pool)) => {
+        // Without a fallback the stack has at most one in-place pool, which serves every
+        // block when it is there (under `binning` too: the bins' chunks are its blocks).
+        match self.pools.in_place() {
+            [pool] => {
                 let (base, len) = mr::GrowInPlace::reservation(pool.upstream());
                 Some(address.wrapping_sub(base) < len)
             }
@@ -414,27 +618,27 @@ impl DeviceStack {
         }
     }
 
-    /// Gives entirely free memory back to the driver; returns the bytes released where
-    /// the layer knows them. An arena's memory is one upstream allocation that it keeps
-    /// while it lives, so it gives nothing back (0).
+    /// Gives entirely free memory back: every pool of the stack (every tier, every bin)
+    /// and every tag's; returns the bytes released where the layers know them. An
+    /// arena's memory is one upstream allocation that it keeps while it lives, so it
+    /// gives nothing back (0). Every pool is trimmed even if one fails; the first failure
+    /// is returned.
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         let mut tagged = 0;
+        let mut failed = None;
         for (_, pool) in self.tags.all() {
-            tagged += pool.trim()? as u64;
-        }
-        let own = match &self.pool {
-            None => Ok(0),
-            // The arena holds its whole size; its trim frees the lists of streams.
-            Some(PoolLayer::Arena(arena)) => arena.trim().map(|()| 0),
-            Some(PoolLayer::Pool(pool)) => Ok(pool.trim()? as u64),
-            Some(PoolLayer::Virtual(pool)) => Ok(pool.trim()? as u64),
-            Some(PoolLayer::Async(pool)) => {
-                let before = pool.reserved_bytes()?;
-                pool.trim_to(0)?;
-                Ok(before.saturating_sub(pool.reserved_bytes()?))
+            match pool.trim() {
+                Ok(n) => tagged += n as u64,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
             }
-        }?;
-        Ok(own + tagged)
+        }
+        let own = self.pools.trim();
+        match (own, failed) {
+            (Ok(own), None) => Ok(own + tagged),
+            (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+        }
     }
 }
 
@@ -459,17 +663,5 @@ pub(crate) fn virtual_leaf(device: DeviceId, reserve: Option<usize>) -> Result<C
     match CudaVirtual::with_config(device, exportable) {
         Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf),
         built => built,
-    }
-}
-
-/// Whether `spec` has a `binning` anywhere.
-fn has_binning(spec: &Spec) -> bool {
-    match spec {
-        Spec::Binning { .. } => true,
-        Spec::WithStatistics(inner) | Spec::Logged { inner, .. } | Spec::Limited { inner, .. } => {
-            has_binning(inner)
-        }
-        Spec::Fallback { first, then } => has_binning(first) || has_binning(then),
-        _ => false,
     }
 }

@@ -4,9 +4,17 @@
 //! threads PyTorch runs a model on all allocate under it), `memres_malloc` serves each
 //! device from that tag's own pool, an in-place pool over its own virtual-memory
 //! reservation, made on the tag's first allocation on the device. Each such pool, and the
-//! device's default stack when it is an in-place pool (tag `"default"`), can sleep and
-//! wake on its own: the weights can wake before the KV cache. Frees find their pool by
-//! address (each reservation is its own range).
+//! device's default stack (tag `"default"`) when the device memory it holds is in-place
+//! pools', can sleep and wake on its own: the weights can wake before the KV cache. Frees
+//! find their pool by address (each reservation is its own range).
+//!
+//! The default stack sleeps as one: every in-place pool of it, on every tier of a
+//! `fallback(..)`. Pinned host memory beside them (`pinned`, `pinned_pool` tiers) stays
+//! as it is: it holds no device memory, and its blocks stay usable. A stack with any
+//! other part that holds device memory (`pool`, `arena`, `fixed_size`, `cuda`,
+//! `cuda_async`, `managed`, or `binning`, whose bins keep the pool's blocks) cannot
+//! sleep: a sleep by name is refused with a message saying which part, and a sleep of
+//! every pool (NULL) skips it, as it skips a stack with no in-place pool.
 
 use std::ffi::{CStr, c_char, c_int};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -175,17 +183,22 @@ fn pools_named(
     let mut out = Vec::new();
     let every = name.is_none();
     if name.as_deref().is_none_or(|n| n == DEFAULT_TAG) {
-        match stack.sleepable_pool() {
-            Ok(Some(pool)) => out.push((DEFAULT_TAG.to_owned(), pool)),
+        // Every in-place pool of the stack, on every tier, sleeps and wakes as the one
+        // "default": a stack whose other parts hold device memory that cannot sleep is
+        // refused (pinned host memory stays as it is).
+        match stack.sleepable_pools() {
+            Ok(pools) if !pools.is_empty() => {
+                out.extend(pools.into_iter().map(|pool| (DEFAULT_TAG.to_owned(), pool)));
+            }
             // Both are the caller's choice of stack: an invalid argument, not a CUDA error.
-            Ok(None) if !every => {
+            Ok(_) if !every => {
                 return Err(Failure::invalid(format!(
                     "{what}: device {device}'s stack has no pool that grows in place (spec \
                      `virtual_pool`), so its untagged memory cannot sleep; tag what should"
                 )));
             }
             Err(e) if !every => return Err(Failure::invalid(format!("{what}: {e}"))),
-            Ok(None) | Err(_) => {}
+            Ok(_) | Err(_) => {}
         }
     }
     // The pools first: a tag's name is set before its pool is made, and names are only
@@ -319,9 +332,13 @@ pub unsafe extern "C" fn memres_wake(device: c_int, tag: *const c_char) -> i64 {
     guarded(i64::from, || {
         let (pools, every) = pools_named(device, tag, "memres_wake")?;
         let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
+        // A name wakes the pools it names that sleep: the stack's own memory may be
+        // several in-place pools (one per tier), of which a failed wake may have left
+        // some asleep. A name none of whose pools sleeps is refused (by the first wake).
+        let any_asleep = pools.iter().any(|(_, pool)| pool.is_asleep());
         let mut mapped = 0usize;
         for (name, pool) in &pools {
-            if every && !pool.is_asleep() {
+            if (every || any_asleep) && !pool.is_asleep() {
                 continue;
             }
             mapped += pool

@@ -5,7 +5,10 @@ use std::ffi::{CStr, CString};
 use std::mem::{offset_of, size_of};
 use std::sync::Mutex;
 
+use mr::spec::{Built, Target};
+
 use super::*;
+use crate::stack::{Pools, why_it_cannot_sleep};
 
 /// The configuration is process-wide: tests that change it take turns.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -394,6 +397,33 @@ fn fallback_child() {
         (SIZE as i64, 2 * SIZE as i64),
         "one block from the device, two from pinned memory"
     );
+    // Both tiers' pools count and are listed (issue 49: the pinned pool was neither).
+    let held = stats(0);
+    assert!(held.pool_size >= 3 * SIZE as u64, "{held:?}");
+    let mut segments = [0u64; 2 * 64];
+    // SAFETY: room for 64 pairs.
+    let n = unsafe { memres_segments(0, segments.as_mut_ptr(), 64) };
+    assert!((1..=64).contains(&n), "{n}: {}", last_error());
+    let listed = &segments[..2 * n as usize];
+    for &p in &blocks {
+        assert!(
+            listed
+                .chunks(2)
+                .any(|s| (p as u64).wrapping_sub(s[0]) < s[1]),
+            "{p:?} in no segment: {listed:x?}"
+        );
+    }
+    // The device tier sleeps; the pinned tier stays as it is, its blocks usable.
+    let default = c("default");
+    // SAFETY: nothing uses the first tier's block until the wake.
+    let released = unsafe { memres_sleep(0, default.as_ptr(), MEMRES_SLEEP_DISCARD) };
+    assert!(released >= SIZE as i64, "{released}: {}", last_error());
+    // SAFETY: a NUL-terminated string.
+    assert_eq!(unsafe { memres_is_asleep(0, default.as_ptr()) }, 1);
+    // SAFETY: a block of the pinned tier: host memory, mapped.
+    unsafe { blocks[1].cast::<u8>().write_bytes(1, SIZE as usize) };
+    // SAFETY: a NUL-terminated string.
+    assert_eq!(unsafe { memres_wake(0, default.as_ptr()) }, released);
     for p in blocks {
         // SAFETY: from `memres_malloc(SIZE, 0, ..)` above, unused, legacy stream.
         unsafe { memres_free(p, SIZE, 0, std::ptr::null_mut()) };
@@ -404,10 +434,78 @@ fn fallback_child() {
         "every block freed: {}",
         last_error()
     );
+    assert_eq!(memres_trim(0), MEMRES_OK, "{}", last_error());
+    assert_eq!(stats(0).pool_size, 0, "both tiers trimmed");
     println!("fallback: freed");
 }
 
+/// A `fallback(..)` of two in-place pools sleeps and wakes as one through the C ABI
+/// (issue 49: only the tier kept last slept). In a child process, as the tests above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn both_in_place_tiers_of_a_fallback_sleep() {
+    assert!(
+        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
+        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tests::two_tiers_sleep_child", "--nocapture"])
+        .env("MEMRES_CAPI_TWO_TIERS_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("two tiers: woken"),
+        "the child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The body of the test above, run only in its child process.
+#[test]
+fn two_tiers_sleep_child() {
+    if std::env::var_os("MEMRES_CAPI_TWO_TIERS_CHILD").is_none() {
+        return; // not the child
+    }
+    assert_eq!(
+        configure("fallback(virtual_pool:max=64MiB, virtual_pool)"),
+        MEMRES_OK,
+        "{}",
+        last_error()
+    );
+    const SIZE: isize = 48 << 20;
+    // SAFETY: the legacy default stream.
+    let blocks: Vec<*mut c_void> = (0..3)
+        .map(|_| unsafe { memres_malloc(SIZE, 0, std::ptr::null_mut()) })
+        .collect();
+    assert!(blocks.iter().all(|p| !p.is_null()), "{}", last_error());
+    let held = stats(0).pool_size;
+    assert!(held >= 3 * SIZE as u64, "both tiers counted: {held}");
+    let default = c("default");
+    // SAFETY: nothing uses the blocks until the wake; NUL-terminated strings.
+    unsafe {
+        let released = memres_sleep(0, default.as_ptr(), MEMRES_SLEEP_DISCARD);
+        assert!(released >= 3 * SIZE as i64, "{released}: {}", last_error());
+        assert_eq!(stats(0).pool_size, 0, "both tiers asleep");
+        assert!(memres_malloc(4096, 0, std::ptr::null_mut()).is_null());
+        assert!(last_error().contains("asleep"), "{}", last_error());
+        assert_eq!(memres_wake(0, default.as_ptr()), released);
+        assert_eq!(
+            memres_wake(0, default.as_ptr()),
+            i64::from(MEMRES_ERROR_INVALID_ARGUMENT),
+            "awake already"
+        );
+        for p in blocks {
+            memres_free(p, SIZE, 0, std::ptr::null_mut());
+        }
+    }
+    assert_eq!(memres_trim(0), MEMRES_OK, "{}", last_error());
+    assert_eq!(stats(0).pool_size, 0, "both tiers trimmed");
+    println!("two tiers: woken");
+}
+
+/// The body of `live_bytes_are_exact_when_another_thread_frees`, run only in its child
+/// process.
 #[test]
 fn live_bytes_child() {
     if std::env::var_os("MEMRES_CAPI_LIVE_CHILD").is_none() {
@@ -1177,4 +1275,341 @@ fn binning_sleep_child() {
         memres_free(q, 4096, 0, std::ptr::null_mut());
     }
     println!("binning: refused");
+}
+
+// Every pool of a stack, on the host: the C ABI's `Pools` over stacks of host memory
+// built by `Spec::build` (the C ABI's own target needs a GPU).
+
+/// Heap bytes this thread has allocated and not freed (counted by the global allocator of
+/// this test binary, per thread: tests run side by side).
+mod thread_heap {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static LIVE: Cell<isize> = const { Cell::new(0) };
+    }
+
+    fn add(bytes: isize) {
+        // No destructor and a constant start: there at every point of a thread's life.
+        let _ = LIVE.try_with(|live| live.set(live.get() + bytes));
+    }
+
+    /// Heap bytes live from this thread's allocations and frees.
+    pub(super) fn live() -> isize {
+        LIVE.with(Cell::get)
+    }
+
+    struct Counting;
+
+    // SAFETY: forwards every call to `System`, counting sizes on the side.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+            add(l.size() as isize);
+            // SAFETY: the caller's promise, passed on.
+            unsafe { System.alloc(l) }
+        }
+
+        unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+            add(l.size() as isize);
+            // SAFETY: the caller's promise, passed on.
+            unsafe { System.alloc_zeroed(l) }
+        }
+
+        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+            add(-(l.size() as isize));
+            // SAFETY: the caller's promise, passed on.
+            unsafe { System.dealloc(p, l) }
+        }
+
+        unsafe fn realloc(&self, p: *mut u8, l: Layout, new_size: usize) -> *mut u8 {
+            // SAFETY: the caller's promise, passed on.
+            let moved = unsafe { System.realloc(p, l, new_size) };
+            if !moved.is_null() {
+                add(new_size as isize - l.size() as isize);
+            }
+            moved
+        }
+    }
+
+    #[global_allocator]
+    static GLOBAL: Counting = Counting;
+}
+
+/// Host memory for specs: heap blocks for `pool`, `arena` and `fixed_size`, heap memory
+/// standing in for pinned host memory, and 256 MiB reservations of 64 KiB granules for
+/// in-place pools; it keeps the pools it is shown, as the C ABI's target does.
+#[derive(Default)]
+struct OnTheHost {
+    pools: Pools<OnTheHost>,
+}
+
+impl Target for OnTheHost {
+    type Properties = mr::Host;
+    type Memory = mr::HostHeap;
+    type Backend = mr::upstream::HostPages;
+
+    fn memory(&mut self) -> Result<mr::HostHeap, Error> {
+        Ok(mr::HostHeap)
+    }
+    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::HostVirtual, Error> {
+        mr::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+    }
+    fn arena_size(&mut self) -> Result<usize, Error> {
+        Ok(16 << 20)
+    }
+    fn pinned(&mut self) -> Result<mr::AnyResource<mr::Host>, Error> {
+        Ok(mr::AnyResource::new(mr::HostHeap))
+    }
+    fn built(&mut self, layer: Built<'_, Self>) {
+        self.pools.keep(&layer);
+    }
+}
+
+/// `text` built over host memory, with the pools the build showed.
+fn on_the_host(text: &str) -> (mr::AnyResource<mr::Host>, Pools<OnTheHost>) {
+    let mut target = OnTheHost::default();
+    let top = Spec::parse(text)
+        .unwrap()
+        .build(&mut target)
+        .unwrap_or_else(|e| panic!("{text}: {e}"));
+    (top, target.pools)
+}
+
+/// Allocates `bytes` from `top` on the host stream and writes them.
+fn host_block(top: &mr::AnyResource<mr::Host>, bytes: usize) -> NonNull<u8> {
+    let p = top
+        .allocate(StreamRef::HOST, mr::layout(bytes).unwrap())
+        .unwrap();
+    // SAFETY: a fresh block of `bytes` bytes of host memory.
+    unsafe { p.as_ptr().write_bytes(0x5a, bytes) };
+    p
+}
+
+/// Frees a block of `host_block`.
+fn free_host_block(top: &mr::AnyResource<mr::Host>, p: NonNull<u8>, bytes: usize) {
+    // SAFETY: from `host_block(top, bytes)`, not used afterwards.
+    unsafe { top.deallocate(StreamRef::HOST, p, mr::layout(bytes).unwrap()) };
+}
+
+/// A `fallback(..)` keeps every tier's pool: the figures are both tiers' summed, the
+/// segments list both tiers' memory, and a trim gives back what either holds free (the
+/// C ABI kept one handle, overwritten by each tier: only the second was seen).
+#[test]
+fn every_tier_of_a_fallback_is_counted_listed_and_trimmed() {
+    for (text, second) in [
+        ("fallback(limiting(virtual_pool, limit=1MiB), pool)", "pool"),
+        (
+            "fallback(limiting(pool, limit=1MiB), virtual_pool)",
+            "virtual_pool",
+        ),
+        (
+            "statistics(fallback(limiting(virtual_pool, limit=1MiB), pinned_pool))",
+            "pinned_pool",
+        ),
+        (
+            "fallback(limiting(virtual_pool, limit=1MiB), virtual_pool:reserve=64MiB)",
+            "virtual_pool",
+        ),
+    ] {
+        let (top, pools) = on_the_host(text);
+        assert_eq!(pools.figures().unwrap().map(|f| f.size), Some(0), "{text}");
+        // 512 KiB from the first tier, 4 MiB past its limit from the second.
+        let (small, large) = (512 << 10, 4 << 20);
+        let first = host_block(&top, small);
+        let then = host_block(&top, large);
+        let held = pools.figures().unwrap().expect("pools");
+        assert!(
+            held.size >= (small + large) as u64,
+            "{text}: both tiers' memory counted, {held:?}"
+        );
+        let segments = pools.segments();
+        let held_at = |p: NonNull<u8>| {
+            let a = p.as_ptr() as usize;
+            segments
+                .iter()
+                .any(|&(base, len)| a.wrapping_sub(base) < len)
+        };
+        assert!(
+            held_at(first) && held_at(then),
+            "{text}: a segment holds each tier's block: {segments:x?}"
+        );
+        assert_eq!(
+            segments.iter().map(|&(_, n)| n as u64).sum::<u64>(),
+            held.size,
+            "{text}: the segments are what the pools hold"
+        );
+        free_host_block(&top, first, small);
+        free_host_block(&top, then, large);
+        let released = pools.trim().unwrap();
+        let after = pools.figures().unwrap().expect("pools");
+        assert_eq!(after.size, 0, "{text}: {second} trimmed too: {after:?}");
+        assert_eq!(released, held.size, "{text}");
+        assert!(pools.segments().is_empty(), "{text}");
+        // The peaks of both start again from nothing.
+        pools.reset_peaks().unwrap();
+        assert_eq!(pools.figures().unwrap().unwrap().peak_size, 0, "{text}");
+    }
+}
+
+/// `memres_trim` reaches a `binning` stack's bins: they give back the lists of the
+/// streams they served (before, only the pool under them was trimmed, and each stream
+/// used once kept a list in every bin it used until the stack went).
+#[test]
+fn a_trim_reaches_the_bins() {
+    let (top, pools) = on_the_host("binning:min=8,max=12");
+    const STREAMS: u32 = 2_000;
+    let l = mr::layout(256).unwrap();
+    let before = thread_heap::live();
+    for id in 1..=STREAMS {
+        let s = StreamRef::host(id);
+        let p = top.allocate(s, l).unwrap();
+        // SAFETY: allocated just above on `s`, unused.
+        unsafe { top.deallocate(s, p, l) };
+    }
+    let used = (thread_heap::live() - before) / STREAMS as isize;
+    pools.trim().unwrap();
+    let trimmed = (thread_heap::live() - before) / STREAMS as isize;
+    println!("binning: {used} B per stream in use, {trimmed} B after memres_trim's trim");
+    assert!(used > 100, "the bins keep a list per stream: {used} B");
+    if grace_periods_offered() {
+        assert!(trimmed <= 32, "{trimmed} B per stream after the trim");
+    } else {
+        // Without `membarrier` lists are emptied, not freed.
+        println!("memres-skip: no membarrier here: lists are emptied, not freed");
+    }
+}
+
+/// Whether this machine offers `membarrier`'s private expedited command (which trims
+/// need to free lists), asked as memres asks.
+fn grace_periods_offered() -> bool {
+    const QUERY: libc::c_long = 0;
+    const PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
+    // SAFETY: the query command reads nothing and changes nothing.
+    let offered = unsafe { libc::syscall(libc::SYS_membarrier, QUERY, 0, 0) };
+    offered >= 0 && offered & PRIVATE_EXPEDITED != 0
+}
+
+/// The stack's own memory sleeps as one: every in-place pool on every tier (the C ABI
+/// slept only the pool it kept last); pinned host memory beside them stays as it is and
+/// usable; a stack with any other part that holds memory is refused, naming the part.
+#[test]
+fn every_in_place_tier_sleeps_and_other_memory_is_refused_by_name() {
+    // Two in-place tiers: both sleep, nothing stays held, both wake.
+    let text = "fallback(limiting(virtual_pool, limit=1MiB), virtual_pool:reserve=64MiB)";
+    let (top, pools) = on_the_host(text);
+    let first = host_block(&top, 512 << 10);
+    let then = host_block(&top, 4 << 20);
+    let sleepers = pools.sleepable(why_it_cannot_sleep(&Spec::parse(text).unwrap()).as_deref());
+    let sleepers = sleepers.unwrap();
+    assert_eq!(sleepers.len(), 2, "both tiers");
+    for pool in &sleepers {
+        // SAFETY: nothing touches the blocks until the pools wake.
+        unsafe { pool.sleep(mr::SleepMode::Offload) }.unwrap();
+    }
+    assert_eq!(pools.figures().unwrap().unwrap().size, 0, "nothing mapped");
+    assert!(pools.segments().is_empty());
+    assert!(matches!(
+        top.allocate(StreamRef::HOST, mr::layout(4096).unwrap()),
+        Err(Error::Asleep)
+    ));
+    for pool in &sleepers {
+        pool.wake().unwrap();
+    }
+    // SAFETY: the blocks are mapped again, with their contents.
+    assert_eq!(unsafe { then.as_ptr().add((4 << 20) - 1).read() }, 0x5a);
+    free_host_block(&top, first, 512 << 10);
+    free_host_block(&top, then, 4 << 20);
+
+    // Pinned host memory as the next tier: only the in-place pool sleeps, and a block of
+    // the pinned tier stays usable.
+    let text = "fallback(limiting(virtual_pool, limit=1MiB), pinned_pool)";
+    let (top, pools) = on_the_host(text);
+    let pinned = host_block(&top, 4 << 20);
+    let sleepers = pools
+        .sleepable(why_it_cannot_sleep(&Spec::parse(text).unwrap()).as_deref())
+        .unwrap();
+    assert_eq!(sleepers.len(), 1);
+    // SAFETY: nothing touches the in-place pool's blocks (there are none) until it wakes.
+    unsafe { sleepers[0].sleep(mr::SleepMode::Discard) }.unwrap();
+    // SAFETY: the pinned tier's block, still mapped.
+    unsafe { pinned.as_ptr().write_bytes(1, 4 << 20) };
+    sleepers[0].wake().unwrap();
+    free_host_block(&top, pinned, 4 << 20);
+
+    // Parts that hold memory and cannot sleep: refused, each named.
+    for (text, part) in [
+        ("fallback(virtual_pool, pool)", "`pool`"),
+        ("fallback(pool, virtual_pool)", "`pool`"),
+        (
+            "statistics(fallback(virtual_pool, arena:size=4MiB))",
+            "`arena`",
+        ),
+        (
+            "fallback(virtual_pool, statistics(fixed_size:block=4KiB,blocks=4))",
+            "`fixed_size`",
+        ),
+        ("fallback(virtual_pool, cuda)", "`cuda`"),
+        ("binning:min=8,max=12", "`binning`"),
+        (
+            "fallback(virtual_pool, limiting(binning:min=8,max=12, limit=1GiB))",
+            "`binning`",
+        ),
+    ] {
+        let spec = Spec::parse(text).unwrap();
+        let why = why_it_cannot_sleep(&spec);
+        let (_top, pools) = on_the_host(text);
+        match pools.sleepable(why.as_deref()) {
+            Err(Error::Unsupported(message)) => {
+                assert!(message.contains(part), "{text}: {message}")
+            }
+            other => panic!("{text}: {:?}", other.map(|p| p.len())),
+        }
+    }
+    // No in-place pool at all: nothing to sleep (the C ABI says so by name).
+    let (_top, pools) = on_the_host("statistics(pool)");
+    assert!(
+        pools
+            .sleepable(why_it_cannot_sleep(&Spec::parse("pool").unwrap()).as_deref())
+            .unwrap()
+            .is_empty()
+    );
+    for text in [
+        "virtual_pool",
+        "fallback(virtual_pool, pinned)",
+        "logging(virtual_pool, file=/dev/null)",
+    ] {
+        assert_eq!(
+            why_it_cannot_sleep(&Spec::parse(text).unwrap()),
+            None,
+            "{text}"
+        );
+    }
+}
+
+/// An arena's and a `fixed_size`'s figures are counted with the rest, and a trim runs
+/// on both (they keep their memory: one allocation, and chunks until the stack goes).
+#[test]
+fn arenas_and_fixed_size_are_counted_and_trimmed() {
+    let (top, pools) = on_the_host(
+        "fallback(limiting(arena:size=4MiB, limit=1MiB), statistics(fixed_size:block=64KiB,blocks=64))",
+    );
+    let held = pools.figures().unwrap().unwrap();
+    assert_eq!(held.size, 2 * (4 << 20), "{held:?}");
+    assert_eq!(held.free, held.size, "nothing handed out");
+    // The arena's limit, then a block past it from the fixed-size tier.
+    let arena_block = host_block(&top, 1 << 20);
+    let fixed_block = host_block(&top, 64 << 10);
+    let now = pools.figures().unwrap().unwrap();
+    assert_eq!(now.size, held.size);
+    assert!(
+        held.free - now.free >= (1 << 20) + (64 << 10),
+        "{held:?} then {now:?}"
+    );
+    assert!(now.largest_free_block >= 64 << 10, "{now:?}");
+    free_host_block(&top, arena_block, 1 << 20);
+    free_host_block(&top, fixed_block, 64 << 10);
+    assert_eq!(pools.trim().unwrap(), 0, "neither gives memory back");
+    let after = pools.figures().unwrap().unwrap();
+    assert_eq!((after.size, after.free), (held.size, held.size));
 }

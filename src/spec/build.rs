@@ -124,6 +124,13 @@ pub enum Built<'a, T: Target + ?Sized> {
     Logged(&'a Arc<Logging<AnyResource<T::Properties>>>),
     /// A `fallback(..)`: its two tiers, with their figures.
     Tiers(&'a Arc<Tiers<T::Properties>>),
+    /// A `pinned_pool`: a chunked pool over the target's [pinned](Target::pinned) memory.
+    PinnedPool(&'a Arc<Pool<AnyResource<T::Properties>>>),
+    /// A `binning`'s bins (the in-place pool under them was shown before, as
+    /// [`InPlacePool`](Built::InPlacePool)).
+    Bins(&'a Arc<Binning<AnyResource<T::Properties>>>),
+    /// A `fixed_size`.
+    FixedBlocks(&'a Arc<FixedSize<T::Memory>>),
 }
 
 impl Spec {
@@ -148,10 +155,11 @@ impl Spec {
             } => (target.driver_pool(*initial, *release_threshold)?, None),
             Spec::Managed => (target.managed()?, None),
             Spec::Pinned => (target.pinned()?, None),
-            Spec::PinnedPool => (
-                AnyResource::new(Pool::new(target.pinned()?, PoolConfig::new())?),
-                None,
-            ),
+            Spec::PinnedPool => {
+                let pool = Arc::new(Pool::new(target.pinned()?, PoolConfig::new())?);
+                target.built(Built::PinnedPool(&pool));
+                (AnyResource::new(pool), None)
+            }
             Spec::Fallback { first, then } => {
                 let (first, range) = first.build_ranged(target)?;
                 let mut tiers = Fallback::<_, _, T::Properties>::new(first, then.build(target)?);
@@ -198,18 +206,21 @@ impl Spec {
                 target.built(Built::SuperblockArena(&arena));
                 (AnyResource::new(arena), None)
             }
-            Spec::FixedSize { block, blocks } => (
-                AnyResource::new(FixedSize::with_block_size(
+            Spec::FixedSize { block, blocks } => {
+                let fixed = Arc::new(FixedSize::with_block_size(
                     target.memory()?,
                     *block,
                     *blocks,
-                )?),
-                None,
-            ),
+                )?);
+                target.built(Built::FixedBlocks(&fixed));
+                (AnyResource::new(fixed), None)
+            }
             Spec::Binning { min, max } => {
                 // The bins' blocks come from the pool too.
                 let (pool, range) = Spec::default_spec().build_ranged(target)?;
-                (AnyResource::new(Binning::new(pool, *min, *max)?), range)
+                let bins = Arc::new(Binning::new(pool, *min, *max)?);
+                target.built(Built::Bins(&bins));
+                (AnyResource::new(bins), range)
             }
             Spec::WithStatistics(inner) => {
                 let (inner, range) = inner.build_ranged(target)?;
@@ -303,6 +314,9 @@ mod tests {
                     self.by_address.push(tiers.first_range().is_some());
                     "fallback"
                 }
+                Built::PinnedPool(_) => "pinned_pool",
+                Built::Bins(_) => "binning",
+                Built::FixedBlocks(_) => "fixed_size",
             });
         }
     }
@@ -324,8 +338,8 @@ mod tests {
             ("pool:initial=1MiB,growth=rmm", &["pool"][..]),
             ("virtual_pool:reserve=256MiB,step=1MiB", &["virtual_pool"]),
             ("arena", &["arena"]),
-            ("fixed_size:block=8KiB,blocks=4", &[]),
-            ("binning:min=10,max=14", &["virtual_pool"]),
+            ("fixed_size:block=8KiB,blocks=4", &["fixed_size"]),
+            ("binning:min=10,max=14", &["virtual_pool", "binning"]),
             (
                 "statistics(limiting(pool, limit=1GiB))",
                 &["pool", "statistics"],
