@@ -167,6 +167,14 @@ int64_t memres_segments(int device, uint64_t* out, size_t capacity);
    one fails; the first failure is returned. */
 int memres_trim(int device);
 
+/* Bounds what memres's pools on device hold to bytes (below 0: no bound; 0 is refused):
+   torch.cuda.set_per_process_memory_fraction. Each device-memory pool of the stack
+   (every tier of a fallback(..), the pool under binning) and every tag's pool, those made
+   later too, grows no further than bytes, after giving back what it holds free; a request
+   past the bound is out of memory. Pinned host pools, arena, cuda_async and plain cuda
+   stacks are not bounded. Builds the stack if it does not exist yet. */
+int memres_set_limit(int device, int64_t bytes);
+
 /* Starts device's peaks (peak_live_bytes, peak_live_allocations, pool_peak_size) afresh
    from what is live and held now (torch.cuda.reset_peak_memory_stats). */
 int memres_reset_peak(int device);

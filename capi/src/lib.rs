@@ -667,6 +667,36 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
     )
 }
 
+/// Bounds what memres's pools on `device` hold to `bytes` (below 0: no bound), what
+/// `torch.cuda.set_per_process_memory_fraction` sets: each device-memory pool of the
+/// stack (every tier of a `fallback(..)`, the pool under `binning`) and every tag's pool,
+/// those made later too, grows no further than `bytes`, after giving back what it holds
+/// free; a request past the bound is out of memory. Pinned host pools, `arena`,
+/// `cuda_async` and plain `cuda` stacks are not bounded. Builds the stack if it does not
+/// exist yet. 0 on success; 0 bytes is refused.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_set_limit(device: c_int, bytes: i64) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            let bound = match bytes {
+                0 => {
+                    return Err(Failure::invalid(
+                        "memres_set_limit: a bound of 0 bytes (give -1 for none)",
+                    ));
+                }
+                b if b < 0 => None,
+                b => Some(
+                    usize::try_from(b)
+                        .map_err(|_| Failure::invalid(format!("memres_set_limit: {b} bytes")))?,
+                ),
+            };
+            stack(device)?.set_limit(bound);
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
 /// Starts `device`'s peaks (`peak_live_bytes`, `peak_live_allocations`, `pool_peak_size`)
 /// afresh from what is live and held now (as `torch.cuda.reset_peak_memory_stats`). 0 on
 /// success, also before the first allocation.

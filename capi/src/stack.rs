@@ -157,6 +157,17 @@ impl<T: Target> Pools<T> {
     /// their chunks stay, as a `FixedSize`'s do), then the pools under them. Returns the
     /// bytes given back where the layers know them; every layer is trimmed even if one
     /// fails, and the first failure is returned.
+    /// Bounds what each device-memory pool (chunked and in-place) holds, as
+    /// [`Pool::set_limit`]; `None` lifts the bound. Pinned host pools are not bounded.
+    pub(crate) fn set_limit(&self, bytes: Option<usize>) {
+        for pool in &self.chunked {
+            pool.set_limit(bytes);
+        }
+        for pool in &self.in_place {
+            pool.set_limit(bytes);
+        }
+    }
+
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         let mut released = 0u64;
         let mut first_error = None;
@@ -623,6 +634,13 @@ impl DeviceStack {
     /// arena's memory is one upstream allocation that it keeps while it lives, so it
     /// gives nothing back (0). Every pool is trimmed even if one fails; the first failure
     /// is returned.
+    /// Bounds what each of the device's pools holds (the stack's device-memory pools and
+    /// every tag's, those made later too): `memres_set_limit`.
+    pub(crate) fn set_limit(&self, bytes: Option<usize>) {
+        self.pools.set_limit(bytes);
+        self.tags.set_limit(bytes);
+    }
+
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         let mut tagged = 0;
         let mut failed = None;

@@ -69,6 +69,8 @@ pub(crate) struct TagPools {
     /// Set once the device has a tagged pool: frees skip the lookup until then.
     any: AtomicBool,
     pools: RwLock<Vec<Tagged>>,
+    /// The bound of `memres_set_limit` (0: none), given to pools made later too.
+    limit: AtomicUsize,
 }
 
 impl TagPools {
@@ -86,6 +88,8 @@ impl TagPools {
             virtual_leaf(device, None)?,
             PoolConfig::new(),
         )?);
+        let limit = self.limit.load(Ordering::Relaxed);
+        pool.set_limit((limit != 0).then_some(limit));
         let (base, len) = pool.upstream().reservation();
         pools.push(Tagged {
             id,
@@ -95,6 +99,16 @@ impl TagPools {
         });
         self.any.store(true, Ordering::Release);
         Ok(pool)
+    }
+
+    /// Bounds what each tag's pool holds, those made later too (`None`: no bound).
+    pub(crate) fn set_limit(&self, bytes: Option<usize>) {
+        // Under the write lock: a pool made meanwhile reads the new bound.
+        let pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
+        self.limit.store(bytes.unwrap_or(0), Ordering::Relaxed);
+        for tagged in pools.iter() {
+            tagged.pool.set_limit(bytes);
+        }
     }
 
     /// The pool of tag `id`, if the device has one.

@@ -1613,3 +1613,37 @@ fn arenas_and_fixed_size_are_counted_and_trimmed() {
     let after = pools.figures().unwrap().unwrap();
     assert_eq!((after.size, after.free), (held.size, held.size));
 }
+
+/// `memres_set_limit` (PyTorch's memory fraction) bounds every device-memory pool of a
+/// stack: a request that would grow one past the bound is out of memory, lifting the
+/// bound lets it grow; pinned host pools are left unbounded.
+#[test]
+fn a_limit_bounds_every_device_pool_of_the_stack() {
+    for text in [
+        "virtual_pool",
+        "pool",
+        "fallback(virtual_pool, pool)",
+        "binning:min=8,max=12",
+    ] {
+        let (top, pools) = on_the_host(text);
+        pools.set_limit(Some(8 << 20));
+        let l = mr::layout(16 << 20).unwrap();
+        assert!(
+            matches!(
+                top.allocate(StreamRef::HOST, l),
+                Err(Error::OutOfMemory { .. })
+            ),
+            "{text}: 16 MiB under a bound of 8"
+        );
+        let fits = host_block(&top, 6 << 20);
+        assert!(pools.figures().unwrap().unwrap().size <= 8 << 20, "{text}");
+        pools.set_limit(None);
+        let large = host_block(&top, 16 << 20);
+        free_host_block(&top, large, 16 << 20);
+        free_host_block(&top, fits, 6 << 20);
+    }
+    let (top, pools) = on_the_host("pinned_pool");
+    pools.set_limit(Some(1 << 20));
+    let pinned = host_block(&top, 4 << 20);
+    free_host_block(&top, pinned, 4 << 20);
+}

@@ -14,7 +14,15 @@
 // - empty_cache -> memres_trim on every device memres serves.
 // - cacheInfo (cudnn.benchmark's workspace bound): the pool's largest free block or the
 //   device's free memory, whichever is larger (memres can grow into the latter).
-// - Out of memory stays torch.OutOfMemoryError, with memres's message.
+// - Out of memory stays torch.OutOfMemoryError, in torch's words ("CUDA out of memory.
+//   Tried to allocate ...", the device's capacity and free memory, what is allocated and
+//   reserved) with memres's reason after them; the out-of-memory observers
+//   (torch._C._cuda_attach_out_of_memory_observer) are called first, as torch calls them.
+// - set_per_process_memory_fraction / get_per_process_memory_fraction: the fraction of
+//   the device's memory becomes a limit on what memres's pools on it hold
+//   (memres_set_limit); a request past it is torch.OutOfMemoryError.
+// - torch.profiler(profile_memory=True): every allocation and free is reported to the
+//   profiler (its memory events, export_memory_timeline).
 // - Private pools for CUDA graphs (torch.cuda.graph, its pool= sharing, and the
 //   cudagraph trees of torch.compile(mode="reduce-overhead")): while a capture routes to a
 //   pool, allocations it selects come from that pool's segments (taken from memres) and
@@ -26,6 +34,7 @@
 //   torch.multiprocessing sends CUDA tensors of memres (the receiver needs memres too for
 //   the default in-place pool's blocks; chunked pools' handles open in any torch).
 
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -37,6 +46,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -167,7 +177,121 @@ struct History {
 };
 History g_history;
 
+// torch's size pretty-printer's form (what log parsers and tests match): bytes up to
+// 1 KiB, then KiB, MiB, GiB with two decimals.
+std::string torch_size(uint64_t n) {
+  char text[64];
+  if (n <= 1024) {
+    std::snprintf(text, sizeof text, "%llu bytes", static_cast<unsigned long long>(n));
+  } else if (n <= (1ull << 20)) {
+    std::snprintf(text, sizeof text, "%.2f KiB", static_cast<double>(n) / 1024.0);
+  } else if (n <= (1ull << 30)) {
+    std::snprintf(text, sizeof text, "%.2f MiB", static_cast<double>(n) / 1048576.0);
+  } else {
+    std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(n) / 1073741824.0);
+  }
+  return text;
+}
+
+// Per device: the memory fraction set (1 until set) and the bytes it allows (0: none
+// set); the out-of-memory observers of every device.
+struct Limits {
+  std::mutex mutex;
+  std::array<double, kMaxDevices> fraction;
+  std::array<uint64_t, kMaxDevices> allowed{};
+  std::vector<c10::OutOfMemoryObserver> observers;
+
+  Limits() {
+    fraction.fill(1.0);
+  }
+};
+Limits g_limits;
+
+// The device's total and free bytes (zeros if the driver cannot say).
+std::pair<size_t, size_t> device_memory(int device) {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {0, 0};
+  }
+  return {total_bytes, free_bytes};
+}
+
+// Bytes live through memres and bytes its pools hold on `device` (torch's "allocated"
+// and "reserved"); zeros if memres cannot say.
+std::pair<uint64_t, uint64_t> allocated_and_reserved(int device) {
+  memres_stats_t s;
+  std::memset(&s, 0, sizeof s);
+  if (memres_stats(device, &s) != MEMRES_OK) {
+    return {0, 0};
+  }
+  uint64_t live = static_cast<uint64_t>(std::max<int64_t>(s.live_bytes, 0));
+  return {live, s.has_pool ? s.pool_size : live};
+}
+
+// Out of memory, as torch's allocator says it, after its observers are told: torch's
+// text first (what tools match), memres's reason after it.
+[[noreturn]] void raise_out_of_memory(int device, size_t size, const std::string& why) {
+  auto [total, free_bytes] = device_memory(device);
+  uint64_t allowed = 0;
+  std::vector<c10::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::mutex> lock(g_limits.mutex);
+    allowed = g_limits.allowed.at(device);
+    observers = g_limits.observers;
+  }
+  // torch passes the allowed bytes where a fraction is set, else the capacity.
+  for (const auto& observer : observers) {
+    observer(device, size, allowed != 0 ? allowed : total, free_bytes);
+  }
+  auto [allocated, reserved] = allocated_and_reserved(device);
+  std::string allowed_text = allowed != 0 ? torch_size(allowed) + " allowed; " : "";
+  TORCH_CHECK_WITH(
+      OutOfMemoryError,
+      false,
+      "CUDA out of memory. Tried to allocate ",
+      torch_size(size),
+      ". GPU ",
+      device,
+      " has a total capacity of ",
+      torch_size(total),
+      " of which ",
+      torch_size(free_bytes),
+      " is free. ",
+      allowed_text,
+      "Of the allocated memory ",
+      torch_size(allocated),
+      " is allocated by PyTorch, and ",
+      torch_size(reserved > allocated ? reserved - allocated : 0),
+      " is reserved by PyTorch but unallocated. memres: ",
+      why);
+}
+
+// torch.profiler's memory events (profile_memory=True): `delta` bytes at `ptr`.
+void report_to_profiler(void* ptr, int64_t delta, int device) {
+  if (!c10::memoryProfilingEnabled()) {
+    return;
+  }
+  auto [allocated, reserved] = allocated_and_reserved(device);
+  c10::reportMemoryUsageToProfiler(
+      ptr,
+      delta,
+      allocated,
+      reserved,
+      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
 void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
+  // torch's own bound and words for a size no device has.
+  constexpr size_t kOneExbibyte = size_t{1} << 60;
+  TORCH_CHECK_WITH(
+      OutOfMemoryError,
+      size < kOneExbibyte,
+      "CUDA out of memory. Tried to allocate more than 1EB memory. memres: ",
+      size,
+      " bytes");
   bool routed = false;
   void* ptr = routed_to_private_pool(size, device, stream, &routed);
   std::string why;
@@ -203,17 +327,23 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
         g_history.record(TraceEntry::OOM, device, reinterpret_cast<void*>(free_bytes), size, stream);
       }
     }
-    TORCH_CHECK_WITH(OutOfMemoryError, !is_out_of_memory(why), "memres: ", why);
+    if (is_out_of_memory(why) && device >= 0 && device < kMaxDevices) {
+      raise_out_of_memory(device, size, why);
+    }
     TORCH_CHECK(false, "memres: ", why);
   }
   if (g_history.on.load(std::memory_order_relaxed) && ptr != nullptr) {
     g_history.record(TraceEntry::ALLOC, device, ptr, size, stream);
+  }
+  if (ptr != nullptr) {
+    report_to_profiler(ptr, static_cast<int64_t>(size), device);
   }
   return ptr;
 }
 
 void memres_torch_free(void* ptr, size_t size, int device, cudaStream_t stream) {
   memres_free(ptr, static_cast<ssize_t>(size), device, stream);
+  report_to_profiler(ptr, -static_cast<int64_t>(size), device);
 }
 
 memres_stats_t stats_of(c10::DeviceIndex device) {
@@ -725,12 +855,19 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         } else {
           TORCH_CHECK(pool.free(ptr), "memres: a graph pool's block freed twice");
         }
+        size_t size = 0;
+        int device = pool.device;
         {
           // Under pools_mutex_, so the address cannot be handed out (and its new record
           // made) before the old record goes.
           std::lock_guard<std::mutex> meta(allocator_mutex_);
-          allocation_metadata_.erase(ptr);
+          auto found = allocation_metadata_.find(ptr);
+          if (found != allocation_metadata_.end()) {
+            size = found->second.size;
+            allocation_metadata_.erase(found);
+          }
         }
+        report_to_profiler(ptr, -static_cast<int64_t>(size), device);
         return;
       }
     }
@@ -1046,6 +1183,38 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     }
     return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+  }
+
+  // ---- memory fraction and out-of-memory observers ----
+
+  // The fraction of the device's memory its pools may hold: a limit on every memres pool
+  // of the device (1: none). torch checks the type and range in Python; checked again.
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    TORCH_CHECK_VALUE(
+        fraction > 0.0 && fraction <= 1.0,
+        "memres: a memory fraction is above 0 and at most 1, not ",
+        fraction);
+    TORCH_CHECK_VALUE(device >= 0 && device < kMaxDevices, "memres: no device ", device);
+    auto [total, free_bytes] = device_memory(device);
+    (void)free_bytes;
+    TORCH_CHECK(total > 0, "memres: the driver does not say the memory of device ", device);
+    uint64_t allowed = fraction < 1.0 ? static_cast<uint64_t>(fraction * static_cast<double>(total)) : 0;
+    int code = memres_set_limit(device, allowed != 0 ? static_cast<int64_t>(allowed) : -1);
+    TORCH_CHECK(code == MEMRES_OK, "memres: ", memres_last_error());
+    std::lock_guard<std::mutex> lock(g_limits.mutex);
+    g_limits.fraction[device] = fraction;
+    g_limits.allowed[device] = allowed;
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    TORCH_CHECK_VALUE(device >= 0 && device < kMaxDevices, "memres: no device ", device);
+    std::lock_guard<std::mutex> lock(g_limits.mutex);
+    return g_limits.fraction[device];
+  }
+
+  void attachOutOfMemoryObserver(c10::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(g_limits.mutex);
+    g_limits.observers.push_back(std::move(observer));
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {

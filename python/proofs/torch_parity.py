@@ -40,6 +40,17 @@ Checks:
                   shown).
   ipc_pool      - the same with memres on a chunked pool (MEMRES_RESOURCE=pool) sending to
                   a receiver on torch's own allocator.
+  fraction      - set_per_process_memory_fraction(0.5): get returns it, a tensor of 45% of
+                  the device fits, one of 50% is torch.OutOfMemoryError, work goes on;
+                  back at 1.0 a tensor of 60% fits; fractions outside (0, 1] are refused.
+  oom_text      - an impossible tensor's error says "CUDA out of memory. Tried to
+                  allocate" with the device's capacity, and an observer attached with
+                  torch._C._cuda_attach_out_of_memory_observer was called once with the
+                  device and the request's size.
+  oom_observer_raises - an observer that raises: the allocation raises, the process goes
+                  on (memres must pass, whatever torch does).
+  profiler      - torch.profiler(profile_memory=True) around a 64 MiB tensor made and
+                  freed: the trace has [memory] events of +64 MiB and -64 MiB on CUDA.
 """
 
 import json
@@ -48,7 +59,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler"]
 MIB = 1 << 20
 
 
@@ -392,6 +403,106 @@ def ipc():
     return _ipc(child_memres=os.environ.get("PARITY_ALLOCATOR") == "memres")
 
 
+def fraction():
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    seen = {"initial": torch.cuda.get_per_process_memory_fraction(0)}
+    refused = []
+    for bad in (-0.1, 1.5):
+        try:
+            torch.cuda.set_per_process_memory_fraction(bad, 0)
+        except ValueError:
+            refused.append(bad)
+    x = torch.zeros(1024, device="cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.5, 0)
+    seen["set"] = torch.cuda.get_per_process_memory_fraction(0)
+    fits = int(total * 0.45) - torch.cuda.max_memory_reserved()
+    y = torch.empty(fits, dtype=torch.uint8, device="cuda")
+    del y
+    torch.cuda.empty_cache()
+    try:
+        torch.empty(int(total * 0.5), dtype=torch.uint8, device="cuda")
+        seen["half"] = "fit"
+    except torch.OutOfMemoryError:
+        seen["half"] = "OutOfMemoryError"
+    x.fill_(1)
+    seen["work_goes_on"] = bool((x == 1).all().item())
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    try:
+        z = torch.empty(int(total * 0.6), dtype=torch.uint8, device="cuda")
+        del z
+        seen["lifted"] = "fit"
+    except torch.OutOfMemoryError:
+        seen["lifted"] = "OutOfMemoryError"
+    ok = (
+        seen["initial"] == 1.0
+        and seen["set"] == 0.5
+        and refused == [-0.1, 1.5]
+        and seen["half"] == "OutOfMemoryError"
+        and seen["work_goes_on"]
+        and seen["lifted"] == "fit"
+    )
+    return {"ok": ok, **seen, "refused": refused}
+
+
+def oom_text():
+    import torch
+
+    calls = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *args: calls.append(args))
+    text = ""
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as e:
+        text = str(e)
+    total = torch.cuda.get_device_properties(0).total_memory
+    words = ["CUDA out of memory. Tried to allocate", "GPU 0 has a total capacity of"]
+    said = all(w in text for w in words)
+    observed = len(calls) == 1 and calls[0][0] == 0 and calls[0][1] >= 1 << 50 and calls[0][2] == total
+    y = torch.ones(1024, device="cuda").sum().item()
+    return {"ok": said and observed and y == 1024, "text": text[:160], "observer_calls": [list(c) for c in calls]}
+
+
+def oom_observer_raises():
+    import torch
+
+    def observer(*args):
+        raise ValueError("an observer that raises")
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        raised = "nothing"
+    except Exception as e:
+        raised = type(e).__name__
+    y = torch.ones(1024, device="cuda").sum().item()
+    return {"ok": raised != "nothing" and y == 1024, "raised": raised}
+
+
+def profiler():
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    size = 64 * MIB
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
+        x = torch.empty(size, dtype=torch.uint8, device="cuda")
+        del x
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    memory = [
+        e["args"]
+        for e in trace.get("traceEvents", [])
+        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 1
+    ]
+    sizes = sorted(a.get("Bytes") for a in memory)
+    return {"ok": -size in sizes and size in sizes, "cuda_memory_events": len(memory), "bytes": sizes[:4]}
+
+
 def ipc_pool():
     """memres with a chunked pool (MEMRES_RESOURCE=pool) sends to a receiver on torch's own
     allocator (its handles are CUDA IPC handles, which any torch opens)."""
@@ -422,7 +533,7 @@ def run_one(check, allocator):
 # Checks memres must pass whatever torch's allocator does: there, torch's own allocator
 # dies (a foreign IPC handle ends the process with SIGSEGV), so comparing with it would
 # let any memres result through.
-MEMRES_MUST_PASS = {"bad_input"}
+MEMRES_MUST_PASS = {"bad_input", "oom_observer_raises"}
 
 
 def main(checks):

@@ -43,6 +43,9 @@ class TorchParity(unittest.TestCase):
     def test_snapshots_and_ipc(self):
         self.run_checks(["snapshot", "ipc", "ipc_pool"])
 
+    def test_fraction_oom_text_observers_and_profiler(self):
+        self.run_checks(["fraction", "oom_text", "oom_observer_raises", "profiler"])
+
 
 if __name__ == "__main__":
     unittest.main()
