@@ -199,7 +199,7 @@ struct Limits {
   std::mutex mutex;
   std::array<double, kMaxDevices> fraction;
   std::array<uint64_t, kMaxDevices> allowed{};
-  std::vector<c10::OutOfMemoryObserver> observers;
+  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
 
   Limits() {
     fraction.fill(1.0);
@@ -236,7 +236,7 @@ std::pair<uint64_t, uint64_t> allocated_and_reserved(int device) {
 [[noreturn]] void raise_out_of_memory(int device, size_t size, const std::string& why) {
   auto [total, free_bytes] = device_memory(device);
   uint64_t allowed = 0;
-  std::vector<c10::OutOfMemoryObserver> observers;
+  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
   {
     std::lock_guard<std::mutex> lock(g_limits.mutex);
     allowed = g_limits.allowed.at(device);
@@ -248,25 +248,15 @@ std::pair<uint64_t, uint64_t> allocated_and_reserved(int device) {
   }
   auto [allocated, reserved] = allocated_and_reserved(device);
   std::string allowed_text = allowed != 0 ? torch_size(allowed) + " allowed; " : "";
-  TORCH_CHECK_WITH(
-      OutOfMemoryError,
-      false,
-      "CUDA out of memory. Tried to allocate ",
-      torch_size(size),
-      ". GPU ",
-      device,
-      " has a total capacity of ",
-      torch_size(total),
-      " of which ",
-      torch_size(free_bytes),
-      " is free. ",
-      allowed_text,
-      "Of the allocated memory ",
-      torch_size(allocated),
-      " is allocated by PyTorch, and ",
-      torch_size(reserved > allocated ? reserved - allocated : 0),
-      " is reserved by PyTorch but unallocated. memres: ",
-      why);
+  // The message is put together here: c10::str with a number among its parts crashed
+  // in this translation unit (torch 2.11, g++ 13: a segmentation fault inside it).
+  std::string message = "CUDA out of memory. Tried to allocate " + torch_size(size) + ". GPU " +
+      std::to_string(device) + " has a total capacity of " + torch_size(total) + " of which " +
+      torch_size(free_bytes) + " is free. " + allowed_text + "Of the allocated memory " +
+      torch_size(allocated) + " is allocated by PyTorch, and " +
+      torch_size(reserved > allocated ? reserved - allocated : 0) +
+      " is reserved by PyTorch but unallocated. memres: " + why;
+  TORCH_CHECK_WITH(OutOfMemoryError, false, message);
 }
 
 // torch.profiler's memory events (profile_memory=True): `delta` bytes at `ptr`.
@@ -289,9 +279,8 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   TORCH_CHECK_WITH(
       OutOfMemoryError,
       size < kOneExbibyte,
-      "CUDA out of memory. Tried to allocate more than 1EB memory. memres: ",
-      size,
-      " bytes");
+      "CUDA out of memory. Tried to allocate more than 1EB memory. memres: " + std::to_string(size) +
+          " bytes");
   bool routed = false;
   void* ptr = routed_to_private_pool(size, device, stream, &routed);
   std::string why;
@@ -1192,12 +1181,13 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     TORCH_CHECK_VALUE(
         fraction > 0.0 && fraction <= 1.0,
-        "memres: a memory fraction is above 0 and at most 1, not ",
-        fraction);
-    TORCH_CHECK_VALUE(device >= 0 && device < kMaxDevices, "memres: no device ", device);
+        "memres: a memory fraction is above 0 and at most 1, not " + std::to_string(fraction));
+    TORCH_CHECK_VALUE(
+        device >= 0 && device < kMaxDevices, "memres: no device " + std::to_string(device));
     auto [total, free_bytes] = device_memory(device);
     (void)free_bytes;
-    TORCH_CHECK(total > 0, "memres: the driver does not say the memory of device ", device);
+    TORCH_CHECK(
+        total > 0, "memres: the driver does not say the memory of device " + std::to_string(device));
     uint64_t allowed = fraction < 1.0 ? static_cast<uint64_t>(fraction * static_cast<double>(total)) : 0;
     int code = memres_set_limit(device, allowed != 0 ? static_cast<int64_t>(allowed) : -1);
     TORCH_CHECK(code == MEMRES_OK, "memres: ", memres_last_error());
@@ -1207,12 +1197,13 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
-    TORCH_CHECK_VALUE(device >= 0 && device < kMaxDevices, "memres: no device ", device);
+    TORCH_CHECK_VALUE(
+        device >= 0 && device < kMaxDevices, "memres: no device " + std::to_string(device));
     std::lock_guard<std::mutex> lock(g_limits.mutex);
     return g_limits.fraction[device];
   }
 
-  void attachOutOfMemoryObserver(c10::OutOfMemoryObserver observer) override {
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> lock(g_limits.mutex);
     g_limits.observers.push_back(std::move(observer));
   }
