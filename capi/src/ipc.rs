@@ -7,23 +7,26 @@
 //!   arenas, `cuda`). PyTorch's own allocator sends and opens the same bytes, so either
 //!   process may run without memres. The form `2, 'c', <64 bytes>` of newer PyTorch
 //!   versions is opened too.
-//! - **granules** (the default in-place pool, whose memory is mapped a granule at a time):
+//! - **granules** (the default in-place pool, whose memory is mapped a granule at a time),
+//!   in the form of PyTorch's expandable segments (PyTorch 2.5 and later: its own
+//!   allocator in the receiving process opens it, with or without expandable segments,
+//!   and memres opens PyTorch's):
 //!
 //!   | bytes | what |
 //!   | --- | --- |
-//!   | 0 | 2, PyTorch's handle version (its own allocator then refuses the type below) |
-//!   | 1 | `'m'` |
-//!   | 2..8 | `memres` |
-//!   | 8..12 | this format's version, 1 (little-endian, as every field) |
-//!   | 12..16 | the sender's process id |
-//!   | 16..24 | bytes per granule |
-//!   | 24..28 | granules, `n` |
-//!   | 28.. | `n` descriptor numbers in the sender (`i32`) |
+//!   | 0 | 2, PyTorch's handle version |
+//!   | 1 | `'e'`, an expandable segment |
+//!   | 2..6 | the sender's process id (`i32`, little-endian as every field) |
+//!   | 6..10 | zero (the header's padding) |
+//!   | 10..18 | bytes per granule (`u64`) |
+//!   | 18..26 | granules, `n` (`u64`) |
+//!   | 26.. | `n` descriptor numbers in the sender (`i32`) |
 //!
 //!   The receiver takes the descriptors with `pidfd_getfd` (Linux 5.6; it needs the right
 //!   to ptrace the sender, as PyTorch's expandable segments do) and maps them in order.
 //!   The sender keeps its descriptors open until the block is freed (PyTorch keeps a
-//!   sent block alive until every receiver released it).
+//!   sent block alive until every receiver released it). A handle is never 64 bytes long
+//!   (26 + 4n), the length PyTorch reads as a bare CUDA IPC handle.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
@@ -53,9 +56,14 @@ pub(crate) enum Shared {
     },
 }
 
-const MAGIC: &[u8; 8] = b"\x02mmemres";
-const VERSION: u32 = 1;
-const HEADER: usize = 28;
+/// PyTorch's handle version, the first byte of both forms that carry a type.
+const VERSION: u8 = 2;
+/// The type byte of an expandable segment's handle (granules).
+const GRANULES: u8 = b'e';
+/// The type byte of a `cudaIpcMemHandle_t` after the version.
+const CUDA: u8 = b'c';
+/// Version, type and PyTorch's header (`pid`, padding, granule size, granule count).
+const HEADER: usize = 26;
 
 /// A decoded handle.
 #[derive(Debug, PartialEq, Eq)]
@@ -69,71 +77,75 @@ pub(crate) enum Handle {
 }
 
 impl Handle {
-    /// The length of a granules handle of `n` granules: never 64 bytes, the length of a
-    /// CUDA IPC handle (which PyTorch's own allocator would try to open): 4 bytes of
-    /// padding go after 9 descriptors.
+    /// The length of a granules handle of `n` granules (never 64, the length of a bare
+    /// CUDA IPC handle).
     pub(crate) fn granules_len(n: usize) -> usize {
-        let len = HEADER + 4 * n;
-        if len == IPC_HANDLE_SIZE { len + 4 } else { len }
+        HEADER + 4 * n
     }
 
     /// The bytes of a granules handle.
     pub(crate) fn encode_granules(pid: u32, granule: u64, fds: &[i32]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER + 4 * fds.len());
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        let mut out = Vec::with_capacity(Handle::granules_len(fds.len()));
+        out.extend_from_slice(&[VERSION, GRANULES]);
         out.extend_from_slice(&pid.to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
         out.extend_from_slice(&granule.to_le_bytes());
-        out.extend_from_slice(&(fds.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(fds.len() as u64).to_le_bytes());
         for fd in fds {
             out.extend_from_slice(&fd.to_le_bytes());
         }
-        out.resize(Handle::granules_len(fds.len()), 0);
         out
     }
 
     /// Reads a handle; a message saying what is wrong with one it cannot read.
     pub(crate) fn decode(bytes: &[u8]) -> Result<Handle, String> {
-        if bytes.len() >= HEADER && &bytes[..8] == MAGIC {
-            return Handle::decode_granules(bytes);
-        }
         if bytes.len() == IPC_HANDLE_SIZE {
             return Ok(Handle::Cuda(bytes.try_into().expect("64 bytes")));
         }
-        if bytes.len() == IPC_HANDLE_SIZE + 2 && bytes[..2] == [2, b'c'] {
-            return Ok(Handle::Cuda(bytes[2..].try_into().expect("64 bytes")));
+        match bytes {
+            [version, ..] if *version > VERSION => Err(format!(
+                "a handle of version {version} (a newer PyTorch's?); this memres reads version \
+                 {VERSION}"
+            )),
+            [VERSION, CUDA, cuda @ ..] if cuda.len() == IPC_HANDLE_SIZE => {
+                Ok(Handle::Cuda(cuda.try_into().expect("64 bytes")))
+            }
+            [VERSION, GRANULES, ..] => Handle::decode_granules(bytes),
+            _ => Err(format!(
+                "a {}-byte handle that is neither a CUDA IPC handle nor an expandable \
+                 segment's",
+                bytes.len()
+            )),
         }
-        Err(format!(
-            "a {}-byte handle that is neither a CUDA IPC handle nor memres's",
-            bytes.len()
-        ))
     }
 
     fn decode_granules(bytes: &[u8]) -> Result<Handle, String> {
-        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
-        let version = u32_at(8);
-        if version != VERSION {
+        if bytes.len() < HEADER {
             return Err(format!(
-                "a memres handle of format {version}; this memres reads format {VERSION}"
+                "an expandable segment's handle of {} bytes, shorter than its header",
+                bytes.len()
             ));
         }
-        let pid = u32_at(12);
-        let granule = u64::from_le_bytes(bytes[16..24].try_into().expect("8"));
-        let n = u32_at(24) as usize;
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
+        let pid = u32::from_le_bytes(bytes[2..6].try_into().expect("4"));
+        let granule = u64_at(10);
+        let n = u64_at(18);
         if n == 0 || granule == 0 {
             return Err(format!(
-                "a memres handle of {n} granules of {granule} bytes"
+                "an expandable segment's handle of {n} granules of {granule} bytes"
             ));
         }
-        if bytes.len() != Handle::granules_len(n) {
+        let expected = usize::try_from(n)
+            .ok()
+            .and_then(|n| n.checked_mul(4)?.checked_add(HEADER));
+        if expected != Some(bytes.len()) {
             return Err(format!(
-                "a memres handle of {} bytes names {n} granules, which take {}: cut short or \
+                "an expandable segment's handle of {} bytes names {n} granules: cut short or \
                  padded",
-                bytes.len(),
-                Handle::granules_len(n)
+                bytes.len()
             ));
         }
-        let fds: Vec<i32> = bytes[HEADER..HEADER + 4 * n]
+        let fds: Vec<i32> = bytes[HEADER..]
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
@@ -553,8 +565,13 @@ mod tests {
     #[test]
     fn malformed_handles_say_what_is_wrong() {
         let err = |b: &[u8]| Handle::decode(b).unwrap_err();
-        assert!(err(b"").contains("neither a CUDA IPC handle nor memres's"));
-        assert!(err(&[2, b'e', 0, 0]).contains("neither"));
+        assert!(err(b"").contains("neither a CUDA IPC handle nor an expandable segment's"));
+        assert!(err(&[2, b'x', 0, 0]).contains("neither"));
+        assert!(
+            err(&[2, b'c', 0, 0]).contains("neither"),
+            "a CUDA handle cut short"
+        );
+        assert!(err(&[2, b'e', 0, 0]).contains("shorter than its header"));
         let good = Handle::encode_granules(1, 4096, &[3, 4]);
         assert!(err(&good[..good.len() - 2]).contains("cut short"));
         assert!(err(&good[..good.len() - 4]).contains("cut short"));
@@ -562,12 +579,28 @@ mod tests {
         long.push(0);
         assert!(err(&long).contains("padded"));
         let mut future = good.clone();
-        future[8] = 2;
-        assert!(err(&future).contains("format 2"));
+        future[0] = 3;
+        assert!(err(&future).contains("version 3"));
         let none = Handle::encode_granules(1, 4096, &[]);
         assert!(err(&none).contains("0 granules"));
         let zero = Handle::encode_granules(1, 0, &[3]);
         assert!(err(&zero).contains("of 0 bytes"));
+        let mut huge = good.clone();
+        huge[18..26].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(err(&huge).contains("cut short or padded"));
+    }
+
+    /// The bytes are PyTorch's expandable-segment handle, field by field: what its own
+    /// allocator in another process opens (PyTorch 2.11's `ShareHeader`: pid, padding,
+    /// segment size, handle count; then one descriptor number per segment).
+    #[test]
+    fn a_granules_handle_is_laid_out_as_pytorchs() {
+        let bytes = Handle::encode_granules(0x0102_0304, 2 << 20, &[5, 6]);
+        let mut expected = vec![2, b'e', 4, 3, 2, 1, 0, 0, 0, 0];
+        expected.extend_from_slice(&(2u64 << 20).to_le_bytes());
+        expected.extend_from_slice(&2u64.to_le_bytes());
+        expected.extend_from_slice(&[5, 0, 0, 0, 6, 0, 0, 0]);
+        assert_eq!(bytes, expected);
     }
 
     #[test]

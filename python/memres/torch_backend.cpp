@@ -1018,7 +1018,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       auto it = allocation_metadata_.find(ptr);
       TORCH_CHECK(
           it != allocation_metadata_.end(),
-          "memres: shareIpcHandle of ", ptr, ", which is not a live block of memres");
+          "memres: shareIpcHandle of a pointer that is not a live block of memres");
       size = it->second.size;
       device = it->second.device_idx;
     }
@@ -1335,6 +1335,11 @@ extern "C" const char* memres_torch_install() {
     auto allocator = std::make_shared<MemresAllocator>();
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
     g_allocator = allocator.get();  // torch keeps the allocator for the process's life
+    // torch.accelerator's memory functions ask the allocator registered for the device
+    // type (c10::GetAllocator), which changeCurrentAllocator leaves on torch's own: they
+    // would read an allocator that never ran (an empty memory_stats(), a no-op
+    // empty_cache()). memres is registered there too, above torch's priority.
+    c10::SetAllocator(c10::DeviceType::CUDA, allocator.get(), /*priority=*/1);
     return nullptr;
   } catch (const std::exception& e) {
     error = e.what();

@@ -35,9 +35,9 @@ Checks:
   ipc           - two CUDA tensors (one a view at an offset) sent to another process with
                   torch.multiprocessing, receiver on the same allocator: it reads both and
                   writes one, which the sender then reads.
-  bad_input     - an IPC handle of another allocator's format, a graph pool released
-                  twice: exceptions with a message, and work goes on (what each says is
-                  shown).
+  bad_input     - a malformed IPC handle (an expandable segment's of no granules), a
+                  graph pool released twice: exceptions with a message, and work goes
+                  on (what each says is shown).
   ipc_pool      - the same with memres on a chunked pool (MEMRES_RESOURCE=pool) sending to
                   a receiver on torch's own allocator.
   fraction      - set_per_process_memory_fraction(0.5): get returns it, a tensor of 45% of
@@ -51,6 +51,11 @@ Checks:
                   on (memres must pass, whatever torch does).
   profiler      - torch.profiler(profile_memory=True) around a 64 MiB tensor made and
                   freed: the trace has [memory] events of +64 MiB and -64 MiB on CUDA.
+  ipc_to_torch  - the ipc row with the receiver on torch's own allocator, whatever the
+                  sender's (under memres: its default in-place pool).
+  ipc_to_torch_expandable - the same, the receiver with expandable segments.
+  ipc_from_torch_expandable - a sender on torch's allocator with expandable segments;
+                  this process reads the tensor and writes it, the sender reads it back.
 """
 
 import json
@@ -59,7 +64,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable"]
 MIB = 1 << 20
 
 
@@ -326,7 +331,7 @@ def bad_input():
     import torch
 
     seen = {}
-    # An IPC handle of another allocator's format (PyTorch's expandable segments, 'e').
+    # A malformed IPC handle: an expandable segment's ('e') of no granules.
     try:
         torch.UntypedStorage._new_shared_cuda(0, b"\x02e" + bytes(40), 64, 0, b"nosuch", 0, bytes(64), False)
         seen["foreign_ipc"] = "accepted"
@@ -354,13 +359,23 @@ def bad_input():
     return seen
 
 
-def _ipc_child(queue, done, use_memres):
-    import torch
-
-    if use_memres:
+def _child_allocator(child):
+    """Chooses the child's allocator before its first CUDA use: "memres", "torch", or
+    "torch-expandable" (torch's own with expandable segments)."""
+    if child == "torch-expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    else:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if child == "memres":
         import memres
 
         memres.setup()
+
+
+def _ipc_child(queue, done, child):
+    _child_allocator(child)
+    import torch
+
     a, b = queue.get()
     done.put((float(a.sum().item()), float(b.double().sum().item()), b.data_ptr() - a.data_ptr()))
     a.add_(1.0)  # written here, read by the sender
@@ -370,13 +385,13 @@ def _ipc_child(queue, done, use_memres):
     del a, b
 
 
-def _ipc(child_memres):
+def _ipc(child):
     import torch
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_ipc_child, args=(queue, done, child_memres), daemon=True)
+    p = ctx.Process(target=_ipc_child, args=(queue, done, child), daemon=True)
     p.start()
     try:
         n = 1 << 20
@@ -400,7 +415,59 @@ def _ipc(child_memres):
 
 def ipc():
     """Sender and receiver on the same allocator; the receiver writes, the sender reads."""
-    return _ipc(child_memres=os.environ.get("PARITY_ALLOCATOR") == "memres")
+    return _ipc(child=os.environ.get("PARITY_ALLOCATOR"))
+
+
+def ipc_to_torch():
+    """The sender (memres's default pool under memres) to a receiver on torch's own
+    allocator."""
+    return _ipc(child="torch")
+
+
+def ipc_to_torch_expandable():
+    """The same, the receiver on torch's allocator with expandable segments."""
+    return _ipc(child="torch-expandable")
+
+
+def _ipc_sender_child(queue, done):
+    _child_allocator("torch-expandable")
+    import torch
+
+    n = 1 << 20
+    a = torch.full((n,), 2.0, device="cuda")
+    queue.put(a)
+    assert done.get(timeout=180) == "written"
+    done.put(float(a.sum().item()))
+    assert done.get(timeout=60) == "bye"
+
+
+def ipc_from_torch_expandable():
+    """A sender on torch's allocator with expandable segments to this process: it reads
+    the tensor and writes it, the sender reads what was written."""
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_ipc_sender_child, args=(queue, done), daemon=True)
+    p.start()
+    try:
+        a = queue.get(timeout=180)
+        n = a.numel()
+        got = float(a.sum().item())
+        a.add_(1.0)
+        torch.cuda.synchronize()
+        done.put("written")
+        seen = done.get(timeout=60)
+        del a
+        done.put("bye")
+        p.join(60)
+    finally:
+        if p.is_alive():
+            p.terminate()
+            p.join(60)
+    ok = got == 2.0 * n and seen == 3.0 * n
+    return {"ok": ok, "read": got == 2.0 * n, "written_back": seen == 3.0 * n}
 
 
 def fraction():
@@ -506,7 +573,7 @@ def profiler():
 def ipc_pool():
     """memres with a chunked pool (MEMRES_RESOURCE=pool) sends to a receiver on torch's own
     allocator (its handles are CUDA IPC handles, which any torch opens)."""
-    return _ipc(child_memres=False)
+    return _ipc(child="torch")
 
 
 def run_one(check, allocator):
