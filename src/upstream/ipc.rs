@@ -157,7 +157,9 @@ impl Imported {
         let _current = bind(ctx)?;
         let mut base = 0;
         // SAFETY: reserves address space only; `base` is a valid place.
-        let reserved = unsafe { sys::cuMemAddressReserve(&mut base, len, granule, 0, 0) };
+        let reserved = unsafe {
+            sys::cuMemAddressReserve(&mut base, len, reservation_alignment(granule), 0, 0)
+        };
         check_alloc(reserved, len)?;
         // From here on, dropping `imported` unmaps what is mapped and frees the range.
         let mut imported = Imported {
@@ -254,11 +256,25 @@ impl Drop for Imported {
     }
 }
 
+/// The alignment of a reservation for pieces of `granule` bytes: the largest power of two
+/// that divides it (the driver takes powers of two only; PyTorch's expandable segments
+/// send pieces of 20 MiB, 4 MiB-aligned then).
+fn reservation_alignment(granule: usize) -> usize {
+    1 << granule.trailing_zeros()
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsFd;
 
     use super::*;
+
+    #[test]
+    fn reservations_align_to_a_power_of_two_dividing_the_piece() {
+        assert_eq!(reservation_alignment(2 << 20), 2 << 20);
+        assert_eq!(reservation_alignment(20 << 20), 4 << 20);
+        assert_eq!(reservation_alignment(64 << 10), 64 << 10);
+    }
 
     #[test]
     fn nothing_to_map_is_an_invalid_argument() {
