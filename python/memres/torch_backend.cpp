@@ -406,6 +406,9 @@ struct PrivatePool {
   // runs out. MemPool(no_split=True): a block is handed out whole, never split.
   bool use_on_oom = false;
   bool no_split = false;
+  // MemPool(allocator): the allocator its segments come from and go back to (vLLM's
+  // CuMemAllocator, NCCL's, any CUDAPluggableAllocator); null: memres.
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> source;
   std::vector<std::unique_ptr<Segment>> segments;
   // Streams recorded for live blocks, and freed blocks waiting for them.
   std::unordered_map<void*, std::vector<cudaStream_t>> recorded;
@@ -502,7 +505,20 @@ struct PrivatePool {
         return nullptr;
       }
       size_t seg_size = no_split ? size : round_up(size, kSegmentRounding);
-      void* base = memres_malloc(static_cast<ssize_t>(seg_size), device, stream);
+      void* base = nullptr;
+      if (source != nullptr) {
+        // The pool's own allocator: its failure is torch's exception with its message;
+        // a null without one is out of memory, said here.
+        base = source->raw_alloc_with_stream(seg_size, stream);
+        TORCH_CHECK_WITH(
+            OutOfMemoryError,
+            base != nullptr,
+            "CUDA out of memory. Tried to allocate " + std::to_string(seg_size) +
+                " bytes. memres: the MemPool's own allocator (" + source->name() +
+                ") returned no memory");
+      } else {
+        base = memres_malloc(static_cast<ssize_t>(seg_size), device, stream);
+      }
       if (base == nullptr) {
         return nullptr;
       }
@@ -588,7 +604,11 @@ struct PrivatePool {
   // replays that wrote these segments may have run on any stream.
   void release_segments() {
     for (auto& seg : segments) {
-      memres_free(seg->base, static_cast<ssize_t>(seg->size), device, nullptr);
+      if (source != nullptr) {
+        source->raw_delete(seg->base);
+      } else {
+        memres_free(seg->base, static_cast<ssize_t>(seg->size), device, nullptr);
+      }
     }
     segments.clear();
   }
@@ -678,11 +698,20 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       c10::DeviceIndex device,
       c10::MempoolId_t id,
       std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
-    TORCH_CHECK(
-        allocator == nullptr || allocator.get() == this,
-        "memres: a memory pool of another allocator while memres is PyTorch's allocator");
+    // Another allocator's pool (MemPool(allocator)): its segments come from it.
+    std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> source;
+    if (allocator != nullptr && allocator.get() != this) {
+      source = std::move(allocator);
+    }
     std::lock_guard<std::mutex> lock(pools_mutex_);
-    PrivatePool& pool = pools_[id];
+    auto [it, made] = pools_.try_emplace(id);
+    PrivatePool& pool = it->second;
+    TORCH_CHECK_VALUE(
+        made || pool.source == source || pool.segments.empty(),
+        "memres: a memory pool used again with another allocator");
+    if (pool.segments.empty()) {
+      pool.source = std::move(source);
+    }
     pool.device = device;
     ++pool.use_count;
   }

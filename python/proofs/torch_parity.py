@@ -56,6 +56,9 @@ Checks:
   ipc_to_torch_expandable - the same, the receiver with expandable segments.
   ipc_from_torch_expandable - a sender on torch's allocator with expandable segments;
                   this process reads the tensor and writes it, the sender reads it back.
+  mempool_other_allocator - torch.cuda.MemPool(another CUDAPluggableAllocator): allocations
+                  inside use_mem_pool come from it, go back to it once the pool is gone;
+                  one that returns no memory gives an exception and work goes on.
 """
 
 import json
@@ -64,7 +67,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator"]
 MIB = 1 << 20
 
 
@@ -568,6 +571,68 @@ def profiler():
     ]
     sizes = sorted(a.get("Bytes") for a in memory)
     return {"ok": -size in sizes and size in sizes, "cuda_memory_events": len(memory), "bytes": sizes[:4]}
+
+
+_OTHER_ALLOCATOR = r"""
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+extern "C" {
+int allocs = 0, frees = 0, fail = 0;
+void* other_alloc(size_t size, int device, cudaStream_t stream) {
+  void* p = NULL;
+  if (fail || cudaMalloc(&p, size) != cudaSuccess) return NULL;
+  ++allocs;
+  return p;
+}
+void other_free(void* p, size_t size, int device, cudaStream_t stream) {
+  ++frees;
+  cudaFree(p);
+}
+}
+"""
+
+
+def mempool_other_allocator():
+    """torch.cuda.MemPool of another allocator (a CUDAPluggableAllocator over cudaMalloc,
+    built here with nvcc): inside use_mem_pool its allocations come from that allocator,
+    the values are right, and once the pool and its tensors are gone its memory goes back
+    to it; an allocator that returns nothing gives an exception, and work goes on."""
+    import ctypes
+    import shutil
+    import tempfile
+
+    import torch
+
+    folder = tempfile.mkdtemp()
+    src, lib = os.path.join(folder, "other.cu"), os.path.join(folder, "other.so")
+    open(src, "w").write(_OTHER_ALLOCATOR)
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", src, "-o", lib], check=True)
+    counters = ctypes.CDLL(lib)
+    count = lambda name: ctypes.c_int.in_dll(counters, name).value
+    other = torch.cuda.memory.CUDAPluggableAllocator(lib, "other_alloc", "other_free")
+    pool = torch.cuda.MemPool(other.allocator())
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    outside = torch.ones(1024, device="cuda")
+    seen = {"allocs_in_pool": count("allocs"), "right": float(x.sum().item()) == float((1 << 20) * ((1 << 20) - 1) / 2)}
+    seen["outside_not_from_it"] = count("allocs") == seen["allocs_in_pool"]
+    del x, pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    seen["freed_back"] = count("frees") == count("allocs")
+    ctypes.c_int.in_dll(counters, "fail").value = 1
+    failing = torch.cuda.MemPool(other.allocator())
+    try:
+        with torch.cuda.use_mem_pool(failing):
+            torch.empty(1 << 20, device="cuda")
+        seen["null"] = "accepted"
+    except Exception as e:
+        seen["null"] = type(e).__name__
+    seen["work_goes_on"] = float(outside.sum().item()) == 1024.0
+    ok = seen["allocs_in_pool"] >= 1 and seen["right"] and seen["outside_not_from_it"] and seen["freed_back"]
+    ok = ok and seen["null"] != "accepted" and seen["work_goes_on"]
+    return {"ok": ok, **seen}
 
 
 def ipc_pool():

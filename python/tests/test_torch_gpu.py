@@ -46,6 +46,11 @@ class TorchParity(unittest.TestCase):
     def test_fraction_oom_text_observers_and_profiler(self):
         self.run_checks(["fraction", "oom_text", "oom_observer_raises", "profiler"])
 
+    def test_ipc_with_torchs_own_allocator_and_other_allocators_pools(self):
+        self.run_checks(
+            ["ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator"]
+        )
+
 
 if __name__ == "__main__":
     unittest.main()
