@@ -524,3 +524,159 @@ fn grow_while_freeing<R: Resource + Sync>(
         std::ptr::NonNull::new(grower.join().unwrap() as *mut u8).unwrap()
     })
 }
+
+/// Blocks of [`trim_beside_threads`]: 256 KiB, at most 62 live (15.5 MiB).
+const BLOCK: usize = 256 << 10;
+const BUDGET: usize = 62;
+
+/// Issue 49: eight threads on their per-thread streams share a budget of [`BUDGET`]
+/// blocks (a thread takes one before it allocates and gives it back after it frees) in
+/// a pool that holds two blocks more from the start, as one piece it never gives back
+/// while any block is live. Each thread in turn frees a few of its blocks and allocates
+/// a few, so memory moves between their lists (by merges), while a ninth thread trims in
+/// a loop (each trim merges every list into one and retires the lists it left empty,
+/// the threads' own among them). Every request then finds at least two free blocks in
+/// the pool, so none may fail: memory freed or merged into a list that a trim is
+/// retiring must stay within reach of the allocation path. Runs for `run` (or until the
+/// first failure) and returns the failures, the operations, the trims and what the first
+/// failure saw.
+fn trim_beside_threads<U: Resource + Sync>(
+    pool: &Pool<U>,
+    run: Duration,
+    trim: bool,
+) -> (u64, u64, u64, Option<String>) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+    let l = layout(BLOCK).unwrap();
+    let (done, failures, total) = (AtomicBool::new(false), AtomicU64::new(0), AtomicU64::new(0));
+    let (budget, trims) = (AtomicUsize::new(BUDGET), AtomicU64::new(0));
+    let first = std::sync::Mutex::new(None);
+    let started = std::time::Instant::now();
+    std::thread::scope(|s| {
+        if trim {
+            s.spawn(|| {
+                while !done.load(Relaxed) {
+                    pool.trim().unwrap();
+                    trims.fetch_add(1, Relaxed);
+                }
+            });
+        }
+        let threads: Vec<_> = (0..8u64)
+            .map(|t| {
+                let (done, failures, total, first, budget) =
+                    (&done, &failures, &total, &first, &budget);
+                s.spawn(move || {
+                    let own = StreamRef::PER_THREAD;
+                    let mut rng = 0x49 ^ t;
+                    let mut live = Vec::new();
+                    let mut ops = 0;
+                    while !done.load(Relaxed) && failures.load(Relaxed) == 0 {
+                        for _ in 0..64 {
+                            let r = next(&mut rng);
+                            let n = 1 + (r >> 8) as usize % 4;
+                            if !live.is_empty() && r.is_multiple_of(2) {
+                                for _ in 0..n.min(live.len()) {
+                                    let p = live.swap_remove((r >> 16) as usize % live.len());
+                                    // SAFETY: allocated below with `l` on `own`; unused
+                                    // since.
+                                    unsafe { pool.deallocate(own, p, l) };
+                                    budget.fetch_add(1, Relaxed);
+                                    ops += 1;
+                                }
+                                continue;
+                            }
+                            for _ in 0..n {
+                                if budget
+                                    .fetch_update(Relaxed, Relaxed, |b| b.checked_sub(1))
+                                    .is_err()
+                                {
+                                    break;
+                                }
+                                ops += 1;
+                                match pool.allocate(own, l) {
+                                    Ok(p) => live.push(p),
+                                    Err(e) => {
+                                        let held = BUDGET - budget.fetch_add(1, Relaxed);
+                                        failures.fetch_add(1, Relaxed);
+                                        first.lock().unwrap().get_or_insert_with(|| {
+                                            format!(
+                                                "{e}, with {held} blocks live (this one \
+                                                 counted) of the {} the pool holds: {:?}",
+                                                pool.stats().pool_size / BLOCK,
+                                                pool.stats()
+                                            )
+                                        });
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        if started.elapsed() > run {
+                            break;
+                        }
+                    }
+                    for p in live {
+                        // SAFETY: as above.
+                        unsafe { pool.deallocate(own, p, l) };
+                    }
+                    total.fetch_add(ops, Relaxed);
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        done.store(true, Relaxed);
+    });
+    let first = first.into_inner().unwrap();
+    (
+        failures.into_inner(),
+        total.into_inner(),
+        trims.into_inner(),
+        first,
+    )
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "a release-mode stress test: .ci/run runs it with --release"
+)]
+fn a_trim_beside_allocating_threads_makes_none_run_out_of_memory() {
+    // One piece of 64 blocks: the chunked pool's first chunk, the in-place pool's eight
+    // granules of 2 MiB (a granule goes back only when all of its 8 blocks are free).
+    let held = (BUDGET + 2) * BLOCK;
+    let config = PoolConfig::new().initial_size(held).maximum_size(held);
+    within(Duration::from_secs(60), "trim beside threads", move || {
+        // Without trims (a shorter run: the control), then with them.
+        for (trim, run) in [(false, 300), (true, 2_000)] {
+            let run = Duration::from_millis(run);
+            let chunked = Pool::new(HostHeap::new(), config).unwrap();
+            let leaf = HostVirtual::new(held, 2 << 20).unwrap();
+            let in_place = Pool::in_place(leaf, config).unwrap();
+            let results = [
+                ("chunked", trim_beside_threads(&chunked, run, trim)),
+                ("in place", trim_beside_threads(&in_place, run, trim)),
+            ];
+            for (name, (failed, ops, trims, first)) in &results {
+                println!("{name}: {failed} out-of-memory in {ops} operations, {trims} trims");
+                if let Some(first) = first {
+                    println!("  the first: {first}");
+                }
+            }
+            for (name, (failed, _, trims, _)) in &results {
+                assert_eq!(*failed, 0, "{name}, {trims} trims beside");
+                assert_eq!(*trims > 0, trim, "{name}: trims ran beside the threads");
+            }
+            let s = chunked.stats();
+            assert_eq!(
+                s.free_bytes, s.pool_size,
+                "chunked: everything free at the end"
+            );
+            let s = in_place.stats();
+            assert_eq!(
+                s.free_bytes, s.pool_size,
+                "in place: everything free at the end"
+            );
+        }
+    });
+}

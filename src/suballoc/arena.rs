@@ -284,7 +284,8 @@ impl<U: Resource> Arena<U> {
     fn retire_empty_lists(&self) -> usize {
         // SAFETY: every use of this arena's shards is inside a pin (its entry points pin
         // before they look one up, and hold no shard between calls); this thread is not
-        // pinned and holds no lock.
+        // pinned and holds no lock. Late items move under the global lock, which the
+        // searches of other lists (the slow path's) hold.
         unsafe {
             self.shards.retire_empty(
                 |list| list.free_bytes() == 0,
@@ -292,6 +293,7 @@ impl<U: Resource> Arena<U> {
                 PoolShard::drain,
                 PoolShard::absorb,
                 |_| {},
+                || lock(&self.global),
             )
         }
     }

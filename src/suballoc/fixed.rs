@@ -280,6 +280,8 @@ impl<U: Resource> FixedSize<U> {
                         self.cache().reclaim();
                     }
                 },
+                // The lock the slow path's searches of other lists hold.
+                || lock(&self.chunks),
             )
         }
     }

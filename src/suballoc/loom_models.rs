@@ -689,6 +689,7 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
         let retired = unsafe {
             map.retire(
                 |shard| shard.state.lock().is_empty(),
+                Vec::is_empty,
                 |old| match map.find(old.key) {
                     Some(shard) => shard,
                     None => map.get_or_insert_like(old, Vec::new),
@@ -696,6 +697,7 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
                 std::mem::take,
                 |list: &mut Vec<u32>, items| list.extend(items),
                 |_| {},
+                || (),
             )
         };
         t.join().unwrap();
@@ -707,6 +709,66 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
             .collect();
         assert_eq!(items, vec![5], "the free is in the stream's list, once");
         assert_eq!(map.all().len(), 1);
+    });
+}
+
+/// Issue 49: a free into a stream's list that `retire` is taking away (the freeing call
+/// looked the list up before it went) stays in reach of every search for free memory that
+/// begins after the free: in that list while it is in the table or in limbo, then in the
+/// stream's current list, to which it moves while the old one is still in limbo, under
+/// the searches' lock. Fails if the move waits for the second grace period (the free is
+/// then in no list a search visits from the moment limbo is emptied) or is made without
+/// the searches' lock (a search can then pass the new list before the move and limbo
+/// after it).
+#[test]
+fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
+    use crate::sync::{Mutex, grace, lock};
+
+    loom::model(|| {
+        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        let searches = Arc::new(Mutex::new(()));
+        let key = StreamKey::host(7);
+        map.get_or_insert_with(key, Vec::new);
+        let (other, other_searches) = (Arc::clone(&map), Arc::clone(&searches));
+        let t = thread::spawn(move || {
+            {
+                // A free on the stream: into whatever list the stream has.
+                let _pin = grace::pin();
+                let shard = match other.get(key) {
+                    Some(shard) => shard,
+                    None => other.get_or_insert_with(key, Vec::new),
+                };
+                shard.state.lock().push(5);
+            }
+            // A search through every list (as a merge before growing), after the free.
+            let _pin = grace::pin();
+            let _search = lock(&other_searches);
+            let found: Vec<u32> = other.iter().flat_map(|s| s.state.lock().clone()).collect();
+            assert_eq!(found, vec![5], "the search finds the free");
+        });
+        // SAFETY: the only other user pins around its uses; this thread is not pinned and
+        // holds no lock.
+        unsafe {
+            map.retire(
+                |shard| shard.state.lock().is_empty(),
+                Vec::is_empty,
+                |old| match map.find(old.key) {
+                    Some(shard) => shard,
+                    None => map.get_or_insert_like(old, Vec::new),
+                },
+                std::mem::take,
+                |list: &mut Vec<u32>, items| list.extend(items),
+                |_| {},
+                || lock(&searches),
+            )
+        };
+        t.join().unwrap();
+        let items: Vec<u32> = map
+            .all()
+            .iter()
+            .flat_map(|s| s.state.lock().clone())
+            .collect();
+        assert_eq!(items, vec![5], "the free is in the stream's list, once");
     });
 }
 

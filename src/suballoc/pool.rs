@@ -478,10 +478,13 @@ impl<U: Resource> Pool<U> {
         // SAFETY: every use of this pool's shards is inside a pin (its entry points pin
         // before they look one up, and hold no shard between calls); this thread is not
         // pinned and holds no lock; `home` pins while it looks up and fills the stream's
-        // new list (the retirement's late items go there).
+        // new list (the retirement's late items go there). Late items move under the
+        // growth lock, which every search of other lists holds (the slow path, merges,
+        // releases), pinned (the guard's unlock may run a pending release).
         unsafe {
             self.shards.retire(
                 |shard| shard.key != self.host_key && shard.state.lock().free_bytes() == 0,
+                |s| s.free_bytes() == 0,
                 |old| {
                     let _pin = grace::pin();
                     match self.shards.find(old.key) {
@@ -492,6 +495,7 @@ impl<U: Resource> Pool<U> {
                 PoolShard::drain,
                 PoolShard::absorb,
                 |_| {},
+                || (self.lock_growth(), grace::pin()),
             )
         }
     }

@@ -525,25 +525,33 @@ impl<S> ShardMap<S> {
 
     /// Frees the shards `idle` picks (it sees each with nothing locked), once no reader
     /// can hold them, and returns how many went. Items freed into one of them while it
-    /// was going are moved by `drain` and `absorb` to the shard `home` gives for it: the
-    /// same stream's current one (no wait), made with the retired one's context and owner
-    /// ([`get_or_insert_like`](Self::get_or_insert_like)) if there is none. The contexts
-    /// of retired shards stay in what [`synchronize_streams`](Self::synchronize_streams)
-    /// waits for. Where grace periods are not offered ([`grace::can_wait`]) nothing is
-    /// retired.
+    /// was going (`empty` says whether a state holds any) are moved by `drain` and
+    /// `absorb` to the shard `home` gives for it: the same stream's current one (no
+    /// wait), made with the retired one's context and owner
+    /// ([`get_or_insert_like`](Self::get_or_insert_like)) if there is none. Items move
+    /// while `serialise` (the caller's lock, which its searches for free memory hold)
+    /// is held, so that no search sees them in neither place. The contexts of retired
+    /// shards stay in what [`synchronize_streams`](Self::synchronize_streams) waits for.
+    /// Where grace periods are not offered ([`grace::can_wait`]) nothing is retired.
     ///
     /// Steps: the idle shards leave the table (a new table without them is published,
     /// the old tables are kept) for limbo, where iterations still find them; after a
     /// grace period no reader holds one from a lookup: `unlinked` gets their addresses
-    /// (for the caller's own places that keep shards across calls), then they leave
-    /// limbo and `recent`; after a second no reader holds one from an iteration or from such
-    /// a place, and they and the old tables are freed, their late items moved first.
-    /// They are marked retired as they leave the table ([`Shard::is_retired`]):
-    /// `set_recent` and `note_free` pass them over, and so must every place of the
-    /// caller's that keeps shards across calls; a thread that read the mark clear was
-    /// pinned, so the first grace period outlasts what it did with it (the mark is
-    /// stored before that grace period's heavy fence, and read after a pin's light
-    /// one).
+    /// (for the caller's own places that keep shards across calls), what was freed into
+    /// them moves to their streams' current shards (issue 49: memory freed, merged or
+    /// grown into one of them by a call that found it before it went, out of every
+    /// search's reach from the moment it left limbo, made other threads run out of
+    /// memory), then they leave limbo and `recent`; after a second no reader holds one
+    /// from an iteration or from such a place, and they and the old tables are freed,
+    /// what was put back into them meanwhile moved first (an iteration that took items
+    /// out of one in limbo and returned them without holding `serialise`; one holding it
+    /// returns them before the first move or finds nothing to take). They are marked
+    /// retired as they leave
+    /// the table ([`Shard::is_retired`]): `set_recent` and `note_free` pass them over,
+    /// and so must every place of the caller's that keeps shards across calls; a thread
+    /// that read the mark clear was pinned, so the first grace period outlasts what it
+    /// did with it (the mark is stored before that grace period's heavy fence, and read
+    /// after a pin's light one).
     ///
     /// # Safety
     /// Every reference to a shard of this map is used only while its thread is pinned
@@ -551,13 +559,16 @@ impl<S> ShardMap<S> {
     /// one at a time, and this one does not free those) and those the caller keeps
     /// across calls, which it takes in only unless retired and gives up in `unlinked`;
     /// the caller is not pinned and holds no lock a pinned thread may wait for.
-    pub(crate) unsafe fn retire<'a, T>(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn retire<'a, T, G>(
         &'a self,
         idle: impl Fn(&Shard<S>) -> bool,
+        empty: impl Fn(&S) -> bool,
         home: impl Fn(&Shard<S>) -> &'a Shard<S>,
         drain: impl Fn(&mut S) -> Vec<T>,
         absorb: impl Fn(&mut S, Vec<T>),
         unlinked: impl FnOnce(&[usize]),
+        serialise: impl Fn() -> G,
     ) -> usize {
         let Some(waiter) = grace::can_wait() else {
             return 0;
@@ -613,6 +624,12 @@ impl<S> ShardMap<S> {
                 .map(|&p| p.expose_provenance())
                 .collect::<Vec<_>>(),
         );
+        // No call that found one by a lookup (a free into it, a merge or a growth into
+        // it as the calling stream's list) is still going on: what they left there
+        // moves to the streams' current shards while the removed ones are still in
+        // limbo, so every search finds it in one place or the other.
+        // SAFETY: the removed shards are freed only below, by this call.
+        unsafe { self.move_late(&removed, &empty, &home, &drain, &absorb, &serialise) };
         // They leave limbo, which holds only them (retirements run one at a time, and each
         // empties it).
         lock(&self.rare.limbo).clear();
@@ -633,17 +650,15 @@ impl<S> ShardMap<S> {
         // `recent`, and no reader of the caller's places that found one there is still
         // going on.
         grace::wait_for_readers(&waiter);
+        // What such an iteration put back without holding `serialise` (items it took
+        // out and returned, as a merge whose wait failed does).
+        // SAFETY: as above.
+        unsafe { self.move_late(&removed, &empty, &home, &drain, &absorb, &serialise) };
         for &p in &removed {
             // SAFETY: made by `Box::into_raw` in `get_or_insert_with`; out of every table
             // and of limbo, and two grace periods have passed, so no reference to it is
             // left: it is freed once.
-            let shard = unsafe { Box::from_raw(p) };
-            let late = drain(&mut shard.state.lock());
-            if !late.is_empty() {
-                let to = home(&shard);
-                absorb(&mut to.state.lock(), late);
-                self.note_free(to);
-            }
+            drop(unsafe { Box::from_raw(p) });
         }
         for table in old_tables {
             // SAFETY: made by `Box::into_raw`, no longer current or listed, and no reader
@@ -653,6 +668,44 @@ impl<S> ShardMap<S> {
         removed.len()
     }
 
+    /// Moves the items of the retired shards `removed` to the shards `home` gives for
+    /// them, under `serialise` (see [`retire`](Self::retire)). The homes are found (or
+    /// made) first, without `serialise` (making one may take the lock it stands for),
+    /// for the shards holding items then; an item put into a shard after that look
+    /// stays for the next move.
+    ///
+    /// # Safety
+    /// Every pointer of `removed` is a shard of this map that is not freed during the
+    /// call.
+    unsafe fn move_late<'a, T, G>(
+        &'a self,
+        removed: &[*mut Shard<S>],
+        empty: &impl Fn(&S) -> bool,
+        home: &impl Fn(&Shard<S>) -> &'a Shard<S>,
+        drain: &impl Fn(&mut S) -> Vec<T>,
+        absorb: &impl Fn(&mut S, Vec<T>),
+        serialise: &impl Fn() -> G,
+    ) {
+        let moves: Vec<(&Shard<S>, &Shard<S>)> = removed
+            .iter()
+            // SAFETY: the caller's promise.
+            .map(|&p| unsafe { &*p })
+            .filter(|old| !empty(&old.state.lock()))
+            .map(|old| (old, home(old)))
+            .collect();
+        if moves.is_empty() {
+            return;
+        }
+        let _searches = serialise();
+        for (old, to) in moves {
+            let late = drain(&mut old.state.lock());
+            if !late.is_empty() {
+                absorb(&mut to.state.lock(), late);
+                self.note_free(to);
+            }
+        }
+    }
+
     /// [`retire`](Self::retire) of every shard whose state `empty` says holds nothing, but
     /// the default host stream's (`StreamRef::HOST`, one per lane), with late items going
     /// to the stream's current shard (found, or made like the retired one with `make`;
@@ -660,19 +713,22 @@ impl<S> ShardMap<S> {
     ///
     /// # Safety
     /// As for [`retire`](Self::retire).
-    pub(crate) unsafe fn retire_empty<T>(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn retire_empty<T, G>(
         &self,
         empty: impl Fn(&S) -> bool,
         make: impl Fn() -> S,
         drain: impl Fn(&mut S) -> Vec<T>,
         absorb: impl Fn(&mut S, Vec<T>),
         unlinked: impl FnOnce(&[usize]),
+        serialise: impl Fn() -> G,
     ) -> usize {
         let host = StreamKey::of(StreamRef::HOST);
         // SAFETY: the caller's promise; `home` pins while it looks up and makes.
         unsafe {
             self.retire(
                 |shard| shard.key.stream() != host && empty(&shard.state.lock()),
+                &empty,
                 |old| {
                     let _pin = grace::pin();
                     match self.find(old.key) {
@@ -683,6 +739,7 @@ impl<S> ShardMap<S> {
                 drain,
                 absorb,
                 unlinked,
+                serialise,
             )
         }
     }
