@@ -31,8 +31,11 @@
 //   freed. checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState work
 //   on a pool's block table.
 // - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
-//   torch.multiprocessing sends CUDA tensors of memres (the receiver needs memres too for
-//   the default in-place pool's blocks; chunked pools' handles open in any torch).
+//   torch.multiprocessing sends CUDA tensors of memres in torch's own handle forms (the
+//   default in-place pool's blocks as expandable segments, chunked pools' as CUDA IPC
+//   handles): a receiver on torch's allocator opens them, and memres opens torch's.
+// - MemPool(another allocator): the pool's segments come from that allocator and go
+//   back to it when the pool is released.
 
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
