@@ -469,6 +469,18 @@ struct PrivatePool {
   }
 
   // Waits for every pending block's events and frees them (before memres runs out).
+  // Blocks waiting for other streams are forgotten without being freed (their events
+  // destroyed): a checkpoint restore inside a capture, where nothing may wait, replaces
+  // the block table they would free into.
+  void forget_pending() {
+    for (auto& p : pending) {
+      for (cudaEvent_t ev : p.events) {
+        (void)cudaEventDestroy(ev);
+      }
+    }
+    pending.clear();
+  }
+
   void wait_pending() {
     free_pending(false);
     c10::cuda::CUDAGuard guard(device);
@@ -804,6 +816,15 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       auto it = pools_.find(state->id);
       TORCH_CHECK(it != pools_.end(), "memres: setCheckpointPoolState of an unknown graph pool");
       PrivatePool& pool = it->second;
+      // Blocks freed while other streams used them are freed first (outside a capture,
+      // waiting for those streams), so that no such free lands later on a block the
+      // checkpoint makes live (the address would be handed out twice). Inside a capture
+      // nothing may wait: they are forgotten, the checkpoint's table replacing theirs.
+      if (is_capturing(device)) {
+        pool.forget_pending();
+      } else {
+        pool.wait_pending();
+      }
       // Every block allocated now is freed; the checkpoint's blocks are allocated again,
       // at the same addresses (segments stay while the pool lives).
       freed = pool.allocated_blocks();
@@ -836,6 +857,16 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         }
       }
       private_count_.store(private_blocks_.size(), std::memory_order_release);
+      // Streams recorded for blocks the checkpoint leaves free go (a later block there is
+      // another tensor); those of its live blocks stay (a later free waits for them).
+      for (auto rec = pool.recorded.begin(); rec != pool.recorded.end();) {
+        auto owner = private_blocks_.find(rec->first);
+        if (owner == private_blocks_.end() || owner->second != state->id) {
+          rec = pool.recorded.erase(rec);
+        } else {
+          ++rec;
+        }
+      }
     }
     {
       // The freed blocks' records in the base class go too (their storages were
