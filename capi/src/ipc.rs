@@ -25,12 +25,16 @@
 //!   The receiver takes the descriptors with `pidfd_getfd` (Linux 5.6; it needs the right
 //!   to ptrace the sender, as PyTorch's expandable segments do) and maps them in order.
 //!   The sender keeps its descriptors open until the block is freed (PyTorch keeps a
-//!   sent block alive until every receiver released it). A handle is never 64 bytes long
-//!   (26 + 4n), the length PyTorch reads as a bare CUDA IPC handle.
+//!   sent block alive until every receiver released it). memres adds 8 bytes after the
+//!   descriptors: a number no other export of this process had, so that a later block
+//!   whose descriptors got the same numbers never has the same handle (receivers,
+//!   PyTorch's and memres's, keep opened ranges by the handle's bytes; PyTorch reads the
+//!   header and the descriptors and leaves what follows). A handle is never 64 bytes
+//!   long (26 + 4n, or 34 + 4n), the length PyTorch reads as a bare CUDA IPC handle.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use std::ffi::{c_int, c_void};
@@ -64,6 +68,10 @@ const GRANULES: u8 = b'e';
 const CUDA: u8 = b'c';
 /// Version, type and PyTorch's header (`pid`, padding, granule size, granule count).
 const HEADER: usize = 26;
+/// The export's number after the descriptors (memres's handles only).
+const EXPORT_NUMBER: usize = 8;
+/// The numbers of this process's exports.
+static EXPORTS: AtomicU64 = AtomicU64::new(0);
 
 /// A decoded handle.
 #[derive(Debug, PartialEq, Eq)]
@@ -77,14 +85,15 @@ pub(crate) enum Handle {
 }
 
 impl Handle {
-    /// The length of a granules handle of `n` granules (never 64, the length of a bare
-    /// CUDA IPC handle).
+    /// The length of memres's granules handle of `n` granules (never 64, the length of
+    /// a bare CUDA IPC handle).
     pub(crate) fn granules_len(n: usize) -> usize {
-        HEADER + 4 * n
+        HEADER + 4 * n + EXPORT_NUMBER
     }
 
-    /// The bytes of a granules handle.
+    /// The bytes of a granules handle, numbered as no other export of this process.
     pub(crate) fn encode_granules(pid: u32, granule: u64, fds: &[i32]) -> Vec<u8> {
+        let number = EXPORTS.fetch_add(1, Ordering::Relaxed);
         let mut out = Vec::with_capacity(Handle::granules_len(fds.len()));
         out.extend_from_slice(&[VERSION, GRANULES]);
         out.extend_from_slice(&pid.to_le_bytes());
@@ -94,6 +103,7 @@ impl Handle {
         for fd in fds {
             out.extend_from_slice(&fd.to_le_bytes());
         }
+        out.extend_from_slice(&number.to_le_bytes());
         out
     }
 
@@ -135,17 +145,19 @@ impl Handle {
                 "an expandable segment's handle of {n} granules of {granule} bytes"
             ));
         }
-        let expected = usize::try_from(n)
+        // PyTorch's handles end with the descriptors; memres's carry the export's number.
+        let end = usize::try_from(n)
             .ok()
             .and_then(|n| n.checked_mul(4)?.checked_add(HEADER));
-        if expected != Some(bytes.len()) {
+        let fits = end.is_some_and(|end| [end, end + EXPORT_NUMBER].contains(&bytes.len()));
+        let Some(end) = end.filter(|_| fits) else {
             return Err(format!(
                 "an expandable segment's handle of {} bytes names {n} granules: cut short or \
                  padded",
                 bytes.len()
             ));
-        }
-        let fds: Vec<i32> = bytes[HEADER..]
+        };
+        let fds: Vec<i32> = bytes[HEADER..end]
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
@@ -600,7 +612,25 @@ mod tests {
         expected.extend_from_slice(&(2u64 << 20).to_le_bytes());
         expected.extend_from_slice(&2u64.to_le_bytes());
         expected.extend_from_slice(&[5, 0, 0, 0, 6, 0, 0, 0]);
-        assert_eq!(bytes, expected);
+        assert_eq!(bytes[..expected.len()], expected[..]);
+        assert_eq!(
+            bytes.len(),
+            expected.len() + EXPORT_NUMBER,
+            "the export's number"
+        );
+        // PyTorch's own handle (no number after the descriptors) reads the same.
+        assert_eq!(Handle::decode(&expected), Handle::decode(&bytes));
+    }
+
+    /// Two exports of the same descriptor numbers (a block freed, its descriptors closed,
+    /// a new block's given the same numbers) never have the same handle: receivers keep
+    /// opened ranges by the handle's bytes.
+    #[test]
+    fn a_new_block_with_reused_descriptor_numbers_has_a_new_handle() {
+        let first = Handle::encode_granules(7, 2 << 20, &[5, 6]);
+        let again = Handle::encode_granules(7, 2 << 20, &[5, 6]);
+        assert_ne!(first, again);
+        assert_eq!(Handle::decode(&first), Handle::decode(&again));
     }
 
     #[test]
