@@ -617,6 +617,24 @@ struct PrivatePool {
 
   // Gives every segment back to memres. The caller has waited for the device: graph
   // replays that wrote these segments may have run on any stream.
+  // Gives back the segments with no allocated block (the device's work on them done).
+  void release_free_segments() {
+    for (auto it = segments.begin(); it != segments.end();) {
+      const Segment& seg = **it;
+      bool free = seg.blocks.size() == 1 && !seg.blocks.begin()->second.allocated;
+      if (!free) {
+        ++it;
+        continue;
+      }
+      if (source != nullptr) {
+        source->raw_delete(seg.base);
+      } else {
+        memres_free(seg.base, static_cast<ssize_t>(seg.size), device, nullptr);
+      }
+      it = segments.erase(it);
+    }
+  }
+
   void release_segments() {
     for (auto& seg : segments) {
       if (source != nullptr) {
@@ -964,9 +982,59 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // its own segment where the stack keeps no such list), the live blocks in them as
   // allocated blocks (a CUDA graph pool's segment counts as one), the rest as free; and
   // the recorded history.
+  // One pool's segments (MemPool.snapshot()): its block table, blocks allocated or free.
+  c10::cuda::CUDACachingAllocator::SnapshotInfo pool_snapshot(c10::cuda::MempoolId_t id, bool include_traces) {
+    c10::cuda::CUDACachingAllocator::SnapshotInfo out;
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    auto it = pools_.find(id);
+    if (it == pools_.end()) {
+      return out;
+    }
+    const PrivatePool& pool = it->second;
+    for (const auto& seg : pool.segments) {
+      c10::CachingDeviceAllocator::SegmentInfo info;
+      info.device = pool.device;
+      info.address = reinterpret_cast<size_t>(seg->base);
+      info.total_size = seg->size;
+      info.stream = seg->stream;
+      info.is_large = true;
+      info.owner_private_pool_id = id;
+      for (const auto& [offset, block] : seg->blocks) {
+        c10::CachingDeviceAllocator::BlockInfo b;
+        b.size = block.size;
+        b.requested_size = block.allocated ? block.size : 0;
+        b.allocated = block.allocated;
+        b.active = block.allocated;
+        if (block.allocated) {
+          b.context_when_allocated = g_history.context_of(seg->base + offset);
+          info.allocated_size += block.size;
+          info.active_size += block.size;
+          info.requested_size += block.size;
+        }
+        info.blocks.push_back(std::move(b));
+      }
+      out.segments.push_back(std::move(info));
+    }
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+      (void)cudaGetLastError();
+      devices = 0;
+    }
+    for (int device = 0; device < std::min(devices, kMaxDevices); ++device) {
+      out.device_traces.push_back(
+          include_traces ? g_history.trace(device) : std::vector<TraceEntry>{});
+    }
+    out.config_metadata.expandable_segments = true;
+    out.config_metadata.last_allocator_settings = "memres";
+    return out;
+  }
+
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
-      c10::cuda::MempoolId_t /*mempool_id*/,
+      c10::cuda::MempoolId_t mempool_id,
       bool include_traces) override {
+    if (mempool_id.first != 0 || mempool_id.second != 0) {
+      return pool_snapshot(mempool_id, include_traces);
+    }
     struct Live {
       size_t size;
       cudaStream_t stream;
@@ -1206,7 +1274,21 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     base.retries = g_retries.at(device).load(std::memory_order_relaxed);
   }
 
-  void emptyCache(c10::cuda::MempoolId_t /*mempool_id*/) override {
+  void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
+    if (mempool_id.first != 0 || mempool_id.second != 0) {
+      // One pool (torch.cuda.empty_cache of a MemPool): its wholly free segments go back
+      // to where they came from, once the device's work on them is done.
+      std::lock_guard<std::mutex> lock(pools_mutex_);
+      auto it = pools_.find(mempool_id);
+      if (it != pools_.end() && !is_capturing(it->second.device)) {
+        PrivatePool& pool = it->second;
+        pool.free_pending(false);
+        c10::cuda::CUDAGuard guard(pool.device);
+        C10_CUDA_CHECK(cudaDeviceSynchronize());
+        pool.release_free_segments();
+      }
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(pools_mutex_);
       for (int device = 0; device < kMaxDevices; ++device) {

@@ -59,6 +59,8 @@ Checks:
   mempool_other_allocator - torch.cuda.MemPool(another CUDAPluggableAllocator): allocations
                   inside use_mem_pool come from it, go back to it once the pool is gone;
                   one that returns no memory gives an exception and work goes on.
+  mempool_snapshot - MemPool.snapshot(): the pool's segments only (its id on each), its
+                  tensor allocated in them, a tensor made outside it absent.
 """
 
 import json
@@ -67,7 +69,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot"]
 MIB = 1 << 20
 
 
@@ -632,6 +634,30 @@ def mempool_other_allocator():
     seen["work_goes_on"] = float(outside.sum().item()) == 1024.0
     ok = seen["allocs_in_pool"] >= 1 and seen["right"] and seen["outside_not_from_it"] and seen["freed_back"]
     ok = ok and seen["null"] != "accepted" and seen["work_goes_on"]
+    return {"ok": ok, **seen}
+
+
+def mempool_snapshot():
+    """MemPool.snapshot(): the pool's own segments only, its tensor an allocated block of
+    them, a tensor made outside the pool nowhere in it."""
+    import torch
+
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    outside = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+    snap = pool.snapshot()
+    within = lambda p, s: s["address"] <= p < s["address"] + s["total_size"]
+    ids = sorted({tuple(s.get("segment_pool_id", ())) for s in snap})
+    seen = {
+        "segments": len(snap),
+        "pool_ids_match": ids == [tuple(pool.id)],
+        "tensor_in_it": any(within(a.data_ptr(), s) for s in snap),
+        "allocated": sum(s["allocated_size"] for s in snap),
+        "outside_absent": not any(within(outside.data_ptr(), s) for s in snap),
+    }
+    ok = seen["segments"] >= 1 and seen["pool_ids_match"] and seen["tensor_in_it"]
+    ok = ok and seen["allocated"] >= 4 * MIB and seen["outside_absent"]
     return {"ok": ok, **seen}
 
 
