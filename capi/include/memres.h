@@ -167,7 +167,7 @@ int64_t memres_segments(int device, uint64_t* out, size_t capacity);
    one fails; the first failure is returned. */
 int memres_trim(int device);
 
-/* Bounds what memres's pools on device hold to bytes (below 0: no bound; 0 is refused):
+/* Bounds what memres's pools on device hold to bytes (below 0: no bound; 0: no growth):
    torch.cuda.set_per_process_memory_fraction. Each device-memory pool of the stack
    (every tier of a fallback(..), the pool under binning) and every tag's pool, those made
    later too, grows no further than bytes, after giving back what it holds free; a request

@@ -673,18 +673,14 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
 /// those made later too, grows no further than `bytes`, after giving back what it holds
 /// free; a request past the bound is out of memory. Pinned host pools, `arena`,
 /// `cuda_async` and plain `cuda` stacks are not bounded. Builds the stack if it does not
-/// exist yet. 0 on success; 0 bytes is refused.
+/// exist yet. 0 on success. A bound of 0 bytes lets no pool grow
+/// (`set_per_process_memory_fraction(0)`).
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_set_limit(device: c_int, bytes: i64) -> c_int {
     guarded(
         |code| code,
         || {
             let bound = match bytes {
-                0 => {
-                    return Err(Failure::invalid(
-                        "memres_set_limit: a bound of 0 bytes (give -1 for none)",
-                    ));
-                }
                 b if b < 0 => None,
                 b => Some(
                     usize::try_from(b)

@@ -201,14 +201,34 @@ std::string torch_size(uint64_t n) {
 struct Limits {
   std::mutex mutex;
   std::array<double, kMaxDevices> fraction;
+  // Whether a fraction below 1 is set, and the bytes it allows (torch's "reserved":
+  // memres's pools and other allocators' MemPools together).
+  std::array<bool, kMaxDevices> limited{};
   std::array<uint64_t, kMaxDevices> allowed{};
+  // Bytes other allocators' MemPools hold (their segments), per device.
+  std::array<uint64_t, kMaxDevices> foreign{};
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
 
   Limits() {
     fraction.fill(1.0);
   }
+
+  // Under `mutex`: memres's pools on `device` may hold what the fraction allows less
+  // what other allocators' pools hold (no bound without a fraction).
+  void apply(int device) {
+    int64_t bound = -1;
+    if (limited[device]) {
+      bound = static_cast<int64_t>(allowed[device] > foreign[device] ? allowed[device] - foreign[device] : 0);
+    }
+    int code = memres_set_limit(device, bound);
+    TORCH_CHECK(code == MEMRES_OK, "memres: " + std::string(memres_last_error()));
+  }
 };
 Limits g_limits;
+
+// Why a graph or MemPool allocation on this thread found no memory ("out of memory: .."),
+// for the error raised after it; empty when memres's own last error says why.
+thread_local std::string t_pool_failure;
 
 // The device's total and free bytes (zeros if the driver cannot say).
 std::pair<size_t, size_t> device_memory(int device) {
@@ -238,19 +258,24 @@ std::pair<uint64_t, uint64_t> allocated_and_reserved(int device) {
 // text first (what tools match), memres's reason after it.
 [[noreturn]] void raise_out_of_memory(int device, size_t size, const std::string& why) {
   auto [total, free_bytes] = device_memory(device);
+  bool limited = false;
   uint64_t allowed = 0;
+  uint64_t foreign = 0;
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
   {
     std::lock_guard<std::mutex> lock(g_limits.mutex);
+    limited = g_limits.limited.at(device);
     allowed = g_limits.allowed.at(device);
+    foreign = g_limits.foreign.at(device);
     observers = g_limits.observers;
   }
   // torch passes the allowed bytes where a fraction is set, else the capacity.
   for (const auto& observer : observers) {
-    observer(device, size, allowed != 0 ? allowed : total, free_bytes);
+    observer(device, size, limited ? allowed : total, free_bytes);
   }
   auto [allocated, reserved] = allocated_and_reserved(device);
-  std::string allowed_text = allowed != 0 ? torch_size(allowed) + " allowed; " : "";
+  reserved += foreign;
+  std::string allowed_text = limited ? torch_size(allowed) + " allowed; " : "";
   // The message is put together here: c10::str with a number among its parts crashed
   // in this translation unit (torch 2.11, g++ 13: a segmentation fault inside it).
   std::string message = "CUDA out of memory. Tried to allocate " + torch_size(size) + ". GPU " +
@@ -274,6 +299,37 @@ void report_to_profiler(void* ptr, int64_t delta, int device) {
       allocated,
       reserved,
       c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+// Counts `bytes` more held by another allocator's MemPool on `device`; false (nothing
+// counted) where that would pass the memory fraction's bound with what memres holds.
+bool reserve_foreign(int device, size_t bytes) {
+  if (device < 0 || device >= kMaxDevices) {
+    return true;
+  }
+  uint64_t reserved = allocated_and_reserved(device).second;
+  std::lock_guard<std::mutex> lock(g_limits.mutex);
+  if (g_limits.limited[device] &&
+      reserved + g_limits.foreign[device] + bytes > g_limits.allowed[device]) {
+    return false;
+  }
+  g_limits.foreign[device] += bytes;
+  if (g_limits.limited[device]) {
+    g_limits.apply(device);
+  }
+  return true;
+}
+
+// Another allocator's MemPool gave `bytes` back on `device`.
+void release_foreign(int device, size_t bytes) {
+  if (device < 0 || device >= kMaxDevices) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_limits.mutex);
+  g_limits.foreign[device] -= std::min<uint64_t>(bytes, g_limits.foreign[device]);
+  if (g_limits.limited[device]) {
+    g_limits.apply(device);
+  }
 }
 
 void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
@@ -304,7 +360,7 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
       }
     }
   } else if (ptr == nullptr && size != 0) {
-    why = memres_last_error();
+    why = t_pool_failure.empty() ? std::string(memres_last_error()) : std::exchange(t_pool_failure, {});
   }
   if (ptr == nullptr && size != 0) {
     if (is_out_of_memory(why) && device >= 0 && device < 64) {
@@ -522,15 +578,26 @@ struct PrivatePool {
       size_t seg_size = no_split ? size : round_up(size, kSegmentRounding);
       void* base = nullptr;
       if (source != nullptr) {
-        // The pool's own allocator: its failure is torch's exception with its message;
-        // a null without one is out of memory, said here.
-        base = source->raw_alloc_with_stream(seg_size, stream);
-        TORCH_CHECK_WITH(
-            OutOfMemoryError,
-            base != nullptr,
-            "CUDA out of memory. Tried to allocate " + std::to_string(seg_size) +
-                " bytes. memres: the MemPool's own allocator (" + source->name() +
-                ") returned no memory");
+        // The pool's own allocator, within the memory fraction (which counts what other
+        // allocators' pools hold, as torch's does): its failure is torch's exception
+        // with its message; a null without one is out of memory.
+        if (!reserve_foreign(device, seg_size)) {
+          t_pool_failure = "out of memory: " + torch_size(seg_size) +
+              " more for a MemPool would pass the memory fraction's bound";
+          return nullptr;
+        }
+        try {
+          base = source->raw_alloc_with_stream(seg_size, stream);
+        } catch (...) {
+          release_foreign(device, seg_size);
+          throw;
+        }
+        if (base == nullptr) {
+          release_foreign(device, seg_size);
+          t_pool_failure = "out of memory: the MemPool's own allocator (" + source->name() +
+              ") returned no memory for " + torch_size(seg_size);
+          return nullptr;
+        }
       } else {
         base = memres_malloc(static_cast<ssize_t>(seg_size), device, stream);
       }
@@ -628,6 +695,7 @@ struct PrivatePool {
       }
       if (source != nullptr) {
         source->raw_delete(seg.base);
+        release_foreign(device, seg.size);
       } else {
         memres_free(seg.base, static_cast<ssize_t>(seg.size), device, nullptr);
       }
@@ -639,6 +707,7 @@ struct PrivatePool {
     for (auto& seg : segments) {
       if (source != nullptr) {
         source->raw_delete(seg->base);
+        release_foreign(device, seg->size);
       } else {
         memres_free(seg->base, static_cast<ssize_t>(seg->size), device, nullptr);
       }
@@ -1325,20 +1394,19 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // of the device (1: none). torch checks the type and range in Python; checked again.
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     TORCH_CHECK_VALUE(
-        fraction > 0.0 && fraction <= 1.0,
-        "memres: a memory fraction is above 0 and at most 1, not " + std::to_string(fraction));
+        fraction >= 0.0 && fraction <= 1.0,
+        "memres: a memory fraction is from 0 to 1, not " + std::to_string(fraction));
     TORCH_CHECK_VALUE(
         device >= 0 && device < kMaxDevices, "memres: no device " + std::to_string(device));
     auto [total, free_bytes] = device_memory(device);
     (void)free_bytes;
     TORCH_CHECK(
         total > 0, "memres: the driver does not say the memory of device " + std::to_string(device));
-    uint64_t allowed = fraction < 1.0 ? static_cast<uint64_t>(fraction * static_cast<double>(total)) : 0;
-    int code = memres_set_limit(device, allowed != 0 ? static_cast<int64_t>(allowed) : -1);
-    TORCH_CHECK(code == MEMRES_OK, "memres: ", memres_last_error());
     std::lock_guard<std::mutex> lock(g_limits.mutex);
+    g_limits.limited[device] = fraction < 1.0;
+    g_limits.allowed[device] = static_cast<uint64_t>(fraction * static_cast<double>(total));
+    g_limits.apply(device);
     g_limits.fraction[device] = fraction;
-    g_limits.allowed[device] = allowed;
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
