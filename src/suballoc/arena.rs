@@ -15,7 +15,6 @@ use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicU64, Ordering};
-use crate::sync::grace;
 use crate::sync::lock;
 use crate::sync::{Arc, Mutex};
 
@@ -214,7 +213,7 @@ impl<U: Resource> Arena<U> {
     /// Bytes not handed out: in the global arena, waiting for a stream, or in a stream's
     /// arena (a snapshot, list by list).
     pub fn free_bytes(&self) -> usize {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let global = lock(&self.global);
         let pending = global.pending_bytes();
         let streams: usize = self
@@ -257,7 +256,7 @@ impl<U: Resource> Arena<U> {
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
         {
-            let _pin = grace::pin(); // (see `ShardMap::retire`)
+            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
                 deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
@@ -306,7 +305,7 @@ impl<U: Resource> Arena<U> {
     /// The arena's state in words: its size, the superblocks streams hold, free bytes
     /// (global and per stream), the largest free block and the fragmentation.
     pub fn dump(&self) -> String {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let global = lock(&self.global);
         let pending = global.pending_bytes();
         let mut free = global.free.bytes() + pending;
@@ -654,7 +653,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             return Ok(dangling(layout));
         }
         let (size, align) = block_size(layout);
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let shard = self.shard(stream);
         if let Some(addr) = shard.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
@@ -670,7 +669,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let shard = self.shard(stream);
         let emptied = {
             let mut s = shard.state.lock();
@@ -705,7 +704,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

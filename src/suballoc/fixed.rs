@@ -14,8 +14,8 @@ use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::Mutex;
 use crate::sync::atomic::Ordering;
+use crate::sync::lock;
 use crate::sync::spin::SpinLock;
-use crate::sync::{grace, lock};
 
 /// A stream's list takes at most this many bytes of blocks at a time from a host
 /// stream's list (as a pool's does).
@@ -169,7 +169,7 @@ impl<U: Resource> FixedSize<U> {
     /// blocks, are not counted; blocks above 4 MiB are never cached; see the type's docs
     /// for how an out-of-memory takes them back).
     pub fn free_blocks(&self) -> usize {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let lists: usize = self.shards.all().iter().map(|s| s.state.lock().len()).sum();
         lists + self.cache().cached_here()
     }
@@ -183,7 +183,7 @@ impl<U: Resource> FixedSize<U> {
     /// Whether the calling thread's lane of `stream` has a list (for the loom models).
     #[cfg(memres_loom)]
     pub(crate) fn has_list(&self, stream: StreamRef<'_>) -> bool {
-        let _pin = grace::pin();
+        let _pin = self.shards.pin();
         self.shards.find(StreamKey::of_lane(stream)).is_some()
     }
 
@@ -198,6 +198,7 @@ impl<U: Resource> FixedSize<U> {
     fn cache(&self) -> Cache<'_> {
         Cache {
             owner: &self.owner,
+            domain: self.shards.domain(),
             capacity: self.cache_capacity,
         }
     }
@@ -229,7 +230,7 @@ impl<U: Resource> FixedSize<U> {
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
         {
-            let _pin = grace::pin(); // (see `ShardMap::retire`)
+            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
                 deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
@@ -642,7 +643,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         {
             return Ok(to_ptr(addr));
         }
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let shard = if self.cached() {
             let shard = self.shard_for(key);
             // SAFETY: `shard` is this resource's shard for `key`.
@@ -678,7 +679,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
                 return;
             }
         }
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let shard = self.shard_for(key);
         let mut list = shard.state.lock();
         list.push(addr);
@@ -692,7 +693,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

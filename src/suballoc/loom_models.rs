@@ -569,27 +569,42 @@ fn loom_held_blocks_are_freed_once_after_their_marks() {
     });
 }
 
-/// A grace period (`crate::sync::grace`): a reclaimer that unlinks a value and waits for
-/// readers may then write it (free it), and no reader that pinned before the wait is
-/// still reading it; a reader that pins later finds the new value. loom reports a data
-/// race on the cell if the wait does not order the reader's last read before the write.
+/// A grace period (`crate::sync::grace`): a reclaimer that unlinks a value of its domain
+/// and waits for the domain's readers may then write it (free it), and no reader that
+/// pinned in the domain before the wait is still reading it; a reader that pins later
+/// finds the new value. The reader pins in the domain directly, or nested in a pin of
+/// another domain (a pool whose upstream is a pool), or in three domains at once (the
+/// word then says "every domain"). loom reports a data race on the cell if the wait does
+/// not order the reader's last read before the write (it fails if the wait for pinned
+/// threads is removed, or a nested pin's domain is not stored before its light fence).
 #[test]
 fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
+    for nesting in 0..3 {
+        grace_period_outlasts_readers(nesting);
+    }
+}
+
+/// [`loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked`], the reader's pin of
+/// the value's domain nested in `nesting` pins of other domains.
+fn grace_period_outlasts_readers(nesting: usize) {
     use crate::sync::atomic::{AtomicPtr, Ordering};
     use crate::sync::cell::UnsafeCell;
-    use crate::sync::grace;
+    use crate::sync::grace::{self, Domain};
 
     struct Value(UnsafeCell<u32>);
 
-    loom::model(|| {
+    loom::model(move || {
+        let domain = Arc::new(Domain::new());
         let first = Box::into_raw(Box::new(Value(UnsafeCell::new(1))));
         let current = Arc::new(AtomicPtr::new(first));
-        let reader = Arc::clone(&current);
+        let (reader, in_domain) = (Arc::clone(&current), Arc::clone(&domain));
         let t = thread::spawn(move || {
-            let _pin = grace::pin();
+            let others: Vec<Domain> = (0..nesting).map(|_| Domain::new()).collect();
+            let _outer: Vec<grace::Pin> = others.iter().map(grace::pin).collect();
+            let _pin = grace::pin(&in_domain);
             let p = reader.load(Ordering::Acquire);
-            // SAFETY: loaded while pinned: freed only after a grace period that this pin
-            // is inside of.
+            // SAFETY: loaded while pinned in the value's domain: freed only after a grace
+            // period of that domain that this pin is inside of.
             let value = unsafe { &*p };
             value.0.get().with(|v| {
                 // SAFETY: read under the pin; the only write comes after the grace period.
@@ -599,7 +614,8 @@ fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
         });
         let second = Box::into_raw(Box::new(Value(UnsafeCell::new(2))));
         let old = current.swap(second, Ordering::AcqRel);
-        grace::wait_for_readers(&grace::can_wait().expect("loom offers grace periods"));
+        let waiter = grace::can_wait().expect("loom offers grace periods");
+        grace::wait_for_readers(&waiter, &domain);
         // SAFETY: unlinked before the grace period; no reader is left.
         unsafe { &*old }.0.get_mut().with(|v| {
             // SAFETY: as above: this thread alone reaches it now.
@@ -663,8 +679,6 @@ fn loom_a_trim_frees_a_list_a_thread_cache_was_using() {
 /// done with it.
 #[test]
 fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
-    use crate::sync::grace;
-
     loom::model(|| {
         let map = Arc::new(ShardMap::<Vec<u32>>::default());
         let key = StreamKey::host(7);
@@ -672,7 +686,7 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
         map.note_free(map.get_or_insert_with(key, Vec::new));
         let other = Arc::clone(&map);
         let t = thread::spawn(move || {
-            let _pin = grace::pin();
+            let _pin = other.pin();
             // A search's first look, at whatever list is `recent`.
             if let Some(recent) = other.recent() {
                 drop(recent.state.lock());
@@ -722,7 +736,7 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
 /// after it).
 #[test]
 fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
-    use crate::sync::{Mutex, grace, lock};
+    use crate::sync::{Mutex, lock};
 
     loom::model(|| {
         let map = Arc::new(ShardMap::<Vec<u32>>::default());
@@ -733,7 +747,7 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
         let t = thread::spawn(move || {
             {
                 // A free on the stream: into whatever list the stream has.
-                let _pin = grace::pin();
+                let _pin = other.pin();
                 let shard = match other.get(key) {
                     Some(shard) => shard,
                     None => other.get_or_insert_with(key, Vec::new),
@@ -741,7 +755,7 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
                 shard.state.lock().push(5);
             }
             // A search through every list (as a merge before growing), after the free.
-            let _pin = grace::pin();
+            let _pin = other.pin();
             let _search = lock(&other_searches);
             let found: Vec<u32> = other.iter().flat_map(|s| s.state.lock().clone()).collect();
             assert_eq!(found, vec![5], "the search finds the free");

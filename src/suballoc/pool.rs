@@ -16,7 +16,6 @@ use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
-use crate::sync::grace;
 use crate::sync::lock;
 use crate::sync::{Mutex, MutexGuard};
 use crate::upstream::GrowInPlace;
@@ -321,13 +320,13 @@ impl<U: Resource> Pool<U> {
 
     /// Bytes held from the upstream (mapped, for a pool that grows in place).
     pub fn pool_size(&self) -> usize {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         self.lock_growth().size
     }
 
     /// Starts [`PoolStats::peak_pool_size`] afresh from what the pool holds now.
     pub fn reset_peak_size(&self) {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let mut growth = self.lock_growth();
         growth.peak = growth.size;
     }
@@ -345,7 +344,7 @@ impl<U: Resource> Pool<U> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn segments(&self) -> Vec<(usize, usize)> {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
         if growth.slept.is_some() {
             return Vec::new(); // nothing is mapped while the pool sleeps
@@ -375,7 +374,7 @@ impl<U: Resource> Pool<U> {
     /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
     /// concurrent use it is exact for each list but not one instant.
     pub fn stats(&self) -> PoolStats {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
         if let Some(slept) = &growth.slept {
             return PoolStats {
@@ -426,7 +425,7 @@ impl<U: Resource> Pool<U> {
     /// blocks as the chunks allow (one per chunk once everything is freed; one per run of
     /// mapped granules for a pool that grows in place).
     pub fn coalesce(&self) -> Result<(), Error> {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let host = self.host_list();
         let _growth = self.lock_growth();
         self.merge_into(host).map(drop)
@@ -446,7 +445,7 @@ impl<U: Resource> Pool<U> {
     /// the chunk table.
     pub fn trim(&self) -> Result<usize, Error> {
         let released = {
-            let _pin = grace::pin(); // (see `ShardMap::retire`)
+            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
                 // Blocks held for other streams (one freed under a capture needs this wait).
                 deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
@@ -486,7 +485,7 @@ impl<U: Resource> Pool<U> {
                 |shard| shard.key != self.host_key && shard.state.lock().free_bytes() == 0,
                 |s| s.free_bytes() == 0,
                 |old| {
-                    let _pin = grace::pin();
+                    let _pin = self.shards.pin();
                     match self.shards.find(old.key) {
                         Some(shard) => shard,
                         None => self.new_shard_like(old),
@@ -495,7 +494,7 @@ impl<U: Resource> Pool<U> {
                 PoolShard::drain,
                 PoolShard::absorb,
                 |_| {},
-                || (self.lock_growth(), grace::pin()),
+                || (self.lock_growth(), self.shards.pin()),
             )
         }
     }
@@ -676,7 +675,7 @@ impl<U: Resource> Pool<U> {
         stream: StreamRef<'_>,
         layout: Layout,
     ) -> Result<NonNull<u8>, Error> {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         if layout.size() == 0 {
             return Ok(dangling(layout));
         }
@@ -1202,7 +1201,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let shard = self.shard(stream);
         let mut s = shard.state.lock();
         s.put(addr, size);
@@ -1221,7 +1220,7 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this pool's.
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

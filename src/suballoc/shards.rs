@@ -341,8 +341,9 @@ pub(crate) struct ShardMap<S> {
     /// The shard whose [`Shard::holds_free`] was set last: where a search for free memory
     /// in other streams' lists looks first.
     recent: AtomicPtr<Shard<S>>,
-    /// Merges that moved other streams' free items (each after a wait for their work).
-    merges: AtomicU64,
+    /// The grace domain of the map's readers: every call of its owner pins in it
+    /// ([`pin`](Self::pin)), and a retirement waits for those only.
+    domain: grace::Domain,
     /// What insertions and [`retire`](ShardMap::retire) use (boxed: off the allocation
     /// path, and a `Binning` holds many maps).
     rare: Box<Rare<S>>,
@@ -350,6 +351,8 @@ pub(crate) struct ShardMap<S> {
 
 /// The map's state that lookups do not touch.
 struct Rare<S> {
+    /// Merges that moved other streams' free items (each after a wait for their work).
+    merges: AtomicU64,
     /// Serialises insertions and owns the tables.
     tables: Mutex<Tables<S>>,
     /// Whether `limbo` holds any (so that iterations take its lock only then).
@@ -377,8 +380,9 @@ impl<S> Default for ShardMap<S> {
         ShardMap {
             table: AtomicPtr::new(first),
             recent: AtomicPtr::new(ptr::null_mut()),
-            merges: AtomicU64::new(0),
+            domain: grace::Domain::new(),
             rare: Box::new(Rare {
+                merges: AtomicU64::new(0),
                 tables: Mutex::new(Tables {
                     all: vec![first],
                     shards: 0,
@@ -393,6 +397,18 @@ impl<S> Default for ShardMap<S> {
 }
 
 impl<S> ShardMap<S> {
+    /// Pins the calling thread in the map's grace domain: every use of the map's shards
+    /// is inside such a pin (see [`retire`](Self::retire)).
+    #[inline]
+    pub(crate) fn pin(&self) -> grace::Pin {
+        grace::pin(&self.domain)
+    }
+
+    /// The map's grace domain (for pins made where the map is not at hand).
+    pub(crate) fn domain(&self) -> &grace::Domain {
+        &self.domain
+    }
+
     /// The current table.
     #[inline]
     fn table(&self) -> &Table<S> {
@@ -613,7 +629,7 @@ impl<S> ShardMap<S> {
             (removed, old)
         };
         // A grace period: no lookup that found a removed shard is still going on.
-        grace::wait_for_readers(&waiter);
+        grace::wait_for_readers(&waiter, &self.domain);
         // Every thread that may have put one anywhere that outlives a call (it read the
         // `retired` flag clear) has moved on, and no thread puts one anywhere now: the
         // caller takes them out of its own such places (while they are still in limbo,
@@ -649,7 +665,7 @@ impl<S> ShardMap<S> {
         // A second: no iteration that found one in limbo, no search that found one as
         // `recent`, and no reader of the caller's places that found one there is still
         // going on.
-        grace::wait_for_readers(&waiter);
+        grace::wait_for_readers(&waiter, &self.domain);
         // What such an iteration put back without holding `serialise` (items it took
         // out and returned, as a merge whose wait failed does).
         // SAFETY: as above.
@@ -730,7 +746,7 @@ impl<S> ShardMap<S> {
                 |shard| shard.key.stream() != host && empty(&shard.state.lock()),
                 &empty,
                 |old| {
-                    let _pin = grace::pin();
+                    let _pin = self.pin();
                     match self.find(old.key) {
                         Some(shard) => shard,
                         None => self.get_or_insert_like(old, &make),
@@ -772,7 +788,7 @@ impl<S> ShardMap<S> {
 
     /// How many merges moved other shards' free items (see [`ShardMap::merge_into`]).
     pub(crate) fn merges(&self) -> u64 {
-        self.merges.load(Ordering::Relaxed)
+        self.rare.merges.load(Ordering::Relaxed)
     }
 
     /// How many shards (streams) the map holds.
@@ -813,7 +829,7 @@ impl<S> ShardMap<S> {
         absorb(&mut into.state.lock(), all);
         if any {
             self.note_free(into);
-            self.merges.fetch_add(1, Ordering::Relaxed);
+            self.rare.merges.fetch_add(1, Ordering::Relaxed);
         }
         Ok(any)
     }

@@ -323,6 +323,8 @@ pub(crate) fn exit_thread() {
 /// The calling thread's magazines for one resource, within one call on it.
 pub(crate) struct Cache<'a> {
     pub(crate) owner: &'a Owner,
+    /// The grace domain of the owner's lists (pinned in while a magazine is made).
+    pub(crate) domain: &'a grace::Domain,
     /// Most blocks one magazine holds.
     pub(crate) capacity: usize,
 }
@@ -430,7 +432,7 @@ impl<'a> Cache<'a> {
         // ends, and the reclaim the trim runs after it takes the magazine's blocks (see
         // `FixedSize::retire_empty_lists`). (`make` is a lookup: no retired list comes
         // from one after that grace period.)
-        let _pin = grace::pin();
+        let _pin = grace::pin(self.domain);
         let stash = Arc::new(Stash {
             blocks: Takeable::new(Vec::with_capacity(self.capacity)),
             shard: make(),

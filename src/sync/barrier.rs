@@ -28,11 +28,7 @@ pub(crate) fn light() {
 /// failed for want of kernel memory is tried again at the next call.
 #[cfg(all(not(memres_loom), target_os = "linux"))]
 pub(crate) fn heavy_available() -> bool {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    const UNKNOWN: u8 = 0;
-    const YES: u8 = 1;
-    const NO: u8 = 2;
-    static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
+    use std::sync::atomic::Ordering;
     match STATE.load(Ordering::Acquire) {
         YES => return true,
         NO => return false,
@@ -55,6 +51,23 @@ pub(crate) fn heavy_available() -> bool {
         }
         None => false,
     }
+}
+
+// What `heavy_available` found out: nothing yet, offered, not offered.
+#[cfg(all(not(memres_loom), target_os = "linux"))]
+const UNKNOWN: u8 = 0;
+#[cfg(all(not(memres_loom), target_os = "linux"))]
+const YES: u8 = 1;
+#[cfg(all(not(memres_loom), target_os = "linux"))]
+const NO: u8 = 2;
+#[cfg(all(not(memres_loom), target_os = "linux"))]
+static STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(UNKNOWN);
+
+/// In a forked child (`grace`'s fork handler): the next [`heavy_available`] asks the
+/// kernel again and registers the child, whatever its parent's registration left it.
+#[cfg(all(not(memres_loom), target_os = "linux"))]
+pub(crate) fn forget_registration() {
+    STATE.store(UNKNOWN, std::sync::atomic::Ordering::Release);
 }
 
 /// Whether [`heavy`] is offered here: not outside Linux.

@@ -112,7 +112,7 @@ impl<U: Resource> Pool<U> {
                  addresses stay reserved while its memory goes back",
             ));
         };
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let mut growth = self.lock_growth();
         if growth.slept.is_some() {
             return Err(Error::invalid_argument(
@@ -197,7 +197,7 @@ impl<U: Resource> Pool<U> {
                 "the pool is not asleep: only a pool that grows in place sleeps",
             ));
         };
-        let _pin = grace::pin(); // (see `ShardMap::retire`)
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let mut growth = self.lock_growth();
         let Some(slept) = growth.slept.take() else {
             return Err(Error::invalid_argument(
