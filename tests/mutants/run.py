@@ -29,8 +29,8 @@ MUTATIONS = [
     ("lanes off: every thread in lane 0", "src/sync/threads.rs",
      "fn this_lane() -> u64 {\n", "fn this_lane() -> u64 {\n    return 0;\n"),
     ("Pool: no take_from_lanes on the slow path", "src/suballoc/pool.rs",
-     "        let mut growth = self.lock_growth();\n        if let Some(addr) = self\n            .take_listed(own, size, align)\n            .or_else(|| self.take_from_lanes(own, size, align))",
-     "        let mut growth = self.lock_growth();\n        if let Some(addr) = self\n            .take_listed(own, size, align)"),
+     "        let mut growth = self.lock_growth();\n        if growth.slept.is_some() {\n            return Err(Error::Asleep);\n        }\n        if let Some(addr) = self\n            .take_listed(own, size, align)\n            .or_else(|| self.take_from_lanes(own, size, align))",
+     "        let mut growth = self.lock_growth();\n        if growth.slept.is_some() {\n            return Err(Error::Asleep);\n        }\n        if let Some(addr) = self\n            .take_listed(own, size, align)"),
     ("Arena: no take_from_lanes", "src/suballoc/arena.rs",
      "if let Some(addr) = self.take_from_lanes(own, size, align) {",
      "if let Some(addr) = None::<usize> {"),
@@ -82,6 +82,16 @@ MUTATIONS = [
     ("free lists: a merge with both neighbours leaves the end key naming the one after",
      "src/suballoc/free_blocks.rs",
      "                self.by_end.insert(next_end, NodeRef::of(b));", "                let _ = next_end;"),
+    # Issue 49: list retirement and the wait before out-of-memory.
+    ("retire: no second grace period", "src/suballoc/shards.rs",
+     "        // going on.\n        grace::wait_for_readers(&waiter, &self.domain);\n",
+     "        // going on.\n"),
+    ("retire: the retired mark is never set", "src/suballoc/shards.rs",
+     "unsafe { self.at(p) }.retired.store(true, Ordering::Relaxed);", "let _ = p;"),
+    ("retire: iterations skip limbo", "src/suballoc/shards.rs",
+     "            .chain(limbo)\n", "            .chain(limbo.into_iter().take(0))\n"),
+    ("held blocks: the retry after waiting frees nothing", "src/suballoc/deferred.rs",
+     "            held.wait_all();\n            free_ready(r, held, stream);\n", ""),
 ]
 
 
