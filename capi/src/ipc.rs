@@ -34,8 +34,10 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::PoisonError;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::sync::{AtomicUsize, Mutex};
 
 use std::ffi::{c_int, c_void};
 
@@ -385,7 +387,7 @@ impl Opened {
 }
 
 /// The ranges this process opened.
-pub(crate) static OPENED: Mutex<Option<Opened>> = Mutex::new(None);
+pub(crate) static OPENED: std::sync::Mutex<Option<Opened>> = std::sync::Mutex::new(None);
 
 /// Writes into `out` (at most `capacity` bytes) a handle with which another process maps
 /// the block `ptr` (`size` bytes from `memres_malloc` on `device`, live) through

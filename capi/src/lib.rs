@@ -16,6 +16,7 @@ mod ipc;
 mod profile;
 mod recorded;
 mod stack;
+mod sync;
 mod tags;
 
 pub use ipc::{memres_ipc_close, memres_ipc_export, memres_ipc_open};

@@ -2,9 +2,10 @@
 //! `Tensor.record_stream`), consumed when the block is freed.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::PoisonError;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
+
+use crate::sync::{AtomicUsize, Mutex};
 
 /// Per device: block address -> the raw handles of the other streams that used it.
 #[derive(Default)]
