@@ -714,12 +714,16 @@ fn spec_errors_are_shown_whole() {
     let err = fails(&["replay", log, "-r", "statistics(pool:initial=lots)"]);
     assert!(err.contains("initial"), "{err}");
     assert!(err.contains("lots"), "{err}");
-    // A spec longer than the cut still says why at the end.
-    let deep = format!(
+    // A spec longer than the old 80-character cut still says why at the end.
+    let long = format!(
         "{}pool:initial=lots{}",
-        "statistics(".repeat(40),
-        ")".repeat(40)
+        "statistics(".repeat(10),
+        ")".repeat(10)
     );
-    let err = fails(&["replay", log, "-r", &deep]);
+    let err = fails(&["replay", log, "-r", &long]);
     assert!(err.contains("lots"), "{err}");
+    // A 40-deep one says it is too deep.
+    let deep = format!("{}pool{}", "statistics(".repeat(40), ")".repeat(40));
+    let err = fails(&["replay", log, "-r", &deep]);
+    assert!(err.contains("nested deeper than 16"), "{err}");
 }
