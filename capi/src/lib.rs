@@ -721,3 +721,9 @@ pub extern "C" fn memres_last_error() -> *const c_char {
 
 #[cfg(test)]
 mod tests;
+
+/// The `capi` fuzz target's corpus, replayed by `cargo test` (the target's code is
+/// `fuzz/common/capi.rs`).
+#[cfg(test)]
+#[path = "../../fuzz/common/capi_replay.rs"]
+mod fuzz_corpus;
