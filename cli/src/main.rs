@@ -9,6 +9,7 @@
 //! ```
 
 mod bench;
+mod human;
 mod plot;
 mod replay;
 mod simulated;
@@ -26,6 +27,7 @@ use memres::spec::Spec;
 use memres::units::parse_size;
 use memres::{Cuda, HostHeap, StreamRef};
 
+pub use crate::human::bytes;
 use crate::replay::{Outcome, Plan};
 use crate::stacks::{Memory, Options, Replay, Stack, StackName};
 
@@ -131,22 +133,6 @@ fn block_size(text: &str) -> Result<usize, String> {
         return Err(format!("blocks of {size} bytes: give at least 256"));
     }
     Ok(size)
-}
-
-/// A byte count as people read it: `1.50 GiB`.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
 }
 
 /// Reads a log, naming the file in every error.

@@ -8,6 +8,9 @@
 
 // The command's modules, compiled into this test as into the fuzz target (the command is
 // a bin crate); their unit tests (`stacks`, `simulated`) run here a second time.
+#[path = "../src/human.rs"]
+mod human;
+use human::bytes;
 #[allow(dead_code)]
 #[path = "../src/plot.rs"]
 mod plot;

@@ -18,23 +18,6 @@ use memres::log::{Action, Event, LoggedStream};
 use crate::replay::Plan;
 use crate::stacks::{Options, Replay, StackName};
 
-/// A copy of `cli/src/main.rs`'s `bytes`, which `stats.rs` and `stacks.rs` call as
-/// `crate::bytes` (the command's `main.rs` itself cannot be compiled in here).
-fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
-}
-
 /// The longest error message the reader may give: it quotes at most 100 characters of
 /// the input (each escaped as `{:?}` writes it: at most 10 bytes), with its size.
 const LONGEST_MESSAGE: usize = 2048;

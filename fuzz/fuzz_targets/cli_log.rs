@@ -9,7 +9,10 @@
 #![no_main]
 
 // The command is a bin crate: its modules are compiled in here, at the crate root where
-// their `crate::` paths expect each other (and `crate::bytes`, from the common code).
+// their `crate::` paths expect each other (and `crate::bytes`, from `human.rs`).
+#[path = "../../cli/src/human.rs"]
+mod human;
+use human::bytes;
 #[allow(dead_code)]
 #[path = "../../cli/src/plot.rs"]
 mod plot;
