@@ -24,7 +24,11 @@ TESTS = [
     "--test", "fault_injection", "--test", "conformance_host", "--test", "stream_lists",
 ]
 
-# name, file, snippet, replacement
+# The C ABI's own tests (host ones: its tables, the stack's pools over host memory, the
+# IPC handle form), for the mutations of capi/.
+CAPI = ["-p", "memres-capi", "--lib"]
+
+# name, file, snippet, replacement[, the tests to run: the library's by default]
 MUTATIONS = [
     ("lanes off: every thread in lane 0", "src/sync/threads.rs",
      "fn this_lane() -> u64 {\n", "fn this_lane() -> u64 {\n    return 0;\n"),
@@ -92,12 +96,36 @@ MUTATIONS = [
      "            .chain(limbo)\n", "            .chain(limbo.into_iter().take(0))\n"),
     ("held blocks: the retry after waiting frees nothing", "src/suballoc/deferred.rs",
      "            held.wait_all();\n            free_ready(r, held, stream);\n", ""),
+    ("C ABI: a recorded stream is not counted (frees skip the lookup)", "capi/src/recorded.rs",
+     "            self.blocks.fetch_add(1, Ordering::Relaxed);\n            Vec::new()",
+     "            Vec::new()", CAPI),
+    ("C ABI: an export's release leaves its count (frees keep taking the lock)", "capi/src/ipc.rs",
+     "        if map.remove(&address).is_some() {\n            self.blocks.fetch_sub(1, Ordering::Relaxed);\n        }",
+     "        map.remove(&address);", CAPI),
+    ("C ABI: a granules handle without the export number (reused fds repeat a handle)", "capi/src/ipc.rs",
+     "        out.extend_from_slice(&number.to_le_bytes());\n", "        let _ = number;\n        out.extend_from_slice(&[0; 8]);\n", CAPI),
+    ("C ABI: an expandable segment's handle of 0 granules is accepted", "capi/src/ipc.rs",
+     "        if n == 0 || granule == 0 {", "        if granule == 0 {", CAPI),
+    ("C ABI: the stack keeps one in-place pool (each tier overwrites the last)", "capi/src/stack.rs",
+     "Built::InPlacePool(pool) => self.in_place.push(Arc::clone(pool)),",
+     "Built::InPlacePool(pool) => self.in_place = vec![Arc::clone(pool)],", CAPI),
+    ("C ABI: memres_trim does not reach binning's bins", "capi/src/stack.rs",
+     "        for bins in &self.bins {\n            note(bins.trim().map(|()| 0));\n        }\n", "", CAPI),
+    ("C ABI: a pinned_pool tier is left out of the figures", "capi/src/stack.rs",
+     "        for pool in &self.pinned {\n            all.push(pool_figures(pool.stats()));\n        }\n", "", CAPI),
+    ("C ABI: memres_set_limit does not bound in-place pools", "capi/src/stack.rs",
+     "        for pool in &self.in_place {\n            pool.set_limit(bytes);\n        }\n", "", CAPI),
+    ("Pool::set_limit is ignored by growth", "src/suballoc/pool.rs",
+     "            maximum: growth.maximum(self.config.maximum),", "            maximum: self.config.maximum,"),
+    ("IPC import: the reservation aligned to the piece size (20 MiB pieces refused)", "src/upstream/ipc.rs",
+     "    1 << granule.trailing_zeros()", "    granule"),
 ]
 
 
 def run(selected):
     survived = []
-    for name, path, snippet, replacement in MUTATIONS:
+    for name, path, snippet, replacement, *tests in MUTATIONS:
+        tests = tests[0] if tests else ["-p", "memres", *TESTS]
         if selected and not any(s.lower() in name.lower() for s in selected):
             continue
         file = ROOT / path
@@ -111,7 +139,7 @@ def run(selected):
         try:
             # Every test under a time limit: a mutation that makes a test hang is killed.
             done = subprocess.run(
-                ["cargo", "test", "--release", "-q", "-p", "memres", "--target-dir", "target/mutants", *TESTS],
+                ["cargo", "test", "--release", "-q", "--target-dir", "target/mutants", *tests],
                 cwd=ROOT, capture_output=True, text=True, timeout=900,
             )
             killed = done.returncode != 0
