@@ -580,13 +580,24 @@ fn loom_held_blocks_are_freed_once_after_their_marks() {
 #[test]
 fn loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked() {
     for nesting in 0..3 {
-        grace_period_outlasts_readers(nesting);
+        grace_period_outlasts_readers(nesting, 0);
+    }
+}
+
+/// The reader pins another domain after its load and before its read (a pool's call into
+/// an upstream pool in another domain): the nested pin changes the reader's word, which
+/// must not end the grace period (it did when the wait stopped at any change of the word).
+#[test]
+fn loom_a_pin_nested_after_the_load_keeps_the_grace_period() {
+    for nested in 1..3 {
+        grace_period_outlasts_readers(0, nested);
     }
 }
 
 /// [`loom_a_grace_period_outlasts_every_reader_of_what_was_unlinked`], the reader's pin of
-/// the value's domain nested in `nesting` pins of other domains.
-fn grace_period_outlasts_readers(nesting: usize) {
+/// the value's domain nested in `nesting` pins of other domains, and `nested_after` pins
+/// of other domains taken after its load, before its read.
+fn grace_period_outlasts_readers(nesting: usize, nested_after: usize) {
     use crate::sync::atomic::{AtomicPtr, Ordering};
     use crate::sync::cell::UnsafeCell;
     use crate::sync::grace::{self, Domain};
@@ -603,6 +614,8 @@ fn grace_period_outlasts_readers(nesting: usize) {
             let _outer: Vec<grace::Pin> = others.iter().map(grace::pin).collect();
             let _pin = grace::pin(&in_domain);
             let p = reader.load(Ordering::Acquire);
+            let later: Vec<Domain> = (0..nested_after).map(|_| Domain::new()).collect();
+            let _inner: Vec<grace::Pin> = later.iter().map(grace::pin).collect();
             // SAFETY: loaded while pinned in the value's domain: freed only after a grace
             // period of that domain that this pin is inside of.
             let value = unsafe { &*p };

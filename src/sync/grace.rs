@@ -340,7 +340,10 @@ pub(crate) fn wait_for_readers(_: &Waiter, domain: &Domain) {
         .filter(|&(_, word)| word & PINNED != 0 && (every || domain.named_in(word)))
         .collect();
     for (slot, word) in pinned {
-        while slot.word.load(Ordering::Acquire) == word {
+        // The same outermost pin while the thread is pinned with the same count: a pin
+        // nested in it adds domains to the word, which does not end it.
+        let same_pin = |now: u64| now & PINNED != 0 && now >> COUNT_SHIFT == word >> COUNT_SHIFT;
+        while same_pin(slot.word.load(Ordering::Acquire)) {
             yield_now();
         }
     }
