@@ -8,9 +8,9 @@
 //!   process may run without memres. The form `2, 'c', <64 bytes>` of newer PyTorch
 //!   versions is opened too.
 //! - **granules** (the default in-place pool, whose memory is mapped a granule at a time),
-//!   in the form of PyTorch's expandable segments (PyTorch 2.5 and later: its own
-//!   allocator in the receiving process opens it, with or without expandable segments,
-//!   and memres opens PyTorch's):
+//!   in the form of PyTorch's expandable segments (checked with PyTorch 2.11, whose handle
+//!   version is 2: its own allocator in the receiving process opens it, with or without
+//!   expandable segments, and memres opens PyTorch's; BENCHMARKS.md, `ipc_to_torch`):
 //!
 //!   | bytes | what |
 //!   | --- | --- |

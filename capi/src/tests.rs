@@ -320,25 +320,37 @@ fn stats(device: c_int) -> memres_stats_t {
     out
 }
 
-/// Runs in a child process of this test binary (allocating builds the stack and freezes
-/// the configuration, which the configuration tests of this process must still change).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn live_bytes_are_exact_when_another_thread_frees() {
+/// Runs the GPU test `test` (a `tests::..._child` of this binary, which does its work
+/// only where `env` is set) in a child process: allocating builds the stack and freezes
+/// the configuration, which the configuration tests of this process must still change.
+/// The child must succeed and print `says`.
+fn gpu_child(test: &str, env: &str, says: &str) {
     assert!(
         mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
         "needs a CUDA GPU (`memres_malloc` allocates device memory)"
     );
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "tests::live_bytes_child", "--nocapture"])
-        .env("MEMRES_CAPI_LIVE_CHILD", "1")
+        .args(["--exact", test, "--nocapture"])
+        .env(env, "1")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && text.contains("live bytes: exact"),
+        out.status.success() && text.contains(says),
         "the child failed:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs in a child process of this test binary (allocating builds the stack and freezes
+/// the configuration, which the configuration tests of this process must still change).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn live_bytes_are_exact_when_another_thread_frees() {
+    gpu_child(
+        "tests::live_bytes_child",
+        "MEMRES_CAPI_LIVE_CHILD",
+        "live bytes: exact",
     );
 }
 
@@ -349,20 +361,10 @@ fn live_bytes_are_exact_when_another_thread_frees() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn blocks_of_a_fallback_tier_are_freed() {
-    assert!(
-        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
-        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
-    );
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "tests::fallback_child", "--nocapture"])
-        .env("MEMRES_CAPI_FALLBACK_CHILD", "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("fallback: freed"),
-        "the child failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    gpu_child(
+        "tests::fallback_child",
+        "MEMRES_CAPI_FALLBACK_CHILD",
+        "fallback: freed",
     );
 }
 
@@ -444,20 +446,10 @@ fn fallback_child() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn both_in_place_tiers_of_a_fallback_sleep() {
-    assert!(
-        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
-        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
-    );
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "tests::two_tiers_sleep_child", "--nocapture"])
-        .env("MEMRES_CAPI_TWO_TIERS_CHILD", "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("two tiers: woken"),
-        "the child failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    gpu_child(
+        "tests::two_tiers_sleep_child",
+        "MEMRES_CAPI_TWO_TIERS_CHILD",
+        "two tiers: woken",
     );
 }
 
@@ -1095,20 +1087,10 @@ fn tags_and_sleep_answer_bad_arguments_and_a_missing_driver_with_messages() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tagged_pools_sleep_and_wake() {
-    assert!(
-        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
-        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
-    );
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "tests::sleep_child", "--nocapture"])
-        .env("MEMRES_CAPI_SLEEP_CHILD", "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("sleep: woken"),
-        "the child failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    gpu_child(
+        "tests::sleep_child",
+        "MEMRES_CAPI_SLEEP_CHILD",
+        "sleep: woken",
     );
 }
 
@@ -1242,20 +1224,10 @@ fn sleep_child() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_binning_stack_refuses_to_sleep() {
-    assert!(
-        mr::driver::is_present() && mr::device::DeviceId::count().unwrap_or(0) > 0,
-        "needs a CUDA GPU (`memres_malloc` allocates device memory)"
-    );
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "tests::binning_sleep_child", "--nocapture"])
-        .env("MEMRES_CAPI_BINNING_CHILD", "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("binning: refused"),
-        "the child failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    gpu_child(
+        "tests::binning_sleep_child",
+        "MEMRES_CAPI_BINNING_CHILD",
+        "binning: refused",
     );
 }
 
