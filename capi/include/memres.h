@@ -110,9 +110,12 @@ void memres_free(void* ptr, ssize_t size, int device, void* stream);
    PyTorch's Tensor.record_stream: once ptr is freed (on any stream), it is not handed
    out again before the work stream has enqueued by then is complete (the pools record
    an event there and hold the block until it completes; no stream waits for another).
-   stream must stay live until ptr is freed. MEMRES_OK; MEMRES_ERROR_INVALID_ARGUMENT
-   for NULL, a device memres never allocated on, or a pointer outside the default
-   stack's pool (other stacks do not detect foreign pointers). */
+   stream must stay live until ptr is freed. MEMRES_OK; MEMRES_ERROR_INVALID_ARGUMENT,
+   with nothing recorded and memres_last_error naming the address, for NULL, a device
+   memres never allocated on, or any ptr that is not the start of a block memres_malloc
+   handed out on device and memres_free has not freed yet (from its stack or a tag's
+   pool, whatever the spec): an address inside a block, a freed block, memory memres
+   never handed out. A record belongs to its block: the block's free consumes it. */
 int memres_record_stream(void* ptr, int device, void* stream);
 
 /* Sharing blocks with other processes (PyTorch's CUDA tensors in torch.multiprocessing).

@@ -13,8 +13,8 @@
 //! and turned into a failure code (or a null pointer).
 
 mod ipc;
+mod live;
 mod profile;
-mod recorded;
 mod stack;
 mod sync;
 mod tags;
@@ -34,6 +34,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use mr::device::DeviceId;
 use mr::{Error, Resource, StreamRef};
 
+use crate::live::LiveBlocks;
 use crate::stack::DeviceStack;
 use mr::spec::Spec;
 
@@ -395,6 +396,7 @@ pub unsafe extern "C" fn memres_malloc(
             };
             stack.count_allocation(result.as_ref().map(|_| layout.size()));
             let ptr = result?;
+            stack.blocks().insert(ptr.as_ptr() as usize);
             mr::profile::count_allocation(layout.size());
             Ok(ptr.as_ptr().cast())
         },
@@ -439,7 +441,9 @@ pub unsafe extern "C" fn memres_free(
             stack.exported().release(ptr.as_ptr() as usize);
             // A block of a tag's pool goes back there (each pool has its own range).
             let tagged = stack.tags().holding(ptr.as_ptr() as usize);
-            match stack.recorded().take(ptr.as_ptr() as usize) {
+            // Before the block goes back: a `memres_malloc` of another thread may be
+            // handed its address at once, and enters it in the table.
+            match stack.blocks().remove(ptr.as_ptr() as usize) {
                 // SAFETY: the caller's promise: `ptr` came from this device's stack or the
                 // tag's pool whose range holds it (the resources `memres_malloc` uses for
                 // the device) with this size, and is ordered.
@@ -476,10 +480,13 @@ pub unsafe extern "C" fn memres_free(
 /// `device`), as PyTorch's `Tensor.record_stream`: when the block is freed (on any
 /// stream), it is not handed out again before the work `stream` has enqueued by then is
 /// complete. Recording the stream the block is freed on, or twice, adds nothing.
-/// `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` for a null pointer, a device memres
-/// never allocated on, or a pointer outside the device's in-place pool (the default
-/// stack; other stacks keep no record of their blocks, so there a pointer memres did not
-/// hand out is not detected and its record is never used).
+/// `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` (nothing recorded) for a null pointer,
+/// a device memres never allocated on, or an address that is not the start of a live
+/// block `memres_malloc` handed out on `device` (from its stack or a tag's pool): an
+/// address inside a block, a block already freed, or memory memres never handed out.
+/// The C ABI keeps the start of every live block for this (`live.rs`: an insert per
+/// `memres_malloc`, a removal per `memres_free`), whatever the stack; a record is kept
+/// with its block and goes with the block's free.
 ///
 /// # Safety
 /// `stream` is a live CUDA stream of `device` (or a default-stream handle) and stays live
@@ -499,10 +506,27 @@ pub unsafe extern "C" fn memres_record_stream(
                 ));
             }
             let stack = stack_of_block("memres_record_stream", ptr as usize, device, "")?;
-            stack.recorded().record(ptr as usize, stream as usize);
-            Ok(MEMRES_OK)
+            record_stream_in(stack.blocks(), ptr as usize, device, stream as usize)
         },
     )
+}
+
+/// `memres_record_stream` of the block at `address` in `device`'s table of live blocks
+/// `live`: `MEMRES_OK`, or a failure naming the address when no live block starts there.
+fn record_stream_in(
+    live: &LiveBlocks,
+    address: usize,
+    device: c_int,
+    stream: usize,
+) -> Result<c_int, Failure> {
+    if live.record(address, stream) {
+        return Ok(MEMRES_OK);
+    }
+    Err(Failure::invalid(format!(
+        "memres_record_stream: {address:#x} is not the start of a live block memres_malloc \
+         handed out on device {device} (an address inside a block, a block already freed, \
+         or memory memres never handed out); nothing recorded"
+    )))
 }
 
 /// Fills `out` with the statistics and pool figures of `device`'s stack (zeros where the

@@ -16,7 +16,7 @@ use mr::{
 };
 
 use crate::ipc::{Exported, Shared};
-use crate::recorded::Recorded;
+use crate::live::LiveBlocks;
 use crate::tags::TagPools;
 use mr::spec::Spec;
 
@@ -290,8 +290,9 @@ pub(crate) struct DeviceStack {
     live_blocks: ExactCounter,
     /// `memres_malloc` calls that ran out of memory.
     out_of_memory: AtomicI64,
-    /// Streams recorded for live blocks (`memres_record_stream`).
-    recorded: Recorded,
+    /// The start of every live block of `memres_malloc`, with the streams recorded for it
+    /// (`memres_record_stream`).
+    blocks: LiveBlocks,
     /// Descriptors exported for live blocks (`memres_ipc_export`).
     exported: Exported,
     /// Why the stack's own memory cannot sleep ([`why_it_cannot_sleep`]), if it cannot.
@@ -361,7 +362,7 @@ impl DeviceStack {
             live: ExactCounter::default(),
             live_blocks: ExactCounter::default(),
             out_of_memory: AtomicI64::new(0),
-            recorded: Recorded::default(),
+            blocks: LiveBlocks::default(),
             exported: Exported::default(),
             sleep_refusal: why_it_cannot_sleep(spec),
             tiers: layers.tiers,
@@ -543,9 +544,9 @@ impl DeviceStack {
         &self.top
     }
 
-    /// The streams recorded for live blocks.
-    pub(crate) fn recorded(&self) -> &Recorded {
-        &self.recorded
+    /// The live blocks of `memres_malloc`, with the streams recorded for them.
+    pub(crate) fn blocks(&self) -> &LiveBlocks {
+        &self.blocks
     }
 
     /// The figures of the stack: its pools' (every tier's and bin's) and its tags' pools'

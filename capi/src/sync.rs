@@ -1,18 +1,20 @@
-//! The std/loom switch for the C ABI's own tables (the streams recorded for live blocks,
-//! the exports of live blocks): built with `RUSTFLAGS="--cfg memres_loom"`, they are
-//! loom's, and the `loom_` models below explore every interleaving of their protocol (a
-//! counter read without the lock on every free, the map under it). Statics stay std's
-//! (loom's types cannot be made in a constant).
+//! The std/loom switch for the C ABI's own tables (the live blocks with the streams
+//! recorded for them, the exports of live blocks, the tags' pools): built with
+//! `RUSTFLAGS="--cfg memres_loom"`, they are loom's, and the `loom_` models below explore
+//! every interleaving of their protocols (a block's record racing its free, a counter
+//! read without the lock on every free and the map under it, a tag's pool made on first
+//! use from two threads or beside a new bound). Statics stay std's (loom's types cannot
+//! be made in a constant).
 
 #[cfg(not(memres_loom))]
-pub(crate) use std::sync::Mutex;
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize};
 #[cfg(not(memres_loom))]
-pub(crate) use std::sync::atomic::AtomicUsize;
+pub(crate) use std::sync::{Mutex, MutexGuard, RwLock};
 
 #[cfg(memres_loom)]
-pub(crate) use loom::sync::Mutex;
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 #[cfg(memres_loom)]
-pub(crate) use loom::sync::atomic::AtomicUsize;
+pub(crate) use loom::sync::{Mutex, MutexGuard, RwLock};
 
 #[cfg(all(test, memres_loom))]
 mod loom_models {
@@ -23,47 +25,194 @@ mod loom_models {
     use loom::thread;
 
     use crate::ipc::Exported;
-    use crate::recorded::Recorded;
+    use crate::live::LiveBlocks;
+    use crate::tags::{Reserved, TagPools};
 
-    /// A stream recorded on one thread for a block that another frees after it (the
+    /// A stream recorded on one thread for a live block that another frees after it (the
     /// program orders the two, here with a flag): the free sees the stream, once.
     #[test]
     fn loom_a_record_before_the_free_is_taken_by_it() {
         loom::model(|| {
-            let recorded = Arc::new(Recorded::default());
+            let live = Arc::new(LiveBlocks::default());
+            live.insert(0x1000);
             let done = Arc::new(AtomicBool::new(false));
-            let (r, d) = (Arc::clone(&recorded), Arc::clone(&done));
+            let (l, d) = (Arc::clone(&live), Arc::clone(&done));
             let recorder = thread::spawn(move || {
-                r.record(0x1000, 7);
+                assert!(l.record(0x1000, 7));
                 d.store(true, Ordering::Release);
             });
             if done.load(Ordering::Acquire) {
-                assert_eq!(recorded.take(0x1000), Some(vec![7]));
-                assert_eq!(recorded.take(0x1000), None, "taken once");
+                assert_eq!(live.remove(0x1000), Some(vec![7]));
+                assert_eq!(live.remove(0x1000), None, "taken once");
             }
             recorder.join().unwrap();
         });
     }
 
-    /// Two threads record streams for one block while a third frees another block: the
-    /// free takes nothing of the first block's, and a free of the first after both sees
-    /// both streams.
+    /// Two threads record streams for one block while a third allocates and frees another
+    /// block: that free takes nothing of the first block's, and a free of the first after
+    /// both sees both streams.
     #[test]
     fn loom_records_of_two_threads_are_both_kept() {
         loom::model(|| {
-            let recorded = Arc::new(Recorded::default());
+            let live = Arc::new(LiveBlocks::default());
+            live.insert(0x1000);
             let spawn = |stream| {
-                let r = Arc::clone(&recorded);
-                thread::spawn(move || r.record(0x1000, stream))
+                let l = Arc::clone(&live);
+                thread::spawn(move || assert!(l.record(0x1000, stream)))
             };
             let (a, b) = (spawn(7), spawn(9));
-            assert_eq!(recorded.take(0x2000), None);
+            live.insert(0x2000);
+            assert_eq!(live.remove(0x2000), None);
             a.join().unwrap();
             b.join().unwrap();
-            let mut streams = recorded.take(0x1000).expect("both recorded");
+            let mut streams = live.remove(0x1000).expect("both recorded");
             streams.sort_unstable();
             assert_eq!(streams, vec![7, 9]);
-            assert_eq!(recorded.take(0x1000), None);
+            assert_eq!(live.remove(0x1000), None);
+        });
+    }
+
+    /// A record racing the block's free (a caller's mistake, but one that must not leak
+    /// into the next block at that address): the record lands before the removal, and
+    /// the free takes it, or it finds no live block and records nothing. Either way, a
+    /// new block handed out at the address afterwards starts with no stream. Fails if
+    /// the record looks for the block and records under two holds of the lock.
+    #[test]
+    fn loom_a_record_racing_the_free_never_outlives_the_block() {
+        loom::model(|| {
+            let live = Arc::new(LiveBlocks::default());
+            live.insert(0x1000);
+            let recorder = {
+                let l = Arc::clone(&live);
+                thread::spawn(move || l.record(0x1000, 7))
+            };
+            let taken = live.remove(0x1000);
+            let recorded = recorder.join().unwrap();
+            assert_eq!(
+                taken,
+                recorded.then(|| vec![7]),
+                "the free takes what was recorded"
+            );
+            live.insert(0x1000); // memres_malloc hands the address out again
+            assert_eq!(live.remove(0x1000), None, "the new block has no stream");
+        });
+    }
+
+    /// A stand-in for a tag's pool (which needs a GPU): its range and its bound.
+    struct StandIn {
+        base: usize,
+        limit: std::sync::Mutex<Option<usize>>,
+    }
+
+    impl StandIn {
+        fn at(base: usize) -> StandIn {
+            StandIn {
+                base,
+                limit: std::sync::Mutex::new(None),
+            }
+        }
+
+        fn limit(&self) -> Option<usize> {
+            *self.limit.lock().unwrap()
+        }
+    }
+
+    impl Reserved for StandIn {
+        fn reservation(&self) -> (usize, usize) {
+            (self.base, 0x1000)
+        }
+
+        fn set_limit(&self, bytes: Option<usize>) {
+            *self.limit.lock().unwrap() = bytes;
+        }
+    }
+
+    /// Two threads allocate under one tag on a device that has no pool for it yet: one
+    /// pool is made, and both get it. Fails without the second look under the write lock.
+    #[test]
+    fn loom_two_threads_asking_for_one_tag_get_one_pool() {
+        loom::model(|| {
+            let tags = Arc::new(TagPools::<StandIn>::default());
+            let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let ask = || {
+                let (t, m) = (Arc::clone(&tags), Arc::clone(&made));
+                thread::spawn(move || {
+                    t.pool(1, || {
+                        m.fetch_add(1, Ordering::Relaxed);
+                        Ok(StandIn::at(0x1000))
+                    })
+                    .unwrap()
+                })
+            };
+            let (a, b) = (ask(), ask());
+            let (a, b) = (a.join().unwrap(), b.join().unwrap());
+            assert!(std::sync::Arc::ptr_eq(&a, &b), "one pool for the tag");
+            assert_eq!(made.load(Ordering::Relaxed), 1, "made once");
+            assert_eq!(tags.all().len(), 1);
+        });
+    }
+
+    /// `memres_set_limit` beside the first allocation under a tag: the pool made is
+    /// bounded, whichever comes first, and so is one made after both. Fails if the pool
+    /// reads the bound before taking the write lock, or if `set_limit` bounds the pools
+    /// of a copy of the table taken before it stores the bound.
+    #[test]
+    fn loom_a_pool_made_beside_a_new_bound_is_bounded() {
+        loom::model(|| {
+            let tags = Arc::new(TagPools::<StandIn>::default());
+            let maker = {
+                let t = Arc::clone(&tags);
+                thread::spawn(move || t.pool(1, || Ok(StandIn::at(0x1000))).unwrap())
+            };
+            tags.set_limit(Some(64 << 20));
+            let first = maker.join().unwrap();
+            assert_eq!(
+                first.limit(),
+                Some(64 << 20),
+                "the pool made beside the bound"
+            );
+            let later = tags.pool(2, || Ok(StandIn::at(0x4000))).unwrap();
+            assert_eq!(later.limit(), Some(64 << 20), "a pool made after it");
+        });
+    }
+
+    /// A block of a tag's pool made on one thread, freed on another (which learns of the
+    /// block through the program, here a flag) while a third thread makes another tag's
+    /// pool (the table grows): the free finds the block's pool by address; an address in
+    /// no tag's range finds none.
+    #[test]
+    fn loom_a_free_finds_the_tag_pool_made_on_another_thread() {
+        loom::model(|| {
+            let tags = Arc::new(TagPools::<StandIn>::default());
+            let allocated = Arc::new(AtomicBool::new(false));
+            let allocator = {
+                let (t, a) = (Arc::clone(&tags), Arc::clone(&allocated));
+                thread::spawn(move || {
+                    let pool = t.pool(1, || Ok(StandIn::at(0x1000))).unwrap();
+                    a.store(true, Ordering::Release); // hands out 0x1800
+                    pool
+                })
+            };
+            let other = {
+                let t = Arc::clone(&tags);
+                thread::spawn(move || t.pool(2, || Ok(StandIn::at(0x4000))).unwrap())
+            };
+            if allocated.load(Ordering::Acquire) {
+                let pool = tags.holding(0x1800).expect("the free finds the tag's pool");
+                assert_eq!(pool.base, 0x1000);
+            }
+            assert!(tags.holding(0x9000).is_none(), "in no tag's range");
+            let first = allocator.join().unwrap();
+            let second = other.join().unwrap();
+            assert!(std::sync::Arc::ptr_eq(
+                &tags.holding(0x1800).unwrap(),
+                &first
+            ));
+            assert!(std::sync::Arc::ptr_eq(
+                &tags.holding(0x4800).unwrap(),
+                &second
+            ));
         });
     }
 

@@ -9,6 +9,9 @@ use mr::spec::{Built, Target};
 
 use super::*;
 use crate::stack::{Pools, why_it_cannot_sleep};
+use crate::tags::TagPools;
+use mr::{Pool, PoolConfig};
+use std::sync::Arc;
 
 /// The configuration is process-wide: tests that change it take turns.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -1626,4 +1629,220 @@ fn a_limit_bounds_every_device_pool_of_the_stack() {
     pools.set_limit(Some(1 << 20));
     let pinned = host_block(&top, 4 << 20);
     free_host_block(&top, pinned, 4 << 20);
+}
+
+// `memres_record_stream` takes only the start of a live block (issue 49): the C ABI's
+// table of live blocks (`live.rs`), entered and left as `memres_malloc` and `memres_free`
+// do, over the default stack's pool and a tag's pool of host memory.
+
+/// A block of `bytes` from `pool`, entered in `live` as `memres_malloc` enters it.
+fn malloc_into<R: Resource>(live: &LiveBlocks, pool: &R, bytes: usize) -> NonNull<u8> {
+    let p = pool
+        .allocate(StreamRef::HOST, mr::layout(bytes).unwrap())
+        .unwrap();
+    live.insert(p.as_ptr() as usize);
+    p
+}
+
+/// Frees a block of `malloc_into` as `memres_free` does (out of `live`, then back to
+/// `pool`), returning the streams recorded for it.
+fn free_from<R: Resource>(
+    live: &LiveBlocks,
+    pool: &R,
+    p: NonNull<u8>,
+    bytes: usize,
+) -> Option<Vec<usize>> {
+    let streams = live.remove(p.as_ptr() as usize);
+    // SAFETY: from `malloc_into(live, pool, bytes)`, not used afterwards; the host stream.
+    unsafe { pool.deallocate(StreamRef::HOST, p, mr::layout(bytes).unwrap()) };
+    streams
+}
+
+/// `memres_record_stream`'s answer for `address` on device 0, and its message.
+fn record(live: &LiveBlocks, address: usize, stream: usize) -> (c_int, String) {
+    match record_stream_in(live, address, 0, stream) {
+        Ok(code) => (code, String::new()),
+        Err(f) => (f.code, f.message),
+    }
+}
+
+/// Asserts that `memres_record_stream` refuses `address` and names it.
+fn assert_refused(live: &LiveBlocks, address: usize, what: &str) {
+    let (code, message) = record(live, address, 7);
+    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT, "{what}: {message}");
+    assert!(
+        message.contains(&format!("{address:#x} is not the start of a live block")),
+        "{what}: {message}"
+    );
+}
+
+/// A tag's pool over host memory, made through the C ABI's table of tags' pools.
+fn host_tag_pool(tags: &TagPools<Pool<mr::HostVirtual>>) -> Arc<Pool<mr::HostVirtual>> {
+    tags.pool(1, || {
+        Pool::in_place(mr::HostVirtual::new(64 << 20, 64 << 10)?, PoolConfig::new())
+    })
+    .unwrap()
+}
+
+/// An address inside a live block, of a freed block and one never handed out are
+/// refused with a message naming the address; a live block's start still takes its
+/// record, which its free consumes (before, each was accepted, and a record for a freed
+/// or inner address waited for whatever block started there later).
+#[test]
+fn record_stream_refuses_what_is_not_a_live_blocks_start() {
+    let (top, _pools) = on_the_host("virtual_pool");
+    let tags = TagPools::default();
+    let tagged = host_tag_pool(&tags);
+    let live = LiveBlocks::default();
+    let block = malloc_into(&live, &top, 1 << 20);
+    let tag_block = malloc_into(&live, &*tagged, 1 << 20);
+    for (p, which) in [(block, "default pool"), (tag_block, "tag's pool")] {
+        let start = p.as_ptr() as usize;
+        assert_refused(
+            &live,
+            start + 256,
+            &format!("inside a block of the {which}"),
+        );
+        assert_refused(
+            &live,
+            start + (1 << 20) - 1,
+            &format!("its last byte ({which})"),
+        );
+        assert_eq!(
+            record(&live, start, 7),
+            (MEMRES_OK, String::new()),
+            "{which}"
+        );
+        assert_eq!(record(&live, start, 9).0, MEMRES_OK, "{which}");
+    }
+    // Never handed out: in the pool's reservation, and nowhere memres allocates.
+    let base = mr::GrowInPlace::reservation(tagged.upstream()).0;
+    assert_refused(
+        &live,
+        base + (32 << 20),
+        "never handed out, in the tag's range",
+    );
+    assert_refused(&live, 0x1000, "never handed out");
+
+    // The frees take the records made for their blocks, and only those.
+    assert_eq!(free_from(&live, &top, block, 1 << 20), Some(vec![7, 9]));
+    assert_eq!(
+        free_from(&live, &*tagged, tag_block, 1 << 20),
+        Some(vec![7, 9])
+    );
+
+    // A freed block: refused; the next block at its address starts with no stream.
+    let freed = block.as_ptr() as usize;
+    assert_refused(&live, freed, "freed");
+    let again = malloc_into(&live, &top, 1 << 20);
+    assert_eq!(
+        again.as_ptr() as usize,
+        freed,
+        "the pool hands the freed address out again"
+    );
+    assert_eq!(
+        free_from(&live, &top, again, 1 << 20),
+        None,
+        "no record of the freed block's"
+    );
+    assert!(!live.is_live(freed));
+}
+
+/// What the table of live blocks costs `memres_malloc` and `memres_free` together (an
+/// insert and a removal), beside a pool's own allocation and free on the host stream:
+/// `cargo test --release -p memres-capi --lib live_blocks_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a timing, for the figure in live.rs"]
+fn live_blocks_cost() {
+    use std::time::Instant;
+    const N: usize = 2_000_000;
+    let (top, _pools) = on_the_host("virtual_pool");
+    let l = mr::layout(4096).unwrap();
+    let live = LiveBlocks::default();
+    // 1,024 blocks live throughout, as a program keeps some.
+    let kept: Vec<_> = (0..1024).map(|_| malloc_into(&live, &top, 4096)).collect();
+    for round in 0..3 {
+        let t = Instant::now();
+        for _ in 0..N {
+            let p = top.allocate(StreamRef::HOST, l).unwrap();
+            // SAFETY: allocated just above, unused.
+            unsafe { top.deallocate(StreamRef::HOST, std::hint::black_box(p), l) };
+        }
+        let pool = t.elapsed().as_nanos() as f64 / N as f64;
+        let t = Instant::now();
+        for i in 0..N {
+            let a = 0x7f00_0000_0000 + (i % 64) * 4096;
+            live.insert(std::hint::black_box(a));
+            std::hint::black_box(live.remove(a));
+        }
+        let table = t.elapsed().as_nanos() as f64 / N as f64;
+        println!(
+            "round {round}: pool allocate+free {pool:.1} ns, table insert+remove {table:.1} ns"
+        );
+    }
+    for p in kept {
+        free_from(&live, &top, p, 4096);
+    }
+}
+
+/// `memres_record_stream` through the C ABI on the GPU: inner, freed and never handed
+/// out addresses of the default pool and of a tag's pool refused, a block's start taken
+/// (a stream recorded, the free waiting for it). In a child process, as the tests above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn record_stream_refuses_what_is_not_a_live_block_on_the_gpu() {
+    gpu_child(
+        "tests::record_stream_child",
+        "MEMRES_CAPI_RECORD_CHILD",
+        "record_stream: only live blocks",
+    );
+}
+
+/// The body of the test above, run only in its child process.
+#[test]
+fn record_stream_child() {
+    if std::env::var_os("MEMRES_CAPI_RECORD_CHILD").is_none() {
+        return; // not the child
+    }
+    const SIZE: isize = 1 << 20;
+    // `CU_STREAM_PER_THREAD`: live while this thread is.
+    let per_thread = 2usize as *mut c_void;
+    let refused = |p: usize, what: &str| {
+        // SAFETY: refused before the stream is used.
+        let code = unsafe { memres_record_stream(p as *mut c_void, 0, per_thread) };
+        assert_eq!(
+            code,
+            MEMRES_ERROR_INVALID_ARGUMENT,
+            "{what}: {}",
+            last_error()
+        );
+        assert!(
+            last_error().contains(&format!("{p:#x}")),
+            "{what}: {}",
+            last_error()
+        );
+    };
+    let weights = c("records");
+    for tag in [None, Some(&weights)] {
+        // SAFETY: null or a NUL-terminated string.
+        let code = unsafe { memres_set_tag(tag.map_or(std::ptr::null(), |t| t.as_ptr())) };
+        assert_eq!(code, MEMRES_OK);
+        // SAFETY: the legacy default stream.
+        let p = unsafe { memres_malloc(SIZE, 0, std::ptr::null_mut()) };
+        assert!(!p.is_null(), "{}", last_error());
+        let start = p as usize;
+        refused(start + 256, "inside the block");
+        // SAFETY: a live block; the per-thread stream outlives it.
+        let code = unsafe { memres_record_stream(p, 0, per_thread) };
+        assert_eq!(code, MEMRES_OK, "{}", last_error());
+        // SAFETY: from `memres_malloc(SIZE, 0, ..)`; its uses on the per-thread stream
+        // (none) were enqueued before; the legacy default stream.
+        unsafe { memres_free(p, SIZE, 0, std::ptr::null_mut()) };
+        refused(start, "freed");
+        refused(start + (3 << 20), "never handed out");
+    }
+    // SAFETY: null: back to the device's own stack.
+    assert_eq!(unsafe { memres_set_tag(std::ptr::null()) }, MEMRES_OK);
+    assert_eq!(stats(0).live_allocations, 0);
+    println!("record_stream: only live blocks");
 }
