@@ -38,6 +38,7 @@
 //   back to it when the pool is released.
 
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -90,6 +91,31 @@ bool is_out_of_memory(const std::string& why) {
 using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::TraceEntry;
 
+// torch.compile's regions on this thread (pushCompileContext), innermost last: each
+// recorded event carries the innermost one ("N/A" outside any), as torch's do.
+thread_local std::vector<std::string> t_compile_context;
+
+// The trace actions by torch's names (_record_memory_history's skip_actions).
+TraceEntry::Action trace_action(const std::string& name) {
+  static const std::pair<const char*, TraceEntry::Action> kNames[] = {
+      {"alloc", TraceEntry::ALLOC},
+      {"free_requested", TraceEntry::FREE_REQUESTED},
+      {"free_completed", TraceEntry::FREE_COMPLETED},
+      {"segment_alloc", TraceEntry::SEGMENT_ALLOC},
+      {"segment_free", TraceEntry::SEGMENT_FREE},
+      {"segment_map", TraceEntry::SEGMENT_MAP},
+      {"segment_unmap", TraceEntry::SEGMENT_UNMAP},
+      {"snapshot", TraceEntry::SNAPSHOT},
+      {"oom", TraceEntry::OOM},
+  };
+  for (const auto& [text, action] : kNames) {
+    if (name == text) {
+      return action;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "memres: no trace action is called '" + name + "'");
+}
+
 // torch.cuda.memory._record_memory_history: the allocation and free events of every
 // device in a ring of max_entries each, with the stacks torch's recorder gathers, and the
 // stack of each live block's allocation (what _snapshot() draws). Off, it costs one
@@ -103,6 +129,10 @@ struct History {
   std::array<std::vector<TraceEntry>, kMaxDevices> traces;
   std::array<size_t, kMaxDevices> next{};  // where the ring writes next, once full
   std::unordered_map<void*, std::shared_ptr<c10::GatheredContext>> contexts;
+  // _record_memory_history(skip_actions=..): actions the ring does not keep.
+  std::unordered_set<int> skipped;
+  // torch.cuda.memory._set_memory_metadata: written into every event recorded after it.
+  std::string user_metadata;
 
   // The stack to keep for an event of `action`, gathered now if the settings want one
   // (the settings are read under the lock, the recorder called outside it: it may take
@@ -152,9 +182,11 @@ struct History {
         {0, 0},
         c10::getApproximateTime(),
         when >= RecordContext::ALLOC ? context : nullptr);
-    if (max_entries == 0) {
+    if (max_entries == 0 || skipped.count(static_cast<int>(action)) != 0) {
       return;
     }
+    entry.compile_context_ = t_compile_context.empty() ? "N/A" : t_compile_context.back();
+    entry.user_metadata_ = user_metadata;
     if (ring.size() < max_entries) {
       ring.push_back(std::move(entry));
     } else {
@@ -332,6 +364,96 @@ void release_foreign(int device, size_t bytes) {
   }
 }
 
+// torch.cuda.caching_allocator_enable(False): requests go straight to cudaMalloc and
+// frees to cudaFree, outside memres and its figures, as torch's allocator does; those
+// blocks by address, so their frees go back the same way after caching is on again.
+struct Uncached {
+  std::atomic<bool> caching{true};
+  std::atomic<size_t> count{0};  // blocks.size(): frees look only while it is not 0
+  std::mutex mutex;
+  std::unordered_set<void*> blocks;
+
+  void add(void* ptr) {
+    std::lock_guard<std::mutex> lock(mutex);
+    blocks.insert(ptr);
+    count.store(blocks.size(), std::memory_order_release);
+  }
+
+  bool contains(void* ptr) {
+    if (count.load(std::memory_order_acquire) == 0) {
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    return blocks.count(ptr) != 0;
+  }
+
+  // Whether `ptr` was one (it is forgotten).
+  bool take(void* ptr) {
+    if (count.load(std::memory_order_acquire) == 0) {
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    bool found = blocks.erase(ptr) != 0;
+    count.store(blocks.size(), std::memory_order_release);
+    return found;
+  }
+};
+Uncached g_uncached;
+
+// PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions (also set with
+// torch.cuda.memory._set_allocator_settings): a request of more than 512 bytes per
+// division is rounded up to the next of `divisions` equal steps between the powers of two
+// around it (a power of two stays), so that sizes that vary a little reuse blocks.
+size_t rounded_request(size_t size) {
+  size_t divisions = c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+  if (divisions < 2 || size <= 512 * divisions || (size & (size - 1)) == 0) {
+    return size;
+  }
+  size_t floor = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(size)));
+  size_t step = floor / divisions;
+  if (step == 0) {
+    return floor << 1;
+  }
+  return (size + step - 1) / step * step;
+}
+
+// Blocks rounded up by roundup_power2_divisions: the bytes added to each (torch's
+// requested_bytes leave them out), and per device the bytes added to blocks alive now and
+// ever. Empty unless the setting is used.
+struct Rounding {
+  std::atomic<size_t> count{0};
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> extra;
+  std::array<std::atomic<int64_t>, kMaxDevices> live{};
+  std::array<std::atomic<int64_t>, kMaxDevices> total{};
+
+  void add(void* ptr, size_t bytes, int device) {
+    std::lock_guard<std::mutex> lock(mutex);
+    extra[ptr] = bytes;
+    count.store(extra.size(), std::memory_order_release);
+    live[device].fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    total[device].fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  }
+
+  // The bytes added to the block at `ptr` (0: none), forgotten.
+  size_t take(void* ptr, int device) {
+    if (count.load(std::memory_order_acquire) == 0) {
+      return 0;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = extra.find(ptr);
+    if (it == extra.end()) {
+      return 0;
+    }
+    size_t bytes = it->second;
+    extra.erase(it);
+    count.store(extra.size(), std::memory_order_release);
+    live[device].fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    return bytes;
+  }
+};
+Rounding g_rounding;
+
 void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   // torch's own bound and words for a size no device has.
   constexpr size_t kOneExbibyte = size_t{1} << 60;
@@ -340,10 +462,28 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
       size < kOneExbibyte,
       "CUDA out of memory. Tried to allocate more than 1EB memory. memres: " + std::to_string(size) +
           " bytes");
+  if (!g_uncached.caching.load(std::memory_order_relaxed)) {
+    void* raw = nullptr;
+    if (size != 0) {
+      cudaError_t code = cudaMalloc(&raw, size);
+      if (code == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        raise_out_of_memory(device, size, "out of memory: cudaMalloc (caching is off)");
+      }
+      C10_CUDA_CHECK(code);
+      g_uncached.add(raw);
+    }
+    return raw;
+  }
+  size_t requested = size;
+  if (size == 0) {
+    return nullptr;  // an empty tensor: no block, in no pool (as in torch's allocator)
+  }
   bool routed = false;
   void* ptr = routed_to_private_pool(size, device, stream, &routed);
   std::string why;
   if (!routed) {
+    size = rounded_request(size);
     ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
     if (ptr == nullptr && size != 0) {
       why = memres_last_error();
@@ -384,12 +524,22 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
     g_history.record(TraceEntry::ALLOC, device, ptr, size, stream);
   }
   if (ptr != nullptr) {
+    if (size != requested && device >= 0 && device < kMaxDevices) {
+      g_rounding.add(ptr, size - requested, device);
+    }
     report_to_profiler(ptr, static_cast<int64_t>(size), device);
   }
   return ptr;
 }
 
 void memres_torch_free(void* ptr, size_t size, int device, cudaStream_t stream) {
+  if (g_uncached.take(ptr)) {
+    C10_CUDA_CHECK(cudaFree(ptr));
+    return;
+  }
+  if (device >= 0 && device < kMaxDevices) {
+    size += g_rounding.take(ptr, device);
+  }
   memres_free(ptr, static_cast<ssize_t>(size), device, stream);
   report_to_profiler(ptr, -static_cast<int64_t>(size), device);
 }
@@ -410,6 +560,8 @@ struct Baseline {
   int64_t frees = 0;
   int64_t out_of_memory = 0;
   int64_t retries = 0;
+  int64_t rounding_added = 0;  // bytes roundup_power2_divisions added, ever and freed
+  int64_t rounding_freed = 0;
 };
 
 void set_all(StatArray& array, const Stat& value) {
@@ -421,6 +573,9 @@ void set_all(StatArray& array, const Stat& value) {
 
 constexpr size_t kBlockRounding = 512;
 constexpr size_t kSegmentRounding = size_t{2} << 20;
+constexpr size_t kSmallRequest = size_t{1} << 20;
+constexpr size_t kMediumRequest = size_t{10} << 20;
+constexpr size_t kMediumSegment = size_t{20} << 20;
 
 size_t round_up(size_t n, size_t to) {
   return (n + to - 1) / to * to;
@@ -455,7 +610,69 @@ struct Pending {
   void* ptr = nullptr;
   std::vector<cudaStream_t> streams;
   std::vector<cudaEvent_t> events;
+  // Freed during a capture: the capture's nodes that the work on its streams had reached
+  // then. A later allocation of the same capture whose stream's work comes after all of
+  // them (the graph orders it so) may take the block again at once.
+  std::vector<cudaGraphNode_t> after;
+  bool in_capture = false;  // `after` was taken (it may be empty: no work captured yet)
 };
+
+// The nodes that the next work captured on `stream` would depend on (none yet: an empty
+// list); false when the stream is not capturing or the runtime cannot say.
+bool capture_frontier(cudaStream_t stream, std::vector<cudaGraphNode_t>* out) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraphNode_t* nodes = nullptr;
+  size_t count = 0;
+#if CUDART_VERSION >= 13000
+  cudaError_t code = cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &nodes, nullptr, &count);
+#else
+  cudaError_t code = cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, nullptr, &nodes, &count);
+#endif
+  if (code != cudaSuccess || status != cudaStreamCaptureStatusActive) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  out->assign(nodes, nodes + count);
+  return true;
+}
+
+// Whether every node of `before` is one of `from` or an ancestor of one in the graph
+// being captured.
+bool all_precede(const std::vector<cudaGraphNode_t>& before, const std::vector<cudaGraphNode_t>& from) {
+  std::unordered_set<cudaGraphNode_t> wanted(before.begin(), before.end());
+  std::unordered_set<cudaGraphNode_t> seen;
+  std::vector<cudaGraphNode_t> todo(from.begin(), from.end());
+  while (!todo.empty() && !wanted.empty()) {
+    cudaGraphNode_t node = todo.back();
+    todo.pop_back();
+    if (!seen.insert(node).second) {
+      continue;
+    }
+    wanted.erase(node);
+    size_t count = 0;
+#if CUDART_VERSION >= 13000
+    cudaError_t code = cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count);
+#else
+    cudaError_t code = cudaGraphNodeGetDependencies(node, nullptr, &count);
+#endif
+    if (code != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    std::vector<cudaGraphNode_t> deps(count);
+#if CUDART_VERSION >= 13000
+    code = count == 0 ? cudaSuccess : cudaGraphNodeGetDependencies(node, deps.data(), nullptr, &count);
+#else
+    code = count == 0 ? cudaSuccess : cudaGraphNodeGetDependencies(node, deps.data(), &count);
+#endif
+    if (code != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    todo.insert(todo.end(), deps.begin(), deps.begin() + static_cast<std::ptrdiff_t>(count));
+  }
+  return wanted.empty();
+}
 
 struct PrivatePool {
   c10::DeviceIndex device = 0;
@@ -465,6 +682,10 @@ struct PrivatePool {
   // runs out. MemPool(no_split=True): a block is handed out whole, never split.
   bool use_on_oom = false;
   bool no_split = false;
+  // A pool a user made (torch.cuda.MemPool(); torch gives those ids {0, n}, graphs'
+  // own {n, 0}): its segments are sized as torch's for requests of 1 to 10 MiB (20 MiB,
+  // so that several such blocks share one); graph pools keep 2 MiB steps.
+  bool user_pool = false;
   // MemPool(allocator): the allocator its segments come from and go back to (vLLM's
   // CuMemAllocator, NCCL's, any CUDAPluggableAllocator); null: memres.
   std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> source;
@@ -524,6 +745,28 @@ struct PrivatePool {
     }
   }
 
+  // During a capture, frees the pending blocks freed in it whose streams' captured work
+  // the graph orders before the next work on `stream` (an allocation there may reuse
+  // them; replays keep that order).
+  void reuse_in_capture(cudaStream_t stream) {
+    bool any = false;
+    for (const auto& p : pending) {
+      any = any || p.in_capture;
+    }
+    std::vector<cudaGraphNode_t> frontier;
+    if (!any || !capture_frontier(stream, &frontier)) {
+      return;
+    }
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (!it->in_capture || !it->events.empty() || !all_precede(it->after, frontier)) {
+        ++it;
+        continue;
+      }
+      free(it->ptr);
+      it = pending.erase(it);
+    }
+  }
+
   // Waits for every pending block's events and frees them (before memres runs out).
   // Blocks waiting for other streams are forgotten without being freed (their events
   // destroyed): a checkpoint restore inside a capture, where nothing may wait, replaces
@@ -576,6 +819,9 @@ struct PrivatePool {
         return nullptr;
       }
       size_t seg_size = no_split ? size : round_up(size, kSegmentRounding);
+      if (!no_split && user_pool && size > kSmallRequest && size < kMediumRequest) {
+        seg_size = kMediumSegment;
+      }
       void* base = nullptr;
       if (source != nullptr) {
         // The pool's own allocator, within the memory fraction (which counts what other
@@ -737,11 +983,15 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       return nullptr;
     }
     std::lock_guard<std::mutex> lock(pools_mutex_);
-    for (auto& [id, filter] : captures_[device]) {
+    // The pool begun last first: inside nested use_mem_pool contexts, the innermost.
+    auto& captures = captures_[device];
+    for (auto capture = captures.rbegin(); capture != captures.rend(); ++capture) {
+      auto& [id, filter] = *capture;
       if (filter(stream)) {
         *routed = true;
         PrivatePool& pool = pools_.at(id);
         pool.free_pending(is_capturing(device));
+        pool.reuse_in_capture(stream);
         void* ptr = pool.allocate(size, stream);
         if (ptr != nullptr) {
           private_blocks_[ptr] = id;
@@ -763,6 +1013,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     PrivatePool& pool = pools_[id];
     pool.device = device;
+    pool.user_pool = id.first == 0;
     ++pool.use_count;
     captures_[device].emplace_back(id, std::move(filter));
     routing_.fetch_add(1, std::memory_order_release);
@@ -808,6 +1059,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::lock_guard<std::mutex> lock(pools_mutex_);
     auto [it, made] = pools_.try_emplace(id);
     PrivatePool& pool = it->second;
+    pool.user_pool = id.first == 0;
     TORCH_CHECK_VALUE(
         made || pool.source == source || pool.segments.empty(),
         "memres: a memory pool used again with another allocator");
@@ -822,6 +1074,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::lock_guard<std::mutex> lock(pools_mutex_);
     PrivatePool& pool = pools_[id];
     pool.device = device;
+    pool.user_pool = id.first == 0;
     pool.use_on_oom = use_on_oom;
   }
 
@@ -829,6 +1082,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::lock_guard<std::mutex> lock(pools_mutex_);
     PrivatePool& pool = pools_[id];
     pool.device = device;
+    pool.user_pool = id.first == 0;
     pool.no_split = true;
   }
 
@@ -988,7 +1242,25 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         auto rec = pool.recorded.find(ptr);
         if (rec != pool.recorded.end()) {
           // Used on other streams: held until their work (at this point) completes.
-          pool.pending.push_back(Pending{ptr, std::move(rec->second), {}});
+          Pending held{ptr, std::move(rec->second), {}, {}, false};
+          const Segment* seg = pool.segment_of(ptr);
+          if (is_capturing(pool.device) && seg != nullptr) {
+            // Inside a capture no event can say when that work is done, but the graph
+            // can: note where each stream's captured work has reached.
+            std::vector<cudaStream_t> used = held.streams;
+            used.push_back(seg->stream);
+            held.in_capture = true;
+            for (cudaStream_t s : used) {
+              std::vector<cudaGraphNode_t> nodes;
+              if (!capture_frontier(s, &nodes)) {
+                held.in_capture = false;  // a stream outside the capture: wait for events
+                held.after.clear();
+                break;
+              }
+              held.after.insert(held.after.end(), nodes.begin(), nodes.end());
+            }
+          }
+          pool.pending.push_back(std::move(held));
           pool.recorded.erase(rec);
           pool.free_pending(is_capturing(pool.device));
         } else {
@@ -1025,8 +1297,13 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       size_t alloc_trace_max_entries,
       RecordContext when,
       bool clear_history,
-      const std::vector<std::string>& /*skip_actions*/) override {
+      const std::vector<std::string>& skip_actions) override {
+    std::unordered_set<int> skipped;
+    for (const auto& name : skip_actions) {
+      skipped.insert(static_cast<int>(trace_action(name)));
+    }
     std::lock_guard<std::mutex> lock(g_history.mutex);
+    g_history.skipped = std::move(skipped);
     g_history.recorder = context_recorder;
     g_history.when = enabled ? when : RecordContext::NEVER;
     if (clear_history || g_history.max_entries != alloc_trace_max_entries) {
@@ -1046,76 +1323,128 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     return g_history.on.load(std::memory_order_relaxed);
   }
 
-  // torch.cuda.memory._snapshot() / memory_snapshot(): memres's pool memory as segments
-  // (the chunks of a chunked pool, the mapped runs of the in-place pool; every live block
-  // its own segment where the stack keeps no such list), the live blocks in them as
-  // allocated blocks (a CUDA graph pool's segment counts as one), the rest as free; and
-  // the recorded history.
-  // One pool's segments (MemPool.snapshot()): its block table, blocks allocated or free.
-  c10::cuda::CUDACachingAllocator::SnapshotInfo pool_snapshot(c10::cuda::MempoolId_t id, bool include_traces) {
-    c10::cuda::CUDACachingAllocator::SnapshotInfo out;
-    std::lock_guard<std::mutex> lock(pools_mutex_);
-    auto it = pools_.find(id);
-    if (it == pools_.end()) {
-      return out;
+  void pushCompileContext(std::string& md) override {
+    t_compile_context.push_back(md);
+  }
+
+  void popCompileContext() override {
+    if (!t_compile_context.empty()) {
+      t_compile_context.pop_back();
     }
-    const PrivatePool& pool = it->second;
-    for (const auto& seg : pool.segments) {
-      c10::CachingDeviceAllocator::SegmentInfo info;
-      info.device = pool.device;
-      info.address = reinterpret_cast<size_t>(seg->base);
-      info.total_size = seg->size;
-      info.stream = seg->stream;
-      info.is_large = true;
-      info.owner_private_pool_id = id;
-      for (const auto& [offset, block] : seg->blocks) {
-        c10::CachingDeviceAllocator::BlockInfo b;
-        b.size = block.size;
-        b.requested_size = block.allocated ? block.size : 0;
-        b.allocated = block.allocated;
-        b.active = block.allocated;
-        if (block.allocated) {
-          b.context_when_allocated = g_history.context_of(seg->base + offset);
-          info.allocated_size += block.size;
-          info.active_size += block.size;
-          info.requested_size += block.size;
-        }
-        info.blocks.push_back(std::move(b));
-      }
-      out.segments.push_back(std::move(info));
-    }
+  }
+
+  void setUserMetadata(const std::string& metadata) override {
+    std::lock_guard<std::mutex> lock(g_history.mutex);
+    g_history.user_metadata = metadata;
+  }
+
+  std::string getUserMetadata() override {
+    std::lock_guard<std::mutex> lock(g_history.mutex);
+    return g_history.user_metadata;
+  }
+
+  // ---- snapshots (torch.cuda.memory._snapshot, memory_snapshot, MemPool.snapshot) ----
+
+  // The device's traces, one list per device (empty lists without `include_traces`).
+  static std::vector<std::vector<TraceEntry>> device_traces(bool include_traces) {
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess) {
       (void)cudaGetLastError();
       devices = 0;
     }
+    std::vector<std::vector<TraceEntry>> out;
     for (int device = 0; device < std::min(devices, kMaxDevices); ++device) {
-      out.device_traces.push_back(
-          include_traces ? g_history.trace(device) : std::vector<TraceEntry>{});
+      out.push_back(include_traces ? g_history.trace(device) : std::vector<TraceEntry>{});
     }
+    return out;
+  }
+
+  static c10::CachingDeviceAllocator::BlockInfo block_info(
+      size_t size,
+      bool allocated,
+      std::shared_ptr<c10::GatheredContext> context) {
+    c10::CachingDeviceAllocator::BlockInfo b;
+    b.size = size;
+    b.requested_size = allocated ? size : 0;
+    b.allocated = allocated;
+    b.active = allocated;
+    b.context_when_allocated = std::move(context);
+    return b;
+  }
+
+  // Under pools_mutex_: one segment of a graph or MemPool pool as torch draws it, its
+  // block table with the pool's id.
+  static c10::CachingDeviceAllocator::SegmentInfo private_segment(
+      const PrivatePool& pool,
+      const Segment& seg,
+      c10::MempoolId_t id) {
+    c10::CachingDeviceAllocator::SegmentInfo info;
+    info.device = pool.device;
+    info.address = reinterpret_cast<size_t>(seg.base);
+    info.total_size = seg.size;
+    info.stream = seg.stream;
+    info.is_large = true;
+    info.owner_private_pool_id = id;
+    for (const auto& [offset, block] : seg.blocks) {
+      auto context = block.allocated ? g_history.context_of(seg.base + offset) : nullptr;
+      info.blocks.push_back(block_info(block.size, block.allocated, std::move(context)));
+      if (block.allocated) {
+        info.allocated_size += block.size;
+        info.active_size += block.size;
+        info.requested_size += block.size;
+      }
+    }
+    return info;
+  }
+
+  // One pool's segments (MemPool.snapshot(), memory_snapshot(pool.id)).
+  c10::cuda::CUDACachingAllocator::SnapshotInfo pool_snapshot(c10::cuda::MempoolId_t id, bool include_traces) {
+    c10::cuda::CUDACachingAllocator::SnapshotInfo out;
+    {
+      std::lock_guard<std::mutex> lock(pools_mutex_);
+      auto it = pools_.find(id);
+      if (it != pools_.end()) {
+        for (const auto& seg : it->second.segments) {
+          out.segments.push_back(private_segment(it->second, *seg, id));
+        }
+      }
+    }
+    out.device_traces = device_traces(include_traces);
     out.config_metadata.expandable_segments = true;
     out.config_metadata.last_allocator_settings = "memres";
     return out;
   }
 
+  // torch.cuda.memory._snapshot() / memory_snapshot(): memres's pool memory as segments
+  // (the chunks of a chunked pool, the mapped runs of the in-place pool; every live block
+  // its own segment where the stack keeps no such list), with the live blocks in them
+  // allocated and the rest free; the segments of graph and MemPool pools (taken from
+  // memres's pool, so cut out of its runs) as their own, with their pools' ids and block
+  // tables; and the recorded history.
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
       c10::cuda::MempoolId_t mempool_id,
       bool include_traces) override {
     if (mempool_id.first != 0 || mempool_id.second != 0) {
       return pool_snapshot(mempool_id, include_traces);
     }
+    using SegmentInfo = c10::CachingDeviceAllocator::SegmentInfo;
     struct Live {
       size_t size;
       cudaStream_t stream;
       std::shared_ptr<c10::GatheredContext> context;
+      std::shared_ptr<SegmentInfo> pool_segment;  // a graph or MemPool pool's segment
     };
     std::array<std::map<size_t, Live>, kMaxDevices> live;
+    std::vector<SegmentInfo> foreign;  // pool segments from other allocators
     {
       std::lock_guard<std::mutex> pools(pools_mutex_);
-      std::lock_guard<std::mutex> meta(allocator_mutex_);
-      for (const auto& [ptr, m] : allocation_metadata_) {
-        if (private_blocks_.count(ptr) == 0 && m.device_idx >= 0 && m.device_idx < kMaxDevices) {
-          live[m.device_idx][reinterpret_cast<size_t>(ptr)] = Live{m.size, m.stream, nullptr};
+      {
+        std::lock_guard<std::mutex> meta(allocator_mutex_);
+        for (const auto& [ptr, m] : allocation_metadata_) {
+          if (ptr != nullptr && private_blocks_.count(ptr) == 0 && m.device_idx >= 0 &&
+              m.device_idx < kMaxDevices) {
+            live[m.device_idx][reinterpret_cast<size_t>(ptr)] = Live{m.size, m.stream, nullptr, nullptr};
+          }
         }
       }
       for (const auto& [id, pool] : pools_) {
@@ -1123,20 +1452,24 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
           continue;
         }
         for (const auto& seg : pool.segments) {
-          live[pool.device][reinterpret_cast<size_t>(seg->base)] = Live{seg->size, seg->stream, nullptr};
+          auto info = std::make_shared<SegmentInfo>(private_segment(pool, *seg, id));
+          if (pool.source != nullptr) {
+            foreign.push_back(std::move(*info));
+          } else {
+            live[pool.device][reinterpret_cast<size_t>(seg->base)] = Live{seg->size, seg->stream, nullptr, info};
+          }
         }
       }
     }
     c10::cuda::CUDACachingAllocator::SnapshotInfo out;
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-      (void)cudaGetLastError();
-      devices = 0;
-    }
-    for (int device = 0; device < std::min(devices, kMaxDevices); ++device) {
+    out.segments = std::move(foreign);
+    out.device_traces = device_traces(include_traces);
+    for (int device = 0; device < static_cast<int>(out.device_traces.size()); ++device) {
       auto& blocks = live[device];
       for (auto& [addr, block] : blocks) {
-        block.context = g_history.context_of(reinterpret_cast<void*>(addr));
+        if (block.pool_segment == nullptr) {
+          block.context = g_history.context_of(reinterpret_cast<void*>(addr));
+        }
       }
       int64_t n = memres_segments(device, nullptr, 0);
       TORCH_CHECK(n >= 0, "memres: ", memres_last_error());
@@ -1144,58 +1477,64 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (n > 0) {
         n = std::min<int64_t>(n, memres_segments(device, pairs.data(), static_cast<size_t>(n)));
       }
-      auto block_info = [](size_t size, bool allocated, std::shared_ptr<c10::GatheredContext> ctx) {
-        c10::CachingDeviceAllocator::BlockInfo b;
-        b.size = size;
-        b.requested_size = allocated ? size : 0;
-        b.allocated = allocated;
-        b.active = allocated;
-        b.context_when_allocated = std::move(ctx);
-        return b;
-      };
-      auto segment = [&](size_t addr, size_t size) {
-        c10::CachingDeviceAllocator::SegmentInfo seg;
-        seg.device = static_cast<c10::DeviceIndex>(device);
-        seg.address = addr;
-        seg.total_size = size;
-        seg.is_large = true;
-        return seg;
-      };
+      // One segment per run of memres's pool. The segments of graph and MemPool pools cut
+      // from it are their own (as torch's private pools' are), so the run's segment is
+      // drawn without them: its size leaves them out and its blocks close up over the cut
+      // (drawn at lower addresses than they have; the trace's events carry the true ones).
       for (int64_t i = 0; i < n; ++i) {
         size_t start = pairs[2 * i];
         size_t end = start + pairs[2 * i + 1];
-        auto seg = segment(start, end - start);
-        size_t at = start;
+        SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(device);
+        seg.address = start;
+        seg.is_large = true;
+        seg.is_expandable = true;  // memres's pool grows in place, as expandable segments do
+        size_t at = start;  // where the blocks drawn reach
+        size_t cut = 0;
         for (auto it = blocks.lower_bound(start); it != blocks.end() && it->first < end;) {
+          size_t size = std::min(it->second.size, end - it->first);
           if (it->first > at) {
             seg.blocks.push_back(block_info(it->first - at, false, nullptr));
           }
-          size_t size = std::min(it->second.size, end - it->first);
-          seg.blocks.push_back(block_info(size, true, it->second.context));
-          seg.allocated_size += size;
-          seg.active_size += size;
-          seg.requested_size += size;
-          if (seg.stream == nullptr) {
-            seg.stream = it->second.stream;
+          if (it->second.pool_segment != nullptr) {
+            out.segments.push_back(std::move(*it->second.pool_segment));
+            cut += size;
+          } else {
+            seg.blocks.push_back(block_info(size, true, it->second.context));
+            seg.allocated_size += size;
+            seg.active_size += size;
+            seg.requested_size += size;
+            if (seg.stream == nullptr) {
+              seg.stream = it->second.stream;
+            }
           }
           at = it->first + size;
           it = blocks.erase(it);
         }
-        if (at < end) {
+        if (end > at) {
           seg.blocks.push_back(block_info(end - at, false, nullptr));
         }
-        out.segments.push_back(std::move(seg));
+        seg.total_size = end - start - cut;
+        if (seg.total_size > 0) {
+          out.segments.push_back(std::move(seg));
+        }
       }
       // Blocks outside any listed segment: each is its own allocation.
-      for (const auto& [addr, block] : blocks) {
-        auto seg = segment(addr, block.size);
+      for (auto& [addr, block] : blocks) {
+        if (block.pool_segment != nullptr) {
+          out.segments.push_back(std::move(*block.pool_segment));
+          continue;
+        }
+        SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(device);
+        seg.address = addr;
+        seg.total_size = block.size;
+        seg.is_large = true;
         seg.stream = block.stream;
         seg.allocated_size = seg.active_size = seg.requested_size = block.size;
         seg.blocks.push_back(block_info(block.size, true, block.context));
         out.segments.push_back(std::move(seg));
       }
-      out.device_traces.push_back(
-          include_traces ? g_history.trace(device) : std::vector<TraceEntry>{});
     }
     std::sort(out.segments.begin(), out.segments.end(), [](const auto& a, const auto& b) {
       return std::make_pair(a.device, a.address) < std::make_pair(b.device, b.address);
@@ -1265,8 +1604,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    if (ptr.get() == nullptr) {
-      return;  // an empty tensor: nothing to keep
+    if (ptr.get() == nullptr || ptr.get_deleter() != raw_deleter() || g_uncached.contains(ptr.get())) {
+      // An empty tensor, memory memres did not hand out (an IPC receiver's, from_blob's)
+      // or cudaMalloc's while caching was off: nothing to keep, as in torch's allocator.
+      return;
     }
     {
       // A graph pool's block: its pool keeps the stream and holds the block back when it
@@ -1289,6 +1630,43 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     TORCH_CHECK(code == MEMRES_OK, "memres: ", memres_last_error());
   }
 
+  // What the graph and MemPool pools of a device hold: memres's segments (bytes, count),
+  // other allocators' segments (bytes, count), and the blocks handed out of them.
+  struct PoolFigures {
+    int64_t segment_bytes = 0;
+    int64_t segments = 0;
+    int64_t foreign_bytes = 0;
+    int64_t foreign_segments = 0;
+    int64_t block_bytes = 0;
+    int64_t blocks = 0;
+  };
+
+  PoolFigures pool_figures(c10::DeviceIndex device) {
+    PoolFigures out;
+    std::lock_guard<std::mutex> lock(pools_mutex_);
+    for (const auto& [id, pool] : pools_) {
+      if (pool.device != device) {
+        continue;
+      }
+      for (const auto& seg : pool.segments) {
+        if (pool.source == nullptr) {
+          out.segment_bytes += static_cast<int64_t>(seg->size);
+          ++out.segments;
+        } else {
+          out.foreign_bytes += static_cast<int64_t>(seg->size);
+          ++out.foreign_segments;
+        }
+        for (const auto& [offset, block] : seg->blocks) {
+          if (block.allocated) {
+            out.block_bytes += static_cast<int64_t>(block.size);
+            ++out.blocks;
+          }
+        }
+      }
+    }
+    return out;
+  }
+
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     memres_stats_t s = stats_of(device);
     Baseline base;
@@ -1296,18 +1674,29 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       std::lock_guard<std::mutex> lock(mutex_);
       base = baseline_.at(device);
     }
+    PoolFigures pools = pool_figures(device);
     DeviceStats out;
     Stat bytes;
-    bytes.current = s.live_bytes;
-    bytes.peak = s.peak_live_bytes;
+    // memres counts a graph or MemPool pool's segment as one live block; torch counts
+    // the blocks handed out inside it (current figures; peaks and totals stay memres's).
+    bytes.current = s.live_bytes - pools.segment_bytes + pools.block_bytes;
+    bytes.peak = std::max(s.peak_live_bytes, bytes.current);
     bytes.allocated = s.allocated_bytes - base.allocated_bytes;
     bytes.freed = (s.allocated_bytes - s.live_bytes) - base.freed_bytes;
     set_all(out.allocated_bytes, bytes);
     set_all(out.active_bytes, bytes);
-    set_all(out.requested_bytes, bytes);
+    // What was asked for: less what roundup_power2_divisions added (its peak is the
+    // blocks' peak, rounding included).
+    int64_t rounding_live = g_rounding.live.at(device).load(std::memory_order_relaxed);
+    int64_t rounding_added = g_rounding.total.at(device).load(std::memory_order_relaxed);
+    Stat requested = bytes;
+    requested.current -= rounding_live;
+    requested.allocated -= rounding_added - base.rounding_added;
+    requested.freed -= (rounding_added - rounding_live) - base.rounding_freed;
+    set_all(out.requested_bytes, requested);
     Stat blocks;
-    blocks.current = s.live_allocations;
-    blocks.peak = s.peak_live_allocations;
+    blocks.current = s.live_allocations - pools.segments + pools.blocks;
+    blocks.peak = std::max(s.peak_live_allocations, blocks.current);
     blocks.allocated = s.allocations - base.allocations;
     blocks.freed = (s.allocations - s.live_allocations) - base.frees;
     set_all(out.allocation, blocks);
@@ -1321,7 +1710,16 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       reserved.current = s.live_bytes;
       reserved.peak = s.peak_live_bytes;
     }
+    // Other allocators' MemPools hold memory for torch too.
+    reserved.current += pools.foreign_bytes;
+    reserved.peak = std::max(reserved.peak, reserved.current);
     set_all(out.reserved_bytes, reserved);
+    // Segments: the runs (or chunks) of memres's pool, and the pools' own segments.
+    int64_t runs = memres_segments(device, nullptr, 0);
+    Stat segments;
+    segments.current = std::max<int64_t>(runs, 0) + pools.segments + pools.foreign_segments;
+    segments.peak = segments.current;
+    set_all(out.segment, segments);
     out.num_ooms = g_ooms.at(device).load(std::memory_order_relaxed) - base.out_of_memory;
     out.num_alloc_retries = g_retries.at(device).load(std::memory_order_relaxed) - base.retries;
     return out;
@@ -1341,6 +1739,19 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     base.frees = s.allocations - s.live_allocations;
     base.out_of_memory = g_ooms.at(device).load(std::memory_order_relaxed);
     base.retries = g_retries.at(device).load(std::memory_order_relaxed);
+    int64_t rounding_live = g_rounding.live.at(device).load(std::memory_order_relaxed);
+    base.rounding_added = g_rounding.total.at(device).load(std::memory_order_relaxed);
+    base.rounding_freed = base.rounding_added - rounding_live;
+  }
+
+  // torch.cuda.caching_allocator_enable: off, requests go to cudaMalloc and frees to
+  // cudaFree, outside memres and its figures (as torch's allocator does).
+  void enable(bool value) override {
+    g_uncached.caching.store(value, std::memory_order_relaxed);
+  }
+
+  bool isEnabled() const override {
+    return g_uncached.caching.load(std::memory_order_relaxed);
   }
 
   void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
@@ -1359,7 +1770,15 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       return;
     }
     {
+      // Blocks of graph and MemPool pools waiting for other streams are waited for
+      // first (torch's empty_cache waits for its blocks' events too), so that pools whose
+      // last blocks they were can go.
       std::lock_guard<std::mutex> lock(pools_mutex_);
+      for (auto& [id, pool] : pools_) {
+        if (!is_capturing(pool.device)) {
+          pool.wait_pending();
+        }
+      }
       for (int device = 0; device < kMaxDevices; ++device) {
         release_unused_pools(static_cast<c10::DeviceIndex>(device));
       }

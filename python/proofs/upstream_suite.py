@@ -45,8 +45,9 @@ class Outcomes(unittest.TextTestResult):
         self.passed.append(test.id())
 
 
-def run_group(path, group, allocator):
-    """Runs one group in this process; prints one JSON object."""
+def run_group(path, group, allocator, only=None):
+    """Runs one group in this process (only the tests named in `only`, if given); prints
+    one JSON object, and every failure's traceback on stderr."""
     if allocator == "memres":
         import memres
 
@@ -62,6 +63,8 @@ def run_group(path, group, allocator):
     names = loader.getTestCaseNames(cls)
     if group == "TestCuda":
         names = [n for n in names if TESTCUDA_WORDS.search(n)]
+    if only:
+        names = [n for n in names if n in only]
     suite = unittest.TestSuite(cls(n) for n in names)
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=2, resultclass=Outcomes)
     result = runner.run(suite)
@@ -86,15 +89,19 @@ def run_group(path, group, allocator):
     print("UPSTREAM-RESULT " + json.dumps(out), flush=True)
 
 
-def run_all(path, timeout, allocators):
+def run_all(path, timeout, allocators, only=None):
     """Runs every group under each allocator, each in its own process; prints a line per
     group (``UPSTREAM-GROUP`` and its JSON, every test's outcome) and the comparison."""
     results = {}
     for allocator in allocators:
         for group in GROUPS:
             cmd = [sys.executable, os.path.abspath(__file__), path, "--group", group, "--allocator", allocator]
+            if only:
+                cmd += ["--only", *only]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+                if only:
+                    sys.stderr.write(done.stderr)
                 lines = [l for l in done.stdout.splitlines() if l.startswith("UPSTREAM-RESULT ")]
                 if lines:
                     r = json.loads(lines[-1][len("UPSTREAM-RESULT "):])
@@ -156,6 +163,7 @@ if __name__ == "__main__":
     parser.add_argument("--group", choices=GROUPS)
     parser.add_argument("--allocator", choices=["torch", "memres"])
     parser.add_argument("--timeout", type=int, default=600, help="seconds per group and allocator")
+    parser.add_argument("--only", nargs="+", metavar="TEST", help="run only these tests (by method name)")
     parser.add_argument(
         "--compare", nargs="+", metavar="OUTPUT", help="compare the printed outputs of earlier runs (path unused)"
     )
@@ -163,6 +171,7 @@ if __name__ == "__main__":
     if args.compare:
         sys.exit(compare(read_outputs(args.compare)))
     elif args.group:
-        run_group(args.path, args.group, args.allocator or "torch")
+        run_group(args.path, args.group, args.allocator or "torch", args.only)
     else:
-        sys.exit(run_all(args.path, args.timeout, [args.allocator] if args.allocator else ["torch", "memres"]))
+        allocators = [args.allocator] if args.allocator else ["torch", "memres"]
+        sys.exit(run_all(args.path, args.timeout, allocators, args.only))
