@@ -61,6 +61,23 @@ Checks:
                   one that returns no memory gives an exception and work goes on.
   mempool_snapshot - MemPool.snapshot(): the pool's segments only (its id on each), its
                   tensor allocated in them, a tensor made outside it absent.
+  graph_pool_blocks - a graph's outputs: memory_snapshot() shows the graph pool's
+                  segments with its id and one allocated block per live output; deleting
+                  outputs lowers the count; memory_allocated() counts the blocks, not
+                  the pool's whole segments.
+  history_options - _record_memory_history(skip_actions=["free_requested"]) leaves that
+                  action out of the trace; _set_memory_metadata("..") is on every event
+                  recorded while it is set.
+  caching_off   - torch.cuda.caching_allocator_enable(False): a raw allocation is not
+                  counted in requested_bytes; enabled again, it is.
+  roundup       - _set_allocator_settings("roundup_power2_divisions:4"): an 84 MiB tensor
+                  takes 96 MiB of active bytes and 84 MiB of requested bytes.
+  nested_pools  - use_mem_pool nested three deep: each tensor lands in the innermost pool.
+  no_split      - MemPool(no_split=True): one block per segment, more segments and fewer
+                  blocks than a splitting pool with the same tensors.
+  capture_reuse - graph_capture_record_stream_reuse:True: inside a capture, a block used on
+                  a second stream (record_stream) and freed is not taken again before the
+                  streams join, and is taken again after.
 """
 
 import json
@@ -69,7 +86,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "graph_pool_blocks", "history_options", "caching_off", "roundup", "nested_pools", "no_split", "capture_reuse"]
 MIB = 1 << 20
 
 
@@ -659,6 +676,193 @@ def mempool_snapshot():
     ok = seen["segments"] >= 1 and seen["pool_ids_match"] and seen["tensor_in_it"]
     ok = ok and seen["allocated"] >= 4 * MIB and seen["outside_absent"]
     return {"ok": ok, **seen}
+
+
+def _pool_segments(pool_id):
+    import torch
+
+    return [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool_id)]
+
+
+def _allocated_blocks(segments):
+    return sum(b["state"] == "active_allocated" for s in segments for b in s["blocks"])
+
+
+def graph_pool_blocks():
+    """A graph pool's segments in memory_snapshot(), with one allocated block per live
+    output, and memory_allocated() counting those blocks."""
+    import torch
+
+    static_in = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g.capture_begin()
+        outs = [static_in * k for k in (2, 3, 4)]  # 4 KiB each
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    g.replay()
+    torch.cuda.synchronize()
+    pool = g.pool()
+    seen = {"blocks": _allocated_blocks(_pool_segments(pool))}
+    seen["allocated_delta"] = torch.cuda.memory_allocated() - base
+    seen["values"] = [round(float(o[0]), 1) for o in outs]
+    del outs[0]
+    seen["blocks_after_del"] = _allocated_blocks(_pool_segments(pool))
+    ok = seen["blocks"] == 3 and seen["blocks_after_del"] == 2 and seen["values"] == [2.0, 3.0, 4.0]
+    ok = ok and 3 * 4096 <= seen["allocated_delta"] < 2 * MIB
+    return {"ok": ok, **seen}
+
+
+def history_options():
+    """skip_actions drops an action from the trace; user metadata marks every event."""
+    import torch
+
+    try:
+        torch.cuda.memory._record_memory_history(context="all", stacks="python", skip_actions=["free_requested"])
+        torch.cuda.memory._set_memory_metadata("parity")
+        x = torch.rand(128, 128, device="cuda")
+        del x
+        torch.cuda.synchronize()
+        trace = [e for t in torch.cuda.memory._snapshot()["device_traces"] for e in t]
+        torch.cuda.memory._set_memory_metadata("")
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    actions = sorted({e["action"] for e in trace})
+    seen = {
+        "actions": actions,
+        "metadata_on_all": bool(trace) and all(e.get("user_metadata") == "parity" for e in trace),
+    }
+    ok = "alloc" in actions and "free_requested" not in actions and seen["metadata_on_all"]
+    return {"ok": ok, **seen}
+
+
+def caching_off():
+    """caching_allocator_enable(False): a raw allocation goes around the allocator's
+    figures; enabled again, it is counted."""
+    import torch
+
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def requested_by_raw_alloc():
+        key = "requested_bytes.all.allocated"
+        start = torch.cuda.memory_stats()[key]
+        ptr = torch._C._cuda_cudaCachingAllocator_raw_alloc(MIB, stream)
+        end = torch.cuda.memory_stats()[key]
+        torch._C._cuda_cudaCachingAllocator_raw_delete(ptr)
+        return end - start
+
+    torch.cuda.caching_allocator_enable(False)
+    try:
+        off = requested_by_raw_alloc()
+        t = torch.ones(1000, device="cuda")
+        value_off = float(t.sum())
+        del t
+    finally:
+        torch.cuda.caching_allocator_enable(True)
+    on = requested_by_raw_alloc()
+    seen = {"requested_off": off, "requested_on": on, "tensor_sum_off": value_off}
+    return {"ok": off == 0 and on == MIB and value_off == 1000.0, **seen}
+
+
+def roundup():
+    """roundup_power2_divisions:4 rounds an 84 MiB request up to 96 MiB (active bytes),
+    the requested bytes stay 84 MiB."""
+    import torch
+
+    stats = lambda: torch.cuda.memory_stats()
+    torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:4")
+    try:
+        before = stats()
+        x = torch.empty(84 * MIB, dtype=torch.uint8, device="cuda")
+        after = stats()
+        del x
+    finally:
+        torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:1")
+    seen = {
+        "active": after["active_bytes.all.allocated"] - before["active_bytes.all.allocated"],
+        "requested": after["requested_bytes.all.allocated"] - before["requested_bytes.all.allocated"],
+    }
+    before = stats()
+    y = torch.empty(84 * MIB, dtype=torch.uint8, device="cuda")
+    seen["active_after_reset"] = stats()["active_bytes.all.allocated"] - before["active_bytes.all.allocated"]
+    del y
+    ok = seen["active"] == 96 * MIB and seen["requested"] == 84 * MIB and seen["active_after_reset"] == 84 * MIB
+    return {"ok": ok, **seen}
+
+
+def nested_pools():
+    """Nested use_mem_pool: each tensor goes to the innermost pool."""
+    import torch
+
+    pools = [torch.cuda.MemPool() for _ in range(3)]
+    where = {}
+    with torch.cuda.use_mem_pool(pools[0]):
+        a = torch.empty(20 * MIB, dtype=torch.uint8, device="cuda")
+        with torch.cuda.use_mem_pool(pools[1]):
+            b = torch.empty(20 * MIB, dtype=torch.uint8, device="cuda")
+            with torch.cuda.use_mem_pool(pools[2]):
+                c = torch.empty(20 * MIB, dtype=torch.uint8, device="cuda")
+    within = lambda p, s: s["address"] <= p < s["address"] + s["total_size"]
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        where[name] = [i for i, pool in enumerate(pools) if any(within(t.data_ptr(), s) for s in pool.snapshot())]
+    return {"ok": where == {"a": [0], "b": [1], "c": [2]}, "pools_of": where}
+
+
+def no_split():
+    """MemPool(no_split=True): a block per segment, never split."""
+    import torch
+
+    split, whole = torch.cuda.MemPool(), torch.cuda.MemPool(no_split=True)
+    kept = []
+    for _ in range(2):
+        for pool in (split, whole):
+            with torch.cuda.use_mem_pool(pool):
+                kept.append(torch.empty(4 * MIB, dtype=torch.uint8, device="cuda"))
+    count = lambda pool: (len(pool.snapshot()), sum(len(s["blocks"]) for s in pool.snapshot()))
+    seen = {"split": count(split), "no_split": count(whole)}
+    one_each = all(len(s["blocks"]) == 1 for s in whole.snapshot())
+    ok = one_each and seen["no_split"][0] > seen["split"][0] and seen["no_split"][1] < seen["split"][1]
+    return {"ok": ok, "one_block_per_segment": one_each, **seen}
+
+
+def capture_reuse():
+    """graph_capture_record_stream_reuse:True: a block freed inside a capture after use on
+    a second stream is taken again only once that stream's work is joined back."""
+    import torch
+
+    torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+    try:
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s1):
+            g.capture_begin()
+            sink = torch.empty(8, device="cuda")
+            first = torch.empty(8, device="cuda")
+            first_ptr = first.data_ptr()
+            s2.wait_stream(s1)
+            with torch.cuda.stream(s2):
+                out = torch.empty_like(first)
+                torch.add(first, 2.0, out=out)
+                first.record_stream(s2)
+            del first
+            before_join = torch.empty(8, device="cuda")
+            s1.wait_stream(s2)
+            sink.fill_(1.0)
+            after_join = torch.empty(8, device="cuda")
+            g.capture_end()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+    seen = {
+        "reused_before_join": before_join.data_ptr() == first_ptr,
+        "reused_after_join": after_join.data_ptr() == first_ptr,
+    }
+    return {"ok": not seen["reused_before_join"] and seen["reused_after_join"], **seen}
 
 
 def ipc_pool():

@@ -51,6 +51,12 @@ class TorchParity(unittest.TestCase):
             ["ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator"]
         )
 
+    def test_pools_in_snapshots_and_history_options(self):
+        self.run_checks(["mempool_snapshot", "graph_pool_blocks", "nested_pools", "no_split", "history_options"])
+
+    def test_allocator_settings_and_capture_reuse(self):
+        self.run_checks(["caching_off", "roundup", "capture_reuse"])
+
 
 if __name__ == "__main__":
     unittest.main()
