@@ -1679,8 +1679,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     Stat bytes;
     // memres counts a graph or MemPool pool's segment as one live block; torch counts
     // the blocks handed out inside it (current figures; peaks and totals stay memres's).
+    // (The peak is corrected by what the pools hold now: exact while that is what they
+    // held at the peak, as after reset_peak_memory_stats.)
     bytes.current = s.live_bytes - pools.segment_bytes + pools.block_bytes;
-    bytes.peak = std::max(s.peak_live_bytes, bytes.current);
+    bytes.peak = std::max(s.peak_live_bytes - pools.segment_bytes + pools.block_bytes, bytes.current);
     bytes.allocated = s.allocated_bytes - base.allocated_bytes;
     bytes.freed = (s.allocated_bytes - s.live_bytes) - base.freed_bytes;
     set_all(out.allocated_bytes, bytes);
@@ -1696,7 +1698,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     set_all(out.requested_bytes, requested);
     Stat blocks;
     blocks.current = s.live_allocations - pools.segments + pools.blocks;
-    blocks.peak = std::max(s.peak_live_allocations, blocks.current);
+    blocks.peak = std::max(s.peak_live_allocations - pools.segments + pools.blocks, blocks.current);
     blocks.allocated = s.allocations - base.allocations;
     blocks.freed = (s.allocations - s.live_allocations) - base.frees;
     set_all(out.allocation, blocks);
@@ -1712,7 +1714,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     // Other allocators' MemPools hold memory for torch too.
     reserved.current += pools.foreign_bytes;
-    reserved.peak = std::max(reserved.peak, reserved.current);
+    reserved.peak = std::max(reserved.peak + pools.foreign_bytes, reserved.current);
     set_all(out.reserved_bytes, reserved);
     // Segments: the runs (or chunks) of memres's pool, and the pools' own segments.
     int64_t runs = memres_segments(device, nullptr, 0);

@@ -75,6 +75,10 @@ Checks:
   nested_pools  - use_mem_pool nested three deep: each tensor lands in the innermost pool.
   no_split      - MemPool(no_split=True): one block per segment, more segments and fewer
                   blocks than a splitting pool with the same tensors.
+  ipc_second_gpu, ipc_to_torch_second_gpu, ipc_from_torch_second_gpu - the ipc,
+                  ipc_to_torch and ipc_from_torch_expandable rows with the tensors on the
+                  second GPU, the receiver also copying them to the first (two GPUs;
+                  not in the default list).
   capture_reuse - graph_capture_record_stream_reuse:True: inside a capture, a block used on
                   a second stream (record_stream) and freed is not taken again before the
                   streams join, and is taken again after.
@@ -87,6 +91,8 @@ import sys
 import traceback
 
 CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "graph_pool_blocks", "history_options", "caching_off", "roundup", "nested_pools", "no_split", "capture_reuse"]
+# Run where two GPUs are visible (python/proofs/two_devices.py runs them).
+TWO_GPU_CHECKS = ["ipc_second_gpu", "ipc_to_torch_second_gpu", "ipc_from_torch_second_gpu"]
 MIB = 1 << 20
 
 
@@ -399,7 +405,10 @@ def _ipc_child(queue, done, child):
     import torch
 
     a, b = queue.get()
-    done.put((float(a.sum().item()), float(b.double().sum().item()), b.data_ptr() - a.data_ptr()))
+    # Read on the tensor's own device and, where there is another, copied to it.
+    other = (a.device.index + 1) % torch.cuda.device_count()
+    copied = float(a.to(f"cuda:{other}").sum().item())
+    done.put((float(a.sum().item()), float(b.double().sum().item()), copied))
     a.add_(1.0)  # written here, read by the sender
     torch.cuda.synchronize()
     done.put("written")
@@ -407,7 +416,7 @@ def _ipc_child(queue, done, child):
     del a, b
 
 
-def _ipc(child):
+def _ipc(child, device=0):
     import torch
     import torch.multiprocessing as mp
 
@@ -417,11 +426,11 @@ def _ipc(child):
     p.start()
     try:
         n = 1 << 20
-        a = torch.full((n,), 2.0, device="cuda")
-        big = torch.arange(6 << 20, device="cuda", dtype=torch.float32)  # 24 MiB
+        a = torch.full((n,), 2.0, device=f"cuda:{device}")
+        big = torch.arange(6 << 20, device=f"cuda:{device}", dtype=torch.float32)  # 24 MiB
         b = big[1000:]  # a view: the storage's offset travels with it
         queue.put((a, b))
-        sum_a, sum_b, _ = done.get(timeout=180)
+        sum_a, sum_b, copied = done.get(timeout=180)
         assert done.get(timeout=60) == "written"
         seen = float(a.sum().item())
         queue.put("bye")
@@ -431,8 +440,9 @@ def _ipc(child):
         if p.is_alive():
             p.terminate()
             p.join(60)
-    ok = sum_a == 2.0 * n and sum_b == want_b and seen == 3.0 * n
-    return {"ok": ok, "sum_a": sum_a, "sum_b_ok": sum_b == want_b, "written_back": seen == 3.0 * n}
+    ok = sum_a == 2.0 * n and sum_b == want_b and seen == 3.0 * n and copied == 2.0 * n
+    seen = {"sum_a": sum_a, "sum_b_ok": sum_b == want_b, "copied_ok": copied == 2.0 * n, "written_back": seen == 3.0 * n}
+    return {"ok": ok, "device": device, **seen}
 
 
 def ipc():
@@ -451,19 +461,19 @@ def ipc_to_torch_expandable():
     return _ipc(child="torch-expandable")
 
 
-def _ipc_sender_child(queue, done):
+def _ipc_sender_child(queue, done, device=0):
     _child_allocator("torch-expandable")
     import torch
 
     n = 1 << 20
-    a = torch.full((n,), 2.0, device="cuda")
+    a = torch.full((n,), 2.0, device=f"cuda:{device}")
     queue.put(a)
     assert done.get(timeout=180) == "written"
     done.put(float(a.sum().item()))
     assert done.get(timeout=60) == "bye"
 
 
-def ipc_from_torch_expandable():
+def ipc_from_torch_expandable(device=0):
     """A sender on torch's allocator with expandable segments to this process: it reads
     the tensor and writes it, the sender reads what was written."""
     import torch
@@ -471,7 +481,7 @@ def ipc_from_torch_expandable():
 
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_ipc_sender_child, args=(queue, done), daemon=True)
+    p = ctx.Process(target=_ipc_sender_child, args=(queue, done, device), daemon=True)
     p.start()
     try:
         a = queue.get(timeout=180)
@@ -489,7 +499,23 @@ def ipc_from_torch_expandable():
             p.terminate()
             p.join(60)
     ok = got == 2.0 * n and seen == 3.0 * n
-    return {"ok": ok, "read": got == 2.0 * n, "written_back": seen == 3.0 * n}
+    return {"ok": ok, "device": device, "read": got == 2.0 * n, "written_back": seen == 3.0 * n}
+
+
+def ipc_second_gpu():
+    """The ipc row with the tensors on the second GPU (needs two): the receiver reads
+    them there and copied to the first."""
+    return _ipc(child=os.environ.get("PARITY_ALLOCATOR"), device=1)
+
+
+def ipc_to_torch_second_gpu():
+    """ipc_to_torch on the second GPU."""
+    return _ipc(child="torch", device=1)
+
+
+def ipc_from_torch_second_gpu():
+    """ipc_from_torch_expandable on the second GPU."""
+    return ipc_from_torch_expandable(device=1)
 
 
 def fraction():
@@ -774,6 +800,7 @@ def roundup():
     import torch
 
     stats = lambda: torch.cuda.memory_stats()
+    torch.zeros(1, device="cuda")  # the allocator's figures exist once CUDA is in use
     torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:4")
     try:
         before = stats()
@@ -927,7 +954,7 @@ def main(checks):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] in CHECKS:
+    if len(sys.argv) == 3 and sys.argv[1] in CHECKS + TWO_GPU_CHECKS:
         run_one(sys.argv[1], sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "--checks":
         main(sys.argv[2].split(","))
