@@ -57,6 +57,13 @@ class TorchParity(unittest.TestCase):
     def test_allocator_settings_and_capture_reuse(self):
         self.run_checks(["caching_off", "roundup", "capture_reuse"])
 
+    def test_ipc_on_the_second_gpu(self):
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            self.skipTest("memres-skip: needs two CUDA devices")
+        self.run_checks(["ipc_second_gpu", "ipc_to_torch_second_gpu", "ipc_from_torch_second_gpu"])
+
 
 if __name__ == "__main__":
     unittest.main()
