@@ -40,9 +40,9 @@ use crate::error::Error;
 use crate::property::{Contains, DeviceAccessible, HostAccessible, PropertySet, mask_of};
 use crate::stream::StreamRef;
 
-/// The alignment [`layout`] asks for: 256 bytes, as `cudaMalloc` guarantees and RMM uses
-/// for every request.
-pub const DEFAULT_ALIGNMENT: usize = 256;
+// Written in `device`, the lowest layer that uses it (device sits below resources).
+#[doc(inline)]
+pub use crate::device::DEFAULT_ALIGNMENT;
 
 /// A [`Layout`] of `size` bytes aligned to [`DEFAULT_ALIGNMENT`].
 ///

@@ -466,6 +466,7 @@ fn exponent(key: &str, value: &str) -> Result<u32, String> {
     }
 }
 
+// long: fallback's tiers, then the wrappers' own keys, each check with its message in place.
 fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String> {
     if name == "fallback" {
         let parts = split_top_level(inside)?;

@@ -451,6 +451,7 @@ impl<U: SyncResource> Guard<U> {
 
     /// Checks both canaries of a freed block, or enqueues their check; the block is the
     /// caller's until this returns.
+    // long: one arm per route a block's pads are read on, each a straight line.
     fn check(&self, route: &Route, user: usize, size: usize) -> Result<(), Error> {
         let (before, after) = (user - self.checks.pad, user + size);
         let backtrace = self.checks.recall(user);

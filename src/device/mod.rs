@@ -20,6 +20,11 @@ pub(crate) use context::{Bound, Context, bind};
 use crate::driver::{check, init};
 use crate::error::Error;
 
+/// The alignment [`layout`](crate::layout) asks for: 256 bytes, as `cudaMalloc`
+/// guarantees and RMM uses for every request. Written here, the lowest layer that uses it
+/// ([`percent_of_free_device_memory`]); the crate root and `resource` re-export it.
+pub const DEFAULT_ALIGNMENT: usize = 256;
+
 /// A CUDA device, by ordinal.
 ///
 /// ```
@@ -156,5 +161,5 @@ pub fn percent_of_free_device_memory(percent: u32) -> Result<usize, Error> {
     }
     let free = DeviceId::current()?.memory_info()?.free as u128;
     let share = (free * percent as u128 / 100) as usize;
-    Ok(share & !(crate::DEFAULT_ALIGNMENT - 1))
+    Ok(share & !(DEFAULT_ALIGNMENT - 1))
 }

@@ -146,6 +146,7 @@ impl Spec {
     /// [`build`](Self::build), with the address range `(base, len)` every block of the stack lies in
     /// where one in-place pool serves them all (wrappers pass their inner one's on): a
     /// `fallback(..)` tells its tiers apart by it.
+    // long: one arm per spec word, each building one layer; a split only moves the match.
     fn build_ranged<T: Target>(&self, target: &mut T) -> Result<Ranged<T::Properties>, Error> {
         Ok(match self {
             Spec::Cuda => (AnyResource::new(target.memory()?), None),

@@ -437,6 +437,7 @@ impl<U: Resource> Arena<U> {
     /// go back), and returned once the streams they were freed on are waited for. If a
     /// wait fails, the pieces go back where they were. Nothing is done when all free
     /// memory together is less than `need`.
+    // long: four steps (add up, take, wait, give or put back) sharing one index.
     fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
         let starts: Vec<(usize, usize)> = self.table.iter().collect();
         let holder = |addr: usize| {

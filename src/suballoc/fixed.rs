@@ -463,6 +463,7 @@ impl<U: Resource> FixedSize<U> {
         Some(addr)
     }
 
+    // long: the slow path's fallbacks in the order tried, top to bottom.
     #[cold]
     fn allocate_slow(
         &self,

@@ -241,6 +241,7 @@ impl FreeBlocks {
     /// merged block. A neighbour's node is reused for the merged block, and a neighbour's
     /// map entry is removed where its lookup found it (no second probe): a merge with one
     /// neighbour moves one key, a merge with both removes two and renames one.
+    // long: the four merge cases side by side, each keeping both maps in step.
     pub(crate) fn insert(&mut self, block: FreeBlock) -> FreeBlock {
         let end = block.addr + block.size;
         let before = if block.starts_chunk {

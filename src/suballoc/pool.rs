@@ -708,6 +708,7 @@ impl<U: Resource> Pool<U> {
     }
 
     /// The slow path: the stream's own list has no fit.
+    // long: the slow path's fallbacks in the order tried, top to bottom.
     #[cold]
     fn allocate_slow(
         &self,

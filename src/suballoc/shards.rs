@@ -575,6 +575,7 @@ impl<S> ShardMap<S> {
     /// one at a time, and this one does not free those) and those the caller keeps
     /// across calls, which it takes in only unless retired and gives up in `unlinked`;
     /// the caller is not pinned and holds no lock a pinned thread may wait for.
+    // long: one protocol around two grace periods; split, SAFETY would span fns.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn retire<'a, T, G>(
         &'a self,

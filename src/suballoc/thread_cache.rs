@@ -364,6 +364,7 @@ impl<'a> Cache<'a> {
 
     /// [`magazine`](Self::magazine) where the hint does not lead to a current magazine:
     /// a scan, a stale magazine given back, or a new one made.
+    // long: the outcomes of one pass, in order, each using what it found.
     #[cold]
     #[inline(never)]
     fn magazine_slow<'m, 's>(

@@ -139,6 +139,7 @@ impl Imported {
     /// (each `granule` bytes, in order) into one new range on `device`, readable and
     /// writable there. The descriptors stay the caller's (close them after: the mapping
     /// keeps the memory). [`Error::InvalidArgument`] for no descriptors or a granule of 0.
+    // long: one driver sequence, a SAFETY comment a call; `imported` undoes it on error.
     pub fn map_fds(
         device: DeviceId,
         granule: usize,

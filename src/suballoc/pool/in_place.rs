@@ -99,6 +99,7 @@ impl<U: Resource> Pool<U> {
     /// assert_eq!(pool.stats().largest_free_block, 192 << 10, "merged across growths");
     /// # Ok::<(), memres::Error>(())
     /// ```
+    // long: config checks, each error written out, then one struct literal.
     pub fn in_place(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error>
     where
         U: GrowInPlace,
@@ -171,6 +172,7 @@ impl<U: Resource> Pool<U> {
     /// left around unmapped holes are used again, not only the free block at the top of
     /// what the pool holds). Without `may_wait` (under capture) it gives nothing back
     /// first, since that waits for the stream.
+    // long: pick sites, remap surplus, map one: the steps share one lock guard.
     pub(super) fn grow_in_place(
         &self,
         space: &Space<U>,

@@ -202,6 +202,7 @@ impl Virtual<CudaPhysical> {
 }
 
 impl CudaPhysical {
+    // long: the driver's setup steps in order, a SAFETY comment a call.
     fn reserve(device: DeviceId, config: CudaVirtualConfig) -> Result<CudaPhysical, Error> {
         driver::init()?;
         let vmm = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
