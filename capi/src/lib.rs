@@ -13,8 +13,8 @@
 //! and turned into a failure code (or a null pointer).
 
 mod ipc;
-mod live;
 mod profile;
+mod routed;
 mod stack;
 mod sync;
 mod tags;
@@ -34,7 +34,6 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use mr::device::DeviceId;
 use mr::{Error, Resource, StreamRef};
 
-use crate::live::LiveBlocks;
 use crate::stack::DeviceStack;
 use mr::spec::Spec;
 
@@ -390,13 +389,10 @@ pub unsafe extern "C" fn memres_malloc(
             let stack = stack(device)?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            let result = match stack.tagged_pool(device)? {
-                None => stack.top().allocate(stream, layout),
-                Some(pool) => pool.allocate(stream, layout),
-            };
+            // The tag's pool or the stack's top; the block enters the table of live blocks.
+            let result = stack.memory().allocate(stream, layout);
             stack.count_allocation(result.as_ref().map(|_| layout.size()));
             let ptr = result?;
-            stack.blocks().insert(ptr.as_ptr() as usize);
             mr::profile::count_allocation(layout.size());
             Ok(ptr.as_ptr().cast())
         },
@@ -439,38 +435,13 @@ pub unsafe extern "C" fn memres_free(
             stack.count_free(layout.size());
             mr::profile::count_free(layout.size());
             stack.exported().release(ptr.as_ptr() as usize);
-            // A block of a tag's pool goes back there (each pool has its own range).
-            let tagged = stack.tags().holding(ptr.as_ptr() as usize);
-            // Before the block goes back: a `memres_malloc` of another thread may be
-            // handed its address at once, and enters it in the table.
-            match stack.blocks().remove(ptr.as_ptr() as usize) {
-                // SAFETY: the caller's promise: `ptr` came from this device's stack or the
-                // tag's pool whose range holds it (the resources `memres_malloc` uses for
-                // the device) with this size, and is ordered.
-                None => unsafe {
-                    match &tagged {
-                        Some(pool) => pool.deallocate(stream, ptr, layout),
-                        None => stack.top().deallocate(stream, ptr, layout),
-                    }
-                },
-                Some(raw) => {
-                    // SAFETY: `memres_record_stream`'s promise: the recorded streams are
-                    // live until the block is freed.
-                    let used_on: Vec<_> = raw
-                        .into_iter()
-                        .map(|s| unsafe { StreamRef::from_raw(s as *mut _) })
-                        .collect();
-                    // SAFETY: as above; uses on `used_on` were enqueued before this free.
-                    unsafe {
-                        match &tagged {
-                            Some(pool) => pool.deallocate_used_on(stream, ptr, layout, &used_on),
-                            None => stack
-                                .top()
-                                .deallocate_used_on(stream, ptr, layout, &used_on),
-                        }
-                    }
-                }
-            }
+            // Out of the table of live blocks (with the streams recorded for it, which the
+            // free waits for), then back to the tag's pool whose range holds it or to the
+            // stack's top.
+            // SAFETY: the caller's promise: `ptr` came from `memres_malloc` on this device
+            // (the resource `memory()` is) with this size, and is ordered on `stream`;
+            // `memres_record_stream`'s promise keeps the recorded streams live until now.
+            unsafe { stack.memory().deallocate(stream, ptr, layout) };
             Ok(())
         },
     )
@@ -484,9 +455,9 @@ pub unsafe extern "C" fn memres_free(
 /// a device memres never allocated on, or an address that is not the start of a live
 /// block `memres_malloc` handed out on `device` (from its stack or a tag's pool): an
 /// address inside a block, a block already freed, or memory memres never handed out.
-/// The C ABI keeps the start of every live block for this (`live.rs`: an insert per
-/// `memres_malloc`, a removal per `memres_free`), whatever the stack; a record is kept
-/// with its block and goes with the block's free.
+/// The library's `StreamUse` layer over the device's memory keeps the start of every live
+/// block for this (an insert per `memres_malloc`, a removal per `memres_free`), whatever
+/// the stack; a record is kept with its block and goes with the block's free.
 ///
 /// # Safety
 /// `stream` is a live CUDA stream of `device` (or a default-stream handle) and stays live
@@ -506,27 +477,26 @@ pub unsafe extern "C" fn memres_record_stream(
                 ));
             }
             let stack = stack_of_block("memres_record_stream", ptr as usize, device, "")?;
-            record_stream_in(stack.blocks(), ptr as usize, device, stream as usize)
+            // SAFETY: non-null (checked above).
+            let block = unsafe { NonNull::new_unchecked(ptr.cast::<u8>()) };
+            // SAFETY: the caller's promise: `stream` is live until the block is freed.
+            let stream = unsafe { StreamRef::from_raw(stream.cast()) };
+            // SAFETY: as above.
+            match unsafe { stack.memory().record_stream(block, stream) } {
+                Ok(()) => Ok(MEMRES_OK),
+                Err(_) => Err(not_a_live_block(ptr as usize, device)),
+            }
         },
     )
 }
 
-/// `memres_record_stream` of the block at `address` in `device`'s table of live blocks
-/// `live`: `MEMRES_OK`, or a failure naming the address when no live block starts there.
-fn record_stream_in(
-    live: &LiveBlocks,
-    address: usize,
-    device: c_int,
-    stream: usize,
-) -> Result<c_int, Failure> {
-    if live.record(address, stream) {
-        return Ok(MEMRES_OK);
-    }
-    Err(Failure::invalid(format!(
+/// `memres_record_stream`'s refusal of `address`, where no live block of `device` starts.
+fn not_a_live_block(address: usize, device: c_int) -> Failure {
+    Failure::invalid(format!(
         "memres_record_stream: {address:#x} is not the start of a live block memres_malloc \
          handed out on device {device} (an address inside a block, a block already freed, \
          or memory memres never handed out); nothing recorded"
-    )))
+    ))
 }
 
 /// Fills `out` with the statistics and pool figures of `device`'s stack (zeros where the

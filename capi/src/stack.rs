@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use mr::adaptor::{ExactCounter, Logging, Statistics};
+use mr::adaptor::{ExactCounter, Logging, Statistics, StreamUse};
 use mr::device::{DeviceGuard, DeviceId};
 use mr::spec::{Built, Target};
 use mr::suballoc::{Binning, FixedSize};
@@ -16,7 +16,7 @@ use mr::{
 };
 
 use crate::ipc::{Exported, Shared};
-use crate::live::LiveBlocks;
+use crate::routed::Routed;
 use crate::tags::TagPools;
 use mr::spec::Spec;
 
@@ -275,7 +275,10 @@ pub(crate) fn why_it_cannot_sleep(spec: &Spec) -> Option<String> {
 /// One device's stack: the erased top that allocations go through, the outermost
 /// statistics layer and the layers that hold memory.
 pub(crate) struct DeviceStack {
-    top: AnyResource<Device>,
+    /// What `memres_malloc` allocates from and `memres_free` frees to: the stack's top and
+    /// the tags' pools (`Routed`), under the library's layer that keeps the live blocks
+    /// with the streams `memres_record_stream` names for them.
+    memory: StreamUse<Routed>,
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     /// Every pool of the stack, on every tier.
     pools: Pools<Layers>,
@@ -290,9 +293,6 @@ pub(crate) struct DeviceStack {
     live_blocks: ExactCounter,
     /// `memres_malloc` calls that ran out of memory.
     out_of_memory: AtomicI64,
-    /// The start of every live block of `memres_malloc`, with the streams recorded for it
-    /// (`memres_record_stream`).
-    blocks: LiveBlocks,
     /// Descriptors exported for live blocks (`memres_ipc_export`).
     exported: Exported,
     /// Why the stack's own memory cannot sleep ([`why_it_cannot_sleep`]), if it cannot.
@@ -300,8 +300,6 @@ pub(crate) struct DeviceStack {
     /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`); with
     /// one, blocks may lie outside the pool's range.
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
-    /// The pools of the tags allocated under on this device (`memres_set_tag`).
-    tags: TagPools,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -355,18 +353,16 @@ impl DeviceStack {
         };
         let top = spec.build(&mut layers)?;
         Ok(DeviceStack {
-            top,
+            memory: StreamUse::new(Routed::new(top, device)),
             statistics: layers.statistics,
             pools: layers.pools,
             logs: layers.logs,
             live: ExactCounter::default(),
             live_blocks: ExactCounter::default(),
             out_of_memory: AtomicI64::new(0),
-            blocks: LiveBlocks::default(),
             exported: Exported::default(),
             sleep_refusal: why_it_cannot_sleep(spec),
             tiers: layers.tiers,
-            tags: TagPools::default(),
         })
     }
 }
@@ -462,7 +458,7 @@ impl DeviceStack {
     /// allocation).
     pub(crate) fn segments(&self) -> Vec<(usize, usize)> {
         let mut out = self.pools.segments();
-        for (_, pool) in self.tags.all() {
+        for (_, pool) in self.tags().all() {
             out.extend(pool.segments());
         }
         out.sort_unstable();
@@ -471,7 +467,7 @@ impl DeviceStack {
 
     /// The pools of the tags allocated under on this device.
     pub(crate) fn tags(&self) -> &TagPools {
-        &self.tags
+        self.memory.upstream().tags()
     }
 
     /// The stack's own pools that sleep when its memory does (tag `"default"`): every
@@ -494,7 +490,7 @@ impl DeviceStack {
                 address.wrapping_sub(base) < len
             })
             .cloned()
-            .or_else(|| self.tags.holding(address))
+            .or_else(|| self.tags().holding(address))
     }
 
     /// The descriptors exported for live blocks.
@@ -541,12 +537,13 @@ impl DeviceStack {
 
     /// The resource allocations go through.
     pub(crate) fn top(&self) -> &AnyResource<Device> {
-        &self.top
+        self.memory.upstream().top()
     }
 
-    /// The live blocks of `memres_malloc`, with the streams recorded for them.
-    pub(crate) fn blocks(&self) -> &LiveBlocks {
-        &self.blocks
+    /// What `memres_malloc` allocates from and `memres_free` frees to, with the live
+    /// blocks and their recorded streams.
+    pub(crate) fn memory(&self) -> &StreamUse<Routed> {
+        &self.memory
     }
 
     /// The figures of the stack: its pools' (every tier's and bin's) and its tags' pools'
@@ -555,7 +552,7 @@ impl DeviceStack {
         // The tags' pools count with the stack's own (PyTorch's `memory_reserved` is
         // everything memres holds on the device).
         let pool = self
-            .tags
+            .tags()
             .all()
             .into_iter()
             .map(|(_, tagged)| pool_figures(tagged.stats()))
@@ -601,7 +598,7 @@ impl DeviceStack {
         self.live.reset_peak();
         self.live_blocks.reset_peak();
         self.pools.reset_peaks()?;
-        for (_, pool) in self.tags.all() {
+        for (_, pool) in self.tags().all() {
             pool.reset_peak_size();
         }
         Ok(())
@@ -612,7 +609,7 @@ impl DeviceStack {
     /// cannot tell cheaply (its other layers keep no range, or a `fallback(..)` may have
     /// served it from another memory).
     pub(crate) fn may_hold(&self, address: usize) -> Option<bool> {
-        if self.tags.holding(address).is_some() {
+        if self.tags().holding(address).is_some() {
             return Some(true);
         }
         if self.tiers.is_some() {
@@ -639,13 +636,13 @@ impl DeviceStack {
     /// every tag's, those made later too): `memres_set_limit`.
     pub(crate) fn set_limit(&self, bytes: Option<usize>) {
         self.pools.set_limit(bytes);
-        self.tags.set_limit(bytes);
+        self.tags().set_limit(bytes);
     }
 
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         let mut tagged = 0;
         let mut failed = None;
-        for (_, pool) in self.tags.all() {
+        for (_, pool) in self.tags().all() {
             match pool.trim() {
                 Ok(n) => tagged += n as u64,
                 Err(e) => {

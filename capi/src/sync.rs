@@ -1,20 +1,20 @@
-//! The std/loom switch for the C ABI's own tables (the live blocks with the streams
-//! recorded for them, the exports of live blocks, the tags' pools): built with
-//! `RUSTFLAGS="--cfg memres_loom"`, they are loom's, and the `loom_` models below explore
-//! every interleaving of their protocols (a block's record racing its free, a counter
-//! read without the lock on every free and the map under it, a tag's pool made on first
-//! use from two threads or beside a new bound). Statics stay std's (loom's types cannot
+//! The std/loom switch for the C ABI's own tables (the exports of live blocks, the tags'
+//! pools): built with `RUSTFLAGS="--cfg memres_loom"`, they are loom's, and the `loom_`
+//! models below explore every interleaving of their protocols (a counter read without
+//! the lock on every free and the map under it, a tag's pool made on first use from two
+//! threads or beside a new bound). The live blocks and their recorded streams are the
+//! library's `StreamUse` layer, modelled there. Statics stay std's (loom's types cannot
 //! be made in a constant).
 
 #[cfg(not(memres_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize};
 #[cfg(not(memres_loom))]
-pub(crate) use std::sync::{Mutex, MutexGuard, RwLock};
+pub(crate) use std::sync::{Mutex, RwLock};
 
 #[cfg(memres_loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 #[cfg(memres_loom)]
-pub(crate) use loom::sync::{Mutex, MutexGuard, RwLock};
+pub(crate) use loom::sync::{Mutex, RwLock};
 
 #[cfg(all(test, memres_loom))]
 mod loom_models {
@@ -25,79 +25,7 @@ mod loom_models {
     use loom::thread;
 
     use crate::ipc::Exported;
-    use crate::live::LiveBlocks;
     use crate::tags::{Reserved, TagPools};
-
-    /// A stream recorded on one thread for a live block that another frees after it (the
-    /// program orders the two, here with a flag): the free sees the stream, once.
-    #[test]
-    fn loom_a_record_before_the_free_is_taken_by_it() {
-        loom::model(|| {
-            let live = Arc::new(LiveBlocks::default());
-            live.insert(0x1000);
-            let done = Arc::new(AtomicBool::new(false));
-            let (l, d) = (Arc::clone(&live), Arc::clone(&done));
-            let recorder = thread::spawn(move || {
-                assert!(l.record(0x1000, 7));
-                d.store(true, Ordering::Release);
-            });
-            if done.load(Ordering::Acquire) {
-                assert_eq!(live.remove(0x1000), Some(vec![7]));
-                assert_eq!(live.remove(0x1000), None, "taken once");
-            }
-            recorder.join().unwrap();
-        });
-    }
-
-    /// Two threads record streams for one block while a third allocates and frees another
-    /// block: that free takes nothing of the first block's, and a free of the first after
-    /// both sees both streams.
-    #[test]
-    fn loom_records_of_two_threads_are_both_kept() {
-        loom::model(|| {
-            let live = Arc::new(LiveBlocks::default());
-            live.insert(0x1000);
-            let spawn = |stream| {
-                let l = Arc::clone(&live);
-                thread::spawn(move || assert!(l.record(0x1000, stream)))
-            };
-            let (a, b) = (spawn(7), spawn(9));
-            live.insert(0x2000);
-            assert_eq!(live.remove(0x2000), None);
-            a.join().unwrap();
-            b.join().unwrap();
-            let mut streams = live.remove(0x1000).expect("both recorded");
-            streams.sort_unstable();
-            assert_eq!(streams, vec![7, 9]);
-            assert_eq!(live.remove(0x1000), None);
-        });
-    }
-
-    /// A record racing the block's free (a caller's mistake, but one that must not leak
-    /// into the next block at that address): the record lands before the removal, and
-    /// the free takes it, or it finds no live block and records nothing. Either way, a
-    /// new block handed out at the address afterwards starts with no stream. Fails if
-    /// the record looks for the block and records under two holds of the lock.
-    #[test]
-    fn loom_a_record_racing_the_free_never_outlives_the_block() {
-        loom::model(|| {
-            let live = Arc::new(LiveBlocks::default());
-            live.insert(0x1000);
-            let recorder = {
-                let l = Arc::clone(&live);
-                thread::spawn(move || l.record(0x1000, 7))
-            };
-            let taken = live.remove(0x1000);
-            let recorded = recorder.join().unwrap();
-            assert_eq!(
-                taken,
-                recorded.then(|| vec![7]),
-                "the free takes what was recorded"
-            );
-            live.insert(0x1000); // memres_malloc hands the address out again
-            assert_eq!(live.remove(0x1000), None, "the new block has no stream");
-        });
-    }
 
     /// A stand-in for a tag's pool (which needs a GPU): its range and its bound.
     struct StandIn {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use mr::device::DeviceId;
 use mr::{CudaVirtual, Error, GrowInPlace, Pool, PoolConfig, SleepMode};
 
-use crate::stack::{DeviceStack, virtual_leaf};
+use crate::stack::virtual_leaf;
 use crate::sync;
 use crate::{
     Failure, MEMRES_OK, MEMRES_SLEEP_DISCARD, MEMRES_SLEEP_OFFLOAD, describe, guarded, quoted,
@@ -180,7 +180,7 @@ impl<P: Reserved> TagPools<P> {
 }
 
 /// A new tag's pool on `device`: in place, over a reservation of its own.
-fn new_tag_pool(device: DeviceId) -> Result<Pool<CudaVirtual>, Error> {
+pub(crate) fn new_tag_pool(device: DeviceId) -> Result<Pool<CudaVirtual>, Error> {
     let _on = mr::device::DeviceGuard::new(device)?;
     Pool::in_place(virtual_leaf(device, None)?, PoolConfig::new())
 }
@@ -406,19 +406,4 @@ pub unsafe extern "C" fn memres_wake(device: c_int, tag: *const c_char) -> i64 {
         }
         Ok(mapped as i64)
     })
-}
-
-impl DeviceStack {
-    /// The pool `memres_malloc` serves from now (the tag's, if one is set) or `None` for
-    /// the stack's own top.
-    #[inline]
-    pub(crate) fn tagged_pool(&self, device: c_int) -> Result<Option<TagPool>, Error> {
-        match current() {
-            0 => Ok(None),
-            id => self
-                .tags()
-                .pool(id, || new_tag_pool(DeviceId::new(device)))
-                .map(Some),
-        }
-    }
 }

@@ -10,6 +10,7 @@ use mr::spec::{Built, Target};
 use super::*;
 use crate::stack::{Pools, why_it_cannot_sleep};
 use crate::tags::TagPools;
+use mr::adaptor::StreamUse;
 use mr::{Pool, PoolConfig};
 use std::sync::Arc;
 
@@ -1631,49 +1632,44 @@ fn a_limit_bounds_every_device_pool_of_the_stack() {
     free_host_block(&top, pinned, 4 << 20);
 }
 
-// `memres_record_stream` takes only the start of a live block (issue 49): the C ABI's
-// table of live blocks (`live.rs`), entered and left as `memres_malloc` and `memres_free`
-// do, over the default stack's pool and a tag's pool of host memory.
+// `memres_record_stream` takes only the start of a live block (issue 49): the library's
+// `StreamUse` layer that the C ABI keeps over each device's memory (`memory()`), here
+// over the default stack's pool and a tag's pool of host memory.
 
-/// A block of `bytes` from `pool`, entered in `live` as `memres_malloc` enters it.
-fn malloc_into<R: Resource>(live: &LiveBlocks, pool: &R, bytes: usize) -> NonNull<u8> {
-    let p = pool
+/// A block of `bytes` from `memory`, as `memres_malloc` takes one.
+fn malloc_into<R: Resource>(memory: &StreamUse<R>, bytes: usize) -> NonNull<u8> {
+    memory
         .allocate(StreamRef::HOST, mr::layout(bytes).unwrap())
-        .unwrap();
-    live.insert(p.as_ptr() as usize);
-    p
+        .unwrap()
 }
 
-/// Frees a block of `malloc_into` as `memres_free` does (out of `live`, then back to
-/// `pool`), returning the streams recorded for it.
-fn free_from<R: Resource>(
-    live: &LiveBlocks,
-    pool: &R,
-    p: NonNull<u8>,
-    bytes: usize,
-) -> Option<Vec<usize>> {
-    let streams = live.remove(p.as_ptr() as usize);
-    // SAFETY: from `malloc_into(live, pool, bytes)`, not used afterwards; the host stream.
-    unsafe { pool.deallocate(StreamRef::HOST, p, mr::layout(bytes).unwrap()) };
-    streams
+/// Frees a block of `malloc_into` as `memres_free` does.
+fn free_from<R: Resource>(memory: &StreamUse<R>, p: NonNull<u8>, bytes: usize) {
+    // SAFETY: from `malloc_into(memory, bytes)`, not used afterwards; the host stream.
+    unsafe { memory.deallocate(StreamRef::HOST, p, mr::layout(bytes).unwrap()) };
 }
 
-/// `memres_record_stream`'s answer for `address` on device 0, and its message.
-fn record(live: &LiveBlocks, address: usize, stream: usize) -> (c_int, String) {
-    match record_stream_in(live, address, 0, stream) {
-        Ok(code) => (code, String::new()),
-        Err(f) => (f.code, f.message),
+/// `memres_record_stream`'s record of host stream `stream` for `address`.
+fn record<R: Resource>(memory: &StreamUse<R>, address: usize, stream: u32) -> Result<(), Error> {
+    let p = NonNull::new(address as *mut u8).unwrap();
+    // SAFETY: host streams live for the whole program.
+    unsafe { memory.record_stream(p, StreamRef::host(stream)) }
+}
+
+/// Asserts that a record for `address` is refused with a message naming it, as
+/// `memres_record_stream` refuses it (`not_a_live_block` then speaks for the C ABI).
+fn assert_refused<R: Resource>(memory: &StreamUse<R>, address: usize, what: &str) {
+    match record(memory, address, 7) {
+        Err(e @ Error::InvalidArgument(_)) => assert!(
+            e.to_string()
+                .contains(&format!("{address:#x} is not the start of a live block")),
+            "{what}: {e}"
+        ),
+        other => panic!("{what}: {other:?}"),
     }
-}
-
-/// Asserts that `memres_record_stream` refuses `address` and names it.
-fn assert_refused(live: &LiveBlocks, address: usize, what: &str) {
-    let (code, message) = record(live, address, 7);
-    assert_eq!(code, MEMRES_ERROR_INVALID_ARGUMENT, "{what}: {message}");
-    assert!(
-        message.contains(&format!("{address:#x} is not the start of a live block")),
-        "{what}: {message}"
-    );
+    let failure = not_a_live_block(address, 0);
+    assert_eq!(failure.code, MEMRES_ERROR_INVALID_ARGUMENT);
+    assert!(failure.message.contains(&format!("{address:#x}")));
 }
 
 /// A tag's pool over host memory, made through the C ABI's table of tags' pools.
@@ -1691,76 +1687,72 @@ fn host_tag_pool(tags: &TagPools<Pool<mr::HostVirtual>>) -> Arc<Pool<mr::HostVir
 #[test]
 fn record_stream_refuses_what_is_not_a_live_blocks_start() {
     let (top, _pools) = on_the_host("virtual_pool");
+    let top = StreamUse::new(top);
     let tags = TagPools::default();
-    let tagged = host_tag_pool(&tags);
-    let live = LiveBlocks::default();
-    let block = malloc_into(&live, &top, 1 << 20);
-    let tag_block = malloc_into(&live, &*tagged, 1 << 20);
+    let tagged = StreamUse::new(host_tag_pool(&tags));
+    let block = malloc_into(&top, 1 << 20);
+    let tag_block = malloc_into(&tagged, 1 << 20);
     for (p, which) in [(block, "default pool"), (tag_block, "tag's pool")] {
+        let memory_of = |p: NonNull<u8>| p == block;
         let start = p.as_ptr() as usize;
-        assert_refused(
-            &live,
-            start + 256,
-            &format!("inside a block of the {which}"),
+        let check = |address: usize, what: &str| {
+            if memory_of(p) {
+                assert_refused(&top, address, what)
+            } else {
+                assert_refused(&tagged, address, what)
+            }
+        };
+        check(start + 256, &format!("inside a block of the {which}"));
+        check(start + (1 << 20) - 1, &format!("its last byte ({which})"));
+        let recorded = if memory_of(p) {
+            (record(&top, start, 7), record(&top, start, 9))
+        } else {
+            (record(&tagged, start, 7), record(&tagged, start, 9))
+        };
+        assert!(
+            recorded.0.is_ok() && recorded.1.is_ok(),
+            "{which}: {recorded:?}"
         );
-        assert_refused(
-            &live,
-            start + (1 << 20) - 1,
-            &format!("its last byte ({which})"),
-        );
-        assert_eq!(
-            record(&live, start, 7),
-            (MEMRES_OK, String::new()),
-            "{which}"
-        );
-        assert_eq!(record(&live, start, 9).0, MEMRES_OK, "{which}");
     }
     // Never handed out: in the pool's reservation, and nowhere memres allocates.
-    let base = mr::GrowInPlace::reservation(tagged.upstream()).0;
+    let base = mr::GrowInPlace::reservation(tagged.upstream().upstream()).0;
     assert_refused(
-        &live,
+        &tagged,
         base + (32 << 20),
         "never handed out, in the tag's range",
     );
-    assert_refused(&live, 0x1000, "never handed out");
+    assert_refused(&top, 0x1000, "never handed out");
 
-    // The frees take the records made for their blocks, and only those.
-    assert_eq!(free_from(&live, &top, block, 1 << 20), Some(vec![7, 9]));
-    assert_eq!(
-        free_from(&live, &*tagged, tag_block, 1 << 20),
-        Some(vec![7, 9])
-    );
+    free_from(&top, block, 1 << 20);
+    free_from(&tagged, tag_block, 1 << 20);
 
     // A freed block: refused; the next block at its address starts with no stream.
     let freed = block.as_ptr() as usize;
-    assert_refused(&live, freed, "freed");
-    let again = malloc_into(&live, &top, 1 << 20);
+    assert_refused(&top, freed, "freed");
+    let again = malloc_into(&top, 1 << 20);
     assert_eq!(
         again.as_ptr() as usize,
         freed,
         "the pool hands the freed address out again"
     );
-    assert_eq!(
-        free_from(&live, &top, again, 1 << 20),
-        None,
-        "no record of the freed block's"
-    );
-    assert!(!live.is_live(freed));
+    assert!(top.is_live(again));
+    free_from(&top, again, 1 << 20);
+    assert!(!top.is_live(again));
 }
 
 /// What the table of live blocks costs `memres_malloc` and `memres_free` together (an
 /// insert and a removal), beside a pool's own allocation and free on the host stream:
 /// `cargo test --release -p memres-capi --lib live_blocks_cost -- --ignored --nocapture`.
 #[test]
-#[ignore = "a timing, for the figure in live.rs"]
+#[ignore = "a timing, for the figure in the library's stream_use.rs"]
 fn live_blocks_cost() {
     use std::time::Instant;
     const N: usize = 2_000_000;
     let (top, _pools) = on_the_host("virtual_pool");
     let l = mr::layout(4096).unwrap();
-    let live = LiveBlocks::default();
+    let memory = StreamUse::new(&top);
     // 1,024 blocks live throughout, as a program keeps some.
-    let kept: Vec<_> = (0..1024).map(|_| malloc_into(&live, &top, 4096)).collect();
+    let kept: Vec<_> = (0..1024).map(|_| malloc_into(&memory, 4096)).collect();
     for round in 0..3 {
         let t = Instant::now();
         for _ in 0..N {
@@ -1770,18 +1762,16 @@ fn live_blocks_cost() {
         }
         let pool = t.elapsed().as_nanos() as f64 / N as f64;
         let t = Instant::now();
-        for i in 0..N {
-            let a = 0x7f00_0000_0000 + (i % 64) * 4096;
-            live.insert(std::hint::black_box(a));
-            std::hint::black_box(live.remove(a));
+        for _ in 0..N {
+            let p = memory.allocate(StreamRef::HOST, l).unwrap();
+            // SAFETY: allocated just above, unused.
+            unsafe { memory.deallocate(StreamRef::HOST, std::hint::black_box(p), l) };
         }
-        let table = t.elapsed().as_nanos() as f64 / N as f64;
-        println!(
-            "round {round}: pool allocate+free {pool:.1} ns, table insert+remove {table:.1} ns"
-        );
+        let layered = t.elapsed().as_nanos() as f64 / N as f64;
+        println!("round {round}: pool allocate+free {pool:.1} ns, under StreamUse {layered:.1} ns");
     }
     for p in kept {
-        free_from(&live, &top, p, 4096);
+        free_from(&memory, p, 4096);
     }
 }
 

@@ -24,6 +24,7 @@ mod logging;
 mod prefetch;
 mod profiling;
 mod statistics;
+mod stream_use;
 mod thread_safe;
 mod tracking;
 
@@ -36,6 +37,7 @@ pub use logging::{LOG_FILE_VARIABLE, Logging};
 pub use prefetch::Prefetch;
 pub use profiling::Profiling;
 pub use statistics::{Counter, ExactCounter, Statistics, StatisticsSnapshot};
+pub use stream_use::StreamUse;
 pub use thread_safe::ThreadSafe;
 pub use tracking::{Outstanding, Tracking};
 

@@ -102,6 +102,15 @@ impl<'a> StreamRef<'a> {
         StreamRef::new(Repr::Cuda(stream as usize))
     }
 
+    /// The same handle with its borrow forgotten, for a table that keeps it until a
+    /// free that comes before the stream goes.
+    ///
+    /// # Safety
+    /// The stream stays live while the returned handle is used as a stream.
+    pub(crate) const unsafe fn detach(self) -> StreamRef<'static> {
+        StreamRef::new(self.repr)
+    }
+
     /// The CUDA handle, or `None` for a host stream.
     pub fn as_raw(self) -> Option<CUstream> {
         match self.repr {

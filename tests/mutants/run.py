@@ -27,6 +27,8 @@ TESTS = [
 # The C ABI's own tests (host ones: its tables, the stack's pools over host memory, the
 # IPC handle form), for the mutations of capi/.
 CAPI = ["-p", "memres-capi", "--lib"]
+# The library's StreamUse layer: its own tests.
+STREAM_USE = ["-p", "memres", "--lib", "stream_use"]
 
 # name, file, snippet, replacement[, the tests to run: the library's by default]
 MUTATIONS = [
@@ -96,12 +98,12 @@ MUTATIONS = [
      "            .chain(limbo)\n", "            .chain(limbo.into_iter().take(0))\n"),
     ("held blocks: the retry after waiting frees nothing", "src/suballoc/deferred.rs",
      "            held.wait_all();\n            free_ready(r, held, stream);\n", ""),
-    ("C ABI: memres_record_stream records for any address, not only a live block's start", "capi/src/live.rs",
+    ("StreamUse: record_stream records for any address, not only a live block's start", "src/adaptor/stream_use.rs",
      "        let Some(streams) = map.get_mut(&address) else {\n            return false;\n        };",
-     "        let streams = map.entry(address).or_insert(None);", CAPI),
-    ("C ABI: a freed block stays in the live-block table", "capi/src/live.rs",
+     "        let streams = map.entry(address).or_insert(None);", STREAM_USE),
+    ("StreamUse: a freed block stays in the live-block table", "src/adaptor/stream_use.rs",
      "        let streams = self.shard(address).remove(&address)?;",
-     "        let streams = self.shard(address).get(&address).cloned()?;", CAPI),
+     "        let streams = self.shard(address).get(&address).cloned()?;", STREAM_USE),
     ("C ABI: an export's release leaves its count (frees keep taking the lock)", "capi/src/ipc.rs",
      "        if map.remove(&address).is_some() {\n            self.blocks.fetch_sub(1, Ordering::Relaxed);\n        }",
      "        map.remove(&address);", CAPI),
