@@ -12,6 +12,7 @@
 //! No function unwinds into C: a panic is caught, reported through `memres_last_error`
 //! and turned into a failure code (or a null pointer).
 
+mod exports;
 mod ipc;
 mod profile;
 mod routed;

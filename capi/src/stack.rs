@@ -10,14 +10,11 @@ use mr::device::{DeviceGuard, DeviceId};
 use mr::spec::{Built, Target};
 use mr::suballoc::{Binning, FixedSize};
 use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost, Virtual};
-use mr::{
-    AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, CudaVirtualConfig, Device, Error,
-    ExportHandle, Pool,
-};
+use mr::{AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, Device, Error, Pool};
 
-use crate::ipc::{Exported, Shared};
-use crate::routed::Routed;
-use crate::tags::TagPools;
+use crate::exports::{Exported, Shared};
+use crate::routed::TagPools;
+use crate::routed::{Routed, virtual_leaf};
 use mr::spec::Spec;
 
 /// Every layer of a stack that holds memory to hand out again, as [`Spec::build`]
@@ -655,29 +652,5 @@ impl DeviceStack {
             (Ok(own), None) => Ok(own + tagged),
             (Err(e), _) | (Ok(_), Some(e)) => Err(e),
         }
-    }
-}
-
-/// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
-/// tag's): reachable from every peer, exportable where the device can.
-pub(crate) fn virtual_leaf(device: DeviceId, reserve: Option<usize>) -> Result<CudaVirtual, Error> {
-    // Every device that can reach this one's memory may: copies between devices
-    // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc` memory with
-    // peer access on, which memory mapped with `cuMemMap` only gets from an access
-    // descriptor per device.
-    let peers: Vec<DeviceId> = DeviceId::all()?
-        .into_iter()
-        .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
-        .collect();
-    let mut leaf = CudaVirtualConfig::new().peers(peers);
-    if let Some(reserve) = reserve {
-        leaf = leaf.reserve(reserve);
-    }
-    // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
-    // PyTorch's CUDA tensors sent to other processes).
-    let exportable = leaf.clone().export(ExportHandle::PosixFd);
-    match CudaVirtual::with_config(device, exportable) {
-        Err(Error::Unsupported(_)) => CudaVirtual::with_config(device, leaf),
-        built => built,
     }
 }

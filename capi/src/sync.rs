@@ -24,8 +24,8 @@ mod loom_models {
     use loom::sync::atomic::AtomicBool;
     use loom::thread;
 
-    use crate::ipc::Exported;
-    use crate::tags::{Reserved, TagPools};
+    use crate::exports::Exported;
+    use crate::routed::{Reserved, TagPools};
 
     /// A stand-in for a tag's pool (which needs a GPU): its range and its bound.
     struct StandIn {

@@ -17,14 +17,12 @@
 //! every pool (NULL) skips it, as it skips a stack with no in-place pool.
 
 use std::ffi::{CStr, c_char, c_int};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use mr::device::DeviceId;
-use mr::{CudaVirtual, Error, GrowInPlace, Pool, PoolConfig, SleepMode};
+use mr::{GrowInPlace, SleepMode};
 
-use crate::stack::virtual_leaf;
-use crate::sync;
+use crate::routed::{TagPool, set_current};
 use crate::{
     Failure, MEMRES_OK, MEMRES_SLEEP_DISCARD, MEMRES_SLEEP_OFFLOAD, describe, guarded, quoted,
     stack,
@@ -35,15 +33,6 @@ pub(crate) const DEFAULT_TAG: &str = "default";
 
 /// Tag names, in the order they were first set: a tag's id is its index plus one.
 static NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
-/// The tag set now (its id), 0 for none.
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-
-/// The id of the tag set now, 0 for none.
-#[inline]
-pub(crate) fn current() -> usize {
-    CURRENT.load(Ordering::Relaxed)
-}
-
 fn names() -> std::sync::MutexGuard<'static, Vec<String>> {
     NAMES.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -51,138 +40,6 @@ fn names() -> std::sync::MutexGuard<'static, Vec<String>> {
 /// The id of `name`, if it was ever set.
 fn id_of(name: &str) -> Option<usize> {
     names().iter().position(|n| n == name).map(|i| i + 1)
-}
-
-/// A tag's pool: it grows in place over its own reservation.
-pub(crate) type TagPool = Arc<Pool<CudaVirtual>>;
-
-/// What the table of tags' pools asks of a pool: the range its blocks lie in, and its
-/// bound. A trait so that the loom models fill the table with stand-ins (a tag's pool
-/// needs a GPU) and the host tests with pools of host memory.
-pub(crate) trait Reserved {
-    /// The first address and length of the range every block of the pool lies in.
-    fn reservation(&self) -> (usize, usize);
-    /// Bounds what the pool holds (`None`: no bound), as [`Pool::set_limit`].
-    fn set_limit(&self, bytes: Option<usize>);
-}
-
-impl<U: GrowInPlace> Reserved for Pool<U> {
-    fn reservation(&self) -> (usize, usize) {
-        self.upstream().reservation()
-    }
-
-    fn set_limit(&self, bytes: Option<usize>) {
-        Pool::set_limit(self, bytes);
-    }
-}
-
-/// A tag's pool on a device, with its tag id and reservation.
-struct Tagged<P> {
-    id: usize,
-    pool: Arc<P>,
-    base: usize,
-    len: usize,
-}
-
-/// One device's tagged pools.
-///
-/// The protocol (loom models in `sync.rs`): a pool is made under the write lock, after
-/// looking again for one made by another thread while this one waited, so a tag has one
-/// pool per device; its bound is read under that lock, and `set_limit` stores the bound
-/// and bounds every pool under it too, so a pool made beside a `set_limit` is bounded
-/// either way. Frees read `any` (acquire; stored after the first pool is in the table)
-/// and skip the lock while no pool exists. Pools are never removed: a trim, the figures
-/// or a sleep work on a copy of the table's handles (`all`), and allocations hold their
-/// pool's handle.
-pub(crate) struct TagPools<P = Pool<CudaVirtual>> {
-    /// Set once the device has a tagged pool: frees skip the lookup until then.
-    any: sync::AtomicBool,
-    pools: sync::RwLock<Vec<Tagged<P>>>,
-    /// The bound of `memres_set_limit` (0: none), given to pools made later too.
-    limit: sync::AtomicUsize,
-}
-
-impl<P> Default for TagPools<P> {
-    fn default() -> Self {
-        TagPools {
-            any: sync::AtomicBool::new(false),
-            pools: sync::RwLock::new(Vec::new()),
-            limit: sync::AtomicUsize::new(0),
-        }
-    }
-}
-
-impl<P: Reserved> TagPools<P> {
-    /// The pool of tag `id`, made by `make` on first use (under the table's write lock).
-    pub(crate) fn pool(
-        &self,
-        id: usize,
-        make: impl FnOnce() -> Result<P, Error>,
-    ) -> Result<Arc<P>, Error> {
-        if let Some(pool) = self.find(id) {
-            return Ok(pool);
-        }
-        let mut pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(t) = pools.iter().find(|t| t.id == id) {
-            return Ok(Arc::clone(&t.pool));
-        }
-        let pool = Arc::new(make()?);
-        let limit = self.limit.load(Ordering::Relaxed);
-        pool.set_limit((limit != 0).then_some(limit));
-        let (base, len) = pool.reservation();
-        pools.push(Tagged {
-            id,
-            pool: Arc::clone(&pool),
-            base,
-            len,
-        });
-        self.any.store(true, Ordering::Release);
-        Ok(pool)
-    }
-
-    /// Bounds what each tag's pool holds, those made later too (`None`: no bound).
-    pub(crate) fn set_limit(&self, bytes: Option<usize>) {
-        // Under the write lock: a pool made meanwhile reads the new bound.
-        let pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
-        self.limit.store(bytes.unwrap_or(0), Ordering::Relaxed);
-        for tagged in pools.iter() {
-            tagged.pool.set_limit(bytes);
-        }
-    }
-
-    /// The pool of tag `id`, if the device has one.
-    pub(crate) fn find(&self, id: usize) -> Option<Arc<P>> {
-        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools
-            .iter()
-            .find(|t| t.id == id)
-            .map(|t| Arc::clone(&t.pool))
-    }
-
-    /// The tagged pool whose reservation holds `address`.
-    #[inline]
-    pub(crate) fn holding(&self, address: usize) -> Option<Arc<P>> {
-        if !self.any.load(Ordering::Acquire) {
-            return None;
-        }
-        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools
-            .iter()
-            .find(|t| address.wrapping_sub(t.base) < t.len)
-            .map(|t| Arc::clone(&t.pool))
-    }
-
-    /// Every tagged pool, with its tag id.
-    pub(crate) fn all(&self) -> Vec<(usize, Arc<P>)> {
-        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools.iter().map(|t| (t.id, Arc::clone(&t.pool))).collect()
-    }
-}
-
-/// A new tag's pool on `device`: in place, over a reservation of its own.
-pub(crate) fn new_tag_pool(device: DeviceId) -> Result<Pool<CudaVirtual>, Error> {
-    let _on = mr::device::DeviceGuard::new(device)?;
-    Pool::in_place(virtual_leaf(device, None)?, PoolConfig::new())
 }
 
 /// The tag named by a C string: `None` for NULL (every pool), `Some("")` never (the empty
@@ -224,7 +81,7 @@ pub unsafe extern "C" fn memres_set_tag(tag: *const c_char) -> c_int {
                     }
                 }
             };
-            CURRENT.store(id, Ordering::Relaxed);
+            set_current(id);
             Ok(MEMRES_OK)
         },
     )

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use mr::spec::{Built, Target};
 
 use super::*;
+use crate::routed::TagPools;
 use crate::stack::{Pools, why_it_cannot_sleep};
-use crate::tags::TagPools;
 use mr::adaptor::StreamUse;
 use mr::{Pool, PoolConfig};
 use std::sync::Arc;
@@ -1057,11 +1057,11 @@ fn tags_and_sleep_answer_bad_arguments_and_a_missing_driver_with_messages() {
     // SAFETY: NUL-terminated strings or null.
     unsafe {
         assert_eq!(memres_set_tag(c("weights").as_ptr()), MEMRES_OK);
-        assert!(tags::current() > 0);
+        assert!(routed::current() > 0);
         assert_eq!(memres_set_tag(std::ptr::null()), MEMRES_OK);
-        assert_eq!(tags::current(), 0);
+        assert_eq!(routed::current(), 0);
         assert_eq!(memres_set_tag(c("default").as_ptr()), MEMRES_OK);
-        assert_eq!(tags::current(), 0);
+        assert_eq!(routed::current(), 0);
         assert_eq!(
             memres_sleep(0, std::ptr::null(), 7),
             i64::from(MEMRES_ERROR_INVALID_ARGUMENT)

@@ -104,7 +104,7 @@ MUTATIONS = [
     ("StreamUse: a freed block stays in the live-block table", "src/adaptor/stream_use.rs",
      "        let streams = self.shard(address).remove(&address)?;",
      "        let streams = self.shard(address).get(&address).cloned()?;", STREAM_USE),
-    ("C ABI: an export's release leaves its count (frees keep taking the lock)", "capi/src/ipc.rs",
+    ("C ABI: an export's release leaves its count (frees keep taking the lock)", "capi/src/exports.rs",
      "        if map.remove(&address).is_some() {\n            self.blocks.fetch_sub(1, Ordering::Relaxed);\n        }",
      "        map.remove(&address);", CAPI),
     ("C ABI: a granules handle without the export number (reused fds repeat a handle)", "capi/src/ipc.rs",
