@@ -79,6 +79,10 @@ Checks:
                   ipc_to_torch and ipc_from_torch_expandable rows with the tensors on the
                   second GPU, the receiver also copying them to the first (two GPUs;
                   not in the default list).
+  checkpoint_pending - a graph pool's output freed while a busy side stream uses it
+                  (record_stream), then the pool's checkpoint taken before restored: the
+                  block is live again and a new allocation of the pool does not get it
+                  (not in the default list).
   capture_reuse - graph_capture_record_stream_reuse:True: inside a capture, a block used on
                   a second stream (record_stream) and freed is not taken again before the
                   streams join, and is taken again after.
@@ -93,6 +97,8 @@ import traceback
 CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "graph_pool_blocks", "history_options", "caching_off", "roundup", "nested_pools", "no_split", "capture_reuse"]
 # Run where two GPUs are visible (python/proofs/two_devices.py runs them).
 TWO_GPU_CHECKS = ["ipc_second_gpu", "ipc_to_torch_second_gpu", "ipc_from_torch_second_gpu"]
+# Checks of the backend's own bookkeeping, run where asked (not in the default list).
+EXTRA_CHECKS = ["checkpoint_pending"]
 MIB = 1 << 20
 
 
@@ -892,6 +898,57 @@ def capture_reuse():
     return {"ok": not seen["reused_before_join"] and seen["reused_after_join"], **seen}
 
 
+def checkpoint_pending():
+    """A graph pool's output used on a busy side stream (record_stream) and freed, so
+    that its block waits for that stream; then the pool's checkpoint, taken while the
+    output was live, restored (as torch's cudagraph trees do): the block is live again,
+    and once the side stream's work is done, no older pending free hands it out under a
+    new allocation of the pool."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        out = torch.ones(1 << 20, device="cuda")
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    pool = g.pool()
+    state = torch._C._cuda_getCheckpointState(dev, pool)
+    meta = (out.untyped_storage().data_ptr(), out.untyped_storage().nbytes())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the side stream busy for a while
+        out.mul_(3.0)
+    out.record_stream(side)
+    del out
+    storage = torch._C._construct_storage_from_data_pointer(meta[0], torch.device("cuda", dev), meta[1])
+    restored = torch.empty([0], device="cuda", dtype=torch.float32)
+    restored.set_(source=storage, storage_offset=0, size=(1 << 20,), stride=(1,))
+    torch._C._cuda_setCheckpointPoolState(dev, state, [], [restored.untyped_storage()._cdata])
+    torch.cuda.synchronize()  # the side stream's work, and any free waiting for it, done
+    torch._C._cuda_beginAllocateCurrentThreadToPool(dev, pool)
+    try:
+        fresh = torch.zeros(1 << 20, device="cuda")
+    finally:
+        torch._C._cuda_endAllocateToPool(dev, pool)
+        torch._C._cuda_releasePool(dev, pool)
+    torch.cuda.synchronize()
+    blocks = _allocated_blocks(_pool_segments(pool))
+    seen = {
+        "fresh_reused_restored": fresh.data_ptr() == meta[0],
+        "live_blocks": blocks,
+        "restored_value": float(restored[0]),
+    }
+    ok = not seen["fresh_reused_restored"] and blocks == 2 and seen["restored_value"] == 3.0
+    return {"ok": ok, **seen}
+
+
 def ipc_pool():
     """memres with a chunked pool (MEMRES_RESOURCE=pool) sends to a receiver on torch's own
     allocator (its handles are CUDA IPC handles, which any torch opens)."""
@@ -920,9 +977,10 @@ def run_one(check, allocator):
 
 
 # Checks memres must pass whatever torch's allocator does: there, torch's own allocator
-# dies (a foreign IPC handle ends the process with SIGSEGV), so comparing with it would
-# let any memres result through.
-MEMRES_MUST_PASS = {"bad_input", "oom_observer_raises"}
+# dies (a foreign IPC handle ends the process with SIGSEGV) or refuses the restore
+# ("could not find" the pending block), so comparing with it would let any memres
+# result through.
+MEMRES_MUST_PASS = {"bad_input", "oom_observer_raises", "checkpoint_pending"}
 
 
 def main(checks):
@@ -954,7 +1012,7 @@ def main(checks):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] in CHECKS + TWO_GPU_CHECKS:
+    if len(sys.argv) == 3 and sys.argv[1] in CHECKS + TWO_GPU_CHECKS + EXTRA_CHECKS:
         run_one(sys.argv[1], sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "--checks":
         main(sys.argv[2].split(","))

@@ -55,7 +55,7 @@ class TorchParity(unittest.TestCase):
         self.run_checks(["mempool_snapshot", "graph_pool_blocks", "nested_pools", "no_split", "history_options"])
 
     def test_allocator_settings_and_capture_reuse(self):
-        self.run_checks(["caching_off", "roundup", "capture_reuse"])
+        self.run_checks(["caching_off", "roundup", "capture_reuse", "checkpoint_pending"])
 
     def test_ipc_on_the_second_gpu(self):
         import torch
