@@ -69,11 +69,17 @@ pub struct memres_stats_t {
     pub has_statistics: i32,
     /// 1 when the stack has a pool, arena or driver pool (the three pool figures).
     pub has_pool: i32,
+    /// The statistics layer's bytes outstanding now.
     pub current_bytes: i64,
+    /// Its highest `current_bytes` (approximate across threads, as the layer's peak is).
     pub peak_bytes: i64,
+    /// Its bytes ever allocated.
     pub total_bytes: i64,
+    /// Its allocations outstanding now.
     pub current_allocations: i64,
+    /// Its highest `current_allocations`.
     pub peak_allocations: i64,
+    /// Its allocations ever made.
     pub total_allocations: i64,
     /// Bytes the pool holds from the driver.
     pub pool_size: u64,

@@ -9,7 +9,7 @@ use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef};
 use memres_workloads::{Row, Suite, suite};
 
 #[derive(Args)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     /// Only these stacks, comma-separated: on a GPU cuda, cuda_async, pool, arena,
     /// binning(pool), fixed_size_1MiB; on host memory host_heap, pool, arena,
     /// binning(pool), fixed_size_1MiB.
@@ -69,7 +69,7 @@ fn check_names(what: &str, asked: &[String], known: &[&str], here: &str) -> Resu
 
 const THREADS: usize = 8;
 
-pub fn run(args: BenchArgs) -> Result<(), String> {
+pub(crate) fn run(args: BenchArgs) -> Result<(), String> {
     let gpu = crate::gpu_present();
     let (stacks, here) = if gpu {
         (&GPU_STACKS[..], " on a GPU")

@@ -1,7 +1,7 @@
 //! Figures as people read them.
 
 /// A byte count as people read it: `1.50 GiB`.
-pub fn bytes(n: u64) -> String {
+pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = n as f64;
     let mut unit = 0;

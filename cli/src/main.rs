@@ -27,7 +27,7 @@ use memres::spec::Spec;
 use memres::units::parse_size;
 use memres::{Cuda, HostHeap, StreamRef};
 
-pub use crate::human::bytes;
+pub(crate) use crate::human::bytes;
 use crate::replay::{Outcome, Plan};
 use crate::stacks::{Memory, Options, Replay, Stack, StackName};
 

@@ -32,7 +32,7 @@ const MAX_POINTS: usize = 4000;
 /// folder, a folder in its place, the log itself): checked before a long replay rather
 /// than after it. Opens nothing: the plot is written only once the log has been read
 /// whole, and never over the log.
-pub fn check_writable(out: &Path, log: &Path) -> Result<(), String> {
+pub(crate) fn check_writable(out: &Path, log: &Path) -> Result<(), String> {
     let named = |what: &str| format!("{}: {what}", out.display());
     if same_file(out, log) {
         return Err(named(
@@ -84,7 +84,7 @@ fn replace_file(out: &Path, text: &str) -> Result<(), String> {
 }
 
 /// Writes the plot of `plan` (and `replays`: stack name and outcome) to `out`.
-pub fn write(
+pub(crate) fn write(
     out: &Path,
     title: &str,
     plan: &Plan,

@@ -31,7 +31,7 @@ struct Op {
 
 /// A log turned into what a replay needs: ops in order, each thread's share, the
 /// allocations (slots) with their sizes and streams, and the log's own figures.
-pub struct Plan {
+pub(crate) struct Plan {
     ops: Vec<Op>,
     /// The logged thread (index) of each op.
     op_thread: Vec<u32>,
@@ -55,7 +55,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn new(events: &[Event]) -> Plan {
+    pub(crate) fn new(events: &[Event]) -> Plan {
         let mut threads: HashMap<u64, u32> = HashMap::new();
         let mut streams: HashMap<LoggedStream, u32> = HashMap::new();
         let mut stream_list = Vec::new();
@@ -166,23 +166,23 @@ impl Plan {
         plan
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ops.len()
     }
 
-    pub fn threads(&self) -> usize {
+    pub(crate) fn threads(&self) -> usize {
         self.per_thread.len()
     }
 
     /// Allocations and frees the replay performs.
-    pub fn replayed_ops(&self) -> usize {
+    pub(crate) fn replayed_ops(&self) -> usize {
         self.ops.iter().filter(|o| o.kind != OpKind::Skip).count()
     }
 }
 
 /// One point of a replay's timeline.
 #[derive(Debug, Clone, Copy)]
-pub struct Sample {
+pub(crate) struct Sample {
     /// Index of the op after which it was taken.
     pub op: usize,
     /// Bytes the stack held from its memory.
@@ -193,7 +193,7 @@ pub struct Sample {
 
 /// What one replay found.
 #[derive(Debug, Clone)]
-pub struct Outcome {
+pub(crate) struct Outcome {
     pub elapsed: Duration,
     pub ops: usize,
     pub failures: usize,
@@ -210,7 +210,7 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    pub fn ns_per_op(&self) -> f64 {
+    pub(crate) fn ns_per_op(&self) -> f64 {
         self.elapsed.as_nanos() as f64 / self.ops.max(1) as f64
     }
 }
@@ -276,7 +276,7 @@ impl Baton {
 /// Replays `plan` through `stack` on `streams` (one per logged stream). `sample_every`:
 /// record a [`Sample`] every that many ops (for plots; it perturbs the timing). `tick` is
 /// called every 4096 ops with the number done, for a progress bar.
-pub fn replay(
+pub(crate) fn replay(
     plan: &Plan,
     stack: &Stack,
     streams: &[StreamRef<'_>],

@@ -69,7 +69,7 @@ impl Range {
 
 /// A resource handing out simulated addresses: no memory behind them, so it claims no
 /// property (`()`): nothing may read or write them, which a replay never does.
-pub fn simulated(size: usize) -> impl Resource<Properties = ()> + Send + Sync + 'static {
+pub(crate) fn simulated(size: usize) -> impl Resource<Properties = ()> + Send + Sync + 'static {
     let range = Arc::new(Mutex::new(Range::new(size)));
     let take = Arc::clone(&range);
     let allocate = move |layout: Layout, _: StreamRef<'_>| -> Result<NonNull<u8>, Error> {

@@ -17,7 +17,7 @@ use memres::{AnyResource, Error, HostHeap, Resource, StreamRef, SyncResource};
 
 /// Where the memory comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Memory {
+pub(crate) enum Memory {
     /// Addresses from a range of this many bytes, never touched.
     Simulated(usize),
     /// The GPU (device 0).
@@ -47,7 +47,7 @@ impl fmt::Display for Memory {
 /// (that stack over host memory, whatever the replay's memory is); or a spec string
 /// (`statistics(pool:initial=1GiB)`, the grammar of `memres::spec`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StackName {
+pub(crate) struct StackName {
     pub name: String,
     /// The stack.
     pub spec: Spec,
@@ -55,7 +55,7 @@ pub struct StackName {
     pub host: bool,
 }
 
-pub const NAMES: &str = "pool, virtual_pool, arena, binning, fixed_size, cuda, cuda_async, managed, host, host-pool, host-virtual_pool, host-arena, host-binning, host-fixed_size";
+pub(crate) const NAMES: &str = "pool, virtual_pool, arena, binning, fixed_size, cuda, cuda_async, managed, host, host-pool, host-virtual_pool, host-arena, host-binning, host-fixed_size";
 
 /// At most the first 80 characters of `text`, marked where cut: errors quote what was
 /// given without echoing a whole file's worth of it.
@@ -70,7 +70,7 @@ fn excerpt(text: &str) -> String {
 /// A message shown whole up to 600 characters; past that its first and last 300,
 /// with what was left out counted between them (a spec parser's message quotes the
 /// spec, and the reason is often at its end).
-pub fn bounded(message: &str) -> String {
+pub(crate) fn bounded(message: &str) -> String {
     const HALF: usize = 300;
     let chars = message.chars().count();
     if chars <= 2 * HALF {
@@ -85,7 +85,7 @@ pub fn bounded(message: &str) -> String {
 impl StackName {
     /// A name of [`NAMES`] (the stack with the command line's `options`). An option
     /// that breaks the spec form's rules is an error in that form's words.
-    pub fn parse(text: &str, options: &Options) -> Result<StackName, String> {
+    pub(crate) fn parse(text: &str, options: &Options) -> Result<StackName, String> {
         let Some((name, host, base)) = Self::known(text) else {
             return Err(format!(
                 "unknown resource {:?} (expected one of {NAMES})",
@@ -130,7 +130,7 @@ impl StackName {
 
     /// A name of [`NAMES`], else a spec string: the command line's `options` fill what
     /// the spec leaves to its default. Errors are shown whole ([`bounded`]).
-    pub fn parse_with(text: &str, options: &Options) -> Result<StackName, String> {
+    pub(crate) fn parse_with(text: &str, options: &Options) -> Result<StackName, String> {
         if Self::known(text).is_some() {
             return StackName::parse(text, options);
         }
@@ -152,7 +152,7 @@ impl StackName {
 
 /// Sizes and shapes of the sub-allocators, from the command line.
 #[derive(Debug, Clone, Copy)]
-pub struct Options {
+pub(crate) struct Options {
     pub initial_size: usize,
     pub max_size: Option<usize>,
     /// The arena's size; `None`: half the memory.
@@ -210,7 +210,7 @@ impl Options {
 
 /// A built stack: the top that replays go through (erased: stacks differ in type), the
 /// footprint it takes from its memory, and the pool's figures where it has a pool.
-pub struct Stack {
+pub(crate) struct Stack {
     pub top: AnyResource<()>,
     footprint: Box<dyn Fn() -> Counter + Send + Sync>,
     pool: Option<PoolFigures>,
@@ -225,24 +225,24 @@ type TierFigures = Box<dyn Fn() -> [StatisticsSnapshot; 2] + Send + Sync>;
 
 impl Stack {
     /// Bytes the stack holds from its memory: now, and the most it held.
-    pub fn footprint(&self) -> Counter {
+    pub(crate) fn footprint(&self) -> Counter {
         (self.footprint)()
     }
 
     /// The pool's figures (size, free bytes, largest free block), where there is a pool.
-    pub fn pool_stats(&self) -> Option<PoolStats> {
+    pub(crate) fn pool_stats(&self) -> Option<PoolStats> {
         self.pool.as_ref().map(|f| f())
     }
 
     /// What each tier of a `fallback(..)` served, where the stack has one.
-    pub fn tiers(&self) -> Option<[StatisticsSnapshot; 2]> {
+    pub(crate) fn tiers(&self) -> Option<[StatisticsSnapshot; 2]> {
         self.tiers.as_ref().map(|f| f())
     }
 }
 
 /// `U` with every block it hands out counted (exact: the replay interleaves threads,
 /// where `Statistics`' per-thread counting may be off by a few ops).
-pub struct Counted<U> {
+pub(crate) struct Counted<U> {
     memory: Arc<U>,
     count: Arc<ExactCounter>,
 }
@@ -289,7 +289,7 @@ unsafe impl<U: Resource> Resource for Counted<U> {
 
 /// A replay's memory for the spec builder: `memory` (counted) for chunks and `cuda`,
 /// `leaf` for a `virtual_pool`, the driver's pool and managed memory where `gpu`.
-pub struct Replay<U, B: Backend> {
+pub(crate) struct Replay<U, B: Backend> {
     memory: Arc<U>,
     count: Arc<ExactCounter>,
     leaf: Box<dyn FnMut() -> Result<Virtual<B>, Error>>,
@@ -307,7 +307,7 @@ where
     U: Resource<Properties: Contains<()>> + Send + Sync + 'static,
     B: Backend<Properties: Contains<()>>,
 {
-    pub fn new(
+    pub(crate) fn new(
         memory: U,
         leaf: impl FnMut() -> Result<Virtual<B>, Error> + 'static,
         arena_size: usize,
@@ -327,7 +327,7 @@ where
 
     /// Builds `spec` over this memory. The footprint is what the stack's virtual-memory
     /// leaf mapped where it has one, else the bytes it took from the memory.
-    pub fn build(mut self, spec: &Spec) -> Result<Stack, Error> {
+    pub(crate) fn build(mut self, spec: &Spec) -> Result<Stack, Error> {
         let top = spec.build(&mut self)?;
         let count = self.count;
         Ok(Stack {

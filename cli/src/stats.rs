@@ -9,7 +9,7 @@ use crate::bytes;
 use crate::replay::Plan;
 
 /// The report `memres stats` prints.
-pub fn report(name: &str, events: &[Event], plan: &Plan) -> String {
+pub(crate) fn report(name: &str, events: &[Event], plan: &Plan) -> String {
     let mut out = String::new();
     let threads: HashSet<u64> = events.iter().map(|e| e.thread).collect();
     let span = plan.micros.last().copied().unwrap_or(0);
