@@ -78,7 +78,9 @@ fn main() -> Result<(), Error> {
 
     // The run had 90% of its peak: which request failed?
     let limit = (peak as usize) * 9 / 10;
-    let tight = HostHeap::new().pool(PoolConfig::new())?.with_limit(limit);
+    let tight = HostHeap::new()
+        .pool(PoolConfig::new())?
+        .with_limiting(limit);
     match replay(&tight, &events) {
         Some((line, size, live)) => println!(
             "with {limit} bytes: log line {line} asked for {size} bytes with {live} live: out of memory"
@@ -88,7 +90,7 @@ fn main() -> Result<(), Error> {
     // With 2x the peak, the same stack serves every request.
     let roomy = HostHeap::new()
         .pool(PoolConfig::new())?
-        .with_limit(2 * peak as usize);
+        .with_limiting(2 * peak as usize);
     let failure = replay(&roomy, &events);
     println!(
         "with {} bytes: {}",

@@ -250,14 +250,24 @@ pub trait ResourceExt: SyncResource + Sized {
 
     /// Caps the bytes outstanding: [`Limiting`](crate::adaptor::Limiting).
     #[inline]
-    fn with_limit(self, limit: usize) -> crate::adaptor::Limiting<Self> {
+    fn with_limiting(self, limit: usize) -> crate::adaptor::Limiting<Self> {
         crate::adaptor::Limiting::new(self, limit)
+    }
+
+    /// The old name of [`with_limiting`](Self::with_limiting).
+    #[deprecated(
+        since = "0.1.0",
+        note = "named after the type it builds: use `with_limiting`"
+    )]
+    #[inline]
+    fn with_limit(self, limit: usize) -> crate::adaptor::Limiting<Self> {
+        self.with_limiting(limit)
     }
 
     /// Aligns requests of at least `threshold` bytes to `alignment`:
     /// [`Aligned`](crate::adaptor::Aligned).
     #[inline]
-    fn with_alignment(
+    fn with_aligned(
         self,
         alignment: usize,
         threshold: usize,
@@ -265,14 +275,41 @@ pub trait ResourceExt: SyncResource + Sized {
         crate::adaptor::Aligned::new(self, alignment, threshold)
     }
 
+    /// The old name of [`with_aligned`](Self::with_aligned).
+    #[deprecated(
+        since = "0.1.0",
+        note = "named after the type it builds: use `with_aligned`"
+    )]
+    #[inline]
+    fn with_alignment(
+        self,
+        alignment: usize,
+        threshold: usize,
+    ) -> Result<crate::adaptor::Aligned<Self>, crate::Error> {
+        self.with_aligned(alignment, threshold)
+    }
+
     /// Retries out-of-memory failures while `on_failure` says so:
     /// [`FailureRetry`](crate::adaptor::FailureRetry).
+    #[inline]
+    fn with_failure_retry<F: Fn(usize) -> bool>(
+        self,
+        on_failure: F,
+    ) -> crate::adaptor::FailureRetry<Self, F> {
+        crate::adaptor::FailureRetry::new(self, on_failure)
+    }
+
+    /// The old name of [`with_failure_retry`](Self::with_failure_retry).
+    #[deprecated(
+        since = "0.1.0",
+        note = "named after the type it builds: use `with_failure_retry`"
+    )]
     #[inline]
     fn with_retry<F: Fn(usize) -> bool>(
         self,
         on_failure: F,
     ) -> crate::adaptor::FailureRetry<Self, F> {
-        crate::adaptor::FailureRetry::new(self, on_failure)
+        self.with_failure_retry(on_failure)
     }
 
     /// Sends what `self` has no memory for to `then`, with `self`'s properties (which
@@ -287,8 +324,25 @@ pub trait ResourceExt: SyncResource + Sized {
     /// Puts `self` behind a lock so it can be shared between threads:
     /// [`ThreadSafe`](crate::adaptor::ThreadSafe).
     #[inline]
-    fn with_lock(self) -> crate::adaptor::ThreadSafe<Self> {
+    fn with_thread_safe(self) -> crate::adaptor::ThreadSafe<Self> {
         crate::adaptor::ThreadSafe::new(self)
+    }
+
+    /// The old name of [`with_thread_safe`](Self::with_thread_safe).
+    #[deprecated(
+        since = "0.1.0",
+        note = "named after the type it builds: use `with_thread_safe`"
+    )]
+    #[inline]
+    fn with_lock(self) -> crate::adaptor::ThreadSafe<Self> {
+        self.with_thread_safe()
+    }
+
+    /// Keeps the live blocks and the streams `record_stream` names for each, handed to
+    /// the free: [`StreamUse`](crate::adaptor::StreamUse).
+    #[inline]
+    fn with_stream_use(self) -> crate::adaptor::StreamUse<Self> {
+        crate::adaptor::StreamUse::new(self)
     }
 
     /// A coalescing [`Pool`](crate::suballoc::Pool) over `self`.

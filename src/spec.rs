@@ -42,9 +42,11 @@ pub use build::{Built, Target, Tiers};
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
 /// program building the stack uses (the C ABI's are in `capi/include/memres.h`). The
 /// wrappers are named as the builders of [`ResourceExt`](crate::ResourceExt) are
-/// (`with_statistics`, `with_limit`: `Limited`), not as the adaptor types, which rustc would then
-/// print with their whole paths in its messages.
+/// (`with_statistics`, `with_limiting`: `Limited`), not as the adaptor types, which rustc would then
+/// print with their whole paths in its messages. New layers become new variants, so a
+/// match on it outside this crate has a `_` arm (`#[non_exhaustive]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Spec {
     /// `cuda`: `cuMemAlloc` per request.
     Cuda,

@@ -779,7 +779,7 @@ fn the_builder_reads_top_down_and_builds_the_nested_types() {
     use memres::ResourceExt;
     let stack: Statistics<Limiting<Tracking<HostHeap>>> = HostHeap::new()
         .with_tracking(false)
-        .with_limit(1 << 20)
+        .with_limiting(1 << 20)
         .with_statistics();
     let b = alloc(&stack, 1000);
     assert_eq!(stack.bytes().current, 1000);
@@ -787,10 +787,10 @@ fn the_builder_reads_top_down_and_builds_the_nested_types() {
     assert_eq!(stack.upstream().upstream().outstanding().len(), 1);
     free(&stack, b);
     let other = HostHeap::new()
-        .with_alignment(4096, 0)
+        .with_aligned(4096, 0)
         .unwrap()
-        .with_retry(give_up)
-        .with_lock();
+        .with_failure_retry(give_up)
+        .with_thread_safe();
     let c = alloc(&other, 10);
     assert_eq!(c.0.as_ptr() as usize % 4096, 0);
     free(&other, c);

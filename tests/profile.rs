@@ -98,7 +98,7 @@ fn freeing_older_memory_takes_a_scope_below_zero() {
 #[test]
 fn a_failed_allocation_counts_nothing() {
     let _s = serial();
-    let mr = HostHeap::new().with_limit(1024).with_profiling();
+    let mr = HostHeap::new().with_limiting(1024).with_profiling();
     {
         let _s = profile::scope("failed.alloc");
         assert!(mr.allocate_sync(layout(4096).unwrap()).is_err());

@@ -261,6 +261,8 @@ pub(crate) fn why_it_cannot_sleep(spec: &Spec) -> Option<String> {
         Spec::Pool { .. } => "pool",
         Spec::Arena { .. } => "arena",
         Spec::FixedSize { .. } => "fixed_size",
+        // A layer newer than this list: refused until it is known to sleep.
+        _ => "a layer this C ABI does not know",
     };
     Some(format!(
         "a stack with `{part}` cannot sleep: only a pool that grows in place \
