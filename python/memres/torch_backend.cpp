@@ -479,6 +479,7 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   if (size == 0) {
     return nullptr;  // an empty tensor: no block, in no pool (as in torch's allocator)
   }
+  bool pooled = false;  // served by a use_on_oom pool after memres ran out
   bool routed = false;
   void* ptr = routed_to_private_pool(size, device, stream, &routed);
   std::string why;
@@ -495,7 +496,9 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
         ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
         if (ptr == nullptr) {
           why = memres_last_error();
-          ptr = from_pools_on_oom(size, device, stream);
+          // A pool's block (its own rounding; its frees never reach memres_torch_free).
+          ptr = from_pools_on_oom(requested, device, stream);
+          pooled = ptr != nullptr;
         }
       }
     }
@@ -524,7 +527,7 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
     g_history.record(TraceEntry::ALLOC, device, ptr, size, stream);
   }
   if (ptr != nullptr) {
-    if (size != requested && device >= 0 && device < kMaxDevices) {
+    if (!routed && !pooled && size != requested && device >= 0 && device < kMaxDevices) {
       g_rounding.add(ptr, size - requested, device);
     }
     report_to_profiler(ptr, static_cast<int64_t>(size), device);
@@ -562,6 +565,10 @@ struct Baseline {
   int64_t retries = 0;
   int64_t rounding_added = 0;  // bytes roundup_power2_divisions added, ever and freed
   int64_t rounding_freed = 0;
+  // What the pools' correction (their blocks less their segments) was at the last
+  // reset_peak_memory_stats, in bytes and blocks: memres's peaks move by it.
+  int64_t peak_correction = 0;
+  int64_t peak_block_correction = 0;
 };
 
 void set_all(StatArray& array, const Stat& value) {
@@ -615,18 +622,20 @@ struct Pending {
   // them (the graph orders it so) may take the block again at once.
   std::vector<cudaGraphNode_t> after;
   bool in_capture = false;  // `after` was taken (it may be empty: no work captured yet)
+  unsigned long long capture = 0;  // the capture it was taken in (every stream's the same)
 };
 
 // The nodes that the next work captured on `stream` would depend on (none yet: an empty
-// list); false when the stream is not capturing or the runtime cannot say.
-bool capture_frontier(cudaStream_t stream, std::vector<cudaGraphNode_t>* out) {
+// list), and the capture's id; false when the stream is not capturing or the runtime
+// cannot say.
+bool capture_frontier(cudaStream_t stream, std::vector<cudaGraphNode_t>* out, unsigned long long* id) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaGraphNode_t* nodes = nullptr;
   size_t count = 0;
 #if CUDART_VERSION >= 13000
-  cudaError_t code = cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &nodes, nullptr, &count);
+  cudaError_t code = cudaStreamGetCaptureInfo(stream, &status, id, nullptr, &nodes, nullptr, &count);
 #else
-  cudaError_t code = cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, nullptr, &nodes, &count);
+  cudaError_t code = cudaStreamGetCaptureInfo_v2(stream, &status, id, nullptr, &nodes, &count);
 #endif
   if (code != cudaSuccess || status != cudaStreamCaptureStatusActive) {
     (void)cudaGetLastError();
@@ -636,19 +645,16 @@ bool capture_frontier(cudaStream_t stream, std::vector<cudaGraphNode_t>* out) {
   return true;
 }
 
-// Whether every node of `before` is one of `from` or an ancestor of one in the graph
-// being captured.
-bool all_precede(const std::vector<cudaGraphNode_t>& before, const std::vector<cudaGraphNode_t>& from) {
-  std::unordered_set<cudaGraphNode_t> wanted(before.begin(), before.end());
-  std::unordered_set<cudaGraphNode_t> seen;
+// `from` and every ancestor of its nodes in the graph being captured, into `out`; false
+// when the runtime cannot say.
+bool ancestors(const std::vector<cudaGraphNode_t>& from, std::unordered_set<cudaGraphNode_t>* out) {
   std::vector<cudaGraphNode_t> todo(from.begin(), from.end());
-  while (!todo.empty() && !wanted.empty()) {
+  while (!todo.empty()) {
     cudaGraphNode_t node = todo.back();
     todo.pop_back();
-    if (!seen.insert(node).second) {
+    if (!out->insert(node).second) {
       continue;
     }
-    wanted.erase(node);
     size_t count = 0;
 #if CUDART_VERSION >= 13000
     cudaError_t code = cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count);
@@ -671,7 +677,7 @@ bool all_precede(const std::vector<cudaGraphNode_t>& before, const std::vector<c
     }
     todo.insert(todo.end(), deps.begin(), deps.begin() + static_cast<std::ptrdiff_t>(count));
   }
-  return wanted.empty();
+  return true;
 }
 
 struct PrivatePool {
@@ -693,6 +699,9 @@ struct PrivatePool {
   // Streams recorded for live blocks, and freed blocks waiting for them.
   std::unordered_map<void*, std::vector<cudaStream_t>> recorded;
   std::vector<Pending> pending;
+  // Live blocks allocated during a capture, with its id (a block freed in that capture
+  // may be taken again in it once the graph orders its uses first).
+  std::unordered_map<void*, unsigned long long> captured_in;
 
   // Frees the pending blocks whose streams' work is complete (`capturing`: a capture is
   // underway on the device; nothing is recorded or queried then). Never waits.
@@ -748,17 +757,30 @@ struct PrivatePool {
   // During a capture, frees the pending blocks freed in it whose streams' captured work
   // the graph orders before the next work on `stream` (an allocation there may reuse
   // them; replays keep that order).
-  void reuse_in_capture(cudaStream_t stream) {
+  // Only blocks of `stream`'s own segments (no other stream allocates from them), freed
+  // in this same capture (`capture`), whose streams' work then precedes `frontier` (the
+  // nodes the stream's next work depends on).
+  void reuse_in_capture(
+      cudaStream_t stream,
+      const std::vector<cudaGraphNode_t>& frontier,
+      unsigned long long capture) {
     bool any = false;
     for (const auto& p : pending) {
-      any = any || p.in_capture;
+      any = any || (p.in_capture && p.capture == capture);
     }
-    std::vector<cudaGraphNode_t> frontier;
-    if (!any || !capture_frontier(stream, &frontier)) {
+    if (!any) {
       return;
     }
+    std::unordered_set<cudaGraphNode_t> before;  // the frontier and its ancestors, once
+    bool known = ancestors(frontier, &before);
     for (auto it = pending.begin(); it != pending.end();) {
-      if (!it->in_capture || !it->events.empty() || !all_precede(it->after, frontier)) {
+      const Segment* seg = segment_of(it->ptr);
+      bool ordered = known && it->in_capture && it->capture == capture && it->events.empty() &&
+          seg != nullptr && seg->stream == stream;
+      for (size_t i = 0; ordered && i < it->after.size(); ++i) {
+        ordered = before.count(it->after[i]) != 0;
+      }
+      if (!ordered) {
         ++it;
         continue;
       }
@@ -991,11 +1013,19 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         *routed = true;
         PrivatePool& pool = pools_.at(id);
         pool.free_pending(is_capturing(device));
-        pool.reuse_in_capture(stream);
+        std::vector<cudaGraphNode_t> frontier;
+        unsigned long long capture = 0;
+        bool capturing = capture_frontier(stream, &frontier, &capture);
+        if (capturing) {
+          pool.reuse_in_capture(stream, frontier, capture);
+        }
         void* ptr = pool.allocate(size, stream);
         if (ptr != nullptr) {
           private_blocks_[ptr] = id;
           private_count_.store(private_blocks_.size(), std::memory_order_release);
+          if (capturing) {
+            pool.captured_in[ptr] = capture;
+          }
         }
         return ptr;
       }
@@ -1161,14 +1191,16 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       // waiting for those streams), so that no such free lands later on a block the
       // checkpoint makes live (the address would be handed out twice). Inside a capture
       // nothing may wait: they are forgotten, the checkpoint's table replacing theirs.
+      // Every block allocated now (pending ones are freed already) is freed; the
+      // checkpoint's blocks are allocated again, at the same addresses (segments stay
+      // while the pool lives).
+      freed = pool.allocated_blocks();
       if (is_capturing(device)) {
         pool.forget_pending();
       } else {
         pool.wait_pending();
       }
-      // Every block allocated now is freed; the checkpoint's blocks are allocated again,
-      // at the same addresses (segments stay while the pool lives).
-      freed = pool.allocated_blocks();
+      pool.captured_in.clear();
       for (void* ptr : freed) {
         private_blocks_.erase(ptr);
       }
@@ -1198,6 +1230,24 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         }
       }
       private_count_.store(private_blocks_.size(), std::memory_order_release);
+      {
+        // The base class's records, under pools_mutex_ (so no allocation of the pool is
+        // handed one of these addresses meanwhile): the freed blocks' go (torch released
+        // their storages without the deleter), the restored blocks' are made (their
+        // frees, the history and IPC read them).
+        std::lock_guard<std::mutex> meta(allocator_mutex_);
+        for (void* ptr : freed) {
+          allocation_metadata_.erase(ptr);
+        }
+        for (const auto& [seg_ptr, layout] : state->layouts) {
+          for (const auto& [offset, block] : layout) {
+            if (block.allocated) {
+              allocation_metadata_[seg_ptr->base + offset] =
+                  torch::cuda::CUDAPluggableAllocator::_AllocationMetadata(block.size, device, seg_ptr->stream);
+            }
+          }
+        }
+      }
       // Streams recorded for blocks the checkpoint leaves free go (a later block there is
       // another tensor); those of its live blocks stay (a later free waits for them).
       for (auto rec = pool.recorded.begin(); rec != pool.recorded.end();) {
@@ -1207,14 +1257,6 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         } else {
           ++rec;
         }
-      }
-    }
-    {
-      // The freed blocks' records in the base class go too (their storages were
-      // released by torch without calling the deleter).
-      std::lock_guard<std::mutex> lock(allocator_mutex_);
-      for (void* ptr : freed) {
-        allocation_metadata_.erase(ptr);
       }
     }
     if (g_history.on.load(std::memory_order_relaxed)) {
@@ -1228,7 +1270,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void raw_delete(void* ptr) override {
-    if (g_history.on.load(std::memory_order_relaxed) && ptr != nullptr) {
+    if (ptr == nullptr) {
+      return;  // an empty tensor's: nothing was handed out (as torch's allocator ignores it)
+    }
+    if (g_history.on.load(std::memory_order_relaxed)) {
       trace_free(ptr);
     }
     if (private_count_.load(std::memory_order_acquire) != 0) {
@@ -1242,28 +1287,35 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         auto rec = pool.recorded.find(ptr);
         if (rec != pool.recorded.end()) {
           // Used on other streams: held until their work (at this point) completes.
-          Pending held{ptr, std::move(rec->second), {}, {}, false};
+          Pending held{ptr, std::move(rec->second), {}, {}, false, 0};
           const Segment* seg = pool.segment_of(ptr);
-          if (is_capturing(pool.device) && seg != nullptr) {
-            // Inside a capture no event can say when that work is done, but the graph
-            // can: note where each stream's captured work has reached.
+          auto made = pool.captured_in.find(ptr);
+          if (is_capturing(pool.device) && seg != nullptr && made != pool.captured_in.end()) {
+            // Inside the capture that made the block no event can say when that work is
+            // done, but the graph can: note where each stream's captured work has
+            // reached. Every stream must be in that same capture (a stream outside it,
+            // or in another, leaves the block to events after the capture).
             std::vector<cudaStream_t> used = held.streams;
             used.push_back(seg->stream);
             held.in_capture = true;
+            held.capture = made->second;
             for (cudaStream_t s : used) {
               std::vector<cudaGraphNode_t> nodes;
-              if (!capture_frontier(s, &nodes)) {
-                held.in_capture = false;  // a stream outside the capture: wait for events
+              unsigned long long id = 0;
+              if (!capture_frontier(s, &nodes, &id) || id != held.capture) {
+                held.in_capture = false;
                 held.after.clear();
                 break;
               }
               held.after.insert(held.after.end(), nodes.begin(), nodes.end());
             }
           }
+          pool.captured_in.erase(ptr);
           pool.pending.push_back(std::move(held));
           pool.recorded.erase(rec);
           pool.free_pending(is_capturing(pool.device));
         } else {
+          pool.captured_in.erase(ptr);
           TORCH_CHECK(pool.free(ptr), "memres: a graph pool's block freed twice");
         }
         size_t size = 0;
@@ -1278,6 +1330,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
             allocation_metadata_.erase(found);
           }
         }
+        lock.unlock();  // the profiler's code runs under no lock of the backend's
         report_to_profiler(ptr, -static_cast<int64_t>(size), device);
         return;
       }
@@ -1477,47 +1530,54 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (n > 0) {
         n = std::min<int64_t>(n, memres_segments(device, pairs.data(), static_cast<size_t>(n)));
       }
-      // One segment per run of memres's pool. The segments of graph and MemPool pools cut
-      // from it are their own (as torch's private pools' are), so the run's segment is
-      // drawn without them: its size leaves them out and its blocks close up over the cut
-      // (drawn at lower addresses than they have; the trace's events carry the true ones).
+      // The runs of memres's pool as segments at their true addresses. The segments of
+      // graph and MemPool pools cut from a run are their own (as torch's private pools'
+      // are), so a run they were cut from is drawn as the pieces around them.
       for (int64_t i = 0; i < n; ++i) {
         size_t start = pairs[2 * i];
         size_t end = start + pairs[2 * i + 1];
-        SegmentInfo seg;
-        seg.device = static_cast<c10::DeviceIndex>(device);
-        seg.address = start;
-        seg.is_large = true;
-        seg.is_expandable = true;  // memres's pool grows in place, as expandable segments do
-        size_t at = start;  // where the blocks drawn reach
-        size_t cut = 0;
+        SegmentInfo piece;
+        size_t at = start;  // where the piece's blocks reach
+        auto open_piece = [&](size_t from) {
+          piece = SegmentInfo{};
+          piece.device = static_cast<c10::DeviceIndex>(device);
+          piece.address = from;
+          piece.is_large = true;
+          piece.is_expandable = true;  // memres's pool grows in place, as expandable segments do
+          at = from;
+        };
+        auto close_piece = [&](size_t to) {
+          if (to > at) {
+            piece.blocks.push_back(block_info(to - at, false, nullptr));
+          }
+          piece.total_size = to - piece.address;
+          if (piece.total_size > 0) {
+            out.segments.push_back(std::move(piece));
+          }
+        };
+        open_piece(start);
         for (auto it = blocks.lower_bound(start); it != blocks.end() && it->first < end;) {
           size_t size = std::min(it->second.size, end - it->first);
-          if (it->first > at) {
-            seg.blocks.push_back(block_info(it->first - at, false, nullptr));
-          }
           if (it->second.pool_segment != nullptr) {
+            close_piece(it->first);
             out.segments.push_back(std::move(*it->second.pool_segment));
-            cut += size;
+            open_piece(it->first + size);
           } else {
-            seg.blocks.push_back(block_info(size, true, it->second.context));
-            seg.allocated_size += size;
-            seg.active_size += size;
-            seg.requested_size += size;
-            if (seg.stream == nullptr) {
-              seg.stream = it->second.stream;
+            if (it->first > at) {
+              piece.blocks.push_back(block_info(it->first - at, false, nullptr));
             }
+            piece.blocks.push_back(block_info(size, true, it->second.context));
+            piece.allocated_size += size;
+            piece.active_size += size;
+            piece.requested_size += size;
+            if (piece.stream == nullptr) {
+              piece.stream = it->second.stream;
+            }
+            at = it->first + size;
           }
-          at = it->first + size;
           it = blocks.erase(it);
         }
-        if (end > at) {
-          seg.blocks.push_back(block_info(end - at, false, nullptr));
-        }
-        seg.total_size = end - start - cut;
-        if (seg.total_size > 0) {
-          out.segments.push_back(std::move(seg));
-        }
+        close_piece(end);
       }
       // Blocks outside any listed segment: each is its own allocation.
       for (auto& [addr, block] : blocks) {
@@ -1679,10 +1739,13 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     Stat bytes;
     // memres counts a graph or MemPool pool's segment as one live block; torch counts
     // the blocks handed out inside it (current figures; peaks and totals stay memres's).
-    // (The peak is corrected by what the pools hold now: exact while that is what they
-    // held at the peak, as after reset_peak_memory_stats.)
+    // The peak is memres's less whichever of the pools' corrections (at the last reset,
+    // now) takes off less: exact right after a reset while the pools stay as they were;
+    // otherwise it may count pools' unused segment bytes, never falling below the true
+    // peak.
     bytes.current = s.live_bytes - pools.segment_bytes + pools.block_bytes;
-    bytes.peak = std::max(s.peak_live_bytes - pools.segment_bytes + pools.block_bytes, bytes.current);
+    int64_t correction = std::max(base.peak_correction, pools.block_bytes - pools.segment_bytes);
+    bytes.peak = std::max(s.peak_live_bytes + correction, bytes.current);
     bytes.allocated = s.allocated_bytes - base.allocated_bytes;
     bytes.freed = (s.allocated_bytes - s.live_bytes) - base.freed_bytes;
     set_all(out.allocated_bytes, bytes);
@@ -1698,7 +1761,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     set_all(out.requested_bytes, requested);
     Stat blocks;
     blocks.current = s.live_allocations - pools.segments + pools.blocks;
-    blocks.peak = std::max(s.peak_live_allocations - pools.segments + pools.blocks, blocks.current);
+    int64_t block_correction = std::max(base.peak_block_correction, pools.blocks - pools.segments);
+    blocks.peak = std::max(s.peak_live_allocations + block_correction, blocks.current);
     blocks.allocated = s.allocations - base.allocations;
     blocks.freed = (s.allocations - s.live_allocations) - base.frees;
     set_all(out.allocation, blocks);
@@ -1728,7 +1792,12 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
+    PoolFigures pools = pool_figures(device);
     TORCH_CHECK(memres_reset_peak(device) == MEMRES_OK, "memres: ", memres_last_error());
+    std::lock_guard<std::mutex> lock(mutex_);
+    Baseline& base = baseline_.at(device);
+    base.peak_correction = pools.block_bytes - pools.segment_bytes;
+    base.peak_block_correction = pools.blocks - pools.segments;
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {

@@ -8,7 +8,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::PoisonError;
 
-use super::{eq_by_upstream, upstream_access};
+use super::upstream_access;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -25,7 +25,10 @@ use crate::sync::{Mutex, MutexGuard};
 ///   [`Error::InvalidArgument`] and records nothing, so a record can never wait to apply
 ///   to whatever block starts there later.
 /// - **A record and a free racing** on two threads: the record lands before the free's
-///   removal (the free passes it on) or finds no block (refused); never after.
+///   removal (the free passes it on) or finds no block (refused); never after. (A record
+///   that comes after the block's address was handed out again lands on the new block:
+///   a caller that records for a block it has freed breaks `record_stream`'s contract.)
+/// - **Equality**: a layer equals only itself (its table knows only its own blocks).
 /// - **Cost**: one insert per allocation and one removal per free in a table of 64
 ///   shards, each under its own lock and on cache lines of its own (chosen by a multiply
 ///   of the address): about 30 ns the pair on a 2-core VM, one thread, beside 22-37 ns
@@ -45,8 +48,11 @@ use crate::sync::{Mutex, MutexGuard};
 /// // SAFETY: host stream 2 lives as long as the program.
 /// unsafe { blocks.record_stream(p, StreamRef::host(2))? };
 /// // An address inside the block is refused.
+/// // SAFETY: 16 bytes into the 4096-byte block.
 /// let inside = unsafe { p.add(16) };
-/// assert!(matches!(unsafe { blocks.record_stream(inside, StreamRef::host(2)) }, Err(Error::InvalidArgument(_))));
+/// // SAFETY: as above.
+/// let refused = unsafe { blocks.record_stream(inside, StreamRef::host(2)) };
+/// assert!(matches!(refused, Err(Error::InvalidArgument(_))));
 /// // SAFETY: allocated above with `l`; the free waits for stream 2's work.
 /// unsafe { blocks.deallocate(StreamRef::host(1), p, l) };
 /// # Ok::<(), Error>(())
@@ -57,7 +63,14 @@ pub struct StreamUse<U> {
 }
 
 upstream_access!(StreamUse<U>);
-eq_by_upstream!(StreamUse<U>);
+
+impl<U> PartialEq for StreamUse<U> {
+    /// Equal only to itself: each layer's table knows only its own blocks (a block freed
+    /// through another layer over the same upstream would lose its recorded streams).
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
 
 impl<U> StreamUse<U> {
     /// Keeps the live blocks of `upstream`.
