@@ -15,7 +15,10 @@
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Slot(usize);
 
-/// The fewest slots a map that holds anything has.
+/// The fewest slots a map at most a quarter full ([`SparseAddrMap`]) has once it holds
+/// anything; a map at most half full has half as many (4 would do, but maps of a few
+/// entries are many: a stream list of a pool keeps a copy of the pool's chunk starts,
+/// and 16 slots of 24 bytes were a third of what a list of a stream cost).
 const MIN_SLOTS: usize = 16;
 
 /// A map from addresses to `V` (see the module docs), at most one slot in `2^SPREAD`
@@ -198,7 +201,7 @@ impl<V, const SPREAD: u32> AddrMap<V, SPREAD> {
     #[cold]
     #[inline(never)]
     fn grow(&mut self) {
-        let slots = (self.slots.len() * 2).max(MIN_SLOTS);
+        let slots = (self.slots.len() * 2).max(MIN_SLOTS >> (2 - SPREAD.min(2)));
         let old = std::mem::replace(&mut self.slots, (0..slots).map(|_| None).collect());
         self.len = 0;
         for (k, v) in old.into_iter().flatten() {

@@ -26,6 +26,9 @@ const HOST_BATCH_BYTES: usize = 2 << 20;
 /// time drained the lists a new stream's search finds first, so that over thousands of
 /// streams each new one searched further).
 const HOST_BATCH_BLOCKS: usize = 32;
+/// Lists a slow path looks at for blocks to spare that the marks missed (see
+/// `take_from_donors`), past the donors.
+const MARKS_MISSED_LOOK: usize = 64;
 /// A thread's cache for one stream holds at most this many bytes of blocks...
 const CACHE_BYTES: usize = 4 << 20;
 /// ... and this many blocks...
@@ -204,7 +207,7 @@ impl<U: Resource> FixedSize<U> {
     }
 
     /// Waits for the work of every stream the resource has served, takes every
-    /// thread's cached blocks back (the caches come back at the next growth), moves
+    /// thread's cached blocks back (the caches come back as it returns), moves
     /// every stream's free blocks to the calling thread's host list, and frees the lists
     /// of streams then left without free blocks (a stream used again gets a new list),
     /// so a resource that served many streams holds lists for its host stream's lanes
@@ -229,6 +232,10 @@ impl<U: Resource> FixedSize<U> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
+        // The caches the trim's reclaims turn off come back as it returns, unless an
+        // out-of-memory had turned them off already (issue 49: they stayed off for up to
+        // 65,536 calls after a trim, which memory being short had not asked for).
+        let caches_were_on = self.cached() && self.cache().on();
         {
             let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
@@ -253,6 +260,12 @@ impl<U: Resource> FixedSize<U> {
             self.note_spare(host, len);
         }
         self.retire_empty_lists();
+        if caches_were_on {
+            // After the retirement: every magazine of a retired list was taken by its
+            // reclaim, and a magazine made from now on comes from a lookup, which finds
+            // no retired list.
+            self.cache().resume();
+        }
         Ok(())
     }
 
@@ -388,8 +401,14 @@ impl<U: Resource> FixedSize<U> {
     /// of them), taken into `own`'s. With `leave_last`, a list's last block stays, but the
     /// shared host stream's: its stream would come here for one at once, and over many
     /// streams each holding one block every allocation would take another's (issue 33,
-    /// finding 3).
-    fn take_from_host_lists(&self, own: &Shard<Vec<usize>>, leave_last: bool) -> Option<usize> {
+    /// finding 3). `look`: how many lists to look at past the marked ones (see
+    /// [`take_from_donors`](Self::take_from_donors)).
+    fn take_from_host_lists(
+        &self,
+        own: &Shard<Vec<usize>>,
+        leave_last: bool,
+        look: usize,
+    ) -> Option<usize> {
         let host_batch = (HOST_BATCH_BYTES / self.block_size).clamp(1, HOST_BATCH_BLOCKS);
         let take = |other: &Shard<Vec<usize>>| {
             let leave = if leave_last {
@@ -408,7 +427,7 @@ impl<U: Resource> FixedSize<U> {
                 && !ptr::eq(other, own)
                 && (!leave_last || other.holds_free.load(Ordering::Relaxed))
         };
-        let taken = self.take_from_donors(&spare, &take);
+        let taken = self.take_from_donors(&spare, &take, look);
         if taken.is_some() && own.holds_free.load(Ordering::Relaxed) {
             // The taker has blocks to spare now, most likely: the next stream's donor.
             self.list_donor(own);
@@ -418,11 +437,13 @@ impl<U: Resource> FixedSize<U> {
 
     /// [`take_from_host_lists`](Self::take_from_host_lists)'s search: the list that last
     /// got blocks to spare, then the donors, latest first (a list with nothing left to
-    /// spare leaves the stack), then (lists the marks missed) every list.
+    /// spare leaves the stack), then (lists the marks missed) up to `look` other lists,
+    /// from where the last look stopped.
     fn take_from_donors(
         &self,
         spare: &dyn Fn(&Shard<Vec<usize>>) -> bool,
         take: &dyn Fn(&Shard<Vec<usize>>) -> Option<usize>,
+        look: usize,
     ) -> Option<usize> {
         if let Some(recent) = self.shards.recent()
             && spare(recent)
@@ -450,11 +471,14 @@ impl<U: Resource> FixedSize<U> {
                 return taken;
             }
         }
-        let (addr, donor) = self
-            .shards
-            .iter()
-            .filter(|other| spare(other))
-            .find_map(|other| take(other).map(|addr| (addr, other)))?;
+        if look == 0 {
+            return None;
+        }
+        let (addr, donor) = self.shards.search(look, |other| {
+            spare(other)
+                .then(|| take(other).map(|addr| (addr, other)))
+                .flatten()
+        })?;
         if donor.holds_free.load(Ordering::Relaxed) {
             // The next stream's search starts where this one found blocks to spare.
             self.shards.set_recent(donor);
@@ -487,17 +511,27 @@ impl<U: Resource> FixedSize<U> {
         if let Some(addr) = own.state.lock().pop() {
             return Ok(addr);
         }
-        // Host streams' blocks (free for all; at most 2 MiB of them, so that a stream
-        // does not keep what others would then grow for), then those of the stream's
-        // other lanes (one stream to the device): half of the first list found with any,
-        // host lists keeping their last block (see `take_from_host_lists`).
-        if let Some(addr) = self.take_from_host_lists(own, true) {
+        // Host streams' blocks on the donors' stack (free for all; at most 2 MiB of
+        // them, so that a stream does not keep what others would then grow for), then
+        // those of the stream's other lanes (one stream to the device): half of the first
+        // list found with any, host lists keeping their last block (see
+        // `take_from_host_lists`).
+        if let Some(addr) = self.take_from_host_lists(own, true, 0) {
             return Ok(addr);
         }
         for lane in self.shards.other_lanes(own) {
             if let Some(addr) = take_half(lane, own, usize::MAX, 0) {
                 return Ok(addr);
             }
+        }
+        // Host lists with blocks to spare that the marks missed (one a thread cache gave
+        // blocks back to): a few lists only, from where the last such look stopped. The
+        // merge before growing reaches every list, and a look through all of them made
+        // each miss cost what the streams seen do (issue 49: 14.2 us a pair round-robin
+        // over 16,384 streams, where every list keeps its last block and none has any to
+        // spare).
+        if let Some(addr) = self.take_from_host_lists(own, true, MARKS_MISSED_LOOK) {
+            return Ok(addr);
         }
         // Under stream capture: grown "on the host stream" (memory usable at once, not a
         // node of the graph a stream-ordered upstream would make it) in the relaxed
@@ -538,7 +572,7 @@ impl<U: Resource> FixedSize<U> {
         if capturing {
             // The host lists' last blocks need no wait either.
             return self
-                .take_from_host_lists(own, false)
+                .take_from_host_lists(own, false, usize::MAX)
                 .ok_or(Error::OutOfMemory {
                     requested,
                     limit: None,
@@ -817,6 +851,46 @@ mod tests {
             }
             assert!(fixed.cache().cached_here() > 0, "caches back on");
             done.send(()).unwrap();
+        });
+    }
+
+    /// A trim takes every thread's cached blocks back, which turns the caches off, and
+    /// turns them back on as it returns: the next free is cached again (issue 49: they
+    /// stayed off for up to 65,536 calls, each pair costing twice what it did).
+    #[test]
+    fn thread_caches_are_back_on_after_a_trim() {
+        let fixed = FixedSize::with_block_size(HostHeap::new(), 4096, 64).unwrap();
+        let l = layout_4k();
+        let (cached, trim) = mpsc::channel::<()>();
+        let (trimmed, exit) = mpsc::channel::<()>();
+        let fixed = &fixed;
+        std::thread::scope(|scope| {
+            // Another thread with a magazine, as the trim runs: its blocks are taken back.
+            scope.spawn(move || {
+                let p = fixed.allocate_sync(l).unwrap();
+                // SAFETY: allocated just above with `l`.
+                unsafe { fixed.deallocate_sync(p, l) };
+                assert_eq!(fixed.cache().cached_here(), 1);
+                cached.send(()).unwrap();
+                let _ = exit.recv();
+            });
+            // (Dropped if this thread panics, so that the other one ends.)
+            let trimmed = trimmed;
+            trim.recv().unwrap();
+            fixed.trim().unwrap();
+            let mut calls = 0;
+            while fixed.cache().cached_here() == 0 {
+                assert!(calls < 1_000, "caches still off after {calls} pairs");
+                let p = fixed.allocate_sync(l).unwrap();
+                // SAFETY: allocated just above with `l`.
+                unsafe { fixed.deallocate_sync(p, l) };
+                calls += 1;
+            }
+            assert_eq!(
+                calls, 1,
+                "on at once: the first free after the trim is cached"
+            );
+            trimmed.send(()).unwrap();
         });
     }
 

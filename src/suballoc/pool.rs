@@ -11,7 +11,7 @@ use super::deferred::{self, Deferred};
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::pool_config::{ChunkSizes, PoolConfig};
 use super::shards::{Shard, ShardMap, StreamKey};
-use super::stream_list::{PoolShard, QUICK_UNITS, block_size};
+use super::stream_list::{PoolShard, block_size};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
@@ -404,12 +404,8 @@ impl<U: Resource> Pool<U> {
         for shard in self.shards.all() {
             let s = shard.state.lock();
             stats.free_bytes += s.free_bytes();
-            stats.free_blocks +=
-                s.free.len() + s.quick.iter().map(Vec::len).sum::<usize>() + s.large.len();
-            let quick_largest = (1..=QUICK_UNITS)
-                .rev()
-                .find(|&u| s.quick.get(u).is_some_and(|q| !q.is_empty()))
-                .map_or(0, |u| u * GRANULE);
+            let (quick_blocks, quick_largest) = s.quick_blocks();
+            stats.free_blocks += s.free.len() + quick_blocks + s.large.len();
             let large_largest = s.large.iter().map(|&(_, n)| n).max().unwrap_or(0);
             stats.largest_free_block = stats
                 .largest_free_block
@@ -654,8 +650,7 @@ impl<U: Resource> Pool<U> {
     /// Free bytes in the lists of streams other than `own`.
     fn free_elsewhere(&self, own: &Shard<PoolShard>) -> usize {
         self.shards
-            .all()
-            .into_iter()
+            .iter()
             .filter(|s| !ptr::eq(*s, own) && s.holds_free.load(Ordering::Relaxed))
             .map(|s| {
                 let st = s.state.lock();
@@ -774,8 +769,9 @@ impl<U: Resource> Pool<U> {
     }
 
     /// A block from `own`'s list (flushed) or from a host stream's list, whose blocks are
-    /// free for all: the list that last received memory first, then every list (built
-    /// only if that one had none). The caller holds the growth lock.
+    /// free for all: the list that last received memory first, then the others, from
+    /// where the last such search found one ([`ShardMap::search`]). The caller holds the
+    /// growth lock.
     fn take_listed(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
         let found = {
             let mut s = own.state.lock();
@@ -814,7 +810,7 @@ impl<U: Resource> Pool<U> {
         };
         found
             .or_else(|| self.shards.recent().and_then(from_host_list))
-            .or_else(|| self.shards.all().into_iter().find_map(from_host_list))
+            .or_else(|| self.shards.search(usize::MAX, from_host_list))
     }
 
     /// A block that fits from another lane of `own`'s stream, as that lane's list has it
@@ -968,7 +964,7 @@ impl<U: Resource> Pool<U> {
         let chunk = Chunk::new(ptr, layout);
         let addr = chunk.addr;
         // Every list learns the chunk's start before any block of it can reach one.
-        for shard in self.shards.all() {
+        for shard in self.shards.iter() {
             shard.state.lock().chunks.insert(addr, layout.size());
         }
         growth.chunks.push(chunk);
@@ -1041,7 +1037,7 @@ impl<U: Resource> Pool<U> {
                 })
                 .collect()
         };
-        for shard in self.shards.all() {
+        for shard in self.shards.iter() {
             let mut s = shard.state.lock();
             for c in &released {
                 s.chunks.remove(&c.addr);

@@ -35,9 +35,15 @@ const LARGE_BYTES: usize = 8 << 20;
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
 pub(super) struct PoolShard {
     pub(super) free: FreeBlocks,
-    /// Recently freed small blocks by size in granules, handed out again whole. Empty
-    /// (no heap) until the first small block is freed, and again after `release_memory`.
-    pub(super) quick: Vec<Vec<usize>>,
+    /// Recently freed small blocks by size in granules, handed out again whole: entry
+    /// `i` for blocks of `quick_base + i` granules, the table only as long as the sizes
+    /// freed so far need (issue 49: a table of every size, `QUICK_UNITS + 1` entries or
+    /// 6 KiB, made a list cost 7 KiB, and a stream used by 16 threads' lanes 112.8 KiB,
+    /// for one 4 KiB block). Empty (no heap) until the first small block is freed, and
+    /// again after `release_memory`.
+    quick: Vec<Vec<usize>>,
+    /// The size in granules of `quick`'s first entry.
+    quick_base: usize,
     quick_bytes: usize,
     /// Recently freed larger blocks, (address, size), oldest first: at most
     /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
@@ -66,6 +72,7 @@ impl PoolShard {
                 None => FreeBlocks::default(),
             },
             quick: Vec::new(),
+            quick_base: 0,
             quick_bytes: 0,
             large: Vec::new(),
             large_bytes: 0,
@@ -110,12 +117,30 @@ impl PoolShard {
         let units = size / GRANULE;
         if align == GRANULE
             && units <= QUICK_UNITS
-            && let Some(addr) = self.quick.get_mut(units).and_then(Vec::pop)
+            && let Some(addr) = self.quick_bin(units).and_then(Vec::pop)
         {
             self.quick_bytes -= size;
             return Some(addr);
         }
         self.take_uncached(size, align)
+    }
+
+    /// The small blocks' cache's bin for blocks of `units` granules, if the table has one
+    /// (an index below `quick_base` wraps far past its end).
+    #[inline(always)]
+    fn quick_bin(&mut self, units: usize) -> Option<&mut Vec<usize>> {
+        self.quick.get_mut(units.wrapping_sub(self.quick_base))
+    }
+
+    /// How many small blocks the cache holds, and the largest one's size.
+    pub(super) fn quick_blocks(&self) -> (usize, usize) {
+        let count = self.quick.iter().map(Vec::len).sum();
+        let largest = self
+            .quick
+            .iter()
+            .rposition(|bin| !bin.is_empty())
+            .map_or(0, |at| (self.quick_base + at) * GRANULE);
+        (count, largest)
     }
 
     /// [`take`](Self::take) past the small blocks' cache.
@@ -138,7 +163,7 @@ impl PoolShard {
         let units = size / GRANULE;
         if units <= QUICK_UNITS
             && self.quick_bytes + size <= QUICK_BYTES
-            && let Some(cached) = self.quick.get_mut(units)
+            && let Some(cached) = self.quick_bin(units)
         {
             cached.push(addr);
             self.quick_bytes += size;
@@ -148,15 +173,26 @@ impl PoolShard {
     }
 
     /// [`put`](Self::put) where the small blocks' cache does not take the block (or has
-    /// no bins yet).
+    /// no bin for its size yet).
     #[inline(never)]
     fn put_uncached(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
-            // The first small block: the cache's bins (with bins, `put` took the block).
-            debug_assert!(self.quick.is_empty());
-            self.quick = vec![Vec::new(); QUICK_UNITS + 1];
-            self.quick[units].push(addr);
+            // The first block of a size outside the sizes cached so far: the table grows
+            // to take it in (with a bin, `put` took the block).
+            if self.quick.is_empty() {
+                self.quick_base = units;
+            } else if units < self.quick_base {
+                let lower = self.quick_base - units;
+                self.quick
+                    .splice(0..0, std::iter::repeat_with(Vec::new).take(lower));
+                self.quick_base = units;
+            }
+            let at = units - self.quick_base;
+            if self.quick.len() <= at {
+                self.quick.resize_with(at + 1, Vec::new);
+            }
+            self.quick[at].push(addr);
             self.quick_bytes += size;
             None
         } else if (LARGE_MIN..=LARGE_BYTES).contains(&size) && self.large_cap > 0 {
@@ -192,9 +228,10 @@ impl PoolShard {
         if self.quick_bytes == 0 {
             return;
         }
-        for units in 1..self.quick.len() {
-            while let Some(addr) = self.quick[units].pop() {
-                self.insert(addr, units * GRANULE);
+        for at in 0..self.quick.len() {
+            let size = (self.quick_base + at) * GRANULE;
+            while let Some(addr) = self.quick[at].pop() {
+                self.insert(addr, size);
             }
         }
         self.quick_bytes = 0;
@@ -207,6 +244,7 @@ impl PoolShard {
     pub(super) fn release_memory(&mut self) {
         if self.free_bytes() == 0 {
             self.quick = Vec::new();
+            self.quick_base = 0;
             self.large = Vec::new();
             self.free.release_memory();
         }
@@ -214,11 +252,11 @@ impl PoolShard {
 
     /// Every free extent of the list, (address, size), cached ones included.
     pub(super) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        let quick = self
-            .quick
-            .iter()
-            .enumerate()
-            .flat_map(|(units, addrs)| addrs.iter().map(move |&a| (a, units * GRANULE)));
+        let base = self.quick_base;
+        let quick =
+            self.quick.iter().enumerate().flat_map(move |(at, addrs)| {
+                addrs.iter().map(move |&a| (a, (base + at) * GRANULE))
+            });
         self.free
             .blocks()
             .map(|b| (b.addr, b.size))

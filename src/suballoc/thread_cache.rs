@@ -21,8 +21,8 @@
 //! and still find no free block while other threads' magazines hold some. It starts a
 //! reclaim ([`Cache::reclaim`]): the owner's epoch turns odd, so that no thread keeps a
 //! magazine of the owner (calls go straight to the lists) until the epoch turns even
-//! again, when the owner next grows or after 65,536 calls without caches
-//! ([`Cache::resume`]); and the reclaimer takes the blocks of every thread's magazines
+//! again, when the owner next grows, when the trim that reclaimed returns, or after
+//! 65,536 calls without caches ([`Cache::resume`]); and the reclaimer takes the blocks of every thread's magazines
 //! itself, also from threads that never call the owner again (an idle thread's cache
 //! would otherwise starve the others: issue 33, finding 8).
 //!
@@ -597,8 +597,19 @@ impl<'a> Cache<'a> {
         }
     }
 
+    /// Whether the caches are on (no [`reclaim`](Self::reclaim) has turned them off
+    /// since the last [`resume`](Self::resume)).
+    pub(crate) fn on(&self) -> bool {
+        self.owner
+            .shared
+            .epoch
+            .load(Ordering::Relaxed)
+            .is_multiple_of(2)
+    }
+
     /// Turns the caches back on after a [`reclaim`](Self::reclaim): when the owner has
-    /// grown (memory is no longer short), or after [`CALLS_OFF`] calls without caches.
+    /// grown (memory is no longer short), after a trim's reclaims (`FixedSize::trim`),
+    /// or after [`CALLS_OFF`] calls without caches.
     pub(crate) fn resume(&self) {
         let shared = &*self.owner.shared;
         let epoch = shared.epoch.load(Ordering::Relaxed);
