@@ -799,6 +799,78 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
     });
 }
 
+/// Issue 49: a per-thread list retired while its thread makes its last call (a free
+/// into the list it found, or into a new list of its stream if the old one had gone),
+/// and, once that thread has exited, a new thread with its number that finds or makes
+/// the stream's list while the retirement may still be moving late blocks: the block
+/// freed by the exited thread reaches a list the new thread owns only after the exited
+/// thread's work was waited for (by the new thread's take-over of a list the exited one
+/// owned, or by the move itself). Fails without the wait in `move_late` (the new thread
+/// then pops the block from a list it made, unwaited for).
+#[test]
+fn loom_a_retired_per_thread_lists_blocks_reach_a_new_owner_only_after_a_wait() {
+    use super::shards::waits;
+    use crate::sync::threads::new_generation;
+
+    loom::model(|| {
+        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        // A number no real thread has (loom's threads share the process's numbers).
+        let key = StreamKey::per_thread(1 << 40);
+        let (exited, new) = (new_generation(), new_generation());
+        map.get_or_insert_as(key, exited, Vec::new);
+        let m = Arc::clone(&map);
+        let last_call = thread::spawn(move || {
+            let _pin = m.pin();
+            let list = match m.find(key) {
+                Some(list) => list,
+                None => m.get_or_insert_as(key, exited, Vec::new),
+            };
+            list.state.lock().push(5);
+        });
+        let m = Arc::clone(&map);
+        let retirement = thread::spawn(move || {
+            // SAFETY: every other use of the map's lists is inside a pin; this thread is
+            // not pinned and holds no lock.
+            unsafe {
+                m.retire(
+                    |shard| shard.state.lock().is_empty(),
+                    Vec::is_empty,
+                    |old| match m.find(old.key) {
+                        Some(shard) => shard,
+                        None => m.get_or_insert_like(old, Vec::new),
+                    },
+                    std::mem::take,
+                    |list: &mut Vec<u32>, items| list.extend(items),
+                    |_| {},
+                    || (),
+                )
+            }
+        });
+        last_call.join().unwrap();
+        let m = Arc::clone(&map);
+        let new_thread = thread::spawn(move || {
+            let _pin = m.pin();
+            let list = m.get_or_insert_as(key, new, Vec::new);
+            if list.state.lock().pop() == Some(5) {
+                assert!(waits::waited(exited), "the new thread reused an unwaited block");
+            }
+        });
+        retirement.join().unwrap();
+        new_thread.join().unwrap();
+        let _pin = map.pin();
+        if let Some(list) = map.find(key)
+            && list.state.lock().contains(&5)
+        {
+            // The next call of the new thread would take it.
+            let _ = map.get_or_insert_as(key, new, Vec::new);
+            assert!(
+                waits::waited(exited),
+                "the block is in the new thread's list, unwaited for"
+            );
+        }
+    });
+}
+
 /// An allocation that read the pool awake races `sleep`: it is served before the pool
 /// sleeps (and its memory goes to sleep with the rest) or refused with `Asleep`; it never
 /// maps memory into a sleeping pool. Fails if the slow path does not look at the sleep
