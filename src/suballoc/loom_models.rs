@@ -852,7 +852,10 @@ fn loom_a_retired_per_thread_lists_blocks_reach_a_new_owner_only_after_a_wait() 
             let _pin = m.pin();
             let list = m.get_or_insert_as(key, new, Vec::new);
             if list.state.lock().pop() == Some(5) {
-                assert!(waits::waited(exited), "the new thread reused an unwaited block");
+                assert!(
+                    waits::waited(exited),
+                    "the new thread reused an unwaited block"
+                );
             }
         });
         retirement.join().unwrap();
