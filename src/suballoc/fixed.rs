@@ -504,6 +504,7 @@ impl<U: Resource> FixedSize<U> {
         !lists.is_empty()
     }
 
+    // long: the slow path's fallbacks in the order tried, top to bottom.
     #[cold]
     fn allocate_slow(
         &self,
