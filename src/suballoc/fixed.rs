@@ -487,7 +487,6 @@ impl<U: Resource> FixedSize<U> {
         Some(addr)
     }
 
-    // long: the slow path's fallbacks in the order tried, top to bottom.
     /// Gives this thread's cached blocks (of every stream) back to their lists, lists
     /// with blocks to spare then on the donors' stack; whether any went back.
     fn give_back_this_threads_caches(&self) -> bool {
