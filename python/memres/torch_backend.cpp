@@ -50,6 +50,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -58,6 +60,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -984,6 +987,28 @@ struct PrivatePool {
   }
 };
 
+// A record of torch's table of live blocks (`allocation_metadata_`), made here: libtorch
+// exports none of `_AllocationMetadata`'s constructors (a backend that calls one does not
+// load: an undefined symbol), but the struct is trivially copyable, so its bytes are
+// written from a struct of the same layout.
+torch::cuda::CUDAPluggableAllocator::_AllocationMetadata allocation_metadata(
+    size_t size,
+    c10::DeviceIndex device,
+    cudaStream_t stream) {
+  struct Same {
+    size_t size;
+    c10::DeviceIndex device_idx;
+    cudaStream_t stream;
+  };
+  using Meta = torch::cuda::CUDAPluggableAllocator::_AllocationMetadata;
+  static_assert(std::is_trivially_copyable_v<Meta>);
+  static_assert(sizeof(Same) == sizeof(Meta) && alignof(Same) == alignof(Meta));
+  static_assert(offsetof(Meta, size) == offsetof(Same, size));
+  static_assert(offsetof(Meta, device_idx) == offsetof(Same, device_idx));
+  static_assert(offsetof(Meta, stream) == offsetof(Same, stream));
+  return std::bit_cast<Meta>(Same{size, device, stream});
+}
+
 struct PoolIdHash {
   size_t operator()(const c10::MempoolId_t& id) const noexcept {
     return std::hash<unsigned long long>()(id.first) * 31 + std::hash<unsigned long long>()(id.second);
@@ -1242,8 +1267,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         for (const auto& [seg_ptr, layout] : state->layouts) {
           for (const auto& [offset, block] : layout) {
             if (block.allocated) {
-              allocation_metadata_[seg_ptr->base + offset] =
-                  torch::cuda::CUDAPluggableAllocator::_AllocationMetadata(block.size, device, seg_ptr->stream);
+              allocation_metadata_.insert_or_assign(
+                  seg_ptr->base + offset, allocation_metadata(block.size, device, seg_ptr->stream));
             }
           }
         }
