@@ -8,6 +8,8 @@
 #
 #     sh python/check_backend_builds.sh            # from the repository root
 #
+# Exit status: 0 when it builds and links, 1 when it does not, 2 when the wheels could not
+# be downloaded (no network: nothing was checked).
 # Downloads, once, into target/torch-headers: torch 2.11.0's wheel (about 530 MB; only its
 # headers and the names its libraries export are kept) and the CUDA 13 runtime and crt
 # headers' wheels, from PyPI.
@@ -17,12 +19,15 @@ x="$dir/x"
 mkdir -p "$dir/wheels"
 if [ ! -d "$x/torch/include" ] || [ ! -s "$x/exported.txt" ]; then
   if ! ls "$dir"/wheels/torch-*.whl >/dev/null 2>&1; then
-    pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 torch==2.11.0 -d "$dir/wheels"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 torch==2.11.0 -d "$dir/wheels" \
+      || { echo "could not download torch 2.11.0's wheel: nothing checked" >&2; exit 2; }
   fi
   if ! ls "$dir"/wheels/nvidia_cuda_runtime-*.whl >/dev/null 2>&1; then
-    pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux2014_x86_64 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt -d "$dir/wheels"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux2014_x86_64 nvidia-cuda-runtime==13.0.96 \
+      nvidia-cuda-crt -d "$dir/wheels" \
+      || { echo "could not download the CUDA runtime's wheels: nothing checked" >&2; exit 2; }
   fi
   mkdir -p "$x"
   (cd "$x" && unzip -q -o ../wheels/torch-*.whl 'torch/include/*' \
