@@ -8,6 +8,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use conformance::{Caps, SyncOnly};
+use memres::suballoc::{SegmentPool, SegmentPoolConfig};
 use memres::{
     AnyResource, AnySyncResource, Arena, Binning, Callback, FixedSize, Host, HostHeap, HostVirtual,
     Pool, PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
@@ -293,6 +294,22 @@ conformance_tests!(
     arena,
     Arena::with_size(HostHeap::new(), 2 << 30).unwrap(),
     Caps::host()
+);
+conformance_tests!(
+    segment_pool,
+    SegmentPool::new(HostHeap::new(), SegmentPoolConfig::new()).unwrap(),
+    Caps {
+        max_alignment: 256,
+        ..Caps::host()
+    }
+);
+conformance_tests!(
+    segment_pool_no_split,
+    SegmentPool::new(HostHeap::new(), SegmentPoolConfig::new().no_split(true)).unwrap(),
+    Caps {
+        max_alignment: 256,
+        ..Caps::host()
+    }
 );
 conformance_tests!(
     pool_over_any_resource,

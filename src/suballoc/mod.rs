@@ -7,6 +7,9 @@
 //!   upstream (RMM's `binning_memory_resource`).
 //! - [`Arena`]: one upstream allocation handed to per-stream arenas a superblock at a
 //!   time (RMM's `arena_memory_resource`).
+//! - [`SegmentPool`]: whole upstream segments split into blocks best-fit, its table of
+//!   segments and blocks readable and restorable (PyTorch's CUDA graph and `MemPool`
+//!   pools: the C ABI builds them from it).
 //!
 //! # Streams
 //! Memory freed on stream S goes to S's list and is reused on S at once: work enqueued on
@@ -74,6 +77,7 @@ pub(crate) use chunks::to_ptr;
 mod pool;
 mod pool_config;
 mod regions;
+mod segment_pool;
 mod shards;
 mod stream_list;
 mod superblocks;
@@ -84,6 +88,7 @@ pub use binning::Binning;
 pub use fixed::FixedSize;
 pub use pool::{Pool, PoolStats, SleepMode};
 pub use pool_config::{Growth, PoolConfig};
+pub use segment_pool::{BlockEntry, Restored, SegmentPool, SegmentPoolConfig};
 pub use superblocks::SUPERBLOCK_SIZE;
 
 /// loom models of the sub-allocators' protocols (run by `.ci/run` with

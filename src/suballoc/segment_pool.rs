@@ -1,0 +1,631 @@
+//! [`SegmentPool`]: whole segments from the upstream, split into blocks best-fit, with
+//! the table of segments and blocks readable and restorable: the shape of PyTorch's
+//! private pools (CUDA graph pools and `torch.cuda.MemPool`), which the C ABI builds
+//! from this type for memres's PyTorch backend.
+//!
+//! Each segment belongs to the stream it was taken for; a block is handed out only to
+//! allocations on its segment's stream (another stream would need to wait for that one
+//! first). A free merges the block with its free neighbours at once. A segment goes back
+//! to the upstream only when it is wholly free and the owner asks
+//! ([`SegmentPool::release_free_segments`]) or the pool is dropped. The table is what
+//! snapshots draw ([`SegmentPool::blocks`]) and what a checkpoint saves and later puts
+//! back ([`SegmentPool::restore`]), the segments staying where they are.
+
+use std::alloc::Layout;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ptr::NonNull;
+
+use crate::device::DEFAULT_ALIGNMENT;
+use crate::error::Error;
+use crate::resource::Resource;
+use crate::stream::StreamRef;
+use crate::sync::{Mutex, lock};
+
+const MIB: usize = 1 << 20;
+
+/// How a [`SegmentPool`] sizes its blocks and segments.
+///
+/// ```
+/// use memres::suballoc::SegmentPoolConfig;
+///
+/// // PyTorch's user pools: 512-byte blocks, 2 MiB segments, 20 MiB ones for 1-10 MiB.
+/// let config = SegmentPoolConfig::new().medium_segments(1 << 20, 10 << 20, 20 << 20);
+/// assert_eq!(config.segment_size(3 << 20), 20 << 20);
+/// assert_eq!(config.segment_size(11 << 20), 12 << 20);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SegmentPoolConfig {
+    /// Every block's size is a multiple of this (a power of two; 512 by default).
+    pub block_rounding: usize,
+    /// A new segment's size is a multiple of this (2 MiB by default).
+    pub segment_rounding: usize,
+    /// Requests above `.0` and below `.1` bytes get segments of `.2` bytes (so that
+    /// several share one), if set.
+    pub medium: Option<(usize, usize, usize)>,
+    /// A block is handed out whole, never split: one block per segment.
+    pub no_split: bool,
+}
+
+impl SegmentPoolConfig {
+    /// 512-byte blocks in 2 MiB-rounded segments, split as needed.
+    pub const fn new() -> Self {
+        SegmentPoolConfig {
+            block_rounding: 512,
+            segment_rounding: 2 * MIB,
+            medium: None,
+            no_split: false,
+        }
+    }
+
+    /// Blocks' sizes rounded up to a multiple of `bytes` (a power of two).
+    pub const fn block_rounding(mut self, bytes: usize) -> Self {
+        self.block_rounding = bytes;
+        self
+    }
+
+    /// New segments' sizes rounded up to a multiple of `bytes`.
+    pub const fn segment_rounding(mut self, bytes: usize) -> Self {
+        self.segment_rounding = bytes;
+        self
+    }
+
+    /// Requests of more than `above` and less than `below` bytes get segments of
+    /// `segment` bytes.
+    pub const fn medium_segments(mut self, above: usize, below: usize, segment: usize) -> Self {
+        self.medium = Some((above, below, segment));
+        self
+    }
+
+    /// Each block is a segment of its own, never split (PyTorch's `MemPool(no_split=True)`).
+    pub const fn no_split(mut self, yes: bool) -> Self {
+        self.no_split = yes;
+        self
+    }
+
+    /// The size of the segment made for a block of `size` bytes (rounded as a block).
+    pub fn segment_size(&self, size: usize) -> usize {
+        if self.no_split {
+            return size;
+        }
+        match self.medium {
+            Some((above, below, segment)) if size > above && size < below && segment >= size => {
+                segment
+            }
+            _ => size.div_ceil(self.segment_rounding) * self.segment_rounding,
+        }
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if !self.block_rounding.is_power_of_two() {
+            return Err(Error::invalid_argument(format!(
+                "a segment pool's block rounding of {} bytes is not a power of two",
+                self.block_rounding
+            )));
+        }
+        if self.segment_rounding == 0 || !self.segment_rounding.is_multiple_of(self.block_rounding)
+        {
+            return Err(Error::invalid_argument(format!(
+                "a segment pool's segment rounding of {} bytes is not a positive multiple of \
+                 its block rounding ({})",
+                self.segment_rounding, self.block_rounding
+            )));
+        }
+        if let Some((_, _, segment)) = self.medium
+            && !segment.is_multiple_of(self.block_rounding)
+        {
+            return Err(Error::invalid_argument(format!(
+                "a segment pool's medium segments of {segment} bytes are not a multiple of its \
+                 block rounding ({})",
+                self.block_rounding
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Default for SegmentPoolConfig {
+    fn default() -> Self {
+        SegmentPoolConfig::new()
+    }
+}
+
+/// One block of a [`SegmentPool`]'s table, with its segment: what [`SegmentPool::blocks`]
+/// lists and [`SegmentPool::restore`] takes back. The blocks of a segment tile it, in
+/// address order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockEntry {
+    /// The segment's first address.
+    pub segment: usize,
+    /// The segment's size in bytes.
+    pub segment_size: usize,
+    /// The block's offset in its segment.
+    pub offset: usize,
+    /// The block's size in bytes.
+    pub size: usize,
+    /// Handed out (not free).
+    pub allocated: bool,
+}
+
+impl BlockEntry {
+    /// The block's first address.
+    pub fn address(&self) -> usize {
+        self.segment + self.offset
+    }
+}
+
+/// What [`SegmentPool::restore`] changed: the blocks it freed and those it made live,
+/// by address.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// Blocks live before, freed by the restore.
+    pub freed: Vec<usize>,
+    /// Blocks live after (the saved table's allocated blocks).
+    pub allocated: Vec<usize>,
+}
+
+/// A segment's blocks by offset, tiling it: (size, allocated).
+type Blocks = BTreeMap<usize, (usize, bool)>;
+
+struct Segment {
+    /// Its first address (provenance exposed when it was taken, as the other
+    /// sub-allocators keep their chunks).
+    base: usize,
+    size: usize,
+    /// The stream it was taken for, kept as its key past the borrow (see
+    /// [`SegmentPool::allocate`]'s stream contract).
+    stream: StreamRef<'static>,
+    blocks: Blocks,
+}
+
+impl Segment {
+    fn contains(&self, address: usize) -> bool {
+        address.wrapping_sub(self.base) < self.size
+    }
+
+    /// A pointer to the byte at `offset` (inside the segment).
+    fn at(&self, offset: usize) -> NonNull<u8> {
+        NonNull::new(std::ptr::with_exposed_provenance_mut(self.base + offset))
+            .expect("segment addresses are not null")
+    }
+
+    fn layout(&self) -> Layout {
+        // Checked when the segment was taken with it.
+        Layout::from_size_align(self.size, DEFAULT_ALIGNMENT).expect("a segment's layout")
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    segments: Vec<Segment>,
+    live: usize,
+}
+
+/// A pool of whole upstream segments split into blocks best-fit, whose table of
+/// segments and blocks can be read and restored (PyTorch's private pools' shape).
+///
+/// ```
+/// use memres::suballoc::{SegmentPool, SegmentPoolConfig};
+/// use memres::{HostHeap, Resource, StreamRef, layout};
+///
+/// # fn main() -> Result<(), memres::Error> {
+/// let pool = SegmentPool::new(HostHeap::new(), SegmentPoolConfig::new())?;
+/// let s = StreamRef::host(1);
+/// let a = pool.allocate(s, layout(1000)?)?;
+/// let b = pool.allocate(s, layout(1000)?)?;
+/// // One 2 MiB segment: two 1024-byte blocks and the free rest.
+/// let table = pool.blocks();
+/// assert_eq!(table.len(), 3);
+/// assert_eq!(table[1].address(), b.as_ptr() as usize);
+/// let saved = pool.blocks();
+/// unsafe { pool.deallocate(s, b, layout(1000)?) };
+/// // SAFETY: `a` is still live in the saved table and `b` becomes live again, as before.
+/// let restored = unsafe { pool.restore(&saved)? };
+/// assert_eq!(restored.allocated, [a.as_ptr() as usize, b.as_ptr() as usize]);
+/// # unsafe { pool.deallocate(s, a, layout(1000)?); pool.deallocate(s, b, layout(1000)?) };
+/// # Ok(()) }
+/// ```
+pub struct SegmentPool<U: Resource> {
+    upstream: U,
+    config: SegmentPoolConfig,
+    table: Mutex<Table>,
+}
+
+impl<U: Resource> SegmentPool<U> {
+    /// A pool over `upstream`, empty until its first allocation;
+    /// [`Error::InvalidArgument`] for a config whose sizes do not fit together.
+    pub fn new(upstream: U, config: SegmentPoolConfig) -> Result<Self, Error> {
+        config.check()?;
+        Ok(SegmentPool {
+            upstream,
+            config,
+            table: Mutex::new(Table::default()),
+        })
+    }
+
+    /// The resource the segments come from.
+    pub fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// How blocks and segments are sized.
+    pub fn config(&self) -> &SegmentPoolConfig {
+        &self.config
+    }
+
+    /// A block for `layout` on `stream` from the free blocks of `stream`'s segments only
+    /// (the pool does not grow): [`Error::OutOfMemory`] when none fits. PyTorch's
+    /// `use_on_oom` pools lend their free blocks so.
+    pub fn allocate_from_free(
+        &self,
+        stream: StreamRef<'_>,
+        layout: Layout,
+    ) -> Result<NonNull<u8>, Error> {
+        self.take(stream, layout, false)
+    }
+
+    /// Frees the block at `ptr`, merging it with its free neighbours; its size, or
+    /// [`Error::InvalidArgument`] (nothing changed) where `ptr` is not the start of a live
+    /// block of the pool.
+    ///
+    /// # Safety
+    /// Every use of the block is ordered before this point on its segment's stream (the
+    /// stream it was allocated on), or complete.
+    pub unsafe fn release(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        let address = ptr.as_ptr() as usize;
+        let mut table = lock(&self.table);
+        let table = &mut *table;
+        let Some(segment) = table.segments.iter_mut().find(|s| s.contains(address)) else {
+            return Err(not_live(address));
+        };
+        let offset = address - segment.base;
+        let size = match segment.blocks.get_mut(&offset) {
+            Some((size, allocated)) if *allocated => {
+                *allocated = false;
+                *size
+            }
+            _ => return Err(not_live(address)),
+        };
+        table.live -= 1;
+        merge_free(&mut segment.blocks, offset);
+        Ok(size)
+    }
+
+    /// The table: every segment's blocks in address order, segments in the order they
+    /// were taken.
+    pub fn blocks(&self) -> Vec<BlockEntry> {
+        let table = lock(&self.table);
+        let mut out = Vec::new();
+        for segment in &table.segments {
+            let base = segment.base;
+            out.extend(
+                segment
+                    .blocks
+                    .iter()
+                    .map(|(&offset, &(size, allocated))| BlockEntry {
+                        segment: base,
+                        segment_size: segment.size,
+                        offset,
+                        size,
+                        allocated,
+                    }),
+            );
+        }
+        out
+    }
+
+    /// The live blocks (handed out, not freed).
+    pub fn live_blocks(&self) -> usize {
+        lock(&self.table).live
+    }
+
+    /// The segments held: (first address, size), in the order they were taken.
+    pub fn segments(&self) -> Vec<(usize, usize)> {
+        let table = lock(&self.table);
+        table.segments.iter().map(|s| (s.base, s.size)).collect()
+    }
+
+    /// The segment holding `address` (its first address and size) and the raw handle of
+    /// the stream it belongs to (`None`: a host stream), if the pool holds it.
+    pub fn segment_of(&self, address: usize) -> Option<(usize, usize, Option<usize>)> {
+        let table = lock(&self.table);
+        table
+            .segments
+            .iter()
+            .find(|s| s.contains(address))
+            .map(|s| (s.base, s.size, s.stream.as_raw().map(|raw| raw as usize)))
+    }
+
+    /// Puts back a table that [`blocks`](Self::blocks) listed: every block live now is
+    /// freed, then the saved table's blocks are laid out again in their segments (which
+    /// must all still be the pool's; a segment the table does not name becomes one free
+    /// block), its allocated blocks live. [`Error::InvalidArgument`], with nothing
+    /// changed, for a table naming a segment the pool does not hold or whose blocks do
+    /// not tile their segment.
+    ///
+    /// # Safety
+    /// The blocks live now are no longer used (as for [`release`](Self::release)), and
+    /// the memory of the saved table's allocated blocks is again its owners' (what they
+    /// hold there is theirs to read).
+    pub unsafe fn restore(&self, saved: &[BlockEntry]) -> Result<Restored, Error> {
+        let mut table = lock(&self.table);
+        let layouts = group(&table, saved)?;
+        let mut restored = Restored::default();
+        for segment in &mut table.segments {
+            let base = segment.base;
+            restored.freed.extend(
+                segment
+                    .blocks
+                    .iter()
+                    .filter(|(_, (_, allocated))| *allocated)
+                    .map(|(&offset, _)| base + offset),
+            );
+            segment.blocks = layouts
+                .get(&base)
+                .cloned()
+                .unwrap_or_else(|| BTreeMap::from([(0, (segment.size, false))]));
+            restored.allocated.extend(
+                segment
+                    .blocks
+                    .iter()
+                    .filter(|(_, (_, allocated))| *allocated)
+                    .map(|(&offset, _)| base + offset),
+            );
+        }
+        table.live = restored.allocated.len();
+        Ok(restored)
+    }
+
+    /// Gives every wholly free segment back to the upstream, freed on `stream`; the bytes
+    /// given back.
+    ///
+    /// # Safety
+    /// Every use of those segments' memory is ordered before this point on `stream`, or
+    /// complete (a graph replay may have used a segment on any stream: wait for the
+    /// device first).
+    pub unsafe fn release_free_segments(&self, stream: StreamRef<'_>) -> usize {
+        let free: Vec<Segment> = {
+            let mut table = lock(&self.table);
+            let (free, kept) = std::mem::take(&mut table.segments)
+                .into_iter()
+                .partition(|s| s.blocks.len() == 1 && !s.blocks[&0].1);
+            table.segments = kept;
+            free
+        };
+        let mut bytes = 0;
+        for segment in free {
+            bytes += segment.size;
+            // SAFETY: taken from the upstream with this layout; the caller orders every
+            // use before this point on `stream`.
+            unsafe {
+                self.upstream
+                    .deallocate(stream, segment.at(0), segment.layout())
+            };
+        }
+        bytes
+    }
+
+    /// A block for `layout` on `stream`: the smallest free block of `stream`'s segments
+    /// that fits, else (`may_grow`) a new segment.
+    fn take(
+        &self,
+        stream: StreamRef<'_>,
+        layout: Layout,
+        may_grow: bool,
+    ) -> Result<NonNull<u8>, Error> {
+        let rounding = self.config.block_rounding;
+        // Blocks lie at multiples of the rounding from segments aligned to
+        // `DEFAULT_ALIGNMENT`.
+        let aligned = rounding.min(DEFAULT_ALIGNMENT);
+        if layout.align() > aligned {
+            return Err(Error::invalid_argument(format!(
+                "a segment pool's blocks are aligned to {aligned} bytes, not {}",
+                layout.align()
+            )));
+        }
+        let size = layout
+            .size()
+            .max(1)
+            .checked_next_multiple_of(rounding)
+            .ok_or_else(|| Error::invalid_argument(format!("{} bytes", layout.size())))?;
+        let mut table = lock(&self.table);
+        if let Some(ptr) = best_fit(&mut table, stream, size, self.config.no_split, rounding) {
+            return Ok(ptr);
+        }
+        if !may_grow {
+            return Err(Error::out_of_memory(size));
+        }
+        let segment_size = self.config.segment_size(size);
+        let segment_layout = Layout::from_size_align(segment_size, DEFAULT_ALIGNMENT)
+            .map_err(|_| Error::invalid_argument(format!("a segment of {segment_size} bytes")))?;
+        let base = self.upstream.allocate(stream, segment_layout)?;
+        // SAFETY: `stream` is valid while its segment lives, as this type's users promise
+        // (the stream contract of `allocate`): it is kept as the segment's key and the
+        // stream its memory goes back on at drop.
+        let stream = unsafe { stream.detach() };
+        table.segments.push(Segment {
+            base: base.as_ptr().expose_provenance(),
+            size: segment_size,
+            stream,
+            blocks: BTreeMap::from([(0, (segment_size, false))]),
+        });
+        let ptr = best_fit(&mut table, stream, size, self.config.no_split, rounding);
+        Ok(ptr.expect("a new segment holds the block it was made for"))
+    }
+}
+
+/// The smallest free block of `stream`'s segments holding `size` bytes, split (unless
+/// `no_split`) and marked live.
+fn best_fit(
+    table: &mut Table,
+    stream: StreamRef<'_>,
+    size: usize,
+    no_split: bool,
+    rounding: usize,
+) -> Option<NonNull<u8>> {
+    let mut best: Option<(usize, usize, usize)> = None; // (block size, segment, offset)
+    for (i, segment) in table.segments.iter().enumerate() {
+        if segment.stream != stream {
+            continue;
+        }
+        for (&offset, &(block, allocated)) in &segment.blocks {
+            if !allocated && block >= size && best.is_none_or(|(b, ..)| block < b) {
+                best = Some((block, i, offset));
+            }
+        }
+    }
+    let (block, i, offset) = best?;
+    let segment = &mut table.segments[i];
+    if !no_split && block - size >= rounding {
+        segment.blocks.insert(offset + size, (block - size, false));
+        segment.blocks.insert(offset, (size, true));
+    } else {
+        segment.blocks.insert(offset, (block, true));
+    }
+    table.live += 1;
+    Some(segment.at(offset))
+}
+
+/// Merges the free block at `offset` with a free next and a free previous block.
+fn merge_free(blocks: &mut Blocks, offset: usize) {
+    let mut size = blocks[&offset].0;
+    if let Some((&next, &(next_size, false))) = blocks.range(offset + 1..).next() {
+        blocks.remove(&next);
+        size += next_size;
+        blocks.insert(offset, (size, false));
+    }
+    if let Some((&prev, &(prev_size, false))) = blocks.range(..offset).next_back() {
+        blocks.remove(&offset);
+        blocks.insert(prev, (prev_size + size, false));
+    }
+}
+
+/// The saved table's blocks by segment, checked against the pool's segments.
+fn group(table: &Table, saved: &[BlockEntry]) -> Result<BTreeMap<usize, Blocks>, Error> {
+    let mut layouts: BTreeMap<usize, Blocks> = BTreeMap::new();
+    for entry in saved {
+        let held = table
+            .segments
+            .iter()
+            .any(|s| s.base == entry.segment && s.size == entry.segment_size);
+        if !held {
+            return Err(Error::invalid_argument(format!(
+                "a saved table names a segment of {} bytes at {:#x} that the pool does not hold",
+                entry.segment_size, entry.segment
+            )));
+        }
+        layouts
+            .entry(entry.segment)
+            .or_default()
+            .insert(entry.offset, (entry.size, entry.allocated));
+    }
+    for (&base, blocks) in &layouts {
+        let size = saved
+            .iter()
+            .find(|e| e.segment == base)
+            .map(|e| e.segment_size);
+        let mut at = 0;
+        for (&offset, &(block, _)) in blocks {
+            if offset != at || block == 0 {
+                return Err(Error::invalid_argument(format!(
+                    "a saved table's blocks do not tile the segment at {base:#x}"
+                )));
+            }
+            at += block;
+        }
+        if Some(at) != size {
+            return Err(Error::invalid_argument(format!(
+                "a saved table's blocks do not tile the segment at {base:#x}"
+            )));
+        }
+    }
+    Ok(layouts)
+}
+
+#[cold]
+fn not_live(address: usize) -> Error {
+    Error::invalid_argument(format!(
+        "{address:#x} is not the start of a live block of the segment pool"
+    ))
+}
+
+// SAFETY: every block lies inside one segment taken from `upstream` (so it has the
+// upstream's properties), aligned to the block rounding from a segment base aligned to
+// `DEFAULT_ALIGNMENT` (requests aligned to more are refused); a block is live for one
+// owner at a time (the table marks it), and memory freed on a stream other than its
+// segment's is handed out again only once that segment's stream waits for it.
+unsafe impl<U: Resource> Resource for SegmentPool<U> {
+    /// A block on `stream`: segments belong to the stream they were taken for, which stays
+    /// valid while the pool holds them (as [`StreamRef::from_raw`]'s contract asks of a
+    /// sub-allocator's streams).
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        if layout.size() == 0 {
+            return Ok(crate::resource::dangling(layout));
+        }
+        self.take(stream, layout, true)
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        let address = ptr.as_ptr() as usize;
+        let own = lock(&self.table)
+            .segments
+            .iter()
+            .find(|s| s.contains(address))
+            .map(|s| s.stream);
+        let Some(own) = own else {
+            debug_assert!(false, "{}", not_live(address));
+            return;
+        };
+        // The block is reused on its segment's stream: that stream first waits for the
+        // work `stream` has enqueued (the free's order); if it cannot, the host waits.
+        if own != stream
+            && own.wait_for_stream(stream).is_err()
+            && let Err(e) = stream.synchronize()
+        {
+            tracing::error!("a segment pool could not order a free on another stream: {e}");
+        }
+        // SAFETY: the caller's promise (every use ordered before this point on `stream`),
+        // and the segment's stream now comes after it.
+        let freed = unsafe { self.release(ptr) };
+        debug_assert!(freed.is_ok(), "{freed:?}");
+    }
+}
+
+sync_on_the_host_stream!(SegmentPool);
+
+impl<U: Resource> PartialEq for SegmentPool<U> {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+impl<U: Resource> Drop for SegmentPool<U> {
+    fn drop(&mut self) {
+        let table = std::mem::take(&mut *lock(&self.table));
+        for segment in table.segments {
+            // Its blocks' work is ordered on its stream (frees from other streams were
+            // ordered there too), so the segment goes back freed on that stream.
+            // SAFETY: taken from the upstream with this layout on this stream, which
+            // stays valid while the pool holds the segment.
+            unsafe {
+                self.upstream
+                    .deallocate(segment.stream, segment.at(0), segment.layout())
+            };
+        }
+    }
+}
+
+impl<U: Resource> fmt::Debug for SegmentPool<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let table = lock(&self.table);
+        f.debug_struct("SegmentPool")
+            .field("config", &self.config)
+            .field("segments", &table.segments.len())
+            .field("live", &table.live)
+            .finish_non_exhaustive()
+    }
+}

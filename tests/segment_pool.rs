@@ -1,0 +1,258 @@
+//! `SegmentPool` on host memory: best fit, splits and merges, segments per stream,
+//! `no_split` and medium segments, lending free blocks only, its table listed and
+//! restored, and every segment back upstream on a release or a drop.
+
+use std::ptr::NonNull;
+
+use memres::adaptor::Statistics;
+use memres::suballoc::{BlockEntry, SegmentPool, SegmentPoolConfig};
+use memres::{Error, HostHeap, Resource, StreamRef, layout, layout_with_alignment};
+
+const MIB: usize = 1 << 20;
+const S1: StreamRef<'static> = StreamRef::host(1);
+const S2: StreamRef<'static> = StreamRef::host(2);
+
+fn pool(config: SegmentPoolConfig) -> SegmentPool<Statistics<HostHeap>> {
+    SegmentPool::new(Statistics::new(HostHeap::new()), config).unwrap()
+}
+
+fn at(ptr: NonNull<u8>) -> usize {
+    ptr.as_ptr() as usize
+}
+
+fn alloc(p: &SegmentPool<Statistics<HostHeap>>, s: StreamRef<'_>, size: usize) -> NonNull<u8> {
+    p.allocate(s, layout(size).unwrap()).unwrap()
+}
+
+fn free(p: &SegmentPool<Statistics<HostHeap>>, s: StreamRef<'_>, ptr: NonNull<u8>, size: usize) {
+    // SAFETY: host memory from `p` with this size, unused.
+    unsafe { p.deallocate(s, ptr, layout(size).unwrap()) };
+}
+
+/// (offset, size, allocated) of every block.
+fn shape(p: &SegmentPool<Statistics<HostHeap>>) -> Vec<(usize, usize, bool)> {
+    p.blocks()
+        .iter()
+        .map(|b| (b.offset, b.size, b.allocated))
+        .collect()
+}
+
+#[test]
+fn blocks_are_split_best_fit_and_merge_when_freed() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let b = alloc(&p, S1, 5000);
+    let c = alloc(&p, S1, 1000);
+    assert_eq!(p.segments().len(), 1);
+    assert_eq!(p.segments()[0].1, 2 * MIB);
+    assert_eq!(at(b) - at(a), 1024, "blocks rounded to 512 bytes, in order");
+    assert_eq!(at(c) - at(b), 5120);
+    free(&p, S1, b, 5000);
+    // The best fit for 2000 bytes is b's 5120-byte hole, not the free rest of the segment.
+    let d = alloc(&p, S1, 2000);
+    assert_eq!(at(d), at(b));
+    assert_eq!(
+        shape(&p),
+        [
+            (0, 1024, true),
+            (1024, 2048, true),
+            (3072, 3072, false),
+            (6144, 1024, true),
+            (7168, 2 * MIB - 7168, false)
+        ]
+    );
+    free(&p, S1, a, 1000);
+    free(&p, S1, c, 1000);
+    free(&p, S1, d, 2000);
+    assert_eq!(shape(&p), [(0, 2 * MIB, false)], "every free merged");
+    assert_eq!(p.live_blocks(), 0);
+}
+
+#[test]
+fn a_stream_takes_blocks_of_its_own_segments_only() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    free(&p, S1, a, 1000);
+    let b = alloc(&p, S2, 1000);
+    assert_eq!(p.segments().len(), 2, "S2 gets a segment of its own");
+    assert!(p.segment_of(at(b)).unwrap().0 != p.segment_of(at(a)).unwrap().0);
+    let again = alloc(&p, S1, 1000);
+    assert_eq!(at(again), at(a), "S1 reuses its own block");
+    free(&p, S1, again, 1000);
+    free(&p, S2, b, 1000);
+}
+
+#[test]
+fn no_split_hands_out_whole_segments() {
+    let p = pool(SegmentPoolConfig::new().no_split(true));
+    let a = alloc(&p, S1, 1000);
+    let b = alloc(&p, S1, 1000);
+    assert_eq!(p.segments(), [(at(a), 1024), (at(b), 1024)]);
+    free(&p, S1, a, 1000);
+    // A smaller request takes a's segment whole (never split).
+    let c = alloc(&p, S1, 100);
+    assert_eq!(at(c), at(a));
+    assert_eq!(shape(&p), [(0, 1024, true), (0, 1024, true)]);
+    // A larger one cannot fit there: a new segment.
+    free(&p, S1, c, 100);
+    let d = alloc(&p, S1, 4000);
+    assert_eq!(p.segments().len(), 3);
+    free(&p, S1, b, 1000);
+    free(&p, S1, d, 4000);
+}
+
+#[test]
+fn medium_requests_share_medium_segments() {
+    let p = pool(SegmentPoolConfig::new().medium_segments(MIB, 10 * MIB, 20 * MIB));
+    let a = alloc(&p, S1, 3 * MIB);
+    let b = alloc(&p, S1, 3 * MIB);
+    assert_eq!(p.segments().len(), 1);
+    assert_eq!(p.segments()[0].1, 20 * MIB);
+    let big = alloc(&p, S1, 15 * MIB);
+    assert_eq!(
+        p.segments()[1].1,
+        16 * MIB,
+        "above the medium range: 2 MiB steps"
+    );
+    free(&p, S1, a, 3 * MIB);
+    free(&p, S1, b, 3 * MIB);
+    free(&p, S1, big, 15 * MIB);
+}
+
+#[test]
+fn lending_free_blocks_never_grows_the_pool() {
+    let p = pool(SegmentPoolConfig::new());
+    let l = layout(1000).unwrap();
+    assert!(matches!(
+        p.allocate_from_free(S1, l),
+        Err(Error::OutOfMemory {
+            requested: 1024,
+            ..
+        })
+    ));
+    assert!(p.segments().is_empty());
+    let a = alloc(&p, S1, 1000);
+    let lent = p.allocate_from_free(S1, l).unwrap();
+    assert_eq!(p.segments().len(), 1);
+    free(&p, S1, a, 1000);
+    free(&p, S1, lent, 1000);
+}
+
+#[test]
+fn releasing_what_is_not_a_live_block_is_refused_and_changes_nothing() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let before = p.blocks();
+    // SAFETY: refused without a change: nothing is freed.
+    unsafe {
+        let inside = NonNull::new(a.as_ptr().add(512)).unwrap();
+        assert!(matches!(p.release(inside), Err(Error::InvalidArgument(_))));
+        let outside = NonNull::new(a.as_ptr().add(4 * MIB)).unwrap();
+        assert!(matches!(p.release(outside), Err(Error::InvalidArgument(_))));
+        assert_eq!(p.release(a).unwrap(), 1024);
+        assert!(
+            matches!(p.release(a), Err(Error::InvalidArgument(_))),
+            "twice"
+        );
+    }
+    assert_eq!(before.len(), 2);
+    assert_eq!(shape(&p), [(0, 2 * MIB, false)]);
+}
+
+#[test]
+fn a_saved_table_is_restored_in_place() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let b = alloc(&p, S1, 1000);
+    let saved = p.blocks();
+    free(&p, S1, a, 1000);
+    let c = alloc(&p, S1, 300_000);
+    // SAFETY: b and c are not used after this; a and b are live again as saved.
+    let restored = unsafe { p.restore(&saved).unwrap() };
+    let mut freed = restored.freed.clone();
+    freed.sort_unstable();
+    assert_eq!(freed, [at(b), at(c)]);
+    assert_eq!(restored.allocated, [at(a), at(b)]);
+    assert_eq!(p.blocks(), saved);
+    assert_eq!(p.live_blocks(), 2);
+    // The restored blocks free as any other.
+    free(&p, S1, a, 1000);
+    free(&p, S1, b, 1000);
+    assert_eq!(shape(&p), [(0, 2 * MIB, false)]);
+}
+
+#[test]
+fn a_table_that_does_not_fit_the_pool_is_refused_and_changes_nothing() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let now = p.blocks();
+    let mut gap = now.clone();
+    gap[1].offset += 512; // a hole between the blocks
+    let mut foreign = now.clone();
+    for entry in &mut foreign {
+        entry.segment += 64 * MIB; // no segment of the pool's
+    }
+    let short = vec![BlockEntry {
+        size: 1024,
+        ..now[0]
+    }];
+    for table in [gap, foreign, short] {
+        // SAFETY: refused, nothing changes.
+        let refused = unsafe { p.restore(&table) };
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{table:?}"
+        );
+        assert_eq!(p.blocks(), now);
+    }
+    free(&p, S1, a, 1000);
+}
+
+#[test]
+fn free_segments_go_back_upstream_on_release_and_every_segment_on_drop() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let b = alloc(&p, S2, 1000);
+    assert_eq!(p.upstream().bytes().current as usize, 4 * MIB);
+    free(&p, S1, a, 1000);
+    // SAFETY: host memory: its work is always complete.
+    assert_eq!(unsafe { p.release_free_segments(S1) }, 2 * MIB);
+    assert_eq!(p.upstream().bytes().current as usize, 2 * MIB);
+    assert_eq!(p.segments().len(), 1);
+    let stats = Statistics::new(HostHeap::new());
+    {
+        let q = SegmentPool::new(&stats, SegmentPoolConfig::new()).unwrap();
+        q.allocate(S1, layout(10 * MIB).unwrap()).unwrap();
+        assert_eq!(stats.bytes().current as usize, 10 * MIB);
+    }
+    assert_eq!(
+        stats.bytes().current as usize,
+        0,
+        "the drop gave the segment back"
+    );
+    free(&p, S2, b, 1000);
+}
+
+#[test]
+fn bad_configs_and_alignments_are_invalid_arguments() {
+    for config in [
+        SegmentPoolConfig::new().block_rounding(3),
+        SegmentPoolConfig::new().segment_rounding(1000),
+        SegmentPoolConfig::new().medium_segments(1, 2, 1000),
+    ] {
+        assert!(matches!(
+            SegmentPool::new(HostHeap::new(), config),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    let p = pool(SegmentPoolConfig::new());
+    assert!(matches!(
+        p.allocate(S1, layout_with_alignment(100, 4096).unwrap()),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        p.allocate(S1, layout(1 << 60).unwrap()),
+        Err(Error::OutOfMemory { .. })
+    ));
+    assert!(p.segments().is_empty());
+}
