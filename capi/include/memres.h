@@ -225,6 +225,49 @@ int64_t memres_wake(int device, const char* tag);
  * (memres_ipc_export): refused with a message. */
 int memres_is_asleep(int device, const char* tag);
 
+/* Segment pools: whole segments split into blocks best-fit, each segment belonging to the
+ * stream it was taken for, with the table of segments and blocks readable and restorable
+ * (PyTorch's CUDA graph pools and torch.cuda.MemPool; memres's PyTorch backend builds
+ * them from these). 512-byte blocks in 2 MiB-rounded segments; flags:
+ * MEMRES_SEGMENTS_NO_SPLIT (each block a segment of its own) and MEMRES_SEGMENTS_MEDIUM
+ * (requests of 1 to 10 MiB get 20 MiB segments).
+ *
+ * memres_segment_pool_new makes a pool on device whose segments come from device's stack
+ * (alloc and free NULL; counted as memres_malloc blocks) or from alloc(ctx, size, stream)
+ * and back to free(ctx, ptr, size), callable from any thread; NULL on failure.
+ * memres_segment_pool_malloc hands out a block of size bytes for stream from the free
+ * blocks of stream's segments, or (may_grow != 0) a new segment; NULL on failure (out of
+ * memory, size 0). stream stays live while the pool holds a segment taken for it.
+ * memres_segment_pool_free frees a block (every use ordered before on its segment's
+ * stream); MEMRES_ERROR_INVALID_ARGUMENT, nothing freed, for what is not a live block.
+ * memres_segment_pool_blocks writes the table (at most capacity entries; out may be
+ * NULL) and returns its length; memres_segment_pool_restore puts such a table back in
+ * place (the blocks live before freed), refusing one that names a segment the pool no
+ * longer holds or does not tile its segments. memres_segment_pool_release_free gives
+ * wholly free segments back, freed on stream (wait for the device first), and returns
+ * the bytes; memres_segment_pool_destroy gives every segment back. */
+#define MEMRES_SEGMENTS_NO_SPLIT 1
+#define MEMRES_SEGMENTS_MEDIUM 2
+typedef struct memres_segment_pool memres_segment_pool_t;
+typedef struct memres_block_t {
+  uint64_t segment;      /* the segment's first address */
+  uint64_t segment_size; /* its size in bytes */
+  uint64_t offset;       /* the block's offset in it */
+  uint64_t size;         /* the block's size in bytes */
+  void* stream;          /* the stream the segment belongs to */
+  int32_t allocated;     /* 1 handed out, 0 free */
+  int32_t reserved;      /* 0 */
+} memres_block_t;
+typedef void* (*memres_segment_alloc_fn)(void* ctx, size_t size, void* stream);
+typedef void (*memres_segment_free_fn)(void* ctx, void* ptr, size_t size);
+memres_segment_pool_t* memres_segment_pool_new(int device, int flags, memres_segment_alloc_fn alloc, memres_segment_free_fn free, void* ctx);
+void* memres_segment_pool_malloc(memres_segment_pool_t* pool, size_t size, void* stream, int may_grow);
+int memres_segment_pool_free(memres_segment_pool_t* pool, void* ptr);
+int64_t memres_segment_pool_blocks(memres_segment_pool_t* pool, memres_block_t* out, size_t capacity);
+int memres_segment_pool_restore(memres_segment_pool_t* pool, const memres_block_t* blocks, size_t count);
+int64_t memres_segment_pool_release_free(memres_segment_pool_t* pool, void* stream);
+void memres_segment_pool_destroy(memres_segment_pool_t* pool);
+
 /* The message of the last failure on this thread, "" if none. */
 const char* memres_last_error(void);
 

@@ -16,6 +16,7 @@ mod exports;
 mod ipc;
 mod profile;
 mod routed;
+mod segment_pools;
 mod stack;
 mod sync;
 mod tags;
@@ -23,6 +24,12 @@ mod tags;
 pub use ipc::{memres_ipc_close, memres_ipc_export, memres_ipc_open};
 pub use profile::{
     memres_profile_pop, memres_profile_push, memres_profile_report, memres_profile_reset,
+};
+pub use segment_pools::{
+    MEMRES_SEGMENTS_MEDIUM, MEMRES_SEGMENTS_NO_SPLIT, SegmentPoolHandle, memres_block_t,
+    memres_segment_alloc_fn, memres_segment_free_fn, memres_segment_pool_blocks,
+    memres_segment_pool_destroy, memres_segment_pool_free, memres_segment_pool_malloc,
+    memres_segment_pool_new, memres_segment_pool_release_free, memres_segment_pool_restore,
 };
 pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};
 
@@ -396,14 +403,45 @@ pub unsafe extern "C" fn memres_malloc(
             let stack = stack(device)?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            // The tag's pool or the stack's top; the block enters the table of live blocks.
-            let result = stack.memory().allocate(stream, layout);
-            stack.count_allocation(result.as_ref().map(|_| layout.size()));
-            let ptr = result?;
-            mr::profile::count_allocation(layout.size());
-            Ok(ptr.as_ptr().cast())
+            Ok(allocate_on(stack, stream, layout)?.as_ptr().cast())
         },
     )
+}
+
+/// `memres_malloc`'s work on a device's stack: the tag's pool or the stack's top, the
+/// block entering the table of live blocks, counted in the C ABI's figures and the open
+/// profiler scopes. Graph and `MemPool` pools take their segments so too.
+pub(crate) fn allocate_on(
+    stack: &DeviceStack,
+    stream: StreamRef<'_>,
+    layout: std::alloc::Layout,
+) -> Result<NonNull<u8>, Error> {
+    let result = stack.memory().allocate(stream, layout);
+    stack.count_allocation(result.as_ref().map(|_| layout.size()));
+    let ptr = result?;
+    mr::profile::count_allocation(layout.size());
+    Ok(ptr)
+}
+
+/// `memres_free`'s work on a device's stack, as [`allocate_on`]'s counterpart.
+///
+/// # Safety
+/// `ptr` came from [`allocate_on`] on this stack with `layout` and is not freed yet; every
+/// use of it is ordered before this point on `stream`, and the streams recorded for it
+/// (`memres_record_stream`) are live.
+pub(crate) unsafe fn deallocate_on(
+    stack: &DeviceStack,
+    stream: StreamRef<'_>,
+    ptr: NonNull<u8>,
+    layout: std::alloc::Layout,
+) {
+    stack.count_free(layout.size());
+    mr::profile::count_free(layout.size());
+    stack.exported().release(ptr.as_ptr() as usize);
+    // Out of the table of live blocks (with the streams recorded for it, which the free
+    // waits for), then back to the tag's pool whose range holds it or to the stack's top.
+    // SAFETY: the caller's promise, for the resource `memory()` is.
+    unsafe { stack.memory().deallocate(stream, ptr, layout) };
 }
 
 /// Frees `ptr` (from `memres_malloc(size, device, ..)`) in order on `stream`. Null is
@@ -439,16 +477,10 @@ pub unsafe extern "C" fn memres_free(
             let stack = stack_of_block("memres_free", ptr.as_ptr() as usize, device, "; ignored")?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            stack.count_free(layout.size());
-            mr::profile::count_free(layout.size());
-            stack.exported().release(ptr.as_ptr() as usize);
-            // Out of the table of live blocks (with the streams recorded for it, which the
-            // free waits for), then back to the tag's pool whose range holds it or to the
-            // stack's top.
             // SAFETY: the caller's promise: `ptr` came from `memres_malloc` on this device
-            // (the resource `memory()` is) with this size, and is ordered on `stream`;
-            // `memres_record_stream`'s promise keeps the recorded streams live until now.
-            unsafe { stack.memory().deallocate(stream, ptr, layout) };
+            // with this size, and is ordered on `stream`; `memres_record_stream`'s promise
+            // keeps the recorded streams live until now.
+            unsafe { deallocate_on(stack, stream, ptr, layout) };
             Ok(())
         },
     )

@@ -841,6 +841,7 @@ fn source() -> String {
         include_str!("profile.rs"),
         include_str!("ipc.rs"),
         include_str!("tags.rs"),
+        include_str!("segment_pools.rs"),
     ]
     .concat()
 }
@@ -862,6 +863,11 @@ fn rust_prototypes() -> Vec<String> {
             "*mut u64" => "uint64_t*",
             "*mut *mut c_void" => "void**",
             "*mut memres_stats_t" => "memres_stats_t*",
+            "*mut SegmentPoolHandle" => "memres_segment_pool_t*",
+            "*mut memres_block_t" => "memres_block_t*",
+            "*const memres_block_t" => "const memres_block_t*",
+            "memres_segment_alloc_fn" => "memres_segment_alloc_fn",
+            "memres_segment_free_fn" => "memres_segment_free_fn",
             "" => "void",
             other => panic!("no C type for the Rust type {other:?}"),
         }
@@ -901,6 +907,9 @@ fn rust_prototypes() -> Vec<String> {
 fn header_prototypes() -> Vec<String> {
     let mut out = Vec::new();
     for line in header().lines().map(str::trim) {
+        if line.starts_with("typedef") {
+            continue; // a function pointer's type, not a prototype
+        }
         let Some((head, params)) = line.strip_suffix(");").and_then(|l| l.split_once('(')) else {
             continue;
         };
@@ -924,7 +933,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 23, "{rust:#?}");
+    assert_eq!(rust.len(), 30, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -944,6 +953,8 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         ("MEMRES_ERROR_ASLEEP", MEMRES_ERROR_ASLEEP),
         ("MEMRES_SLEEP_DISCARD", MEMRES_SLEEP_DISCARD),
         ("MEMRES_SLEEP_OFFLOAD", MEMRES_SLEEP_OFFLOAD),
+        ("MEMRES_SEGMENTS_NO_SPLIT", MEMRES_SEGMENTS_NO_SPLIT),
+        ("MEMRES_SEGMENTS_MEDIUM", MEMRES_SEGMENTS_MEDIUM),
     ] {
         let written = if value < 0 {
             format!("({value})")
@@ -1017,6 +1028,23 @@ fn the_header_has_the_codes_and_the_struct_layout() {
     for (field, offset) in fields {
         c += &format!(
             "_Static_assert(offsetof(memres_stats_t, {field}) == {offset}, \"{field}\");\n"
+        );
+    }
+    c += &format!(
+        "_Static_assert(sizeof(memres_block_t) == {}, \"block size\");\n",
+        size_of::<memres_block_t>()
+    );
+    for (field, offset) in [
+        ("segment", offset_of!(memres_block_t, segment)),
+        ("segment_size", offset_of!(memres_block_t, segment_size)),
+        ("offset", offset_of!(memres_block_t, offset)),
+        ("size", offset_of!(memres_block_t, size)),
+        ("stream", offset_of!(memres_block_t, stream)),
+        ("allocated", offset_of!(memres_block_t, allocated)),
+        ("reserved", offset_of!(memres_block_t, reserved)),
+    ] {
+        c += &format!(
+            "_Static_assert(offsetof(memres_block_t, {field}) == {offset}, \"{field}\");\n"
         );
     }
     let dir = std::env::temp_dir().join(format!("memres-header-{}", std::process::id()));
@@ -1835,4 +1863,167 @@ fn record_stream_child() {
     assert_eq!(unsafe { memres_set_tag(std::ptr::null()) }, MEMRES_OK);
     assert_eq!(stats(0).live_allocations, 0);
     println!("record_stream: only live blocks");
+}
+
+// Segment pools (over another allocator's functions: host memory, no GPU needed)
+
+/// Segments the host test's `alloc` handed out and `free` took back, by size.
+static SEGMENT_LOG: Mutex<Vec<(bool, usize)>> = Mutex::new(Vec::new());
+
+unsafe extern "C" fn host_segment_alloc(
+    _ctx: *mut c_void,
+    size: usize,
+    _stream: *mut c_void,
+) -> *mut c_void {
+    SEGMENT_LOG.lock().unwrap().push((true, size));
+    let layout = std::alloc::Layout::from_size_align(size, 256).unwrap();
+    // SAFETY: a layout of nonzero size.
+    unsafe { std::alloc::alloc(layout).cast() }
+}
+
+unsafe extern "C" fn host_segment_free(_ctx: *mut c_void, ptr: *mut c_void, size: usize) {
+    SEGMENT_LOG.lock().unwrap().push((false, size));
+    let layout = std::alloc::Layout::from_size_align(size, 256).unwrap();
+    // SAFETY: from `host_segment_alloc` with this size.
+    unsafe { std::alloc::dealloc(ptr.cast(), layout) };
+}
+
+/// The pool's table as (offset, size, allocated).
+fn table(pool: *mut SegmentPoolHandle) -> Vec<memres_block_t> {
+    // SAFETY: a live pool; `out` has room for `n` entries.
+    unsafe {
+        let n = memres_segment_pool_blocks(pool, std::ptr::null_mut(), 0);
+        let mut out = vec![std::mem::zeroed::<memres_block_t>(); n as usize];
+        assert_eq!(
+            memres_segment_pool_blocks(pool, out.as_mut_ptr(), out.len()),
+            n
+        );
+        out
+    }
+}
+
+#[test]
+fn segment_pools_over_another_allocator_split_restore_and_give_back() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    SEGMENT_LOG.lock().unwrap().clear();
+    let s = std::ptr::null_mut();
+    // SAFETY: the functions handle host memory from any thread; every block is unused
+    // when freed (nothing runs on a GPU here).
+    unsafe {
+        let pool = memres_segment_pool_new(
+            0,
+            MEMRES_SEGMENTS_MEDIUM,
+            Some(host_segment_alloc),
+            Some(host_segment_free),
+            std::ptr::null_mut(),
+        );
+        assert!(!pool.is_null(), "{}", last_error());
+        let a = memres_segment_pool_malloc(pool, 3 << 20, s, 1);
+        let b = memres_segment_pool_malloc(pool, 1000, s, 1);
+        assert_eq!(b as usize - a as usize, 3 << 20);
+        assert_eq!(
+            *SEGMENT_LOG.lock().unwrap(),
+            [(true, 20 << 20)],
+            "one medium segment"
+        );
+        let saved = table(pool);
+        assert_eq!(saved.len(), 3);
+        assert_eq!(
+            (saved[1].offset, saved[1].size, saved[1].allocated),
+            (3 << 20, 1024, 1)
+        );
+        // Lending only: no growth for what does not fit.
+        assert!(memres_segment_pool_malloc(pool, 64 << 20, s, 0).is_null());
+        assert!(last_error().contains("out of memory"), "{}", last_error());
+        assert_eq!(memres_segment_pool_free(pool, b), MEMRES_OK);
+        assert_eq!(
+            memres_segment_pool_free(pool, b),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("not the start of a live block"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            memres_segment_pool_restore(pool, saved.as_ptr(), saved.len()),
+            MEMRES_OK
+        );
+        assert_eq!(table(pool), saved, "b is live again where it was");
+        let mut bad = saved.clone();
+        bad[0].segment += 4096;
+        assert_eq!(
+            memres_segment_pool_restore(pool, bad.as_ptr(), bad.len()),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(table(pool), saved, "a refused table changes nothing");
+        assert_eq!(
+            memres_segment_pool_release_free(pool, s),
+            0,
+            "the segment is in use"
+        );
+        assert_eq!(memres_segment_pool_free(pool, a), MEMRES_OK);
+        assert_eq!(memres_segment_pool_free(pool, b), MEMRES_OK);
+        assert_eq!(memres_segment_pool_release_free(pool, s), 20 << 20);
+        let c = memres_segment_pool_malloc(pool, 100, s, 1);
+        assert!(!c.is_null());
+        memres_segment_pool_destroy(pool);
+        assert_eq!(
+            *SEGMENT_LOG.lock().unwrap(),
+            [
+                (true, 20 << 20),
+                (false, 20 << 20),
+                (true, 2 << 20),
+                (false, 2 << 20)
+            ],
+            "every segment back to the allocator it came from"
+        );
+    }
+}
+
+#[test]
+fn segment_pools_refuse_bad_arguments_with_messages() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    // SAFETY: null pools and tables are what is checked; the pool made is destroyed.
+    unsafe {
+        let free: memres_segment_free_fn = Some(host_segment_free);
+        assert!(memres_segment_pool_new(0, 4, None, None, std::ptr::null_mut()).is_null());
+        assert!(last_error().contains("unknown flags"), "{}", last_error());
+        assert!(memres_segment_pool_new(0, 0, None, free, std::ptr::null_mut()).is_null());
+        assert!(last_error().contains("both"), "{}", last_error());
+        let null = std::ptr::null_mut();
+        assert!(memres_segment_pool_malloc(null, 10, null.cast(), 1).is_null());
+        assert!(
+            last_error().contains("the pool is null"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            memres_segment_pool_free(null, null.cast()),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            memres_segment_pool_blocks(null, std::ptr::null_mut(), 0),
+            -1
+        );
+        memres_segment_pool_destroy(null);
+        let pool = memres_segment_pool_new(
+            0,
+            MEMRES_SEGMENTS_NO_SPLIT,
+            Some(host_segment_alloc),
+            free,
+            std::ptr::null_mut(),
+        );
+        assert!(memres_segment_pool_malloc(pool, 0, null.cast(), 1).is_null());
+        assert!(last_error().contains("a size of 0"), "{}", last_error());
+        assert_eq!(
+            memres_segment_pool_restore(pool, std::ptr::null(), 3),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            memres_segment_pool_free(pool, null.cast()),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        memres_segment_pool_destroy(pool);
+    }
 }

@@ -1,0 +1,379 @@
+//! Segment pools behind the C ABI (`memres_segment_pool_*`): the library's
+//! [`SegmentPool`] over a device's stack or over another allocator's two functions. The
+//! PyTorch backend builds its CUDA graph pools and `torch.cuda.MemPool`s from them, and
+//! keeps only torch's side (which pool a capture routes to, streams recorded for blocks,
+//! checkpoints as saved tables).
+
+use std::alloc::Layout;
+use std::ffi::{c_int, c_void};
+use std::ptr::NonNull;
+
+use mr::suballoc::{BlockEntry, SegmentPool, SegmentPoolConfig};
+use mr::{Device, Error, Resource, StreamRef, SyncResource};
+
+use crate::stack::DeviceStack;
+use crate::{Failure, MEMRES_OK, allocate_on, deallocate_on, guarded, stack};
+
+/// `flags`: each block is a segment of its own (`MemPool(no_split=True)`).
+pub const MEMRES_SEGMENTS_NO_SPLIT: c_int = 1;
+/// `flags`: requests of 1 to 10 MiB get 20 MiB segments (PyTorch's user `MemPool`s).
+pub const MEMRES_SEGMENTS_MEDIUM: c_int = 2;
+
+const MIB: usize = 1 << 20;
+
+/// Another allocator's segment allocation: a segment of `size` bytes for `stream`, or
+/// null (its reason the caller's to keep).
+#[allow(non_camel_case_types)]
+pub type memres_segment_alloc_fn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, size: usize, stream: *mut c_void) -> *mut c_void>;
+/// Another allocator's segment free.
+#[allow(non_camel_case_types)]
+pub type memres_segment_free_fn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, size: usize)>;
+
+/// One block of a segment pool's table (the header's `memres_block_t`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub struct memres_block_t {
+    /// The segment's first address.
+    pub segment: u64,
+    /// The segment's size in bytes.
+    pub segment_size: u64,
+    /// The block's offset in its segment.
+    pub offset: u64,
+    /// The block's size in bytes.
+    pub size: u64,
+    /// The stream the segment belongs to (its raw handle).
+    pub stream: *mut c_void,
+    /// 1 when handed out, 0 when free.
+    pub allocated: i32,
+    /// Zero.
+    pub reserved: i32,
+}
+
+/// Where a segment pool's segments come from.
+pub(crate) enum Source {
+    /// The device's stack, as `memres_malloc` (counted in its figures).
+    Stack(&'static DeviceStack),
+    /// Another allocator's functions (a `MemPool(allocator)`'s).
+    Foreign {
+        alloc: unsafe extern "C" fn(*mut c_void, usize, *mut c_void) -> *mut c_void,
+        free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+        ctx: *mut c_void,
+    },
+}
+
+// SAFETY: `ctx` is the caller's, who promises (`memres_segment_pool_new`) that the
+// functions may be called with it from any thread.
+unsafe impl Send for Source {}
+// SAFETY: as above.
+unsafe impl Sync for Source {}
+
+impl PartialEq for Source {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+// SAFETY: device memory of the stack (whose contract the stack keeps) or of another
+// allocator, whose functions the caller vouches for (`memres_segment_pool_new`); a
+// segment goes back to the source it came from.
+unsafe impl SyncResource for Source {
+    type Properties = Device;
+
+    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
+        self.allocate(StreamRef::DEFAULT, layout)
+    }
+
+    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller's promise; the default stream comes after the legacy work.
+        unsafe { self.deallocate(StreamRef::DEFAULT, ptr, layout) }
+    }
+}
+
+// SAFETY: as above.
+unsafe impl Resource for Source {
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        match *self {
+            Source::Stack(stack) => allocate_on(stack, stream, layout),
+            Source::Foreign { alloc, ctx, .. } => {
+                let raw = stream.as_raw().unwrap_or(std::ptr::null_mut());
+                // SAFETY: the caller's functions and context (`memres_segment_pool_new`).
+                let ptr = unsafe { alloc(ctx, layout.size(), raw.cast()) };
+                NonNull::new(ptr.cast()).ok_or(Error::out_of_memory(layout.size()))
+            }
+        }
+    }
+
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        match *self {
+            // SAFETY: the caller's promise: from `allocate_on` with `layout`, ordered.
+            Source::Stack(stack) => unsafe { deallocate_on(stack, stream, ptr, layout) },
+            // SAFETY: from `alloc` with this size (the foreign allocator frees it in its
+            // own order, as torch's `raw_delete` does).
+            Source::Foreign { free, ctx, .. } => unsafe {
+                free(ctx, ptr.as_ptr().cast(), layout.size())
+            },
+        }
+    }
+}
+
+/// A segment pool of the C ABI (the header's opaque `memres_segment_pool_t`).
+pub struct SegmentPoolHandle {
+    pool: SegmentPool<Source>,
+}
+
+/// A segment pool on `device` (flags: `MEMRES_SEGMENTS_*`): with `alloc` null, its
+/// segments come from the device's stack (counted as `memres_malloc` blocks), else from
+/// `alloc(ctx, size, stream)` and go back to `free(ctx, ptr, size)`. 512-byte blocks in
+/// 2 MiB-rounded segments. Null on failure (`memres_last_error`).
+///
+/// # Safety
+/// `alloc` and `free` are both null or both functions that may be called with `ctx` from
+/// any thread while the pool lives: `alloc` gives device memory of `device` of the size
+/// asked for, or null; `free` takes back what `alloc` gave.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_new(
+    device: c_int,
+    flags: c_int,
+    alloc: memres_segment_alloc_fn,
+    free: memres_segment_free_fn,
+    ctx: *mut c_void,
+) -> *mut SegmentPoolHandle {
+    guarded(
+        |_| std::ptr::null_mut(),
+        || {
+            if flags & !(MEMRES_SEGMENTS_NO_SPLIT | MEMRES_SEGMENTS_MEDIUM) != 0 {
+                return Err(Failure::invalid(format!(
+                    "memres_segment_pool_new: unknown flags {flags:#x}"
+                )));
+            }
+            let source = match (alloc, free) {
+                (None, None) => Source::Stack(stack(device)?),
+                (Some(alloc), Some(free)) => Source::Foreign { alloc, free, ctx },
+                _ => {
+                    return Err(Failure::invalid(
+                        "memres_segment_pool_new: alloc and free are both given or both null",
+                    ));
+                }
+            };
+            let mut config =
+                SegmentPoolConfig::new().no_split(flags & MEMRES_SEGMENTS_NO_SPLIT != 0);
+            if flags & MEMRES_SEGMENTS_MEDIUM != 0 {
+                config = config.medium_segments(MIB, 10 * MIB, 20 * MIB);
+            }
+            let pool = SegmentPool::new(source, config)?;
+            Ok(Box::into_raw(Box::new(SegmentPoolHandle { pool })))
+        },
+    )
+}
+
+/// The pool behind a handle, or a failure naming the call for null.
+///
+/// # Safety
+/// `pool` is null or from `memres_segment_pool_new`, not destroyed.
+unsafe fn handle<'a>(
+    pool: *mut SegmentPoolHandle,
+    what: &str,
+) -> Result<&'a SegmentPool<Source>, Failure> {
+    // SAFETY: the caller's promise.
+    unsafe { pool.as_ref() }
+        .map(|h| &h.pool)
+        .ok_or_else(|| Failure::invalid(format!("{what}: the pool is null")))
+}
+
+/// A block of `size` bytes for `stream`: the smallest free block of the pool's segments
+/// for that stream that fits, else (`may_grow` nonzero) a new segment. Null, with
+/// `memres_last_error`, when there is none (out of memory, or `size` 0 or negative).
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; `stream` is a live stream of
+/// the pool's device (or a default-stream handle) that stays live while the pool holds a
+/// segment taken for it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_malloc(
+    pool: *mut SegmentPoolHandle,
+    size: usize,
+    stream: *mut c_void,
+    may_grow: c_int,
+) -> *mut c_void {
+    guarded(
+        |_| std::ptr::null_mut(),
+        || {
+            // SAFETY: the caller's promise.
+            let pool = unsafe { handle(pool, "memres_segment_pool_malloc") }?;
+            if size == 0 {
+                return Err(Failure::invalid("memres_segment_pool_malloc: a size of 0"));
+            }
+            let layout = mr::layout(size)?;
+            // SAFETY: the caller's promise about `stream`.
+            let stream = unsafe { StreamRef::from_raw(stream.cast()) };
+            let ptr = if may_grow != 0 {
+                pool.allocate(stream, layout)?
+            } else {
+                pool.allocate_from_free(stream, layout)?
+            };
+            Ok(ptr.as_ptr().cast())
+        },
+    )
+}
+
+/// Frees the block at `ptr`, merging it with its free neighbours: `MEMRES_OK`, or
+/// `MEMRES_ERROR_INVALID_ARGUMENT` (nothing freed) where `ptr` is not the start of a live
+/// block of the pool.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; every use of the block is
+/// ordered before this point on its segment's stream, or complete.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_free(
+    pool: *mut SegmentPoolHandle,
+    ptr: *mut c_void,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            // SAFETY: the caller's promise.
+            let pool = unsafe { handle(pool, "memres_segment_pool_free") }?;
+            let ptr = NonNull::new(ptr.cast())
+                .ok_or_else(|| Failure::invalid("memres_segment_pool_free: a null pointer"))?;
+            // SAFETY: the caller's promise about the block's uses.
+            unsafe { pool.release(ptr) }
+                .map_err(|e| Failure::from(e).within("memres_segment_pool_free"))?;
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Writes the pool's table (each segment's blocks in address order, segments in the
+/// order they were taken) into `out`, at most `capacity` entries (`out` may be null with
+/// `capacity` 0), and returns how many there are, or a negative code.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; `out` is null or has room
+/// for `capacity` entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_blocks(
+    pool: *mut SegmentPoolHandle,
+    out: *mut memres_block_t,
+    capacity: usize,
+) -> i64 {
+    guarded(i64::from, || {
+        // SAFETY: the caller's promise.
+        let pool = unsafe { handle(pool, "memres_segment_pool_blocks") }?;
+        let blocks = pool.blocks();
+        if !out.is_null() {
+            let mut stream = (usize::MAX, std::ptr::null_mut());
+            for (i, entry) in blocks.iter().take(capacity).enumerate() {
+                if stream.0 != entry.segment {
+                    let raw = pool.segment_of(entry.segment).and_then(|(_, _, s)| s);
+                    stream = (entry.segment, raw.unwrap_or(0) as *mut c_void);
+                }
+                let block = memres_block_t {
+                    segment: entry.segment as u64,
+                    segment_size: entry.segment_size as u64,
+                    offset: entry.offset as u64,
+                    size: entry.size as u64,
+                    stream: stream.1,
+                    allocated: i32::from(entry.allocated),
+                    reserved: 0,
+                };
+                // SAFETY: `i` is below `capacity`, which `out` has room for.
+                unsafe { out.add(i).write(block) };
+            }
+        }
+        Ok(blocks.len() as i64)
+    })
+}
+
+/// Puts back a table `memres_segment_pool_blocks` wrote (`count` entries): every block
+/// live now is freed, the table's blocks laid out again in their segments, its allocated
+/// blocks live. `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` with nothing changed for
+/// a table naming a segment the pool no longer holds or whose blocks do not tile their
+/// segments.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; `blocks` has `count` entries
+/// (or is null with `count` 0); the blocks live now are no longer used, and the table's
+/// allocated blocks are again their owners'.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_restore(
+    pool: *mut SegmentPoolHandle,
+    blocks: *const memres_block_t,
+    count: usize,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            // SAFETY: the caller's promise.
+            let pool = unsafe { handle(pool, "memres_segment_pool_restore") }?;
+            let table: &[memres_block_t] = if count == 0 {
+                &[]
+            } else if blocks.is_null() {
+                return Err(Failure::invalid(
+                    "memres_segment_pool_restore: a null table",
+                ));
+            } else {
+                // SAFETY: `count` entries (the caller's promise).
+                unsafe { std::slice::from_raw_parts(blocks, count) }
+            };
+            let entries: Vec<BlockEntry> = table
+                .iter()
+                .map(|b| BlockEntry {
+                    segment: b.segment as usize,
+                    segment_size: b.segment_size as usize,
+                    offset: b.offset as usize,
+                    size: b.size as usize,
+                    allocated: b.allocated != 0,
+                })
+                .collect();
+            // SAFETY: the caller's promise about the blocks live now and the table's.
+            unsafe { pool.restore(&entries) }
+                .map_err(|e| Failure::from(e).within("memres_segment_pool_restore"))?;
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Gives every wholly free segment back to where it came from, freed on `stream`; the
+/// bytes given back, or a negative code.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; every use of those
+/// segments' memory is ordered before this point on `stream`, or complete (wait for the
+/// device first: graph replays may have used them on any stream).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_release_free(
+    pool: *mut SegmentPoolHandle,
+    stream: *mut c_void,
+) -> i64 {
+    guarded(i64::from, || {
+        // SAFETY: the caller's promise.
+        let pool = unsafe { handle(pool, "memres_segment_pool_release_free") }?;
+        // SAFETY: the caller's promise about `stream` and the segments' uses.
+        let bytes = unsafe { pool.release_free_segments(StreamRef::from_raw(stream.cast())) };
+        Ok(bytes as i64)
+    })
+}
+
+/// Destroys the pool, giving every segment back (each freed on its own stream). Null is
+/// ignored.
+///
+/// # Safety
+/// `pool` is null or from `memres_segment_pool_new`, not destroyed; no block of it is
+/// used any more.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_destroy(pool: *mut SegmentPoolHandle) {
+    guarded(
+        |_| (),
+        || {
+            if !pool.is_null() {
+                // SAFETY: from `Box::into_raw` in `memres_segment_pool_new` (the caller's
+                // promise), destroyed once.
+                drop(unsafe { Box::from_raw(pool) });
+            }
+            Ok(())
+        },
+    )
+}
