@@ -241,7 +241,8 @@ int memres_is_asleep(int device, const char* tag);
  * memres_segment_pool_free frees a block (every use ordered before on its segment's
  * stream); MEMRES_ERROR_INVALID_ARGUMENT, nothing freed, for what is not a live block.
  * memres_segment_pool_blocks writes the table (at most capacity entries; out may be
- * NULL) and returns its length; memres_segment_pool_restore puts such a table back in
+ * NULL) and returns its length; memres_segment_pool_segment_of writes the first address,
+ * size and stream of the segment holding ptr and returns 1 (0 when none does); memres_segment_pool_restore puts such a table back in
  * place (the blocks live before freed), refusing one that names a segment the pool no
  * longer holds or does not tile its segments. memres_segment_pool_release_free gives
  * wholly free segments back, freed on stream (wait for the device first), and returns
@@ -264,6 +265,7 @@ memres_segment_pool_t* memres_segment_pool_new(int device, int flags, memres_seg
 void* memres_segment_pool_malloc(memres_segment_pool_t* pool, size_t size, void* stream, int may_grow);
 int memres_segment_pool_free(memres_segment_pool_t* pool, void* ptr);
 int64_t memres_segment_pool_blocks(memres_segment_pool_t* pool, memres_block_t* out, size_t capacity);
+int memres_segment_pool_segment_of(memres_segment_pool_t* pool, const void* ptr, uint64_t* base, uint64_t* size, void** stream);
 int memres_segment_pool_restore(memres_segment_pool_t* pool, const memres_block_t* blocks, size_t count);
 int64_t memres_segment_pool_release_free(memres_segment_pool_t* pool, void* stream);
 void memres_segment_pool_destroy(memres_segment_pool_t* pool);

@@ -30,6 +30,7 @@ pub use segment_pools::{
     memres_segment_alloc_fn, memres_segment_free_fn, memres_segment_pool_blocks,
     memres_segment_pool_destroy, memres_segment_pool_free, memres_segment_pool_malloc,
     memres_segment_pool_new, memres_segment_pool_release_free, memres_segment_pool_restore,
+    memres_segment_pool_segment_of,
 };
 pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};
 

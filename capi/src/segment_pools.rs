@@ -287,6 +287,46 @@ pub unsafe extern "C" fn memres_segment_pool_blocks(
     })
 }
 
+/// The segment of the pool holding `ptr`: writes its first address, size and stream and
+/// returns 1; 0 (nothing written) when no segment of the pool holds `ptr`; a negative
+/// code on failure.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; `base`, `size` and `stream`
+/// are each null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_segment_of(
+    pool: *mut SegmentPoolHandle,
+    ptr: *const c_void,
+    base: *mut u64,
+    size: *mut u64,
+    stream: *mut *mut c_void,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            // SAFETY: the caller's promise.
+            let pool = unsafe { handle(pool, "memres_segment_pool_segment_of") }?;
+            let Some((first, bytes, raw)) = pool.segment_of(ptr as usize) else {
+                return Ok(0);
+            };
+            // SAFETY: each is null or writable (the caller's promise).
+            unsafe {
+                if let Some(base) = base.as_mut() {
+                    *base = first as u64;
+                }
+                if let Some(size) = size.as_mut() {
+                    *size = bytes as u64;
+                }
+                if let Some(stream) = stream.as_mut() {
+                    *stream = raw.unwrap_or(0) as *mut c_void;
+                }
+            }
+            Ok(1)
+        },
+    )
+}
+
 /// Puts back a table `memres_segment_pool_blocks` wrote (`count` entries): every block
 /// live now is freed, the table's blocks laid out again in their segments, its allocated
 /// blocks live. `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` with nothing changed for

@@ -933,7 +933,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 30, "{rust:#?}");
+    assert_eq!(rust.len(), 31, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -1921,6 +1921,20 @@ fn segment_pools_over_another_allocator_split_restore_and_give_back() {
         let a = memres_segment_pool_malloc(pool, 3 << 20, s, 1);
         let b = memres_segment_pool_malloc(pool, 1000, s, 1);
         assert_eq!(b as usize - a as usize, 3 << 20);
+        let (mut base, mut size, mut stream) = (0u64, 0u64, std::ptr::dangling_mut());
+        assert_eq!(
+            memres_segment_pool_segment_of(pool, b, &mut base, &mut size, &mut stream),
+            1
+        );
+        assert_eq!(
+            (base, size, stream),
+            (a as u64, 20 << 20, std::ptr::null_mut())
+        );
+        let outside = (a as usize + (20 << 20)) as *const c_void;
+        assert_eq!(
+            memres_segment_pool_segment_of(pool, outside, &mut base, &mut size, &mut stream),
+            0
+        );
         assert_eq!(
             *SEGMENT_LOG.lock().unwrap(),
             [(true, 20 << 20)],
