@@ -59,6 +59,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -581,23 +582,14 @@ void set_all(StatArray& array, const Stat& value) {
 
 // ---- Private pools for CUDA graphs -------------------------------------------------
 
-constexpr size_t kBlockRounding = 512;
-constexpr size_t kSegmentRounding = size_t{2} << 20;
-constexpr size_t kSmallRequest = size_t{1} << 20;
-constexpr size_t kMediumRequest = size_t{10} << 20;
-constexpr size_t kMediumSegment = size_t{20} << 20;
-
-size_t round_up(size_t n, size_t to) {
-  return (n + to - 1) / to * to;
-}
-
 struct Block {
   size_t size = 0;
   bool allocated = false;
 };
 
-// One allocation from memres, cut into blocks; blocks of one segment are used in the
-// order of the stream it was taken on (as PyTorch's own private pools do).
+// A segment of a graph or MemPool pool as memres's table lists it
+// (memres_segment_pool_blocks): blocks of one segment are used in the order of the stream
+// it was taken on (as PyTorch's own private pools do).
 struct Segment {
   char* base = nullptr;
   size_t size = 0;
@@ -605,12 +597,17 @@ struct Segment {
   std::map<size_t, Block> blocks;  // by offset; they tile the segment
 };
 
-// A pool's block tables, for torch's cudagraph trees to restore later.
+// A pool's table, for torch's cudagraph trees to restore later.
 struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
   c10::DeviceIndex device = 0;
   c10::MempoolId_t id{0, 0};
-  std::vector<std::pair<const Segment*, std::map<size_t, Block>>> layouts;
+  std::vector<memres_block_t> table;
 };
+
+// An exception the allocator of a MemPool(allocator) threw while memres asked it for a
+// segment: memres gets a null (no exception crosses into memres), the backend throws it
+// again once memres returns.
+thread_local std::exception_ptr t_source_exception;
 
 // A freed block of a graph pool that other streams used (Tensor.record_stream): it goes
 // back to its pool once events recorded on those streams complete. Freed while a capture
@@ -686,7 +683,6 @@ bool ancestors(const std::vector<cudaGraphNode_t>& from, std::unordered_set<cuda
 struct PrivatePool {
   c10::DeviceIndex device = 0;
   int use_count = 0;
-  size_t live_blocks = 0;
   // MemPool(use_on_oom=True): other allocations may take its free blocks when memres
   // runs out. MemPool(no_split=True): a block is handed out whole, never split.
   bool use_on_oom = false;
@@ -698,7 +694,14 @@ struct PrivatePool {
   // MemPool(allocator): the allocator its segments come from and go back to (vLLM's
   // CuMemAllocator, NCCL's, any CUDAPluggableAllocator); null: memres.
   std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> source;
-  std::vector<std::unique_ptr<Segment>> segments;
+  // memres's segment pool holding the blocks (memres_segment_pool_*), made on the first
+  // allocation with the flags and source set by then.
+  struct Destroy {
+    void operator()(memres_segment_pool_t* p) const {
+      memres_segment_pool_destroy(p);
+    }
+  };
+  std::unique_ptr<memres_segment_pool_t, Destroy> table;
   // Streams recorded for live blocks, and freed blocks waiting for them.
   std::unordered_map<void*, std::vector<cudaStream_t>> recorded;
   std::vector<Pending> pending;
@@ -777,9 +780,9 @@ struct PrivatePool {
     std::unordered_set<cudaGraphNode_t> before;  // the frontier and its ancestors, once
     bool known = ancestors(frontier, &before);
     for (auto it = pending.begin(); it != pending.end();) {
-      const Segment* seg = segment_of(it->ptr);
+      auto seg = segment_of(it->ptr);
       bool ordered = known && it->in_capture && it->capture == capture && it->events.empty() &&
-          seg != nullptr && seg->stream == stream;
+          seg.has_value() && seg->stream == stream;
       for (size_t i = 0; ordered && i < it->after.size(); ++i) {
         ordered = before.count(it->after[i]) != 0;
       }
@@ -819,109 +822,117 @@ struct PrivatePool {
     pending.clear();
   }
 
+  // memres's segment pool of this pool, made on first use; null on failure (memres's last
+  // error says why).
+  memres_segment_pool_t* blocks_table() {
+    if (table == nullptr) {
+      int flags = (no_split ? MEMRES_SEGMENTS_NO_SPLIT : 0) | (user_pool ? MEMRES_SEGMENTS_MEDIUM : 0);
+      table.reset(
+          source == nullptr
+              ? memres_segment_pool_new(device, flags, nullptr, nullptr, nullptr)
+              : memres_segment_pool_new(device, flags, &source_alloc, &source_free, this));
+    }
+    return table.get();
+  }
+
+  // MemPool(allocator)'s segments: from its allocator, within the memory fraction (which
+  // counts what other allocators' pools hold, as torch's does). Its failure is torch's
+  // exception with its message, thrown again once memres returns; a null without one is
+  // out of memory.
+  static void* source_alloc(void* ctx, size_t size, void* stream) {
+    auto* pool = static_cast<PrivatePool*>(ctx);
+    if (!reserve_foreign(pool->device, size)) {
+      t_pool_failure = "out of memory: " + torch_size(size) +
+          " more for a MemPool would pass the memory fraction's bound";
+      return nullptr;
+    }
+    void* base = nullptr;
+    try {
+      base = pool->source->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+    } catch (...) {
+      release_foreign(pool->device, size);
+      t_source_exception = std::current_exception();
+      return nullptr;
+    }
+    if (base == nullptr) {
+      release_foreign(pool->device, size);
+      t_pool_failure = "out of memory: the MemPool's own allocator (" + pool->source->name() +
+          ") returned no memory for " + torch_size(size);
+    }
+    return base;
+  }
+
+  static void source_free(void* ctx, void* ptr, size_t size) {
+    auto* pool = static_cast<PrivatePool*>(ctx);
+    try {
+      pool->source->raw_delete(ptr);
+    } catch (...) {
+      // Nothing may cross into memres: the allocator keeps what it could not free.
+    }
+    release_foreign(pool->device, size);
+  }
+
   // A block of `size` bytes for `stream`: the best fit among its segments' free blocks,
-  // else (`may_grow`) a new segment from memres. nullptr when there is none (memres's
-  // last error says why when it ran out).
+  // else (`may_grow`) a new segment (memres_segment_pool_malloc). nullptr when there is
+  // none (memres's last error, or t_pool_failure for a MemPool's allocator, says why).
   void* allocate(size_t size, cudaStream_t stream, bool may_grow = true) {
-    size = round_up(std::max<size_t>(size, 1), kBlockRounding);
-    Segment* best_segment = nullptr;
-    size_t best_offset = 0;
-    size_t best_size = SIZE_MAX;
-    for (auto& seg : segments) {
-      if (seg->stream != stream) {
-        continue;
-      }
-      for (auto& [offset, block] : seg->blocks) {
-        if (!block.allocated && block.size >= size && block.size < best_size) {
-          best_segment = seg.get();
-          best_offset = offset;
-          best_size = block.size;
-        }
-      }
+    memres_segment_pool_t* pool = blocks_table();
+    if (pool == nullptr) {
+      return nullptr;
     }
-    if (best_segment == nullptr) {
-      if (!may_grow) {
-        return nullptr;
-      }
-      size_t seg_size = no_split ? size : round_up(size, kSegmentRounding);
-      if (!no_split && user_pool && size > kSmallRequest && size < kMediumRequest) {
-        seg_size = kMediumSegment;
-      }
-      void* base = nullptr;
-      if (source != nullptr) {
-        // The pool's own allocator, within the memory fraction (which counts what other
-        // allocators' pools hold, as torch's does): its failure is torch's exception
-        // with its message; a null without one is out of memory.
-        if (!reserve_foreign(device, seg_size)) {
-          t_pool_failure = "out of memory: " + torch_size(seg_size) +
-              " more for a MemPool would pass the memory fraction's bound";
-          return nullptr;
-        }
-        try {
-          base = source->raw_alloc_with_stream(seg_size, stream);
-        } catch (...) {
-          release_foreign(device, seg_size);
-          throw;
-        }
-        if (base == nullptr) {
-          release_foreign(device, seg_size);
-          t_pool_failure = "out of memory: the MemPool's own allocator (" + source->name() +
-              ") returned no memory for " + torch_size(seg_size);
-          return nullptr;
-        }
-      } else {
-        base = memres_malloc(static_cast<ssize_t>(seg_size), device, stream);
-      }
-      if (base == nullptr) {
-        return nullptr;
-      }
-      auto seg = std::make_unique<Segment>();
-      seg->base = static_cast<char*>(base);
-      seg->size = seg_size;
-      seg->stream = stream;
-      seg->blocks[0] = Block{seg_size, false};
-      best_segment = seg.get();
-      best_offset = 0;
-      segments.push_back(std::move(seg));
+    t_source_exception = nullptr;
+    void* ptr = memres_segment_pool_malloc(pool, std::max<size_t>(size, 1), stream, may_grow ? 1 : 0);
+    if (ptr == nullptr && t_source_exception != nullptr) {
+      std::exception_ptr thrown = std::exchange(t_source_exception, nullptr);
+      std::rethrow_exception(thrown);
     }
-    Block& block = best_segment->blocks[best_offset];
-    if (!no_split && block.size - size >= kBlockRounding) {
-      best_segment->blocks[best_offset + size] = Block{block.size - size, false};
-      block.size = size;
-    }
-    block.allocated = true;
-    ++live_blocks;
-    return best_segment->base + best_offset;
+    return ptr;
   }
 
   // Frees the block at `ptr` if it is one of this pool's, merging it with free neighbours.
   bool free(void* ptr) {
-    for (auto& seg : segments) {
-      char* p = static_cast<char*>(ptr);
-      if (p < seg->base || p >= seg->base + seg->size) {
-        continue;
-      }
-      auto it = seg->blocks.find(static_cast<size_t>(p - seg->base));
-      if (it == seg->blocks.end() || !it->second.allocated) {
-        return false;
-      }
-      it->second.allocated = false;
-      --live_blocks;
-      auto next = std::next(it);
-      if (next != seg->blocks.end() && !next->second.allocated) {
-        it->second.size += next->second.size;
-        seg->blocks.erase(next);
-      }
-      if (it != seg->blocks.begin()) {
-        auto prev = std::prev(it);
-        if (!prev->second.allocated) {
-          prev->second.size += it->second.size;
-          seg->blocks.erase(it);
-        }
-      }
-      return true;
+    return table != nullptr && memres_segment_pool_free(table.get(), ptr) == MEMRES_OK;
+  }
+
+  // The table memres keeps: every block of every segment.
+  std::vector<memres_block_t> entries() const {
+    std::vector<memres_block_t> out;
+    if (table == nullptr) {
+      return out;
     }
-    return false;
+    int64_t n = memres_segment_pool_blocks(table.get(), nullptr, 0);
+    if (n > 0) {
+      out.resize(static_cast<size_t>(n));
+      n = memres_segment_pool_blocks(table.get(), out.data(), out.size());
+      out.resize(static_cast<size_t>(std::max<int64_t>(n, 0)));
+    }
+    return out;
+  }
+
+  // The segments with their blocks, in the order they were taken.
+  std::vector<Segment> segments() const {
+    std::vector<Segment> out;
+    for (const memres_block_t& b : entries()) {
+      char* base = reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment));
+      if (out.empty() || out.back().base != base) {
+        out.push_back(Segment{base, static_cast<size_t>(b.segment_size), static_cast<cudaStream_t>(b.stream), {}});
+      }
+      out.back().blocks[static_cast<size_t>(b.offset)] = Block{static_cast<size_t>(b.size), b.allocated != 0};
+    }
+    return out;
+  }
+
+  // The blocks handed out and not freed.
+  size_t live_blocks() const {
+    size_t n = 0;
+    for (const memres_block_t& b : entries()) {
+      n += b.allocated != 0 ? 1 : 0;
+    }
+    return n;
+  }
+
+  bool has_segments() const {
+    return table != nullptr && memres_segment_pool_blocks(table.get(), nullptr, 0) > 0;
   }
 
   // The blocks handed out and not freed (pending blocks are freed: their tensors are
@@ -932,58 +943,42 @@ struct PrivatePool {
       waiting.insert(p.ptr);
     }
     std::vector<void*> out;
-    for (const auto& seg : segments) {
-      for (const auto& [offset, block] : seg->blocks) {
-        if (block.allocated && waiting.count(seg->base + offset) == 0) {
-          out.push_back(seg->base + offset);
-        }
+    for (const memres_block_t& b : entries()) {
+      void* ptr = reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment + b.offset));
+      if (b.allocated != 0 && waiting.count(ptr) == 0) {
+        out.push_back(ptr);
       }
     }
     return out;
   }
 
-  // The segment stream of the block at `ptr` (nullptr if none).
-  const Segment* segment_of(void* ptr) const {
-    char* p = static_cast<char*>(ptr);
-    for (const auto& seg : segments) {
-      if (p >= seg->base && p < seg->base + seg->size) {
-        return seg.get();
-      }
+  // The segment holding `ptr` (no blocks listed), if the pool has it.
+  std::optional<Segment> segment_of(void* ptr) const {
+    uint64_t base = 0;
+    uint64_t size = 0;
+    void* stream = nullptr;
+    if (table == nullptr || memres_segment_pool_segment_of(table.get(), ptr, &base, &size, &stream) != 1) {
+      return std::nullopt;
     }
-    return nullptr;
+    return Segment{
+        reinterpret_cast<char*>(static_cast<uintptr_t>(base)), static_cast<size_t>(size),
+        static_cast<cudaStream_t>(stream), {}};
   }
 
-  // Gives every segment back to memres. The caller has waited for the device: graph
-  // replays that wrote these segments may have run on any stream.
-  // Gives back the segments with no allocated block (the device's work on them done).
+  // Gives back the segments with no allocated block. The caller has waited for the
+  // device: graph replays that wrote these segments may have run on any stream.
   void release_free_segments() {
-    for (auto it = segments.begin(); it != segments.end();) {
-      const Segment& seg = **it;
-      bool free = seg.blocks.size() == 1 && !seg.blocks.begin()->second.allocated;
-      if (!free) {
-        ++it;
-        continue;
-      }
-      if (source != nullptr) {
-        source->raw_delete(seg.base);
-        release_foreign(device, seg.size);
-      } else {
-        memres_free(seg.base, static_cast<ssize_t>(seg.size), device, nullptr);
-      }
-      it = segments.erase(it);
+    if (table != nullptr) {
+      (void)memres_segment_pool_release_free(table.get(), nullptr);
     }
   }
 
+  // Gives every segment back (the pool goes; the caller has waited for the device, and no
+  // block is live). They are freed on the default stream first, as the free ones are: a
+  // stream a segment was taken for may be gone by now.
   void release_segments() {
-    for (auto& seg : segments) {
-      if (source != nullptr) {
-        source->raw_delete(seg->base);
-        release_foreign(device, seg->size);
-      } else {
-        memres_free(seg->base, static_cast<ssize_t>(seg->size), device, nullptr);
-      }
-    }
-    segments.clear();
+    release_free_segments();
+    table.reset();
   }
 };
 
@@ -1116,9 +1111,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     PrivatePool& pool = it->second;
     pool.user_pool = id.first == 0;
     TORCH_CHECK_VALUE(
-        made || pool.source == source || pool.segments.empty(),
+        made || pool.source == source || !pool.has_segments(),
         "memres: a memory pool used again with another allocator");
-    if (pool.segments.empty()) {
+    if (!pool.has_segments() && pool.source != source) {
+      pool.release_segments();  // memres's pool is made again over the new source
       pool.source = std::move(source);
     }
     pool.device = device;
@@ -1194,9 +1190,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     auto state = std::make_shared<PoolCheckpoint>();
     state->device = device;
     state->id = id;
-    for (const auto& seg : it->second.segments) {
-      state->layouts.emplace_back(seg.get(), seg->blocks);
-    }
+    state->table = it->second.entries();
     return state;
   }
 
@@ -1226,32 +1220,25 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         pool.wait_pending();
       }
       pool.captured_in.clear();
+      // memres lays the checkpoint's table out again in the pool's segments (a table
+      // naming a segment the pool gave back is refused, nothing changed).
+      if (!state->table.empty() || pool.table != nullptr) {
+        memres_segment_pool_t* table = pool.blocks_table();
+        TORCH_CHECK(
+            table != nullptr &&
+                memres_segment_pool_restore(table, state->table.data(), state->table.size()) == MEMRES_OK,
+            "memres: cannot restore a graph pool's checkpoint: ",
+            memres_last_error());
+      }
       for (void* ptr : freed) {
         private_blocks_.erase(ptr);
       }
-      private_count_.store(private_blocks_.size(), std::memory_order_release);
-      for (auto& seg : pool.segments) {
-        seg->blocks.clear();
-        seg->blocks[0] = Block{seg->size, false};
-      }
-      pool.live_blocks = 0;
-      for (const auto& [seg_ptr, layout] : state->layouts) {
-        Segment* seg = nullptr;
-        for (auto& s : pool.segments) {
-          if (s.get() == seg_ptr) {
-            seg = s.get();
-          }
-        }
-        TORCH_CHECK(seg != nullptr, "memres: a checkpoint's segment is gone from its pool");
-        seg->blocks = layout;
-        for (const auto& [offset, block] : layout) {
-          if (block.allocated) {
-            void* ptr = seg->base + offset;
-            ++pool.live_blocks;
-            private_blocks_[ptr] = state->id;
-            delta.dataptrs_allocd.emplace_back(
-                ptr, ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
-          }
+      for (const memres_block_t& b : state->table) {
+        if (b.allocated != 0) {
+          void* ptr = reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment + b.offset));
+          private_blocks_[ptr] = state->id;
+          delta.dataptrs_allocd.emplace_back(
+              ptr, ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
         }
       }
       private_count_.store(private_blocks_.size(), std::memory_order_release);
@@ -1264,12 +1251,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         for (void* ptr : freed) {
           allocation_metadata_.erase(ptr);
         }
-        for (const auto& [seg_ptr, layout] : state->layouts) {
-          for (const auto& [offset, block] : layout) {
-            if (block.allocated) {
-              allocation_metadata_.insert_or_assign(
-                  seg_ptr->base + offset, allocation_metadata(block.size, device, seg_ptr->stream));
-            }
+        for (const memres_block_t& b : state->table) {
+          if (b.allocated != 0) {
+            allocation_metadata_.insert_or_assign(
+                reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment + b.offset)),
+                allocation_metadata(static_cast<size_t>(b.size), device, static_cast<cudaStream_t>(b.stream)));
           }
         }
       }
@@ -1313,9 +1299,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         if (rec != pool.recorded.end()) {
           // Used on other streams: held until their work (at this point) completes.
           Pending held{ptr, std::move(rec->second), {}, {}, false, 0};
-          const Segment* seg = pool.segment_of(ptr);
+          auto seg = pool.segment_of(ptr);
           auto made = pool.captured_in.find(ptr);
-          if (is_capturing(pool.device) && seg != nullptr && made != pool.captured_in.end()) {
+          if (is_capturing(pool.device) && seg.has_value() && made != pool.captured_in.end()) {
             // Inside the capture that made the block no event can say when that work is
             // done, but the graph can: note where each stream's captured work has
             // reached. Every stream must be in that same capture (a stream outside it,
@@ -1482,8 +1468,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       std::lock_guard<std::mutex> lock(pools_mutex_);
       auto it = pools_.find(id);
       if (it != pools_.end()) {
-        for (const auto& seg : it->second.segments) {
-          out.segments.push_back(private_segment(it->second, *seg, id));
+        for (const Segment& seg : it->second.segments()) {
+          out.segments.push_back(private_segment(it->second, seg, id));
         }
       }
     }
@@ -1529,12 +1515,12 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         if (pool.device < 0 || pool.device >= kMaxDevices) {
           continue;
         }
-        for (const auto& seg : pool.segments) {
-          auto info = std::make_shared<SegmentInfo>(private_segment(pool, *seg, id));
+        for (const Segment& seg : pool.segments()) {
+          auto info = std::make_shared<SegmentInfo>(private_segment(pool, seg, id));
           if (pool.source != nullptr) {
             foreign.push_back(std::move(*info));
           } else {
-            live[pool.device][reinterpret_cast<size_t>(seg->base)] = Live{seg->size, seg->stream, nullptr, info};
+            live[pool.device][reinterpret_cast<size_t>(seg.base)] = Live{seg.size, seg.stream, nullptr, info};
           }
         }
       }
@@ -1655,8 +1641,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       std::lock_guard<std::mutex> lock(pools_mutex_);
       auto it = private_blocks_.find(ptr);
       if (it != private_blocks_.end()) {
-        const Segment* seg = pools_.at(it->second).segment_of(ptr);
-        TORCH_CHECK(seg != nullptr, "memres: a graph pool's block outside its segments");
+        auto seg = pools_.at(it->second).segment_of(ptr);
+        TORCH_CHECK(seg.has_value(), "memres: a graph pool's block outside its segments");
         block = seg->base;
         into = static_cast<size_t>(static_cast<char*>(ptr) - seg->base);
         size = seg->size;
@@ -1701,8 +1687,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       auto it = private_blocks_.find(ptr.get());
       if (it != private_blocks_.end()) {
         PrivatePool& pool = pools_.at(it->second);
-        const Segment* seg = pool.segment_of(ptr.get());
-        if (seg != nullptr && seg->stream != stream.stream()) {
+        auto seg = pool.segment_of(ptr.get());
+        if (seg.has_value() && seg->stream != stream.stream()) {
           auto& streams = pool.recorded[ptr.get()];
           if (std::find(streams.begin(), streams.end(), stream.stream()) == streams.end()) {
             streams.push_back(stream.stream());
@@ -1733,15 +1719,15 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (pool.device != device) {
         continue;
       }
-      for (const auto& seg : pool.segments) {
+      for (const Segment& seg : pool.segments()) {
         if (pool.source == nullptr) {
-          out.segment_bytes += static_cast<int64_t>(seg->size);
+          out.segment_bytes += static_cast<int64_t>(seg.size);
           ++out.segments;
         } else {
-          out.foreign_bytes += static_cast<int64_t>(seg->size);
+          out.foreign_bytes += static_cast<int64_t>(seg.size);
           ++out.foreign_segments;
         }
-        for (const auto& [offset, block] : seg->blocks) {
+        for (const auto& [offset, block] : seg.blocks) {
           if (block.allocated) {
             out.block_bytes += static_cast<int64_t>(block.size);
             ++out.blocks;
@@ -2006,11 +1992,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     bool waited = false;
     for (auto it = pools_.begin(); it != pools_.end();) {
       PrivatePool& pool = it->second;
-      if (pool.device != device || pool.use_count > 0 || pool.live_blocks > 0) {
+      if (pool.device != device || pool.use_count > 0 || pool.live_blocks() > 0) {
         ++it;
         continue;
       }
-      if (!pool.segments.empty() && !waited) {
+      if (pool.has_segments() && !waited) {
         c10::cuda::CUDAGuard guard(device);
         if (cudaDeviceSynchronize() != cudaSuccess) {
           (void)cudaGetLastError();
