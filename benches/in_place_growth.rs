@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use memres::{HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout};
+use memres::{HostVirtual, Resource, StreamRef, VirtualPool, VirtualPoolConfig, layout};
 
 const GRANULE: usize = 4096;
 const ALLOCATIONS: usize = 2_000;
@@ -23,7 +23,7 @@ fn main() {
 /// One round over a fresh pool: microseconds per allocation.
 fn round(reserve: usize) -> f64 {
     let leaf = HostVirtual::new(reserve, GRANULE).expect("address space to reserve");
-    let pool = Pool::in_place(leaf, PoolConfig::new()).expect("an in-place pool");
+    let pool = VirtualPool::new(leaf, VirtualPoolConfig::new()).expect("an in-place pool");
     let l = layout(3 * GRANULE).unwrap();
     let start = Instant::now();
     let blocks: Vec<_> = (0..ALLOCATIONS)

@@ -30,7 +30,8 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use memres::{
-    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout,
+    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef,
+    VirtualPoolConfig, layout,
 };
 
 /// Live heap bytes of the process (see "kib-per-stream").
@@ -115,7 +116,7 @@ fn main() {
             streams,
             || {
                 let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-                Box::new(leaf.pool_in_place(PoolConfig::new()).unwrap())
+                Box::new(leaf.virtual_pool(VirtualPoolConfig::new()).unwrap())
             },
             |_| 0,
         );

@@ -28,7 +28,7 @@
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
-use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig, VirtualPoolConfig};
 use memres::{Cuda, CudaAsync, CudaVirtual, HostHeap, HostVirtual, Resource, StreamRef};
 use memres_workloads::{self as workloads, Suite};
 
@@ -165,7 +165,7 @@ fn main() {
         adaptor_suites("pool", || pool().expect("Pool"), true, &want);
         if want("pool_in_place") {
             let in_place = CudaVirtual::new()
-                .and_then(|v| v.pool_in_place(PoolConfig::new().initial_size(16 << 30)))
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(16 << 30)))
                 .expect("an in-place pool");
             suite("pool_in_place", &in_place, true, false);
         }
@@ -179,7 +179,7 @@ fn main() {
                 footprints(name, &pool, &|| pool.pool_size(), &trim, true);
             }
             let in_place = CudaVirtual::new()
-                .and_then(|v| v.pool_in_place(PoolConfig::new()))
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
                 .expect("an in-place pool");
             let trim = || {
                 in_place.trim().expect("trim");
@@ -220,7 +220,7 @@ fn main() {
                 footprints(name, &pool, &|| pool.pool_size(), &trim, false);
             }
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
-                .and_then(|v| v.pool_in_place(PoolConfig::new()))
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
                 .expect("an in-place pool");
             let trim = || {
                 in_place.trim().expect("trim");
@@ -230,7 +230,7 @@ fn main() {
         }
         if want("pool_in_place[host]") {
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
-                .and_then(|v| v.pool_in_place(PoolConfig::new().initial_size(4 << 30)))
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(4 << 30)))
                 .expect("an in-place pool");
             suite("pool_in_place[host]", &in_place, false, false);
         }

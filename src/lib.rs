@@ -27,7 +27,7 @@
 //!
 //! | you want | use |
 //! | --- | --- |
-//! | least memory held (the C ABI's and Python's default) | a pool growing in place: `CudaVirtual::new()?.pool_in_place(PoolConfig::new())` |
+//! | least memory held (the C ABI's and Python's default) | a pool growing in place: `CudaVirtual::new()?.virtual_pool(VirtualPoolConfig::new())` |
 //! | the fastest general pool over `cuMemAlloc` | `Pool::new(Cuda::new()?, PoolConfig::new())` |
 //! | a fixed amount up front, many threads | [`Arena`] |
 //! | many small blocks | [`Binning`] over a pool |
@@ -106,7 +106,9 @@ pub use property::{
 };
 pub use resource::{DEFAULT_ALIGNMENT, Has, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
-pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, SleepMode};
+pub use suballoc::{
+    Arena, Binning, FixedSize, Pool, PoolConfig, SleepMode, VirtualPool, VirtualPoolConfig,
+};
 pub use upstream::{
     Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, CudaVirtual, CudaVirtualConfig,
     ExportHandle, GrowInPlace, HostHeap, HostVirtual, Managed, PinnedHost, SamHeadroom, System,

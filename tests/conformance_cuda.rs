@@ -223,7 +223,7 @@ conformance_tests!(
     pool_in_place_over_cuda_virtual,
     memres::CudaVirtual::new()
         .unwrap()
-        .pool_in_place(memres::PoolConfig::new())
+        .virtual_pool(memres::VirtualPoolConfig::new())
         .unwrap(),
     Caps::gpu(usize::MAX)
 );
@@ -232,7 +232,7 @@ conformance_tests!(
     pool_in_place_over_cuda_virtual_with_threshold,
     memres::CudaVirtual::new()
         .unwrap()
-        .pool_in_place(memres::PoolConfig::new().release_threshold(64 << 20))
+        .virtual_pool(memres::VirtualPoolConfig::new().release_threshold(64 << 20))
         .unwrap(),
     Caps::gpu(usize::MAX)
 );

@@ -466,7 +466,7 @@ fn a_peer_device_writes_every_granule_of_an_in_place_pool() {
     }
     let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new().peers([d1])).unwrap();
     let g = leaf.granularity();
-    let pool = leaf.pool_in_place(memres::PoolConfig::new()).unwrap();
+    let pool = leaf.virtual_pool(memres::VirtualPoolConfig::new()).unwrap();
     // Two growth steps: 3 granules, then 5 more.
     let sizes = [3 * g, 5 * g];
     let blocks: Vec<_> = sizes

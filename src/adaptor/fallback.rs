@@ -85,7 +85,7 @@ impl<A, B, P> Fallback<A, B, P> {
     /// use memres::adaptor::Fallback;
     /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, PoolConfig, SyncResource, layout};
     ///
-    /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.pool_in_place(PoolConfig::new())?;
+    /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let (base, len) = pool.upstream().reservation();
     /// // SAFETY: the pool's blocks lie in its leaf's reservation; the heap's never do.
     /// let tiers = unsafe { Fallback::<_, _, Host>::new(pool, HostHeap).with_first_range(base, len) };
@@ -360,10 +360,10 @@ mod tests {
     #[test]
     fn a_first_range_routes_frees_by_address_without_the_set() {
         use crate::upstream::{GrowInPlace, HostVirtual};
-        use crate::{Pool, PoolConfig};
+        use crate::{VirtualPool, VirtualPoolConfig};
 
         let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)
-            .and_then(|v| Pool::in_place(v, PoolConfig::new()))
+            .and_then(|v| VirtualPool::new(v, VirtualPoolConfig::new()))
             .unwrap();
         let (base, len) = pool.upstream().reservation();
         // SAFETY: the pool's blocks lie in its leaf's reservation; the heap's never do.

@@ -1,15 +1,16 @@
-//! [`Pool`]: a coalescing sub-allocator with per-stream free lists. What only the pool
-//! that grows in place does (its constructor, growth by mapping granules, release by
-//! unmapping them) is in [`in_place`].
+//! [`Coalescing`]: the body of the two coalescing pools, [`Pool`](super::Pool) (chunks)
+//! and [`VirtualPool`](super::VirtualPool) (grows in place): the per-stream lists, the
+//! allocation slow path, merges, the release threshold, `trim`, figures and the blocks
+//! held for other streams. How each holds memory from its upstream (how it grows, gives
+//! memory back, lists its segments and drops) is its [`Holding`]; the public methods both
+//! pools share are written once, by [`coalescing_pool!`].
 
 use std::alloc::Layout;
-use std::fmt;
 use std::ptr::{self, NonNull};
 
-use super::chunks::{Chunk, release_all, to_ptr};
+use super::chunks::to_ptr;
 use super::deferred::{self, Deferred};
-use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::pool_config::{ChunkSizes, PoolConfig};
+use super::free_blocks::GRANULE;
 use super::shards::{Shard, ShardMap, StreamKey};
 use super::stream_list::{PoolShard, block_size};
 use crate::error::Error;
@@ -18,26 +19,21 @@ use crate::stream::{Relaxed, StreamRef};
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
 use crate::sync::lock;
 use crate::sync::{Mutex, MutexGuard};
-use crate::upstream::GrowInPlace;
-use crate::upstream::virtual_memory::Granules;
-
-mod in_place;
-mod sleep;
-use in_place::Space;
-pub use sleep::SleepMode;
+use crate::upstream::HostCopy;
 
 /// A CUDA stream that takes a small block from a host stream's list (where a pool's
 /// initial memory is) takes this much, and keeps the rest in its own list.
 const HOST_REFILL: usize = 2 << 20;
 
-/// A snapshot of a pool's memory, from [`Pool::stats`].
+/// A snapshot of a pool's memory, from [`Pool::stats`](super::Pool::stats) or
+/// [`VirtualPool::stats`](super::VirtualPool::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PoolStats {
     /// Bytes held from the upstream.
     pub pool_size: usize,
-    /// The most bytes held at once since the pool was made or
-    /// [`Pool::reset_peak_size`] (PyTorch's `max_memory_reserved`).
+    /// The most bytes held at once since the pool was made or its `reset_peak_size`
+    /// (PyTorch's `max_memory_reserved`).
     pub peak_pool_size: usize,
     /// Bytes held but not handed out.
     pub free_bytes: usize,
@@ -45,8 +41,8 @@ pub struct PoolStats {
     pub largest_free_block: usize,
     /// Free blocks, over all lists.
     pub free_blocks: usize,
-    /// Allocations held from the upstream (for a pool that grows in place: runs of
-    /// mapped granules).
+    /// Allocations held from the upstream (for a [`VirtualPool`](super::VirtualPool):
+    /// runs of mapped granules).
     pub upstream_allocations: usize,
     /// Free lists: one per stream the pool has seen, the host's included. The
     /// per-thread default stream has one per thread running at once: a new thread takes
@@ -60,13 +56,14 @@ pub struct PoolStats {
     /// climbs with the calls where streams trade memory. Lanes of one stream trade
     /// without it.
     pub stream_merges: u64,
-    /// While the pool sleeps ([`Pool::sleep`]): the bytes it gave back to the driver and
-    /// maps again when woken (`pool_size` and the free figures are then 0). 0 while it is
-    /// awake.
+    /// While the pool sleeps ([`VirtualPool::sleep`](super::VirtualPool::sleep)): the
+    /// bytes it gave back to the driver and maps again when woken (`pool_size` and the
+    /// free figures are then 0). 0 while it is awake, and always for a [`Pool`](super::Pool).
     pub asleep_bytes: usize,
-    /// Host memory (pinned, for device memory) held for [`Pool::sleep`]: the offloaded
-    /// contents while the pool sleeps, and after a wake the copies kept for the next
-    /// sleep, until [`Pool::trim`].
+    /// Host memory (pinned, for device memory) held for
+    /// [`VirtualPool::sleep`](super::VirtualPool::sleep): the offloaded contents while
+    /// the pool sleeps, and after a wake the copies kept for the next sleep, until its
+    /// `trim`.
     pub host_copy_bytes: usize,
 }
 
@@ -93,26 +90,20 @@ impl PoolStats {
 /// What changes only when the pool grows or shrinks; its mutex also serialises the
 /// allocation slow path.
 #[derive(Default)]
-struct GrowthState {
-    chunks: Vec<Chunk>,
-    size: usize,
-    /// The highest `size` since the pool was made or [`Pool::reset_peak_size`].
-    peak: usize,
-    /// For a pool that grows in place: which granules of the reservation it holds
-    /// (while it sleeps: which it maps again when woken).
-    mapped: Granules,
-    /// Set while the pool sleeps: what waking it maps and restores.
-    slept: Option<sleep::Slept>,
-    /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
-    kept: Vec<crate::upstream::HostCopy>,
-    /// The bound set with [`Pool::set_limit`], below the configured maximum.
+pub(super) struct GrowthState<M> {
+    pub(super) size: usize,
+    /// The highest `size` since the pool was made or `reset_peak_size`.
+    pub(super) peak: usize,
+    /// The bound set with `set_limit`, below the configured maximum.
     limit: Option<usize>,
+    /// What the pool holds from its upstream, as its [`Holding`] keeps it.
+    pub(super) memory: M,
 }
 
-impl GrowthState {
+impl<M> GrowthState<M> {
     /// The most the pool may hold now: the smaller of `maximum` (the configured one) and
     /// the run-time limit.
-    fn maximum(&self, maximum: Option<usize>) -> Option<usize> {
+    pub(super) fn maximum(&self, maximum: Option<usize>) -> Option<usize> {
         match (maximum, self.limit) {
             (Some(m), Some(l)) => Some(m.min(l)),
             (m, l) => m.or(l),
@@ -120,120 +111,120 @@ impl GrowthState {
     }
 }
 
-/// The growth lock of a [`Pool`], held: on unlock it runs a release that a free left
-/// pending while the lock was held (see `Pool::release_if_pending`).
-struct GrowthGuard<'a, U: Resource> {
-    pool: &'a Pool<U>,
-    guard: Option<MutexGuard<'a, GrowthState>>,
+/// The growth lock of a pool, held: on unlock it runs a release that a free left pending
+/// while the lock was held (see `Coalescing::release_if_pending`).
+pub(super) struct GrowthGuard<'a, U: Resource, H: Holding<U>> {
+    pool: &'a Coalescing<U, H>,
+    guard: Option<MutexGuard<'a, GrowthState<H::Memory>>>,
 }
 
-impl<U: Resource> std::ops::Deref for GrowthGuard<'_, U> {
-    type Target = GrowthState;
+impl<U: Resource, H: Holding<U>> std::ops::Deref for GrowthGuard<'_, U, H> {
+    type Target = GrowthState<H::Memory>;
 
-    fn deref(&self) -> &GrowthState {
+    fn deref(&self) -> &GrowthState<H::Memory> {
         self.guard.as_ref().expect("held until dropped")
     }
 }
 
-impl<U: Resource> std::ops::DerefMut for GrowthGuard<'_, U> {
-    fn deref_mut(&mut self) -> &mut GrowthState {
+impl<U: Resource, H: Holding<U>> std::ops::DerefMut for GrowthGuard<'_, U, H> {
+    fn deref_mut(&mut self) -> &mut GrowthState<H::Memory> {
         self.guard.as_mut().expect("held until dropped")
     }
 }
 
-impl<U: Resource> Drop for GrowthGuard<'_, U> {
+impl<U: Resource, H: Holding<U>> Drop for GrowthGuard<'_, U, H> {
     fn drop(&mut self) {
         drop(self.guard.take());
         self.pool.release_if_pending();
     }
 }
 
-/// A coalescing sub-allocator over any upstream (RMM's `pool_memory_resource`): it takes
-/// memory from the upstream and hands out pieces of it.
-///
-/// # Which upstream for which goal
-/// - **Least memory held** (GPU training, anything near the memory limit): a pool that
-///   grows in place over [`CudaVirtual`](crate::CudaVirtual) (`CudaVirtual::new()?.pool_in_place(config)`,
-///   or [`Pool::in_place`]). It maps exactly the granules a request lacks, right after its
-///   free memory, so its memory is one range where every free block can merge with its
-///   neighbours, and [`trim`](Pool::trim) gives back every fully free granule. Requests
-///   below 512 KiB go to the lowest 16 MiB address region that has a fit, so small
-///   blocks pack together and free memory gathers into whole granules (it costs some
-///   speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python
-///   shims. [`HostVirtual`](crate::HostVirtual) is the same over host pages.
-/// - **Any other upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack):
-///   [`Pool::new`]. It takes allocations ("chunks") sized by its
-///   [`Growth`](super::Growth) rule: by default what the request needs, at least an
-///   eighth of the pool, rounded up to 2 MiB ([`Growth::Eighth`](super::Growth::Eighth):
-///   GPT-2 training held 1.13x of its live peak), or RMM's doubling
-///   ([`Growth::Rmm`](super::Growth::Rmm): up to 2x, 1.67x there; fewest upstream
-///   calls). When the upstream refuses a chunk, the pool asks for less (down to
-///   the request itself), then gives its entirely free chunks back and asks again.
-///   Blocks of two chunks never merge, so some memory stays stranded between chunks; an
-///   `initial_size` that covers the peak avoids that.
-///
-/// # How it works
-/// - **Finding a block** is O(1): free blocks sit in size classes with bitmaps (a
-///   two-level segregated fit) and are coalesced with free neighbours on free, in O(1)
-///   through maps by address. Small blocks (up to 64 KiB) are first cached per stream and
-///   handed out again whole, coalesced when a request finds no fit.
-/// - **Streams.** Every stream has its own free list behind its own lock, found without
-///   a lock, so threads on different streams never wait for each other. Threads that
-///   share one stream use up to 16 lists of it ("lanes", by thread), so that they do not
-///   queue for one lock either; a thread whose lane has no fit takes from the stream's
-///   other lanes (no wait: one stream's work is ordered whoever enqueued it) before
-///   anything below, a fitting block first without taking the pool's growth lock. Memory
-///   freed on stream S is reused on S at once. Blocks freed on a host stream (and through the
-///   synchronous API) are free for every stream. A stream that cannot be served (1)
-///   takes a fitting block from those host lists, else (2) when the other streams' lists
-///   hold at least the request in all, merges every list into its own and coalesces it,
-///   having first waited for the work of the CUDA streams the blocks came from (one
-///   `cuCtxSynchronize` per device: it covers their last uses, also on streams destroyed
-///   since and on exited threads' per-thread streams), else (3) grows the pool, else (4)
-///   returns free memory to the upstream and grows again. So a pool never grows while
-///   its free memory together could serve the request. No event is recorded on the free
-///   path. The per-thread default stream has one list per thread; a new thread takes over
-///   the list of one that has exited (after waiting for that thread's device work), so
-///   threads that come and go neither grow the pool nor its lists. Finding a stream's
-///   list is O(1) however many streams a program uses (a table that doubles); the slow
-///   path looks at other lists only where memory was freed.
-/// - **Alignment**: any power of two (above 256, a fitting block is searched with room
-///   for the padding).
-/// - [`trim`](Pool::trim) gives free memory back; a
-///   [`release_threshold`](PoolConfig::release_threshold) does so after frees;
-///   [`stats`](Pool::stats) reports size, free and live bytes, the largest free block and
-///   fragmentation.
-/// - **Drop** waits for the streams the pool has seen, then returns all its memory, also
-///   that under blocks still handed out (as RMM does); the upstream's own drop logic
-///   skips driver calls once the process is exiting.
-///
-/// Equality is identity: a pool equals only itself.
-///
-/// ```
-/// use memres::suballoc::{Pool, PoolConfig};
-/// use memres::{HostHeap, Resource, StreamRef, layout};
-///
-/// let pool = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(1 << 20))?;
-/// let l = layout(1000)?;
-/// let p = pool.allocate(StreamRef::host(1), l)?;
-/// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
-/// unsafe { pool.deallocate(StreamRef::host(1), p, l) };
-/// assert_eq!(pool.stats().free_bytes, 1 << 20);
-/// # Ok::<(), memres::Error>(())
-/// ```
-pub struct Pool<U: Resource> {
-    upstream: U,
-    config: PoolConfig,
-    growth: Mutex<GrowthState>,
-    shards: ShardMap<PoolShard>,
-    /// Set when the pool grows in place.
-    space: Option<Space<U>>,
+/// How a coalescing pool holds memory from its upstream: the hooks that its body
+/// ([`Coalescing`]) calls where the chunked [`Pool`](super::Pool) and the
+/// [`VirtualPool`](super::VirtualPool) differ. Monomorphised: no dynamic dispatch.
+pub(super) trait Holding<U: Resource>: Sized {
+    /// What the pool holds, under the growth lock (the chunks, or which granules of the
+    /// reservation are mapped).
+    type Memory: Default;
+
+    /// An empty stream list that knows what the pool holds (the caller holds the growth
+    /// lock).
+    fn new_list(&self, memory: &Self::Memory) -> PoolShard;
+
+    /// Grows the pool for a block of `size` aligned to `align` (with room for the
+    /// alignment, it does not overflow) and takes the block from the new memory into
+    /// `own`'s list in the same critical section; `Ok(None)` when neither the maximum nor
+    /// the upstream allows it. Without `may_wait` (under capture) it must not wait.
+    // (Seven arguments: the growth lock's state and the request, as the slow path has them.)
+    fn grow(
+        pool: &Coalescing<U, Self>,
+        growth: &mut GrowthState<Self::Memory>,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error>;
+
+    /// Gives free memory of `from`'s list (which holds all free memory, the lists having
+    /// been merged into it) back to the upstream until at most `keep` bytes are free, or
+    /// nothing more can go; returns how many bytes went.
+    fn release(
+        pool: &Coalescing<U, Self>,
+        growth: &mut GrowthState<Self::Memory>,
+        from: &Shard<PoolShard>,
+        keep: usize,
+    ) -> usize;
+
+    /// The memory held, as `(address, bytes)` in any order.
+    fn segments(&self, memory: &Self::Memory) -> Vec<(usize, usize)>;
+
+    /// How many upstream allocations (or mapped runs) the pool holds.
+    fn upstream_allocations(memory: &Self::Memory) -> usize;
+
+    /// Gives everything back when the pool drops (after the held blocks' waits), also
+    /// the memory under blocks still handed out.
+    fn drop_memory(pool: &Coalescing<U, Self>, memory: Self::Memory);
+
+    /// Whether the pool sleeps: one relaxed load, read first by every allocation.
+    #[inline(always)]
+    fn is_asleep(&self) -> bool {
+        false
+    }
+
+    /// While the pool sleeps: the bytes waking it maps again (`None` while it is awake).
+    fn asleep_bytes(_memory: &Self::Memory) -> Option<usize> {
+        None
+    }
+
+    /// Host memory held for sleeping (copies).
+    fn host_copy_bytes(_memory: &Self::Memory) -> usize {
+        0
+    }
+
+    /// The host copies that `trim` frees (outside the growth lock).
+    fn take_host_copies(_memory: &mut Self::Memory) -> Vec<HostCopy> {
+        Vec::new()
+    }
+}
+
+/// The body of a coalescing pool over `U` (RMM's `pool_memory_resource`): per-stream
+/// free lists, the allocation slow path, merges, release, figures; `H` says how it holds
+/// memory from `U`. [`Pool`](super::Pool) and [`VirtualPool`](super::VirtualPool) wrap
+/// one (see their docs for how it works).
+pub(super) struct Coalescing<U: Resource, H: Holding<U>> {
+    pub(super) upstream: U,
+    /// How the pool holds memory from `upstream`, with the configuration of that.
+    pub(super) holding: H,
+    /// The configured maximum.
+    maximum: Option<usize>,
+    /// The configured release threshold.
+    release_threshold: Option<usize>,
+    growth: Mutex<GrowthState<H::Memory>>,
+    pub(super) shards: ShardMap<PoolShard>,
     /// A free crossed the release threshold while another thread held the growth lock:
     /// whoever unlocks it next releases (see [`GrowthGuard`]).
     release_pending: AtomicBool,
-    /// Set while the pool sleeps (read first by every allocation; written under the
-    /// growth lock, with [`GrowthState::slept`]).
-    asleep: AtomicBool,
     /// Blocks freed with [`Resource::deallocate_used_on`] whose other streams' work is
     /// not known to be complete yet.
     held: Deferred,
@@ -242,163 +233,102 @@ pub struct Pool<U: Resource> {
     host_key: StreamKey,
 }
 
-impl<U: Resource> Pool<U> {
-    /// A pool over `upstream`, taking `config.initial()` bytes from it at once. It grows
-    /// by upstream allocations of its own ("chunks"), sized by `config`'s
-    /// [`Growth`](super::Growth) rule; over a [`GrowInPlace`] upstream, [`Pool::in_place`]
-    /// holds less.
-    pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
-        config.validate()?;
-        let pool = Pool {
+impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
+    /// A pool body over `upstream` holding `memory` (nothing yet: the constructors add
+    /// the initial memory), bounded by `maximum`, releasing above `release_threshold`.
+    pub(super) fn new(
+        upstream: U,
+        holding: H,
+        memory: H::Memory,
+        maximum: Option<usize>,
+        release_threshold: Option<usize>,
+    ) -> Self {
+        let pool = Coalescing {
             upstream,
-            config,
-            growth: Mutex::new(GrowthState::default()),
+            holding,
+            maximum,
+            release_threshold,
+            growth: Mutex::new(GrowthState {
+                memory,
+                ..GrowthState::default()
+            }),
             shards: ShardMap::default(),
-            space: None,
             release_pending: AtomicBool::new(false),
-            asleep: AtomicBool::new(false),
             held: Deferred::default(),
             host_key: StreamKey::of_lane(StreamRef::HOST),
         };
         // The host stream's list exists from the start, so that paths holding the growth
         // lock can look it up without making it (which takes that lock).
-        let host = pool.new_shard(pool.host_key);
-        if config.initial > 0 {
-            let layout = Layout::from_size_align(config.initial, GRANULE)
-                .map_err(|_| Error::invalid_argument("the pool's initial size is too large"))?;
-            let ptr = pool.upstream.allocate_sync(layout)?;
-            pool.add_chunk(&mut pool.lock_growth(), ptr, layout, host);
-        }
-        Ok(pool)
+        pool.new_shard(pool.host_key);
+        pool
     }
 
     /// The upstream resource.
-    pub fn upstream(&self) -> &U {
+    pub(super) fn upstream(&self) -> &U {
         &self.upstream
     }
 
-    /// The configuration the pool was made with.
-    pub fn config(&self) -> PoolConfig {
-        self.config
-    }
-
-    /// Bounds what the pool holds from now on, under its configured maximum (`None`:
-    /// only that maximum). Growth that would pass the bound is refused, after the pool
-    /// has given back what it holds free, so a request past it is
-    /// [`Error::OutOfMemory`]; what it already holds above a lowered bound stays until
-    /// freed and trimmed. PyTorch's `set_per_process_memory_fraction` under memres is
-    /// this bound. Costs nothing on the allocation path: only growth reads it.
-    ///
-    /// ```
-    /// use memres::{HostHeap, Pool, PoolConfig, SyncResource, layout};
-    ///
-    /// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
-    /// pool.set_limit(Some(4 << 20));
-    /// assert_eq!(pool.limit(), Some(4 << 20));
-    /// assert!(pool.allocate_sync(layout(8 << 20)?).is_err());
-    /// # Ok::<(), memres::Error>(())
-    /// ```
-    pub fn set_limit(&self, bytes: Option<usize>) {
+    /// Sets the run-time bound (`set_limit`).
+    pub(super) fn set_limit(&self, bytes: Option<usize>) {
         self.lock_growth().limit = bytes;
     }
 
-    /// The bound set with [`Pool::set_limit`], if any.
-    pub fn limit(&self) -> Option<usize> {
+    /// The run-time bound, if any.
+    pub(super) fn limit(&self) -> Option<usize> {
         self.lock_growth().limit
     }
 
     /// The blocks held for other streams (for the host tests and loom models).
     #[cfg(any(test, memres_loom))]
-    pub(crate) fn held(&self) -> &Deferred {
+    pub(super) fn held(&self) -> &Deferred {
         &self.held
     }
 
-    /// Whether the pool grows in place ([`Pool::in_place`]).
-    pub fn grows_in_place(&self) -> bool {
-        self.space.is_some()
-    }
-
-    /// Bytes held from the upstream (mapped, for a pool that grows in place).
-    pub fn pool_size(&self) -> usize {
+    /// Bytes held from the upstream.
+    pub(super) fn pool_size(&self) -> usize {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         self.lock_growth().size
     }
 
-    /// Starts [`PoolStats::peak_pool_size`] afresh from what the pool holds now.
-    pub fn reset_peak_size(&self) {
+    /// Starts the peak afresh from what the pool holds now.
+    pub(super) fn reset_peak_size(&self) {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let mut growth = self.lock_growth();
         growth.peak = growth.size;
     }
 
-    /// The memory the pool holds from its upstream, as `(address, bytes)` in address
-    /// order: its chunks, or for a pool that grows in place the mapped runs of its
-    /// reservation (what PyTorch's memory snapshots call segments).
-    ///
-    /// ```
-    /// use memres::{HostHeap, Pool, PoolConfig};
-    ///
-    /// let pool = Pool::new(HostHeap, PoolConfig::new().initial_size(1 << 20))?;
-    /// let segments = pool.segments();
-    /// assert_eq!(segments.iter().map(|&(_, n)| n).sum::<usize>(), pool.stats().pool_size);
-    /// # Ok::<(), memres::Error>(())
-    /// ```
-    pub fn segments(&self) -> Vec<(usize, usize)> {
+    /// The memory held from the upstream, as `(address, bytes)` in address order.
+    pub(super) fn segments(&self) -> Vec<(usize, usize)> {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
-        if growth.slept.is_some() {
-            return Vec::new(); // nothing is mapped while the pool sleeps
-        }
-        let mut out: Vec<(usize, usize)> = match &self.space {
-            Some(space) => growth
-                .mapped
-                .mapped_runs()
-                .into_iter()
-                .map(|(first, n)| {
-                    (
-                        space.base + first * space.granularity,
-                        n * space.granularity,
-                    )
-                })
-                .collect(),
-            None => growth
-                .chunks
-                .iter()
-                .map(|c| (c.addr, c.layout.size()))
-                .collect(),
-        };
+        let mut out = self.holding.segments(&growth.memory);
         out.sort_unstable();
         out
     }
 
-    /// A snapshot of the pool's memory. It locks each stream's list in turn, so under
-    /// concurrent use it is exact for each list but not one instant.
-    pub fn stats(&self) -> PoolStats {
+    /// A snapshot of the pool's memory, each list locked in turn.
+    pub(super) fn stats(&self) -> PoolStats {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let growth = self.lock_growth();
-        if let Some(slept) = &growth.slept {
+        if let Some(asleep_bytes) = H::asleep_bytes(&growth.memory) {
             return PoolStats {
                 peak_pool_size: growth.peak,
                 stream_lists: self.shards.len(),
                 waiting_bytes: self.held.bytes(),
                 stream_merges: self.shards.merges(),
-                asleep_bytes: slept.size(),
-                host_copy_bytes: slept.copy_bytes() + sleep::bytes(&growth.kept),
+                asleep_bytes,
+                host_copy_bytes: H::host_copy_bytes(&growth.memory),
                 ..PoolStats::default()
             };
         }
         let mut stats = PoolStats {
             pool_size: growth.size,
             peak_pool_size: growth.peak,
-            upstream_allocations: if self.space.is_some() {
-                growth.mapped.mapped_runs().len()
-            } else {
-                growth.chunks.len()
-            },
+            upstream_allocations: H::upstream_allocations(&growth.memory),
             stream_lists: self.shards.len(),
             waiting_bytes: self.held.bytes(),
             stream_merges: self.shards.merges(),
-            host_copy_bytes: sleep::bytes(&growth.kept),
+            host_copy_bytes: H::host_copy_bytes(&growth.memory),
             ..PoolStats::default()
         };
         for shard in self.shards.all() {
@@ -416,30 +346,18 @@ impl<U: Resource> Pool<U> {
         stats
     }
 
-    /// Merges every stream's free list into one and coalesces it, first waiting for the
-    /// work of the CUDA streams the pool has seen. Afterwards free memory is as few
-    /// blocks as the chunks allow (one per chunk once everything is freed; one per run of
-    /// mapped granules for a pool that grows in place).
-    pub fn coalesce(&self) -> Result<(), Error> {
+    /// Merges every stream's free list into the host list, first waiting for the work
+    /// of the CUDA streams the pool has seen.
+    pub(super) fn coalesce(&self) -> Result<(), Error> {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         let host = self.host_list();
         let _growth = self.lock_growth();
         self.merge_into(host).map(drop)
     }
 
-    /// Gives free memory back to the upstream (after [`coalesce`](Self::coalesce) has
-    /// merged the lists): every fully free granule for a pool that grows in place (live
-    /// blocks stay where they are), else every entirely free chunk. Returns how many
-    /// bytes went back.
-    ///
-    /// The lists of the pool's streams go too (issue 33, finding 4: 50,000 streams used
-    /// once held 515 MiB until the pool dropped): every list emptied by the merge is
-    /// freed, on Linux 4.14 and later (`membarrier`), once no other thread can be using it
-    /// (a grace period, `crate::sync::grace`: the call waits for the pool's calls under
-    /// way on other threads to return); a stream used again gets a new list. Elsewhere,
-    /// emptied lists give their heap memory back and keep their inline fields and copy of
-    /// the chunk table.
-    pub fn trim(&self) -> Result<usize, Error> {
+    /// Gives free memory back to the upstream, then frees the emptied lists (see the
+    /// pools' `trim`). Returns how many bytes went back.
+    pub(super) fn trim(&self) -> Result<usize, Error> {
         let released = {
             let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
@@ -450,7 +368,7 @@ impl<U: Resource> Pool<U> {
             let (released, kept) = {
                 let mut growth = self.lock_growth();
                 let released = self.release_down_to(&mut growth, host, 0)?;
-                (released, std::mem::take(&mut growth.kept))
+                (released, H::take_host_copies(&mut growth.memory))
             };
             // The host copies kept for a sleep (unpinned outside the lock: it takes time).
             drop(kept);
@@ -497,20 +415,17 @@ impl<U: Resource> Pool<U> {
 
     /// Merges every list into `into`'s and releases free memory until at most `keep`
     /// bytes are free (or nothing more can go).
-    fn release_down_to(
+    pub(super) fn release_down_to(
         &self,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<H::Memory>,
         into: &Shard<PoolShard>,
         keep: usize,
     ) -> Result<usize, Error> {
-        if growth.slept.is_some() {
+        if H::asleep_bytes(&growth.memory).is_some() {
             return Ok(0); // nothing is mapped while the pool sleeps
         }
         self.merge_into(into)?;
-        let released = match &self.space {
-            Some(space) => self.unmap_free_granules(space, growth, into, keep),
-            None => self.release_free_chunks(growth, into),
-        };
+        let released = H::release(self, growth, into, keep);
         if released > 0 {
             tracing::debug!(
                 target: "memres::pool",
@@ -545,7 +460,7 @@ impl<U: Resource> Pool<U> {
 
     /// The growth lock if no other thread holds it (the raw guard: its unlock runs no
     /// pending release, so the callers look for one afterwards).
-    fn try_lock_growth(&self) -> Option<MutexGuard<'_, GrowthState>> {
+    fn try_lock_growth(&self) -> Option<MutexGuard<'_, GrowthState<H::Memory>>> {
         match self.growth.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -553,7 +468,12 @@ impl<U: Resource> Pool<U> {
         }
     }
 
-    fn release_into(&self, growth: &mut GrowthState, shard: &Shard<PoolShard>, keep: usize) {
+    fn release_into(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        shard: &Shard<PoolShard>,
+        keep: usize,
+    ) {
         if let Err(e) = self.release_down_to(growth, shard, keep) {
             tracing::warn!("a pool could not give memory back at its release threshold: {e}");
         }
@@ -564,7 +484,7 @@ impl<U: Resource> Pool<U> {
     /// pending release is never left behind: the flag is set before the freer's last try
     /// of the lock, and read after every holder's unlock.
     fn release_if_pending(&self) {
-        let Some(keep) = self.config.release_threshold else {
+        let Some(keep) = self.release_threshold else {
             return;
         };
         // A freer sets the flag, then tries the lock; a holder unlocks, then reads the
@@ -583,7 +503,7 @@ impl<U: Resource> Pool<U> {
     }
 
     /// The growth lock, as a guard that runs a pending release once it unlocks.
-    fn lock_growth(&self) -> GrowthGuard<'_, U> {
+    pub(super) fn lock_growth(&self) -> GrowthGuard<'_, U, H> {
         GrowthGuard {
             pool: self,
             guard: Some(lock(&self.growth)),
@@ -592,10 +512,10 @@ impl<U: Resource> Pool<U> {
 
     /// The host stream's list made with the pool: paths that hold the growth lock find
     /// it without taking that lock again. (Not the calling thread's lane of the host
-    /// stream, [`Pool::shard`]`(StreamRef::HOST)`: on another thread than the one that
+    /// stream, `shard(StreamRef::HOST)`: on another thread than the one that
     /// made the pool that list may not exist yet, and making it takes the growth lock,
     /// which the thread holds.)
-    fn host_list(&self) -> &Shard<PoolShard> {
+    pub(super) fn host_list(&self) -> &Shard<PoolShard> {
         self.shards
             .get(self.host_key)
             .expect("the host list is made with the pool")
@@ -630,21 +550,10 @@ impl<U: Resource> Pool<U> {
             .get_or_insert_like(old, || self.new_list(&growth))
     }
 
-    /// An empty stream list that knows the pool's chunks (the caller holds the growth
+    /// An empty stream list that knows what the pool holds (the caller holds the growth
     /// lock).
-    fn new_list(&self, growth: &GrowthState) -> PoolShard {
-        let shard = PoolShard::new(
-            growth.chunks.iter().map(|c| (c.addr, c.layout.size())),
-            self.space.as_ref().map(|s| s.base),
-        );
-        // Not for a pool that grows in place: a cached block is handed out again where it
-        // was, not low, which costs footprint (host, `random` seed 42: 1.128 of live
-        // against 1.114).
-        if self.space.is_none() {
-            shard.with_large_cache()
-        } else {
-            shard
-        }
+    fn new_list(&self, growth: &GrowthState<H::Memory>) -> PoolShard {
+        self.holding.new_list(&growth.memory)
     }
 
     /// Free bytes in the lists of streams other than `own`.
@@ -674,7 +583,7 @@ impl<U: Resource> Pool<U> {
         if layout.size() == 0 {
             return Ok(dangling(layout));
         }
-        if self.asleep.load(Ordering::Relaxed) {
+        if self.holding.is_asleep() {
             return Err(Error::Asleep);
         }
         let (size, align) = block_size(layout);
@@ -725,7 +634,7 @@ impl<U: Resource> Pool<U> {
             return self.allocate_captured(own, size, align, requested);
         }
         let mut growth = self.lock_growth();
-        if growth.slept.is_some() {
+        if H::asleep_bytes(&growth.memory).is_some() {
             return Err(Error::Asleep);
         }
         if let Some(addr) = self
@@ -764,7 +673,7 @@ impl<U: Resource> Pool<U> {
         }
         Err(Error::OutOfMemory {
             requested,
-            limit: growth.maximum(self.config.maximum),
+            limit: growth.maximum(self.maximum),
         })
     }
 
@@ -883,7 +792,7 @@ impl<U: Resource> Pool<U> {
         requested: usize,
     ) -> Result<usize, Error> {
         let mut growth = lock(&self.growth);
-        if growth.slept.is_some() {
+        if H::asleep_bytes(&growth.memory).is_some() {
             return Err(Error::Asleep);
         }
         if let Some(addr) = self
@@ -900,7 +809,7 @@ impl<U: Resource> Pool<U> {
             Some(addr) => Ok(addr),
             None => Err(Error::OutOfMemory {
                 requested,
-                limit: growth.maximum(self.config.maximum),
+                limit: growth.maximum(self.maximum),
             }),
         }
     }
@@ -910,83 +819,23 @@ impl<U: Resource> Pool<U> {
     /// `Ok(None)` when neither the maximum nor the upstream allows it.
     fn grow(
         &self,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<H::Memory>,
         stream: StreamRef<'_>,
         own: &Shard<PoolShard>,
         size: usize,
         align: usize,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
-        let Some(min) = size.checked_add(align - GRANULE) else {
+        if size.checked_add(align - GRANULE).is_none() {
             return Ok(None);
-        };
-        if let Some(space) = &self.space {
-            return self.grow_in_place(space, growth, own, size, align, may_wait);
         }
-        let config = PoolConfig {
-            maximum: growth.maximum(self.config.maximum),
-            ..self.config
-        };
-        let Some(sizes) = ChunkSizes::new(&config, min, growth.size) else {
-            return Ok(None);
-        };
-        let mut attempt = sizes.first(growth.size);
-        loop {
-            let Ok(layout) = Layout::from_size_align(attempt, GRANULE) else {
-                return Ok(None);
-            };
-            match self.upstream.allocate(stream, layout) {
-                Ok(ptr) => {
-                    let mut s = self.add_chunk(growth, ptr, layout, own);
-                    let addr = s.free.take(size, align);
-                    debug_assert!(addr.is_some(), "a new chunk fits its request");
-                    return Ok(addr);
-                }
-                // Less, when the upstream refuses (see `ChunkSizes::after_refusal`).
-                Err(Error::OutOfMemory { .. }) if attempt > sizes.min() => {
-                    attempt = sizes.after_refusal(attempt);
-                }
-                Err(Error::OutOfMemory { .. }) => return Ok(None),
-                Err(e) => return Err(e),
-            }
-        }
+        H::grow(self, growth, stream, own, size, align, may_wait)
     }
 
-    /// Records a new chunk and puts it, free, in `into`'s list, which it returns locked
-    /// (so the grower takes its block before any other thread sees the chunk).
-    fn add_chunk<'a>(
-        &self,
-        growth: &mut GrowthState,
-        ptr: NonNull<u8>,
-        layout: Layout,
-        into: &'a Shard<PoolShard>,
-    ) -> crate::sync::spin::SpinGuard<'a, PoolShard> {
-        let chunk = Chunk::new(ptr, layout);
-        let addr = chunk.addr;
-        // Every list learns the chunk's start before any block of it can reach one.
-        for shard in self.shards.iter() {
-            shard.state.lock().chunks.insert(addr, layout.size());
-        }
-        growth.chunks.push(chunk);
-        growth.size += layout.size();
-        growth.peak = growth.peak.max(growth.size);
-        tracing::debug!(
-            target: "memres::pool",
-            addr,
-            len = layout.size(),
-            held = growth.size,
-            "memres: pool grew by a chunk"
-        );
-        let mut s = into.state.lock();
-        s.free.insert(FreeBlock {
-            addr,
-            size: layout.size(),
-            starts_chunk: true,
-        });
-        self.shards.note_free(into);
-        s
+    /// The configured maximum, under the run-time bound.
+    pub(super) fn maximum(&self, growth: &GrowthState<H::Memory>) -> Option<usize> {
+        growth.maximum(self.maximum)
     }
-
     /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
     /// for the CUDA streams they were freed on. Returns whether anything moved.
     fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
@@ -1003,172 +852,32 @@ impl<U: Resource> Pool<U> {
         }
         Ok(moved)
     }
-
-    /// Returns to the upstream every chunk that is one free block in `from`'s list.
-    fn release_free_chunks(&self, growth: &mut GrowthState, from: &Shard<PoolShard>) -> usize {
-        let whole = |s: &PoolShard, c: &Chunk| {
-            s.free
-                .starting_at(c.addr)
-                .is_some_and(|b| b.size == c.layout.size())
-        };
-        let released: Vec<Chunk> = {
-            let mut s = from.state.lock();
-            s.flush();
-            if !growth.chunks.iter().any(|c| whole(&s, c)) {
-                return 0;
-            }
-            // Blocks freed on `from`'s own stream may still be in use by its work (the
-            // list stays locked, so nothing freed after the wait joins them).
-            if let Some(ctx) = from.ctx
-                && let Err(e) = ctx.synchronize()
-            {
-                drop(s);
-                tracing::warn!("a pool could not wait for a stream to return memory: {e}");
-                return 0;
-            }
-            growth
-                .chunks
-                .extract_if(.., |c| {
-                    let whole = whole(&s, c);
-                    if whole {
-                        s.free.remove_starting_at(c.addr);
-                    }
-                    whole
-                })
-                .collect()
-        };
-        for shard in self.shards.iter() {
-            let mut s = shard.state.lock();
-            for c in &released {
-                s.chunks.remove(&c.addr);
-            }
-        }
-        let bytes = released.iter().map(|c| c.layout.size()).sum();
-        for chunk in released {
-            // SAFETY: the chunk came from `upstream.allocate` with its layout (see `grow`);
-            // no block of it is handed out (it was one free block) and the streams it was
-            // freed on were waited for when the lists were merged.
-            unsafe { chunk.release(&self.upstream) };
-        }
-        growth.size -= bytes;
-        bytes
-    }
 }
 
-impl<U: Resource> Drop for Pool<U> {
+impl<U: Resource, H: Holding<U>> Drop for Coalescing<U, H> {
     fn drop(&mut self) {
         self.held.wait_all();
         let growth = std::mem::take(&mut *lock(&self.growth));
-        match &self.space {
-            None => release_all(&self.upstream, &self.shards, growth.chunks),
-            // Asleep: nothing is mapped (the copies go with `growth`).
-            Some(_) if growth.slept.is_some() => {}
-            Some(space) => {
-                if !crate::device::process_is_exiting()
-                    && let Err(e) = self.shards.synchronize_streams()
-                {
-                    tracing::error!("a pool could not wait for its streams before freeing: {e}");
-                }
-                let g = space.granularity;
-                for (first, n) in growth.mapped.mapped_runs() {
-                    // SAFETY: granules this pool mapped; it is going away and its streams'
-                    // work is complete (above), so nothing uses them.
-                    unsafe { (space.unmap)(&self.upstream, space.base + first * g, n * g) };
-                }
-            }
-        }
+        H::drop_memory(self, growth.memory);
     }
 }
 
-impl<U: Resource> PartialEq for Pool<U> {
+impl<U: Resource, H: Holding<U>> PartialEq for Coalescing<U, H> {
     fn eq(&self, other: &Self) -> bool {
         ptr::eq(self, other)
     }
 }
 
-impl<U: Resource + fmt::Debug> fmt::Debug for Pool<U> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pool")
-            .field("upstream", &self.upstream)
-            .field("config", &self.config)
-            .field("stats", &self.stats())
-            .finish()
-    }
-}
+sync_on_the_host_stream!(Coalescing<U, H>, U: Resource, H: Holding<U>);
 
-/// A place where an in-place pool can grow: `len` bytes of unmapped granules at `addr`,
-/// which join the free blocks `joins` (before, after) into one block.
-#[derive(Clone, Copy, Debug)]
-struct Site {
-    addr: usize,
-    len: usize,
-    joins: [Option<FreeBlock>; 2],
-}
-
-/// Where an in-place pool can map memory so that, with the free blocks next to it, one
-/// free block holds `need` bytes: the sites that map the fewest bytes first (lowest
-/// address among equals), at most one per unmapped run. At the top of what the pool holds
-/// (`top`), a site maps at least `step` when the reservation has room, followed by the
-/// same site without the step as a fallback.
-fn growth_sites(
-    space: &Space<impl Resource>,
-    mapped: &Granules,
-    free: &FreeBlocks,
-    need: usize,
-    top: usize,
-    step: usize,
-) -> Vec<Site> {
-    let g = space.granularity;
-    let mut sites = Vec::new();
-    for (first, n) in mapped.unmapped_runs() {
-        let (lo, hi) = (space.base + first * g, space.base + (first + n) * g);
-        let before = free.ending_at(lo);
-        let after = free.starting_at(hi);
-        let (b, a) = (before.map_or(0, |b| b.size), after.map_or(0, |b| b.size));
-        if b.saturating_add(a).saturating_add(n * g) < need {
-            continue;
-        }
-        // Map next to the block before, next to the one after, or the whole run.
-        let from_before = need.saturating_sub(b).next_multiple_of(g);
-        let from_after = need.saturating_sub(a).next_multiple_of(g);
-        let site = if from_before <= n * g && from_before <= from_after {
-            Site {
-                addr: lo,
-                len: from_before,
-                joins: [before, None],
-            }
-        } else if from_after <= n * g {
-            Site {
-                addr: hi - from_after,
-                len: from_after,
-                joins: [None, after],
-            }
-        } else {
-            Site {
-                addr: lo,
-                len: n * g,
-                joins: [before, after],
-            }
-        };
-        if lo == top && site.len < step && step <= n * g {
-            sites.push((site.len, Site { len: step, ..site }));
-        }
-        sites.push((site.len, site));
-    }
-    // Stable: among equal needs the lower address (and the stepped top site) first.
-    sites.sort_by_key(|&(need, _)| need);
-    sites.into_iter().map(|(_, site)| site).collect()
-}
-
-sync_on_the_host_stream!(Pool);
-
-// SAFETY: blocks are disjoint pieces of chunks from the upstream (free blocks are tracked
+// SAFETY: blocks are disjoint pieces of the memory held from the upstream (chunks, or mapped
+// granules of a reservation; free blocks are tracked
 // exactly once, in one list), aligned as asked, and carry the upstream's properties; a
 // block freed on stream S is handed to another stream only after S's work is complete
 // (host streams) or waited for (`merge_into`): memory freed on a stream is reused on that
 // stream at once, and on another only after the first's work was waited for. Only the
 // pool itself is equal to it.
-unsafe impl<U: Resource> Resource for Pool<U> {
+unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
     #[inline]
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
         let result = self.allocate_untraced(stream, layout);
@@ -1203,13 +912,14 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         let mut s = shard.state.lock();
         s.put(addr, size);
         self.shards.note_free(shard);
-        if let Some(keep) = self.config.release_threshold
+        if let Some(keep) = self.release_threshold
             && s.free_bytes() > keep
         {
             drop(s);
             self.release_above(stream, shard, keep);
         }
     }
+
     unsafe fn deallocate_used_on(
         &self,
         stream: StreamRef<'_>,
@@ -1222,3 +932,164 @@ unsafe impl<U: Resource> Resource for Pool<U> {
         unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }
+
+/// The public face both coalescing pools share, written once over their body (a field
+/// `core: Coalescing<U, _>`): the methods on their memory, `Resource` and `SyncResource`
+/// (the body's calls), identity equality and `Debug`. `$names` and `$new` write the
+/// examples: the names they import, and the call that makes the pool, up to its
+/// configuration's closing parenthesis.
+macro_rules! coalescing_pool {
+    ($ty:ident, $names:literal, $new:literal) => {
+        impl<U: crate::resource::Resource> $ty<U> {
+            /// The upstream resource.
+            pub fn upstream(&self) -> &U {
+                self.core.upstream()
+            }
+
+            /// Bounds what the pool holds from now on, under its configured maximum
+            /// (`None`: only that maximum). Growth that would pass the bound is refused,
+            /// after the pool has given back what it holds free, so a request past it is
+            /// [`Error::OutOfMemory`](crate::Error::OutOfMemory); what it already holds
+            /// above a lowered bound stays until freed and trimmed. PyTorch's
+            /// `set_per_process_memory_fraction` under memres is this bound. Costs
+            /// nothing on the allocation path: only growth reads it.
+            ///
+            /// ```
+            #[doc = concat!("use memres::{", $names, ", SyncResource, layout};")]
+            ///
+            #[doc = concat!("let pool = ", $new, ")?;")]
+            /// pool.set_limit(Some(4 << 20));
+            /// assert_eq!(pool.limit(), Some(4 << 20));
+            /// assert!(pool.allocate_sync(layout(8 << 20)?).is_err());
+            /// # Ok::<(), memres::Error>(())
+            /// ```
+            pub fn set_limit(&self, bytes: Option<usize>) {
+                self.core.set_limit(bytes);
+            }
+
+            #[doc = concat!("The bound set with [`", stringify!($ty), "::set_limit`], if any.")]
+            pub fn limit(&self) -> Option<usize> {
+                self.core.limit()
+            }
+
+            /// The blocks held for other streams (for the host tests and loom models).
+            #[cfg(any(test, memres_loom))]
+            #[allow(dead_code)] // (not every pool's tests look)
+            pub(crate) fn held(&self) -> &crate::suballoc::deferred::Deferred {
+                self.core.held()
+            }
+
+            /// Bytes held from the upstream (mapped, for a pool that grows in place).
+            pub fn pool_size(&self) -> usize {
+                self.core.pool_size()
+            }
+
+            /// Starts [`PoolStats::peak_pool_size`](crate::suballoc::PoolStats::peak_pool_size)
+            /// afresh from what the pool holds now.
+            pub fn reset_peak_size(&self) {
+                self.core.reset_peak_size();
+            }
+
+            /// The memory the pool holds from its upstream, as `(address, bytes)` in
+            /// address order: its chunks, or for a pool that grows in place the mapped
+            /// runs of its reservation (what PyTorch's memory snapshots call segments).
+            ///
+            /// ```
+            #[doc = concat!("use memres::{", $names, "};")]
+            ///
+            #[doc = concat!("let pool = ", $new, ".initial_size(1 << 20))?;")]
+            /// let segments = pool.segments();
+            /// assert_eq!(segments.iter().map(|&(_, n)| n).sum::<usize>(), pool.stats().pool_size);
+            /// # Ok::<(), memres::Error>(())
+            /// ```
+            pub fn segments(&self) -> Vec<(usize, usize)> {
+                self.core.segments()
+            }
+
+            /// A snapshot of the pool's memory. It locks each stream's list in turn, so
+            /// under concurrent use it is exact for each list but not one instant.
+            pub fn stats(&self) -> crate::suballoc::PoolStats {
+                self.core.stats()
+            }
+
+            /// Merges every stream's free list into one and coalesces it, first waiting
+            /// for the work of the CUDA streams the pool has seen. Afterwards free memory
+            /// is as few blocks as the chunks allow (one per chunk once everything is
+            /// freed; one per run of mapped granules for a pool that grows in place).
+            pub fn coalesce(&self) -> Result<(), crate::Error> {
+                self.core.coalesce()
+            }
+
+            /// Gives free memory back to the upstream (after
+            /// [`coalesce`](Self::coalesce) has merged the lists): every fully free
+            /// granule for a pool that grows in place (live blocks stay where they are),
+            /// else every entirely free chunk. Returns how many bytes went back.
+            ///
+            /// The lists of the pool's streams go too (issue 33, finding 4: 50,000
+            /// streams used once held 515 MiB until the pool dropped): every list emptied
+            /// by the merge is freed, on Linux 4.14 and later (`membarrier`), once no
+            /// other thread can be using it (a grace period, `crate::sync::grace`: the
+            /// call waits for the pool's calls under way on other threads to return); a
+            /// stream used again gets a new list. Elsewhere, emptied lists give their
+            /// heap memory back and keep their inline fields and copy of the chunk table.
+            pub fn trim(&self) -> Result<usize, crate::Error> {
+                self.core.trim()
+            }
+        }
+
+        impl<U: crate::resource::Resource> PartialEq for $ty<U> {
+            fn eq(&self, other: &Self) -> bool {
+                std::ptr::eq(self, other)
+            }
+        }
+
+        impl<U: crate::resource::Resource + std::fmt::Debug> std::fmt::Debug for $ty<U> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($ty))
+                    .field("upstream", self.upstream())
+                    .field("config", &self.config())
+                    .field("stats", &self.stats())
+                    .finish()
+            }
+        }
+
+        sync_on_the_host_stream!($ty);
+
+        // SAFETY: the calls of the pool's body (`Coalescing`), which keeps the contract
+        // (its impl says how); only the pool itself is equal to it.
+        unsafe impl<U: crate::resource::Resource> crate::resource::Resource for $ty<U> {
+            #[inline]
+            fn allocate(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                layout: std::alloc::Layout,
+            ) -> Result<std::ptr::NonNull<u8>, crate::Error> {
+                self.core.allocate(stream, layout)
+            }
+
+            #[inline]
+            unsafe fn deallocate(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                ptr: std::ptr::NonNull<u8>,
+                layout: std::alloc::Layout,
+            ) {
+                // SAFETY: the caller's promise, for the body that handed the block out.
+                unsafe { self.core.deallocate(stream, ptr, layout) }
+            }
+
+            unsafe fn deallocate_used_on(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                ptr: std::ptr::NonNull<u8>,
+                layout: std::alloc::Layout,
+                used_on: &[crate::stream::StreamRef<'_>],
+            ) {
+                // SAFETY: the caller's promise, for the body that handed the block out.
+                unsafe { self.core.deallocate_used_on(stream, ptr, layout, used_on) }
+            }
+        }
+    };
+}
+
+pub(super) use coalescing_pool;

@@ -178,40 +178,55 @@ impl PoolConfig {
     }
 
     pub(super) fn validate(&self) -> Result<(), Error> {
-        let multiple = |what: &str, n: usize| {
-            if n.is_multiple_of(GRANULE) {
-                Ok(())
-            } else {
-                Err(Error::invalid_argument(format!(
-                    "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
-                )))
-            }
-        };
-        let sizes = [
-            ("initial", Some(self.initial)),
-            ("maximum", self.maximum),
-            ("growth step", Some(self.step)),
-            ("release threshold", self.release_threshold),
-        ];
-        for (what, n) in sizes {
-            if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
-                return Err(Error::invalid_argument(format!(
-                    "the pool's {what} ({n} bytes) is larger than any allocation can be"
-                )));
-            }
-        }
-        multiple("initial", self.initial)?;
-        if let Some(max) = self.maximum {
-            multiple("maximum", max)?;
-            if self.initial > max {
-                return Err(Error::invalid_argument(format!(
-                    "the pool's initial size ({} bytes) exceeds its maximum ({max} bytes)",
-                    self.initial
-                )));
-            }
-        }
-        Ok(())
+        validate(
+            self.initial,
+            self.maximum,
+            self.step,
+            self.release_threshold,
+        )
     }
+}
+
+/// Checks a pool's sizes (both pools' configurations have them): multiples of 256 bytes,
+/// no larger than an allocation can be, the initial size within the maximum.
+pub(super) fn validate(
+    initial: usize,
+    maximum: Option<usize>,
+    step: usize,
+    release_threshold: Option<usize>,
+) -> Result<(), Error> {
+    let multiple = |what: &str, n: usize| {
+        if n.is_multiple_of(GRANULE) {
+            Ok(())
+        } else {
+            Err(Error::invalid_argument(format!(
+                "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
+            )))
+        }
+    };
+    let sizes = [
+        ("initial", Some(initial)),
+        ("maximum", maximum),
+        ("growth step", Some(step)),
+        ("release threshold", release_threshold),
+    ];
+    for (what, n) in sizes {
+        if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
+            return Err(Error::invalid_argument(format!(
+                "the pool's {what} ({n} bytes) is larger than any allocation can be"
+            )));
+        }
+    }
+    multiple("initial", initial)?;
+    if let Some(max) = maximum {
+        multiple("maximum", max)?;
+        if initial > max {
+            return Err(Error::invalid_argument(format!(
+                "the pool's initial size ({initial} bytes) exceeds its maximum ({max} bytes)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The chunk sizes a pool over chunks asks its upstream for, for one request: a pure

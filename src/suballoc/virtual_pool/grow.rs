@@ -1,16 +1,28 @@
-//! The pool that grows in place ([`Pool::in_place`], [`Virtual::pool`]): its growth maps
-//! the granules a request lacks right after its free memory, and its release unmaps
-//! fully free granules; the rest of the pool is shared with the chunked one.
+//! How a [`VirtualPool`](super::VirtualPool) holds memory ([`Space`], its [`Holding`]):
+//! its growth maps the granules a request lacks right after its free memory, and its
+//! release unmaps fully free granules; the rest of the pool is its body, [`Coalescing`],
+//! shared with the chunked [`Pool`](crate::suballoc::Pool).
 
-use super::*;
-use crate::upstream::virtual_memory::{Backend, HostCopy, Virtual};
+use super::config::VirtualPoolConfig;
+use super::sleep::{self, Slept};
+use crate::error::Error;
+use crate::resource::Resource;
+use crate::stream::StreamRef;
+use crate::suballoc::coalescing::{Coalescing, GrowthState, Holding};
+use crate::suballoc::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
+use crate::suballoc::shards::Shard;
+use crate::suballoc::stream_list::PoolShard;
+use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::upstream::GrowInPlace;
+use crate::upstream::virtual_memory::{Granules, HostCopy};
 
 /// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
 type Save<U> = unsafe fn(&U, &[(usize, usize)], &mut Vec<HostCopy>) -> Result<Vec<HostCopy>, Error>;
 
 /// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
-/// when the pool is made, so that `Pool<U>` needs no other bound).
-pub(super) struct Space<U> {
+/// when the pool is made, so that `VirtualPool<U>` needs no other bound), with its
+/// configuration and whether it sleeps.
+pub(crate) struct Space<U> {
     pub(super) base: usize,
     pub(super) granularity: usize,
     pub(super) map: fn(&U, usize, usize) -> Result<(), Error>,
@@ -19,6 +31,40 @@ pub(super) struct Space<U> {
     pub(super) save: Save<U>,
     pub(super) restore: unsafe fn(&U, usize, usize, &HostCopy) -> Result<(), Error>,
     pub(super) synchronize: fn(&U) -> Result<(), Error>,
+    pub(super) config: VirtualPoolConfig,
+    /// Set while the pool sleeps (read first by every allocation; written under the
+    /// growth lock, with [`Mapped::slept`]).
+    pub(super) asleep: AtomicBool,
+}
+
+impl<U: GrowInPlace> Space<U> {
+    /// The reservation of `upstream`, with `config`.
+    pub(super) fn new(upstream: &U, config: VirtualPoolConfig) -> Space<U> {
+        Space {
+            base: upstream.reservation().0,
+            granularity: upstream.granularity(),
+            map: <U as GrowInPlace>::map_at,
+            unmap: <U as GrowInPlace>::unmap_at,
+            keep_unmapped: <U as GrowInPlace>::keep_unmapped,
+            save: <U as GrowInPlace>::save_at,
+            restore: <U as GrowInPlace>::restore_at,
+            synchronize: <U as GrowInPlace>::synchronize,
+            config,
+            asleep: AtomicBool::new(false),
+        }
+    }
+}
+
+/// What a [`VirtualPool`](super::VirtualPool) holds, under its growth lock.
+#[derive(Default)]
+pub(crate) struct Mapped {
+    /// Which granules of the reservation it holds (while it sleeps: which it maps again
+    /// when woken).
+    pub(super) mapped: Granules,
+    /// Set while the pool sleeps: what waking it maps and restores.
+    pub(super) slept: Option<Slept>,
+    /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
+    pub(super) kept: Vec<HostCopy>,
 }
 
 /// Keeps the physical memory of granules unmapped while it lives for the maps that follow
@@ -41,131 +87,90 @@ impl<U> Drop for KeepUnmapped<'_, U> {
     }
 }
 
-// The in-place pool's constructor on its leaf, written here beside the pool (not in
-// `upstream`, which imports nothing from `suballoc`).
-impl<B: Backend> Virtual<B> {
-    /// A [`Pool`] over this leaf that grows in place ([`Pool::in_place`]).
-    ///
-    /// ```
-    /// use memres::{HostVirtual, PoolConfig, Resource, StreamRef, layout};
-    ///
-    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool_in_place(PoolConfig::new())?;
-    /// let l = layout(100 << 10)?;
-    /// let p = pool.allocate(StreamRef::HOST, l)?;
-    /// assert_eq!(pool.stats().pool_size, 128 << 10, "two 64 KiB granules");
-    /// // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
-    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
-    /// pool.trim()?;
-    /// assert_eq!(pool.stats().pool_size, 0);
-    /// # Ok::<(), memres::Error>(())
-    /// ```
-    pub fn pool_in_place(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
-        Pool::in_place(self, config)
+impl<U: Resource> Holding<U> for Space<U> {
+    type Memory = Mapped;
+
+    // Not the large cache: a cached block is handed out again where it was, not low,
+    // which costs footprint (host, `random` seed 42: 1.128 of live against 1.114).
+    fn new_list(&self, _memory: &Mapped) -> PoolShard {
+        PoolShard::new(std::iter::empty(), Some(self.base))
     }
 
-    /// The in-place pool under its old name, kept so that code written for it keeps the
-    /// pool growing in place (without it, `.pool(config)` on the leaf would reach
-    /// [`ResourceExt::pool`](crate::ResourceExt::pool), a chunked pool over the leaf).
-    #[deprecated(note = "renamed `pool_in_place` (`ResourceExt::pool` makes a chunked pool)")]
-    pub fn pool(self, config: PoolConfig) -> Result<Pool<Virtual<B>>, Error> {
-        self.pool_in_place(config)
+    fn grow(
+        pool: &Coalescing<U, Space<U>>,
+        growth: &mut GrowthState<Mapped>,
+        _stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        pool.grow_in_place(growth, own, size, align, may_wait)
+    }
+
+    fn release(
+        pool: &Coalescing<U, Space<U>>,
+        growth: &mut GrowthState<Mapped>,
+        from: &Shard<PoolShard>,
+        keep: usize,
+    ) -> usize {
+        pool.unmap_free_granules(growth, from, keep)
+    }
+
+    fn segments(&self, memory: &Mapped) -> Vec<(usize, usize)> {
+        if memory.slept.is_some() {
+            return Vec::new(); // nothing is mapped while the pool sleeps
+        }
+        let g = self.granularity;
+        memory
+            .mapped
+            .mapped_runs()
+            .into_iter()
+            .map(|(first, n)| (self.base + first * g, n * g))
+            .collect()
+    }
+
+    fn upstream_allocations(memory: &Mapped) -> usize {
+        memory.mapped.mapped_runs().len()
+    }
+
+    fn drop_memory(pool: &Coalescing<U, Space<U>>, memory: Mapped) {
+        if memory.slept.is_some() {
+            return; // asleep: nothing is mapped (the copies go with `memory`)
+        }
+        if !crate::device::process_is_exiting()
+            && let Err(e) = pool.shards.synchronize_streams()
+        {
+            tracing::error!("a pool could not wait for its streams before freeing: {e}");
+        }
+        let space = &pool.holding;
+        let g = space.granularity;
+        for (first, n) in memory.mapped.mapped_runs() {
+            // SAFETY: granules this pool mapped; it is going away and its streams' work
+            // is complete (above), so nothing uses them.
+            unsafe { (space.unmap)(&pool.upstream, space.base + first * g, n * g) };
+        }
+    }
+
+    #[inline(always)]
+    fn is_asleep(&self) -> bool {
+        self.asleep.load(Ordering::Relaxed)
+    }
+
+    fn asleep_bytes(memory: &Mapped) -> Option<usize> {
+        memory.slept.as_ref().map(Slept::size)
+    }
+
+    fn host_copy_bytes(memory: &Mapped) -> usize {
+        memory.slept.as_ref().map_or(0, Slept::copy_bytes) + sleep::bytes(&memory.kept)
+    }
+
+    fn take_host_copies(memory: &mut Mapped) -> Vec<HostCopy> {
+        std::mem::take(&mut memory.kept)
     }
 }
 
-impl<U: Resource> Pool<U> {
-    /// A pool that grows in place over `upstream`'s reserved range: it maps only what a
-    /// request lacks (whole granules, at least [`PoolConfig::growth_step`]) right after
-    /// the free memory at the top of what it holds, so blocks merge across growth steps
-    /// and no upstream allocation boundary fragments it; [`trim`](Self::trim) unmaps
-    /// every fully free granule, also between live blocks. `config.initial()` is mapped
-    /// at once (rounded up to the granularity); `config.maximum()` bounds what is mapped
-    /// (a maximum below one granule, or one that the rounded initial size passes, is
-    /// [`Error::InvalidArgument`]).
-    ///
-    /// ```
-    /// use memres::{HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout};
-    ///
-    /// let pool = Pool::in_place(HostVirtual::new(1 << 30, 64 << 10)?, PoolConfig::new())?;
-    /// let (a, b) = (layout(96 << 10)?, layout(96 << 10)?);
-    /// let pa = pool.allocate(StreamRef::HOST, a)?; // maps two 64 KiB granules
-    /// let pb = pool.allocate(StreamRef::HOST, b)?;
-    /// // The second growth mapped only the one granule b lacked, right after the first two.
-    /// assert_eq!(pool.stats().pool_size, 192 << 10);
-    /// // SAFETY: each freed once with its layout; unused afterwards.
-    /// unsafe {
-    ///     pool.deallocate(StreamRef::HOST, pa, a);
-    ///     pool.deallocate(StreamRef::HOST, pb, b);
-    /// }
-    /// assert_eq!(pool.stats().largest_free_block, 192 << 10, "merged across growths");
-    /// # Ok::<(), memres::Error>(())
-    /// ```
-    // long: config checks, each error written out, then one struct literal.
-    pub fn in_place(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error>
-    where
-        U: GrowInPlace,
-    {
-        config.validate()?;
-        let granularity = upstream.granularity();
-        let (base, len) = upstream.reservation();
-        if !granularity.is_power_of_two() || granularity < GRANULE {
-            return Err(Error::invalid_argument(format!(
-                "an in-place pool needs a granularity that is a power of two of at least \
-                 {GRANULE} bytes; the upstream's is {granularity}"
-            )));
-        }
-        // The pool maps whole granules and never holds more than its maximum.
-        if let Some(max) = config.maximum {
-            if max < granularity {
-                return Err(Error::invalid_argument(format!(
-                    "an in-place pool's maximum of {max} bytes is below one granule of its \
-                     upstream ({granularity} bytes): it could never map anything"
-                )));
-            }
-            if config.initial.next_multiple_of(granularity) > max {
-                return Err(Error::invalid_argument(format!(
-                    "an in-place pool's initial size of {} bytes rounds up to {} bytes \
-                     (whole granules of {granularity}), above its maximum of {max}",
-                    config.initial,
-                    config.initial.next_multiple_of(granularity)
-                )));
-            }
-        }
-        let pool = Pool {
-            upstream,
-            config,
-            growth: Mutex::new(GrowthState {
-                mapped: Granules::new(len / granularity),
-                ..GrowthState::default()
-            }),
-            shards: ShardMap::default(),
-            space: Some(Space {
-                base,
-                granularity,
-                map: <U as GrowInPlace>::map_at,
-                unmap: <U as GrowInPlace>::unmap_at,
-                keep_unmapped: <U as GrowInPlace>::keep_unmapped,
-                save: <U as GrowInPlace>::save_at,
-                restore: <U as GrowInPlace>::restore_at,
-                synchronize: <U as GrowInPlace>::synchronize,
-            }),
-            release_pending: AtomicBool::new(false),
-            asleep: AtomicBool::new(false),
-            held: Deferred::default(),
-            host_key: StreamKey::of_lane(StreamRef::HOST),
-        };
-        // As in `new`: the host list exists from the start.
-        let host = pool.new_shard(pool.host_key);
-        if config.initial > 0 {
-            let mut growth = pool.lock_growth();
-            let space = pool.space.as_ref().expect("set above");
-            let len = config.initial.next_multiple_of(granularity);
-            let mut s = host.state.lock();
-            pool.map_into(space, &mut growth, &mut s, base, len)?;
-            pool.shards.note_free(host);
-        }
-        Ok(pool)
-    }
-
+impl<U: Resource> Coalescing<U, Space<U>> {
     /// In-place growth: maps the fewest granules that make a free block of `min` bytes
     /// (`size` with room for `align`), in any unmapped run of the reservation, together
     /// with the free blocks on either side of it (so the pieces of partly free granules
@@ -173,23 +178,23 @@ impl<U: Resource> Pool<U> {
     /// what the pool holds). Without `may_wait` (under capture) it gives nothing back
     /// first, since that waits for the stream.
     // long: pick sites, remap surplus, map one: the steps share one lock guard.
-    pub(super) fn grow_in_place(
+    fn grow_in_place(
         &self,
-        space: &Space<U>,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<Mapped>,
         own: &Shard<PoolShard>,
         size: usize,
         align: usize,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
+        let space = &self.holding;
         // The caller checked that this does not overflow.
         let min = size + (align - GRANULE);
         let g = space.granularity;
         let mut s = own.state.lock();
         s.flush();
-        let step = self.config.step.next_multiple_of(g).max(g);
-        let top = space.base + growth.mapped.top() * g;
-        let mut tries = growth_sites(space, &growth.mapped, &s.free, min, top, step);
+        let step = space.config.step.next_multiple_of(g).max(g);
+        let top = space.base + growth.memory.mapped.top() * g;
+        let mut tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
         let Some(best) = tries.first().copied() else {
             return Ok(None);
         };
@@ -220,21 +225,21 @@ impl<U: Resource> Pool<U> {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
             if waited.is_ok() {
                 let keep = s.free_bytes().saturating_sub(best.len);
-                if self.unmap_in(space, growth, &mut s, keep, spare) > 0 {
+                if self.unmap_in(growth, &mut s, keep, spare) > 0 {
                     // Unmapping made new holes: a better site may be among them.
-                    let top = space.base + growth.mapped.top() * g;
-                    tries = growth_sites(space, &growth.mapped, &s.free, min, top, step);
+                    let top = space.base + growth.memory.mapped.top() * g;
+                    tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
                 }
             }
         }
         for site in tries {
-            if growth
-                .maximum(self.config.maximum)
+            if self
+                .maximum(growth)
                 .is_some_and(|max| growth.size.saturating_add(site.len) > max)
             {
                 continue;
             }
-            match self.map_into(space, growth, &mut s, site.addr, site.len) {
+            match self.map_into(growth, &mut s, site.addr, site.len) {
                 Ok(()) => {
                     self.shards.note_free(own);
                     let taken = s.free.take(size, align);
@@ -251,15 +256,18 @@ impl<U: Resource> Pool<U> {
     /// Maps `addr..addr + len` (whole unmapped granules) and puts it, free, in `into`.
     pub(super) fn map_into(
         &self,
-        space: &Space<U>,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<Mapped>,
         into: &mut PoolShard,
         addr: usize,
         len: usize,
     ) -> Result<(), Error> {
+        let space = &self.holding;
         (space.map)(&self.upstream, addr, len)?;
         let g = space.granularity;
-        growth.mapped.set((addr - space.base) / g, len / g, true);
+        growth
+            .memory
+            .mapped
+            .set((addr - space.base) / g, len / g, true);
         growth.size += len;
         growth.peak = growth.peak.max(growth.size);
         into.insert(addr, len);
@@ -276,10 +284,9 @@ impl<U: Resource> Pool<U> {
     /// Unmaps fully free granules of `from`'s list (which holds all free memory, the
     /// lists having been merged into it), highest first, until at most `keep` bytes are
     /// free. Returns how many bytes went back.
-    pub(super) fn unmap_free_granules(
+    fn unmap_free_granules(
         &self,
-        space: &Space<U>,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<Mapped>,
         from: &Shard<PoolShard>,
         keep: usize,
     ) -> usize {
@@ -295,20 +302,20 @@ impl<U: Resource> Pool<U> {
             tracing::warn!("a pool could not wait for a stream to return memory: {e}");
             return 0;
         }
-        self.unmap_in(space, growth, &mut s, keep, [usize::MAX; 2])
+        self.unmap_in(growth, &mut s, keep, [usize::MAX; 2])
     }
 
     /// Unmaps fully free granules of blocks in `s` other than those starting at an
     /// address in `spare`, highest first, until at most `keep` bytes of `s` are free. The
     /// caller has made sure that no work uses the blocks of `s`.
-    pub(super) fn unmap_in(
+    fn unmap_in(
         &self,
-        space: &Space<U>,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<Mapped>,
         s: &mut PoolShard,
         keep: usize,
         spare: [usize; 2],
     ) -> usize {
+        let space = &self.holding;
         let g = space.granularity;
         let mut free = s.free_bytes();
         let mut blocks: Vec<FreeBlock> = s.free.blocks().collect();
@@ -340,6 +347,7 @@ impl<U: Resource> Pool<U> {
             // no work uses `s`'s blocks (this function's contract, kept by its callers).
             unsafe { (space.unmap)(&self.upstream, lo, hi - lo) };
             growth
+                .memory
                 .mapped
                 .set((lo - space.base) / g, (hi - lo) / g, false);
             growth.size -= hi - lo;
@@ -356,4 +364,68 @@ impl<U: Resource> Pool<U> {
         }
         released
     }
+}
+
+/// A place where an in-place pool can grow: `len` bytes of unmapped granules at `addr`,
+/// which join the free blocks `joins` (before, after) into one block.
+#[derive(Clone, Copy, Debug)]
+struct Site {
+    addr: usize,
+    len: usize,
+    joins: [Option<FreeBlock>; 2],
+}
+
+/// Where an in-place pool can map memory so that, with the free blocks next to it, one
+/// free block holds `need` bytes: the sites that map the fewest bytes first (lowest
+/// address among equals), at most one per unmapped run. At the top of what the pool holds
+/// (`top`), a site maps at least `step` when the reservation has room, followed by the
+/// same site without the step as a fallback.
+fn growth_sites(
+    space: &Space<impl Resource>,
+    mapped: &Granules,
+    free: &FreeBlocks,
+    need: usize,
+    top: usize,
+    step: usize,
+) -> Vec<Site> {
+    let g = space.granularity;
+    let mut sites = Vec::new();
+    for (first, n) in mapped.unmapped_runs() {
+        let (lo, hi) = (space.base + first * g, space.base + (first + n) * g);
+        let before = free.ending_at(lo);
+        let after = free.starting_at(hi);
+        let (b, a) = (before.map_or(0, |b| b.size), after.map_or(0, |b| b.size));
+        if b.saturating_add(a).saturating_add(n * g) < need {
+            continue;
+        }
+        // Map next to the block before, next to the one after, or the whole run.
+        let from_before = need.saturating_sub(b).next_multiple_of(g);
+        let from_after = need.saturating_sub(a).next_multiple_of(g);
+        let site = if from_before <= n * g && from_before <= from_after {
+            Site {
+                addr: lo,
+                len: from_before,
+                joins: [before, None],
+            }
+        } else if from_after <= n * g {
+            Site {
+                addr: hi - from_after,
+                len: from_after,
+                joins: [None, after],
+            }
+        } else {
+            Site {
+                addr: lo,
+                len: n * g,
+                joins: [before, after],
+            }
+        };
+        if lo == top && site.len < step && step <= n * g {
+            sites.push((site.len, Site { len: step, ..site }));
+        }
+        sites.push((site.len, site));
+    }
+    // Stable: among equal needs the lower address (and the stepped top site) first.
+    sites.sort_by_key(|&(need, _)| need);
+    sites.into_iter().map(|(_, site)| site).collect()
 }

@@ -3,7 +3,7 @@
 //!
 //! A reservation costs no memory; only mapped granules do. Because every byte such a
 //! leaf hands out lies in one range, a [`Pool`](crate::Pool) built with
-//! [`Pool::in_place`](crate::Pool::in_place) (or `.pool_in_place(config)` on the leaf) grows by
+//! [`Pool::in_place`](crate::Pool::in_place) (or `.virtual_pool(config)` on the leaf) grows by
 //! mapping exactly the granules a request lacks right after its free memory, merges
 //! blocks across growth steps, and gives back any fully free granule, not only whole
 //! upstream allocations: what PyTorch calls expandable segments.
