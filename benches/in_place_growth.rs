@@ -1,4 +1,4 @@
-//! What one growing allocation of an in-place pool costs as its reservation grows (issue
+//! What one growing allocation of a virtual pool costs as its reservation grows (issue
 //! 33, finding 5): over `HostVirtual` reservations of 64 MiB to 1 TiB in 4 KiB granules
 //! (16 K to 268 M granules), 2,000 allocations of 12 KiB, each mapping the granules it
 //! lacks. Prints microseconds per growing allocation, the best of three rounds.
@@ -23,7 +23,7 @@ fn main() {
 /// One round over a fresh pool: microseconds per allocation.
 fn round(reserve: usize) -> f64 {
     let leaf = HostVirtual::new(reserve, GRANULE).expect("address space to reserve");
-    let pool = VirtualPool::new(leaf, VirtualPoolConfig::new()).expect("an in-place pool");
+    let pool = VirtualPool::new(leaf, VirtualPoolConfig::new()).expect("a virtual pool");
     let l = layout(3 * GRANULE).unwrap();
     let start = Instant::now();
     let blocks: Vec<_> = (0..ALLOCATIONS)

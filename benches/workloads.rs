@@ -166,7 +166,7 @@ fn main() {
         if want("pool_in_place") {
             let in_place = CudaVirtual::new()
                 .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(16 << 30)))
-                .expect("an in-place pool");
+                .expect("a virtual pool");
             suite("pool_in_place", &in_place, true, false);
         }
         if want("footprint") {
@@ -180,7 +180,7 @@ fn main() {
             }
             let in_place = CudaVirtual::new()
                 .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
-                .expect("an in-place pool");
+                .expect("a virtual pool");
             let trim = || {
                 in_place.trim().expect("trim");
             };
@@ -221,7 +221,7 @@ fn main() {
             }
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
                 .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
-                .expect("an in-place pool");
+                .expect("a virtual pool");
             let trim = || {
                 in_place.trim().expect("trim");
             };
@@ -231,7 +231,7 @@ fn main() {
         if want("pool_in_place[host]") {
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
                 .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(4 << 30)))
-                .expect("an in-place pool");
+                .expect("a virtual pool");
             suite("pool_in_place[host]", &in_place, false, false);
         }
     }

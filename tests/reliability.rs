@@ -79,13 +79,13 @@ fn a_release_threshold_with_many_threads_does_not_deadlock_the_chunked_pool() {
 }
 
 #[test]
-fn a_release_threshold_with_many_threads_does_not_deadlock_the_in_place_pool() {
+fn a_release_threshold_with_many_threads_does_not_deadlock_the_virtual_pool() {
     let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
     let pool = std::sync::Arc::new(
         VirtualPool::new(leaf, VirtualPoolConfig::new().release_threshold(1 << 20)).unwrap(),
     );
     let p = pool.clone();
-    within(Duration::from_secs(30), "in-place pool", move || {
+    within(Duration::from_secs(30), "virtual pool", move || {
         threads_free_past_a_threshold(p)
     });
     assert!(pool.stats().pool_size <= 2 << 20, "{:?}", pool.stats());
@@ -649,7 +649,7 @@ fn trim_beside_threads<P: CoalescingPool>(
     ignore = "a release-mode stress test: .ci/run runs it with --release"
 )]
 fn a_trim_beside_allocating_threads_makes_none_run_out_of_memory() {
-    // One piece of 64 blocks: the chunked pool's first chunk, the in-place pool's eight
+    // One piece of 64 blocks: the chunked pool's first chunk, the virtual pool's eight
     // granules of 2 MiB (a granule goes back only when all of its 8 blocks are free).
     let held = (BUDGET + 2) * BLOCK;
     let config = PoolConfig::new().initial_size(held).maximum_size(held);

@@ -3,7 +3,7 @@
 //
 // The first byte picks a sub-allocator over host memory (counted by a `Statistics` layer
 // shared with the test): chunked pools growing by either rule, with and without release
-// thresholds, the in-place pool with and without one, an arena, `Binning` over a pool and
+// thresholds, the virtual pool with and without one, an arena, `Binning` over a pool and
 // `FixedSize`. Every following 4 bytes are one operation: allocate (size, alignment and
 // one of three host streams from the bytes), free a live block (on any of the streams),
 // or trim / coalesce; each runs on one of four threads picked by the input (the

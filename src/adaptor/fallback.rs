@@ -77,7 +77,7 @@ impl<A, B, P> Fallback<A, B, P> {
     }
 
     /// Tells the tiers apart by address: `first`'s blocks all lie in `base..base + len`
-    /// (the reservation of an in-place pool, [`GrowInPlace::reservation`]), so a free
+    /// (the reservation of a virtual pool, [`GrowInPlace::reservation`]), so a free
     /// inside it goes to `first` and one outside to `then`, with no set of `then`'s
     /// blocks kept.
     ///

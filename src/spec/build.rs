@@ -147,7 +147,7 @@ impl Spec {
     }
 
     /// [`build`](Self::build), with the address range `(base, len)` every block of the stack lies in
-    /// where one in-place pool serves them all (wrappers pass their inner one's on): a
+    /// where one virtual pool serves them all (wrappers pass their inner one's on): a
     /// `fallback(..)` tells its tiers apart by it.
     // long: one arm per spec word, each building one layer; a split only moves the match.
     fn build_ranged<T: Target>(&self, target: &mut T) -> Result<Ranged<T::Properties>, Error> {
@@ -168,7 +168,7 @@ impl Spec {
                 let (first, range) = first.build_ranged(target)?;
                 let mut tiers = Fallback::<_, _, T::Properties>::new(first, then.build(target)?);
                 if let Some((base, len)) = range {
-                    // SAFETY: every block of `first` comes from one in-place pool, inside
+                    // SAFETY: every block of `first` comes from one virtual pool, inside
                     // its leaf's reservation (wrappers hand out their inner blocks
                     // unchanged); `then` was built over leaves of its own, outside it.
                     tiers = unsafe { tiers.with_first_range(base, len) };
@@ -373,11 +373,11 @@ mod tests {
         assert_eq!(target.reserved, [Some(256 << 20)]);
     }
 
-    /// A `fallback(..)` whose first tier is one in-place pool (under any wrappers) tells
+    /// A `fallback(..)` whose first tier is one virtual pool (under any wrappers) tells
     /// its tiers apart by the pool's reservation; other first tiers keep the set. Either
     /// way a block past the first tier comes and goes through the second.
     #[test]
-    fn a_fallback_over_an_in_place_pool_routes_by_address() {
+    fn a_fallback_over_an_virtual_pool_routes_by_address() {
         for (text, by_address) in [
             (
                 "fallback(statistics(limiting(virtual_pool, limit=1MiB)), pool)",

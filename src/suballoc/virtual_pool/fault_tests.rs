@@ -23,7 +23,7 @@ fn splitmix(state: &mut u64) -> u64 {
 }
 
 #[test]
-fn an_in_place_pool_whose_maps_fail_stays_exact_and_usable() {
+fn a_virtual_pool_whose_maps_fail_stays_exact_and_usable() {
     for every in [1, 2, 3, 5, 8] {
         let pool = HostVirtual::new(1 << 30, 2 << 20)
             .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().release_threshold(64 << 20)))

@@ -366,7 +366,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     }
 }
 
-/// A place where an in-place pool can grow: `len` bytes of unmapped granules at `addr`,
+/// A place where a virtual pool can grow: `len` bytes of unmapped granules at `addr`,
 /// which join the free blocks `joins` (before, after) into one block.
 #[derive(Clone, Copy, Debug)]
 struct Site {
@@ -375,7 +375,7 @@ struct Site {
     joins: [Option<FreeBlock>; 2],
 }
 
-/// Where an in-place pool can map memory so that, with the free blocks next to it, one
+/// Where a virtual pool can map memory so that, with the free blocks next to it, one
 /// free block holds `need` bytes: the sites that map the fewest bytes first (lowest
 /// address among equals), at most one per unmapped run. At the top of what the pool holds
 /// (`top`), a site maps at least `step` when the reservation has room, followed by the

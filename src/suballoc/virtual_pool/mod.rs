@@ -118,7 +118,7 @@ impl<U: Resource> VirtualPool<U> {
         let (base, len) = upstream.reservation();
         if !granularity.is_power_of_two() || granularity < GRANULE {
             return Err(Error::invalid_argument(format!(
-                "an in-place pool needs a granularity that is a power of two of at least \
+                "a virtual pool needs a granularity that is a power of two of at least \
                  {GRANULE} bytes; the upstream's is {granularity}"
             )));
         }
@@ -126,13 +126,13 @@ impl<U: Resource> VirtualPool<U> {
         if let Some(max) = config.maximum() {
             if max < granularity {
                 return Err(Error::invalid_argument(format!(
-                    "an in-place pool's maximum of {max} bytes is below one granule of its \
+                    "a virtual pool's maximum of {max} bytes is below one granule of its \
                      upstream ({granularity} bytes): it could never map anything"
                 )));
             }
             if config.initial().next_multiple_of(granularity) > max {
                 return Err(Error::invalid_argument(format!(
-                    "an in-place pool's initial size of {} bytes rounds up to {} bytes \
+                    "a virtual pool's initial size of {} bytes rounds up to {} bytes \
                      (whole granules of {granularity}), above its maximum of {max}",
                     config.initial(),
                     config.initial().next_multiple_of(granularity)
