@@ -112,7 +112,7 @@ fn main() {
         );
         // (Its memory is mapped pages, not the heap.)
         report(
-            "pool_in_place",
+            "virtual_pool",
             streams,
             || {
                 let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();

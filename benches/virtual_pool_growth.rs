@@ -3,7 +3,7 @@
 //! (16 K to 268 M granules), 2,000 allocations of 12 KiB, each mapping the granules it
 //! lacks. Prints microseconds per growing allocation, the best of three rounds.
 //!
-//!     cargo bench --bench in_place_growth
+//!     cargo bench --bench virtual_pool_growth
 
 use std::time::Instant;
 

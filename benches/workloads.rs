@@ -163,11 +163,11 @@ fn main() {
             )
         };
         adaptor_suites("pool", || pool().expect("Pool"), true, &want);
-        if want("pool_in_place") {
+        if want("virtual_pool") {
             let in_place = CudaVirtual::new()
                 .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(16 << 30)))
                 .expect("a virtual pool");
-            suite("pool_in_place", &in_place, true, false);
+            suite("virtual_pool", &in_place, true, false);
         }
         if want("footprint") {
             for (name, growth) in [("pool", Growth::Eighth), ("pool_rmm", Growth::Rmm)] {
@@ -185,7 +185,7 @@ fn main() {
                 in_place.trim().expect("trim");
             };
             footprints(
-                "pool_in_place",
+                "virtual_pool",
                 &in_place,
                 &|| in_place.pool_size(),
                 &trim,
@@ -226,13 +226,13 @@ fn main() {
                 in_place.trim().expect("trim");
             };
             let held = || in_place.pool_size();
-            footprints("pool_in_place[host]", &in_place, &held, &trim, false);
+            footprints("virtual_pool[host]", &in_place, &held, &trim, false);
         }
-        if want("pool_in_place[host]") {
+        if want("virtual_pool[host]") {
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
                 .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(4 << 30)))
                 .expect("a virtual pool");
-            suite("pool_in_place[host]", &in_place, false, false);
+            suite("virtual_pool[host]", &in_place, false, false);
         }
     }
 }

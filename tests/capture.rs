@@ -141,7 +141,7 @@ fn pools_grow_under_capture_without_waiting() {
         .unwrap()
         .virtual_pool(VirtualPoolConfig::new())
         .unwrap();
-    assert!(capture(&in_place, "Pool::in_place", &SIZES).is_empty());
+    assert!(capture(&in_place, "VirtualPool", &SIZES).is_empty());
 
     let stats = Statistics::new(Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap());
     assert!(capture(&stats, "Statistics<Pool<Cuda>>", &SIZES).is_empty());

@@ -220,7 +220,7 @@ conformance_tests!(
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
-    pool_in_place_over_cuda_virtual,
+    virtual_pool_over_cuda_virtual,
     memres::CudaVirtual::new()
         .unwrap()
         .virtual_pool(memres::VirtualPoolConfig::new())
@@ -229,7 +229,7 @@ conformance_tests!(
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
-    pool_in_place_over_cuda_virtual_with_threshold,
+    virtual_pool_over_cuda_virtual_with_threshold,
     memres::CudaVirtual::new()
         .unwrap()
         .virtual_pool(memres::VirtualPoolConfig::new().release_threshold(64 << 20))

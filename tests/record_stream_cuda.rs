@@ -109,9 +109,9 @@ fn pool() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn pool_in_place() {
+fn virtual_pool() {
     let pool = VirtualPool::new(CudaVirtual::new().unwrap(), VirtualPoolConfig::new()).unwrap();
-    safe(&pool, "Pool::in_place");
+    safe(&pool, "VirtualPool");
 }
 
 #[test]

@@ -22,8 +22,8 @@ use crate::sync::{Mutex, lock};
 ///   are both device-accessible: `Fallback<_, _, Device>`); naming a property one of
 ///   them lacks does not compile.
 /// - **Frees** go to the tier that served the block. Where the first tier's blocks all lie
-///   in one address range ([`with_first_range`](Self::with_first_range): an in-place
-///   pool's reservation, which `fallback(virtual_pool, ..)` in a spec uses), the address
+///   in one address range ([`with_first_range`](Self::with_first_range): a
+///   [`VirtualPool`](crate::VirtualPool)'s reservation, which `fallback(virtual_pool, ..)` in a spec uses), the address
 ///   says which tier, without a lookup. Otherwise the fallback tier's blocks are
 ///   remembered (a set under a lock); while it has none live, a free goes to `first`
 ///   without a lookup, so a program that never falls back pays one load per free.

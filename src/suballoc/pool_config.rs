@@ -1,11 +1,12 @@
-//! [`PoolConfig`]: how a [`Pool`](super::Pool) starts, grows and gives memory back.
+//! [`PoolConfig`]: how a [`Pool`](super::Pool) starts, grows and gives memory back (and
+//! the checks of its sizes, which [`VirtualPoolConfig`](super::VirtualPoolConfig) shares).
 
 use super::free_blocks::GRANULE;
 use crate::error::Error;
 
 /// How a pool over chunks ([`Pool::new`]) sizes the upstream allocation it takes when
-/// no free block fits a request. (A pool that grows in place, [`Pool::in_place`], maps
-/// only the granules a request lacks and ignores this.)
+/// no free block fits a request. (A [`VirtualPool`] maps only the granules a request
+/// lacks: it has no growth rule.)
 ///
 /// A chunk's blocks never merge with another chunk's, and a chunk goes back to the
 /// upstream only once all of it is free, so the rule trades memory held against the
@@ -47,7 +48,7 @@ use crate::error::Error;
 /// ```
 ///
 /// [`Pool::new`]: super::Pool::new
-/// [`Pool::in_place`]: super::Pool::in_place
+/// [`VirtualPool`]: super::VirtualPool
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Growth {
@@ -123,20 +124,17 @@ impl PoolConfig {
         self
     }
 
-    /// The least a growth takes: for a pool that grows in place ([`Pool::in_place`]), the
-    /// least it maps at a time (rounded up to the upstream's granularity; default: one
-    /// granule); for a pool over chunks growing by [`Growth::Eighth`], the smallest chunk
-    /// it asks for first (rounded up to 2 MiB and capped at the maximum; default: 2 MiB). A larger step means fewer, larger growths
-    /// and more memory held ahead of need. [`Growth::Rmm`] ignores it.
-    ///
-    /// [`Pool::in_place`]: super::Pool::in_place
+    /// The least a growth takes: growing by [`Growth::Eighth`], the smallest chunk the
+    /// pool asks for first (rounded up to 2 MiB and capped at the maximum; default:
+    /// 2 MiB). A larger step means fewer, larger growths and more memory held ahead of
+    /// need. [`Growth::Rmm`] ignores it.
     #[must_use]
     pub const fn growth_step(mut self, bytes: usize) -> PoolConfig {
         self.step = bytes;
         self
     }
 
-    /// How a pool over chunks sizes the chunks it takes (default: [`Growth::Eighth`]).
+    /// How the pool sizes the chunks it takes (default: [`Growth::Eighth`]).
     #[must_use]
     pub const fn growth(mut self, rule: Growth) -> PoolConfig {
         self.growth = rule;
@@ -145,9 +143,8 @@ impl PoolConfig {
 
     /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
     /// one stream's list: the pool then waits for the streams it has seen, merges its
-    /// lists and releases free memory (fully free granules of a pool that grows in place,
-    /// highest first, until at most `bytes` are free; entirely free upstream allocations
-    /// otherwise), as a `cudaMemPool`'s release threshold does at synchronisation points.
+    /// lists and gives back its entirely free chunks, as a `cudaMemPool`'s release
+    /// threshold does at synchronisation points.
     /// Default: none, keep everything until [`Pool::trim`] (as RMM's pool does).
     ///
     /// [`Pool::trim`]: super::Pool::trim
@@ -172,7 +169,7 @@ impl PoolConfig {
         self.maximum
     }
 
-    /// The growth rule of a pool over chunks.
+    /// The growth rule.
     pub const fn growth_rule(&self) -> Growth {
         self.growth
     }
