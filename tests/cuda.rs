@@ -450,7 +450,7 @@ fn access_of_device_1(ptr: u64) -> u64 {
 /// no access. Needs two GPUs that can reach each other (skipped otherwise).
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn a_peer_device_writes_every_granule_of_an_virtual_pool() {
+fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
     let d1 = DeviceId::new(1);
     if DeviceId::count().unwrap() < 2 {
         println!("memres-skip: fewer than two GPUs");

@@ -83,7 +83,7 @@ impl<A, B, P> Fallback<A, B, P> {
     ///
     /// ```
     /// use memres::adaptor::Fallback;
-    /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, PoolConfig, SyncResource, layout};
+    /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, SyncResource, VirtualPoolConfig, layout};
     ///
     /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let (base, len) = pool.upstream().reservation();

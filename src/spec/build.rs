@@ -377,7 +377,7 @@ mod tests {
     /// its tiers apart by the pool's reservation; other first tiers keep the set. Either
     /// way a block past the first tier comes and goes through the second.
     #[test]
-    fn a_fallback_over_an_virtual_pool_routes_by_address() {
+    fn a_fallback_over_a_virtual_pool_routes_by_address() {
         for (text, by_address) in [
             (
                 "fallback(statistics(limiting(virtual_pool, limit=1MiB)), pool)",

@@ -12,7 +12,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use super::shards::{ShardMap, StreamKey};
-use super::{Arena, FixedSize, Pool, PoolConfig};
+use super::{Arena, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
 use crate::sync::spin::SpinLock;
