@@ -110,30 +110,6 @@ impl PoolConfig {
         }
     }
 
-    /// Bytes taken from the upstream when the pool is made.
-    #[must_use]
-    pub const fn initial_size(mut self, bytes: usize) -> PoolConfig {
-        self.initial = bytes;
-        self
-    }
-
-    /// The most bytes the pool may hold from its upstream.
-    #[must_use]
-    pub const fn maximum_size(mut self, bytes: usize) -> PoolConfig {
-        self.maximum = Some(bytes);
-        self
-    }
-
-    /// The least a growth takes: growing by [`Growth::Eighth`], the smallest chunk the
-    /// pool asks for first (rounded up to 2 MiB and capped at the maximum; default:
-    /// 2 MiB). A larger step means fewer, larger growths and more memory held ahead of
-    /// need. [`Growth::Rmm`] ignores it.
-    #[must_use]
-    pub const fn growth_step(mut self, bytes: usize) -> PoolConfig {
-        self.step = bytes;
-        self
-    }
-
     /// How the pool sizes the chunks it takes (default: [`Growth::Eighth`]).
     #[must_use]
     pub const fn growth(mut self, rule: Growth) -> PoolConfig {
@@ -141,48 +117,102 @@ impl PoolConfig {
         self
     }
 
-    /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
-    /// one stream's list: the pool then waits for the streams it has seen, merges its
-    /// lists and gives back its entirely free chunks, as a `cudaMemPool`'s release
-    /// threshold does at synchronisation points.
-    /// Default: none, keep everything until [`Pool::trim`] (as RMM's pool does).
-    ///
-    /// [`Pool::trim`]: super::Pool::trim
-    #[must_use]
-    pub const fn release_threshold(mut self, bytes: usize) -> PoolConfig {
-        self.release_threshold = Some(bytes);
-        self
-    }
-
-    /// The release threshold, if any.
-    pub const fn threshold(&self) -> Option<usize> {
-        self.release_threshold
-    }
-
-    /// The initial size.
-    pub const fn initial(&self) -> usize {
-        self.initial
-    }
-
-    /// The maximum size, if any.
-    pub const fn maximum(&self) -> Option<usize> {
-        self.maximum
-    }
-
     /// The growth rule.
     pub const fn growth_rule(&self) -> Growth {
         self.growth
     }
-
-    pub(super) fn validate(&self) -> Result<(), Error> {
-        validate(
-            self.initial,
-            self.maximum,
-            self.step,
-            self.release_threshold,
-        )
-    }
 }
+
+/// The methods on sizes that both pools' configurations have ([`PoolConfig`] and
+/// [`VirtualPoolConfig`](super::VirtualPoolConfig), each with the fields `initial`,
+/// `maximum`, `step` and `release_threshold`), written once: the builders (with their
+/// docs, which differ, passed in as lines), the getters and the checks.
+macro_rules! size_methods {
+    (
+        $ty:ident,
+        initial: [$($initial:literal),* $(,)?],
+        maximum: [$($maximum:literal),* $(,)?],
+        step: [$($step:literal),* $(,)?],
+        release_threshold: [$($release:literal),* $(,)?] $(,)?
+    ) => {
+        impl $ty {
+            $(#[doc = $initial])*
+            #[must_use]
+            pub const fn initial_size(mut self, bytes: usize) -> $ty {
+                self.initial = bytes;
+                self
+            }
+
+            $(#[doc = $maximum])*
+            #[must_use]
+            pub const fn maximum_size(mut self, bytes: usize) -> $ty {
+                self.maximum = Some(bytes);
+                self
+            }
+
+            $(#[doc = $step])*
+            #[must_use]
+            pub const fn growth_step(mut self, bytes: usize) -> $ty {
+                self.step = bytes;
+                self
+            }
+
+            $(#[doc = $release])*
+            #[must_use]
+            pub const fn release_threshold(mut self, bytes: usize) -> $ty {
+                self.release_threshold = Some(bytes);
+                self
+            }
+
+            /// The release threshold, if any.
+            pub const fn threshold(&self) -> Option<usize> {
+                self.release_threshold
+            }
+
+            /// The initial size.
+            pub const fn initial(&self) -> usize {
+                self.initial
+            }
+
+            /// The maximum size, if any.
+            pub const fn maximum(&self) -> Option<usize> {
+                self.maximum
+            }
+
+            /// Checks the sizes (see `pool_config::validate`).
+            pub(in crate::suballoc) fn validate(&self) -> Result<(), crate::error::Error> {
+                crate::suballoc::pool_config::validate(
+                    self.initial,
+                    self.maximum,
+                    self.step,
+                    self.release_threshold,
+                )
+            }
+        }
+    };
+}
+
+pub(super) use size_methods;
+
+size_methods!(
+    PoolConfig,
+    initial: ["Bytes taken from the upstream when the pool is made."],
+    maximum: ["The most bytes the pool may hold from its upstream."],
+    step: [
+        "The least a growth takes: growing by [`Growth::Eighth`], the smallest chunk the",
+        "pool asks for first (rounded up to 2 MiB and capped at the maximum; default:",
+        "2 MiB). A larger step means fewer, larger growths and more memory held ahead of",
+        "need. [`Growth::Rmm`] ignores it.",
+    ],
+    release_threshold: [
+        "Gives memory back to the upstream whenever a free leaves more than `bytes` free in",
+        "one stream's list: the pool then waits for the streams it has seen, merges its",
+        "lists and gives back its entirely free chunks, as a `cudaMemPool`'s release",
+        "threshold does at synchronisation points.",
+        "Default: none, keep everything until [`Pool::trim`](super::Pool::trim) (as RMM's",
+        "pool does).",
+    ],
+);
 
 /// Checks a pool's sizes (both pools' configurations have them): multiples of 256 bytes,
 /// no larger than an allocation can be, the initial size within the maximum.

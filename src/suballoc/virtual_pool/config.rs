@@ -1,8 +1,7 @@
 //! [`VirtualPoolConfig`]: how a [`VirtualPool`](super::VirtualPool) starts, how much it
 //! maps at a time, and when it gives memory back.
 
-use crate::error::Error;
-use crate::suballoc::pool_config::validate;
+use crate::suballoc::pool_config::size_methods;
 
 /// How a [`VirtualPool`](super::VirtualPool) starts, how much it maps at a time, its
 /// maximum and when it gives memory back. (No growth rule: it maps only the granules a
@@ -10,7 +9,7 @@ use crate::suballoc::pool_config::validate;
 ///
 /// The initial and maximum sizes must be multiples of 256 bytes and the initial size may
 /// not exceed the maximum; [`VirtualPool::new`](super::VirtualPool::new) returns
-/// [`Error::InvalidArgument`] otherwise.
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise.
 ///
 /// ```
 /// use memres::VirtualPoolConfig;
@@ -36,64 +35,22 @@ impl VirtualPoolConfig {
             release_threshold: None,
         }
     }
-
-    /// Bytes mapped when the pool is made (rounded up to the upstream's granularity).
-    #[must_use]
-    pub const fn initial_size(mut self, bytes: usize) -> VirtualPoolConfig {
-        self.initial = bytes;
-        self
-    }
-
-    /// The most bytes the pool may map.
-    #[must_use]
-    pub const fn maximum_size(mut self, bytes: usize) -> VirtualPoolConfig {
-        self.maximum = Some(bytes);
-        self
-    }
-
-    /// The least a growth maps (rounded up to the upstream's granularity; default: one
-    /// granule). A larger step means fewer, larger growths and more memory held ahead of
-    /// need.
-    #[must_use]
-    pub const fn growth_step(mut self, bytes: usize) -> VirtualPoolConfig {
-        self.step = bytes;
-        self
-    }
-
-    /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
-    /// one stream's list: the pool then waits for the streams it has seen, merges its
-    /// lists and unmaps fully free granules, highest first, until at most `bytes` are
-    /// free, as a `cudaMemPool`'s release threshold does at synchronisation points.
-    /// Default: none, keep everything until [`VirtualPool::trim`].
-    ///
-    /// [`VirtualPool::trim`]: super::VirtualPool::trim
-    #[must_use]
-    pub const fn release_threshold(mut self, bytes: usize) -> VirtualPoolConfig {
-        self.release_threshold = Some(bytes);
-        self
-    }
-
-    /// The release threshold, if any.
-    pub const fn threshold(&self) -> Option<usize> {
-        self.release_threshold
-    }
-
-    /// The initial size.
-    pub const fn initial(&self) -> usize {
-        self.initial
-    }
-
-    /// The maximum size, if any.
-    pub const fn maximum(&self) -> Option<usize> {
-        self.maximum
-    }
-
-    pub(super) fn validate(&self) -> Result<(), Error> {
-        validate(
-            self.initial,
-            self.maximum,
-            self.step,
-            self.release_threshold,
-        )
-    }
 }
+
+size_methods!(
+    VirtualPoolConfig,
+    initial: ["Bytes mapped when the pool is made (rounded up to the upstream's granularity)."],
+    maximum: ["The most bytes the pool may map."],
+    step: [
+        "The least a growth maps (rounded up to the upstream's granularity; default: one",
+        "granule). A larger step means fewer, larger growths and more memory held ahead of",
+        "need.",
+    ],
+    release_threshold: [
+        "Gives memory back to the upstream whenever a free leaves more than `bytes` free in",
+        "one stream's list: the pool then waits for the streams it has seen, merges its",
+        "lists and unmaps fully free granules, highest first, until at most `bytes` are",
+        "free, as a `cudaMemPool`'s release threshold does at synchronisation points.",
+        "Default: none, keep everything until [`VirtualPool::trim`](super::VirtualPool::trim).",
+    ],
+);
