@@ -24,11 +24,8 @@ use crate::stream::StreamRef;
 ///   [`VirtualPool::new`](super::VirtualPool::new)). It maps exactly the granules a
 ///   request lacks, right after its free memory, so its memory is one range where every
 ///   free block can merge with its neighbours, and its `trim` gives back every fully free
-///   granule; it can also sleep (give its memory back while its addresses stay). Requests
-///   below 512 KiB go to the lowest 16 MiB address region that has a fit, so small
-///   blocks pack together and free memory gathers into whole granules (it costs some
-///   speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python
-///   shims. [`HostVirtual`](crate::HostVirtual) is the same over host pages.
+///   granule; it can also sleep (give its memory back while its addresses stay). It is
+///   the default of the C ABI and the Python shims; its docs say more.
 /// - **Any upstream** (`Cuda`, `PinnedHost`, `HostHeap`, an adaptor stack): this pool,
 ///   [`Pool::new`]. It takes allocations ("chunks") sized by its
 ///   [`Growth`](super::Growth) rule: by default what the request needs, at least an
