@@ -4,7 +4,7 @@
 //! shared with the chunked [`Pool`](crate::suballoc::Pool).
 
 use super::config::VirtualPoolConfig;
-use super::sleep::{self, Slept};
+use super::slept::{self, Slept};
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::StreamRef;
@@ -162,7 +162,7 @@ impl<U: Resource> Holding<U> for Space<U> {
     }
 
     fn host_copy_bytes(memory: &Mapped) -> usize {
-        memory.slept.as_ref().map_or(0, Slept::copy_bytes) + sleep::bytes(&memory.kept)
+        memory.slept.as_ref().map_or(0, Slept::copy_bytes) + slept::bytes(&memory.kept)
     }
 
     fn take_host_copies(memory: &mut Mapped) -> Vec<HostCopy> {

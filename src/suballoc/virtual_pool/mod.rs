@@ -13,9 +13,10 @@ use crate::upstream::virtual_memory::{Backend, Granules, Virtual};
 mod config;
 mod grow;
 mod sleep;
+mod slept;
 pub use config::VirtualPoolConfig;
 use grow::{Mapped, Space};
-pub use sleep::SleepMode;
+pub use slept::SleepMode;
 
 /// The pool that grows in place with its maps failing at chosen calls.
 #[cfg(all(test, not(memres_loom)))]

@@ -5,56 +5,16 @@
 
 use super::VirtualPool;
 use super::grow::{Mapped, Space};
+use super::slept::{SleepMode, Slept};
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::suballoc::coalescing::GrowthState;
 use crate::sync::atomic::Ordering;
-use crate::upstream::HostCopy;
-
-/// What becomes of the contents of a pool's memory while it sleeps
-/// ([`VirtualPool::sleep`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SleepMode {
-    /// The contents are lost: after [`VirtualPool::wake`] the blocks hold whatever the new
-    /// memory holds (for a KV cache, activations, scratch memory).
-    Discard,
-    /// The contents are copied to host memory (pinned, for device memory) before the
-    /// memory goes back, and copied back when the pool wakes (for model weights). It
-    /// costs as much host memory as the pool holds while it sleeps.
-    Offload,
-}
 
 /// The most bytes copied or mapped in one piece: a wake maps the next piece while the
 /// last one's contents are copied back. (Small in the tests, so that their pools have
 /// several.)
 const PIECE: usize = if cfg!(test) { 256 << 10 } else { 256 << 20 };
-
-/// What a sleeping pool maps and restores when it wakes.
-pub(super) struct Slept {
-    mode: SleepMode,
-    /// What was mapped, as `(address, bytes)` in address order: the mapped runs, cut
-    /// into pieces of at most [`PIECE`] bytes (whole granules).
-    pieces: Vec<(usize, usize)>,
-    /// One per piece, when the contents were offloaded.
-    copies: Vec<HostCopy>,
-}
-
-impl Slept {
-    /// Bytes the pool held when it went to sleep.
-    pub(super) fn size(&self) -> usize {
-        self.pieces.iter().map(|&(_, len)| len).sum()
-    }
-
-    /// Bytes of host memory its copies hold.
-    pub(super) fn copy_bytes(&self) -> usize {
-        bytes(&self.copies)
-    }
-}
-
-/// Bytes of host memory `copies` hold.
-pub(super) fn bytes(copies: &[HostCopy]) -> usize {
-    copies.iter().map(HostCopy::len).sum()
-}
 
 impl<U: Resource> VirtualPool<U> {
     /// Puts the pool to sleep: gives every granule it holds back to the driver while its
