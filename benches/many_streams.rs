@@ -30,7 +30,8 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use memres::{
-    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout,
+    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef,
+    VirtualPoolConfig, layout,
 };
 
 /// Live heap bytes of the process (see "kib-per-stream").
@@ -111,11 +112,11 @@ fn main() {
         );
         // (Its memory is mapped pages, not the heap.)
         report(
-            "pool_in_place",
+            "virtual_pool",
             streams,
             || {
                 let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-                Box::new(leaf.pool_in_place(PoolConfig::new()).unwrap())
+                Box::new(leaf.virtual_pool(VirtualPoolConfig::new()).unwrap())
             },
             |_| 0,
         );

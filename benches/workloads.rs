@@ -28,7 +28,7 @@
 
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
-use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig, VirtualPoolConfig};
 use memres::{Cuda, CudaAsync, CudaVirtual, HostHeap, HostVirtual, Resource, StreamRef};
 use memres_workloads::{self as workloads, Suite};
 
@@ -163,11 +163,11 @@ fn main() {
             )
         };
         adaptor_suites("pool", || pool().expect("Pool"), true, &want);
-        if want("pool_in_place") {
+        if want("virtual_pool") {
             let in_place = CudaVirtual::new()
-                .and_then(|v| v.pool_in_place(PoolConfig::new().initial_size(16 << 30)))
-                .expect("an in-place pool");
-            suite("pool_in_place", &in_place, true, false);
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(16 << 30)))
+                .expect("a virtual pool");
+            suite("virtual_pool", &in_place, true, false);
         }
         if want("footprint") {
             for (name, growth) in [("pool", Growth::Eighth), ("pool_rmm", Growth::Rmm)] {
@@ -179,13 +179,13 @@ fn main() {
                 footprints(name, &pool, &|| pool.pool_size(), &trim, true);
             }
             let in_place = CudaVirtual::new()
-                .and_then(|v| v.pool_in_place(PoolConfig::new()))
-                .expect("an in-place pool");
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
+                .expect("a virtual pool");
             let trim = || {
                 in_place.trim().expect("trim");
             };
             footprints(
-                "pool_in_place",
+                "virtual_pool",
                 &in_place,
                 &|| in_place.pool_size(),
                 &trim,
@@ -220,19 +220,19 @@ fn main() {
                 footprints(name, &pool, &|| pool.pool_size(), &trim, false);
             }
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
-                .and_then(|v| v.pool_in_place(PoolConfig::new()))
-                .expect("an in-place pool");
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
+                .expect("a virtual pool");
             let trim = || {
                 in_place.trim().expect("trim");
             };
             let held = || in_place.pool_size();
-            footprints("pool_in_place[host]", &in_place, &held, &trim, false);
+            footprints("virtual_pool[host]", &in_place, &held, &trim, false);
         }
-        if want("pool_in_place[host]") {
+        if want("virtual_pool[host]") {
             let in_place = HostVirtual::new(64 << 30, 2 << 20)
-                .and_then(|v| v.pool_in_place(PoolConfig::new().initial_size(4 << 30)))
-                .expect("an in-place pool");
-            suite("pool_in_place[host]", &in_place, false, false);
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().initial_size(4 << 30)))
+                .expect("a virtual pool");
+            suite("virtual_pool[host]", &in_place, false, false);
         }
     }
 }

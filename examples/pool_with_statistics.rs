@@ -9,7 +9,7 @@
 //! that holds the least); without one, the same stack runs over host pages
 //! (`HostVirtual`, the host simulation of it), and the figures mean the same.
 
-use memres::suballoc::PoolConfig;
+use memres::suballoc::VirtualPoolConfig;
 use memres::{CudaVirtual, Error, HostVirtual, Resource, ResourceExt, StreamRef, layout};
 
 /// Allocates 16 blocks of 1 to 16 MiB on `stream` and frees every other one (the rest
@@ -30,7 +30,7 @@ fn work<R: Resource>(mr: &R, stream: StreamRef<'_>) -> Result<(), Error> {
 fn main() -> Result<(), Error> {
     match CudaVirtual::new() {
         Ok(leaf) => {
-            let pool = leaf.pool_in_place(PoolConfig::new())?;
+            let pool = leaf.virtual_pool(VirtualPoolConfig::new())?;
             let stats = pool.with_statistics();
             let stream = memres::stream::Stream::new()?;
             work(&stats, stream.as_ref())?;
@@ -43,7 +43,8 @@ fn main() -> Result<(), Error> {
         }
         Err(e) => {
             println!("no GPU here ({e}); the same stack over host pages:");
-            let pool = HostVirtual::new(64 << 30, 2 << 20)?.pool_in_place(PoolConfig::new())?;
+            let pool =
+                HostVirtual::new(64 << 30, 2 << 20)?.virtual_pool(VirtualPoolConfig::new())?;
             let stats = pool.with_statistics();
             work(&stats, StreamRef::HOST)?;
             report(

@@ -51,8 +51,8 @@ pub enum Error {
     Driver(DriverError),
     /// The resource or the device does not support what was asked (the message says what).
     Unsupported(Cow<'static, str>),
-    /// The pool is asleep ([`Pool::sleep`](crate::Pool::sleep)): it hands out no memory
-    /// until [`Pool::wake`](crate::Pool::wake).
+    /// The pool is asleep ([`VirtualPool::sleep`](crate::VirtualPool::sleep)): it hands
+    /// out no memory until [`VirtualPool::wake`](crate::VirtualPool::wake).
     Asleep,
 }
 

@@ -48,7 +48,7 @@
 //! `with_alignment`, `with_retry`, `with_fallback`, `with_lock`, `with_prefetch`); its layer is the
 //! adaptor's type name and `Layer` (`StatisticsLayer`); a sub-allocator's builder is the
 //! sub-allocator, as a noun (`pool`, `arena`, `binning`, `fixed_size`; a virtual-memory
-//! leaf's `pool_in_place`). [`Logging`](crate::adaptor::Logging) has no builder: it needs
+//! leaf's `virtual_pool`, which builds a [`VirtualPool`](crate::VirtualPool)). [`Logging`](crate::adaptor::Logging) has no builder: it needs
 //! a destination, made with its own constructors.
 
 use crate::erased::{AnyResource, AnySyncResource, ResourceRef, Shared};

@@ -27,7 +27,7 @@
 //!
 //! | you want | use |
 //! | --- | --- |
-//! | least memory held (the C ABI's and Python's default) | a pool growing in place: `CudaVirtual::new()?.pool_in_place(PoolConfig::new())` |
+//! | least memory held (the C ABI's and Python's default) | a [`VirtualPool`], growing in place: `CudaVirtual::new()?.virtual_pool(VirtualPoolConfig::new())` |
 //! | the fastest general pool over `cuMemAlloc` | `Pool::new(Cuda::new()?, PoolConfig::new())` |
 //! | a fixed amount up front, many threads | [`Arena`] |
 //! | many small blocks | [`Binning`] over a pool |
@@ -50,8 +50,9 @@
 //!   [`CudaAsyncManaged`], [`System`], [`SamHeadroom`]), the virtual-memory leaves
 //!   ([`CudaVirtual`], [`HostVirtual`]) and memory of other processes
 //!   ([`Imported`](upstream::Imported)).
-//! - [`suballoc`] holds the sub-allocators: [`Pool`] (chunked, or growing in place over a
-//!   virtual-memory leaf), [`Arena`], [`Binning`], [`FixedSize`].
+//! - [`suballoc`] holds the sub-allocators: [`Pool`] (chunked), [`VirtualPool`] (growing
+//!   in place over a virtual-memory leaf; it can sleep), [`Arena`], [`Binning`],
+//!   [`FixedSize`].
 //! - [`device`] holds devices and [`process_is_exiting`](device::process_is_exiting);
 //!   [`per_device`] the per-device default resources.
 //! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
@@ -106,7 +107,9 @@ pub use property::{
 };
 pub use resource::{DEFAULT_ALIGNMENT, Has, Resource, SyncResource, layout, layout_with_alignment};
 pub use stream::StreamRef;
-pub use suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, SleepMode};
+pub use suballoc::{
+    Arena, Binning, FixedSize, Pool, PoolConfig, SleepMode, VirtualPool, VirtualPoolConfig,
+};
 pub use upstream::{
     Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, CudaVirtual, CudaVirtualConfig,
     ExportHandle, GrowInPlace, HostHeap, HostVirtual, Managed, PinnedHost, SamHeadroom, System,

@@ -68,8 +68,8 @@ pub enum Spec {
         /// `growth=eighth|rmm`: how a chunk is sized.
         growth: Growth,
     },
-    /// `virtual_pool`: memres's pool growing in place over `CudaVirtual` (the default):
-    /// least memory held.
+    /// `virtual_pool`: a [`VirtualPool`](crate::VirtualPool), growing in place over
+    /// `CudaVirtual` (the default): least memory held.
     VirtualPool {
         /// `initial=`: bytes mapped at once.
         initial: Option<usize>,
@@ -101,7 +101,8 @@ pub enum Spec {
         blocks: usize,
     },
     /// `binning`: fixed-size bins of 2^min .. 2^max bytes over a default virtual pool
-    /// (the pool growing in place, which holds least); larger requests go to that pool.
+    /// (the [`VirtualPool`](crate::VirtualPool), which holds least); larger requests go
+    /// to that pool.
     Binning {
         /// `min=`: the smallest bin's exponent.
         min: u32,

@@ -8,7 +8,7 @@ use std::alloc::Layout;
 use cudarc::driver::sys::{self, CUresult, CUstreamCaptureMode};
 use memres::adaptor::{Guard, Statistics};
 use memres::stream::{Stream, StreamFlags};
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use memres::upstream::CudaVirtual;
 use memres::{Cuda, CudaAsync, Error, Managed, PinnedHost, Resource, StreamRef, layout};
 
@@ -139,9 +139,9 @@ fn pools_grow_under_capture_without_waiting() {
 
     let in_place = CudaVirtual::new()
         .unwrap()
-        .pool_in_place(PoolConfig::new())
+        .virtual_pool(VirtualPoolConfig::new())
         .unwrap();
-    assert!(capture(&in_place, "Pool::in_place", &SIZES).is_empty());
+    assert!(capture(&in_place, "VirtualPool", &SIZES).is_empty());
 
     let stats = Statistics::new(Pool::new(Cuda::new().unwrap(), PoolConfig::new()).unwrap());
     assert!(capture(&stats, "Statistics<Pool<Cuda>>", &SIZES).is_empty());

@@ -220,19 +220,19 @@ conformance_tests!(
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
-    pool_in_place_over_cuda_virtual,
+    virtual_pool_over_cuda_virtual,
     memres::CudaVirtual::new()
         .unwrap()
-        .pool_in_place(memres::PoolConfig::new())
+        .virtual_pool(memres::VirtualPoolConfig::new())
         .unwrap(),
     Caps::gpu(usize::MAX)
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
-    pool_in_place_over_cuda_virtual_with_threshold,
+    virtual_pool_over_cuda_virtual_with_threshold,
     memres::CudaVirtual::new()
         .unwrap()
-        .pool_in_place(memres::PoolConfig::new().release_threshold(64 << 20))
+        .virtual_pool(memres::VirtualPoolConfig::new().release_threshold(64 << 20))
         .unwrap(),
     Caps::gpu(usize::MAX)
 );

@@ -12,6 +12,7 @@ use memres::suballoc::{SegmentPool, SegmentPoolConfig};
 use memres::{
     AnyResource, AnySyncResource, Arena, Binning, Callback, FixedSize, Host, HostHeap, HostVirtual,
     Pool, PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
+    VirtualPoolConfig,
 };
 
 static HEAP: HostHeap = HostHeap::new();
@@ -210,15 +211,17 @@ conformance_tests!(
     }
 );
 conformance_tests!(
-    pool_in_place,
-    host_virtual().pool_in_place(PoolConfig::new()).unwrap(),
+    virtual_pool,
+    host_virtual()
+        .virtual_pool(VirtualPoolConfig::new())
+        .unwrap(),
     Caps::host()
 );
 conformance_tests!(
-    pool_in_place_with_initial_size_step_and_threshold,
+    virtual_pool_with_initial_size_step_and_threshold,
     host_virtual()
-        .pool_in_place(
-            PoolConfig::new()
+        .virtual_pool(
+            VirtualPoolConfig::new()
                 .initial_size(1 << 20)
                 .growth_step(4 << 20)
                 .release_threshold(8 << 20)
@@ -227,9 +230,9 @@ conformance_tests!(
     Caps::host()
 );
 conformance_tests!(
-    statistics_over_pool_in_place,
+    statistics_over_virtual_pool,
     host_virtual()
-        .pool_in_place(PoolConfig::new())
+        .virtual_pool(VirtualPoolConfig::new())
         .unwrap()
         .with_statistics(),
     Caps::host()

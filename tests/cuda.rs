@@ -450,7 +450,7 @@ fn access_of_device_1(ptr: u64) -> u64 {
 /// no access. Needs two GPUs that can reach each other (skipped otherwise).
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn a_peer_device_writes_every_granule_of_an_in_place_pool() {
+fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
     let d1 = DeviceId::new(1);
     if DeviceId::count().unwrap() < 2 {
         println!("memres-skip: fewer than two GPUs");
@@ -466,7 +466,7 @@ fn a_peer_device_writes_every_granule_of_an_in_place_pool() {
     }
     let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new().peers([d1])).unwrap();
     let g = leaf.granularity();
-    let pool = leaf.pool_in_place(memres::PoolConfig::new()).unwrap();
+    let pool = leaf.virtual_pool(memres::VirtualPoolConfig::new()).unwrap();
     // Two growth steps: 3 granules, then 5 more.
     let sizes = [3 * g, 5 * g];
     let blocks: Vec<_> = sizes

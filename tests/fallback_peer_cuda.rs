@@ -7,8 +7,8 @@
 use cudarc::driver::sys;
 use memres::device::{DeviceGuard, DeviceId};
 use memres::{
-    CudaVirtual, CudaVirtualConfig, Error, Pool, PoolConfig, Resource, ResourceExt, StreamRef,
-    layout,
+    CudaVirtual, CudaVirtualConfig, Error, Resource, ResourceExt, StreamRef, VirtualPool,
+    VirtualPoolConfig, layout,
 };
 
 const MIB: usize = 1 << 20;
@@ -42,14 +42,14 @@ fn a_full_device_falls_back_to_a_peer_gpu() -> Result<(), Error> {
         println!("memres-skip: GPU 0 cannot reach GPU 1's memory (no peer access)");
         return Ok(());
     }
-    let local = Pool::in_place(
+    let local = VirtualPool::new(
         CudaVirtual::with_config(d0, CudaVirtualConfig::new())?,
-        PoolConfig::new().maximum_size(64 * MIB),
+        VirtualPoolConfig::new().maximum_size(64 * MIB),
     )?;
     // GPU 1's memory, mapped so that GPU 0 may read and write it.
-    let peer = Pool::in_place(
+    let peer = VirtualPool::new(
         CudaVirtual::with_config(d1, CudaVirtualConfig::new().peers([d0]))?,
-        PoolConfig::new(),
+        VirtualPoolConfig::new(),
     )?;
     let chain = local.with_fallback(peer);
     let _on = DeviceGuard::new(d0)?;

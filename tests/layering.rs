@@ -232,7 +232,7 @@ fn blank_test_items(code: &mut String) -> Vec<String> {
     test_files
 }
 
-/// The module path of a file: `suballoc/pool/in_place.rs` → `suballoc::pool::in_place`.
+/// The module path of a file: `suballoc/virtual_pool/grow.rs` → `suballoc::virtual_pool::grow`.
 fn module_path(file: &str) -> Vec<String> {
     let stem = file.trim_end_matches(".rs");
     let mut parts: Vec<String> = stem.split('/').map(str::to_string).collect();

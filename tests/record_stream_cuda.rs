@@ -9,7 +9,9 @@
 use cudarc::driver::sys;
 use memres::adaptor::Statistics;
 use memres::stream::{Stream, StreamFlags};
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{
+    Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
+};
 use memres::{AnyResource, Cuda, CudaAsync, CudaVirtual, Device, Resource, layout};
 
 /// The block's size: 64 MiB.
@@ -107,9 +109,9 @@ fn pool() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn pool_in_place() {
-    let pool = Pool::in_place(CudaVirtual::new().unwrap(), PoolConfig::new()).unwrap();
-    safe(&pool, "Pool::in_place");
+fn virtual_pool() {
+    let pool = VirtualPool::new(CudaVirtual::new().unwrap(), VirtualPoolConfig::new()).unwrap();
+    safe(&pool, "VirtualPool");
 }
 
 #[test]

@@ -5,8 +5,13 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
+mod common;
+
+use common::CoalescingPool;
 use memres::adaptor::Limiting;
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use memres::suballoc::{
+    Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
+};
 use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
 
 /// Runs `work` on a thread of its own and fails if it has not finished in `limit`. (A
@@ -30,9 +35,7 @@ fn within<F: FnOnce() + Send + 'static>(limit: Duration, what: &str, work: F) {
 
 /// Eight threads, each on its own host stream, allocating and freeing 64 KiB blocks past
 /// a release threshold of 1 MiB.
-fn threads_free_past_a_threshold<U: Resource + Send + Sync + 'static>(
-    pool: std::sync::Arc<Pool<U>>,
-) {
+fn threads_free_past_a_threshold<P: CoalescingPool + Send + 'static>(pool: std::sync::Arc<P>) {
     let l = layout(64 << 10).unwrap();
     std::thread::scope(|s| {
         for t in 1..=8u32 {
@@ -76,13 +79,13 @@ fn a_release_threshold_with_many_threads_does_not_deadlock_the_chunked_pool() {
 }
 
 #[test]
-fn a_release_threshold_with_many_threads_does_not_deadlock_the_in_place_pool() {
+fn a_release_threshold_with_many_threads_does_not_deadlock_the_virtual_pool() {
     let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
     let pool = std::sync::Arc::new(
-        Pool::in_place(leaf, PoolConfig::new().release_threshold(1 << 20)).unwrap(),
+        VirtualPool::new(leaf, VirtualPoolConfig::new().release_threshold(1 << 20)).unwrap(),
     );
     let p = pool.clone();
-    within(Duration::from_secs(30), "in-place pool", move || {
+    within(Duration::from_secs(30), "virtual pool", move || {
         threads_free_past_a_threshold(p)
     });
     assert!(pool.stats().pool_size <= 2 << 20, "{:?}", pool.stats());
@@ -94,10 +97,11 @@ fn a_release_threshold_with_many_threads_does_not_deadlock_the_in_place_pool() {
 fn stats_in_a_loop_beside_frees_past_a_zero_threshold_does_not_deadlock() {
     for in_place in [false, true] {
         let config = PoolConfig::new().release_threshold(0);
+        let virtual_config = VirtualPoolConfig::new().release_threshold(0);
         within(Duration::from_secs(30), "stats beside frees", move || {
             if in_place {
                 let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-                stats_beside_frees(&Pool::in_place(leaf, config).unwrap());
+                stats_beside_frees(&VirtualPool::new(leaf, virtual_config).unwrap());
             } else {
                 stats_beside_frees(&Pool::new(HostHeap::new(), config).unwrap());
             }
@@ -105,7 +109,7 @@ fn stats_in_a_loop_beside_frees_past_a_zero_threshold_does_not_deadlock() {
     }
 }
 
-fn stats_beside_frees<U: Resource + Sync>(pool: &Pool<U>) {
+fn stats_beside_frees<P: CoalescingPool>(pool: &P) {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let l = layout(256 << 10).unwrap();
     std::thread::scope(|s| {
@@ -310,9 +314,12 @@ const STRESS_OPS: usize = 20_000;
 )]
 fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
     for (name, threshold) in [("no threshold", None), ("threshold 4 MiB", Some(4 << 20))] {
-        let config = match threshold {
-            Some(t) => PoolConfig::new().release_threshold(t),
-            None => PoolConfig::new(),
+        let (config, virtual_config) = match threshold {
+            Some(t) => (
+                PoolConfig::new().release_threshold(t),
+                VirtualPoolConfig::new().release_threshold(t),
+            ),
+            None => (PoolConfig::new(), VirtualPoolConfig::new()),
         };
         within(Duration::from_secs(120), name, move || {
             let chunked = Pool::new(HostHeap::new(), config).unwrap();
@@ -320,7 +327,7 @@ fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
             let s = chunked.stats();
             assert_eq!(s.free_bytes, s.pool_size, "chunked, {name}: {s:?}");
             let leaf = HostVirtual::new(8 << 30, 64 << 10).unwrap();
-            let in_place = Pool::in_place(leaf, config).unwrap();
+            let in_place = VirtualPool::new(leaf, virtual_config).unwrap();
             stress(&in_place, &|| drop(in_place.trim()), STRESS_OPS);
             let s = in_place.stats();
             assert_eq!(s.free_bytes, s.pool_size, "in place, {name}: {s:?}");
@@ -349,7 +356,7 @@ fn trims_free_stream_lists_while_16_threads_use_streams_that_come_and_go() {
         let chunked = Pool::new(HostHeap::new(), PoolConfig::new()).unwrap();
         lists_freed_under_use("chunked", &chunked);
         let leaf = HostVirtual::new(8 << 30, 64 << 10).unwrap();
-        let in_place = Pool::in_place(leaf, PoolConfig::new()).unwrap();
+        let in_place = VirtualPool::new(leaf, VirtualPoolConfig::new()).unwrap();
         lists_freed_under_use("in place", &in_place);
         arena_lists_freed_under_use();
         let fixed = FixedSize::with_block_size(HostHeap::new(), 1 << 20, 16).unwrap();
@@ -425,7 +432,7 @@ fn arena_lists_freed_under_use() {
     println!("arena: {} trims beside the threads", trims.into_inner());
 }
 
-fn lists_freed_under_use<U: Resource + Sync>(name: &str, pool: &Pool<U>) {
+fn lists_freed_under_use<P: CoalescingPool>(name: &str, pool: &P) {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     let done = AtomicBool::new(false);
     let trims = AtomicUsize::new(0);
@@ -540,8 +547,8 @@ const BUDGET: usize = 62;
 /// retiring must stay within reach of the allocation path. Runs for `run` (or until the
 /// first failure) and returns the failures, the operations, the trims and what the first
 /// failure saw.
-fn trim_beside_threads<U: Resource + Sync>(
-    pool: &Pool<U>,
+fn trim_beside_threads<P: CoalescingPool>(
+    pool: &P,
     run: Duration,
     trim: bool,
 ) -> (u64, u64, u64, Option<String>) {
@@ -642,17 +649,20 @@ fn trim_beside_threads<U: Resource + Sync>(
     ignore = "a release-mode stress test: .ci/run runs it with --release"
 )]
 fn a_trim_beside_allocating_threads_makes_none_run_out_of_memory() {
-    // One piece of 64 blocks: the chunked pool's first chunk, the in-place pool's eight
+    // One piece of 64 blocks: the chunked pool's first chunk, the virtual pool's eight
     // granules of 2 MiB (a granule goes back only when all of its 8 blocks are free).
     let held = (BUDGET + 2) * BLOCK;
     let config = PoolConfig::new().initial_size(held).maximum_size(held);
+    let virtual_config = VirtualPoolConfig::new()
+        .initial_size(held)
+        .maximum_size(held);
     within(Duration::from_secs(60), "trim beside threads", move || {
         // Without trims (a shorter run: the control), then with them.
         for (trim, run) in [(false, 300), (true, 2_000)] {
             let run = Duration::from_millis(run);
             let chunked = Pool::new(HostHeap::new(), config).unwrap();
             let leaf = HostVirtual::new(held, 2 << 20).unwrap();
-            let in_place = Pool::in_place(leaf, config).unwrap();
+            let in_place = VirtualPool::new(leaf, virtual_config).unwrap();
             let results = [
                 ("chunked", trim_beside_threads(&chunked, run, trim)),
                 ("in place", trim_beside_threads(&in_place, run, trim)),

@@ -6,7 +6,12 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+mod common;
+
+use common::CoalescingPool;
+use memres::suballoc::{
+    Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
+};
 use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
 
 /// Bytes live on the heap of this process.
@@ -78,8 +83,8 @@ fn trimmed_bound() -> isize {
     if grace_periods_offered() { 16 } else { 1 << 10 }
 }
 
-fn check<U: Resource>(name: &str, pool: &Pool<U>) {
-    let trim = |p: &Pool<U>| {
+fn check<P: CoalescingPool>(name: &str, pool: &P) {
+    let trim = |p: &P| {
         p.trim().unwrap();
     };
     let (used, trimmed) = per_stream(pool, trim);
@@ -108,8 +113,8 @@ fn trim_frees_the_lists_of_used_streams() {
     let chunked = Pool::new(HostHeap, PoolConfig::new().initial_size(1 << 20)).unwrap();
     check("chunked pool", &chunked);
     let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-    let in_place = leaf.pool_in_place(PoolConfig::new()).unwrap();
-    check("in-place pool", &in_place);
+    let in_place = leaf.virtual_pool(VirtualPoolConfig::new()).unwrap();
+    check("virtual pool", &in_place);
 
     // An arena of 64 superblocks: most streams take one, and the arena defragments
     // (takes whole superblocks back from other streams' lists) when the global arena
@@ -159,8 +164,8 @@ fn trim_frees_the_lists_of_used_streams() {
         "the second round reuses the first's blocks"
     );
     let leaf = HostVirtual::new(1 << 30, 64 << 10).unwrap();
-    let bins = Binning::new(leaf.pool_in_place(PoolConfig::new()).unwrap(), 8, 12).unwrap();
-    let trim = |b: &Binning<Pool<HostVirtual>>| {
+    let bins = Binning::new(leaf.virtual_pool(VirtualPoolConfig::new()).unwrap(), 8, 12).unwrap();
+    let trim = |b: &Binning<VirtualPool<HostVirtual>>| {
         b.trim().unwrap();
         b.upstream().trim().unwrap();
     };

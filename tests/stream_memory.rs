@@ -11,7 +11,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use memres::{FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef};
+use memres::{
+    FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, VirtualPoolConfig,
+};
 
 /// Live heap bytes of the process.
 static LIVE: AtomicIsize = AtomicIsize::new(0);
@@ -97,14 +99,14 @@ fn a_pool_stream_used_by_16_threads_costs_at_most_16_kib() {
 }
 
 #[test]
-fn an_in_place_pool_stream_used_by_16_threads_costs_at_most_16_kib() {
+fn a_virtual_pool_stream_used_by_16_threads_costs_at_most_16_kib() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // (Its memory is mapped pages, not the heap.)
     let pool = HostVirtual::new(1 << 30, 64 << 10)
         .unwrap()
-        .pool_in_place(PoolConfig::new())
+        .virtual_pool(VirtualPoolConfig::new())
         .unwrap();
-    check("in-place pool", per_stream(&pool, |_| 0));
+    check("virtual pool", per_stream(&pool, |_| 0));
 }
 
 #[test]

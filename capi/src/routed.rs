@@ -14,7 +14,9 @@ use mr::{AnyResource, Device, Error, Resource, StreamRef, SyncResource};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError};
 
-use mr::{CudaVirtual, CudaVirtualConfig, ExportHandle, GrowInPlace, Pool, PoolConfig};
+use mr::{
+    CudaVirtual, CudaVirtualConfig, ExportHandle, GrowInPlace, VirtualPool, VirtualPoolConfig,
+};
 
 use crate::sync;
 
@@ -140,7 +142,7 @@ pub(crate) fn set_current(id: usize) {
 }
 
 /// A tag's pool: it grows in place over its own reservation.
-pub(crate) type TagPool = Arc<Pool<CudaVirtual>>;
+pub(crate) type TagPool = Arc<VirtualPool<CudaVirtual>>;
 
 /// What the table of tags' pools asks of a pool: the range its blocks lie in, and its
 /// bound. A trait so that the loom models fill the table with stand-ins (a tag's pool
@@ -148,17 +150,17 @@ pub(crate) type TagPool = Arc<Pool<CudaVirtual>>;
 pub(crate) trait Reserved {
     /// The first address and length of the range every block of the pool lies in.
     fn reservation(&self) -> (usize, usize);
-    /// Bounds what the pool holds (`None`: no bound), as [`Pool::set_limit`].
+    /// Bounds what the pool holds (`None`: no bound), as [`VirtualPool::set_limit`].
     fn set_limit(&self, bytes: Option<usize>);
 }
 
-impl<U: GrowInPlace> Reserved for Pool<U> {
+impl<U: GrowInPlace> Reserved for VirtualPool<U> {
     fn reservation(&self) -> (usize, usize) {
         self.upstream().reservation()
     }
 
     fn set_limit(&self, bytes: Option<usize>) {
-        Pool::set_limit(self, bytes);
+        VirtualPool::set_limit(self, bytes);
     }
 }
 
@@ -180,7 +182,7 @@ struct Tagged<P> {
 /// and skip the lock while no pool exists. Pools are never removed: a trim, the figures
 /// or a sleep work on a copy of the table's handles (`all`), and allocations hold their
 /// pool's handle.
-pub(crate) struct TagPools<P = Pool<CudaVirtual>> {
+pub(crate) struct TagPools<P = VirtualPool<CudaVirtual>> {
     /// Set once the device has a tagged pool: frees skip the lookup until then.
     any: sync::AtomicBool,
     pools: sync::RwLock<Vec<Tagged<P>>>,
@@ -266,9 +268,9 @@ impl<P: Reserved> TagPools<P> {
 }
 
 /// A new tag's pool on `device`: in place, over a reservation of its own.
-pub(crate) fn new_tag_pool(device: DeviceId) -> Result<Pool<CudaVirtual>, Error> {
+pub(crate) fn new_tag_pool(device: DeviceId) -> Result<VirtualPool<CudaVirtual>, Error> {
     let _on = mr::device::DeviceGuard::new(device)?;
-    Pool::in_place(virtual_leaf(device, None)?, PoolConfig::new())
+    VirtualPool::new(virtual_leaf(device, None)?, VirtualPoolConfig::new())
 }
 
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every

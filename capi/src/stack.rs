@@ -10,7 +10,7 @@ use mr::device::{DeviceGuard, DeviceId};
 use mr::spec::{Built, Target};
 use mr::suballoc::{Binning, FixedSize};
 use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost, Virtual};
-use mr::{AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, Device, Error, Pool};
+use mr::{AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, Device, Error, Pool, VirtualPool};
 
 use crate::exports::{Exported, Shared};
 use crate::routed::TagPools;
@@ -36,7 +36,7 @@ pub(crate) struct Pools<T: Target> {
 }
 
 /// An in-place pool over a target's virtual memory.
-pub(crate) type InPlace<T> = Arc<Pool<Virtual<<T as Target>::Backend>>>;
+pub(crate) type InPlace<T> = Arc<VirtualPool<Virtual<<T as Target>::Backend>>>;
 
 impl<T: Target> Default for Pools<T> {
     fn default() -> Self {
@@ -57,7 +57,7 @@ impl<T: Target> Pools<T> {
     pub(crate) fn keep(&mut self, layer: &Built<'_, T>) {
         match layer {
             Built::ChunkedPool(pool) => self.chunked.push(Arc::clone(pool)),
-            Built::InPlacePool(pool) => self.in_place.push(Arc::clone(pool)),
+            Built::VirtualPool(pool) => self.in_place.push(Arc::clone(pool)),
             Built::SuperblockArena(arena) => self.arenas.push(Arc::clone(arena)),
             Built::PinnedPool(pool) => self.pinned.push(Arc::clone(pool)),
             Built::Bins(bins) => self.bins.push(Arc::clone(bins)),
@@ -155,7 +155,7 @@ impl<T: Target> Pools<T> {
     /// bytes given back where the layers know them; every layer is trimmed even if one
     /// fails, and the first failure is returned.
     /// Bounds what each device-memory pool (chunked and in-place) holds, as
-    /// [`Pool::set_limit`]; `None` lifts the bound. Pinned host pools are not bounded.
+    /// [`Pool::set_limit`] and [`VirtualPool::set_limit`]; `None` lifts the bound. Pinned host pools are not bounded.
     pub(crate) fn set_limit(&self, bytes: Option<usize>) {
         for pool in &self.chunked {
             pool.set_limit(bytes);
@@ -474,13 +474,13 @@ impl DeviceStack {
     /// it holds device memory that cannot (`binning`'s bins would serve the pool's blocks
     /// unmapped; a chunked pool, an arena, ... would keep theirs awake). Empty for a
     /// stack without an in-place pool.
-    pub(crate) fn sleepable_pools(&self) -> Result<Vec<Arc<Pool<CudaVirtual>>>, Error> {
+    pub(crate) fn sleepable_pools(&self) -> Result<Vec<Arc<VirtualPool<CudaVirtual>>>, Error> {
         self.pools.sleepable(self.sleep_refusal.as_deref())
     }
 
     /// The in-place pool (the stack's own, on any tier, or a tag's) whose reservation
     /// holds `address`.
-    fn in_place_holding(&self, address: usize) -> Option<Arc<Pool<CudaVirtual>>> {
+    fn in_place_holding(&self, address: usize) -> Option<Arc<VirtualPool<CudaVirtual>>> {
         self.pools
             .in_place()
             .iter()

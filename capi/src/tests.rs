@@ -11,7 +11,7 @@ use super::*;
 use crate::routed::TagPools;
 use crate::stack::{Pools, why_it_cannot_sleep};
 use mr::adaptor::StreamUse;
-use mr::{Pool, PoolConfig};
+use mr::{VirtualPool, VirtualPoolConfig};
 use std::sync::Arc;
 
 /// The configuration is process-wide: tests that change it take turns.
@@ -1701,9 +1701,14 @@ fn assert_refused<R: Resource>(memory: &StreamUse<R>, address: usize, what: &str
 }
 
 /// A tag's pool over host memory, made through the C ABI's table of tags' pools.
-fn host_tag_pool(tags: &TagPools<Pool<mr::HostVirtual>>) -> Arc<Pool<mr::HostVirtual>> {
+fn host_tag_pool(
+    tags: &TagPools<VirtualPool<mr::HostVirtual>>,
+) -> Arc<VirtualPool<mr::HostVirtual>> {
     tags.pool(1, || {
-        Pool::in_place(mr::HostVirtual::new(64 << 20, 64 << 10)?, PoolConfig::new())
+        VirtualPool::new(
+            mr::HostVirtual::new(64 << 20, 64 << 10)?,
+            VirtualPoolConfig::new(),
+        )
     })
     .unwrap()
 }

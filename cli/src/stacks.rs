@@ -419,7 +419,7 @@ where
                 let tiers = Arc::clone(tiers);
                 self.tiers = Some(Box::new(move || tiers.tiers()));
             }
-            Built::InPlacePool(pool) => {
+            Built::VirtualPool(pool) => {
                 let (held, stats) = (Arc::clone(pool), Arc::clone(pool));
                 self.mapped = Some(Box::new(move || Counter {
                     current: held.upstream().mapped_bytes() as i64,

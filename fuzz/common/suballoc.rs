@@ -3,7 +3,7 @@
 //
 // The first byte picks a sub-allocator over host memory (counted by a `Statistics` layer
 // shared with the test): chunked pools growing by either rule, with and without release
-// thresholds, the in-place pool with and without one, an arena, `Binning` over a pool and
+// thresholds, the virtual pool with and without one, an arena, `Binning` over a pool and
 // `FixedSize`. Every following 4 bytes are one operation: allocate (size, alignment and
 // one of three host streams from the bytes), free a live block (on any of the streams),
 // or trim / coalesce; each runs on one of four threads picked by the input (the
@@ -20,8 +20,8 @@ use std::sync::{Mutex, mpsc};
 use memres::adaptor::Statistics;
 use memres::suballoc::Growth;
 use memres::{
-    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, Shared,
-    StreamRef,
+    Arena, Binning, Error, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, Shared,
+    StreamRef, VirtualPoolConfig,
 };
 
 type Counted = Shared<Statistics<HostHeap>>;
@@ -42,20 +42,20 @@ pub(crate) fn run(data: &[u8]) {
                 _ => PoolConfig::new().release_threshold(0),
             };
             let pool = Pool::new(counted.clone(), config.maximum_size(64 << 20)).expect("a pool");
-            exercise(&pool, ops, &|op| maintain_pool(&pool, op));
+            exercise(&pool, ops, &|op| maintain(op, || pool.trim(), || pool.coalesce()));
             pool.trim().expect("trim");
             assert_eq!(pool.stats().pool_size, 0, "a trimmed, empty pool holds nothing");
         }
         1 | 6 => {
-            // The in-place pool over host pages: its upstream is the reservation itself.
+            // The virtual pool over host pages: its upstream is the reservation itself.
             let leaf = HostVirtual::new(256 << 20, 64 << 10).expect("a reservation");
             let config = if which % 8 == 1 {
-                PoolConfig::new()
+                VirtualPoolConfig::new()
             } else {
-                PoolConfig::new().release_threshold(256 << 10)
+                VirtualPoolConfig::new().release_threshold(256 << 10)
             };
-            let pool = leaf.pool_in_place(config).expect("an in-place pool");
-            exercise(&pool, ops, &|op| maintain_pool(&pool, op));
+            let pool = leaf.virtual_pool(config).expect("a virtual pool");
+            exercise(&pool, ops, &|op| maintain(op, || pool.trim(), || pool.coalesce()));
             pool.trim().expect("trim");
             assert_eq!(pool.stats().pool_size, 0, "a trimmed, empty pool holds nothing");
             assert_eq!(pool.upstream().mapped_bytes(), 0, "every granule unmapped");
@@ -69,7 +69,8 @@ pub(crate) fn run(data: &[u8]) {
             let pool = Pool::new(counted.clone(), PoolConfig::new().maximum_size(64 << 20))
                 .expect("a pool");
             let binning = Binning::new(pool, 8, 16).expect("binning");
-            exercise(&binning, ops, &|op| maintain_pool(binning.upstream(), op));
+            let pool = binning.upstream();
+            exercise(&binning, ops, &|op| maintain(op, || pool.trim(), || pool.coalesce()));
         }
         _ => {
             let fixed = FixedSize::with_block_size(counted.clone(), 64 << 10, 16).expect("fixed");
@@ -79,11 +80,16 @@ pub(crate) fn run(data: &[u8]) {
     assert_eq!(counted.bytes().current, 0, "the upstream holds nothing after drop");
 }
 
-fn maintain_pool<U: Resource>(pool: &Pool<U>, op: u8) {
+/// A pool's `trim` or `coalesce`, as `op` says.
+fn maintain(
+    op: u8,
+    trim: impl Fn() -> Result<usize, Error>,
+    coalesce: impl Fn() -> Result<(), Error>,
+) {
     if op.is_multiple_of(2) {
-        pool.trim().expect("trim");
+        trim().expect("trim");
     } else {
-        pool.coalesce().expect("coalesce");
+        coalesce().expect("coalesce");
     }
 }
 

@@ -126,7 +126,7 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     their addresses; returns the bytes given back.
 
     ``tags``: ``None`` for every pool that can sleep (every tag's, and the untagged pool,
-    ``"default"``, when it is the in-place pool, memres's default), a name, a list of
+    ``"default"``, when it is the virtual pool, memres's default), a name, a list of
     names, or a dict from name to mode. ``mode``: ``"discard"`` (the contents are lost:
     activations, the KV cache) or ``"offload"`` (copied to pinned host memory and back on
     wake: the weights). All work on the device is waited for first.

@@ -14,7 +14,7 @@ Models, built from their configs (random weights, no download):
              32) drawn per step.
 Allocators, one process each: PyTorch's caching allocator ("torch"), the same with
 expandable_segments:True ("expandable"), and memres's default stack ("memres": the
-in-place pool on CUDA virtual memory, installed by `memres.setup()`). memres's peak
+virtual pool on CUDA virtual memory, installed by `memres.setup()`). memres's peak
 live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
 `max_memory_allocated()`.
 

@@ -52,7 +52,7 @@ Checks:
   profiler      - torch.profiler(profile_memory=True) around a 64 MiB tensor made and
                   freed: the trace has [memory] events of +64 MiB and -64 MiB on CUDA.
   ipc_to_torch  - the ipc row with the receiver on torch's own allocator, whatever the
-                  sender's (under memres: its default in-place pool).
+                  sender's (under memres: its default virtual pool).
   ipc_to_torch_expandable - the same, the receiver with expandable segments.
   ipc_from_torch_expandable - a sender on torch's allocator with expandable segments;
                   this process reads the tensor and writes it, the sender reads it back.

@@ -22,8 +22,8 @@ use crate::sync::{Mutex, lock};
 ///   are both device-accessible: `Fallback<_, _, Device>`); naming a property one of
 ///   them lacks does not compile.
 /// - **Frees** go to the tier that served the block. Where the first tier's blocks all lie
-///   in one address range ([`with_first_range`](Self::with_first_range): an in-place
-///   pool's reservation, which `fallback(virtual_pool, ..)` in a spec uses), the address
+///   in one address range ([`with_first_range`](Self::with_first_range): a
+///   [`VirtualPool`](crate::VirtualPool)'s reservation, which `fallback(virtual_pool, ..)` in a spec uses), the address
 ///   says which tier, without a lookup. Otherwise the fallback tier's blocks are
 ///   remembered (a set under a lock); while it has none live, a free goes to `first`
 ///   without a lookup, so a program that never falls back pays one load per free.
@@ -77,15 +77,15 @@ impl<A, B, P> Fallback<A, B, P> {
     }
 
     /// Tells the tiers apart by address: `first`'s blocks all lie in `base..base + len`
-    /// (the reservation of an in-place pool, [`GrowInPlace::reservation`]), so a free
+    /// (the reservation of a virtual pool, [`GrowInPlace::reservation`]), so a free
     /// inside it goes to `first` and one outside to `then`, with no set of `then`'s
     /// blocks kept.
     ///
     /// ```
     /// use memres::adaptor::Fallback;
-    /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, PoolConfig, SyncResource, layout};
+    /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, SyncResource, VirtualPoolConfig, layout};
     ///
-    /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.pool_in_place(PoolConfig::new())?;
+    /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let (base, len) = pool.upstream().reservation();
     /// // SAFETY: the pool's blocks lie in its leaf's reservation; the heap's never do.
     /// let tiers = unsafe { Fallback::<_, _, Host>::new(pool, HostHeap).with_first_range(base, len) };
@@ -360,10 +360,10 @@ mod tests {
     #[test]
     fn a_first_range_routes_frees_by_address_without_the_set() {
         use crate::upstream::{GrowInPlace, HostVirtual};
-        use crate::{Pool, PoolConfig};
+        use crate::{VirtualPool, VirtualPoolConfig};
 
         let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)
-            .and_then(|v| Pool::in_place(v, PoolConfig::new()))
+            .and_then(|v| VirtualPool::new(v, VirtualPoolConfig::new()))
             .unwrap();
         let (base, len) = pool.upstream().reservation();
         // SAFETY: the pool's blocks lie in its leaf's reservation; the heap's never do.

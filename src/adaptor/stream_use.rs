@@ -32,7 +32,7 @@ use crate::sync::{Mutex, MutexGuard};
 /// - **Cost**: one insert per allocation and one removal per free in a table of 64
 ///   shards, each under its own lock and on cache lines of its own (chosen by a multiply
 ///   of the address): about 30 ns the pair on a 2-core VM, one thread, beside 22-37 ns
-///   for an in-place pool's own allocate and free there. No cheaper source of "a live
+///   for a virtual pool's own allocate and free there. No cheaper source of "a live
 ///   block starts here" exists below: pools keep their free blocks, not the live ones.
 /// - Frees of [`deallocate_sync`](SyncResource::deallocate_sync) pass recorded streams on
 ///   too (as a free on the legacy default stream).

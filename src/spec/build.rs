@@ -9,7 +9,9 @@ use std::sync::Arc;
 use super::Spec;
 use crate::adaptor::{Fallback, Limiting, Logging, Statistics};
 use crate::property::Contains;
-use crate::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
+use crate::suballoc::{
+    Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
+};
 use crate::upstream::{Backend, Virtual};
 use crate::{AnyResource, Error, Resource};
 
@@ -109,13 +111,14 @@ pub type Tiers<P> = Fallback<AnyResource<P>, AnyResource<P>, P>;
 
 /// A layer [`Spec::build`] made, shown to [`Target::built`] (inner layers first). (The
 /// variants are not named as the types they hold, whose names rustc would then print
-/// with their whole paths in its messages.)
+/// with their whole paths in its messages; but for `VirtualPool`, named as its spec word
+/// and its type alike.)
 #[non_exhaustive]
 pub enum Built<'a, T: Target + ?Sized> {
     /// A chunked `pool`.
     ChunkedPool(&'a Arc<Pool<T::Memory>>),
     /// A `virtual_pool`, growing in place.
-    InPlacePool(&'a Arc<Pool<Virtual<T::Backend>>>),
+    VirtualPool(&'a Arc<VirtualPool<Virtual<T::Backend>>>),
     /// An `arena`.
     SuperblockArena(&'a Arc<Arena<T::Memory>>),
     /// A `statistics(..)` layer.
@@ -126,8 +129,8 @@ pub enum Built<'a, T: Target + ?Sized> {
     Tiers(&'a Arc<Tiers<T::Properties>>),
     /// A `pinned_pool`: a chunked pool over the target's [pinned](Target::pinned) memory.
     PinnedPool(&'a Arc<Pool<AnyResource<T::Properties>>>),
-    /// A `binning`'s bins (the in-place pool under them was shown before, as
-    /// [`InPlacePool`](Built::InPlacePool)).
+    /// A `binning`'s bins (the virtual pool under them was shown before, as
+    /// [`VirtualPool`](Built::VirtualPool)).
     Bins(&'a Arc<Binning<AnyResource<T::Properties>>>),
     /// A `fixed_size`.
     FixedBlocks(&'a Arc<FixedSize<T::Memory>>),
@@ -144,7 +147,7 @@ impl Spec {
     }
 
     /// [`build`](Self::build), with the address range `(base, len)` every block of the stack lies in
-    /// where one in-place pool serves them all (wrappers pass their inner one's on): a
+    /// where one virtual pool serves them all (wrappers pass their inner one's on): a
     /// `fallback(..)` tells its tiers apart by it.
     // long: one arm per spec word, each building one layer; a split only moves the match.
     fn build_ranged<T: Target>(&self, target: &mut T) -> Result<Ranged<T::Properties>, Error> {
@@ -165,7 +168,7 @@ impl Spec {
                 let (first, range) = first.build_ranged(target)?;
                 let mut tiers = Fallback::<_, _, T::Properties>::new(first, then.build(target)?);
                 if let Some((base, len)) = range {
-                    // SAFETY: every block of `first` comes from one in-place pool, inside
+                    // SAFETY: every block of `first` comes from one virtual pool, inside
                     // its leaf's reservation (wrappers hand out their inner blocks
                     // unchanged); `then` was built over leaves of its own, outside it.
                     tiers = unsafe { tiers.with_first_range(base, len) };
@@ -179,7 +182,13 @@ impl Spec {
                 max,
                 growth,
             } => {
-                let config = pool_config(*initial, *max, None, None).growth(*growth);
+                let mut config = PoolConfig::new().growth(*growth);
+                if let Some(initial) = initial {
+                    config = config.initial_size(*initial);
+                }
+                if let Some(max) = max {
+                    config = config.maximum_size(*max);
+                }
                 let pool = Arc::new(Pool::new(target.memory()?, config)?);
                 target.built(Built::ChunkedPool(&pool));
                 (AnyResource::new(pool), None)
@@ -191,10 +200,10 @@ impl Spec {
                 release,
                 reserve,
             } => {
-                let config = pool_config(*initial, *max, *step, *release);
+                let config = virtual_pool_config(*initial, *max, *step, *release);
                 let leaf = target.virtual_leaf(*reserve)?;
-                let pool = Arc::new(leaf.pool_in_place(config)?);
-                target.built(Built::InPlacePool(&pool));
+                let pool = Arc::new(leaf.virtual_pool(config)?);
+                target.built(Built::VirtualPool(&pool));
                 let range = crate::upstream::GrowInPlace::reservation(pool.upstream());
                 (AnyResource::new(pool), Some(range))
             }
@@ -251,14 +260,15 @@ impl Spec {
     }
 }
 
-/// A pool's configuration from a spec's options; `None` keeps [`PoolConfig`]'s default.
-fn pool_config(
+/// A virtual pool's configuration from a spec's options; `None` keeps
+/// [`VirtualPoolConfig`]'s default.
+fn virtual_pool_config(
     initial: Option<usize>,
     max: Option<usize>,
     step: Option<usize>,
     release: Option<usize>,
-) -> PoolConfig {
-    let mut config = PoolConfig::new();
+) -> VirtualPoolConfig {
+    let mut config = VirtualPoolConfig::new();
     if let Some(initial) = initial {
         config = config.initial_size(initial);
     }
@@ -307,7 +317,7 @@ mod tests {
         fn built(&mut self, layer: Built<'_, Self>) {
             self.built.push(match layer {
                 Built::ChunkedPool(_) => "pool",
-                Built::InPlacePool(_) => "virtual_pool",
+                Built::VirtualPool(_) => "virtual_pool",
                 Built::SuperblockArena(_) => "arena",
                 Built::WithStatistics(_) => "statistics",
                 Built::Logged(_) => "logging",
@@ -363,11 +373,11 @@ mod tests {
         assert_eq!(target.reserved, [Some(256 << 20)]);
     }
 
-    /// A `fallback(..)` whose first tier is one in-place pool (under any wrappers) tells
+    /// A `fallback(..)` whose first tier is one virtual pool (under any wrappers) tells
     /// its tiers apart by the pool's reservation; other first tiers keep the set. Either
     /// way a block past the first tier comes and goes through the second.
     #[test]
-    fn a_fallback_over_an_in_place_pool_routes_by_address() {
+    fn a_fallback_over_a_virtual_pool_routes_by_address() {
         for (text, by_address) in [
             (
                 "fallback(statistics(limiting(virtual_pool, limit=1MiB)), pool)",

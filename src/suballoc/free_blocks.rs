@@ -150,7 +150,7 @@ impl FreeBlocks {
     /// lowest address region that has a fit ([`Regions`]) and larger ones by size class
     /// as usual. Small blocks then pack into the low end of the memory, so free memory
     /// gathers into whole granules that a pool growing in place can unmap or hand to a
-    /// large request. Measured with an in-place pool on `random` (`benches/workloads.rs`
+    /// large request. Measured with a virtual pool on `random` (`benches/workloads.rs`
     /// with `MEMRES_FOOTPRINT_SEEDS=12`, host, 2 MiB granules): see `BENCHMARKS.md`.
     pub(crate) fn address_ordered(base: usize) -> FreeBlocks {
         FreeBlocks {
@@ -377,7 +377,7 @@ impl FreeBlocks {
         let own = class_of(units);
         if own < CLASSES {
             // The first few blocks of the request's own class: a fit there keeps larger
-            // blocks whole (measured: an in-place pool's `random` footprint on the host,
+            // blocks whole (measured: a virtual pool's `random` footprint on the host,
             // 1.32 -> 1.29 of live, no other change).
             let mut at = self.lists[own].next;
             for _ in 0..OWN_CLASS_SCAN {

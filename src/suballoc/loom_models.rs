@@ -12,7 +12,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use super::shards::{ShardMap, StreamKey};
-use super::{Arena, FixedSize, Pool, PoolConfig};
+use super::{Arena, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
 use crate::sync::spin::SpinLock;
@@ -889,7 +889,7 @@ fn loom_an_allocation_racing_sleep_maps_nothing_into_the_sleeping_pool() {
     builder.check(|| {
         let pool = Arc::new(
             HostVirtual::new(1 << 20, 64 << 10)
-                .and_then(|v| v.pool_in_place(PoolConfig::new()))
+                .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
                 .unwrap(),
         );
         let other = Arc::clone(&pool);

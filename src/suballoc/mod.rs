@@ -1,7 +1,10 @@
 //! Sub-allocators: resources that take large blocks from an upstream resource and hand
 //! out pieces of them, much faster than the upstream could.
 //!
-//! - [`Pool`]: coalescing, any size, per-stream free lists (RMM's `pool_memory_resource`).
+//! - [`Pool`]: coalescing, any size, per-stream free lists (RMM's `pool_memory_resource`),
+//!   taking chunks from any upstream.
+//! - [`VirtualPool`]: the same pool growing in place over a reserved address range
+//!   (holds least; can sleep and wake).
 //! - [`FixedSize`]: blocks of one size in O(1) (RMM's `fixed_size_memory_resource`).
 //! - [`Binning`]: requests sorted by size into bins of other resources, larger ones to the
 //!   upstream (RMM's `binning_memory_resource`).
@@ -37,11 +40,16 @@
 
 /// `SyncResource` for a stream-ordered sub-allocator: its synchronous calls are its calls
 /// on the host stream (whose work is always complete), and its properties its upstream's.
+/// `$ty` is generic over its upstream `U`; another form names the type and its generic
+/// parameters (`Coalescing<U, H>, U: Resource, H: Holding<U>`).
 macro_rules! sync_on_the_host_stream {
     ($ty:ident) => {
+        sync_on_the_host_stream!($ty<U>, U: crate::resource::Resource);
+    };
+    ($ty:ty, $($generics:tt)*) => {
         // SAFETY: the type's `Resource` impl (beside its use of this macro) keeps the
         // contract on every stream; these calls are that impl's on the host stream.
-        unsafe impl<U: crate::resource::Resource> crate::resource::SyncResource for $ty<U> {
+        unsafe impl<$($generics)*> crate::resource::SyncResource for $ty {
             type Properties = U::Properties;
 
             #[inline]
@@ -69,6 +77,7 @@ macro_rules! sync_on_the_host_stream {
 mod arena;
 mod binning;
 mod chunks;
+mod coalescing;
 mod deferred;
 mod fixed;
 mod free_blocks;
@@ -82,24 +91,19 @@ mod shards;
 mod stream_list;
 mod superblocks;
 mod thread_cache;
+mod virtual_pool;
 
 pub use arena::Arena;
 pub use binning::Binning;
+pub use coalescing::PoolStats;
 pub use fixed::FixedSize;
-pub use pool::{Pool, PoolStats, SleepMode};
+pub use pool::Pool;
 pub use pool_config::{Growth, PoolConfig};
 pub use segment_pool::{BlockEntry, Restored, SegmentPool, SegmentPoolConfig};
 pub use superblocks::SUPERBLOCK_SIZE;
+pub use virtual_pool::{SleepMode, VirtualPool, VirtualPoolConfig};
 
 /// loom models of the sub-allocators' protocols (run by `.ci/run` with
 /// `--cfg memres_loom`; see `tests/loom.rs` for the public-API models).
 #[cfg(all(test, memres_loom))]
 mod loom_models;
-
-/// The pool that grows in place with its maps failing at chosen calls.
-#[cfg(all(test, not(memres_loom)))]
-mod pool_faults;
-
-/// Sleep and wake of the pool that grows in place, its misuse included.
-#[cfg(all(test, not(memres_loom)))]
-mod pool_sleep;

@@ -1,11 +1,12 @@
-//! [`PoolConfig`]: how a [`Pool`](super::Pool) starts, grows and gives memory back.
+//! [`PoolConfig`]: how a [`Pool`](super::Pool) starts, grows and gives memory back (and
+//! the checks of its sizes, which [`VirtualPoolConfig`](super::VirtualPoolConfig) shares).
 
 use super::free_blocks::GRANULE;
 use crate::error::Error;
 
 /// How a pool over chunks ([`Pool::new`]) sizes the upstream allocation it takes when
-/// no free block fits a request. (A pool that grows in place, [`Pool::in_place`], maps
-/// only the granules a request lacks and ignores this.)
+/// no free block fits a request. (A [`VirtualPool`] maps only the granules a request
+/// lacks: it has no growth rule.)
 ///
 /// A chunk's blocks never merge with another chunk's, and a chunk goes back to the
 /// upstream only once all of it is free, so the rule trades memory held against the
@@ -47,7 +48,7 @@ use crate::error::Error;
 /// ```
 ///
 /// [`Pool::new`]: super::Pool::new
-/// [`Pool::in_place`]: super::Pool::in_place
+/// [`VirtualPool`]: super::VirtualPool
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Growth {
@@ -109,109 +110,150 @@ impl PoolConfig {
         }
     }
 
-    /// Bytes taken from the upstream when the pool is made.
-    #[must_use]
-    pub const fn initial_size(mut self, bytes: usize) -> PoolConfig {
-        self.initial = bytes;
-        self
-    }
-
-    /// The most bytes the pool may hold from its upstream.
-    #[must_use]
-    pub const fn maximum_size(mut self, bytes: usize) -> PoolConfig {
-        self.maximum = Some(bytes);
-        self
-    }
-
-    /// The least a growth takes: for a pool that grows in place ([`Pool::in_place`]), the
-    /// least it maps at a time (rounded up to the upstream's granularity; default: one
-    /// granule); for a pool over chunks growing by [`Growth::Eighth`], the smallest chunk
-    /// it asks for first (rounded up to 2 MiB and capped at the maximum; default: 2 MiB). A larger step means fewer, larger growths
-    /// and more memory held ahead of need. [`Growth::Rmm`] ignores it.
-    ///
-    /// [`Pool::in_place`]: super::Pool::in_place
-    #[must_use]
-    pub const fn growth_step(mut self, bytes: usize) -> PoolConfig {
-        self.step = bytes;
-        self
-    }
-
-    /// How a pool over chunks sizes the chunks it takes (default: [`Growth::Eighth`]).
+    /// How the pool sizes the chunks it takes (default: [`Growth::Eighth`]).
     #[must_use]
     pub const fn growth(mut self, rule: Growth) -> PoolConfig {
         self.growth = rule;
         self
     }
 
-    /// Gives memory back to the upstream whenever a free leaves more than `bytes` free in
-    /// one stream's list: the pool then waits for the streams it has seen, merges its
-    /// lists and releases free memory (fully free granules of a pool that grows in place,
-    /// highest first, until at most `bytes` are free; entirely free upstream allocations
-    /// otherwise), as a `cudaMemPool`'s release threshold does at synchronisation points.
-    /// Default: none, keep everything until [`Pool::trim`] (as RMM's pool does).
-    ///
-    /// [`Pool::trim`]: super::Pool::trim
-    #[must_use]
-    pub const fn release_threshold(mut self, bytes: usize) -> PoolConfig {
-        self.release_threshold = Some(bytes);
-        self
-    }
-
-    /// The release threshold, if any.
-    pub const fn threshold(&self) -> Option<usize> {
-        self.release_threshold
-    }
-
-    /// The initial size.
-    pub const fn initial(&self) -> usize {
-        self.initial
-    }
-
-    /// The maximum size, if any.
-    pub const fn maximum(&self) -> Option<usize> {
-        self.maximum
-    }
-
-    /// The growth rule of a pool over chunks.
+    /// The growth rule.
     pub const fn growth_rule(&self) -> Growth {
         self.growth
     }
+}
 
-    pub(super) fn validate(&self) -> Result<(), Error> {
-        let multiple = |what: &str, n: usize| {
-            if n.is_multiple_of(GRANULE) {
-                Ok(())
-            } else {
-                Err(Error::invalid_argument(format!(
-                    "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
-                )))
+/// The methods on sizes that both pools' configurations have ([`PoolConfig`] and
+/// [`VirtualPoolConfig`](super::VirtualPoolConfig), each with the fields `initial`,
+/// `maximum`, `step` and `release_threshold`), written once: the builders (with their
+/// docs, which differ, passed in as lines), the getters and the checks.
+macro_rules! size_methods {
+    (
+        $ty:ident,
+        initial: [$($initial:literal),* $(,)?],
+        maximum: [$($maximum:literal),* $(,)?],
+        step: [$($step:literal),* $(,)?],
+        release_threshold: [$($release:literal),* $(,)?] $(,)?
+    ) => {
+        impl $ty {
+            $(#[doc = $initial])*
+            #[must_use]
+            pub const fn initial_size(mut self, bytes: usize) -> $ty {
+                self.initial = bytes;
+                self
             }
-        };
-        let sizes = [
-            ("initial", Some(self.initial)),
-            ("maximum", self.maximum),
-            ("growth step", Some(self.step)),
-            ("release threshold", self.release_threshold),
-        ];
-        for (what, n) in sizes {
-            if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
-                return Err(Error::invalid_argument(format!(
-                    "the pool's {what} ({n} bytes) is larger than any allocation can be"
-                )));
+
+            $(#[doc = $maximum])*
+            #[must_use]
+            pub const fn maximum_size(mut self, bytes: usize) -> $ty {
+                self.maximum = Some(bytes);
+                self
+            }
+
+            $(#[doc = $step])*
+            #[must_use]
+            pub const fn growth_step(mut self, bytes: usize) -> $ty {
+                self.step = bytes;
+                self
+            }
+
+            $(#[doc = $release])*
+            #[must_use]
+            pub const fn release_threshold(mut self, bytes: usize) -> $ty {
+                self.release_threshold = Some(bytes);
+                self
+            }
+
+            /// The release threshold, if any.
+            pub const fn threshold(&self) -> Option<usize> {
+                self.release_threshold
+            }
+
+            /// The initial size.
+            pub const fn initial(&self) -> usize {
+                self.initial
+            }
+
+            /// The maximum size, if any.
+            pub const fn maximum(&self) -> Option<usize> {
+                self.maximum
+            }
+
+            /// Checks the sizes (see `pool_config::validate`).
+            pub(in crate::suballoc) fn validate(&self) -> Result<(), crate::error::Error> {
+                crate::suballoc::pool_config::validate(
+                    self.initial,
+                    self.maximum,
+                    self.step,
+                    self.release_threshold,
+                )
             }
         }
-        multiple("initial", self.initial)?;
-        if let Some(max) = self.maximum {
-            multiple("maximum", max)?;
-            if self.initial > max {
-                return Err(Error::invalid_argument(format!(
-                    "the pool's initial size ({} bytes) exceeds its maximum ({max} bytes)",
-                    self.initial
-                )));
-            }
+    };
+}
+
+pub(super) use size_methods;
+
+size_methods!(
+    PoolConfig,
+    initial: ["Bytes taken from the upstream when the pool is made."],
+    maximum: ["The most bytes the pool may hold from its upstream."],
+    step: [
+        "The least a growth takes: growing by [`Growth::Eighth`], the smallest chunk the",
+        "pool asks for first (rounded up to 2 MiB and capped at the maximum; default:",
+        "2 MiB). A larger step means fewer, larger growths and more memory held ahead of",
+        "need. [`Growth::Rmm`] ignores it.",
+    ],
+    release_threshold: [
+        "Gives memory back to the upstream whenever a free leaves more than `bytes` free in",
+        "one stream's list: the pool then waits for the streams it has seen, merges its",
+        "lists and gives back its entirely free chunks, as a `cudaMemPool`'s release",
+        "threshold does at synchronisation points.",
+        "Default: none, keep everything until [`Pool::trim`](super::Pool::trim) (as RMM's",
+        "pool does).",
+    ],
+);
+
+/// Checks a pool's sizes (both pools' configurations have them): multiples of 256 bytes,
+/// no larger than an allocation can be, the initial size within the maximum.
+pub(super) fn validate(
+    initial: usize,
+    maximum: Option<usize>,
+    step: usize,
+    release_threshold: Option<usize>,
+) -> Result<(), Error> {
+    let multiple = |what: &str, n: usize| {
+        if n.is_multiple_of(GRANULE) {
+            Ok(())
+        } else {
+            Err(Error::invalid_argument(format!(
+                "the pool's {what} size ({n} bytes) is not a multiple of {GRANULE} bytes"
+            )))
         }
-        Ok(())
+    };
+    let sizes = [
+        ("initial", Some(initial)),
+        ("maximum", maximum),
+        ("growth step", Some(step)),
+        ("release threshold", release_threshold),
+    ];
+    for (what, n) in sizes {
+        if let Some(n) = n.filter(|&n| n > isize::MAX as usize) {
+            return Err(Error::invalid_argument(format!(
+                "the pool's {what} ({n} bytes) is larger than any allocation can be"
+            )));
+        }
     }
+    multiple("initial", initial)?;
+    if let Some(max) = maximum {
+        multiple("maximum", max)?;
+        if initial > max {
+            return Err(Error::invalid_argument(format!(
+                "the pool's initial size ({initial} bytes) exceeds its maximum ({max} bytes)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The chunk sizes a pool over chunks asks its upstream for, for one request: a pure

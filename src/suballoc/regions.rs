@@ -11,7 +11,7 @@
 //!
 //! The index answers by region, not by exact address: a small request takes a block of
 //! the lowest region that has one, the smallest band there first. On `random` (an
-//! in-place pool on the host, 2 MiB granules, seeds 1-12, peak held / peak live) that
+//! virtual pool on the host, 2 MiB granules, seeds 1-12, peak held / peak live) that
 //! held 1.089 on average, an exact address-ordered first fit (a `BTreeMap` by address,
 //! tried and dropped: twice the time per op) 1.087, size classes alone 1.141: what packs
 //! small blocks together is that they go low, not the exact address. Figures in

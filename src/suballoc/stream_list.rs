@@ -15,7 +15,7 @@ pub(super) const QUICK_UNITS: usize = 256;
 ///
 /// Pools that grow in place keep the same limit, although a cached block is handed out
 /// again where it was rather than low (see [`FreeBlocks::address_ordered`]): on the H100
-/// (2026-11-23, three alternating runs), 1 MiB instead made the in-place pool's `random`
+/// (2026-11-23, three alternating runs), 1 MiB instead made the virtual pool's `random`
 /// 97-164 ns against 84-120 and `random-mt` 20-28 ns against 17-19, for a footprint of
 /// 1.085 of live against 1.091 (`random`, seeds 1-6, mean).
 const QUICK_BYTES: usize = 8 << 20;

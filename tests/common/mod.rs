@@ -85,3 +85,36 @@ pub fn step(streams: u32, align_shifts: u32) -> impl proptest::strategy::Strateg
         1 => Just(Step::Trim),
     ]
 }
+
+/// What both coalescing pools ([`Pool`](memres::Pool) and
+/// [`VirtualPool`](memres::VirtualPool)) have, for the helpers that test either one
+/// (their methods are inherent: one set a type).
+pub trait CoalescingPool: Resource + Sync {
+    fn stats(&self) -> memres::suballoc::PoolStats;
+    fn pool_size(&self) -> usize;
+    fn trim(&self) -> Result<usize, Error>;
+    fn coalesce(&self) -> Result<(), Error>;
+}
+
+macro_rules! coalescing_pools {
+    ($($ty:ident),*) => {
+        $(
+            impl<U: Resource + Sync> CoalescingPool for memres::$ty<U> {
+                fn stats(&self) -> memres::suballoc::PoolStats {
+                    memres::$ty::stats(self)
+                }
+                fn pool_size(&self) -> usize {
+                    memres::$ty::pool_size(self)
+                }
+                fn trim(&self) -> Result<usize, Error> {
+                    memres::$ty::trim(self)
+                }
+                fn coalesce(&self) -> Result<(), Error> {
+                    memres::$ty::coalesce(self)
+                }
+            }
+        )*
+    };
+}
+
+coalescing_pools!(Pool, VirtualPool);

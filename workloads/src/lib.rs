@@ -493,7 +493,7 @@ pub fn suite<R: Resource + Sync + ?Sized>(
 mod tests {
     use super::*;
     use memres::adaptor::{Limiting, Statistics};
-    use memres::{HostVirtual, PoolConfig};
+    use memres::{HostVirtual, VirtualPoolConfig};
 
     /// `serve` frees everything it allocated, reports the live bytes it holds, and on
     /// out-of-memory returns the error with everything freed.
@@ -501,7 +501,7 @@ mod tests {
     fn serve_frees_what_it_allocates_and_reports_what_is_live() {
         // Address space only: the workload never touches its blocks.
         let leaf = HostVirtual::new(64 << 30, 2 << 20).unwrap();
-        let counted = Statistics::new(leaf.pool_in_place(PoolConfig::new()).unwrap());
+        let counted = Statistics::new(leaf.virtual_pool(VirtualPoolConfig::new()).unwrap());
         let (mut peak, mut last) = (0, usize::MAX);
         serve_with(&counted, StreamRef::HOST, 42, 12, |live| {
             peak = peak.max(live);

@@ -215,7 +215,7 @@ impl Drop for HostPages {
 }
 
 /// Fault injection for the lib's tests: a thread's maps fail where its plan says (the
-/// in-place pool's out-of-memory paths, without a device that runs out).
+/// virtual pool's out-of-memory paths, without a device that runs out).
 #[cfg(test)]
 pub(crate) mod faults {
     use std::cell::Cell;

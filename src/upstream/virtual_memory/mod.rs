@@ -2,8 +2,8 @@
 //! granule at a time ([`CudaVirtual`] on a GPU, [`HostVirtual`] on host pages).
 //!
 //! A reservation costs no memory; only mapped granules do. Because every byte such a
-//! leaf hands out lies in one range, a [`Pool`](crate::Pool) built with
-//! [`Pool::in_place`](crate::Pool::in_place) (or `.pool_in_place(config)` on the leaf) grows by
+//! leaf hands out lies in one range, a [`VirtualPool`](crate::VirtualPool) over it
+//! ([`VirtualPool::new`](crate::VirtualPool::new), or `.virtual_pool(config)` on the leaf) grows by
 //! mapping exactly the granules a request lacks right after its free memory, merges
 //! blocks across growth steps, and gives back any fully free granule, not only whole
 //! upstream allocations: what PyTorch calls expandable segments.
@@ -185,7 +185,7 @@ pub unsafe trait GrowInPlace: Resource {
 ///
 /// On its own it is a simple resource (first fit over the granules, every allocation
 /// rounded up to whole granules, so use it under a pool); its point is
-/// [`Virtual::pool`], a [`Pool`](crate::suballoc::Pool) that grows in place.
+/// [`Virtual::virtual_pool`], a [`VirtualPool`](crate::VirtualPool) that grows in place.
 ///
 /// - Alignment: any power of two up to the granularity.
 /// - Stream-ordered frees wait for the stream before unmapping (memory usable at once is

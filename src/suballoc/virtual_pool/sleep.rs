@@ -1,56 +1,22 @@
-//! Sleep and wake for the pool that grows in place ([`Pool::sleep`], [`Pool::wake`]): the
-//! physical memory goes back to the driver while the addresses stay reserved, so that
+//! Sleep and wake for the virtual pool ([`VirtualPool::sleep`], [`VirtualPool::wake`]):
+//! the physical memory goes back to the driver while the addresses stay reserved, so that
 //! every block, and whatever recorded its address (a captured CUDA graph), is where it
 //! was once the pool wakes.
 
-use super::*;
-use crate::upstream::HostCopy;
-
-/// What becomes of the contents of a pool's memory while it sleeps ([`Pool::sleep`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SleepMode {
-    /// The contents are lost: after [`Pool::wake`] the blocks hold whatever the new
-    /// memory holds (for a KV cache, activations, scratch memory).
-    Discard,
-    /// The contents are copied to host memory (pinned, for device memory) before the
-    /// memory goes back, and copied back when the pool wakes (for model weights). It
-    /// costs as much host memory as the pool holds while it sleeps.
-    Offload,
-}
+use super::VirtualPool;
+use super::grow::{Mapped, Space};
+use super::slept::{SleepMode, Slept};
+use crate::error::Error;
+use crate::resource::Resource;
+use crate::suballoc::coalescing::GrowthState;
+use crate::sync::atomic::Ordering;
 
 /// The most bytes copied or mapped in one piece: a wake maps the next piece while the
 /// last one's contents are copied back. (Small in the tests, so that their pools have
 /// several.)
 const PIECE: usize = if cfg!(test) { 256 << 10 } else { 256 << 20 };
 
-/// What a sleeping pool maps and restores when it wakes.
-pub(super) struct Slept {
-    mode: SleepMode,
-    /// What was mapped, as `(address, bytes)` in address order: the mapped runs, cut
-    /// into pieces of at most [`PIECE`] bytes (whole granules).
-    pieces: Vec<(usize, usize)>,
-    /// One per piece, when the contents were offloaded.
-    copies: Vec<HostCopy>,
-}
-
-impl Slept {
-    /// Bytes the pool held when it went to sleep.
-    pub(super) fn size(&self) -> usize {
-        self.pieces.iter().map(|&(_, len)| len).sum()
-    }
-
-    /// Bytes of host memory its copies hold.
-    pub(super) fn copy_bytes(&self) -> usize {
-        bytes(&self.copies)
-    }
-}
-
-/// Bytes of host memory `copies` hold.
-pub(super) fn bytes(copies: &[HostCopy]) -> usize {
-    copies.iter().map(HostCopy::len).sum()
-}
-
-impl<U: Resource> Pool<U> {
+impl<U: Resource> VirtualPool<U> {
     /// Puts the pool to sleep: gives every granule it holds back to the driver while its
     /// address range stays reserved, so that [`wake`](Self::wake) maps memory at the same
     /// addresses again and every block handed out is valid where it was. What the blocks
@@ -62,28 +28,28 @@ impl<U: Resource> Pool<U> {
     /// - allocations fail with [`Error::Asleep`] (not a wait);
     /// - frees are taken (the block is free once the pool wakes), as are
     ///   [`trim`](Self::trim) (it gives nothing back) and [`stats`](Self::stats)
-    ///   (`pool_size` 0, [`PoolStats::asleep_bytes`] what waking maps);
+    ///   (`pool_size` 0, [`PoolStats::asleep_bytes`](crate::suballoc::PoolStats::asleep_bytes) what waking maps);
     /// - dropping the pool frees the host copies.
     ///
-    /// After a wake the host copies are kept ([`PoolStats::host_copy_bytes`]), so that the
+    /// After a wake the host copies are kept ([`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes)), so that the
     /// next offloading sleep (an RL loop sleeps every step) only copies: pinning host
     /// memory costs far more than copying into it (3.2 against 55 GB/s on an H200).
     /// [`trim`](Self::trim) frees them.
     ///
     /// Errors leave the pool awake and its memory where it was:
-    /// [`Error::Unsupported`] for a pool that does not grow in place (only mapped
-    /// granules can go back while their addresses stay), [`Error::InvalidArgument`] for
-    /// a pool asleep already, [`Error::OutOfMemory`] when host memory for the copies runs
-    /// out.
+    /// [`Error::InvalidArgument`] for a pool asleep already, [`Error::OutOfMemory`] when
+    /// host memory for the copies runs out. (Only this pool sleeps: a chunked
+    /// [`Pool`](crate::suballoc::Pool) has no such method, since only mapped granules can
+    /// go back while their addresses stay.)
     ///
     /// Separate pools sleep and wake separately: a program that wants its weights back
     /// before its KV cache gives each its own pool (a tag each, in the C ABI and Python:
     /// `memres.tag("weights")`) and wakes them in turn.
     ///
     /// ```
-    /// use memres::{HostVirtual, PoolConfig, Resource, SleepMode, StreamRef, layout};
+    /// use memres::{HostVirtual, Resource, SleepMode, StreamRef, VirtualPoolConfig, layout};
     ///
-    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.pool_in_place(PoolConfig::new())?;
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let l = layout(100 << 10)?;
     /// let p = pool.allocate(StreamRef::HOST, l)?;
     /// // SAFETY: fresh block of 100 KiB, host memory.
@@ -106,15 +72,10 @@ impl<U: Resource> Pool<U> {
     /// touches it faults, and so does the host). Work enqueued before the call is waited
     /// for.
     pub unsafe fn sleep(&self, mode: SleepMode) -> Result<usize, Error> {
-        let Some(space) = &self.space else {
-            return Err(Error::unsupported(
-                "only a pool that grows in place (over virtual memory) can sleep: its \
-                 addresses stay reserved while its memory goes back",
-            ));
-        };
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let mut growth = self.lock_growth();
-        if growth.slept.is_some() {
+        let (core, space) = (&self.core, &self.core.holding);
+        let _pin = core.shards.pin(); // (see `ShardMap::retire`)
+        let mut growth = core.lock_growth();
+        if growth.memory.slept.is_some() {
             return Err(Error::invalid_argument(
                 "the pool is asleep already: wake it before it sleeps again",
             ));
@@ -123,17 +84,17 @@ impl<U: Resource> Pool<U> {
         // a listed block (its memory then sleeps with the rest: the caller's race, which
         // `sleep`'s contract rules out), but none maps memory: growth looks at `slept`
         // under the growth lock, held here until the pool sleeps.
-        self.asleep.store(true, Ordering::SeqCst);
+        space.asleep.store(true, Ordering::SeqCst);
         match self.fall_asleep(space, &mut growth, mode) {
             Ok(slept) => {
                 let size = slept.size();
                 growth.size -= size;
-                growth.slept = Some(slept);
+                growth.memory.slept = Some(slept);
                 tracing::debug!(target: "memres::pool", size, ?mode, "memres: pool asleep");
                 Ok(size)
             }
             Err(e) => {
-                self.asleep.store(false, Ordering::SeqCst);
+                space.asleep.store(false, Ordering::SeqCst);
                 Err(e)
             }
         }
@@ -144,15 +105,16 @@ impl<U: Resource> Pool<U> {
     fn fall_asleep(
         &self,
         space: &Space<U>,
-        growth: &mut GrowthState,
+        growth: &mut GrowthState<Mapped>,
         mode: SleepMode,
     ) -> Result<Slept, Error> {
-        (space.synchronize)(&self.upstream)?;
-        let host = self.host_list();
-        self.release_down_to(growth, host, 0)?;
+        (space.synchronize)(&self.core.upstream)?;
+        let host = self.core.host_list();
+        self.core.release_down_to(growth, host, 0)?;
         let g = space.granularity;
         let piece = PIECE.next_multiple_of(g);
         let pieces: Vec<(usize, usize)> = growth
+            .memory
             .mapped
             .mapped_runs()
             .into_iter()
@@ -169,13 +131,13 @@ impl<U: Resource> Pool<U> {
             // above) and the caller promises no new use until the pool wakes.
             // The copies an earlier wake kept are used again: this sleep only copies.
             SleepMode::Offload => unsafe {
-                (space.save)(&self.upstream, &pieces, &mut growth.kept)?
+                (space.save)(&self.core.upstream, &pieces, &mut growth.memory.kept)?
             },
         };
         for &(addr, len) in &pieces {
             // SAFETY: mapped by this pool; no work uses them (as above), and the copies,
             // if any, are made.
-            unsafe { (space.unmap)(&self.upstream, addr, len) };
+            unsafe { (space.unmap)(&self.core.upstream, addr, len) };
         }
         Ok(Slept {
             mode,
@@ -192,30 +154,26 @@ impl<U: Resource> Pool<U> {
     /// when the device cannot back the memory (another process holds it): the pool stays
     /// asleep with its copies, and a later `wake` may succeed.
     pub fn wake(&self) -> Result<usize, Error> {
-        let Some(space) = &self.space else {
-            return Err(Error::invalid_argument(
-                "the pool is not asleep: only a pool that grows in place sleeps",
-            ));
-        };
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let mut growth = self.lock_growth();
-        let Some(slept) = growth.slept.take() else {
+        let (core, space) = (&self.core, &self.core.holding);
+        let _pin = core.shards.pin(); // (see `ShardMap::retire`)
+        let mut growth = core.lock_growth();
+        let Some(slept) = growth.memory.slept.take() else {
             return Err(Error::invalid_argument(
                 "the pool is not asleep: wake() without sleep()",
             ));
         };
         if let Err(e) = self.wake_up(space, &slept) {
-            growth.slept = Some(slept);
+            growth.memory.slept = Some(slept);
             return Err(e);
         }
         let size = slept.size();
         growth.size += size;
         growth.peak = growth.peak.max(growth.size);
-        self.asleep.store(false, Ordering::SeqCst);
+        space.asleep.store(false, Ordering::SeqCst);
         tracing::debug!(target: "memres::pool", size, mode = ?slept.mode, "memres: pool awake");
         // Pinning host memory costs far more than copying into it (and unpinning about as
         // much): the copies are kept for the next sleep, until `trim` (or the drop).
-        growth.kept.extend(slept.copies);
+        growth.memory.kept.extend(slept.copies);
         Ok(size)
     }
 
@@ -226,20 +184,20 @@ impl<U: Resource> Pool<U> {
         let mut mapped = 0;
         let result = (|| {
             for (i, &(addr, len)) in slept.pieces.iter().enumerate() {
-                (space.map)(&self.upstream, addr, len)?;
+                (space.map)(&self.core.upstream, addr, len)?;
                 mapped += 1;
                 if let Some(copy) = slept.copies.get(i) {
                     // SAFETY: mapped just above, by this pool; nothing uses a sleeping
                     // pool's memory (`sleep`'s contract) and `slept` lives until the
                     // copies are waited for, below.
-                    unsafe { (space.restore)(&self.upstream, addr, len, copy)? };
+                    unsafe { (space.restore)(&self.core.upstream, addr, len, copy)? };
                 }
             }
-            (space.synchronize)(&self.upstream)
+            (space.synchronize)(&self.core.upstream)
         })();
         if result.is_err() {
             // Copies may be under way into what is about to be unmapped.
-            let waited = (space.synchronize)(&self.upstream);
+            let waited = (space.synchronize)(&self.core.upstream);
             for &(addr, len) in &slept.pieces[..mapped] {
                 if waited.is_err() {
                     // A broken device: leave the memory mapped rather than unmap it under
@@ -249,7 +207,7 @@ impl<U: Resource> Pool<U> {
                 }
                 // SAFETY: mapped above by this call; nothing uses it and the copies into
                 // it are done (waited for above).
-                unsafe { (space.unmap)(&self.upstream, addr, len) };
+                unsafe { (space.unmap)(&self.core.upstream, addr, len) };
             }
         }
         result
@@ -257,6 +215,6 @@ impl<U: Resource> Pool<U> {
 
     /// Whether the pool sleeps ([`sleep`](Self::sleep)).
     pub fn is_asleep(&self) -> bool {
-        self.asleep.load(Ordering::Relaxed)
+        self.core.holding.asleep.load(Ordering::Relaxed)
     }
 }

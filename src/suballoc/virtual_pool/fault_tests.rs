@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use crate::error::Error;
 use crate::resource::{Resource, layout};
 use crate::stream::StreamRef;
-use crate::suballoc::PoolConfig;
+use crate::suballoc::VirtualPoolConfig;
 use crate::upstream::HostVirtual;
 use crate::upstream::virtual_memory::faults;
 
@@ -23,10 +23,10 @@ fn splitmix(state: &mut u64) -> u64 {
 }
 
 #[test]
-fn an_in_place_pool_whose_maps_fail_stays_exact_and_usable() {
+fn a_virtual_pool_whose_maps_fail_stays_exact_and_usable() {
     for every in [1, 2, 3, 5, 8] {
         let pool = HostVirtual::new(1 << 30, 2 << 20)
-            .and_then(|v| v.pool_in_place(PoolConfig::new().release_threshold(64 << 20)))
+            .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().release_threshold(64 << 20)))
             .unwrap();
         faults::fail_every(every);
         let mut rng = every;

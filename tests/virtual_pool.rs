@@ -1,4 +1,4 @@
-//! Pools that grow in place (`Pool::in_place` over `HostVirtual`, the host simulation of
+//! Virtual pools, which grow in place (`VirtualPool` over `HostVirtual`, the host simulation of
 //! CUDA virtual memory), and the footprint of every pool under cross-stream frees.
 
 mod common;
@@ -7,8 +7,9 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::mpsc;
 
+use common::CoalescingPool;
 use common::{Step, step};
-use memres::suballoc::{Growth, Pool, PoolConfig};
+use memres::suballoc::{Growth, Pool, PoolConfig, VirtualPool, VirtualPoolConfig};
 use memres::{
     Error, GrowInPlace, HostHeap, HostVirtual, Resource, StreamRef, SyncResource, layout,
     layout_with_alignment,
@@ -21,20 +22,19 @@ fn leaf() -> HostVirtual {
     HostVirtual::new(4 << 30, G).expect("4 GiB of address space")
 }
 
-fn in_place(config: PoolConfig) -> Pool<HostVirtual> {
-    leaf().pool_in_place(config).expect("an in-place pool")
+fn virtual_pool(config: VirtualPoolConfig) -> VirtualPool<HostVirtual> {
+    leaf().virtual_pool(config).expect("a virtual pool")
 }
 
 #[test]
 fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
-    let pool = in_place(PoolConfig::new());
+    let pool = virtual_pool(VirtualPoolConfig::new());
     let s = StreamRef::host(1);
     let a = layout(40 << 10).unwrap();
     let pa = pool.allocate(s, a).unwrap();
     assert_eq!(pool.stats().pool_size, G, "one granule");
     // 24 KiB are free at the top; 100 KiB more needs 76 KiB, so two granules, mapped
     // right after the first.
-    assert!(pool.grows_in_place());
     let b = layout(100 << 10).unwrap();
     let pb = pool.allocate(s, b).unwrap();
     assert_eq!(pool.stats().pool_size, 3 * G);
@@ -58,7 +58,7 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
 
 #[test]
 fn segments_are_the_mapped_runs_and_shrink_with_trim() {
-    let pool = in_place(PoolConfig::new());
+    let pool = virtual_pool(VirtualPoolConfig::new());
     let (base, _) = GrowInPlace::reservation(pool.upstream());
     let s = StreamRef::host(1);
     let big = layout(5 * G).unwrap();
@@ -124,7 +124,7 @@ fn small_requests_go_to_the_lowest_free_memory() {
     let leaf = HostVirtual::new(4 << 30, 2 * MIB).unwrap();
     let base = leaf.reservation().0;
     let pool = leaf
-        .pool_in_place(PoolConfig::new().initial_size(64 * MIB))
+        .virtual_pool(VirtualPoolConfig::new().initial_size(64 * MIB))
         .unwrap();
     // The stream whose list holds the initial mapping, so that all blocks are in one list.
     let s = StreamRef::HOST;
@@ -154,7 +154,7 @@ fn small_requests_go_to_the_lowest_free_memory() {
 
 #[test]
 fn trim_unmaps_free_granules_between_live_blocks() {
-    let pool = in_place(PoolConfig::new().initial_size(16 * G));
+    let pool = virtual_pool(VirtualPoolConfig::new().initial_size(16 * G));
     let s = StreamRef::host(1);
     let l = layout(G).unwrap();
     let blocks: Vec<_> = (0..16).map(|_| pool.allocate(s, l).unwrap()).collect();
@@ -195,7 +195,7 @@ fn trim_unmaps_free_granules_between_live_blocks() {
 #[test]
 fn a_release_threshold_keeps_free_memory_near_it() {
     let threshold = 4 * G;
-    let pool = in_place(PoolConfig::new().release_threshold(threshold));
+    let pool = virtual_pool(VirtualPoolConfig::new().release_threshold(threshold));
     let s = StreamRef::host(1);
     let l = layout(G / 2).unwrap();
     let blocks: Vec<_> = (0..64).map(|_| pool.allocate(s, l).unwrap()).collect();
@@ -214,7 +214,7 @@ fn a_release_threshold_keeps_free_memory_near_it() {
 
 #[test]
 fn the_maximum_bounds_what_is_mapped() {
-    let pool = in_place(PoolConfig::new().maximum_size(4 * G));
+    let pool = virtual_pool(VirtualPoolConfig::new().maximum_size(4 * G));
     let s = StreamRef::host(1);
     let l = layout(3 * G).unwrap();
     let p = pool.allocate(s, l).unwrap();
@@ -232,7 +232,7 @@ fn the_maximum_bounds_what_is_mapped() {
 /// or one the rounded initial size passes, is refused (issue 33, finding 7).
 #[test]
 fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused() {
-    let pool = in_place(PoolConfig::new().maximum_size(256_000));
+    let pool = virtual_pool(VirtualPoolConfig::new().maximum_size(256_000));
     let s = StreamRef::host(1);
     let mut live = Vec::new();
     let l = layout(16 << 10).unwrap();
@@ -250,12 +250,12 @@ fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused
         unsafe { pool.deallocate(s, p, l) };
     }
     for config in [
-        PoolConfig::new().maximum_size(G - 256),
-        PoolConfig::new()
+        VirtualPoolConfig::new().maximum_size(G - 256),
+        VirtualPoolConfig::new()
             .initial_size(256_000)
             .maximum_size(256_000),
     ] {
-        let e = leaf().pool_in_place(config).unwrap_err();
+        let e = leaf().virtual_pool(config).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
         assert!(e.to_string().contains("granule"), "{e}");
     }
@@ -266,7 +266,7 @@ fn a_maximum_between_granules_is_never_passed_and_one_below_a_granule_is_refused
 /// fragmented its range is.
 #[test]
 fn growing_first_gives_back_free_granules_elsewhere() {
-    let pool = in_place(PoolConfig::new());
+    let pool = virtual_pool(VirtualPoolConfig::new());
     let s = StreamRef::host(1);
     let l = layout(G).unwrap();
     let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
@@ -296,7 +296,7 @@ fn growing_first_gives_back_free_granules_elsewhere() {
 fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
     let pool = HostVirtual::new(8 * G, G)
         .unwrap()
-        .pool_in_place(PoolConfig::new())
+        .virtual_pool(VirtualPoolConfig::new())
         .unwrap();
     let s = StreamRef::host(1);
     let l = layout(G).unwrap();
@@ -367,7 +367,7 @@ fn the_leaf_refuses_ranges_it_cannot_map() {
 
 /// Two threads, each on its own per-thread default stream (two non-host streams): the
 /// first allocates, the second frees every block. Returns (peak held, peak live).
-fn cross_stream_frees<U: Resource + Sync>(pool: &Pool<U>) -> (usize, usize) {
+fn cross_stream_frees<P: CoalescingPool>(pool: &P) -> (usize, usize) {
     let (to_free, freeing) = mpsc::sync_channel::<(usize, Layout)>(64);
     let (done, finished) = mpsc::channel::<usize>();
     std::thread::scope(|scope| {
@@ -404,7 +404,7 @@ fn cross_stream_frees<U: Resource + Sync>(pool: &Pool<U>) -> (usize, usize) {
 
 #[test]
 fn cross_stream_frees_are_reused_before_the_pool_grows() {
-    let pool = in_place(PoolConfig::new());
+    let pool = virtual_pool(VirtualPoolConfig::new());
     let (held, live) = cross_stream_frees(&pool);
     // At most 1.10x of live plus one granule per stream.
     assert!(
@@ -416,7 +416,6 @@ fn cross_stream_frees_are_reused_before_the_pool_grows() {
     // plus a chunk under either growth rule.
     for growth in [Growth::Eighth, Growth::Rmm] {
         let chunked = Pool::new(HostHeap::new(), PoolConfig::new().growth(growth)).unwrap();
-        assert!(!chunked.grows_in_place());
         let (held, live) = cross_stream_frees(&chunked);
         assert!(
             held <= 2 * live + (2 << 20),
@@ -446,10 +445,10 @@ proptest! {
         threshold in proptest::option::of(0..(1usize << 20)),
     ) {
         let config = match threshold {
-            Some(t) => PoolConfig::new().release_threshold(t),
-            None => PoolConfig::new(),
+            Some(t) => VirtualPoolConfig::new().release_threshold(t),
+            None => VirtualPoolConfig::new(),
         };
-        let pool = in_place(config);
+        let pool = virtual_pool(config);
         let mut live: Vec<(NonNull<u8>, Layout)> = Vec::new();
         for step in steps {
             match step {
@@ -492,10 +491,10 @@ proptest! {
     }
 }
 
-/// `set_limit` bounds what an in-place pool maps, as it bounds a chunked pool.
+/// `set_limit` bounds what a virtual pool maps, as it bounds a chunked pool.
 #[test]
 fn a_run_time_limit_bounds_what_is_mapped() {
-    let pool = in_place(PoolConfig::new());
+    let pool = virtual_pool(VirtualPoolConfig::new());
     pool.set_limit(Some(4 * G));
     let l = layout(3 * G).unwrap();
     let p = pool.allocate_sync(l).unwrap();

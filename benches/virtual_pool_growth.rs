@@ -1,13 +1,13 @@
-//! What one growing allocation of an in-place pool costs as its reservation grows (issue
+//! What one growing allocation of a virtual pool costs as its reservation grows (issue
 //! 33, finding 5): over `HostVirtual` reservations of 64 MiB to 1 TiB in 4 KiB granules
 //! (16 K to 268 M granules), 2,000 allocations of 12 KiB, each mapping the granules it
 //! lacks. Prints microseconds per growing allocation, the best of three rounds.
 //!
-//!     cargo bench --bench in_place_growth
+//!     cargo bench --bench virtual_pool_growth
 
 use std::time::Instant;
 
-use memres::{HostVirtual, Pool, PoolConfig, Resource, StreamRef, layout};
+use memres::{HostVirtual, Resource, StreamRef, VirtualPool, VirtualPoolConfig, layout};
 
 const GRANULE: usize = 4096;
 const ALLOCATIONS: usize = 2_000;
@@ -23,7 +23,7 @@ fn main() {
 /// One round over a fresh pool: microseconds per allocation.
 fn round(reserve: usize) -> f64 {
     let leaf = HostVirtual::new(reserve, GRANULE).expect("address space to reserve");
-    let pool = Pool::in_place(leaf, PoolConfig::new()).expect("an in-place pool");
+    let pool = VirtualPool::new(leaf, VirtualPoolConfig::new()).expect("a virtual pool");
     let l = layout(3 * GRANULE).unwrap();
     let start = Instant::now();
     let blocks: Vec<_> = (0..ALLOCATIONS)

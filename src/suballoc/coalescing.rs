@@ -1,0 +1,1095 @@
+//! [`Coalescing`]: the body of the two coalescing pools, [`Pool`](super::Pool) (chunks)
+//! and [`VirtualPool`](super::VirtualPool) (grows in place): the per-stream lists, the
+//! allocation slow path, merges, the release threshold, `trim`, figures and the blocks
+//! held for other streams. How each holds memory from its upstream (how it grows, gives
+//! memory back, lists its segments and drops) is its [`Holding`]; the public methods both
+//! pools share are written once, by [`coalescing_pool!`].
+
+use std::alloc::Layout;
+use std::ptr::{self, NonNull};
+
+use super::chunks::to_ptr;
+use super::deferred::{self, Deferred};
+use super::free_blocks::GRANULE;
+use super::shards::{Shard, ShardMap, StreamKey};
+use super::stream_list::{PoolShard, block_size};
+use crate::error::Error;
+use crate::resource::{Resource, dangling};
+use crate::stream::{Relaxed, StreamRef};
+use crate::sync::atomic::{AtomicBool, Ordering, fence};
+use crate::sync::lock;
+use crate::sync::{Mutex, MutexGuard};
+use crate::upstream::HostCopy;
+
+/// A CUDA stream that takes a small block from a host stream's list (where a pool's
+/// initial memory is) takes this much, and keeps the rest in its own list.
+const HOST_REFILL: usize = 2 << 20;
+
+/// A snapshot of a pool's memory, from [`Pool::stats`](super::Pool::stats) or
+/// [`VirtualPool::stats`](super::VirtualPool::stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Bytes held from the upstream.
+    pub pool_size: usize,
+    /// The most bytes held at once since the pool was made or its `reset_peak_size`
+    /// (PyTorch's `max_memory_reserved`).
+    pub peak_pool_size: usize,
+    /// Bytes held but not handed out.
+    pub free_bytes: usize,
+    /// The largest free block of any one stream's list.
+    pub largest_free_block: usize,
+    /// Free blocks, over all lists.
+    pub free_blocks: usize,
+    /// Allocations held from the upstream (for a [`VirtualPool`](super::VirtualPool):
+    /// runs of mapped granules).
+    pub upstream_allocations: usize,
+    /// Free lists: one per stream the pool has seen, the host's included. The
+    /// per-thread default stream has one per thread running at once: a new thread takes
+    /// over the list of one that has exited.
+    pub stream_lists: usize,
+    /// Bytes freed with [`Resource::deallocate_used_on`] that wait for other streams'
+    /// work: held, neither free nor live.
+    pub waiting_bytes: usize,
+    /// How often the pool merged other streams' free lists into one, each time after
+    /// waiting for their work (one `cuCtxSynchronize` per device on a GPU): a count that
+    /// climbs with the calls where streams trade memory. Lanes of one stream trade
+    /// without it.
+    pub stream_merges: u64,
+    /// While the pool sleeps ([`VirtualPool::sleep`](super::VirtualPool::sleep)): the
+    /// bytes it gave back to the driver and maps again when woken (`pool_size` and the
+    /// free figures are then 0). 0 while it is awake, and always for a [`Pool`](super::Pool).
+    pub asleep_bytes: usize,
+    /// Host memory (pinned, for device memory) held for
+    /// [`VirtualPool::sleep`](super::VirtualPool::sleep): the offloaded contents while
+    /// the pool sleeps, and after a wake the copies kept for the next sleep, until its
+    /// `trim`.
+    pub host_copy_bytes: usize,
+}
+
+impl PoolStats {
+    /// Bytes handed out and not yet freed (`pool_size - free_bytes - waiting_bytes`; 0
+    /// while the pool sleeps).
+    pub fn live_bytes(&self) -> usize {
+        self.pool_size
+            .saturating_sub(self.free_bytes)
+            .saturating_sub(self.waiting_bytes)
+    }
+
+    /// `1 - largest_free_block / free_bytes`: 0 when the free memory is one block (or
+    /// there is none), near 1 when it is in many small pieces.
+    pub fn fragmentation(&self) -> f64 {
+        if self.free_bytes == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free_block as f64 / self.free_bytes as f64
+        }
+    }
+}
+
+/// What changes only when the pool grows or shrinks; its mutex also serialises the
+/// allocation slow path.
+#[derive(Default)]
+pub(super) struct GrowthState<M> {
+    pub(super) size: usize,
+    /// The highest `size` since the pool was made or `reset_peak_size`.
+    pub(super) peak: usize,
+    /// The bound set with `set_limit`, below the configured maximum.
+    limit: Option<usize>,
+    /// What the pool holds from its upstream, as its [`Holding`] keeps it.
+    pub(super) memory: M,
+}
+
+impl<M> GrowthState<M> {
+    /// The most the pool may hold now: the smaller of `maximum` (the configured one) and
+    /// the run-time limit.
+    pub(super) fn maximum(&self, maximum: Option<usize>) -> Option<usize> {
+        match (maximum, self.limit) {
+            (Some(m), Some(l)) => Some(m.min(l)),
+            (m, l) => m.or(l),
+        }
+    }
+}
+
+/// The growth lock of a pool, held: on unlock it runs a release that a free left pending
+/// while the lock was held (see `Coalescing::release_if_pending`).
+pub(super) struct GrowthGuard<'a, U: Resource, H: Holding<U>> {
+    pool: &'a Coalescing<U, H>,
+    guard: Option<MutexGuard<'a, GrowthState<H::Memory>>>,
+}
+
+impl<U: Resource, H: Holding<U>> std::ops::Deref for GrowthGuard<'_, U, H> {
+    type Target = GrowthState<H::Memory>;
+
+    fn deref(&self) -> &GrowthState<H::Memory> {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl<U: Resource, H: Holding<U>> std::ops::DerefMut for GrowthGuard<'_, U, H> {
+    fn deref_mut(&mut self) -> &mut GrowthState<H::Memory> {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl<U: Resource, H: Holding<U>> Drop for GrowthGuard<'_, U, H> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.pool.release_if_pending();
+    }
+}
+
+/// How a coalescing pool holds memory from its upstream: the hooks that its body
+/// ([`Coalescing`]) calls where the chunked [`Pool`](super::Pool) and the
+/// [`VirtualPool`](super::VirtualPool) differ. Monomorphised: no dynamic dispatch.
+pub(super) trait Holding<U: Resource>: Sized {
+    /// What the pool holds, under the growth lock (the chunks, or which granules of the
+    /// reservation are mapped).
+    type Memory: Default;
+
+    /// An empty stream list that knows what the pool holds (the caller holds the growth
+    /// lock).
+    fn new_list(&self, memory: &Self::Memory) -> PoolShard;
+
+    /// Grows the pool for a block of `size` aligned to `align` (with room for the
+    /// alignment, it does not overflow) and takes the block from the new memory into
+    /// `own`'s list in the same critical section; `Ok(None)` when neither the maximum nor
+    /// the upstream allows it. Without `may_wait` (under capture) it must not wait.
+    // (Seven arguments: the growth lock's state and the request, as the slow path has them.)
+    fn grow(
+        pool: &Coalescing<U, Self>,
+        growth: &mut GrowthState<Self::Memory>,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error>;
+
+    /// Gives free memory of `from`'s list (which holds all free memory, the lists having
+    /// been merged into it) back to the upstream until at most `keep` bytes are free, or
+    /// nothing more can go; returns how many bytes went.
+    fn release(
+        pool: &Coalescing<U, Self>,
+        growth: &mut GrowthState<Self::Memory>,
+        from: &Shard<PoolShard>,
+        keep: usize,
+    ) -> usize;
+
+    /// The memory held, as `(address, bytes)` in any order.
+    fn segments(&self, memory: &Self::Memory) -> Vec<(usize, usize)>;
+
+    /// How many upstream allocations (or mapped runs) the pool holds.
+    fn upstream_allocations(memory: &Self::Memory) -> usize;
+
+    /// Gives everything back when the pool drops (after the held blocks' waits), also
+    /// the memory under blocks still handed out.
+    fn drop_memory(pool: &Coalescing<U, Self>, memory: Self::Memory);
+
+    /// Whether the pool sleeps: one relaxed load, read first by every allocation.
+    #[inline(always)]
+    fn is_asleep(&self) -> bool {
+        false
+    }
+
+    /// While the pool sleeps: the bytes waking it maps again (`None` while it is awake).
+    fn asleep_bytes(_memory: &Self::Memory) -> Option<usize> {
+        None
+    }
+
+    /// Host memory held for sleeping (copies).
+    fn host_copy_bytes(_memory: &Self::Memory) -> usize {
+        0
+    }
+
+    /// The host copies that `trim` frees (outside the growth lock).
+    fn take_host_copies(_memory: &mut Self::Memory) -> Vec<HostCopy> {
+        Vec::new()
+    }
+}
+
+/// The body of a coalescing pool over `U` (RMM's `pool_memory_resource`): per-stream
+/// free lists, the allocation slow path, merges, release, figures; `H` says how it holds
+/// memory from `U`. [`Pool`](super::Pool) and [`VirtualPool`](super::VirtualPool) wrap
+/// one (see their docs for how it works).
+pub(super) struct Coalescing<U: Resource, H: Holding<U>> {
+    pub(super) upstream: U,
+    /// How the pool holds memory from `upstream`, with the configuration of that.
+    pub(super) holding: H,
+    /// The configured maximum.
+    maximum: Option<usize>,
+    /// The configured release threshold.
+    release_threshold: Option<usize>,
+    growth: Mutex<GrowthState<H::Memory>>,
+    pub(super) shards: ShardMap<PoolShard>,
+    /// A free crossed the release threshold while another thread held the growth lock:
+    /// whoever unlocks it next releases (see [`GrowthGuard`]).
+    release_pending: AtomicBool,
+    /// Blocks freed with [`Resource::deallocate_used_on`] whose other streams' work is
+    /// not known to be complete yet.
+    held: Deferred,
+    /// The key of the host stream's list made with the pool (in the lane of the thread
+    /// that made it), which paths holding the growth lock use.
+    host_key: StreamKey,
+}
+
+impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
+    /// A pool body over `upstream` holding `memory` (nothing yet: the constructors add
+    /// the initial memory), bounded by `maximum`, releasing above `release_threshold`.
+    pub(super) fn new(
+        upstream: U,
+        holding: H,
+        memory: H::Memory,
+        maximum: Option<usize>,
+        release_threshold: Option<usize>,
+    ) -> Self {
+        let pool = Coalescing {
+            upstream,
+            holding,
+            maximum,
+            release_threshold,
+            growth: Mutex::new(GrowthState {
+                memory,
+                ..GrowthState::default()
+            }),
+            shards: ShardMap::default(),
+            release_pending: AtomicBool::new(false),
+            held: Deferred::default(),
+            host_key: StreamKey::of_lane(StreamRef::HOST),
+        };
+        // The host stream's list exists from the start, so that paths holding the growth
+        // lock can look it up without making it (which takes that lock).
+        pool.new_shard(pool.host_key);
+        pool
+    }
+
+    /// The upstream resource.
+    pub(super) fn upstream(&self) -> &U {
+        &self.upstream
+    }
+
+    /// Sets the run-time bound (`set_limit`).
+    pub(super) fn set_limit(&self, bytes: Option<usize>) {
+        self.lock_growth().limit = bytes;
+    }
+
+    /// The run-time bound, if any.
+    pub(super) fn limit(&self) -> Option<usize> {
+        self.lock_growth().limit
+    }
+
+    /// The blocks held for other streams (for the host tests and loom models).
+    #[cfg(any(test, memres_loom))]
+    pub(super) fn held(&self) -> &Deferred {
+        &self.held
+    }
+
+    /// Bytes held from the upstream.
+    pub(super) fn pool_size(&self) -> usize {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        self.lock_growth().size
+    }
+
+    /// Starts the peak afresh from what the pool holds now.
+    pub(super) fn reset_peak_size(&self) {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let mut growth = self.lock_growth();
+        growth.peak = growth.size;
+    }
+
+    /// The memory held from the upstream, as `(address, bytes)` in address order.
+    pub(super) fn segments(&self) -> Vec<(usize, usize)> {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let growth = self.lock_growth();
+        let mut out = self.holding.segments(&growth.memory);
+        out.sort_unstable();
+        out
+    }
+
+    /// A snapshot of the pool's memory, each list locked in turn.
+    pub(super) fn stats(&self) -> PoolStats {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let growth = self.lock_growth();
+        if let Some(asleep_bytes) = H::asleep_bytes(&growth.memory) {
+            return PoolStats {
+                peak_pool_size: growth.peak,
+                stream_lists: self.shards.len(),
+                waiting_bytes: self.held.bytes(),
+                stream_merges: self.shards.merges(),
+                asleep_bytes,
+                host_copy_bytes: H::host_copy_bytes(&growth.memory),
+                ..PoolStats::default()
+            };
+        }
+        let mut stats = PoolStats {
+            pool_size: growth.size,
+            peak_pool_size: growth.peak,
+            upstream_allocations: H::upstream_allocations(&growth.memory),
+            stream_lists: self.shards.len(),
+            waiting_bytes: self.held.bytes(),
+            stream_merges: self.shards.merges(),
+            host_copy_bytes: H::host_copy_bytes(&growth.memory),
+            ..PoolStats::default()
+        };
+        for shard in self.shards.all() {
+            let s = shard.state.lock();
+            stats.free_bytes += s.free_bytes();
+            let (quick_blocks, quick_largest) = s.quick_blocks();
+            stats.free_blocks += s.free.len() + quick_blocks + s.large.len();
+            let large_largest = s.large.iter().map(|&(_, n)| n).max().unwrap_or(0);
+            stats.largest_free_block = stats
+                .largest_free_block
+                .max(s.free.largest())
+                .max(quick_largest)
+                .max(large_largest);
+        }
+        stats
+    }
+
+    /// Merges every stream's free list into the host list, first waiting for the work
+    /// of the CUDA streams the pool has seen.
+    pub(super) fn coalesce(&self) -> Result<(), Error> {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let host = self.host_list();
+        let _growth = self.lock_growth();
+        self.merge_into(host).map(drop)
+    }
+
+    /// Gives free memory back to the upstream, then frees the emptied lists (see the
+    /// pools' `trim`). Returns how many bytes went back.
+    pub(super) fn trim(&self) -> Result<usize, Error> {
+        let released = {
+            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+            if self.held.any() {
+                // Blocks held for other streams (one freed under a capture needs this wait).
+                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+            }
+            let host = self.host_list();
+            let (released, kept) = {
+                let mut growth = self.lock_growth();
+                let released = self.release_down_to(&mut growth, host, 0)?;
+                (released, H::take_host_copies(&mut growth.memory))
+            };
+            // The host copies kept for a sleep (unpinned outside the lock: it takes time).
+            drop(kept);
+            // Every other list was merged into the host list: what their streams' lists
+            // cost on the heap goes too (where they cannot be freed below, a stream used
+            // once and never again then costs its inline fields only).
+            for shard in self.shards.all() {
+                shard.state.lock().release_memory();
+            }
+            released
+        };
+        self.retire_empty_lists();
+        Ok(released)
+    }
+
+    /// Frees every stream's list that holds no free memory, but the host list the pool
+    /// was made with (see [`trim`](Self::trim)); returns how many went. The caller is
+    /// not pinned and holds no lock.
+    fn retire_empty_lists(&self) -> usize {
+        // SAFETY: every use of this pool's shards is inside a pin (its entry points pin
+        // before they look one up, and hold no shard between calls); this thread is not
+        // pinned and holds no lock; `home` pins while it looks up and fills the stream's
+        // new list (the retirement's late items go there). Late items move under the
+        // growth lock, which every search of other lists holds (the slow path, merges,
+        // releases), pinned (the guard's unlock may run a pending release).
+        unsafe {
+            self.shards.retire(
+                |shard| shard.key != self.host_key && shard.state.lock().free_bytes() == 0,
+                |s| s.free_bytes() == 0,
+                |old| {
+                    let _pin = self.shards.pin();
+                    match self.shards.find(old.key) {
+                        Some(shard) => shard,
+                        None => self.new_shard_like(old),
+                    }
+                },
+                PoolShard::drain,
+                PoolShard::absorb,
+                |_| {},
+                || (self.lock_growth(), self.shards.pin()),
+            )
+        }
+    }
+
+    /// Merges every list into `into`'s and releases free memory until at most `keep`
+    /// bytes are free (or nothing more can go).
+    pub(super) fn release_down_to(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        into: &Shard<PoolShard>,
+        keep: usize,
+    ) -> Result<usize, Error> {
+        if H::asleep_bytes(&growth.memory).is_some() {
+            return Ok(0); // nothing is mapped while the pool sleeps
+        }
+        self.merge_into(into)?;
+        let released = H::release(self, growth, into, keep);
+        if released > 0 {
+            tracing::debug!(
+                target: "memres::pool",
+                released,
+                held = growth.size,
+                "memres: pool gave memory back"
+            );
+        }
+        Ok(released)
+    }
+
+    /// The release threshold was crossed by a free: release what is above it into the
+    /// freeing stream's list (so that its next frees count all free memory). When another
+    /// thread holds the growth lock, the release is left to it: it runs once that thread
+    /// unlocks ([`GrowthGuard`]), into the host stream's list.
+    #[cold]
+    #[inline(never)]
+    fn release_above(&self, stream: StreamRef<'_>, shard: &Shard<PoolShard>, keep: usize) {
+        // A release waits for streams, which a capture forbids: under capture it is left
+        // to the next free that crosses the threshold outside one.
+        if let Some(ctx) = shard.ctx
+            && !matches!(stream.is_capturing_in(ctx), Ok(false))
+        {
+            return;
+        }
+        match self.try_lock_growth() {
+            Some(mut growth) => self.release_into(&mut growth, shard, keep),
+            None => self.release_pending.store(true, Ordering::SeqCst),
+        }
+        self.release_if_pending();
+    }
+
+    /// The growth lock if no other thread holds it (the raw guard: its unlock runs no
+    /// pending release, so the callers look for one afterwards).
+    fn try_lock_growth(&self) -> Option<MutexGuard<'_, GrowthState<H::Memory>>> {
+        match self.growth.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn release_into(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        shard: &Shard<PoolShard>,
+        keep: usize,
+    ) {
+        if let Err(e) = self.release_down_to(growth, shard, keep) {
+            tracing::warn!("a pool could not give memory back at its release threshold: {e}");
+        }
+    }
+
+    /// Runs a release that a free left pending, unless the growth lock is taken again (its
+    /// holder then runs it on unlock). Every unlock of the growth lock calls this, so a
+    /// pending release is never left behind: the flag is set before the freer's last try
+    /// of the lock, and read after every holder's unlock.
+    fn release_if_pending(&self) {
+        let Some(keep) = self.release_threshold else {
+            return;
+        };
+        // A freer sets the flag, then tries the lock; a holder unlocks, then reads the
+        // flag. Without a full fence on each side both could see the other's old state
+        // (the flag unset, the lock still held) and the release would be lost.
+        fence(Ordering::SeqCst);
+        while self.release_pending.load(Ordering::SeqCst) {
+            let Some(mut growth) = self.try_lock_growth() else {
+                return;
+            };
+            if !self.release_pending.swap(false, Ordering::AcqRel) {
+                continue; // another thread ran it; unlock, then look again
+            }
+            self.release_into(&mut growth, self.host_list(), keep);
+        }
+    }
+
+    /// The growth lock, as a guard that runs a pending release once it unlocks.
+    pub(super) fn lock_growth(&self) -> GrowthGuard<'_, U, H> {
+        GrowthGuard {
+            pool: self,
+            guard: Some(lock(&self.growth)),
+        }
+    }
+
+    /// The host stream's list made with the pool: paths that hold the growth lock find
+    /// it without taking that lock again. (Not the calling thread's lane of the host
+    /// stream, `shard(StreamRef::HOST)`: on another thread than the one that
+    /// made the pool that list may not exist yet, and making it takes the growth lock,
+    /// which the thread holds.)
+    pub(super) fn host_list(&self) -> &Shard<PoolShard> {
+        self.shards
+            .get(self.host_key)
+            .expect("the host list is made with the pool")
+    }
+
+    /// The shard of `stream`, made on first use.
+    #[inline(always)]
+    fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
+        let key = StreamKey::of_lane(stream);
+        if let Some(shard) = self.shards.get(key) {
+            return shard;
+        }
+        self.new_shard(key)
+    }
+
+    #[cold]
+    fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
+        // Under the growth lock, so no chunk comes or goes while its start is copied. (The
+        // raw lock: its unlock runs no pending release, which waits for streams and may
+        // come here under stream capture; the next unlock elsewhere runs it.)
+        let growth = lock(&self.growth);
+        self.shards
+            .get_or_insert_with(key, || self.new_list(&growth))
+    }
+
+    /// A new list of a retired list's stream, with its context and owner (for the items
+    /// freed into the retired one while it went: see [`trim`](Self::trim)).
+    #[cold]
+    fn new_shard_like(&self, old: &Shard<PoolShard>) -> &Shard<PoolShard> {
+        let growth = lock(&self.growth);
+        self.shards
+            .get_or_insert_like(old, || self.new_list(&growth))
+    }
+
+    /// An empty stream list that knows what the pool holds (the caller holds the growth
+    /// lock).
+    fn new_list(&self, growth: &GrowthState<H::Memory>) -> PoolShard {
+        self.holding.new_list(&growth.memory)
+    }
+
+    /// Free bytes in the lists of streams other than `own`.
+    fn free_elsewhere(&self, own: &Shard<PoolShard>) -> usize {
+        self.shards
+            .iter()
+            .filter(|s| !ptr::eq(*s, own) && s.holds_free.load(Ordering::Relaxed))
+            .map(|s| {
+                let st = s.state.lock();
+                let free = st.free_bytes();
+                if free == 0 {
+                    s.holds_free.store(false, Ordering::Relaxed);
+                }
+                free
+            })
+            .sum()
+    }
+
+    /// [`Resource::allocate`] without its trace event.
+    #[inline(always)]
+    fn allocate_untraced(
+        &self,
+        stream: StreamRef<'_>,
+        layout: Layout,
+    ) -> Result<NonNull<u8>, Error> {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        if layout.size() == 0 {
+            return Ok(dangling(layout));
+        }
+        if self.holding.is_asleep() {
+            return Err(Error::Asleep);
+        }
+        let (size, align) = block_size(layout);
+        let shard = self.shard(stream);
+        if let Some(addr) = shard.state.lock().take(size, align) {
+            return Ok(to_ptr(addr));
+        }
+        self.allocate_missed(stream, shard, size, align, layout.size())
+            .map(to_ptr)
+    }
+
+    /// The slow path, with a retry after waiting for blocks held for other streams. A
+    /// call of its own, so the fast path above saves few registers.
+    #[inline(never)]
+    fn allocate_missed(
+        &self,
+        stream: StreamRef<'_>,
+        shard: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+            self.allocate_slow(stream, shard, size, align, requested)
+        })
+    }
+
+    /// The slow path: the stream's own list has no fit.
+    // long: the slow path's fallbacks in the order tried, top to bottom.
+    #[cold]
+    fn allocate_slow(
+        &self,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        deferred::free_ready(self, &self.held, stream);
+        // A fit in a sibling lane, before the own list's cached blocks are coalesced
+        // (flushing them at every miss cost more misses: H100 A/B, BENCHMARKS History).
+        if let Some(addr) = self.take_lane_fit(own, size, align) {
+            return Ok(addr);
+        }
+        if let Some(ctx) = own.ctx
+            && stream.is_capturing_in(ctx)?
+        {
+            return self.allocate_captured(own, size, align, requested);
+        }
+        let mut growth = self.lock_growth();
+        if H::asleep_bytes(&growth.memory).is_some() {
+            return Err(Error::Asleep);
+        }
+        if let Some(addr) = self
+            .take_listed(own, size, align)
+            .or_else(|| self.take_from_lanes(own, size, align))
+        {
+            return Ok(addr);
+        }
+        // Memory freed on other streams, once their work is waited for, before growing:
+        // when all free memory together could serve the request (blocks of this list
+        // and of others may be neighbours that only merge once in one list).
+        let mut merged = false;
+        let own_free = own.state.lock().free_bytes();
+        if own_free + self.free_elsewhere(own) >= size {
+            merged = self.merge_into(own)?;
+            if let Some(addr) = own.state.lock().free.take(size, align) {
+                return Ok(addr);
+            }
+        }
+        if let Some(addr) = self.grow(&mut growth, stream, own, size, align, true)? {
+            return Ok(addr);
+        }
+        if !merged
+            && self.merge_into(own)?
+            && let Some(addr) = own.state.lock().free.take(size, align)
+        {
+            return Ok(addr);
+        }
+        if self.release_down_to(&mut growth, own, 0)? > 0 {
+            if let Some(addr) = own.state.lock().free.take(size, align) {
+                return Ok(addr);
+            }
+            if let Some(addr) = self.grow(&mut growth, stream, own, size, align, true)? {
+                return Ok(addr);
+            }
+        }
+        Err(Error::OutOfMemory {
+            requested,
+            limit: growth.maximum(self.maximum),
+        })
+    }
+
+    /// A block from `own`'s list (flushed) or from a host stream's list, whose blocks are
+    /// free for all: the list that last received memory first, then the others, from
+    /// where the last such search found one ([`ShardMap::search`]). The caller holds the
+    /// growth lock.
+    fn take_listed(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        let found = {
+            let mut s = own.state.lock();
+            s.flush();
+            s.free.take(size, align)
+        };
+        let from_host_list = |other: &Shard<PoolShard>| {
+            if ptr::eq(other, own)
+                || !other.key.is_host()
+                || !other.holds_free.load(Ordering::Relaxed)
+            {
+                return None;
+            }
+            let mut s = other.state.lock();
+            // A CUDA stream's list takes a larger piece when there is one and keeps the
+            // rest, so that its next misses do not come back here (threads on one
+            // stream then queue less for the growth lock).
+            let grab = (!own.key.is_host() && align == GRANULE && size < HOST_REFILL)
+                .then(|| s.free.take(HOST_REFILL, GRANULE))
+                .flatten();
+            let found = grab.or_else(|| {
+                s.take(size, align).or_else(|| {
+                    s.flush();
+                    s.free.take(size, align)
+                })
+            });
+            if s.free_bytes() == 0 {
+                other.holds_free.store(false, Ordering::Relaxed);
+            }
+            drop(s);
+            if let Some(addr) = grab {
+                own.state.lock().insert(addr + size, HOST_REFILL - size);
+                self.shards.note_free(own);
+            }
+            found
+        };
+        found
+            .or_else(|| self.shards.recent().and_then(from_host_list))
+            .or_else(|| self.shards.search(usize::MAX, from_host_list))
+    }
+
+    /// A block that fits from another lane of `own`'s stream, as that lane's list has it
+    /// (its caches not flushed), without the growth lock: no wait is needed (one stream),
+    /// and threads sharing a stream whose lanes trade blocks do not queue for the growth
+    /// lock (16 threads on one stream on the H100 spent most of their time there).
+    fn take_lane_fit(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        self.shards
+            .other_lanes(own)
+            .filter(|lane| lane.holds_free.load(Ordering::Relaxed))
+            .find_map(|lane| lane.state.lock().take(size, align))
+    }
+
+    /// Free memory of the other lanes of `own`'s stream (threads that share the stream;
+    /// see [`StreamKey::of_lane`]), which needs no wait: one stream's work is ordered
+    /// whichever thread enqueued it. A fitting block from one lane, else all their free
+    /// memory moved into `own`'s list, where neighbours coalesce. The caller holds the
+    /// growth lock.
+    fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+        let lanes: Vec<_> = self
+            .shards
+            .other_lanes(own)
+            .filter(|s| s.holds_free.load(Ordering::Relaxed))
+            .collect();
+        for lane in &lanes {
+            let mut s = lane.state.lock();
+            let found = s.take(size, align).or_else(|| {
+                s.flush();
+                s.free.take(size, align)
+            });
+            if found.is_some() {
+                return found;
+            }
+        }
+        let mut moved = Vec::new();
+        for lane in &lanes {
+            let mut s = lane.state.lock();
+            moved.extend(s.drain());
+            lane.holds_free.store(false, Ordering::Relaxed);
+        }
+        if moved.is_empty() {
+            return None;
+        }
+        // Highest first, as in `merge_into`, so the lowest blocks head their classes.
+        moved.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+        let found = {
+            let mut s = own.state.lock();
+            s.flush();
+            for b in moved {
+                s.free.insert(b);
+            }
+            s.free.take(size, align)
+        };
+        self.shards.note_free(own);
+        found
+    }
+
+    /// The slow path on a stream under capture, which must not wait: memory of the lists
+    /// that need no wait, else growth (in the relaxed capture mode, so that the driver
+    /// allows the upstream's calls), else out of memory. Memory freed on other CUDA
+    /// streams is not taken (that needs a wait), and no release runs here (the raw growth
+    /// lock: a pending release waits for the next unlock outside a capture).
+    #[cold]
+    #[inline(never)]
+    fn allocate_captured(
+        &self,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        requested: usize,
+    ) -> Result<usize, Error> {
+        let mut growth = lock(&self.growth);
+        if H::asleep_bytes(&growth.memory).is_some() {
+            return Err(Error::Asleep);
+        }
+        if let Some(addr) = self
+            .take_listed(own, size, align)
+            .or_else(|| self.take_from_lanes(own, size, align))
+        {
+            return Ok(addr);
+        }
+        let _relaxed = Relaxed::new()?;
+        // Grown "on the host stream": memory usable at once, whatever the upstream. (On the
+        // captured stream a stream-ordered upstream would make its allocation a node of
+        // the graph, memory that exists only while the graph runs.)
+        match self.grow(&mut growth, StreamRef::HOST, own, size, align, false)? {
+            Some(addr) => Ok(addr),
+            None => Err(Error::OutOfMemory {
+                requested,
+                limit: growth.maximum(self.maximum),
+            }),
+        }
+    }
+
+    /// Grows the pool for a block of `size` aligned to `align` and takes the block from
+    /// the new memory in the same critical section (no other thread can take it first);
+    /// `Ok(None)` when neither the maximum nor the upstream allows it.
+    fn grow(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        if size.checked_add(align - GRANULE).is_none() {
+            return Ok(None);
+        }
+        H::grow(self, growth, stream, own, size, align, may_wait)
+    }
+
+    /// The configured maximum, under the run-time bound.
+    pub(super) fn maximum(&self, growth: &GrowthState<H::Memory>) -> Option<usize> {
+        growth.maximum(self.maximum)
+    }
+    /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
+    /// for the CUDA streams they were freed on. Returns whether anything moved.
+    fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
+        into.state.lock().flush();
+        let moved = self
+            .shards
+            .merge_into(into, PoolShard::drain, PoolShard::absorb)?;
+        if moved {
+            tracing::debug!(
+                target: "memres::pool",
+                into = ?into.key,
+                "memres: pool merged other streams' lists into one (after waiting for their streams)"
+            );
+        }
+        Ok(moved)
+    }
+}
+
+impl<U: Resource, H: Holding<U>> Drop for Coalescing<U, H> {
+    fn drop(&mut self) {
+        self.held.wait_all();
+        let growth = std::mem::take(&mut *lock(&self.growth));
+        H::drop_memory(self, growth.memory);
+    }
+}
+
+impl<U: Resource, H: Holding<U>> PartialEq for Coalescing<U, H> {
+    fn eq(&self, other: &Self) -> bool {
+        ptr::eq(self, other)
+    }
+}
+
+sync_on_the_host_stream!(Coalescing<U, H>, U: Resource, H: Holding<U>);
+
+// SAFETY: blocks are disjoint pieces of the memory held from the upstream (chunks, or mapped
+// granules of a reservation; free blocks are tracked
+// exactly once, in one list), aligned as asked, and carry the upstream's properties; a
+// block freed on stream S is handed to another stream only after S's work is complete
+// (host streams) or waited for (`merge_into`): memory freed on a stream is reused on that
+// stream at once, and on another only after the first's work was waited for. Only the
+// pool itself is equal to it.
+unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
+    #[inline]
+    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
+        let result = self.allocate_untraced(stream, layout);
+        #[cfg(feature = "trace-allocations")]
+        tracing::trace!(
+            target: "memres::pool",
+            size = layout.size(),
+            stream = ?stream,
+            result = ?result,
+            "memres: pool allocate"
+        );
+        result
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        #[cfg(feature = "trace-allocations")]
+        tracing::trace!(
+            target: "memres::pool",
+            size = layout.size(),
+            stream = ?stream,
+            address = ptr.as_ptr() as usize,
+            "memres: pool free"
+        );
+        if layout.size() == 0 {
+            return;
+        }
+        let (size, _) = block_size(layout);
+        let addr = ptr.as_ptr().expose_provenance();
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let shard = self.shard(stream);
+        let mut s = shard.state.lock();
+        s.put(addr, size);
+        self.shards.note_free(shard);
+        if let Some(keep) = self.release_threshold
+            && s.free_bytes() > keep
+        {
+            drop(s);
+            self.release_above(stream, shard, keep);
+        }
+    }
+
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        // SAFETY: the caller's promise; `held` is this pool's.
+        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+    }
+}
+
+/// The public face both coalescing pools share, written once over their body (a field
+/// `core: Coalescing<U, _>`): the methods on their memory, `Resource` and `SyncResource`
+/// (the body's calls), identity equality and `Debug`. `$names` and `$new` write the
+/// examples: the names they import, and the call that makes the pool, up to its
+/// configuration's closing parenthesis.
+macro_rules! coalescing_pool {
+    ($ty:ident, $names:literal, $new:literal) => {
+        impl<U: crate::resource::Resource> $ty<U> {
+            /// The upstream resource.
+            pub fn upstream(&self) -> &U {
+                self.core.upstream()
+            }
+
+            /// Bounds what the pool holds from now on, under its configured maximum
+            /// (`None`: only that maximum). Growth that would pass the bound is refused,
+            /// after the pool has given back what it holds free, so a request past it is
+            /// [`Error::OutOfMemory`](crate::Error::OutOfMemory); what it already holds
+            /// above a lowered bound stays until freed and trimmed. PyTorch's
+            /// `set_per_process_memory_fraction` under memres is this bound. Costs
+            /// nothing on the allocation path: only growth reads it.
+            ///
+            /// ```
+            #[doc = concat!("use memres::{", $names, ", SyncResource, layout};")]
+            ///
+            #[doc = concat!("let pool = ", $new, ")?;")]
+            /// pool.set_limit(Some(4 << 20));
+            /// assert_eq!(pool.limit(), Some(4 << 20));
+            /// assert!(pool.allocate_sync(layout(8 << 20)?).is_err());
+            /// # Ok::<(), memres::Error>(())
+            /// ```
+            pub fn set_limit(&self, bytes: Option<usize>) {
+                self.core.set_limit(bytes);
+            }
+
+            #[doc = concat!("The bound set with [`", stringify!($ty), "::set_limit`], if any.")]
+            pub fn limit(&self) -> Option<usize> {
+                self.core.limit()
+            }
+
+            /// The blocks held for other streams (for the host tests and loom models).
+            #[cfg(any(test, memres_loom))]
+            #[allow(dead_code)] // (not every pool's tests look)
+            pub(crate) fn held(&self) -> &crate::suballoc::deferred::Deferred {
+                self.core.held()
+            }
+
+            /// Bytes held from the upstream (mapped, for a pool that grows in place).
+            pub fn pool_size(&self) -> usize {
+                self.core.pool_size()
+            }
+
+            /// Starts [`PoolStats::peak_pool_size`](crate::suballoc::PoolStats::peak_pool_size)
+            /// afresh from what the pool holds now.
+            pub fn reset_peak_size(&self) {
+                self.core.reset_peak_size();
+            }
+
+            /// The memory the pool holds from its upstream, as `(address, bytes)` in
+            /// address order: its chunks, or for a pool that grows in place the mapped
+            /// runs of its reservation (what PyTorch's memory snapshots call segments).
+            ///
+            /// ```
+            #[doc = concat!("use memres::{", $names, "};")]
+            ///
+            #[doc = concat!("let pool = ", $new, ".initial_size(1 << 20))?;")]
+            /// let segments = pool.segments();
+            /// assert_eq!(segments.iter().map(|&(_, n)| n).sum::<usize>(), pool.stats().pool_size);
+            /// # Ok::<(), memres::Error>(())
+            /// ```
+            pub fn segments(&self) -> Vec<(usize, usize)> {
+                self.core.segments()
+            }
+
+            /// A snapshot of the pool's memory. It locks each stream's list in turn, so
+            /// under concurrent use it is exact for each list but not one instant.
+            pub fn stats(&self) -> crate::suballoc::PoolStats {
+                self.core.stats()
+            }
+
+            /// Merges every stream's free list into one and coalesces it, first waiting
+            /// for the work of the CUDA streams the pool has seen. Afterwards free memory
+            /// is as few blocks as the chunks allow (one per chunk once everything is
+            /// freed; one per run of mapped granules for a pool that grows in place).
+            pub fn coalesce(&self) -> Result<(), crate::Error> {
+                self.core.coalesce()
+            }
+
+            /// Gives free memory back to the upstream (after
+            /// [`coalesce`](Self::coalesce) has merged the lists): every fully free
+            /// granule for a pool that grows in place (live blocks stay where they are),
+            /// else every entirely free chunk. Returns how many bytes went back.
+            ///
+            /// The lists of the pool's streams go too (issue 33, finding 4: 50,000
+            /// streams used once held 515 MiB until the pool dropped): every list emptied
+            /// by the merge is freed, on Linux 4.14 and later (`membarrier`), once no
+            /// other thread can be using it (a grace period, `crate::sync::grace`: the
+            /// call waits for the pool's calls under way on other threads to return); a
+            /// stream used again gets a new list. Elsewhere, emptied lists give their
+            /// heap memory back and keep their inline fields and copy of the chunk table.
+            pub fn trim(&self) -> Result<usize, crate::Error> {
+                self.core.trim()
+            }
+        }
+
+        impl<U: crate::resource::Resource> PartialEq for $ty<U> {
+            fn eq(&self, other: &Self) -> bool {
+                std::ptr::eq(self, other)
+            }
+        }
+
+        impl<U: crate::resource::Resource + std::fmt::Debug> std::fmt::Debug for $ty<U> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($ty))
+                    .field("upstream", self.upstream())
+                    .field("config", &self.config())
+                    .field("stats", &self.stats())
+                    .finish()
+            }
+        }
+
+        sync_on_the_host_stream!($ty);
+
+        // SAFETY: the calls of the pool's body (`Coalescing`), which keeps the contract
+        // (its impl says how); only the pool itself is equal to it.
+        unsafe impl<U: crate::resource::Resource> crate::resource::Resource for $ty<U> {
+            #[inline]
+            fn allocate(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                layout: std::alloc::Layout,
+            ) -> Result<std::ptr::NonNull<u8>, crate::Error> {
+                self.core.allocate(stream, layout)
+            }
+
+            #[inline]
+            unsafe fn deallocate(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                ptr: std::ptr::NonNull<u8>,
+                layout: std::alloc::Layout,
+            ) {
+                // SAFETY: the caller's promise, for the body that handed the block out.
+                unsafe { self.core.deallocate(stream, ptr, layout) }
+            }
+
+            unsafe fn deallocate_used_on(
+                &self,
+                stream: crate::stream::StreamRef<'_>,
+                ptr: std::ptr::NonNull<u8>,
+                layout: std::alloc::Layout,
+                used_on: &[crate::stream::StreamRef<'_>],
+            ) {
+                // SAFETY: the caller's promise, for the body that handed the block out.
+                unsafe { self.core.deallocate_used_on(stream, ptr, layout, used_on) }
+            }
+        }
+    };
+}
+
+pub(super) use coalescing_pool;

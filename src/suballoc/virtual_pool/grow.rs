@@ -1,0 +1,431 @@
+//! How a [`VirtualPool`](super::VirtualPool) holds memory ([`Space`], its [`Holding`]):
+//! its growth maps the granules a request lacks right after its free memory, and its
+//! release unmaps fully free granules; the rest of the pool is its body, [`Coalescing`],
+//! shared with the chunked [`Pool`](crate::suballoc::Pool).
+
+use super::config::VirtualPoolConfig;
+use super::slept::{self, Slept};
+use crate::error::Error;
+use crate::resource::Resource;
+use crate::stream::StreamRef;
+use crate::suballoc::coalescing::{Coalescing, GrowthState, Holding};
+use crate::suballoc::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
+use crate::suballoc::shards::Shard;
+use crate::suballoc::stream_list::PoolShard;
+use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::upstream::GrowInPlace;
+use crate::upstream::virtual_memory::{Granules, HostCopy};
+
+/// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
+type Save<U> = unsafe fn(&U, &[(usize, usize)], &mut Vec<HostCopy>) -> Result<Vec<HostCopy>, Error>;
+
+/// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
+/// when the pool is made, so that `VirtualPool<U>` needs no other bound), with its
+/// configuration and whether it sleeps.
+pub(crate) struct Space<U> {
+    pub(super) base: usize,
+    pub(super) granularity: usize,
+    pub(super) map: fn(&U, usize, usize) -> Result<(), Error>,
+    pub(super) unmap: unsafe fn(&U, usize, usize),
+    keep_unmapped: fn(&U, bool),
+    pub(super) save: Save<U>,
+    pub(super) restore: unsafe fn(&U, usize, usize, &HostCopy) -> Result<(), Error>,
+    pub(super) synchronize: fn(&U) -> Result<(), Error>,
+    pub(super) config: VirtualPoolConfig,
+    /// Set while the pool sleeps (read first by every allocation; written under the
+    /// growth lock, with [`Mapped::slept`]).
+    pub(super) asleep: AtomicBool,
+}
+
+impl<U: GrowInPlace> Space<U> {
+    /// The reservation of `upstream`, with `config`.
+    pub(super) fn new(upstream: &U, config: VirtualPoolConfig) -> Space<U> {
+        Space {
+            base: upstream.reservation().0,
+            granularity: upstream.granularity(),
+            map: <U as GrowInPlace>::map_at,
+            unmap: <U as GrowInPlace>::unmap_at,
+            keep_unmapped: <U as GrowInPlace>::keep_unmapped,
+            save: <U as GrowInPlace>::save_at,
+            restore: <U as GrowInPlace>::restore_at,
+            synchronize: <U as GrowInPlace>::synchronize,
+            config,
+            asleep: AtomicBool::new(false),
+        }
+    }
+}
+
+/// What a [`VirtualPool`](super::VirtualPool) holds, under its growth lock.
+#[derive(Default)]
+pub(crate) struct Mapped {
+    /// Which granules of the reservation it holds (while it sleeps: which it maps again
+    /// when woken).
+    pub(super) mapped: Granules,
+    /// Set while the pool sleeps: what waking it maps and restores.
+    pub(super) slept: Option<Slept>,
+    /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
+    pub(super) kept: Vec<HostCopy>,
+}
+
+/// Keeps the physical memory of granules unmapped while it lives for the maps that follow
+/// (see [`GrowInPlace::keep_unmapped`]); gives the rest back when dropped.
+pub(super) struct KeepUnmapped<'a, U> {
+    space: &'a Space<U>,
+    upstream: &'a U,
+}
+
+impl<'a, U> KeepUnmapped<'a, U> {
+    pub(super) fn new(space: &'a Space<U>, upstream: &'a U) -> Self {
+        (space.keep_unmapped)(upstream, true);
+        KeepUnmapped { space, upstream }
+    }
+}
+
+impl<U> Drop for KeepUnmapped<'_, U> {
+    fn drop(&mut self) {
+        (self.space.keep_unmapped)(self.upstream, false);
+    }
+}
+
+impl<U: Resource> Holding<U> for Space<U> {
+    type Memory = Mapped;
+
+    // Not the large cache: a cached block is handed out again where it was, not low,
+    // which costs footprint (host, `random` seed 42: 1.128 of live against 1.114).
+    fn new_list(&self, _memory: &Mapped) -> PoolShard {
+        PoolShard::new(std::iter::empty(), Some(self.base))
+    }
+
+    fn grow(
+        pool: &Coalescing<U, Space<U>>,
+        growth: &mut GrowthState<Mapped>,
+        _stream: StreamRef<'_>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        pool.grow_in_place(growth, own, size, align, may_wait)
+    }
+
+    fn release(
+        pool: &Coalescing<U, Space<U>>,
+        growth: &mut GrowthState<Mapped>,
+        from: &Shard<PoolShard>,
+        keep: usize,
+    ) -> usize {
+        pool.unmap_free_granules(growth, from, keep)
+    }
+
+    fn segments(&self, memory: &Mapped) -> Vec<(usize, usize)> {
+        if memory.slept.is_some() {
+            return Vec::new(); // nothing is mapped while the pool sleeps
+        }
+        let g = self.granularity;
+        memory
+            .mapped
+            .mapped_runs()
+            .into_iter()
+            .map(|(first, n)| (self.base + first * g, n * g))
+            .collect()
+    }
+
+    fn upstream_allocations(memory: &Mapped) -> usize {
+        memory.mapped.mapped_runs().len()
+    }
+
+    fn drop_memory(pool: &Coalescing<U, Space<U>>, memory: Mapped) {
+        if memory.slept.is_some() {
+            return; // asleep: nothing is mapped (the copies go with `memory`)
+        }
+        if !crate::device::process_is_exiting()
+            && let Err(e) = pool.shards.synchronize_streams()
+        {
+            tracing::error!("a pool could not wait for its streams before freeing: {e}");
+        }
+        let space = &pool.holding;
+        let g = space.granularity;
+        for (first, n) in memory.mapped.mapped_runs() {
+            // SAFETY: granules this pool mapped; it is going away and its streams' work
+            // is complete (above), so nothing uses them.
+            unsafe { (space.unmap)(&pool.upstream, space.base + first * g, n * g) };
+        }
+    }
+
+    #[inline(always)]
+    fn is_asleep(&self) -> bool {
+        self.asleep.load(Ordering::Relaxed)
+    }
+
+    fn asleep_bytes(memory: &Mapped) -> Option<usize> {
+        memory.slept.as_ref().map(Slept::size)
+    }
+
+    fn host_copy_bytes(memory: &Mapped) -> usize {
+        memory.slept.as_ref().map_or(0, Slept::copy_bytes) + slept::bytes(&memory.kept)
+    }
+
+    fn take_host_copies(memory: &mut Mapped) -> Vec<HostCopy> {
+        std::mem::take(&mut memory.kept)
+    }
+}
+
+impl<U: Resource> Coalescing<U, Space<U>> {
+    /// In-place growth: maps the fewest granules that make a free block of `min` bytes
+    /// (`size` with room for `align`), in any unmapped run of the reservation, together
+    /// with the free blocks on either side of it (so the pieces of partly free granules
+    /// left around unmapped holes are used again, not only the free block at the top of
+    /// what the pool holds). Without `may_wait` (under capture) it gives nothing back
+    /// first, since that waits for the stream.
+    // long: pick sites, remap surplus, map one: the steps share one lock guard.
+    fn grow_in_place(
+        &self,
+        growth: &mut GrowthState<Mapped>,
+        own: &Shard<PoolShard>,
+        size: usize,
+        align: usize,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        let space = &self.holding;
+        // The caller checked that this does not overflow.
+        let min = size + (align - GRANULE);
+        let g = space.granularity;
+        let mut s = own.state.lock();
+        s.flush();
+        let step = space.config.step.next_multiple_of(g).max(g);
+        let top = space.base + growth.memory.mapped.top() * g;
+        let mut tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
+        let Some(best) = tries.first().copied() else {
+            return Ok(None);
+        };
+        // Free granules elsewhere in the list hold memory that this growth would add to:
+        // give back as much as is about to be mapped, so that what the pool holds follows
+        // what is live rather than how fragmented its range is. (Blocks of `own`'s stream
+        // may still be in use by its work: wait for it first. The free blocks the growth
+        // joins stay.)
+        let joined = best
+            .joins
+            .map(|b| b.map_or(0, |b| b.size))
+            .iter()
+            .sum::<usize>();
+        let surplus = s.free_bytes() - joined;
+        // Granules unmapped here are mapped again at the growth site: their memory moves
+        // (a remap) rather than being given back and allocated anew.
+        let _keep = KeepUnmapped::new(space, &self.upstream);
+        let spare = best.joins.map(|b| b.map_or(usize::MAX, |b| b.addr));
+        // Only when a free block outside the joined ones holds a whole granule: else
+        // nothing can move, and the wait (for the whole device) would be for nothing.
+        let whole_granule_free = || {
+            s.free.blocks().any(|b| {
+                let lo = (b.addr - space.base).next_multiple_of(g);
+                !spare.contains(&b.addr) && lo + g <= b.addr - space.base + b.size
+            })
+        };
+        if may_wait && surplus >= g && whole_granule_free() {
+            let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
+            if waited.is_ok() {
+                let keep = s.free_bytes().saturating_sub(best.len);
+                if self.unmap_in(growth, &mut s, keep, spare) > 0 {
+                    // Unmapping made new holes: a better site may be among them.
+                    let top = space.base + growth.memory.mapped.top() * g;
+                    tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
+                }
+            }
+        }
+        for site in tries {
+            if self
+                .maximum(growth)
+                .is_some_and(|max| growth.size.saturating_add(site.len) > max)
+            {
+                continue;
+            }
+            match self.map_into(growth, &mut s, site.addr, site.len) {
+                Ok(()) => {
+                    self.shards.note_free(own);
+                    let taken = s.free.take(size, align);
+                    debug_assert!(taken.is_some(), "in-place growth fits its request");
+                    return Ok(taken);
+                }
+                Err(Error::OutOfMemory { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Maps `addr..addr + len` (whole unmapped granules) and puts it, free, in `into`.
+    pub(super) fn map_into(
+        &self,
+        growth: &mut GrowthState<Mapped>,
+        into: &mut PoolShard,
+        addr: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        let space = &self.holding;
+        (space.map)(&self.upstream, addr, len)?;
+        let g = space.granularity;
+        growth
+            .memory
+            .mapped
+            .set((addr - space.base) / g, len / g, true);
+        growth.size += len;
+        growth.peak = growth.peak.max(growth.size);
+        into.insert(addr, len);
+        tracing::debug!(
+            target: "memres::pool",
+            addr,
+            len,
+            held = growth.size,
+            "memres: pool grew in place"
+        );
+        Ok(())
+    }
+
+    /// Unmaps fully free granules of `from`'s list (which holds all free memory, the
+    /// lists having been merged into it), highest first, until at most `keep` bytes are
+    /// free. Returns how many bytes went back.
+    fn unmap_free_granules(
+        &self,
+        growth: &mut GrowthState<Mapped>,
+        from: &Shard<PoolShard>,
+        keep: usize,
+    ) -> usize {
+        let mut s = from.state.lock();
+        s.flush();
+        if s.free_bytes() <= keep {
+            return 0;
+        }
+        // Blocks freed on `from`'s own stream may still be in use by its work.
+        if let Some(ctx) = from.ctx
+            && let Err(e) = ctx.synchronize()
+        {
+            tracing::warn!("a pool could not wait for a stream to return memory: {e}");
+            return 0;
+        }
+        self.unmap_in(growth, &mut s, keep, [usize::MAX; 2])
+    }
+
+    /// Unmaps fully free granules of blocks in `s` other than those starting at an
+    /// address in `spare`, highest first, until at most `keep` bytes of `s` are free. The
+    /// caller has made sure that no work uses the blocks of `s`.
+    fn unmap_in(
+        &self,
+        growth: &mut GrowthState<Mapped>,
+        s: &mut PoolShard,
+        keep: usize,
+        spare: [usize; 2],
+    ) -> usize {
+        let space = &self.holding;
+        let g = space.granularity;
+        let mut free = s.free_bytes();
+        let mut blocks: Vec<FreeBlock> = s.free.blocks().collect();
+        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
+        let mut released = 0;
+        for b in blocks {
+            if free <= keep {
+                break;
+            }
+            let end = b.addr + b.size;
+            if spare.contains(&b.addr) {
+                continue;
+            }
+            let lo = space.base + (b.addr - space.base).next_multiple_of(g);
+            let hi = space.base + (end - space.base) / g * g;
+            if hi <= lo {
+                continue;
+            }
+            // Only as many granules (from the top of the block) as bring `free` to `keep`.
+            let lo = lo.max(hi.saturating_sub((free - keep).next_multiple_of(g)));
+            s.free.remove_starting_at(b.addr);
+            if lo > b.addr {
+                s.insert(b.addr, lo - b.addr);
+            }
+            if end > hi {
+                s.insert(hi, end - hi);
+            }
+            // SAFETY: whole mapped granules inside a free block, handed out to no one;
+            // no work uses `s`'s blocks (this function's contract, kept by its callers).
+            unsafe { (space.unmap)(&self.upstream, lo, hi - lo) };
+            growth
+                .memory
+                .mapped
+                .set((lo - space.base) / g, (hi - lo) / g, false);
+            growth.size -= hi - lo;
+            free -= hi - lo;
+            released += hi - lo;
+        }
+        if released > 0 {
+            tracing::debug!(
+                target: "memres::pool",
+                released,
+                held = growth.size,
+                "memres: pool unmapped free granules"
+            );
+        }
+        released
+    }
+}
+
+/// A place where a virtual pool can grow: `len` bytes of unmapped granules at `addr`,
+/// which join the free blocks `joins` (before, after) into one block.
+#[derive(Clone, Copy, Debug)]
+struct Site {
+    addr: usize,
+    len: usize,
+    joins: [Option<FreeBlock>; 2],
+}
+
+/// Where a virtual pool can map memory so that, with the free blocks next to it, one
+/// free block holds `need` bytes: the sites that map the fewest bytes first (lowest
+/// address among equals), at most one per unmapped run. At the top of what the pool holds
+/// (`top`), a site maps at least `step` when the reservation has room, followed by the
+/// same site without the step as a fallback.
+fn growth_sites(
+    space: &Space<impl Resource>,
+    mapped: &Granules,
+    free: &FreeBlocks,
+    need: usize,
+    top: usize,
+    step: usize,
+) -> Vec<Site> {
+    let g = space.granularity;
+    let mut sites = Vec::new();
+    for (first, n) in mapped.unmapped_runs() {
+        let (lo, hi) = (space.base + first * g, space.base + (first + n) * g);
+        let before = free.ending_at(lo);
+        let after = free.starting_at(hi);
+        let (b, a) = (before.map_or(0, |b| b.size), after.map_or(0, |b| b.size));
+        if b.saturating_add(a).saturating_add(n * g) < need {
+            continue;
+        }
+        // Map next to the block before, next to the one after, or the whole run.
+        let from_before = need.saturating_sub(b).next_multiple_of(g);
+        let from_after = need.saturating_sub(a).next_multiple_of(g);
+        let site = if from_before <= n * g && from_before <= from_after {
+            Site {
+                addr: lo,
+                len: from_before,
+                joins: [before, None],
+            }
+        } else if from_after <= n * g {
+            Site {
+                addr: hi - from_after,
+                len: from_after,
+                joins: [None, after],
+            }
+        } else {
+            Site {
+                addr: lo,
+                len: n * g,
+                joins: [before, after],
+            }
+        };
+        if lo == top && site.len < step && step <= n * g {
+            sites.push((site.len, Site { len: step, ..site }));
+        }
+        sites.push((site.len, site));
+    }
+    // Stable: among equal needs the lower address (and the stepped top site) first.
+    sites.sort_by_key(|&(need, _)| need);
+    sites.into_iter().map(|(_, site)| site).collect()
+}
