@@ -256,3 +256,91 @@ fn bad_configs_and_alignments_are_invalid_arguments() {
     ));
     assert!(p.segments().is_empty());
 }
+
+#[test]
+fn a_block_used_on_other_streams_is_held_until_their_work_is_done() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let b = alloc(&p, S1, 1000);
+    // SAFETY: host streams (always valid); the blocks are unused when freed.
+    unsafe {
+        // The segment's own stream adds nothing: the free is at once.
+        p.record_stream(a, S1).unwrap();
+        assert_eq!(p.free_used(a, false).unwrap(), 1024);
+        assert_eq!(
+            p.blocks()[0],
+            BlockEntry {
+                allocated: false,
+                ..p.blocks()[0]
+            }
+        );
+        // Another stream holds the block while a capture is underway (no event then).
+        p.record_stream(b, S2).unwrap();
+        assert!(
+            matches!(p.record_stream(a, S2), Err(Error::InvalidArgument(_))),
+            "a is free"
+        );
+        p.free_used(b, true).unwrap();
+        let held = p.blocks();
+        assert!(held.iter().any(|e| e.allocated && e.held), "{held:?}");
+        assert!(
+            matches!(p.free_used(b, false), Err(Error::InvalidArgument(_))),
+            "twice"
+        );
+        assert!(matches!(
+            p.record_stream(b, S2),
+            Err(Error::InvalidArgument(_))
+        ));
+        // Outside the capture: a host stream's work is complete, so the block is free.
+        p.settle(memres::suballoc::Settle::Poll);
+        assert_eq!(shape(&p), [(0, 2 * MIB, false)]);
+    }
+}
+
+#[test]
+fn held_blocks_are_waited_for_or_forgotten_as_asked() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    let b = alloc(&p, S1, 1000);
+    // SAFETY: host streams; the blocks are unused when freed.
+    unsafe {
+        p.record_stream(a, S2).unwrap();
+        p.record_stream(b, S2).unwrap();
+        p.free_used(a, true).unwrap();
+        p.settle(memres::suballoc::Settle::Wait);
+        assert!(!p.blocks()[0].allocated, "waited for and freed");
+        p.free_used(b, true).unwrap();
+        let saved = vec![BlockEntry {
+            offset: 0,
+            size: 2 * MIB,
+            allocated: false,
+            held: false,
+            ..p.blocks()[0]
+        }];
+        // Forgotten: still allocated in the table, until a restore replaces it.
+        p.settle(memres::suballoc::Settle::Forget);
+        assert!(p.blocks().iter().any(|e| e.allocated && !e.held));
+        p.restore(&saved).unwrap();
+    }
+    assert_eq!(shape(&p), [(0, 2 * MIB, false)]);
+    assert_eq!(p.live_blocks(), 0);
+}
+
+#[test]
+fn a_block_freed_through_the_resource_trait_waits_for_its_recorded_streams() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 1000);
+    // SAFETY: host streams; `a` is unused when freed.
+    unsafe { p.record_stream(a, S2).unwrap() };
+    free(&p, S1, a, 1000);
+    assert_eq!(
+        shape(&p),
+        [(0, 2 * MIB, false)],
+        "host work is complete: freed at once"
+    );
+    let b = p
+        .allocate_ordered(S1, layout(1000).unwrap(), true, false)
+        .unwrap();
+    assert_eq!(at(b), at(a));
+    free(&p, S1, b, 1000);
+}

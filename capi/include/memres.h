@@ -240,6 +240,15 @@ int memres_is_asleep(int device, const char* tag);
  * memory, size 0). stream stays live while the pool holds a segment taken for it.
  * memres_segment_pool_free frees a block (every use ordered before on its segment's
  * stream); MEMRES_ERROR_INVALID_ARGUMENT, nothing freed, for what is not a live block.
+ * memres_segment_pool_record_stream records that work on another stream uses a live
+ * block (Tensor.record_stream): its free then holds it until that work is complete, as
+ * events recorded at the free say (capturing != 0, a capture underway on the device:
+ * recorded by memres_segment_pool_settle after it; a block made in that same capture
+ * comes back to later allocations of the capture on its segment's stream once the graph
+ * orders its streams' work first). malloc's capturing says the same of the device.
+ * memres_segment_pool_settle frees the held blocks whose work is done (MEMRES_SETTLE_POLL,
+ * never waiting), waits for all (MEMRES_SETTLE_WAIT) or forgets them unfreed
+ * (MEMRES_SETTLE_FORGET: inside a capture, before a restore).
  * memres_segment_pool_blocks writes the table (at most capacity entries; out may be
  * NULL) and returns its length; memres_segment_pool_segment_of writes the first address,
  * size and stream of the segment holding ptr and returns 1 (0 when none does); memres_segment_pool_restore puts such a table back in
@@ -249,6 +258,9 @@ int memres_is_asleep(int device, const char* tag);
  * the bytes; memres_segment_pool_destroy gives every segment back. */
 #define MEMRES_SEGMENTS_NO_SPLIT 1
 #define MEMRES_SEGMENTS_MEDIUM 2
+#define MEMRES_SETTLE_POLL 0
+#define MEMRES_SETTLE_WAIT 1
+#define MEMRES_SETTLE_FORGET 2
 typedef struct memres_segment_pool memres_segment_pool_t;
 typedef struct memres_block_t {
   uint64_t segment;      /* the segment's first address */
@@ -257,13 +269,15 @@ typedef struct memres_block_t {
   uint64_t size;         /* the block's size in bytes */
   void* stream;          /* the stream the segment belongs to */
   int32_t allocated;     /* 1 handed out, 0 free */
-  int32_t reserved;      /* 0 */
+  int32_t held;          /* 1: freed, held for other streams' work (allocated stays 1) */
 } memres_block_t;
 typedef void* (*memres_segment_alloc_fn)(void* ctx, size_t size, void* stream);
 typedef void (*memres_segment_free_fn)(void* ctx, void* ptr, size_t size);
 memres_segment_pool_t* memres_segment_pool_new(int device, int flags, memres_segment_alloc_fn alloc, memres_segment_free_fn free, void* ctx);
-void* memres_segment_pool_malloc(memres_segment_pool_t* pool, size_t size, void* stream, int may_grow);
-int memres_segment_pool_free(memres_segment_pool_t* pool, void* ptr);
+void* memres_segment_pool_malloc(memres_segment_pool_t* pool, size_t size, void* stream, int may_grow, int capturing);
+int memres_segment_pool_free(memres_segment_pool_t* pool, void* ptr, int capturing);
+int memres_segment_pool_record_stream(memres_segment_pool_t* pool, void* ptr, void* stream);
+int memres_segment_pool_settle(memres_segment_pool_t* pool, int how);
 int64_t memres_segment_pool_blocks(memres_segment_pool_t* pool, memres_block_t* out, size_t capacity);
 int memres_segment_pool_segment_of(memres_segment_pool_t* pool, const void* ptr, uint64_t* base, uint64_t* size, void** stream);
 int memres_segment_pool_restore(memres_segment_pool_t* pool, const memres_block_t* blocks, size_t count);

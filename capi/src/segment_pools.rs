@@ -8,7 +8,7 @@ use std::alloc::Layout;
 use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
 
-use mr::suballoc::{BlockEntry, SegmentPool, SegmentPoolConfig};
+use mr::suballoc::{BlockEntry, SegmentPool, SegmentPoolConfig, Settle};
 use mr::{Device, Error, Resource, StreamRef, SyncResource};
 
 use crate::stack::DeviceStack;
@@ -18,6 +18,13 @@ use crate::{Failure, MEMRES_OK, allocate_on, deallocate_on, guarded, stack};
 pub const MEMRES_SEGMENTS_NO_SPLIT: c_int = 1;
 /// `flags`: requests of 1 to 10 MiB get 20 MiB segments (PyTorch's user `MemPool`s).
 pub const MEMRES_SEGMENTS_MEDIUM: c_int = 2;
+
+/// `memres_segment_pool_settle`: frees the held blocks whose streams' work is complete.
+pub const MEMRES_SETTLE_POLL: c_int = 0;
+/// `memres_segment_pool_settle`: waits for every held block's streams, then frees it.
+pub const MEMRES_SETTLE_WAIT: c_int = 1;
+/// `memres_segment_pool_settle`: forgets every held block without freeing it.
+pub const MEMRES_SETTLE_FORGET: c_int = 2;
 
 const MIB: usize = 1 << 20;
 
@@ -48,8 +55,8 @@ pub struct memres_block_t {
     pub stream: *mut c_void,
     /// 1 when handed out, 0 when free.
     pub allocated: i32,
-    /// Zero.
-    pub reserved: i32,
+    /// 1 when freed by its owner but held for other streams' work (allocated stays 1).
+    pub held: i32,
 }
 
 /// Where a segment pool's segments come from.
@@ -184,8 +191,11 @@ unsafe fn handle<'a>(
 }
 
 /// A block of `size` bytes for `stream`: the smallest free block of the pool's segments
-/// for that stream that fits, else (`may_grow` nonzero) a new segment. Null, with
-/// `memres_last_error`, when there is none (out of memory, or `size` 0 or negative).
+/// for that stream that fits, else (`may_grow` nonzero) a new segment. Held blocks whose
+/// streams' work is complete are freed first (unless `capturing`: a capture is underway
+/// on the device); while `stream` is captured, blocks freed earlier in the same capture
+/// on its own segments come back once the graph orders their streams' work first. Null,
+/// with `memres_last_error`, when there is none (out of memory, or `size` 0).
 ///
 /// # Safety
 /// `pool` is from `memres_segment_pool_new`, not destroyed; `stream` is a live stream of
@@ -197,6 +207,7 @@ pub unsafe extern "C" fn memres_segment_pool_malloc(
     size: usize,
     stream: *mut c_void,
     may_grow: c_int,
+    capturing: c_int,
 ) -> *mut c_void {
     guarded(
         |_| std::ptr::null_mut(),
@@ -209,27 +220,27 @@ pub unsafe extern "C" fn memres_segment_pool_malloc(
             let layout = mr::layout(size)?;
             // SAFETY: the caller's promise about `stream`.
             let stream = unsafe { StreamRef::from_raw(stream.cast()) };
-            let ptr = if may_grow != 0 {
-                pool.allocate(stream, layout)?
-            } else {
-                pool.allocate_from_free(stream, layout)?
-            };
+            let ptr = pool.allocate_ordered(stream, layout, may_grow != 0, capturing != 0)?;
             Ok(ptr.as_ptr().cast())
         },
     )
 }
 
-/// Frees the block at `ptr`, merging it with its free neighbours: `MEMRES_OK`, or
+/// Frees the block at `ptr`, merging it with its free neighbours; a block other streams
+/// were recorded for (`memres_segment_pool_record_stream`) is held until their work is
+/// complete (`capturing`: a capture is underway on the device, so its events wait for
+/// `memres_segment_pool_settle` after it). `MEMRES_OK`, or
 /// `MEMRES_ERROR_INVALID_ARGUMENT` (nothing freed) where `ptr` is not the start of a live
 /// block of the pool.
 ///
 /// # Safety
 /// `pool` is from `memres_segment_pool_new`, not destroyed; every use of the block is
-/// ordered before this point on its segment's stream, or complete.
+/// ordered before this point on its segment's stream or on a stream recorded for it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn memres_segment_pool_free(
     pool: *mut SegmentPoolHandle,
     ptr: *mut c_void,
+    capturing: c_int,
 ) -> c_int {
     guarded(
         |code| code,
@@ -239,8 +250,71 @@ pub unsafe extern "C" fn memres_segment_pool_free(
             let ptr = NonNull::new(ptr.cast())
                 .ok_or_else(|| Failure::invalid("memres_segment_pool_free: a null pointer"))?;
             // SAFETY: the caller's promise about the block's uses.
-            unsafe { pool.release(ptr) }
+            unsafe { pool.free_used(ptr, capturing != 0) }
                 .map_err(|e| Failure::from(e).within("memres_segment_pool_free"))?;
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Records that work on `stream` uses the live block at `ptr` (PyTorch's
+/// `Tensor.record_stream`): its free holds it until that work (enqueued by the free) is
+/// complete. `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` for what is not the start
+/// of a live block of the pool.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed; `stream` stays live until the
+/// block's free has completed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_record_stream(
+    pool: *mut SegmentPoolHandle,
+    ptr: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            // SAFETY: the caller's promise.
+            let pool = unsafe { handle(pool, "memres_segment_pool_record_stream") }?;
+            let ptr = NonNull::new(ptr.cast()).ok_or_else(|| {
+                Failure::invalid("memres_segment_pool_record_stream: a null pointer")
+            })?;
+            // SAFETY: the caller's promise about `stream`.
+            unsafe { pool.record_stream(ptr, StreamRef::from_raw(stream.cast())) }
+                .map_err(|e| Failure::from(e).within("memres_segment_pool_record_stream"))?;
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Settles the held blocks: `MEMRES_SETTLE_POLL` frees those whose streams' work is
+/// complete (never waiting; not during a capture on the device), `MEMRES_SETTLE_WAIT`
+/// waits for all and frees them, `MEMRES_SETTLE_FORGET` forgets them unfreed (inside a
+/// capture, before a restore replaces the table). `MEMRES_OK` or a negative code.
+///
+/// # Safety
+/// `pool` is from `memres_segment_pool_new`, not destroyed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_segment_pool_settle(
+    pool: *mut SegmentPoolHandle,
+    how: c_int,
+) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            // SAFETY: the caller's promise.
+            let pool = unsafe { handle(pool, "memres_segment_pool_settle") }?;
+            let how = match how {
+                MEMRES_SETTLE_POLL => Settle::Poll,
+                MEMRES_SETTLE_WAIT => Settle::Wait,
+                MEMRES_SETTLE_FORGET => Settle::Forget,
+                other => {
+                    return Err(Failure::invalid(format!(
+                        "memres_segment_pool_settle: unknown mode {other}"
+                    )));
+                }
+            };
+            pool.settle(how);
             Ok(MEMRES_OK)
         },
     )
@@ -277,7 +351,7 @@ pub unsafe extern "C" fn memres_segment_pool_blocks(
                     size: entry.size as u64,
                     stream: stream.1,
                     allocated: i32::from(entry.allocated),
-                    reserved: 0,
+                    held: i32::from(entry.held),
                 };
                 // SAFETY: `i` is below `capacity`, which `out` has room for.
                 unsafe { out.add(i).write(block) };
@@ -366,6 +440,7 @@ pub unsafe extern "C" fn memres_segment_pool_restore(
                     offset: b.offset as usize,
                     size: b.size as usize,
                     allocated: b.allocated != 0,
+                    held: false,
                 })
                 .collect();
             // SAFETY: the caller's promise about the blocks live now and the table's.

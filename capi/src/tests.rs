@@ -933,7 +933,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 31, "{rust:#?}");
+    assert_eq!(rust.len(), 33, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -955,6 +955,9 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         ("MEMRES_SLEEP_OFFLOAD", MEMRES_SLEEP_OFFLOAD),
         ("MEMRES_SEGMENTS_NO_SPLIT", MEMRES_SEGMENTS_NO_SPLIT),
         ("MEMRES_SEGMENTS_MEDIUM", MEMRES_SEGMENTS_MEDIUM),
+        ("MEMRES_SETTLE_POLL", MEMRES_SETTLE_POLL),
+        ("MEMRES_SETTLE_WAIT", MEMRES_SETTLE_WAIT),
+        ("MEMRES_SETTLE_FORGET", MEMRES_SETTLE_FORGET),
     ] {
         let written = if value < 0 {
             format!("({value})")
@@ -1041,7 +1044,7 @@ fn the_header_has_the_codes_and_the_struct_layout() {
         ("size", offset_of!(memres_block_t, size)),
         ("stream", offset_of!(memres_block_t, stream)),
         ("allocated", offset_of!(memres_block_t, allocated)),
-        ("reserved", offset_of!(memres_block_t, reserved)),
+        ("held", offset_of!(memres_block_t, held)),
     ] {
         c += &format!(
             "_Static_assert(offsetof(memres_block_t, {field}) == {offset}, \"{field}\");\n"
@@ -1923,8 +1926,8 @@ fn segment_pools_over_another_allocator_split_restore_and_give_back() {
             std::ptr::null_mut(),
         );
         assert!(!pool.is_null(), "{}", last_error());
-        let a = memres_segment_pool_malloc(pool, 3 << 20, s, 1);
-        let b = memres_segment_pool_malloc(pool, 1000, s, 1);
+        let a = memres_segment_pool_malloc(pool, 3 << 20, s, 1, 0);
+        let b = memres_segment_pool_malloc(pool, 1000, s, 1, 0);
         assert_eq!(b as usize - a as usize, 3 << 20);
         let (mut base, mut size, mut stream) = (0u64, 0u64, std::ptr::dangling_mut());
         assert_eq!(
@@ -1952,11 +1955,11 @@ fn segment_pools_over_another_allocator_split_restore_and_give_back() {
             (3 << 20, 1024, 1)
         );
         // Lending only: no growth for what does not fit.
-        assert!(memres_segment_pool_malloc(pool, 64 << 20, s, 0).is_null());
+        assert!(memres_segment_pool_malloc(pool, 64 << 20, s, 0, 0).is_null());
         assert!(last_error().contains("out of memory"), "{}", last_error());
-        assert_eq!(memres_segment_pool_free(pool, b), MEMRES_OK);
+        assert_eq!(memres_segment_pool_free(pool, b, 0), MEMRES_OK);
         assert_eq!(
-            memres_segment_pool_free(pool, b),
+            memres_segment_pool_free(pool, b, 0),
             MEMRES_ERROR_INVALID_ARGUMENT
         );
         assert!(
@@ -1981,10 +1984,10 @@ fn segment_pools_over_another_allocator_split_restore_and_give_back() {
             0,
             "the segment is in use"
         );
-        assert_eq!(memres_segment_pool_free(pool, a), MEMRES_OK);
-        assert_eq!(memres_segment_pool_free(pool, b), MEMRES_OK);
+        assert_eq!(memres_segment_pool_free(pool, a, 0), MEMRES_OK);
+        assert_eq!(memres_segment_pool_free(pool, b, 0), MEMRES_OK);
         assert_eq!(memres_segment_pool_release_free(pool, s), 20 << 20);
-        let c = memres_segment_pool_malloc(pool, 100, s, 1);
+        let c = memres_segment_pool_malloc(pool, 100, s, 1, 0);
         assert!(!c.is_null());
         memres_segment_pool_destroy(pool);
         assert_eq!(
@@ -2011,14 +2014,14 @@ fn segment_pools_refuse_bad_arguments_with_messages() {
         assert!(memres_segment_pool_new(0, 0, None, free, std::ptr::null_mut()).is_null());
         assert!(last_error().contains("both"), "{}", last_error());
         let null = std::ptr::null_mut();
-        assert!(memres_segment_pool_malloc(null, 10, null.cast(), 1).is_null());
+        assert!(memres_segment_pool_malloc(null, 10, null.cast(), 1, 0).is_null());
         assert!(
             last_error().contains("the pool is null"),
             "{}",
             last_error()
         );
         assert_eq!(
-            memres_segment_pool_free(null, null.cast()),
+            memres_segment_pool_free(null, null.cast(), 0),
             MEMRES_ERROR_INVALID_ARGUMENT
         );
         assert_eq!(
@@ -2033,14 +2036,34 @@ fn segment_pools_refuse_bad_arguments_with_messages() {
             free,
             std::ptr::null_mut(),
         );
-        assert!(memres_segment_pool_malloc(pool, 0, null.cast(), 1).is_null());
+        assert_eq!(
+            memres_segment_pool_settle(pool, 7),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("unknown mode 7"), "{}", last_error());
+        assert_eq!(
+            memres_segment_pool_settle(pool, MEMRES_SETTLE_WAIT),
+            MEMRES_OK
+        );
+        let block = memres_segment_pool_malloc(pool, 100, null.cast(), 1, 0);
+        // Its own segment's stream: nothing to record; the free is at once.
+        assert_eq!(
+            memres_segment_pool_record_stream(pool, block, null.cast()),
+            MEMRES_OK
+        );
+        assert_eq!(memres_segment_pool_free(pool, block, 0), MEMRES_OK);
+        assert_eq!(
+            memres_segment_pool_record_stream(pool, block, null.cast()),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert!(memres_segment_pool_malloc(pool, 0, null.cast(), 1, 0).is_null());
         assert!(last_error().contains("a size of 0"), "{}", last_error());
         assert_eq!(
             memres_segment_pool_restore(pool, std::ptr::null(), 3),
             MEMRES_ERROR_INVALID_ARGUMENT
         );
         assert_eq!(
-            memres_segment_pool_free(pool, null.cast()),
+            memres_segment_pool_free(pool, null.cast(), 0),
             MEMRES_ERROR_INVALID_ARGUMENT
         );
         memres_segment_pool_destroy(pool);

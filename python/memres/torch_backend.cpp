@@ -29,7 +29,9 @@
 //   go back to it when freed, never to other allocations, since replays write them again;
 //   a pool whose graphs are gone returns its segments to memres once its last block is
 //   freed. checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState work
-//   on a pool's block table.
+//   on a pool's block table. The pools themselves are memres's segment pools
+//   (memres_segment_pool_*: blocks, record_stream's held blocks, capture reuse, saved
+//   tables); this file routes torch's calls to them.
 // - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
 //   torch.multiprocessing sends CUDA tensors of memres in torch's own handle forms (the
 //   default in-place pool's blocks as expandable segments, chunked pools' as CUDA IPC
@@ -609,77 +611,6 @@ struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
 // again once memres returns.
 thread_local std::exception_ptr t_source_exception;
 
-// A freed block of a graph pool that other streams used (Tensor.record_stream): it goes
-// back to its pool once events recorded on those streams complete. Freed while a capture
-// is underway on the device, its events are recorded once no capture is (an event
-// recorded or queried then would be a node of the graph, or refused).
-struct Pending {
-  void* ptr = nullptr;
-  std::vector<cudaStream_t> streams;
-  std::vector<cudaEvent_t> events;
-  // Freed during a capture: the capture's nodes that the work on its streams had reached
-  // then. A later allocation of the same capture whose stream's work comes after all of
-  // them (the graph orders it so) may take the block again at once.
-  std::vector<cudaGraphNode_t> after;
-  bool in_capture = false;  // `after` was taken (it may be empty: no work captured yet)
-  unsigned long long capture = 0;  // the capture it was taken in (every stream's the same)
-};
-
-// The nodes that the next work captured on `stream` would depend on (none yet: an empty
-// list), and the capture's id; false when the stream is not capturing or the runtime
-// cannot say.
-bool capture_frontier(cudaStream_t stream, std::vector<cudaGraphNode_t>* out, unsigned long long* id) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaGraphNode_t* nodes = nullptr;
-  size_t count = 0;
-#if CUDART_VERSION >= 13000
-  cudaError_t code = cudaStreamGetCaptureInfo(stream, &status, id, nullptr, &nodes, nullptr, &count);
-#else
-  cudaError_t code = cudaStreamGetCaptureInfo_v2(stream, &status, id, nullptr, &nodes, &count);
-#endif
-  if (code != cudaSuccess || status != cudaStreamCaptureStatusActive) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  out->assign(nodes, nodes + count);
-  return true;
-}
-
-// `from` and every ancestor of its nodes in the graph being captured, into `out`; false
-// when the runtime cannot say.
-bool ancestors(const std::vector<cudaGraphNode_t>& from, std::unordered_set<cudaGraphNode_t>* out) {
-  std::vector<cudaGraphNode_t> todo(from.begin(), from.end());
-  while (!todo.empty()) {
-    cudaGraphNode_t node = todo.back();
-    todo.pop_back();
-    if (!out->insert(node).second) {
-      continue;
-    }
-    size_t count = 0;
-#if CUDART_VERSION >= 13000
-    cudaError_t code = cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count);
-#else
-    cudaError_t code = cudaGraphNodeGetDependencies(node, nullptr, &count);
-#endif
-    if (code != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    std::vector<cudaGraphNode_t> deps(count);
-#if CUDART_VERSION >= 13000
-    code = count == 0 ? cudaSuccess : cudaGraphNodeGetDependencies(node, deps.data(), nullptr, &count);
-#else
-    code = count == 0 ? cudaSuccess : cudaGraphNodeGetDependencies(node, deps.data(), &count);
-#endif
-    if (code != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    todo.insert(todo.end(), deps.begin(), deps.begin() + static_cast<std::ptrdiff_t>(count));
-  }
-  return true;
-}
-
 struct PrivatePool {
   c10::DeviceIndex device = 0;
   int use_count = 0;
@@ -702,124 +633,12 @@ struct PrivatePool {
     }
   };
   std::unique_ptr<memres_segment_pool_t, Destroy> table;
-  // Streams recorded for live blocks, and freed blocks waiting for them.
-  std::unordered_map<void*, std::vector<cudaStream_t>> recorded;
-  std::vector<Pending> pending;
-  // Live blocks allocated during a capture, with its id (a block freed in that capture
-  // may be taken again in it once the graph orders its uses first).
-  std::unordered_map<void*, unsigned long long> captured_in;
-
-  // Frees the pending blocks whose streams' work is complete (`capturing`: a capture is
-  // underway on the device; nothing is recorded or queried then). Never waits.
-  void free_pending(bool capturing) {
-    if (capturing || pending.empty()) {
-      return;
+  // Blocks freed while other streams used them (Tensor.record_stream) are held by memres's
+  // segment pool until that work is complete (memres_segment_pool_settle).
+  void settle(int how) {
+    if (table != nullptr) {
+      (void)memres_segment_pool_settle(table.get(), how);
     }
-    c10::cuda::CUDAGuard guard(device);  // events belong to the pool's device
-    for (auto it = pending.begin(); it != pending.end();) {
-      if (it->events.empty()) {
-        for (cudaStream_t s : it->streams) {
-          cudaEvent_t ev = nullptr;
-          if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess ||
-              cudaEventRecord(ev, s) != cudaSuccess) {
-            (void)cudaGetLastError();
-            // No event: wait for the stream itself (rare; a broken stream or context).
-            (void)cudaStreamSynchronize(s);
-            (void)cudaGetLastError();
-            if (ev != nullptr) {
-              (void)cudaEventDestroy(ev);
-            }
-            continue;
-          }
-          it->events.push_back(ev);
-        }
-        it->streams.clear();
-      }
-      bool done = true;
-      for (cudaEvent_t ev : it->events) {
-        cudaError_t q = cudaEventQuery(ev);
-        if (q == cudaErrorNotReady) {
-          done = false;
-          break;
-        }
-        if (q != cudaSuccess) {
-          (void)cudaGetLastError();
-          done = false;  // keep it held: a later look asks again
-          break;
-        }
-      }
-      if (!done) {
-        ++it;
-        continue;
-      }
-      for (cudaEvent_t ev : it->events) {
-        (void)cudaEventDestroy(ev);
-      }
-      free(it->ptr);
-      it = pending.erase(it);
-    }
-  }
-
-  // During a capture, frees the pending blocks freed in it whose streams' captured work
-  // the graph orders before the next work on `stream` (an allocation there may reuse
-  // them; replays keep that order).
-  // Only blocks of `stream`'s own segments (no other stream allocates from them), freed
-  // in this same capture (`capture`), whose streams' work then precedes `frontier` (the
-  // nodes the stream's next work depends on).
-  void reuse_in_capture(
-      cudaStream_t stream,
-      const std::vector<cudaGraphNode_t>& frontier,
-      unsigned long long capture) {
-    bool any = false;
-    for (const auto& p : pending) {
-      any = any || (p.in_capture && p.capture == capture);
-    }
-    if (!any) {
-      return;
-    }
-    std::unordered_set<cudaGraphNode_t> before;  // the frontier and its ancestors, once
-    bool known = ancestors(frontier, &before);
-    for (auto it = pending.begin(); it != pending.end();) {
-      auto seg = segment_of(it->ptr);
-      bool ordered = known && it->in_capture && it->capture == capture && it->events.empty() &&
-          seg.has_value() && seg->stream == stream;
-      for (size_t i = 0; ordered && i < it->after.size(); ++i) {
-        ordered = before.count(it->after[i]) != 0;
-      }
-      if (!ordered) {
-        ++it;
-        continue;
-      }
-      free(it->ptr);
-      it = pending.erase(it);
-    }
-  }
-
-  // Waits for every pending block's events and frees them (before memres runs out).
-  // Blocks waiting for other streams are forgotten without being freed (their events
-  // destroyed): a checkpoint restore inside a capture, where nothing may wait, replaces
-  // the block table they would free into.
-  void forget_pending() {
-    for (auto& p : pending) {
-      for (cudaEvent_t ev : p.events) {
-        (void)cudaEventDestroy(ev);
-      }
-    }
-    pending.clear();
-  }
-
-  void wait_pending() {
-    free_pending(false);
-    c10::cuda::CUDAGuard guard(device);
-    for (auto& p : pending) {
-      for (cudaEvent_t ev : p.events) {
-        (void)cudaEventSynchronize(ev);
-        (void)cudaEventDestroy(ev);
-      }
-      p.events.clear();
-      free(p.ptr);
-    }
-    pending.clear();
   }
 
   // memres's segment pool of this pool, made on first use; null on failure (memres's last
@@ -873,15 +692,18 @@ struct PrivatePool {
   }
 
   // A block of `size` bytes for `stream`: the best fit among its segments' free blocks,
-  // else (`may_grow`) a new segment (memres_segment_pool_malloc). nullptr when there is
+  // else (`may_grow`) a new segment (memres_segment_pool_malloc, which first frees held
+  // blocks whose work is done unless `capturing`, a capture underway on the device, and
+  // inside a capture takes back blocks the graph orders first). nullptr when there is
   // none (memres's last error, or t_pool_failure for a MemPool's allocator, says why).
-  void* allocate(size_t size, cudaStream_t stream, bool may_grow = true) {
+  void* allocate(size_t size, cudaStream_t stream, bool may_grow, bool capturing) {
     memres_segment_pool_t* pool = blocks_table();
     if (pool == nullptr) {
       return nullptr;
     }
     t_source_exception = nullptr;
-    void* ptr = memres_segment_pool_malloc(pool, std::max<size_t>(size, 1), stream, may_grow ? 1 : 0);
+    void* ptr = memres_segment_pool_malloc(
+        pool, std::max<size_t>(size, 1), stream, may_grow ? 1 : 0, capturing ? 1 : 0);
     if (ptr == nullptr && t_source_exception != nullptr) {
       std::exception_ptr thrown = std::exchange(t_source_exception, nullptr);
       std::rethrow_exception(thrown);
@@ -889,9 +711,10 @@ struct PrivatePool {
     return ptr;
   }
 
-  // Frees the block at `ptr` if it is one of this pool's, merging it with free neighbours.
-  bool free(void* ptr) {
-    return table != nullptr && memres_segment_pool_free(table.get(), ptr) == MEMRES_OK;
+  // Frees the block at `ptr` if it is one of this pool's (held while streams recorded for
+  // it may use it).
+  bool free(void* ptr, bool capturing) {
+    return table != nullptr && memres_segment_pool_free(table.get(), ptr, capturing ? 1 : 0) == MEMRES_OK;
   }
 
   // The table memres keeps: every block of every segment.
@@ -935,18 +758,13 @@ struct PrivatePool {
     return table != nullptr && memres_segment_pool_blocks(table.get(), nullptr, 0) > 0;
   }
 
-  // The blocks handed out and not freed (pending blocks are freed: their tensors are
-  // gone, as in PyTorch's pools).
+  // The blocks handed out and not freed (held blocks are freed: their tensors are gone,
+  // as in PyTorch's pools).
   std::vector<void*> allocated_blocks() const {
-    std::unordered_set<void*> waiting;
-    for (const auto& p : pending) {
-      waiting.insert(p.ptr);
-    }
     std::vector<void*> out;
     for (const memres_block_t& b : entries()) {
-      void* ptr = reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment + b.offset));
-      if (b.allocated != 0 && waiting.count(ptr) == 0) {
-        out.push_back(ptr);
+      if (b.allocated != 0 && b.held == 0) {
+        out.push_back(reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment + b.offset)));
       }
     }
     return out;
@@ -1032,20 +850,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (filter(stream)) {
         *routed = true;
         PrivatePool& pool = pools_.at(id);
-        pool.free_pending(is_capturing(device));
-        std::vector<cudaGraphNode_t> frontier;
-        unsigned long long capture = 0;
-        bool capturing = capture_frontier(stream, &frontier, &capture);
-        if (capturing) {
-          pool.reuse_in_capture(stream, frontier, capture);
-        }
-        void* ptr = pool.allocate(size, stream);
+        void* ptr = pool.allocate(size, stream, /*may_grow=*/true, is_capturing(device));
         if (ptr != nullptr) {
           private_blocks_[ptr] = id;
           private_count_.store(private_blocks_.size(), std::memory_order_release);
-          if (capturing) {
-            pool.captured_in[ptr] = capture;
-          }
         }
         return ptr;
       }
@@ -1077,8 +885,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         list.erase(it);
         routing_.fetch_sub(1, std::memory_order_release);
         for (auto& [pid, pool] : pools_) {
-          if (pool.device == device) {
-            pool.free_pending(is_capturing(device));
+          if (pool.device == device && !is_capturing(device)) {
+            pool.settle(MEMRES_SETTLE_POLL);
           }
         }
         return;
@@ -1144,7 +952,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (pool.device != device || !pool.use_on_oom) {
         continue;
       }
-      void* ptr = pool.allocate(size, stream, /*may_grow=*/false);
+      void* ptr = pool.allocate(size, stream, /*may_grow=*/false, is_capturing(device));
       if (ptr != nullptr) {
         private_blocks_[ptr] = id;
         private_count_.store(private_blocks_.size(), std::memory_order_release);
@@ -1210,16 +1018,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       // waiting for those streams), so that no such free lands later on a block the
       // checkpoint makes live (the address would be handed out twice). Inside a capture
       // nothing may wait: they are forgotten, the checkpoint's table replacing theirs.
-      // Every block allocated now (pending ones are freed already) is freed; the
+      // Every block allocated now (held ones are freed already) is freed; the
       // checkpoint's blocks are allocated again, at the same addresses (segments stay
       // while the pool lives).
       freed = pool.allocated_blocks();
-      if (is_capturing(device)) {
-        pool.forget_pending();
-      } else {
-        pool.wait_pending();
-      }
-      pool.captured_in.clear();
+      pool.settle(is_capturing(device) ? MEMRES_SETTLE_FORGET : MEMRES_SETTLE_WAIT);
       // memres lays the checkpoint's table out again in the pool's segments (a table
       // naming a segment the pool gave back is refused, nothing changed).
       if (!state->table.empty() || pool.table != nullptr) {
@@ -1259,16 +1062,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
           }
         }
       }
-      // Streams recorded for blocks the checkpoint leaves free go (a later block there is
-      // another tensor); those of its live blocks stay (a later free waits for them).
-      for (auto rec = pool.recorded.begin(); rec != pool.recorded.end();) {
-        auto owner = private_blocks_.find(rec->first);
-        if (owner == private_blocks_.end() || owner->second != state->id) {
-          rec = pool.recorded.erase(rec);
-        } else {
-          ++rec;
-        }
-      }
+      // memres keeps the streams recorded for the blocks the restore made live, and drops
+      // the others' (a later block there is another tensor).
     }
     if (g_history.on.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> lock(g_history.mutex);
@@ -1295,40 +1090,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         private_blocks_.erase(it);
         private_count_.store(private_blocks_.size(), std::memory_order_release);
         PrivatePool& pool = pools_.at(id);
-        auto rec = pool.recorded.find(ptr);
-        if (rec != pool.recorded.end()) {
-          // Used on other streams: held until their work (at this point) completes.
-          Pending held{ptr, std::move(rec->second), {}, {}, false, 0};
-          auto seg = pool.segment_of(ptr);
-          auto made = pool.captured_in.find(ptr);
-          if (is_capturing(pool.device) && seg.has_value() && made != pool.captured_in.end()) {
-            // Inside the capture that made the block no event can say when that work is
-            // done, but the graph can: note where each stream's captured work has
-            // reached. Every stream must be in that same capture (a stream outside it,
-            // or in another, leaves the block to events after the capture).
-            std::vector<cudaStream_t> used = held.streams;
-            used.push_back(seg->stream);
-            held.in_capture = true;
-            held.capture = made->second;
-            for (cudaStream_t s : used) {
-              std::vector<cudaGraphNode_t> nodes;
-              unsigned long long id = 0;
-              if (!capture_frontier(s, &nodes, &id) || id != held.capture) {
-                held.in_capture = false;
-                held.after.clear();
-                break;
-              }
-              held.after.insert(held.after.end(), nodes.begin(), nodes.end());
-            }
-          }
-          pool.captured_in.erase(ptr);
-          pool.pending.push_back(std::move(held));
-          pool.recorded.erase(rec);
-          pool.free_pending(is_capturing(pool.device));
-        } else {
-          pool.captured_in.erase(ptr);
-          TORCH_CHECK(pool.free(ptr), "memres: a graph pool's block freed twice");
-        }
+        // memres frees it, or holds it while streams recorded for it may use it (inside
+        // the capture that made it, until the graph orders their work first).
+        TORCH_CHECK(pool.free(ptr, is_capturing(pool.device)), "memres: a graph pool's block freed twice");
         size_t size = 0;
         int device = pool.device;
         {
@@ -1687,13 +1451,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       auto it = private_blocks_.find(ptr.get());
       if (it != private_blocks_.end()) {
         PrivatePool& pool = pools_.at(it->second);
-        auto seg = pool.segment_of(ptr.get());
-        if (seg.has_value() && seg->stream != stream.stream()) {
-          auto& streams = pool.recorded[ptr.get()];
-          if (std::find(streams.begin(), streams.end(), stream.stream()) == streams.end()) {
-            streams.push_back(stream.stream());
-          }
-        }
+        int code = pool.table == nullptr
+            ? MEMRES_ERROR_INVALID_ARGUMENT
+            : memres_segment_pool_record_stream(pool.table.get(), ptr.get(), stream.stream());
+        TORCH_CHECK(code == MEMRES_OK, "memres: ", memres_last_error());
         return;
       }
     }
@@ -1844,7 +1605,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       auto it = pools_.find(mempool_id);
       if (it != pools_.end() && !is_capturing(it->second.device)) {
         PrivatePool& pool = it->second;
-        pool.free_pending(false);
+        pool.settle(MEMRES_SETTLE_POLL);
         c10::cuda::CUDAGuard guard(pool.device);
         C10_CUDA_CHECK(cudaDeviceSynchronize());
         pool.release_free_segments();
@@ -1858,7 +1619,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       std::lock_guard<std::mutex> lock(pools_mutex_);
       for (auto& [id, pool] : pools_) {
         if (!is_capturing(pool.device)) {
-          pool.wait_pending();
+          pool.settle(MEMRES_SETTLE_WAIT);
         }
       }
       for (int device = 0; device < kMaxDevices; ++device) {
@@ -1934,7 +1695,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
  public:
-  // Before memres reports out of memory: pending graph-pool blocks are waited for and
+  // Before memres reports out of memory: held graph-pool blocks are waited for and
   // pools no graph holds give their segments back. Not while a capture is underway on
   // the device (no wait is allowed then).
   void reclaim(c10::DeviceIndex device) {
@@ -1944,7 +1705,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     for (auto& [id, pool] : pools_) {
       if (pool.device == device) {
-        pool.wait_pending();
+        pool.settle(MEMRES_SETTLE_WAIT);
       }
     }
     release_unused_pools(device);
@@ -1986,7 +1747,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     for (auto& [id, pool] : pools_) {
       if (pool.device == device) {
-        pool.free_pending(false);
+        pool.settle(MEMRES_SETTLE_POLL);
       }
     }
     bool waited = false;

@@ -116,3 +116,102 @@ impl Drop for Relaxed {
         });
     }
 }
+
+/// Where a stream's capture has reached: the capture's id and the nodes that the next
+/// work captured on the stream would depend on (none yet: empty), as addresses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Frontier {
+    pub(crate) capture: u64,
+    pub(crate) nodes: Vec<usize>,
+}
+
+impl StreamRef<'_> {
+    /// The stream's [`Frontier`], or `None` when it is not capturing (a host stream never
+    /// is) or the driver cannot say.
+    pub(crate) fn capture_frontier(self) -> Option<Frontier> {
+        let raw = self.as_raw()?;
+        let _current = bind(self.context().ok()?).ok()?;
+        let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut capture = 0u64;
+        let mut graph = std::ptr::null_mut();
+        let mut nodes: *const sys::CUgraphNode = std::ptr::null();
+        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
+        let mut count = 0usize;
+        // SAFETY: `raw` is live for the borrow of `self`; every out-pointer is a valid
+        // place; the arrays the driver points to live while the capture does, and are
+        // copied before this returns.
+        let result = unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                raw,
+                &mut status,
+                &mut capture,
+                &mut graph,
+                &mut nodes,
+                &mut edges,
+                &mut count,
+            )
+        };
+        if result != CUresult::CUDA_SUCCESS
+            || status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+        {
+            return None;
+        }
+        let nodes = if count == 0 || nodes.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: the driver's array of `count` nodes (above).
+            unsafe { std::slice::from_raw_parts(nodes, count) }
+                .iter()
+                .map(|&node| node as usize)
+                .collect()
+        };
+        Some(Frontier { capture, nodes })
+    }
+}
+
+/// The nodes of `from` and every ancestor of theirs in the graph being captured, or
+/// `None` when the driver cannot say.
+pub(crate) fn ancestors(from: &[usize]) -> Option<std::collections::HashSet<usize>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut todo = from.to_vec();
+    while let Some(node) = todo.pop() {
+        if !seen.insert(node) {
+            continue;
+        }
+        let raw = node as sys::CUgraphNode;
+        let mut count = 0usize;
+        // SAFETY: `raw` is a node of the graph being captured (a frontier's, or a
+        // dependency the driver listed); null arrays ask for the count only.
+        let result = unsafe {
+            sys::cuGraphNodeGetDependencies_v2(
+                raw,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut count,
+            )
+        };
+        if result != CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        if count == 0 {
+            continue;
+        }
+        let mut deps: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+        // SAFETY: zeroed edge data is the default edge's (a plain C struct of integers).
+        let mut edges: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; count];
+        // SAFETY: both arrays have room for `count` entries.
+        let result = unsafe {
+            sys::cuGraphNodeGetDependencies_v2(
+                raw,
+                deps.as_mut_ptr(),
+                edges.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        if result != CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        todo.extend(deps.iter().take(count).map(|&d| d as usize));
+    }
+    Some(seen)
+}

@@ -23,7 +23,7 @@ use std::marker::PhantomData;
 
 use cudarc::driver::sys::{self, CUstream};
 
-pub(crate) use capture::{Relaxed, on_capture_path};
+pub(crate) use capture::{Frontier, Relaxed, ancestors, on_capture_path};
 pub use event::Event;
 pub use owned::{Stream, StreamFlags, StreamPool};
 

@@ -99,7 +99,7 @@ pub use coalescing::PoolStats;
 pub use fixed::FixedSize;
 pub use pool::Pool;
 pub use pool_config::{Growth, PoolConfig};
-pub use segment_pool::{BlockEntry, Restored, SegmentPool, SegmentPoolConfig};
+pub use segment_pool::{BlockEntry, Restored, SegmentPool, SegmentPoolConfig, Settle};
 pub use superblocks::SUPERBLOCK_SIZE;
 pub use virtual_pool::{SleepMode, VirtualPool, VirtualPoolConfig};
 

@@ -12,14 +12,14 @@
 //! back ([`SegmentPool::restore`]), the segments staying where they are.
 
 use std::alloc::Layout;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ptr::NonNull;
 
 use crate::device::DEFAULT_ALIGNMENT;
 use crate::error::Error;
 use crate::resource::Resource;
-use crate::stream::StreamRef;
+use crate::stream::{Event, Frontier, StreamRef, ancestors};
 use crate::sync::{Mutex, lock};
 
 const MIB: usize = 1 << 20;
@@ -146,6 +146,10 @@ pub struct BlockEntry {
     pub size: usize,
     /// Handed out (not free).
     pub allocated: bool,
+    /// Freed by its owner, held for other streams' work ([`SegmentPool::free_used`]):
+    /// allocated in the table, no longer live for its owner. [`SegmentPool::restore`]
+    /// ignores it.
+    pub held: bool,
 }
 
 impl BlockEntry {
@@ -200,6 +204,42 @@ impl Segment {
 struct Table {
     segments: Vec<Segment>,
     live: usize,
+    /// Streams recorded for live blocks ([`SegmentPool::record_stream`]), by address.
+    recorded: HashMap<usize, Vec<StreamRef<'static>>>,
+    /// Blocks freed while recorded streams may still use them.
+    held: Vec<Held>,
+    /// Live blocks allocated during a capture, with the capture's id.
+    captured_in: HashMap<usize, u64>,
+}
+
+/// A freed block that other streams used: it goes back to the table once their work (at
+/// the free) is complete. Freed while a capture is underway on the device, its events are
+/// recorded once none is (an event recorded or queried then would be a node of the
+/// graph, or refused).
+struct Held {
+    address: usize,
+    /// Streams whose work must complete, until their events are recorded.
+    streams: Vec<StreamRef<'static>>,
+    events: Vec<Event>,
+    /// Freed in the capture that made it, with every stream in that same capture: where
+    /// each stream's captured work had reached then. A later allocation of that capture
+    /// on the block's segment's stream, whose next work the graph orders after all of
+    /// these nodes, may take the block again at once.
+    in_capture: Option<Frontier>,
+}
+
+/// What [`SegmentPool::settle`] does with held blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Settle {
+    /// Frees those whose streams' work is complete; never waits. Nothing while a capture
+    /// is underway on the device.
+    Poll,
+    /// Waits for every held block's streams, then frees it.
+    Wait,
+    /// Forgets every held block without freeing it (inside a capture, where nothing may
+    /// wait, before [`SegmentPool::restore`] replaces the table they would free into).
+    Forget,
 }
 
 /// A pool of whole upstream segments split into blocks best-fit, whose table of
@@ -275,27 +315,137 @@ impl<U: Resource> SegmentPool<U> {
     pub unsafe fn release(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
         let address = ptr.as_ptr() as usize;
         let mut table = lock(&self.table);
-        let table = &mut *table;
-        let Some(segment) = table.segments.iter_mut().find(|s| s.contains(address)) else {
-            return Err(not_live(address));
+        live_block(&table, address)?;
+        table.recorded.remove(&address);
+        table.captured_in.remove(&address);
+        Ok(table.release(address))
+    }
+
+    /// Records that work on `stream` uses the live block at `ptr` (PyTorch's
+    /// `Tensor.record_stream`): its [`free_used`](Self::free_used) holds it until the work
+    /// `stream` has enqueued by then is complete. The stream of the block's segment, or a
+    /// stream recorded already, adds nothing. [`Error::InvalidArgument`] for what is not
+    /// the start of a live block.
+    ///
+    /// # Safety
+    /// `stream` stays valid until the block's free has completed.
+    pub unsafe fn record_stream(
+        &self,
+        ptr: NonNull<u8>,
+        stream: StreamRef<'_>,
+    ) -> Result<(), Error> {
+        let address = ptr.as_ptr() as usize;
+        let mut table = lock(&self.table);
+        if live_block(&table, address)? == stream {
+            return Ok(());
+        }
+        // SAFETY: the caller's promise: valid until the free completes, when the record
+        // goes.
+        let stream = unsafe { stream.detach() };
+        let streams = table.recorded.entry(address).or_default();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Frees the block at `ptr` as PyTorch frees a tensor's: with no stream recorded for
+    /// it, at once (as [`release`](Self::release)); else it is held, and goes back to the
+    /// table once the work its recorded streams have enqueued by now is complete.
+    /// `capturing`: a capture is underway on the device, so no event is recorded or
+    /// queried until [`settle`](Self::settle) is called after it; a block made in that
+    /// same capture notes instead where the graph has reached on each of its streams,
+    /// and [`allocate_ordered`](Self::allocate_ordered) takes it back once the graph
+    /// orders those points first. Its size, or [`Error::InvalidArgument`] (nothing
+    /// changed) where `ptr` is not the start of a live block.
+    ///
+    /// # Safety
+    /// As for [`release`](Self::release), for the block's segment's stream; the other
+    /// streams that used it are recorded for it.
+    pub unsafe fn free_used(&self, ptr: NonNull<u8>, capturing: bool) -> Result<usize, Error> {
+        let address = ptr.as_ptr() as usize;
+        let mut table = lock(&self.table);
+        let own = live_block(&table, address)?;
+        let made_in = table.captured_in.remove(&address);
+        let Some(streams) = table.recorded.remove(&address) else {
+            return Ok(table.release(address));
         };
-        let offset = address - segment.base;
-        let size = match segment.blocks.get_mut(&offset) {
-            Some((size, allocated)) if *allocated => {
-                *allocated = false;
-                *size
-            }
-            _ => return Err(not_live(address)),
+        let size = table.size_of(address);
+        let in_capture = match made_in {
+            Some(capture) if capturing => frontier_of_all(&streams, own, capture),
+            _ => None,
         };
-        table.live -= 1;
-        merge_free(&mut segment.blocks, offset);
+        table.held.push(Held {
+            address,
+            streams,
+            events: Vec::new(),
+            in_capture,
+        });
+        if !capturing {
+            table.poll_held();
+        }
         Ok(size)
+    }
+
+    /// Settles the held blocks (those [`free_used`](Self::free_used) held for other
+    /// streams) as `how` says.
+    pub fn settle(&self, how: Settle) {
+        let mut table = lock(&self.table);
+        match how {
+            Settle::Poll => table.poll_held(),
+            Settle::Wait => {
+                table.poll_held();
+                for held in std::mem::take(&mut table.held) {
+                    for event in &held.events {
+                        if let Err(e) = event.synchronize() {
+                            tracing::error!("a segment pool could not wait for a held block: {e}");
+                        }
+                    }
+                    table.release(held.address);
+                }
+            }
+            Settle::Forget => table.held.clear(),
+        }
+    }
+
+    /// A block as [`allocate`](Resource::allocate) gives one (`may_grow`) or
+    /// [`allocate_from_free`](Self::allocate_from_free), after freeing the held blocks
+    /// whose streams' work is complete (unless `capturing`: a capture is underway on the
+    /// device) and, while `stream` is captured, taking back the blocks freed earlier in
+    /// the same capture on `stream`'s own segments whose streams' captured work the graph
+    /// orders before `stream`'s next work (replays keep that order). A block allocated
+    /// during a capture is noted with it.
+    pub fn allocate_ordered(
+        &self,
+        stream: StreamRef<'_>,
+        layout: Layout,
+        may_grow: bool,
+        capturing: bool,
+    ) -> Result<NonNull<u8>, Error> {
+        let frontier = stream.capture_frontier();
+        {
+            let mut table = lock(&self.table);
+            if !capturing {
+                table.poll_held();
+            }
+            if let Some(frontier) = &frontier {
+                table.reuse_in_capture(stream, frontier);
+            }
+        }
+        let ptr = self.take(stream, layout, may_grow)?;
+        if let Some(frontier) = frontier {
+            lock(&self.table)
+                .captured_in
+                .insert(ptr.as_ptr() as usize, frontier.capture);
+        }
+        Ok(ptr)
     }
 
     /// The table: every segment's blocks in address order, segments in the order they
     /// were taken.
     pub fn blocks(&self) -> Vec<BlockEntry> {
         let table = lock(&self.table);
+        let held: std::collections::HashSet<usize> = table.held.iter().map(|h| h.address).collect();
         let mut out = Vec::new();
         for segment in &table.segments {
             let base = segment.base;
@@ -309,6 +459,7 @@ impl<U: Resource> SegmentPool<U> {
                         offset,
                         size,
                         allocated,
+                        held: held.contains(&(base + offset)),
                     }),
             );
         }
@@ -374,6 +525,12 @@ impl<U: Resource> SegmentPool<U> {
             );
         }
         table.live = restored.allocated.len();
+        // Held blocks (the caller settles them first) are gone with the table they would
+        // free into; records stay for the blocks live again only.
+        table.held.clear();
+        table.captured_in.clear();
+        let live: std::collections::HashSet<usize> = restored.allocated.iter().copied().collect();
+        table.recorded.retain(|address, _| live.contains(address));
         Ok(restored)
     }
 
@@ -453,6 +610,143 @@ impl<U: Resource> SegmentPool<U> {
         let ptr = best_fit(&mut table, stream, size, self.config.no_split, rounding);
         Ok(ptr.expect("a new segment holds the block it was made for"))
     }
+}
+
+impl Table {
+    /// Frees the allocated block at `address` (a live or held one), merging it.
+    fn release(&mut self, address: usize) -> usize {
+        let Some(segment) = self.segments.iter_mut().find(|s| s.contains(address)) else {
+            return 0;
+        };
+        let offset = address - segment.base;
+        let size = match segment.blocks.get_mut(&offset) {
+            Some((size, allocated)) if *allocated => {
+                *allocated = false;
+                *size
+            }
+            _ => return 0,
+        };
+        self.live -= 1;
+        merge_free(&mut segment.blocks, offset);
+        size
+    }
+
+    /// The size of the block at `address` (0 if none starts there).
+    fn size_of(&self, address: usize) -> usize {
+        self.segments
+            .iter()
+            .find(|s| s.contains(address))
+            .and_then(|s| s.blocks.get(&(address - s.base)))
+            .map_or(0, |&(size, _)| size)
+    }
+
+    /// Records the events of held blocks that have none yet, and frees those whose events
+    /// are all complete. Never waits (but for a stream no event can be recorded on).
+    fn poll_held(&mut self) {
+        let mut i = 0;
+        while i < self.held.len() {
+            let held = &mut self.held[i];
+            for stream in std::mem::take(&mut held.streams) {
+                match event_on(stream) {
+                    Ok(Some(event)) => held.events.push(event),
+                    Ok(None) => {} // a host stream: its work is complete
+                    Err(e) => {
+                        // No event: wait for the stream itself (a broken stream or context).
+                        tracing::warn!(
+                            "a segment pool waits for a stream it cannot record on: {e}"
+                        );
+                        let _ = stream.synchronize();
+                    }
+                }
+            }
+            // A query that fails counts as not complete: a later look asks again.
+            if held.events.iter().all(|e| e.is_complete().unwrap_or(false)) {
+                let held = self.held.swap_remove(i);
+                self.release(held.address);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Frees the held blocks of `stream`'s own segments, freed in the capture `frontier`
+    /// belongs to, whose streams' captured work then precedes `frontier` in the graph.
+    fn reuse_in_capture(&mut self, stream: StreamRef<'_>, frontier: &Frontier) {
+        let of_this_capture = |h: &Held| {
+            h.events.is_empty()
+                && h.in_capture
+                    .as_ref()
+                    .is_some_and(|f| f.capture == frontier.capture)
+        };
+        if !self.held.iter().any(of_this_capture) {
+            return;
+        }
+        // The frontier and its ancestors, once.
+        let Some(before) = ancestors(&frontier.nodes) else {
+            return;
+        };
+        let mut i = 0;
+        while i < self.held.len() {
+            let held = &self.held[i];
+            let own = self
+                .segments
+                .iter()
+                .find(|s| s.contains(held.address))
+                .is_some_and(|s| s.stream == stream);
+            let ordered = own
+                && of_this_capture(held)
+                && held
+                    .in_capture
+                    .as_ref()
+                    .is_some_and(|f| f.nodes.iter().all(|n| before.contains(n)));
+            if ordered {
+                let held = self.held.swap_remove(i);
+                self.release(held.address);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+/// The stream of the segment holding the live block at `address` (allocated, not held),
+/// or [`Error::InvalidArgument`].
+fn live_block(table: &Table, address: usize) -> Result<StreamRef<'static>, Error> {
+    let segment = table
+        .segments
+        .iter()
+        .find(|s| s.contains(address))
+        .ok_or_else(|| not_live(address))?;
+    match segment.blocks.get(&(address - segment.base)) {
+        Some(&(_, true)) if !table.held.iter().any(|h| h.address == address) => Ok(segment.stream),
+        _ => Err(not_live(address)),
+    }
+}
+
+/// Where the captured work of each of `streams` and `own` has reached, if every one of
+/// them is in the capture `capture` (one outside it, or in another, leaves the block to
+/// events after the capture).
+fn frontier_of_all(
+    streams: &[StreamRef<'static>],
+    own: StreamRef<'static>,
+    capture: u64,
+) -> Option<Frontier> {
+    let mut nodes = Vec::new();
+    for stream in streams.iter().copied().chain([own]) {
+        let frontier = stream.capture_frontier().filter(|f| f.capture == capture)?;
+        nodes.extend(frontier.nodes);
+    }
+    Some(Frontier { capture, nodes })
+}
+
+/// An event recorded on `stream` now (on its device), or `None` for a host stream.
+fn event_on(stream: StreamRef<'_>) -> Result<Option<Event>, Error> {
+    if stream.is_host() {
+        return Ok(None);
+    }
+    let event = Event::new_in(stream.context()?)?;
+    event.record(stream)?;
+    Ok(Some(event))
 }
 
 /// The smallest free block of `stream`'s segments holding `size` bytes, split (unless
@@ -588,9 +882,13 @@ unsafe impl<U: Resource> Resource for SegmentPool<U> {
         {
             tracing::error!("a segment pool could not order a free on another stream: {e}");
         }
+        // Streams recorded for the block hold it; their events cannot be recorded while
+        // `stream` is captured.
+        let recorded = !lock(&self.table).recorded.is_empty();
+        let capturing = recorded && stream.is_capturing().unwrap_or(true);
         // SAFETY: the caller's promise (every use ordered before this point on `stream`),
-        // and the segment's stream now comes after it.
-        let freed = unsafe { self.release(ptr) };
+        // and the segment's stream now comes after it; other streams are recorded.
+        let freed = unsafe { self.free_used(ptr, capturing) };
         debug_assert!(freed.is_ok(), "{freed:?}");
     }
 }
@@ -605,6 +903,8 @@ impl<U: Resource> PartialEq for SegmentPool<U> {
 
 impl<U: Resource> Drop for SegmentPool<U> {
     fn drop(&mut self) {
+        // Held blocks' streams may still use them: their work first.
+        self.settle(Settle::Wait);
         let table = std::mem::take(&mut *lock(&self.table));
         for segment in table.segments {
             // Its blocks' work is ordered on its stream (frees from other streams were
