@@ -10,7 +10,8 @@ use cudarc::driver::sys;
 use memres::adaptor::Statistics;
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{
-    Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
+    Arena, Binning, FixedSize, Pool, PoolConfig, SegmentPool, SegmentPoolConfig, VirtualPool,
+    VirtualPoolConfig,
 };
 use memres::{AnyResource, Cuda, CudaAsync, CudaVirtual, Device, Resource, layout};
 
@@ -112,6 +113,18 @@ fn pool() {
 fn virtual_pool() {
     let pool = VirtualPool::new(CudaVirtual::new().unwrap(), VirtualPoolConfig::new()).unwrap();
     safe(&pool, "VirtualPool");
+}
+
+/// Held blocks of PyTorch's graph-pool shape: events recorded at the free, the block
+/// back once they complete.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn segment_pool() {
+    let pool = SegmentPool::new(Cuda::new().unwrap(), SegmentPoolConfig::new()).unwrap();
+    safe(&pool, "SegmentPool");
+    pool.settle(memres::suballoc::Settle::Wait);
+    assert_eq!(pool.live_blocks(), 0);
+    assert!(pool.blocks().iter().all(|b| !b.allocated));
 }
 
 #[test]

@@ -891,6 +891,47 @@ unsafe impl<U: Resource> Resource for SegmentPool<U> {
         let freed = unsafe { self.free_used(ptr, capturing) };
         debug_assert!(freed.is_ok(), "{freed:?}");
     }
+
+    /// Records `stream` and each of `used_on` for the block (as
+    /// [`record_stream`](SegmentPool::record_stream)) and frees it: held until the events
+    /// recorded on them now complete. While any of them is captured (no event may be
+    /// recorded then), `stream` waits for the others instead and the block is freed on it.
+    unsafe fn deallocate_used_on(
+        &self,
+        stream: StreamRef<'_>,
+        ptr: NonNull<u8>,
+        layout: Layout,
+        used_on: &[StreamRef<'_>],
+    ) {
+        if layout.size() == 0 {
+            return;
+        }
+        let capturing = [stream]
+            .iter()
+            .chain(used_on)
+            .any(|s| s.is_capturing().unwrap_or(true));
+        if capturing {
+            for &other in used_on {
+                if stream.wait_for_stream(other).is_err()
+                    && let Err(e) = other.synchronize()
+                {
+                    tracing::error!("a segment pool could not order a free after a stream: {e}");
+                }
+            }
+            // SAFETY: the caller's promise; `stream` now comes after every use.
+            unsafe { self.deallocate(stream, ptr, layout) };
+            return;
+        }
+        for &other in [stream].iter().chain(used_on) {
+            // SAFETY: the streams are live during this call, and the free below records
+            // their events before it returns (no capture is underway on them).
+            let recorded = unsafe { self.record_stream(ptr, other) };
+            debug_assert!(recorded.is_ok(), "{recorded:?}");
+        }
+        // SAFETY: the caller's promise; every other stream's use is recorded.
+        let freed = unsafe { self.free_used(ptr, false) };
+        debug_assert!(freed.is_ok(), "{freed:?}");
+    }
 }
 
 sync_on_the_host_stream!(SegmentPool);
