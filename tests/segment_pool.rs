@@ -196,7 +196,32 @@ fn a_table_that_does_not_fit_the_pool_is_refused_and_changes_nothing() {
         size: 1024,
         ..now[0]
     }];
-    for table in [gap, foreign, short] {
+    // Sizes that wrap around to the segment's size, and a block off the 512-byte grid.
+    let wrapping = vec![
+        BlockEntry {
+            size: 4 * MIB,
+            ..now[0]
+        },
+        BlockEntry {
+            offset: 4 * MIB,
+            size: 0usize.wrapping_sub(2 * MIB),
+            allocated: false,
+            ..now[0]
+        },
+    ];
+    let off_grid = vec![
+        BlockEntry {
+            size: 100,
+            ..now[0]
+        },
+        BlockEntry {
+            offset: 100,
+            size: 2 * MIB - 100,
+            allocated: false,
+            ..now[0]
+        },
+    ];
+    for table in [gap, foreign, short, wrapping, off_grid] {
         // SAFETY: refused, nothing changes.
         let refused = unsafe { p.restore(&table) };
         assert!(

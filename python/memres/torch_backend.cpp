@@ -658,37 +658,48 @@ struct PrivatePool {
   // counts what other allocators' pools hold, as torch's does). Its failure is torch's
   // exception with its message, thrown again once memres returns; a null without one is
   // out of memory.
-  static void* source_alloc(void* ctx, size_t size, void* stream) {
+  // Called from memres (Rust): nothing may unwind out of them, so every exception is
+  // caught and carried in t_source_exception.
+  static void* source_alloc(void* ctx, size_t size, void* stream) noexcept {
     auto* pool = static_cast<PrivatePool*>(ctx);
-    if (!reserve_foreign(pool->device, size)) {
-      t_pool_failure = "out of memory: " + torch_size(size) +
-          " more for a MemPool would pass the memory fraction's bound";
-      return nullptr;
-    }
-    void* base = nullptr;
+    bool reserved = false;
     try {
-      base = pool->source->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+      if (!reserve_foreign(pool->device, size)) {
+        t_pool_failure = "out of memory: " + torch_size(size) +
+            " more for a MemPool would pass the memory fraction's bound";
+        return nullptr;
+      }
+      reserved = true;
+      void* base = pool->source->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+      if (base == nullptr) {
+        release_foreign(pool->device, size);
+        t_pool_failure = "out of memory: the MemPool's own allocator (" + pool->source->name() +
+            ") returned no memory for " + torch_size(size);
+      }
+      return base;
     } catch (...) {
-      release_foreign(pool->device, size);
+      if (reserved) {
+        try {
+          release_foreign(pool->device, size);
+        } catch (...) {
+        }
+      }
       t_source_exception = std::current_exception();
       return nullptr;
     }
-    if (base == nullptr) {
-      release_foreign(pool->device, size);
-      t_pool_failure = "out of memory: the MemPool's own allocator (" + pool->source->name() +
-          ") returned no memory for " + torch_size(size);
-    }
-    return base;
   }
 
-  static void source_free(void* ctx, void* ptr, size_t size) {
+  static void source_free(void* ctx, void* ptr, size_t size) noexcept {
     auto* pool = static_cast<PrivatePool*>(ctx);
     try {
       pool->source->raw_delete(ptr);
     } catch (...) {
       // Nothing may cross into memres: the allocator keeps what it could not free.
     }
-    release_foreign(pool->device, size);
+    try {
+      release_foreign(pool->device, size);
+    } catch (...) {
+    }
   }
 
   // A block of `size` bytes for `stream`: the best fit among its segments' free blocks,
@@ -1022,7 +1033,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       // checkpoint's blocks are allocated again, at the same addresses (segments stay
       // while the pool lives).
       freed = pool.allocated_blocks();
-      pool.settle(is_capturing(device) ? MEMRES_SETTLE_FORGET : MEMRES_SETTLE_WAIT);
+      // (Inside a capture they are left to the restore, which drops them with the table
+      // they would free into; a refused restore leaves them as they were.)
+      if (!is_capturing(device)) {
+        pool.settle(MEMRES_SETTLE_WAIT);
+      }
       // memres lays the checkpoint's table out again in the pool's segments (a table
       // naming a segment the pool gave back is refused, nothing changed).
       if (!state->table.empty() || pool.table != nullptr) {

@@ -127,10 +127,17 @@ pub(crate) struct Frontier {
 
 impl StreamRef<'_> {
     /// The stream's [`Frontier`], or `None` when it is not capturing (a host stream never
-    /// is) or the driver cannot say.
+    /// is) or the driver cannot say (one older than CUDA 12.3 lacks the calls: its
+    /// captures get no frontier).
     pub(crate) fn capture_frontier(self) -> Option<Frontier> {
         let raw = self.as_raw()?;
-        let _current = bind(self.context().ok()?).ok()?;
+        let ctx = self.context().ok()?;
+        // `cuStreamIsCapturing` first (every driver has it; the common answer is no),
+        // then the 12.3 entry point, which cudarc would panic on where it is missing.
+        if !self.is_capturing_in(ctx).ok()? || crate::driver::version().ok()? < 12030 {
+            return None;
+        }
+        let _current = bind(ctx).ok()?;
         let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut capture = 0u64;
         let mut graph = std::ptr::null_mut();

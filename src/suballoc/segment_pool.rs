@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ptr::NonNull;
 
-use crate::device::DEFAULT_ALIGNMENT;
+use crate::device::{Context, DEFAULT_ALIGNMENT, bind};
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::{Event, Frontier, StreamRef, ancestors};
@@ -148,7 +148,8 @@ pub struct BlockEntry {
     pub allocated: bool,
     /// Freed by its owner, held for other streams' work ([`SegmentPool::free_used`]):
     /// allocated in the table, no longer live for its owner. [`SegmentPool::restore`]
-    /// ignores it.
+    /// reads `allocated` only: a saved held block comes back live (as PyTorch's own
+    /// pools restore a block still waiting for its streams).
     pub held: bool,
 }
 
@@ -180,6 +181,9 @@ struct Segment {
     /// The stream it was taken for, kept as its key past the borrow (see
     /// [`SegmentPool::allocate`]'s stream contract).
     stream: StreamRef<'static>,
+    /// That stream's device's context (none for a host stream): current while events of
+    /// its held blocks are recorded, so a default-stream handle names that device's.
+    ctx: Option<Context>,
     blocks: Blocks,
 }
 
@@ -218,6 +222,8 @@ struct Table {
 /// graph, or refused).
 struct Held {
     address: usize,
+    /// The context of the block's segment (see [`Segment::ctx`]).
+    ctx: Option<Context>,
     /// Streams whose work must complete, until their events are recorded.
     streams: Vec<StreamRef<'static>>,
     events: Vec<Event>,
@@ -232,8 +238,9 @@ struct Held {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Settle {
-    /// Frees those whose streams' work is complete; never waits. Nothing while a capture
-    /// is underway on the device.
+    /// Frees those whose streams' work is complete; never waits. Streams captured now get
+    /// their events later. (A caller that knows a capture is underway on the device, as
+    /// PyTorch's backend does, does not poll then.)
     Poll,
     /// Waits for every held block's streams, then frees it.
     Wait,
@@ -375,8 +382,14 @@ impl<U: Resource> SegmentPool<U> {
             Some(capture) if capturing => frontier_of_all(&streams, own, capture),
             _ => None,
         };
+        let ctx = table
+            .segments
+            .iter()
+            .find(|s| s.contains(address))
+            .and_then(|s| s.ctx);
         table.held.push(Held {
             address,
+            ctx,
             streams,
             events: Vec::new(),
             in_capture,
@@ -396,12 +409,21 @@ impl<U: Resource> SegmentPool<U> {
             Settle::Wait => {
                 table.poll_held();
                 for held in std::mem::take(&mut table.held) {
-                    for event in &held.events {
-                        if let Err(e) = event.synchronize() {
-                            tracing::error!("a segment pool could not wait for a held block: {e}");
-                        }
+                    let _current = held.ctx.map(bind);
+                    let mut waited = held.events.iter().all(|e| e.synchronize().is_ok());
+                    for stream in &held.streams {
+                        waited &= stream.synchronize().is_ok();
                     }
-                    table.release(held.address);
+                    if waited {
+                        table.release(held.address);
+                    } else {
+                        // Never handed out while it may be in use: kept, and said so.
+                        tracing::error!(
+                            "a segment pool could not wait for the held block at {:#x}; it \
+                             stays allocated",
+                            held.address
+                        );
+                    }
                 }
             }
             Settle::Forget => table.held.clear(),
@@ -501,7 +523,7 @@ impl<U: Resource> SegmentPool<U> {
     /// hold there is theirs to read).
     pub unsafe fn restore(&self, saved: &[BlockEntry]) -> Result<Restored, Error> {
         let mut table = lock(&self.table);
-        let layouts = group(&table, saved)?;
+        let layouts = group(&table, saved, self.config.block_rounding)?;
         let mut restored = Restored::default();
         for segment in &mut table.segments {
             let base = segment.base;
@@ -601,10 +623,16 @@ impl<U: Resource> SegmentPool<U> {
         // (the stream contract of `allocate`): it is kept as the segment's key and the
         // stream its memory goes back on at drop.
         let stream = unsafe { stream.detach() };
+        let ctx = if stream.is_host() {
+            None
+        } else {
+            stream.context().ok()
+        };
         table.segments.push(Segment {
             base: base.as_ptr().expose_provenance(),
             size: segment_size,
             stream,
+            ctx,
             blocks: BTreeMap::from([(0, (segment_size, false))]),
         });
         let ptr = best_fit(&mut table, stream, size, self.config.no_split, rounding);
@@ -646,21 +674,36 @@ impl Table {
         let mut i = 0;
         while i < self.held.len() {
             let held = &mut self.held[i];
+            // The segment's device current: default-stream handles name its streams.
+            let _current = held.ctx.map(bind);
+            let mut unrecorded = Vec::new();
             for stream in std::mem::take(&mut held.streams) {
+                // A stream captured now (elsewhere) gets its event after the capture.
+                if !matches!(stream.is_capturing(), Ok(false)) {
+                    unrecorded.push(stream);
+                    continue;
+                }
                 match event_on(stream) {
                     Ok(Some(event)) => held.events.push(event),
                     Ok(None) => {} // a host stream: its work is complete
                     Err(e) => {
-                        // No event: wait for the stream itself (a broken stream or context).
+                        // No event: wait for the stream itself (a broken stream or
+                        // context); if even that fails, the block stays held (never
+                        // handed out while it may be in use).
                         tracing::warn!(
                             "a segment pool waits for a stream it cannot record on: {e}"
                         );
-                        let _ = stream.synchronize();
+                        if stream.synchronize().is_err() {
+                            unrecorded.push(stream);
+                        }
                     }
                 }
             }
+            held.streams = unrecorded;
             // A query that fails counts as not complete: a later look asks again.
-            if held.events.iter().all(|e| e.is_complete().unwrap_or(false)) {
+            if held.streams.is_empty()
+                && held.events.iter().all(|e| e.is_complete().unwrap_or(false))
+            {
                 let held = self.held.swap_remove(i);
                 self.release(held.address);
             } else {
@@ -796,7 +839,11 @@ fn merge_free(blocks: &mut Blocks, offset: usize) {
 }
 
 /// The saved table's blocks by segment, checked against the pool's segments.
-fn group(table: &Table, saved: &[BlockEntry]) -> Result<BTreeMap<usize, Blocks>, Error> {
+fn group(
+    table: &Table,
+    saved: &[BlockEntry],
+    rounding: usize,
+) -> Result<BTreeMap<usize, Blocks>, Error> {
     let mut layouts: BTreeMap<usize, Blocks> = BTreeMap::new();
     for entry in saved {
         let held = table
@@ -819,14 +866,21 @@ fn group(table: &Table, saved: &[BlockEntry]) -> Result<BTreeMap<usize, Blocks>,
             .iter()
             .find(|e| e.segment == base)
             .map(|e| e.segment_size);
-        let mut at = 0;
+        let mut at = 0usize;
         for (&offset, &(block, _)) in blocks {
-            if offset != at || block == 0 {
+            // Each block starts where the last ended, on the rounding, and ends inside
+            // the segment (checked arithmetic: a table may come from C).
+            let end = at.checked_add(block);
+            let fits = offset == at
+                && block != 0
+                && block.is_multiple_of(rounding)
+                && end.is_some_and(|end| Some(end) <= size);
+            if !fits {
                 return Err(Error::invalid_argument(format!(
                     "a saved table's blocks do not tile the segment at {base:#x}"
                 )));
             }
-            at += block;
+            at = end.unwrap_or(at);
         }
         if Some(at) != size {
             return Err(Error::invalid_argument(format!(
@@ -875,12 +929,15 @@ unsafe impl<U: Resource> Resource for SegmentPool<U> {
             return;
         };
         // The block is reused on its segment's stream: that stream first waits for the
-        // work `stream` has enqueued (the free's order); if it cannot, the host waits.
+        // work `stream` has enqueued (the free's order); if it cannot, the host waits; if
+        // that fails too, the block is never freed (leaked, said so) rather than handed
+        // out while in use.
         if own != stream
             && own.wait_for_stream(stream).is_err()
             && let Err(e) = stream.synchronize()
         {
-            tracing::error!("a segment pool could not order a free on another stream: {e}");
+            tracing::error!("a segment pool could not order a free on another stream, leaked: {e}");
+            return;
         }
         // Streams recorded for the block hold it; their events cannot be recorded while
         // `stream` is captured.
@@ -915,7 +972,10 @@ unsafe impl<U: Resource> Resource for SegmentPool<U> {
                 if stream.wait_for_stream(other).is_err()
                     && let Err(e) = other.synchronize()
                 {
-                    tracing::error!("a segment pool could not order a free after a stream: {e}");
+                    tracing::error!(
+                        "a segment pool could not order a free after a stream, leaked: {e}"
+                    );
+                    return;
                 }
             }
             // SAFETY: the caller's promise; `stream` now comes after every use.
