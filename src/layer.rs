@@ -8,7 +8,7 @@
 //! use memres::{AnyResource, Host, HostHeap, ResourceExt};
 //!
 //! let mr: AnyResource<Host> = HostHeap::new()
-//!     .with_limit(1 << 30) // Limiting<HostHeap>: at most 1 GiB outstanding
+//!     .with_limiting(1 << 30) // Limiting<HostHeap>: at most 1 GiB outstanding
 //!     .with_statistics() // Statistics<Limiting<HostHeap>>
 //!     .shared()          // Shared<..>: clones share one stack
 //!     .into_any();       // AnyResource<Host>: erased at the API boundary
@@ -58,7 +58,7 @@ use crate::resource::{Resource, SyncResource};
 /// Something that wraps an upstream resource `U` in an adaptor.
 ///
 /// ```
-/// use memres::{HostHeap, Layer, ResourceExt, Shared};
+/// use memres::{HostHeap, ResourceExt, erased::Shared, layer::Layer};
 ///
 /// /// Puts any resource behind a `Shared` handle (as memres's own `SharedLayer` does).
 /// struct BehindShared;

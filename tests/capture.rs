@@ -10,7 +10,10 @@ use memres::adaptor::{Guard, Statistics};
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use memres::upstream::CudaVirtual;
-use memres::{Cuda, CudaAsync, Error, Managed, PinnedHost, Resource, StreamRef, layout};
+use memres::{
+    Cuda, Error, Resource, StreamRef, layout,
+    upstream::{CudaAsync, Managed, PinnedHost},
+};
 
 /// A capture in the global mode is broken by any other thread's wait or allocation:
 /// these tests take turns (the bundle's `run.sh` runs a binary's tests in parallel).

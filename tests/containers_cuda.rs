@@ -10,7 +10,10 @@ use memres::adaptor::Statistics;
 use memres::container::{DeviceBuffer, DeviceScalar, DeviceVec, HostAllocator};
 use memres::device::{DeviceGuard, DeviceId};
 use memres::stream::{Stream, StreamFlags};
-use memres::{Cuda, Error, Managed, PinnedHost, Pool, PoolConfig, StreamRef};
+use memres::{
+    Cuda, Error, Pool, PoolConfig, StreamRef,
+    upstream::{Managed, PinnedHost},
+};
 
 const D: StreamRef<'static> = StreamRef::DEFAULT;
 

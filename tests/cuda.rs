@@ -11,10 +11,10 @@ use memres::stream::{Event, Stream, StreamFlags, StreamPool};
 use memres::upstream::CudaVirtualConfig;
 use memres::upstream::{CudaAsyncConfig, ExportHandle};
 use memres::{
-    Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Error, Managed, PinnedHost, Resource,
-    StreamRef, SyncResource, layout,
+    Cuda, Error, Resource, StreamRef, SyncResource, layout,
+    upstream::{CudaAsync, CudaAsyncManaged, CudaAsyncView, Managed, PinnedHost},
 };
-use memres::{CudaVirtual, GrowInPlace};
+use memres::{CudaVirtual, upstream::GrowInPlace};
 
 fn d0() -> DeviceId {
     DeviceId::new(0)
@@ -184,7 +184,7 @@ fn cuda_async_equality() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn alignment_beyond_the_guarantee_is_an_invalid_argument() {
-    let l = memres::layout_with_alignment(100, 512).unwrap();
+    let l = memres::resource::layout_with_alignment(100, 512).unwrap();
     assert!(matches!(
         Cuda::new().unwrap().allocate_sync(l),
         Err(Error::InvalidArgument(_))
@@ -193,7 +193,7 @@ fn alignment_beyond_the_guarantee_is_an_invalid_argument() {
         CudaAsync::new().unwrap().allocate(StreamRef::DEFAULT, l),
         Err(Error::InvalidArgument(_))
     ));
-    let page = memres::layout_with_alignment(100, 8192).unwrap();
+    let page = memres::resource::layout_with_alignment(100, 8192).unwrap();
     assert!(matches!(
         PinnedHost::new().unwrap().allocate_sync(page),
         Err(Error::InvalidArgument(_))

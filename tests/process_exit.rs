@@ -116,7 +116,7 @@ fn child_leaves_a_cuda_pool_with_live_memory_in_the_map() {
     if !in_child() {
         return;
     }
-    let pool = memres::CudaAsync::new().unwrap();
+    let pool = memres::upstream::CudaAsync::new().unwrap();
     let l = memres::layout(64 << 20).unwrap();
     // Left allocated on purpose: the pool is dropped at exit with a block still out.
     let _block = pool.allocate(StreamRef::DEFAULT, l).unwrap();

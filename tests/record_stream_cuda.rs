@@ -12,7 +12,7 @@ use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{
     Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
 };
-use memres::{AnyResource, Cuda, CudaAsync, CudaVirtual, Device, Resource, layout};
+use memres::{AnyResource, Cuda, CudaVirtual, Device, Resource, layout, upstream::CudaAsync};
 
 /// The block's size: 64 MiB.
 const N: usize = 64 << 20;

@@ -6,7 +6,7 @@ use cudarc::driver::sys;
 use memres::adaptor::Limiting;
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, FixedSize, Pool, PoolConfig};
-use memres::{Cuda, Error, PinnedHost, Resource, StreamRef, SyncResource, layout};
+use memres::{Cuda, Error, Resource, StreamRef, SyncResource, layout, upstream::PinnedHost};
 
 const N: usize = 256 << 20;
 

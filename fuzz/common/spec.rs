@@ -8,7 +8,7 @@
 
 use memres::spec::{Spec, Target};
 use memres::upstream::HostPages;
-use memres::{AnyResource, Error, Host, HostHeap, HostVirtual, Resource, StreamRef};
+use memres::{AnyResource, Error, Host, HostHeap, Resource, StreamRef, upstream::HostVirtual};
 
 /// The most a spec built here may ask for, per size.
 const MOST: usize = 64 << 20;

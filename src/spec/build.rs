@@ -24,7 +24,10 @@ use crate::{AnyResource, Error, Resource};
 /// ```
 /// use memres::spec::{Spec, Target};
 /// use memres::upstream::{HostPages, Virtual};
-/// use memres::{AnyResource, Error, Host, HostHeap, HostVirtual, Resource, StreamRef, layout};
+/// use memres::{
+///     AnyResource, Error, Host, HostHeap, Resource, StreamRef, layout,
+///     upstream::HostVirtual,
+/// };
 ///
 /// /// Host memory: heap blocks, and a 1 GiB reservation of 2 MiB granules.
 /// struct OnTheHost;
@@ -288,7 +291,7 @@ fn virtual_pool_config(
 mod tests {
     use super::*;
     use crate::upstream::HostPages;
-    use crate::{Host, HostHeap, HostVirtual, StreamRef, layout};
+    use crate::{Host, HostHeap, StreamRef, layout, upstream::HostVirtual};
 
     /// Host memory, keeping what it was shown.
     #[derive(Default)]
