@@ -176,6 +176,6 @@ impl<U: Resource> VirtualPool<U> {
 
 coalescing_pool!(
     VirtualPool,
-    "HostVirtual, VirtualPool, VirtualPoolConfig",
+    "VirtualPool, VirtualPoolConfig, upstream::HostVirtual",
     "VirtualPool::new(HostVirtual::new(1 << 30, 64 << 10)?, VirtualPoolConfig::new()"
 );
