@@ -245,7 +245,7 @@ impl<T: Target> Pools<T> {
 pub(crate) fn why_it_cannot_sleep(spec: &Spec) -> Option<String> {
     let part = match spec {
         Spec::VirtualPool { .. } | Spec::Pinned | Spec::PinnedPool => return None,
-        Spec::WithStatistics(inner) | Spec::Logged { inner, .. } | Spec::Limited { inner, .. } => {
+        Spec::Statistics(inner) | Spec::Logging { inner, .. } | Spec::Limiting { inner, .. } => {
             return why_it_cannot_sleep(inner);
         }
         Spec::Fallback { first, then } => {

@@ -52,7 +52,7 @@ fn configure_accepts_specs_and_can_be_called_twice() {
     let config = CONFIG.lock().unwrap();
     assert_eq!(
         config.spec,
-        Some(Spec::WithStatistics(Box::new(Spec::default_spec())))
+        Some(Spec::Statistics(Box::new(Spec::default_spec())))
     );
 }
 

@@ -38,8 +38,8 @@ impl Target for OnTheHost {
 fn small(spec: &Spec) -> bool {
     let fits = |size: &Option<usize>| size.is_none_or(|s| s <= MOST);
     match spec {
-        Spec::Logged { .. } => false,
-        Spec::WithStatistics(inner) | Spec::Limited { inner, .. } => small(inner),
+        Spec::Logging { .. } => false,
+        Spec::Statistics(inner) | Spec::Limiting { inner, .. } => small(inner),
         Spec::Fallback { first, then } => small(first) && small(then),
         Spec::Pool { initial, max, .. } => fits(initial) && fits(max),
         Spec::VirtualPool {

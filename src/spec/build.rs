@@ -235,13 +235,13 @@ impl Spec {
                 target.built(Built::Bins(&bins));
                 (AnyResource::new(bins), range)
             }
-            Spec::WithStatistics(inner) => {
+            Spec::Statistics(inner) => {
                 let (inner, range) = inner.build_ranged(target)?;
                 let counted = Arc::new(Statistics::new(inner));
                 target.built(Built::WithStatistics(&counted));
                 (AnyResource::new(counted), range)
             }
-            Spec::Logged {
+            Spec::Logging {
                 inner,
                 file,
                 exact_times,
@@ -255,7 +255,7 @@ impl Spec {
                 target.built(Built::Logged(&logged));
                 (AnyResource::new(logged), range)
             }
-            Spec::Limited { inner, limit } => {
+            Spec::Limiting { inner, limit } => {
                 let (inner, range) = inner.build_ranged(target)?;
                 (AnyResource::new(Limiting::new(inner, *limit)), range)
             }
