@@ -213,7 +213,7 @@ fn a_pool_made_without_an_export_handle_cannot_be_exported() {
     let r = unsafe {
         sys::cuMemPoolExportToShareableHandle(
             (&mut fd as *mut std::ffi::c_int).cast(),
-            pool.pool_handle(),
+            pool.pool_handle().cast(),
             posix,
             0,
         )
@@ -555,7 +555,7 @@ fn allocate_on_one_stream_free_on_another_after_an_event() {
         let p = pool.allocate(a.as_ref(), l).unwrap();
         let _on = DeviceGuard::new(d0()).unwrap();
         // SAFETY: `p` holds 64 MiB; the memset is enqueued on `a`, where `p` is valid.
-        let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 0x5a, 64 << 20, a.raw()) };
+        let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 0x5a, 64 << 20, a.raw().cast()) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
         let done = Event::new().unwrap();
         done.record(a.as_ref()).unwrap();
@@ -569,6 +569,7 @@ fn allocate_on_one_stream_free_on_another_after_an_event() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+#[cfg(feature = "cudarc-interop")]
 fn cudarc_streams_work_both_ways() {
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
     let theirs = ctx.new_stream().unwrap();

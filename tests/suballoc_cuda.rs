@@ -18,7 +18,7 @@ fn check(r: sys::CUresult) {
 fn fill(p: *mut u8, n: usize, value: u8, stream: &Stream, times: usize) {
     for _ in 0..times {
         // SAFETY: `p` holds `n` device bytes, valid on `stream` for the enqueued work.
-        check(unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw()) });
+        check(unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw().cast()) });
     }
 }
 

@@ -44,7 +44,7 @@ impl StreamRef<'_> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn is_capturing(self) -> Result<bool, Error> {
-        match self.as_raw() {
+        match self.cu() {
             None => Ok(false),
             Some(_) => self.is_capturing_in(Context::current()?),
         }
@@ -53,7 +53,7 @@ impl StreamRef<'_> {
     /// As [`is_capturing`](Self::is_capturing), with `ctx` current for the call (it
     /// decides which stream a default-stream handle names).
     pub(crate) fn is_capturing_in(self, ctx: Context) -> Result<bool, Error> {
-        let Some(raw) = self.as_raw() else {
+        let Some(raw) = self.cu() else {
             return Ok(false);
         };
         let _current = bind(ctx)?;
@@ -129,7 +129,7 @@ impl StreamRef<'_> {
     /// The stream's [`Frontier`], or `None` when it is not capturing (a host stream never
     /// is) or the driver cannot say.
     pub(crate) fn capture_frontier(self) -> Option<Frontier> {
-        let raw = self.as_raw()?;
+        let raw = self.cu()?;
         let _current = bind(self.context().ok()?).ok()?;
         let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut capture = 0u64;
