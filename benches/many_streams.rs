@@ -30,8 +30,9 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
 use memres::{
-    Arena, Binning, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef,
-    VirtualPoolConfig, layout,
+    HostHeap, Pool, PoolConfig, Resource, StreamRef, VirtualPoolConfig, layout,
+    suballoc::{Arena, Binning, FixedSize},
+    upstream::HostVirtual,
 };
 
 /// Live heap bytes of the process (see "kib-per-stream").

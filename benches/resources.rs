@@ -12,7 +12,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use memres::adaptor::Guard;
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
 use memres::{
-    AnyResource, Host, HostHeap, Resource, ResourceExt, ResourceRef, Shared, StreamRef, layout,
+    AnyResource, Host, HostHeap, Resource, ResourceExt, ResourceRef, StreamRef, erased::Shared,
+    layout,
 };
 
 fn pair<R: Resource>(r: &R, l: std::alloc::Layout) {

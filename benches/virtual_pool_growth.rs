@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use memres::{HostVirtual, Resource, StreamRef, VirtualPool, VirtualPoolConfig, layout};
+use memres::{Resource, StreamRef, VirtualPool, VirtualPoolConfig, layout, upstream::HostVirtual};
 
 const GRANULE: usize = 4096;
 const ALLOCATIONS: usize = 2_000;

@@ -29,7 +29,10 @@
 use memres::adaptor::{Limiting, Logging, Statistics, Tracking};
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig, VirtualPoolConfig};
-use memres::{Cuda, CudaAsync, CudaVirtual, HostHeap, HostVirtual, Resource, StreamRef};
+use memres::{
+    Cuda, CudaVirtual, HostHeap, Resource, StreamRef,
+    upstream::{CudaAsync, HostVirtual},
+};
 use memres_workloads::{self as workloads, Suite};
 
 /// Where the work goes: CUDA streams on a GPU, host streams without one.

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memres::suballoc::PoolConfig;
 use memres::{
-    Error, Has, HostAccessible, HostHeap, Layer, Resource, ResourceExt, StreamRef, SyncResource,
-    layout,
+    Error, Has, HostAccessible, HostHeap, Resource, ResourceExt, StreamRef, SyncResource,
+    layer::Layer, layout,
 };
 
 /// Counts allocations in size classes: up to 4 KiB, up to 1 MiB, larger.

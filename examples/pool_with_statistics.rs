@@ -10,7 +10,7 @@
 //! (`HostVirtual`, the host simulation of it), and the figures mean the same.
 
 use memres::suballoc::VirtualPoolConfig;
-use memres::{CudaVirtual, Error, HostVirtual, Resource, ResourceExt, StreamRef, layout};
+use memres::{CudaVirtual, Error, Resource, ResourceExt, StreamRef, layout, upstream::HostVirtual};
 
 /// Allocates 16 blocks of 1 to 16 MiB on `stream` and frees every other one (the rest
 /// stay live, for the figures; the pool gives everything back when it drops).

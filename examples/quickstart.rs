@@ -14,8 +14,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use memres::device::DeviceId;
 use memres::stream::{Stream, StreamFlags};
 use memres::{
-    AnyResource, Callback, CudaAsync, Error, Host, HostHeap, PoolConfig, Resource, ResourceExt,
-    ResourceRef, StreamRef, SyncResource, layout,
+    AnyResource, Error, Host, HostHeap, PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef,
+    SyncResource, layout,
+    upstream::{Callback, CudaAsync},
 };
 
 /// Bytes in flight and the high-water mark, kept by the counting layer of the stack.

@@ -75,7 +75,7 @@ pub(crate) unsafe fn copy(
     if len == 0 {
         return Ok(());
     }
-    match stream.as_raw() {
+    match stream.cu() {
         None if dst_access.host && src_access.host => {
             // SAFETY: both are host memory, valid for `len` bytes and disjoint (the
             // caller's promise); a host stream has no work in flight on them.
@@ -122,7 +122,7 @@ pub(crate) unsafe fn fill(
     if len == 0 {
         return Ok(());
     }
-    match stream.as_raw() {
+    match stream.cu() {
         Some(raw) if access.device => {
             // SAFETY: device-accessible memory valid for `len` bytes until the stream's
             // work is done; the stream's context is current (the caller's promise).

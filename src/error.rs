@@ -59,7 +59,7 @@ pub enum Error {
 impl Error {
     /// An [`Error::OutOfMemory`] for a request of `requested` bytes.
     ///
-    /// For resources written outside this crate (a [`Callback`](crate::Callback) closure,
+    /// For resources written outside this crate (a [`Callback`](crate::upstream::Callback) closure,
     /// a user's own [`SyncResource`](crate::SyncResource)), which cannot name the
     /// variant's fields directly because more may be added.
     pub const fn out_of_memory(requested: usize) -> Self {

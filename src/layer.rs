@@ -8,7 +8,7 @@
 //! use memres::{AnyResource, Host, HostHeap, ResourceExt};
 //!
 //! let mr: AnyResource<Host> = HostHeap::new()
-//!     .with_limit(1 << 30) // Limiting<HostHeap>: at most 1 GiB outstanding
+//!     .with_limiting(1 << 30) // Limiting<HostHeap>: at most 1 GiB outstanding
 //!     .with_statistics() // Statistics<Limiting<HostHeap>>
 //!     .shared()          // Shared<..>: clones share one stack
 //!     .into_any();       // AnyResource<Host>: erased at the API boundary
@@ -20,7 +20,7 @@
 //!
 //! Every adaptor whose constructor cannot fail ships a layer ([`StatisticsLayer`],
 //! [`LimitingLayer`], [`TrackingLayer`], [`ProfilingLayer`], [`GuardLayer`],
-//! [`ThreadSafeLayer`], [`SharedLayer`]), and a pair or triple of layers is a layer that
+//! [`ThreadSafeLayer`], [`StreamUseLayer`], [`SharedLayer`]), and a pair or triple of layers is a layer that
 //! applies them in order, innermost first. A stack recipe is then a value, made once and
 //! applied to each device's leaf or pool:
 //!
@@ -40,16 +40,18 @@
 //! Adaptors whose constructors check their arguments ([`Aligned`](crate::adaptor::Aligned),
 //! [`Prefetch`](crate::adaptor::Prefetch)) or take a closure
 //! ([`FailureRetry`](crate::adaptor::FailureRetry)), and the sub-allocators, are made
-//! with their builder methods of [`ResourceExt`] (`with_alignment`, `with_prefetch`,
-//! `with_retry`, `pool`, `arena`, ...), which return what they return.
+//! with their builder methods of [`ResourceExt`] (`with_aligned`, `with_prefetch`,
+//! `with_failure_retry`, `pool`, `arena`, ...), which return what they return.
 //!
-//! **Names.** An adaptor's builder is `with_` and what the adaptor adds, as a noun
-//! (`with_statistics`, `with_tracking`, `with_profiling`, `with_guard`, `with_limit`,
-//! `with_alignment`, `with_retry`, `with_fallback`, `with_lock`, `with_prefetch`); its layer is the
-//! adaptor's type name and `Layer` (`StatisticsLayer`); a sub-allocator's builder is the
-//! sub-allocator, as a noun (`pool`, `arena`, `binning`, `fixed_size`; a virtual-memory
-//! leaf's `virtual_pool`, which builds a [`VirtualPool`](crate::VirtualPool)). [`Logging`](crate::adaptor::Logging) has no builder: it needs
-//! a destination, made with its own constructors.
+//! **Names.** A builder is named as the type it builds, in snake case: for an adaptor,
+//! `with_` and its type's name (`with_statistics`, `with_tracking`, `with_profiling`,
+//! `with_guard`, `with_limiting`, `with_aligned`, `with_failure_retry`, `with_fallback`,
+//! `with_thread_safe`, `with_prefetch`, `with_stream_use`); its layer is the adaptor's
+//! type name and `Layer` (`StatisticsLayer`); a sub-allocator's builder is its type's name
+//! (`pool`, `arena`, `binning`, `fixed_size`; a virtual-memory leaf's `virtual_pool`,
+//! which builds a [`VirtualPool`](crate::VirtualPool)).
+//! [`Logging`](crate::adaptor::Logging) has no builder: it needs a destination, made
+//! with its own constructors.
 
 use crate::erased::{AnyResource, AnySyncResource, ResourceRef, Shared};
 use crate::property::{Contains, PropertySet};
@@ -58,7 +60,7 @@ use crate::resource::{Resource, SyncResource};
 /// Something that wraps an upstream resource `U` in an adaptor.
 ///
 /// ```
-/// use memres::{HostHeap, Layer, ResourceExt, Shared};
+/// use memres::{HostHeap, ResourceExt, erased::Shared, layer::Layer};
 ///
 /// /// Puts any resource behind a `Shared` handle (as memres's own `SharedLayer` does).
 /// struct BehindShared;
@@ -137,12 +139,17 @@ unit_layer!(
 );
 unit_layer!(
     /// Wraps in [`ThreadSafe`](crate::adaptor::ThreadSafe) (as
-    /// [`ResourceExt::with_lock`]).
+    /// [`ResourceExt::with_thread_safe`]).
     ThreadSafeLayer => ThreadSafe
+);
+unit_layer!(
+    /// Wraps in [`StreamUse`](crate::adaptor::StreamUse) (as
+    /// [`ResourceExt::with_stream_use`]).
+    StreamUseLayer => StreamUse
 );
 
 /// Wraps in [`Limiting`](crate::adaptor::Limiting) with a cap of `limit` bytes (as
-/// [`ResourceExt::with_limit`]).
+/// [`ResourceExt::with_limiting`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitingLayer {
     limit: usize,
@@ -254,16 +261,6 @@ pub trait ResourceExt: SyncResource + Sized {
         crate::adaptor::Limiting::new(self, limit)
     }
 
-    /// The old name of [`with_limiting`](Self::with_limiting).
-    #[deprecated(
-        since = "0.1.0",
-        note = "named after the type it builds: use `with_limiting`"
-    )]
-    #[inline]
-    fn with_limit(self, limit: usize) -> crate::adaptor::Limiting<Self> {
-        self.with_limiting(limit)
-    }
-
     /// Aligns requests of at least `threshold` bytes to `alignment`:
     /// [`Aligned`](crate::adaptor::Aligned).
     #[inline]
@@ -275,20 +272,6 @@ pub trait ResourceExt: SyncResource + Sized {
         crate::adaptor::Aligned::new(self, alignment, threshold)
     }
 
-    /// The old name of [`with_aligned`](Self::with_aligned).
-    #[deprecated(
-        since = "0.1.0",
-        note = "named after the type it builds: use `with_aligned`"
-    )]
-    #[inline]
-    fn with_alignment(
-        self,
-        alignment: usize,
-        threshold: usize,
-    ) -> Result<crate::adaptor::Aligned<Self>, crate::Error> {
-        self.with_aligned(alignment, threshold)
-    }
-
     /// Retries out-of-memory failures while `on_failure` says so:
     /// [`FailureRetry`](crate::adaptor::FailureRetry).
     #[inline]
@@ -297,19 +280,6 @@ pub trait ResourceExt: SyncResource + Sized {
         on_failure: F,
     ) -> crate::adaptor::FailureRetry<Self, F> {
         crate::adaptor::FailureRetry::new(self, on_failure)
-    }
-
-    /// The old name of [`with_failure_retry`](Self::with_failure_retry).
-    #[deprecated(
-        since = "0.1.0",
-        note = "named after the type it builds: use `with_failure_retry`"
-    )]
-    #[inline]
-    fn with_retry<F: Fn(usize) -> bool>(
-        self,
-        on_failure: F,
-    ) -> crate::adaptor::FailureRetry<Self, F> {
-        self.with_failure_retry(on_failure)
     }
 
     /// Sends what `self` has no memory for to `then`, with `self`'s properties (which
@@ -326,16 +296,6 @@ pub trait ResourceExt: SyncResource + Sized {
     #[inline]
     fn with_thread_safe(self) -> crate::adaptor::ThreadSafe<Self> {
         crate::adaptor::ThreadSafe::new(self)
-    }
-
-    /// The old name of [`with_thread_safe`](Self::with_thread_safe).
-    #[deprecated(
-        since = "0.1.0",
-        note = "named after the type it builds: use `with_thread_safe`"
-    )]
-    #[inline]
-    fn with_lock(self) -> crate::adaptor::ThreadSafe<Self> {
-        self.with_thread_safe()
     }
 
     /// Keeps the live blocks and the streams `record_stream` names for each, handed to

@@ -29,30 +29,51 @@
 //! | --- | --- |
 //! | least memory held (the C ABI's and Python's default) | a [`VirtualPool`], growing in place: `CudaVirtual::new()?.virtual_pool(VirtualPoolConfig::new())` |
 //! | the fastest general pool over `cuMemAlloc` | `Pool::new(Cuda::new()?, PoolConfig::new())` |
-//! | a fixed amount up front, many threads | [`Arena`] |
-//! | many small blocks | [`Binning`] over a pool |
-//! | blocks of one size | [`FixedSize`] |
-//! | the driver's own pool | [`CudaAsync`] |
+//! | a fixed amount up front, many threads | [`suballoc::Arena`] |
+//! | many small blocks | [`suballoc::Binning`] over a pool |
+//! | blocks of one size | [`suballoc::FixedSize`] |
+//! | the driver's own pool | [`upstream::CudaAsync`] |
 //! | counts, limits, leak hunting, logs, bounds checks | the [`adaptor`]s over any of them |
 //!
 //! README.md gives the measured footprint and speed of each (against RMM and PyTorch)
 //! and the limitations.
 //!
+//! # What the root holds
+//!
+//! Every public item lives in its module (the list below), and that path always works.
+//! The root re-exports only what a first program names, 21 items: the contract (the
+//! traits [`SyncResource`] and [`Resource`], the builders [`ResourceExt`], [`Error`],
+//! [`StreamRef`], [`layout`]); where memory may be accessed from (the sets [`Host`],
+//! [`Device`], [`HostDevice`], and [`Has`], [`HostAccessible`], [`DeviceAccessible`] for
+//! bounds); the two erased handles most APIs take ([`AnyResource`], [`ResourceRef`]);
+//! and the first rows of the table above: the leaves [`Cuda`], [`CudaVirtual`],
+//! [`HostHeap`] and the pools [`Pool`], [`VirtualPool`] with their configurations
+//! [`PoolConfig`], [`VirtualPoolConfig`]. The rest (other leaves, sub-allocators and
+//! adaptors, configurations, the sync-only erased handles, `Layer`, `layout_with_alignment`)
+//! is written with its module: `memres::suballoc::Arena`, `memres::adaptor::Statistics`,
+//! `memres::upstream::CudaAsync`. A new item joins the root only if a first program needs
+//! it; otherwise it stays in its module.
+//!
 //! # Layers
 //! - [`resource`] holds the [`SyncResource`] and [`Resource`] traits and their contract.
 //! - [`property`] holds compile-time properties ([`DeviceAccessible`], [`HostAccessible`],
 //!   yours).
-//! - [`erased`] holds [`ResourceRef`], [`SyncResourceRef`], [`AnyResource`],
-//!   [`AnySyncResource`] and [`Shared`].
+//! - [`erased`] holds [`ResourceRef`], [`SyncResourceRef`](erased::SyncResourceRef),
+//!   [`AnyResource`], [`AnySyncResource`](erased::AnySyncResource) and
+//!   [`Shared`](erased::Shared).
 //! - [`stream`] holds [`StreamRef`], owned streams, events and the stream pool.
-//! - [`upstream`] holds the leaf resources: [`HostHeap`], [`Callback`], the CUDA ones
-//!   ([`Cuda`], [`Managed`], [`PinnedHost`], [`CudaAsync`], [`CudaAsyncView`],
-//!   [`CudaAsyncManaged`], [`System`], [`SamHeadroom`]), the virtual-memory leaves
-//!   ([`CudaVirtual`], [`HostVirtual`]) and memory of other processes
+//! - [`upstream`] holds the leaf resources: [`HostHeap`], [`Callback`](upstream::Callback),
+//!   the CUDA ones ([`Cuda`], [`Managed`](upstream::Managed),
+//!   [`PinnedHost`](upstream::PinnedHost), [`CudaAsync`](upstream::CudaAsync),
+//!   [`CudaAsyncView`](upstream::CudaAsyncView),
+//!   [`CudaAsyncManaged`](upstream::CudaAsyncManaged), [`System`](upstream::System),
+//!   [`SamHeadroom`](upstream::SamHeadroom)), the virtual-memory leaves ([`CudaVirtual`],
+//!   [`HostVirtual`](upstream::HostVirtual)) and memory of other processes
 //!   ([`Imported`](upstream::Imported)).
 //! - [`suballoc`] holds the sub-allocators: [`Pool`] (chunked), [`VirtualPool`] (growing
-//!   in place over a virtual-memory leaf; it can sleep), [`Arena`], [`Binning`],
-//!   [`FixedSize`].
+//!   in place over a virtual-memory leaf; it can sleep), [`Arena`](suballoc::Arena),
+//!   [`Binning`](suballoc::Binning), [`FixedSize`](suballoc::FixedSize),
+//!   [`SegmentPool`](suballoc::SegmentPool).
 //! - [`device`] holds devices and [`process_is_exiting`](device::process_is_exiting);
 //!   [`per_device`] the per-device default resources.
 //! - [`adaptor`] holds the adaptors: [`Statistics`](adaptor::Statistics),
@@ -68,7 +89,7 @@
 //! - [`log`] holds the CSV event-log format shared with RMM and its reader.
 //! - [`profile`] attributes allocations to named scopes of a program (with the
 //!   [`Profiling`](adaptor::Profiling) adaptor).
-//! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`]).
+//! - [`layer`] holds top-down composition ([`ResourceExt`], [`Layer`](layer::Layer)).
 //! - [`units`] parses byte counts written by people (`512MiB`).
 //! - `spec` (with the `spec` feature) parses stack specs, the text language of the C ABI
 //!   and the `memres` command (`statistics(pool:max=4GiB)`).
@@ -99,21 +120,14 @@ mod cache_prefetch;
 mod copy;
 mod sync;
 
-pub use erased::{AnyResource, AnySyncResource, ResourceRef, Shared, SyncResourceRef};
+pub use erased::{AnyResource, ResourceRef};
 pub use error::Error;
-pub use layer::{Layer, ResourceExt};
-pub use property::{
-    Device, DeviceAccessible, Host, HostAccessible, HostDevice, Property, PropertySet,
-};
-pub use resource::{DEFAULT_ALIGNMENT, Has, Resource, SyncResource, layout, layout_with_alignment};
+pub use layer::ResourceExt;
+pub use property::{Device, DeviceAccessible, Host, HostAccessible, HostDevice};
+pub use resource::{Has, Resource, SyncResource, layout};
 pub use stream::StreamRef;
-pub use suballoc::{
-    Arena, Binning, FixedSize, Pool, PoolConfig, SleepMode, VirtualPool, VirtualPoolConfig,
-};
-pub use upstream::{
-    Callback, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, CudaVirtual, CudaVirtualConfig,
-    ExportHandle, GrowInPlace, HostHeap, HostVirtual, Managed, PinnedHost, SamHeadroom, System,
-};
+pub use suballoc::{Pool, PoolConfig, VirtualPool, VirtualPoolConfig};
+pub use upstream::{Cuda, CudaVirtual, HostHeap};
 
 /// The README's example is compiled and run as a doc test.
 #[cfg(doctest)]

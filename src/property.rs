@@ -32,7 +32,7 @@
 //! ```
 //! use memres::property::{Property, PropertySet};
 //! use memres::Has;
-//! use memres::{HostAccessible, HostHeap, Callback, Error, StreamRef};
+//! use memres::{Error, HostAccessible, HostHeap, StreamRef, upstream::Callback};
 //! use std::alloc::Layout;
 //! use std::ptr::NonNull;
 //!

@@ -66,9 +66,9 @@ pub fn layout(size: usize) -> Result<Layout, Error> {
 /// rounded up to `align` would overflow `isize`.
 ///
 /// ```
-/// let l = memres::layout_with_alignment(64, 4096)?;
+/// let l = memres::resource::layout_with_alignment(64, 4096)?;
 /// assert_eq!(l.align(), 4096);
-/// let err = memres::layout_with_alignment(64, 3).unwrap_err();
+/// let err = memres::resource::layout_with_alignment(64, 3).unwrap_err();
 /// assert!(err.to_string().contains("power of two"));
 /// # Ok::<(), memres::Error>(())
 /// ```

@@ -20,7 +20,7 @@
 //! use memres::spec::Spec;
 //!
 //! let spec = Spec::parse("statistics(pool:initial=1GiB,max=4GiB)")?;
-//! assert!(matches!(spec, Spec::WithStatistics(_)));
+//! assert!(matches!(spec, Spec::Statistics(_)));
 //! assert!(Spec::parse("pool:initial=lots").is_err());
 //! # Ok::<(), memres::spec::SpecError>(())
 //! ```
@@ -40,11 +40,12 @@ mod build;
 pub use build::{Built, Target, Tiers};
 
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
-/// program building the stack uses (the C ABI's are in `capi/include/memres.h`). The
-/// wrappers are named as the builders of [`ResourceExt`](crate::ResourceExt) are
-/// (`with_statistics`, `with_limiting`: `Limited`), not as the adaptor types, which rustc would then
-/// print with their whole paths in its messages. New layers become new variants, so a
-/// match on it outside this crate has a `_` arm (`#[non_exhaustive]`).
+/// program building the stack uses (the C ABI's are in `capi/include/memres.h`). Each
+/// variant is its spec word in camel case (`virtual_pool`: `VirtualPool`, `statistics(..)`:
+/// `Statistics`, `limiting(..)`: `Limiting`). Where a variant shares its name with a type
+/// (`Pool`, `Statistics`), rustc prints that type with its whole path in its messages
+/// when the `spec` feature is on (`memres::adaptor::Statistics<..>`). New layers become
+/// new variants, so a match on it outside this crate has a `_` arm (`#[non_exhaustive]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Spec {
@@ -110,9 +111,9 @@ pub enum Spec {
         max: u32,
     },
     /// `statistics(..)`: counts of bytes and allocations over the spec inside.
-    WithStatistics(Box<Spec>),
+    Statistics(Box<Spec>),
     /// `logging(..)`: an RMM-format CSV log of every event.
-    Logged {
+    Logging {
         /// The spec logged.
         inner: Box<Spec>,
         /// `file=`: where the log goes (default: the program's choice).
@@ -129,7 +130,7 @@ pub enum Spec {
         then: Box<Spec>,
     },
     /// `limiting(..)`: a cap on the bytes live through it.
-    Limited {
+    Limiting {
         /// The spec limited.
         inner: Box<Spec>,
         /// `limit=`: the cap.
@@ -212,9 +213,9 @@ impl Spec {
             Spec::VirtualPool { .. } => "virtual_pool",
             Spec::Arena { .. } => "arena",
             Spec::Binning { .. } => "binning",
-            Spec::WithStatistics(_) => "statistics",
-            Spec::Logged { .. } => "logging",
-            Spec::Limited { .. } => "limiting",
+            Spec::Statistics(_) => "statistics",
+            Spec::Logging { .. } => "logging",
+            Spec::Limiting { .. } => "limiting",
         }
     }
 
@@ -229,9 +230,9 @@ impl Spec {
     /// ```
     pub fn base(&self) -> &Spec {
         match self {
-            Spec::WithStatistics(inner)
-            | Spec::Logged { inner, .. }
-            | Spec::Limited { inner, .. } => inner.base(),
+            Spec::Statistics(inner)
+            | Spec::Logging { inner, .. }
+            | Spec::Limiting { inner, .. } => inner.base(),
             base => base,
         }
     }
@@ -239,9 +240,9 @@ impl Spec {
     /// The base spec, to change.
     pub fn base_mut(&mut self) -> &mut Spec {
         match self {
-            Spec::WithStatistics(inner)
-            | Spec::Logged { inner, .. }
-            | Spec::Limited { inner, .. } => inner.base_mut(),
+            Spec::Statistics(inner)
+            | Spec::Logging { inner, .. }
+            | Spec::Limiting { inner, .. } => inner.base_mut(),
             base => base,
         }
     }
@@ -531,8 +532,8 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
     }
     let value_of = |key: &str| own.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| *v);
     Ok(match name {
-        "statistics" => Spec::WithStatistics(inner),
-        "logging" => Spec::Logged {
+        "statistics" => Spec::Statistics(inner),
+        "logging" => Spec::Logging {
             inner,
             file: value_of("file").map(PathBuf::from),
             exact_times: match value_of("exact_times") {
@@ -546,7 +547,7 @@ fn parse_wrapper(name: &str, inside: &str, depth: usize) -> Result<Spec, String>
                 }
             },
         },
-        _ => Spec::Limited {
+        _ => Spec::Limiting {
             inner,
             limit: size(
                 "limit",
@@ -596,7 +597,7 @@ mod tests {
         );
         assert_eq!(
             ok("statistics(virtual_pool:release=1GiB)"),
-            Spec::WithStatistics(Box::new(Spec::VirtualPool {
+            Spec::Statistics(Box::new(Spec::VirtualPool {
                 initial: None,
                 max: None,
                 step: None,
@@ -657,7 +658,7 @@ mod tests {
         );
         assert!(matches!(
             ok("statistics(fallback(pool, fallback(managed, pinned)))"),
-            Spec::WithStatistics(_)
+            Spec::Statistics(_)
         ));
         assert!(err("fallback(pool)").contains("two resources"));
         assert!(err("fallback(pool, pinned, cuda)").contains("two resources"));
@@ -686,11 +687,11 @@ mod tests {
     fn wrappers() {
         assert_eq!(
             ok("statistics(pool:initial=4GiB)"),
-            Spec::WithStatistics(Box::new(pool(Some(4 << 30), None)))
+            Spec::Statistics(Box::new(pool(Some(4 << 30), None)))
         );
         assert_eq!(
             ok("logging(pool,file=/tmp/log.csv)"),
-            Spec::Logged {
+            Spec::Logging {
                 inner: Box::new(plain_pool()),
                 file: Some("/tmp/log.csv".into()),
                 exact_times: false
@@ -698,21 +699,21 @@ mod tests {
         );
         assert_eq!(
             ok("limiting(pool,limit=10GiB)"),
-            Spec::Limited {
+            Spec::Limiting {
                 inner: Box::new(plain_pool()),
                 limit: 10 << 30
             }
         );
         assert_eq!(
             ok("limiting(pool:initial=1GiB,max=4GiB,limit=2GiB)"),
-            Spec::Limited {
+            Spec::Limiting {
                 inner: Box::new(pool(Some(1 << 30), Some(4 << 30))),
                 limit: 2 << 30
             }
         );
         assert_eq!(
             ok("statistics(limiting(arena:size=2GiB, limit=1GiB))"),
-            Spec::WithStatistics(Box::new(Spec::Limited {
+            Spec::Statistics(Box::new(Spec::Limiting {
                 inner: Box::new(Spec::Arena {
                     size: Some(2 << 30)
                 }),
@@ -721,15 +722,15 @@ mod tests {
         );
         assert_eq!(
             ok("logging(statistics(pool),file=x.csv)"),
-            Spec::Logged {
-                inner: Box::new(Spec::WithStatistics(Box::new(plain_pool()))),
+            Spec::Logging {
+                inner: Box::new(Spec::Statistics(Box::new(plain_pool()))),
                 file: Some("x.csv".into()),
                 exact_times: false
             }
         );
         assert_eq!(
             ok("logging(pool,exact_times=true)"),
-            Spec::Logged {
+            Spec::Logging {
                 inner: Box::new(plain_pool()),
                 file: None,
                 exact_times: true
@@ -742,15 +743,15 @@ mod tests {
     fn options_after_nested_wrappers_reach_the_base() {
         assert_eq!(
             ok("statistics(limiting(pool,limit=1GiB),initial=4GiB)"),
-            Spec::WithStatistics(Box::new(Spec::Limited {
+            Spec::Statistics(Box::new(Spec::Limiting {
                 inner: Box::new(pool(Some(4 << 30), None)),
                 limit: 1 << 30
             }))
         );
         assert_eq!(
             ok("limiting(statistics(pool),initial=1GiB,limit=2GiB)"),
-            Spec::Limited {
-                inner: Box::new(Spec::WithStatistics(Box::new(pool(Some(1 << 30), None)))),
+            Spec::Limiting {
+                inner: Box::new(Spec::Statistics(Box::new(pool(Some(1 << 30), None)))),
                 limit: 2 << 30
             }
         );

@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use conformance::Caps;
 use memres::adaptor::{Aligned, Counter, FailureRetry, Limiting, Statistics, ThreadSafe, Tracking};
 use memres::{
-    AnyResource, Callback, Error, Has, Host, HostAccessible, HostHeap, PinnedHost, Resource,
-    StreamRef, SyncResource, layout,
+    AnyResource, Error, Has, Host, HostAccessible, HostHeap, Resource, StreamRef, SyncResource,
+    layout,
+    upstream::{Callback, PinnedHost},
 };
 
 conformance_tests!(statistics, Statistics::new(HostHeap::new()), Caps::host());
@@ -415,7 +416,7 @@ fn limiting_rounds_like_rmm() {
     let lim = Limiting::new(HostHeap::new(), 1 << 20);
     let a = alloc(&lim, 1);
     assert_eq!(lim.allocated_bytes(), 256);
-    let l = memres::layout_with_alignment(10, 4096).unwrap();
+    let l = memres::resource::layout_with_alignment(10, 4096).unwrap();
     let b = lim.allocate_sync(l).unwrap();
     assert_eq!(lim.allocated_bytes(), 256 + 4096);
     free(&lim, a);
@@ -613,7 +614,7 @@ fn aligned_realigns_a_crafted_upstream_address_and_frees_the_original() {
     let p = a.allocate(StreamRef::HOST, l).unwrap();
     assert_eq!(p.as_ptr() as usize % 4096, 0, "realigned");
     // Honoured, too: a per-call alignment above the adaptor's own.
-    let l2 = memres::layout_with_alignment(10, 1 << 14).unwrap();
+    let l2 = memres::resource::layout_with_alignment(10, 1 << 14).unwrap();
     let q = a.allocate_sync(l2).unwrap();
     assert_eq!(q.as_ptr() as usize % (1 << 14), 0);
     // SAFETY: both allocated above with their layouts.

@@ -5,7 +5,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 
 use memres::suballoc::{Arena, SUPERBLOCK_SIZE};
-use memres::{Error, HostHeap, Resource, StreamRef, layout, layout_with_alignment};
+use memres::{Error, HostHeap, Resource, StreamRef, layout, resource::layout_with_alignment};
 use proptest::prelude::*;
 
 const MIB: usize = 1 << 20;

@@ -10,7 +10,10 @@ use memres::adaptor::{Guard, Statistics};
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use memres::upstream::CudaVirtual;
-use memres::{Cuda, CudaAsync, Error, Managed, PinnedHost, Resource, StreamRef, layout};
+use memres::{
+    Cuda, Error, Resource, StreamRef, layout,
+    upstream::{CudaAsync, Managed, PinnedHost},
+};
 
 /// A capture in the global mode is broken by any other thread's wait or allocation:
 /// these tests take turns (the bundle's `run.sh` runs a binary's tests in parallel).
@@ -35,7 +38,7 @@ fn capture<R: Resource>(r: &R, what: &str, sizes: &[usize]) -> Vec<Error> {
     let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
     // SAFETY: a live stream of the current context.
     ok(
-        unsafe { sys::cuStreamBeginCapture_v2(s.raw(), mode) },
+        unsafe { sys::cuStreamBeginCapture_v2(s.raw().cast(), mode) },
         "begin",
     );
     assert!(s.as_ref().is_capturing().unwrap());
@@ -47,7 +50,8 @@ fn capture<R: Resource>(r: &R, what: &str, sizes: &[usize]) -> Vec<Error> {
             match r.allocate(s.as_ref(), l) {
                 Ok(p) => {
                     // SAFETY: `size` bytes of device-accessible memory, in order on `s`.
-                    let set = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 7, size, s.raw()) };
+                    let set =
+                        unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 7, size, s.raw().cast()) };
                     ok(set, "captured set");
                     live.push((p, l));
                 }
@@ -61,7 +65,7 @@ fn capture<R: Resource>(r: &R, what: &str, sizes: &[usize]) -> Vec<Error> {
     }
     let mut graph = std::ptr::null_mut();
     // SAFETY: `s` is capturing; `graph` is a valid place.
-    let ended = unsafe { sys::cuStreamEndCapture(s.raw(), &mut graph) };
+    let ended = unsafe { sys::cuStreamEndCapture(s.raw().cast(), &mut graph) };
     assert_eq!(
         ended,
         CUresult::CUDA_SUCCESS,
@@ -76,7 +80,10 @@ fn capture<R: Resource>(r: &R, what: &str, sizes: &[usize]) -> Vec<Error> {
     );
     // SAFETY: a live executable graph and stream; the graph's memory is still the
     // resource's (nothing was carried out since the capture ended).
-    ok(unsafe { sys::cuGraphLaunch(exec, s.raw()) }, "launch");
+    ok(
+        unsafe { sys::cuGraphLaunch(exec, s.raw().cast()) },
+        "launch",
+    );
     s.synchronize().unwrap();
     // SAFETY: ours, no longer running.
     unsafe {
@@ -164,7 +171,7 @@ fn a_pool_growing_under_capture_leaves_deferred_frees_for_later() {
     let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
     // SAFETY: a live stream of the current context.
     ok(
-        unsafe { sys::cuStreamBeginCapture_v2(s1.raw(), mode) },
+        unsafe { sys::cuStreamBeginCapture_v2(s1.raw().cast(), mode) },
         "begin",
     );
     let cuda = Cuda::new().unwrap();
@@ -175,7 +182,7 @@ fn a_pool_growing_under_capture_leaves_deferred_frees_for_later() {
     let mut graph = std::ptr::null_mut();
     // SAFETY: `s1` is capturing; `graph` is a valid place.
     ok(
-        unsafe { sys::cuStreamEndCapture(s1.raw(), &mut graph) },
+        unsafe { sys::cuStreamEndCapture(s1.raw().cast(), &mut graph) },
         "end",
     );
     // SAFETY: the graph just made, never launched.

@@ -7,8 +7,8 @@ mod conformance;
 use conformance::{Api, Caps, Driver};
 use memres::upstream::CudaAsyncConfig;
 use memres::{
-    AnyResource, Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Device, Error, PinnedHost,
-    ResourceExt, StreamRef, layout,
+    AnyResource, Cuda, Device, Error, ResourceExt, StreamRef, layout,
+    upstream::{CudaAsync, CudaAsyncManaged, CudaAsyncView, PinnedHost},
 };
 
 fn device() -> memres::device::DeviceId {
@@ -24,7 +24,7 @@ conformance_tests!(
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     managed,
-    memres::Managed::new().unwrap(),
+    memres::upstream::Managed::new().unwrap(),
     Caps::gpu(256)
 );
 conformance_tests!(
@@ -58,13 +58,13 @@ conformance_tests!(
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     statistics_over_managed,
-    memres::adaptor::Statistics::new(memres::Managed::new().unwrap()),
+    memres::adaptor::Statistics::new(memres::upstream::Managed::new().unwrap()),
     Caps::gpu(256)
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     prefetch_over_managed,
-    memres::adaptor::Prefetch::new(memres::Managed::new().unwrap()).unwrap(),
+    memres::adaptor::Prefetch::new(memres::upstream::Managed::new().unwrap()).unwrap(),
     Caps::gpu(256)
 );
 conformance_tests!(
@@ -156,7 +156,10 @@ fn system_memory_on_either_side_of_the_hmm_check() {
     let attr = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS;
     // SAFETY: `dev` was returned by `device::get`.
     let pageable = unsafe { cudarc::driver::result::device::get_attribute(dev, attr) }.unwrap();
-    match (memres::System::new(), memres::SamHeadroom::new(1 << 30)) {
+    match (
+        memres::upstream::System::new(),
+        memres::upstream::SamHeadroom::new(1 << 30),
+    ) {
         (Ok(system), Ok(sam)) => {
             assert_eq!(
                 pageable, 1,
@@ -167,10 +170,10 @@ fn system_memory_on_either_side_of_the_hmm_check() {
             conformance::every_case(&sam, &sam, caps);
             // All the device's memory as headroom: everything is advised to the host;
             // none: a small block prefers the device. Read the advice back.
-            let all = memres::SamHeadroom::new(usize::MAX).unwrap();
+            let all = memres::upstream::SamHeadroom::new(usize::MAX).unwrap();
             conformance::every_case(&all, &all, caps);
             assert_eq!(preferred_location(&all), -1, "CU_DEVICE_CPU");
-            let none = memres::SamHeadroom::new(0).unwrap();
+            let none = memres::upstream::SamHeadroom::new(0).unwrap();
             assert_eq!(preferred_location(&none), 0, "device 0");
         }
         (Err(Error::Unsupported(a)), Err(Error::Unsupported(b))) => {
@@ -188,7 +191,7 @@ fn system_memory_on_either_side_of_the_hmm_check() {
 
 /// Where the pages of a fresh 1 MiB block of `r` prefer to live (a device ordinal, or -1
 /// for the host), read back with `cuMemRangeGetAttribute`.
-fn preferred_location(r: &memres::SamHeadroom) -> i32 {
+fn preferred_location(r: &memres::upstream::SamHeadroom) -> i32 {
     use memres::SyncResource;
     let l = layout(1 << 20).unwrap();
     let p = r.allocate_sync(l).unwrap();
@@ -255,13 +258,13 @@ conformance_tests!(
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     fixed_size_over_cuda,
-    memres::FixedSize::with_block_size(Cuda::new().unwrap(), 8 << 20, 16).unwrap(),
+    memres::suballoc::FixedSize::with_block_size(Cuda::new().unwrap(), 8 << 20, 16).unwrap(),
     Caps::gpu(256).fixed_blocks(8 << 20)
 );
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     binning_over_pool_over_cuda,
-    memres::Binning::new(
+    memres::suballoc::Binning::new(
         memres::Pool::new(Cuda::new().unwrap(), memres::PoolConfig::new()).unwrap(),
         8,
         20
@@ -272,6 +275,6 @@ conformance_tests!(
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     arena_over_cuda,
-    memres::Arena::with_size(Cuda::new().unwrap(), 12 << 30).unwrap(),
+    memres::suballoc::Arena::with_size(Cuda::new().unwrap(), 12 << 30).unwrap(),
     Caps::gpu(usize::MAX)
 );

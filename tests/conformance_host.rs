@@ -10,9 +10,11 @@ use std::sync::{Arc, Mutex};
 use conformance::{Caps, SyncOnly};
 use memres::suballoc::{SegmentPool, SegmentPoolConfig};
 use memres::{
-    AnyResource, AnySyncResource, Arena, Binning, Callback, FixedSize, Host, HostHeap, HostVirtual,
-    Pool, PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, SyncResourceRef,
-    VirtualPoolConfig,
+    AnyResource, Host, HostHeap, Pool, PoolConfig, Resource, ResourceExt, ResourceRef, StreamRef,
+    SyncResource, VirtualPoolConfig,
+    erased::{AnySyncResource, SyncResourceRef},
+    suballoc::{Arena, Binning, FixedSize},
+    upstream::{Callback, HostVirtual},
 };
 
 static HEAP: HostHeap = HostHeap::new();

@@ -10,8 +10,8 @@ use memres::container::{
     DeviceBuffer, DeviceScalar, DeviceVec, HostAllocator, RawParts, StreamAllocator,
 };
 use memres::{
-    Callback, DeviceAccessible, Error, HostDevice, HostHeap, Pool, PoolConfig, StreamRef,
-    SyncResource,
+    DeviceAccessible, Error, HostDevice, HostHeap, Pool, PoolConfig, StreamRef, SyncResource,
+    upstream::Callback,
 };
 
 const S: StreamRef<'static> = StreamRef::HOST;

@@ -3,14 +3,19 @@
 //! managed memory. All `#[ignore]`d: CI has no GPU; `shared/gpu/bundle.sh`'s `run.sh` runs
 //! them on the GPU machine.
 
+#[cfg(feature = "cudarc-interop")]
 use std::sync::Arc;
 
+#[cfg(feature = "cudarc-interop")]
 use cudarc::driver::CudaContext;
 use memres::adaptor::Statistics;
 use memres::container::{DeviceBuffer, DeviceScalar, DeviceVec, HostAllocator};
 use memres::device::{DeviceGuard, DeviceId};
 use memres::stream::{Stream, StreamFlags};
-use memres::{Cuda, Error, Managed, PinnedHost, Pool, PoolConfig, StreamRef};
+use memres::{
+    Cuda, Error, Pool, PoolConfig, StreamRef,
+    upstream::{Managed, PinnedHost},
+};
 
 const D: StreamRef<'static> = StreamRef::DEFAULT;
 
@@ -262,6 +267,7 @@ fn host_accessible_device_memory_has_host_slices() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+#[cfg(feature = "cudarc-interop")]
 fn cudarc_copies_and_memsets_take_views() {
     let ctx = CudaContext::new(0).unwrap();
     let cs: Arc<_> = ctx.new_stream().unwrap();

@@ -11,10 +11,10 @@ use memres::stream::{Event, Stream, StreamFlags, StreamPool};
 use memres::upstream::CudaVirtualConfig;
 use memres::upstream::{CudaAsyncConfig, ExportHandle};
 use memres::{
-    Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Error, Managed, PinnedHost, Resource,
-    StreamRef, SyncResource, layout,
+    Cuda, Error, Resource, StreamRef, SyncResource, layout,
+    upstream::{CudaAsync, CudaAsyncManaged, CudaAsyncView, Managed, PinnedHost},
 };
-use memres::{CudaVirtual, GrowInPlace};
+use memres::{CudaVirtual, upstream::GrowInPlace};
 
 fn d0() -> DeviceId {
     DeviceId::new(0)
@@ -184,7 +184,7 @@ fn cuda_async_equality() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn alignment_beyond_the_guarantee_is_an_invalid_argument() {
-    let l = memres::layout_with_alignment(100, 512).unwrap();
+    let l = memres::resource::layout_with_alignment(100, 512).unwrap();
     assert!(matches!(
         Cuda::new().unwrap().allocate_sync(l),
         Err(Error::InvalidArgument(_))
@@ -193,7 +193,7 @@ fn alignment_beyond_the_guarantee_is_an_invalid_argument() {
         CudaAsync::new().unwrap().allocate(StreamRef::DEFAULT, l),
         Err(Error::InvalidArgument(_))
     ));
-    let page = memres::layout_with_alignment(100, 8192).unwrap();
+    let page = memres::resource::layout_with_alignment(100, 8192).unwrap();
     assert!(matches!(
         PinnedHost::new().unwrap().allocate_sync(page),
         Err(Error::InvalidArgument(_))
@@ -213,7 +213,7 @@ fn a_pool_made_without_an_export_handle_cannot_be_exported() {
     let r = unsafe {
         sys::cuMemPoolExportToShareableHandle(
             (&mut fd as *mut std::ffi::c_int).cast(),
-            pool.pool_handle(),
+            pool.pool_handle().cast(),
             posix,
             0,
         )
@@ -555,7 +555,7 @@ fn allocate_on_one_stream_free_on_another_after_an_event() {
         let p = pool.allocate(a.as_ref(), l).unwrap();
         let _on = DeviceGuard::new(d0()).unwrap();
         // SAFETY: `p` holds 64 MiB; the memset is enqueued on `a`, where `p` is valid.
-        let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 0x5a, 64 << 20, a.raw()) };
+        let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, 0x5a, 64 << 20, a.raw().cast()) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
         let done = Event::new().unwrap();
         done.record(a.as_ref()).unwrap();
@@ -569,6 +569,7 @@ fn allocate_on_one_stream_free_on_another_after_an_event() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+#[cfg(feature = "cudarc-interop")]
 fn cudarc_streams_work_both_ways() {
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
     let theirs = ctx.new_stream().unwrap();
@@ -585,7 +586,7 @@ fn cudarc_streams_work_both_ways() {
     let mine = Stream::new().unwrap();
     // SAFETY: `ctx` is device 0's primary context; `wrapped` is dropped before `mine`.
     let wrapped = unsafe { mine.as_cudarc(&ctx) };
-    assert_eq!(wrapped.cu_stream(), mine.raw());
+    assert_eq!(wrapped.cu_stream().cast(), mine.raw());
     wrapped.synchronize().unwrap();
     drop(wrapped);
 }

@@ -83,7 +83,7 @@ fn the_current_device_starts_with_a_cuda_resource() {
     let first = per_device::current_resource().unwrap();
     let again = per_device::current_resource().unwrap();
     assert_eq!(address(&first), address(&again), "made once, then shared");
-    let pool = AnyResource::<Device>::new(memres::CudaAsync::new().unwrap());
+    let pool = AnyResource::<Device>::new(memres::upstream::CudaAsync::new().unwrap());
     let previous = per_device::set_current_resource(pool.clone())
         .unwrap()
         .unwrap();

@@ -5,8 +5,11 @@ use std::ptr::NonNull;
 
 use memres::adaptor::Statistics;
 use memres::{
-    AnyResource, AnySyncResource, Callback, Has, Host, HostAccessible, HostDevice, HostHeap,
-    Resource, ResourceExt, ResourceRef, Shared, StreamRef, SyncResource, SyncResourceRef, layout,
+    AnyResource, Has, Host, HostAccessible, HostDevice, HostHeap, Resource, ResourceExt,
+    ResourceRef, StreamRef, SyncResource,
+    erased::{AnySyncResource, Shared, SyncResourceRef},
+    layout,
+    upstream::Callback,
 };
 
 static HEAP: HostHeap = HostHeap::new();

@@ -7,8 +7,8 @@
 use cudarc::driver::sys;
 use memres::device::{DeviceGuard, DeviceId};
 use memres::{
-    CudaVirtual, CudaVirtualConfig, Error, Resource, ResourceExt, StreamRef, VirtualPool,
-    VirtualPoolConfig, layout,
+    CudaVirtual, Error, Resource, ResourceExt, StreamRef, VirtualPool, VirtualPoolConfig, layout,
+    upstream::CudaVirtualConfig,
 };
 
 const MIB: usize = 1 << 20;

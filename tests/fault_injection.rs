@@ -15,7 +15,7 @@ use common::faulty::{Fault, Faulty};
 use common::{Step, step};
 use memres::adaptor::{Limiting, Statistics, Tracking};
 use memres::suballoc::{Arena, Binning, FixedSize, Growth, Pool, PoolConfig};
-use memres::{Error, Resource, StreamRef, layout, layout_with_alignment};
+use memres::{Error, Resource, StreamRef, layout, resource::layout_with_alignment};
 use proptest::prelude::*;
 
 /// A live block: where, its layout, the stream it was allocated on, and the byte stamped

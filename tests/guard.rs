@@ -162,7 +162,7 @@ mod gpu {
     fn set(p: *mut u8, n: usize, value: u8, stream: &Stream) {
         // SAFETY: the tests pass bytes inside the upstream block of a live guarded block,
         // valid in order on `stream`.
-        let r = unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw()) };
+        let r = unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw().cast()) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     }
 

@@ -4,7 +4,9 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use memres::{Callback, Error, Host, HostHeap, Resource, StreamRef, SyncResource, layout};
+use memres::{
+    Error, Host, HostHeap, Resource, StreamRef, SyncResource, layout, upstream::Callback,
+};
 
 static HEAP: HostHeap = HostHeap::new();
 

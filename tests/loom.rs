@@ -19,7 +19,9 @@ use std::ptr::NonNull;
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::thread;
-use memres::{AnyResource, Host, HostHeap, Resource, Shared, StreamRef, SyncResource, layout};
+use memres::{
+    AnyResource, Host, HostHeap, Resource, StreamRef, SyncResource, erased::Shared, layout,
+};
 
 /// A resource that records its own drop and checks it is never used after it.
 struct Watched {

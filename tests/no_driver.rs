@@ -9,7 +9,8 @@ use memres::per_device;
 use memres::stream::{Event, Stream, StreamFlags, StreamPool};
 use memres::upstream::{CudaAsyncConfig, ExportHandle};
 use memres::{
-    Cuda, CudaAsync, CudaAsyncManaged, CudaAsyncView, Error, Managed, PinnedHost, StreamRef,
+    Cuda, Error, StreamRef,
+    upstream::{CudaAsync, CudaAsyncManaged, CudaAsyncView, Managed, PinnedHost},
 };
 
 fn no_driver() -> bool {
@@ -63,15 +64,18 @@ fn every_cuda_constructor_reports_no_driver() {
         "CudaVirtual::with_config",
         memres::CudaVirtual::with_config(
             d0,
-            memres::CudaVirtualConfig::new()
+            memres::upstream::CudaVirtualConfig::new()
                 .reserve(1 << 30)
                 .peers([DeviceId::new(1)])
                 .export(ExportHandle::PosixFd),
         ),
     );
-    assert_no_driver("System::new", memres::System::new());
-    assert_no_driver("System::on", memres::System::on(d0));
-    assert_no_driver("SamHeadroom::new", memres::SamHeadroom::new(1 << 30));
+    assert_no_driver("System::new", memres::upstream::System::new());
+    assert_no_driver("System::on", memres::upstream::System::on(d0));
+    assert_no_driver(
+        "SamHeadroom::new",
+        memres::upstream::SamHeadroom::new(1 << 30),
+    );
     assert_no_driver(
         "Prefetch::new",
         memres::adaptor::Prefetch::new(memres::HostHeap::new()),

@@ -9,7 +9,9 @@ use std::ptr::NonNull;
 use common::{Step, step};
 use memres::adaptor::Limiting;
 use memres::suballoc::{Growth, Pool, PoolConfig};
-use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, layout, layout_with_alignment};
+use memres::{
+    Error, HostHeap, Resource, StreamRef, SyncResource, layout, resource::layout_with_alignment,
+};
 use proptest::prelude::*;
 
 /// A made-up CUDA stream handle for a host pool, or `None` (the test reports itself

@@ -116,19 +116,25 @@ fn child_leaves_a_cuda_pool_with_live_memory_in_the_map() {
     if !in_child() {
         return;
     }
-    let pool = memres::CudaAsync::new().unwrap();
+    let pool = memres::upstream::CudaAsync::new().unwrap();
     let l = memres::layout(64 << 20).unwrap();
     // Left allocated on purpose: the pool is dropped at exit with a block still out.
     let _block = pool.allocate(StreamRef::DEFAULT, l).unwrap();
     let dev = DeviceId::current().unwrap();
-    // A stream, an event and a stream taken from cudarc, dropped at exit with the pool.
+    // A stream, an event and (with `cudarc-interop`) a stream taken from cudarc, dropped at
+    // exit with the pool.
     let stream = memres::stream::Stream::new().unwrap();
     let event = memres::stream::Event::new().unwrap();
     event.record(stream.as_ref()).unwrap();
-    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
-    let theirs = memres::stream::Stream::from_cudarc(ctx.new_stream().unwrap()).unwrap();
-    let extras: Vec<Box<dyn std::any::Any + Send + Sync>> =
-        vec![Box::new(stream), Box::new(event), Box::new(theirs)];
+    #[allow(unused_mut)] // without `cudarc-interop`, nothing is pushed
+    let mut extras: Vec<Box<dyn std::any::Any + Send + Sync>> =
+        vec![Box::new(stream), Box::new(event)];
+    #[cfg(feature = "cudarc-interop")]
+    {
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        let theirs = memres::stream::Stream::from_cudarc(ctx.new_stream().unwrap()).unwrap();
+        extras.push(Box::new(theirs));
+    }
     set_per_device_resource(dev, AnyResource::new(Announces(pool, extras)));
 }
 

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use memres::property::{Contains, Property, PropertySet};
 use memres::{
-    AnyResource, Callback, Device, DeviceAccessible, Has, Host, HostAccessible, HostDevice,
-    HostHeap, Layer, Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, layout,
+    AnyResource, Device, DeviceAccessible, Has, Host, HostAccessible, HostDevice, HostHeap,
+    Resource, ResourceExt, ResourceRef, StreamRef, SyncResource, layer::Layer, layout,
+    upstream::Callback,
 };
 use static_assertions::{assert_impl_all, assert_not_impl_any};
 use typenum::Unsigned;

@@ -13,7 +13,7 @@ use memres::suballoc::{
     Arena, Binning, FixedSize, Pool, PoolConfig, SegmentPool, SegmentPoolConfig, VirtualPool,
     VirtualPoolConfig,
 };
-use memres::{AnyResource, Cuda, CudaAsync, CudaVirtual, Device, Resource, layout};
+use memres::{AnyResource, Cuda, CudaVirtual, Device, Resource, layout, upstream::CudaAsync};
 
 /// The block's size: 64 MiB.
 const N: usize = 64 << 20;
@@ -26,7 +26,7 @@ fn check(r: sys::CUresult) {
 
 fn fill(p: u64, n: usize, value: u8, stream: &Stream) {
     // SAFETY: `p` holds `n` device bytes, valid on `stream` for the enqueued work.
-    check(unsafe { sys::cuMemsetD8Async(p, value, n, stream.raw()) });
+    check(unsafe { sys::cuMemsetD8Async(p, value, n, stream.raw().cast()) });
 }
 
 /// How many of the bytes the side stream read are not the first block's; whether the
@@ -47,7 +47,12 @@ fn hazard<R: Resource>(r: &R, record: bool) -> (usize, bool) {
     }
     // SAFETY: both blocks hold N bytes, used on `side` in its order.
     check(unsafe {
-        sys::cuMemcpyDtoDAsync_v2(seen_p.as_ptr() as u64, x.as_ptr() as u64, N, side.raw())
+        sys::cuMemcpyDtoDAsync_v2(
+            seen_p.as_ptr() as u64,
+            x.as_ptr() as u64,
+            N,
+            side.raw().cast(),
+        )
     });
     // SAFETY: allocated above with `l`; its last uses are on `main` and `side`, both
     // enqueued before this free; with `record` the side stream is named.

@@ -12,7 +12,7 @@ use memres::adaptor::Limiting;
 use memres::suballoc::{
     Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
 };
-use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
+use memres::{HostHeap, Resource, StreamRef, layout, upstream::HostVirtual};
 
 /// Runs `work` on a thread of its own and fails if it has not finished in `limit`. (A
 /// hung thread is left behind; the test binary still exits.)

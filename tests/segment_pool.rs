@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 
 use memres::adaptor::Statistics;
 use memres::suballoc::{BlockEntry, SegmentPool, SegmentPoolConfig};
-use memres::{Error, HostHeap, Resource, StreamRef, layout, layout_with_alignment};
+use memres::{Error, HostHeap, Resource, StreamRef, layout, resource::layout_with_alignment};
 
 const MIB: usize = 1 << 20;
 const S1: StreamRef<'static> = StreamRef::host(1);

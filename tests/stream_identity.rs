@@ -75,16 +75,16 @@ fn round(pool: &Pool<Cuda>, owned: bool) -> (bool, bool) {
     let handle = if owned {
         let a = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
         let p = pool.allocate(a.as_ref(), l).unwrap();
-        set(p.as_ptr(), 0xAA, a.raw(), 100);
+        set(p.as_ptr(), 0xAA, a.raw().cast(), 100);
         // SAFETY: allocated above on `a`; its work is on `a`.
         unsafe { pool.deallocate(a.as_ref(), p, l) };
-        let handle = a.raw();
+        let handle = a.raw().cast();
         drop(a); // synchronises, then destroys
         handle
     } else {
         let a = create();
         // SAFETY: `a` lives until destroyed below, after its last use as a handle.
-        let on_a = unsafe { StreamRef::from_raw(a) };
+        let on_a = unsafe { StreamRef::from_raw(a.cast()) };
         let p = pool.allocate(on_a, l).unwrap();
         set(p.as_ptr(), 0xAA, a, 100);
         // SAFETY: allocated above on `a`; its work is on `a`.
@@ -98,7 +98,7 @@ fn round(pool: &Pool<Cuda>, owned: bool) -> (bool, bool) {
     let mut survived = true;
     if let Some(b) = b {
         // SAFETY: `b` lives until destroyed below.
-        let on_b = unsafe { StreamRef::from_raw(b) };
+        let on_b = unsafe { StreamRef::from_raw(b.cast()) };
         let q = pool.allocate(on_b, l).unwrap();
         set(q.as_ptr(), 0xBB, b, 1);
         // SAFETY: the whole device is idle after this.

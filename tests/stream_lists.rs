@@ -12,7 +12,7 @@ use common::CoalescingPool;
 use memres::suballoc::{
     Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
 };
-use memres::{HostHeap, HostVirtual, Resource, StreamRef, layout};
+use memres::{HostHeap, Resource, StreamRef, layout, upstream::HostVirtual};
 
 /// Bytes live on the heap of this process.
 static HEAP: AtomicIsize = AtomicIsize::new(0);

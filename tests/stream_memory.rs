@@ -12,7 +12,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 use memres::{
-    FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, StreamRef, VirtualPoolConfig,
+    HostHeap, Pool, PoolConfig, Resource, StreamRef, VirtualPoolConfig, suballoc::FixedSize,
+    upstream::HostVirtual,
 };
 
 /// Live heap bytes of the process.

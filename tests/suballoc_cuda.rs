@@ -6,7 +6,7 @@ use cudarc::driver::sys;
 use memres::adaptor::Limiting;
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, FixedSize, Pool, PoolConfig};
-use memres::{Cuda, Error, PinnedHost, Resource, StreamRef, SyncResource, layout};
+use memres::{Cuda, Error, Resource, StreamRef, SyncResource, layout, upstream::PinnedHost};
 
 const N: usize = 256 << 20;
 
@@ -18,7 +18,7 @@ fn check(r: sys::CUresult) {
 fn fill(p: *mut u8, n: usize, value: u8, stream: &Stream, times: usize) {
     for _ in 0..times {
         // SAFETY: `p` holds `n` device bytes, valid on `stream` for the enqueued work.
-        check(unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw()) });
+        check(unsafe { sys::cuMemsetD8Async(p as u64, value, n, stream.raw().cast()) });
     }
 }
 

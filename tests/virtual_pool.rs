@@ -11,8 +11,9 @@ use common::CoalescingPool;
 use common::{Step, step};
 use memres::suballoc::{Growth, Pool, PoolConfig, VirtualPool, VirtualPoolConfig};
 use memres::{
-    Error, GrowInPlace, HostHeap, HostVirtual, Resource, StreamRef, SyncResource, layout,
-    layout_with_alignment,
+    Error, HostHeap, Resource, StreamRef, SyncResource, layout,
+    resource::layout_with_alignment,
+    upstream::{GrowInPlace, HostVirtual},
 };
 use proptest::prelude::*;
 

@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::ptr::NonNull;
 use std::rc::Rc;
 
-use memres::{AnyResource, Callback, Host, HostHeap, StreamRef, SyncResource};
+use memres::{AnyResource, Host, HostHeap, StreamRef, SyncResource, upstream::Callback};
 
 fn main() {
     let calls = Rc::new(Cell::new(0));

@@ -1,6 +1,6 @@
 // Rule: only a `VirtualPool` sleeps and wakes (its addresses stay reserved while its memory
 // goes back); a chunked `Pool` has no `sleep` or `wake` to call.
-use memres::{HostHeap, Pool, PoolConfig, SleepMode};
+use memres::{HostHeap, Pool, PoolConfig, suballoc::SleepMode};
 
 fn main() {
     let pool = Pool::new(HostHeap::new(), PoolConfig::new()).unwrap();

@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError};
 
 use mr::{
-    CudaVirtual, CudaVirtualConfig, ExportHandle, GrowInPlace, VirtualPool, VirtualPoolConfig,
+    CudaVirtual, VirtualPool, VirtualPoolConfig,
+    upstream::{CudaVirtualConfig, ExportHandle, GrowInPlace},
 };
 
 use crate::sync;

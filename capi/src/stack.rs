@@ -10,7 +10,10 @@ use mr::device::{DeviceGuard, DeviceId};
 use mr::spec::{Built, Target};
 use mr::suballoc::{Binning, FixedSize};
 use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost, Virtual};
-use mr::{AnyResource, Arena, Cuda, CudaAsync, CudaVirtual, Device, Error, Pool, VirtualPool};
+use mr::{
+    AnyResource, Cuda, CudaVirtual, Device, Error, Pool, VirtualPool, suballoc::Arena,
+    upstream::CudaAsync,
+};
 
 use crate::exports::{Exported, Shared};
 use crate::routed::TagPools;
@@ -242,7 +245,7 @@ impl<T: Target> Pools<T> {
 pub(crate) fn why_it_cannot_sleep(spec: &Spec) -> Option<String> {
     let part = match spec {
         Spec::VirtualPool { .. } | Spec::Pinned | Spec::PinnedPool => return None,
-        Spec::WithStatistics(inner) | Spec::Logged { inner, .. } | Spec::Limited { inner, .. } => {
+        Spec::Statistics(inner) | Spec::Logging { inner, .. } | Spec::Limiting { inner, .. } => {
             return why_it_cannot_sleep(inner);
         }
         Spec::Fallback { first, then } => {
@@ -485,7 +488,7 @@ impl DeviceStack {
             .in_place()
             .iter()
             .find(|pool| {
-                let (base, len) = mr::GrowInPlace::reservation(pool.upstream());
+                let (base, len) = mr::upstream::GrowInPlace::reservation(pool.upstream());
                 address.wrapping_sub(base) < len
             })
             .cloned()
@@ -503,7 +506,7 @@ impl DeviceStack {
     pub(crate) fn share(&self, address: usize, size: usize) -> Result<Shared, Error> {
         if let Some(pool) = self.in_place_holding(address) {
             let leaf = pool.upstream();
-            let granule = mr::GrowInPlace::granularity(leaf);
+            let granule = mr::upstream::GrowInPlace::granularity(leaf);
             let (first, fds) = leaf.export_fds(address, size)?;
             return Ok(Shared::Granules {
                 granule,
@@ -524,7 +527,7 @@ impl DeviceStack {
     /// an in-place pool's (`None` for memory shared by a CUDA IPC handle).
     pub(crate) fn granules_of(&self, address: usize, size: usize) -> Option<usize> {
         let pool = self.in_place_holding(address)?;
-        let g = mr::GrowInPlace::granularity(pool.upstream());
+        let g = mr::upstream::GrowInPlace::granularity(pool.upstream());
         let first = address - address % g;
         Some((address + size).next_multiple_of(g).saturating_sub(first) / g)
     }
@@ -619,7 +622,7 @@ impl DeviceStack {
         // block when it is there (under `binning` too: the bins' chunks are its blocks).
         match self.pools.in_place() {
             [pool] => {
-                let (base, len) = mr::GrowInPlace::reservation(pool.upstream());
+                let (base, len) = mr::upstream::GrowInPlace::reservation(pool.upstream());
                 Some(address.wrapping_sub(base) < len)
             }
             _ => None,

@@ -20,7 +20,7 @@ use std::ffi::{CStr, c_char, c_int};
 use std::sync::{Mutex, PoisonError};
 
 use mr::device::DeviceId;
-use mr::{GrowInPlace, SleepMode};
+use mr::{suballoc::SleepMode, upstream::GrowInPlace};
 
 use crate::routed::{TagPool, set_current};
 use crate::{

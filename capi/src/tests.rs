@@ -52,7 +52,7 @@ fn configure_accepts_specs_and_can_be_called_twice() {
     let config = CONFIG.lock().unwrap();
     assert_eq!(
         config.spec,
-        Some(Spec::WithStatistics(Box::new(Spec::default_spec())))
+        Some(Spec::Statistics(Box::new(Spec::default_spec())))
     );
 }
 
@@ -1367,8 +1367,8 @@ impl Target for OnTheHost {
     fn memory(&mut self) -> Result<mr::HostHeap, Error> {
         Ok(mr::HostHeap)
     }
-    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::HostVirtual, Error> {
-        mr::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::upstream::HostVirtual, Error> {
+        mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
     }
     fn arena_size(&mut self) -> Result<usize, Error> {
         Ok(16 << 20)
@@ -1520,7 +1520,7 @@ fn every_in_place_tier_sleeps_and_other_memory_is_refused_by_name() {
     assert_eq!(sleepers.len(), 2, "both tiers");
     for pool in &sleepers {
         // SAFETY: nothing touches the blocks until the pools wake.
-        unsafe { pool.sleep(mr::SleepMode::Offload) }.unwrap();
+        unsafe { pool.sleep(mr::suballoc::SleepMode::Offload) }.unwrap();
     }
     assert_eq!(pools.figures().unwrap().unwrap().size, 0, "nothing mapped");
     assert!(pools.segments().is_empty());
@@ -1546,7 +1546,7 @@ fn every_in_place_tier_sleeps_and_other_memory_is_refused_by_name() {
         .unwrap();
     assert_eq!(sleepers.len(), 1);
     // SAFETY: nothing touches the in-place pool's blocks (there are none) until it wakes.
-    unsafe { sleepers[0].sleep(mr::SleepMode::Discard) }.unwrap();
+    unsafe { sleepers[0].sleep(mr::suballoc::SleepMode::Discard) }.unwrap();
     // SAFETY: the pinned tier's block, still mapped.
     unsafe { pinned.as_ptr().write_bytes(1, 4 << 20) };
     sleepers[0].wake().unwrap();
@@ -1705,11 +1705,11 @@ fn assert_refused<R: Resource>(memory: &StreamUse<R>, address: usize, what: &str
 
 /// A tag's pool over host memory, made through the C ABI's table of tags' pools.
 fn host_tag_pool(
-    tags: &TagPools<VirtualPool<mr::HostVirtual>>,
-) -> Arc<VirtualPool<mr::HostVirtual>> {
+    tags: &TagPools<VirtualPool<mr::upstream::HostVirtual>>,
+) -> Arc<VirtualPool<mr::upstream::HostVirtual>> {
     tags.pool(1, || {
         VirtualPool::new(
-            mr::HostVirtual::new(64 << 20, 64 << 10)?,
+            mr::upstream::HostVirtual::new(64 << 20, 64 << 10)?,
             VirtualPoolConfig::new(),
         )
     })
@@ -1751,7 +1751,7 @@ fn record_stream_refuses_what_is_not_a_live_blocks_start() {
         );
     }
     // Never handed out: in the pool's reservation, and nowhere memres allocates.
-    let base = mr::GrowInPlace::reservation(tagged.upstream().upstream()).0;
+    let base = mr::upstream::GrowInPlace::reservation(tagged.upstream().upstream()).0;
     assert_refused(
         &tagged,
         base + (32 << 20),

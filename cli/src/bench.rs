@@ -5,7 +5,7 @@
 use clap::Args;
 use memres::stream::{Stream, StreamFlags};
 use memres::suballoc::{Arena, Binning, FixedSize, Pool, PoolConfig};
-use memres::{Cuda, CudaAsync, HostHeap, Resource, StreamRef};
+use memres::{Cuda, HostHeap, Resource, StreamRef, upstream::CudaAsync};
 use memres_workloads::{Row, Suite, suite};
 
 #[derive(Args)]

@@ -349,7 +349,7 @@ fn replay_one(
             ));
         }
         Memory::Simulated(size) => {
-            let leaf = move || memres::HostVirtual::new(size.max(GRANULE), GRANULE);
+            let leaf = move || memres::upstream::HostVirtual::new(size.max(GRANULE), GRANULE);
             Replay::new(simulated::simulated(size), leaf, size / 2, false).build(&name.spec)
         }
         Memory::Host => {
@@ -362,7 +362,7 @@ fn replay_one(
                 _ => 1 << 30,
             };
             let reserve = twice_peak.max(least);
-            let leaf = move || memres::HostVirtual::new(reserve, GRANULE);
+            let leaf = move || memres::upstream::HostVirtual::new(reserve, GRANULE);
             let arena = twice_peak.max(1 << 21) / 2;
             Replay::new(HostHeap, leaf, arena, false).build(&name.spec)
         }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use memres::{Callback, Error, Resource, StreamRef};
+use memres::{Error, Resource, StreamRef, upstream::Callback};
 
 /// Where the simulated range starts: high, page-aligned, and unlike any host address a
 /// reader might confuse it with.

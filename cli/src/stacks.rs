@@ -439,7 +439,7 @@ mod tests {
     use memres::suballoc::Growth;
 
     fn host(spec: &str) -> Result<Stack, Error> {
-        let leaf = || memres::HostVirtual::new(1 << 30, 2 << 20);
+        let leaf = || memres::upstream::HostVirtual::new(1 << 30, 2 << 20);
         let name = StackName::parse_with(spec, &Options::default()).unwrap();
         Replay::new(memres::HostHeap, leaf, 64 << 20, false).build(&name.spec)
     }

@@ -8,7 +8,7 @@
 
 use memres::spec::{Spec, Target};
 use memres::upstream::HostPages;
-use memres::{AnyResource, Error, Host, HostHeap, HostVirtual, Resource, StreamRef};
+use memres::{AnyResource, Error, Host, HostHeap, Resource, StreamRef, upstream::HostVirtual};
 
 /// The most a spec built here may ask for, per size.
 const MOST: usize = 64 << 20;
@@ -38,8 +38,8 @@ impl Target for OnTheHost {
 fn small(spec: &Spec) -> bool {
     let fits = |size: &Option<usize>| size.is_none_or(|s| s <= MOST);
     match spec {
-        Spec::Logged { .. } => false,
-        Spec::WithStatistics(inner) | Spec::Limited { inner, .. } => small(inner),
+        Spec::Logging { .. } => false,
+        Spec::Statistics(inner) | Spec::Limiting { inner, .. } => small(inner),
         Spec::Fallback { first, then } => small(first) && small(then),
         Spec::Pool { initial, max, .. } => fits(initial) && fits(max),
         Spec::VirtualPool {

@@ -20,8 +20,9 @@ use std::sync::{Mutex, mpsc};
 use memres::adaptor::Statistics;
 use memres::suballoc::Growth;
 use memres::{
-    Arena, Binning, Error, FixedSize, HostHeap, HostVirtual, Pool, PoolConfig, Resource, Shared,
-    StreamRef, VirtualPoolConfig,
+    Error, HostHeap, Pool, PoolConfig, Resource, StreamRef, VirtualPoolConfig, erased::Shared,
+    suballoc::{Arena, Binning, FixedSize},
+    upstream::HostVirtual,
 };
 
 type Counted = Shared<Statistics<HostHeap>>;

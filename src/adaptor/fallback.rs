@@ -83,7 +83,10 @@ impl<A, B, P> Fallback<A, B, P> {
     ///
     /// ```
     /// use memres::adaptor::Fallback;
-    /// use memres::{GrowInPlace, Host, HostHeap, HostVirtual, SyncResource, VirtualPoolConfig, layout};
+    /// use memres::{
+    ///     Host, HostHeap, SyncResource, VirtualPoolConfig, layout,
+    ///     upstream::{GrowInPlace, HostVirtual},
+    /// };
     ///
     /// let pool = HostVirtual::with_limit(1 << 30, 64 << 10, 1 << 20)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let (base, len) = pool.upstream().reservation();
@@ -101,7 +104,7 @@ impl<A, B, P> Fallback<A, B, P> {
     /// Every block `first` hands out lies in `base..base + len`, and no block `then` hands
     /// out does (else a free would reach the wrong tier).
     ///
-    /// [`GrowInPlace::reservation`]: crate::GrowInPlace::reservation
+    /// [`GrowInPlace::reservation`]: crate::upstream::GrowInPlace::reservation
     #[must_use]
     pub unsafe fn with_first_range(mut self, base: usize, len: usize) -> Self {
         self.first_range = Some((base, len));

@@ -401,7 +401,7 @@ impl<U: SyncResource> Guard<U> {
     /// synchronous API).
     fn route(&self, stream: Option<StreamRef<'_>>, block: usize) -> Result<Route, Error> {
         let access = Access::of::<U>();
-        match stream.and_then(StreamRef::as_raw) {
+        match stream.and_then(StreamRef::cu) {
             _ if !access.device() => Ok(Route::Host),
             None if access.host() => Ok(Route::Host),
             None => Ok(Route::Legacy(context_of_pointer(block)?)),
@@ -438,7 +438,7 @@ impl<U: SyncResource> Guard<U> {
                 let _current = bind(ctx)?;
                 // SAFETY: `raw` is live for this call (the caller's `StreamRef`); the pads
                 // lie in the block, which is the caller's in order on that stream.
-                let stream = unsafe { StreamRef::from_raw(raw) };
+                let stream = unsafe { StreamRef::from_raw(raw.cast()) };
                 fill(before, after, self.checks.pad, stream)
             }
             Route::Legacy(ctx) => {
@@ -491,7 +491,7 @@ impl<U: SyncResource> Guard<U> {
                 let mut checks = lock(&self.checks.device);
                 let slot = self.slot(&mut checks, ctx)?;
                 // SAFETY: `raw` is live for this call (the caller's `StreamRef`).
-                let stream = unsafe { StreamRef::from_raw(raw) };
+                let stream = unsafe { StreamRef::from_raw(raw.cast()) };
                 let enqueued = (|| -> Result<Event, Error> {
                     // SAFETY: a slot is `2 * pad` bytes of pinned memory that stays
                     // ours until the event recorded after the copies completes.

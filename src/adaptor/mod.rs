@@ -1,7 +1,7 @@
 //! Adaptors: layers that wrap an upstream resource and add one behaviour each.
 //!
 //! Every adaptor owns its upstream by value (`Statistics<Pool<Cuda>>`; use `&R`, `Arc<R>`
-//! or [`Shared`](crate::Shared) to share one), keeps every property of its upstream
+//! or [`Shared`](crate::erased::Shared) to share one), keeps every property of its upstream
 //! (`type Properties = U::Properties;`), implements both [`SyncResource`] and
 //! [`Resource`], and hands its upstream back with `upstream()`, `upstream_mut()` and
 //! `into_inner()` ([`ThreadSafe`], whose upstream need not be `Sync`, gives `lock()`

@@ -98,7 +98,7 @@ impl<U> Prefetch<U> {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: self.ctx.device().ordinal(),
         };
-        let raw = stream.as_raw().unwrap_or(std::ptr::null_mut());
+        let raw = stream.cu().unwrap_or(std::ptr::null_mut());
         // SAFETY: the range is a live managed block of `size` bytes; `raw` is live for the
         // borrow of `stream` (or the legacy default stream); prefetching moves pages and
         // never changes their contents.

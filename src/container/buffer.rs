@@ -123,7 +123,7 @@ pub(super) fn bind_for(
     own: StreamRef<'_>,
     device: Option<DeviceId>,
 ) -> Result<Option<Bound>, Error> {
-    match stream.as_raw() {
+    match stream.cu() {
         Some(raw) if stream != own && !stream.is_default() && !stream.is_per_thread() => {
             Ok(Some(bind(Context::of_stream(raw as usize)?)?))
         }

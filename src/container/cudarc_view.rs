@@ -92,7 +92,7 @@ impl<'s, T: Pod, R: Resource + Has<DeviceAccessible>> DeviceVec<'s, T, R> {
     fn check_cudarc_stream(&self, stream: &CudaStream) -> Result<(), Error> {
         let ours = self.stream();
         // SAFETY: the handle is only compared, never given to the driver.
-        let theirs = unsafe { crate::StreamRef::from_raw(stream.cu_stream()) };
+        let theirs = unsafe { crate::StreamRef::from_raw(stream.cu_stream().cast()) };
         let same_stream = ours == theirs || (ours.is_default() && theirs.is_default());
         if !same_stream {
             return Err(Error::invalid_argument(format!(

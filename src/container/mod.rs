@@ -8,7 +8,7 @@
 //! view, and ask their users to keep both alive. Here a container is generic over its
 //! resource *handle* `R` and carries its stream's lifetime `'s`:
 //! - `&'a Pool<Cuda>`: borrowed and zero-cost; the container cannot outlive the pool.
-//! - `Arc<..>`, [`Shared`](crate::Shared), [`AnyResource<Device>`](crate::AnyResource):
+//! - `Arc<..>`, [`Shared`](crate::erased::Shared), [`AnyResource<Device>`](crate::AnyResource):
 //!   owned; the resource lives as long as the container.
 //! - `new_default` constructors use the current device's resource
 //!   ([`per_device::current_resource`](crate::per_device::current_resource)) and keep the handle,

@@ -100,7 +100,7 @@ impl<'a, P: PropertySet> ResourceRef<'a, P> {
 impl<'a, P: PropertySet> SyncResourceRef<'a, P> {
     /// Erases `resource`, whose property set must contain `P`.
     ///
-    /// A reference to an [`AnySyncResource<P>`](crate::AnySyncResource) or an
+    /// A reference to an [`AnySyncResource<P>`](crate::erased::AnySyncResource) or an
     /// [`AnyResource<P>`](crate::AnyResource) yields a handle to the resource inside.
     pub fn new<R>(resource: &'a R) -> Self
     where

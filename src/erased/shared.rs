@@ -20,7 +20,7 @@ use crate::sync::Arc;
 /// `==`, and reads as what it is meant for.
 ///
 /// ```
-/// use memres::{HostHeap, Shared, SyncResource, layout};
+/// use memres::{HostHeap, SyncResource, erased::Shared, layout};
 ///
 /// let a = Shared::new(HostHeap::new());
 /// let b = a.clone();

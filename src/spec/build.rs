@@ -24,7 +24,10 @@ use crate::{AnyResource, Error, Resource};
 /// ```
 /// use memres::spec::{Spec, Target};
 /// use memres::upstream::{HostPages, Virtual};
-/// use memres::{AnyResource, Error, Host, HostHeap, HostVirtual, Resource, StreamRef, layout};
+/// use memres::{
+///     AnyResource, Error, Host, HostHeap, Resource, StreamRef, layout,
+///     upstream::HostVirtual,
+/// };
 ///
 /// /// Host memory: heap blocks, and a 1 GiB reservation of 2 MiB granules.
 /// struct OnTheHost;
@@ -232,13 +235,13 @@ impl Spec {
                 target.built(Built::Bins(&bins));
                 (AnyResource::new(bins), range)
             }
-            Spec::WithStatistics(inner) => {
+            Spec::Statistics(inner) => {
                 let (inner, range) = inner.build_ranged(target)?;
                 let counted = Arc::new(Statistics::new(inner));
                 target.built(Built::WithStatistics(&counted));
                 (AnyResource::new(counted), range)
             }
-            Spec::Logged {
+            Spec::Logging {
                 inner,
                 file,
                 exact_times,
@@ -252,7 +255,7 @@ impl Spec {
                 target.built(Built::Logged(&logged));
                 (AnyResource::new(logged), range)
             }
-            Spec::Limited { inner, limit } => {
+            Spec::Limiting { inner, limit } => {
                 let (inner, range) = inner.build_ranged(target)?;
                 (AnyResource::new(Limiting::new(inner, *limit)), range)
             }
@@ -288,7 +291,7 @@ fn virtual_pool_config(
 mod tests {
     use super::*;
     use crate::upstream::HostPages;
-    use crate::{Host, HostHeap, HostVirtual, StreamRef, layout};
+    use crate::{Host, HostHeap, StreamRef, layout, upstream::HostVirtual};
 
     /// Host memory, keeping what it was shown.
     #[derive(Default)]

@@ -44,7 +44,7 @@ impl StreamRef<'_> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn is_capturing(self) -> Result<bool, Error> {
-        match self.as_raw() {
+        match self.cu() {
             None => Ok(false),
             Some(_) => self.is_capturing_in(Context::current()?),
         }
@@ -53,7 +53,7 @@ impl StreamRef<'_> {
     /// As [`is_capturing`](Self::is_capturing), with `ctx` current for the call (it
     /// decides which stream a default-stream handle names).
     pub(crate) fn is_capturing_in(self, ctx: Context) -> Result<bool, Error> {
-        let Some(raw) = self.as_raw() else {
+        let Some(raw) = self.cu() else {
             return Ok(false);
         };
         let _current = bind(ctx)?;
@@ -130,7 +130,7 @@ impl StreamRef<'_> {
     /// is) or the driver cannot say (one older than CUDA 12.3 lacks the calls: its
     /// captures get no frontier).
     pub(crate) fn capture_frontier(self) -> Option<Frontier> {
-        let raw = self.as_raw()?;
+        let raw = self.cu()?;
         let ctx = self.context().ok()?;
         // `cuStreamIsCapturing` first (every driver has it; the common answer is no),
         // then the 12.3 entry point, which cudarc would panic on where it is missing.

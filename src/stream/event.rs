@@ -53,7 +53,7 @@ impl Event {
     /// On a host stream, whose work is always complete, this waits for the event's
     /// previous capture, so the event then counts as complete as well.
     pub fn record(&self, stream: StreamRef<'_>) -> Result<(), Error> {
-        match stream.as_raw() {
+        match stream.cu() {
             None => self.synchronize(),
             Some(raw) => {
                 let _current = bind(self.ctx)?;

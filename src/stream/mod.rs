@@ -27,6 +27,12 @@ pub(crate) use capture::{Frontier, Relaxed, ancestors, on_capture_path};
 pub use event::Event;
 pub use owned::{Stream, StreamFlags, StreamPool};
 
+/// A CUDA stream handle as the driver takes it, for calls memres does not wrap: an opaque
+/// pointer whatever the features (so that turning `cudarc-interop` on in one crate of a
+/// build never changes another's types). cudarc's `CUstream` is the same pointer:
+/// `.cast()` turns one into the other.
+pub type RawStream = *mut std::ffi::c_void;
+
 use crate::device::{Context, bind};
 use crate::driver::check;
 use crate::error::Error;
@@ -98,8 +104,17 @@ impl<'a> StreamRef<'a> {
     /// sub-allocator (`memres::suballoc`), its work must be complete before it is
     /// destroyed: a later stream may get the same handle (as memres's own `Stream` does
     /// on drop, by synchronising it).
-    pub unsafe fn from_raw(stream: CUstream) -> StreamRef<'a> {
+    pub unsafe fn from_raw(stream: RawStream) -> StreamRef<'a> {
         StreamRef::new(Repr::Cuda(stream as usize))
+    }
+
+    /// The CUDA handle as cudarc types it, for memres's own driver calls (whatever the
+    /// `cudarc-interop` feature says [`RawStream`] is), or `None` for a host stream.
+    pub(crate) fn cu(self) -> Option<CUstream> {
+        match self.repr {
+            Repr::Cuda(handle) => Some(handle as CUstream),
+            Repr::Host(_) => None,
+        }
     }
 
     /// The same handle with its borrow forgotten, for a table that keeps it until a
@@ -112,9 +127,9 @@ impl<'a> StreamRef<'a> {
     }
 
     /// The CUDA handle, or `None` for a host stream.
-    pub fn as_raw(self) -> Option<CUstream> {
+    pub fn as_raw(self) -> Option<RawStream> {
         match self.repr {
-            Repr::Cuda(handle) => Some(handle as CUstream),
+            Repr::Cuda(handle) => Some(handle as RawStream),
             Repr::Host(_) => None,
         }
     }
@@ -149,7 +164,7 @@ impl<'a> StreamRef<'a> {
     ///
     /// The default and per-thread streams are those of the current device.
     pub fn synchronize(self) -> Result<(), Error> {
-        match self.as_raw() {
+        match self.cu() {
             None => Ok(()),
             Some(raw) => {
                 let _current = bind(Context::current()?)?;
@@ -163,7 +178,7 @@ impl<'a> StreamRef<'a> {
     /// Synchronises the stream with `ctx` current (for resources, which know their
     /// context and must not depend on the caller's current device).
     pub(crate) fn synchronize_in(self, ctx: Context) -> Result<(), Error> {
-        match self.as_raw() {
+        match self.cu() {
             None => Ok(()),
             Some(raw) => {
                 let _current = bind(ctx)?;
@@ -179,7 +194,7 @@ impl<'a> StreamRef<'a> {
     /// The default and per-thread streams are those of the current device, as in
     /// [`synchronize`](Self::synchronize).
     pub fn wait_for(self, event: &Event) -> Result<(), Error> {
-        match self.as_raw() {
+        match self.cu() {
             None => event.synchronize(),
             Some(raw) if self.is_default() || self.is_per_thread() => {
                 event.enqueue_wait(raw, Context::current()?)
@@ -219,7 +234,7 @@ impl StreamRef<'_> {
     /// the default and per-thread streams (which name the current device's). Not for host
     /// streams, which have none.
     pub(crate) fn context(self) -> Result<Context, Error> {
-        match self.as_raw() {
+        match self.cu() {
             Some(raw) if !self.is_default() && !self.is_per_thread() => {
                 Context::of_stream(raw as usize)
             }
@@ -265,7 +280,7 @@ mod tests {
     fn kinds_are_told_apart() {
         assert!(StreamRef::DEFAULT.is_default());
         // SAFETY: `CU_STREAM_LEGACY` is always valid.
-        assert!(unsafe { StreamRef::from_raw(LEGACY_HANDLE as CUstream) }.is_default());
+        assert!(unsafe { StreamRef::from_raw(LEGACY_HANDLE as RawStream) }.is_default());
         assert!(!StreamRef::DEFAULT.is_per_thread());
         assert!(StreamRef::PER_THREAD.is_per_thread());
         assert!(!StreamRef::PER_THREAD.is_host());
@@ -277,7 +292,7 @@ mod tests {
 
     #[test]
     fn raw_round_trip() {
-        let raw = 0x7f00_1234usize as CUstream;
+        let raw = 0x7f00_1234usize as RawStream;
         // SAFETY: the handle is only stored and read back, never given to the driver.
         let s = unsafe { StreamRef::from_raw(raw) };
         assert_eq!(s.as_raw(), Some(raw));

@@ -5,9 +5,9 @@ use std::sync::Arc;
 #[cfg(feature = "cudarc-interop")]
 use cudarc::driver::CudaContext;
 use cudarc::driver::CudaStream;
-use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::sys;
 
-use super::StreamRef;
+use super::{RawStream, StreamRef};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
 use crate::driver::{check, report};
 use crate::error::Error;
@@ -98,9 +98,14 @@ impl Stream {
         self.ctx.device()
     }
 
+    /// The handle as cudarc types it, for memres's own driver calls.
+    pub(crate) fn cu(&self) -> sys::CUstream {
+        self.raw as sys::CUstream
+    }
+
     /// The raw handle, for calls memres does not wrap. Do not destroy it.
-    pub fn raw(&self) -> CUstream {
-        self.raw as CUstream
+    pub fn raw(&self) -> RawStream {
+        self.raw as RawStream
     }
 
     /// The same stream as a cudarc [`CudaStream`], for cudarc's copies and launches
@@ -114,7 +119,7 @@ impl Stream {
     pub unsafe fn as_cudarc(&self, ctx: &Arc<CudaContext>) -> Arc<CudaStream> {
         // SAFETY: the caller promises the context matches and the wrapper does not outlive
         // the stream; a borrowed wrapper never destroys the stream.
-        unsafe { ctx.wrap_borrowed_stream(self.raw()) }
+        unsafe { ctx.wrap_borrowed_stream(self.cu()) }
     }
 }
 
@@ -149,19 +154,19 @@ impl Drop for Stream {
             if Arc::strong_count(theirs) == 1 {
                 // SAFETY: the stream is live (we hold a reference to it).
                 report("cuStreamSynchronize", unsafe {
-                    sys::cuStreamSynchronize(self.raw())
+                    sys::cuStreamSynchronize(self.cu())
                 });
             }
             return;
         }
         // SAFETY: the stream is ours and live; waiting for its work has no precondition.
         report("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(self.raw())
+            sys::cuStreamSynchronize(self.cu())
         });
         // SAFETY: the stream is ours and no `StreamRef` to it outlives `self` (borrowck).
         // Its work is complete (above).
         report("cuStreamDestroy", unsafe {
-            sys::cuStreamDestroy_v2(self.raw())
+            sys::cuStreamDestroy_v2(self.cu())
         });
     }
 }

@@ -98,7 +98,7 @@ pub(super) struct Chunks {
 impl<U: Resource> Pool<U> {
     /// A pool over `upstream`, taking `config.initial()` bytes from it at once. It grows
     /// by upstream allocations of its own ("chunks"), sized by `config`'s [`Growth`](super::Growth)
-    /// rule; over a [`GrowInPlace`](crate::GrowInPlace) upstream, a
+    /// rule; over a [`GrowInPlace`](crate::upstream::GrowInPlace) upstream, a
     /// [`VirtualPool`](super::VirtualPool) holds less.
     pub fn new(upstream: U, config: PoolConfig) -> Result<Pool<U>, Error> {
         config.validate()?;

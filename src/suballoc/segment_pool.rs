@@ -161,8 +161,9 @@ impl BlockEntry {
 }
 
 /// What [`SegmentPool::restore`] changed: the blocks it freed and those it made live,
-/// by address.
+/// by address. It may say more later, so only memres makes one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Restored {
     /// Blocks live before, freed by the restore.
     pub freed: Vec<usize>,

@@ -30,10 +30,10 @@ use crate::stream::StreamRef;
 ///   handed straight back to the deallocate closure and the call fails with
 ///   [`Error::Misaligned`].
 /// - Equality is identity, as RMM's default: a `Callback` equals only itself (closures
-///   cannot be compared). Share one through `&`, `Arc` or [`Shared`](crate::Shared).
+///   cannot be compared). Share one through `&`, `Arc` or [`Shared`](crate::erased::Shared).
 ///
 /// ```
-/// use memres::{Callback, Error, Host, HostHeap, StreamRef, SyncResource, layout};
+/// use memres::{Error, Host, HostHeap, StreamRef, SyncResource, layout, upstream::Callback};
 /// use std::alloc::Layout;
 /// use std::ptr::NonNull;
 /// use std::sync::atomic::{AtomicUsize, Ordering};
@@ -130,7 +130,7 @@ where
             tracing::warn!(
                 address,
                 align = layout.align(),
-                "memres::Callback: the allocate closure returned misaligned memory"
+                "memres::upstream::Callback: the allocate closure returned misaligned memory"
             );
             // Never used: it goes back on the same stream at once.
             (self.deallocate)(ptr, layout, stream);

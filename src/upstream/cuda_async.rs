@@ -42,7 +42,7 @@ impl PoolRef {
         if let Some(empty) = admit(layout, POOL_ALIGNMENT, name)? {
             return Ok(empty);
         }
-        let Some(raw) = stream.as_raw() else {
+        let Some(raw) = stream.cu() else {
             return self.allocate_sync(layout, name);
         };
         let _current = bind(self.ctx)?;
@@ -85,7 +85,7 @@ impl PoolRef {
         if layout.size() == 0 || process_is_exiting() {
             return;
         }
-        let raw = stream.as_raw().unwrap_or(std::ptr::null_mut());
+        let raw = stream.cu().unwrap_or(std::ptr::null_mut());
         match bind(self.ctx) {
             // SAFETY: the caller's promise: `ptr` came from this pool and the work using it
             // is ordered before this point on `stream`; `raw` is live for its borrow.
@@ -178,6 +178,12 @@ impl ExportHandle {
         }
     }
 }
+
+/// A driver memory pool's handle, for `cuMemPool*` calls memres does not wrap: an opaque
+/// pointer whatever the features (turning `cudarc-interop` on in one crate of a build
+/// never changes another's types). cudarc's `CUmemoryPool` is the same pointer: `.cast()`
+/// turns one into the other.
+pub type RawMemoryPool = *mut std::ffi::c_void;
 
 /// How to make a [`CudaAsync`] pool.
 #[derive(Debug, Clone, Default)]
@@ -280,8 +286,8 @@ impl CudaAsync {
 
     /// The driver's handle of the pool (for `cuMemPool*` calls memres does not wrap). The
     /// resource keeps owning it: do not destroy it.
-    pub fn pool_handle(&self) -> CUmemoryPool {
-        self.inner.handle()
+    pub fn pool_handle(&self) -> RawMemoryPool {
+        self.inner.handle().cast()
     }
 
     /// The device the pool allocates on.
@@ -451,7 +457,7 @@ impl CudaAsyncView {
     /// # Safety
     /// `pool` is a live `CUmemoryPool` of pinned device memory on `device`, and stays alive
     /// as long as this view (and every copy of it) is used.
-    pub unsafe fn from_raw(pool: CUmemoryPool, device: DeviceId) -> Result<CudaAsyncView, Error> {
+    pub unsafe fn from_raw(pool: RawMemoryPool, device: DeviceId) -> Result<CudaAsyncView, Error> {
         Ok(CudaAsyncView {
             inner: PoolRef {
                 pool: pool as usize,
@@ -461,8 +467,8 @@ impl CudaAsyncView {
     }
 
     /// The pool's handle.
-    pub fn pool_handle(&self) -> CUmemoryPool {
-        self.inner.handle()
+    pub fn pool_handle(&self) -> RawMemoryPool {
+        self.inner.handle().cast()
     }
 
     /// The device the pool allocates on.
@@ -543,8 +549,8 @@ impl CudaAsyncManaged {
     }
 
     /// The pool's handle.
-    pub fn pool_handle(&self) -> CUmemoryPool {
-        self.inner.handle()
+    pub fn pool_handle(&self) -> RawMemoryPool {
+        self.inner.handle().cast()
     }
 
     /// The device the pool belongs to.

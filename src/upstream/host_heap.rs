@@ -16,7 +16,7 @@ use crate::stream::StreamRef;
 /// Streams are ignored: the memory is usable at once, which satisfies any stream order.
 ///
 /// ```
-/// use memres::{HostHeap, SyncResource, layout_with_alignment};
+/// use memres::{HostHeap, SyncResource, resource::layout_with_alignment};
 ///
 /// let heap = HostHeap::new();
 /// let l = layout_with_alignment(3000, 4096)?;

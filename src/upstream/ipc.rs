@@ -8,8 +8,8 @@
 //!   [`Imported::open_ipc_handle`]. This is the handle PyTorch's own allocator sends, so
 //!   either side may be PyTorch without memres.
 //! - **Virtual memory** ([`CudaVirtual`](crate::CudaVirtual) made with
-//!   [`ExportHandle::PosixFd`](crate::ExportHandle), the virtual pool's leaf): each granule
-//!   is its own physical allocation, exported as a POSIX file descriptor
+//!   [`ExportHandle::PosixFd`](super::ExportHandle), the virtual pool's leaf): each
+//!   granule is its own physical allocation, exported as a POSIX file descriptor
 //!   (`CudaVirtual::export_fds`); the other process gets the
 //!   descriptors (over a Unix socket, or with `pidfd_getfd`) and maps them in order at a
 //!   new address with [`Imported::map_fds`].

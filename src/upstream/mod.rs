@@ -34,7 +34,9 @@ pub(crate) mod virtual_memory;
 
 pub use callback::Callback;
 pub use cuda::Cuda;
-pub use cuda_async::{CudaAsync, CudaAsyncConfig, CudaAsyncManaged, CudaAsyncView, ExportHandle};
+pub use cuda_async::{
+    CudaAsync, CudaAsyncConfig, CudaAsyncManaged, CudaAsyncView, ExportHandle, RawMemoryPool,
+};
 pub use host_heap::HostHeap;
 pub use ipc::{IPC_HANDLE_SIZE, Imported, ipc_handle};
 pub use managed::Managed;

@@ -66,7 +66,7 @@ impl System {
     /// `isize::MAX` that the widening overflows cannot be served: out of memory.
     fn layout(layout: Layout) -> Result<Layout, Error> {
         layout
-            .align_to(crate::DEFAULT_ALIGNMENT)
+            .align_to(crate::resource::DEFAULT_ALIGNMENT)
             .map_err(|_| Error::out_of_memory(layout.size()))
     }
 }
@@ -168,7 +168,7 @@ impl SamHeadroom {
         // SAFETY: the device's context is current; both are valid places for results.
         check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
         let allowed = free.saturating_sub(self.headroom).min(size);
-        Ok(allowed & !(crate::DEFAULT_ALIGNMENT - 1))
+        Ok(allowed & !(crate::resource::DEFAULT_ALIGNMENT - 1))
     }
 
     /// Sets the preferred location of `[start, start + len)`.

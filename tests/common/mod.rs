@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 pub mod faulty;
 
-use memres::{Error, HostHeap, PropertySet, Resource, StreamRef, SyncResource};
+use memres::{Error, HostHeap, Resource, StreamRef, SyncResource, property::PropertySet};
 
 /// Heap memory that claims the properties `P`, told apart from other instances by `id`
 /// (equal ids: equal resources). For tests of types, maps and erasure: whatever `P` claims

@@ -29,7 +29,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock, mpsc};
 
 use memres::stream::{StreamFlags, StreamPool};
-use memres::{Error, HostAccessible, PropertySet, Resource, StreamRef, SyncResource, layout};
+use memres::{
+    Error, HostAccessible, Resource, StreamRef, SyncResource, layout, property::PropertySet,
+};
 use typenum::Unsigned;
 
 /// What a resource can do, and how to drive it.

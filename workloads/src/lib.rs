@@ -493,7 +493,7 @@ pub fn suite<R: Resource + Sync + ?Sized>(
 mod tests {
     use super::*;
     use memres::adaptor::{Limiting, Statistics};
-    use memres::{HostVirtual, VirtualPoolConfig};
+    use memres::{VirtualPoolConfig, upstream::HostVirtual};
 
     /// `serve` frees everything it allocated, reports the live bytes it holds, and on
     /// out-of-memory returns the error with everything freed.

@@ -175,7 +175,7 @@ impl<U> Logging<U> {
         size: usize,
         stream: StreamRef<'_>,
     ) {
-        let (stream, host) = match stream.as_raw() {
+        let (stream, host) = match stream.cu() {
             Some(raw) => (raw as u64, false),
             None => (u64::from(stream.host_id().unwrap_or(0)), true),
         };

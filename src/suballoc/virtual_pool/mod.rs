@@ -28,7 +28,7 @@ mod sleep_tests;
 
 /// A coalescing sub-allocator that grows in place over a reserved address range (a
 /// [`GrowInPlace`] upstream: [`CudaVirtual`](crate::CudaVirtual) on a GPU,
-/// [`HostVirtual`](crate::HostVirtual) over host pages): the pool that holds least, and
+/// [`HostVirtual`](crate::upstream::HostVirtual) over host pages): the pool that holds least, and
 /// the one that can [`sleep`](VirtualPool::sleep).
 ///
 /// It maps exactly the granules a request lacks, right after its free memory, so its
@@ -46,7 +46,7 @@ mod sleep_tests;
 /// has them (a chunked pool has no addresses to keep):
 ///
 /// ```compile_fail
-/// use memres::{HostHeap, Pool, PoolConfig, SleepMode};
+/// use memres::{HostHeap, Pool, PoolConfig, suballoc::SleepMode};
 ///
 /// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
 /// // SAFETY: nothing handed out.
@@ -65,7 +65,7 @@ impl<B: Backend> Virtual<B> {
     /// A [`VirtualPool`] over this leaf ([`VirtualPool::new`]).
     ///
     /// ```
-    /// use memres::{HostVirtual, Resource, StreamRef, VirtualPoolConfig, layout};
+    /// use memres::{Resource, StreamRef, VirtualPoolConfig, layout, upstream::HostVirtual};
     ///
     /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let l = layout(100 << 10)?;
@@ -93,7 +93,10 @@ impl<U: Resource> VirtualPool<U> {
     /// [`Error::InvalidArgument`]).
     ///
     /// ```
-    /// use memres::{HostVirtual, Resource, StreamRef, VirtualPool, VirtualPoolConfig, layout};
+    /// use memres::{
+    ///     Resource, StreamRef, VirtualPool, VirtualPoolConfig, layout,
+    ///     upstream::HostVirtual,
+    /// };
     ///
     /// let pool = VirtualPool::new(HostVirtual::new(1 << 30, 64 << 10)?, VirtualPoolConfig::new())?;
     /// let (a, b) = (layout(96 << 10)?, layout(96 << 10)?);
@@ -173,6 +176,6 @@ impl<U: Resource> VirtualPool<U> {
 
 coalescing_pool!(
     VirtualPool,
-    "HostVirtual, VirtualPool, VirtualPoolConfig",
+    "VirtualPool, VirtualPoolConfig, upstream::HostVirtual",
     "VirtualPool::new(HostVirtual::new(1 << 30, 64 << 10)?, VirtualPoolConfig::new()"
 );

@@ -47,7 +47,11 @@ impl<U: Resource> VirtualPool<U> {
     /// `memres.tag("weights")`) and wakes them in turn.
     ///
     /// ```
-    /// use memres::{HostVirtual, Resource, SleepMode, StreamRef, VirtualPoolConfig, layout};
+    /// use memres::{
+    ///     Resource, StreamRef, VirtualPoolConfig, layout,
+    ///     suballoc::SleepMode,
+    ///     upstream::HostVirtual,
+    /// };
     ///
     /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.virtual_pool(VirtualPoolConfig::new())?;
     /// let l = layout(100 << 10)?;

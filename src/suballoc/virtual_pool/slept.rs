@@ -5,8 +5,10 @@
 use crate::upstream::HostCopy;
 
 /// What becomes of the contents of a pool's memory while it sleeps
-/// ([`VirtualPool::sleep`](super::VirtualPool::sleep)).
+/// ([`VirtualPool::sleep`](super::VirtualPool::sleep)). More modes may come (a match on it
+/// outside memres has a `_` arm).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum SleepMode {
     /// The contents are lost: after [`VirtualPool::wake`](super::VirtualPool::wake) the blocks hold whatever the new
     /// memory holds (for a KV cache, activations, scratch memory).

@@ -16,7 +16,7 @@ use crate::upstream::{ExportHandle, PinnedHost};
 /// How to make a [`CudaVirtual`](super::CudaVirtual).
 ///
 /// ```
-/// use memres::{CudaVirtualConfig, ExportHandle};
+/// use memres::upstream::{CudaVirtualConfig, ExportHandle};
 ///
 /// let config = CudaVirtualConfig::new().reserve(256 << 30).export(ExportHandle::PosixFd);
 /// assert_eq!(config.reserved(), Some(256 << 30));
