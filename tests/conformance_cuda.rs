@@ -42,11 +42,7 @@ conformance_tests!(
 conformance_tests!(
     #[ignore = "needs a CUDA GPU"]
     cuda_async_primed,
-    CudaAsync::with_config(CudaAsyncConfig {
-        initial_size: Some(256 << 20),
-        ..CudaAsyncConfig::default()
-    })
-    .unwrap(),
+    CudaAsync::with_config(CudaAsyncConfig::new().initial_size(256 << 20)).unwrap(),
     Caps::gpu(256)
 );
 conformance_tests!(

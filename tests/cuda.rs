@@ -135,22 +135,15 @@ fn host_writes_reach_the_device_through_pinned_and_managed_memory() {
 fn cuda_async_applies_its_configuration() {
     let default = CudaAsync::new().unwrap();
     assert_eq!(default.release_threshold().unwrap(), u64::MAX);
-    let primed = CudaAsync::with_config(CudaAsyncConfig {
-        initial_size: Some(256 << 20),
-        ..CudaAsyncConfig::default()
-    })
-    .unwrap();
+    let primed = CudaAsync::with_config(CudaAsyncConfig::new().initial_size(256 << 20)).unwrap();
     assert!(
         primed.reserved_bytes().unwrap() >= 256 << 20,
         "reserved {} after priming 256 MiB",
         primed.reserved_bytes().unwrap()
     );
     assert_eq!(primed.used_bytes().unwrap(), 0);
-    let thrifty = CudaAsync::with_config(CudaAsyncConfig {
-        release_threshold: Some(1 << 20),
-        ..CudaAsyncConfig::default()
-    })
-    .unwrap();
+    let thrifty =
+        CudaAsync::with_config(CudaAsyncConfig::new().release_threshold(1 << 20)).unwrap();
     assert_eq!(thrifty.release_threshold().unwrap(), 1 << 20);
     assert_eq!(thrifty.export_handle(), ExportHandle::None);
 }
@@ -274,10 +267,7 @@ fn child_reads(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_pool_exported_as_a_file_descriptor_is_read_by_another_process() {
-    let config = CudaAsyncConfig {
-        export: ExportHandle::PosixFd,
-        ..CudaAsyncConfig::default()
-    };
+    let config = CudaAsyncConfig::new().export(ExportHandle::PosixFd);
     let pool = match CudaAsync::with_config(config) {
         Ok(pool) => pool,
         Err(Error::Unsupported(why)) => {

@@ -44,11 +44,12 @@ fn every_cuda_constructor_reports_no_driver() {
     assert_no_driver("CudaAsync::new", CudaAsync::new());
     assert_no_driver(
         "CudaAsync::with_config",
-        CudaAsync::with_config(CudaAsyncConfig {
-            initial_size: Some(1 << 20),
-            release_threshold: Some(0),
-            export: ExportHandle::PosixFd,
-        }),
+        CudaAsync::with_config(
+            CudaAsyncConfig::new()
+                .initial_size(1 << 20)
+                .release_threshold(0)
+                .export(ExportHandle::PosixFd),
+        ),
     );
     assert_no_driver(
         "CudaAsyncView::default_pool",

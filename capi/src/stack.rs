@@ -400,11 +400,9 @@ impl Target for Layers {
         initial: Option<usize>,
         release_threshold: Option<u64>,
     ) -> Result<AnyResource<Device>, Error> {
-        let config = CudaAsyncConfig {
-            initial_size: initial,
-            release_threshold,
-            ..CudaAsyncConfig::default()
-        };
+        let config = CudaAsyncConfig::new()
+            .initial_size(initial)
+            .release_threshold(release_threshold);
         let pool = Arc::new(CudaAsync::on(self.device, config)?);
         self.pools.driver.push(Arc::clone(&pool));
         Ok(AnyResource::new(pool))

@@ -384,11 +384,9 @@ where
         if !self.gpu {
             return Err(Error::unsupported("cuda_async without a GPU"));
         }
-        let config = CudaAsyncConfig {
-            initial_size: initial,
-            release_threshold,
-            ..CudaAsyncConfig::default()
-        };
+        let config = CudaAsyncConfig::new()
+            .initial_size(initial)
+            .release_threshold(release_threshold);
         Ok(self.counted(CudaAsync::on(DeviceId::new(0), config)?))
     }
 

@@ -185,8 +185,18 @@ impl ExportHandle {
 /// turns one into the other.
 pub type RawMemoryPool = *mut std::ffi::c_void;
 
-/// How to make a [`CudaAsync`] pool.
+/// How to make a [`CudaAsync`] pool: [`CudaAsyncConfig::new`] and its builder methods
+/// (the fields are public to read; more may come, so it is built with the methods).
+///
+/// ```
+/// use memres::upstream::{CudaAsyncConfig, ExportHandle};
+///
+/// let config = CudaAsyncConfig::new().initial_size(1 << 30).release_threshold(None);
+/// assert_eq!(config.initial_size, Some(1 << 30));
+/// assert_eq!(config.export, ExportHandle::None);
+/// ```
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct CudaAsyncConfig {
     /// Bytes to reserve up front: allocated and freed once at construction, so that with
     /// the default release threshold the pool keeps them. `None`: nothing.
@@ -196,6 +206,35 @@ pub struct CudaAsyncConfig {
     pub release_threshold: Option<u64>,
     /// Whether, and how, the pool can be shared with other processes.
     pub export: ExportHandle,
+}
+
+impl CudaAsyncConfig {
+    /// Nothing reserved up front, memory kept (`u64::MAX` release threshold), not shared.
+    pub fn new() -> Self {
+        CudaAsyncConfig::default()
+    }
+
+    /// Bytes to reserve up front (`None`: nothing).
+    #[must_use]
+    pub fn initial_size(mut self, bytes: impl Into<Option<usize>>) -> Self {
+        self.initial_size = bytes.into();
+        self
+    }
+
+    /// Reserved memory above this many bytes goes back to the device at stream
+    /// synchronisation points (`None`: keep everything).
+    #[must_use]
+    pub fn release_threshold(mut self, bytes: impl Into<Option<u64>>) -> Self {
+        self.release_threshold = bytes.into();
+        self
+    }
+
+    /// Whether, and how, the pool can be shared with other processes.
+    #[must_use]
+    pub fn export(mut self, handle: ExportHandle) -> Self {
+        self.export = handle;
+        self
+    }
 }
 
 /// A stream-ordered pool of device memory owned by this resource: the driver's
@@ -217,10 +256,7 @@ pub struct CudaAsyncConfig {
 /// use memres::{Resource, StreamRef, layout};
 /// use memres::upstream::{CudaAsync, CudaAsyncConfig};
 ///
-/// let pool = CudaAsync::with_config(CudaAsyncConfig {
-///     initial_size: Some(1 << 30),
-///     ..CudaAsyncConfig::default()
-/// })?;
+/// let pool = CudaAsync::with_config(CudaAsyncConfig::new().initial_size(1 << 30))?;
 /// let l = layout(4096)?;
 /// let p = pool.allocate(StreamRef::PER_THREAD, l)?;
 /// // SAFETY: allocated above; no work that uses it is enqueued after this point.
