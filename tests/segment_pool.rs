@@ -69,6 +69,22 @@ fn blocks_are_split_best_fit_and_merge_when_freed() {
 }
 
 #[test]
+fn the_smallest_hole_that_fits_is_taken_not_the_first() {
+    let p = pool(SegmentPoolConfig::new());
+    let a = alloc(&p, S1, 4000);
+    let b = alloc(&p, S1, 1000);
+    let c = alloc(&p, S1, 1000);
+    let d = alloc(&p, S1, 1000);
+    free(&p, S1, a, 4000); // a 4096-byte hole first
+    free(&p, S1, c, 1000); // a 1024-byte hole after it
+    let e = alloc(&p, S1, 1000);
+    assert_eq!(at(e), at(c), "best fit: c's hole, not a's");
+    for (ptr, size) in [(b, 1000), (d, 1000), (e, 1000)] {
+        free(&p, S1, ptr, size);
+    }
+}
+
+#[test]
 fn a_stream_takes_blocks_of_its_own_segments_only() {
     let p = pool(SegmentPoolConfig::new());
     let a = alloc(&p, S1, 1000);

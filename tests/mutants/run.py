@@ -29,6 +29,8 @@ TESTS = [
 CAPI = ["-p", "memres-capi", "--lib"]
 # The library's StreamUse layer: its own tests.
 STREAM_USE = ["-p", "memres", "--lib", "stream_use"]
+# SegmentPool (PyTorch's graph and MemPool pools): its host tests and the conformance suite.
+SEGMENTS = ["-p", "memres", "--test", "segment_pool", "--test", "conformance_host"]
 
 # name, file, snippet, replacement[, the tests to run: the library's by default]
 MUTATIONS = [
@@ -124,6 +126,19 @@ MUTATIONS = [
      "            maximum: pool.maximum(growth),", "            maximum: pool.holding.config.maximum(),"),
     ("IPC import: the reservation aligned to the piece size (20 MiB pieces refused)", "src/upstream/ipc.rs",
      "    1 << granule.trailing_zeros()", "    granule"),
+    ("SegmentPool: first fit instead of best fit", "src/suballoc/segment_pool.rs",
+     "best.is_none_or(|(b, ..)| block < b)", "best.is_none()", SEGMENTS),
+    ("SegmentPool: a stream takes blocks of another stream's segments", "src/suballoc/segment_pool.rs",
+     "        if segment.stream != stream {\n            continue;\n        }\n        for (&offset, &(block, allocated)) in &segment.blocks {",
+     "        for (&offset, &(block, allocated)) in &segment.blocks {", SEGMENTS),
+    ("SegmentPool: a free never merges with the block before it", "src/suballoc/segment_pool.rs",
+     "    if let Some((&prev, &(prev_size, false))) = blocks.range(..offset).next_back() {",
+     "    if let Some((&prev, &(prev_size, false))) = None::<(&usize, &(usize, bool))> {", SEGMENTS),
+    ("SegmentPool: a restored table's blocks off the block grid accepted", "src/suballoc/segment_pool.rs",
+     "                && block.is_multiple_of(rounding)\n", "", SEGMENTS),
+    ("SegmentPool: held blocks polled while a capture is underway", "src/suballoc/segment_pool.rs",
+     "        if !capturing {\n            table.poll_held();\n        }\n        Ok(size)",
+     "        table.poll_held();\n        Ok(size)", SEGMENTS),
 ]
 
 
