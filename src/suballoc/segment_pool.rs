@@ -165,7 +165,7 @@ impl BlockEntry {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Restored {
-    /// Blocks live before, freed by the restore.
+    /// Blocks allocated before (live, or held for other streams), freed by the restore.
     pub freed: Vec<usize>,
     /// Blocks live after (the saved table's allocated blocks).
     pub allocated: Vec<usize>,
@@ -336,7 +336,8 @@ impl<U: Resource> SegmentPool<U> {
     /// the start of a live block.
     ///
     /// # Safety
-    /// `stream` stays valid until the block's free has completed.
+    /// `stream` stays valid until the block's free has completed (or, where a
+    /// [`restore`](Self::restore) makes the block live again, its free after that).
     pub unsafe fn record_stream(
         &self,
         ptr: NonNull<u8>,
@@ -511,17 +512,21 @@ impl<U: Resource> SegmentPool<U> {
             .map(|s| (s.base, s.size, s.stream.as_raw().map(|raw| raw as usize)))
     }
 
-    /// Puts back a table that [`blocks`](Self::blocks) listed: every block live now is
-    /// freed, then the saved table's blocks are laid out again in their segments (which
-    /// must all still be the pool's; a segment the table does not name becomes one free
-    /// block), its allocated blocks live. [`Error::InvalidArgument`], with nothing
-    /// changed, for a table naming a segment the pool does not hold or whose blocks do
-    /// not tile their segment.
+    /// Puts back a table that [`blocks`](Self::blocks) listed: every block allocated now
+    /// (live, or held for other streams: their holds are dropped unwaited, so
+    /// [`settle`](Self::settle) them first where that matters) is freed, then the saved
+    /// table's blocks are laid out again in their segments (which must all still be the
+    /// pool's; a segment the table does not name becomes one free block), its allocated
+    /// blocks live. [`Error::InvalidArgument`], with nothing changed, for a table naming a
+    /// segment the pool does not hold, or whose blocks do not tile their segment on the
+    /// block grid.
     ///
     /// # Safety
-    /// The blocks live now are no longer used (as for [`release`](Self::release)), and
-    /// the memory of the saved table's allocated blocks is again its owners' (what they
-    /// hold there is theirs to read).
+    /// The blocks allocated now are no longer used (as for [`release`](Self::release);
+    /// held ones included), and the memory of the saved table's allocated blocks is again
+    /// its owners' (what they hold there is theirs to read). Streams recorded for a block
+    /// the restore makes live again stay recorded: they must stay valid until its next
+    /// free completes.
     pub unsafe fn restore(&self, saved: &[BlockEntry]) -> Result<Restored, Error> {
         let mut table = lock(&self.table);
         let layouts = group(&table, saved, self.config.block_rounding)?;
