@@ -5,10 +5,10 @@ use std::fmt::{self, Write as _};
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::deferred::{self, Deferred};
-use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::shards::{Shard, ShardMap, StreamKey, synchronize};
-use super::stream_list::{PoolShard, block_size};
+use super::core::held::{self, Deferred};
+use super::core::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
+use super::core::list_table::{Shard, ShardMap, StreamKey, synchronize};
+use super::core::free_list::{PoolShard, block_size};
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
@@ -258,7 +258,7 @@ impl<U: Resource> Arena<U> {
         {
             let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
-                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+                held::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
             let mut global = lock(&self.global);
             // Every list's free memory moves to the host list once the streams it was
@@ -545,7 +545,7 @@ impl<U: Resource> Arena<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+        held::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
             self.allocate_slow(stream, shard, size, align, requested)
         })
     }
@@ -561,7 +561,7 @@ impl<U: Resource> Arena<U> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::free_ready(self, &self.held, stream);
+        held::free_ready(self, &self.held, stream);
         let mut global = lock(&self.global);
         {
             let mut s = own.state.lock();
@@ -707,7 +707,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
     ) {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
-        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+        unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }
 

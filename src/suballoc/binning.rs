@@ -6,7 +6,7 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use super::fixed::FixedSize;
-use super::free_blocks::GRANULE;
+use super::core::free_blocks::GRANULE;
 use crate::erased::AnyResource;
 use crate::error::Error;
 use crate::resource::{Resource, dangling};

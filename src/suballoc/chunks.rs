@@ -7,7 +7,7 @@
 use std::alloc::Layout;
 use std::ptr::{self, NonNull};
 
-use super::shards::ShardMap;
+use super::core::list_table::ShardMap;
 use crate::device::process_is_exiting;
 use crate::resource::SyncResource;
 

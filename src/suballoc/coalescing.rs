@@ -9,10 +9,10 @@ use std::alloc::Layout;
 use std::ptr::{self, NonNull};
 
 use super::chunks::to_ptr;
-use super::deferred::{self, Deferred};
-use super::free_blocks::GRANULE;
-use super::shards::{Shard, ShardMap, StreamKey};
-use super::stream_list::{PoolShard, block_size};
+use super::core::held::{self, Deferred};
+use super::core::free_blocks::GRANULE;
+use super::core::list_table::{Shard, ShardMap, StreamKey};
+use super::core::free_list::{PoolShard, block_size};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
@@ -362,7 +362,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
                 // Blocks held for other streams (one freed under a capture needs this wait).
-                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+                held::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
             let host = self.host_list();
             let (released, kept) = {
@@ -606,7 +606,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+        held::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
             self.allocate_slow(stream, shard, size, align, requested)
         })
     }
@@ -622,7 +622,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::free_ready(self, &self.held, stream);
+        held::free_ready(self, &self.held, stream);
         // A fit in a sibling lane, before the own list's cached blocks are coalesced
         // (flushing them at every miss cost more misses: H100 A/B, BENCHMARKS History).
         if let Some(addr) = self.take_lane_fit(own, size, align) {
@@ -929,7 +929,7 @@ unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
     ) {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this pool's.
-        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+        unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }
 
@@ -975,7 +975,7 @@ macro_rules! coalescing_pool {
             /// The blocks held for other streams (for the host tests and loom models).
             #[cfg(any(test, memres_loom))]
             #[allow(dead_code)] // (not every pool's tests look)
-            pub(crate) fn held(&self) -> &crate::suballoc::deferred::Deferred {
+            pub(crate) fn held(&self) -> &crate::suballoc::core::held::Deferred {
                 self.core.held()
             }
 

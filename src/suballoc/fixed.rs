@@ -5,9 +5,9 @@ use std::fmt;
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::deferred::{self, Deferred};
-use super::free_blocks::GRANULE;
-use super::shards::{Shard, ShardMap, StreamKey};
+use super::core::held::{self, Deferred};
+use super::core::free_blocks::GRANULE;
+use super::core::list_table::{Shard, ShardMap, StreamKey};
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
@@ -239,7 +239,7 @@ impl<U: Resource> FixedSize<U> {
         {
             let _pin = self.shards.pin(); // (see `ShardMap::retire`)
             if self.held.any() {
-                deferred::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+                held::free_all(self, &self.held, || self.shards.synchronize_streams())?;
             }
             let _chunks = lock(&self.chunks);
             if self.cached() {
@@ -511,7 +511,7 @@ impl<U: Resource> FixedSize<U> {
         own: &Shard<Vec<usize>>,
         requested: usize,
     ) -> Result<usize, Error> {
-        deferred::free_ready(self, &self.held, stream);
+        held::free_ready(self, &self.held, stream);
         let mut chunks = lock(&self.chunks);
         if let Some(addr) = own.state.lock().pop() {
             return Ok(addr);
@@ -710,7 +710,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
             }
             shard
         };
-        deferred::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
+        held::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
             self.allocate_slow(stream, shard, layout.size())
         })
         .map(to_ptr)
@@ -747,7 +747,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
     ) {
         let _pin = self.shards.pin(); // (see `ShardMap::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
-        unsafe { deferred::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+        unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }
 }
 

@@ -11,7 +11,7 @@ use std::alloc::Layout;
 use loom::sync::Arc;
 use loom::thread;
 
-use super::shards::{ShardMap, StreamKey};
+use super::core::list_table::{ShardMap, StreamKey};
 use super::{Arena, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
@@ -528,7 +528,7 @@ unsafe impl Resource for FreedLog {
 /// ready, and a third (this one) frees what is ready as well.
 #[test]
 fn loom_held_blocks_are_freed_once_after_their_marks() {
-    use super::deferred::{Deferred, Mark, free_ready};
+    use super::core::held::{Deferred, Mark, free_ready};
     use crate::sync::atomic::{AtomicBool, Ordering};
 
     loom::model(|| {
@@ -809,7 +809,7 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
 /// then pops the block from a list it made, unwaited for).
 #[test]
 fn loom_a_retired_per_thread_lists_blocks_reach_a_new_owner_only_after_a_wait() {
-    use super::shards::waits;
+    use super::core::list_table::waits;
     use crate::sync::threads::new_generation;
 
     loom::model(|| {

@@ -6,10 +6,10 @@ use std::ptr::NonNull;
 
 use super::chunks::{Chunk, release_all};
 use super::coalescing::{Coalescing, GrowthState, Holding, coalescing_pool};
-use super::free_blocks::{FreeBlock, GRANULE};
+use super::core::free_blocks::{FreeBlock, GRANULE};
 use super::pool_config::{ChunkSizes, PoolConfig};
-use super::shards::Shard;
-use super::stream_list::PoolShard;
+use super::core::list_table::Shard;
+use super::core::free_list::PoolShard;
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::StreamRef;

@@ -1,7 +1,7 @@
 //! [`PoolConfig`]: how a [`Pool`](super::Pool) starts, grows and gives memory back (and
 //! the checks of its sizes, which [`VirtualPoolConfig`](super::VirtualPoolConfig) shares).
 
-use super::free_blocks::GRANULE;
+use super::core::free_blocks::GRANULE;
 use crate::error::Error;
 
 /// How a pool over chunks ([`Pool::new`]) sizes the upstream allocation it takes when

@@ -19,7 +19,7 @@
 //! list under its lock: work that grew with the lists (a lane per thread per stream), on
 //! a path `random` takes for every request above 1 MiB.
 
-use super::free_blocks::GRANULE;
+use super::core::free_blocks::GRANULE;
 use crate::sync::atomic::{AtomicU64, Ordering};
 
 /// Bits of a word that say where in its MiB the superblock starts, in granules.

@@ -44,7 +44,7 @@
 use std::cell::RefCell;
 use std::collections::HashSet;
 
-use super::shards::{Shard, StreamKey};
+use super::core::list_table::{Shard, StreamKey};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
 use crate::sync::takeable::Takeable;

@@ -4,7 +4,7 @@
 //! with the chunked [`Pool`](super::Pool).
 
 use super::coalescing::{Coalescing, coalescing_pool};
-use super::free_blocks::GRANULE;
+use super::core::free_blocks::GRANULE;
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::upstream::GrowInPlace;

@@ -296,7 +296,7 @@ impl<S> Shard<S> {
 pub(crate) mod waits {
     static WAITED: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
 
-    pub(super) fn waited_for(generation: u64) {
+    pub(crate) fn waited_for(generation: u64) {
         WAITED
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

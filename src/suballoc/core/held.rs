@@ -302,7 +302,7 @@ pub(crate) fn free_ready<R: Resource + ?Sized>(r: &R, held: &Deferred, stream: S
     for (addr, layout) in held.take_ready() {
         // SAFETY: a block of `r`, freed by its caller with `layout`; every stream that
         // used it has completed the work it had at the free.
-        unsafe { r.deallocate(StreamRef::HOST, super::to_ptr(addr), layout) };
+        unsafe { r.deallocate(StreamRef::HOST, crate::suballoc::to_ptr(addr), layout) };
     }
 }
 
@@ -358,7 +358,7 @@ pub(crate) fn free_all<R: Resource + ?Sized>(
     for block in taken {
         // SAFETY: as in `free_ready`: their events were waited for just above, and the
         // caller waited for every stream (blocks of a capture).
-        unsafe { r.deallocate(StreamRef::HOST, super::to_ptr(block.addr), block.layout) };
+        unsafe { r.deallocate(StreamRef::HOST, crate::suballoc::to_ptr(block.addr), block.layout) };
     }
     Ok(())
 }

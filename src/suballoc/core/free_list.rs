@@ -5,12 +5,12 @@
 use std::alloc::Layout;
 
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::superblocks::Superblocks;
+use crate::suballoc::superblocks::Superblocks;
 use crate::addr_map::AddrMap;
 use crate::sync::Arc;
 
 /// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
-pub(super) const QUICK_UNITS: usize = 256;
+pub(crate) const QUICK_UNITS: usize = 256;
 /// At most this many bytes are cached per stream; beyond it frees coalesce at once.
 ///
 /// Pools that grow in place keep the same limit, although a cached block is handed out
@@ -33,8 +33,8 @@ const LARGE_MIN: usize = 1 << 20;
 const LARGE_BYTES: usize = 8 << 20;
 
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
-pub(super) struct PoolShard {
-    pub(super) free: FreeBlocks,
+pub(crate) struct PoolShard {
+    pub(crate) free: FreeBlocks,
     /// Recently freed small blocks by size in granules, handed out again whole: entry
     /// `i` for blocks of `quick_base + i` granules, the table only as long as the sizes
     /// freed so far need (issue 49: a table of every size, `QUICK_UNITS + 1` entries or
@@ -47,13 +47,13 @@ pub(super) struct PoolShard {
     quick_bytes: usize,
     /// Recently freed larger blocks, (address, size), oldest first: at most
     /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
-    pub(super) large: Vec<(usize, usize)>,
+    pub(crate) large: Vec<(usize, usize)>,
     large_bytes: usize,
     large_cap: usize,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
     /// lists, which read `superblocks`.
-    pub(super) chunks: AddrMap<usize>,
+    pub(crate) chunks: AddrMap<usize>,
     /// An arena's superblocks, shared by all its lists.
     superblocks: Option<Arc<Superblocks>>,
 }
@@ -62,7 +62,7 @@ impl PoolShard {
     /// `low_first`: for a pool that grows in place, the start of its reservation; small
     /// requests then go to the lowest address region with a fit
     /// ([`FreeBlocks::address_ordered`]).
-    pub(super) fn new(
+    pub(crate) fn new(
         chunks: impl Iterator<Item = (usize, usize)>,
         low_first: Option<usize>,
     ) -> PoolShard {
@@ -83,7 +83,7 @@ impl PoolShard {
     }
 
     /// The list of an arena with these superblocks (which are its chunks).
-    pub(super) fn in_arena(superblocks: Arc<Superblocks>) -> PoolShard {
+    pub(crate) fn in_arena(superblocks: Arc<Superblocks>) -> PoolShard {
         PoolShard {
             superblocks: Some(superblocks),
             ..PoolShard::new(std::iter::empty(), None)
@@ -92,7 +92,7 @@ impl PoolShard {
 
     /// The size of the chunk starting at `addr`, if one does.
     #[inline]
-    pub(super) fn chunk_at(&self, addr: usize) -> Option<usize> {
+    pub(crate) fn chunk_at(&self, addr: usize) -> Option<usize> {
         match &self.superblocks {
             Some(table) => table.size_at(addr),
             None => self.chunks.get(&addr).copied(),
@@ -101,7 +101,7 @@ impl PoolShard {
 
     /// Also keeps the last [`LARGE_BLOCKS`] larger blocks freed (see there): a pool's
     /// lists do, an arena's do not.
-    pub(super) fn with_large_cache(mut self) -> PoolShard {
+    pub(crate) fn with_large_cache(mut self) -> PoolShard {
         self.large_cap = LARGE_BLOCKS;
         self
     }
@@ -113,7 +113,7 @@ impl PoolShard {
     /// ([`take_uncached`](Self::take_uncached)), as in [`put`](Self::put): the fast path
     /// then saves and restores few registers (`BENCHMARKS.md`, "Speed against RMM").
     #[inline(always)]
-    pub(super) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
+    pub(crate) fn take(&mut self, size: usize, align: usize) -> Option<usize> {
         let units = size / GRANULE;
         if align == GRANULE
             && units <= QUICK_UNITS
@@ -133,7 +133,7 @@ impl PoolShard {
     }
 
     /// How many small blocks the cache holds, and the largest one's size.
-    pub(super) fn quick_blocks(&self) -> (usize, usize) {
+    pub(crate) fn quick_blocks(&self) -> (usize, usize) {
         let count = self.quick.iter().map(Vec::len).sum();
         let largest = self
             .quick
@@ -159,7 +159,7 @@ impl PoolShard {
     /// Frees a block into the list: cached if small, else coalesced (and then returned,
     /// merged with its neighbours).
     #[inline(always)]
-    pub(super) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
+    pub(crate) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS
             && self.quick_bytes + size <= QUICK_BYTES
@@ -210,7 +210,7 @@ impl PoolShard {
     }
 
     #[inline]
-    pub(super) fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
+    pub(crate) fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
         let starts_chunk = self.chunk_at(addr).is_some();
         self.free.insert(FreeBlock {
             addr,
@@ -220,7 +220,7 @@ impl PoolShard {
     }
 
     /// Coalesces the cached small blocks into the free list.
-    pub(super) fn flush(&mut self) {
+    pub(crate) fn flush(&mut self) {
         for (addr, size) in std::mem::take(&mut self.large) {
             self.insert(addr, size);
         }
@@ -241,7 +241,7 @@ impl PoolShard {
     /// [`Pool::trim`](super::Pool::trim), which then frees the list itself where it can):
     /// what a stream that is not used any more costs then is its inline fields and the
     /// copy of the chunk table.
-    pub(super) fn release_memory(&mut self) {
+    pub(crate) fn release_memory(&mut self) {
         if self.free_bytes() == 0 {
             self.quick = Vec::new();
             self.quick_base = 0;
@@ -251,7 +251,7 @@ impl PoolShard {
     }
 
     /// Every free extent of the list, (address, size), cached ones included.
-    pub(super) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+    pub(crate) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         let base = self.quick_base;
         let quick =
             self.quick.iter().enumerate().flat_map(move |(at, addrs)| {
@@ -266,7 +266,7 @@ impl PoolShard {
 
     /// Takes in blocks drained from other lists of the pool (coalescing them with its
     /// own).
-    pub(super) fn absorb(&mut self, mut blocks: Vec<FreeBlock>) {
+    pub(crate) fn absorb(&mut self, mut blocks: Vec<FreeBlock>) {
         self.flush();
         // Highest first, so the lowest blocks head their size classes' lists, whatever
         // order the lists held them in (their maps' order depends on the addresses the
@@ -277,12 +277,12 @@ impl PoolShard {
         }
     }
 
-    pub(super) fn drain(&mut self) -> Vec<FreeBlock> {
+    pub(crate) fn drain(&mut self) -> Vec<FreeBlock> {
         self.flush();
         self.free.drain()
     }
 
-    pub(super) fn free_bytes(&self) -> usize {
+    pub(crate) fn free_bytes(&self) -> usize {
         self.free.bytes() + self.quick_bytes + self.large_bytes
     }
 }

@@ -7,9 +7,9 @@
 //! one before it when it begins a chunk, so blocks of different chunks stay apart even
 //! where the upstream placed the chunks next to each other.
 
-use super::regions::{Links, Regions};
+use crate::suballoc::regions::{Links, Regions};
 
-pub(crate) use super::granule::GRANULE;
+pub(crate) use crate::suballoc::granule::GRANULE;
 
 /// Classes below this many granules hold one exact size each.
 const LINEAR: usize = 16;
