@@ -5,10 +5,11 @@ use std::fmt::{self, Write as _};
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::core::held::{self, Deferred};
 use super::core::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::core::list_table::{Shard, ShardMap, StreamKey, synchronize};
-use super::core::free_list::{PoolShard, block_size};
+use super::core::free_list::{FreeList, block_size};
+use super::core::held::{self, Deferred};
+use super::core::list_table::{List, ListTable, synchronize};
+use super::core::stream_key::StreamKey;
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
@@ -42,18 +43,18 @@ impl Global {
         self.pending.iter().map(|p| p.free.bytes()).sum()
     }
 
-    /// The pending entry of `shard`'s stream: the same stream (any lane) in the same
+    /// The pending entry of `list`'s stream: the same stream (any lane) in the same
     /// context (the legacy default stream has one key on every device).
-    fn pending_of(&self, shard: &Shard<PoolShard>) -> Option<usize> {
-        let stream = shard.key.stream();
+    fn pending_of(&self, list: &List<FreeList>) -> Option<usize> {
+        let stream = list.key.stream();
         self.pending
             .iter()
-            .position(|p| p.stream == stream && p.ctx == shard.ctx)
+            .position(|p| p.stream == stream && p.ctx == list.ctx)
     }
 
-    /// Files a superblock `shard`'s stream gave back.
-    fn add_pending(&mut self, shard: &Shard<PoolShard>, block: FreeBlock) {
-        match self.pending_of(shard) {
+    /// Files a superblock `list`'s stream gave back.
+    fn add_pending(&mut self, list: &List<FreeList>, block: FreeBlock) {
+        match self.pending_of(list) {
             Some(i) => {
                 self.pending[i].free.insert(block);
             }
@@ -61,22 +62,22 @@ impl Global {
                 let mut free = FreeBlocks::default();
                 free.insert(block);
                 self.pending.push(Pending {
-                    stream: shard.key.stream(),
-                    ctx: shard.ctx,
+                    stream: list.key.stream(),
+                    ctx: list.ctx,
                     free,
                 });
             }
         }
     }
 
-    /// `size` bytes of what `shard`'s own stream gave back, which needs no wait. Not for
+    /// `size` bytes of what `list`'s own stream gave back, which needs no wait. Not for
     /// the list that threads share in their thread-local destructors (see
     /// [`StreamKey::is_exiting_threads`]): its "own stream" is several.
-    fn take_own_pending(&mut self, shard: &Shard<PoolShard>, size: usize) -> Option<usize> {
-        if shard.key.is_exiting_threads() {
+    fn take_own_pending(&mut self, list: &List<FreeList>, size: usize) -> Option<usize> {
+        if list.key.is_exiting_threads() {
             return None;
         }
-        let i = self.pending_of(shard)?;
+        let i = self.pending_of(list)?;
         let addr = self.pending[i].free.take(size, GRANULE)?;
         if self.pending[i].free.bytes() == 0 {
             self.pending.swap_remove(i);
@@ -133,7 +134,7 @@ pub struct Arena<U: Resource> {
     /// The superblocks streams' arenas hold: where each starts and its size, read by
     /// every stream's list without a lock, changed only under `global`.
     table: Arc<Superblocks>,
-    shards: ShardMap<PoolShard>,
+    lists: ListTable<FreeList>,
     /// Free bytes a stream's arena keeps besides a superblock before returning it.
     keep: usize,
     dump_on_failure: bool,
@@ -177,7 +178,7 @@ impl<U: Resource> Arena<U> {
             size,
             global: Mutex::new(global),
             table: Arc::new(Superblocks::new(base, size)),
-            shards: ShardMap::default(),
+            lists: ListTable::default(),
             keep: (size / 16).max(SUPERBLOCK_SIZE),
             dump_on_failure: false,
             held: Deferred::default(),
@@ -213,11 +214,11 @@ impl<U: Resource> Arena<U> {
     /// Bytes not handed out: in the global arena, waiting for a stream, or in a stream's
     /// arena (a snapshot, list by list).
     pub fn free_bytes(&self) -> usize {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let global = lock(&self.global);
         let pending = global.pending_bytes();
         let streams: usize = self
-            .shards
+            .lists
             .all()
             .iter()
             .map(|s| s.state.lock().free_bytes())
@@ -256,21 +257,21 @@ impl<U: Resource> Arena<U> {
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
         {
-            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+            let _pin = self.lists.pin(); // (see `ListTable::retire`)
             if self.held.any() {
-                held::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+                held::free_all(self, &self.held, || self.lists.synchronize_streams())?;
             }
             let mut global = lock(&self.global);
             // Every list's free memory moves to the host list once the streams it was
             // freed on are waited for (taken first, then waited for: a block freed on a
             // stream after a wait could still be in use by the stream's work).
-            let host = self.shard(StreamRef::HOST);
-            self.shards
-                .merge_into(host, PoolShard::drain, PoolShard::absorb)?;
+            let host = self.list(StreamRef::HOST);
+            self.lists
+                .merge_into(host, FreeList::drain, FreeList::absorb)?;
             self.settle_pending(&mut global)?;
             self.defragment(&mut global, 0)?;
-            for shard in self.shards.all() {
-                shard.state.lock().release_memory();
+            for list in self.lists.all() {
+                list.state.lock().release_memory();
             }
         }
         self.retire_empty_lists();
@@ -281,16 +282,16 @@ impl<U: Resource> Arena<U> {
     /// (see [`trim`](Self::trim)); returns how many went. The caller is not pinned and
     /// holds no lock.
     fn retire_empty_lists(&self) -> usize {
-        // SAFETY: every use of this arena's shards is inside a pin (its entry points pin
-        // before they look one up, and hold no shard between calls); this thread is not
+        // SAFETY: every use of this arena's lists is inside a pin (its entry points pin
+        // before they look one up, and hold no list between calls); this thread is not
         // pinned and holds no lock. Late items move under the global lock, which the
         // searches of other lists (the slow path's) hold.
         unsafe {
-            self.shards.retire_empty(
+            self.lists.retire_empty(
                 |list| list.free_bytes() == 0,
-                || PoolShard::in_arena(Arc::clone(&self.table)),
-                PoolShard::drain,
-                PoolShard::absorb,
+                || FreeList::in_arena(Arc::clone(&self.table)),
+                FreeList::drain,
+                FreeList::absorb,
                 |_| {},
                 || lock(&self.global),
             )
@@ -305,22 +306,17 @@ impl<U: Resource> Arena<U> {
     /// The arena's state in words: its size, the superblocks streams hold, free bytes
     /// (global and per stream), the largest free block and the fragmentation.
     pub fn dump(&self) -> String {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let global = lock(&self.global);
         let pending = global.pending_bytes();
         let mut free = global.free.bytes() + pending;
         let mut largest = global.free.largest();
         let mut streams = String::new();
-        for shard in self.shards.all() {
-            let s = shard.state.lock();
+        for list in self.lists.all() {
+            let s = list.state.lock();
             free += s.free_bytes();
             largest = largest.max(s.free.largest());
-            let _ = write!(
-                streams,
-                "\n  {:?}: {} bytes free",
-                shard.key,
-                s.free_bytes()
-            );
+            let _ = write!(streams, "\n  {:?}: {} bytes free", list.key, s.free_bytes());
         }
         let fragmentation = if free == 0 {
             0.0
@@ -340,18 +336,18 @@ impl<U: Resource> Arena<U> {
     }
 
     #[inline]
-    fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
+    fn list(&self, stream: StreamRef<'_>) -> &List<FreeList> {
         let key = StreamKey::of_lane(stream);
-        if let Some(shard) = self.shards.get(key) {
-            return shard;
+        if let Some(list) = self.lists.get(key) {
+            return list;
         }
-        self.new_shard(key)
+        self.new_list(key)
     }
 
     #[cold]
-    fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
-        self.shards
-            .get_or_insert_with(key, || PoolShard::in_arena(Arc::clone(&self.table)))
+    fn new_list(&self, key: StreamKey) -> &List<FreeList> {
+        self.lists
+            .get_or_insert_with(key, || FreeList::in_arena(Arc::clone(&self.table)))
     }
 
     fn out_of_memory(&self, requested: usize) -> Error {
@@ -390,8 +386,8 @@ impl<U: Resource> Arena<U> {
     /// A fit first: a lane that misses while the global arena is dry would otherwise
     /// empty the lists of the threads still running on the other lanes, which then miss
     /// and empty it back.
-    fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
-        let lanes: Vec<_> = self.shards.other_lanes(own).collect();
+    fn take_from_lanes(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
+        let lanes: Vec<_> = self.lists.other_lanes(own).collect();
         for lane in &lanes {
             if let Some(addr) = lane.state.lock().take(size, align) {
                 return Some(addr);
@@ -448,9 +444,9 @@ impl<U: Resource> Arena<U> {
         let mut listed = 0;
         // Only the lists holding free memory are read again below (after a trim or a
         // defragmentation most lists of many streams hold none).
-        let mut shards = self.shards.all();
-        shards.retain(|shard| {
-            let s = shard.state.lock();
+        let mut lists = self.lists.all();
+        lists.retain(|list| {
+            let s = list.state.lock();
             if s.free_bytes() == 0 {
                 return false;
             }
@@ -468,9 +464,9 @@ impl<U: Resource> Arena<U> {
             return Ok(());
         }
         // Take the candidates' pieces out of every list that holds some.
-        let mut taken: Vec<(&Shard<PoolShard>, Vec<FreeBlock>)> = Vec::new();
-        for shard in shards {
-            let mut s = shard.state.lock();
+        let mut taken: Vec<(&List<FreeList>, Vec<FreeBlock>)> = Vec::new();
+        for list in lists {
+            let mut s = list.state.lock();
             if !s.free_extents().any(|(a, _)| holder(a).is_some_and(whole)) {
                 continue;
             }
@@ -486,7 +482,7 @@ impl<U: Resource> Arena<U> {
                 .filter_map(|a| s.free.remove_starting_at(a))
                 .collect();
             drop(s);
-            taken.push((shard, blocks));
+            taken.push((list, blocks));
         }
         let mut got = vec![0usize; starts.len()];
         for (_, blocks) in &taken {
@@ -499,10 +495,10 @@ impl<U: Resource> Arena<U> {
         if !taken.is_empty() {
             self.stream_merges.fetch_add(1, Ordering::Relaxed);
         }
-        let waited = synchronize(taken.iter().filter_map(|(shard, _)| shard.ctx));
+        let waited = synchronize(taken.iter().filter_map(|(list, _)| list.ctx));
         let back = |i: usize| waited.is_ok() && got[i] == starts[i].1;
-        for (shard, blocks) in taken {
-            let mut s = shard.state.lock();
+        for (list, blocks) in taken {
+            let mut s = list.state.lock();
             for b in blocks {
                 if !holder(b.addr).is_some_and(back) {
                     s.free.insert(b);
@@ -540,13 +536,13 @@ impl<U: Resource> Arena<U> {
     fn allocate_missed(
         &self,
         stream: StreamRef<'_>,
-        shard: &Shard<PoolShard>,
+        list: &List<FreeList>,
         size: usize,
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        held::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
-            self.allocate_slow(stream, shard, size, align, requested)
+        held::retry_after_waiting(self, &self.held, stream, list.ctx, || {
+            self.allocate_slow(stream, list, size, align, requested)
         })
     }
 
@@ -556,7 +552,7 @@ impl<U: Resource> Arena<U> {
     fn allocate_slow(
         &self,
         stream: StreamRef<'_>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         requested: usize,
@@ -620,7 +616,7 @@ impl<U: Resource> Drop for Arena<U> {
         self.held.wait_all();
         release_all(
             &self.upstream,
-            &self.shards,
+            &self.lists,
             self.chunk.take().into_iter().collect(),
         );
     }
@@ -654,12 +650,12 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             return Ok(dangling(layout));
         }
         let (size, align) = block_size(layout);
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let shard = self.shard(stream);
-        if let Some(addr) = shard.state.lock().take(size, align) {
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let list = self.list(stream);
+        if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_missed(stream, shard, size, align, layout.size())
+        self.allocate_missed(stream, list, size, align, layout.size())
             .map(to_ptr)
     }
 
@@ -670,10 +666,10 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let shard = self.shard(stream);
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let list = self.list(stream);
         let emptied = {
-            let mut s = shard.state.lock();
+            let mut s = list.state.lock();
             match s.put(addr, size) {
                 // A whole superblock, and the stream keeps enough free memory besides.
                 Some(merged)
@@ -690,10 +686,10 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             let mut global = lock(&self.global);
             self.table.clear(sb.addr);
             let block = self.block(sb.addr, sb.size);
-            if shard.key.is_host() {
+            if list.key.is_host() {
                 global.free.insert(block);
             } else {
-                global.add_pending(shard, block);
+                global.add_pending(list, block);
             }
         }
     }
@@ -705,7 +701,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
         unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

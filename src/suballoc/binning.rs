@@ -5,8 +5,8 @@ use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
-use super::fixed::FixedSize;
 use super::core::free_blocks::GRANULE;
+use super::fixed::FixedSize;
 use crate::erased::AnyResource;
 use crate::error::Error;
 use crate::resource::{Resource, dangling};

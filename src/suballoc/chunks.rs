@@ -7,7 +7,7 @@
 use std::alloc::Layout;
 use std::ptr::{self, NonNull};
 
-use super::core::list_table::ShardMap;
+use super::core::list_table::ListTable;
 use crate::device::process_is_exiting;
 use crate::resource::SyncResource;
 
@@ -48,11 +48,11 @@ pub(crate) fn to_ptr(addr: usize) -> NonNull<u8> {
 /// under blocks still handed out (as RMM does).
 pub(crate) fn release_all<U: SyncResource, S>(
     upstream: &U,
-    shards: &ShardMap<S>,
+    lists: &ListTable<S>,
     chunks: Vec<Chunk>,
 ) {
     if !process_is_exiting()
-        && let Err(e) = shards.synchronize_streams()
+        && let Err(e) = lists.synchronize_streams()
     {
         tracing::error!("a sub-allocator could not wait for its streams before freeing: {e}");
     }

@@ -9,10 +9,11 @@ use std::alloc::Layout;
 use std::ptr::{self, NonNull};
 
 use super::chunks::to_ptr;
-use super::core::held::{self, Deferred};
 use super::core::free_blocks::GRANULE;
-use super::core::list_table::{Shard, ShardMap, StreamKey};
-use super::core::free_list::{PoolShard, block_size};
+use super::core::free_list::{FreeList, block_size};
+use super::core::held::{self, Deferred};
+use super::core::list_table::{List, ListTable};
+use super::core::stream_key::StreamKey;
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::{Relaxed, StreamRef};
@@ -149,7 +150,7 @@ pub(super) trait Holding<U: Resource>: Sized {
 
     /// An empty stream list that knows what the pool holds (the caller holds the growth
     /// lock).
-    fn new_list(&self, memory: &Self::Memory) -> PoolShard;
+    fn new_free_list(&self, memory: &Self::Memory) -> FreeList;
 
     /// Grows the pool for a block of `size` aligned to `align` (with room for the
     /// alignment, it does not overflow) and takes the block from the new memory into
@@ -160,7 +161,7 @@ pub(super) trait Holding<U: Resource>: Sized {
         pool: &Coalescing<U, Self>,
         growth: &mut GrowthState<Self::Memory>,
         stream: StreamRef<'_>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         may_wait: bool,
@@ -172,7 +173,7 @@ pub(super) trait Holding<U: Resource>: Sized {
     fn release(
         pool: &Coalescing<U, Self>,
         growth: &mut GrowthState<Self::Memory>,
-        from: &Shard<PoolShard>,
+        from: &List<FreeList>,
         keep: usize,
     ) -> usize;
 
@@ -221,7 +222,7 @@ pub(super) struct Coalescing<U: Resource, H: Holding<U>> {
     /// The configured release threshold.
     release_threshold: Option<usize>,
     growth: Mutex<GrowthState<H::Memory>>,
-    pub(super) shards: ShardMap<PoolShard>,
+    pub(super) lists: ListTable<FreeList>,
     /// A free crossed the release threshold while another thread held the growth lock:
     /// whoever unlocks it next releases (see [`GrowthGuard`]).
     release_pending: AtomicBool,
@@ -252,14 +253,14 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
                 memory,
                 ..GrowthState::default()
             }),
-            shards: ShardMap::default(),
+            lists: ListTable::default(),
             release_pending: AtomicBool::new(false),
             held: Deferred::default(),
             host_key: StreamKey::of_lane(StreamRef::HOST),
         };
         // The host stream's list exists from the start, so that paths holding the growth
         // lock can look it up without making it (which takes that lock).
-        pool.new_shard(pool.host_key);
+        pool.new_list(pool.host_key);
         pool
     }
 
@@ -286,20 +287,20 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 
     /// Bytes held from the upstream.
     pub(super) fn pool_size(&self) -> usize {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         self.lock_growth().size
     }
 
     /// Starts the peak afresh from what the pool holds now.
     pub(super) fn reset_peak_size(&self) {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let mut growth = self.lock_growth();
         growth.peak = growth.size;
     }
 
     /// The memory held from the upstream, as `(address, bytes)` in address order.
     pub(super) fn segments(&self) -> Vec<(usize, usize)> {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let growth = self.lock_growth();
         let mut out = self.holding.segments(&growth.memory);
         out.sort_unstable();
@@ -308,14 +309,14 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 
     /// A snapshot of the pool's memory, each list locked in turn.
     pub(super) fn stats(&self) -> PoolStats {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let growth = self.lock_growth();
         if let Some(asleep_bytes) = H::asleep_bytes(&growth.memory) {
             return PoolStats {
                 peak_pool_size: growth.peak,
-                stream_lists: self.shards.len(),
+                stream_lists: self.lists.len(),
                 waiting_bytes: self.held.bytes(),
-                stream_merges: self.shards.merges(),
+                stream_merges: self.lists.merges(),
                 asleep_bytes,
                 host_copy_bytes: H::host_copy_bytes(&growth.memory),
                 ..PoolStats::default()
@@ -325,14 +326,14 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             pool_size: growth.size,
             peak_pool_size: growth.peak,
             upstream_allocations: H::upstream_allocations(&growth.memory),
-            stream_lists: self.shards.len(),
+            stream_lists: self.lists.len(),
             waiting_bytes: self.held.bytes(),
-            stream_merges: self.shards.merges(),
+            stream_merges: self.lists.merges(),
             host_copy_bytes: H::host_copy_bytes(&growth.memory),
             ..PoolStats::default()
         };
-        for shard in self.shards.all() {
-            let s = shard.state.lock();
+        for list in self.lists.all() {
+            let s = list.state.lock();
             stats.free_bytes += s.free_bytes();
             let (quick_blocks, quick_largest) = s.quick_blocks();
             stats.free_blocks += s.free.len() + quick_blocks + s.large.len();
@@ -349,7 +350,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// Merges every stream's free list into the host list, first waiting for the work
     /// of the CUDA streams the pool has seen.
     pub(super) fn coalesce(&self) -> Result<(), Error> {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let host = self.host_list();
         let _growth = self.lock_growth();
         self.merge_into(host).map(drop)
@@ -359,10 +360,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// pools' `trim`). Returns how many bytes went back.
     pub(super) fn trim(&self) -> Result<usize, Error> {
         let released = {
-            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+            let _pin = self.lists.pin(); // (see `ListTable::retire`)
             if self.held.any() {
                 // Blocks held for other streams (one freed under a capture needs this wait).
-                held::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+                held::free_all(self, &self.held, || self.lists.synchronize_streams())?;
             }
             let host = self.host_list();
             let (released, kept) = {
@@ -375,8 +376,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             // Every other list was merged into the host list: what their streams' lists
             // cost on the heap goes too (where they cannot be freed below, a stream used
             // once and never again then costs its inline fields only).
-            for shard in self.shards.all() {
-                shard.state.lock().release_memory();
+            for list in self.lists.all() {
+                list.state.lock().release_memory();
             }
             released
         };
@@ -388,27 +389,27 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// was made with (see [`trim`](Self::trim)); returns how many went. The caller is
     /// not pinned and holds no lock.
     fn retire_empty_lists(&self) -> usize {
-        // SAFETY: every use of this pool's shards is inside a pin (its entry points pin
-        // before they look one up, and hold no shard between calls); this thread is not
+        // SAFETY: every use of this pool's lists is inside a pin (its entry points pin
+        // before they look one up, and hold no list between calls); this thread is not
         // pinned and holds no lock; `home` pins while it looks up and fills the stream's
         // new list (the retirement's late items go there). Late items move under the
         // growth lock, which every search of other lists holds (the slow path, merges,
         // releases), pinned (the guard's unlock may run a pending release).
         unsafe {
-            self.shards.retire(
-                |shard| shard.key != self.host_key && shard.state.lock().free_bytes() == 0,
+            self.lists.retire(
+                |list| list.key != self.host_key && list.state.lock().free_bytes() == 0,
                 |s| s.free_bytes() == 0,
                 |old| {
-                    let _pin = self.shards.pin();
-                    match self.shards.find(old.key) {
-                        Some(shard) => shard,
-                        None => self.new_shard_like(old),
+                    let _pin = self.lists.pin();
+                    match self.lists.find(old.key) {
+                        Some(list) => list,
+                        None => self.new_list_like(old),
                     }
                 },
-                PoolShard::drain,
-                PoolShard::absorb,
+                FreeList::drain,
+                FreeList::absorb,
                 |_| {},
-                || (self.lock_growth(), self.shards.pin()),
+                || (self.lock_growth(), self.lists.pin()),
             )
         }
     }
@@ -418,7 +419,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     pub(super) fn release_down_to(
         &self,
         growth: &mut GrowthState<H::Memory>,
-        into: &Shard<PoolShard>,
+        into: &List<FreeList>,
         keep: usize,
     ) -> Result<usize, Error> {
         if H::asleep_bytes(&growth.memory).is_some() {
@@ -443,16 +444,16 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// unlocks ([`GrowthGuard`]), into the host stream's list.
     #[cold]
     #[inline(never)]
-    fn release_above(&self, stream: StreamRef<'_>, shard: &Shard<PoolShard>, keep: usize) {
+    fn release_above(&self, stream: StreamRef<'_>, list: &List<FreeList>, keep: usize) {
         // A release waits for streams, which a capture forbids: under capture it is left
         // to the next free that crosses the threshold outside one.
-        if let Some(ctx) = shard.ctx
+        if let Some(ctx) = list.ctx
             && !matches!(stream.is_capturing_in(ctx), Ok(false))
         {
             return;
         }
         match self.try_lock_growth() {
-            Some(mut growth) => self.release_into(&mut growth, shard, keep),
+            Some(mut growth) => self.release_into(&mut growth, list, keep),
             None => self.release_pending.store(true, Ordering::SeqCst),
         }
         self.release_if_pending();
@@ -471,10 +472,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     fn release_into(
         &self,
         growth: &mut GrowthState<H::Memory>,
-        shard: &Shard<PoolShard>,
+        list: &List<FreeList>,
         keep: usize,
     ) {
-        if let Err(e) = self.release_down_to(growth, shard, keep) {
+        if let Err(e) = self.release_down_to(growth, list, keep) {
             tracing::warn!("a pool could not give memory back at its release threshold: {e}");
         }
     }
@@ -512,53 +513,53 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 
     /// The host stream's list made with the pool: paths that hold the growth lock find
     /// it without taking that lock again. (Not the calling thread's lane of the host
-    /// stream, `shard(StreamRef::HOST)`: on another thread than the one that
+    /// stream, `list(StreamRef::HOST)`: on another thread than the one that
     /// made the pool that list may not exist yet, and making it takes the growth lock,
     /// which the thread holds.)
-    pub(super) fn host_list(&self) -> &Shard<PoolShard> {
-        self.shards
+    pub(super) fn host_list(&self) -> &List<FreeList> {
+        self.lists
             .get(self.host_key)
             .expect("the host list is made with the pool")
     }
 
-    /// The shard of `stream`, made on first use.
+    /// The list of `stream`, made on first use.
     #[inline(always)]
-    fn shard(&self, stream: StreamRef<'_>) -> &Shard<PoolShard> {
+    fn list(&self, stream: StreamRef<'_>) -> &List<FreeList> {
         let key = StreamKey::of_lane(stream);
-        if let Some(shard) = self.shards.get(key) {
-            return shard;
+        if let Some(list) = self.lists.get(key) {
+            return list;
         }
-        self.new_shard(key)
+        self.new_list(key)
     }
 
     #[cold]
-    fn new_shard(&self, key: StreamKey) -> &Shard<PoolShard> {
+    fn new_list(&self, key: StreamKey) -> &List<FreeList> {
         // Under the growth lock, so no chunk comes or goes while its start is copied. (The
         // raw lock: its unlock runs no pending release, which waits for streams and may
         // come here under stream capture; the next unlock elsewhere runs it.)
         let growth = lock(&self.growth);
-        self.shards
-            .get_or_insert_with(key, || self.new_list(&growth))
+        self.lists
+            .get_or_insert_with(key, || self.new_free_list(&growth))
     }
 
     /// A new list of a retired list's stream, with its context and owner (for the items
     /// freed into the retired one while it went: see [`trim`](Self::trim)).
     #[cold]
-    fn new_shard_like(&self, old: &Shard<PoolShard>) -> &Shard<PoolShard> {
+    fn new_list_like(&self, old: &List<FreeList>) -> &List<FreeList> {
         let growth = lock(&self.growth);
-        self.shards
-            .get_or_insert_like(old, || self.new_list(&growth))
+        self.lists
+            .get_or_insert_like(old, || self.new_free_list(&growth))
     }
 
     /// An empty stream list that knows what the pool holds (the caller holds the growth
     /// lock).
-    fn new_list(&self, growth: &GrowthState<H::Memory>) -> PoolShard {
-        self.holding.new_list(&growth.memory)
+    fn new_free_list(&self, growth: &GrowthState<H::Memory>) -> FreeList {
+        self.holding.new_free_list(&growth.memory)
     }
 
     /// Free bytes in the lists of streams other than `own`.
-    fn free_elsewhere(&self, own: &Shard<PoolShard>) -> usize {
-        self.shards
+    fn free_elsewhere(&self, own: &List<FreeList>) -> usize {
+        self.lists
             .iter()
             .filter(|s| !ptr::eq(*s, own) && s.holds_free.load(Ordering::Relaxed))
             .map(|s| {
@@ -579,7 +580,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         stream: StreamRef<'_>,
         layout: Layout,
     ) -> Result<NonNull<u8>, Error> {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         if layout.size() == 0 {
             return Ok(dangling(layout));
         }
@@ -587,11 +588,11 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             return Err(Error::Asleep);
         }
         let (size, align) = block_size(layout);
-        let shard = self.shard(stream);
-        if let Some(addr) = shard.state.lock().take(size, align) {
+        let list = self.list(stream);
+        if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_missed(stream, shard, size, align, layout.size())
+        self.allocate_missed(stream, list, size, align, layout.size())
             .map(to_ptr)
     }
 
@@ -601,13 +602,13 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     fn allocate_missed(
         &self,
         stream: StreamRef<'_>,
-        shard: &Shard<PoolShard>,
+        list: &List<FreeList>,
         size: usize,
         align: usize,
         requested: usize,
     ) -> Result<usize, Error> {
-        held::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
-            self.allocate_slow(stream, shard, size, align, requested)
+        held::retry_after_waiting(self, &self.held, stream, list.ctx, || {
+            self.allocate_slow(stream, list, size, align, requested)
         })
     }
 
@@ -617,7 +618,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     fn allocate_slow(
         &self,
         stream: StreamRef<'_>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         requested: usize,
@@ -679,15 +680,15 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 
     /// A block from `own`'s list (flushed) or from a host stream's list, whose blocks are
     /// free for all: the list that last received memory first, then the others, from
-    /// where the last such search found one ([`ShardMap::search`]). The caller holds the
+    /// where the last such search found one ([`ListTable::search`]). The caller holds the
     /// growth lock.
-    fn take_listed(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+    fn take_listed(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
         let found = {
             let mut s = own.state.lock();
             s.flush();
             s.free.take(size, align)
         };
-        let from_host_list = |other: &Shard<PoolShard>| {
+        let from_host_list = |other: &List<FreeList>| {
             if ptr::eq(other, own)
                 || !other.key.is_host()
                 || !other.holds_free.load(Ordering::Relaxed)
@@ -713,21 +714,21 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             drop(s);
             if let Some(addr) = grab {
                 own.state.lock().insert(addr + size, HOST_REFILL - size);
-                self.shards.note_free(own);
+                self.lists.note_free(own);
             }
             found
         };
         found
-            .or_else(|| self.shards.recent().and_then(from_host_list))
-            .or_else(|| self.shards.search(usize::MAX, from_host_list))
+            .or_else(|| self.lists.recent().and_then(from_host_list))
+            .or_else(|| self.lists.search(usize::MAX, from_host_list))
     }
 
     /// A block that fits from another lane of `own`'s stream, as that lane's list has it
     /// (its caches not flushed), without the growth lock: no wait is needed (one stream),
     /// and threads sharing a stream whose lanes trade blocks do not queue for the growth
     /// lock (16 threads on one stream on the H100 spent most of their time there).
-    fn take_lane_fit(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
-        self.shards
+    fn take_lane_fit(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
+        self.lists
             .other_lanes(own)
             .filter(|lane| lane.holds_free.load(Ordering::Relaxed))
             .find_map(|lane| lane.state.lock().take(size, align))
@@ -738,9 +739,9 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// whichever thread enqueued it. A fitting block from one lane, else all their free
     /// memory moved into `own`'s list, where neighbours coalesce. The caller holds the
     /// growth lock.
-    fn take_from_lanes(&self, own: &Shard<PoolShard>, size: usize, align: usize) -> Option<usize> {
+    fn take_from_lanes(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
         let lanes: Vec<_> = self
-            .shards
+            .lists
             .other_lanes(own)
             .filter(|s| s.holds_free.load(Ordering::Relaxed))
             .collect();
@@ -773,7 +774,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             }
             s.free.take(size, align)
         };
-        self.shards.note_free(own);
+        self.lists.note_free(own);
         found
     }
 
@@ -786,7 +787,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     #[inline(never)]
     fn allocate_captured(
         &self,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         requested: usize,
@@ -821,7 +822,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         &self,
         growth: &mut GrowthState<H::Memory>,
         stream: StreamRef<'_>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         may_wait: bool,
@@ -838,11 +839,11 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     }
     /// Moves every other list's free blocks into `into`'s, coalescing them, after waiting
     /// for the CUDA streams they were freed on. Returns whether anything moved.
-    fn merge_into(&self, into: &Shard<PoolShard>) -> Result<bool, Error> {
+    fn merge_into(&self, into: &List<FreeList>) -> Result<bool, Error> {
         into.state.lock().flush();
         let moved = self
-            .shards
-            .merge_into(into, PoolShard::drain, PoolShard::absorb)?;
+            .lists
+            .merge_into(into, FreeList::drain, FreeList::absorb)?;
         if moved {
             tracing::debug!(
                 target: "memres::pool",
@@ -907,16 +908,16 @@ unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let shard = self.shard(stream);
-        let mut s = shard.state.lock();
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let list = self.list(stream);
+        let mut s = list.state.lock();
         s.put(addr, size);
-        self.shards.note_free(shard);
+        self.lists.note_free(list);
         if let Some(keep) = self.release_threshold
             && s.free_bytes() > keep
         {
             drop(s);
-            self.release_above(stream, shard, keep);
+            self.release_above(stream, list, keep);
         }
     }
 
@@ -927,7 +928,7 @@ unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         // SAFETY: the caller's promise; `held` is this pool's.
         unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

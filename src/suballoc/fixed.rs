@@ -5,9 +5,10 @@ use std::fmt;
 use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
-use super::core::held::{self, Deferred};
 use super::core::free_blocks::GRANULE;
-use super::core::list_table::{Shard, ShardMap, StreamKey};
+use super::core::held::{self, Deferred};
+use super::core::list_table::{List, ListTable};
+use super::core::stream_key::StreamKey;
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
@@ -88,9 +89,9 @@ pub struct FixedSize<U: Resource> {
     block_size: usize,
     blocks_per_chunk: usize,
     chunks: Mutex<Vec<Chunk>>,
-    shards: ShardMap<Vec<usize>>,
+    lists: ListTable<Vec<usize>>,
     /// Host streams' lists that had blocks to spare when they were last marked (their
-    /// addresses; each listed once, by [`Shard::in_donors`]; possibly stale): where a
+    /// addresses; each listed once, by [`List::in_donors`]; possibly stale): where a
     /// stream that finds no block looks first. Searching every list instead cost each new
     /// stream's first allocation 4.5 us at 16,384 streams (issue 33, finding 3).
     donors: SpinLock<Vec<usize>>,
@@ -136,11 +137,11 @@ impl<U: Resource> FixedSize<U> {
             block_size,
             blocks_per_chunk,
             chunks: Mutex::new(Vec::new()),
-            shards: ShardMap::default(),
+            lists: ListTable::default(),
             donors: SpinLock::new(Vec::new()),
             held: Deferred::default(),
         };
-        let host = fixed.shard(StreamRef::HOST);
+        let host = fixed.list(StreamRef::HOST);
         let first = fixed.grow(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
         host.state.lock().push(first);
         Ok(fixed)
@@ -172,8 +173,8 @@ impl<U: Resource> FixedSize<U> {
     /// blocks, are not counted; blocks above 4 MiB are never cached; see the type's docs
     /// for how an out-of-memory takes them back).
     pub fn free_blocks(&self) -> usize {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let lists: usize = self.shards.all().iter().map(|s| s.state.lock().len()).sum();
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let lists: usize = self.lists.all().iter().map(|s| s.state.lock().len()).sum();
         lists + self.cache().cached_here()
     }
 
@@ -186,8 +187,8 @@ impl<U: Resource> FixedSize<U> {
     /// Whether the calling thread's lane of `stream` has a list (for the loom models).
     #[cfg(memres_loom)]
     pub(crate) fn has_list(&self, stream: StreamRef<'_>) -> bool {
-        let _pin = self.shards.pin();
-        self.shards.find(StreamKey::of_lane(stream)).is_some()
+        let _pin = self.lists.pin();
+        self.lists.find(StreamKey::of_lane(stream)).is_some()
     }
 
     /// Whether this resource keeps blocks in per-thread caches.
@@ -201,7 +202,7 @@ impl<U: Resource> FixedSize<U> {
     fn cache(&self) -> Cache<'_> {
         Cache {
             owner: &self.owner,
-            domain: self.shards.domain(),
+            domain: self.lists.domain(),
             capacity: self.cache_capacity,
         }
     }
@@ -237,23 +238,23 @@ impl<U: Resource> FixedSize<U> {
         // 65,536 calls after a trim, which memory being short had not asked for).
         let caches_were_on = self.cached() && self.cache().on();
         {
-            let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+            let _pin = self.lists.pin(); // (see `ListTable::retire`)
             if self.held.any() {
-                held::free_all(self, &self.held, || self.shards.synchronize_streams())?;
+                held::free_all(self, &self.held, || self.lists.synchronize_streams())?;
             }
             let _chunks = lock(&self.chunks);
             if self.cached() {
                 self.cache().reclaim();
             }
-            let host = self.shard(StreamRef::HOST);
-            self.shards
+            let host = self.list(StreamRef::HOST);
+            self.lists
                 .merge_into(host, std::mem::take, |list: &mut Vec<usize>, mut items| {
                     list.append(&mut items)
                 })?;
-            for shard in self.shards.all() {
-                let mut list = shard.state.lock();
-                if list.is_empty() {
-                    *list = Vec::new();
+            for list in self.lists.all() {
+                let mut blocks = list.state.lock();
+                if blocks.is_empty() {
+                    *blocks = Vec::new();
                 }
             }
             let len = host.state.lock().len();
@@ -273,14 +274,14 @@ impl<U: Resource> FixedSize<U> {
     /// (`StreamRef::HOST`, one per lane); returns how many went. The caller is not
     /// pinned and holds no lock.
     fn retire_empty_lists(&self) -> usize {
-        // SAFETY: every use of this resource's shards is inside a pin (its entry points
+        // SAFETY: every use of this resource's lists is inside a pin (its entry points
         // pin before they look one up, the thread caches while they make a magazine), but
         // those kept across calls: the donors stack and the magazines, which take in no
         // retired list and give them up in `unlinked` (the donors leave the stack; the
         // reclaim takes every magazine's blocks, and a magazine whose blocks were taken
         // never touches its list again); this thread is not pinned and holds no lock.
         unsafe {
-            self.shards.retire_empty(
+            self.lists.retire_empty(
                 Vec::is_empty,
                 Vec::new,
                 std::mem::take,
@@ -306,15 +307,15 @@ impl<U: Resource> FixedSize<U> {
     }
 
     #[inline]
-    fn shard(&self, stream: StreamRef<'_>) -> &Shard<Vec<usize>> {
-        self.shard_for(StreamKey::of_lane(stream))
+    fn list(&self, stream: StreamRef<'_>) -> &List<Vec<usize>> {
+        self.list_for(StreamKey::of_lane(stream))
     }
 
     #[inline]
-    fn shard_for(&self, key: StreamKey) -> &Shard<Vec<usize>> {
-        match self.shards.get(key) {
-            Some(shard) => shard,
-            None => self.shards.get_or_insert_with(key, Vec::new),
+    fn list_for(&self, key: StreamKey) -> &List<Vec<usize>> {
+        match self.lists.get(key) {
+            Some(list) => list,
+            None => self.lists.get_or_insert_with(key, Vec::new),
         }
     }
 
@@ -325,7 +326,7 @@ impl<U: Resource> FixedSize<U> {
         &self,
         chunks: &mut Vec<Chunk>,
         stream: StreamRef<'_>,
-        into: &Shard<Vec<usize>>,
+        into: &List<Vec<usize>>,
     ) -> Result<usize, Error> {
         let size = self.block_size * self.blocks_per_chunk;
         let layout = Layout::from_size_align(size, GRANULE)
@@ -361,39 +362,39 @@ impl<U: Resource> FixedSize<U> {
     }
 
     /// Marks a list that holds `len` blocks (its lock held) as one with blocks to spare,
-    /// if it has some ([`Shard::spares`]): as the first that searches of other lists look
+    /// if it has some ([`List::spares`]): as the first that searches of other lists look
     /// at if it was not marked yet, and, for a host stream's list, on the stack of
     /// donors. The marks may be stale (a search then finds nothing there, or misses a
     /// list the merge before growing still reaches), never unsafe.
-    fn note_spare(&self, shard: &Shard<Vec<usize>>, len: usize) {
-        if shard.spares(len) {
-            self.shards.note_free(shard);
-            self.list_donor(shard);
+    fn note_spare(&self, list: &List<Vec<usize>>, len: usize) {
+        if list.spares(len) {
+            self.lists.note_free(list);
+            self.list_donor(list);
         }
     }
 
     /// Puts a host stream's list on the stack of donors, unless it is there already.
-    fn list_donor(&self, shard: &Shard<Vec<usize>>) {
+    fn list_donor(&self, list: &List<Vec<usize>>) {
         // A load first: a list freed into again and again is listed already, and the
         // swap (a read-modify-write) is then not paid on every such free. A retired list
         // (`trim`) is never listed again: the stack outlives the call.
-        if shard.key.is_host()
-            && !shard.in_donors.load(Ordering::Relaxed)
-            && !shard.is_retired()
-            && !shard.in_donors.swap(true, Ordering::Relaxed)
+        if list.key.is_host()
+            && !list.in_donors.load(Ordering::Relaxed)
+            && !list.is_retired()
+            && !list.in_donors.swap(true, Ordering::Relaxed)
         {
             self.donors
                 .lock()
-                .push(ptr::from_ref(shard).expose_provenance());
+                .push(ptr::from_ref(list).expose_provenance());
         }
     }
 
     /// Takes the list at `addr` off the stack of donors.
-    fn unlist_donor(&self, addr: usize, shard: &Shard<Vec<usize>>) {
+    fn unlist_donor(&self, addr: usize, list: &List<Vec<usize>>) {
         let mut donors = self.donors.lock();
         if let Some(at) = donors.iter().rposition(|&a| a == addr) {
             donors.remove(at);
-            shard.in_donors.store(false, Ordering::Relaxed);
+            list.in_donors.store(false, Ordering::Relaxed);
         }
     }
 
@@ -405,12 +406,12 @@ impl<U: Resource> FixedSize<U> {
     /// [`take_from_donors`](Self::take_from_donors)).
     fn take_from_host_lists(
         &self,
-        own: &Shard<Vec<usize>>,
+        own: &List<Vec<usize>>,
         leave_last: bool,
         look: usize,
     ) -> Option<usize> {
         let host_batch = (HOST_BATCH_BYTES / self.block_size).clamp(1, HOST_BATCH_BLOCKS);
-        let take = |other: &Shard<Vec<usize>>| {
+        let take = |other: &List<Vec<usize>>| {
             let leave = if leave_last {
                 other.key.kept_for_itself()
             } else {
@@ -422,7 +423,7 @@ impl<U: Resource> FixedSize<U> {
         // and over thousands of streams a search through every list made each new
         // stream's first allocation cost 39 us at 16,384 streams): the one that got
         // some last first, then any other.
-        let spare = |other: &Shard<Vec<usize>>| {
+        let spare = |other: &List<Vec<usize>>| {
             other.key.is_host()
                 && !ptr::eq(other, own)
                 && (!leave_last || other.holds_free.load(Ordering::Relaxed))
@@ -441,11 +442,11 @@ impl<U: Resource> FixedSize<U> {
     /// from where the last look stopped.
     fn take_from_donors(
         &self,
-        spare: &dyn Fn(&Shard<Vec<usize>>) -> bool,
-        take: &dyn Fn(&Shard<Vec<usize>>) -> Option<usize>,
+        spare: &dyn Fn(&List<Vec<usize>>) -> bool,
+        take: &dyn Fn(&List<Vec<usize>>) -> Option<usize>,
         look: usize,
     ) -> Option<usize> {
-        if let Some(recent) = self.shards.recent()
+        if let Some(recent) = self.lists.recent()
             && spare(recent)
             && let Some(addr) = take(recent)
         {
@@ -459,10 +460,10 @@ impl<U: Resource> FixedSize<U> {
             let Some(addr) = self.donors.lock().last().copied() else {
                 break;
             };
-            // SAFETY: the stack holds addresses of this resource's shards; one that `trim`
+            // SAFETY: the stack holds addresses of this resource's lists; one that `trim`
             // retires leaves the stack a grace period before it is freed, and this call
             // is pinned.
-            let donor = unsafe { &*ptr::with_exposed_provenance::<Shard<Vec<usize>>>(addr) };
+            let donor = unsafe { &*ptr::with_exposed_provenance::<List<Vec<usize>>>(addr) };
             let taken = if spare(donor) { take(donor) } else { None };
             if !donor.holds_free.load(Ordering::Relaxed) || taken.is_none() {
                 self.unlist_donor(addr, donor);
@@ -474,14 +475,14 @@ impl<U: Resource> FixedSize<U> {
         if look == 0 {
             return None;
         }
-        let (addr, donor) = self.shards.search(look, |other| {
+        let (addr, donor) = self.lists.search(look, |other| {
             spare(other)
                 .then(|| take(other).map(|addr| (addr, other)))
                 .flatten()
         })?;
         if donor.holds_free.load(Ordering::Relaxed) {
             // The next stream's search starts where this one found blocks to spare.
-            self.shards.set_recent(donor);
+            self.lists.set_recent(donor);
             self.list_donor(donor);
         }
         Some(addr)
@@ -492,8 +493,8 @@ impl<U: Resource> FixedSize<U> {
     fn give_back_this_threads_caches(&self) -> bool {
         let lists = self.cache().flush();
         for &list in &lists {
-            // SAFETY: the cache returns this resource's shards it gave blocks to; the
-            // caller is pinned (since before the flush), so a shard `trim` retires
+            // SAFETY: the cache returns this resource's lists it gave blocks to; the
+            // caller is pinned (since before the flush), so a list `trim` retires
             // meanwhile is not freed before the call returns.
             let list = unsafe { &*list };
             if list.holds_free.load(Ordering::Relaxed) {
@@ -508,7 +509,7 @@ impl<U: Resource> FixedSize<U> {
     fn allocate_slow(
         &self,
         stream: StreamRef<'_>,
-        own: &Shard<Vec<usize>>,
+        own: &List<Vec<usize>>,
         requested: usize,
     ) -> Result<usize, Error> {
         held::free_ready(self, &self.held, stream);
@@ -524,7 +525,7 @@ impl<U: Resource> FixedSize<U> {
         if let Some(addr) = self.take_from_host_lists(own, true, 0) {
             return Ok(addr);
         }
-        for lane in self.shards.other_lanes(own) {
+        for lane in self.lists.other_lanes(own) {
             if let Some(addr) = take_half(lane, own, usize::MAX, 0) {
                 return Ok(addr);
             }
@@ -563,7 +564,7 @@ impl<U: Resource> FixedSize<U> {
         // `leave`: blocks each other list keeps (its stream's next allocation then needs
         // no merge of its own).
         let merge = |leave: usize| {
-            self.shards
+            self.lists
                 .merge_into(
                     own,
                     |list: &mut Vec<usize>| list.split_off(leave.min(list.len())),
@@ -620,8 +621,8 @@ impl<U: Resource> FixedSize<U> {
 /// allocates, its blocks freed by another thread on the stream; a new thread on a stream
 /// whose blocks are in an old one's list).
 fn take_half(
-    from: &Shard<Vec<usize>>,
-    into: &Shard<Vec<usize>>,
+    from: &List<Vec<usize>>,
+    into: &List<Vec<usize>>,
     most: usize,
     leave: usize,
 ) -> Option<usize> {
@@ -651,7 +652,7 @@ impl<U: Resource> Drop for FixedSize<U> {
         // First, so no exiting thread gives blocks back to it from now on.
         self.owner.retire();
         let chunks = std::mem::take(&mut *lock(&self.chunks));
-        release_all(&self.upstream, &self.shards, chunks);
+        release_all(&self.upstream, &self.lists, chunks);
     }
 }
 
@@ -695,23 +696,23 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         {
             return Ok(to_ptr(addr));
         }
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let shard = if self.cached() {
-            let shard = self.shard_for(key);
-            // SAFETY: `shard` is this resource's shard for `key`.
-            if let Some(addr) = unsafe { self.cache().refill(key, shard) } {
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let list = if self.cached() {
+            let list = self.list_for(key);
+            // SAFETY: `list` is this resource's list for `key`.
+            if let Some(addr) = unsafe { self.cache().refill(key, list) } {
                 return Ok(to_ptr(addr));
             }
-            shard
+            list
         } else {
-            let shard = self.shard_for(key);
-            if let Some(addr) = shard.state.lock().pop() {
+            let list = self.list_for(key);
+            if let Some(addr) = list.state.lock().pop() {
                 return Ok(to_ptr(addr));
             }
-            shard
+            list
         };
-        held::retry_after_waiting(self, &self.held, stream, shard.ctx, || {
-            self.allocate_slow(stream, shard, layout.size())
+        held::retry_after_waiting(self, &self.held, stream, list.ctx, || {
+            self.allocate_slow(stream, list, layout.size())
         })
         .map(to_ptr)
     }
@@ -724,18 +725,18 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         let addr = ptr.as_ptr().expose_provenance();
         let key = StreamKey::of_lane(stream);
         if self.cached() {
-            // SAFETY: the closure returns this resource's shard for `key` (the cache pins
+            // SAFETY: the closure returns this resource's list for `key` (the cache pins
             // while it makes a magazine, the only time it calls it).
-            let left = unsafe { self.cache().push(key, || self.shard_for(key), addr) };
+            let left = unsafe { self.cache().push(key, || self.list_for(key), addr) };
             if left.is_none() {
                 return;
             }
         }
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
-        let shard = self.shard_for(key);
-        let mut list = shard.state.lock();
-        list.push(addr);
-        self.note_spare(shard, list.len());
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let list = self.list_for(key);
+        let mut blocks = list.state.lock();
+        blocks.push(addr);
+        self.note_spare(list, blocks.len());
     }
 
     unsafe fn deallocate_used_on(
@@ -745,7 +746,7 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = self.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         // SAFETY: the caller's promise; `held` is this resource's.
         unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
     }

@@ -1,5 +1,5 @@
 //! loom models: the spin lock excludes, the stream map hands every thread the same,
-//! fully built shard, two streams of one pool share its growth without overlap, memory
+//! fully built list, two streams of one pool share its growth without overlap, memory
 //! freed on one stream goes to one other stream at a time, the release threshold gives
 //! memory back while another stream allocates, and a free reads an arena's superblock
 //! table while another stream takes a superblock; FixedSize's thread caches give their blocks back
@@ -11,7 +11,8 @@ use std::alloc::Layout;
 use loom::sync::Arc;
 use loom::thread;
 
-use super::core::list_table::{ShardMap, StreamKey};
+use super::core::list_table::ListTable;
+use super::core::stream_key::StreamKey;
 use super::{Arena, FixedSize, Pool, PoolConfig, VirtualPoolConfig};
 use crate::resource::Resource;
 use crate::stream::StreamRef;
@@ -37,39 +38,39 @@ fn loom_spin_lock_excludes() {
 }
 
 #[test]
-fn loom_shard_map_hands_out_one_built_shard_per_stream() {
+fn loom_list_table_hands_out_one_built_list_per_stream() {
     loom::model(|| {
-        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        let map = Arc::new(ListTable::<Vec<u32>>::default());
         let key = StreamKey::host(7);
         let other = Arc::clone(&map);
         let t = thread::spawn(move || {
-            let shard = other.get_or_insert_with(key, || vec![1]);
-            shard.state.lock().push(2);
-            shard as *const _ as usize
+            let list = other.get_or_insert_with(key, || vec![1]);
+            list.state.lock().push(2);
+            list as *const _ as usize
         });
-        // A reader racing the insertion sees no shard or a whole one.
-        if let Some(shard) = map.get(key) {
-            assert_eq!(shard.state.lock()[0], 1);
+        // A reader racing the insertion sees no list or a whole one.
+        if let Some(list) = map.get(key) {
+            assert_eq!(list.state.lock()[0], 1);
         }
         let mine = map.get_or_insert_with(key, || vec![1]) as *const _ as usize;
         assert_eq!(t.join().unwrap(), mine);
-        let shard = map.get(key).unwrap();
-        let items = shard.state.lock().clone();
+        let list = map.get(key).unwrap();
+        let items = list.state.lock().clone();
         assert_eq!(items[0], 1);
         assert!(items.contains(&2));
         assert_eq!(map.all().len(), 1);
     });
 }
 
-/// The table doubles while another thread inserts and a third looks up: every shard is
+/// The table doubles while another thread inserts and a third looks up: every list is
 /// found by every thread, once, fully built, and the map ends with all of them.
 #[test]
-fn loom_shard_map_grows_while_others_insert_and_look_up() {
+fn loom_list_table_grows_while_others_insert_and_look_up() {
     let mut builder = loom::model::Builder::new();
     builder.preemption_bound = Some(2);
     builder.check(|| {
-        let map = Arc::new(ShardMap::<u32>::default());
-        // A table of two slots holds one shard; the second insertion doubles it.
+        let map = Arc::new(ListTable::<u32>::default());
+        // A table of two slots holds one list; the second insertion doubles it.
         let first = map.get_or_insert_with(StreamKey::host(1), || 1) as *const _ as usize;
         let (m1, m2) = (Arc::clone(&map), Arc::clone(&map));
         let inserter = thread::spawn(move || {
@@ -78,8 +79,8 @@ fn loom_shard_map_grows_while_others_insert_and_look_up() {
             s as *const _ as usize
         });
         let reader = thread::spawn(move || {
-            // Found in the old table or the new one, never a second shard.
-            let s = m2.get(StreamKey::host(1)).expect("an inserted shard");
+            // Found in the old table or the new one, never a second list.
+            let s = m2.get(StreamKey::host(1)).expect("an inserted list");
             assert_eq!(*s.state.lock(), 1);
             let again = m2.get_or_insert_with(StreamKey::host(1), || 9);
             assert!(std::ptr::eq(s, again));
@@ -315,7 +316,7 @@ fn churn(fixed: &FixedSize<HostHeap>, n: usize) {
 /// owner of the FixedSize drops it: the exiting thread gives the blocks back only while
 /// the resource is registered (under the registry's lock), the resource leaves the
 /// registry before freeing, and everything is freed once (loom checks the locks, the
-/// shards' atomics and that nothing leaks).
+/// lists' atomics and that nothing leaks).
 #[test]
 fn loom_a_thread_cache_exits_while_its_owner_drops() {
     loom::model(|| {
@@ -693,7 +694,7 @@ fn loom_a_trim_frees_a_list_a_thread_cache_was_using() {
 #[test]
 fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
     loom::model(|| {
-        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        let map = Arc::new(ListTable::<Vec<u32>>::default());
         let key = StreamKey::host(7);
         // The list is the first a search looks at (as after a free into it).
         map.note_free(map.get_or_insert_with(key, Vec::new));
@@ -705,20 +706,20 @@ fn loom_a_retired_list_keeps_a_free_made_into_it_while_it_went() {
                 drop(recent.state.lock());
             }
             // A free on the stream: into whatever list the stream has.
-            let shard = match other.get(key) {
-                Some(shard) => shard,
+            let list = match other.get(key) {
+                Some(list) => list,
                 None => other.get_or_insert_with(key, Vec::new),
             };
-            shard.state.lock().push(5);
+            list.state.lock().push(5);
         });
         // SAFETY: the only other user pins around its use; this thread is not pinned and
         // holds no lock.
         let retired = unsafe {
             map.retire(
-                |shard| shard.state.lock().is_empty(),
+                |list| list.state.lock().is_empty(),
                 Vec::is_empty,
                 |old| match map.find(old.key) {
-                    Some(shard) => shard,
+                    Some(list) => list,
                     None => map.get_or_insert_like(old, Vec::new),
                 },
                 std::mem::take,
@@ -752,7 +753,7 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
     use crate::sync::{Mutex, lock};
 
     loom::model(|| {
-        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        let map = Arc::new(ListTable::<Vec<u32>>::default());
         let searches = Arc::new(Mutex::new(()));
         let key = StreamKey::host(7);
         map.get_or_insert_with(key, Vec::new);
@@ -761,11 +762,11 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
             {
                 // A free on the stream: into whatever list the stream has.
                 let _pin = other.pin();
-                let shard = match other.get(key) {
-                    Some(shard) => shard,
+                let list = match other.get(key) {
+                    Some(list) => list,
                     None => other.get_or_insert_with(key, Vec::new),
                 };
-                shard.state.lock().push(5);
+                list.state.lock().push(5);
             }
             // A search through every list (as a merge before growing), after the free.
             let _pin = other.pin();
@@ -777,10 +778,10 @@ fn loom_a_free_into_a_retiring_list_stays_in_reach_of_searches() {
         // holds no lock.
         unsafe {
             map.retire(
-                |shard| shard.state.lock().is_empty(),
+                |list| list.state.lock().is_empty(),
                 Vec::is_empty,
                 |old| match map.find(old.key) {
-                    Some(shard) => shard,
+                    Some(list) => list,
                     None => map.get_or_insert_like(old, Vec::new),
                 },
                 std::mem::take,
@@ -813,7 +814,7 @@ fn loom_a_retired_per_thread_lists_blocks_reach_a_new_owner_only_after_a_wait() 
     use crate::sync::threads::new_generation;
 
     loom::model(|| {
-        let map = Arc::new(ShardMap::<Vec<u32>>::default());
+        let map = Arc::new(ListTable::<Vec<u32>>::default());
         // A number no real thread has (loom's threads share the process's numbers).
         let key = StreamKey::per_thread(1 << 40);
         let (exited, new) = (new_generation(), new_generation());
@@ -833,10 +834,10 @@ fn loom_a_retired_per_thread_lists_blocks_reach_a_new_owner_only_after_a_wait() 
             // not pinned and holds no lock.
             unsafe {
                 m.retire(
-                    |shard| shard.state.lock().is_empty(),
+                    |list| list.state.lock().is_empty(),
                     Vec::is_empty,
                     |old| match m.find(old.key) {
-                        Some(shard) => shard,
+                        Some(list) => list,
                         None => m.get_or_insert_like(old, Vec::new),
                     },
                     std::mem::take,

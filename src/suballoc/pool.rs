@@ -7,9 +7,9 @@ use std::ptr::NonNull;
 use super::chunks::{Chunk, release_all};
 use super::coalescing::{Coalescing, GrowthState, Holding, coalescing_pool};
 use super::core::free_blocks::{FreeBlock, GRANULE};
+use super::core::free_list::FreeList;
+use super::core::list_table::List;
 use super::pool_config::{ChunkSizes, PoolConfig};
-use super::core::list_table::Shard;
-use super::core::free_list::PoolShard;
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::StreamRef;
@@ -136,8 +136,8 @@ coalescing_pool!(
 impl<U: Resource> Holding<U> for Chunks {
     type Memory = Vec<Chunk>;
 
-    fn new_list(&self, chunks: &Vec<Chunk>) -> PoolShard {
-        PoolShard::new(chunks.iter().map(|c| (c.addr, c.layout.size())), None).with_large_cache()
+    fn new_free_list(&self, chunks: &Vec<Chunk>) -> FreeList {
+        FreeList::new(chunks.iter().map(|c| (c.addr, c.layout.size())), None).with_large_cache()
     }
 
     /// A chunk sized by the growth rule ([`ChunkSizes`]), less when the upstream
@@ -146,7 +146,7 @@ impl<U: Resource> Holding<U> for Chunks {
         pool: &Coalescing<U, Chunks>,
         growth: &mut GrowthState<Vec<Chunk>>,
         stream: StreamRef<'_>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         _may_wait: bool,
@@ -188,10 +188,10 @@ impl<U: Resource> Holding<U> for Chunks {
     fn release(
         pool: &Coalescing<U, Chunks>,
         growth: &mut GrowthState<Vec<Chunk>>,
-        from: &Shard<PoolShard>,
+        from: &List<FreeList>,
         _keep: usize,
     ) -> usize {
-        let whole = |s: &PoolShard, c: &Chunk| {
+        let whole = |s: &FreeList, c: &Chunk| {
             s.free
                 .starting_at(c.addr)
                 .is_some_and(|b| b.size == c.layout.size())
@@ -222,8 +222,8 @@ impl<U: Resource> Holding<U> for Chunks {
                 })
                 .collect()
         };
-        for shard in pool.shards.iter() {
-            let mut s = shard.state.lock();
+        for list in pool.lists.iter() {
+            let mut s = list.state.lock();
             for c in &released {
                 s.chunks.remove(&c.addr);
             }
@@ -248,7 +248,7 @@ impl<U: Resource> Holding<U> for Chunks {
     }
 
     fn drop_memory(pool: &Coalescing<U, Chunks>, chunks: Vec<Chunk>) {
-        release_all(&pool.upstream, &pool.shards, chunks);
+        release_all(&pool.upstream, &pool.lists, chunks);
     }
 }
 
@@ -259,13 +259,13 @@ fn add_chunk<'a, U: Resource>(
     growth: &mut GrowthState<Vec<Chunk>>,
     ptr: NonNull<u8>,
     layout: Layout,
-    into: &'a Shard<PoolShard>,
-) -> crate::sync::spin::SpinGuard<'a, PoolShard> {
+    into: &'a List<FreeList>,
+) -> crate::sync::spin::SpinGuard<'a, FreeList> {
     let chunk = Chunk::new(ptr, layout);
     let addr = chunk.addr;
     // Every list learns the chunk's start before any block of it can reach one.
-    for shard in pool.shards.iter() {
-        shard.state.lock().chunks.insert(addr, layout.size());
+    for list in pool.lists.iter() {
+        list.state.lock().chunks.insert(addr, layout.size());
     }
     growth.memory.push(chunk);
     growth.size += layout.size();
@@ -283,6 +283,6 @@ fn add_chunk<'a, U: Resource>(
         size: layout.size(),
         starts_chunk: true,
     });
-    pool.shards.note_free(into);
+    pool.lists.note_free(into);
     s
 }

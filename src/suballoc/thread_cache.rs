@@ -7,13 +7,13 @@
 //! the streams' lists (so a thread on thousands of streams does not scan a magazine per
 //! stream on every call).
 //!
-//! Safety rests on one rule: a magazine's shard and owner-state pointers are dereferenced
+//! Safety rests on one rule: a magazine's list and owner-state pointers are dereferenced
 //! only (1) inside a call on the resource that owns them (the magazine is found by the
 //! owner's id, unique for the life of the process, so the owner is alive and borrowed for
 //! the call), or (2) at thread exit while holding the registry lock, after checking that
 //! the owner is still registered; an owner leaves the registry (under that lock) before
 //! it frees anything. Magazines of owners that are gone hold plain addresses that are
-//! never handed out. A magazine's shard pointer is dereferenced only while its blocks
+//! never handed out. A magazine's list pointer is dereferenced only while its blocks
 //! have not been taken: `FixedSize::trim` frees a list only after a reclaim has taken the
 //! blocks of every magazine that points at it (see its `retire_empty_lists`).
 //!
@@ -44,7 +44,8 @@
 use std::cell::RefCell;
 use std::collections::HashSet;
 
-use super::core::list_table::{Shard, StreamKey};
+use super::core::list_table::List;
+use super::core::stream_key::StreamKey;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
 use crate::sync::takeable::Takeable;
@@ -110,7 +111,7 @@ impl Owner {
         }
     }
 
-    /// Leaves the registry: no thread's exit touches the owner's shards afterwards. The
+    /// Leaves the registry: no thread's exit touches the owner's lists afterwards. The
     /// owner calls it first thing in its drop, before freeing anything.
     pub(crate) fn retire(&mut self) {
         if !self.retired {
@@ -135,10 +136,10 @@ impl Drop for Owner {
 struct Stash {
     blocks: Takeable<Vec<usize>>,
     /// The list the blocks go back to.
-    shard: *const Shard<Vec<usize>>,
+    list: *const List<Vec<usize>>,
 }
 
-// SAFETY: `blocks` is a `Takeable` (Send and Sync); `shard` is dereferenced only under
+// SAFETY: `blocks` is a `Takeable` (Send and Sync); `list` is dereferenced only under
 // the module's rules (1) and (2).
 unsafe impl Send for Stash {}
 // SAFETY: as for `Send`.
@@ -153,11 +154,11 @@ impl Stash {
 }
 
 /// Puts blocks back in a stream's list, with its mark of blocks to spare (see
-/// [`Shard::mark_spare`]).
-fn put_back(shard: &Shard<Vec<usize>>, blocks: impl IntoIterator<Item = usize>) {
-    let mut list = shard.state.lock();
-    list.extend(blocks);
-    shard.mark_spare(list.len());
+/// [`List::mark_spare`]).
+fn put_back(list: &List<Vec<usize>>, blocks: impl IntoIterator<Item = usize>) {
+    let mut held = list.state.lock();
+    held.extend(blocks);
+    list.mark_spare(held.len());
 }
 
 struct Magazine {
@@ -179,18 +180,18 @@ impl Magazine {
     /// Returns the list the blocks went to, or `None` if a reclaim had taken them (the
     /// list may then be gone: a `FixedSize::trim` retires lists only after a reclaim
     /// has taken every stash that points at them).
-    unsafe fn give_back(self) -> Option<*const Shard<Vec<usize>>> {
+    unsafe fn give_back(self) -> Option<*const List<Vec<usize>>> {
         let gave = self.stash.with(|blocks| {
             // SAFETY: the caller's promise; the blocks were not taken, so the list is not
             // freed yet: `FixedSize::trim` frees a list only after its reclaim has taken
             // every stash pointing at it, and that take waits for this `with` to end.
-            let shard = unsafe { &*self.stash.shard };
-            put_back(shard, blocks.drain(..));
+            let list = unsafe { &*self.stash.list };
+            put_back(list, blocks.drain(..));
         });
         // SAFETY: as above; `shared` is the owner's boxed state.
         let shared = unsafe { &*self.shared };
         lock(&shared.stashes).retain(|s| !Arc::ptr_eq(s, &self.stash));
-        gave.map(|()| self.stash.shard)
+        gave.map(|()| self.stash.list)
     }
 }
 
@@ -251,7 +252,7 @@ impl Magazines {
     ///
     /// # Safety
     /// Inside a call on the owner (rule (1) of the module).
-    unsafe fn give_back(&mut self, owner: u64) -> Vec<*const Shard<Vec<usize>>> {
+    unsafe fn give_back(&mut self, owner: u64) -> Vec<*const List<Vec<usize>>> {
         self.full_miss = None;
         let mut lists = Vec::new();
         let mut i = 0;
@@ -348,7 +349,7 @@ impl<'a> Cache<'a> {
         &self,
         mags: &'m mut Magazines,
         key: StreamKey,
-        make: Option<&dyn Fn() -> &'s Shard<Vec<usize>>>,
+        make: Option<&dyn Fn() -> &'s List<Vec<usize>>>,
     ) -> Option<&'m mut Magazine> {
         let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
         if let Some(at) = mags.hinted(self.owner.id, key)
@@ -371,7 +372,7 @@ impl<'a> Cache<'a> {
         &self,
         mags: &'m mut Magazines,
         key: StreamKey,
-        make: Option<&dyn Fn() -> &'s Shard<Vec<usize>>>,
+        make: Option<&dyn Fn() -> &'s List<Vec<usize>>>,
     ) -> Option<&'m mut Magazine> {
         let shared = &*self.owner.shared;
         let mut epoch = shared.epoch.load(Ordering::Relaxed);
@@ -436,7 +437,7 @@ impl<'a> Cache<'a> {
         let _pin = grace::pin(self.domain);
         let stash = Arc::new(Stash {
             blocks: Takeable::new(Vec::with_capacity(self.capacity)),
-            shard: make(),
+            list: make(),
         });
         {
             // Listed while the epoch is still the one read: else a reclaim has begun (and
@@ -468,25 +469,25 @@ impl<'a> Cache<'a> {
     /// (the thread is exiting, or a reclaim is under way).
     ///
     /// # Safety
-    /// `shard` returns the owner's shard for `key` (a new magazine keeps a pointer to it,
+    /// `list` returns the owner's list for `key` (a new magazine keeps a pointer to it,
     /// which later calls on the owner dereference).
     #[inline]
     pub(crate) unsafe fn push<'s>(
         &self,
         key: StreamKey,
-        shard: impl Fn() -> &'s Shard<Vec<usize>>,
+        list: impl Fn() -> &'s List<Vec<usize>>,
         addr: usize,
     ) -> Option<usize> {
         let capacity = self.capacity;
         let done = self.with(|mags| {
-            let stash = &*self.magazine(mags, key, Some(&shard))?.stash;
+            let stash = &*self.magazine(mags, key, Some(&list))?.stash;
             stash.with(|blocks| {
                 if blocks.len() >= capacity {
                     // SAFETY: the magazine (found by the owner's id) points at the owner's
-                    // shard (`magazine` made it so), alive during this call on the owner.
-                    let shard = unsafe { &*stash.shard }; // (rule (1) of the module)
+                    // list (`magazine` made it so), alive during this call on the owner.
+                    let list = unsafe { &*stash.list }; // (rule (1) of the module)
                     let keep = capacity / 2;
-                    put_back(shard, blocks.drain(keep..));
+                    put_back(list, blocks.drain(keep..));
                 }
                 blocks.push(addr);
             })
@@ -497,19 +498,19 @@ impl<'a> Cache<'a> {
         }
     }
 
-    /// Takes a block from `shard`'s list and moves up to half a magazine more into the
+    /// Takes a block from `list`'s list and moves up to half a magazine more into the
     /// thread's magazine, under one lock; `None` if the list is empty.
     ///
     /// # Safety
-    /// `shard` is the owner's shard for `key`, as for [`push`](Self::push).
+    /// `list` is the owner's list for `key`, as for [`push`](Self::push).
     #[inline]
-    pub(crate) unsafe fn refill(&self, key: StreamKey, shard: &Shard<Vec<usize>>) -> Option<usize> {
+    pub(crate) unsafe fn refill(&self, key: StreamKey, list: &List<Vec<usize>>) -> Option<usize> {
         let more = (self.capacity / 2).saturating_sub(1);
         let mut got = None;
         let refilled = self.with(|mags| {
-            let m = self.magazine(mags, key, Some(&|| shard))?;
+            let m = self.magazine(mags, key, Some(&|| list))?;
             m.stash.with(|blocks| {
-                let mut from = shard.state.lock();
+                let mut from = list.state.lock();
                 got = from.pop();
                 if got.is_some() {
                     let n = more.min(from.len());
@@ -522,15 +523,15 @@ impl<'a> Cache<'a> {
             Some(()) => got,
             // No magazine (the thread is exiting, or a reclaim is under way or took this
             // one's blocks): straight from the list.
-            None => shard.state.lock().pop(),
+            None => list.state.lock().pop(),
         }
     }
 
     /// Gives every block of the owner's magazines on this thread back to their lists, and
-    /// returns those lists (the owner's shards; one `FixedSize::trim` retires is freed
+    /// returns those lists (the owner's lists; one `FixedSize::trim` retires is freed
     /// only after every call pinned when it left the tables has returned, so a caller
     /// pinned before this call may use them until it unpins).
-    pub(crate) fn flush(&self) -> Vec<*const Shard<Vec<usize>>> {
+    pub(crate) fn flush(&self) -> Vec<*const List<Vec<usize>>> {
         self.with(|mags| {
             // SAFETY: inside a call on the owner (rule (1)).
             Some(unsafe { mags.give_back(self.owner.id) })
@@ -572,9 +573,9 @@ impl<'a> Cache<'a> {
                     // takes it.
                     let blocks = unsafe { stash.blocks.take() };
                     // SAFETY: inside a call on the owner (rule (1)), or in `FixedSize::trim`'s
-                    // retirement before the lists it retires are freed: the shard lives.
-                    let shard = unsafe { &*stash.shard };
-                    put_back(shard, blocks);
+                    // retirement before the lists it retires are freed: the list lives.
+                    let list = unsafe { &*stash.list };
+                    put_back(list, blocks);
                 }
                 return true;
             }

@@ -1,5 +1,5 @@
 //! Thread numbers and lanes: which per-thread list and which lane of a shared stream the
-//! calling thread uses (the sub-allocators' stream keys, `suballoc/shards.rs`).
+//! calling thread uses (the sub-allocators' stream keys, `suballoc/lists.rs`).
 //!
 //! A thread's number names its per-thread-stream list; the number of a thread that has
 //! exited goes to the next new thread, so a program that starts and ends many threads

@@ -5,8 +5,8 @@
 use std::alloc::Layout;
 
 use super::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use crate::suballoc::superblocks::Superblocks;
 use crate::addr_map::AddrMap;
+use crate::suballoc::superblocks::Superblocks;
 use crate::sync::Arc;
 
 /// Blocks up to this many granules (64 KiB) are cached on free without coalescing.
@@ -33,7 +33,7 @@ const LARGE_MIN: usize = 1 << 20;
 const LARGE_BYTES: usize = 8 << 20;
 
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
-pub(crate) struct PoolShard {
+pub(crate) struct FreeList {
     pub(crate) free: FreeBlocks,
     /// Recently freed small blocks by size in granules, handed out again whole: entry
     /// `i` for blocks of `quick_base + i` granules, the table only as long as the sizes
@@ -58,15 +58,15 @@ pub(crate) struct PoolShard {
     superblocks: Option<Arc<Superblocks>>,
 }
 
-impl PoolShard {
+impl FreeList {
     /// `low_first`: for a pool that grows in place, the start of its reservation; small
     /// requests then go to the lowest address region with a fit
     /// ([`FreeBlocks::address_ordered`]).
     pub(crate) fn new(
         chunks: impl Iterator<Item = (usize, usize)>,
         low_first: Option<usize>,
-    ) -> PoolShard {
-        PoolShard {
+    ) -> FreeList {
+        FreeList {
             free: match low_first {
                 Some(base) => FreeBlocks::address_ordered(base),
                 None => FreeBlocks::default(),
@@ -83,10 +83,10 @@ impl PoolShard {
     }
 
     /// The list of an arena with these superblocks (which are its chunks).
-    pub(crate) fn in_arena(superblocks: Arc<Superblocks>) -> PoolShard {
-        PoolShard {
+    pub(crate) fn in_arena(superblocks: Arc<Superblocks>) -> FreeList {
+        FreeList {
             superblocks: Some(superblocks),
-            ..PoolShard::new(std::iter::empty(), None)
+            ..FreeList::new(std::iter::empty(), None)
         }
     }
 
@@ -101,7 +101,7 @@ impl PoolShard {
 
     /// Also keeps the last [`LARGE_BLOCKS`] larger blocks freed (see there): a pool's
     /// lists do, an arena's do not.
-    pub(crate) fn with_large_cache(mut self) -> PoolShard {
+    pub(crate) fn with_large_cache(mut self) -> FreeList {
         self.large_cap = LARGE_BLOCKS;
         self
     }

@@ -358,7 +358,13 @@ pub(crate) fn free_all<R: Resource + ?Sized>(
     for block in taken {
         // SAFETY: as in `free_ready`: their events were waited for just above, and the
         // caller waited for every stream (blocks of a capture).
-        unsafe { r.deallocate(StreamRef::HOST, crate::suballoc::to_ptr(block.addr), block.layout) };
+        unsafe {
+            r.deallocate(
+                StreamRef::HOST,
+                crate::suballoc::to_ptr(block.addr),
+                block.layout,
+            )
+        };
     }
     Ok(())
 }

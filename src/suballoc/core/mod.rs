@@ -6,3 +6,4 @@ pub(crate) mod free_blocks;
 pub(crate) mod free_list;
 pub(crate) mod held;
 pub(crate) mod list_table;
+pub(crate) mod stream_key;

@@ -10,8 +10,8 @@ use crate::resource::Resource;
 use crate::stream::StreamRef;
 use crate::suballoc::coalescing::{Coalescing, GrowthState, Holding};
 use crate::suballoc::core::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use crate::suballoc::core::list_table::Shard;
-use crate::suballoc::core::free_list::PoolShard;
+use crate::suballoc::core::free_list::FreeList;
+use crate::suballoc::core::list_table::List;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::upstream::GrowInPlace;
 use crate::upstream::virtual_memory::{Granules, HostCopy};
@@ -92,15 +92,15 @@ impl<U: Resource> Holding<U> for Space<U> {
 
     // Not the large cache: a cached block is handed out again where it was, not low,
     // which costs footprint (host, `random` seed 42: 1.128 of live against 1.114).
-    fn new_list(&self, _memory: &Mapped) -> PoolShard {
-        PoolShard::new(std::iter::empty(), Some(self.base))
+    fn new_free_list(&self, _memory: &Mapped) -> FreeList {
+        FreeList::new(std::iter::empty(), Some(self.base))
     }
 
     fn grow(
         pool: &Coalescing<U, Space<U>>,
         growth: &mut GrowthState<Mapped>,
         _stream: StreamRef<'_>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         may_wait: bool,
@@ -111,7 +111,7 @@ impl<U: Resource> Holding<U> for Space<U> {
     fn release(
         pool: &Coalescing<U, Space<U>>,
         growth: &mut GrowthState<Mapped>,
-        from: &Shard<PoolShard>,
+        from: &List<FreeList>,
         keep: usize,
     ) -> usize {
         pool.unmap_free_granules(growth, from, keep)
@@ -139,7 +139,7 @@ impl<U: Resource> Holding<U> for Space<U> {
             return; // asleep: nothing is mapped (the copies go with `memory`)
         }
         if !crate::device::process_is_exiting()
-            && let Err(e) = pool.shards.synchronize_streams()
+            && let Err(e) = pool.lists.synchronize_streams()
         {
             tracing::error!("a pool could not wait for its streams before freeing: {e}");
         }
@@ -181,7 +181,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     fn grow_in_place(
         &self,
         growth: &mut GrowthState<Mapped>,
-        own: &Shard<PoolShard>,
+        own: &List<FreeList>,
         size: usize,
         align: usize,
         may_wait: bool,
@@ -241,7 +241,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             }
             match self.map_into(growth, &mut s, site.addr, site.len) {
                 Ok(()) => {
-                    self.shards.note_free(own);
+                    self.lists.note_free(own);
                     let taken = s.free.take(size, align);
                     debug_assert!(taken.is_some(), "in-place growth fits its request");
                     return Ok(taken);
@@ -257,7 +257,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     pub(super) fn map_into(
         &self,
         growth: &mut GrowthState<Mapped>,
-        into: &mut PoolShard,
+        into: &mut FreeList,
         addr: usize,
         len: usize,
     ) -> Result<(), Error> {
@@ -287,7 +287,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     fn unmap_free_granules(
         &self,
         growth: &mut GrowthState<Mapped>,
-        from: &Shard<PoolShard>,
+        from: &List<FreeList>,
         keep: usize,
     ) -> usize {
         let mut s = from.state.lock();
@@ -311,7 +311,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     fn unmap_in(
         &self,
         growth: &mut GrowthState<Mapped>,
-        s: &mut PoolShard,
+        s: &mut FreeList,
         keep: usize,
         spare: [usize; 2],
     ) -> usize {

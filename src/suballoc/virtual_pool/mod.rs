@@ -163,7 +163,7 @@ impl<U: Resource> VirtualPool<U> {
             let len = config.initial().next_multiple_of(granularity);
             let mut s = host.state.lock();
             core.map_into(&mut growth, &mut s, base, len)?;
-            core.shards.note_free(host);
+            core.lists.note_free(host);
         }
         Ok(pool)
     }

@@ -77,7 +77,7 @@ impl<U: Resource> VirtualPool<U> {
     /// for.
     pub unsafe fn sleep(&self, mode: SleepMode) -> Result<usize, Error> {
         let (core, space) = (&self.core, &self.core.holding);
-        let _pin = core.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = core.lists.pin(); // (see `ListTable::retire`)
         let mut growth = core.lock_growth();
         if growth.memory.slept.is_some() {
             return Err(Error::invalid_argument(
@@ -159,7 +159,7 @@ impl<U: Resource> VirtualPool<U> {
     /// asleep with its copies, and a later `wake` may succeed.
     pub fn wake(&self) -> Result<usize, Error> {
         let (core, space) = (&self.core, &self.core.holding);
-        let _pin = core.shards.pin(); // (see `ShardMap::retire`)
+        let _pin = core.lists.pin(); // (see `ListTable::retire`)
         let mut growth = core.lock_growth();
         let Some(slept) = growth.memory.slept.take() else {
             return Err(Error::invalid_argument(
