@@ -11,12 +11,14 @@ use std::ptr::{self, NonNull};
 use super::chunks::to_ptr;
 use super::core::free_blocks::GRANULE;
 use super::core::free_list::{FreeList, block_size};
-use super::core::held::{self, Deferred};
+use super::core::held::Deferred;
+use super::core::lanes;
 use super::core::list_table::{List, ListTable};
+use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
-use crate::stream::{Relaxed, StreamRef};
+use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicBool, Ordering, fence};
 use crate::sync::lock;
 use crate::sync::{Mutex, MutexGuard};
@@ -117,6 +119,9 @@ impl<M> GrowthState<M> {
 pub(super) struct GrowthGuard<'a, U: Resource, H: Holding<U>> {
     pool: &'a Coalescing<U, H>,
     guard: Option<MutexGuard<'a, GrowthState<H::Memory>>>,
+    /// Whether the unlock runs a pending release (not under stream capture: a release
+    /// waits for streams; it is then left to the next unlock outside one).
+    releases: bool,
 }
 
 impl<U: Resource, H: Holding<U>> std::ops::Deref for GrowthGuard<'_, U, H> {
@@ -136,7 +141,9 @@ impl<U: Resource, H: Holding<U>> std::ops::DerefMut for GrowthGuard<'_, U, H> {
 impl<U: Resource, H: Holding<U>> Drop for GrowthGuard<'_, U, H> {
     fn drop(&mut self) {
         drop(self.guard.take());
-        self.pool.release_if_pending();
+        if self.releases {
+            self.pool.release_if_pending();
+        }
     }
 }
 
@@ -361,10 +368,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     pub(super) fn trim(&self) -> Result<usize, Error> {
         let released = {
             let _pin = self.lists.pin(); // (see `ListTable::retire`)
-            if self.held.any() {
-                // Blocks held for other streams (one freed under a capture needs this wait).
-                held::free_all(self, &self.held, || self.lists.synchronize_streams())?;
-            }
+            ordered::free_held(self)?;
             let host = self.host_list();
             let (released, kept) = {
                 let mut growth = self.lock_growth();
@@ -508,6 +512,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         GrowthGuard {
             pool: self,
             guard: Some(lock(&self.growth)),
+            releases: true,
         }
     }
 
@@ -520,26 +525,6 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         self.lists
             .get(self.host_key)
             .expect("the host list is made with the pool")
-    }
-
-    /// The list of `stream`, made on first use.
-    #[inline(always)]
-    fn list(&self, stream: StreamRef<'_>) -> &List<FreeList> {
-        let key = StreamKey::of_lane(stream);
-        if let Some(list) = self.lists.get(key) {
-            return list;
-        }
-        self.new_list(key)
-    }
-
-    #[cold]
-    fn new_list(&self, key: StreamKey) -> &List<FreeList> {
-        // Under the growth lock, so no chunk comes or goes while its start is copied. (The
-        // raw lock: its unlock runs no pending release, which waits for streams and may
-        // come here under stream capture; the next unlock elsewhere runs it.)
-        let growth = lock(&self.growth);
-        self.lists
-            .get_or_insert_with(key, || self.new_free_list(&growth))
     }
 
     /// A new list of a retired list's stream, with its context and owner (for the items
@@ -588,94 +573,16 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             return Err(Error::Asleep);
         }
         let (size, align) = block_size(layout);
-        let list = self.list(stream);
+        let list = ordered::list_of(self, stream);
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_missed(stream, list, size, align, layout.size())
-            .map(to_ptr)
-    }
-
-    /// The slow path, with a retry after waiting for blocks held for other streams. A
-    /// call of its own, so the fast path above saves few registers.
-    #[inline(never)]
-    fn allocate_missed(
-        &self,
-        stream: StreamRef<'_>,
-        list: &List<FreeList>,
-        size: usize,
-        align: usize,
-        requested: usize,
-    ) -> Result<usize, Error> {
-        held::retry_after_waiting(self, &self.held, stream, list.ctx, || {
-            self.allocate_slow(stream, list, size, align, requested)
-        })
-    }
-
-    /// The slow path: the stream's own list has no fit.
-    // long: the slow path's fallbacks in the order tried, top to bottom.
-    #[cold]
-    fn allocate_slow(
-        &self,
-        stream: StreamRef<'_>,
-        own: &List<FreeList>,
-        size: usize,
-        align: usize,
-        requested: usize,
-    ) -> Result<usize, Error> {
-        held::free_ready(self, &self.held, stream);
-        // A fit in a sibling lane, before the own list's cached blocks are coalesced
-        // (flushing them at every miss cost more misses: H100 A/B, BENCHMARKS History).
-        if let Some(addr) = self.take_lane_fit(own, size, align) {
-            return Ok(addr);
-        }
-        if let Some(ctx) = own.ctx
-            && stream.is_capturing_in(ctx)?
-        {
-            return self.allocate_captured(own, size, align, requested);
-        }
-        let mut growth = self.lock_growth();
-        if H::asleep_bytes(&growth.memory).is_some() {
-            return Err(Error::Asleep);
-        }
-        if let Some(addr) = self
-            .take_listed(own, size, align)
-            .or_else(|| self.take_from_lanes(own, size, align))
-        {
-            return Ok(addr);
-        }
-        // Memory freed on other streams, once their work is waited for, before growing:
-        // when all free memory together could serve the request (blocks of this list
-        // and of others may be neighbours that only merge once in one list).
-        let mut merged = false;
-        let own_free = own.state.lock().free_bytes();
-        if own_free + self.free_elsewhere(own) >= size {
-            merged = self.merge_into(own)?;
-            if let Some(addr) = own.state.lock().free.take(size, align) {
-                return Ok(addr);
-            }
-        }
-        if let Some(addr) = self.grow(&mut growth, stream, own, size, align, true)? {
-            return Ok(addr);
-        }
-        if !merged
-            && self.merge_into(own)?
-            && let Some(addr) = own.state.lock().free.take(size, align)
-        {
-            return Ok(addr);
-        }
-        if self.release_down_to(&mut growth, own, 0)? > 0 {
-            if let Some(addr) = own.state.lock().free.take(size, align) {
-                return Ok(addr);
-            }
-            if let Some(addr) = self.grow(&mut growth, stream, own, size, align, true)? {
-                return Ok(addr);
-            }
-        }
-        Err(Error::OutOfMemory {
-            requested,
-            limit: growth.maximum(self.maximum),
-        })
+        let mut fit = Fit {
+            size,
+            align,
+            merged: false,
+        };
+        ordered::allocate_slow(self, stream, list, &mut fit, layout.size()).map(to_ptr)
     }
 
     /// A block from `own`'s list (flushed) or from a host stream's list, whose blocks are
@@ -723,102 +630,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             .or_else(|| self.lists.search(usize::MAX, from_host_list))
     }
 
-    /// A block that fits from another lane of `own`'s stream, as that lane's list has it
-    /// (its caches not flushed), without the growth lock: no wait is needed (one stream),
-    /// and threads sharing a stream whose lanes trade blocks do not queue for the growth
-    /// lock (16 threads on one stream on the H100 spent most of their time there).
-    fn take_lane_fit(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
-        self.lists
-            .other_lanes(own)
-            .filter(|lane| lane.holds_free.load(Ordering::Relaxed))
-            .find_map(|lane| lane.state.lock().take(size, align))
-    }
-
-    /// Free memory of the other lanes of `own`'s stream (threads that share the stream;
-    /// see [`StreamKey::of_lane`]), which needs no wait: one stream's work is ordered
-    /// whichever thread enqueued it. A fitting block from one lane, else all their free
-    /// memory moved into `own`'s list, where neighbours coalesce. The caller holds the
-    /// growth lock.
-    fn take_from_lanes(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
-        let lanes: Vec<_> = self
-            .lists
-            .other_lanes(own)
-            .filter(|s| s.holds_free.load(Ordering::Relaxed))
-            .collect();
-        for lane in &lanes {
-            let mut s = lane.state.lock();
-            let found = s.take(size, align).or_else(|| {
-                s.flush();
-                s.free.take(size, align)
-            });
-            if found.is_some() {
-                return found;
-            }
-        }
-        let mut moved = Vec::new();
-        for lane in &lanes {
-            let mut s = lane.state.lock();
-            moved.extend(s.drain());
-            lane.holds_free.store(false, Ordering::Relaxed);
-        }
-        if moved.is_empty() {
-            return None;
-        }
-        // Highest first, as in `merge_into`, so the lowest blocks head their classes.
-        moved.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
-        let found = {
-            let mut s = own.state.lock();
-            s.flush();
-            for b in moved {
-                s.free.insert(b);
-            }
-            s.free.take(size, align)
-        };
-        self.lists.note_free(own);
-        found
-    }
-
-    /// The slow path on a stream under capture, which must not wait: memory of the lists
-    /// that need no wait, else growth (in the relaxed capture mode, so that the driver
-    /// allows the upstream's calls), else out of memory. Memory freed on other CUDA
-    /// streams is not taken (that needs a wait), and no release runs here (the raw growth
-    /// lock: a pending release waits for the next unlock outside a capture).
-    #[cold]
-    #[inline(never)]
-    fn allocate_captured(
-        &self,
-        own: &List<FreeList>,
-        size: usize,
-        align: usize,
-        requested: usize,
-    ) -> Result<usize, Error> {
-        let mut growth = lock(&self.growth);
-        if H::asleep_bytes(&growth.memory).is_some() {
-            return Err(Error::Asleep);
-        }
-        if let Some(addr) = self
-            .take_listed(own, size, align)
-            .or_else(|| self.take_from_lanes(own, size, align))
-        {
-            return Ok(addr);
-        }
-        let _relaxed = Relaxed::new()?;
-        // Grown "on the host stream": memory usable at once, whatever the upstream. (On the
-        // captured stream a stream-ordered upstream would make its allocation a node of
-        // the graph, memory that exists only while the graph runs.)
-        match self.grow(&mut growth, StreamRef::HOST, own, size, align, false)? {
-            Some(addr) => Ok(addr),
-            None => Err(Error::OutOfMemory {
-                requested,
-                limit: growth.maximum(self.maximum),
-            }),
-        }
-    }
-
     /// Grows the pool for a block of `size` aligned to `align` and takes the block from
     /// the new memory in the same critical section (no other thread can take it first);
     /// `Ok(None)` when neither the maximum nor the upstream allows it.
-    fn grow(
+    fn grow_for(
         &self,
         growth: &mut GrowthState<H::Memory>,
         stream: StreamRef<'_>,
@@ -852,6 +667,131 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             );
         }
         Ok(moved)
+    }
+}
+
+/// A request on the pool's slow path: its size and alignment (rounded), and whether the
+/// lists were merged for it before the pool grew.
+pub(super) struct Fit {
+    size: usize,
+    align: usize,
+    merged: bool,
+}
+
+/// The pool's stages of the core's slow path (`core/ordered.rs`).
+impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
+    type Free = FreeList;
+    type Growth = GrowthState<H::Memory>;
+    type Locked<'a>
+        = GrowthGuard<'a, U, H>
+    where
+        Self: 'a;
+    type Request = Fit;
+
+    fn lists(&self) -> &ListTable<FreeList> {
+        &self.lists
+    }
+
+    fn held(&self) -> &Deferred {
+        &self.held
+    }
+
+    #[cold]
+    fn new_list(&self, key: StreamKey) -> &List<FreeList> {
+        // Under the growth lock, so no chunk comes or goes while its start is copied. (The
+        // raw lock: its unlock runs no pending release, which waits for streams and may
+        // come here under stream capture; the next unlock elsewhere runs it.)
+        let growth = lock(&self.growth);
+        self.lists
+            .get_or_insert_with(key, || self.new_free_list(&growth))
+    }
+
+    fn growth_lock(&self, capturing: bool) -> GrowthGuard<'_, U, H> {
+        GrowthGuard {
+            pool: self,
+            guard: Some(lock(&self.growth)),
+            releases: !capturing,
+        }
+    }
+
+    /// A fit in a sibling lane, before the own list's cached blocks are coalesced
+    /// (flushing them at every miss cost more misses: H100 A/B, BENCHMARKS History).
+    fn take_before_lock(&self, own: &List<FreeList>, fit: &mut Fit) -> Option<usize> {
+        lanes::take_fit(&self.lists, own, fit.size, fit.align)
+    }
+
+    /// The own list flushed, host streams' lists, then the other lanes' memory.
+    fn take_without_wait(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+    ) -> Result<Option<usize>, Error> {
+        if H::asleep_bytes(&growth.memory).is_some() {
+            return Err(Error::Asleep);
+        }
+        Ok(self
+            .take_listed(own, fit.size, fit.align)
+            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align)))
+    }
+
+    /// Memory freed on other streams, once their work is waited for, before growing:
+    /// when all free memory together could serve the request (blocks of this list and of
+    /// others may be neighbours that only merge once in one list).
+    fn take_after_wait(
+        &self,
+        _growth: &mut GrowthState<H::Memory>,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+    ) -> Result<Option<usize>, Error> {
+        let own_free = own.state.lock().free_bytes();
+        if own_free + self.free_elsewhere(own) < fit.size {
+            return Ok(None);
+        }
+        fit.merged = self.merge_into(own)?;
+        Ok(own.state.lock().free.take(fit.size, fit.align))
+    }
+
+    fn grow(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        stream: StreamRef<'_>,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        self.grow_for(growth, stream, own, fit.size, fit.align, may_wait)
+    }
+
+    /// Other streams' memory if it was not merged before growing; then free memory goes
+    /// back to the upstream and the pool grows again (fewer, larger pieces).
+    fn take_last(
+        &self,
+        growth: &mut GrowthState<H::Memory>,
+        stream: StreamRef<'_>,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+    ) -> Result<Option<usize>, Error> {
+        if !fit.merged
+            && self.merge_into(own)?
+            && let Some(addr) = own.state.lock().free.take(fit.size, fit.align)
+        {
+            return Ok(Some(addr));
+        }
+        if self.release_down_to(growth, own, 0)? == 0 {
+            return Ok(None);
+        }
+        if let Some(addr) = own.state.lock().free.take(fit.size, fit.align) {
+            return Ok(Some(addr));
+        }
+        self.grow_for(growth, stream, own, fit.size, fit.align, true)
+    }
+
+    fn out_of_memory(&self, growth: &GrowthState<H::Memory>, requested: usize) -> Error {
+        Error::OutOfMemory {
+            requested,
+            limit: growth.maximum(self.maximum),
+        }
     }
 }
 
@@ -909,7 +849,7 @@ unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = self.list(stream);
+        let list = ordered::list_of(self, stream);
         let mut s = list.state.lock();
         s.put(addr, size);
         self.lists.note_free(list);
@@ -928,9 +868,8 @@ unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        // SAFETY: the caller's promise; `held` is this pool's.
-        unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+        // SAFETY: the caller's promise.
+        unsafe { ordered::deallocate_used_on(self, stream, ptr, layout, used_on) }
     }
 }
 

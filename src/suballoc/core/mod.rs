@@ -5,5 +5,7 @@
 pub(crate) mod free_blocks;
 pub(crate) mod free_list;
 pub(crate) mod held;
+pub(crate) mod lanes;
 pub(crate) mod list_table;
+pub(crate) mod ordered;
 pub(crate) mod stream_key;
