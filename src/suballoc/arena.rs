@@ -7,8 +7,10 @@ use std::ptr::{self, NonNull};
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::core::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
 use super::core::free_list::{FreeList, block_size};
-use super::core::held::{self, Deferred};
+use super::core::held::Deferred;
+use super::core::lanes;
 use super::core::list_table::{List, ListTable, synchronize};
+use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
 use crate::device::{Context, DeviceId};
@@ -17,11 +19,11 @@ use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::lock;
-use crate::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex, MutexGuard};
 
 /// The global arena.
 #[derive(Default)]
-struct Global {
+pub(crate) struct Global {
     /// Free memory no stream may still be using.
     free: FreeBlocks,
     /// Superblocks given back by CUDA streams' arenas: free at once for their own stream
@@ -258,14 +260,12 @@ impl<U: Resource> Arena<U> {
     pub fn trim(&self) -> Result<(), Error> {
         {
             let _pin = self.lists.pin(); // (see `ListTable::retire`)
-            if self.held.any() {
-                held::free_all(self, &self.held, || self.lists.synchronize_streams())?;
-            }
+            ordered::free_held(self)?;
             let mut global = lock(&self.global);
             // Every list's free memory moves to the host list once the streams it was
             // freed on are waited for (taken first, then waited for: a block freed on a
             // stream after a wait could still be in use by the stream's work).
-            let host = self.list(StreamRef::HOST);
+            let host = ordered::list_of(self, StreamRef::HOST);
             self.lists
                 .merge_into(host, FreeList::drain, FreeList::absorb)?;
             self.settle_pending(&mut global)?;
@@ -335,22 +335,7 @@ impl<U: Resource> Arena<U> {
         )
     }
 
-    #[inline]
-    fn list(&self, stream: StreamRef<'_>) -> &List<FreeList> {
-        let key = StreamKey::of_lane(stream);
-        if let Some(list) = self.lists.get(key) {
-            return list;
-        }
-        self.new_list(key)
-    }
-
-    #[cold]
-    fn new_list(&self, key: StreamKey) -> &List<FreeList> {
-        self.lists
-            .get_or_insert_with(key, || FreeList::in_arena(Arc::clone(&self.table)))
-    }
-
-    fn out_of_memory(&self, requested: usize) -> Error {
+    fn out_of_memory_error(&self, requested: usize) -> Error {
         if self.dump_on_failure {
             tracing::error!("arena out of memory for {requested} bytes: {}", self.dump());
         }
@@ -379,35 +364,6 @@ impl<U: Resource> Arena<U> {
         }
         self.defragment(global, size)?;
         Ok(global.free.take(size, align))
-    }
-
-    /// A block from the other lanes of `own`'s stream: a fit in one of them, else all
-    /// their free blocks moved into `own`'s list (where they coalesce) and a fit there.
-    /// A fit first: a lane that misses while the global arena is dry would otherwise
-    /// empty the lists of the threads still running on the other lanes, which then miss
-    /// and empty it back.
-    fn take_from_lanes(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
-        let lanes: Vec<_> = self.lists.other_lanes(own).collect();
-        for lane in &lanes {
-            if let Some(addr) = lane.state.lock().take(size, align) {
-                return Some(addr);
-            }
-        }
-        let mut moved = Vec::new();
-        for lane in &lanes {
-            moved.extend(lane.state.lock().drain());
-        }
-        if moved.is_empty() {
-            return None;
-        }
-        // Highest first, as the pool's merges do, so the lowest blocks head their size
-        // classes whatever order the lanes' maps held them in.
-        moved.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
-        let mut s = own.state.lock();
-        for b in moved {
-            s.free.insert(b);
-        }
-        s.free.take(size, align)
     }
 
     /// Waits for the streams of pending memory and makes it free.
@@ -530,74 +486,9 @@ impl<U: Resource> Arena<U> {
         }
     }
 
-    /// The slow path, with a retry after waiting for blocks held for other streams. A
-    /// call of its own, so the fast path saves few registers (as `Pool`'s).
-    #[inline(never)]
-    fn allocate_missed(
-        &self,
-        stream: StreamRef<'_>,
-        list: &List<FreeList>,
-        size: usize,
-        align: usize,
-        requested: usize,
-    ) -> Result<usize, Error> {
-        held::retry_after_waiting(self, &self.held, stream, list.ctx, || {
-            self.allocate_slow(stream, list, size, align, requested)
-        })
-    }
-
-    /// The stream's arena has no fit: flush its cache, else give it a new superblock of
-    /// 1 MiB, or of the request's size (with room for its alignment) when larger.
-    #[cold]
-    fn allocate_slow(
-        &self,
-        stream: StreamRef<'_>,
-        own: &List<FreeList>,
-        size: usize,
-        align: usize,
-        requested: usize,
-    ) -> Result<usize, Error> {
-        held::free_ready(self, &self.held, stream);
-        let mut global = lock(&self.global);
-        {
-            let mut s = own.state.lock();
-            s.flush();
-            if let Some(addr) = s.free.take(size, align) {
-                return Ok(addr);
-            }
-        }
-        let sb_size = size
-            .checked_add(align - GRANULE)
-            .map(|n| n.max(SUPERBLOCK_SIZE));
-        let fits = sb_size.filter(|&n| n <= self.size);
-        // A superblock the stream gave back (first: memory waiting there would make other
-        // streams wait for it), or a free one of the global arena, without waiting.
-        let mut sb = fits.and_then(|n| {
-            global
-                .take_own_pending(own, n)
-                .or_else(|| global.free.take(n, GRANULE))
-        });
-        if sb.is_none() {
-            // The stream's other lanes (no wait: one stream): a fit there, else their
-            // blocks, which coalesce here: blocks freed by other threads (a producer on
-            // one thread, a consumer on another) come back, so superblocks become whole
-            // again instead of staying split between lanes. Only now, as lanes that took
-            // each other's blocks at every miss would trade them back and forth.
-            if let Some(addr) = self.take_from_lanes(own, size, align) {
-                return Ok(addr);
-            }
-            if let Some(n) = fits {
-                let may_wait = match own.ctx {
-                    Some(ctx) => !stream.is_capturing_in(ctx)?,
-                    None => true,
-                };
-                sb = self.take_global(&mut global, n, GRANULE, may_wait)?;
-            }
-        }
-        let (Some(sb), Some(sb_size)) = (sb, sb_size) else {
-            drop(global);
-            return Err(self.out_of_memory(requested));
-        };
+    /// Makes the superblock at `sb` of `sb_size` bytes `own`'s and takes the request's
+    /// block from it.
+    fn install(&self, own: &List<FreeList>, sb: usize, sb_size: usize, fit: &Fit) -> usize {
         self.table.set(sb, sb_size);
         let mut s = own.state.lock();
         s.free.insert(FreeBlock {
@@ -605,9 +496,114 @@ impl<U: Resource> Arena<U> {
             size: sb_size,
             starts_chunk: true,
         });
-        Ok(s.free
-            .take(size, align)
-            .expect("a request fits its new superblock"))
+        s.free
+            .take(fit.size, fit.align)
+            .expect("a request fits its new superblock")
+    }
+}
+
+/// A request on the arena's slow path: its size and alignment (rounded), and the
+/// superblock it needs (1 MiB, or the request's size with room for its alignment when
+/// larger), if the arena could hold one that large.
+pub(crate) struct Fit {
+    size: usize,
+    align: usize,
+    superblock: Option<usize>,
+}
+
+impl Fit {
+    fn new(size: usize, align: usize, arena_size: usize) -> Fit {
+        let superblock = size
+            .checked_add(align - GRANULE)
+            .map(|n| n.max(SUPERBLOCK_SIZE))
+            .filter(|&n| n <= arena_size);
+        Fit {
+            size,
+            align,
+            superblock,
+        }
+    }
+}
+
+/// The arena's stages of the core's slow path (`core/ordered.rs`): the stream's arena has
+/// no fit; its cache is flushed, else it gets a new superblock.
+impl<U: Resource> StreamOrdered for Arena<U> {
+    type Free = FreeList;
+    type Growth = Global;
+    type Locked<'a>
+        = MutexGuard<'a, Global>
+    where
+        Self: 'a;
+    type Request = Fit;
+
+    fn lists(&self) -> &ListTable<FreeList> {
+        &self.lists
+    }
+
+    fn held(&self) -> &Deferred {
+        &self.held
+    }
+
+    #[cold]
+    fn new_list(&self, key: StreamKey) -> &List<FreeList> {
+        self.lists
+            .get_or_insert_with(key, || FreeList::in_arena(Arc::clone(&self.table)))
+    }
+
+    fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Global> {
+        lock(&self.global)
+    }
+
+    /// The own list flushed; a superblock the stream gave back (first: memory waiting
+    /// there would make other streams wait for it), or a free one of the global arena;
+    /// then the stream's other lanes (blocks freed by other threads come back, so
+    /// superblocks become whole again instead of staying split between lanes; only now,
+    /// as lanes that took each other's blocks at every miss would trade them back and
+    /// forth).
+    fn take_without_wait(
+        &self,
+        global: &mut Global,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+    ) -> Result<Option<usize>, Error> {
+        {
+            let mut s = own.state.lock();
+            s.flush();
+            if let Some(addr) = s.free.take(fit.size, fit.align) {
+                return Ok(Some(addr));
+            }
+        }
+        if let Some(n) = fit.superblock
+            && let Some(sb) = global
+                .take_own_pending(own, n)
+                .or_else(|| global.free.take(n, GRANULE))
+        {
+            return Ok(Some(self.install(own, sb, n, fit)));
+        }
+        Ok(lanes::take_all(&self.lists, own, fit.size, fit.align))
+    }
+
+    /// A superblock from the global arena, after waiting for the streams of the memory
+    /// they gave back and defragmenting (when it may wait).
+    fn grow(
+        &self,
+        global: &mut Global,
+        _stream: StreamRef<'_>,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        let Some(n) = fit.superblock else {
+            return Ok(None);
+        };
+        Ok(self
+            .take_global(global, n, GRANULE, may_wait)?
+            .map(|sb| self.install(own, sb, n, fit)))
+    }
+
+    fn out_of_memory(&self, global: MutexGuard<'_, Global>, requested: usize) -> Error {
+        drop(global); // (a dump reads it)
+        self.out_of_memory_error(requested)
     }
 }
 
@@ -651,12 +647,12 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         }
         let (size, align) = block_size(layout);
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = self.list(stream);
+        let list = ordered::list_of(self, stream);
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        self.allocate_missed(stream, list, size, align, layout.size())
-            .map(to_ptr)
+        let mut fit = Fit::new(size, align, self.size);
+        ordered::allocate_slow(self, stream, list, &mut fit, layout.size()).map(to_ptr)
     }
 
     #[inline]
@@ -667,10 +663,13 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = self.list(stream);
+        let list = ordered::list_of(self, stream);
         let emptied = {
             let mut s = list.state.lock();
-            match s.put(addr, size) {
+            let merged = s.put(addr, size);
+            // (For lanes: see `lanes::take_all`.)
+            self.lists.note_free(list);
+            match merged {
                 // A whole superblock, and the stream keeps enough free memory besides.
                 Some(merged)
                     if merged.starts_chunk
@@ -701,9 +700,8 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        // SAFETY: the caller's promise; `held` is this resource's.
-        unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+        // SAFETY: the caller's promise.
+        unsafe { ordered::deallocate_used_on(self, stream, ptr, layout, used_on) }
     }
 }
 

@@ -672,7 +672,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 
 /// A request on the pool's slow path: its size and alignment (rounded), and whether the
 /// lists were merged for it before the pool grew.
-pub(super) struct Fit {
+pub(crate) struct Fit {
     size: usize,
     align: usize,
     merged: bool,
@@ -787,7 +787,7 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         self.grow_for(growth, stream, own, fit.size, fit.align, true)
     }
 
-    fn out_of_memory(&self, growth: &GrowthState<H::Memory>, requested: usize) -> Error {
+    fn out_of_memory(&self, growth: GrowthGuard<'_, U, H>, requested: usize) -> Error {
         Error::OutOfMemory {
             requested,
             limit: growth.maximum(self.maximum),

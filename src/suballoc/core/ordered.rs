@@ -119,8 +119,9 @@ pub(crate) trait StreamOrdered: Resource + Sized {
         Ok(None)
     }
 
-    /// The error of a request of `requested` bytes that nothing could serve.
-    fn out_of_memory(&self, growth: &Self::Growth, requested: usize) -> Error;
+    /// The error of a request of `requested` bytes that nothing could serve (given the
+    /// growth lock, to read what it needs and unlock before it reports).
+    fn out_of_memory(&self, growth: Self::Locked<'_>, requested: usize) -> Error;
 }
 
 /// The list of `stream` (in the calling thread's lane), made on first use. The caller is
@@ -177,9 +178,10 @@ fn stages<R: StreamOrdered>(
         // of the graph, memory that exists only while the graph runs), in the relaxed
         // capture mode so that the driver allows the upstream's calls.
         let _relaxed = Relaxed::new()?;
-        return r
-            .grow(&mut growth, StreamRef::HOST, own, req, false)?
-            .ok_or_else(|| r.out_of_memory(&growth, requested));
+        return match r.grow(&mut growth, StreamRef::HOST, own, req, false)? {
+            Some(addr) => Ok(addr),
+            None => Err(r.out_of_memory(growth, requested)),
+        };
     }
     if let Some(addr) = r.take_after_wait(&mut growth, own, req)? {
         return Ok(addr);
@@ -190,7 +192,7 @@ fn stages<R: StreamOrdered>(
     if let Some(addr) = r.take_last(&mut growth, stream, own, req)? {
         return Ok(addr);
     }
-    Err(r.out_of_memory(&growth, requested))
+    Err(r.out_of_memory(growth, requested))
 }
 
 /// [`Resource::deallocate_used_on`] for a sub-allocator with the core: the block is held
