@@ -6,17 +6,18 @@ use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::core::free_blocks::GRANULE;
-use super::core::held::{self, Deferred};
+use super::core::held::Deferred;
 use super::core::list_table::{List, ListTable};
+use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
-use crate::stream::{Relaxed, StreamRef};
-use crate::sync::Mutex;
+use crate::stream::StreamRef;
 use crate::sync::atomic::Ordering;
 use crate::sync::lock;
 use crate::sync::spin::SpinLock;
+use crate::sync::{Mutex, MutexGuard};
 
 /// A stream's list takes at most this many bytes of blocks at a time from a host
 /// stream's list (as a pool's does).
@@ -141,8 +142,8 @@ impl<U: Resource> FixedSize<U> {
             donors: SpinLock::new(Vec::new()),
             held: Deferred::default(),
         };
-        let host = fixed.list(StreamRef::HOST);
-        let first = fixed.grow(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
+        let host = ordered::list_of(&fixed, StreamRef::HOST);
+        let first = fixed.grow_chunk(&mut lock(&fixed.chunks), StreamRef::HOST, host)?;
         host.state.lock().push(first);
         Ok(fixed)
     }
@@ -239,14 +240,12 @@ impl<U: Resource> FixedSize<U> {
         let caches_were_on = self.cached() && self.cache().on();
         {
             let _pin = self.lists.pin(); // (see `ListTable::retire`)
-            if self.held.any() {
-                held::free_all(self, &self.held, || self.lists.synchronize_streams())?;
-            }
+            ordered::free_held(self)?;
             let _chunks = lock(&self.chunks);
             if self.cached() {
                 self.cache().reclaim();
             }
-            let host = self.list(StreamRef::HOST);
+            let host = ordered::list_of(self, StreamRef::HOST);
             self.lists
                 .merge_into(host, std::mem::take, |list: &mut Vec<usize>, mut items| {
                     list.append(&mut items)
@@ -306,23 +305,10 @@ impl<U: Resource> FixedSize<U> {
         &self.upstream
     }
 
-    #[inline]
-    fn list(&self, stream: StreamRef<'_>) -> &List<Vec<usize>> {
-        self.list_for(StreamKey::of_lane(stream))
-    }
-
-    #[inline]
-    fn list_for(&self, key: StreamKey) -> &List<Vec<usize>> {
-        match self.lists.get(key) {
-            Some(list) => list,
-            None => self.lists.get_or_insert_with(key, Vec::new),
-        }
-    }
-
     /// Takes a chunk from the upstream on `stream`, puts all its blocks but the lowest in
     /// `into`'s list and returns the lowest: the grower's block is never in a list, so no
     /// other thread can take it between the growth and the grower's pop.
-    fn grow(
+    fn grow_chunk(
         &self,
         chunks: &mut Vec<Chunk>,
         stream: StreamRef<'_>,
@@ -504,40 +490,76 @@ impl<U: Resource> FixedSize<U> {
         !lists.is_empty()
     }
 
-    // long: the slow path's fallbacks in the order tried, top to bottom.
+    /// Moves other streams' blocks into `own`'s list, each list keeping `leave`, after
+    /// waiting for their streams' work, and pops one. The caller holds the growth lock,
+    /// so no other thread grows (or pops after growing) while they come over; a thread on
+    /// `own`'s stream may still take some of them, as it could any free block.
+    fn merge_leaving(&self, own: &List<Vec<usize>>, leave: usize) -> Result<Option<usize>, Error> {
+        self.lists
+            .merge_into(
+                own,
+                |list: &mut Vec<usize>| list.split_off(leave.min(list.len())),
+                |list, mut items| list.append(&mut items),
+            )
+            .map(|_| own.state.lock().pop())
+    }
+}
+
+/// `FixedSize`'s stages of the core's slow path (`core/ordered.rs`).
+impl<U: Resource> StreamOrdered for FixedSize<U> {
+    type Free = Vec<usize>;
+    type Growth = Vec<Chunk>;
+    type Locked<'a>
+        = MutexGuard<'a, Vec<Chunk>>
+    where
+        Self: 'a;
+    type Request = ();
+
+    fn lists(&self) -> &ListTable<Vec<usize>> {
+        &self.lists
+    }
+
+    fn held(&self) -> &Deferred {
+        &self.held
+    }
+
     #[cold]
-    fn allocate_slow(
+    fn new_list(&self, key: StreamKey) -> &List<Vec<usize>> {
+        self.lists.get_or_insert_with(key, Vec::new)
+    }
+
+    fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Vec<Chunk>> {
+        lock(&self.chunks)
+    }
+
+    /// The own list; host streams' blocks on the donors' stack (free for all; at most
+    /// 2 MiB of them, so that a stream does not keep what others would then grow for);
+    /// the stream's other lanes (one stream to the device): half of the first list found
+    /// with any, host lists keeping their last block (see `take_from_host_lists`); host
+    /// lists with blocks to spare that the marks missed; then this thread's cached blocks.
+    fn take_without_wait(
         &self,
-        stream: StreamRef<'_>,
+        _chunks: &mut Vec<Chunk>,
         own: &List<Vec<usize>>,
-        requested: usize,
-    ) -> Result<usize, Error> {
-        held::free_ready(self, &self.held, stream);
-        let mut chunks = lock(&self.chunks);
+        _: &mut (),
+    ) -> Result<Option<usize>, Error> {
         if let Some(addr) = own.state.lock().pop() {
-            return Ok(addr);
+            return Ok(Some(addr));
         }
-        // Host streams' blocks on the donors' stack (free for all; at most 2 MiB of
-        // them, so that a stream does not keep what others would then grow for), then
-        // those of the stream's other lanes (one stream to the device): half of the first
-        // list found with any, host lists keeping their last block (see
-        // `take_from_host_lists`).
         if let Some(addr) = self.take_from_host_lists(own, true, 0) {
-            return Ok(addr);
+            return Ok(Some(addr));
         }
         for lane in self.lists.other_lanes(own) {
             if let Some(addr) = take_half(lane, own, usize::MAX, 0) {
-                return Ok(addr);
+                return Ok(Some(addr));
             }
         }
-        // Host lists with blocks to spare that the marks missed (one a thread cache gave
-        // blocks back to): a few lists only, from where the last such look stopped. The
-        // merge before growing reaches every list, and a look through all of them made
-        // each miss cost what the streams seen do (issue 49: 14.2 us a pair round-robin
-        // over 16,384 streams, where every list keeps its last block and none has any to
-        // spare).
+        // A few lists only, from where the last such look stopped. The merge before
+        // growing reaches every list, and a look through all of them made each miss cost
+        // what the streams seen do (issue 49: 14.2 us a pair round-robin over 16,384
+        // streams, where every list keeps its last block and none has any to spare).
         if let Some(addr) = self.take_from_host_lists(own, true, MARKS_MISSED_LOOK) {
-            return Ok(addr);
+            return Ok(Some(addr));
         }
         // This thread's cached blocks (of every stream) go back to their lists, and the
         // lists that then have blocks to spare are donors, before anything waits or grows.
@@ -547,71 +569,70 @@ impl<U: Resource> FixedSize<U> {
         if self.give_back_this_threads_caches() {
             // (The list's lock is released before the donors' look, which locks it.)
             let popped = own.state.lock().pop();
-            if let Some(addr) = popped.or_else(|| self.take_from_host_lists(own, true, 0)) {
-                return Ok(addr);
+            return Ok(popped.or_else(|| self.take_from_host_lists(own, true, 0)));
+        }
+        Ok(None)
+    }
+
+    /// Blocks freed on other streams, once their work is waited for, before growing (as
+    /// the pools do): else a producer on one stream whose blocks are freed on another
+    /// grows by a chunk per chunk of blocks it hands out. The wait is one context
+    /// synchronisation per batch of blocks moved (all of them), not per block. Each list
+    /// keeps one block here (its stream's next allocation then needs no merge of its
+    /// own); all of them move before out-of-memory ([`take_last`](Self::take_last)).
+    fn take_after_wait(
+        &self,
+        _chunks: &mut Vec<Chunk>,
+        own: &List<Vec<usize>>,
+        _: &mut (),
+    ) -> Result<Option<usize>, Error> {
+        self.merge_leaving(own, 1)
+    }
+
+    /// A new chunk; under capture, when the upstream has none, the host lists' last
+    /// blocks (which need no wait either).
+    fn grow(
+        &self,
+        chunks: &mut Vec<Chunk>,
+        stream: StreamRef<'_>,
+        own: &List<Vec<usize>>,
+        _: &mut (),
+        may_wait: bool,
+    ) -> Result<Option<usize>, Error> {
+        match self.grow_chunk(chunks, stream, own) {
+            Ok(addr) => Ok(Some(addr)),
+            Err(Error::OutOfMemory { .. }) if !may_wait => {
+                Ok(self.take_from_host_lists(own, false, usize::MAX))
             }
+            Err(Error::OutOfMemory { .. }) => Ok(None),
+            Err(e) => Err(e),
         }
-        // Under stream capture: grown "on the host stream" (memory usable at once, not a
-        // node of the graph a stream-ordered upstream would make it) in the relaxed
-        // capture mode, and no wait for other streams' blocks below.
-        let capturing = own
-            .ctx
-            .map_or(Ok(false), |ctx| stream.is_capturing_in(ctx))?;
-        let _relaxed = capturing.then(Relaxed::new).transpose()?;
-        // The growth lock is held, so no other thread grows (or pops after growing) while
-        // the other streams' blocks come over; a thread on `own`'s stream may still take
-        // some of them, as it could any free block.
-        // `leave`: blocks each other list keeps (its stream's next allocation then needs
-        // no merge of its own).
-        let merge = |leave: usize| {
-            self.lists
-                .merge_into(
-                    own,
-                    |list: &mut Vec<usize>| list.split_off(leave.min(list.len())),
-                    |list, mut items| list.append(&mut items),
-                )
-                .map(|_| own.state.lock().pop())
-        };
-        // Blocks freed on other streams, once their work is waited for, before growing
-        // (as the pools do): else a producer on one stream whose blocks are freed on
-        // another grows by a chunk per chunk of blocks it hands out. The wait is one
-        // context synchronisation per batch of blocks moved (all of them), not per block.
-        // Each list keeps one block here; all of them move before out-of-memory, below.
-        // Under capture that wait is forbidden: grow instead.
-        if !capturing && let Some(addr) = merge(1)? {
-            return Ok(addr);
+    }
+
+    /// Every block of the other lists, and those other threads hold in their caches:
+    /// they give them back at their next call, which the reclaim waits a little for.
+    fn take_last(
+        &self,
+        _chunks: &mut Vec<Chunk>,
+        _stream: StreamRef<'_>,
+        own: &List<Vec<usize>>,
+        _: &mut (),
+    ) -> Result<Option<usize>, Error> {
+        if let Some(addr) = self.merge_leaving(own, 0)? {
+            return Ok(Some(addr));
         }
-        let grow_on = if capturing { StreamRef::HOST } else { stream };
-        match self.grow(&mut chunks, grow_on, own) {
-            Ok(addr) => return Ok(addr),
-            Err(Error::OutOfMemory { .. }) => {}
-            Err(e) => return Err(e),
+        if !self.cached() {
+            return Ok(None);
         }
-        if capturing {
-            // The host lists' last blocks need no wait either.
-            return self
-                .take_from_host_lists(own, false, usize::MAX)
-                .ok_or(Error::OutOfMemory {
-                    requested,
-                    limit: None,
-                });
-        }
-        // Last, every block of the other lists, and those other threads hold in their
-        // caches: they give them back at their next call, which the reclaim waits a
-        // little for.
-        if let Some(addr) = merge(0)? {
-            return Ok(addr);
-        }
-        if self.cached() {
-            self.cache().reclaim();
-            if let Some(addr) = merge(0)? {
-                return Ok(addr);
-            }
-        }
-        Err(Error::OutOfMemory {
+        self.cache().reclaim();
+        self.merge_leaving(own, 0)
+    }
+
+    fn out_of_memory(&self, _chunks: MutexGuard<'_, Vec<Chunk>>, requested: usize) -> Error {
+        Error::OutOfMemory {
             requested,
             limit: None,
-        })
+        }
     }
 }
 
@@ -698,23 +719,20 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let list = if self.cached() {
-            let list = self.list_for(key);
+            let list = ordered::list_for(self, key);
             // SAFETY: `list` is this resource's list for `key`.
             if let Some(addr) = unsafe { self.cache().refill(key, list) } {
                 return Ok(to_ptr(addr));
             }
             list
         } else {
-            let list = self.list_for(key);
+            let list = ordered::list_for(self, key);
             if let Some(addr) = list.state.lock().pop() {
                 return Ok(to_ptr(addr));
             }
             list
         };
-        held::retry_after_waiting(self, &self.held, stream, list.ctx, || {
-            self.allocate_slow(stream, list, layout.size())
-        })
-        .map(to_ptr)
+        ordered::allocate_slow(self, stream, list, &mut (), layout.size()).map(to_ptr)
     }
 
     #[inline]
@@ -727,13 +745,16 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         if self.cached() {
             // SAFETY: the closure returns this resource's list for `key` (the cache pins
             // while it makes a magazine, the only time it calls it).
-            let left = unsafe { self.cache().push(key, || self.list_for(key), addr) };
+            let left = unsafe {
+                self.cache()
+                    .push(key, || ordered::list_for(self, key), addr)
+            };
             if left.is_none() {
                 return;
             }
         }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = self.list_for(key);
+        let list = ordered::list_for(self, key);
         let mut blocks = list.state.lock();
         blocks.push(addr);
         self.note_spare(list, blocks.len());
@@ -746,9 +767,8 @@ unsafe impl<U: Resource> Resource for FixedSize<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        // SAFETY: the caller's promise; `held` is this resource's.
-        unsafe { held::deallocate_used_on(self, &self.held, stream, ptr, layout, used_on) }
+        // SAFETY: the caller's promise.
+        unsafe { ordered::deallocate_used_on(self, stream, ptr, layout, used_on) }
     }
 }
 

@@ -128,7 +128,13 @@ pub(crate) trait StreamOrdered: Resource + Sized {
 /// pinned in the list table's grace domain.
 #[inline(always)]
 pub(crate) fn list_of<'a, R: StreamOrdered>(r: &'a R, stream: StreamRef<'_>) -> &'a List<R::Free> {
-    let key = StreamKey::of_lane(stream);
+    list_for(r, StreamKey::of_lane(stream))
+}
+
+/// The list of `key`, made on first use. The caller is pinned in the list table's grace
+/// domain.
+#[inline(always)]
+pub(crate) fn list_for<R: StreamOrdered>(r: &R, key: StreamKey) -> &List<R::Free> {
     match r.lists().get(key) {
         Some(list) => list,
         None => r.new_list(key),
