@@ -258,44 +258,7 @@ impl<U: Resource> Arena<U> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
-        {
-            let _pin = self.lists.pin(); // (see `ListTable::retire`)
-            ordered::free_held(self)?;
-            let mut global = lock(&self.global);
-            // Every list's free memory moves to the host list once the streams it was
-            // freed on are waited for (taken first, then waited for: a block freed on a
-            // stream after a wait could still be in use by the stream's work).
-            let host = ordered::list_of(self, StreamRef::HOST);
-            self.lists
-                .merge_into(host, FreeList::drain, FreeList::absorb)?;
-            self.settle_pending(&mut global)?;
-            self.defragment(&mut global, 0)?;
-            for list in self.lists.all() {
-                list.state.lock().release_memory();
-            }
-        }
-        self.retire_empty_lists();
-        Ok(())
-    }
-
-    /// Frees every list that holds no free memory but those of the default host stream
-    /// (see [`trim`](Self::trim)); returns how many went. The caller is not pinned and
-    /// holds no lock.
-    fn retire_empty_lists(&self) -> usize {
-        // SAFETY: every use of this arena's lists is inside a pin (its entry points pin
-        // before they look one up, and hold no list between calls); this thread is not
-        // pinned and holds no lock. Late items move under the global lock, which the
-        // searches of other lists (the slow path's) hold.
-        unsafe {
-            self.lists.retire_empty(
-                |list| list.free_bytes() == 0,
-                || FreeList::in_arena(Arc::clone(&self.table)),
-                FreeList::drain,
-                FreeList::absorb,
-                |_| {},
-                || lock(&self.global),
-            )
-        }
+        ordered::trim(self)
     }
 
     /// The upstream resource.
@@ -535,6 +498,7 @@ impl<U: Resource> StreamOrdered for Arena<U> {
     where
         Self: 'a;
     type Request = Fit;
+    type Trimmed = ();
 
     fn lists(&self) -> &ListTable<FreeList> {
         &self.lists
@@ -548,6 +512,24 @@ impl<U: Resource> StreamOrdered for Arena<U> {
     fn new_list(&self, key: StreamKey) -> &List<FreeList> {
         self.lists
             .get_or_insert_with(key, || FreeList::in_arena(Arc::clone(&self.table)))
+    }
+
+    #[cold]
+    fn new_list_like(&self, old: &List<FreeList>) -> &List<FreeList> {
+        self.lists
+            .get_or_insert_like(old, || FreeList::in_arena(Arc::clone(&self.table)))
+    }
+
+    /// Every list's free memory moves to the host list once the streams it was freed on
+    /// are waited for (taken first, then waited for: a block freed on a stream after a
+    /// wait could still be in use by the stream's work); then the memory streams gave
+    /// back, and every superblock left whole, goes back to the global arena.
+    fn trim_locked(&self, global: &mut Global) -> Result<(), Error> {
+        let host = ordered::list_of(self, StreamRef::HOST);
+        self.lists
+            .merge_into(host, FreeList::drain, FreeList::absorb)?;
+        self.settle_pending(global)?;
+        self.defragment(global, 0)
     }
 
     fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Global> {

@@ -366,56 +366,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// Gives free memory back to the upstream, then frees the emptied lists (see the
     /// pools' `trim`). Returns how many bytes went back.
     pub(super) fn trim(&self) -> Result<usize, Error> {
-        let released = {
-            let _pin = self.lists.pin(); // (see `ListTable::retire`)
-            ordered::free_held(self)?;
-            let host = self.host_list();
-            let (released, kept) = {
-                let mut growth = self.lock_growth();
-                let released = self.release_down_to(&mut growth, host, 0)?;
-                (released, H::take_host_copies(&mut growth.memory))
-            };
-            // The host copies kept for a sleep (unpinned outside the lock: it takes time).
-            drop(kept);
-            // Every other list was merged into the host list: what their streams' lists
-            // cost on the heap goes too (where they cannot be freed below, a stream used
-            // once and never again then costs its inline fields only).
-            for list in self.lists.all() {
-                list.state.lock().release_memory();
-            }
-            released
-        };
-        self.retire_empty_lists();
+        let (released, kept) = ordered::trim(self)?;
+        // The host copies kept for a sleep (unpinned outside the lock: it takes time).
+        drop(kept);
         Ok(released)
-    }
-
-    /// Frees every stream's list that holds no free memory, but the host list the pool
-    /// was made with (see [`trim`](Self::trim)); returns how many went. The caller is
-    /// not pinned and holds no lock.
-    fn retire_empty_lists(&self) -> usize {
-        // SAFETY: every use of this pool's lists is inside a pin (its entry points pin
-        // before they look one up, and hold no list between calls); this thread is not
-        // pinned and holds no lock; `home` pins while it looks up and fills the stream's
-        // new list (the retirement's late items go there). Late items move under the
-        // growth lock, which every search of other lists holds (the slow path, merges,
-        // releases), pinned (the guard's unlock may run a pending release).
-        unsafe {
-            self.lists.retire(
-                |list| list.key != self.host_key && list.state.lock().free_bytes() == 0,
-                |s| s.free_bytes() == 0,
-                |old| {
-                    let _pin = self.lists.pin();
-                    match self.lists.find(old.key) {
-                        Some(list) => list,
-                        None => self.new_list_like(old),
-                    }
-                },
-                FreeList::drain,
-                FreeList::absorb,
-                |_| {},
-                || (self.lock_growth(), self.lists.pin()),
-            )
-        }
     }
 
     /// Merges every list into `into`'s and releases free memory until at most `keep`
@@ -525,15 +479,6 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         self.lists
             .get(self.host_key)
             .expect("the host list is made with the pool")
-    }
-
-    /// A new list of a retired list's stream, with its context and owner (for the items
-    /// freed into the retired one while it went: see [`trim`](Self::trim)).
-    #[cold]
-    fn new_list_like(&self, old: &List<FreeList>) -> &List<FreeList> {
-        let growth = lock(&self.growth);
-        self.lists
-            .get_or_insert_like(old, || self.new_free_list(&growth))
     }
 
     /// An empty stream list that knows what the pool holds (the caller holds the growth
@@ -687,6 +632,9 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
     where
         Self: 'a;
     type Request = Fit;
+    /// The bytes given back, and the host copies kept for a sleep (freed outside the
+    /// growth lock).
+    type Trimmed = (usize, Vec<HostCopy>);
 
     fn lists(&self) -> &ListTable<FreeList> {
         &self.lists
@@ -694,6 +642,24 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
 
     fn held(&self) -> &Deferred {
         &self.held
+    }
+
+    /// Only the host list the pool was made with.
+    fn keeps_list(&self, list: &List<FreeList>) -> bool {
+        list.key == self.host_key
+    }
+
+    /// Every list merged into the host list, then all free memory given back that can go.
+    fn trim_locked(&self, growth: &mut GrowthState<H::Memory>) -> Result<Self::Trimmed, Error> {
+        let released = self.release_down_to(growth, self.host_list(), 0)?;
+        Ok((released, H::take_host_copies(&mut growth.memory)))
+    }
+
+    #[cold]
+    fn new_list_like(&self, old: &List<FreeList>) -> &List<FreeList> {
+        let growth = lock(&self.growth);
+        self.lists
+            .get_or_insert_like(old, || self.new_free_list(&growth))
     }
 
     #[cold]

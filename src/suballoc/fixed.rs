@@ -8,7 +8,7 @@ use super::chunks::{Chunk, release_all, to_ptr};
 use super::core::free_blocks::GRANULE;
 use super::core::held::Deferred;
 use super::core::list_table::{List, ListTable};
-use super::core::ordered::{self, StreamOrdered};
+use super::core::ordered::{self, Contents, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use super::thread_cache::{Cache, Owner};
 use crate::error::Error;
@@ -238,28 +238,7 @@ impl<U: Resource> FixedSize<U> {
         // out-of-memory had turned them off already (issue 49: they stayed off for up to
         // 65,536 calls after a trim, which memory being short had not asked for).
         let caches_were_on = self.cached() && self.cache().on();
-        {
-            let _pin = self.lists.pin(); // (see `ListTable::retire`)
-            ordered::free_held(self)?;
-            let _chunks = lock(&self.chunks);
-            if self.cached() {
-                self.cache().reclaim();
-            }
-            let host = ordered::list_of(self, StreamRef::HOST);
-            self.lists
-                .merge_into(host, std::mem::take, |list: &mut Vec<usize>, mut items| {
-                    list.append(&mut items)
-                })?;
-            for list in self.lists.all() {
-                let mut blocks = list.state.lock();
-                if blocks.is_empty() {
-                    *blocks = Vec::new();
-                }
-            }
-            let len = host.state.lock().len();
-            self.note_spare(host, len);
-        }
-        self.retire_empty_lists();
+        ordered::trim(self)?;
         if caches_were_on {
             // After the retirement: every magazine of a retired list was taken by its
             // reclaim, and a magazine made from now on comes from a lookup, which finds
@@ -267,37 +246,6 @@ impl<U: Resource> FixedSize<U> {
             self.cache().resume();
         }
         Ok(())
-    }
-
-    /// Frees every list without free blocks but those of the default host stream
-    /// (`StreamRef::HOST`, one per lane); returns how many went. The caller is not
-    /// pinned and holds no lock.
-    fn retire_empty_lists(&self) -> usize {
-        // SAFETY: every use of this resource's lists is inside a pin (its entry points
-        // pin before they look one up, the thread caches while they make a magazine), but
-        // those kept across calls: the donors stack and the magazines, which take in no
-        // retired list and give them up in `unlinked` (the donors leave the stack; the
-        // reclaim takes every magazine's blocks, and a magazine whose blocks were taken
-        // never touches its list again); this thread is not pinned and holds no lock.
-        unsafe {
-            self.lists.retire_empty(
-                Vec::is_empty,
-                Vec::new,
-                std::mem::take,
-                |list: &mut Vec<usize>, mut items| list.append(&mut items),
-                |retired| {
-                    let retired: std::collections::HashSet<usize> =
-                        retired.iter().copied().collect();
-                    self.donors.lock().retain(|addr| !retired.contains(addr));
-                    if self.cached() {
-                        let _chunks = lock(&self.chunks);
-                        self.cache().reclaim();
-                    }
-                },
-                // The lock the slow path's searches of other lists hold.
-                || lock(&self.chunks),
-            )
-        }
     }
 
     /// The upstream resource.
@@ -514,6 +462,7 @@ impl<U: Resource> StreamOrdered for FixedSize<U> {
     where
         Self: 'a;
     type Request = ();
+    type Trimmed = ();
 
     fn lists(&self) -> &ListTable<Vec<usize>> {
         &self.lists
@@ -526,6 +475,38 @@ impl<U: Resource> StreamOrdered for FixedSize<U> {
     #[cold]
     fn new_list(&self, key: StreamKey) -> &List<Vec<usize>> {
         self.lists.get_or_insert_with(key, Vec::new)
+    }
+
+    #[cold]
+    fn new_list_like(&self, old: &List<Vec<usize>>) -> &List<Vec<usize>> {
+        self.lists.get_or_insert_like(old, Vec::new)
+    }
+
+    /// The thread caches' blocks taken back first (a reclaim), then every list's blocks
+    /// moved to the host list after a wait for their streams.
+    fn trim_locked(&self, _chunks: &mut Vec<Chunk>) -> Result<(), Error> {
+        if self.cached() {
+            self.cache().reclaim();
+        }
+        let host = ordered::list_of(self, StreamRef::HOST);
+        self.lists
+            .merge_into(host, Contents::drain, Contents::absorb)?;
+        let len = host.state.lock().len();
+        self.note_spare(host, len);
+        Ok(())
+    }
+
+    /// Kept across calls are the donors' stack and the thread caches' magazines, which
+    /// take in no retired list: the donors leave the stack, and the reclaim takes every
+    /// magazine's blocks (a magazine whose blocks were taken never touches its list
+    /// again).
+    fn retired(&self, lists: &[usize]) {
+        let retired: std::collections::HashSet<usize> = lists.iter().copied().collect();
+        self.donors.lock().retain(|addr| !retired.contains(addr));
+        if self.cached() {
+            let _chunks = lock(&self.chunks);
+            self.cache().reclaim();
+        }
     }
 
     fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Vec<Chunk>> {

@@ -15,7 +15,7 @@
 //! it frees anything. Magazines of owners that are gone hold plain addresses that are
 //! never handed out. A magazine's list pointer is dereferenced only while its blocks
 //! have not been taken: `FixedSize::trim` frees a list only after a reclaim has taken the
-//! blocks of every magazine that points at it (see its `retire_empty_lists`).
+//! blocks of every magazine that points at it (see its `StreamOrdered::retired`).
 //!
 //! **Reclaim.** A thread about to report out-of-memory may hold the owner's growth lock
 //! and still find no free block while other threads' magazines hold some. It starts a
@@ -432,7 +432,7 @@ impl<'a> Cache<'a> {
         // Pinned from the lookup until the magazine is listed: a magazine of a list that
         // `FixedSize::trim` retires is then listed before the trim's first grace period
         // ends, and the reclaim the trim runs after it takes the magazine's blocks (see
-        // `FixedSize::retire_empty_lists`). (`make` is a lookup: no retired list comes
+        // `FixedSize`'s `StreamOrdered::retired`). (`make` is a lookup: no retired list comes
         // from one after that grace period.)
         let _pin = grace::pin(self.domain);
         let stash = Arc::new(Stash {

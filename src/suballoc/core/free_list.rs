@@ -297,3 +297,24 @@ pub(crate) fn block_size(layout: Layout) -> (usize, usize) {
         layout.align().max(GRANULE),
     )
 }
+
+/// A pool's or an arena's list as the core moves it.
+impl super::ordered::Contents for FreeList {
+    type Item = FreeBlock;
+
+    fn holds_nothing(&self) -> bool {
+        self.free_bytes() == 0
+    }
+
+    fn drain(&mut self) -> Vec<FreeBlock> {
+        FreeList::drain(self)
+    }
+
+    fn absorb(&mut self, blocks: Vec<FreeBlock>) {
+        FreeList::absorb(self, blocks);
+    }
+
+    fn shrink(&mut self) {
+        self.release_memory();
+    }
+}

@@ -24,7 +24,6 @@ use std::ptr;
 use crate::device::Context;
 use crate::driver;
 use crate::error::Error;
-use crate::stream::StreamRef;
 use crate::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use crate::sync::grace;
 use crate::sync::spin::SpinLock;

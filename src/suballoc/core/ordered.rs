@@ -9,7 +9,7 @@
 //! The core owns a stream's list lookup ([`list_of`]), the slow path ([`allocate_slow`],
 //! read top to bottom below), the blocks held for other streams' work (the retry after
 //! waiting for them, [`deallocate_used_on`], [`free_held`] for `trim`) and the list
-//! table's waits and retirement (`ListTable::merge_into`, `ListTable::retire_empty`). The
+//! table's waits and retirement (`ListTable::merge_into`, [`trim`], [`retire_empty_lists`]). The
 //! hooks say where each sub-allocator finds memory at each stage of the slow path.
 //!
 //! # The slow path
@@ -41,12 +41,54 @@ use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::{Relaxed, StreamRef};
 
+/// What a list holds, as the core moves it: a merge drains lists into one, a `trim`
+/// shrinks them and frees those that hold nothing.
+pub(crate) trait Contents: Send {
+    /// What moves from list to list (a free block, or a block's address).
+    type Item;
+
+    /// Whether the list holds no free memory.
+    fn holds_nothing(&self) -> bool;
+
+    /// Takes every item out of the list.
+    fn drain(&mut self) -> Vec<Self::Item>;
+
+    /// Puts items into the list.
+    fn absorb(&mut self, items: Vec<Self::Item>);
+
+    /// Gives back the heap memory of a list that a `trim` emptied.
+    fn shrink(&mut self);
+}
+
+/// `FixedSize`'s lists: the free blocks' addresses.
+impl Contents for Vec<usize> {
+    type Item = usize;
+
+    fn holds_nothing(&self) -> bool {
+        self.is_empty()
+    }
+
+    fn drain(&mut self) -> Vec<usize> {
+        std::mem::take(self)
+    }
+
+    fn absorb(&mut self, mut items: Vec<usize>) {
+        self.append(&mut items);
+    }
+
+    fn shrink(&mut self) {
+        if self.is_empty() {
+            *self = Vec::new();
+        }
+    }
+}
+
 /// A sub-allocator with per-stream lists, as the stream-ordered core sees it: where its
 /// lists and held blocks are, and the stages of its slow path (see the module docs).
 pub(crate) trait StreamOrdered: Resource + Sized {
     /// A stream's free memory: a `FreeList` for the pools and the arena, the free blocks'
     /// addresses for `FixedSize`.
-    type Free: Send;
+    type Free: Contents;
     /// What the growth lock guards: the memory held from the upstream (a pool's chunks,
     /// an arena's global arena, `FixedSize`'s chunks).
     type Growth;
@@ -57,6 +99,8 @@ pub(crate) trait StreamOrdered: Resource + Sized {
     /// A request as the slow path's stages see it (the size and alignment, with what
     /// earlier stages learnt).
     type Request;
+    /// What a `trim` returns from under the growth lock.
+    type Trimmed;
 
     /// The per-stream lists.
     fn lists(&self) -> &ListTable<Self::Free>;
@@ -67,6 +111,24 @@ pub(crate) trait StreamOrdered: Resource + Sized {
     /// Makes the list of a stream seen for the first time (`lists().get_or_insert_with`,
     /// under whatever lock the new list's contents need).
     fn new_list(&self, key: StreamKey) -> &List<Self::Free>;
+
+    /// Makes the new list of a retired list's stream, with its context and owner (for
+    /// the items freed into the retired one while it went: see [`retire_empty_lists`]).
+    fn new_list_like(&self, old: &List<Self::Free>) -> &List<Self::Free>;
+
+    /// Whether `trim` keeps `list` even when it is empty (the host stream's lists, which
+    /// paths holding the growth lock use).
+    fn keeps_list(&self, list: &List<Self::Free>) -> bool {
+        list.key.stream() == StreamKey::host(0)
+    }
+
+    /// `trim`'s work under the growth lock: every list merged into one after a wait for
+    /// their streams, and what can go given back to the upstream.
+    fn trim_locked(&self, growth: &mut Self::Growth) -> Result<Self::Trimmed, Error>;
+
+    /// Lists `trim` retires, by address, have left the table: whatever outlives a call
+    /// and may point at them lets go of them (before they are freed).
+    fn retired(&self, _lists: &[usize]) {}
 
     /// Takes the growth lock, which serialises the slow path; `capturing`: the caller's
     /// stream is being captured (an unlock must then not wait for streams).
@@ -218,12 +280,54 @@ pub(crate) unsafe fn deallocate_used_on<R: StreamOrdered>(
     unsafe { held::deallocate_used_on(r, r.held(), stream, ptr, layout, used_on) }
 }
 
-/// `trim`'s first step: every held block is freed, after a wait for every stream the
-/// sub-allocator has seen (a block freed under a capture needs that wait). The caller is
-/// pinned.
-pub(crate) fn free_held<R: StreamOrdered>(r: &R) -> Result<(), Error> {
-    if r.held().any() {
-        held::free_all(r, r.held(), || r.lists().synchronize_streams())?;
+/// `trim`: every held block freed (after a wait for every stream the sub-allocator has
+/// seen: a block freed under a capture needs it), every list merged into one and memory
+/// given back ([`StreamOrdered::trim_locked`]), then the emptied lists freed
+/// ([`retire_empty_lists`]). The caller is not pinned and holds no lock.
+pub(crate) fn trim<R: StreamOrdered>(r: &R) -> Result<R::Trimmed, Error> {
+    let trimmed = {
+        let _pin = r.lists().pin(); // (see `ListTable::retire`)
+        if r.held().any() {
+            held::free_all(r, r.held(), || r.lists().synchronize_streams())?;
+        }
+        let trimmed = r.trim_locked(&mut r.growth_lock(false))?;
+        // What emptied lists cost on the heap goes too (where they cannot be freed below,
+        // a stream used once and never again then costs its inline fields only).
+        for list in r.lists().all() {
+            list.state.lock().shrink();
+        }
+        trimmed
+    };
+    retire_empty_lists(r);
+    Ok(trimmed)
+}
+
+/// Frees every list that holds no free memory, but those [`StreamOrdered::keeps_list`]
+/// keeps; returns how many went. The caller is not pinned and holds no lock.
+pub(crate) fn retire_empty_lists<R: StreamOrdered>(r: &R) -> usize {
+    let lists = r.lists();
+    // SAFETY: every use of `r`'s lists is inside a pin (its entry points pin before they
+    // look one up, and hold no list between calls; what keeps a list across calls lets go
+    // of it in `retired`); this thread is not pinned and holds no lock; `home` pins while
+    // it looks up and fills the stream's new list (the retirement's late items go there).
+    // Late items move under the growth lock, which every search of other lists holds
+    // (the slow path, merges, releases), pinned (a pool's unlock may run a pending
+    // release).
+    unsafe {
+        lists.retire(
+            |list| !r.keeps_list(list) && list.state.lock().holds_nothing(),
+            |free| free.holds_nothing(),
+            |old| {
+                let _pin = lists.pin();
+                match lists.find(old.key) {
+                    Some(list) => list,
+                    None => r.new_list_like(old),
+                }
+            },
+            R::Free::drain,
+            R::Free::absorb,
+            |retired| r.retired(retired),
+            || (r.growth_lock(false), lists.pin()),
+        )
     }
-    Ok(())
 }

@@ -200,44 +200,6 @@ impl<S> ListTable<S> {
             }
         }
     }
-
-    /// [`retire`](Self::retire) of every list whose state `empty` says holds nothing, but
-    /// the default host stream's (`StreamRef::HOST`, one per lane), with late items going
-    /// to the stream's current list (found, or made like the retired one with `make`;
-    /// pinned while it looks).
-    ///
-    /// # Safety
-    /// As for [`retire`](Self::retire).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn retire_empty<T, G>(
-        &self,
-        empty: impl Fn(&S) -> bool,
-        make: impl Fn() -> S,
-        drain: impl Fn(&mut S) -> Vec<T>,
-        absorb: impl Fn(&mut S, Vec<T>),
-        unlinked: impl FnOnce(&[usize]),
-        serialise: impl Fn() -> G,
-    ) -> usize {
-        let host = StreamKey::of(StreamRef::HOST);
-        // SAFETY: the caller's promise; `home` pins while it looks up and makes.
-        unsafe {
-            self.retire(
-                |list| list.key.stream() != host && empty(&list.state.lock()),
-                &empty,
-                |old| {
-                    let _pin = self.pin();
-                    match self.find(old.key) {
-                        Some(list) => list,
-                        None => self.get_or_insert_like(old, &make),
-                    }
-                },
-                drain,
-                absorb,
-                unlinked,
-                serialise,
-            )
-        }
-    }
 }
 
 #[cfg(all(test, not(memres_loom)))]
