@@ -501,7 +501,7 @@ mod tests {
 
     /// A member: a virtual pool over host memory (a range), or the counted heap (records).
     enum Either {
-        Pool(VirtualPool<HostVirtual>),
+        Pool(Box<VirtualPool<HostVirtual>>),
         Heap(Counted),
     }
 
@@ -578,7 +578,7 @@ mod tests {
                     )?;
                     let (base, len) = pool.upstream().reservation();
                     // SAFETY: the pool's blocks lie in its reservation, which is its own.
-                    Ok(unsafe { Member::in_range(Either::Pool(pool), base, len) })
+                    Ok(unsafe { Member::in_range(Either::Pool(Box::new(pool)), base, len) })
                 }
                 3 => Ok(Member::recorded(Either::Heap(Counted::default()))),
                 _ => Err(Error::invalid_argument("no such member")),
