@@ -229,12 +229,18 @@ mod loom_models {
                     list.push(Tracked::new(FIRST)); // the second block's first
                 })
             };
-            let seen: Vec<usize> = list.iter().map(Tracked::read).collect();
-            assert!(seen.iter().copied().eq(0..seen.len()), "a prefix: {seen:?}");
-            if let Some(last) = list.get(FIRST) {
-                assert_eq!(last.read(), FIRST);
-            }
+            let reader = {
+                let list = Arc::clone(&list);
+                thread::spawn(move || {
+                    let seen: Vec<usize> = list.iter().map(Tracked::read).collect();
+                    assert!(seen.iter().copied().eq(0..seen.len()), "a prefix: {seen:?}");
+                    if let Some(last) = list.get(FIRST) {
+                        assert_eq!(last.read(), FIRST);
+                    }
+                })
+            };
             writer.join().unwrap();
+            reader.join().unwrap();
             assert_eq!(list.len(), FIRST + 1);
         });
     }
