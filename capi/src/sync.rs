@@ -58,11 +58,11 @@ mod loom_models {
     }
 
     /// `memres_set_limit` beside the first allocation under a tag: the pool made is
-    /// bounded, whichever comes first, and so is one made after both. Fails if the
-    /// route reads the bound before the router's lock for making members is taken, or
-    /// if `set_limit` bounds the pools without holding that lock or before it stores the
-    /// bound. (The router's own protocol, one member per key and frees finding members
-    /// made on other threads, is modelled in the library's `adaptor/router.rs`.)
+    /// bounded, whichever comes first, and so is one made after both. Fails if
+    /// `set_limit` stores the bound and bounds the pools without the router's lock for
+    /// making members (`Router::update`), or bounds a copy of the pools taken before
+    /// that lock. (The router's own protocol, one member per key and frees finding
+    /// members made on other threads, is modelled in the library's `adaptor/router.rs`.)
     #[test]
     fn loom_a_pool_made_beside_a_new_bound_is_bounded() {
         loom::model(|| {
@@ -72,10 +72,16 @@ mod loom_models {
             let router = Arc::new(Router::<(), _, _>::new((), tags));
             let maker = {
                 let r = Arc::clone(&router);
-                thread::spawn(move || r.member(1).unwrap().limit())
+                thread::spawn(move || {
+                    r.member(1).unwrap();
+                })
             };
-            routed::set_limit(&router, Some(64 << 20));
+            let bounder = {
+                let r = Arc::clone(&router);
+                thread::spawn(move || routed::set_limit(&r, Some(64 << 20)))
+            };
             maker.join().unwrap();
+            bounder.join().unwrap();
             assert_eq!(
                 router.find(1).unwrap().limit(),
                 Some(64 << 20),

@@ -772,8 +772,8 @@ mod loom_models {
 
     /// `update` (a new bound) beside the first use of a key: the member made is bounded,
     /// whichever comes first, and so is one made after both. Fails if `update` does not
-    /// hold the lock members are made under, or walks the members before it runs the
-    /// route's change.
+    /// hold the lock members are made under (under it, the order of its two steps does
+    /// not matter).
     #[test]
     fn loom_a_member_made_beside_an_update_sees_it() {
         loom::model(|| {
@@ -781,15 +781,20 @@ mod loom_models {
             let maker = {
                 let r = Arc::clone(&r);
                 thread::spawn(move || {
-                    let m = r.member(1).unwrap();
-                    *m.bound.lock().unwrap()
+                    r.member(1).unwrap();
                 })
             };
-            r.update(
-                |route| route.bound.store(64, Ordering::Relaxed),
-                |m| *m.bound.lock().unwrap() = 64,
-            );
+            let updater = {
+                let r = Arc::clone(&r);
+                thread::spawn(move || {
+                    r.update(
+                        |route| route.bound.store(64, Ordering::Relaxed),
+                        |m| *m.bound.lock().unwrap() = 64,
+                    );
+                })
+            };
             maker.join().unwrap();
+            updater.join().unwrap();
             let first = r.find(1).unwrap();
             assert_eq!(*first.bound.lock().unwrap(), 64, "the member made beside");
             let later = r.member(2).unwrap();
@@ -798,9 +803,10 @@ mod loom_models {
     }
 
     /// A member made on one thread, whose block another thread frees (it learns of the
-    /// block through the program, here a flag) while a third thread makes another member
-    /// (the lists grow): the free finds the member by address; an address in no range
-    /// finds none.
+    /// block through the program, here a flag) while a third thread uses the same member
+    /// and makes another (the lists grow): each free finds the member by address; an
+    /// address in no range finds none. Fails if a member is listed before its range is
+    /// added (the third thread may find it and free a block the ranges do not know).
     #[test]
     fn loom_a_free_finds_the_member_made_on_another_thread() {
         loom::model(|| {
@@ -816,16 +822,26 @@ mod loom_models {
             let other = {
                 let r = Arc::clone(&r);
                 thread::spawn(move || {
+                    // Finds member 1 made by the allocator, or makes it: either way a
+                    // block it hands out is found by its address at once.
+                    r.member(1).unwrap();
+                    assert_eq!(r.holding(0x1c00).map(|m| m.key), Some(1));
                     r.member(4).unwrap();
                 })
             };
-            if allocated.load(Ordering::Acquire) {
-                let m = r.holding(0x1800).expect("the free finds the member");
-                assert_eq!(m.key, 1);
-            }
-            assert!(r.holding(0x9000).is_none(), "in no member's range");
+            let freer = {
+                let (r, a) = (Arc::clone(&r), Arc::clone(&allocated));
+                thread::spawn(move || {
+                    if a.load(Ordering::Acquire) {
+                        let m = r.holding(0x1800).expect("the free finds the member");
+                        assert_eq!(m.key, 1);
+                    }
+                    assert!(r.holding(0x9000).is_none(), "in no member's range");
+                })
+            };
             allocator.join().unwrap();
             other.join().unwrap();
+            freer.join().unwrap();
             assert_eq!(r.holding(0x1800).map(|m| m.key), Some(1));
             assert_eq!(r.holding(0x4800).map(|m| m.key), Some(4));
         });
