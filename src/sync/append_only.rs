@@ -99,6 +99,17 @@ impl<T> AppendOnly<T> {
         if index >= self.len() {
             return None;
         }
+        self.entry(index)
+    }
+
+    /// The entries, in the order they were pushed (those pushed while the walk runs may
+    /// be left out): one load of the length, then one of each block and slot.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+        (0..self.len()).filter_map(|i| self.entry(i))
+    }
+
+    /// The entry at `index`, below a length this thread loaded (acquire).
+    fn entry(&self, index: usize) -> Option<&T> {
         let (k, at) = place(index);
         // Both ordered after their stores by the length's acquire (see the module).
         let block = self.blocks[k].load(Ordering::Relaxed);
@@ -109,15 +120,9 @@ impl<T> AppendOnly<T> {
         // `at` is below that.
         let entry = unsafe { &*block.add(at) }.load(Ordering::Relaxed);
         // SAFETY: a non-null slot under the length holds a leaked box, written before the
-        // length was stored (release; read above with acquire), never changed, and freed
-        // only when the list drops, which `&self` rules out meanwhile.
+        // length was stored (release; loaded by the caller with acquire), never changed,
+        // and freed only when the list drops, which `&self` rules out meanwhile.
         unsafe { entry.as_ref() }
-    }
-
-    /// The entries, in the order they were pushed (those pushed while the walk runs may
-    /// be left out).
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
-        (0..self.len()).filter_map(|i| self.get(i))
     }
 }
 
