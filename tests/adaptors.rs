@@ -9,7 +9,10 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use conformance::Caps;
-use memres::adaptor::{Aligned, Counter, FailureRetry, Limiting, Statistics, ThreadSafe, Tracking};
+use memres::adaptor::{
+    Aligned, Counter, FailureRetry, Limiting, Member, Route, Router, Statistics, ThreadSafe,
+    Tracking,
+};
 use memres::{
     AnyResource, Error, Has, Host, HostAccessible, HostHeap, Resource, StreamRef, SyncResource,
     layout,
@@ -37,6 +40,45 @@ conformance_tests!(
 conformance_tests!(
     stacked,
     Statistics::new(Limiting::new(ThreadSafe::new(HostHeap::new()), 1 << 40)),
+    Caps::host()
+);
+
+/// A router's route for the conformance suite: requests of 64 KiB and more go to member
+/// 1, those of 4 KiB and more to member 2, the rest to the default member; member 1 is a
+/// virtual pool over host memory (a range), member 2 the heap (its blocks recorded).
+struct BySize;
+
+/// Member 1's pool or member 2's heap.
+type Either = memres::AnyResource<Host>;
+
+impl Route for BySize {
+    type Member = Either;
+
+    fn choose(&self, layout: Layout) -> Option<usize> {
+        match layout.size() {
+            n if n >= 64 << 10 => Some(1),
+            n if n >= 4 << 10 => Some(2),
+            _ => None,
+        }
+    }
+
+    fn make(&self, key: usize) -> Result<Member<Either>, Error> {
+        if key == 2 {
+            return Ok(Member::recorded(memres::AnyResource::new(HostHeap::new())));
+        }
+        let pool = memres::VirtualPool::new(
+            memres::upstream::HostVirtual::new(4 << 30, 64 << 10)?,
+            memres::VirtualPoolConfig::new(),
+        )?;
+        let (base, len) = memres::upstream::GrowInPlace::reservation(pool.upstream());
+        // SAFETY: the pool's blocks lie in its reservation, which no other member's do.
+        Ok(unsafe { Member::in_range(memres::AnyResource::new(pool), base, len) })
+    }
+}
+
+conformance_tests!(
+    router,
+    Router::new(memres::AnyResource::<Host>::new(HostHeap::new()), BySize),
     Caps::host()
 );
 

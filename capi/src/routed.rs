@@ -1,131 +1,103 @@
 //! What `memres_malloc` allocates from on a device: the pool of the tag set now
 //! (`memres_set_tag`), else the stack's top; a free goes by its address to the tag's pool
-//! whose reservation holds it, else to the top. The C ABI keeps it under the library's
-//! [`StreamUse`](mr::adaptor::StreamUse) layer, which keeps the live blocks and the
-//! streams `memres_record_stream` names for them. The tags' pools live here too: the
-//! table of each device's ([`TagPools`]), the tag set now, and how a pool is made.
+//! whose reservation holds it, else to the top. This is the library's address router
+//! ([`Router`]) with the stack's top as its default member and the tags' pools as its
+//! members, each made on its tag's first use on the device by the route here ([`Tags`]),
+//! which also keeps the bound `memres_set_limit` gives pools made later. The C ABI keeps
+//! it under the library's [`StreamUse`](mr::adaptor::StreamUse) layer, which keeps the
+//! live blocks and the streams `memres_record_stream` names for them.
 
 use std::alloc::Layout;
-use std::ptr::NonNull;
-
-use mr::device::DeviceId;
-use mr::{AnyResource, Device, Error, Resource, StreamRef, SyncResource};
-
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError};
 
+use mr::adaptor::{Member, Route, Router};
+use mr::device::DeviceId;
 use mr::{
-    CudaVirtual, VirtualPool, VirtualPoolConfig,
+    AnyResource, CudaVirtual, Device, Error, VirtualPool, VirtualPoolConfig,
     upstream::{CudaVirtualConfig, ExportHandle, GrowInPlace},
 };
 
 use crate::sync;
 
-/// The stack's top and the tags' pools of one device, as one resource.
-pub(crate) struct Routed {
-    top: AnyResource<Device>,
-    tags: TagPools,
-    device: DeviceId,
+/// The stack's top and the tags' pools of one device, as one resource: the router's
+/// default member is the top, its members the tags' pools (keyed by tag id).
+pub(crate) type Routed = Router<AnyResource<Device>, TagPool, Tags>;
+
+/// A router for `device` over `top`, with no tag's pool yet.
+pub(crate) fn routed(top: AnyResource<Device>, device: DeviceId) -> Routed {
+    Router::new(top, Tags::new(move || new_tag_pool(device)))
 }
 
-impl Routed {
-    pub(crate) fn new(top: AnyResource<Device>, device: DeviceId) -> Routed {
-        Routed {
-            top,
-            tags: TagPools::default(),
-            device,
+/// How the C ABI's router picks a tag's pool: the tag set now (`memres_set_tag`), and a
+/// pool made on the tag's first use on the device, bounded as `memres_set_limit` said.
+/// Generic over the pool so that the loom models fill the router with stand-ins (a tag's
+/// pool needs a GPU) and the host tests with pools of host memory.
+///
+/// The protocol (the router makes members under its lock, after looking again for one
+/// made by another thread while this one waited, so a tag has one pool per device): a
+/// new pool reads the bound in [`Route::make`], under that lock, and [`set_limit`] stores
+/// the bound and bounds every pool under it too ([`Router::update`]), so a pool made
+/// beside a `set_limit` is bounded either way. Pools are never removed: allocations,
+/// trims, the figures and sleeps use the router's references. Model:
+/// `loom_a_pool_made_beside_a_new_bound_is_bounded` (`sync.rs`); the router's own, in
+/// the library's `adaptor/router.rs`.
+pub(crate) struct Tags<P = VirtualPool<CudaVirtual>> {
+    /// Makes a tag's pool on the device.
+    make: Box<dyn Fn() -> Result<P, Error> + Send + Sync>,
+    /// The bound of `memres_set_limit` (0: none), given to pools made later too.
+    limit: sync::AtomicUsize,
+}
+
+impl<P> Tags<P> {
+    /// Tags whose pools `make` makes.
+    pub(crate) fn new(make: impl Fn() -> Result<P, Error> + Send + Sync + 'static) -> Tags<P> {
+        Tags {
+            make: Box::new(make),
+            limit: sync::AtomicUsize::new(0),
         }
     }
+}
 
-    /// The resource the stack's own allocations go through.
-    pub(crate) fn top(&self) -> &AnyResource<Device> {
-        &self.top
-    }
+impl<P: Reserved> Route for Tags<P> {
+    type Member = Arc<P>;
 
-    /// The pools of the tags allocated under on this device.
-    pub(crate) fn tags(&self) -> &TagPools {
-        &self.tags
-    }
-
-    /// The pool allocations go to now (the tag's, made on its first use here, if one is
-    /// set), or `None` for the top.
     #[inline]
-    pub(crate) fn tagged_pool(&self) -> Result<Option<TagPool>, Error> {
+    fn choose(&self, _: Layout) -> Option<usize> {
         match current() {
-            0 => Ok(None),
-            id => self.tags.pool(id, || new_tag_pool(self.device)).map(Some),
+            0 => None,
+            id => Some(id),
         }
+    }
+
+    fn make(&self, _tag: usize) -> Result<Member<Arc<P>>, Error> {
+        let pool = (self.make)()?;
+        // Under the router's lock for making members: `set_limit` stores the bound under
+        // it too.
+        let limit = self.limit.load(Ordering::Relaxed);
+        pool.set_limit((limit != 0).then_some(limit));
+        let (base, len) = pool.reservation();
+        // SAFETY: a tag's pool serves only addresses of its own reservation, and the top
+        // and the other tags' pools none of those (each reservation is its pool's alone).
+        Ok(unsafe { Member::in_range(Arc::new(pool), base, len) })
     }
 }
 
-impl PartialEq for Routed {
-    /// One per device, never compared with another.
-    fn eq(&self, other: &Self) -> bool {
-        std::ptr::eq(self, other)
-    }
+/// Bounds what each tag's pool of `router` holds, those made later too (`None`: no
+/// bound).
+pub(crate) fn set_limit<D, P: Reserved>(router: &Router<D, Arc<P>, Tags<P>>, bytes: Option<usize>) {
+    router.update(
+        |tags| tags.limit.store(bytes.unwrap_or(0), Ordering::Relaxed),
+        |pool| pool.set_limit(bytes),
+    );
 }
 
-// SAFETY: every block comes from the top or a tag's pool (device memory, both), and goes
-// back to the one that served it: a tag's pool serves only addresses of its own
-// reservation, and the top none of those (each reservation is the pool's alone).
-unsafe impl SyncResource for Routed {
-    type Properties = Device;
-
-    fn allocate_sync(&self, layout: Layout) -> Result<NonNull<u8>, Error> {
-        match self.tagged_pool()? {
-            None => self.top.allocate_sync(layout),
-            Some(pool) => pool.allocate_sync(layout),
-        }
-    }
-
-    unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise, for the resource whose memory holds `ptr`.
-        unsafe {
-            match self.tags.holding(ptr.as_ptr() as usize) {
-                Some(pool) => pool.deallocate_sync(ptr, layout),
-                None => self.top.deallocate_sync(ptr, layout),
-            }
-        }
-    }
-}
-
-// SAFETY: as above.
-unsafe impl Resource for Routed {
-    #[inline]
-    fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
-        match self.tagged_pool()? {
-            None => self.top.allocate(stream, layout),
-            Some(pool) => pool.allocate(stream, layout),
-        }
-    }
-
-    #[inline]
-    unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: the caller's promise, for the resource whose memory holds `ptr`.
-        unsafe {
-            match self.tags.holding(ptr.as_ptr() as usize) {
-                Some(pool) => pool.deallocate(stream, ptr, layout),
-                None => self.top.deallocate(stream, ptr, layout),
-            }
-        }
-    }
-
-    #[inline]
-    unsafe fn deallocate_used_on(
-        &self,
-        stream: StreamRef<'_>,
-        ptr: NonNull<u8>,
-        layout: Layout,
-        used_on: &[StreamRef<'_>],
-    ) {
-        // SAFETY: as above.
-        unsafe {
-            match self.tags.holding(ptr.as_ptr() as usize) {
-                Some(pool) => pool.deallocate_used_on(stream, ptr, layout, used_on),
-                None => self.top.deallocate_used_on(stream, ptr, layout, used_on),
-            }
-        }
-    }
+/// Every tag's pool of `router`, with its tag id.
+pub(crate) fn tag_pools<D, P>(router: &Router<D, Arc<P>, Tags<P>>) -> Vec<(usize, Arc<P>)> {
+    router
+        .members()
+        .map(|(id, pool)| (id, Arc::clone(pool)))
+        .collect()
 }
 
 /// The tag set now (its id, `memres_set_tag`), 0 for none.
@@ -145,9 +117,9 @@ pub(crate) fn set_current(id: usize) {
 /// A tag's pool: it grows in place over its own reservation.
 pub(crate) type TagPool = Arc<VirtualPool<CudaVirtual>>;
 
-/// What the table of tags' pools asks of a pool: the range its blocks lie in, and its
-/// bound. A trait so that the loom models fill the table with stand-ins (a tag's pool
-/// needs a GPU) and the host tests with pools of host memory.
+/// What the tags' route asks of a pool: the range its blocks lie in, and its bound. A
+/// trait so that the loom models fill the router with stand-ins (a tag's pool needs a
+/// GPU) and the host tests with pools of host memory.
 pub(crate) trait Reserved {
     /// The first address and length of the range every block of the pool lies in.
     fn reservation(&self) -> (usize, usize);
@@ -162,109 +134,6 @@ impl<U: GrowInPlace> Reserved for VirtualPool<U> {
 
     fn set_limit(&self, bytes: Option<usize>) {
         VirtualPool::set_limit(self, bytes);
-    }
-}
-
-/// A tag's pool on a device, with its tag id and reservation.
-struct Tagged<P> {
-    id: usize,
-    pool: Arc<P>,
-    base: usize,
-    len: usize,
-}
-
-/// One device's tagged pools.
-///
-/// The protocol (loom models in `sync.rs`): a pool is made under the write lock, after
-/// looking again for one made by another thread while this one waited, so a tag has one
-/// pool per device; its bound is read under that lock, and `set_limit` stores the bound
-/// and bounds every pool under it too, so a pool made beside a `set_limit` is bounded
-/// either way. Frees read `any` (acquire; stored after the first pool is in the table)
-/// and skip the lock while no pool exists. Pools are never removed: a trim, the figures
-/// or a sleep work on a copy of the table's handles (`all`), and allocations hold their
-/// pool's handle.
-pub(crate) struct TagPools<P = VirtualPool<CudaVirtual>> {
-    /// Set once the device has a tagged pool: frees skip the lookup until then.
-    any: sync::AtomicBool,
-    pools: sync::RwLock<Vec<Tagged<P>>>,
-    /// The bound of `memres_set_limit` (0: none), given to pools made later too.
-    limit: sync::AtomicUsize,
-}
-
-impl<P> Default for TagPools<P> {
-    fn default() -> Self {
-        TagPools {
-            any: sync::AtomicBool::new(false),
-            pools: sync::RwLock::new(Vec::new()),
-            limit: sync::AtomicUsize::new(0),
-        }
-    }
-}
-
-impl<P: Reserved> TagPools<P> {
-    /// The pool of tag `id`, made by `make` on first use (under the table's write lock).
-    pub(crate) fn pool(
-        &self,
-        id: usize,
-        make: impl FnOnce() -> Result<P, Error>,
-    ) -> Result<Arc<P>, Error> {
-        if let Some(pool) = self.find(id) {
-            return Ok(pool);
-        }
-        let mut pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(t) = pools.iter().find(|t| t.id == id) {
-            return Ok(Arc::clone(&t.pool));
-        }
-        let pool = Arc::new(make()?);
-        let limit = self.limit.load(Ordering::Relaxed);
-        pool.set_limit((limit != 0).then_some(limit));
-        let (base, len) = pool.reservation();
-        pools.push(Tagged {
-            id,
-            pool: Arc::clone(&pool),
-            base,
-            len,
-        });
-        self.any.store(true, Ordering::Release);
-        Ok(pool)
-    }
-
-    /// Bounds what each tag's pool holds, those made later too (`None`: no bound).
-    pub(crate) fn set_limit(&self, bytes: Option<usize>) {
-        // Under the write lock: a pool made meanwhile reads the new bound.
-        let pools = self.pools.write().unwrap_or_else(PoisonError::into_inner);
-        self.limit.store(bytes.unwrap_or(0), Ordering::Relaxed);
-        for tagged in pools.iter() {
-            tagged.pool.set_limit(bytes);
-        }
-    }
-
-    /// The pool of tag `id`, if the device has one.
-    pub(crate) fn find(&self, id: usize) -> Option<Arc<P>> {
-        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools
-            .iter()
-            .find(|t| t.id == id)
-            .map(|t| Arc::clone(&t.pool))
-    }
-
-    /// The tagged pool whose reservation holds `address`.
-    #[inline]
-    pub(crate) fn holding(&self, address: usize) -> Option<Arc<P>> {
-        if !self.any.load(Ordering::Acquire) {
-            return None;
-        }
-        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools
-            .iter()
-            .find(|t| address.wrapping_sub(t.base) < t.len)
-            .map(|t| Arc::clone(&t.pool))
-    }
-
-    /// Every tagged pool, with its tag id.
-    pub(crate) fn all(&self) -> Vec<(usize, Arc<P>)> {
-        let pools = self.pools.read().unwrap_or_else(PoisonError::into_inner);
-        pools.iter().map(|t| (t.id, Arc::clone(&t.pool))).collect()
     }
 }
 

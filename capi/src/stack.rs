@@ -16,8 +16,7 @@ use mr::{
 };
 
 use crate::exports::{Exported, Shared};
-use crate::routed::TagPools;
-use crate::routed::{Routed, virtual_leaf};
+use crate::routed::{self, Routed, TagPool, virtual_leaf};
 use mr::spec::Spec;
 
 /// Every layer of a stack that holds memory to hand out again, as [`Spec::build`]
@@ -355,7 +354,7 @@ impl DeviceStack {
         };
         let top = spec.build(&mut layers)?;
         Ok(DeviceStack {
-            memory: StreamUse::new(Routed::new(top, device)),
+            memory: StreamUse::new(routed::routed(top, device)),
             statistics: layers.statistics,
             pools: layers.pools,
             logs: layers.logs,
@@ -458,16 +457,21 @@ impl DeviceStack {
     /// allocation).
     pub(crate) fn segments(&self) -> Vec<(usize, usize)> {
         let mut out = self.pools.segments();
-        for (_, pool) in self.tags().all() {
+        for (_, pool) in self.tags() {
             out.extend(pool.segments());
         }
         out.sort_unstable();
         out
     }
 
-    /// The pools of the tags allocated under on this device.
-    pub(crate) fn tags(&self) -> &TagPools {
-        self.memory.upstream().tags()
+    /// The pools of the tags allocated under on this device, with their tag ids.
+    pub(crate) fn tags(&self) -> Vec<(usize, TagPool)> {
+        routed::tag_pools(self.memory.upstream())
+    }
+
+    /// The tag's pool whose reservation holds `address`.
+    fn tag_pool_holding(&self, address: usize) -> Option<&TagPool> {
+        self.memory.upstream().holding(address)
     }
 
     /// The stack's own pools that sleep when its memory does (tag `"default"`): every
@@ -490,7 +494,7 @@ impl DeviceStack {
                 address.wrapping_sub(base) < len
             })
             .cloned()
-            .or_else(|| self.tags().holding(address))
+            .or_else(|| self.tag_pool_holding(address).cloned())
     }
 
     /// The descriptors exported for live blocks.
@@ -537,7 +541,7 @@ impl DeviceStack {
 
     /// The resource allocations go through.
     pub(crate) fn top(&self) -> &AnyResource<Device> {
-        self.memory.upstream().top()
+        self.memory.upstream().default_member()
     }
 
     /// What `memres_malloc` allocates from and `memres_free` frees to, with the live
@@ -553,7 +557,6 @@ impl DeviceStack {
         // everything memres holds on the device).
         let pool = self
             .tags()
-            .all()
             .into_iter()
             .map(|(_, tagged)| pool_figures(tagged.stats()))
             .fold(self.pools.figures()?, |sum, t| {
@@ -598,7 +601,7 @@ impl DeviceStack {
         self.live.reset_peak();
         self.live_blocks.reset_peak();
         self.pools.reset_peaks()?;
-        for (_, pool) in self.tags().all() {
+        for (_, pool) in self.tags() {
             pool.reset_peak_size();
         }
         Ok(())
@@ -609,7 +612,7 @@ impl DeviceStack {
     /// cannot tell cheaply (its other layers keep no range, or a `fallback(..)` may have
     /// served it from another memory).
     pub(crate) fn may_hold(&self, address: usize) -> Option<bool> {
-        if self.tags().holding(address).is_some() {
+        if self.tag_pool_holding(address).is_some() {
             return Some(true);
         }
         if self.tiers.is_some() {
@@ -636,13 +639,13 @@ impl DeviceStack {
     /// every tag's, those made later too): `memres_set_limit`.
     pub(crate) fn set_limit(&self, bytes: Option<usize>) {
         self.pools.set_limit(bytes);
-        self.tags().set_limit(bytes);
+        routed::set_limit(self.memory.upstream(), bytes);
     }
 
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         let mut tagged = 0;
         let mut failed = None;
-        for (_, pool) in self.tags().all() {
+        for (_, pool) in self.tags() {
             match pool.trim() {
                 Ok(n) => tagged += n as u64,
                 Err(e) => {

@@ -119,7 +119,7 @@ fn pools_named(
     }
     // The pools first: a tag's name is set before its pool is made, and names are only
     // ever added, so every pool's name is in the copy taken after.
-    let tagged = stack.tags().all();
+    let tagged = stack.tags();
     let all_names = names().clone();
     for (id, pool) in tagged {
         let Some(tag) = all_names.get(id - 1) else {

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use mr::spec::{Built, Target};
 
 use super::*;
-use crate::routed::TagPools;
+use crate::routed::Tags;
 use crate::stack::{Pools, why_it_cannot_sleep};
 use mr::adaptor::StreamUse;
 use mr::{VirtualPool, VirtualPoolConfig};
@@ -1703,17 +1703,28 @@ fn assert_refused<R: Resource>(memory: &StreamUse<R>, address: usize, what: &str
     assert!(failure.message.contains(&format!("{address:#x}")));
 }
 
-/// A tag's pool over host memory, made through the C ABI's table of tags' pools.
-fn host_tag_pool(
-    tags: &TagPools<VirtualPool<mr::upstream::HostVirtual>>,
-) -> Arc<VirtualPool<mr::upstream::HostVirtual>> {
-    tags.pool(1, || {
-        VirtualPool::new(
-            mr::upstream::HostVirtual::new(64 << 20, 64 << 10)?,
-            VirtualPoolConfig::new(),
-        )
-    })
-    .unwrap()
+/// The C ABI's tags' route over pools of host memory, in a router with no default member.
+type HostTags = mr::adaptor::Router<
+    (),
+    Arc<VirtualPool<mr::upstream::HostVirtual>>,
+    Tags<VirtualPool<mr::upstream::HostVirtual>>,
+>;
+
+fn host_tags() -> HostTags {
+    mr::adaptor::Router::new(
+        (),
+        Tags::new(|| {
+            VirtualPool::new(
+                mr::upstream::HostVirtual::new(64 << 20, 64 << 10)?,
+                VirtualPoolConfig::new(),
+            )
+        }),
+    )
+}
+
+/// A tag's pool over host memory, made through the C ABI's tags' route.
+fn host_tag_pool(tags: &HostTags) -> Arc<VirtualPool<mr::upstream::HostVirtual>> {
+    Arc::clone(tags.member(1).unwrap())
 }
 
 /// An address inside a live block, of a freed block and one never handed out are
@@ -1724,7 +1735,7 @@ fn host_tag_pool(
 fn record_stream_refuses_what_is_not_a_live_blocks_start() {
     let (top, _pools) = on_the_host("virtual_pool");
     let top = StreamUse::new(top);
-    let tags = TagPools::default();
+    let tags = host_tags();
     let tagged = StreamUse::new(host_tag_pool(&tags));
     let block = malloc_into(&top, 1 << 20);
     let tag_block = malloc_into(&tagged, 1 << 20);

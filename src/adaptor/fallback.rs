@@ -1,18 +1,16 @@
 //! [`Fallback`]: a second resource for what the first cannot hold.
 
 use std::alloc::Layout;
-use std::collections::HashSet;
 use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
+use super::owners::Owners;
 use super::statistics::{Statistics, StatisticsSnapshot};
 use crate::error::Error;
 use crate::property::{Contains, PropertySet};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
-use crate::sync::atomic::{AtomicUsize, Ordering};
-use crate::sync::{Mutex, lock};
 
 /// Tries `first`; when it runs out of memory ([`Error::OutOfMemory`]), `then` (RAPIDS users'
 /// device pool -> pinned host pool, or -> managed memory). Other errors pass through:
@@ -25,8 +23,9 @@ use crate::sync::{Mutex, lock};
 ///   in one address range ([`with_first_range`](Self::with_first_range): a
 ///   [`VirtualPool`](crate::VirtualPool)'s reservation, which `fallback(virtual_pool, ..)` in a spec uses), the address
 ///   says which tier, without a lookup. Otherwise the fallback tier's blocks are
-///   remembered (a set under a lock); while it has none live, a free goes to `first`
-///   without a lookup, so a program that never falls back pays one load per free.
+///   recorded (a map under a lock); while it has none live, a free goes to `first`
+///   without a lookup, so a program that never falls back pays one load per free. (The
+///   same table tells a [`Router`](super::Router)'s members apart.)
 ///   Stream-ordered frees keep their stream in either tier.
 /// - **Figures** per tier ([`tiers`](Self::tiers)): each tier is counted by a
 ///   [`Statistics`] layer of its own (bytes and allocations, now, at most and in all; the
@@ -53,15 +52,19 @@ use crate::sync::{Mutex, lock};
 pub struct Fallback<A, B, P> {
     first: Statistics<A>,
     then: Statistics<B>,
-    /// Addresses of the blocks `then` holds.
-    from_then: Mutex<HashSet<usize>>,
-    /// How many: 0 lets a free skip the set.
-    then_live: AtomicUsize,
+    /// Which tier served a block: `first`'s range ([`FIRST`]), if one was given, else a
+    /// record of each block of `then` ([`THEN`]).
+    owners: Owners,
     /// `(base, len)`: every block of `first`, and none of `then`, lies in this range
-    /// (then the set is not used).
+    /// (then no block is recorded).
     first_range: Option<(usize, usize)>,
     properties: PhantomData<fn() -> P>,
 }
+
+/// The first tier, in `owners`.
+const FIRST: usize = 0;
+/// The fallback tier, in `owners`.
+const THEN: usize = 1;
 
 impl<A, B, P> Fallback<A, B, P> {
     /// `first`, and `then` for what `first` has no memory for.
@@ -69,8 +72,7 @@ impl<A, B, P> Fallback<A, B, P> {
         Fallback {
             first: Statistics::new(first),
             then: Statistics::new(then),
-            from_then: Mutex::new(HashSet::new()),
-            then_live: AtomicUsize::new(0),
+            owners: Owners::default(),
             first_range: None,
             properties: PhantomData,
         }
@@ -106,9 +108,16 @@ impl<A, B, P> Fallback<A, B, P> {
     ///
     /// [`GrowInPlace::reservation`]: crate::upstream::GrowInPlace::reservation
     #[must_use]
-    pub unsafe fn with_first_range(mut self, base: usize, len: usize) -> Self {
-        self.first_range = Some((base, len));
-        self
+    pub unsafe fn with_first_range(self, base: usize, len: usize) -> Self {
+        // A table of its own: records of `then`'s blocks made so far are not needed (the
+        // range tells theirs apart: outside it), and a range given before is replaced.
+        let owners = Owners::default();
+        owners.add_range(base, len, FIRST);
+        Fallback {
+            owners,
+            first_range: Some((base, len)),
+            ..self
+        }
     }
 
     /// The first tier.
@@ -132,14 +141,11 @@ impl<A, B, P> Fallback<A, B, P> {
         [self.first.snapshot(), self.then.snapshot()]
     }
 
-    /// Remembers a block `then` served (not needed where the address tells).
+    /// Records a block `then` served (not needed where the address tells).
     fn note_then(&self, ptr: NonNull<u8>) {
-        if self.first_range.is_some() {
-            return;
+        if self.first_range.is_none() {
+            self.owners.record(ptr.as_ptr().expose_provenance(), THEN);
         }
-        lock(&self.from_then).insert(ptr.as_ptr().expose_provenance());
-        // After the insertion: a free that reads the count nonzero finds the block.
-        self.then_live.fetch_add(1, Ordering::Release);
     }
 
     /// Whether `then` served the `layout` block at `ptr` (which the caller is freeing, so
@@ -150,17 +156,12 @@ impl<A, B, P> Fallback<A, B, P> {
         if layout.size() == 0 {
             return false; // only `first` serves empty blocks
         }
-        if let Some((base, len)) = self.first_range {
-            return ptr.as_ptr().addr().wrapping_sub(base) >= len;
+        let owner = self.owners.take(ptr.as_ptr().addr());
+        if self.first_range.is_some() {
+            owner != Some(FIRST) // outside `first`'s range: `then`'s
+        } else {
+            owner == Some(THEN)
         }
-        if self.then_live.load(Ordering::Acquire) == 0 {
-            return false;
-        }
-        let found = lock(&self.from_then).remove(&ptr.as_ptr().expose_provenance());
-        if found {
-            self.then_live.fetch_sub(1, Ordering::Relaxed);
-        }
-        found
     }
 
     /// Allocates from `first`, else (out of memory) from `then`.
@@ -198,8 +199,8 @@ impl<A: fmt::Debug, B: fmt::Debug, P> fmt::Debug for Fallback<A, B, P> {
 }
 
 // SAFETY: every block comes from one tier unchanged and goes back to that tier: a block
-// is `then`'s exactly when its address is in `from_then` (inserted before the block is
-// handed out, removed by its free), or, with a first range, outside that range
+// is `then`'s exactly when `owners` recorded it (before the block is handed out, the
+// record taken by its free), or, with a first range, outside that range
 // (`with_first_range`'s contract); and both tiers give at least `P`.
 unsafe impl<A, B, P> SyncResource for Fallback<A, B, P>
 where
@@ -380,8 +381,7 @@ mod tests {
             .collect();
         let [first, then] = r.tiers();
         assert!(first.allocations.current > 0 && then.allocations.current > 0);
-        assert_eq!(r.then_live.load(Ordering::Relaxed), 0, "no set kept");
-        assert!(lock(&r.from_then).is_empty());
+        assert_eq!(r.owners.recorded(), 0, "no record kept");
         // Freed in another order, some on other streams.
         blocks.reverse();
         blocks.rotate_left(5);

@@ -5,7 +5,8 @@
 //! and lanes ([`threads`]), the
 //! spin lock ([`spin`]), per-thread slots
 //! folded in at thread exit ([`per_thread`]), a value on cache lines of its own
-//! ([`CachePadded`]) and the lock that ignores poisoning ([`lock`]).
+//! ([`CachePadded`]), a list read without a lock that only grows ([`AppendOnly`]) and
+//! the lock that ignores poisoning ([`lock`]).
 //!
 //! Built normally, these are `std::sync`'s. Built with `RUSTFLAGS="--cfg memres_loom"`
 //! (see `tests/loom.rs`), they are loom's, so the loom model tests explore every
@@ -92,6 +93,7 @@ pub(crate) fn yield_now() {
 #[cfg(memres_loom)]
 pub(crate) use loom::thread::yield_now;
 
+mod append_only;
 pub(crate) mod barrier;
 pub(crate) mod grace;
 mod padded;
@@ -100,6 +102,7 @@ pub(crate) mod spin;
 pub(crate) mod takeable;
 pub(crate) mod threads;
 
+pub(crate) use append_only::AppendOnly;
 pub(crate) use padded::CachePadded;
 pub(crate) use spin::{SpinGuard, SpinLock};
 
