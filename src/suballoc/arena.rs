@@ -649,8 +649,13 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         let emptied = {
             let mut s = list.state.lock();
             let merged = s.put(addr, size);
-            // (For lanes: see `lanes::take_all`.)
-            self.lists.note_free(list);
+            // The hint the lanes' searches read (`lanes::take_all`); a load, and a store
+            // only when it was clear. (Not `ListTable::note_free`: the arena's searches
+            // never start at the list that last received memory, whose pointer every
+            // lane's free would then write.)
+            if !list.holds_free.load(Ordering::Relaxed) {
+                list.holds_free.store(true, Ordering::Relaxed);
+            }
             match merged {
                 // A whole superblock, and the stream keeps enough free memory besides.
                 Some(merged)
