@@ -31,14 +31,29 @@ impl<U: Resource> VirtualPool<U> {
     ///   (`pool_size` 0, [`PoolStats::asleep_bytes`](crate::suballoc::PoolStats::asleep_bytes) what waking maps);
     /// - dropping the pool frees the host copies.
     ///
-    /// After a wake the host copies are kept ([`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes)), so that the
-    /// next offloading sleep (an RL loop sleeps every step) only copies: pinning host
-    /// memory costs far more than copying into it (3.2 against 55 GB/s on an H200).
-    /// [`trim`](Self::trim) frees them.
+    /// How `Offload` copies: into pageable host memory (one `mmap` per 256 MiB piece, with
+    /// transparent huge pages asked for), through pinned staging buffers of 8 MiB, two
+    /// per copying thread, on as many threads as the machine has cores (at most 16; the
+    /// environment variable `MEMRES_OFFLOAD_THREADS` sets another number). Each thread
+    /// has the device copy one chunk into a buffer, on a stream of its own, while it
+    /// copies the chunk before out of its other buffer; the wake runs the same way back,
+    /// while the pool maps the next pieces. So no sleep pins host memory the size of the
+    /// pool: pinning costs far more than copying (`cuMemHostAlloc`: 3.2 GB/s against 55
+    /// for copies on an H200), and a first sleep that pinned its copies took 10 to 17 s
+    /// for 20 GiB. The first sleep pins only the staging buffers (at most 256 MiB), and
+    /// the kernel backs the copies' pages as the threads write them.
+    ///
+    /// **What the pool holds while awake**, once it has slept with `Offload`: the host
+    /// copies (pageable, as many bytes as it offloaded) and the staging buffers (pinned,
+    /// `2 × threads × 8 MiB`, at most 256 MiB), kept for the next sleep (an RL loop sleeps
+    /// every step), which then only copies, and counted in
+    /// [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes).
+    /// [`trim`](Self::trim) frees them. A pool that never offloaded holds no host memory.
     ///
     /// Errors leave the pool awake and its memory where it was:
     /// [`Error::InvalidArgument`] for a pool asleep already, [`Error::OutOfMemory`] when
-    /// host memory for the copies runs out. (Only this pool sleeps: a chunked
+    /// host memory for the copies or the staging buffers runs out, a driver error when a
+    /// copy fails. What host memory it took is kept for the next sleep, as after a wake. (Only this pool sleeps: a chunked
     /// [`Pool`](crate::suballoc::Pool) has no such method, since only mapped granules can
     /// go back while their addresses stay.)
     ///
@@ -151,8 +166,10 @@ impl<U: Resource> VirtualPool<U> {
     }
 
     /// Wakes a sleeping pool: maps its memory again at the addresses it had and, if it
-    /// slept with [`SleepMode::Offload`], copies the contents back. Returns the bytes
-    /// mapped. Afterwards the pool serves allocations as before it slept.
+    /// slept with [`SleepMode::Offload`], copies the contents back (on several threads,
+    /// through the staging buffers, while the next pieces are mapped: see
+    /// [`sleep`](Self::sleep)). Returns the bytes mapped. Afterwards the pool serves
+    /// allocations as before it slept.
     ///
     /// [`Error::InvalidArgument`] for a pool that is not asleep; [`Error::OutOfMemory`]
     /// when the device cannot back the memory (another process holds it): the pool stays
@@ -166,7 +183,18 @@ impl<U: Resource> VirtualPool<U> {
                 "the pool is not asleep: wake() without sleep()",
             ));
         };
-        if let Err(e) = self.wake_up(space, &slept) {
+        // SAFETY: nothing uses a sleeping pool's memory (`sleep`'s contract) until this
+        // call returns; the pieces were mapped by this pool when it slept, and the copies
+        // (if any) are theirs, one a piece.
+        let woken = unsafe {
+            (space.wake)(
+                &core.upstream,
+                &slept.pieces,
+                &slept.copies,
+                &mut growth.memory.kept,
+            )
+        };
+        if let Err(e) = woken {
             growth.memory.slept = Some(slept);
             return Err(e);
         }
@@ -175,46 +203,11 @@ impl<U: Resource> VirtualPool<U> {
         growth.peak = growth.peak.max(growth.size);
         space.asleep.store(false, Ordering::SeqCst);
         tracing::debug!(target: "memres::pool", size, mode = ?slept.mode, "memres: pool awake");
-        // Pinning host memory costs far more than copying into it (and unpinning about as
-        // much): the copies are kept for the next sleep, until `trim` (or the drop).
+        // Backing host memory costs more than copying into it: the copies are kept for
+        // the next sleep (with the staging buffers, already there), until `trim` (or the
+        // drop).
         growth.memory.kept.extend(slept.copies);
         Ok(size)
-    }
-
-    /// Maps every piece of `slept`, each followed by the copy of its contents (which runs
-    /// while the next piece is mapped), then waits for the copies; on an error unmaps
-    /// what it mapped.
-    fn wake_up(&self, space: &Space<U>, slept: &Slept) -> Result<(), Error> {
-        let mut mapped = 0;
-        let result = (|| {
-            for (i, &(addr, len)) in slept.pieces.iter().enumerate() {
-                (space.map)(&self.core.upstream, addr, len)?;
-                mapped += 1;
-                if let Some(copy) = slept.copies.get(i) {
-                    // SAFETY: mapped just above, by this pool; nothing uses a sleeping
-                    // pool's memory (`sleep`'s contract) and `slept` lives until the
-                    // copies are waited for, below.
-                    unsafe { (space.restore)(&self.core.upstream, addr, len, copy)? };
-                }
-            }
-            (space.synchronize)(&self.core.upstream)
-        })();
-        if result.is_err() {
-            // Copies may be under way into what is about to be unmapped.
-            let waited = (space.synchronize)(&self.core.upstream);
-            for &(addr, len) in &slept.pieces[..mapped] {
-                if waited.is_err() {
-                    // A broken device: leave the memory mapped rather than unmap it under
-                    // a copy (the pool stays asleep; dropping it leaves the leaf to
-                    // unmap what is mapped).
-                    break;
-                }
-                // SAFETY: mapped above by this call; nothing uses it and the copies into
-                // it are done (waited for above).
-                unsafe { (space.unmap)(&self.core.upstream, addr, len) };
-            }
-        }
-        result
     }
 
     /// Whether the pool sleeps ([`sleep`](Self::sleep)).

@@ -1,0 +1,476 @@
+//! Staged copies between a virtual-memory leaf's memory and pageable host copies, for a
+//! pool that sleeps with [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload)
+//! ([`GrowInPlace::save_at`](super::GrowInPlace::save_at),
+//! [`GrowInPlace::wake_at`](super::GrowInPlace::wake_at)).
+//!
+//! Why staged: the device copies at the bus's speed only to and from pinned memory, and
+//! pinning costs far more than copying (`cuMemHostAlloc`: about 3 GB/s on an H200 where
+//! copies ran at 55, and several threads pinning at once were slower still), so copies
+//! pinned for the whole pool made a first sleep of 20 GiB take 10 to 17 s. Instead the
+//! copies are pageable memory ([`HostCopy::pages`]: one `mmap` each, backed by the kernel
+//! as it is written) and the device copies through a few pinned staging buffers per
+//! thread. Each thread has a [`Lane`](super::Backend::Lane) (a stream) and two buffers of
+//! [`CHUNK`] bytes: the device copies one chunk into a buffer while the thread copies the
+//! chunk before it out of the other into its place in the copy, and so also backs (and
+//! zeroes) the copy's pages, work spread over the threads too. A wake runs the other way:
+//! a thread fills a buffer from the copy and has the device copy it to the chunk's
+//! address once its range is mapped, while the calling thread maps the next ranges. The
+//! staging buffers (two a thread: at most `2 × 16 × 8 MiB` = 256 MiB) and the copies go
+//! back to the caller's spares, for the next sleep and wake.
+//!
+//! Threads take chunks in order from one counter. One that fails records its error and
+//! raises `stop`, which the others check before each chunk (and which wakes those waiting
+//! for a range to be mapped); each waits for its lanes' copies before it ends, so when the
+//! call returns no copy is under way. Only where a lane cannot be waited for (a broken
+//! device) are its staging buffers leaked rather than freed under a copy, and the caller
+//! told (`unsettled`), so that it leaves the device memory mapped.
+
+use super::{Backend, GrowInPlace, HostCopy, Virtual};
+use crate::error::Error;
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{Condvar, Mutex, lock};
+
+/// Bytes a staging buffer holds: the most one copy of the device moves. (Small in the
+/// tests, and not a multiple of their pools' pieces, so that ranges end in short chunks.)
+pub(crate) const CHUNK: usize = if cfg!(test) { 96 << 10 } else { 8 << 20 };
+
+/// The most threads that copy at once.
+const MAX_THREADS: usize = 16;
+
+/// The environment variable that sets how many threads a sleep or wake copies on (1 to
+/// 16); unset, as many as the machine has cores, at most 16.
+pub(crate) const THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_THREADS";
+
+/// One staged copy: `len` bytes at `addr` of the leaf, at `offset` in the copy of range
+/// number `range`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    pub(crate) range: usize,
+    pub(crate) addr: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// `ranges` (`(address, bytes)`) cut into chunks of at most `chunk` bytes (at least 1), in
+/// order: the ranges' order, and addresses rising within each.
+pub(crate) fn chunks(ranges: &[(usize, usize)], chunk: usize) -> Vec<Chunk> {
+    let chunk = chunk.max(1);
+    ranges
+        .iter()
+        .enumerate()
+        .flat_map(|(range, &(addr, len))| {
+            (0..len).step_by(chunk).map(move |offset| Chunk {
+                range,
+                addr: addr + offset,
+                offset,
+                len: chunk.min(len - offset),
+            })
+        })
+        .collect()
+}
+
+/// How many threads copy `chunks` chunks: [`THREADS_VARIABLE`], else the machine's cores
+/// (4 in the tests, whatever the machine), at most 16, and no more than there are chunks.
+fn threads(chunks: usize) -> usize {
+    let default = || {
+        if cfg!(test) {
+            4
+        } else {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        }
+    };
+    std::env::var(THREADS_VARIABLE)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(default)
+        .min(MAX_THREADS)
+        .min(chunks)
+        .max(1)
+}
+
+/// What the copying threads share.
+pub(crate) struct Shared<'a> {
+    chunks: &'a [Chunk],
+    /// The next chunk to take.
+    next: AtomicUsize,
+    /// Raised (under `mapped`'s lock) by the first failure: no thread starts another
+    /// chunk, and the calling thread maps no more.
+    stop: AtomicBool,
+    error: Mutex<Option<Error>>,
+    /// Staging buffers in no thread's hands.
+    buffers: Mutex<Vec<HostCopy>>,
+    /// Set when a lane could not be waited for: its copies may still be under way.
+    unsettled: AtomicBool,
+    /// How many ranges are mapped (all of them, for a sleep), for the threads of a wake.
+    mapped: Mutex<usize>,
+    ready: Condvar,
+}
+
+/// What the copying threads leave: the first error, whether a lane could not be waited
+/// for, and the staging buffers to keep.
+pub(crate) struct Outcome {
+    pub(crate) error: Option<Error>,
+    pub(crate) unsettled: bool,
+    pub(crate) buffers: Vec<HostCopy>,
+}
+
+impl<'a> Shared<'a> {
+    /// For `chunks`, with `buffers` to stage through first and `mapped` ranges mapped.
+    pub(crate) fn new(chunks: &'a [Chunk], buffers: Vec<HostCopy>, mapped: usize) -> Self {
+        Shared {
+            chunks,
+            next: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            error: Mutex::new(None),
+            buffers: Mutex::new(buffers),
+            unsettled: AtomicBool::new(false),
+            mapped: Mutex::new(mapped),
+            ready: Condvar::new(),
+        }
+    }
+
+    /// The next chunk, or `None` once they are all taken or a thread failed.
+    pub(crate) fn take(&self) -> Option<Chunk> {
+        if self.stopped() {
+            return None;
+        }
+        // Each index goes to one thread: the counter only rises.
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.chunks.get(i).copied()
+    }
+
+    /// Whether a thread failed.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Records `e` (the first error is the one returned) and stops every thread, waking
+    /// those that wait for a range.
+    pub(crate) fn fail(&self, e: Error) {
+        lock(&self.error).get_or_insert(e);
+        // Under the lock that waiters check `stop` under, so none misses the wake-up.
+        let _mapped = lock(&self.mapped);
+        self.stop.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+
+    /// Says that the first `n` ranges are mapped.
+    pub(crate) fn publish(&self, n: usize) {
+        *lock(&self.mapped) = n;
+        self.ready.notify_all();
+    }
+
+    /// Waits until range number `range` is mapped (true) or a thread failed (false).
+    pub(crate) fn wait_mapped(&self, range: usize) -> bool {
+        let mut mapped = lock(&self.mapped);
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return false;
+            }
+            if *mapped > range {
+                return true;
+            }
+            mapped = self
+                .ready
+                .wait(mapped)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// A staging buffer for a thread: one no thread holds, else a new one.
+    fn buffer<B: Backend>(&self, backend: &B) -> Result<HostCopy, Error> {
+        let kept = lock(&self.buffers).pop();
+        kept.map_or_else(|| backend.staging(CHUNK), Ok)
+    }
+
+    /// What the threads left, once they are all done.
+    pub(crate) fn outcome(self) -> Outcome {
+        Outcome {
+            error: self
+                .error
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            unsettled: self.unsettled.load(Ordering::Acquire),
+            buffers: self
+                .buffers
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        }
+    }
+}
+
+/// A thread's lane with its staging buffer and the chunk whose copy it holds or awaits.
+struct Slot<L> {
+    lane: L,
+    buffer: HostCopy,
+    pending: Option<Chunk>,
+}
+
+/// Which way a thread copies.
+#[derive(Clone, Copy)]
+enum Direction {
+    /// Leaf to copies (a sleep).
+    Out,
+    /// Copies to leaf (a wake): each chunk once its range is mapped.
+    In,
+}
+
+/// One copying thread: takes chunks until none are left or a thread failed, staging each
+/// through its two slots in turn, then waits for its lanes and gives its buffers back.
+fn copy_on_thread<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+) {
+    let mut slots: Vec<Slot<B::Lane>> = Vec::with_capacity(2);
+    let mut turn = 0usize;
+    let worked = (|| {
+        while let Some(c) = shared.take() {
+            if matches!(direction, Direction::In) && !shared.wait_mapped(c.range) {
+                break;
+            }
+            let i = turn % 2;
+            turn += 1;
+            if slots.len() <= i {
+                slots.push(Slot {
+                    lane: backend.lane()?,
+                    buffer: shared.buffer(backend)?,
+                    pending: None,
+                });
+            }
+            let slot = &mut slots[i];
+            if let Some(done) = slot.pending.take() {
+                backend.finish(&slot.lane)?;
+                if let Direction::Out = direction {
+                    // SAFETY: the lane's copy into the buffer is done (waited for just
+                    // above); `done` lies in its range's copy (`chunks` cut it from the
+                    // range, whose copy holds the range) and no other thread writes there.
+                    unsafe { unstage(&slot.buffer, copies, done) };
+                }
+            }
+            let buffer = slot.buffer.as_ptr();
+            match direction {
+                // SAFETY: the chunk lies in a mapped range that nothing writes to (the
+                // caller's promise); the buffer holds `CHUNK >= c.len` bytes, is this
+                // slot's alone and is not read until the lane is waited for.
+                Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
+                Direction::In => {
+                    let from = &copies[c.range];
+                    // SAFETY: the chunk lies in its range's copy (as above), which nothing
+                    // writes to while a wake runs; the buffer holds `CHUNK >= c.len` bytes
+                    // and its lane's last copy out of it is done (waited for above).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(from.as_ptr().add(c.offset), buffer, c.len)
+                    };
+                    // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else
+                    // uses it (the caller's promise); the buffer is unwritten until the
+                    // lane is waited for (next turn of this slot, or below).
+                    unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
+                }
+            }
+            slot.pending = Some(c);
+        }
+        // The chunks still in the buffers, older first.
+        for k in 0..slots.len() {
+            let n = slots.len();
+            let slot = &mut slots[(turn + k) % n];
+            if let Some(done) = slot.pending.take() {
+                backend.finish(&slot.lane)?;
+                if let Direction::Out = direction {
+                    // SAFETY: as in the loop: the copy into the buffer is done.
+                    unsafe { unstage(&slot.buffer, copies, done) };
+                }
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = worked {
+        shared.fail(e);
+    }
+    for slot in slots {
+        match backend.finish(&slot.lane) {
+            Ok(()) => lock(&shared.buffers).push(slot.buffer),
+            Err(e) => {
+                // A copy may still write into or read from the buffer: leak it rather than
+                // free it under the device.
+                tracing::error!(%e, "memres: a staging lane could not be waited for; its buffer is leaked");
+                shared.unsettled.store(true, Ordering::Release);
+                std::mem::forget(slot.buffer);
+                shared.fail(e);
+            }
+        }
+    }
+}
+
+/// Copies chunk `c` out of `buffer` into its place in its range's copy.
+///
+/// # Safety
+/// The buffer holds the chunk's bytes (its copy is done); the chunk lies in
+/// `copies[c.range]`, and no other thread touches that part of it.
+unsafe fn unstage(buffer: &HostCopy, copies: &[HostCopy], c: Chunk) {
+    let into = &copies[c.range];
+    // SAFETY: the caller's promises; the buffer holds at least `c.len` bytes (`CHUNK`),
+    // and buffer and copy are separate memory.
+    unsafe { std::ptr::copy_nonoverlapping(buffer.as_ptr(), into.as_ptr().add(c.offset), c.len) };
+}
+
+/// Runs `threads` copying threads over `shared` while `meanwhile` runs on the calling
+/// thread; if no thread can be started, copies on the calling thread once `meanwhile` is
+/// done.
+fn run<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    meanwhile: impl FnOnce(),
+) {
+    let threads = threads(shared.chunks.len());
+    std::thread::scope(|scope| {
+        let started = (0..threads)
+            .filter(|_| {
+                std::thread::Builder::new()
+                    .name("memres-offload".into())
+                    .spawn_scoped(scope, || copy_on_thread(backend, shared, copies, direction))
+                    .is_ok()
+            })
+            .count();
+        meanwhile();
+        if started == 0 {
+            copy_on_thread(backend, shared, copies, direction);
+        }
+    });
+}
+
+/// Copies of each of `ranges` in new or `spare` host memory (see
+/// [`GrowInPlace::save_at`]).
+///
+/// # Safety
+/// The ranges are mapped memory of `backend`, which nothing writes to until the call
+/// returns.
+pub(super) unsafe fn save<B: Backend>(
+    backend: &B,
+    ranges: &[(usize, usize)],
+    spare: &mut Vec<HostCopy>,
+) -> Result<Vec<HostCopy>, Error> {
+    let mut copies = Vec::with_capacity(ranges.len());
+    for &(_, len) in ranges {
+        // The smallest spare copy that holds the range, else a new one.
+        let fit = (0..spare.len())
+            .filter(|&i| spare[i].is_pageable() && spare[i].len() >= len)
+            .min_by_key(|&i| spare[i].len())
+            .map(|i| spare.swap_remove(i));
+        match fit.map_or_else(|| HostCopy::pages(len), Ok) {
+            Ok(copy) => copies.push(copy),
+            Err(e) => {
+                spare.append(&mut copies);
+                return Err(e);
+            }
+        }
+    }
+    let chunks = chunks(ranges, CHUNK);
+    let shared = Shared::new(&chunks, take_staging(spare), ranges.len());
+    run(backend, &shared, &copies, Direction::Out, || {});
+    let outcome = shared.outcome();
+    spare.extend(outcome.buffers);
+    match outcome.error {
+        None => Ok(copies),
+        Some(e) => {
+            spare.append(&mut copies);
+            Err(e)
+        }
+    }
+}
+
+/// Maps `ranges` and copies `copies` back (see [`GrowInPlace::wake_at`]; the copies are
+/// checked by the caller: none, or one per range that holds it).
+///
+/// # Safety
+/// Nothing uses the ranges until the call returns.
+pub(super) unsafe fn wake<B: Backend>(
+    leaf: &Virtual<B>,
+    ranges: &[(usize, usize)],
+    copies: &[HostCopy],
+    spare: &mut Vec<HostCopy>,
+) -> Result<(), Error> {
+    let chunks = if copies.is_empty() {
+        Vec::new()
+    } else {
+        chunks(ranges, CHUNK)
+    };
+    let shared = Shared::new(&chunks, take_staging(spare), 0);
+    let mut mapped = 0;
+    let mut map_all = || {
+        for (i, &(addr, len)) in ranges.iter().enumerate() {
+            if shared.stopped() {
+                return;
+            }
+            if let Err(e) = leaf.map_at(addr, len) {
+                shared.fail(e);
+                return;
+            }
+            mapped = i + 1;
+            shared.publish(mapped);
+        }
+    };
+    if chunks.is_empty() {
+        map_all();
+    } else {
+        run(&leaf.backend, &shared, copies, Direction::In, map_all);
+    }
+    let outcome = shared.outcome();
+    spare.extend(outcome.buffers);
+    let Some(e) = outcome.error else {
+        return Ok(());
+    };
+    if !outcome.unsettled {
+        for &(addr, len) in &ranges[..mapped] {
+            // SAFETY: mapped above by this call; nothing uses it (the caller's promise)
+            // and every copy into it is done (each thread waited for its lanes).
+            unsafe { leaf.unmap_at(addr, len) };
+        }
+    }
+    // Else a broken device: the memory stays mapped rather than unmapped under a copy
+    // (the pool stays asleep; dropping it leaves the leaf to unmap what is mapped).
+    Err(e)
+}
+
+/// The staging buffers among `spare` (an earlier sleep's or wake's), taken out of it.
+fn take_staging(spare: &mut Vec<HostCopy>) -> Vec<HostCopy> {
+    let (staging, copies) = std::mem::take(spare)
+        .into_iter()
+        .partition(|c| !c.is_pageable() && c.len() >= CHUNK);
+    *spare = copies;
+    staging
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Chunk, chunks};
+
+    #[test]
+    fn ranges_are_cut_into_chunks_in_order_with_short_last_ones() {
+        let got = chunks(&[(1000, 250), (5000, 100), (9000, 0), (20_000, 1)], 100);
+        let want = [
+            (0, 1000, 0, 100),
+            (0, 1100, 100, 100),
+            (0, 1200, 200, 50),
+            (1, 5000, 0, 100),
+            (3, 20_000, 0, 1),
+        ]
+        .map(|(range, addr, offset, len)| Chunk {
+            range,
+            addr,
+            offset,
+            len,
+        });
+        assert_eq!(got, want);
+        assert!(chunks(&[], 100).is_empty());
+        assert_eq!(
+            chunks(&[(0, 3)], 0).len(),
+            3,
+            "a chunk of 0 bytes is taken as 1"
+        );
+    }
+}
