@@ -32,20 +32,22 @@ impl<U: Resource> VirtualPool<U> {
     /// - dropping the pool frees the host copies.
     ///
     /// How `Offload` copies: into pageable host memory (one `mmap` per 256 MiB piece, with
-    /// transparent huge pages asked for), through pinned staging buffers of 8 MiB, two
-    /// per copying thread, on as many threads as the machine has cores (at most 16; the
-    /// environment variable `MEMRES_OFFLOAD_THREADS` sets another number). Each thread
+    /// transparent huge pages asked for), through pinned staging buffers of 4 MiB, two
+    /// per copying thread, on as many threads as the machine has cores (one less for a
+    /// wake; at most 16; the environment variable `MEMRES_OFFLOAD_THREADS` sets another
+    /// number). Each thread
     /// has the device copy one chunk into a buffer, on a stream of its own, while it
     /// copies the chunk before out of its other buffer; the wake runs the same way back,
     /// while the pool maps the next pieces. So no sleep pins host memory the size of the
     /// pool: pinning costs far more than copying (`cuMemHostAlloc`: 3.2 GB/s against 55
     /// for copies on an H200), and a first sleep that pinned its copies took 10 to 17 s
-    /// for 20 GiB. The first sleep pins only the staging buffers (at most 256 MiB), and
-    /// the kernel backs the copies' pages as the threads write them.
+    /// for 20 GiB. The first sleep pins only the staging buffers (at most 128 MiB), and
+    /// the kernel backs the copies' pages as the threads write them (the `memres::pool`
+    /// debug event "the sleep's steps" gives the time of each).
     ///
     /// **What the pool holds while awake**, once it has slept with `Offload`: the host
     /// copies (pageable, as many bytes as it offloaded) and the staging buffers (pinned,
-    /// `2 × threads × 8 MiB`, at most 256 MiB), kept for the next sleep (an RL loop sleeps
+    /// `2 × threads × 4 MiB`, at most 128 MiB), kept for the next sleep (an RL loop sleeps
     /// every step), which then only copies, and counted in
     /// [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes).
     /// [`trim`](Self::trim) frees them. A pool that never offloaded holds no host memory.
@@ -127,9 +129,11 @@ impl<U: Resource> VirtualPool<U> {
         growth: &mut GrowthState<Mapped>,
         mode: SleepMode,
     ) -> Result<Slept, Error> {
+        let start = std::time::Instant::now();
         (space.synchronize)(&self.core.upstream)?;
         let host = self.core.host_list();
         self.core.release_down_to(growth, host, 0)?;
+        let trimmed = start.elapsed();
         let g = space.granularity;
         let piece = PIECE.next_multiple_of(g);
         let pieces: Vec<(usize, usize)> = growth
@@ -153,11 +157,19 @@ impl<U: Resource> VirtualPool<U> {
                 (space.save)(&self.core.upstream, &pieces, &mut growth.memory.kept)?
             },
         };
+        let copied = start.elapsed();
         for &(addr, len) in &pieces {
             // SAFETY: mapped by this pool; no work uses them (as above), and the copies,
             // if any, are made.
             unsafe { (space.unmap)(&self.core.upstream, addr, len) };
         }
+        tracing::debug!(
+            target: "memres::pool",
+            wait_and_trim_s = trimmed.as_secs_f64(),
+            copy_s = (copied - trimmed).as_secs_f64(),
+            unmap_s = (start.elapsed() - copied).as_secs_f64(),
+            "memres: the sleep's steps"
+        );
         Ok(Slept {
             mode,
             pieces,

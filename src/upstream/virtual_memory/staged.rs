@@ -15,7 +15,7 @@
 //! zeroes) the copy's pages, work spread over the threads too. A wake runs the other way:
 //! a thread fills a buffer from the copy and has the device copy it to the chunk's
 //! address once its range is mapped, while the calling thread maps the next ranges. The
-//! staging buffers (two a thread: at most `2 × 16 × 8 MiB` = 256 MiB) and the copies go
+//! staging buffers (two a thread: at most `2 × 16 × 4 MiB` = 128 MiB) and the copies go
 //! back to the caller's spares, for the next sleep and wake.
 //!
 //! Threads take chunks in order from one counter. One that fails records its error and
@@ -32,13 +32,14 @@ use crate::sync::{Condvar, Mutex, lock};
 
 /// Bytes a staging buffer holds: the most one copy of the device moves. (Small in the
 /// tests, and not a multiple of their pools' pieces, so that ranges end in short chunks.)
-pub(crate) const CHUNK: usize = if cfg!(test) { 96 << 10 } else { 8 << 20 };
+pub(crate) const CHUNK: usize = if cfg!(test) { 96 << 10 } else { 4 << 20 };
 
 /// The most threads that copy at once.
 const MAX_THREADS: usize = 16;
 
 /// The environment variable that sets how many threads a sleep or wake copies on (1 to
-/// 16); unset, as many as the machine has cores, at most 16.
+/// 16); unset, as many as the machine has cores (less one for a wake, whose calling
+/// thread maps meanwhile), at most 16.
 pub(crate) const THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_THREADS";
 
 /// One staged copy: `len` bytes at `addr` of the leaf, at `offset` in the copy of range
@@ -69,14 +70,20 @@ pub(crate) fn chunks(ranges: &[(usize, usize)], chunk: usize) -> Vec<Chunk> {
         .collect()
 }
 
-/// How many threads copy `chunks` chunks: [`THREADS_VARIABLE`], else the machine's cores
-/// (4 in the tests, whatever the machine), at most 16, and no more than there are chunks.
-fn threads(chunks: usize) -> usize {
+/// How many threads copy `chunks` chunks `direction`: [`THREADS_VARIABLE`], else the
+/// machine's cores (4 in the tests, whatever the machine), less one for a wake, whose
+/// calling thread maps meanwhile; at most 16, at least 1, and no more than there are
+/// chunks.
+fn threads(chunks: usize, direction: Direction) -> usize {
     let default = || {
-        if cfg!(test) {
+        let cores = if cfg!(test) {
             4
         } else {
             std::thread::available_parallelism().map_or(1, |n| n.get())
+        };
+        match direction {
+            Direction::Out => cores,
+            Direction::In => cores - 1,
         }
     };
     std::env::var(THREADS_VARIABLE)
@@ -326,7 +333,7 @@ fn run<B: Backend>(
     direction: Direction,
     meanwhile: impl FnOnce(),
 ) {
-    let threads = threads(shared.chunks.len());
+    let threads = threads(shared.chunks.len(), direction);
     std::thread::scope(|scope| {
         let started = (0..threads)
             .filter(|_| {
@@ -472,5 +479,93 @@ mod tests {
             3,
             "a chunk of 0 bytes is taken as 1"
         );
+    }
+}
+
+/// The threads' shared state under loom (`RUSTFLAGS="--cfg memres_loom" cargo test -p
+/// memres --lib loom_`): chunks are taken once each, and a failure stops every thread,
+/// waking the ones that wait for a range to be mapped.
+#[cfg(all(test, memres_loom))]
+mod loom_models {
+    use loom::sync::Arc;
+    use loom::thread;
+
+    use super::{Chunk, Shared};
+    use crate::error::Error;
+
+    /// Two chunks, one in each of two ranges.
+    static CHUNKS: [Chunk; 2] = [
+        Chunk {
+            range: 0,
+            addr: 0,
+            offset: 0,
+            len: 1,
+        },
+        Chunk {
+            range: 1,
+            addr: 1,
+            offset: 0,
+            len: 1,
+        },
+    ];
+
+    /// What a wake's thread does with the chunks it takes: waits for the range, then
+    /// counts the chunk as copied.
+    fn copy_all(shared: &Shared<'_>) -> Vec<usize> {
+        let mut copied = Vec::new();
+        while let Some(c) = shared.take() {
+            if !shared.wait_mapped(c.range) {
+                break;
+            }
+            copied.push(c.range);
+        }
+        copied
+    }
+
+    /// The calling thread maps the first range, then fails to map the second, while two
+    /// threads copy: both end (a lost wake-up would leave one waiting, which loom reports
+    /// as a deadlock), the first range's chunk is copied at most once, and the second's
+    /// never, since its range was never mapped.
+    #[test]
+    fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&CHUNKS, Vec::new(), 0));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    thread::spawn(move || copy_all(&shared))
+                })
+                .collect();
+            shared.publish(1);
+            shared.fail(Error::out_of_memory(1));
+            let copied: Vec<usize> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            assert!(copied.iter().all(|&r| r == 0), "{copied:?}");
+            assert!(copied.len() <= 1, "{copied:?}");
+        });
+    }
+
+    /// Without a failure, every chunk is copied exactly once, by one of two threads.
+    #[test]
+    fn loom_every_chunk_is_taken_exactly_once() {
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&CHUNKS, Vec::new(), 0));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    thread::spawn(move || copy_all(&shared))
+                })
+                .collect();
+            shared.publish(1);
+            shared.publish(2);
+            let mut copied: Vec<usize> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            copied.sort_unstable();
+            assert_eq!(copied, [0, 1]);
+        });
     }
 }

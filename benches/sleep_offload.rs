@@ -1,0 +1,173 @@
+//! How fast a [`VirtualPool`] over device memory sleeps with `Offload` and wakes (issue 51
+//! item 3: a 20 GiB pool's first sleep at 20 GiB/s or more, its wake at 40 or more), on
+//! the current GPU, without PyTorch.
+//!
+//! The pool holds `GIB` buffers of 1 GiB (default 20), every 8-byte word a function of its
+//! place; each offload round checks every word after the wake. Rounds: a first sleep (the
+//! pool holds no host memory), a second (it uses the host copies and staging buffers the
+//! first wake kept), `trim` (frees them), another first sleep and second, and a discard
+//! round (what unmapping and mapping alone cost). The copy limit is a pinned-to-device
+//! copy of 1 GiB, measured in the same process. Exits 1 when a word differs or the GPU
+//! cannot be used.
+//!
+//!     cargo bench --bench sleep_offload -- 20
+//!     MEMRES_OFFLOAD_THREADS=8 cargo bench --bench sleep_offload -- 20
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use memres::container::DeviceBuffer;
+use memres::device::DeviceId;
+use memres::suballoc::SleepMode;
+use memres::upstream::{CudaVirtualConfig, PinnedHost};
+use memres::{CudaVirtual, Error, StreamRef, SyncResource, VirtualPool, VirtualPoolConfig, layout};
+
+const GIB: usize = 1 << 30;
+
+fn main() -> ExitCode {
+    // `cargo bench` passes `--bench` too: the first number is the size.
+    let gib = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse::<usize>().ok())
+        .unwrap_or(20)
+        .max(1);
+    match run(gib) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("sleep_offload: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Word `k` of buffer `i`: differs from word to word and from buffer to buffer, so a
+/// chunk restored at the wrong place shows.
+fn word(i: usize, k: usize) -> u64 {
+    ((i as u64) << 40 ^ k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+fn fill(host: &mut [u8], i: usize) {
+    for (k, w) in host.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&word(i, k).to_le_bytes());
+    }
+}
+
+/// The first word of `host` that is not buffer `i`'s.
+fn first_wrong(host: &[u8], i: usize) -> Option<usize> {
+    host.chunks_exact(8)
+        .enumerate()
+        .position(|(k, w)| w != word(i, k).to_le_bytes())
+}
+
+fn run(gib: usize) -> Result<bool, Error> {
+    let device = DeviceId::current()?;
+    let leaf = CudaVirtual::with_config(device, CudaVirtualConfig::new().reserve(2 * gib * GIB))?;
+    let pool = leaf.virtual_pool(VirtualPoolConfig::new())?;
+    let stream = StreamRef::DEFAULT;
+    let mut host = vec![0u8; GIB];
+    let mut buffers = Vec::with_capacity(gib);
+    for i in 0..gib {
+        fill(&mut host, i);
+        buffers.push(DeviceBuffer::from_host(&host, stream, &pool)?);
+    }
+    let limit = copy_limit(&mut buffers[0])?;
+    fill(&mut host, 0);
+    buffers[0].copy_from_host(&host)?;
+    println!(
+        "{gib} GiB pool; pinned-to-device copy limit, same process: {:.1} GiB/s; offload threads: {}",
+        limit / GIB as f64,
+        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    println!(
+        "| round | given back | sleep | sleep GiB/s | wake | wake GiB/s | wake of the copy limit |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let mut right = true;
+    let rounds = [
+        ("offload, first", Some(SleepMode::Offload)),
+        ("offload again (host memory kept)", Some(SleepMode::Offload)),
+        ("trim", None),
+        ("offload, first after trim", Some(SleepMode::Offload)),
+        ("offload again (host memory kept)", Some(SleepMode::Offload)),
+        ("discard", Some(SleepMode::Discard)),
+    ];
+    for (label, mode) in rounds {
+        let Some(mode) = mode else {
+            pool.trim()?;
+            let kept = pool.stats().host_copy_bytes;
+            if kept != 0 {
+                println!("FAILED: trim left {kept} bytes of host memory");
+                right = false;
+            }
+            continue;
+        };
+        let t0 = Instant::now();
+        // SAFETY: no work uses the buffers until the pool wakes (the default stream was
+        // synchronised by every copy above, and the sleep waits for the device).
+        let released = unsafe { pool.sleep(mode) }?;
+        let sleep_s = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        let mapped = pool.wake()?;
+        let wake_s = t0.elapsed().as_secs_f64();
+        let g = released as f64 / GIB as f64;
+        println!(
+            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} | {:.2} |",
+            g / sleep_s,
+            g / wake_s,
+            released as f64 / wake_s / limit
+        );
+        if mapped != released {
+            println!(
+                "FAILED: {label}: the wake mapped {mapped} bytes, the sleep gave back {released}"
+            );
+            right = false;
+        }
+        if mode == SleepMode::Offload {
+            for (i, buf) in buffers.iter().enumerate() {
+                buf.copy_to_host(&mut host)?;
+                if let Some(k) = first_wrong(&host, i) {
+                    println!("FAILED: {label}: buffer {i}, word {k} differs after the wake");
+                    right = false;
+                    break;
+                }
+            }
+        }
+    }
+    println!(
+        "host memory the pool holds while awake: {:.2} GiB",
+        pool.stats().host_copy_bytes as f64 / GIB as f64
+    );
+    println!(
+        "{}",
+        if right {
+            "all checks passed"
+        } else {
+            "checks failed"
+        }
+    );
+    Ok(right)
+}
+
+/// Bytes a second of a pinned-to-device copy of 1 GiB into `buf` (three copies).
+fn copy_limit(buf: &mut DeviceBuffer<'_, &VirtualPool<CudaVirtual>>) -> Result<f64, Error> {
+    let pinned = PinnedHost::new()?;
+    let l = layout(GIB)?;
+    let p = pinned.allocate_sync(l)?;
+    // SAFETY: a fresh block of `GIB` bytes of host memory, written before it is read.
+    let bytes = unsafe {
+        p.as_ptr().write_bytes(5, GIB);
+        std::slice::from_raw_parts(p.as_ptr(), GIB)
+    };
+    let copied = (|| {
+        buf.copy_from_host(bytes)?;
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            buf.copy_from_host(bytes)?;
+        }
+        Ok(3.0 * GIB as f64 / t0.elapsed().as_secs_f64())
+    })();
+    // SAFETY: allocated above with `l`; every copy from it was waited for.
+    unsafe { pinned.deallocate_sync(p, l) };
+    copied
+}
