@@ -63,7 +63,8 @@ pub const MEMRES_ERROR_OUT_OF_MEMORY: c_int = -5;
 pub const MEMRES_ERROR_ASLEEP: c_int = -6;
 /// `memres_sleep`: the contents of the memory given back are lost.
 pub const MEMRES_SLEEP_DISCARD: c_int = 0;
-/// `memres_sleep`: the contents are copied to pinned host memory and restored on wake.
+/// `memres_sleep`: the contents are copied to host memory (through pinned staging
+/// buffers) and restored on wake.
 pub const MEMRES_SLEEP_OFFLOAD: c_int = 1;
 
 /// Devices memres serves through the C ABI (ordinals 0 to 63).
