@@ -300,28 +300,37 @@ fn sleep_and_wake_beside_threads_that_allocate() {
     assert_eq!(pool.upstream().mapped_bytes(), 0);
 }
 
+/// The staging buffers among the pool's host memory, besides `copies` bytes of copies:
+/// a whole number of `CHUNK`s, two a thread at most (4 threads in the tests; how many a
+/// sleep makes depends on how many threads got chunks).
+fn staging_bytes(pool: &VirtualPool<HostVirtual>, copies: usize) -> usize {
+    let held = pool.stats().host_copy_bytes;
+    let staging = held.checked_sub(copies).expect("the copies are held");
+    assert!(
+        staging.is_multiple_of(CHUNK) && staging <= 8 * CHUNK,
+        "{staging} bytes of staging buffers"
+    );
+    staging
+}
+
 #[test]
 fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
     let pool = pool();
     let blocks = fill(&pool);
     // SAFETY: nothing touches the blocks until the pool wakes (each round).
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-    // The copies and the staging buffers: two a thread (4 in the tests), each of `CHUNK`.
-    let held = pool.stats().host_copy_bytes;
-    assert_eq!(
-        held,
-        released + 8 * CHUNK,
-        "the copies and buffers, while asleep"
-    );
+    // The copies and the staging buffers, while asleep.
+    assert!(staging_bytes(&pool, released) > 0);
     pool.wake().unwrap();
-    assert_eq!(pool.stats().host_copy_bytes, held, "kept after the wake");
-    // The next sleeps use them again: no more host memory, the same contents back.
+    staging_bytes(&pool, released);
+    // The next sleeps use the copies again: no more memory for copies, the same contents
+    // back.
     for round in 0..3 {
         // SAFETY: as above.
         assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(released));
-        assert_eq!(pool.stats().host_copy_bytes, held, "round {round}");
+        staging_bytes(&pool, released);
         pool.wake().unwrap();
-        assert_eq!(pool.stats().host_copy_bytes, held, "round {round}");
+        staging_bytes(&pool, released);
         for &(p, l, _, byte) in &blocks {
             assert!(holds(p, l, byte), "round {round}");
         }
@@ -336,7 +345,7 @@ fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
         matches!(failed, Err(Error::OutOfMemory { .. })),
         "{failed:?}"
     );
-    assert_eq!(pool.stats().host_copy_bytes, held);
+    staging_bytes(&pool, released);
     free_all(&pool, blocks);
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees them");
@@ -347,9 +356,10 @@ fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_
     let pool = pool();
     let blocks = fill(&pool);
     let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
-    // Three buffers can be had (pinned), the fourth not: some chunks are copied, some
-    // threads fail before their first.
-    faults::fail_staging(base, Some(3));
+    // One buffer can be had (pinned), the next not: the first chunk is copied, then
+    // whichever thread asks for a second buffer (for the second chunk, whoever takes it)
+    // fails.
+    faults::fail_staging(base, Some(1));
     // SAFETY: nothing touches the blocks while the call runs.
     let slept = unsafe { pool.sleep(SleepMode::Offload) };
     faults::fail_staging(base, None);
@@ -361,12 +371,12 @@ fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_
         assert!(holds(p, l, byte), "nothing lost");
     }
     // Nothing leaked: the copies made (one a piece, all made before any chunk) and the
-    // three buffers are kept for the next sleep.
-    assert_eq!(pool.stats().host_copy_bytes, held + 3 * CHUNK);
+    // buffer are kept for the next sleep.
+    assert_eq!(staging_bytes(&pool, held), CHUNK);
     // The next sleep uses them and makes the buffers it lacks.
     // SAFETY: nothing touches the blocks until the pool wakes.
     assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
-    assert_eq!(pool.stats().host_copy_bytes, held + 8 * CHUNK);
+    staging_bytes(&pool, held);
     pool.wake().unwrap();
     for &(p, l, _, byte) in &blocks {
         assert!(holds(p, l, byte), "restored");
@@ -383,7 +393,6 @@ fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again()
     let blocks = fill(&pool);
     // SAFETY: nothing touches the blocks until the pool wakes.
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-    let kept = pool.stats().host_copy_bytes;
     let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
     // Copies back into the upper half fail: the lower half is mapped and copied first.
     faults::fail_saves(base + released / 2, base + len, true);
@@ -397,11 +406,7 @@ fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again()
         "what it mapped went back"
     );
     assert_eq!(pool.stats().asleep_bytes, released);
-    assert_eq!(
-        pool.stats().host_copy_bytes,
-        kept,
-        "copies and buffers kept"
-    );
+    staging_bytes(&pool, released); // and the copies, all kept
     assert_eq!(pool.wake(), Ok(released));
     for &(p, l, _, byte) in &blocks {
         assert!(holds(p, l, byte), "restored by the second wake");

@@ -61,7 +61,9 @@ impl HostCopy {
 
     /// `len` bytes (rounded up to a page) of pageable memory in a mapping of its own, for
     /// a copy: nothing is backed until it is written, so making it costs one `mmap`
-    /// whatever its size. [`Error::OutOfMemory`] when the address space runs out.
+    /// whatever its size. [`Error::OutOfMemory`] when the kernel refuses the mapping (the
+    /// caller checks [`available`] first: a page the kernel cannot back when it is written
+    /// is not an error but the out-of-memory killer).
     pub(crate) fn pages(len: usize) -> Result<HostCopy, Error> {
         let size = len
             .max(1)
@@ -79,7 +81,7 @@ impl HostCopy {
                 std::ptr::null_mut(),
                 raw_len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
@@ -167,6 +169,30 @@ impl Drop for HostCopy {
     }
 }
 
+/// Bytes of host memory this process can still have: the kernel's `MemAvailable`, and
+/// within a cgroup (v2) the room under its `memory.max`; `None` where neither can be read.
+pub(crate) fn available() -> Option<usize> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let machine = read("/proc/meminfo").and_then(|m| mem_available(&m));
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .zip(read("/sys/fs/cgroup/memory.current"))
+        .and_then(|(max, current)| {
+            let max = max.trim().parse::<usize>().ok()?; // "max": no limit
+            Some(max.saturating_sub(current.trim().parse().ok()?))
+        });
+    match (machine, cgroup) {
+        (Some(m), Some(c)) => Some(m.min(c)),
+        (m, c) => m.or(c),
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(meminfo: &str) -> Option<usize> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib = line.split_whitespace().nth(1)?.parse::<usize>().ok()?;
+    kib.checked_mul(1024)
+}
+
 impl fmt::Debug for HostCopy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostCopy")
@@ -180,5 +206,38 @@ impl fmt::Debug for HostCopy {
                 },
             )
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{HostCopy, available, mem_available};
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        let meminfo =
+            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   23627436 kB\n";
+        assert_eq!(mem_available(meminfo), Some(23_627_436 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: lots kB\n"), None);
+        assert!(available().is_some_and(|n| n > 0), "this machine says");
+    }
+
+    #[test]
+    fn a_pageable_copy_is_aligned_writable_and_counted_by_its_length() {
+        let copy = HostCopy::pages(5 << 20).unwrap();
+        assert!(copy.is_pageable());
+        assert_eq!(copy.len(), 5 << 20);
+        assert_eq!(
+            copy.as_ptr().addr() % (2 << 20),
+            0,
+            "on a huge-page boundary"
+        );
+        // SAFETY: the copy holds `len()` bytes, this test's alone.
+        unsafe { copy.as_ptr().write_bytes(3, copy.len()) };
+        // SAFETY: as above, written just before.
+        assert_eq!(unsafe { copy.as_ptr().add(copy.len() - 1).read() }, 3);
+        assert_eq!(HostCopy::pages(1).unwrap().len(), 4096, "a page at least");
+        assert!(HostCopy::pages(usize::MAX).is_err());
     }
 }

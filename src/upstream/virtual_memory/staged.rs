@@ -361,17 +361,34 @@ pub(super) unsafe fn save<B: Backend>(
     ranges: &[(usize, usize)],
     spare: &mut Vec<HostCopy>,
 ) -> Result<Vec<HostCopy>, Error> {
+    // The smallest spare copy that holds each range, else a new one, made once the host
+    // is known to have room for all the new ones: a pageable copy the kernel cannot back
+    // is not an error but the out-of-memory killer.
+    let mut fits: Vec<Option<HostCopy>> = ranges
+        .iter()
+        .map(|&(_, len)| {
+            (0..spare.len())
+                .filter(|&i| spare[i].is_pageable() && spare[i].len() >= len)
+                .min_by_key(|&i| spare[i].len())
+                .map(|i| spare.swap_remove(i))
+        })
+        .collect();
+    let new: usize = ranges
+        .iter()
+        .zip(&fits)
+        .filter(|(_, fit)| fit.is_none())
+        .map(|(&(_, len), _)| len)
+        .sum();
+    if super::host_copy::available().is_some_and(|room| room < new) {
+        spare.extend(fits.into_iter().flatten());
+        return Err(Error::out_of_memory(new));
+    }
     let mut copies = Vec::with_capacity(ranges.len());
-    for &(_, len) in ranges {
-        // The smallest spare copy that holds the range, else a new one.
-        let fit = (0..spare.len())
-            .filter(|&i| spare[i].is_pageable() && spare[i].len() >= len)
-            .min_by_key(|&i| spare[i].len())
-            .map(|i| spare.swap_remove(i));
-        match fit.map_or_else(|| HostCopy::pages(len), Ok) {
+    for (&(_, len), fit) in ranges.iter().zip(&mut fits) {
+        match fit.take().map_or_else(|| HostCopy::pages(len), Ok) {
             Ok(copy) => copies.push(copy),
             Err(e) => {
-                spare.append(&mut copies);
+                spare.extend(copies.into_iter().chain(fits.into_iter().flatten()));
                 return Err(e);
             }
         }
