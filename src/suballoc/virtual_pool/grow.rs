@@ -19,6 +19,9 @@ use crate::upstream::virtual_memory::{Granules, HostCopy};
 /// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
 type Save<U> = unsafe fn(&U, &[(usize, usize)], &mut Vec<HostCopy>) -> Result<Vec<HostCopy>, Error>;
 
+/// [`GrowInPlace::prepare_host_memory`]: host memory made ahead of a sleep.
+type Prepare<U> = fn(&U, &[usize], usize) -> Result<Vec<HostCopy>, Error>;
+
 /// [`GrowInPlace::wake_at`]: maps ranges again, with their copies if any.
 type Wake<U> =
     unsafe fn(&U, &[(usize, usize)], &[HostCopy], &mut Vec<HostCopy>) -> Result<(), Error>;
@@ -34,6 +37,8 @@ pub(crate) struct Space<U> {
     keep_unmapped: fn(&U, bool),
     pub(super) save: Save<U>,
     pub(super) wake: Wake<U>,
+    pub(super) prepare: Prepare<U>,
+    pub(super) is_staging: fn(&U, &HostCopy) -> bool,
     pub(super) synchronize: fn(&U) -> Result<(), Error>,
     pub(super) config: VirtualPoolConfig,
     /// Set while the pool sleeps (read first by every allocation; written under the
@@ -52,6 +57,8 @@ impl<U: GrowInPlace> Space<U> {
             keep_unmapped: <U as GrowInPlace>::keep_unmapped,
             save: <U as GrowInPlace>::save_at,
             wake: <U as GrowInPlace>::wake_at,
+            prepare: <U as GrowInPlace>::prepare_host_memory,
+            is_staging: <U as GrowInPlace>::is_staging_buffer,
             synchronize: <U as GrowInPlace>::synchronize,
             config,
             asleep: AtomicBool::new(false),

@@ -5,11 +5,13 @@
 
 use super::VirtualPool;
 use super::grow::{Mapped, Space};
-use super::slept::{SleepMode, Slept};
+use super::slept::{self, SleepMode, Slept};
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::suballoc::coalescing::GrowthState;
 use crate::sync::atomic::Ordering;
+use crate::upstream::HostCopy;
+use crate::upstream::virtual_memory::Granules;
 
 /// The most bytes copied or mapped in one piece: a wake maps the next piece while the
 /// last one's contents are copied back. (Small in the tests, so that their pools have
@@ -134,20 +136,7 @@ impl<U: Resource> VirtualPool<U> {
         let host = self.core.host_list();
         self.core.release_down_to(growth, host, 0)?;
         let trimmed = start.elapsed();
-        let g = space.granularity;
-        let piece = PIECE.next_multiple_of(g);
-        let pieces: Vec<(usize, usize)> = growth
-            .memory
-            .mapped
-            .mapped_runs()
-            .into_iter()
-            .flat_map(|(first, n)| {
-                let (start, end) = (space.base + first * g, space.base + (first + n) * g);
-                (start..end)
-                    .step_by(piece)
-                    .map(move |addr| (addr, piece.min(end - addr)))
-            })
-            .collect();
+        let pieces = pieces(space, &growth.memory.mapped);
         let copies = match mode {
             SleepMode::Discard => Vec::new(),
             // SAFETY: mapped by the pool; all work on the device is done (waited for
@@ -222,8 +211,107 @@ impl<U: Resource> VirtualPool<U> {
         Ok(size)
     }
 
+    /// Makes ahead the host memory that an offloading [`sleep`](Self::sleep) of what the
+    /// pool holds now would make: host copies (pageable, as many bytes as the pool
+    /// holds, their pages backed now, on as many threads as a sleep copies on) and the
+    /// pinned staging buffers, less what the pool keeps already (an earlier sleep's, or
+    /// an earlier call's). Returns the bytes made. The first sleep then only copies,
+    /// as later ones do: backing fresh host memory runs far slower than copying into it
+    /// on some machines (in virtual machines that hand memory back to their host), and
+    /// it costs the host memory from now on rather than from the sleep.
+    ///
+    /// The memory counts in [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes)
+    /// and stays until [`trim`](Self::trim) (which frees it) or the drop; memory the pool
+    /// maps later is copied into new host memory when it sleeps. The pool serves
+    /// allocations meanwhile (the memory is made outside its locks).
+    ///
+    /// [`Error::InvalidArgument`] for a sleeping pool; [`Error::OutOfMemory`] when the host
+    /// lacks the room (nothing is kept then); [`Error::Unsupported`] for an upstream that
+    /// cannot copy to the host.
+    ///
+    /// ```
+    /// use memres::{Resource, StreamRef, VirtualPoolConfig, layout, suballoc::SleepMode, upstream::HostVirtual};
+    ///
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.virtual_pool(VirtualPoolConfig::new())?;
+    /// let l = layout(1 << 20)?;
+    /// let p = pool.allocate(StreamRef::HOST, l)?;
+    /// let made = pool.prepare_offload()?;
+    /// assert!(made >= 1 << 20, "a copy of the pool and its staging buffers");
+    /// assert_eq!(pool.prepare_offload()?, 0, "made already");
+    /// // SAFETY: nothing touches the block until the pool wakes.
+    /// unsafe { pool.sleep(SleepMode::Offload)? };
+    /// assert_eq!(pool.stats().host_copy_bytes, made, "the sleep made no more");
+    /// pool.wake()?;
+    /// // SAFETY: allocated above with `l`; not used afterwards.
+    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn prepare_offload(&self) -> Result<usize, Error> {
+        let space = &self.core.holding;
+        let (lens, staging) = {
+            let growth = self.core.lock_growth();
+            if growth.memory.slept.is_some() {
+                return Err(Error::invalid_argument(
+                    "the pool is asleep: prepare_offload() is for an awake pool",
+                ));
+            }
+            let kept = &growth.memory.kept;
+            let staging = kept
+                .iter()
+                .filter(|&c| (space.is_staging)(&self.core.upstream, c))
+                .count();
+            // The pieces a kept copy would hold (as a sleep picks them: the smallest that
+            // holds each) need none.
+            let mut free: Vec<usize> = kept
+                .iter()
+                .filter(|&c| !(space.is_staging)(&self.core.upstream, c))
+                .map(HostCopy::len)
+                .collect();
+            free.sort_unstable();
+            let lens: Vec<usize> = pieces(space, &growth.memory.mapped)
+                .into_iter()
+                .map(|(_, len)| len)
+                .filter(|&len| {
+                    let fit = free.partition_point(|&f| f < len);
+                    let held = fit < free.len();
+                    if held {
+                        free.remove(fit);
+                    }
+                    !held
+                })
+                .collect();
+            (lens, staging)
+        };
+        if lens.is_empty() {
+            return Ok(0); // kept already, or nothing mapped
+        }
+        let made = (space.prepare)(&self.core.upstream, &lens, staging)?;
+        let bytes = slept::bytes(&made);
+        self.core.lock_growth().memory.kept.extend(made);
+        tracing::debug!(target: "memres::pool", bytes, "memres: host memory made for a sleep");
+        Ok(bytes)
+    }
+
     /// Whether the pool sleeps ([`sleep`](Self::sleep)).
     pub fn is_asleep(&self) -> bool {
         self.core.holding.asleep.load(Ordering::Relaxed)
     }
+}
+
+/// What the pool maps in `mapped`, as `(address, bytes)` in address order: the mapped
+/// runs cut into pieces of at most `PIECE` bytes (whole granules), which a sleep copies
+/// one host copy each.
+fn pieces<U>(space: &Space<U>, mapped: &Granules) -> Vec<(usize, usize)> {
+    let g = space.granularity;
+    let piece = PIECE.next_multiple_of(g);
+    mapped
+        .mapped_runs()
+        .into_iter()
+        .flat_map(|(first, n)| {
+            let (start, end) = (space.base + first * g, space.base + (first + n) * g);
+            (start..end)
+                .step_by(piece)
+                .map(move |addr| (addr, piece.min(end - addr)))
+        })
+        .collect()
 }

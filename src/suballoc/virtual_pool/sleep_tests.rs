@@ -489,3 +489,50 @@ fn a_leaf_refuses_copies_of_unmapped_ranges_and_restores_too_long_for_their_copy
     // SAFETY: allocated above with `l`.
     unsafe { leaf.deallocate_sync(p, l) };
 }
+
+#[test]
+fn host_memory_made_ahead_is_what_the_first_sleep_uses() {
+    let pool = pool();
+    assert_eq!(
+        pool.prepare_offload(),
+        Ok(0),
+        "nothing mapped, nothing made"
+    );
+    let blocks = fill(&pool);
+    // What a sleep would copy: the pool less its free granules (the sleep trims first).
+    pool.trim().unwrap();
+    let held = pool.stats().pool_size;
+    let made = pool.prepare_offload().unwrap();
+    assert_eq!(
+        staging_bytes(&pool, held),
+        made - held,
+        "copies of all it holds"
+    );
+    assert!(made > held, "and staging buffers");
+    assert_eq!(pool.prepare_offload(), Ok(0), "made already");
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    assert!(
+        pool.stats().host_copy_bytes <= held + 8 * CHUNK,
+        "the sleep made no more copies"
+    );
+    assert!(matches!(
+        pool.prepare_offload(),
+        Err(Error::InvalidArgument(_))
+    ));
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    // Memory mapped later gets its own when the pool sleeps: prepared now too.
+    let l = layout(3 << 20).unwrap();
+    let extra = pool.allocate(StreamRef::HOST, l).unwrap();
+    let grown = pool.stats().pool_size - held;
+    assert!(grown >= 3 << 20);
+    assert_eq!(pool.prepare_offload().map(|m| m >= grown), Ok(true));
+    // SAFETY: allocated above with `l`; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, extra, l) };
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees it");
+}

@@ -224,6 +224,30 @@ pub unsafe trait GrowInPlace: Resource {
         Ok(())
     }
 
+    /// Host memory for later [`save_at`](Self::save_at)s, made now: a copy of `len` bytes
+    /// for each of `copies` (pageable, its pages backed now), and the staging buffers a
+    /// save of them uses, less the `staging` buffers the caller keeps already
+    /// ([`is_staging_buffer`](Self::is_staging_buffer)). For a pool that makes ahead what
+    /// its first offloading sleep would otherwise make while it sleeps. The default:
+    /// [`Error::Unsupported`].
+    fn prepare_host_memory(
+        &self,
+        copies: &[usize],
+        staging: usize,
+    ) -> Result<Vec<HostCopy>, Error> {
+        let _ = (copies, staging);
+        Err(Error::unsupported(
+            "this resource cannot copy its memory to the host",
+        ))
+    }
+
+    /// Whether `copy` (from [`save_at`](Self::save_at)'s spares) is a staging buffer
+    /// rather than a copy. The default: never.
+    fn is_staging_buffer(&self, copy: &HostCopy) -> bool {
+        let _ = copy;
+        false
+    }
+
     /// Waits until all work on the memory's device is done, on every stream (before a
     /// pool that sleeps copies or unmaps its memory). The default:
     /// [`Error::Unsupported`].
@@ -488,6 +512,18 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
         // (the caller's promise); `map_at` refuses ranges that are not whole unmapped
         // granules before anything is copied into them.
         unsafe { staged::wake(self, ranges, copies, spare) }
+    }
+
+    fn prepare_host_memory(
+        &self,
+        copies: &[usize],
+        staging: usize,
+    ) -> Result<Vec<HostCopy>, Error> {
+        staged::prepare(&self.backend, copies, staging)
+    }
+
+    fn is_staging_buffer(&self, copy: &HostCopy) -> bool {
+        staged::is_staging(copy)
     }
 
     fn synchronize(&self) -> Result<(), Error> {

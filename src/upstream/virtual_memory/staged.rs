@@ -460,11 +460,65 @@ pub(super) unsafe fn wake<B: Backend>(
     Err(e)
 }
 
+/// Host memory made ahead of a sleep (see [`GrowInPlace::prepare_host_memory`]): a copy
+/// of each of `lens` bytes, its pages backed now by threads writing them, and as many
+/// staging buffers as a sleep of them uses, less `staging` already kept.
+pub(super) fn prepare<B: Backend>(
+    backend: &B,
+    lens: &[usize],
+    staging: usize,
+) -> Result<Vec<HostCopy>, Error> {
+    let new: usize = lens.iter().sum();
+    if super::host_copy::available().is_some_and(|room| room < new) {
+        return Err(Error::out_of_memory(new));
+    }
+    let copies = lens
+        .iter()
+        .map(|&len| HostCopy::pages(len))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Each copy as a range at address 0: the chunks say where in which copy to write.
+    let ranges: Vec<(usize, usize)> = lens.iter().map(|&len| (0, len)).collect();
+    let chunks = chunks(&ranges, CHUNK);
+    let next = AtomicUsize::new(0);
+    let back = |c: Chunk| {
+        let at = copies[c.range].as_ptr();
+        for offset in (c.offset..c.offset + c.len).step_by(4096) {
+            // SAFETY: inside the copy (`chunks` cut `c` from its length), written by
+            // this thread alone (each chunk is taken once); a write backs the page.
+            unsafe { at.add(offset).write_volatile(0) };
+        }
+    };
+    let workers = threads(chunks.len(), Direction::Out);
+    std::thread::scope(|scope| {
+        let work = || {
+            while let Some(&c) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                back(c);
+            }
+        };
+        for _ in 1..workers {
+            // A thread that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload".into())
+                .spawn_scoped(scope, work);
+        }
+        work();
+    });
+    let wanted = 2 * workers;
+    let mut made = copies;
+    for _ in staging.min(wanted)..wanted {
+        made.push(backend.staging(CHUNK)?);
+    }
+    Ok(made)
+}
+
+/// Whether `copy` is a staging buffer that a sleep or wake would take from the spares.
+pub(super) fn is_staging(copy: &HostCopy) -> bool {
+    !copy.is_pageable() && copy.len() >= CHUNK
+}
+
 /// The staging buffers among `spare` (an earlier sleep's or wake's), taken out of it.
 fn take_staging(spare: &mut Vec<HostCopy>) -> Vec<HostCopy> {
-    let (staging, copies) = std::mem::take(spare)
-        .into_iter()
-        .partition(|c| !c.is_pageable() && c.len() >= CHUNK);
+    let (staging, copies) = std::mem::take(spare).into_iter().partition(is_staging);
     *spare = copies;
     staging
 }
