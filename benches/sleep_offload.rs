@@ -5,8 +5,9 @@
 //! The pool holds `GIB` buffers of 1 GiB (default 20), every 8-byte word a function of its
 //! place; each offload round checks every word after the wake. Rounds: a first sleep (the
 //! pool holds no host memory), a second (it uses the host copies and staging buffers the
-//! first wake kept), `trim` (frees them), another first sleep and second, and a discard
-//! round (what unmapping and mapping alone cost). The copy limit is a pinned-to-device
+//! first wake kept), `trim` (frees them), another first sleep, `trim`,
+//! `prepare_offload` (the host memory made ahead, timed), a first sleep after it, and a
+//! discard round (what unmapping and mapping alone cost). The copy limit is a pinned-to-device
 //! copy of 1 GiB, measured in the same process. Exits 1 when a word differs or the GPU
 //! cannot be used.
 //!
@@ -46,6 +47,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// One step of the rounds.
+enum Step {
+    Sleep(&'static str, SleepMode),
+    Trim,
+    Prepare,
 }
 
 /// Word `k` of buffer `i`: differs from word to word and from buffer to buffer, so a
@@ -92,22 +100,38 @@ fn run(gib: usize) -> Result<bool, Error> {
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let mut right = true;
     let rounds = [
-        ("offload, first", Some(SleepMode::Offload)),
-        ("offload again (host memory kept)", Some(SleepMode::Offload)),
-        ("trim", None),
-        ("offload, first after trim", Some(SleepMode::Offload)),
-        ("offload again (host memory kept)", Some(SleepMode::Offload)),
-        ("discard", Some(SleepMode::Discard)),
+        Step::Sleep("offload, first", SleepMode::Offload),
+        Step::Sleep("offload again (host memory kept)", SleepMode::Offload),
+        Step::Trim,
+        Step::Sleep("offload, first after trim", SleepMode::Offload),
+        Step::Trim,
+        Step::Prepare,
+        Step::Sleep("offload, first after prepare_offload", SleepMode::Offload),
+        Step::Sleep("discard", SleepMode::Discard),
     ];
-    for (label, mode) in rounds {
-        let Some(mode) = mode else {
-            pool.trim()?;
-            let kept = pool.stats().host_copy_bytes;
-            if kept != 0 {
-                println!("FAILED: trim left {kept} bytes of host memory");
-                right = false;
+    for step in rounds {
+        let (label, mode) = match step {
+            Step::Sleep(label, mode) => (label, mode),
+            Step::Trim => {
+                pool.trim()?;
+                let kept = pool.stats().host_copy_bytes;
+                if kept != 0 {
+                    println!("FAILED: trim left {kept} bytes of host memory");
+                    right = false;
+                }
+                continue;
             }
-            continue;
+            Step::Prepare => {
+                let t0 = Instant::now();
+                let made = pool.prepare_offload()?;
+                let s = t0.elapsed().as_secs_f64();
+                let g = made as f64 / GIB as f64;
+                println!(
+                    "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | | |",
+                    g / s
+                );
+                continue;
+            }
         };
         let t0 = Instant::now();
         // SAFETY: no work uses the buffers until the pool wakes (the default stream was

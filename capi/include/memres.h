@@ -212,6 +212,14 @@ int memres_reset_peak(int device);
 int memres_set_tag(const char* tag);
 int64_t memres_sleep(int device, const char* tag, int mode);
 int64_t memres_wake(int device, const char* tag);
+/* Makes ahead, for the awake pools of tag on device (NULL: every awake pool that can
+   sleep), the host memory a MEMRES_SLEEP_OFFLOAD of what they hold now would make: the
+   copies (pageable, their pages backed now) and the pinned staging buffers, less what
+   they keep already; the first sleep then only copies. Returns the bytes made; the
+   memory stays until memres_trim (counted in pool_host_copy_bytes). A sleeping pool
+   named is MEMRES_ERROR_INVALID_ARGUMENT, too little host memory
+   MEMRES_ERROR_OUT_OF_MEMORY. */
+int64_t memres_prepare_offload(int device, const char* tag);
 /* 1 if the pool of tag on device sleeps (for "default", any of the stack's in-place
    pools), 0 if it is awake; MEMRES_ERROR_INVALID_ARGUMENT for a tag with no memory on
    device ("default": the device's own stack).

@@ -33,7 +33,9 @@ pub use segment_pools::{
     memres_segment_pool_record_stream, memres_segment_pool_release_free,
     memres_segment_pool_restore, memres_segment_pool_segment_of, memres_segment_pool_settle,
 };
-pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};
+pub use tags::{
+    memres_is_asleep, memres_prepare_offload, memres_set_tag, memres_sleep, memres_wake,
+};
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};

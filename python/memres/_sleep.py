@@ -183,3 +183,24 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     for name in names:
         mapped += check(lib().memres_wake(device, _c(name)))
     return mapped
+
+
+def prepare_offload(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
+    """Makes ahead the host memory that ``memres.sleep(tags, mode="offload")`` would make
+    for what the pools hold now: the copies (pageable, their pages backed now, on several
+    threads) and the pinned staging buffers, less what they keep already; returns the
+    bytes made. The first offloading sleep then only copies, as later ones do (backing
+    fresh host memory is far slower than copying into it on some machines). ``None``:
+    every awake pool that can sleep. The memory stays while the pools are awake, until
+    :func:`memres.trim` or ``torch.cuda.empty_cache()``; raises :class:`MemresError`
+    for a sleeping pool named, or when the host lacks the room.
+
+    >>> memres.prepare_offload("weights")
+    """
+    names: List[Optional[str]] = [None] if tags is None else list(
+        _names(tags, "memres.prepare_offload(): tags"))
+    device = device_ordinal(device, "memres.prepare_offload(): device")
+    made = 0
+    for name in names:
+        made += check(lib().memres_prepare_offload(device, _c(name)))
+    return made
