@@ -89,19 +89,16 @@ impl HostCopy {
         if raw == libc::MAP_FAILED {
             return Err(Error::out_of_memory(len));
         }
-        let start = raw.addr().next_multiple_of(HUGE_PAGE);
-        // SAFETY: `start..start + size` lies inside the mapping just made
-        // (`start < raw + HUGE_PAGE`); the advice only changes how it is backed, and a
-        // kernel without transparent huge pages refuses it, which costs nothing.
-        unsafe {
-            libc::madvise(
-                std::ptr::with_exposed_provenance_mut(start),
-                size,
-                libc::MADV_HUGEPAGE,
-            )
-        };
-        let ptr = NonNull::new(std::ptr::with_exposed_provenance_mut(start))
-            .ok_or_else(|| Error::out_of_memory(len))?;
+        // The first huge-page boundary in the mapping: `size` bytes from it still lie in
+        // the mapping, which is `HUGE_PAGE` longer.
+        let start = raw
+            .cast::<u8>()
+            .wrapping_add(raw.addr().next_multiple_of(HUGE_PAGE) - raw.addr());
+        // SAFETY: `start..start + size` lies inside the mapping just made (above); the
+        // advice only changes how it is backed, and a kernel without transparent huge
+        // pages refuses it, which costs nothing.
+        unsafe { libc::madvise(start.cast(), size, libc::MADV_HUGEPAGE) };
+        let ptr = NonNull::new(start).ok_or_else(|| Error::out_of_memory(len))?;
         Ok(HostCopy {
             ptr,
             layout,

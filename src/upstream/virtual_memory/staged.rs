@@ -16,7 +16,9 @@
 //! a thread fills a buffer from the copy and has the device copy it to the chunk's
 //! address once its range is mapped, while the calling thread maps the next ranges. The
 //! staging buffers (two a thread: at most `2 × 16 × 4 MiB` = 128 MiB) and the copies go
-//! back to the caller's spares, for the next sleep and wake.
+//! back to the caller's spares, for the next sleep and wake. Backing fresh pages may still
+//! be slow (in a virtual machine that hands freed memory back to its host), so [`prepare`]
+//! makes both ahead of a sleep, the copies' pages backed by threads writing them.
 //!
 //! Threads take chunks in order from one counter. One that fails records its error and
 //! raises `stop`, which the others check before each chunk (and which wakes those waiting
