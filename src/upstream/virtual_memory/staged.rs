@@ -77,22 +77,24 @@ pub(crate) fn chunks(ranges: &[(usize, usize)], chunk: usize) -> Vec<Chunk> {
 /// calling thread maps meanwhile; at most 16, at least 1, and no more than there are
 /// chunks.
 fn threads(chunks: usize, direction: Direction) -> usize {
-    let default = || {
-        let cores = if cfg!(test) {
-            4
-        } else {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        };
-        match direction {
-            Direction::Out => cores,
-            Direction::In => cores - 1,
-        }
+    let cores = if cfg!(test) {
+        4
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
     };
-    std::env::var(THREADS_VARIABLE)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
+    let set = std::env::var(THREADS_VARIABLE).ok();
+    thread_count(set.as_deref(), cores, chunks, direction)
+}
+
+/// [`threads`] given the variable's value (if set) and the cores.
+fn thread_count(set: Option<&str>, cores: usize, chunks: usize, direction: Direction) -> usize {
+    let default = match direction {
+        Direction::Out => cores,
+        Direction::In => cores.saturating_sub(1),
+    };
+    set.and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n > 0)
-        .unwrap_or_else(default)
+        .unwrap_or(default)
         .min(MAX_THREADS)
         .min(chunks)
         .max(1)
@@ -527,7 +529,27 @@ fn take_staging(spare: &mut Vec<HostCopy>) -> Vec<HostCopy> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Chunk, chunks};
+    use super::{Chunk, Direction, chunks, thread_count};
+
+    #[test]
+    fn threads_follow_the_cores_or_the_variable_within_1_to_16_and_the_chunks() {
+        let (out, into) = (Direction::Out, Direction::In);
+        assert_eq!(thread_count(None, 16, 1000, out), 16);
+        assert_eq!(thread_count(None, 16, 1000, into), 15, "one core maps");
+        assert_eq!(thread_count(None, 64, 1000, out), 16, "at most 16");
+        assert_eq!(thread_count(None, 1, 1000, into), 1, "at least 1");
+        assert_eq!(thread_count(None, 16, 3, out), 3, "no more than the chunks");
+        assert_eq!(thread_count(None, 16, 0, out), 1);
+        assert_eq!(thread_count(Some(" 8 "), 16, 1000, into), 8, "the variable");
+        assert_eq!(thread_count(Some("99"), 16, 1000, out), 16);
+        for junk in ["0", "-3", "many", ""] {
+            assert_eq!(
+                thread_count(Some(junk), 16, 1000, out),
+                16,
+                "{junk:?} ignored"
+            );
+        }
+    }
 
     #[test]
     fn ranges_are_cut_into_chunks_in_order_with_short_last_ones() {
