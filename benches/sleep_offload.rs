@@ -228,8 +228,20 @@ fn run_host(gib: usize) -> Result<bool, Error> {
     for (label, mode) in [
         ("offload, first", SleepMode::Offload),
         ("offload again (host memory kept)", SleepMode::Offload),
+        ("offload, first after prepare_offload", SleepMode::Offload),
         ("discard", SleepMode::Discard),
     ] {
+        if label.ends_with("prepare_offload") {
+            pool.trim()?;
+            let t0 = Instant::now();
+            let made = pool.prepare_offload()?;
+            let s = t0.elapsed().as_secs_f64();
+            let g = made as f64 / GIB as f64;
+            println!(
+                "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | |",
+                g / s
+            );
+        }
         let t0 = Instant::now();
         // SAFETY: nothing touches the blocks until the pool wakes.
         let released = unsafe { pool.sleep(mode) }?;

@@ -236,68 +236,7 @@ fn copy_on_thread<B: Backend>(
     direction: Direction,
 ) {
     let mut slots: Vec<Slot<B::Lane>> = Vec::with_capacity(2);
-    let mut turn = 0usize;
-    let worked = (|| {
-        while let Some(c) = shared.take() {
-            if matches!(direction, Direction::In) && !shared.wait_mapped(c.range) {
-                break;
-            }
-            let i = turn % 2;
-            turn += 1;
-            if slots.len() <= i {
-                slots.push(Slot {
-                    lane: backend.lane()?,
-                    buffer: shared.buffer(backend)?,
-                    pending: None,
-                });
-            }
-            let slot = &mut slots[i];
-            if let Some(done) = slot.pending.take() {
-                backend.finish(&slot.lane)?;
-                if let Direction::Out = direction {
-                    // SAFETY: the lane's copy into the buffer is done (waited for just
-                    // above); `done` lies in its range's copy (`chunks` cut it from the
-                    // range, whose copy holds the range) and no other thread writes there.
-                    unsafe { unstage(&slot.buffer, copies, done) };
-                }
-            }
-            let buffer = slot.buffer.as_ptr();
-            match direction {
-                // SAFETY: the chunk lies in a mapped range that nothing writes to (the
-                // caller's promise); the buffer holds `CHUNK >= c.len` bytes, is this
-                // slot's alone and is not read until the lane is waited for.
-                Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
-                Direction::In => {
-                    let from = &copies[c.range];
-                    // SAFETY: the chunk lies in its range's copy (as above), which nothing
-                    // writes to while a wake runs; the buffer holds `CHUNK >= c.len` bytes
-                    // and its lane's last copy out of it is done (waited for above).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(from.as_ptr().add(c.offset), buffer, c.len)
-                    };
-                    // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else
-                    // uses it (the caller's promise); the buffer is unwritten until the
-                    // lane is waited for (next turn of this slot, or below).
-                    unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
-                }
-            }
-            slot.pending = Some(c);
-        }
-        // The chunks still in the buffers, older first.
-        for k in 0..slots.len() {
-            let n = slots.len();
-            let slot = &mut slots[(turn + k) % n];
-            if let Some(done) = slot.pending.take() {
-                backend.finish(&slot.lane)?;
-                if let Direction::Out = direction {
-                    // SAFETY: as in the loop: the copy into the buffer is done.
-                    unsafe { unstage(&slot.buffer, copies, done) };
-                }
-            }
-        }
-        Ok(())
-    })();
-    if let Err(e) = worked {
+    if let Err(e) = copy_chunks(backend, shared, copies, direction, &mut slots) {
         shared.fail(e);
     }
     for slot in slots {
@@ -313,6 +252,84 @@ fn copy_on_thread<B: Backend>(
             }
         }
     }
+}
+
+/// [`copy_on_thread`]'s chunks, through `slots` (made as they are first needed), until
+/// none are left, a thread failed or this one fails; every chunk asked for is done when
+/// it returns `Ok`.
+fn copy_chunks<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    slots: &mut Vec<Slot<B::Lane>>,
+) -> Result<(), Error> {
+    let mut turn = 0usize;
+    while let Some(c) = shared.take() {
+        if matches!(direction, Direction::In) && !shared.wait_mapped(c.range) {
+            break;
+        }
+        let i = turn % 2;
+        turn += 1;
+        if slots.len() <= i {
+            slots.push(Slot {
+                lane: backend.lane()?,
+                buffer: shared.buffer(backend)?,
+                pending: None,
+            });
+        }
+        let slot = &mut slots[i];
+        complete(backend, slot, copies, direction)?;
+        let buffer = slot.buffer.as_ptr();
+        match direction {
+            // SAFETY: the chunk lies in a mapped range that nothing writes to (the
+            // caller's promise); the buffer holds `CHUNK >= c.len` bytes, is this slot's
+            // alone and is not read until the lane is waited for.
+            Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
+            Direction::In => {
+                let from = &copies[c.range];
+                // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the
+                // range, whose copy holds the range), which nothing writes to while a
+                // wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's last
+                // copy out of it is done (`complete`).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(from.as_ptr().add(c.offset), buffer, c.len)
+                };
+                // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else uses
+                // it (the caller's promise); the buffer is unwritten until the lane is
+                // waited for (this slot's next turn, or below).
+                unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
+            }
+        }
+        slot.pending = Some(c);
+    }
+    // The chunks still in the buffers, older first.
+    let n = slots.len();
+    for k in 0..n {
+        complete(backend, &mut slots[(turn + k) % n], copies, direction)?;
+    }
+    Ok(())
+}
+
+/// Waits for the copy of `slot`'s chunk, if any, and (for a sleep) moves the chunk out of
+/// the buffer into its copy: the buffer is free again.
+fn complete<B: Backend>(
+    backend: &B,
+    slot: &mut Slot<B::Lane>,
+    copies: &[HostCopy],
+    direction: Direction,
+) -> Result<(), Error> {
+    let Some(done) = slot.pending.take() else {
+        return Ok(());
+    };
+    backend.finish(&slot.lane)?;
+    if let Direction::Out = direction {
+        // SAFETY: the lane's copy into the buffer is done (waited for just above); `done`
+        // lies in its range's copy (`chunks` cut it from the range, whose copy holds the
+        // range) and no other thread writes there (each chunk is taken once).
+        unsafe { unstage(&slot.buffer, copies, done) };
+    }
+    Ok(())
 }
 
 /// Copies chunk `c` out of `buffer` into its place in its range's copy.
