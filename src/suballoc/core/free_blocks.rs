@@ -229,6 +229,12 @@ impl FreeBlocks {
         };
     }
 
+    /// The size of the free block that begins at `addr`, if one does.
+    pub(crate) fn size_starting_at(&self, addr: usize) -> Option<usize> {
+        let i = self.by_start.get(&addr)?.index();
+        Some(self.nodes[i as usize].size)
+    }
+
     /// Removes the block that begins at `addr` (which must be in the list).
     pub(crate) fn remove_starting_at(&mut self, addr: usize) -> Option<FreeBlock> {
         let i = self.by_start.get(&addr)?.index();
