@@ -1013,14 +1013,38 @@ impl<U: Resource> Drop for SegmentPool<U> {
         // Held blocks' streams may still use them: their work first.
         self.settle(Settle::Wait);
         let table = std::mem::take(&mut *lock(&self.table));
+        // The segments' streams may be gone by now (a program destroys a stream once its
+        // own work is done, and a segment outlives the blocks made on it): the devices
+        // are waited for instead, once each, and the segments go back on the host stream.
+        // A device that cannot be waited for keeps its segments (leaked, never freed
+        // while work may use them).
+        let mut waited: Vec<(Context, bool)> = Vec::new();
         for segment in table.segments {
-            // Its blocks' work is ordered on its stream (frees from other streams were
-            // ordered there too), so the segment goes back freed on that stream.
-            // SAFETY: taken from the upstream with this layout on this stream, which
-            // stays valid while the pool holds the segment.
+            let done = match segment.ctx {
+                None => true,
+                Some(ctx) => match waited.iter().find(|(c, _)| *c == ctx) {
+                    Some(&(_, done)) => done,
+                    None => {
+                        let done = ctx.synchronize().is_ok();
+                        waited.push((ctx, done));
+                        done
+                    }
+                },
+            };
+            if !done {
+                tracing::error!(
+                    "a segment pool could not wait for its device at drop: a segment of {} \
+                     bytes is left to the process",
+                    segment.size
+                );
+                continue;
+            }
+            // SAFETY: taken from the upstream with this layout; no work uses it any more
+            // (the held blocks were settled above and its device waited for), so it may
+            // be freed on the host stream.
             unsafe {
                 self.upstream
-                    .deallocate(segment.stream, segment.at(0), segment.layout())
+                    .deallocate(StreamRef::HOST, segment.at(0), segment.layout())
             };
         }
     }
