@@ -382,6 +382,7 @@ impl<U: Resource> Arena<U> {
             }
             return Err(e);
         }
+        let superblocks = taken.len();
         let mut bytes = 0;
         for (_, block) in taken {
             self.table.clear(block.addr);
@@ -389,6 +390,12 @@ impl<U: Resource> Arena<U> {
             bytes += block.size;
             global.free.insert(self.block(block.addr, block.size));
         }
+        tracing::debug!(
+            target: "memres::arena",
+            superblocks,
+            bytes,
+            "memres: arena defragmented (idle streams' superblocks back to the global arena)"
+        );
         Ok(bytes)
     }
 
