@@ -1,7 +1,6 @@
 //! [`Arena`]: RMM's arena allocator: one global arena of superblocks, per-stream arenas.
 
 use std::alloc::Layout;
-use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::ptr::{self, NonNull};
 
@@ -14,6 +13,7 @@ use super::core::list_table::{List, ListTable, synchronize};
 use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
+use crate::addr_map::AddrMap;
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
@@ -34,7 +34,7 @@ pub(crate) struct Global {
     /// idle stream's whole superblock is found here, not by a scan of every list
     /// (issue 51: with 16,384 streams over 64 superblocks each new stream's superblock
     /// cost a look at all 16,384 lists, 10 us for its first allocation).
-    owners: HashMap<usize, StreamKey>,
+    owners: AddrMap<StreamKey>,
 }
 
 /// Superblocks one stream gave back, waiting for its work. (Found by the stream's handle,
@@ -776,7 +776,7 @@ mod tests {
     /// each with the list it was given to.
     fn owners_match_the_table(arena: &Arena<HostHeap>) {
         let global = lock(&arena.global);
-        let mut owned: Vec<usize> = global.owners.keys().copied().collect();
+        let mut owned: Vec<usize> = global.owners.iter().map(|(&sb, _)| sb).collect();
         let mut held: Vec<usize> = arena.table.iter().map(|(sb, _)| sb).collect();
         owned.sort_unstable();
         held.sort_unstable();
