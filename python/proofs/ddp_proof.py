@@ -1,8 +1,9 @@
 """GPT-2 trained data-parallel (DDP, NCCL, one process per GPU) under PyTorch's caching
-allocator and under memres, same seeds: losses, per-rank peak memory and step time.
+allocator (as it is, and with expandable_segments:True) and under memres, same seeds:
+losses, per-rank peak memory and step time.
 
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
-    python3 python/proofs/ddp_proof.py [--gpus N] [--steps 40] [--no-deterministic]
+    python3 python/proofs/ddp_proof.py [--gpus N] [--steps 40] [--no-deterministic] [--rounds R]
 
 N defaults to every visible GPU (1 works too: NCCL with one rank). Each allocator runs as
 its own group of N processes (rank r on GPU r, env:// rendezvous on localhost). Under
@@ -21,6 +22,11 @@ ranks, the tokens from a generator of (rank, step). With deterministic algorithm
 all-reduce over a fixed set of ranks) rank 0's losses must equal PyTorch's bit for bit.
 Peak memory is cudaMemGetInfo's "used" after each step less what was used before the
 rank's CUDA work, next to the allocator's peak live bytes.
+
+--rounds R (default 1) runs R rounds, each a group per allocator, alternating which goes
+first, and prints every round's median step per allocator (rank 0's; the ranks wait for
+each other every step), so that step times compare in pairs on the same machine. Losses
+are checked in every round.
 """
 
 import argparse
@@ -32,7 +38,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("torch", "memres")
+MODES = ("torch", "expandable", "memres")
 
 
 def rank_main(mode, steps, deterministic):
@@ -111,6 +117,8 @@ def run_group(mode, gpus, steps, deterministic):
         # use (on its own stream) unless told to avoid it: the native backend's
         # record_stream path is exercised under memres.
         env.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")
+        if mode == "expandable":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         if deterministic:
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         args = [sys.executable, os.path.abspath(__file__), "--rank", mode, str(steps)]
@@ -132,28 +140,36 @@ def main():
     p.add_argument("--gpus", type=int, default=0, help="ranks (default: every visible GPU)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--no-deterministic", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="groups per allocator, alternating")
     a = p.parse_args()
     import torch
 
     gpus = a.gpus or torch.cuda.device_count()
     deterministic = not a.no_deterministic
     print(f"{gpus} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; nccl {torch.cuda.nccl.version()}")
-    runs = {mode: run_group(mode, gpus, a.steps, deterministic) for mode in MODES}
-    failures = []
+    failures, rounds = [], []
+    for n in range(max(1, a.rounds)):
+        order = MODES if n % 2 == 0 else MODES[::-1]
+        runs = {mode: run_group(mode, gpus, a.steps, deterministic) for mode in order}
+        rounds.append(runs)
+        for mode in MODES:
+            for r in runs[mode]:
+                print(
+                    f"round {n} {mode:7s} rank {r['rank']}: peak used {r['peak_device_used'] / 2**30:7.3f} GiB  "
+                    f"peak live {r['peak_live'] / 2**30:7.3f} GiB  ratio {r['peak_device_used'] / r['peak_live']:.3f}  "
+                    f"median step {r['median_step_s'] * 1e3:8.2f} ms"
+                )
+        ref, got = runs["torch"][0]["losses"], runs["memres"][0]["losses"]
+        same = ref == got
+        diff = max(abs(x - y) for x, y in zip(ref, got))
+        print(f"round {n}: rank 0 losses under memres {'bit for bit equal to' if same else f'differ (max {diff:.3g}) from'} PyTorch's")
+        if deterministic and not same:
+            failures.append(f"losses differ in deterministic round {n}")
     for mode in MODES:
-        for r in runs[mode]:
-            print(
-                f"{mode:7s} rank {r['rank']}: peak used {r['peak_device_used'] / 2**30:7.3f} GiB  "
-                f"peak live {r['peak_live'] / 2**30:7.3f} GiB  ratio {r['peak_device_used'] / r['peak_live']:.3f}  "
-                f"median step {r['median_step_s'] * 1e3:8.2f} ms"
-            )
-    ref, got = runs["torch"][0]["losses"], runs["memres"][0]["losses"]
-    same = ref == got
-    diff = max(abs(x - y) for x, y in zip(ref, got))
-    print(f"rank 0 losses under memres {'bit for bit equal to' if same else f'differ (max {diff:.3g}) from'} PyTorch's")
-    if deterministic and not same:
-        failures.append("losses differ in a deterministic run")
-    print(json.dumps({"gpus": gpus, "steps": a.steps, "deterministic": deterministic, "runs": runs, "losses_equal": same}))
+        steps = [f"{runs[mode][0]['median_step_s'] * 1e3:.2f}" for runs in rounds]
+        print(f"{mode:7s} rank 0 median step by round (ms): {' / '.join(steps)}")
+    same = all(runs["torch"][0]["losses"] == runs["memres"][0]["losses"] for runs in rounds)
+    print(json.dumps({"gpus": gpus, "steps": a.steps, "deterministic": deterministic, "runs": rounds[0], "rounds": rounds, "losses_equal": same}))
     if failures:
         print("FAILED: " + "; ".join(failures))
         raise SystemExit(1)
