@@ -370,6 +370,10 @@ impl<U: Resource> Arena<U> {
                 && let Some(block) = s.free.remove_starting_at(sb)
             {
                 taken.push((list, block));
+                // An idle stream's list holds nothing now: its index goes to the next
+                // list that needs one (`free_blocks::spare_tables`), so many streams'
+                // lists cost their inline fields, not an index each.
+                s.free.release_memory();
             }
         }
         if taken.is_empty() {

@@ -18,6 +18,55 @@ const SUB_BITS: u32 = 4;
 /// Groups of 16 classes; the first is the linear range, the others one power of two each.
 const GROUPS: usize = 56;
 const CLASSES: usize = GROUPS * LINEAR;
+/// Empty [`FreeBlocks`] of lists that gave their memory back, class table made (every
+/// sentinel pointing at itself) and vectors and maps keeping their room, for the next
+/// list that needs them. A class table is 7 KiB, and making one was most of a new
+/// stream's first allocation in an arena (the heap's fresh pages faulted in, then
+/// written); an arena going round many streams empties one list as it fills another,
+/// so what is taken here was just used, in the cache, and needs no allocation. Per
+/// thread (no lock), at most [`spare_tables::KEEP`]; a thread's are freed when it exits.
+mod spare_tables {
+    use super::FreeBlocks;
+
+    /// The most a thread keeps (an arena hands out up to 64 superblocks between two
+    /// returns of idle streams' ones).
+    pub(super) const KEEP: usize = 64;
+
+    #[cfg(not(memres_loom))]
+    std::thread_local! {
+        static SPARE: std::cell::RefCell<Vec<FreeBlocks>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Spare empty blocks, if this thread keeps some.
+    pub(super) fn take() -> Option<FreeBlocks> {
+        #[cfg(not(memres_loom))]
+        return SPARE.try_with(|s| s.borrow_mut().pop()).ok().flatten();
+        // Under loom (whose model threads share the process's thread-locals) none are
+        // kept: the models check the lists' protocols, not their memory.
+        #[cfg(memres_loom)]
+        None
+    }
+
+    /// Keeps `spare` (empty, its class table made) for a later list, or frees it when
+    /// this thread keeps enough.
+    pub(super) fn give(spare: FreeBlocks) {
+        #[cfg(not(memres_loom))]
+        {
+            let _ = SPARE.try_with(|s| {
+                let mut s = s.borrow_mut();
+                if s.len() < KEEP {
+                    s.push(spare);
+                }
+            });
+        }
+        #[cfg(memres_loom)]
+        drop(spare);
+    }
+}
+
+/// Node entries the class table has room for when it is made (a stream's list mostly
+/// holds a few blocks).
+const FIRST_NODES: usize = 8;
 /// How many blocks of a request's own size class are tried before a larger class.
 const OWN_CLASS_SCAN: usize = 8;
 /// In an address-ordered list, requests below this many granules (512 KiB) are placed by
@@ -39,7 +88,7 @@ pub(crate) struct FreeBlock {
 
 /// A place in a class list: a class's sentinel or a block's entry (see
 /// [`FreeBlocks::lists`]), by index into that vector.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Link {
     prev: u32,
     next: u32,
@@ -223,10 +272,27 @@ impl FreeBlocks {
             .regions
             .as_ref()
             .map(|r| Box::new(Regions::new(r.base())));
-        *self = FreeBlocks {
-            regions,
-            ..FreeBlocks::default()
-        };
+        let mut spare = std::mem::replace(
+            self,
+            FreeBlocks {
+                regions,
+                ..FreeBlocks::default()
+            },
+        );
+        if spare.lists.len() >= CLASSES {
+            // No node is linked, so every class's sentinel points at itself again: the
+            // table is as `make_lists` makes it once the nodes' entries are cut off. The
+            // other vectors and maps are empty and keep their room.
+            spare.lists.truncate(CLASSES);
+            debug_assert!(
+                (0..CLASSES as u32).all(|c| spare.lists[c as usize] == Link { prev: c, next: c })
+            );
+            spare.nodes.clear();
+            spare.spare.clear();
+            spare.links.clear();
+            spare.regions = None;
+            spare_tables::give(spare);
+        }
     }
 
     /// The size of the free block that begins at `addr`, if one does.
@@ -472,8 +538,20 @@ impl FreeBlocks {
     /// lists go only with the nodes (`drain`, `release_memory`), so there are none yet.
     #[cold]
     fn make_lists(&mut self) {
-        debug_assert!(self.nodes.is_empty());
+        debug_assert!(self.nodes.is_empty() && self.by_start.len() == 0);
+        if self.lists.capacity() < CLASSES
+            && let Some(spare) = spare_tables::take()
+        {
+            let regions = self.regions.take();
+            *self = spare;
+            self.regions = regions;
+            return;
+        }
         self.lists.clear(); // keeps the capacity a drained list had
+        // Room for the first few nodes' entries too: with exactly `CLASSES`, the first
+        // block's entry reallocated (and copied) the whole table, the larger part of a
+        // new stream's first allocation in an arena.
+        self.lists.reserve_exact(CLASSES + FIRST_NODES);
         self.lists
             .extend((0..CLASSES as u32).map(|c| Link { prev: c, next: c }));
     }
