@@ -322,7 +322,8 @@ pub unsafe extern "C" fn memres_segment_pool_settle(
 
 /// Writes the pool's table (each segment's blocks in address order, segments in the
 /// order they were taken) into `out`, at most `capacity` entries (`out` may be null with
-/// `capacity` 0), and returns how many there are, or a negative code.
+/// `capacity` 0), and returns how many there are, or a negative code. Linear in the
+/// table's entries.
 ///
 /// # Safety
 /// `pool` is from `memres_segment_pool_new`, not destroyed; `out` is null or has room
@@ -336,20 +337,17 @@ pub unsafe extern "C" fn memres_segment_pool_blocks(
     guarded(i64::from, || {
         // SAFETY: the caller's promise.
         let pool = unsafe { handle(pool, "memres_segment_pool_blocks") }?;
+        // One pass over the table, which names each block's stream (issue 47: a lookup
+        // per segment, by a scan of the segments, made this quadratic in them).
         let blocks = pool.blocks();
         if !out.is_null() {
-            let mut stream = (usize::MAX, std::ptr::null_mut());
             for (i, entry) in blocks.iter().take(capacity).enumerate() {
-                if stream.0 != entry.segment {
-                    let raw = pool.segment_of(entry.segment).and_then(|(_, _, s)| s);
-                    stream = (entry.segment, raw.unwrap_or(0) as *mut c_void);
-                }
                 let block = memres_block_t {
                     segment: entry.segment as u64,
                     segment_size: entry.segment_size as u64,
                     offset: entry.offset as u64,
                     size: entry.size as u64,
-                    stream: stream.1,
+                    stream: entry.stream.unwrap_or(0) as *mut c_void,
                     allocated: i32::from(entry.allocated),
                     held: i32::from(entry.held),
                 };
@@ -441,6 +439,8 @@ pub unsafe extern "C" fn memres_segment_pool_restore(
                     size: b.size as usize,
                     allocated: b.allocated != 0,
                     held: false,
+                    // Not read: segments keep their streams.
+                    stream: None,
                 })
                 .collect();
             // SAFETY: the caller's promise about the blocks live now and the table's.

@@ -2080,3 +2080,103 @@ fn segment_pools_refuse_bad_arguments_with_messages() {
         memres_segment_pool_destroy(pool);
     }
 }
+
+unsafe extern "C" fn plain_segment_alloc(
+    _ctx: *mut c_void,
+    size: usize,
+    _stream: *mut c_void,
+) -> *mut c_void {
+    let layout = std::alloc::Layout::from_size_align(size, 256).unwrap();
+    // SAFETY: a layout of nonzero size.
+    unsafe { std::alloc::alloc(layout).cast() }
+}
+
+unsafe extern "C" fn plain_segment_free(_ctx: *mut c_void, ptr: *mut c_void, size: usize) {
+    let layout = std::alloc::Layout::from_size_align(size, 256).unwrap();
+    // SAFETY: from `plain_segment_alloc` with this size.
+    unsafe { std::alloc::dealloc(ptr.cast(), layout) };
+}
+
+/// Each entry of `memres_segment_pool_blocks` names its segment's stream, segments of
+/// two streams told apart in one listing, and the listing is the table (issue 47: the
+/// streams came from a lookup per segment).
+#[test]
+fn a_segment_pools_listing_names_each_segments_stream() {
+    // `CU_STREAM_PER_THREAD`'s handle, never used on a GPU here (no driver call reaches
+    // it: the segments come from host memory).
+    let other = 2usize as *mut c_void;
+    // SAFETY: the functions handle host memory from any thread; every block is unused
+    // when freed.
+    unsafe {
+        let pool = memres_segment_pool_new(
+            0,
+            MEMRES_SEGMENTS_NO_SPLIT,
+            Some(plain_segment_alloc),
+            Some(plain_segment_free),
+            std::ptr::null_mut(),
+        );
+        assert!(!pool.is_null(), "{}", last_error());
+        let mut blocks = Vec::new();
+        for i in 0..6 {
+            let stream = if i % 2 == 0 {
+                std::ptr::null_mut()
+            } else {
+                other
+            };
+            let p = memres_segment_pool_malloc(pool, 4096, stream, 1, 0);
+            assert!(!p.is_null(), "{}", last_error());
+            blocks.push((p as u64, stream));
+        }
+        let listed = table(pool);
+        assert_eq!(listed.len(), 6, "no_split: a segment per block");
+        for (entry, &(p, stream)) in listed.iter().zip(&blocks) {
+            assert_eq!((entry.segment, entry.stream), (p, stream));
+        }
+        for (p, _) in blocks {
+            assert_eq!(
+                memres_segment_pool_free(pool, p as *mut c_void, 0),
+                MEMRES_OK
+            );
+        }
+        memres_segment_pool_destroy(pool);
+    }
+}
+
+/// What listing a segment pool's table costs per entry, for tables of 1,000 to 16,000
+/// segments: flat when the listing is linear (it grew with the segments when each
+/// segment's stream was looked up by a scan):
+/// `cargo test --release -p memres-capi --lib segment_pool_blocks_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a timing, for the figure in the CHANGELOG"]
+fn segment_pool_blocks_cost() {
+    use std::time::Instant;
+    for n in [1_000, 4_000, 16_000] {
+        // SAFETY: as in the test above.
+        unsafe {
+            let pool = memres_segment_pool_new(
+                0,
+                MEMRES_SEGMENTS_NO_SPLIT,
+                Some(plain_segment_alloc),
+                Some(plain_segment_free),
+                std::ptr::null_mut(),
+            );
+            assert!(!pool.is_null(), "{}", last_error());
+            let blocks: Vec<_> = (0..n)
+                .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
+                .collect();
+            let mut out = vec![std::mem::zeroed::<memres_block_t>(); n];
+            let rounds = 20;
+            let t = Instant::now();
+            for _ in 0..rounds {
+                let listed = memres_segment_pool_blocks(pool, out.as_mut_ptr(), out.len());
+                assert_eq!(listed, n as i64);
+            }
+            let per_entry = t.elapsed().as_nanos() as f64 / (rounds * n) as f64;
+            println!("{n} segments: {per_entry:.1} ns per listed entry");
+            for p in blocks {
+                assert_eq!(memres_segment_pool_free(pool, p, 0), MEMRES_OK);
+            }
+            memres_segment_pool_destroy(pool);
+        }
+    }
+}
