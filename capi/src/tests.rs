@@ -2180,3 +2180,102 @@ fn segment_pool_blocks_cost() {
         }
     }
 }
+
+/// The C ABI's router of tags' pools over host memory, as `routed::under_wrappers`
+/// builds it for a device.
+type HostRouted = routed::TagRouter<mr::Host, VirtualPool<mr::upstream::HostVirtual>>;
+
+/// Host memory for specs, as [`OnTheHost`], with the C ABI's router of tags' pools put
+/// under the spec's outermost wrappers as the device's stack puts it
+/// (`routed::under_wrappers`); it keeps the router and the outermost statistics layer.
+#[derive(Default)]
+struct TaggedOnTheHost {
+    statistics: Option<Arc<mr::adaptor::Statistics<mr::AnyResource<mr::Host>>>>,
+    router: Option<Arc<HostRouted>>,
+}
+
+impl Target for TaggedOnTheHost {
+    type Properties = mr::Host;
+    type Memory = mr::HostHeap;
+    type Backend = mr::upstream::HostPages;
+
+    fn memory(&mut self) -> Result<mr::HostHeap, Error> {
+        Ok(mr::HostHeap)
+    }
+    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::upstream::HostVirtual, Error> {
+        mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+    }
+    fn arena_size(&mut self) -> Result<usize, Error> {
+        Ok(16 << 20)
+    }
+    fn built(&mut self, layer: Built<'_, Self>) {
+        if let Built::WithStatistics(counted) = layer {
+            self.statistics = Some(Arc::clone(counted));
+        }
+    }
+    fn base(
+        &mut self,
+        base: mr::AnyResource<mr::Host>,
+    ) -> Result<mr::AnyResource<mr::Host>, Error> {
+        let tags = Tags::new(|| {
+            VirtualPool::new(
+                mr::upstream::HostVirtual::new(64 << 20, 64 << 10)?,
+                VirtualPoolConfig::new(),
+            )
+        });
+        let (router, erased) = routed::under_wrappers(base, tags);
+        self.router = Some(router);
+        Ok(erased)
+    }
+}
+
+/// A spec's `statistics(..)` counts a tag's blocks and its `limiting(..)` bounds them
+/// with the rest (issue 47: the tags' pools sat beside the spec's wrappers, so
+/// `memres_stats` and a limit never saw their blocks), through the router the device's
+/// stack puts under its wrappers, here over host memory.
+#[test]
+fn the_specs_statistics_and_limit_see_a_tags_blocks() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    for text in [
+        "statistics(limiting(virtual_pool, limit=8MiB))",
+        "statistics(limiting(fallback(limiting(virtual_pool, limit=1MiB), pool), limit=8MiB))",
+    ] {
+        let mut target = TaggedOnTheHost::default();
+        let top = Spec::parse(text).unwrap().build(&mut target).unwrap();
+        let counted = target.statistics.clone().expect("a statistics layer");
+        let router = target.router.clone().expect("a router under the wrappers");
+        // Under a tag: its pool serves the block.
+        routed::set_current(7);
+        let tagged = top.allocate(StreamRef::HOST, mr::layout(4 << 20).unwrap());
+        routed::set_current(0);
+        let tagged = tagged.unwrap();
+        assert!(
+            router.holding(tagged.as_ptr() as usize).is_some(),
+            "{text}: in the tag's pool"
+        );
+        assert_eq!(counted.bytes().current, 4 << 20, "{text}: counted");
+        assert_eq!(counted.allocations().current, 1, "{text}");
+        // 6 MiB more of the base's would pass the 8 MiB bound with the tag's 4.
+        assert!(
+            matches!(
+                top.allocate(StreamRef::HOST, mr::layout(6 << 20).unwrap()),
+                Err(Error::OutOfMemory { .. })
+            ),
+            "{text}: the limit counts the tag's block"
+        );
+        let fits = host_block(&top, 2 << 20);
+        assert_eq!(counted.bytes().current, 6 << 20, "{text}");
+        free_host_block(&top, fits, 2 << 20);
+        free_host_block(&top, tagged, 4 << 20);
+        assert_eq!(counted.bytes().current, 0, "{text}: the tag's free counted");
+        let (_, pool) = router.members().next().expect("the tag's pool");
+        assert_eq!(
+            pool.stats().pool_size,
+            4 << 20,
+            "{text}: it keeps its memory"
+        );
+        // Freed by address into the tag's pool: the base's 8 MiB fits again.
+        let whole = host_block(&top, 8 << 20);
+        free_host_block(&top, whole, 8 << 20);
+    }
+}
