@@ -142,7 +142,10 @@ int memres_ipc_close(void* base);
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer).
    The pool figures are those of every pool of the stack summed (every tier of a
    fallback(..), a pinned_pool's pinned host memory included, and the tags' pools); the
-   largest free block is the largest of any, the peak the sum of their peaks. */
+   largest free block is the largest of any, the peak the sum of their peaks. The
+   statistics are the spec's outermost statistics(..)'s, which counts the tags' blocks
+   too (the tags' pools sit under the spec's wrappers: a limiting(..) bounds them with
+   the rest and a logging(..) logs them). */
 int memres_stats(int device, memres_stats_t* out);
 
 /* The figures of each tier of device's fallback(first, then) (the outermost one): writes
