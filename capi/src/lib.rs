@@ -29,8 +29,8 @@ pub use segment_pools::{
     MEMRES_SEGMENTS_MEDIUM, MEMRES_SEGMENTS_NO_SPLIT, MEMRES_SETTLE_FORGET, MEMRES_SETTLE_POLL,
     MEMRES_SETTLE_WAIT, SegmentPoolHandle, memres_block_t, memres_segment_alloc_fn,
     memres_segment_free_fn, memres_segment_pool_blocks, memres_segment_pool_destroy,
-    memres_segment_pool_free, memres_segment_pool_malloc, memres_segment_pool_new,
-    memres_segment_pool_record_stream, memres_segment_pool_release_free,
+    memres_segment_pool_free, memres_segment_pool_holding, memres_segment_pool_malloc,
+    memres_segment_pool_new, memres_segment_pool_record_stream, memres_segment_pool_release_free,
     memres_segment_pool_restore, memres_segment_pool_segment_of, memres_segment_pool_settle,
 };
 pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};

@@ -933,7 +933,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 33, "{rust:#?}");
+    assert_eq!(rust.len(), 34, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -2277,5 +2277,62 @@ fn the_specs_statistics_and_limit_see_a_tags_blocks() {
         // Freed by address into the tag's pool: the base's 8 MiB fits again.
         let whole = host_block(&top, 8 << 20);
         free_host_block(&top, whole, 8 << 20);
+    }
+}
+
+/// `memres_segment_pool_holding` names the pool whose segment holds an address (any
+/// address of it, blocks live or free), none for memory outside every segment, and
+/// forgets a segment once it is given back and a pool once it is destroyed (issue 47:
+/// the PyTorch backend kept its own table of pool blocks for this).
+#[test]
+fn the_pool_holding_an_address_is_found_by_its_segments() {
+    let null = std::ptr::null_mut();
+    // SAFETY: the functions handle host memory from any thread; every block is unused
+    // when freed.
+    unsafe {
+        let new = |flags| {
+            let pool = memres_segment_pool_new(
+                0,
+                flags,
+                Some(plain_segment_alloc),
+                Some(plain_segment_free),
+                std::ptr::null_mut(),
+            );
+            assert!(!pool.is_null(), "{}", last_error());
+            pool
+        };
+        let (split, whole) = (new(0), new(MEMRES_SEGMENTS_NO_SPLIT));
+        let a = memres_segment_pool_malloc(split, 4096, null, 1, 0);
+        let b = memres_segment_pool_malloc(whole, 4096, null, 1, 0);
+        let c = memres_segment_pool_malloc(whole, 8192, null, 1, 0);
+        assert!(
+            !a.is_null() && !b.is_null() && !c.is_null(),
+            "{}",
+            last_error()
+        );
+        let at = |p: *mut c_void, offset: usize| p.cast::<u8>().wrapping_add(offset).cast();
+        assert_eq!(memres_segment_pool_holding(a), split);
+        assert_eq!(
+            memres_segment_pool_holding(at(a, (2 << 20) - 1)),
+            split,
+            "the free rest of a's 2 MiB segment"
+        );
+        assert_eq!(memres_segment_pool_holding(at(b, 4095)), whole);
+        assert_eq!(memres_segment_pool_holding(c), whole);
+        let outside = Box::new(0u64);
+        assert!(memres_segment_pool_holding(std::ptr::from_ref(&*outside).cast()).is_null());
+        assert!(memres_segment_pool_holding(std::ptr::null()).is_null());
+        // b's segment goes back: its addresses are no pool's (c's stays).
+        assert_eq!(memres_segment_pool_free(whole, b, 0), MEMRES_OK);
+        assert_eq!(memres_segment_pool_release_free(whole, null), 4096);
+        assert!(memres_segment_pool_holding(b).is_null());
+        assert_eq!(memres_segment_pool_holding(c), whole);
+        assert_eq!(memres_segment_pool_free(whole, c, 0), MEMRES_OK);
+        memres_segment_pool_destroy(whole);
+        assert!(memres_segment_pool_holding(c).is_null(), "the pool is gone");
+        assert_eq!(memres_segment_pool_holding(a), split);
+        assert_eq!(memres_segment_pool_free(split, a, 0), MEMRES_OK);
+        memres_segment_pool_destroy(split);
+        assert!(memres_segment_pool_holding(a).is_null());
     }
 }
