@@ -2336,3 +2336,52 @@ fn the_pool_holding_an_address_is_found_by_its_segments() {
         assert!(memres_segment_pool_holding(a).is_null());
     }
 }
+
+/// What `memres_segment_pool_holding` costs the PyTorch backend's frees: with no segment
+/// listed in the process (its first look, one load), and with pools of 1,000 and 16,000
+/// segments listed (a search under a lock):
+/// `cargo test --release -p memres-capi --lib segment_pool_holding_cost -- --ignored --nocapture`
+/// (alone: other tests' pools would be listed too).
+#[test]
+#[ignore = "a timing, for the figure in the CHANGELOG"]
+fn segment_pool_holding_cost() {
+    use std::time::Instant;
+    const N: usize = 2_000_000;
+    let outside = Box::new(0u64);
+    let outside: *const c_void = std::ptr::from_ref(&*outside).cast();
+    // The best of three rounds (the machine is shared).
+    let time = |what: &str, ptr: *const c_void| {
+        let best = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..N {
+                    std::hint::black_box(memres_segment_pool_holding(std::hint::black_box(ptr)));
+                }
+                t.elapsed().as_nanos() as f64 / N as f64
+            })
+            .fold(f64::INFINITY, f64::min);
+        println!("{what}: {best:.1} ns a lookup");
+    };
+    time("no segment listed", outside);
+    for n in [1_000, 16_000] {
+        // SAFETY: as in `segment_pool_blocks_cost`.
+        unsafe {
+            let pool = memres_segment_pool_new(
+                0,
+                MEMRES_SEGMENTS_NO_SPLIT,
+                Some(plain_segment_alloc),
+                Some(plain_segment_free),
+                std::ptr::null_mut(),
+            );
+            let blocks: Vec<_> = (0..n)
+                .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
+                .collect();
+            time(&format!("{n} segments, a block of one"), blocks[n / 2]);
+            time(&format!("{n} segments, other memory"), outside);
+            for p in blocks {
+                assert_eq!(memres_segment_pool_free(pool, p, 0), MEMRES_OK);
+            }
+            memres_segment_pool_destroy(pool);
+        }
+    }
+}
