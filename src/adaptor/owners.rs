@@ -28,7 +28,7 @@ struct Range {
 /// `MemPool` pools' blocks).
 ///
 /// - **Ranges** are added once each and never removed, and read without a lock (an
-///   [`AppendOnly`] list): a free inside one costs a load and a compare per range.
+///   append-only list): a free inside one costs a load and a compare per range.
 /// - **Removable ranges** ([`insert_range`](Self::insert_range),
 ///   [`remove_range`](Self::remove_range)) are for members whose memory comes and goes
 ///   in pieces (a segment pool's segments): a map by first address under a lock, found
