@@ -2102,6 +2102,8 @@ unsafe extern "C" fn plain_segment_free(_ctx: *mut c_void, ptr: *mut c_void, siz
 /// streams came from a lookup per segment).
 #[test]
 fn a_segment_pools_listing_names_each_segments_stream() {
+    // Segment pools' tests take turns: a freed segment's memory may be another's next.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     // `CU_STREAM_PER_THREAD`'s handle, never used on a GPU here (no driver call reaches
     // it: the segments come from host memory).
     let other = 2usize as *mut c_void;
@@ -2286,6 +2288,8 @@ fn the_specs_statistics_and_limit_see_a_tags_blocks() {
 /// the PyTorch backend kept its own table of pool blocks for this).
 #[test]
 fn the_pool_holding_an_address_is_found_by_its_segments() {
+    // Segment pools' tests take turns: a freed segment's memory may be another's next.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     let null = std::ptr::null_mut();
     // SAFETY: the functions handle host memory from any thread; every block is unused
     // when freed.
@@ -2383,5 +2387,69 @@ fn segment_pool_holding_cost() {
             }
             memres_segment_pool_destroy(pool);
         }
+    }
+}
+
+/// One 4 MiB region, handed out by `same_region_alloc` for every segment (a broken
+/// allocator), and how many times it was given back.
+static SAME_REGION: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+static SAME_REGION_FREES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn same_region_alloc(
+    _ctx: *mut c_void,
+    size: usize,
+    _stream: *mut c_void,
+) -> *mut c_void {
+    assert!(size <= 4 << 20);
+    let region = *SAME_REGION.get_or_init(|| {
+        let layout = std::alloc::Layout::from_size_align(4 << 20, 256).unwrap();
+        // SAFETY: a layout of nonzero size; kept for the whole test run.
+        unsafe { std::alloc::alloc(layout) }.expose_provenance()
+    });
+    std::ptr::with_exposed_provenance_mut(region)
+}
+
+unsafe extern "C" fn same_region_free(_ctx: *mut c_void, _ptr: *mut c_void, _size: usize) {
+    SAME_REGION_FREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// An allocator that hands a second pool memory a first pool's segment holds: the
+/// second pool's allocation is refused with a message naming the overlap, and the
+/// memory goes back to the allocator, never handed out twice.
+#[test]
+fn a_segment_another_pool_holds_is_refused_and_given_back() {
+    // Segment pools' tests take turns: a freed segment's memory may be another's next.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let null = std::ptr::null_mut();
+    // SAFETY: the functions are callable from any thread; nothing uses the blocks.
+    unsafe {
+        let new = || {
+            memres_segment_pool_new(
+                0,
+                0,
+                Some(same_region_alloc),
+                Some(same_region_free),
+                std::ptr::null_mut(),
+            )
+        };
+        let (first, second) = (new(), new());
+        let a = memres_segment_pool_malloc(first, 4096, null, 1, 0);
+        assert!(!a.is_null(), "{}", last_error());
+        assert!(memres_segment_pool_malloc(second, 4096, null, 1, 0).is_null());
+        assert!(last_error().contains("overlap"), "{}", last_error());
+        assert_eq!(
+            SAME_REGION_FREES.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "the refused segment given back"
+        );
+        assert_eq!(memres_segment_pool_holding(a), first);
+        assert_eq!(memres_segment_pool_free(first, a, 0), MEMRES_OK);
+        memres_segment_pool_destroy(second);
+        memres_segment_pool_destroy(first);
+        assert_eq!(
+            SAME_REGION_FREES.load(std::sync::atomic::Ordering::Relaxed),
+            2
+        );
+        assert!(memres_segment_pool_holding(a).is_null());
     }
 }
