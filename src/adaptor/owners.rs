@@ -45,7 +45,8 @@ struct Range {
 /// it reads the counter (acquire) nonzero and finds the record. Removable ranges keep
 /// theirs the same way, their counter changed under their lock, by one, so that it
 /// never reads 0 while a range is listed (a count set from the map's length outside the
-/// lock could be overwritten by a stale one: `loom_a_removable_range_is_found_beside_others_coming_and_going`).
+/// lock could be overwritten by a stale one; model:
+/// `loom_a_removable_range_is_found_beside_others_coming_and_going`).
 #[derive(Default)]
 pub struct Owners {
     ranges: AppendOnly<Range>,
