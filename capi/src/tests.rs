@@ -2193,6 +2193,7 @@ type HostRouted = routed::TagRouter<mr::Host, VirtualPool<mr::upstream::HostVirt
 #[derive(Default)]
 struct TaggedOnTheHost {
     statistics: Option<Arc<mr::adaptor::Statistics<mr::AnyResource<mr::Host>>>>,
+    logs: Vec<Arc<mr::adaptor::Logging<mr::AnyResource<mr::Host>>>>,
     router: Option<Arc<HostRouted>>,
 }
 
@@ -2211,8 +2212,10 @@ impl Target for TaggedOnTheHost {
         Ok(16 << 20)
     }
     fn built(&mut self, layer: Built<'_, Self>) {
-        if let Built::WithStatistics(counted) = layer {
-            self.statistics = Some(Arc::clone(counted));
+        match layer {
+            Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
+            Built::Logged(logged) => self.logs.push(Arc::clone(logged)),
+            _ => {}
         }
     }
     fn base(
@@ -2231,17 +2234,24 @@ impl Target for TaggedOnTheHost {
     }
 }
 
-/// A spec's `statistics(..)` counts a tag's blocks and its `limiting(..)` bounds them
-/// with the rest (issue 47: the tags' pools sat beside the spec's wrappers, so
-/// `memres_stats` and a limit never saw their blocks), through the router the device's
-/// stack puts under its wrappers, here over host memory.
+/// A spec's `statistics(..)` counts a tag's blocks, its `limiting(..)` bounds them with
+/// the rest and its `logging(..)` logs them (issue 47: the tags' pools sat beside the
+/// spec's wrappers, so `memres_stats`, a limit and a log never saw their blocks),
+/// through the router the device's stack puts under its wrappers, here over host memory.
 #[test]
 fn the_specs_statistics_and_limit_see_a_tags_blocks() {
     let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let log = std::env::temp_dir().join(format!("memres-tags-{}.csv", std::process::id()));
     for text in [
-        "statistics(limiting(virtual_pool, limit=8MiB))",
-        "statistics(limiting(fallback(limiting(virtual_pool, limit=1MiB), pool), limit=8MiB))",
+        "statistics(limiting(virtual_pool, limit=8MiB))".to_owned(),
+        "statistics(limiting(fallback(limiting(virtual_pool, limit=1MiB), pool), limit=8MiB))"
+            .to_owned(),
+        format!(
+            "statistics(logging(limiting(virtual_pool, limit=8MiB), file={}))",
+            log.display()
+        ),
     ] {
+        let text = text.as_str();
         let mut target = TaggedOnTheHost::default();
         let top = Spec::parse(text).unwrap().build(&mut target).unwrap();
         let counted = target.statistics.clone().expect("a statistics layer");
@@ -2279,7 +2289,18 @@ fn the_specs_statistics_and_limit_see_a_tags_blocks() {
         // Freed by address into the tag's pool: the base's 8 MiB fits again.
         let whole = host_block(&top, 8 << 20);
         free_host_block(&top, whole, 8 << 20);
+        for logged in &target.logs {
+            logged.flush().unwrap();
+            let rows = std::fs::read_to_string(&log).unwrap();
+            let at = format!("{:#x},", tagged.as_ptr() as usize);
+            let of_the_tag = rows.lines().filter(|row| row.contains(&at)).count();
+            assert_eq!(
+                of_the_tag, 2,
+                "{text}: its allocation and free logged\n{rows}"
+            );
+        }
     }
+    let _ = std::fs::remove_file(log);
 }
 
 /// `memres_segment_pool_holding` names the pool whose segment holds an address (any
