@@ -385,3 +385,34 @@ fn a_block_freed_through_the_resource_trait_waits_for_its_recorded_streams() {
     assert_eq!(at(b), at(a));
     free(&p, S1, b, 1000);
 }
+
+/// Blocks are found by address across many segments, before and after some segments go
+/// back upstream (the segments are indexed by address, issue 47): frees and lookups of
+/// the segments kept still find their blocks, and each listed entry names its stream.
+#[test]
+fn blocks_are_found_by_address_after_segments_go_back() {
+    let p = pool(SegmentPoolConfig::new().no_split(true));
+    let blocks: Vec<_> = (0..64).map(|_| alloc(&p, S1, 4096)).collect();
+    assert_eq!(p.segments().len(), 64);
+    assert!(
+        p.blocks().iter().all(|b| b.stream.is_none()),
+        "host streams"
+    );
+    // Every other segment goes back.
+    for &b in blocks.iter().step_by(2) {
+        free(&p, S1, b, 4096);
+    }
+    // SAFETY: the freed blocks are unused (host memory, nothing in flight).
+    assert_eq!(unsafe { p.release_free_segments(S1) }, 32 * 4096);
+    for (i, &b) in blocks.iter().enumerate() {
+        let found = p
+            .segment_of(at(b) + 100)
+            .map(|(base, size, _)| (base, size));
+        assert_eq!(found, (i % 2 == 1).then_some((at(b), 4096)), "block {i}");
+    }
+    for &b in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: unused host memory of `p`.
+        assert_eq!(unsafe { p.release(b) }, Ok(4096));
+    }
+    assert_eq!(p.live_blocks(), 0);
+}

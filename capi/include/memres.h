@@ -142,7 +142,10 @@ int memres_ipc_close(void* base);
 /* The statistics and pool figures of device's stack (zeros where it lacks the layer).
    The pool figures are those of every pool of the stack summed (every tier of a
    fallback(..), a pinned_pool's pinned host memory included, and the tags' pools); the
-   largest free block is the largest of any, the peak the sum of their peaks. */
+   largest free block is the largest of any, the peak the sum of their peaks. The
+   statistics are the spec's outermost statistics(..)'s, which counts the tags' blocks
+   too (the tags' pools sit under the spec's wrappers: a limiting(..) bounds them with
+   the rest and a logging(..) logs them). */
 int memres_stats(int device, memres_stats_t* out);
 
 /* The figures of each tier of device's fallback(first, then) (the outermost one): writes
@@ -251,7 +254,11 @@ int memres_is_asleep(int device, const char* tag);
  * (MEMRES_SETTLE_FORGET: inside a capture, before a restore).
  * memres_segment_pool_blocks writes the table (at most capacity entries; out may be
  * NULL) and returns its length; memres_segment_pool_segment_of writes the first address,
- * size and stream of the segment holding ptr and returns 1 (0 when none does); memres_segment_pool_restore puts such a table back in
+ * size and stream of the segment holding ptr and returns 1, 0 when none does;
+ * memres_segment_pool_holding returns the pool (of any device) one of whose segments
+ * holds ptr, NULL for none (one load while no pool holds a segment, else a search under
+ * a lock; a free of a block of a graph or MemPool pool finds its pool so, with no table
+ * of blocks kept beside memres); memres_segment_pool_restore puts such a table back in
  * place (the blocks live before freed), refusing one that names a segment the pool no
  * longer holds or does not tile its segments. memres_segment_pool_release_free gives
  * wholly free segments back, freed on stream (wait for the device first), and returns
@@ -280,6 +287,7 @@ int memres_segment_pool_record_stream(memres_segment_pool_t* pool, void* ptr, vo
 int memres_segment_pool_settle(memres_segment_pool_t* pool, int how);
 int64_t memres_segment_pool_blocks(memres_segment_pool_t* pool, memres_block_t* out, size_t capacity);
 int memres_segment_pool_segment_of(memres_segment_pool_t* pool, const void* ptr, uint64_t* base, uint64_t* size, void** stream);
+memres_segment_pool_t* memres_segment_pool_holding(const void* ptr);
 int memres_segment_pool_restore(memres_segment_pool_t* pool, const memres_block_t* blocks, size_t count);
 int64_t memres_segment_pool_release_free(memres_segment_pool_t* pool, void* stream);
 void memres_segment_pool_destroy(memres_segment_pool_t* pool);

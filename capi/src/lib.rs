@@ -29,8 +29,8 @@ pub use segment_pools::{
     MEMRES_SEGMENTS_MEDIUM, MEMRES_SEGMENTS_NO_SPLIT, MEMRES_SETTLE_FORGET, MEMRES_SETTLE_POLL,
     MEMRES_SETTLE_WAIT, SegmentPoolHandle, memres_block_t, memres_segment_alloc_fn,
     memres_segment_free_fn, memres_segment_pool_blocks, memres_segment_pool_destroy,
-    memres_segment_pool_free, memres_segment_pool_malloc, memres_segment_pool_new,
-    memres_segment_pool_record_stream, memres_segment_pool_release_free,
+    memres_segment_pool_free, memres_segment_pool_holding, memres_segment_pool_malloc,
+    memres_segment_pool_new, memres_segment_pool_record_stream, memres_segment_pool_release_free,
     memres_segment_pool_restore, memres_segment_pool_segment_of, memres_segment_pool_settle,
 };
 pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};
@@ -410,8 +410,8 @@ pub unsafe extern "C" fn memres_malloc(
     )
 }
 
-/// `memres_malloc`'s work on a device's stack: the tag's pool or the stack's top, the
-/// block entering the table of live blocks, counted in the C ABI's figures and the open
+/// `memres_malloc`'s work on a device's stack: through its wrappers to the tag's pool or
+/// the spec's base, the block entering the table of live blocks, counted in the C ABI's figures and the open
 /// profiler scopes. Graph and `MemPool` pools take their segments so too.
 pub(crate) fn allocate_on(
     stack: &DeviceStack,
@@ -441,7 +441,8 @@ pub(crate) unsafe fn deallocate_on(
     mr::profile::count_free(layout.size());
     stack.exported().release(ptr.as_ptr() as usize);
     // Out of the table of live blocks (with the streams recorded for it, which the free
-    // waits for), then back to the tag's pool whose range holds it or to the stack's top.
+    // waits for), then through the wrappers back to the tag's pool whose range holds it or
+    // to the spec's base.
     // SAFETY: the caller's promise, for the resource `memory()` is.
     unsafe { stack.memory().deallocate(stream, ptr, layout) };
 }

@@ -1,11 +1,17 @@
-//! What `memres_malloc` allocates from on a device: the pool of the tag set now
-//! (`memres_set_tag`), else the stack's top; a free goes by its address to the tag's pool
-//! whose reservation holds it, else to the top. This is the library's address router
-//! ([`Router`]) with the stack's top as its default member and the tags' pools as its
-//! members, each made on its tag's first use on the device by the route here ([`Tags`]),
-//! which also keeps the bound `memres_set_limit` gives pools made later. The C ABI keeps
-//! it under the library's [`StreamUse`](mr::adaptor::StreamUse) layer, which keeps the
-//! live blocks and the streams `memres_record_stream` names for them.
+//! What the spec's outermost wrappers go over on a device: the pool of the tag set now
+//! (`memres_set_tag`), else the spec's base (the layer under those wrappers); a free
+//! goes by its address to the tag's pool whose reservation holds it, else to the base.
+//! This is the library's address router ([`Router`]) with the base as its default member
+//! and the tags' pools as its members, each made on its tag's first use on the device by
+//! the route here ([`Tags`]), which also keeps the bound `memres_set_limit` gives pools
+//! made later. The spec's build puts it under the wrappers ([`Target::base`]), so a
+//! `statistics(..)`, `limiting(..)` or `logging(..)` spec counts, bounds and logs the
+//! tags' blocks too (issue 47: the router sat over the whole stack, and they skipped
+//! them). The C ABI keeps the stack under the library's
+//! [`StreamUse`](mr::adaptor::StreamUse) layer, which keeps the live blocks and the
+//! streams `memres_record_stream` names for them.
+//!
+//! [`Target::base`]: mr::spec::Target::base
 
 use std::alloc::Layout;
 use std::sync::Arc;
@@ -13,20 +19,42 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use mr::adaptor::{Member, Route, Router};
 use mr::device::DeviceId;
+use mr::property::{Contains, PropertySet};
 use mr::{
-    AnyResource, CudaVirtual, Device, Error, VirtualPool, VirtualPoolConfig,
+    AnyResource, CudaVirtual, Device, Error, Resource, VirtualPool, VirtualPoolConfig,
     upstream::{CudaVirtualConfig, ExportHandle, GrowInPlace},
 };
 
 use crate::sync;
 
-/// The stack's top and the tags' pools of one device, as one resource: the router's
-/// default member is the top, its members the tags' pools (keyed by tag id).
-pub(crate) type Routed = Router<AnyResource<Device>, TagPool, Tags>;
+/// The spec's base and the tags' pools of one device, as one resource: the router's
+/// default member is the base, its members the tags' pools (keyed by tag id).
+pub(crate) type Routed = TagRouter<Device, VirtualPool<CudaVirtual>>;
 
-/// A router for `device` over `top`, with no tag's pool yet.
-pub(crate) fn routed(top: AnyResource<Device>, device: DeviceId) -> Routed {
-    Router::new(top, Tags::new(move || new_tag_pool(device)))
+/// A router over an erased base (memory of the properties `P`) and tags' pools of type
+/// `T`.
+pub(crate) type TagRouter<P, T> = Router<AnyResource<P>, Arc<T>, Tags<T>>;
+
+/// The tags' route on `device`, with no tag's pool yet.
+pub(crate) fn device_tags(device: DeviceId) -> Tags {
+    Tags::new(move || new_tag_pool(device))
+}
+
+/// A router over `base` (its default member) whose members `tags` makes: kept by the
+/// target for its handles on the tags' pools, and erased, for the spec's outermost
+/// wrappers to go over ([`Target::base`](mr::spec::Target::base)). Generic so that the
+/// host tests build it over host memory as the C ABI builds it over a device's.
+pub(crate) fn under_wrappers<P, T>(
+    base: AnyResource<P>,
+    tags: Tags<T>,
+) -> (Arc<TagRouter<P, T>>, AnyResource<P>)
+where
+    P: PropertySet + Contains<P> + Send + Sync + 'static,
+    T: Reserved + Resource<Properties = P> + Send + Sync + 'static,
+{
+    let router = Arc::new(Router::new(base, tags));
+    let erased = AnyResource::new(Arc::clone(&router));
+    (router, erased)
 }
 
 /// How the C ABI's router picks a tag's pool: the tag set now (`memres_set_tag`), and a

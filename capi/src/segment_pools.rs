@@ -2,12 +2,17 @@
 //! [`SegmentPool`] over a device's stack or over another allocator's two functions. The
 //! PyTorch backend builds its CUDA graph pools and `torch.cuda.MemPool`s from them, and
 //! keeps only torch's side (which pool a capture routes to, streams recorded for blocks,
-//! checkpoints as saved tables).
+//! checkpoints as saved tables). Which pool holds an address is the library's
+//! [`Owners`] over every pool's segments ([`SEGMENTS`], `memres_segment_pool_holding`):
+//! the backend keeps no table of blocks.
 
 use std::alloc::Layout;
 use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+use mr::adaptor::Owners;
 use mr::suballoc::{BlockEntry, SegmentPool, SegmentPoolConfig, Settle};
 use mr::{Device, Error, Resource, StreamRef, SyncResource};
 
@@ -59,8 +64,23 @@ pub struct memres_block_t {
     pub held: i32,
 }
 
-/// Where a segment pool's segments come from.
-pub(crate) enum Source {
+/// Every segment of every segment pool, as a removable range whose member is its pool's
+/// handle (its address): listed as the segment is taken, before any block of it is
+/// handed out, and removed before it is given back. Its lock is taken under a pool's
+/// table lock (a segment taken) and under the backend's locks, and nothing is called
+/// while it is held.
+static SEGMENTS: LazyLock<Owners> = LazyLock::new(Owners::default);
+
+/// Where a segment pool's segments come from, listing each in [`SEGMENTS`] under its pool.
+pub(crate) struct Source {
+    origin: Origin,
+    /// The handle of the pool (its address) the segments are listed under: set once the
+    /// handle is boxed, before its first segment is taken.
+    handle: AtomicUsize,
+}
+
+/// Where the memory comes from.
+enum Origin {
     /// The device's stack, as `memres_malloc` (counted in its figures).
     Stack(&'static DeviceStack),
     /// Another allocator's functions (a `MemPool(allocator)`'s).
@@ -102,24 +122,67 @@ unsafe impl SyncResource for Source {
 // SAFETY: as above.
 unsafe impl Resource for Source {
     fn allocate(&self, stream: StreamRef<'_>, layout: Layout) -> Result<NonNull<u8>, Error> {
-        match *self {
-            Source::Stack(stack) => allocate_on(stack, stream, layout),
-            Source::Foreign { alloc, ctx, .. } => {
+        let ptr = match self.origin {
+            Origin::Stack(stack) => allocate_on(stack, stream, layout)?,
+            Origin::Foreign { alloc, ctx, .. } => {
                 let raw = stream.as_raw().unwrap_or(std::ptr::null_mut());
                 // SAFETY: the caller's functions and context (`memres_segment_pool_new`).
                 let ptr = unsafe { alloc(ctx, layout.size(), raw.cast()) };
-                NonNull::new(ptr.cast()).ok_or(Error::out_of_memory(layout.size()))
+                NonNull::new(ptr.cast()).ok_or(Error::out_of_memory(layout.size()))?
             }
+        };
+        let listed = SEGMENTS.insert_range(ptr.as_ptr().addr(), layout.size(), self.handle());
+        if let Err(e) = listed {
+            // Memory another pool's segment holds (a foreign allocator's mistake): given
+            // back, never handed out twice.
+            // SAFETY: just taken with `layout`, unused; `stream` orders nothing yet.
+            unsafe { self.give_back(stream, ptr, layout) };
+            return Err(e);
         }
+        Ok(ptr)
     }
 
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
-        match *self {
+        // Unlisted first: once given back, the memory may be another pool's segment.
+        SEGMENTS.remove_range(ptr.as_ptr().addr(), self.handle());
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.give_back(stream, ptr, layout) };
+    }
+}
+
+impl Source {
+    /// Segments from `origin`, listed under the handle set later ([`Source::listed_under`]).
+    fn new(origin: Origin) -> Source {
+        Source {
+            origin,
+            handle: AtomicUsize::new(0),
+        }
+    }
+
+    /// Lists the segments taken from now on under `handle`.
+    fn listed_under(&self, handle: *mut SegmentPoolHandle) {
+        // Read by the pool's allocations, which come after the handle is returned.
+        self.handle
+            .store(handle.expose_provenance(), Ordering::Relaxed);
+    }
+
+    /// The handle the segments are listed under.
+    fn handle(&self) -> usize {
+        self.handle.load(Ordering::Relaxed)
+    }
+
+    /// Gives a segment back to where it came from.
+    ///
+    /// # Safety
+    /// As for [`Resource::deallocate`]: `ptr` came from this source with `layout`, and
+    /// every use is ordered before this point on `stream`.
+    unsafe fn give_back(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
+        match self.origin {
             // SAFETY: the caller's promise: from `allocate_on` with `layout`, ordered.
-            Source::Stack(stack) => unsafe { deallocate_on(stack, stream, ptr, layout) },
+            Origin::Stack(stack) => unsafe { deallocate_on(stack, stream, ptr, layout) },
             // SAFETY: from `alloc` with this size (the foreign allocator frees it in its
             // own order, as torch's `raw_delete` does).
-            Source::Foreign { free, ctx, .. } => unsafe {
+            Origin::Foreign { free, ctx, .. } => unsafe {
                 free(ctx, ptr.as_ptr().cast(), layout.size())
             },
         }
@@ -156,9 +219,9 @@ pub unsafe extern "C" fn memres_segment_pool_new(
                     "memres_segment_pool_new: unknown flags {flags:#x}"
                 )));
             }
-            let source = match (alloc, free) {
-                (None, None) => Source::Stack(stack(device)?),
-                (Some(alloc), Some(free)) => Source::Foreign { alloc, free, ctx },
+            let origin = match (alloc, free) {
+                (None, None) => Origin::Stack(stack(device)?),
+                (Some(alloc), Some(free)) => Origin::Foreign { alloc, free, ctx },
                 _ => {
                     return Err(Failure::invalid(
                         "memres_segment_pool_new: alloc and free are both given or both null",
@@ -170,8 +233,11 @@ pub unsafe extern "C" fn memres_segment_pool_new(
             if flags & MEMRES_SEGMENTS_MEDIUM != 0 {
                 config = config.medium_segments(MIB, 10 * MIB, 20 * MIB);
             }
-            let pool = SegmentPool::new(source, config)?;
-            Ok(Box::into_raw(Box::new(SegmentPoolHandle { pool })))
+            let pool = SegmentPool::new(Source::new(origin), config)?;
+            let handle = Box::into_raw(Box::new(SegmentPoolHandle { pool }));
+            // SAFETY: just boxed, not handed out yet.
+            unsafe { &*handle }.pool.upstream().listed_under(handle);
+            Ok(handle)
         },
     )
 }
@@ -322,7 +388,8 @@ pub unsafe extern "C" fn memres_segment_pool_settle(
 
 /// Writes the pool's table (each segment's blocks in address order, segments in the
 /// order they were taken) into `out`, at most `capacity` entries (`out` may be null with
-/// `capacity` 0), and returns how many there are, or a negative code.
+/// `capacity` 0), and returns how many there are, or a negative code. Linear in the
+/// table's entries.
 ///
 /// # Safety
 /// `pool` is from `memres_segment_pool_new`, not destroyed; `out` is null or has room
@@ -336,20 +403,17 @@ pub unsafe extern "C" fn memres_segment_pool_blocks(
     guarded(i64::from, || {
         // SAFETY: the caller's promise.
         let pool = unsafe { handle(pool, "memres_segment_pool_blocks") }?;
+        // One pass over the table, which names each block's stream (issue 47: a lookup
+        // per segment, by a scan of the segments, made this quadratic in them).
         let blocks = pool.blocks();
         if !out.is_null() {
-            let mut stream = (usize::MAX, std::ptr::null_mut());
             for (i, entry) in blocks.iter().take(capacity).enumerate() {
-                if stream.0 != entry.segment {
-                    let raw = pool.segment_of(entry.segment).and_then(|(_, _, s)| s);
-                    stream = (entry.segment, raw.unwrap_or(0) as *mut c_void);
-                }
                 let block = memres_block_t {
                     segment: entry.segment as u64,
                     segment_size: entry.segment_size as u64,
                     offset: entry.offset as u64,
                     size: entry.size as u64,
-                    stream: stream.1,
+                    stream: entry.stream.unwrap_or(0) as *mut c_void,
                     allocated: i32::from(entry.allocated),
                     held: i32::from(entry.held),
                 };
@@ -401,6 +465,20 @@ pub unsafe extern "C" fn memres_segment_pool_segment_of(
     )
 }
 
+/// The segment pool (of any device) one of whose segments holds `ptr`, or null for
+/// memory no segment pool holds. While no pool holds a segment the answer costs one
+/// load; else a search of every pool's segments by address, under a lock.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_segment_pool_holding(ptr: *const c_void) -> *mut SegmentPoolHandle {
+    guarded(
+        |_| std::ptr::null_mut(),
+        || {
+            let handle = SEGMENTS.in_range(ptr.addr()).unwrap_or(0);
+            Ok(std::ptr::with_exposed_provenance_mut(handle))
+        },
+    )
+}
+
 /// Puts back a table `memres_segment_pool_blocks` wrote (`count` entries): every block
 /// live now is freed, the table's blocks laid out again in their segments, its allocated
 /// blocks live. `MEMRES_OK`, or `MEMRES_ERROR_INVALID_ARGUMENT` with nothing changed for
@@ -441,6 +519,8 @@ pub unsafe extern "C" fn memres_segment_pool_restore(
                     size: b.size as usize,
                     allocated: b.allocated != 0,
                     held: false,
+                    // Not read: segments keep their streams.
+                    stream: None,
                 })
                 .collect();
             // SAFETY: the caller's promise about the blocks live now and the table's.
@@ -486,7 +566,15 @@ pub unsafe extern "C" fn memres_segment_pool_destroy(pool: *mut SegmentPoolHandl
             if !pool.is_null() {
                 // SAFETY: from `Box::into_raw` in `memres_segment_pool_new` (the caller's
                 // promise), destroyed once.
-                drop(unsafe { Box::from_raw(pool) });
+                let handle = unsafe { Box::from_raw(pool) };
+                let segments = handle.pool.segments();
+                drop(handle);
+                // A segment the pool could not give back (its device could not be waited
+                // for) stays the process's, and its range goes with the handle: no lookup
+                // names a destroyed pool. (Those given back were unlisted already.)
+                for (base, _) in segments {
+                    SEGMENTS.remove_range(base, pool.addr());
+                }
             }
             Ok(())
         },

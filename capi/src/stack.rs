@@ -276,10 +276,13 @@ pub(crate) fn why_it_cannot_sleep(spec: &Spec) -> Option<String> {
 /// One device's stack: the erased top that allocations go through, the outermost
 /// statistics layer and the layers that hold memory.
 pub(crate) struct DeviceStack {
-    /// What `memres_malloc` allocates from and `memres_free` frees to: the stack's top and
-    /// the tags' pools (`Routed`), under the library's layer that keeps the live blocks
-    /// with the streams `memres_record_stream` names for them.
-    memory: StreamUse<Routed>,
+    /// What `memres_malloc` allocates from and `memres_free` frees to: the stack's top
+    /// (its wrappers over the router of its base and the tags' pools), under the
+    /// library's layer that keeps the live blocks with the streams `memres_record_stream`
+    /// names for them.
+    memory: StreamUse<AnyResource<Device>>,
+    /// The router under the spec's outermost wrappers: the tags' pools.
+    routed: Arc<Routed>,
     statistics: Option<Arc<Statistics<AnyResource<Device>>>>,
     /// Every pool of the stack, on every tier.
     pools: Pools<Layers>,
@@ -351,10 +354,16 @@ impl DeviceStack {
             pools: Pools::default(),
             logs: Vec::new(),
             tiers: None,
+            routed: None,
         };
         let top = spec.build(&mut layers)?;
+        // Every spec has a base, which the build hands to `Target::base` once.
+        let routed = layers
+            .routed
+            .ok_or_else(|| Error::invalid_argument("the spec built no base to route tags under"))?;
         Ok(DeviceStack {
-            memory: StreamUse::new(routed::routed(top, device)),
+            memory: StreamUse::new(top),
+            routed,
             statistics: layers.statistics,
             pools: layers.pools,
             logs: layers.logs,
@@ -375,6 +384,8 @@ pub(crate) struct Layers {
     pools: Pools<Layers>,
     logs: Vec<Arc<Logging<AnyResource<Device>>>>,
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
+    /// The router put under the outermost wrappers (`base`).
+    routed: Option<Arc<Routed>>,
 }
 
 impl Target for Layers {
@@ -426,6 +437,14 @@ impl Target for Layers {
             _ => {}
         }
     }
+
+    /// The router of the base and the tags' pools, so that the spec's statistics,
+    /// limit and log see tagged blocks too.
+    fn base(&mut self, base: AnyResource<Device>) -> Result<AnyResource<Device>, Error> {
+        let (router, erased) = routed::under_wrappers(base, routed::device_tags(self.device));
+        self.routed = Some(router);
+        Ok(erased)
+    }
 }
 
 /// The figures of a memres pool. Blocks waiting for other streams
@@ -466,12 +485,12 @@ impl DeviceStack {
 
     /// The pools of the tags allocated under on this device, with their tag ids.
     pub(crate) fn tags(&self) -> Vec<(usize, TagPool)> {
-        routed::tag_pools(self.memory.upstream())
+        routed::tag_pools(&self.routed)
     }
 
     /// The tag's pool whose reservation holds `address`.
     fn tag_pool_holding(&self, address: usize) -> Option<&TagPool> {
-        self.memory.upstream().holding(address)
+        self.routed.holding(address)
     }
 
     /// The stack's own pools that sleep when its memory does (tag `"default"`): every
@@ -539,14 +558,16 @@ impl DeviceStack {
         !self.logs.is_empty()
     }
 
-    /// The resource allocations go through.
+    /// The resource allocations go through: the spec's wrappers over the router of its
+    /// base and the tags' pools (the device's per-device resource, so a tag set now
+    /// routes its allocations too).
     pub(crate) fn top(&self) -> &AnyResource<Device> {
-        self.memory.upstream().default_member()
+        self.memory.upstream()
     }
 
     /// What `memres_malloc` allocates from and `memres_free` frees to, with the live
     /// blocks and their recorded streams.
-    pub(crate) fn memory(&self) -> &StreamUse<Routed> {
+    pub(crate) fn memory(&self) -> &StreamUse<AnyResource<Device>> {
         &self.memory
     }
 
@@ -639,7 +660,7 @@ impl DeviceStack {
     /// every tag's, those made later too): `memres_set_limit`.
     pub(crate) fn set_limit(&self, bytes: Option<usize>) {
         self.pools.set_limit(bytes);
-        routed::set_limit(self.memory.upstream(), bytes);
+        routed::set_limit(&self.routed, bytes);
     }
 
     pub(crate) fn trim(&self) -> Result<u64, Error> {

@@ -933,7 +933,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 33, "{rust:#?}");
+    assert_eq!(rust.len(), 34, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -2078,5 +2078,399 @@ fn segment_pools_refuse_bad_arguments_with_messages() {
             MEMRES_ERROR_INVALID_ARGUMENT
         );
         memres_segment_pool_destroy(pool);
+    }
+}
+
+unsafe extern "C" fn plain_segment_alloc(
+    _ctx: *mut c_void,
+    size: usize,
+    _stream: *mut c_void,
+) -> *mut c_void {
+    let layout = std::alloc::Layout::from_size_align(size, 256).unwrap();
+    // SAFETY: a layout of nonzero size.
+    unsafe { std::alloc::alloc(layout).cast() }
+}
+
+unsafe extern "C" fn plain_segment_free(_ctx: *mut c_void, ptr: *mut c_void, size: usize) {
+    let layout = std::alloc::Layout::from_size_align(size, 256).unwrap();
+    // SAFETY: from `plain_segment_alloc` with this size.
+    unsafe { std::alloc::dealloc(ptr.cast(), layout) };
+}
+
+/// Each entry of `memres_segment_pool_blocks` names its segment's stream, segments of
+/// two streams told apart in one listing, and the listing is the table (issue 47: the
+/// streams came from a lookup per segment).
+#[test]
+fn a_segment_pools_listing_names_each_segments_stream() {
+    // Segment pools' tests take turns: a freed segment's memory may be another's next.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    // `CU_STREAM_PER_THREAD`'s handle, never used on a GPU here (no driver call reaches
+    // it: the segments come from host memory).
+    let other = 2usize as *mut c_void;
+    // SAFETY: the functions handle host memory from any thread; every block is unused
+    // when freed.
+    unsafe {
+        let pool = memres_segment_pool_new(
+            0,
+            MEMRES_SEGMENTS_NO_SPLIT,
+            Some(plain_segment_alloc),
+            Some(plain_segment_free),
+            std::ptr::null_mut(),
+        );
+        assert!(!pool.is_null(), "{}", last_error());
+        let mut blocks = Vec::new();
+        for i in 0..6 {
+            let stream = if i % 2 == 0 {
+                std::ptr::null_mut()
+            } else {
+                other
+            };
+            let p = memres_segment_pool_malloc(pool, 4096, stream, 1, 0);
+            assert!(!p.is_null(), "{}", last_error());
+            blocks.push((p as u64, stream));
+        }
+        let listed = table(pool);
+        assert_eq!(listed.len(), 6, "no_split: a segment per block");
+        for (entry, &(p, stream)) in listed.iter().zip(&blocks) {
+            assert_eq!((entry.segment, entry.stream), (p, stream));
+        }
+        for (p, _) in blocks {
+            assert_eq!(
+                memres_segment_pool_free(pool, p as *mut c_void, 0),
+                MEMRES_OK
+            );
+        }
+        memres_segment_pool_destroy(pool);
+    }
+}
+
+/// What listing a segment pool's table costs per entry, for tables of 1,000 to 16,000
+/// segments: flat when the listing is linear (it grew with the segments when each
+/// segment's stream was looked up by a scan):
+/// `cargo test --release -p memres-capi --lib segment_pool_blocks_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a timing, for the figure in the CHANGELOG"]
+fn segment_pool_blocks_cost() {
+    use std::time::Instant;
+    for n in [1_000, 4_000, 16_000] {
+        // SAFETY: as in the test above.
+        unsafe {
+            let pool = memres_segment_pool_new(
+                0,
+                MEMRES_SEGMENTS_NO_SPLIT,
+                Some(plain_segment_alloc),
+                Some(plain_segment_free),
+                std::ptr::null_mut(),
+            );
+            assert!(!pool.is_null(), "{}", last_error());
+            let blocks: Vec<_> = (0..n)
+                .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
+                .collect();
+            let mut out = vec![std::mem::zeroed::<memres_block_t>(); n];
+            let rounds = 20;
+            let t = Instant::now();
+            for _ in 0..rounds {
+                let listed = memres_segment_pool_blocks(pool, out.as_mut_ptr(), out.len());
+                assert_eq!(listed, n as i64);
+            }
+            let per_entry = t.elapsed().as_nanos() as f64 / (rounds * n) as f64;
+            println!("{n} segments: {per_entry:.1} ns per listed entry");
+            for p in blocks {
+                assert_eq!(memres_segment_pool_free(pool, p, 0), MEMRES_OK);
+            }
+            memres_segment_pool_destroy(pool);
+        }
+    }
+}
+
+/// The C ABI's router of tags' pools over host memory, as `routed::under_wrappers`
+/// builds it for a device.
+type HostRouted = routed::TagRouter<mr::Host, VirtualPool<mr::upstream::HostVirtual>>;
+
+/// Host memory for specs, as [`OnTheHost`], with the C ABI's router of tags' pools put
+/// under the spec's outermost wrappers as the device's stack puts it
+/// (`routed::under_wrappers`); it keeps the router and the outermost statistics layer.
+#[derive(Default)]
+struct TaggedOnTheHost {
+    statistics: Option<Arc<mr::adaptor::Statistics<mr::AnyResource<mr::Host>>>>,
+    logs: Vec<Arc<mr::adaptor::Logging<mr::AnyResource<mr::Host>>>>,
+    router: Option<Arc<HostRouted>>,
+}
+
+impl Target for TaggedOnTheHost {
+    type Properties = mr::Host;
+    type Memory = mr::HostHeap;
+    type Backend = mr::upstream::HostPages;
+
+    fn memory(&mut self) -> Result<mr::HostHeap, Error> {
+        Ok(mr::HostHeap)
+    }
+    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::upstream::HostVirtual, Error> {
+        mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+    }
+    fn arena_size(&mut self) -> Result<usize, Error> {
+        Ok(16 << 20)
+    }
+    fn built(&mut self, layer: Built<'_, Self>) {
+        match layer {
+            Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
+            Built::Logged(logged) => self.logs.push(Arc::clone(logged)),
+            _ => {}
+        }
+    }
+    fn base(
+        &mut self,
+        base: mr::AnyResource<mr::Host>,
+    ) -> Result<mr::AnyResource<mr::Host>, Error> {
+        let tags = Tags::new(|| {
+            VirtualPool::new(
+                mr::upstream::HostVirtual::new(64 << 20, 64 << 10)?,
+                VirtualPoolConfig::new(),
+            )
+        });
+        let (router, erased) = routed::under_wrappers(base, tags);
+        self.router = Some(router);
+        Ok(erased)
+    }
+}
+
+/// A spec's `statistics(..)` counts a tag's blocks, its `limiting(..)` bounds them with
+/// the rest and its `logging(..)` logs them (issue 47: the tags' pools sat beside the
+/// spec's wrappers, so `memres_stats`, a limit and a log never saw their blocks),
+/// through the router the device's stack puts under its wrappers, here over host memory.
+#[test]
+fn the_specs_statistics_and_limit_see_a_tags_blocks() {
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let log = std::env::temp_dir().join(format!("memres-tags-{}.csv", std::process::id()));
+    for text in [
+        "statistics(limiting(virtual_pool, limit=8MiB))".to_owned(),
+        "statistics(limiting(fallback(limiting(virtual_pool, limit=1MiB), pool), limit=8MiB))"
+            .to_owned(),
+        format!(
+            "statistics(logging(limiting(virtual_pool, limit=8MiB), file={}))",
+            log.display()
+        ),
+    ] {
+        let text = text.as_str();
+        let mut target = TaggedOnTheHost::default();
+        let top = Spec::parse(text).unwrap().build(&mut target).unwrap();
+        let counted = target.statistics.clone().expect("a statistics layer");
+        let router = target.router.clone().expect("a router under the wrappers");
+        // Under a tag: its pool serves the block.
+        routed::set_current(7);
+        let tagged = top.allocate(StreamRef::HOST, mr::layout(4 << 20).unwrap());
+        routed::set_current(0);
+        let tagged = tagged.unwrap();
+        assert!(
+            router.holding(tagged.as_ptr() as usize).is_some(),
+            "{text}: in the tag's pool"
+        );
+        assert_eq!(counted.bytes().current, 4 << 20, "{text}: counted");
+        assert_eq!(counted.allocations().current, 1, "{text}");
+        // 6 MiB more of the base's would pass the 8 MiB bound with the tag's 4.
+        assert!(
+            matches!(
+                top.allocate(StreamRef::HOST, mr::layout(6 << 20).unwrap()),
+                Err(Error::OutOfMemory { .. })
+            ),
+            "{text}: the limit counts the tag's block"
+        );
+        let fits = host_block(&top, 2 << 20);
+        assert_eq!(counted.bytes().current, 6 << 20, "{text}");
+        free_host_block(&top, fits, 2 << 20);
+        free_host_block(&top, tagged, 4 << 20);
+        assert_eq!(counted.bytes().current, 0, "{text}: the tag's free counted");
+        let (_, pool) = router.members().next().expect("the tag's pool");
+        assert_eq!(
+            pool.stats().pool_size,
+            4 << 20,
+            "{text}: it keeps its memory"
+        );
+        // Freed by address into the tag's pool: the base's 8 MiB fits again.
+        let whole = host_block(&top, 8 << 20);
+        free_host_block(&top, whole, 8 << 20);
+        for logged in &target.logs {
+            logged.flush().unwrap();
+            let rows = std::fs::read_to_string(&log).unwrap();
+            let at = format!("{:#x},", tagged.as_ptr() as usize);
+            let of_the_tag = rows.lines().filter(|row| row.contains(&at)).count();
+            assert_eq!(
+                of_the_tag, 2,
+                "{text}: its allocation and free logged\n{rows}"
+            );
+        }
+    }
+    let _ = std::fs::remove_file(log);
+}
+
+/// `memres_segment_pool_holding` names the pool whose segment holds an address (any
+/// address of it, blocks live or free), none for memory outside every segment, and
+/// forgets a segment once it is given back and a pool once it is destroyed (issue 47:
+/// the PyTorch backend kept its own table of pool blocks for this).
+#[test]
+fn the_pool_holding_an_address_is_found_by_its_segments() {
+    // Segment pools' tests take turns: a freed segment's memory may be another's next.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let null = std::ptr::null_mut();
+    // SAFETY: the functions handle host memory from any thread; every block is unused
+    // when freed.
+    unsafe {
+        let new = |flags| {
+            let pool = memres_segment_pool_new(
+                0,
+                flags,
+                Some(plain_segment_alloc),
+                Some(plain_segment_free),
+                std::ptr::null_mut(),
+            );
+            assert!(!pool.is_null(), "{}", last_error());
+            pool
+        };
+        let (split, whole) = (new(0), new(MEMRES_SEGMENTS_NO_SPLIT));
+        let a = memres_segment_pool_malloc(split, 4096, null, 1, 0);
+        let b = memres_segment_pool_malloc(whole, 4096, null, 1, 0);
+        let c = memres_segment_pool_malloc(whole, 8192, null, 1, 0);
+        assert!(
+            !a.is_null() && !b.is_null() && !c.is_null(),
+            "{}",
+            last_error()
+        );
+        let at = |p: *mut c_void, offset: usize| p.cast::<u8>().wrapping_add(offset).cast();
+        assert_eq!(memres_segment_pool_holding(a), split);
+        assert_eq!(
+            memres_segment_pool_holding(at(a, (2 << 20) - 1)),
+            split,
+            "the free rest of a's 2 MiB segment"
+        );
+        assert_eq!(memres_segment_pool_holding(at(b, 4095)), whole);
+        assert_eq!(memres_segment_pool_holding(c), whole);
+        let outside = Box::new(0u64);
+        assert!(memres_segment_pool_holding(std::ptr::from_ref(&*outside).cast()).is_null());
+        assert!(memres_segment_pool_holding(std::ptr::null()).is_null());
+        // b's segment goes back: its addresses are no pool's (c's stays).
+        assert_eq!(memres_segment_pool_free(whole, b, 0), MEMRES_OK);
+        assert_eq!(memres_segment_pool_release_free(whole, null), 4096);
+        assert!(memres_segment_pool_holding(b).is_null());
+        assert_eq!(memres_segment_pool_holding(c), whole);
+        assert_eq!(memres_segment_pool_free(whole, c, 0), MEMRES_OK);
+        memres_segment_pool_destroy(whole);
+        assert!(memres_segment_pool_holding(c).is_null(), "the pool is gone");
+        assert_eq!(memres_segment_pool_holding(a), split);
+        assert_eq!(memres_segment_pool_free(split, a, 0), MEMRES_OK);
+        memres_segment_pool_destroy(split);
+        assert!(memres_segment_pool_holding(a).is_null());
+    }
+}
+
+/// What `memres_segment_pool_holding` costs the PyTorch backend's frees: with no segment
+/// listed in the process (its first look, one load), and with pools of 1,000 and 16,000
+/// segments listed (a search under a lock):
+/// `cargo test --release -p memres-capi --lib segment_pool_holding_cost -- --ignored --nocapture`
+/// (alone: other tests' pools would be listed too).
+#[test]
+#[ignore = "a timing, for the figure in the CHANGELOG"]
+fn segment_pool_holding_cost() {
+    use std::time::Instant;
+    const N: usize = 2_000_000;
+    let outside = Box::new(0u64);
+    let outside: *const c_void = std::ptr::from_ref(&*outside).cast();
+    // The best of three rounds (the machine is shared).
+    let time = |what: &str, ptr: *const c_void| {
+        let best = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..N {
+                    std::hint::black_box(memres_segment_pool_holding(std::hint::black_box(ptr)));
+                }
+                t.elapsed().as_nanos() as f64 / N as f64
+            })
+            .fold(f64::INFINITY, f64::min);
+        println!("{what}: {best:.1} ns a lookup");
+    };
+    time("no segment listed", outside);
+    for n in [1_000, 16_000] {
+        // SAFETY: as in `segment_pool_blocks_cost`.
+        unsafe {
+            let pool = memres_segment_pool_new(
+                0,
+                MEMRES_SEGMENTS_NO_SPLIT,
+                Some(plain_segment_alloc),
+                Some(plain_segment_free),
+                std::ptr::null_mut(),
+            );
+            let blocks: Vec<_> = (0..n)
+                .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
+                .collect();
+            time(&format!("{n} segments, a block of one"), blocks[n / 2]);
+            time(&format!("{n} segments, other memory"), outside);
+            for p in blocks {
+                assert_eq!(memres_segment_pool_free(pool, p, 0), MEMRES_OK);
+            }
+            memres_segment_pool_destroy(pool);
+        }
+    }
+}
+
+/// One 4 MiB region, handed out by `same_region_alloc` for every segment (a broken
+/// allocator), and how many times it was given back.
+static SAME_REGION: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+static SAME_REGION_FREES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn same_region_alloc(
+    _ctx: *mut c_void,
+    size: usize,
+    _stream: *mut c_void,
+) -> *mut c_void {
+    assert!(size <= 4 << 20);
+    let region = *SAME_REGION.get_or_init(|| {
+        let layout = std::alloc::Layout::from_size_align(4 << 20, 256).unwrap();
+        // SAFETY: a layout of nonzero size; kept for the whole test run.
+        unsafe { std::alloc::alloc(layout) }.expose_provenance()
+    });
+    std::ptr::with_exposed_provenance_mut(region)
+}
+
+unsafe extern "C" fn same_region_free(_ctx: *mut c_void, _ptr: *mut c_void, _size: usize) {
+    SAME_REGION_FREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// An allocator that hands a second pool memory a first pool's segment holds: the
+/// second pool's allocation is refused with a message naming the overlap, and the
+/// memory goes back to the allocator, never handed out twice.
+#[test]
+fn a_segment_another_pool_holds_is_refused_and_given_back() {
+    // Segment pools' tests take turns: a freed segment's memory may be another's next.
+    let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let null = std::ptr::null_mut();
+    // SAFETY: the functions are callable from any thread; nothing uses the blocks.
+    unsafe {
+        let new = || {
+            memres_segment_pool_new(
+                0,
+                0,
+                Some(same_region_alloc),
+                Some(same_region_free),
+                std::ptr::null_mut(),
+            )
+        };
+        let (first, second) = (new(), new());
+        let a = memres_segment_pool_malloc(first, 4096, null, 1, 0);
+        assert!(!a.is_null(), "{}", last_error());
+        assert!(memres_segment_pool_malloc(second, 4096, null, 1, 0).is_null());
+        assert!(last_error().contains("overlap"), "{}", last_error());
+        assert_eq!(
+            SAME_REGION_FREES.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "the refused segment given back"
+        );
+        assert_eq!(memres_segment_pool_holding(a), first);
+        assert_eq!(memres_segment_pool_free(first, a, 0), MEMRES_OK);
+        memres_segment_pool_destroy(second);
+        memres_segment_pool_destroy(first);
+        assert_eq!(
+            SAME_REGION_FREES.load(std::sync::atomic::Ordering::Relaxed),
+            2
+        );
+        assert!(memres_segment_pool_holding(a).is_null());
     }
 }

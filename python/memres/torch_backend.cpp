@@ -31,7 +31,8 @@
 //   freed. checkPoolLiveAllocations, getCheckpointState and setCheckpointPoolState work
 //   on a pool's block table. The pools themselves are memres's segment pools
 //   (memres_segment_pool_*: blocks, record_stream's held blocks, capture reuse, saved
-//   tables); this file routes torch's calls to them.
+//   tables, and which pool holds an address: memres_segment_pool_holding); this file
+//   routes torch's calls to them and keeps no table of blocks.
 // - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
 //   torch.multiprocessing sends CUDA tensors of memres in torch's own handle forms (the
 //   default in-place pool's blocks as expandable segments, chunked pools' as CUDA IPC
@@ -861,12 +862,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (filter(stream)) {
         *routed = true;
         PrivatePool& pool = pools_.at(id);
-        void* ptr = pool.allocate(size, stream, /*may_grow=*/true, is_capturing(device));
-        if (ptr != nullptr) {
-          private_blocks_[ptr] = id;
-          private_count_.store(private_blocks_.size(), std::memory_order_release);
-        }
-        return ptr;
+        return pool.allocate(size, stream, /*may_grow=*/true, is_capturing(device));
       }
     }
     return nullptr;
@@ -965,8 +961,6 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       }
       void* ptr = pool.allocate(size, stream, /*may_grow=*/false, is_capturing(device));
       if (ptr != nullptr) {
-        private_blocks_[ptr] = id;
-        private_count_.store(private_blocks_.size(), std::memory_order_release);
         return ptr;
       }
     }
@@ -1048,18 +1042,13 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
             "memres: cannot restore a graph pool's checkpoint: ",
             memres_last_error());
       }
-      for (void* ptr : freed) {
-        private_blocks_.erase(ptr);
-      }
       for (const memres_block_t& b : state->table) {
         if (b.allocated != 0) {
           void* ptr = reinterpret_cast<char*>(static_cast<uintptr_t>(b.segment + b.offset));
-          private_blocks_[ptr] = state->id;
           delta.dataptrs_allocd.emplace_back(
               ptr, ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
         }
       }
-      private_count_.store(private_blocks_.size(), std::memory_order_release);
       {
         // The base class's records, under pools_mutex_ (so no allocation of the pool is
         // handed one of these addresses meanwhile): the freed blocks' go (torch released
@@ -1097,14 +1086,12 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     if (g_history.on.load(std::memory_order_relaxed)) {
       trace_free(ptr);
     }
-    if (private_count_.load(std::memory_order_acquire) != 0) {
+    // A graph or MemPool pool's block: memres answers which pool's segment holds it (one
+    // load while no pool holds a segment).
+    if (memres_segment_pool_t* table = memres_segment_pool_holding(ptr); table != nullptr) {
       std::unique_lock<std::mutex> lock(pools_mutex_);
-      auto it = private_blocks_.find(ptr);
-      if (it != private_blocks_.end()) {
-        c10::MempoolId_t id = it->second;
-        private_blocks_.erase(it);
-        private_count_.store(private_blocks_.size(), std::memory_order_release);
-        PrivatePool& pool = pools_.at(id);
+      if (PrivatePool* owner = pool_of_table(table); owner != nullptr) {
+        PrivatePool& pool = *owner;
         // memres frees it, or holds it while streams recorded for it may use it (inside
         // the capture that made it, until the graph orders their work first).
         TORCH_CHECK(pool.free(ptr, is_capturing(pool.device)), "memres: a graph pool's block freed twice");
@@ -1284,7 +1271,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       {
         std::lock_guard<std::mutex> meta(allocator_mutex_);
         for (const auto& [ptr, m] : allocation_metadata_) {
-          if (ptr != nullptr && private_blocks_.count(ptr) == 0 && m.device_idx >= 0 &&
+          if (ptr != nullptr && memres_segment_pool_holding(ptr) == nullptr && m.device_idx >= 0 &&
               m.device_idx < kMaxDevices) {
             live[m.device_idx][reinterpret_cast<size_t>(ptr)] = Live{m.size, m.stream, nullptr, nullptr};
           }
@@ -1418,9 +1405,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     size_t into = 0;
     {
       std::lock_guard<std::mutex> lock(pools_mutex_);
-      auto it = private_blocks_.find(ptr);
-      if (it != private_blocks_.end()) {
-        auto seg = pools_.at(it->second).segment_of(ptr);
+      if (PrivatePool* pool = pool_holding(ptr); pool != nullptr) {
+        auto seg = pool->segment_of(ptr);
         TORCH_CHECK(seg.has_value(), "memres: a graph pool's block outside its segments");
         block = seg->base;
         into = static_cast<size_t>(static_cast<char*>(ptr) - seg->base);
@@ -1463,9 +1449,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       // A graph pool's block: its pool keeps the stream and holds the block back when it
       // is freed (memres's own record covers memory memres hands out).
       std::lock_guard<std::mutex> lock(pools_mutex_);
-      auto it = private_blocks_.find(ptr.get());
-      if (it != private_blocks_.end()) {
-        PrivatePool& pool = pools_.at(it->second);
+      if (PrivatePool* found = pool_holding(ptr.get()); found != nullptr) {
+        PrivatePool& pool = *found;
         int code = pool.table == nullptr
             ? MEMRES_ERROR_INVALID_ARGUMENT
             : memres_segment_pool_record_stream(pool.table.get(), ptr.get(), stream.stream());
@@ -1753,6 +1738,25 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     return device < 0 || device >= kMaxDevices || !captures_[device].empty();
   }
 
+  // The pool whose memres segment pool is `table`, if it is still one of pools_ (under
+  // pools_mutex_). There are few pools: a look at each.
+  PrivatePool* pool_of_table(memres_segment_pool_t* table) {
+    for (auto& [id, pool] : pools_) {
+      if (pool.table.get() == table) {
+        return &pool;
+      }
+    }
+    return nullptr;
+  }
+
+  // The graph or MemPool pool one of whose segments holds `ptr` (under pools_mutex_):
+  // memres keeps every pool's segments by address (memres_segment_pool_holding), so the
+  // backend keeps no table of blocks.
+  PrivatePool* pool_holding(void* ptr) {
+    memres_segment_pool_t* table = memres_segment_pool_holding(ptr);
+    return table == nullptr ? nullptr : pool_of_table(table);
+  }
+
   // Under pools_mutex_: gives back the segments of `device`'s pools that no graph holds
   // and no block uses, after waiting for the device (their graphs' replays may have run
   // on any stream). Not while a capture is underway on the device (no wait is allowed).
@@ -1792,11 +1796,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::unordered_map<c10::MempoolId_t, PrivatePool, PoolIdHash> pools_;
   std::array<std::vector<std::pair<c10::MempoolId_t, std::function<bool(cudaStream_t)>>>, kMaxDevices>
       captures_;
-  std::unordered_map<void*, c10::MempoolId_t> private_blocks_;
   // Captures routing now (the allocation path reads only this while it is 0).
   std::atomic<int> routing_{0};
-  // private_blocks_.size(): frees look a pointer up only while it is not 0.
-  std::atomic<size_t> private_count_{0};
 };
 
 void* routed_to_private_pool(size_t size, int device, cudaStream_t stream, bool* routed) {

@@ -36,6 +36,7 @@ pub use fallback::Fallback;
 pub use guard::{CANARY, Guard, Overrun, Side};
 pub use limiting::Limiting;
 pub use logging::{LOG_FILE_VARIABLE, Logging};
+pub use owners::Owners;
 pub use prefetch::Prefetch;
 pub use profiling::Profiling;
 pub use router::{Member, Route, Router};

@@ -85,7 +85,9 @@ struct Keyed<M> {
 /// the caller names ([`allocate_in`](Self::allocate_in)); a free goes to the member
 /// that served the block, found by its address. This is `Fallback`'s dispatch for N
 /// members chosen by a rule: the C ABI's tagged pools (`memres_set_tag`) are a router
-/// whose default member is the device's stack and whose members are the tags' pools.
+/// whose default member is the base of the device's stack (under its `statistics(..)`,
+/// `limiting(..)` and `logging(..)`, which so see every block) and whose members are the
+/// tags' pools.
 ///
 /// - **Which member freed**: the one whose range holds the address ([`Member::in_range`]:
 ///   a pool over a reservation of its own; a lock-free look at each range), else the one

@@ -103,6 +103,22 @@ pub trait Target {
     fn built(&mut self, layer: Built<'_, Self>) {
         let _ = layer;
     }
+
+    /// What the stack's outermost wrappers (`statistics(..)`, `logging(..)`,
+    /// `limiting(..)`: every one above [`Spec::base`]) go over, given the base built
+    /// (called once per build, after the base's layers were shown to
+    /// [`built`](Target::built)). By default the base itself. The C ABI puts its
+    /// address router here, the base its default member and the tags' pools its others,
+    /// so that the spec's statistics, limit and log see every block, tagged ones too.
+    ///
+    /// # Errors
+    /// The target's error, which the build returns.
+    fn base(
+        &mut self,
+        base: AnyResource<Self::Properties>,
+    ) -> Result<AnyResource<Self::Properties>, Error> {
+        Ok(base)
+    }
 }
 
 /// A stack as `Spec::build_ranged` makes it: with the address range all its blocks lie
@@ -146,14 +162,45 @@ impl Spec {
     /// `logging(..)` without `file=` logs where `MEMRES_LOG_FILE` says, else to standard
     /// error ([`Logging::from_env`]).
     pub fn build<T: Target>(&self, target: &mut T) -> Result<AnyResource<T::Properties>, Error> {
-        self.build_ranged(target).map(|(built, _)| built)
+        self.build_ranged(target, true).map(|(built, _)| built)
     }
 
-    /// [`build`](Self::build), with the address range `(base, len)` every block of the stack lies in
-    /// where one virtual pool serves them all (wrappers pass their inner one's on): a
-    /// `fallback(..)` tells its tiers apart by it.
+    /// [`build`](Self::build), with the address range `(base, len)` every block of the
+    /// stack lies in where one virtual pool serves them all (wrappers pass their inner
+    /// one's on): a `fallback(..)` tells its tiers apart by it. `outer`: this spec is the
+    /// stack's, or a wrapper's of the stack's outermost chain, whose base goes through
+    /// [`Target::base`] (the tiers of a `fallback(..)` and the pool under `binning` are
+    /// parts of a base, not bases).
+    fn build_ranged<T: Target>(
+        &self,
+        target: &mut T,
+        outer: bool,
+    ) -> Result<Ranged<T::Properties>, Error> {
+        let (built, range) = self.build_layer(target, outer)?;
+        if !outer || self.is_wrapper() {
+            return Ok((built, range));
+        }
+        // What the target puts here may hand out blocks outside the base's range; and
+        // nothing outside this stack reads its range.
+        Ok((target.base(built)?, None))
+    }
+
+    /// Whether this spec is a wrapper (`statistics(..)`, `logging(..)`, `limiting(..)`).
+    fn is_wrapper(&self) -> bool {
+        matches!(
+            self,
+            Spec::Statistics(_) | Spec::Logging { .. } | Spec::Limiting { .. }
+        )
+    }
+
+    /// The layer this spec names, over its inner specs built first (wrappers pass
+    /// `outer` on to theirs).
     // long: one arm per spec word, each building one layer; a split only moves the match.
-    fn build_ranged<T: Target>(&self, target: &mut T) -> Result<Ranged<T::Properties>, Error> {
+    fn build_layer<T: Target>(
+        &self,
+        target: &mut T,
+        outer: bool,
+    ) -> Result<Ranged<T::Properties>, Error> {
         Ok(match self {
             Spec::Cuda => (AnyResource::new(target.memory()?), None),
             Spec::CudaAsync {
@@ -168,8 +215,9 @@ impl Spec {
                 (AnyResource::new(pool), None)
             }
             Spec::Fallback { first, then } => {
-                let (first, range) = first.build_ranged(target)?;
-                let mut tiers = Fallback::<_, _, T::Properties>::new(first, then.build(target)?);
+                let (first, range) = first.build_ranged(target, false)?;
+                let (then, _) = then.build_ranged(target, false)?;
+                let mut tiers = Fallback::<_, _, T::Properties>::new(first, then);
                 if let Some((base, len)) = range {
                     // SAFETY: every block of `first` comes from one virtual pool, inside
                     // its leaf's reservation (wrappers hand out their inner blocks
@@ -230,13 +278,13 @@ impl Spec {
             }
             Spec::Binning { min, max } => {
                 // The bins' blocks come from the pool too.
-                let (pool, range) = Spec::default_spec().build_ranged(target)?;
+                let (pool, range) = Spec::default_spec().build_ranged(target, false)?;
                 let bins = Arc::new(Binning::new(pool, *min, *max)?);
                 target.built(Built::Bins(&bins));
                 (AnyResource::new(bins), range)
             }
             Spec::Statistics(inner) => {
-                let (inner, range) = inner.build_ranged(target)?;
+                let (inner, range) = inner.build_ranged(target, outer)?;
                 let counted = Arc::new(Statistics::new(inner));
                 target.built(Built::WithStatistics(&counted));
                 (AnyResource::new(counted), range)
@@ -246,7 +294,7 @@ impl Spec {
                 file,
                 exact_times,
             } => {
-                let (inner, range) = inner.build_ranged(target)?;
+                let (inner, range) = inner.build_ranged(target, outer)?;
                 let logged = match file {
                     Some(path) => Logging::to_file(inner, Path::new(path))?,
                     None => Logging::from_env(inner)?,
@@ -256,7 +304,7 @@ impl Spec {
                 (AnyResource::new(logged), range)
             }
             Spec::Limiting { inner, limit } => {
-                let (inner, range) = inner.build_ranged(target)?;
+                let (inner, range) = inner.build_ranged(target, outer)?;
                 (AnyResource::new(Limiting::new(inner, *limit)), range)
             }
         })
@@ -300,6 +348,8 @@ mod tests {
         built: Vec<&'static str>,
         /// Per `fallback(..)`: whether it tells its tiers apart by address.
         by_address: Vec<bool>,
+        /// What [`Target::base`] put under the wrappers: a count of the base's blocks.
+        base: Option<Arc<Statistics<AnyResource<Host>>>>,
     }
 
     impl Target for Recording {
@@ -333,6 +383,12 @@ mod tests {
                 Built::FixedBlocks(_) => "fixed_size",
             });
         }
+        fn base(&mut self, base: AnyResource<Host>) -> Result<AnyResource<Host>, Error> {
+            self.built.push("base");
+            let counted = Arc::new(Statistics::new(base));
+            self.base = Some(Arc::clone(&counted));
+            Ok(AnyResource::new(counted))
+        }
     }
 
     fn round_trip(stack: &AnyResource<Host>, bytes: usize) -> Result<(), Error> {
@@ -348,19 +404,25 @@ mod tests {
     #[test]
     fn every_host_spec_builds_and_serves() {
         for (text, shown) in [
-            ("cuda", &[][..]),
-            ("pool:initial=1MiB,growth=rmm", &["pool"][..]),
-            ("virtual_pool:reserve=256MiB,step=1MiB", &["virtual_pool"]),
-            ("arena", &["arena"]),
-            ("fixed_size:block=8KiB,blocks=4", &["fixed_size"]),
-            ("binning:min=10,max=14", &["virtual_pool", "binning"]),
+            ("cuda", &["base"][..]),
+            ("pool:initial=1MiB,growth=rmm", &["pool", "base"][..]),
+            (
+                "virtual_pool:reserve=256MiB,step=1MiB",
+                &["virtual_pool", "base"],
+            ),
+            ("arena", &["arena", "base"]),
+            ("fixed_size:block=8KiB,blocks=4", &["fixed_size", "base"]),
+            (
+                "binning:min=10,max=14",
+                &["virtual_pool", "binning", "base"],
+            ),
             (
                 "statistics(limiting(pool, limit=1GiB))",
-                &["pool", "statistics"],
+                &["pool", "base", "statistics"],
             ),
             (
                 "fallback(limiting(pool, limit=1MiB), virtual_pool)",
-                &["pool", "virtual_pool", "fallback"],
+                &["pool", "virtual_pool", "fallback", "base"],
             ),
         ] {
             let mut target = Recording::default();
@@ -397,6 +459,37 @@ mod tests {
             let stack = Spec::parse(text).unwrap().build(&mut target).unwrap();
             assert_eq!(target.by_address.last(), Some(&by_address), "{text}");
             round_trip(&stack, 2 << 20).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+    }
+
+    /// The target's base goes under the stack's outermost wrappers, once, and over the
+    /// whole base: every block of the stack passes through it (the C ABI's router of
+    /// tagged pools sits there, so the wrappers see its blocks), a `fallback(..)`'s
+    /// second tier's too, and a limit counts what it serves.
+    #[test]
+    fn the_targets_base_goes_under_the_outermost_wrappers() {
+        for (text, bytes) in [
+            (
+                "statistics(logging(limiting(pool, limit=8MiB), file=/dev/null))",
+                1 << 20,
+            ),
+            (
+                "fallback(limiting(virtual_pool, limit=1MiB), pool)",
+                4 << 20,
+            ),
+            ("binning:min=10,max=14", 4096),
+        ] {
+            let mut target = Recording::default();
+            let stack = Spec::parse(text).unwrap().build(&mut target).unwrap();
+            let base = target.base.clone().expect("a base");
+            let l = layout(bytes).unwrap();
+            let p = stack.allocate(StreamRef::HOST, l).unwrap();
+            assert_eq!(base.bytes().current, bytes as i64, "{text}");
+            // SAFETY: allocated just above with `l` on the same stream; not used afterwards.
+            unsafe { stack.deallocate(StreamRef::HOST, p, l) };
+            assert_eq!(base.bytes().current, 0, "{text}");
+            let bases = target.built.iter().filter(|b| **b == "base").count();
+            assert_eq!(bases, 1, "{text}");
         }
     }
 

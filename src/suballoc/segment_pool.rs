@@ -151,6 +151,10 @@ pub struct BlockEntry {
     /// reads `allocated` only: a saved held block comes back live (as PyTorch's own
     /// pools restore a block still waiting for its streams).
     pub held: bool,
+    /// The raw handle of the stream the block's segment belongs to (`None`: a host
+    /// stream), so that a listing needs no lookup per segment.
+    /// [`SegmentPool::restore`] does not read it: segments keep their streams.
+    pub stream: Option<usize>,
 }
 
 impl BlockEntry {
@@ -207,7 +211,13 @@ impl Segment {
 
 #[derive(Default)]
 struct Table {
+    /// In the order they were taken (the order [`SegmentPool::blocks`] lists them).
     segments: Vec<Segment>,
+    /// Each segment's position in `segments`, by its first address: a lookup by address
+    /// costs a search of this map, not a scan of the segments, so listing or restoring a
+    /// table of n segments is linear in its entries (issue 47: the C ABI's listing asked
+    /// for each segment's stream by a scan, quadratic in the segments).
+    by_base: BTreeMap<usize, usize>,
     live: usize,
     /// Streams recorded for live blocks ([`SegmentPool::record_stream`]), by address.
     recorded: HashMap<usize, Vec<StreamRef<'static>>>,
@@ -384,11 +394,7 @@ impl<U: Resource> SegmentPool<U> {
             Some(capture) if capturing => frontier_of_all(&streams, own, capture),
             _ => None,
         };
-        let ctx = table
-            .segments
-            .iter()
-            .find(|s| s.contains(address))
-            .and_then(|s| s.ctx);
+        let ctx = table.segment(address).and_then(|s| s.ctx);
         table.held.push(Held {
             address,
             ctx,
@@ -466,13 +472,14 @@ impl<U: Resource> SegmentPool<U> {
     }
 
     /// The table: every segment's blocks in address order, segments in the order they
-    /// were taken.
+    /// were taken; linear in its entries.
     pub fn blocks(&self) -> Vec<BlockEntry> {
         let table = lock(&self.table);
         let held: std::collections::HashSet<usize> = table.held.iter().map(|h| h.address).collect();
         let mut out = Vec::new();
         for segment in &table.segments {
             let base = segment.base;
+            let stream = segment.stream.as_raw().map(|raw| raw as usize);
             out.extend(
                 segment
                     .blocks
@@ -484,6 +491,7 @@ impl<U: Resource> SegmentPool<U> {
                         size,
                         allocated,
                         held: held.contains(&(base + offset)),
+                        stream,
                     }),
             );
         }
@@ -506,9 +514,7 @@ impl<U: Resource> SegmentPool<U> {
     pub fn segment_of(&self, address: usize) -> Option<(usize, usize, Option<usize>)> {
         let table = lock(&self.table);
         table
-            .segments
-            .iter()
-            .find(|s| s.contains(address))
+            .segment(address)
             .map(|s| (s.base, s.size, s.stream.as_raw().map(|raw| raw as usize)))
     }
 
@@ -576,6 +582,7 @@ impl<U: Resource> SegmentPool<U> {
                 .into_iter()
                 .partition(|s| s.blocks.len() == 1 && !s.blocks[&0].1);
             table.segments = kept;
+            table.index();
             free
         };
         let mut bytes = 0;
@@ -634,7 +641,7 @@ impl<U: Resource> SegmentPool<U> {
         } else {
             stream.context().ok()
         };
-        table.segments.push(Segment {
+        table.push(Segment {
             base: base.as_ptr().expose_provenance(),
             size: segment_size,
             stream,
@@ -647,11 +654,39 @@ impl<U: Resource> SegmentPool<U> {
 }
 
 impl Table {
+    /// The position in `segments` of the segment holding `address`.
+    fn position(&self, address: usize) -> Option<usize> {
+        let (_, &i) = self.by_base.range(..=address).next_back()?;
+        self.segments[i].contains(address).then_some(i)
+    }
+
+    /// The segment holding `address`.
+    fn segment(&self, address: usize) -> Option<&Segment> {
+        self.position(address).map(|i| &self.segments[i])
+    }
+
+    /// Lists a new segment, after the others.
+    fn push(&mut self, segment: Segment) {
+        self.by_base.insert(segment.base, self.segments.len());
+        self.segments.push(segment);
+    }
+
+    /// Indexes `segments` again after some left.
+    fn index(&mut self) {
+        self.by_base = self
+            .segments
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.base, i))
+            .collect();
+    }
+
     /// Frees the allocated block at `address` (a live or held one), merging it.
     fn release(&mut self, address: usize) -> usize {
-        let Some(segment) = self.segments.iter_mut().find(|s| s.contains(address)) else {
+        let Some(i) = self.position(address) else {
             return 0;
         };
+        let segment = &mut self.segments[i];
         let offset = address - segment.base;
         let size = match segment.blocks.get_mut(&offset) {
             Some((size, allocated)) if *allocated => {
@@ -667,9 +702,7 @@ impl Table {
 
     /// The size of the block at `address` (0 if none starts there).
     fn size_of(&self, address: usize) -> usize {
-        self.segments
-            .iter()
-            .find(|s| s.contains(address))
+        self.segment(address)
             .and_then(|s| s.blocks.get(&(address - s.base)))
             .map_or(0, |&(size, _)| size)
     }
@@ -738,9 +771,7 @@ impl Table {
         while i < self.held.len() {
             let held = &self.held[i];
             let own = self
-                .segments
-                .iter()
-                .find(|s| s.contains(held.address))
+                .segment(held.address)
                 .is_some_and(|s| s.stream == stream);
             let ordered = own
                 && of_this_capture(held)
@@ -761,11 +792,7 @@ impl Table {
 /// The stream of the segment holding the live block at `address` (allocated, not held),
 /// or [`Error::InvalidArgument`].
 fn live_block(table: &Table, address: usize) -> Result<StreamRef<'static>, Error> {
-    let segment = table
-        .segments
-        .iter()
-        .find(|s| s.contains(address))
-        .ok_or_else(|| not_live(address))?;
+    let segment = table.segment(address).ok_or_else(|| not_live(address))?;
     match segment.blocks.get(&(address - segment.base)) {
         Some(&(_, true)) if !table.held.iter().any(|h| h.address == address) => Ok(segment.stream),
         _ => Err(not_live(address)),
@@ -853,9 +880,8 @@ fn group(
     let mut layouts: BTreeMap<usize, Blocks> = BTreeMap::new();
     for entry in saved {
         let held = table
-            .segments
-            .iter()
-            .any(|s| s.base == entry.segment && s.size == entry.segment_size);
+            .segment(entry.segment)
+            .is_some_and(|s| s.base == entry.segment && s.size == entry.segment_size);
         if !held {
             return Err(Error::invalid_argument(format!(
                 "a saved table names a segment of {} bytes at {:#x} that the pool does not hold",
@@ -868,10 +894,8 @@ fn group(
             .insert(entry.offset, (entry.size, entry.allocated));
     }
     for (&base, blocks) in &layouts {
-        let size = saved
-            .iter()
-            .find(|e| e.segment == base)
-            .map(|e| e.segment_size);
+        // Every entry naming `base` gave its size, checked above to be the segment's.
+        let size = table.segment(base).map(|s| s.size);
         let mut at = 0usize;
         for (&offset, &(block, _)) in blocks {
             // Each block starts where the last ended, on the rounding, and ends inside
@@ -925,11 +949,7 @@ unsafe impl<U: Resource> Resource for SegmentPool<U> {
             return;
         }
         let address = ptr.as_ptr() as usize;
-        let own = lock(&self.table)
-            .segments
-            .iter()
-            .find(|s| s.contains(address))
-            .map(|s| s.stream);
+        let own = lock(&self.table).segment(address).map(|s| s.stream);
         let Some(own) = own else {
             debug_assert!(false, "{}", not_live(address));
             return;
