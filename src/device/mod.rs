@@ -92,10 +92,9 @@ impl DeviceId {
     pub(crate) fn handle(self) -> Result<DeviceHandle, Error> {
         init()?;
         Active::device_get(self.0).map_err(|e| match e {
-            Error::Driver(_) => Error::invalid_argument(format!(
-                "there is no {} device {self}",
-                Active::NAME
-            )),
+            Error::Driver(_) => {
+                Error::invalid_argument(format!("there is no {} device {self}", Active::NAME))
+            }
             e => e,
         })
     }

@@ -36,7 +36,9 @@ fn check_alloc(result: CUresult, requested: usize) -> Result<(), Error> {
     match result {
         CUresult::CUDA_SUCCESS => Ok(()),
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::out_of_memory(requested)),
-        other => Err(Error::Driver(DriverError::new(super::ErrorCode::Cuda(other)))),
+        other => Err(Error::Driver(DriverError::new(super::ErrorCode::Cuda(
+            other,
+        )))),
     }
 }
 
@@ -436,7 +438,8 @@ impl Platform for Cuda {
         let mut address = 0;
         let global = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
         // SAFETY: the context is current (the caller binds it); `address` is a valid place.
-        check_alloc(unsafe { sys::cuMemAllocManaged(&mut address, size, global) }, size)?;
+        let result = unsafe { sys::cuMemAllocManaged(&mut address, size, global) };
+        check_alloc(result, size)?;
         Ok(address as usize)
     }
 
@@ -450,7 +453,8 @@ impl Platform for Cuda {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: the context is current (the caller binds it); `p` is a valid place.
-        check_alloc(unsafe { sys::cuMemHostAlloc(&mut p, size, flags) }, requested)?;
+        let result = unsafe { sys::cuMemHostAlloc(&mut p, size, flags) };
+        check_alloc(result, requested)?;
         Ok(p as usize)
     }
 
@@ -707,7 +711,8 @@ impl Platform for Cuda {
     fn vm_reserve(len: usize, align: usize) -> Result<usize, Error> {
         let mut base = 0;
         // SAFETY: reserves address space only (no memory); `base` is a valid place.
-        check_alloc(unsafe { sys::cuMemAddressReserve(&mut base, len, align, 0, 0) }, len)?;
+        let result = unsafe { sys::cuMemAddressReserve(&mut base, len, align, 0, 0) };
+        check_alloc(result, len)?;
         Ok(base as usize)
     }
 
@@ -726,7 +731,8 @@ impl Platform for Cuda {
         let mut handle = 0;
         // SAFETY: `prop` describes pinned device memory of `device`; `handle` is a valid
         // place.
-        check_alloc(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }, requested)?;
+        let result = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        check_alloc(result, requested)?;
         Ok(handle)
     }
 

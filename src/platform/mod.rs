@@ -20,11 +20,11 @@
 //! beside a GPU's streams in one process (a pool keeps books for both), so they are a kind
 //! of [`StreamRef`](crate::StreamRef), not a choice made once for the build.
 
+#[cfg(test)]
+mod conformance;
 pub(crate) mod cuda;
 #[cfg(feature = "hip")]
 pub(crate) mod hip;
-#[cfg(test)]
-mod conformance;
 
 use std::fmt;
 
@@ -434,8 +434,12 @@ pub(crate) trait Platform {
     unsafe fn vm_free(base: usize, len: usize) -> Result<(), Error>;
     /// A physical allocation of `size` bytes of pinned memory on `device`; out of memory
     /// is reported for `requested` bytes.
-    fn vm_create(size: usize, device: i32, posix_fd: bool, requested: usize)
-    -> Result<MemHandle, Error>;
+    fn vm_create(
+        size: usize,
+        device: i32,
+        posix_fd: bool,
+        requested: usize,
+    ) -> Result<MemHandle, Error>;
     /// Drops our reference to a physical allocation (a mapping keeps its own).
     ///
     /// # Safety

@@ -92,7 +92,9 @@ impl Drop for Event {
         let Ok(_current) = bind(self.ctx) else { return };
         // SAFETY: the event is ours; waits already enqueued on it stay valid (the driver
         // defers the release until they are done).
-        report("cuEventDestroy", unsafe { Active::event_destroy(self.raw()) });
+        report("cuEventDestroy", unsafe {
+            Active::event_destroy(self.raw())
+        });
     }
 }
 

@@ -233,9 +233,7 @@ impl StreamRef<'_> {
     /// streams, which have none.
     pub(crate) fn context(self) -> Result<Context, Error> {
         match self.cu() {
-            Some(raw) if !self.is_default() && !self.is_per_thread() => {
-                Context::of_stream(raw)
-            }
+            Some(raw) if !self.is_default() && !self.is_per_thread() => Context::of_stream(raw),
             _ => Context::current(),
         }
     }

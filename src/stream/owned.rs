@@ -160,7 +160,9 @@ impl Drop for Stream {
         });
         // SAFETY: the stream is ours and no `StreamRef` to it outlives `self` (borrowck).
         // Its work is complete (above).
-        report("cuStreamDestroy", unsafe { Active::stream_destroy(self.cu()) });
+        report("cuStreamDestroy", unsafe {
+            Active::stream_destroy(self.cu())
+        });
     }
 }
 

@@ -274,10 +274,7 @@ impl CudaAsync {
         // The device's context is current.
         let pool = Active::pool_create(device.ordinal(), config.export.is_posix_fd())?;
         let resource = CudaAsync {
-            inner: PoolRef {
-                pool,
-                ctx,
-            },
+            inner: PoolRef { pool, ctx },
             export: config.export,
         };
         // From here on, `resource`'s drop destroys the pool if a step fails.
@@ -434,10 +431,7 @@ impl CudaAsyncView {
         let dev = device.handle()?;
         let pool = Active::default_pool(dev)?;
         Ok(CudaAsyncView {
-            inner: PoolRef {
-                pool,
-                ctx,
-            },
+            inner: PoolRef { pool, ctx },
         })
     }
 

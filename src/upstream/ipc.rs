@@ -197,9 +197,7 @@ impl Drop for Imported {
         let base = self.base;
         match self.origin {
             // SAFETY: `base` was opened by `cuIpcOpenMemHandle` and is closed once, here.
-            Origin::IpcHandle => report("cuIpcCloseMemHandle", unsafe {
-                Active::ipc_close(base)
-            }),
+            Origin::IpcHandle => report("cuIpcCloseMemHandle", unsafe { Active::ipc_close(base) }),
             Origin::Mapped => {
                 if self.len > 0 {
                     // SAFETY: `base..base + len` is what we mapped; nothing uses it (the

@@ -3,8 +3,8 @@
 use super::driver_leaf::sync_driver_leaf;
 use crate::device::Context;
 use crate::driver::report;
-use crate::platform::{Active, Platform};
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::property::HostDevice;
 
 /// Managed (unified) memory from `cuMemAllocManaged` with global attachment (RMM's

@@ -2,12 +2,11 @@
 
 use std::alloc::Layout;
 
-
 use super::driver_leaf::sync_driver_leaf;
 use crate::device::Context;
 use crate::driver::report;
-use crate::platform::{Active, Platform};
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::property::HostDevice;
 
 /// Pinned (page-locked) host memory from `cuMemHostAlloc` (RMM's

@@ -3,12 +3,11 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-
 use super::driver_leaf::free_after;
 use super::host_heap::HostHeap;
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::platform::{Active, Attribute, Feature, Location, Platform};
 use crate::error::Error;
+use crate::platform::{Active, Attribute, Feature, Location, Platform};
 use crate::property::HostDevice;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
