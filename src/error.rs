@@ -240,7 +240,7 @@ impl fmt::Display for Error {
                 "no HIP runtime: libamdhip64 could not be loaded (install ROCm, \
                  or use a host resource such as HostHeap)",
             ),
-            Error::Driver(e) => write!(f, "{} driver error: {e}", crate::driver::platform()),
+            Error::Driver(e) => write!(f, "{} driver error: {e}", ErrorCode::PLATFORM),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
             Error::Asleep => f.write_str(
                 "the pool is asleep: it hands out no memory until it is woken (wake it first)",

@@ -44,15 +44,6 @@ pub(crate) fn init() -> Result<(), Error> {
     .clone()
 }
 
-/// The driver's version (`cuDriverGetVersion`: 13000 for CUDA 13.0; `hipDriverGetVersion`
-/// in a HIP build), once it is initialised. Entry points newer than the oldest driver
-/// memres supports check it first: cudarc would panic on a symbol the driver lacks.
-pub(crate) fn version() -> Result<i32, Error> {
-    static VERSION: OnceLock<Result<i32, Error>> = OnceLock::new();
-    init()?;
-    VERSION.get_or_init(Active::driver_version).clone()
-}
-
 /// [`Error::Unsupported`] unless the driver offers `feature`; `what` names what needs it.
 pub(crate) fn require(feature: Feature, what: &str) -> Result<(), Error> {
     init()?;

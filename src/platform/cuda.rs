@@ -52,6 +52,12 @@ pub(super) fn error_message(code: CUresult) -> Option<String> {
     Some(s.to_string_lossy().into_owned())
 }
 
+/// The driver's version, asked once.
+fn version() -> Result<i32, Error> {
+    static VERSION: OnceLock<Result<i32, Error>> = OnceLock::new();
+    VERSION.get_or_init(Cuda::driver_version).clone()
+}
+
 fn location(to: Location) -> sys::CUmemLocation {
     match to {
         Location::Device(id) => sys::CUmemLocation {
@@ -136,7 +142,7 @@ impl Platform for Cuda {
             Feature::CaptureFrontier => 12030,
             Feature::ManagedPool => 13000,
         };
-        let have = crate::driver::version()?;
+        let have = version()?;
         if have < required {
             return Err(Error::unsupported(format!(
                 "{what} needs a CUDA {}.{} driver; this one is {}.{}",

@@ -66,6 +66,9 @@ pub(crate) enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// The name of the platform this build calls, for messages.
+    pub(crate) const PLATFORM: &'static str = Active::NAME;
+
     /// The numeric value.
     pub(crate) fn number(self) -> u32 {
         match self {
