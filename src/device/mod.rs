@@ -24,13 +24,15 @@ use crate::platform::{Active, Attribute, DeviceHandle, Platform};
 /// ([`percent_of_free_device_memory`]); the crate root and `resource` re-export it.
 pub const DEFAULT_ALIGNMENT: usize = 256;
 
-/// A CUDA device, by ordinal.
+/// A GPU device, by ordinal (a CUDA device, or a HIP one in a build with the `hip`
+/// feature).
 ///
 /// ```
 /// use memres::device::DeviceId;
 /// let d = DeviceId::new(0);
 /// assert_eq!(d.ordinal(), 0);
-/// assert_eq!(d.to_string(), "cuda:0");
+/// // "hip:0" in a build with the `hip` feature.
+/// assert_eq!(d.to_string(), format!("{}:0", memres::driver::platform().to_lowercase()));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct DeviceId(i32);
