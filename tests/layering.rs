@@ -565,3 +565,58 @@ fn long_functions_say_why() {
         unexplained.join("\n")
     );
 }
+
+/// The start of every driver-API call outside `src/platform/`: CUDA's functions are
+/// `cu` and a capital (`cuMemAlloc_v2(`), HIP's `hip` and a capital. (line, name)
+fn driver_calls(code: &str) -> Vec<(usize, String)> {
+    let b = code.as_bytes();
+    let mut calls = Vec::new();
+    for (at, _) in code.match_indices(['c', 'h']) {
+        if at > 0 && is_ident(b[at - 1]) {
+            continue;
+        }
+        let prefix = if code[at..].starts_with("cu") {
+            2
+        } else if code[at..].starts_with("hip") {
+            3
+        } else {
+            continue;
+        };
+        if !b.get(at + prefix).is_some_and(u8::is_ascii_uppercase) {
+            continue;
+        }
+        let end = at + b[at..].iter().take_while(|&&c| is_ident(c)).count();
+        if code[end..].trim_start().starts_with('(') {
+            let line = code[..at].matches('\n').count() + 1;
+            calls.push((line, code[at..end].to_string()));
+        }
+    }
+    calls
+}
+
+/// Every driver call goes through the platform seam (`src/platform/`, issue 50): a call of
+/// a CUDA or HIP function anywhere else in `src/` fails here, naming the file and line.
+#[test]
+fn driver_calls_live_in_the_platform_seam() {
+    let mut outside = Vec::new();
+    let mut inside = 0;
+    for (file, _, code) in library_code() {
+        let calls = driver_calls(&code);
+        if file.starts_with("platform/") {
+            inside += calls.len();
+            continue;
+        }
+        for (line, name) in calls {
+            outside.push(format!("src/{file}:{line}: {name}(..)"));
+        }
+    }
+    assert!(
+        inside > 50,
+        "the seam itself makes the driver calls ({inside} found)"
+    );
+    assert!(
+        outside.is_empty(),
+        "driver calls outside src/platform/ (make them a method of `platform::Platform`):\n{}",
+        outside.join("\n")
+    );
+}
