@@ -5,10 +5,8 @@
 //! (`cuMemsetD8Async`, device-accessible memory only); on a host stream, whose work is
 //! always complete, the host copies, which needs host-accessible memory on both sides.
 
-use cudarc::driver::sys;
-
-use crate::driver::check;
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::resource::SyncResource;
 use crate::resource::{is_device_accessible, is_host_accessible};
 use crate::stream::StreamRef;
@@ -87,9 +85,7 @@ pub(crate) unsafe fn copy(
             // SAFETY: the pointers are valid until the stream's work is done and the
             // stream's context is current (the caller's promise); the driver infers the
             // direction from the addresses (unified addressing).
-            check(unsafe {
-                sys::cuMemcpyAsync(dst as sys::CUdeviceptr, src as sys::CUdeviceptr, len, raw)
-            })
+            unsafe { Active::copy_async(dst as usize, src as usize, len, raw) }
         }
     }
 }
@@ -126,7 +122,7 @@ pub(crate) unsafe fn fill(
         Some(raw) if access.device => {
             // SAFETY: device-accessible memory valid for `len` bytes until the stream's
             // work is done; the stream's context is current (the caller's promise).
-            check(unsafe { sys::cuMemsetD8Async(dst as sys::CUdeviceptr, value, len, raw) })
+            unsafe { Active::fill_async(dst as usize, value, len, raw) }
         }
         Some(_) if access.host => {
             // Host-only memory: the driver cannot set it, the host can once the stream

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use cudarc::driver::sys::CUresult;
+use crate::platform::ErrorCode;
 
 /// Everything that can go wrong when memory is asked for.
 ///
@@ -45,9 +45,10 @@ pub enum Error {
         /// The address that came back.
         address: usize,
     },
-    /// No CUDA driver (libcuda) could be loaded on this machine.
+    /// No GPU driver could be loaded on this machine: libcuda, or libamdhip64 in a build
+    /// with the `hip` feature.
     NoDriver,
-    /// The CUDA driver reported an error other than running out of memory.
+    /// The GPU driver reported an error other than running out of memory.
     Driver(DriverError),
     /// The resource or the device does not support what was asked (the message says what).
     Unsupported(Cow<'static, str>),
@@ -95,8 +96,9 @@ impl Error {
     }
 }
 
-/// An error the CUDA driver reported: its result code (`CUresult`), with its name and,
-/// where a driver is loaded, the driver's description.
+/// An error the GPU driver reported: its result code (`CUresult`, or `hipError_t` in a
+/// build with the `hip` feature), with its name and, where a driver is loaded, the
+/// driver's description.
 ///
 /// memres's own type, so that the crate's API does not change with the version of the
 /// crate it calls the driver through.
@@ -112,33 +114,28 @@ impl Error {
 /// }
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DriverError(CUresult);
+pub struct DriverError(ErrorCode);
 
 impl DriverError {
     /// The error of a driver call that returned `result`.
-    pub(crate) fn new(result: CUresult) -> DriverError {
+    pub(crate) fn new(result: ErrorCode) -> DriverError {
         DriverError(result)
     }
 
     /// The driver's result code (`CUresult`'s numeric value, e.g. 1 for
-    /// `CUDA_ERROR_INVALID_VALUE`).
+    /// `CUDA_ERROR_INVALID_VALUE`; `hipError_t`'s in a HIP build).
     pub fn code(&self) -> u32 {
-        self.0 as u32
+        self.0.number()
     }
 
     /// The code's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
     pub fn name(&self) -> String {
-        format!("{:?}", self.0)
+        self.0.name()
     }
 
     /// The driver's description of the error where a driver is loaded, else its name.
     pub fn message(&self) -> String {
-        if crate::driver::presence::is_present()
-            && let Ok(s) = cudarc::driver::DriverError(self.0).error_string()
-        {
-            return s.to_string_lossy().into_owned();
-        }
-        self.name()
+        self.0.message().unwrap_or_else(|| self.name())
     }
 }
 
@@ -147,7 +144,7 @@ impl From<cudarc::driver::DriverError> for Error {
     /// Maps `CUDA_ERROR_OUT_OF_MEMORY` to [`Error::OutOfMemory`] with an unknown size
     /// (0); callers that know the size build the variant themselves.
     fn from(e: cudarc::driver::DriverError) -> Self {
-        Error::from(DriverError(e.0))
+        Error::from(DriverError(ErrorCode::Cuda(e.0)))
     }
 }
 
@@ -155,9 +152,10 @@ impl From<DriverError> for Error {
     /// Maps `CUDA_ERROR_OUT_OF_MEMORY` to [`Error::OutOfMemory`] with an unknown size
     /// (0); callers that know the size build the variant themselves.
     fn from(e: DriverError) -> Self {
-        match e.0 {
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::out_of_memory(0),
-            _ => Error::Driver(e),
+        if e.0.is_out_of_memory() {
+            Error::out_of_memory(0)
+        } else {
+            Error::Driver(e)
         }
     }
 }
@@ -232,11 +230,17 @@ impl fmt::Display for Error {
                  {align} bytes as asked; the memory was given back (fix the resource or \
                  its allocate callback)"
             ),
+            #[cfg(not(feature = "hip"))]
             Error::NoDriver => f.write_str(
                 "no CUDA driver: libcuda could not be loaded (install the NVIDIA driver, \
                  or use a host resource such as HostHeap)",
             ),
-            Error::Driver(e) => write!(f, "CUDA driver error: {e}"),
+            #[cfg(feature = "hip")]
+            Error::NoDriver => f.write_str(
+                "no HIP runtime: libamdhip64 could not be loaded (install ROCm, \
+                 or use a host resource such as HostHeap)",
+            ),
+            Error::Driver(e) => write!(f, "{} driver error: {e}", ErrorCode::PLATFORM),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
             Error::Asleep => f.write_str(
                 "the pool is asleep: it hands out no memory until it is woken (wake it first)",
@@ -294,18 +298,22 @@ mod tests {
         }
         .to_string();
         assert!(mis.contains("0x1001") && mis.contains("256"), "{mis}");
+        #[cfg(not(feature = "hip"))]
         assert!(Error::NoDriver.to_string().contains("libcuda"));
+        #[cfg(feature = "hip")]
+        assert!(Error::NoDriver.to_string().contains("libamdhip64"));
     }
 
     #[test]
     fn driver_out_of_memory_maps_to_out_of_memory() {
-        let e: Error = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).into();
+        use cudarc::driver::sys::CUresult;
+        let e: Error = DriverError(ErrorCode::Cuda(CUresult::CUDA_ERROR_OUT_OF_MEMORY)).into();
         assert!(e.is_out_of_memory());
-        let e: Error = DriverError(CUresult::CUDA_ERROR_INVALID_VALUE).into();
+        let e: Error = DriverError(ErrorCode::Cuda(CUresult::CUDA_ERROR_INVALID_VALUE)).into();
         assert!(matches!(e, Error::Driver(_)));
         // Debug must not need a driver.
         assert!(format!("{e:?}").contains("CUDA_ERROR_INVALID_VALUE"));
-        let d = DriverError::new(CUresult::CUDA_ERROR_INVALID_VALUE);
+        let d = DriverError::new(ErrorCode::Cuda(CUresult::CUDA_ERROR_INVALID_VALUE));
         assert_eq!(
             (d.code(), d.name().as_str()),
             (1, "CUDA_ERROR_INVALID_VALUE")

@@ -105,6 +105,7 @@ pub mod error;
 pub mod layer;
 pub mod log;
 pub mod per_device;
+pub(crate) mod platform;
 pub mod profile;
 pub mod property;
 pub mod resource;

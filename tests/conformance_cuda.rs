@@ -145,6 +145,7 @@ fn per_thread_default_stream() {
 /// does not, both constructors must say `Unsupported`. The test says which side it saw.
 #[test]
 #[ignore = "needs a CUDA GPU"]
+#[cfg(not(feature = "hip"))] // reads the attribute through cudarc's CUDA call
 fn system_memory_on_either_side_of_the_hmm_check() {
     let caps = Caps::gpu(4096);
     let _serial = caps.serialise();
@@ -187,6 +188,7 @@ fn system_memory_on_either_side_of_the_hmm_check() {
 
 /// Where the pages of a fresh 1 MiB block of `r` prefer to live (a device ordinal, or -1
 /// for the host), read back with `cuMemRangeGetAttribute`.
+#[cfg(not(feature = "hip"))]
 fn preferred_location(r: &memres::upstream::SamHeadroom) -> i32 {
     use memres::SyncResource;
     let l = layout(1 << 20).unwrap();

@@ -3,10 +3,10 @@
 //! managed memory. All `#[ignore]`d: CI has no GPU; `shared/gpu/bundle.sh`'s `run.sh` runs
 //! them on the GPU machine.
 
-#[cfg(feature = "cudarc-interop")]
+#[cfg(all(feature = "cudarc-interop", not(feature = "hip")))]
 use std::sync::Arc;
 
-#[cfg(feature = "cudarc-interop")]
+#[cfg(all(feature = "cudarc-interop", not(feature = "hip")))]
 use cudarc::driver::CudaContext;
 use memres::adaptor::Statistics;
 use memres::container::{DeviceBuffer, DeviceScalar, DeviceVec, HostAllocator};
@@ -267,7 +267,7 @@ fn host_accessible_device_memory_has_host_slices() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-#[cfg(feature = "cudarc-interop")]
+#[cfg(all(feature = "cudarc-interop", not(feature = "hip")))]
 fn cudarc_copies_and_memsets_take_views() {
     let ctx = CudaContext::new(0).unwrap();
     let cs: Arc<_> = ctx.new_stream().unwrap();

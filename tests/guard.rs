@@ -153,6 +153,8 @@ fn only_the_first_reports_are_kept_but_all_are_counted() {
     assert_eq!(guard.reports().len(), 64);
 }
 
+// Not in a HIP build: `set` writes through cudarc's CUDA call.
+#[cfg(not(feature = "hip"))]
 mod gpu {
     use super::*;
     use cudarc::driver::sys;

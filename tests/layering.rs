@@ -35,14 +35,15 @@ const LAYERS: &[&[&str]] = &[
         "profile",
         "cache_prefetch",
     ],
+    &["platform"],
     &["error"],
     &["sync"],
 ];
 
 /// The one pair ARCHITECTURE lets import each other, at file level a line: `error.rs`
-/// uses `driver/presence.rs` (which uses nothing of the crate) to describe a driver
-/// error. (file under `src/`, the path it may use)
-const ALLOWED_UPWARD: &[(&str, &str)] = &[("error.rs", "driver::presence")];
+/// uses `platform::ErrorCode` to name and describe a driver's result code (the platform
+/// that returned it knows its names). (file under `src/`, the path it may use)
+const ALLOWED_UPWARD: &[(&str, &str)] = &[("error.rs", "platform::ErrorCode")];
 
 /// A function of `src/` longer than this (from its `fn` line to its closing brace) needs
 /// a comment containing `long:` above it saying why.
@@ -562,5 +563,60 @@ fn long_functions_say_why() {
         "functions over {LONGEST_FUNCTION} lines without a `// long: <why>` comment above \
          them ({explained} have one); split them or say why:\n{}",
         unexplained.join("\n")
+    );
+}
+
+/// The start of every driver-API call outside `src/platform/`: CUDA's functions are
+/// `cu` and a capital (`cuMemAlloc_v2(`), HIP's `hip` and a capital. (line, name)
+fn driver_calls(code: &str) -> Vec<(usize, String)> {
+    let b = code.as_bytes();
+    let mut calls = Vec::new();
+    for (at, _) in code.match_indices(['c', 'h']) {
+        if at > 0 && is_ident(b[at - 1]) {
+            continue;
+        }
+        let prefix = if code[at..].starts_with("cu") {
+            2
+        } else if code[at..].starts_with("hip") {
+            3
+        } else {
+            continue;
+        };
+        if !b.get(at + prefix).is_some_and(u8::is_ascii_uppercase) {
+            continue;
+        }
+        let end = at + b[at..].iter().take_while(|&&c| is_ident(c)).count();
+        if code[end..].trim_start().starts_with('(') {
+            let line = code[..at].matches('\n').count() + 1;
+            calls.push((line, code[at..end].to_string()));
+        }
+    }
+    calls
+}
+
+/// Every driver call goes through the platform seam (`src/platform/`, issue 50): a call of
+/// a CUDA or HIP function anywhere else in `src/` fails here, naming the file and line.
+#[test]
+fn driver_calls_live_in_the_platform_seam() {
+    let mut outside = Vec::new();
+    let mut inside = 0;
+    for (file, _, code) in library_code() {
+        let calls = driver_calls(&code);
+        if file.starts_with("platform/") {
+            inside += calls.len();
+            continue;
+        }
+        for (line, name) in calls {
+            outside.push(format!("src/{file}:{line}: {name}(..)"));
+        }
+    }
+    assert!(
+        inside > 50,
+        "the seam itself makes the driver calls ({inside} found)"
+    );
+    assert!(
+        outside.is_empty(),
+        "driver calls outside src/platform/ (make them a method of `platform::Platform`):\n{}",
+        outside.join("\n")
     );
 }

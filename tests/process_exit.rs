@@ -126,10 +126,10 @@ fn child_leaves_a_cuda_pool_with_live_memory_in_the_map() {
     let stream = memres::stream::Stream::new().unwrap();
     let event = memres::stream::Event::new().unwrap();
     event.record(stream.as_ref()).unwrap();
-    #[allow(unused_mut)] // without `cudarc-interop`, nothing is pushed
+    #[allow(unused_mut)] // without `cudarc-interop` (or in a HIP build), nothing is pushed
     let mut extras: Vec<Box<dyn std::any::Any + Send + Sync>> =
         vec![Box::new(stream), Box::new(event)];
-    #[cfg(feature = "cudarc-interop")]
+    #[cfg(all(feature = "cudarc-interop", not(feature = "hip")))]
     {
         let ctx = cudarc::driver::CudaContext::new(0).unwrap();
         let theirs = memres::stream::Stream::from_cudarc(ctx.new_stream().unwrap()).unwrap();

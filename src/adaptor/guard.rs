@@ -7,14 +7,12 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
 use super::{as_asked, upstream_access};
 use crate::addr_map::AddrMap;
 use crate::copy::{self, Access};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::driver::check;
 use crate::error::Error;
+use crate::platform::{Active, Platform, StreamHandle};
 use crate::resource::{DEFAULT_ALIGNMENT, Resource, SyncResource};
 use crate::stream::{Event, StreamRef};
 use crate::sync::Mutex;
@@ -175,12 +173,12 @@ enum Route {
     /// Host memory the host may touch now.
     Host,
     /// Device memory, in order on this CUDA stream of this context.
-    Stream(Context, sys::CUstream),
+    Stream(Context, StreamHandle),
     /// Device memory nothing uses, on the legacy stream of its device, waited for.
     Legacy(Context),
     /// A stream under capture (CUDA graphs): the canaries are written by captured sets,
     /// and a free is not checked (the check's event could not be waited for).
-    Captured(Context, sys::CUstream),
+    Captured(Context, StreamHandle),
 }
 
 impl<U> Guard<U> {
@@ -410,7 +408,7 @@ impl<U: SyncResource> Guard<U> {
                 let ctx = if stream.is_default() || stream.is_per_thread() {
                     context_of_pointer(block)?
                 } else {
-                    Context::of_stream(raw as usize)?
+                    Context::of_stream(raw)?
                 };
                 if stream.is_capturing_in(ctx)? {
                     Ok(Route::Captured(ctx, raw))
@@ -438,7 +436,7 @@ impl<U: SyncResource> Guard<U> {
                 let _current = bind(ctx)?;
                 // SAFETY: `raw` is live for this call (the caller's `StreamRef`); the pads
                 // lie in the block, which is the caller's in order on that stream.
-                let stream = unsafe { StreamRef::from_raw(raw.cast()) };
+                let stream = unsafe { StreamRef::from_raw(raw as crate::stream::RawStream) };
                 fill(before, after, self.checks.pad, stream)
             }
             Route::Legacy(ctx) => {
@@ -491,7 +489,7 @@ impl<U: SyncResource> Guard<U> {
                 let mut checks = lock(&self.checks.device);
                 let slot = self.slot(&mut checks, ctx)?;
                 // SAFETY: `raw` is live for this call (the caller's `StreamRef`).
-                let stream = unsafe { StreamRef::from_raw(raw.cast()) };
+                let stream = unsafe { StreamRef::from_raw(raw as crate::stream::RawStream) };
                 let enqueued = (|| -> Result<Event, Error> {
                     // SAFETY: a slot is `2 * pad` bytes of pinned memory that stays
                     // ours until the event recorded after the copies completes.
@@ -598,17 +596,7 @@ fn non_zero(address: usize) -> std::num::NonZeroUsize {
 /// The primary context of the device whose memory `address` is.
 fn context_of_pointer(address: usize) -> Result<Context, Error> {
     crate::driver::init()?;
-    let mut ordinal: i32 = 0;
-    let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL;
-    // SAFETY: the driver is initialised; `ordinal` is a valid place for an int attribute.
-    check(unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut ordinal as *mut i32).cast(),
-            attr,
-            address as sys::CUdeviceptr,
-        )
-    })?;
-    Context::primary(DeviceId::new(ordinal))
+    Context::primary(DeviceId::new(Active::pointer_device(address)?))
 }
 
 /// Sets both pads to the canary, in order on `stream`.

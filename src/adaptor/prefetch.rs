@@ -4,12 +4,10 @@ use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
 
-use cudarc::driver::sys;
-
 use super::{deallocate_used_on_upstream, eq_by_upstream, upstream_access};
 use crate::device::{Context, DeviceId, bind};
-use crate::driver::{check, require_version};
 use crate::error::Error;
+use crate::platform::{Active, Attribute, Feature, Location, Platform};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
 
@@ -43,9 +41,8 @@ impl<U> Prefetch<U> {
     /// Prefetches to `device`.
     pub fn to(upstream: U, device: DeviceId) -> Result<Self, Error> {
         let ctx = Context::primary(device)?;
-        require_version(12020, "Prefetch (cuMemPrefetchAsync_v2)")?;
-        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS;
-        let enabled = device.attribute(attr)? != 0;
+        crate::driver::require(Feature::LocatedAdvice, "Prefetch (cuMemPrefetchAsync_v2)")?;
+        let enabled = device.attribute(Attribute::ConcurrentManagedAccess)? != 0;
         Ok(Prefetch {
             upstream,
             ctx,
@@ -79,30 +76,17 @@ impl<U> Prefetch<U> {
         stream: StreamRef<'_>,
     ) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        let address = ptr.as_ptr() as u64;
-        let mut managed = 0u32;
-        let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED;
-        // SAFETY: `address` is a live block just allocated; the attribute is a boolean the
-        // driver writes into the low byte of the zeroed u32.
-        let result =
-            unsafe { sys::cuPointerGetAttribute((&mut managed as *mut u32).cast(), attr, address) };
+        let address = ptr.as_ptr() as usize;
         // Pageable host memory is unknown to the driver: not managed, nothing to do.
-        if result == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+        if !Active::pointer_is_managed(address)? {
             return Ok(());
         }
-        check(result)?;
-        if managed == 0 {
-            return Ok(());
-        }
-        let location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: self.ctx.device().ordinal(),
-        };
-        let raw = stream.cu().unwrap_or(std::ptr::null_mut());
+        let to = Location::Device(self.ctx.device().ordinal());
+        let raw = stream.cu().unwrap_or(0);
         // SAFETY: the range is a live managed block of `size` bytes; `raw` is live for the
         // borrow of `stream` (or the legacy default stream); prefetching moves pages and
         // never changes their contents.
-        check(unsafe { sys::cuMemPrefetchAsync_v2(address, size, location, 0, raw) })
+        unsafe { Active::prefetch(address, size, to, raw) }
     }
 }
 

@@ -125,7 +125,7 @@ pub(super) fn bind_for(
 ) -> Result<Option<Bound>, Error> {
     match stream.cu() {
         Some(raw) if stream != own && !stream.is_default() && !stream.is_per_thread() => {
-            Ok(Some(bind(Context::of_stream(raw as usize)?)?))
+            Ok(Some(bind(Context::of_stream(raw)?)?))
         }
         _ => bind_device(device),
     }

@@ -5,11 +5,10 @@ use std::marker::PhantomData;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudarc::driver::sys;
-
 use super::DeviceId;
-use crate::driver::{check, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 
 /// Devices whose primary context is found without a lock.
 const FAST_DEVICES: usize = 64;
@@ -48,18 +47,13 @@ impl Context {
         if let Some(&raw) = map.get(&device) {
             return Ok(Context { raw, device });
         }
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: `dev` is a valid device handle; `ctx` is a valid place for the result.
         // The retain is never released: the context lives as long as the process.
-        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
-        map.insert(device, ctx as usize);
+        let ctx = Active::primary_context(dev)?;
+        map.insert(device, ctx);
         if let Some(f) = fast {
-            f.store(ctx as usize, Ordering::Release);
+            f.store(ctx, Ordering::Release);
         }
-        Ok(Context {
-            raw: ctx as usize,
-            device,
-        })
+        Ok(Context { raw: ctx, device })
     }
 
     /// The context of the current device.
@@ -72,21 +66,9 @@ impl Context {
     /// another context of the same device maps to that device's primary context.
     pub(crate) fn of_stream(raw: usize) -> Result<Context, Error> {
         crate::driver::init()?;
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: the driver is initialised; `raw` names a live stream (the promise of
-        // the `StreamRef` it came from); `ctx` is a valid place for the result.
-        check(unsafe { sys::cuStreamGetCtx(raw as sys::CUstream, &mut ctx) })?;
-        // SAFETY: `ctx` is the live context of a live stream.
-        check(unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
-        let mut dev = 0;
-        // SAFETY: a context is current (pushed above); `dev` is a valid place.
-        let got = check(unsafe { sys::cuCtxGetDevice(&mut dev) });
-        let mut popped = std::ptr::null_mut();
-        // SAFETY: pops the context pushed above.
-        report("restoring the current context", unsafe {
-            sys::cuCtxPopCurrent_v2(&mut popped)
-        });
-        got?;
+        // SAFETY: the driver is initialised; `raw` names a live stream that is no default
+        // stream (the promise of the `StreamRef` it came from).
+        let dev = unsafe { Active::stream_device(raw) }?;
         Context::primary(DeviceId::new(dev))
     }
 
@@ -94,16 +76,15 @@ impl Context {
     /// (`cuCtxSynchronize`), with the context current for the call.
     pub(crate) fn synchronize(self) -> Result<(), Error> {
         let _current = bind(self)?;
-        // SAFETY: the context is current; the call only waits.
-        check(unsafe { sys::cuCtxSynchronize() })
+        Active::synchronize_context()
     }
 
     pub(crate) fn device(self) -> DeviceId {
         self.device
     }
 
-    fn raw(self) -> sys::CUcontext {
-        self.raw as sys::CUcontext
+    fn raw(self) -> usize {
+        self.raw
     }
 }
 
@@ -111,9 +92,8 @@ impl Context {
 /// current (the common case) this costs one `cuCtxGetCurrent` and nothing else.
 #[inline]
 pub(crate) fn bind(ctx: Context) -> Result<Bound, Error> {
-    let mut current = std::ptr::null_mut();
-    // SAFETY: `ctx` exists only once the driver is initialised; `current` is a valid place.
-    check(unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+    // `ctx` exists only once the driver is initialised.
+    let current = Active::current_context()?;
     if current == ctx.raw() {
         return Ok(Bound {
             previous: None,
@@ -121,11 +101,11 @@ pub(crate) fn bind(ctx: Context) -> Result<Bound, Error> {
         });
     }
     // SAFETY: `ctx` is a primary context retained for the life of the process.
-    check(unsafe { sys::cuCtxSetCurrent(ctx.raw()) })?;
+    unsafe { Active::set_current_context(ctx.raw()) }?;
     // A thread with nothing current keeps `ctx` afterwards, so its next call takes the
     // fast path (the CUDA runtime likewise makes device 0 current on first use).
     Ok(Bound {
-        previous: (!current.is_null()).then_some(current as usize),
+        previous: (current != 0).then_some(current),
         thread: PhantomData,
     })
 }
@@ -144,7 +124,7 @@ impl Drop for Bound {
             // SAFETY: `previous` was current on this thread a moment ago, so it is a live
             // context (the thread that made it current keeps it alive while current).
             report("restoring the current context", unsafe {
-                sys::cuCtxSetCurrent(previous as sys::CUcontext)
+                Active::set_current_context(previous)
             });
         }
     }

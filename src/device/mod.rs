@@ -11,27 +11,28 @@ mod context;
 
 use std::fmt;
 
-use cudarc::driver::sys;
-
 pub use crate::driver::exit::process_is_exiting;
 pub use context::DeviceGuard;
 pub(crate) use context::{Bound, Context, bind};
 
-use crate::driver::{check, init};
+use crate::driver::init;
 use crate::error::Error;
+use crate::platform::{Active, Attribute, DeviceHandle, Platform};
 
 /// The alignment [`layout`](crate::layout) asks for: 256 bytes, as `cudaMalloc`
 /// guarantees and RMM uses for every request. Written here, the lowest layer that uses it
 /// ([`percent_of_free_device_memory`]); the crate root and `resource` re-export it.
 pub const DEFAULT_ALIGNMENT: usize = 256;
 
-/// A CUDA device, by ordinal.
+/// A GPU device, by ordinal (a CUDA device, or a HIP one in a build with the `hip`
+/// feature).
 ///
 /// ```
 /// use memres::device::DeviceId;
 /// let d = DeviceId::new(0);
 /// assert_eq!(d.ordinal(), 0);
-/// assert_eq!(d.to_string(), "cuda:0");
+/// // "hip:0" in a build with the `hip` feature.
+/// assert_eq!(d.to_string(), format!("{}:0", memres::driver::platform().to_lowercase()));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct DeviceId(i32);
@@ -61,16 +62,10 @@ impl DeviceId {
     /// where no context is current.
     pub fn current() -> Result<DeviceId, Error> {
         init()?;
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: the driver is initialised; `ctx` is a valid place for the result.
-        check(unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
-        if ctx.is_null() {
+        if Active::current_context()? == 0 {
             return Ok(DeviceId(0));
         }
-        let mut dev = 0;
-        // SAFETY: a context is current; `dev` is a valid place for the result.
-        check(unsafe { sys::cuCtxGetDevice(&mut dev) })?;
-        Ok(DeviceId(dev))
+        Ok(DeviceId(Active::current_device()?))
     }
 
     /// Every CUDA device, in ordinal order; [`Error::NoDriver`] without a driver.
@@ -86,66 +81,47 @@ impl DeviceId {
             return Ok(false);
         }
         let (dev, peer_dev) = (self.handle()?, peer.handle()?);
-        let mut can = 0;
-        // SAFETY: both handles are valid devices; `can` is a valid place for the result.
-        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer_dev) })?;
-        Ok(can != 0)
+        Active::device_can_access_peer(dev, peer_dev)
     }
 
     /// The number of CUDA devices.
     pub fn count() -> Result<usize, Error> {
         init()?;
-        let mut n = 0;
-        // SAFETY: the driver is initialised; `n` is a valid place for the result.
-        check(unsafe { sys::cuDeviceGetCount(&mut n) })?;
-        Ok(n.max(0) as usize)
+        Active::device_count()
     }
 
     /// The driver's handle for this device; fails for an ordinal with no device.
-    pub(crate) fn handle(self) -> Result<sys::CUdevice, Error> {
+    pub(crate) fn handle(self) -> Result<DeviceHandle, Error> {
         init()?;
-        let mut dev = 0;
-        // SAFETY: the driver is initialised; `dev` is a valid place for the result.
-        check(unsafe { sys::cuDeviceGet(&mut dev, self.0) }).map_err(|e| match e {
-            Error::Driver(_) => Error::invalid_argument(format!("there is no CUDA device {self}")),
+        Active::device_get(self.0).map_err(|e| match e {
+            Error::Driver(_) => {
+                Error::invalid_argument(format!("there is no {} device {self}", Active::NAME))
+            }
             e => e,
-        })?;
-        Ok(dev)
+        })
     }
 
     /// A device attribute (`cuDeviceGetAttribute`).
-    pub(crate) fn attribute(self, attribute: sys::CUdevice_attribute) -> Result<i32, Error> {
-        let dev = self.handle()?;
-        let mut value = 0;
-        // SAFETY: `dev` is a valid device handle; `value` is a valid place for the result.
-        check(unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, dev) })?;
-        Ok(value)
+    pub(crate) fn attribute(self, attribute: Attribute) -> Result<i32, Error> {
+        Active::device_attribute(self.handle()?, attribute)
     }
 
     /// Free and total memory (`cuMemGetInfo` in the device's primary context).
     pub fn memory_info(self) -> Result<MemoryInfo, Error> {
         let _current = DeviceGuard::new(self)?;
-        let (mut free, mut total) = (0, 0);
-        // SAFETY: the device's context is current; both are valid places for results.
-        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        let (free, total) = Active::memory_info()?;
         Ok(MemoryInfo { free, total })
     }
 
     /// The device's name, as the driver reports it.
     pub fn name(self) -> Result<String, Error> {
-        let dev = self.handle()?;
-        let mut buf = [0 as std::ffi::c_char; 256];
-        // SAFETY: `buf` holds 256 bytes, the length passed; `dev` is a valid handle.
-        check(unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev) })?;
-        // SAFETY: the driver wrote a NUL-terminated string into `buf`.
-        let name = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
-        Ok(name.to_string_lossy().into_owned())
+        Active::device_name(self.handle()?)
     }
 }
 
 impl fmt::Display for DeviceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cuda:{}", self.0)
+        write!(f, "{}:{}", Active::DEVICE_PREFIX, self.0)
     }
 }
 

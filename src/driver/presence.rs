@@ -1,12 +1,10 @@
-//! Whether libcuda can be loaded: the one thing about the driver that the error type
-//! needs to know (to describe a driver error), so it depends on nothing in the crate.
+//! Whether the driver's library (libcuda, or libamdhip64 in a HIP build) can be loaded.
 
-use std::sync::OnceLock;
+use crate::platform::{Active, Platform};
 
-/// True when libcuda can be loaded. The answer is looked up once and cached.
-///
-/// This is a one-shot cache, not a concurrency protocol, so it uses `std`'s `OnceLock`
-/// directly rather than the `crate::sync` shims (loom has no `OnceLock`).
+/// True when the driver's library can be loaded: libcuda, or libamdhip64 in a build with
+/// the `hip` feature. The platform looks it up once and caches the answer (a one-shot
+/// `std` `OnceLock`, not a concurrency protocol for loom).
 ///
 /// ```
 /// if memres::driver::is_present() {
@@ -16,8 +14,5 @@ use std::sync::OnceLock;
 /// }
 /// ```
 pub fn is_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: `is_culib_present` only tries to open the library with `dlopen` and closes
-    // it again; it calls no CUDA function, so it has no precondition.
-    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+    Active::is_present()
 }

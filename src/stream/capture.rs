@@ -22,12 +22,11 @@
 //! - The guard adaptor paints canaries by captured sets: a block allocated in a capture
 //!   and freed outside it before the graph ran is checked against canaries never written.
 
-use cudarc::driver::sys::{self, CUresult, CUstreamCaptureMode, CUstreamCaptureStatus};
-
 use super::StreamRef;
 use crate::device::{Context, bind};
-use crate::driver::{check, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, CaptureMode, Platform};
 
 impl StreamRef<'_> {
     /// True while the stream is being captured into a CUDA graph (`cuStreamIsCapturing`;
@@ -57,17 +56,9 @@ impl StreamRef<'_> {
             return Ok(false);
         };
         let _current = bind(ctx)?;
-        let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: `raw` is live for the borrow of `self` (or a default stream of the
-        // current context); `status` is a valid place.
-        match unsafe { sys::cuStreamIsCapturing(raw, &mut status) } {
-            // Asking about the legacy stream while a blocking stream is captured.
-            CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
-            result => {
-                check(result)?;
-                Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-            }
-        }
+        // current context).
+        unsafe { Active::stream_is_capturing(raw) }
     }
 }
 
@@ -75,7 +66,7 @@ impl StreamRef<'_> {
 /// driver calls memres makes during a capture (`cuMemAlloc`, `cuMemMap`) are allowed.
 #[must_use]
 pub(crate) struct Relaxed {
-    previous: CUstreamCaptureMode,
+    previous: CaptureMode,
     /// The mode is per thread: the guard must drop on the thread that made it.
     thread: std::marker::PhantomData<*const ()>,
 }
@@ -95,9 +86,7 @@ pub(crate) fn on_capture_path() -> bool {
 
 impl Relaxed {
     pub(crate) fn new() -> Result<Relaxed, Error> {
-        let mut mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: `mode` is a valid place; the call only swaps the thread's mode.
-        check(unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) })?;
+        let mode = Active::exchange_capture_mode(CaptureMode::Relaxed)?;
         RELAXED.with(|r| r.set(r.get() + 1));
         Ok(Relaxed {
             previous: mode,
@@ -109,11 +98,11 @@ impl Relaxed {
 impl Drop for Relaxed {
     fn drop(&mut self) {
         RELAXED.with(|r| r.set(r.get() - 1));
-        let mut mode = self.previous;
-        // SAFETY: as in `new`: restores the mode it replaced.
-        report("restoring the capture mode", unsafe {
-            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
-        });
+        // Restores the mode `new` replaced.
+        report(
+            "restoring the capture mode",
+            Active::exchange_capture_mode(self.previous).map(|_| ()),
+        );
     }
 }
 
@@ -133,45 +122,13 @@ impl StreamRef<'_> {
         let raw = self.cu()?;
         let ctx = self.context().ok()?;
         // `cuStreamIsCapturing` first (every driver has it; the common answer is no),
-        // then the 12.3 entry point, which cudarc would panic on where it is missing.
-        if !self.is_capturing_in(ctx).ok()? || crate::driver::version().ok()? < 12030 {
+        // then the platform's frontier call (which checks that the driver has it).
+        if !self.is_capturing_in(ctx).ok()? {
             return None;
         }
         let _current = bind(ctx).ok()?;
-        let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut capture = 0u64;
-        let mut graph = std::ptr::null_mut();
-        let mut nodes: *const sys::CUgraphNode = std::ptr::null();
-        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
-        let mut count = 0usize;
-        // SAFETY: `raw` is live for the borrow of `self`; every out-pointer is a valid
-        // place; the arrays the driver points to live while the capture does, and are
-        // copied before this returns.
-        let result = unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                raw,
-                &mut status,
-                &mut capture,
-                &mut graph,
-                &mut nodes,
-                &mut edges,
-                &mut count,
-            )
-        };
-        if result != CUresult::CUDA_SUCCESS
-            || status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
-        {
-            return None;
-        }
-        let nodes = if count == 0 || nodes.is_null() {
-            Vec::new()
-        } else {
-            // SAFETY: the driver's array of `count` nodes (above).
-            unsafe { std::slice::from_raw_parts(nodes, count) }
-                .iter()
-                .map(|&node| node as usize)
-                .collect()
-        };
+        // SAFETY: `raw` is live for the borrow of `self`.
+        let (capture, nodes) = unsafe { Active::capture_frontier(raw) }?;
         Some(Frontier { capture, nodes })
     }
 }
@@ -185,40 +142,10 @@ pub(crate) fn ancestors(from: &[usize]) -> Option<std::collections::HashSet<usiz
         if !seen.insert(node) {
             continue;
         }
-        let raw = node as sys::CUgraphNode;
-        let mut count = 0usize;
-        // SAFETY: `raw` is a node of the graph being captured (a frontier's, or a
-        // dependency the driver listed); null arrays ask for the count only.
-        let result = unsafe {
-            sys::cuGraphNodeGetDependencies_v2(
-                raw,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                &mut count,
-            )
-        };
-        if result != CUresult::CUDA_SUCCESS {
-            return None;
-        }
-        if count == 0 {
-            continue;
-        }
-        let mut deps: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
-        // SAFETY: zeroed edge data is the default edge's (a plain C struct of integers).
-        let mut edges: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; count];
-        // SAFETY: both arrays have room for `count` entries.
-        let result = unsafe {
-            sys::cuGraphNodeGetDependencies_v2(
-                raw,
-                deps.as_mut_ptr(),
-                edges.as_mut_ptr(),
-                &mut count,
-            )
-        };
-        if result != CUresult::CUDA_SUCCESS {
-            return None;
-        }
-        todo.extend(deps.iter().take(count).map(|&d| d as usize));
+        // SAFETY: `node` is a node of the graph being captured (a frontier's, or a
+        // dependency the driver listed).
+        let deps = unsafe { Active::node_dependencies(node) }?;
+        todo.extend(deps);
     }
     Some(seen)
 }

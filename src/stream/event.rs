@@ -1,11 +1,10 @@
 //! CUDA events: points in a stream that other streams and the host can wait for.
 
-use cudarc::driver::sys::{self, CUevent, CUstream};
-
 use super::StreamRef;
 use crate::device::{Context, bind, process_is_exiting};
-use crate::driver::{check, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, EventHandle, Platform, StreamHandle};
 
 /// A CUDA event (timing disabled: it only orders work), destroyed when dropped.
 ///
@@ -35,18 +34,13 @@ impl Event {
     /// device).
     pub(crate) fn new_in(ctx: Context) -> Result<Event, Error> {
         let _current = bind(ctx)?;
-        let mut raw = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: a context is current; `raw` is a valid place for the new handle.
-        check(unsafe { sys::cuEventCreate(&mut raw, flags) })?;
-        Ok(Event {
-            raw: raw as usize,
-            ctx,
-        })
+        // A context is current (above).
+        let raw = Active::event_create()?;
+        Ok(Event { raw, ctx })
     }
 
-    fn raw(&self) -> CUevent {
-        self.raw as CUevent
+    fn raw(&self) -> EventHandle {
+        self.raw
     }
 
     /// Captures the work enqueued on `stream` so far: the event completes when it does.
@@ -58,7 +52,7 @@ impl Event {
             Some(raw) => {
                 let _current = bind(self.ctx)?;
                 // SAFETY: the event is ours; `raw` is live for the borrow of `stream`.
-                check(unsafe { sys::cuEventRecord(self.raw(), raw) })
+                unsafe { Active::event_record(self.raw(), raw) }
             }
         }
     }
@@ -67,18 +61,14 @@ impl Event {
     pub fn synchronize(&self) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
         // SAFETY: the event is ours and live.
-        check(unsafe { sys::cuEventSynchronize(self.raw()) })
+        unsafe { Active::event_synchronize(self.raw()) }
     }
 
     /// True when the captured work is complete; does not wait.
     pub fn is_complete(&self) -> Result<bool, Error> {
         let _current = bind(self.ctx)?;
         // SAFETY: the event is ours and live.
-        match unsafe { sys::cuEventQuery(self.raw()) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => check(other).map(|()| false),
-        }
+        unsafe { Active::event_query(self.raw()) }
     }
 
     pub(crate) fn context(&self) -> Context {
@@ -87,10 +77,10 @@ impl Event {
 
     /// Makes work enqueued on `stream` from now on wait for the event, with `ctx` current
     /// (it decides which stream a default-stream handle names).
-    pub(super) fn enqueue_wait(&self, stream: CUstream, ctx: Context) -> Result<(), Error> {
+    pub(super) fn enqueue_wait(&self, stream: StreamHandle, ctx: Context) -> Result<(), Error> {
         let _current = bind(ctx)?;
         // SAFETY: the event is ours; `stream` is live for the caller's borrow.
-        check(unsafe { sys::cuStreamWaitEvent(stream, self.raw(), 0) })
+        unsafe { Active::stream_wait_event(stream, self.raw()) }
     }
 }
 
@@ -103,7 +93,7 @@ impl Drop for Event {
         // SAFETY: the event is ours; waits already enqueued on it stay valid (the driver
         // defers the release until they are done).
         report("cuEventDestroy", unsafe {
-            sys::cuEventDestroy_v2(self.raw())
+            Active::event_destroy(self.raw())
         });
     }
 }

@@ -21,8 +21,6 @@ mod owned;
 use std::fmt;
 use std::marker::PhantomData;
 
-use cudarc::driver::sys::{self, CUstream};
-
 pub(crate) use capture::{Frontier, Relaxed, ancestors, on_capture_path};
 pub use event::Event;
 pub use owned::{Stream, StreamFlags, StreamPool};
@@ -34,8 +32,8 @@ pub use owned::{Stream, StreamFlags, StreamPool};
 pub type RawStream = *mut std::ffi::c_void;
 
 use crate::device::{Context, bind};
-use crate::driver::check;
 use crate::error::Error;
+use crate::platform::{Active, Platform, StreamHandle};
 
 /// The handle value of CUDA's legacy default stream when named explicitly
 /// (`CU_STREAM_LEGACY`).
@@ -108,11 +106,11 @@ impl<'a> StreamRef<'a> {
         StreamRef::new(Repr::Cuda(stream as usize))
     }
 
-    /// The CUDA handle as cudarc types it, for memres's own driver calls (whatever the
-    /// `cudarc-interop` feature says [`RawStream`] is), or `None` for a host stream.
-    pub(crate) fn cu(self) -> Option<CUstream> {
+    /// The driver's handle as the platform seam takes it, for memres's own driver calls,
+    /// or `None` for a host stream.
+    pub(crate) fn cu(self) -> Option<StreamHandle> {
         match self.repr {
-            Repr::Cuda(handle) => Some(handle as CUstream),
+            Repr::Cuda(handle) => Some(handle),
             Repr::Host(_) => None,
         }
     }
@@ -170,7 +168,7 @@ impl<'a> StreamRef<'a> {
                 let _current = bind(Context::current()?)?;
                 // SAFETY: `raw` is a live stream for `'a` (the promise of `from_raw` or the
                 // borrow it came from), or a default stream of the current context.
-                check(unsafe { sys::cuStreamSynchronize(raw) })
+                unsafe { Active::stream_synchronize(raw) }
             }
         }
     }
@@ -183,7 +181,7 @@ impl<'a> StreamRef<'a> {
             Some(raw) => {
                 let _current = bind(ctx)?;
                 // SAFETY: as in `synchronize`.
-                check(unsafe { sys::cuStreamSynchronize(raw) })
+                unsafe { Active::stream_synchronize(raw) }
             }
         }
     }
@@ -235,9 +233,7 @@ impl StreamRef<'_> {
     /// streams, which have none.
     pub(crate) fn context(self) -> Result<Context, Error> {
         match self.cu() {
-            Some(raw) if !self.is_default() && !self.is_per_thread() => {
-                Context::of_stream(raw as usize)
-            }
+            Some(raw) if !self.is_default() && !self.is_per_thread() => Context::of_stream(raw),
             _ => Context::current(),
         }
     }

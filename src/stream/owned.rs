@@ -5,12 +5,12 @@ use std::sync::Arc;
 #[cfg(feature = "cudarc-interop")]
 use cudarc::driver::CudaContext;
 use cudarc::driver::CudaStream;
-use cudarc::driver::sys;
 
 use super::{RawStream, StreamRef};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::driver::{check, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, Platform, StreamHandle};
 use crate::sync::atomic::{AtomicUsize, Ordering};
 
 /// How a new stream orders itself against the legacy default stream.
@@ -68,15 +68,10 @@ impl Stream {
     pub fn on(device: DeviceId, flags: StreamFlags) -> Result<Stream, Error> {
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
-        let flags = match flags {
-            StreamFlags::Default => sys::CUstream_flags::CU_STREAM_DEFAULT,
-            StreamFlags::NonBlocking => sys::CUstream_flags::CU_STREAM_NON_BLOCKING,
-        };
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: `ctx` is current; `raw` is a valid place for the new handle.
-        check(unsafe { sys::cuStreamCreate(&mut raw, flags as u32) })?;
+        // `ctx` is current (above).
+        let raw = Active::stream_create(flags == StreamFlags::NonBlocking)?;
         Ok(Stream {
-            raw: raw as usize,
+            raw,
             ctx,
             cudarc: None,
         })
@@ -98,9 +93,9 @@ impl Stream {
         self.ctx.device()
     }
 
-    /// The handle as cudarc types it, for memres's own driver calls.
-    pub(crate) fn cu(&self) -> sys::CUstream {
-        self.raw as sys::CUstream
+    /// The handle as the platform seam takes it, for memres's own driver calls.
+    pub(crate) fn cu(&self) -> StreamHandle {
+        self.raw
     }
 
     /// The raw handle, for calls memres does not wrap. Do not destroy it.
@@ -119,7 +114,7 @@ impl Stream {
     pub unsafe fn as_cudarc(&self, ctx: &Arc<CudaContext>) -> Arc<CudaStream> {
         // SAFETY: the caller promises the context matches and the wrapper does not outlive
         // the stream; a borrowed wrapper never destroys the stream.
-        unsafe { ctx.wrap_borrowed_stream(self.cu()) }
+        unsafe { ctx.wrap_borrowed_stream(self.cu() as cudarc::driver::sys::CUstream) }
     }
 }
 
@@ -154,19 +149,19 @@ impl Drop for Stream {
             if Arc::strong_count(theirs) == 1 {
                 // SAFETY: the stream is live (we hold a reference to it).
                 report("cuStreamSynchronize", unsafe {
-                    sys::cuStreamSynchronize(self.cu())
+                    Active::stream_synchronize(self.cu())
                 });
             }
             return;
         }
         // SAFETY: the stream is ours and live; waiting for its work has no precondition.
         report("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(self.cu())
+            Active::stream_synchronize(self.cu())
         });
         // SAFETY: the stream is ours and no `StreamRef` to it outlives `self` (borrowck).
         // Its work is complete (above).
         report("cuStreamDestroy", unsafe {
-            sys::cuStreamDestroy_v2(self.cu())
+            Active::stream_destroy(self.cu())
         });
     }
 }

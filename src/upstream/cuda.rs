@@ -1,11 +1,10 @@
 //! [`Cuda`]: device memory straight from the driver.
 
-use cudarc::driver::sys;
-
 use super::driver_leaf::sync_driver_leaf;
 use crate::device::Context;
-use crate::driver::{check_alloc, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::property::DeviceAccessible;
 
 /// Device memory from `cuMemAlloc` / `cuMemFree` (RMM's `cuda_memory_resource`).
@@ -43,18 +42,15 @@ impl Cuda {
 
     /// `cuMemAlloc`, with the resource's context current.
     fn alloc(&self, layout: std::alloc::Layout) -> Result<usize, Error> {
-        let size = layout.size();
-        let mut address = 0;
-        // SAFETY: the context is current (the caller binds it); `address` is a valid place.
-        check_alloc(unsafe { sys::cuMemAlloc_v2(&mut address, size) }, size)?;
-        Ok(address as usize)
+        // The context is current (the caller binds it).
+        Active::mem_alloc(layout.size())
     }
 
     /// `cuMemFree`, with the resource's context current.
     fn free(&self, address: usize, _layout: std::alloc::Layout) {
         // SAFETY: `address` came from `cuMemAlloc` of this device (the caller's promise)
         // and nothing uses it any more.
-        report("cuMemFree", unsafe { sys::cuMemFree_v2(address as u64) });
+        report("cuMemFree", unsafe { Active::mem_free(address) });
     }
 }
 

@@ -2,15 +2,13 @@
 //! (uses one it does not own) and [`CudaAsyncManaged`] (the device's managed pool).
 
 use std::alloc::Layout;
-use std::ffi::c_void;
 use std::ptr::NonNull;
-
-use cudarc::driver::sys::{self, CUmemoryPool};
 
 use super::driver_leaf::{accept, admit};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::driver::{check, check_alloc, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, Attribute, Feature, Platform, PoolAttribute, PoolHandle};
 use crate::property::{DeviceAccessible, HostDevice};
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -26,8 +24,8 @@ struct PoolRef {
 }
 
 impl PoolRef {
-    fn handle(self) -> CUmemoryPool {
-        self.pool as CUmemoryPool
+    fn handle(self) -> PoolHandle {
+        self.pool
     }
 
     /// `cuMemAllocFromPoolAsync` on `stream`. A host stream (always complete) gets memory
@@ -46,17 +44,13 @@ impl PoolRef {
             return self.allocate_sync(layout, name);
         };
         let _current = bind(self.ctx)?;
-        let mut address = 0;
-        let size = layout.size();
         // SAFETY: the context is current; the pool is live (owned by the resource, or the
         // promise of `CudaAsyncView::from_raw`); `raw` is live for the borrow of `stream`.
-        let result =
-            unsafe { sys::cuMemAllocFromPoolAsync(&mut address, size, self.handle(), raw) };
-        check_alloc(result, size)?;
-        accept(address as usize, layout, || {
+        let address = unsafe { Active::pool_alloc_async(self.handle(), layout.size(), raw) }?;
+        accept(address, layout, || {
             // SAFETY: the block was never handed out; it goes back on its own stream.
             report("cuMemFreeAsync", unsafe {
-                sys::cuMemFreeAsync(address, raw)
+                Active::free_async(address, raw)
             });
         })
     }
@@ -85,31 +79,25 @@ impl PoolRef {
         if layout.size() == 0 || process_is_exiting() {
             return;
         }
-        let raw = stream.cu().unwrap_or(std::ptr::null_mut());
+        let raw = stream.cu().unwrap_or(0);
         match bind(self.ctx) {
             // SAFETY: the caller's promise: `ptr` came from this pool and the work using it
             // is ordered before this point on `stream`; `raw` is live for its borrow.
             Ok(_current) => report("cuMemFreeAsync", unsafe {
-                sys::cuMemFreeAsync(ptr.as_ptr() as u64, raw)
+                Active::free_async(ptr.as_ptr() as usize, raw)
             }),
             Err(e) => tracing::error!(%e, "memres: cannot free into a CUDA pool"),
         }
     }
 
-    fn get_u64(self, attribute: sys::CUmemPool_attribute) -> Result<u64, Error> {
-        let mut value = 0u64;
-        // SAFETY: the pool is live; the u64 attributes are written as a `cuuint64_t`.
-        check(unsafe {
-            sys::cuMemPoolGetAttribute(self.handle(), attribute, (&mut value as *mut u64).cast())
-        })?;
-        Ok(value)
+    fn get_u64(self, attribute: PoolAttribute) -> Result<u64, Error> {
+        // SAFETY: the pool is live.
+        unsafe { Active::pool_get(self.handle(), attribute) }
     }
 
-    fn set_u64(self, attribute: sys::CUmemPool_attribute, mut value: u64) -> Result<(), Error> {
-        // SAFETY: the pool is live; the u64 attributes are read as a `cuuint64_t`.
-        check(unsafe {
-            sys::cuMemPoolSetAttribute(self.handle(), attribute, (&mut value as *mut u64).cast())
-        })
+    fn set_u64(self, attribute: PoolAttribute, value: u64) -> Result<(), Error> {
+        // SAFETY: the pool is live.
+        unsafe { Active::pool_set(self.handle(), attribute, value) }
     }
 }
 
@@ -169,13 +157,9 @@ pub enum ExportHandle {
 }
 
 impl ExportHandle {
-    fn bits(self) -> sys::CUmemAllocationHandleType {
-        match self {
-            ExportHandle::None => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            ExportHandle::PosixFd => {
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            }
-        }
+    /// Whether memory is made exportable as POSIX file descriptors.
+    pub(crate) fn is_posix_fd(self) -> bool {
+        self == ExportHandle::PosixFd
     }
 }
 
@@ -287,27 +271,15 @@ impl CudaAsync {
         require_pools(device)?;
         check_export_support(device, config.export)?;
 
-        // SAFETY: `CUmemPoolProps` is plain data (integers, a pointer, bytes) for which
-        // all-zero is valid: it is the documented way to leave fields at their defaults.
-        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.handleTypes = config.export.bits();
-        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        props.location.id = device.ordinal();
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: the device's context is current; `props` is initialised; `pool` is a
-        // valid place for the handle.
-        check(unsafe { sys::cuMemPoolCreate(&mut pool, &props) })?;
+        // The device's context is current.
+        let pool = Active::pool_create(device.ordinal(), config.export.is_posix_fd())?;
         let resource = CudaAsync {
-            inner: PoolRef {
-                pool: pool as usize,
-                ctx,
-            },
+            inner: PoolRef { pool, ctx },
             export: config.export,
         };
         // From here on, `resource`'s drop destroys the pool if a step fails.
         resource.inner.set_u64(
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            PoolAttribute::ReleaseThreshold,
             config.release_threshold.unwrap_or(u64::MAX),
         )?;
         if let Some(size) = config.initial_size.filter(|&s| s > 0) {
@@ -323,7 +295,7 @@ impl CudaAsync {
     /// The driver's handle of the pool (for `cuMemPool*` calls memres does not wrap). The
     /// resource keeps owning it: do not destroy it.
     pub fn pool_handle(&self) -> RawMemoryPool {
-        self.inner.handle().cast()
+        self.inner.handle() as RawMemoryPool
     }
 
     /// The device the pool allocates on.
@@ -338,36 +310,29 @@ impl CudaAsync {
 
     /// The release threshold, read back from the driver.
     pub fn release_threshold(&self) -> Result<u64, Error> {
-        self.inner
-            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+        self.inner.get_u64(PoolAttribute::ReleaseThreshold)
     }
 
     /// Bytes the pool has reserved from the device now, read from the driver.
     pub fn reserved_bytes(&self) -> Result<u64, Error> {
-        self.inner
-            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        self.inner.get_u64(PoolAttribute::ReservedCurrent)
     }
 
     /// The most bytes the pool has reserved at once since it was made or
     /// [`reset_reserved_peak`](Self::reset_reserved_peak), read from the driver.
     pub fn reserved_peak_bytes(&self) -> Result<u64, Error> {
-        self.inner
-            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+        self.inner.get_u64(PoolAttribute::ReservedHigh)
     }
 
     /// Starts [`reserved_peak_bytes`](Self::reserved_peak_bytes) afresh from what the
     /// pool reserves now (the driver resets the high watermark when it is set to 0).
     pub fn reset_reserved_peak(&self) -> Result<(), Error> {
-        self.inner.set_u64(
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-            0,
-        )
+        self.inner.set_u64(PoolAttribute::ReservedHigh, 0)
     }
 
     /// Bytes handed out and not yet freed, read from the driver.
     pub fn used_bytes(&self) -> Result<u64, Error> {
-        self.inner
-            .get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        self.inner.get_u64(PoolAttribute::UsedCurrent)
     }
 
     /// Releases reserved memory back to the device until the pool holds at most
@@ -376,7 +341,7 @@ impl CudaAsync {
     pub fn trim_to(&self, keep: usize) -> Result<(), Error> {
         let _current = bind(self.inner.ctx)?;
         // SAFETY: the pool is live; trimming only releases memory nothing holds.
-        check(unsafe { sys::cuMemPoolTrimTo(self.inner.handle(), keep) })
+        unsafe { Active::pool_trim_to(self.inner.handle(), keep) }
     }
 
     /// Exports the pool as a POSIX file descriptor for another process to import
@@ -389,17 +354,8 @@ impl CudaAsync {
             ));
         }
         let _current = bind(self.inner.ctx)?;
-        let mut fd: std::ffi::c_int = -1;
-        // SAFETY: the pool is live and exportable as a POSIX fd, which the driver writes
-        // as an `int` into `fd`.
-        check(unsafe {
-            sys::cuMemPoolExportToShareableHandle(
-                (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
-                self.inner.handle(),
-                ExportHandle::PosixFd.bits(),
-                0,
-            )
-        })?;
+        // SAFETY: the pool is live and exportable as a POSIX fd.
+        let fd = unsafe { Active::pool_export_fd(self.inner.handle()) }?;
         use std::os::fd::FromRawFd;
         // SAFETY: the driver returned a new descriptor that nothing else owns.
         Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
@@ -407,8 +363,7 @@ impl CudaAsync {
 }
 
 fn require_pools(device: DeviceId) -> Result<(), Error> {
-    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
-    if device.attribute(attr)? == 0 {
+    if device.attribute(Attribute::MemoryPools)? == 0 {
         return Err(Error::unsupported(format!(
             "{device} does not support stream-ordered memory pools"
         )));
@@ -420,10 +375,7 @@ fn check_export_support(device: DeviceId, export: ExportHandle) -> Result<(), Er
     if export == ExportHandle::None {
         return Ok(());
     }
-    let supported = device
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)?
-        as u32;
-    if supported & export.bits().0 == 0 {
+    if device.attribute(Attribute::PoolPosixFdHandles)? == 0 {
         return Err(Error::unsupported(format!(
             "{device} cannot export memory pools as {export:?} handles"
         )));
@@ -442,7 +394,7 @@ impl Drop for CudaAsync {
         // SAFETY: the pool is ours; blocks still out keep it alive inside the driver until
         // they are freed (the driver defers the destruction).
         report("cuMemPoolDestroy", unsafe {
-            sys::cuMemPoolDestroy(self.inner.handle())
+            Active::pool_destroy(self.inner.handle())
         });
     }
 }
@@ -477,14 +429,9 @@ impl CudaAsyncView {
         let ctx = Context::primary(device)?;
         require_pools(device)?;
         let dev = device.handle()?;
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: `dev` is a valid device; `pool` is a valid place for the handle.
-        check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) })?;
+        let pool = Active::default_pool(dev)?;
         Ok(CudaAsyncView {
-            inner: PoolRef {
-                pool: pool as usize,
-                ctx,
-            },
+            inner: PoolRef { pool, ctx },
         })
     }
 
@@ -504,7 +451,7 @@ impl CudaAsyncView {
 
     /// The pool's handle.
     pub fn pool_handle(&self) -> RawMemoryPool {
-        self.inner.handle().cast()
+        self.inner.handle() as RawMemoryPool
     }
 
     /// The device the pool allocates on.
@@ -543,50 +490,24 @@ impl CudaAsyncManaged {
     /// `device`'s default managed pool.
     pub fn on(device: DeviceId) -> Result<CudaAsyncManaged, Error> {
         let ctx = Context::primary(device)?;
-        crate::driver::require_version(13000, "a managed memory pool")?;
-        let concurrent = device
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?;
+        crate::driver::require(Feature::ManagedPool, "a managed memory pool")?;
+        let concurrent = device.attribute(Attribute::ConcurrentManagedAccess)?;
         if concurrent == 0 {
             return Err(Error::unsupported(format!(
                 "{device} lacks concurrent managed access, which a managed pool needs"
             )));
         }
         let _current = bind(ctx)?;
-        let mut location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device.ordinal(),
-        };
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: the context is current; `location` names the device; `pool` is a valid
-        // place for the handle.
-        let result = unsafe {
-            sys::cuMemGetDefaultMemPool(
-                &mut pool,
-                &mut location,
-                sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED,
-            )
-        };
-        match result {
-            sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
-                Err(Error::unsupported(format!(
-                    "the driver offers no managed memory pool for {device} ({result:?})"
-                )))
-            }
-            other => {
-                check(other)?;
-                Ok(CudaAsyncManaged {
-                    inner: PoolRef {
-                        pool: pool as usize,
-                        ctx,
-                    },
-                })
-            }
-        }
+        // The context is current; the platform checks that its driver has the call.
+        let pool = Active::default_managed_pool(device.ordinal())?;
+        Ok(CudaAsyncManaged {
+            inner: PoolRef { pool, ctx },
+        })
     }
 
     /// The pool's handle.
     pub fn pool_handle(&self) -> RawMemoryPool {
-        self.inner.handle().cast()
+        self.inner.handle() as RawMemoryPool
     }
 
     /// The device the pool belongs to.

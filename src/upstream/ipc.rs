@@ -17,18 +17,16 @@
 //! Either way the importer sees the same bytes at another address; ordering between the
 //! processes' work is the caller's (an IPC event, or a synchronize before sending).
 
-use std::ffi::c_void;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use cudarc::driver::sys;
-
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::driver::{self, check, check_alloc, report};
+use crate::driver::{self, report};
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 
 /// Bytes in a `cudaIpcMemHandle_t` / `CUipcMemHandle`.
-pub const IPC_HANDLE_SIZE: usize = 64;
+pub const IPC_HANDLE_SIZE: usize = crate::platform::IPC_HANDLE_SIZE;
 
 /// The IPC handle of the `cuMemAlloc` allocation that holds device address `ptr`, and the
 /// offset of `ptr` in that allocation.
@@ -38,17 +36,10 @@ pub const IPC_HANDLE_SIZE: usize = 64;
 pub fn ipc_handle(ptr: usize) -> Result<([u8; IPC_HANDLE_SIZE], usize), Error> {
     driver::init()?;
     let _current = bind(Context::current()?)?;
-    let mut base = 0;
-    let mut size = 0;
-    // SAFETY: the call only reads the driver's record of `ptr`; the out-places are valid.
-    check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr as sys::CUdeviceptr) })?;
-    let mut handle = sys::CUipcMemHandle_st {
-        reserved: [0; IPC_HANDLE_SIZE],
-    };
-    // SAFETY: `handle` is a valid place; the driver checks `ptr` (an error for memory it
-    // cannot share).
-    check(unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr as sys::CUdeviceptr) })?;
-    Ok((handle.reserved.map(|b| b as u8), ptr - base as usize))
+    let (base, _size) = Active::address_range(ptr)?;
+    // The driver checks `ptr` (an error for memory it cannot share).
+    let handle = Active::ipc_get(ptr)?;
+    Ok((handle, ptr - base))
 }
 
 /// How an [`Imported`] range was made, for its release.
@@ -108,26 +99,14 @@ impl Imported {
         driver::init()?;
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
-        let raw = sys::CUipcMemHandle_st {
-            reserved: handle.map(|b| b as std::ffi::c_char),
-        };
-        let mut base = 0;
-        // SAFETY: `base` is a valid place; the driver validates the handle.
-        check(unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut base,
-                raw,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        })?;
-        let mut start = 0;
-        let mut len = 0;
-        // SAFETY: `base` is mapped (opened above); the out-places are valid.
-        let ranged = check(unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut len, base) });
+        // The driver validates the handle.
+        let base = Active::ipc_open(handle)?;
+        // `base` is mapped (opened above).
+        let ranged = Active::address_range(base);
         let imported = Imported {
             ctx,
-            base: base as usize,
-            len,
+            base,
+            len: ranged.as_ref().map_or(0, |&(_, len)| len),
             reserved: 0,
             origin: Origin::IpcHandle,
         };
@@ -156,50 +135,29 @@ impl Imported {
         driver::init()?;
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
-        let mut base = 0;
-        // SAFETY: reserves address space only; `base` is a valid place.
-        let reserved = unsafe {
-            sys::cuMemAddressReserve(&mut base, len, reservation_alignment(granule), 0, 0)
-        };
-        check_alloc(reserved, len)?;
+        // Reserves address space only.
+        let base = Active::vm_reserve(len, reservation_alignment(granule))?;
         // From here on, dropping `imported` unmaps what is mapped and frees the range.
         let mut imported = Imported {
             ctx,
-            base: base as usize,
+            base,
             len: 0,
             reserved: len,
             origin: Origin::Mapped,
         };
         for fd in fds {
-            let mut handle = 0;
-            // SAFETY: for POSIX descriptors the OS handle is the descriptor itself, passed
-            // as a pointer-sized integer; `handle` is a valid place.
-            check(unsafe {
-                sys::cuMemImportFromShareableHandle(
-                    &mut handle,
-                    fd.as_raw_fd() as usize as *mut c_void,
-                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                )
-            })?;
+            let handle = Active::vm_import_fd(fd.as_raw_fd())?;
             let at = imported.base + imported.len;
             // SAFETY: `at..at + granule` is unmapped space of our reservation; `handle` is
             // live (imported above). A size mismatch is the driver's error.
-            let mapped =
-                check(unsafe { sys::cuMemMap(at as sys::CUdeviceptr, granule, 0, handle, 0) });
+            let mapped = unsafe { Active::vm_map(at, granule, handle, granule) };
             // SAFETY: our reference from the import; the mapping keeps the memory.
-            report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+            report("cuMemRelease", unsafe { Active::vm_release(handle) });
             mapped?;
             imported.len += granule;
         }
-        let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: device.ordinal(),
-            },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range is mapped (above); one descriptor for our device.
-        check(unsafe { sys::cuMemSetAccess(base, len, &access, 1) })?;
+        // SAFETY: the whole range is mapped (above); readable and writable by our device.
+        unsafe { Active::vm_set_access(base, len, &[device.ordinal()], len) }?;
         Ok(imported)
     }
 
@@ -235,22 +193,20 @@ impl Drop for Imported {
         };
         // Work queued on any stream may still use the range.
         // SAFETY: the context is current; the call only waits.
-        report("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
-        let base = self.base as sys::CUdeviceptr;
+        report("cuCtxSynchronize", Active::synchronize_context());
+        let base = self.base;
         match self.origin {
             // SAFETY: `base` was opened by `cuIpcOpenMemHandle` and is closed once, here.
-            Origin::IpcHandle => report("cuIpcCloseMemHandle", unsafe {
-                sys::cuIpcCloseMemHandle(base)
-            }),
+            Origin::IpcHandle => report("cuIpcCloseMemHandle", unsafe { Active::ipc_close(base) }),
             Origin::Mapped => {
                 if self.len > 0 {
                     // SAFETY: `base..base + len` is what we mapped; nothing uses it (the
                     // owner dropped it and the device is idle).
-                    report("cuMemUnmap", unsafe { sys::cuMemUnmap(base, self.len) });
+                    report("cuMemUnmap", unsafe { Active::vm_unmap(base, self.len) });
                 }
                 // SAFETY: our reservation, nothing mapped in it any more.
                 report("cuMemAddressFree", unsafe {
-                    sys::cuMemAddressFree(base, self.reserved)
+                    Active::vm_free(base, self.reserved)
                 });
             }
         }

@@ -1,11 +1,10 @@
 //! [`Managed`]: unified memory that the host and the device both reach.
 
-use cudarc::driver::sys;
-
 use super::driver_leaf::sync_driver_leaf;
 use crate::device::Context;
-use crate::driver::{check_alloc, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::property::HostDevice;
 
 /// Managed (unified) memory from `cuMemAllocManaged` with global attachment (RMM's
@@ -26,19 +25,14 @@ impl Managed {
     pub const ALIGNMENT: usize = 256;
 
     fn alloc(&self, layout: std::alloc::Layout) -> Result<usize, Error> {
-        let size = layout.size();
-        let mut address = 0;
-        let global = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
-        // SAFETY: the context is current (the caller binds it); `address` is a valid place.
-        let result = unsafe { sys::cuMemAllocManaged(&mut address, size, global) };
-        check_alloc(result, size)?;
-        Ok(address as usize)
+        // The context is current (the caller binds it).
+        Active::mem_alloc_managed(layout.size())
     }
 
     fn free(&self, address: usize, _layout: std::alloc::Layout) {
         // SAFETY: `address` came from `cuMemAllocManaged` (the caller's promise) and
         // nothing uses it any more.
-        report("cuMemFree", unsafe { sys::cuMemFree_v2(address as u64) });
+        report("cuMemFree", unsafe { Active::mem_free(address) });
     }
 }
 

@@ -1,14 +1,12 @@
 //! [`PinnedHost`]: page-locked host memory that the device reaches directly.
 
 use std::alloc::Layout;
-use std::ffi::c_void;
-
-use cudarc::driver::sys;
 
 use super::driver_leaf::sync_driver_leaf;
 use crate::device::Context;
-use crate::driver::{check_alloc, report};
+use crate::driver::report;
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::property::HostDevice;
 
 /// Pinned (page-locked) host memory from `cuMemHostAlloc` (RMM's
@@ -71,20 +69,14 @@ impl PinnedHost {
         };
         // SAFETY: `base` came from `cuMemHostAlloc` (the caller's promise, through the
         // header above) and nothing uses it any more.
-        report("cuMemFreeHost", unsafe {
-            sys::cuMemFreeHost(base as *mut c_void)
-        });
+        report("cuMemFreeHost", unsafe { Active::host_free(base) });
     }
 
     /// `cuMemHostAlloc(size)`; out of memory is reported for `requested` bytes, what the
     /// caller asked for.
     fn alloc_raw(&self, size: usize, requested: usize) -> Result<usize, Error> {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: the context is current (the caller binds it); `p` is a valid place.
-        let result = unsafe { sys::cuMemHostAlloc(&mut p, size, flags) };
-        check_alloc(result, requested)?;
-        Ok(p as usize)
+        // The context is current (the caller binds it).
+        Active::host_alloc(size, requested)
     }
 }
 

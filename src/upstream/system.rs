@@ -3,13 +3,11 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use cudarc::driver::sys;
-
 use super::driver_leaf::free_after;
 use super::host_heap::HostHeap;
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::driver::check;
 use crate::error::Error;
+use crate::platform::{Active, Attribute, Feature, Location, Platform};
 use crate::property::HostDevice;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
@@ -18,8 +16,7 @@ use crate::stream::StreamRef;
 /// ATS), else [`Error::Unsupported`].
 fn pageable_access(device: DeviceId) -> Result<Context, Error> {
     let ctx = Context::primary(device)?;
-    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS;
-    if device.attribute(attr)? == 0 {
+    if device.attribute(Attribute::PageableMemoryAccess)? == 0 {
         return Err(Error::unsupported(format!(
             "{device} cannot access pageable host memory \
              (CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS is 0: no HMM or ATS); \
@@ -149,7 +146,7 @@ impl SamHeadroom {
 
     /// Keeps `headroom` bytes of `device`'s memory free.
     pub fn on(device: DeviceId, headroom: usize) -> Result<SamHeadroom, Error> {
-        crate::driver::require_version(12020, "SamHeadroom (cuMemAdvise_v2)")?;
+        crate::driver::require(Feature::LocatedAdvice, "SamHeadroom (cuMemAdvise_v2)")?;
         Ok(SamHeadroom {
             system: System::on(device)?,
             headroom,
@@ -164,9 +161,8 @@ impl SamHeadroom {
     /// How many of `size` bytes may live on the device now, rounded down to 256 bytes.
     fn device_portion(&self, size: usize) -> Result<usize, Error> {
         let _current = bind(self.system.ctx)?;
-        let (mut free, mut total) = (0, 0);
-        // SAFETY: the device's context is current; both are valid places for results.
-        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        // The device's context is current.
+        let (free, _total) = Active::memory_info()?;
         let allowed = free.saturating_sub(self.headroom).min(size);
         Ok(allowed & !(crate::resource::DEFAULT_ALIGNMENT - 1))
     }
@@ -174,21 +170,14 @@ impl SamHeadroom {
     /// Sets the preferred location of `[start, start + len)`.
     fn advise(&self, start: usize, len: usize, on_device: bool) -> Result<(), Error> {
         let location = if on_device {
-            sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.system.device().ordinal(),
-            }
+            Location::Device(self.system.device().ordinal())
         } else {
-            sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-                id: 0,
-            }
+            Location::Host
         };
-        let advice = sys::CUmem_advise::CU_MEM_ADVISE_SET_PREFERRED_LOCATION;
         let _current = bind(self.system.ctx)?;
         // SAFETY: the range lies inside a live allocation of this resource; advice only
         // changes where pages prefer to live, never their contents.
-        check(unsafe { sys::cuMemAdvise_v2(start as u64, len, advice, location) })
+        unsafe { Active::advise_preferred(start, len, location) }
     }
 
     fn place(&self, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {

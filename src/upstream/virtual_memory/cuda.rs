@@ -2,13 +2,12 @@
 
 use std::fmt;
 
-use cudarc::driver::sys::{self, CUresult};
-
 use super::{Backend, HostCopy, Virtual, sealed};
 use crate::copy::{self, Access};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
-use crate::driver::{self, check, check_alloc, report};
+use crate::driver::{self, report};
 use crate::error::Error;
+use crate::platform::{Active, Attribute, MemHandle, Platform};
 use crate::property::DeviceAccessible;
 use crate::stream::StreamRef;
 use crate::upstream::{ExportHandle, PinnedHost};
@@ -73,20 +72,14 @@ pub struct CudaPhysical {
     base: usize,
     len: usize,
     granularity: usize,
-    prop: sys::CUmemAllocationProp,
-    access: Vec<sys::CUmemAccessDesc>,
+    /// The devices that may read and write the memory (ours first, then its peers), by
+    /// ordinal.
+    access: Vec<i32>,
     export: ExportHandle,
     /// While [`Backend::keep_unmapped`] is on: the allocations of granules unmapped since,
     /// each with our reference, for `map` to use before creating new ones.
-    spare: std::sync::Mutex<Option<Vec<sys::CUmemGenericAllocationHandle>>>,
+    spare: std::sync::Mutex<Option<Vec<MemHandle>>>,
 }
-
-// SAFETY: the raw pointer inside `prop` (`win32HandleMetaData`) is always null; the rest
-// is plain integers describing memory, not owning any.
-unsafe impl Send for CudaPhysical {}
-// SAFETY: as for `Send`; what changes through `&self` (the spare allocations) is behind a
-// mutex.
-unsafe impl Sync for CudaPhysical {}
 
 impl fmt::Debug for CudaPhysical {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -101,13 +94,6 @@ impl fmt::Debug for CudaPhysical {
 }
 
 impl sealed::Sealed for CudaPhysical {}
-
-fn location(device: DeviceId) -> sys::CUmemLocation {
-    sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: device.ordinal(),
-    }
-}
 
 impl Virtual<CudaPhysical> {
     /// A virtual-memory leaf for the current device, with the defaults of
@@ -152,29 +138,15 @@ impl Virtual<CudaPhysical> {
             return Err(Error::invalid_argument(format!("{addr:#x} is not mapped")));
         }
         let _current = bind(b.ctx)?;
-        let mut handle = 0;
         // SAFETY: the granule is mapped (checked above), so it has an allocation handle;
         // retaining it gives us a reference we release below.
-        check(unsafe {
-            sys::cuMemRetainAllocationHandle(
-                &mut handle,
-                std::ptr::without_provenance_mut(b.base + first * g),
-            )
-        })?;
-        let mut fd: std::ffi::c_int = -1;
+        let handle = unsafe { Active::vm_retain(b.base + first * g) }?;
         // SAFETY: `handle` is live (retained above) and was created with the POSIX-fd
-        // handle type; `fd` is a valid place for an int.
-        let exported = check(unsafe {
-            sys::cuMemExportToShareableHandle(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                handle,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        });
+        // handle type.
+        let exported = unsafe { Active::vm_export_fd(handle) };
         // SAFETY: the reference retained above.
-        report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
-        exported?;
+        report("cuMemRelease", unsafe { Active::vm_release(handle) });
+        let fd = exported?;
         // SAFETY: the driver handed us a new descriptor that nothing else owns.
         Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
@@ -205,41 +177,21 @@ impl CudaPhysical {
     // long: the driver's setup steps in order, a SAFETY comment a call.
     fn reserve(device: DeviceId, config: CudaVirtualConfig) -> Result<CudaPhysical, Error> {
         driver::init()?;
-        let vmm = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
-        if device.attribute(vmm)? == 0 {
+        if device.attribute(Attribute::VirtualMemoryManagement)? == 0 {
             return Err(Error::unsupported(format!(
                 "{device} lacks CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"
             )));
         }
-        let handle_types = match config.export {
-            ExportHandle::None => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            ExportHandle::PosixFd => {
-                let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
-                if device.attribute(attr)? == 0 {
-                    return Err(Error::unsupported(format!(
-                        "{device} lacks CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
-                    )));
-                }
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            }
-        };
+        if config.export == ExportHandle::PosixFd
+            && device.attribute(Attribute::PosixFdHandles)? == 0
+        {
+            return Err(Error::unsupported(format!(
+                "{device} lacks CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+            )));
+        }
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
-        // SAFETY: an all-zero property struct is valid (plain integers and a null pointer);
-        // the fields that matter are set below.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location = location(device);
-        prop.requestedHandleTypes = handle_types;
-        let mut granularity = 0;
-        // SAFETY: `prop` describes device memory of `device`; `granularity` is a valid place.
-        check(unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut granularity,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        })?;
+        let granularity = Active::vm_granularity(device.ordinal(), config.export.is_posix_fd())?;
         let reserve = match config.reserve {
             Some(bytes) => bytes,
             None => device.memory_info()?.total.saturating_mul(2),
@@ -254,23 +206,17 @@ impl CudaPhysical {
             .ok_or_else(|| {
                 Error::invalid_argument(format!("{reserve} bytes cannot be reserved"))
             })?;
-        let mut base = 0;
-        // SAFETY: reserves address space only (no memory); `base` is a valid place.
-        let reserved = unsafe { sys::cuMemAddressReserve(&mut base, len, granularity, 0, 0) };
-        check_alloc(reserved, len)?;
+        // Reserves address space only (no memory).
+        let base = Active::vm_reserve(len, granularity)?;
         let access = std::iter::once(device)
             .chain(config.peers.iter().copied().filter(|&p| p != device))
-            .map(|d| sys::CUmemAccessDesc {
-                location: location(d),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            })
+            .map(DeviceId::ordinal)
             .collect();
         Ok(CudaPhysical {
             ctx,
-            base: base as usize,
+            base,
             len,
             granularity,
-            prop,
             access,
             export: config.export,
             spare: std::sync::Mutex::new(None),
@@ -278,7 +224,7 @@ impl CudaPhysical {
     }
 
     /// The spare allocations, locked.
-    fn spare(&self) -> std::sync::MutexGuard<'_, Option<Vec<sys::CUmemGenericAllocationHandle>>> {
+    fn spare(&self) -> std::sync::MutexGuard<'_, Option<Vec<MemHandle>>> {
         crate::sync::lock_std(&self.spare)
     }
 
@@ -288,23 +234,16 @@ impl CudaPhysical {
         let mut spare = self.spare();
         for a in (addr..addr + len).step_by(self.granularity) {
             if let Some(kept) = spare.as_mut() {
-                let mut handle = 0;
                 // SAFETY: `a` starts a mapped granule (the callers' promise), which has an
                 // allocation; retaining it gives us a reference, kept in `kept`.
-                let retained = unsafe {
-                    sys::cuMemRetainAllocationHandle(
-                        &mut handle,
-                        std::ptr::without_provenance_mut(a),
-                    )
-                };
-                if retained == CUresult::CUDA_SUCCESS {
+                if let Ok(handle) = unsafe { Active::vm_retain(a) } {
                     kept.push(handle);
                 }
             }
             // SAFETY: `a` starts a mapped granule (the callers' promise); unmapping drops
             // the last reference to its memory.
             report("cuMemUnmap", unsafe {
-                sys::cuMemUnmap(a as sys::CUdeviceptr, self.granularity)
+                Active::vm_unmap(a, self.granularity)
             });
         }
     }
@@ -330,38 +269,26 @@ impl Backend for CudaPhysical {
                 let spare = self.spare().as_mut().and_then(Vec::pop);
                 let handle = match spare {
                     Some(handle) => handle,
-                    None => {
-                        let mut handle = 0;
-                        // SAFETY: `prop` describes pinned device memory of our device; the
-                        // size is one granule; `handle` is a valid place.
-                        let created = unsafe { sys::cuMemCreate(&mut handle, g, &self.prop, 0) };
-                        check_alloc(created, len)?;
-                        handle
-                    }
+                    // Pinned device memory of our device, one granule.
+                    None => Active::vm_create(
+                        g,
+                        self.ctx.device().ordinal(),
+                        self.export.is_posix_fd(),
+                        len,
+                    )?,
                 };
                 // SAFETY: `addr + done` is an unmapped granule of our reservation (the
                 // caller's promise) and `handle` a live allocation of one granule.
-                let mapped =
-                    unsafe { sys::cuMemMap((addr + done) as sys::CUdeviceptr, g, 0, handle, 0) };
+                let mapped = unsafe { Active::vm_map(addr + done, g, handle, len) };
                 // SAFETY: our reference to the allocation; once mapped, the mapping keeps
                 // the memory alive until it is unmapped.
-                report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
-                check_alloc(mapped, len)?;
+                report("cuMemRelease", unsafe { Active::vm_release(handle) });
+                mapped?;
                 done += g;
             }
             // SAFETY: `addr..addr + len` is mapped (above); the descriptors name our device
             // and its peers.
-            check_alloc(
-                unsafe {
-                    sys::cuMemSetAccess(
-                        addr as sys::CUdeviceptr,
-                        len,
-                        self.access.as_ptr(),
-                        self.access.len(),
-                    )
-                },
-                len,
-            )
+            unsafe { Active::vm_set_access(addr, len, &self.access, len) }
         })();
         if result.is_err() {
             self.unmap_granules(addr, done);
@@ -439,7 +366,7 @@ impl Backend for CudaPhysical {
         };
         for handle in left {
             // SAFETY: our reference to an allocation no mapping uses any more.
-            report("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+            report("cuMemRelease", unsafe { Active::vm_release(handle) });
         }
     }
 }
@@ -452,9 +379,8 @@ impl Drop for CudaPhysical {
         }
         // SAFETY: the reservation is ours and nothing in it is mapped any more (the leaf
         // unmapped its granules before its backend drops).
-        let r = unsafe { sys::cuMemAddressFree(self.base as sys::CUdeviceptr, self.len) };
-        if r != CUresult::CUDA_SUCCESS {
-            report("cuMemAddressFree", r);
-        }
+        report("cuMemAddressFree", unsafe {
+            Active::vm_free(self.base, self.len)
+        });
     }
 }
