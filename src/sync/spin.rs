@@ -16,8 +16,11 @@ use crate::sync::yield_now;
 /// Spins this many times before yielding.
 const SPINS: u32 = 64;
 
-/// A mutual-exclusion lock that spins, then yields.
+/// A mutual-exclusion lock that spins, then yields. Its flag comes first (`repr(C)`), so
+/// that a lock placed after other hot fields shares their cache line (a stream's list:
+/// `suballoc::core::list_table::List`).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub(crate) struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,

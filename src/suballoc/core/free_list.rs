@@ -33,8 +33,10 @@ const LARGE_MIN: usize = 1 << 20;
 const LARGE_BYTES: usize = 8 << 20;
 
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
+/// The small blocks' cache comes first (`repr(C)`): with the list's key and lock before
+/// it, a cached block is found on the list's first cache line and one line of its bin.
+#[repr(C)]
 pub(crate) struct FreeList {
-    pub(crate) free: FreeBlocks,
     /// Recently freed small blocks by size in granules, handed out again whole: entry
     /// `i` for blocks of `quick_base + i` granules, the table only as long as the sizes
     /// freed so far need (issue 49: a table of every size, `QUICK_UNITS + 1` entries or
@@ -45,6 +47,7 @@ pub(crate) struct FreeList {
     /// The size in granules of `quick`'s first entry.
     quick_base: usize,
     quick_bytes: usize,
+    pub(crate) free: FreeBlocks,
     /// Recently freed larger blocks, (address, size), oldest first: at most
     /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
     pub(crate) large: Vec<(usize, usize)>,
@@ -316,5 +319,38 @@ impl super::ordered::Contents for FreeList {
 
     fn shrink(&mut self) {
         self.release_memory();
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::FreeList;
+    use crate::suballoc::core::list_table::ListTable;
+    use crate::suballoc::core::stream_key::StreamKey;
+
+    /// What a cached allocation or free touches of a stream's list lies on its first
+    /// cache line: the key a lookup compares, the lock's flag and the small blocks'
+    /// cache's fields (see `List`'s layout). Moving one of them further costs every
+    /// allocation on a cold list (many streams) one more cache miss.
+    #[test]
+    fn a_lists_hot_fields_share_its_first_cache_line() {
+        let table = ListTable::default();
+        let _pin = table.pin();
+        let list = table.get_or_insert_with(StreamKey::host(1), || {
+            FreeList::new(std::iter::empty(), None)
+        });
+        let base = std::ptr::from_ref(list).addr();
+        assert_eq!(base % 64, 0, "a list starts a cache line");
+        let key = std::ptr::from_ref(&list.key).addr() - base;
+        // The flag is the lock's first field.
+        let flag = std::ptr::from_ref(&list.state).addr() - base;
+        let state = list.state.lock();
+        let cache_end = std::ptr::from_ref(&state.quick_bytes).addr() + size_of::<usize>() - base;
+        let cache_start = std::ptr::from_ref(&state.quick).addr() - base;
+        assert!(key < 64 && flag < 64, "key at {key}, lock at {flag}");
+        assert!(
+            cache_start < 64 && cache_end <= 64,
+            "the small blocks' cache at {cache_start}..{cache_end}"
+        );
     }
 }

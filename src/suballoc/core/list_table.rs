@@ -40,16 +40,15 @@ const FIRST_SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 /// (lanes) are written by those threads at once, and lists are allocated one by one,
 /// so two could otherwise share the line where one ends and the next begins (128 bytes:
 /// the unit the adjacent-line prefetcher fetches).
-#[repr(align(128))]
+///
+/// Laid out in this order (`repr(C)`) so that what every allocation and free touches is
+/// on the first cache line: the key a lookup compares, the searches' hint, the lock's
+/// flag and the start of the state (a pool's cache of small blocks, `FreeList`). With
+/// thousands of streams a list is cold when it is used, and each further line was one
+/// more miss (issue 49: the key, the lock 448 bytes on and the cache were three).
+#[repr(C, align(128))]
 pub(crate) struct List<S> {
     pub(crate) key: StreamKey,
-    /// For CUDA streams, the context whose synchronisation completes the stream's work
-    /// (the stream's own device's; `None` without a driver, where no GPU work can be
-    /// pending).
-    pub(crate) ctx: Option<Context>,
-    pub(crate) state: SpinLock<S>,
-    /// For a per-thread list: the generation of the thread that uses it now.
-    owner: AtomicU64,
     /// A hint for searches through other streams' lists: set (under the state's lock)
     /// when memory is freed into the list, cleared (under the lock) by a search that
     /// finds the list empty. Searches skip lists whose hint is clear, so a pool with
@@ -62,6 +61,13 @@ pub(crate) struct List<S> {
     /// place that outlives a call (`recent`, a `FixedSize`'s donors and thread caches)
     /// takes it in.
     retired: AtomicBool,
+    pub(crate) state: SpinLock<S>,
+    /// For a per-thread list: the generation of the thread that uses it now.
+    owner: AtomicU64,
+    /// For CUDA streams, the context whose synchronisation completes the stream's work
+    /// (the stream's own device's; `None` without a driver, where no GPU work can be
+    /// pending).
+    pub(crate) ctx: Option<Context>,
 }
 
 impl<S> List<S> {
