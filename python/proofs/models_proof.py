@@ -3,6 +3,7 @@
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
     python3 python/proofs/models_proof.py [--models gpt2,resnet50,gpt2_infer] [--steps 40] [--rounds 2]
                                    [--no-deterministic] [--profile] [--eager-modules]
+                                   [--batch-on-device]
 
 Models, built from their configs (random weights, no download):
   gpt2     - transformers' GPT-2 small, bf16 autocast, AdamW; batch 4..16 and sequence
@@ -12,6 +13,10 @@ Models, built from their configs (random weights, no download):
   resnet50 - torchvision's ResNet-50, AMP (fp16 autocast with a GradScaler), channels-last,
              SGD with momentum; batch 16..128 of square images of side 160..288 (step
              32) drawn per step.
+Each batch is made on the host and copied to the device, unless --batch-on-device: then
+on the device from a generator of its own (the shapes still from the host's), so that the
+step is the model's and the allocator's (ResNet-50's host-made batch took most of its
+step; see `step_profile.py`, which honours the same setting).
 Allocators, one process each: PyTorch's caching allocator ("torch"), the same with
 expandable_segments:True ("expandable"), and memres's default stack ("memres": the
 virtual pool on CUDA virtual memory, installed by `memres.setup()`). memres's peak
@@ -54,6 +59,18 @@ def no_scope(_name):
     return contextlib.nullcontext()
 
 
+def data_source(torch, dev, gen):
+    """How a step makes its batch: on the host from `gen`, copied to the device (as
+    before), or, with MEMRES_PROOF_BATCH_ON_DEVICE=1 (`--batch-on-device`), on the device
+    from a generator of its own, so that a step's time is the model's and the
+    allocator's, not the host's random numbers and a pageable copy (ResNet-50's batch
+    took most of its step that way: BENCHMARKS, "Where ResNet-50's step goes")."""
+    if os.environ.get("MEMRES_PROOF_BATCH_ON_DEVICE") != "1":
+        return lambda make, *args: make(*args, generator=gen).to(dev)
+    on_device = torch.Generator(device=dev).manual_seed(42)
+    return lambda make, *args: make(*args, generator=on_device, device=dev)
+
+
 def build(name, dev, torch, scope=no_scope):
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -61,11 +78,12 @@ def build(name, dev, torch, scope=no_scope):
         model = GPT2LMHeadModel(GPT2Config()).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(42)
+        data = data_source(torch, dev, gen)
 
         def step():
             batch = int(torch.randint(4, 17, (1,), generator=gen))
             seq = int(torch.randint(128, 1025, (1,), generator=gen))
-            ids = torch.randint(0, 50257, (batch, seq), generator=gen).to(dev)
+            ids = data(torch.randint, 0, 50257, (batch, seq))
             with scope("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(ids, labels=ids).loss
             with scope("backward"):
@@ -81,11 +99,12 @@ def build(name, dev, torch, scope=no_scope):
 
         model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()
         gen = torch.Generator().manual_seed(42)
+        data = data_source(torch, dev, gen)
 
         def step():
             batch = int(torch.randint(1, 33, (1,), generator=gen))
             seq = int(torch.randint(16, 1025, (1,), generator=gen))
-            ids = torch.randint(0, 50257, (batch, seq), generator=gen).to(dev)
+            ids = data(torch.randint, 0, 50257, (batch, seq))
             with scope("forward"), torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(ids).logits
             return logits[:, -1].float().mean()
@@ -99,13 +118,14 @@ def build(name, dev, torch, scope=no_scope):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         scaler = torch.amp.GradScaler("cuda")
         gen = torch.Generator().manual_seed(42)
+        data = data_source(torch, dev, gen)
 
         def step():
             batch = int(torch.randint(16, 129, (1,), generator=gen))
             side = 160 + 32 * int(torch.randint(0, 5, (1,), generator=gen))  # 160..288
-            x = torch.randn(batch, 3, side, side, generator=gen).to(dev)
+            x = data(torch.randn, batch, 3, side, side)
             x = x.contiguous(memory_format=torch.channels_last)
-            y = torch.randint(0, 1000, (batch,), generator=gen).to(dev)
+            y = data(torch.randint, 0, 1000, (batch,))
             with scope("forward"), torch.autocast("cuda", dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
             with scope("backward"):
@@ -230,6 +250,11 @@ def main():
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument(
+        "--batch-on-device",
+        action="store_true",
+        help="make each batch on the device (MEMRES_PROOF_BATCH_ON_DEVICE=1), not on the host",
+    )
+    p.add_argument(
         "--eager-modules",
         action="store_true",
         help="CUDA_MODULE_LOADING=EAGER and the baseline after cuBLAS and cuDNN are loaded",
@@ -237,6 +262,8 @@ def main():
     a = p.parse_args()
     global EAGER
     EAGER = a.eager_modules
+    if a.batch_on_device:
+        os.environ["MEMRES_PROOF_BATCH_ON_DEVICE"] = "1"  # the children inherit it
     import torch
 
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
@@ -244,8 +271,10 @@ def main():
     summary = {}
     for model in a.models.split(","):
         runs = {mode: [] for mode in MODES}
-        for _ in range(a.rounds):
-            for mode in MODES:
+        for n in range(a.rounds):
+            # Alternating which allocator goes first, so a drift of the machine over the
+            # rounds does not favour one.
+            for mode in MODES if n % 2 == 0 else MODES[::-1]:
                 runs[mode].append(child(model, mode, a.steps, False))
         ref = runs["torch"][0]["losses"]
         t_torch = min(r["median_step_s"] for r in runs["torch"])
@@ -265,13 +294,15 @@ def main():
                 "max_loss_diff_vs_torch": diff,
             }
             held = max(r.get("pool_peak") or r.get("reserved_peak") or 0 for r in runs[mode])
+            by_round = " / ".join(f"{r['median_step_s'] * 1e3:.1f}" for r in runs[mode])
             summary[f"{model}/{mode}"]["allocator_peak_held"] = held
             print(
                 f"{model:9s} {mode:11s} allocator held/live {held / peak_live:.3f}  "
                 f"peak used {peak_used / 2**30:7.3f} GiB  "
                 f"peak live {peak_live / 2**30:7.3f} GiB  ratio {peak_used / peak_live:.3f}  "
                 f"outside the allocator {outside / 2**30:.3f} GiB  "
-                f"median step {best['median_step_s'] * 1e3:8.2f} ms ({slower:+.1%} vs torch)  "
+                f"median step {best['median_step_s'] * 1e3:8.2f} ms ({slower:+.1%} vs torch; by round "
+                f"{by_round})  "
                 f"max |loss - torch's| {diff:.3g}"
             )
             if mode == "memres" and slower > 0.02:

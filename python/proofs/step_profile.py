@@ -4,7 +4,7 @@ the GPU's idle time, from `torch.profiler` traces of the same steps.
     pip install ./python      # once: the memres package
     python3 python/proofs/step_profile.py [--model resnet50] [--steps 30] [--skip 10]
                                           [--modes torch,expandable,memres] [--top 15]
-                                          [--rounds R]
+                                          [--rounds R] [--batch-on-device]
 
 Each allocator runs in a process of its own (R of them with --rounds, alternating which
 goes first), as in `models_proof.py`, whose models and steps this uses. The first `--skip` steps warm up (cuDNN's choices, the pool's growth);
@@ -142,11 +142,14 @@ def main():
     p.add_argument("--modes", default="torch,expandable,memres")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--rounds", type=int, default=1, help="processes per allocator, alternating")
+    p.add_argument("--batch-on-device", action="store_true", help="as models_proof.py's")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"))
     a = p.parse_args()
     if a.child:
         child(a.child[0], a.child[1], a.steps, a.skip, a.top)
         return
+    if a.batch_on_device:
+        os.environ["MEMRES_PROOF_BATCH_ON_DEVICE"] = "1"  # the children inherit it
     results, modes = [], a.modes.split(",")
     order = [m for n in range(max(1, a.rounds)) for m in (modes if n % 2 == 0 else modes[::-1])]
     for mode in order:
