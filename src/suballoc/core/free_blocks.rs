@@ -24,7 +24,8 @@ const CLASSES: usize = GROUPS * LINEAR;
 /// stream's first allocation in an arena (the heap's fresh pages faulted in, then
 /// written); an arena going round many streams empties one list as it fills another,
 /// so what is taken here was just used, in the cache, and needs no allocation. Per
-/// thread (no lock), at most [`spare_tables::KEEP`]; a thread's are freed when it exits.
+/// thread (no lock), at most [`spare_tables::KEEP`]; a thread's are freed when it exits
+/// and when it trims a resource (`ordered::trim`).
 mod spare_tables {
     use super::FreeBlocks;
 
@@ -45,6 +46,13 @@ mod spare_tables {
         // kept: the models check the lists' protocols, not their memory.
         #[cfg(memres_loom)]
         None
+    }
+
+    /// Frees what this thread keeps (a trim gives back memory kept for later; other
+    /// threads' go as they exit).
+    pub(super) fn release() {
+        #[cfg(not(memres_loom))]
+        let _ = SPARE.try_with(|s| std::mem::take(&mut *s.borrow_mut()));
     }
 
     /// Keeps `spare` (empty, its class table made) for a later list, or frees it when
@@ -293,6 +301,12 @@ impl FreeBlocks {
             spare.regions = None;
             spare_tables::give(spare);
         }
+    }
+
+    /// Frees the indexes of emptied lists that the calling thread keeps for the next
+    /// lists it makes (see `spare_tables`): the end of a trim.
+    pub(crate) fn release_spares() {
+        spare_tables::release();
     }
 
     /// The size of the free block that begins at `addr`, if one does.

@@ -299,6 +299,8 @@ pub(crate) fn trim<R: StreamOrdered>(r: &R) -> Result<R::Trimmed, Error> {
         trimmed
     };
     retire_empty_lists(r);
+    // The emptied lists' indexes this thread kept for later lists go too.
+    super::free_blocks::FreeBlocks::release_spares();
     Ok(trimmed)
 }
 
