@@ -258,7 +258,9 @@ int memres_is_asleep(int device, const char* tag);
  * memres_segment_pool_holding returns the pool (of any device) one of whose segments
  * holds ptr, NULL for none (one load while no pool holds a segment, else a search under
  * a lock; a free of a block of a graph or MemPool pool finds its pool so, with no table
- * of blocks kept beside memres); memres_segment_pool_restore puts such a table back in
+ * of blocks kept beside memres; the pool returned is only valid while the caller keeps
+ * it from being destroyed, as the PyTorch backend does by looking it up in its own
+ * table under its lock); memres_segment_pool_restore puts such a table back in
  * place (the blocks live before freed), refusing one that names a segment the pool no
  * longer holds or does not tile its segments. memres_segment_pool_release_free gives
  * wholly free segments back, freed on stream (wait for the device first), and returns

@@ -467,7 +467,9 @@ pub unsafe extern "C" fn memres_segment_pool_segment_of(
 
 /// The segment pool (of any device) one of whose segments holds `ptr`, or null for
 /// memory no segment pool holds. While no pool holds a segment the answer costs one
-/// load; else a search of every pool's segments by address, under a lock.
+/// load; else a search of every pool's segments by address, under a lock. The handle
+/// returned may be used only while the caller keeps the pool from being destroyed
+/// (another thread may destroy it right after the answer).
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_segment_pool_holding(ptr: *const c_void) -> *mut SegmentPoolHandle {
     guarded(
@@ -567,14 +569,15 @@ pub unsafe extern "C" fn memres_segment_pool_destroy(pool: *mut SegmentPoolHandl
                 // SAFETY: from `Box::into_raw` in `memres_segment_pool_new` (the caller's
                 // promise), destroyed once.
                 let handle = unsafe { Box::from_raw(pool) };
-                let segments = handle.pool.segments();
-                drop(handle);
-                // A segment the pool could not give back (its device could not be waited
-                // for) stays the process's, and its range goes with the handle: no lookup
-                // names a destroyed pool. (Those given back were unlisted already.)
-                for (base, _) in segments {
+                // Unlisted before the handle is freed: once it is, a pool made meanwhile
+                // on another thread may get the same address, and its own segments would
+                // be unlisted in its place. (The drop's give-backs then find their ranges
+                // gone; a segment it cannot give back, its device not waited for, stays
+                // the process's, named by no lookup.)
+                for (base, _) in handle.pool.segments() {
                     SEGMENTS.remove_range(base, pool.addr());
                 }
+                drop(handle);
             }
             Ok(())
         },

@@ -1739,10 +1739,15 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   // The pool whose memres segment pool is `table`, if it is still one of pools_ (under
-  // pools_mutex_). There are few pools: a look at each.
+  // pools_mutex_): from by_table_, filled here on a pool's first lookup (a program with a
+  // graph per shape has hundreds of pools, and every free of their blocks asks).
   PrivatePool* pool_of_table(memres_segment_pool_t* table) {
+    if (auto hit = by_table_.find(table); hit != by_table_.end()) {
+      return hit->second;
+    }
     for (auto& [id, pool] : pools_) {
       if (pool.table.get() == table) {
+        by_table_.emplace(table, &pool);  // pools_'s elements stay where they are
         return &pool;
       }
     }
@@ -1784,6 +1789,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         }
         waited = true;
       }
+      by_table_.erase(pool.table.get());  // before its address can name a new pool's
       pool.release_segments();
       it = pools_.erase(it);
     }
@@ -1794,6 +1800,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   std::mutex pools_mutex_;
   std::unordered_map<c10::MempoolId_t, PrivatePool, PoolIdHash> pools_;
+  // pool_of_table's answers: a pool by its memres segment pool (entries go as pools do).
+  std::unordered_map<memres_segment_pool_t*, PrivatePool*> by_table_;
   std::array<std::vector<std::pair<c10::MempoolId_t, std::function<bool(cudaStream_t)>>>, kMaxDevices>
       captures_;
   // Captures routing now (the allocation path reads only this while it is 0).

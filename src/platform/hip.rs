@@ -199,12 +199,6 @@ hip_api! {
     hipIpcCloseMemHandle: fn(Ptr) -> HipError;
 }
 
-// SAFETY: the table holds function pointers into a library that stays loaded, and the
-// library handle itself; HIP's entry points may be called from any thread.
-unsafe impl Send for Api {}
-// SAFETY: as for `Send`; nothing in the table changes after loading.
-unsafe impl Sync for Api {}
-
 /// The names libamdhip64 is tried under, in order.
 const LIBRARY_NAMES: [&str; 4] = [
     "libamdhip64.so",

@@ -33,6 +33,10 @@ mod spare_tables {
     /// returns of idle streams' ones).
     pub(super) const KEEP: usize = 64;
 
+    /// The most nodes a kept index has room for (an idle stream's list held a few
+    /// blocks; one that held more is freed, not kept).
+    pub(super) const MOST_NODES: usize = 64;
+
     #[cfg(not(memres_loom))]
     std::thread_local! {
         static SPARE: std::cell::RefCell<Vec<FreeBlocks>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -287,14 +291,19 @@ impl FreeBlocks {
                 ..FreeBlocks::default()
             },
         );
-        if spare.lists.len() >= CLASSES {
+        // Kept only while small: a list that once held many blocks keeps large vectors
+        // and maps, which would stay with the thread.
+        if spare.lists.len() >= CLASSES && spare.nodes.capacity() <= spare_tables::MOST_NODES {
             // No node is linked, so every class's sentinel points at itself again: the
             // table is as `make_lists` makes it once the nodes' entries are cut off. The
             // other vectors and maps are empty and keep their room.
             spare.lists.truncate(CLASSES);
+            spare.lists.shrink_to(CLASSES + spare_tables::MOST_NODES);
             debug_assert!(
                 (0..CLASSES as u32).all(|c| spare.lists[c as usize] == Link { prev: c, next: c })
             );
+            debug_assert!(spare.groups_in_use == 0 && spare.bytes == 0);
+            debug_assert!(spare.classes_in_use.iter().all(|&c| c == 0));
             spare.nodes.clear();
             spare.spare.clear();
             spare.links.clear();
