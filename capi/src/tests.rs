@@ -1351,6 +1351,30 @@ mod thread_heap {
     static GLOBAL: Counting = Counting;
 }
 
+/// The items every host [`Target`] of these tests shares: host properties, heap blocks
+/// and heap pages, 256 MiB reservations of 64 KiB granules (or the spec's size) for
+/// in-place pools, and 16 MiB arenas.
+macro_rules! host_leaves {
+    () => {
+        type Properties = mr::Host;
+        type Memory = mr::HostHeap;
+        type Backend = mr::upstream::HostPages;
+
+        fn memory(&mut self) -> Result<mr::HostHeap, Error> {
+            Ok(mr::HostHeap)
+        }
+        fn virtual_leaf(
+            &mut self,
+            reserve: Option<usize>,
+        ) -> Result<mr::upstream::HostVirtual, Error> {
+            mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+        }
+        fn arena_size(&mut self) -> Result<usize, Error> {
+            Ok(16 << 20)
+        }
+    };
+}
+
 /// Host memory for specs: heap blocks for `pool`, `arena` and `fixed_size`, heap memory
 /// standing in for pinned host memory, and 256 MiB reservations of 64 KiB granules for
 /// in-place pools; it keeps the pools it is shown, as the C ABI's target does.
@@ -1360,19 +1384,7 @@ struct OnTheHost {
 }
 
 impl Target for OnTheHost {
-    type Properties = mr::Host;
-    type Memory = mr::HostHeap;
-    type Backend = mr::upstream::HostPages;
-
-    fn memory(&mut self) -> Result<mr::HostHeap, Error> {
-        Ok(mr::HostHeap)
-    }
-    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::upstream::HostVirtual, Error> {
-        mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
-    }
-    fn arena_size(&mut self) -> Result<usize, Error> {
-        Ok(16 << 20)
-    }
+    host_leaves!();
     fn pinned(&mut self) -> Result<mr::AnyResource<mr::Host>, Error> {
         Ok(mr::AnyResource::new(mr::HostHeap))
     }
@@ -1889,6 +1901,24 @@ fn record_stream_child() {
 /// Segments the host test's `alloc` handed out and `free` took back, by size.
 static SEGMENT_LOG: Mutex<Vec<(bool, usize)>> = Mutex::new(Vec::new());
 
+/// A new segment pool on device 0 with `flags`, its segments from `alloc` and back to
+/// `free` (no context); a failure to make it fails the test with memres's message.
+///
+/// # Safety
+/// As `memres_segment_pool_new`'s: `alloc` and `free` may be called from any thread while
+/// the pool lives, `free` taking back what `alloc` gave.
+unsafe fn segment_pool(
+    flags: c_int,
+    alloc: unsafe extern "C" fn(*mut c_void, usize, *mut c_void) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+) -> *mut SegmentPoolHandle {
+    // SAFETY: the caller's promise; the context is null (these tests' functions ignore it).
+    let pool =
+        unsafe { memres_segment_pool_new(0, flags, Some(alloc), Some(free), std::ptr::null_mut()) };
+    assert!(!pool.is_null(), "{}", last_error());
+    pool
+}
+
 unsafe extern "C" fn host_segment_alloc(
     _ctx: *mut c_void,
     size: usize,
@@ -1929,14 +1959,11 @@ fn segment_pools_over_another_allocator_split_restore_and_give_back() {
     // SAFETY: the functions handle host memory from any thread; every block is unused
     // when freed (nothing runs on a GPU here).
     unsafe {
-        let pool = memres_segment_pool_new(
-            0,
+        let pool = segment_pool(
             MEMRES_SEGMENTS_MEDIUM,
-            Some(host_segment_alloc),
-            Some(host_segment_free),
-            std::ptr::null_mut(),
+            host_segment_alloc,
+            host_segment_free,
         );
-        assert!(!pool.is_null(), "{}", last_error());
         let a = memres_segment_pool_malloc(pool, 3 << 20, s, 1, 0);
         let b = memres_segment_pool_malloc(pool, 1000, s, 1, 0);
         assert_eq!(b as usize - a as usize, 3 << 20);
@@ -2110,14 +2137,11 @@ fn a_segment_pools_listing_names_each_segments_stream() {
     // SAFETY: the functions handle host memory from any thread; every block is unused
     // when freed.
     unsafe {
-        let pool = memres_segment_pool_new(
-            0,
+        let pool = segment_pool(
             MEMRES_SEGMENTS_NO_SPLIT,
-            Some(plain_segment_alloc),
-            Some(plain_segment_free),
-            std::ptr::null_mut(),
+            plain_segment_alloc,
+            plain_segment_free,
         );
-        assert!(!pool.is_null(), "{}", last_error());
         let mut blocks = Vec::new();
         for i in 0..6 {
             let stream = if i % 2 == 0 {
@@ -2155,14 +2179,11 @@ fn segment_pool_blocks_cost() {
     for n in [1_000, 4_000, 16_000] {
         // SAFETY: as in the test above.
         unsafe {
-            let pool = memres_segment_pool_new(
-                0,
+            let pool = segment_pool(
                 MEMRES_SEGMENTS_NO_SPLIT,
-                Some(plain_segment_alloc),
-                Some(plain_segment_free),
-                std::ptr::null_mut(),
+                plain_segment_alloc,
+                plain_segment_free,
             );
-            assert!(!pool.is_null(), "{}", last_error());
             let blocks: Vec<_> = (0..n)
                 .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
                 .collect();
@@ -2198,19 +2219,7 @@ struct TaggedOnTheHost {
 }
 
 impl Target for TaggedOnTheHost {
-    type Properties = mr::Host;
-    type Memory = mr::HostHeap;
-    type Backend = mr::upstream::HostPages;
-
-    fn memory(&mut self) -> Result<mr::HostHeap, Error> {
-        Ok(mr::HostHeap)
-    }
-    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<mr::upstream::HostVirtual, Error> {
-        mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
-    }
-    fn arena_size(&mut self) -> Result<usize, Error> {
-        Ok(16 << 20)
-    }
+    host_leaves!();
     fn built(&mut self, layer: Built<'_, Self>) {
         match layer {
             Built::WithStatistics(counted) => self.statistics = Some(Arc::clone(counted)),
@@ -2315,17 +2324,7 @@ fn the_pool_holding_an_address_is_found_by_its_segments() {
     // SAFETY: the functions handle host memory from any thread; every block is unused
     // when freed.
     unsafe {
-        let new = |flags| {
-            let pool = memres_segment_pool_new(
-                0,
-                flags,
-                Some(plain_segment_alloc),
-                Some(plain_segment_free),
-                std::ptr::null_mut(),
-            );
-            assert!(!pool.is_null(), "{}", last_error());
-            pool
-        };
+        let new = |flags| segment_pool(flags, plain_segment_alloc, plain_segment_free);
         let (split, whole) = (new(0), new(MEMRES_SEGMENTS_NO_SPLIT));
         let a = memres_segment_pool_malloc(split, 4096, null, 1, 0);
         let b = memres_segment_pool_malloc(whole, 4096, null, 1, 0);
@@ -2391,12 +2390,10 @@ fn segment_pool_holding_cost() {
     for n in [1_000, 16_000] {
         // SAFETY: as in `segment_pool_blocks_cost`.
         unsafe {
-            let pool = memres_segment_pool_new(
-                0,
+            let pool = segment_pool(
                 MEMRES_SEGMENTS_NO_SPLIT,
-                Some(plain_segment_alloc),
-                Some(plain_segment_free),
-                std::ptr::null_mut(),
+                plain_segment_alloc,
+                plain_segment_free,
             );
             let blocks: Vec<_> = (0..n)
                 .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
