@@ -2168,6 +2168,37 @@ fn a_segment_pools_listing_names_each_segments_stream() {
     }
 }
 
+/// An unsplit segment pool over `plain_segment_alloc` holding `n` blocks of 512 bytes on
+/// the legacy stream (a segment each), and the blocks, for the timings below.
+fn pool_of_blocks(n: usize) -> (*mut SegmentPoolHandle, Vec<*mut c_void>) {
+    // SAFETY: the plain functions handle host memory from any thread.
+    let pool = unsafe {
+        segment_pool(
+            MEMRES_SEGMENTS_NO_SPLIT,
+            plain_segment_alloc,
+            plain_segment_free,
+        )
+    };
+    let blocks = (0..n)
+        // SAFETY: `pool` is live; the legacy stream is never used on a GPU here.
+        .map(|_| unsafe { memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0) })
+        .collect();
+    (pool, blocks)
+}
+
+/// Frees `blocks` of `pool`, each of which must free, then destroys the pool.
+///
+/// # Safety
+/// `pool` is live and `blocks` are its blocks, unused; neither is used afterwards.
+unsafe fn free_and_destroy(pool: *mut SegmentPoolHandle, blocks: Vec<*mut c_void>) {
+    for p in blocks {
+        // SAFETY: the caller's promise: a block of `pool`, unused.
+        assert_eq!(unsafe { memres_segment_pool_free(pool, p, 0) }, MEMRES_OK);
+    }
+    // SAFETY: the caller's promise: `pool` is not used afterwards.
+    unsafe { memres_segment_pool_destroy(pool) };
+}
+
 /// What listing a segment pool's table costs per entry, for tables of 1,000 to 16,000
 /// segments: flat when the listing is linear (it grew with the segments when each
 /// segment's stream was looked up by a scan):
@@ -2179,14 +2210,7 @@ fn segment_pool_blocks_cost() {
     for n in [1_000, 4_000, 16_000] {
         // SAFETY: as in the test above.
         unsafe {
-            let pool = segment_pool(
-                MEMRES_SEGMENTS_NO_SPLIT,
-                plain_segment_alloc,
-                plain_segment_free,
-            );
-            let blocks: Vec<_> = (0..n)
-                .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
-                .collect();
+            let (pool, blocks) = pool_of_blocks(n);
             let mut out = vec![std::mem::zeroed::<memres_block_t>(); n];
             let rounds = 20;
             let t = Instant::now();
@@ -2196,10 +2220,7 @@ fn segment_pool_blocks_cost() {
             }
             let per_entry = t.elapsed().as_nanos() as f64 / (rounds * n) as f64;
             println!("{n} segments: {per_entry:.1} ns per listed entry");
-            for p in blocks {
-                assert_eq!(memres_segment_pool_free(pool, p, 0), MEMRES_OK);
-            }
-            memres_segment_pool_destroy(pool);
+            free_and_destroy(pool, blocks);
         }
     }
 }
@@ -2390,20 +2411,10 @@ fn segment_pool_holding_cost() {
     for n in [1_000, 16_000] {
         // SAFETY: as in `segment_pool_blocks_cost`.
         unsafe {
-            let pool = segment_pool(
-                MEMRES_SEGMENTS_NO_SPLIT,
-                plain_segment_alloc,
-                plain_segment_free,
-            );
-            let blocks: Vec<_> = (0..n)
-                .map(|_| memres_segment_pool_malloc(pool, 512, std::ptr::null_mut(), 1, 0))
-                .collect();
+            let (pool, blocks) = pool_of_blocks(n);
             time(&format!("{n} segments, a block of one"), blocks[n / 2]);
             time(&format!("{n} segments, other memory"), outside);
-            for p in blocks {
-                assert_eq!(memres_segment_pool_free(pool, p, 0), MEMRES_OK);
-            }
-            memres_segment_pool_destroy(pool);
+            free_and_destroy(pool, blocks);
         }
     }
 }
