@@ -240,7 +240,7 @@ impl fmt::Display for Error {
                 "no HIP runtime: libamdhip64 could not be loaded (install ROCm, \
                  or use a host resource such as HostHeap)",
             ),
-            Error::Driver(e) => write!(f, "{} driver error: {e}", ErrorCode::PLATFORM),
+            Error::Driver(e) => write!(f, "{} driver error: {e}", e.0.platform()),
             Error::Unsupported(msg) => write!(f, "unsupported: {msg}"),
             Error::Asleep => f.write_str(
                 "the pool is asleep: it hands out no memory until it is woken (wake it first)",
@@ -284,6 +284,22 @@ impl std::error::Error for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A driver error names the platform its code is of, whatever the build's platform
+    /// (a HIP build still converts cudarc's errors, which are CUDA's).
+    #[test]
+    fn a_driver_error_names_its_own_platform() {
+        let cuda = Error::Driver(DriverError::new(ErrorCode::Cuda(
+            cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+        )))
+        .to_string();
+        assert!(cuda.starts_with("CUDA driver error: "), "{cuda}");
+        #[cfg(feature = "hip")]
+        {
+            let hip = Error::Driver(DriverError::new(ErrorCode::Hip(1))).to_string();
+            assert!(hip.starts_with("HIP driver error: "), "{hip}");
+        }
+    }
 
     #[test]
     fn messages_name_the_problem() {

@@ -66,8 +66,15 @@ pub(crate) enum ErrorCode {
 }
 
 impl ErrorCode {
-    /// The name of the platform this build calls, for messages.
-    pub(crate) const PLATFORM: &'static str = Active::NAME;
+    /// The name of the platform the code is of, for messages (a HIP build converts
+    /// cudarc's errors too: those are CUDA's).
+    pub(crate) fn platform(self) -> &'static str {
+        match self {
+            ErrorCode::Cuda(_) => cuda::Cuda::NAME,
+            #[cfg(feature = "hip")]
+            ErrorCode::Hip(_) => hip::Hip::NAME,
+        }
+    }
 
     /// The numeric value.
     pub(crate) fn number(self) -> u32 {
