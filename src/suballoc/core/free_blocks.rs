@@ -635,6 +635,58 @@ mod tests {
 
     use super::*;
 
+    /// `n` free blocks apart from each other (none merges), each starting a chunk.
+    fn holding(n: usize) -> FreeBlocks {
+        let mut f = FreeBlocks::default();
+        for i in 0..n {
+            f.insert(block(0x10_0000 + i * 4 * GRANULE, GRANULE, true));
+        }
+        f
+    }
+
+    /// Empties `f` (its blocks taken out one by one, as an arena takes an idle list's
+    /// superblocks) and gives its memory back.
+    fn emptied(mut f: FreeBlocks) {
+        let starts: Vec<usize> = f.blocks().map(|b| b.addr).collect();
+        for addr in starts {
+            f.remove_starting_at(addr).unwrap();
+        }
+        f.release_memory();
+    }
+
+    /// An emptied list's index is kept for the next list made on the thread, ready (the
+    /// next one takes it with its class table made), but only a small one (one that held
+    /// many blocks would keep its large vectors with the thread), and a trim's
+    /// `release_spares` frees what the thread keeps.
+    #[cfg(not(memres_loom))]
+    #[test]
+    fn emptied_indexes_are_kept_for_the_next_list_only_while_small() {
+        FreeBlocks::release_spares();
+        emptied(holding(3));
+        let kept = spare_tables::take().expect("a small emptied index is kept");
+        assert_eq!(kept.lists.len(), CLASSES);
+        assert!(kept.nodes.is_empty() && kept.by_start.len() == 0 && kept.bytes == 0);
+        spare_tables::give(kept);
+        // The next list takes it and works as a new one.
+        let mut next = FreeBlocks::default();
+        next.insert(block(0x20_0000, 4 * GRANULE, true));
+        assert!(
+            spare_tables::take().is_none(),
+            "the next list took the kept index"
+        );
+        assert_eq!(next.take(GRANULE, GRANULE), Some(0x20_0000));
+
+        emptied(holding(spare_tables::MOST_NODES + 1));
+        assert!(
+            spare_tables::take().is_none(),
+            "a large emptied index is freed"
+        );
+
+        emptied(holding(2));
+        FreeBlocks::release_spares();
+        assert!(spare_tables::take().is_none(), "release_spares freed it");
+    }
+
     fn block(addr: usize, size: usize, starts_chunk: bool) -> FreeBlock {
         FreeBlock {
             addr,
