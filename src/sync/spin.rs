@@ -17,8 +17,8 @@ use crate::sync::yield_now;
 const SPINS: u32 = 64;
 
 /// A mutual-exclusion lock that spins, then yields. Its flag comes first (`repr(C)`), so
-/// that a lock placed after other hot fields shares their cache line (a stream's list:
-/// `suballoc::core::list_table::List`).
+/// that it shares a line with the start of the value it guards (a stream's list:
+/// `suballoc::core::list_table::List`, whose state begins with its small blocks' cache).
 #[derive(Debug, Default)]
 #[repr(C)]
 pub(crate) struct SpinLock<T> {
