@@ -616,6 +616,67 @@ mod tests {
         d.restore(taken);
         assert!(d.any() && d.bytes() == 256);
     }
+
+    /// A block held for later (a segment pool's free) gets its streams' events at the
+    /// first look: a host stream's work is complete, so the block is ready then, and is
+    /// listed as held until it is taken.
+    #[test]
+    fn a_block_held_for_later_is_ready_once_its_streams_are_recorded() {
+        let d = Deferred::default();
+        d.hold_later(0x1000, l(512), None, vec![StreamRef::host(2)], None);
+        d.hold_later(0x2000, l(256), None, Vec::new(), None);
+        assert!(d.is_held(0x1000) && !d.is_held(0x1100));
+        assert_eq!(d.addresses(), HashSet::from([0x1000, 0x2000]));
+        assert_eq!(d.bytes(), 768);
+        let mut ready = d.take_ready();
+        ready.sort_unstable_by_key(|r| r.0);
+        assert_eq!(ready, vec![(0x1000, l(512)), (0x2000, l(256))]);
+        assert!(!d.any() && d.addresses().is_empty() && !d.is_held(0x1000));
+    }
+
+    /// In a capture, the blocks freed in that same capture, of the caller's own, whose
+    /// streams' work at the free the graph orders before the frontier are given back;
+    /// those of another capture, with events recorded, not the caller's own, or noted at
+    /// a node the frontier does not follow, stay. (Frontiers with no node: the graph's
+    /// ancestors need no driver.)
+    #[test]
+    fn take_ordered_gives_back_what_the_graph_orders_first() {
+        let d = Deferred::default();
+        let at = |capture, nodes: Vec<usize>| Some(Frontier { capture, nodes });
+        d.hold_later(0x1000, l(256), None, vec![StreamRef::host(2)], at(7, vec![]));
+        d.hold_later(0x2000, l(256), None, vec![StreamRef::host(2)], at(8, vec![]));
+        d.hold_later(0x3000, l(256), None, vec![StreamRef::host(2)], at(7, vec![0x10]));
+        d.hold_later(0x4000, l(256), None, vec![StreamRef::host(2)], at(7, vec![]));
+        d.hold_later(0x5000, l(256), None, vec![StreamRef::host(2)], None);
+        let done = Arc::new(AtomicBool::new(false));
+        d.push_marked(0x6000, l(256), vec![Mark::Flag(done)]);
+        let frontier = Frontier {
+            capture: 7,
+            nodes: vec![],
+        };
+        let own = |a: usize| a != 0x4000;
+        assert_eq!(d.take_ordered(&frontier, own), [0x1000]);
+        assert_eq!(d.take_ordered(&frontier, own), Vec::<usize>::new());
+        assert_eq!(
+            d.addresses(),
+            HashSet::from([0x2000, 0x3000, 0x4000, 0x5000, 0x6000])
+        );
+    }
+
+    /// Forgotten blocks are neither freed nor waited for; a waited block's marks are
+    /// waited for.
+    #[test]
+    fn forget_all_drops_every_block_and_wait_waits_for_its_marks() {
+        let d = Deferred::default();
+        let waited = Arc::new(AtomicBool::new(false));
+        d.push_marked(0x1000, l(256), vec![Mark::Waited(waited.clone())]);
+        let taken = d.drain();
+        assert!(taken[0].wait() && waited.load(Ordering::Acquire));
+        assert_eq!(taken[0].addr(), 0x1000);
+        d.hold_later(0x2000, l(256), None, vec![StreamRef::host(2)], None);
+        d.forget_all();
+        assert!(!d.any() && d.take_ready().is_empty());
+    }
 }
 
 /// Held blocks in each sub-allocator: not handed out again until their marks complete,
