@@ -17,6 +17,7 @@ use std::fmt;
 use std::ptr::NonNull;
 
 use super::core::held::Deferred;
+use super::core::recorded::Recorded;
 use crate::device::{Context, DEFAULT_ALIGNMENT};
 use crate::error::Error;
 use crate::resource::Resource;
@@ -221,7 +222,7 @@ struct Table {
     by_base: BTreeMap<usize, usize>,
     live: usize,
     /// Streams recorded for live blocks ([`SegmentPool::record_stream`]), by address.
-    recorded: HashMap<usize, Vec<StreamRef<'static>>>,
+    recorded: HashMap<usize, Recorded>,
     /// Live blocks allocated during a capture, with the capture's id.
     captured_in: HashMap<usize, u64>,
 }
@@ -347,10 +348,7 @@ impl<U: Resource> SegmentPool<U> {
         // SAFETY: the caller's promise: valid until the free completes, when the record
         // goes.
         let stream = unsafe { stream.detach() };
-        let streams = table.recorded.entry(address).or_default();
-        if !streams.contains(&stream) {
-            streams.push(stream);
-        }
+        table.recorded.entry(address).or_default().add(stream);
         Ok(())
     }
 
@@ -377,12 +375,17 @@ impl<U: Resource> SegmentPool<U> {
         };
         let size = table.size_of(address);
         let in_capture = match made_in {
-            Some(capture) if capturing => frontier_of_all(&streams, own, capture),
+            Some(capture) if capturing => frontier_of_all(streams.streams(), own, capture),
             _ => None,
         };
         let ctx = table.segment(address).and_then(|s| s.ctx);
-        self.held
-            .hold_later(address, block_layout(size), ctx, streams, in_capture);
+        self.held.hold_later(
+            address,
+            block_layout(size),
+            ctx,
+            streams.into_streams(),
+            in_capture,
+        );
         if !capturing {
             self.poll(&mut table);
         }

@@ -643,10 +643,34 @@ mod tests {
     fn take_ordered_gives_back_what_the_graph_orders_first() {
         let d = Deferred::default();
         let at = |capture, nodes: Vec<usize>| Some(Frontier { capture, nodes });
-        d.hold_later(0x1000, l(256), None, vec![StreamRef::host(2)], at(7, vec![]));
-        d.hold_later(0x2000, l(256), None, vec![StreamRef::host(2)], at(8, vec![]));
-        d.hold_later(0x3000, l(256), None, vec![StreamRef::host(2)], at(7, vec![0x10]));
-        d.hold_later(0x4000, l(256), None, vec![StreamRef::host(2)], at(7, vec![]));
+        d.hold_later(
+            0x1000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(7, vec![]),
+        );
+        d.hold_later(
+            0x2000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(8, vec![]),
+        );
+        d.hold_later(
+            0x3000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(7, vec![0x10]),
+        );
+        d.hold_later(
+            0x4000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(7, vec![]),
+        );
         d.hold_later(0x5000, l(256), None, vec![StreamRef::host(2)], None);
         let done = Arc::new(AtomicBool::new(false));
         d.push_marked(0x6000, l(256), vec![Mark::Flag(done)]);
