@@ -1,7 +1,8 @@
 //! Blocks freed while work on other streams may still use them
 //! ([`Resource::deallocate_used_on`], PyTorch's `record_stream`): each is held back, with
-//! an event recorded on every stream that used it, until all its events are complete; then its owner frees it (a sub-allocator on a
-//! host stream: free for every stream, no work uses it any more). This is the library's
+//! an event recorded on every stream that used it, until all its events are complete;
+//! then its owner frees it (a sub-allocator on a host stream: free for every stream, no
+//! work uses it any more). This is the library's
 //! one home of `record_stream`'s hold: the stream-ordered sub-allocators (`Pool`,
 //! `VirtualPool`, `Arena`, `FixedSize`, ...) keep their held blocks here, and so does
 //! [`SegmentPool`](crate::suballoc::SegmentPool) (PyTorch's graph pools and `MemPool`s).
