@@ -2,10 +2,10 @@
 //! ([`Resource::deallocate_used_on`], PyTorch's `record_stream`): each is held back, with
 //! an event recorded on every stream that used it, until all its events are complete;
 //! then its owner frees it (a sub-allocator on a host stream: free for every stream, no
-//! work uses it any more). This is the library's
-//! one home of `record_stream`'s hold: the stream-ordered sub-allocators (`Pool`,
-//! `VirtualPool`, `Arena`, `FixedSize`, ...) keep their held blocks here, and so does
-//! [`SegmentPool`](crate::suballoc::SegmentPool) (PyTorch's graph pools and `MemPool`s).
+//! work uses it any more). This is the library's one home of `record_stream`'s hold: the
+//! stream-ordered sub-allocators (`Pool`, `VirtualPool`, `Arena`, `FixedSize`, ...) keep
+//! their held blocks here, and so does [`SegmentPool`](crate::suballoc::SegmentPool)
+//! (PyTorch's graph pools and `MemPool`s).
 //!
 //! The protocol: a freer records its events and pushes the block under the list's lock,
 //! then sets `any`; an owner that looks at held blocks (at each such free, and on its
