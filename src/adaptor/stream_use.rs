@@ -12,6 +12,7 @@ use super::upstream_access;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
+use crate::suballoc::Recorded;
 use crate::sync::{Mutex, MutexGuard};
 
 /// Keeps the start of every live block its upstream handed out, with the streams
@@ -134,7 +135,7 @@ impl<U: Resource> StreamUse<U> {
         stream: StreamRef<'_>,
         ptr: NonNull<u8>,
         layout: Layout,
-        taken: Option<Vec<StreamRef<'static>>>,
+        taken: Option<Recorded>,
         used_on: &[StreamRef<'_>],
     ) {
         match taken {
@@ -146,19 +147,14 @@ impl<U: Resource> StreamUse<U> {
                     .deallocate_used_on(stream, ptr, layout, used_on)
             },
             Some(mut recorded) => {
-                for &other in used_on {
-                    // The caller's streams live during this call; the list ends with it.
-                    // SAFETY: used only for this call, below.
-                    let other = unsafe { other.detach() };
-                    if !recorded.contains(&other) {
-                        recorded.push(other);
-                    }
-                }
+                // SAFETY: the caller's streams live during this call; the record ends
+                // with it.
+                unsafe { recorded.add_used_on(used_on) };
                 // SAFETY: the caller's promise; the recorded streams are live until this
                 // free (`record_stream`'s promise) and their uses were enqueued before it.
                 unsafe {
                     self.upstream
-                        .deallocate_used_on(stream, ptr, layout, &recorded)
+                        .deallocate_used_on(stream, ptr, layout, recorded.streams())
                 }
             }
         }
@@ -178,15 +174,19 @@ unsafe impl<U: Resource> SyncResource for StreamUse<U> {
     }
 
     unsafe fn deallocate_sync(&self, ptr: NonNull<u8>, layout: Layout) {
-        match self.live.remove(ptr.as_ptr() as usize) {
+        match self.live.take(ptr.as_ptr() as usize) {
             // SAFETY: the caller's promise, for the upstream that allocated the block.
             None => unsafe { self.upstream.deallocate_sync(ptr, layout) },
             // Uses on the recorded streams may be pending: the free waits for them as a
             // free on the legacy default stream would.
             // SAFETY: as above; the recorded streams are live until this free.
             Some(recorded) => unsafe {
-                self.upstream
-                    .deallocate_used_on(StreamRef::DEFAULT, ptr, layout, &recorded)
+                self.upstream.deallocate_used_on(
+                    StreamRef::DEFAULT,
+                    ptr,
+                    layout,
+                    recorded.streams(),
+                )
             },
         }
     }
@@ -207,7 +207,7 @@ unsafe impl<U: Resource> Resource for StreamUse<U> {
     unsafe fn deallocate(&self, stream: StreamRef<'_>, ptr: NonNull<u8>, layout: Layout) {
         // Removed before the block goes back: another thread may be handed its address at
         // once, and enters it in the table.
-        let taken = self.live.remove(ptr.as_ptr() as usize);
+        let taken = self.live.take(ptr.as_ptr() as usize);
         // SAFETY: the caller's promise.
         unsafe { self.free_with(stream, ptr, layout, taken, &[]) }
     }
@@ -220,7 +220,7 @@ unsafe impl<U: Resource> Resource for StreamUse<U> {
         layout: Layout,
         used_on: &[StreamRef<'_>],
     ) {
-        let taken = self.live.remove(ptr.as_ptr() as usize);
+        let taken = self.live.take(ptr.as_ptr() as usize);
         // SAFETY: the caller's promise.
         unsafe { self.free_with(stream, ptr, layout, taken, used_on) }
     }
@@ -229,9 +229,9 @@ unsafe impl<U: Resource> Resource for StreamUse<U> {
 /// Shards of the table: a power of two (fewer under loom, whose models stay small).
 const SHARDS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 
-/// The streams recorded for a live block: `None` for nearly every block, which keeps an
-/// entry at 16 bytes.
-type Streams = Option<Box<Vec<StreamRef<'static>>>>;
+/// The streams recorded for a live block (the core's [`Recorded`]): `None` for nearly
+/// every block, which keeps an entry at 16 bytes.
+type Streams = Option<Box<Recorded>>;
 
 type Map = HashMap<usize, Streams, BuildHasherDefault<AddressHasher>>;
 
@@ -279,19 +279,22 @@ impl LiveBlocks {
         let Some(streams) = map.get_mut(&address) else {
             return false;
         };
-        let streams = streams.get_or_insert_with(Box::default);
-        if !streams.contains(&stream) {
-            streams.push(stream);
-        }
+        streams.get_or_insert_with(Box::default).add(stream);
         true
     }
 
     /// The block at `address` is being freed: it is no longer live. Returns the streams
     /// recorded for it, if any (none too for an address this layer did not hand out).
     #[inline]
-    pub(crate) fn remove(&self, address: usize) -> Option<Vec<StreamRef<'static>>> {
+    pub(crate) fn take(&self, address: usize) -> Option<Recorded> {
         let streams = self.shard(address).remove(&address)?;
         streams.map(|s| *s)
+    }
+
+    /// [`take`](Self::take), the streams as a list (the tests' and models' form).
+    #[cfg(test)]
+    pub(crate) fn remove(&self, address: usize) -> Option<Vec<StreamRef<'static>>> {
+        self.take(address).map(Recorded::into_streams)
     }
 
     /// Whether a live block starts at `address`.

@@ -570,6 +570,70 @@ fn loom_held_blocks_are_freed_once_after_their_marks() {
     });
 }
 
+/// A segment pool's held blocks (`Deferred::hold_later`, events recorded at a later
+/// look; `take_ordered`, taken back in the capture that freed them): a block that both
+/// kinds of look may take (freed in capture 7, its stream's event recorded and complete
+/// at the first look: a host stream) goes to exactly one of them, while a third thread
+/// holds another block and looks; afterwards `any` is clear only once every block is
+/// taken. Fails (checked by hand) if `take_ordered` chooses its blocks under one hold of
+/// the lock and removes them under another: both looks then take the block.
+#[test]
+fn loom_held_blocks_for_later_are_taken_once() {
+    use super::core::held::Deferred;
+    use crate::stream::Frontier;
+
+    loom::model(|| {
+        let held = Arc::new(Deferred::default());
+        let l = Layout::from_size_align(256, 256).unwrap();
+        let in_seven = || {
+            Some(Frontier {
+                capture: 7,
+                nodes: vec![],
+            })
+        };
+        held.hold_later(0x1000, l, None, vec![StreamRef::host(2)], in_seven());
+        let ready = {
+            let held = held.clone();
+            thread::spawn(move || {
+                held.take_ready()
+                    .into_iter()
+                    .map(|(a, _)| a)
+                    .collect::<Vec<_>>()
+            })
+        };
+        let ordered = {
+            let held = held.clone();
+            thread::spawn(move || {
+                let frontier = in_seven().unwrap();
+                held.take_ordered(&frontier, |_| true)
+            })
+        };
+        let other = {
+            let held = held.clone();
+            thread::spawn(move || {
+                held.hold_later(0x2000, l, None, vec![StreamRef::host(3)], None);
+                held.take_ready()
+                    .into_iter()
+                    .map(|(a, _)| a)
+                    .collect::<Vec<_>>()
+            })
+        };
+        let mut taken = ready.join().unwrap();
+        taken.extend(ordered.join().unwrap());
+        taken.extend(other.join().unwrap());
+        // Whatever a look missed is still held, and found.
+        assert_eq!(
+            held.any(),
+            taken.len() < 2,
+            "`any` says whether a block is held"
+        );
+        taken.extend(held.take_ready().into_iter().map(|(a, _)| a));
+        taken.sort_unstable();
+        assert_eq!(taken, [0x1000, 0x2000], "each block taken once");
+        assert!(!held.any());
+    });
+}
+
 /// A grace period (`crate::sync::grace`): a reclaimer that unlinks a value of its domain
 /// and waits for the domain's readers may then write it (free it), and no reader that
 /// pinned in the domain before the wait is still reading it; a reader that pins later

@@ -16,10 +16,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ptr::NonNull;
 
-use crate::device::{Context, DEFAULT_ALIGNMENT, bind};
+use super::core::held::Deferred;
+use super::core::recorded::Recorded;
+use crate::device::{Context, DEFAULT_ALIGNMENT};
 use crate::error::Error;
 use crate::resource::Resource;
-use crate::stream::{Event, Frontier, StreamRef, ancestors};
+use crate::stream::{Frontier, StreamRef};
 use crate::sync::{Mutex, lock};
 
 const MIB: usize = 1 << 20;
@@ -220,29 +222,9 @@ struct Table {
     by_base: BTreeMap<usize, usize>,
     live: usize,
     /// Streams recorded for live blocks ([`SegmentPool::record_stream`]), by address.
-    recorded: HashMap<usize, Vec<StreamRef<'static>>>,
-    /// Blocks freed while recorded streams may still use them.
-    held: Vec<Held>,
+    recorded: HashMap<usize, Recorded>,
     /// Live blocks allocated during a capture, with the capture's id.
     captured_in: HashMap<usize, u64>,
-}
-
-/// A freed block that other streams used: it goes back to the table once their work (at
-/// the free) is complete. Freed while a capture is underway on the device, its events are
-/// recorded once none is (an event recorded or queried then would be a node of the
-/// graph, or refused).
-struct Held {
-    address: usize,
-    /// The context of the block's segment (see [`Segment::ctx`]).
-    ctx: Option<Context>,
-    /// Streams whose work must complete, until their events are recorded.
-    streams: Vec<StreamRef<'static>>,
-    events: Vec<Event>,
-    /// Freed in the capture that made it, with every stream in that same capture: where
-    /// each stream's captured work had reached then. A later allocation of that capture
-    /// on the block's segment's stream, whose next work the graph orders after all of
-    /// these nodes, may take the block again at once.
-    in_capture: Option<Frontier>,
 }
 
 /// What [`SegmentPool::settle`] does with held blocks.
@@ -288,6 +270,10 @@ pub struct SegmentPool<U: Resource> {
     upstream: U,
     config: SegmentPoolConfig,
     table: Mutex<Table>,
+    /// Blocks freed while recorded streams may still use them (the core's held blocks,
+    /// [`Deferred::hold_later`]): allocated in the table until they go back. Locked after
+    /// `table`, never before.
+    held: Deferred,
 }
 
 impl<U: Resource> SegmentPool<U> {
@@ -299,6 +285,7 @@ impl<U: Resource> SegmentPool<U> {
             upstream,
             config,
             table: Mutex::new(Table::default()),
+            held: Deferred::default(),
         })
     }
 
@@ -333,7 +320,7 @@ impl<U: Resource> SegmentPool<U> {
     pub unsafe fn release(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
         let address = ptr.as_ptr() as usize;
         let mut table = lock(&self.table);
-        live_block(&table, address)?;
+        live_block(&table, &self.held, address)?;
         table.recorded.remove(&address);
         table.captured_in.remove(&address);
         Ok(table.release(address))
@@ -355,16 +342,13 @@ impl<U: Resource> SegmentPool<U> {
     ) -> Result<(), Error> {
         let address = ptr.as_ptr() as usize;
         let mut table = lock(&self.table);
-        if live_block(&table, address)? == stream {
+        if live_block(&table, &self.held, address)? == stream {
             return Ok(());
         }
         // SAFETY: the caller's promise: valid until the free completes, when the record
         // goes.
         let stream = unsafe { stream.detach() };
-        let streams = table.recorded.entry(address).or_default();
-        if !streams.contains(&stream) {
-            streams.push(stream);
-        }
+        table.recorded.entry(address).or_default().add(stream);
         Ok(())
     }
 
@@ -384,26 +368,26 @@ impl<U: Resource> SegmentPool<U> {
     pub unsafe fn free_used(&self, ptr: NonNull<u8>, capturing: bool) -> Result<usize, Error> {
         let address = ptr.as_ptr() as usize;
         let mut table = lock(&self.table);
-        let own = live_block(&table, address)?;
+        let own = live_block(&table, &self.held, address)?;
         let made_in = table.captured_in.remove(&address);
         let Some(streams) = table.recorded.remove(&address) else {
             return Ok(table.release(address));
         };
         let size = table.size_of(address);
         let in_capture = match made_in {
-            Some(capture) if capturing => frontier_of_all(&streams, own, capture),
+            Some(capture) if capturing => frontier_of_all(streams.streams(), own, capture),
             _ => None,
         };
         let ctx = table.segment(address).and_then(|s| s.ctx);
-        table.held.push(Held {
+        self.held.hold_later(
             address,
+            block_layout(size),
             ctx,
-            streams,
-            events: Vec::new(),
+            streams.into_streams(),
             in_capture,
-        });
+        );
         if !capturing {
-            table.poll_held();
+            self.poll(&mut table);
         }
         Ok(size)
     }
@@ -413,28 +397,31 @@ impl<U: Resource> SegmentPool<U> {
     pub fn settle(&self, how: Settle) {
         let mut table = lock(&self.table);
         match how {
-            Settle::Poll => table.poll_held(),
+            Settle::Poll => self.poll(&mut table),
             Settle::Wait => {
-                table.poll_held();
-                for held in std::mem::take(&mut table.held) {
-                    let _current = held.ctx.map(bind);
-                    let mut waited = held.events.iter().all(|e| e.synchronize().is_ok());
-                    for stream in &held.streams {
-                        waited &= stream.synchronize().is_ok();
-                    }
-                    if waited {
-                        table.release(held.address);
+                self.poll(&mut table);
+                for held in self.held.drain() {
+                    if held.wait() {
+                        table.release(held.addr());
                     } else {
                         // Never handed out while it may be in use: kept, and said so.
                         tracing::error!(
                             "a segment pool could not wait for the held block at {:#x}; it \
                              stays allocated",
-                            held.address
+                            held.addr()
                         );
                     }
                 }
             }
-            Settle::Forget => table.held.clear(),
+            Settle::Forget => self.held.forget_all(),
+        }
+    }
+
+    /// Frees the held blocks whose streams' work is complete (recording the events of
+    /// streams no longer captured first); `table` is the pool's, locked.
+    fn poll(&self, table: &mut Table) {
+        for (address, _) in self.held.take_ready() {
+            table.release(address);
         }
     }
 
@@ -456,10 +443,15 @@ impl<U: Resource> SegmentPool<U> {
         {
             let mut table = lock(&self.table);
             if !capturing {
-                table.poll_held();
+                self.poll(&mut table);
             }
             if let Some(frontier) = &frontier {
-                table.reuse_in_capture(stream, frontier);
+                // The blocks of `stream`'s own segments freed earlier in this capture
+                // whose streams' captured work the graph orders first.
+                let own = |a: usize| table.segment(a).is_some_and(|s| s.stream == stream);
+                for address in self.held.take_ordered(frontier, own) {
+                    table.release(address);
+                }
             }
         }
         let ptr = self.take(stream, layout, may_grow)?;
@@ -475,7 +467,7 @@ impl<U: Resource> SegmentPool<U> {
     /// were taken; linear in its entries.
     pub fn blocks(&self) -> Vec<BlockEntry> {
         let table = lock(&self.table);
-        let held: std::collections::HashSet<usize> = table.held.iter().map(|h| h.address).collect();
+        let held = self.held.addresses();
         let mut out = Vec::new();
         for segment in &table.segments {
             let base = segment.base;
@@ -561,7 +553,7 @@ impl<U: Resource> SegmentPool<U> {
         table.live = restored.allocated.len();
         // Held blocks (the caller settles them first) are gone with the table they would
         // free into; records stay for the blocks live again only.
-        table.held.clear();
+        self.held.forget_all();
         table.captured_in.clear();
         let live: std::collections::HashSet<usize> = restored.allocated.iter().copied().collect();
         table.recorded.retain(|address, _| live.contains(address));
@@ -706,95 +698,14 @@ impl Table {
             .and_then(|s| s.blocks.get(&(address - s.base)))
             .map_or(0, |&(size, _)| size)
     }
-
-    /// Records the events of held blocks that have none yet, and frees those whose events
-    /// are all complete. Never waits (but for a stream no event can be recorded on).
-    fn poll_held(&mut self) {
-        let mut i = 0;
-        while i < self.held.len() {
-            let held = &mut self.held[i];
-            // The segment's device current: default-stream handles name its streams.
-            let _current = held.ctx.map(bind);
-            let mut unrecorded = Vec::new();
-            for stream in std::mem::take(&mut held.streams) {
-                // A stream captured now (elsewhere) gets its event after the capture.
-                if !matches!(stream.is_capturing(), Ok(false)) {
-                    unrecorded.push(stream);
-                    continue;
-                }
-                match event_on(stream) {
-                    Ok(Some(event)) => held.events.push(event),
-                    Ok(None) => {} // a host stream: its work is complete
-                    Err(e) => {
-                        // No event: wait for the stream itself (a broken stream or
-                        // context); if even that fails, the block stays held (never
-                        // handed out while it may be in use).
-                        tracing::warn!(
-                            "a segment pool waits for a stream it cannot record on: {e}"
-                        );
-                        if stream.synchronize().is_err() {
-                            unrecorded.push(stream);
-                        }
-                    }
-                }
-            }
-            held.streams = unrecorded;
-            // A query that fails counts as not complete: a later look asks again.
-            if held.streams.is_empty()
-                && held.events.iter().all(|e| e.is_complete().unwrap_or(false))
-            {
-                let held = self.held.swap_remove(i);
-                self.release(held.address);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// Frees the held blocks of `stream`'s own segments, freed in the capture `frontier`
-    /// belongs to, whose streams' captured work then precedes `frontier` in the graph.
-    fn reuse_in_capture(&mut self, stream: StreamRef<'_>, frontier: &Frontier) {
-        let of_this_capture = |h: &Held| {
-            h.events.is_empty()
-                && h.in_capture
-                    .as_ref()
-                    .is_some_and(|f| f.capture == frontier.capture)
-        };
-        if !self.held.iter().any(of_this_capture) {
-            return;
-        }
-        // The frontier and its ancestors, once.
-        let Some(before) = ancestors(&frontier.nodes) else {
-            return;
-        };
-        let mut i = 0;
-        while i < self.held.len() {
-            let held = &self.held[i];
-            let own = self
-                .segment(held.address)
-                .is_some_and(|s| s.stream == stream);
-            let ordered = own
-                && of_this_capture(held)
-                && held
-                    .in_capture
-                    .as_ref()
-                    .is_some_and(|f| f.nodes.iter().all(|n| before.contains(n)));
-            if ordered {
-                let held = self.held.swap_remove(i);
-                self.release(held.address);
-            } else {
-                i += 1;
-            }
-        }
-    }
 }
 
 /// The stream of the segment holding the live block at `address` (allocated, not held),
 /// or [`Error::InvalidArgument`].
-fn live_block(table: &Table, address: usize) -> Result<StreamRef<'static>, Error> {
+fn live_block(table: &Table, held: &Deferred, address: usize) -> Result<StreamRef<'static>, Error> {
     let segment = table.segment(address).ok_or_else(|| not_live(address))?;
     match segment.blocks.get(&(address - segment.base)) {
-        Some(&(_, true)) if !table.held.iter().any(|h| h.address == address) => Ok(segment.stream),
+        Some(&(_, true)) if !held.is_held(address) => Ok(segment.stream),
         _ => Err(not_live(address)),
     }
 }
@@ -815,14 +726,10 @@ fn frontier_of_all(
     Some(Frontier { capture, nodes })
 }
 
-/// An event recorded on `stream` now (on its device), or `None` for a host stream.
-fn event_on(stream: StreamRef<'_>) -> Result<Option<Event>, Error> {
-    if stream.is_host() {
-        return Ok(None);
-    }
-    let event = Event::new_in(stream.context()?)?;
-    event.record(stream)?;
-    Ok(Some(event))
+/// The layout a held block of `size` bytes is counted with (its size is all that is
+/// read: the segment pool frees held blocks into its table, not to a resource).
+fn block_layout(size: usize) -> Layout {
+    Layout::from_size_align(size, 1).unwrap_or(Layout::new::<u8>())
 }
 
 /// The smallest free block of `stream`'s segments holding `size` bytes, split (unless

@@ -55,7 +55,7 @@ MUTATIONS = [
      "            self.release_into(&mut growth, self.host_list(), keep);",
      "            self.release_into(&mut growth, ordered::list_of(self, StreamRef::HOST), keep);"),
     ("held blocks: freed before their events complete", "src/suballoc/core/held.rs",
-     "            if !h.marks.iter().all(Mark::is_complete) {", "            if false {"),
+     "            if !h.is_complete() {", "            if false {"),
     ("Growth::Eighth under a maximum: chunks not whole requests", "src/suballoc/pool_config.rs",
      "                    Some(whole) if whole <= self.remaining => whole,", "                    Some(whole) if false && whole <= self.remaining => whole,"),
     ("FixedSize: a host list's last block is taken too (the steal cascade)", "src/suballoc/core/stream_key.rs",
@@ -135,8 +135,8 @@ MUTATIONS = [
     ("SegmentPool: a restored table's blocks off the block grid accepted", "src/suballoc/segment_pool.rs",
      "                && block.is_multiple_of(rounding)\n", "", SEGMENTS),
     ("SegmentPool: held blocks polled while a capture is underway", "src/suballoc/segment_pool.rs",
-     "        if !capturing {\n            table.poll_held();\n        }\n        Ok(size)",
-     "        table.poll_held();\n        Ok(size)", SEGMENTS),
+     "        if !capturing {\n            self.poll(&mut table);\n        }\n        Ok(size)",
+     "        self.poll(&mut table);\n        Ok(size)", SEGMENTS),
 ]
 
 

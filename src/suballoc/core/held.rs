@@ -1,29 +1,43 @@
 //! Blocks freed while work on other streams may still use them
-//! ([`Resource::deallocate_used_on`](crate::Resource::deallocate_used_on), PyTorch's
-//! `record_stream`): each is held back, with an event recorded on every stream that used
-//! it, until all its events are complete; then the sub-allocator frees it on a host
-//! stream (free for every stream: no work uses it any more).
+//! ([`Resource::deallocate_used_on`], PyTorch's `record_stream`): each is held back, with
+//! an event recorded on every stream that used it, until all its events are complete;
+//! then its owner frees it (a sub-allocator on a host stream: free for every stream, no
+//! work uses it any more). This is the library's one home of `record_stream`'s hold: the
+//! stream-ordered sub-allocators (`Pool`, `VirtualPool`, `Arena`, `FixedSize`, ...) keep
+//! their held blocks here, and so does [`SegmentPool`](crate::suballoc::SegmentPool)
+//! (PyTorch's graph pools and `MemPool`s).
 //!
 //! The protocol: a freer records its events and pushes the block under the list's lock,
-//! then sets `any`; a sub-allocator that looks at held blocks (at each such free, and on
-//! its slow path before it grows) reads `any` first, and only then takes the lock, moves
-//! the blocks whose events are complete out of the list, and clears `any` when the list
-//! is empty, all under the lock. Every block is therefore freed once, by one thread, and
+//! then sets `any`; an owner that looks at held blocks (at each such free, and on its
+//! slow path before it grows) reads `any` first, and only then takes the lock, moves the
+//! blocks whose events are complete out of the list, and clears `any` when the list is
+//! empty, all under the lock. Every block is therefore freed once, by one thread, and
 //! only after its events complete. Checking an event is `cuEventQuery`: the host never
 //! waits. The allocation fast path never looks here.
 //!
 //! Under stream capture no event can be queried later (it would be a node of the
-//! graph): a block freed on or used on a capturing stream is held until the
-//! sub-allocator next waits for every stream it has seen ([`free_all`], from
-//! `trim`), or its drop.
+//! graph). Two ways out, one per owner:
+//! - A sub-allocator's block freed on or used on a capturing stream gets
+//!   [`Mark::Capture`]: held until the sub-allocator next waits for every stream it has
+//!   seen ([`free_all`], from `trim`), or its drop. (Its `used_on` streams are live only
+//!   during the free, [`Resource::deallocate_used_on`]'s contract: none may be kept to
+//!   record an event on later.)
+//! - A segment pool's block freed while a capture is underway keeps its streams
+//!   ([`Deferred::hold_later`]; its `record_stream` contract keeps them valid until the
+//!   block's free completes) and gets their events at the first look once no capture is
+//!   underway on them, as PyTorch's caching allocator defers those events. A block freed
+//!   in the capture that made it also notes where the graph had reached on each of its
+//!   streams: [`Deferred::take_ordered`] gives it back in that capture once the graph
+//!   orders those points first.
 
 use std::alloc::Layout;
+use std::collections::HashSet;
 use std::ptr::NonNull;
 
-use crate::device::Context;
+use crate::device::{Context, bind};
 use crate::error::Error;
 use crate::resource::Resource;
-use crate::stream::{Event, StreamRef};
+use crate::stream::{Event, Frontier, StreamRef, ancestors};
 use crate::sync::Mutex;
 use crate::sync::atomic::{AtomicBool, Ordering};
 
@@ -64,28 +78,109 @@ impl Mark {
     }
 
     /// Waits on the host for the work the mark stands for (an event's
-    /// `cuEventSynchronize`); nothing for the other marks.
-    fn wait(&self) {
+    /// `cuEventSynchronize`); nothing for the other marks. False when the wait failed.
+    fn wait(&self) -> bool {
         match self {
-            Mark::Event(event) => {
-                if let Err(e) = event.synchronize() {
+            Mark::Event(event) => match event.synchronize() {
+                Ok(()) => true,
+                Err(e) => {
                     tracing::error!("memres: could not wait for a held block's event: {e}");
+                    false
                 }
-            }
+            },
             #[cfg(all(test, not(memres_loom)))]
-            Mark::Waited(done) => done.store(true, Ordering::Release),
-            _ => {}
+            Mark::Waited(done) => {
+                done.store(true, Ordering::Release);
+                true
+            }
+            _ => true,
         }
     }
 }
 
-struct Held {
+/// One held block.
+pub(crate) struct Held {
     addr: usize,
     layout: Layout,
     marks: Vec<Mark>,
+    /// Streams whose events are still to be recorded (a segment pool's block freed while
+    /// a capture was underway): recorded at a look once their stream is not captured.
+    pending: Vec<StreamRef<'static>>,
+    /// The context current while events of `pending` are recorded (so that a
+    /// default-stream handle names its device's stream); none for host streams.
+    ctx: Option<Context>,
+    /// Freed in the capture that made it, with every stream in that capture: where each
+    /// stream's captured work had reached then (see [`Deferred::take_ordered`]).
+    in_capture: Option<Frontier>,
 }
 
-/// The blocks a sub-allocator holds back for other streams (see the module docs).
+impl Held {
+    /// The block's address.
+    pub(crate) fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Waits on the host for the block's events and for its streams whose events are
+    /// not recorded yet; false when any wait failed (the block may still be in use).
+    pub(crate) fn wait(&self) -> bool {
+        let _current = self.ctx.map(bind);
+        let mut waited = true;
+        for mark in &self.marks {
+            waited &= mark.wait();
+        }
+        for stream in &self.pending {
+            waited &= stream.synchronize().is_ok();
+        }
+        waited
+    }
+
+    /// Records the events of the streams of `pending` not captured now (`spare`: events
+    /// to reuse). A stream no event can be recorded on is waited for on the host instead
+    /// (a broken stream or context); if even that fails, it stays pending, so the block
+    /// is never handed out while it may be in use.
+    fn record_pending(&mut self, spare: &mut Vec<Event>) {
+        let _current = self.ctx.map(bind);
+        for stream in std::mem::take(&mut self.pending) {
+            // A stream captured now (elsewhere) gets its event after the capture.
+            if !matches!(stream.is_capturing(), Ok(false)) {
+                self.pending.push(stream);
+                continue;
+            }
+            match record_on(stream, spare) {
+                Ok(Some(event)) => self.marks.push(Mark::Event(event)),
+                Ok(None) => {} // a host stream: its work is complete
+                Err(e) => {
+                    tracing::warn!("memres: waiting for a stream no event can be recorded on: {e}");
+                    if stream.synchronize().is_err() {
+                        self.pending.push(stream);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether every stream's work (at the free) is complete.
+    fn is_complete(&self) -> bool {
+        self.pending.is_empty() && self.marks.iter().all(Mark::is_complete)
+    }
+}
+
+/// An event recorded on `stream` now (`None` for a host stream), one of `spare` of its
+/// context if there is one.
+fn record_on(stream: StreamRef<'_>, spare: &mut Vec<Event>) -> Result<Option<Event>, Error> {
+    if stream.is_host() {
+        return Ok(None);
+    }
+    let ctx = stream.context()?;
+    let event = match spare.iter().position(|e| e.context() == ctx) {
+        Some(i) => spare.swap_remove(i),
+        None => Event::new_in(ctx)?,
+    };
+    event.record(stream)?;
+    Ok(Some(event))
+}
+
+/// The blocks an owner holds back for other streams (see the module docs).
 #[derive(Default)]
 pub(crate) struct Deferred {
     /// Set (under the lock) when a block is pushed, cleared (under it) when the list is
@@ -139,8 +234,35 @@ impl Deferred {
             addr,
             layout,
             marks,
+            pending: Vec::new(),
+            ctx: None,
+            in_capture: None,
         });
         true
+    }
+
+    /// Holds the block at `addr` until the work enqueued on each of `streams` by the
+    /// first look at it when no capture is underway on that stream is complete (a
+    /// segment pool's free, [`hold`](Self::hold)'s events recorded later): nothing is
+    /// recorded now. `ctx` is made current while the events are recorded; `in_capture`,
+    /// where the block was freed in the capture that made it, where each stream's
+    /// captured work had reached ([`take_ordered`](Self::take_ordered)).
+    pub(crate) fn hold_later(
+        &self,
+        addr: usize,
+        layout: Layout,
+        ctx: Option<Context>,
+        streams: Vec<StreamRef<'static>>,
+        in_capture: Option<Frontier>,
+    ) {
+        self.push(Held {
+            addr,
+            layout,
+            marks: Vec::new(),
+            pending: streams,
+            ctx,
+            in_capture,
+        });
     }
 
     /// An event recorded on `stream` now (`None` for a host stream), or
@@ -174,6 +296,9 @@ impl Deferred {
             addr,
             layout,
             marks,
+            pending: Vec::new(),
+            ctx: None,
+            in_capture: None,
         });
     }
 
@@ -196,8 +321,23 @@ impl Deferred {
         lock(&self.lists).held.iter().map(|h| h.layout.size()).sum()
     }
 
+    /// Whether the block at `addr` is held.
+    pub(crate) fn is_held(&self, addr: usize) -> bool {
+        self.any() && lock(&self.lists).held.iter().any(|h| h.addr == addr)
+    }
+
+    /// The addresses of the held blocks (for a listing).
+    pub(crate) fn addresses(&self) -> HashSet<usize> {
+        if !self.any() {
+            return HashSet::new();
+        }
+        lock(&self.lists).held.iter().map(|h| h.addr).collect()
+    }
+
     /// Takes the blocks whose events are all complete out of the list, for the caller to
-    /// free. Never waits. The queries run in the relaxed capture mode, which a capture
+    /// free, after recording the events of streams no longer captured
+    /// ([`hold_later`](Self::hold_later)). Never waits (but for a stream no event can be
+    /// recorded on). The queries run in the relaxed capture mode, which a capture
     /// underway on another thread would otherwise forbid.
     pub(crate) fn take_ready(&self) -> Vec<(usize, Layout)> {
         if !self.any() {
@@ -211,7 +351,10 @@ impl Deferred {
         let Lists { held, spare } = &mut *lists;
         let mut ready = Vec::new();
         held.retain_mut(|h| {
-            if !h.marks.iter().all(Mark::is_complete) {
+            if !h.pending.is_empty() {
+                h.record_pending(spare);
+            }
+            if !h.is_complete() {
                 return true;
             }
             ready.push((h.addr, h.layout));
@@ -228,8 +371,52 @@ impl Deferred {
         ready
     }
 
+    /// Takes out the blocks freed in `frontier`'s capture (none of their events recorded
+    /// yet) for which `own` holds (a segment pool: blocks of the capturing stream's own
+    /// segments) and whose streams' captured work at the free the graph orders before
+    /// `frontier` (it is among the frontier's nodes and their ancestors): work captured
+    /// next on the frontier's stream comes after every use, in every replay. Their
+    /// addresses, for the caller to free in the capture.
+    pub(crate) fn take_ordered(
+        &self,
+        frontier: &Frontier,
+        own: impl Fn(usize) -> bool,
+    ) -> Vec<usize> {
+        let of_this_capture = |h: &Held| {
+            h.marks.is_empty()
+                && h.in_capture
+                    .as_ref()
+                    .is_some_and(|f| f.capture == frontier.capture)
+        };
+        if !self.any() {
+            return Vec::new();
+        }
+        let mut lists = lock(&self.lists);
+        if !lists.held.iter().any(of_this_capture) {
+            return Vec::new();
+        }
+        // The frontier and its ancestors, once.
+        let Some(before) = ancestors(&frontier.nodes) else {
+            return Vec::new();
+        };
+        let mut taken = Vec::new();
+        lists.held.retain(|h| {
+            let ordered = of_this_capture(h)
+                && own(h.addr)
+                && h.in_capture
+                    .as_ref()
+                    .is_some_and(|f| f.nodes.iter().all(|n| before.contains(n)));
+            if ordered {
+                taken.push(h.addr);
+            }
+            !ordered
+        });
+        self.settle(&lists.held);
+        taken
+    }
+
     /// Takes every block out of the list, with its marks, in one critical section.
-    fn drain(&self) -> Vec<Held> {
+    pub(crate) fn drain(&self) -> Vec<Held> {
         if !self.any() {
             return Vec::new();
         }
@@ -237,6 +424,12 @@ impl Deferred {
         let all: Vec<Held> = lists.held.drain(..).collect();
         self.settle(&lists.held);
         all
+    }
+
+    /// Forgets every held block: its owner neither waits for nor frees it (a segment
+    /// pool's restore replaces the table it would free into).
+    pub(crate) fn forget_all(&self) {
+        drop(self.drain());
     }
 
     /// Puts blocks taken with [`drain`](Self::drain) back.
@@ -422,6 +615,91 @@ mod tests {
         assert!(!d.any());
         d.restore(taken);
         assert!(d.any() && d.bytes() == 256);
+    }
+
+    /// A block held for later (a segment pool's free) gets its streams' events at the
+    /// first look: a host stream's work is complete, so the block is ready then, and is
+    /// listed as held until it is taken.
+    #[test]
+    fn a_block_held_for_later_is_ready_once_its_streams_are_recorded() {
+        let d = Deferred::default();
+        d.hold_later(0x1000, l(512), None, vec![StreamRef::host(2)], None);
+        d.hold_later(0x2000, l(256), None, Vec::new(), None);
+        assert!(d.is_held(0x1000) && !d.is_held(0x1100));
+        assert_eq!(d.addresses(), HashSet::from([0x1000, 0x2000]));
+        assert_eq!(d.bytes(), 768);
+        let mut ready = d.take_ready();
+        ready.sort_unstable_by_key(|r| r.0);
+        assert_eq!(ready, vec![(0x1000, l(512)), (0x2000, l(256))]);
+        assert!(!d.any() && d.addresses().is_empty() && !d.is_held(0x1000));
+    }
+
+    /// In a capture, the blocks freed in that same capture, of the caller's own, whose
+    /// streams' work at the free the graph orders before the frontier are given back;
+    /// those of another capture, with events recorded, not the caller's own, or noted at
+    /// a node the frontier does not follow, stay. (Frontiers with no node: the graph's
+    /// ancestors need no driver.)
+    #[test]
+    fn take_ordered_gives_back_what_the_graph_orders_first() {
+        let d = Deferred::default();
+        let at = |capture, nodes: Vec<usize>| Some(Frontier { capture, nodes });
+        d.hold_later(
+            0x1000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(7, vec![]),
+        );
+        d.hold_later(
+            0x2000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(8, vec![]),
+        );
+        d.hold_later(
+            0x3000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(7, vec![0x10]),
+        );
+        d.hold_later(
+            0x4000,
+            l(256),
+            None,
+            vec![StreamRef::host(2)],
+            at(7, vec![]),
+        );
+        d.hold_later(0x5000, l(256), None, vec![StreamRef::host(2)], None);
+        let done = Arc::new(AtomicBool::new(false));
+        d.push_marked(0x6000, l(256), vec![Mark::Flag(done)]);
+        let frontier = Frontier {
+            capture: 7,
+            nodes: vec![],
+        };
+        let own = |a: usize| a != 0x4000;
+        assert_eq!(d.take_ordered(&frontier, own), [0x1000]);
+        assert_eq!(d.take_ordered(&frontier, own), Vec::<usize>::new());
+        assert_eq!(
+            d.addresses(),
+            HashSet::from([0x2000, 0x3000, 0x4000, 0x5000, 0x6000])
+        );
+    }
+
+    /// Forgotten blocks are neither freed nor waited for; a waited block's marks are
+    /// waited for.
+    #[test]
+    fn forget_all_drops_every_block_and_wait_waits_for_its_marks() {
+        let d = Deferred::default();
+        let waited = Arc::new(AtomicBool::new(false));
+        d.push_marked(0x1000, l(256), vec![Mark::Waited(waited.clone())]);
+        let taken = d.drain();
+        assert!(taken[0].wait() && waited.load(Ordering::Acquire));
+        assert_eq!(taken[0].addr(), 0x1000);
+        d.hold_later(0x2000, l(256), None, vec![StreamRef::host(2)], None);
+        d.forget_all();
+        assert!(!d.any() && d.take_ready().is_empty());
     }
 }
 
