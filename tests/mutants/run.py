@@ -99,6 +99,11 @@ MUTATIONS = [
      "            .chain(limbo)\n", "            .chain(limbo.into_iter().take(0))\n"),
     ("held blocks: the retry after waiting frees nothing", "src/suballoc/core/held.rs",
      "            held.wait_all();\n            free_ready(r, held, stream);\n", ""),
+    # Was the PyTorch backend's (tests/mutants/torch_backend.py) until the in-capture reuse
+    # moved into the library (09baf92, 02944dd): SegmentPool::allocate_ordered takes back
+    # what Deferred::take_ordered gives.
+    ("held blocks: a block freed in a capture is never taken again in it", "src/suballoc/core/held.rs",
+     "            let ordered = of_this_capture(h)\n", "            let ordered = false && of_this_capture(h)\n"),
     ("StreamUse: record_stream records for any address, not only a live block's start", "src/adaptor/stream_use.rs",
      "        let Some(streams) = map.get_mut(&address) else {\n            return false;\n        };",
      "        let streams = map.entry(address).or_insert(None);", STREAM_USE),
