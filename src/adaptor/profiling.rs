@@ -1,4 +1,4 @@
-//! [`Profiling`]: counts what goes through it towards the open [`profile`](crate::profile)
+//! [`Profiling`]: counts what goes through it towards the open [`profile`]
 //! scopes.
 
 use std::alloc::Layout;
@@ -11,7 +11,7 @@ use crate::profile;
 use crate::resource::{Resource, SyncResource};
 use crate::stream::StreamRef;
 
-/// Counts each allocation and free towards the [`profile`](crate::profile) scopes open
+/// Counts each allocation and free towards the [`profile`] scopes open
 /// for the calling thread (RMM's profiler reads a statistics adaptor the same way).
 ///
 /// With no scope open anywhere, the cost is one relaxed load and a branch per call. A

@@ -194,8 +194,8 @@ impl<U: Resource> Arena<U> {
         })
     }
 
-    /// The blocks held for other streams (for the host tests and loom models).
-    #[cfg(any(test, memres_loom))]
+    /// The blocks held for other streams (for the host tests).
+    #[cfg(all(test, not(memres_loom)))]
     pub(crate) fn held(&self) -> &Deferred {
         &self.held
     }

@@ -286,8 +286,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         self.lock_growth().limit
     }
 
-    /// The blocks held for other streams (for the host tests and loom models).
-    #[cfg(any(test, memres_loom))]
+    /// The blocks held for other streams (for the host tests).
+    #[cfg(all(test, not(memres_loom)))]
     pub(super) fn held(&self) -> &Deferred {
         &self.held
     }
@@ -878,8 +878,8 @@ macro_rules! coalescing_pool {
                 self.core.limit()
             }
 
-            /// The blocks held for other streams (for the host tests and loom models).
-            #[cfg(any(test, memres_loom))]
+            /// The blocks held for other streams (for the host tests).
+            #[cfg(all(test, not(memres_loom)))]
             #[allow(dead_code)] // (not every pool's tests look)
             pub(crate) fn held(&self) -> &crate::suballoc::core::held::Deferred {
                 self.core.held()

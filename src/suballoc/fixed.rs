@@ -148,8 +148,8 @@ impl<U: Resource> FixedSize<U> {
         Ok(fixed)
     }
 
-    /// The blocks held for other streams (for the host tests and loom models).
-    #[cfg(any(test, memres_loom))]
+    /// The blocks held for other streams (for the host tests).
+    #[cfg(all(test, not(memres_loom)))]
     pub(crate) fn held(&self) -> &Deferred {
         &self.held
     }
@@ -180,13 +180,13 @@ impl<U: Resource> FixedSize<U> {
     }
 
     /// Magazines of this resource on all threads (for the loom models).
-    #[cfg(memres_loom)]
+    #[cfg(all(test, memres_loom))]
     pub(crate) fn magazines(&self) -> usize {
         self.cache().magazines()
     }
 
     /// Whether the calling thread's lane of `stream` has a list (for the loom models).
-    #[cfg(memres_loom)]
+    #[cfg(all(test, memres_loom))]
     pub(crate) fn has_list(&self, stream: StreamRef<'_>) -> bool {
         let _pin = self.lists.pin();
         self.lists.find(StreamKey::of_lane(stream)).is_some()

@@ -312,7 +312,7 @@ loom::thread_local! {
 /// last act: loom's `join` returns before a thread's thread-locals are dropped, and its
 /// lazy statics (the registry) are gone when the model's main thread ends, so a model
 /// cannot leave the drop to the thread's exit.
-#[cfg(memres_loom)]
+#[cfg(all(test, memres_loom))]
 pub(crate) fn exit_thread() {
     let list = MAGAZINES.with(|m| std::mem::take(&mut m.borrow_mut().list));
     drop(Magazines {
@@ -626,8 +626,8 @@ impl<'a> Cache<'a> {
         }
     }
 
-    /// Magazines of the owner on all threads.
-    #[cfg(memres_loom)]
+    /// Magazines of the owner on all threads (for the loom models).
+    #[cfg(all(test, memres_loom))]
     pub(crate) fn magazines(&self) -> usize {
         lock(&self.owner.shared.stashes).len()
     }

@@ -2,6 +2,7 @@
 """One-line mutations of the sub-allocators and adaptors, each of which a test must kill.
 
     python3 tests/mutants/run.py [NAME ...]     # from the repository root
+    python3 tests/mutants/run.py --check        # only: is each snippet in its file once?
 
 Each mutation replaces one snippet of the source (it must occur exactly once), runs the
 host tests that cover it in release mode (their own target folder, target/mutants), and
@@ -78,7 +79,7 @@ MUTATIONS = [
     ("VirtualPool: a sleeping pool gives its copies back to nothing (offload restores nothing)", "src/suballoc/virtual_pool/sleep.rs",
      "unsafe { (space.restore)(&self.core.upstream, addr, len, copy)? };", "let _ = (addr, len, copy);"),
     ("Fallback: a first range sends every free to the first tier", "src/adaptor/fallback.rs",
-     "            return ptr.as_ptr().addr().wrapping_sub(base) >= len;", "            return base == 0 && len == 0;"),
+     "            owner != Some(FIRST) // outside `first`'s range: `then`'s", "            false"),
     ("VirtualPool: a failed wake leaves what it mapped", "src/suballoc/virtual_pool/sleep.rs",
      "        if result.is_err() {\n            // Copies may be under way", "        if false {\n            // Copies may be under way"),
     ("free lists: an emptied class keeps its bit", "src/suballoc/core/free_blocks.rs",
@@ -98,6 +99,11 @@ MUTATIONS = [
      "            .chain(limbo)\n", "            .chain(limbo.into_iter().take(0))\n"),
     ("held blocks: the retry after waiting frees nothing", "src/suballoc/core/held.rs",
      "            held.wait_all();\n            free_ready(r, held, stream);\n", ""),
+    # Was the PyTorch backend's (tests/mutants/torch_backend.py) until the in-capture reuse
+    # moved into the library (09baf92, 02944dd): SegmentPool::allocate_ordered takes back
+    # what Deferred::take_ordered gives.
+    ("held blocks: a block freed in a capture is never taken again in it", "src/suballoc/core/held.rs",
+     "            let ordered = of_this_capture(h)\n", "            let ordered = false && of_this_capture(h)\n"),
     ("StreamUse: record_stream records for any address, not only a live block's start", "src/adaptor/stream_use.rs",
      "        let Some(streams) = map.get_mut(&address) else {\n            return false;\n        };",
      "        let streams = map.entry(address).or_insert(None);", STREAM_USE),
@@ -140,18 +146,34 @@ MUTATIONS = [
 ]
 
 
+def snippet_count(path, snippet):
+    """How many times `snippet` occurs in `path` (0 if the file is gone)."""
+    file = ROOT / path
+    return file.read_text().count(snippet) if file.exists() else 0
+
+
+def check():
+    """Lists each mutation whose snippet is not in its file exactly once; runs no test."""
+    stale = [(name, path) for name, path, snippet, *_ in MUTATIONS
+             if snippet_count(path, snippet) != 1]
+    for name, path in stale:
+        print(f"STALE     {name}: the snippet is not in {path} exactly once")
+    print(f"{len(MUTATIONS) - len(stale)} of {len(MUTATIONS)} snippets found once")
+    return 1 if stale else 0
+
+
 def run(selected):
     survived = []
     for name, path, snippet, replacement, *tests in MUTATIONS:
         tests = tests[0] if tests else ["-p", "memres", *TESTS]
         if selected and not any(s.lower() in name.lower() for s in selected):
             continue
-        file = ROOT / path
-        original = file.read_text()
-        if original.count(snippet) != 1:
+        if snippet_count(path, snippet) != 1:
             print(f"STALE     {name}: the snippet is not in {path} exactly once")
             survived.append(name)
             continue
+        file = ROOT / path
+        original = file.read_text()
         file.write_text(original.replace(snippet, replacement))
         start = time.time()
         try:
@@ -174,4 +196,6 @@ def run(selected):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--check"]:
+        sys.exit(check())
     sys.exit(run(sys.argv[1:]))

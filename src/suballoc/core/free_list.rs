@@ -241,7 +241,7 @@ impl FreeList {
     }
 
     /// Gives back the heap memory of a list that holds nothing (see
-    /// [`Pool::trim`](super::Pool::trim), which then frees the list itself where it can):
+    /// [`Pool::trim`](crate::suballoc::Pool::trim), which then frees the list itself where it can):
     /// what a stream that is not used any more costs then is its inline fields and the
     /// copy of the chunk table.
     pub(crate) fn release_memory(&mut self) {

@@ -53,7 +53,7 @@ pub(crate) enum Mark {
     /// The block was freed during a stream capture: only a wait for every stream frees it.
     Capture,
     /// A stand-in for an event in the host tests and loom models: complete once set.
-    #[cfg(any(test, memres_loom))]
+    #[cfg(test)]
     Flag(crate::sync::Arc<AtomicBool>),
     /// A stand-in for an event whose work completes only once the host waits for it (the
     /// host tests of the wait before out-of-memory): complete once set, and set by a
@@ -70,7 +70,7 @@ impl Mark {
         match self {
             Mark::Event(event) => event.is_complete().unwrap_or(false),
             Mark::Capture => false,
-            #[cfg(any(test, memres_loom))]
+            #[cfg(test)]
             Mark::Flag(done) => done.load(Ordering::Acquire),
             #[cfg(all(test, not(memres_loom)))]
             Mark::Waited(done) => done.load(Ordering::Acquire),
@@ -290,7 +290,7 @@ impl Deferred {
     }
 
     /// Holds a block with marks made by the caller (the host tests and loom models).
-    #[cfg(any(test, memres_loom))]
+    #[cfg(test)]
     pub(crate) fn push_marked(&self, addr: usize, layout: Layout, marks: Vec<Mark>) {
         self.push(Held {
             addr,

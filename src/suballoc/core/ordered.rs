@@ -8,7 +8,7 @@
 //!
 //! The core owns a stream's list lookup ([`list_of`]), the slow path ([`allocate_slow`],
 //! read top to bottom below), the blocks held for other streams' work (the retry after
-//! waiting for them, [`deallocate_used_on`], [`free_held`] for `trim`) and the list
+//! waiting for them, [`deallocate_used_on`], [`free_all`](held::free_all) for `trim`) and the list
 //! table's waits and retirement (`ListTable::merge_into`, [`trim`], [`retire_empty_lists`]). The
 //! hooks say where each sub-allocator finds memory at each stage of the slow path.
 //!

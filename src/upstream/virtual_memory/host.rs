@@ -230,6 +230,7 @@ pub(crate) mod faults {
     static FAILING_SAVES: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
 
     /// From now on, copies to the host of memory in `from..to` fail (`on`) or work again.
+    #[cfg(not(memres_loom))]
     pub(crate) fn fail_saves(from: usize, to: usize, on: bool) {
         let mut failing = FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
         failing.retain(|&r| r != (from, to));
@@ -244,6 +245,7 @@ pub(crate) mod faults {
     }
 
     /// From now on, on this thread, every `every`-th map fails (0: none).
+    #[cfg(not(memres_loom))]
     pub(crate) fn fail_every(every: u64) {
         PLAN.with(|p| p.set((0, every)));
     }

@@ -13,7 +13,8 @@ mod granules;
 mod host;
 mod host_copy;
 
-#[cfg(test)]
+// For the virtual pool's fault and sleep tests (not built under loom).
+#[cfg(all(test, not(memres_loom)))]
 pub(crate) use host::faults;
 
 use std::alloc::Layout;
