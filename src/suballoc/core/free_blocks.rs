@@ -154,9 +154,26 @@ pub(crate) struct FreeBlocks {
     by_end: SparseAddrMap<NodeRef>,
     /// Blocks by address region, in a list made
     /// [`address_ordered`](FreeBlocks::address_ordered); node `i`'s links in `links[i]`.
-    regions: Option<Box<Regions>>,
-    links: Vec<Links>,
+    regions: Option<Box<Ordered>>,
     bytes: usize,
+}
+
+/// The index of an [`address_ordered`](FreeBlocks::address_ordered) list: its regions and
+/// each node's links in them (`links[i]` for node `i`). Boxed with the regions, not
+/// inline, so that a stream's list fits 512 bytes (`List`'s layout test): every pool's
+/// list carries the inline fields, only a virtual pool's uses these.
+struct Ordered {
+    regions: Regions,
+    links: Vec<Links>,
+}
+
+impl Ordered {
+    fn new(base: usize) -> Box<Ordered> {
+        Box::new(Ordered {
+            regions: Regions::new(base),
+            links: Vec::new(),
+        })
+    }
 }
 
 /// `addr` rounded up to `align`, a power of two (a mask: `next_multiple_of` divides,
@@ -201,7 +218,6 @@ impl Default for FreeBlocks {
             by_start: SparseAddrMap::default(),
             by_end: SparseAddrMap::default(),
             regions: None,
-            links: Vec::new(),
             bytes: 0,
         }
     }
@@ -216,7 +232,7 @@ impl FreeBlocks {
     /// with `MEMRES_FOOTPRINT_SEEDS=12`, host, 2 MiB granules): see `BENCHMARKS.md`.
     pub(crate) fn address_ordered(base: usize) -> FreeBlocks {
         FreeBlocks {
-            regions: Some(Box::new(Regions::new(base))),
+            regions: Some(Ordered::new(base)),
             ..FreeBlocks::default()
         }
     }
@@ -268,9 +284,9 @@ impl FreeBlocks {
         self.by_start.clear();
         self.by_end.clear();
         if let Some(r) = &mut self.regions {
-            r.clear();
+            r.regions.clear();
+            r.links.clear();
         }
-        self.links.clear();
         self.bytes = 0;
         out
     }
@@ -284,7 +300,7 @@ impl FreeBlocks {
         let regions = self
             .regions
             .as_ref()
-            .map(|r| Box::new(Regions::new(r.base())));
+            .map(|r| Ordered::new(r.regions.base()));
         let mut spare = std::mem::replace(
             self,
             FreeBlocks {
@@ -307,7 +323,6 @@ impl FreeBlocks {
             debug_assert!(spare.classes_in_use.iter().all(|&c| c == 0));
             spare.nodes.clear();
             spare.spare.clear();
-            spare.links.clear();
             spare.regions = None;
             spare_tables::give(spare);
         }
@@ -422,7 +437,9 @@ impl FreeBlocks {
                         .and_then(|a| a.checked_add(size))
                         .is_some_and(|end| end <= b.addr + b.size)
                 };
-                regions.find(&self.links, units, OWN_CLASS_SCAN, fits)
+                regions
+                    .regions
+                    .find(&regions.links, units, OWN_CLASS_SCAN, fits)
             }
             _ => None,
         };
@@ -519,10 +536,10 @@ impl FreeBlocks {
             self.list_push(i, to);
         }
         if let Some(r) = &mut self.regions
-            && !r.same_list(old.addr, old.size, new.addr, new.size)
+            && !r.regions.same_list(old.addr, old.size, new.addr, new.size)
         {
-            r.unlink(&mut self.links, i, old.addr, old.size);
-            r.link(&mut self.links, i, new.addr, new.size);
+            r.regions.unlink(&mut r.links, i, old.addr, old.size);
+            r.regions.link(&mut r.links, i, new.addr, new.size);
         }
         self.nodes[i as usize] = new;
         self.bytes = self.bytes - old.size + new.size;
@@ -592,8 +609,8 @@ impl FreeBlocks {
             None => {
                 self.nodes.push(block);
                 self.lists.push(Link { prev: 0, next: 0 });
-                if self.regions.is_some() {
-                    self.links.push(Links::NONE);
+                if let Some(r) = &mut self.regions {
+                    r.links.push(Links::NONE);
                 }
                 // The node's entry in `lists` must fit too.
                 u32::try_from(self.nodes.len() - 1 + CLASSES).expect("fewer than 2^32 free blocks")
@@ -604,7 +621,7 @@ impl FreeBlocks {
         self.by_start.insert(block.addr, NodeRef::of(i));
         self.by_end.insert(block.addr + block.size, NodeRef::of(i));
         if let Some(r) = &mut self.regions {
-            r.link(&mut self.links, i, block.addr, block.size);
+            r.regions.link(&mut r.links, i, block.addr, block.size);
         }
         self.bytes += block.size;
     }
@@ -623,7 +640,7 @@ impl FreeBlocks {
         let block = self.nodes[i as usize];
         self.list_remove(i, class_of(block.size / GRANULE));
         if let Some(r) = &mut self.regions {
-            r.unlink(&mut self.links, i, block.addr, block.size);
+            r.regions.unlink(&mut r.links, i, block.addr, block.size);
         }
         self.bytes -= block.size;
         self.spare.push(i);

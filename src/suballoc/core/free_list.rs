@@ -45,14 +45,16 @@ pub(crate) struct FreeList {
     /// again after `release_memory`.
     quick: Vec<Vec<usize>>,
     /// The size in granules of `quick`'s first entry.
-    quick_base: usize,
-    quick_bytes: usize,
+    quick_base: u32,
+    /// (At most `QUICK_BYTES`; this and `quick_base` are 32-bit so that a stream's
+    /// `List` fits 512 bytes.)
+    quick_bytes: u32,
     pub(crate) free: FreeBlocks,
     /// Recently freed larger blocks, (address, size), oldest first: at most
     /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
     pub(crate) large: Vec<(usize, usize)>,
-    large_bytes: usize,
-    large_cap: usize,
+    large_bytes: u32,
+    large_cap: u32,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
     /// lists, which read `superblocks`.
@@ -105,7 +107,7 @@ impl FreeList {
     /// Also keeps the last [`LARGE_BLOCKS`] larger blocks freed (see there): a pool's
     /// lists do, an arena's do not.
     pub(crate) fn with_large_cache(mut self) -> FreeList {
-        self.large_cap = LARGE_BLOCKS;
+        self.large_cap = LARGE_BLOCKS as u32;
         self
     }
 
@@ -122,7 +124,7 @@ impl FreeList {
             && units <= QUICK_UNITS
             && let Some(addr) = self.quick_bin(units).and_then(Vec::pop)
         {
-            self.quick_bytes -= size;
+            self.quick_bytes -= size as u32;
             return Some(addr);
         }
         self.take_uncached(size, align)
@@ -132,7 +134,8 @@ impl FreeList {
     /// (an index below `quick_base` wraps far past its end).
     #[inline(always)]
     fn quick_bin(&mut self, units: usize) -> Option<&mut Vec<usize>> {
-        self.quick.get_mut(units.wrapping_sub(self.quick_base))
+        self.quick
+            .get_mut(units.wrapping_sub(self.quick_base as usize))
     }
 
     /// How many small blocks the cache holds, and the largest one's size.
@@ -142,7 +145,7 @@ impl FreeList {
             .quick
             .iter()
             .rposition(|bin| !bin.is_empty())
-            .map_or(0, |at| (self.quick_base + at) * GRANULE);
+            .map_or(0, |at| (self.quick_base as usize + at) * GRANULE);
         (count, largest)
     }
 
@@ -153,7 +156,7 @@ impl FreeList {
             && size >= LARGE_MIN
             && let Some(i) = self.large.iter().rposition(|&(_, n)| n == size)
         {
-            self.large_bytes -= size;
+            self.large_bytes -= size as u32;
             return Some(self.large.remove(i).0);
         }
         self.free.take(size, align)
@@ -165,11 +168,11 @@ impl FreeList {
     pub(crate) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS
-            && self.quick_bytes + size <= QUICK_BYTES
+            && self.quick_bytes as usize + size <= QUICK_BYTES
             && let Some(cached) = self.quick_bin(units)
         {
             cached.push(addr);
-            self.quick_bytes += size;
+            self.quick_bytes += size as u32;
             return None;
         }
         self.put_uncached(addr, size)
@@ -180,32 +183,32 @@ impl FreeList {
     #[inline(never)]
     fn put_uncached(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
-        if units <= QUICK_UNITS && self.quick_bytes + size <= QUICK_BYTES {
+        if units <= QUICK_UNITS && self.quick_bytes as usize + size <= QUICK_BYTES {
             // The first block of a size outside the sizes cached so far: the table grows
             // to take it in (with a bin, `put` took the block).
             if self.quick.is_empty() {
-                self.quick_base = units;
-            } else if units < self.quick_base {
-                let lower = self.quick_base - units;
+                self.quick_base = units as u32;
+            } else if units < self.quick_base as usize {
+                let lower = self.quick_base as usize - units;
                 self.quick
                     .splice(0..0, std::iter::repeat_with(Vec::new).take(lower));
-                self.quick_base = units;
+                self.quick_base = units as u32;
             }
-            let at = units - self.quick_base;
+            let at = units - self.quick_base as usize;
             if self.quick.len() <= at {
                 self.quick.resize_with(at + 1, Vec::new);
             }
             self.quick[at].push(addr);
-            self.quick_bytes += size;
+            self.quick_bytes += size as u32;
             None
         } else if (LARGE_MIN..=LARGE_BYTES).contains(&size) && self.large_cap > 0 {
-            if self.large.len() == self.large_cap {
+            if self.large.len() == self.large_cap as usize {
                 let (old, n) = self.large.remove(0);
-                self.large_bytes -= n;
+                self.large_bytes -= n as u32;
                 self.insert(old, n);
             }
             self.large.push((addr, size));
-            self.large_bytes += size;
+            self.large_bytes += size as u32;
             None
         } else {
             Some(self.insert(addr, size))
@@ -232,7 +235,7 @@ impl FreeList {
             return;
         }
         for at in 0..self.quick.len() {
-            let size = (self.quick_base + at) * GRANULE;
+            let size = (self.quick_base as usize + at) * GRANULE;
             while let Some(addr) = self.quick[at].pop() {
                 self.insert(addr, size);
             }
@@ -255,7 +258,7 @@ impl FreeList {
 
     /// Every free extent of the list, (address, size), cached ones included.
     pub(crate) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        let base = self.quick_base;
+        let base = self.quick_base as usize;
         let quick =
             self.quick.iter().enumerate().flat_map(move |(at, addrs)| {
                 addrs.iter().map(move |&a| (a, (base + at) * GRANULE))
@@ -286,7 +289,7 @@ impl FreeList {
     }
 
     pub(crate) fn free_bytes(&self) -> usize {
-        self.free.bytes() + self.quick_bytes + self.large_bytes
+        self.free.bytes() + self.quick_bytes as usize + self.large_bytes as usize
     }
 }
 
@@ -346,12 +349,20 @@ mod tests {
         // The flag is the lock's first field.
         let flag = std::ptr::from_ref(&*list.state).addr() - base;
         let state = list.state.lock();
-        let cache_end = std::ptr::from_ref(&state.quick_bytes).addr() + size_of::<usize>() - base;
+        let cache_end = std::ptr::from_ref(&state.quick_bytes).addr() + size_of::<u32>() - base;
         let cache_start = std::ptr::from_ref(&state.quick).addr() - base;
         // What searches read, on the first line; what the list's users write at every
         // call, on a line of its own 128 bytes on (no adjacent-line prefetch pairs them).
         assert!(key < 64 && hint < 64, "key at {key}, hint at {hint}");
         assert_eq!(flag, 128, "the lock at {flag}");
+        // 512 bytes in all: 16 lanes' lists of a stream within issue 49's 16 KiB
+        // (`tests/stream_memory.rs`); one more 128-byte step was 16,421 bytes a stream.
+        assert_eq!(
+            size_of_val(list),
+            512,
+            "a list of {} bytes",
+            size_of_val(list)
+        );
         assert!(
             cache_start >= 128 && cache_end <= 192,
             "the small blocks' cache at {cache_start}..{cache_end}"
