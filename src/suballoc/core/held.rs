@@ -183,8 +183,9 @@ fn record_on(stream: StreamRef<'_>, spare: &mut Vec<Event>) -> Result<Option<Eve
 /// The blocks an owner holds back for other streams (see the module docs).
 #[derive(Default)]
 pub(crate) struct Deferred {
-    /// Set (under the lock) when a block is pushed, cleared (under it) when the list is
-    /// found empty.
+    /// Set just after a block is pushed (the lock released), cleared under the lock when
+    /// the list is found empty. A look that empties the list between a push and its set
+    /// leaves it set with nothing held: harmless, the next look clears it.
     any: AtomicBool,
     lists: Mutex<Lists>,
 }
