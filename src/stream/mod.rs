@@ -17,6 +17,7 @@
 mod capture;
 mod event;
 mod owned;
+mod recorded;
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -24,6 +25,7 @@ use std::marker::PhantomData;
 pub(crate) use capture::{Frontier, Relaxed, ancestors, on_capture_path};
 pub use event::Event;
 pub use owned::{Stream, StreamFlags, StreamPool};
+pub(crate) use recorded::Recorded;
 
 /// A CUDA stream handle as the driver takes it, for calls memres does not wrap: an opaque
 /// pointer whatever the features (so that turning `cudarc-interop` on in one crate of a

@@ -81,7 +81,6 @@ mod coalescing;
 mod core;
 mod fixed;
 mod granule;
-pub(crate) use self::core::recorded::Recorded;
 pub(crate) use chunks::to_ptr;
 mod pool;
 mod pool_config;

@@ -17,11 +17,10 @@ use std::fmt;
 use std::ptr::NonNull;
 
 use super::core::held::Deferred;
-use super::core::recorded::Recorded;
 use crate::device::{Context, DEFAULT_ALIGNMENT};
 use crate::error::Error;
 use crate::resource::Resource;
-use crate::stream::{Frontier, StreamRef};
+use crate::stream::{Frontier, Recorded, StreamRef};
 use crate::sync::{Mutex, lock};
 
 const MIB: usize = 1 << 20;

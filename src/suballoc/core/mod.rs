@@ -8,5 +8,4 @@ pub(crate) mod held;
 pub(crate) mod lanes;
 pub(crate) mod list_table;
 pub(crate) mod ordered;
-pub(crate) mod recorded;
 pub(crate) mod stream_key;

@@ -5,7 +5,7 @@
 //! [`SegmentPool`](crate::suballoc::SegmentPool)'s (its blocks, under its table's lock).
 //! Each table says which blocks are live; this type says which streams use one.
 
-use crate::stream::StreamRef;
+use super::StreamRef;
 
 /// The streams recorded for one live block, each once, in the order first recorded.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
