@@ -399,17 +399,19 @@ impl<U: Resource> SegmentPool<U> {
             Settle::Poll => self.poll(&mut table),
             Settle::Wait => {
                 self.poll(&mut table);
-                for held in self.held.drain() {
-                    if held.wait() {
-                        table.release(held.addr());
-                    } else {
-                        // Never handed out while it may be in use: kept, and said so.
-                        tracing::error!(
-                            "a segment pool could not wait for the held block at {:#x}; it \
-                             stays allocated",
-                            held.addr()
-                        );
-                    }
+                let (waited, unwaited): (Vec<_>, Vec<_>) =
+                    self.held.drain().into_iter().partition(|h| h.wait());
+                for held in waited {
+                    table.release(held.addr());
+                }
+                if !unwaited.is_empty() {
+                    // Never handed out while it may be in use: kept held (not live for
+                    // its owner, listed as held), and said so.
+                    tracing::error!(
+                        "a segment pool could not wait for {} held block(s); they stay held",
+                        unwaited.len()
+                    );
+                    self.held.restore(unwaited);
                 }
             }
             Settle::Forget => self.held.forget_all(),
@@ -984,5 +986,39 @@ impl<U: Resource> fmt::Debug for SegmentPool<U> {
             .field("segments", &table.segments.len())
             .field("live", &table.live)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+    use crate::suballoc::core::held::Mark;
+    use crate::upstream::HostHeap;
+
+    /// `settle(Wait)` releases the held blocks it could wait for and keeps held one whose
+    /// wait fails (a broken context): not live for its owner (a release is refused) and
+    /// listed as held. Fails if the block is dropped from the held list (it would then
+    /// read as live, and a stray release or a restore would take it).
+    #[test]
+    fn a_held_block_whose_wait_fails_stays_held() {
+        let pool = SegmentPool::new(HostHeap::new(), SegmentPoolConfig::new()).unwrap();
+        let s = StreamRef::host(1);
+        let l = crate::layout(1024).unwrap();
+        let (a, b) = (pool.allocate(s, l).unwrap(), pool.allocate(s, l).unwrap());
+        let at = |p: NonNull<u8>| p.as_ptr() as usize;
+        pool.held.push_marked(at(a), l, Vec::new());
+        pool.held.push_marked(at(b), l, vec![Mark::Broken]);
+        pool.settle(Settle::Wait);
+        let held: Vec<_> = pool.blocks().into_iter().filter(|e| e.held).collect();
+        assert_eq!(held.len(), 1);
+        assert_eq!(held[0].address(), at(b));
+        // SAFETY: `b` is held, not live: the release is refused and changes nothing.
+        assert!(unsafe { pool.release(b) }.is_err());
+        assert!(
+            pool.blocks()
+                .iter()
+                .all(|e| e.address() != at(a) || !e.allocated)
+        );
+        pool.settle(Settle::Forget);
     }
 }

@@ -60,6 +60,10 @@ pub(crate) enum Mark {
     /// wait.
     #[cfg(all(test, not(memres_loom)))]
     Waited(std::sync::Arc<AtomicBool>),
+    /// A stand-in for an event of a broken context (the host tests of a failed wait):
+    /// never complete, and its wait fails.
+    #[cfg(all(test, not(memres_loom)))]
+    Broken,
 }
 
 impl Mark {
@@ -74,6 +78,8 @@ impl Mark {
             Mark::Flag(done) => done.load(Ordering::Acquire),
             #[cfg(all(test, not(memres_loom)))]
             Mark::Waited(done) => done.load(Ordering::Acquire),
+            #[cfg(all(test, not(memres_loom)))]
+            Mark::Broken => false,
         }
     }
 
@@ -93,6 +99,8 @@ impl Mark {
                 done.store(true, Ordering::Release);
                 true
             }
+            #[cfg(all(test, not(memres_loom)))]
+            Mark::Broken => false,
             _ => true,
         }
     }
@@ -124,10 +132,7 @@ impl Held {
     /// not recorded yet; false when any wait failed (the block may still be in use).
     pub(crate) fn wait(&self) -> bool {
         let _current = self.ctx.map(bind);
-        let mut waited = true;
-        for mark in &self.marks {
-            waited &= mark.wait();
-        }
+        let mut waited = self.wait_marks();
         for stream in &self.pending {
             waited &= stream.synchronize().is_ok();
         }
@@ -157,6 +162,14 @@ impl Held {
                 }
             }
         }
+    }
+
+    /// Waits on the host for every mark's work (each one, even after a failure); false
+    /// when any wait failed.
+    fn wait_marks(&self) -> bool {
+        self.marks
+            .iter()
+            .fold(true, |waited, mark| mark.wait() & waited)
     }
 
     /// Whether every stream's work (at the free) is complete.
@@ -434,7 +447,7 @@ impl Deferred {
     }
 
     /// Puts blocks taken with [`drain`](Self::drain) back.
-    fn restore(&self, blocks: Vec<Held>) {
+    pub(crate) fn restore(&self, blocks: Vec<Held>) {
         if blocks.is_empty() {
             return;
         }
@@ -530,7 +543,9 @@ pub(crate) fn retry_after_waiting<R: Resource + ?Sized, T>(
 /// Takes every held block, then runs `wait_for_streams` (which waits for every stream
 /// the caller has seen: blocks freed under a capture go back only here) and waits for
 /// the blocks' own events, then frees them on the host stream (a `trim`). Blocks held
-/// after the take stay held. If the wait fails, the blocks go back to the list.
+/// after the take stay held. If the wait for the streams fails, the blocks go back to the
+/// list; so does each block whose own events cannot be waited for (never freed while
+/// its work may be pending).
 pub(crate) fn free_all<R: Resource + ?Sized>(
     r: &R,
     held: &Deferred,
@@ -544,12 +559,15 @@ pub(crate) fn free_all<R: Resource + ?Sized>(
         held.restore(taken);
         return Err(e);
     }
-    for block in &taken {
-        for mark in &block.marks {
-            mark.wait();
-        }
+    let (ready, unwaited): (Vec<Held>, Vec<Held>) = taken.into_iter().partition(Held::wait_marks);
+    if !unwaited.is_empty() {
+        tracing::error!(
+            "memres: {} held block(s) stay held: their events could not be waited for",
+            unwaited.len()
+        );
+        held.restore(unwaited);
     }
-    for block in taken {
+    for block in ready {
         // SAFETY: as in `free_ready`: their events were waited for just above, and the
         // caller waited for every stream (blocks of a capture).
         unsafe {
@@ -765,6 +783,34 @@ mod held_in_suballocators {
     fn arena() {
         let arena = Arena::with_size(HostHeap::new(), 16 << 20).unwrap();
         held_until_done(&arena, arena.held(), 64 << 10, 8);
+    }
+
+    /// A trim frees the held blocks whose events it waited for and keeps held a block
+    /// whose events cannot be waited for (a broken context): its work may be pending, so
+    /// it is neither freed nor handed out. Fails if `free_all` frees it regardless.
+    #[test]
+    fn a_trim_keeps_a_block_whose_wait_fails_held() {
+        let pool = Pool::new(HostHeap::new(), PoolConfig::new().initial_size(4 << 20)).unwrap();
+        let l = Layout::from_size_align(1 << 20, 256).unwrap();
+        let (a, b) = (
+            pool.allocate(StreamRef::HOST, l).unwrap(),
+            pool.allocate(StreamRef::HOST, l).unwrap(),
+        );
+        let done = Arc::new(AtomicBool::new(true));
+        pool.held()
+            .push_marked(a.as_ptr() as usize, l, vec![Mark::Flag(done)]);
+        pool.held()
+            .push_marked(b.as_ptr() as usize, l, vec![Mark::Broken]);
+        pool.trim().unwrap();
+        assert_eq!(pool.held().bytes(), 1 << 20, "the broken block stays held");
+        assert_eq!(pool.stats().waiting_bytes, 1 << 20);
+        let again: Vec<_> = (0..3)
+            .map(|_| pool.allocate(StreamRef::HOST, l).unwrap())
+            .collect();
+        assert!(
+            !again.contains(&b),
+            "a block whose wait failed was handed out"
+        );
     }
 
     /// A pool's statistics count held bytes as waiting: neither free nor live.
