@@ -11,8 +11,7 @@ use std::sync::PoisonError;
 use super::upstream_access;
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource};
-use crate::stream::Recorded;
-use crate::stream::StreamRef;
+use crate::stream::{Recorded, StreamRef};
 use crate::sync::{Mutex, MutexGuard};
 
 /// Keeps the start of every live block its upstream handed out, with the streams
