@@ -4,7 +4,7 @@ the GPU's idle time, from `torch.profiler` traces of the same steps.
     pip install ./python      # once: the memres package
     python3 python/proofs/step_profile.py [--model resnet50] [--steps 30] [--skip 10]
                                           [--modes torch,expandable,memres] [--top 15]
-                                          [--rounds R] [--batch-on-device]
+                                          [--rounds R] [--batch-on-device] [--fixed-shape]
 
 Each allocator runs in a process of its own (R of them with --rounds, alternating which
 goes first), as in `models_proof.py`, whose models and steps this uses. The first `--skip` steps warm up (cuDNN's choices, the pool's growth);
@@ -120,14 +120,19 @@ def child(model, mode, steps, skip, top):
             c[1] += end - start
     busy = busy_us(gpu) / steps
     ranked = sorted(calls.items(), key=lambda kv: -kv[1][1])[:top]
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     out = {
         "model": model,
         "mode": mode,
         "median_step_ms": statistics.median(times) * 1e3,
+        "step_ms": [round(t * 1e3, 3) for t in times],
         "median_phase_ms": parts,
         "profiled_step_ms": profiled * 1e3,
         "gpu_busy_ms_per_step": busy / 1e3,
         "calls": {name: {"count": c, "host_us": round(t, 1)} for name, (c, t) in ranked},
+        "self_cpu_ops": {
+            e.key: {"count": e.count, "self_us": round(e.self_cpu_time_total, 1)} for e in ops
+        },
     }
     if mode == "memres":
         out["memres_stats"] = memres.stats(0)
@@ -143,6 +148,11 @@ def main():
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--rounds", type=int, default=1, help="processes per allocator, alternating")
     p.add_argument("--batch-on-device", action="store_true", help="as models_proof.py's")
+    p.add_argument(
+        "--fixed-shape",
+        action="store_true",
+        help="ResNet-50: every batch 64 x 224 x 224 (MEMRES_PROOF_FIXED_SHAPE=1), so no step meets a new shape",
+    )
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"))
     a = p.parse_args()
     if a.child:
@@ -150,6 +160,8 @@ def main():
         return
     if a.batch_on_device:
         os.environ["MEMRES_PROOF_BATCH_ON_DEVICE"] = "1"  # the children inherit it
+    if a.fixed_shape:
+        os.environ["MEMRES_PROOF_FIXED_SHAPE"] = "1"
     results, modes = [], a.modes.split(",")
     order = [m for n in range(max(1, a.rounds)) for m in (modes if n % 2 == 0 else modes[::-1])]
     for mode in order:
@@ -173,6 +185,19 @@ def main():
         print("    phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["median_phase_ms"].items()))
         for name, c in r["calls"].items():
             print(f"    {name:40s} {c['count']:8d} calls {c['host_us'] / 1e3:10.2f} ms")
+        print("    host time by operator (self):")
+        for name, c in r["self_cpu_ops"].items():
+            print(f"    {name[:40]:40s} {c['count']:8d} calls {c['self_us'] / 1e3:10.2f} ms")
+    # Every process draws the same shapes in the same order, so step i of one allocator and
+    # step i of another did the same work: the median of their ratios compares the
+    # allocators without the spread between steps of different shapes.
+    for n in range(max(1, a.rounds)):
+        group = {r["mode"]: r["step_ms"] for r in results[n * len(modes) : (n + 1) * len(modes)]}
+        for i, m in enumerate(modes):
+            for other in modes[:i]:
+                if m in group and other in group:
+                    ratios = [x / y for x, y in zip(group[m], group[other])]
+                    print(f"round {n + 1}: {m} / {other} step by step, median {statistics.median(ratios):.3f}")
     print(json.dumps(results))
 
 
