@@ -131,8 +131,17 @@ impl Held {
     /// Waits on the host for the block's events and for its streams whose events are
     /// not recorded yet; false when any wait failed (the block may still be in use).
     pub(crate) fn wait(&self) -> bool {
-        let _current = self.ctx.map(bind);
+        let current = self.ctx.map(bind).transpose();
         let mut waited = self.wait_marks();
+        if self.pending.is_empty() {
+            return waited;
+        }
+        // A default-stream handle names the current context's stream: where the block's
+        // context cannot be made current, its pending streams cannot be named, so the
+        // wait fails (the block stays held).
+        if current.is_err() {
+            return false;
+        }
         for stream in &self.pending {
             waited &= stream.synchronize().is_ok();
         }
@@ -144,7 +153,11 @@ impl Held {
     /// (a broken stream or context); if even that fails, it stays pending, so the block
     /// is never handed out while it may be in use.
     fn record_pending(&mut self, spare: &mut Vec<Event>) {
-        let _current = self.ctx.map(bind);
+        // Without the block's context current an event could land on another device's
+        // default stream: the streams stay pending until a later look can bind it.
+        let Ok(_current) = self.ctx.map(bind).transpose() else {
+            return;
+        };
         for stream in std::mem::take(&mut self.pending) {
             // A stream captured now (elsewhere) gets its event after the capture.
             if !matches!(stream.is_capturing(), Ok(false)) {
