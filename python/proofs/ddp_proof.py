@@ -93,6 +93,7 @@ def rank_main(mode, steps, deterministic):
                 "world": world,
                 "losses": losses,
                 "median_step_s": statistics.median(times[3:]),
+                "step_s": times,
                 "peak_device_used": peak_used,
                 "peak_live": peak_live,
             }
@@ -159,6 +160,11 @@ def main():
                     f"peak live {r['peak_live'] / 2**30:7.3f} GiB  ratio {r['peak_device_used'] / r['peak_live']:.3f}  "
                     f"median step {r['median_step_s'] * 1e3:8.2f} ms"
                 )
+        # Every group draws the same batches in the same order: step i did the same work
+        # under each allocator, so the median of the ratios compares them step by step.
+        for other in ("torch", "expandable"):
+            ratios = [m / o for m, o in zip(runs["memres"][0]["step_s"][3:], runs[other][0]["step_s"][3:])]
+            print(f"round {n}: memres / {other} step by step (rank 0), median {statistics.median(ratios):.3f}")
         ref, got = runs["torch"][0]["losses"], runs["memres"][0]["losses"]
         same = ref == got
         diff = max(abs(x - y) for x, y in zip(ref, got))
