@@ -235,6 +235,7 @@ fn a_producer_and_a_consumer_on_one_stream_do_not_run_the_arena_out() {
     std::thread::scope(|s| {
         let arena = &arena;
         s.spawn(move || {
+            memres::suballoc::own_lane();
             for p in rx {
                 let p = NonNull::new(p as *mut u8).unwrap();
                 // SAFETY: allocated by the producer with this layout on `stream`.

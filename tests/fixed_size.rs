@@ -281,6 +281,7 @@ fn threads_sharing_a_stream_reuse_each_others_blocks_without_growing() {
         .collect();
     std::thread::scope(|scope| {
         scope.spawn(|| {
+            memres::suballoc::own_lane();
             for a in blocks {
                 let p = std::ptr::NonNull::new(std::ptr::with_exposed_provenance_mut(a));
                 // SAFETY: allocated above with `l` on `s`; nothing uses them.

@@ -652,7 +652,7 @@ fn a_large_block_comes_back_whole_and_trims() {
     assert_eq!(pool.stats().pool_size, 0);
 }
 
-/// Threads sharing one CUDA stream use lists of their own ("lanes"), and a thread whose
+/// Threads sharing one CUDA stream in lanes of their own (`own_lane`): a thread whose
 /// lane is empty takes what another lane of the same stream holds, with no wait and no
 /// growth: eight threads, alive together, each allocate and free all of a pool that
 /// cannot grow, one after another. (A made-up CUDA handle on a host pool: only on a
@@ -674,6 +674,7 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
         for me in 0..8 {
             let (pool, turn, done) = (&pool, &turn, &done);
             s.spawn(move || {
+                memres::suballoc::own_lane();
                 loop {
                     let mut t = turn.lock().unwrap();
                     if *t == me {
@@ -686,21 +687,21 @@ fn threads_sharing_a_stream_share_its_memory_across_lanes() {
                     drop(t);
                     std::thread::yield_now();
                 }
-                // Stay alive until all have run (threads that run together get
-                // different lanes).
+                // Stay alive until all have run.
                 done.wait();
             });
         }
     });
     let stats = pool.stats();
     assert_eq!((stats.pool_size, stats.free_bytes), (1 << 20, 1 << 20));
-    assert!(stats.stream_lists >= 2, "{stats:?}");
+    assert!(stats.stream_lists >= 3, "{stats:?}");
 }
 
-/// Threads that share one stream get lists of their own ("lanes"): four threads at once
-/// on one host stream make at least two lists of it besides the pool's host list.
+/// Threads that take lanes of their own (`own_lane`) use lists of their own of a shared
+/// stream: four threads at once on one host stream make at least two lists of it besides
+/// the pool's host list.
 #[test]
-fn threads_sharing_a_stream_get_lanes_of_their_own() {
+fn threads_in_lanes_of_their_own_use_lists_of_their_own() {
     let pool = heap_pool(PoolConfig::new());
     let l = layout(1 << 20).unwrap();
     let together = std::sync::Barrier::new(4);
@@ -708,6 +709,7 @@ fn threads_sharing_a_stream_get_lanes_of_their_own() {
         for _ in 0..4 {
             let (pool, together) = (&pool, &together);
             s.spawn(move || {
+                memres::suballoc::own_lane();
                 let p = pool.allocate(StreamRef::host(9), l).unwrap();
                 together.wait();
                 // SAFETY: allocated just above with `l` on host stream 9.
@@ -719,6 +721,36 @@ fn threads_sharing_a_stream_get_lanes_of_their_own() {
     assert!(
         lists >= 3,
         "{lists} lists: the host's and fewer than two lanes"
+    );
+}
+
+/// Threads that use one stream in turn (PyTorch's main and autograd threads) share its
+/// list: what one frees, the other's next request takes from the same list, and the
+/// stream has one list however many threads took turns on it.
+#[test]
+fn threads_taking_turns_on_a_stream_share_its_list() {
+    let pool = heap_pool(PoolConfig::new());
+    let l = layout(1 << 20).unwrap();
+    let stream = StreamRef::host(11);
+    let turn = std::sync::Mutex::new(());
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (pool, turn) = (&pool, &turn);
+            s.spawn(move || {
+                for _ in 0..100 {
+                    // One thread at a time on the pool: no list's lock is ever found held.
+                    let _turn = turn.lock().unwrap();
+                    let p = pool.allocate(stream, l).unwrap();
+                    // SAFETY: allocated just above with `l` on `stream`; unused.
+                    unsafe { pool.deallocate(stream, p, l) };
+                }
+            });
+        }
+    });
+    let stats = pool.stats();
+    assert_eq!(
+        stats.stream_lists, 2,
+        "the host's and the stream's: {stats:?}"
     );
 }
 
@@ -741,6 +773,7 @@ fn lanes_of_a_stream_trade_fragmented_memory_without_a_merge() {
         // One thread (one lane) takes all the memory in 64 KiB blocks and frees them:
         // they stay in its lane's list, uncoalesced.
         s.spawn(|| {
+            memres::suballoc::own_lane();
             let blocks: Vec<_> = (0..16)
                 .map(|_| pool.allocate(stream, small).unwrap())
                 .collect();

@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -108,6 +110,77 @@ double random_threads(A& a, std::vector<cudaStream_t> const& streams, std::size_
   return since(t0, ops * streams.size());
 }
 
+// `handoff`: a training step's hand-over between two threads taking turns on one stream
+// (`memres_workloads::handoff`, docs/workloads.md): the forward pass on the calling thread,
+// the backward pass on a second thread that lives for the run, the parameter gradients
+// freed on the calling thread. ns per op, counting only the time inside the passes.
+template <typename A>
+double handoff(A& a, cudaStream_t s, std::size_t layers, std::size_t steps)
+{
+  Rng rng{42};
+  auto size = [&] {
+    uint64_t e = 8 + rng.next() % 15;
+    return static_cast<std::size_t>((1ull << e) + rng.next() % (1ull << e));
+  };
+  std::vector<std::size_t> act(layers), work(layers);
+  for (std::size_t i = 0; i < layers; ++i) {
+    act[i]  = size();
+    work[i] = size();
+  }
+  std::vector<void*> acts(layers);
+  std::vector<Live> params;
+  double spent = 0;  // ns, written by one thread at a time (the turn's lock orders them)
+  std::mutex m;
+  std::condition_variable cv;
+  int turn = 0;  // 0: forward's, 1: backward's, 2: the end
+  std::thread backward([&] {
+    for (;;) {
+      std::unique_lock<std::mutex> lock(m);
+      cv.wait(lock, [&] { return turn != 0; });
+      if (turn == 2) return;
+      auto t0     = clk::now();
+      void* after = nullptr;
+      std::size_t after_n = 0;
+      for (std::size_t i = layers; i-- > 0;) {
+        void* grad = a.alloc(act[i], s);
+        a.free(acts[i], act[i], s);
+        if (after != nullptr) a.free(after, after_n, s);
+        after   = grad;
+        after_n = act[i];
+        if (i % 4 == 0) params.push_back(Live{a.alloc(act[i], s), act[i]});
+      }
+      if (after != nullptr) a.free(after, after_n, s);
+      spent += std::chrono::duration<double, std::nano>(clk::now() - t0).count();
+      turn = 0;
+      cv.notify_all();
+    }
+  });
+  for (std::size_t step = 0; step < steps; ++step) {
+    std::unique_lock<std::mutex> lock(m);
+    auto t0 = clk::now();
+    for (std::size_t i = 0; i < layers; ++i) {
+      acts[i] = a.alloc(act[i], s);
+      a.free(a.alloc(work[i], s), work[i], s);
+    }
+    spent += std::chrono::duration<double, std::nano>(clk::now() - t0).count();
+    turn = 1;
+    cv.notify_all();
+    cv.wait(lock, [&] { return turn == 0; });
+    t0 = clk::now();
+    for (auto& p : params) a.free(p.p, p.n, s);
+    params.clear();
+    spent += std::chrono::duration<double, std::nano>(clk::now() - t0).count();
+  }
+  {
+    std::lock_guard<std::mutex> lock(m);
+    turn = 2;
+  }
+  cv.notify_all();
+  backward.join();
+  std::size_t ops = steps * (layers * 6 + 2 * ((layers + 3) / 4));
+  return spent / static_cast<double>(ops == 0 ? 1 : ops);
+}
+
 // One warm-up run, three timed; prints the CSV row of `memres_workloads::Row` (min and
 // median ns per op).
 template <typename F>
@@ -123,7 +196,7 @@ void report(char const* impl, char const* resource, char const* workload, std::s
 
 // The suite of `memres_workloads::suite` with 8 worker streams: the pairs and `random` on
 // one stream, `random-mt` on 8 threads with a stream each, `random-1stream` on 8 and 16
-// threads sharing the first stream. `slow` (a resource that calls the driver on every
+// threads sharing the first stream, `handoff` on two threads taking turns on it. `slow` (a resource that calls the driver on every
 // allocation): 20,000 ops, no threaded workloads. `small_only`: the pairs up to 64 KiB.
 template <typename A>
 void suite(char const* impl, char const* name, A& a, bool slow, bool small_only = false)
@@ -148,6 +221,9 @@ void suite(char const* impl, char const* name, A& a, bool slow, bool small_only 
     report(impl, name, "random-1stream", threads, nt * threads,
            [&] { return random_threads(a, shared, nt); });
   }
+  std::size_t const layers = 160, steps = 200;
+  report(impl, name, "handoff", 2, steps * (layers * 6 + 2 * ((layers + 3) / 4)),
+         [&] { return handoff(a, s, layers, steps); });
 }
 
 }  // namespace anchor

@@ -33,6 +33,17 @@
 //! or a cudarc `CudaStream` (whose drop does not wait) must be synchronised before it is
 //! destroyed.
 //!
+//! # Threads sharing a stream
+//! Threads that use one stream one after another (PyTorch's main thread and its autograd
+//! thread; a producer and a consumer taking turns) share its list, so a block one of them
+//! frees serves the other's next request at once. A thread that finds a list's lock held
+//! a few times (threads running into each other on one stream) takes a lane of its own:
+//! lists of the same stream, one per lane, so that such threads do not all wait for one
+//! lock. Memory moves between the lanes of a stream without a wait (one stream to the
+//! device) when a lane lacks it. [`own_lane`] gives the calling thread its lane at once
+//! (a worker that knows it will run beside others), and the environment variable
+//! `MEMRES_LANES=per-thread` gives every thread its own at its first call.
+//!
 //! All of them keep their upstream's properties (`Pool<Cuda>` is device memory,
 //! `Pool<PinnedHost>` host-and-device), run on host memory as well as on a GPU, and are
 //! safe to call from many threads at once: each stream has its own free list behind its
@@ -99,6 +110,34 @@ pub use pool_config::{Growth, PoolConfig};
 pub use segment_pool::{BlockEntry, Restored, SegmentPool, SegmentPoolConfig, Settle};
 pub use superblocks::SUPERBLOCK_SIZE;
 pub use virtual_pool::{SleepMode, VirtualPool, VirtualPoolConfig};
+
+/// Gives the calling thread a lane of its own on every stream it shares with other
+/// threads (see "Threads sharing a stream" above), for the rest of its life: its
+/// allocations and frees on a stream use a list no thread in another lane locks. For a
+/// thread that will run beside others on one stream (a server's worker); a thread that
+/// runs into others takes one by itself after a few waits.
+///
+/// ```
+/// use memres::{HostHeap, Pool, PoolConfig, Resource, StreamRef, layout};
+///
+/// let pool = Pool::new(HostHeap::new(), PoolConfig::new())?;
+/// let l = layout(1 << 20)?;
+/// std::thread::scope(|s| {
+///     for _ in 0..2 {
+///         s.spawn(|| {
+///             memres::suballoc::own_lane();
+///             let p = pool.allocate(StreamRef::host(7), l).unwrap();
+///             // SAFETY: allocated just above with `l` on host stream 7; unused.
+///             unsafe { pool.deallocate(StreamRef::host(7), p, l) };
+///         });
+///     }
+/// });
+/// assert!(pool.stats().stream_lists >= 2);
+/// # Ok::<(), memres::Error>(())
+/// ```
+pub fn own_lane() {
+    crate::sync::threads::own_lane();
+}
 
 /// loom models of the sub-allocators' protocols (run by `.ci/run` with
 /// `--cfg memres_loom`; see `tests/loom.rs` for the public-API models).

@@ -4,8 +4,18 @@
 //! A thread's number names its per-thread-stream list; the number of a thread that has
 //! exited goes to the next new thread, so a program that starts and ends many threads
 //! keeps as many lists as it runs at once, and a generation no other thread ever has
-//! tells a list's new thread from its old one. A thread's lane (of [`LANES`]) is handed
-//! out in turn, so threads that run together use different lists of one stream.
+//! tells a list's new thread from its old one.
+//!
+//! A thread's lane (of [`LANES`]) is 0, the lane every thread shares, until it has found
+//! a list's lock held [`WAITS_BEFORE_A_LANE`] times ([`note_contention`]); then it takes a
+//! lane of its own (1 to `LANES - 1`, handed out in turn, so threads that run together use
+//! different lists of one stream). Threads that use a stream one after another (PyTorch's
+//! main thread and its autograd thread, a producer and a consumer that take turns) so keep
+//! one list, and a block one of them frees serves the other's next request at once; only
+//! threads that run into each other pay for lanes (blocks moving between lists). The
+//! environment variable [`LANES_VARIABLE`]`=per-thread` (read once) gives every thread its
+//! own lane at its first call instead (the rule before), and `suballoc::own_lane` gives the
+//! calling thread its own at once.
 //!
 //! These are process-wide statics of `std` even under loom (a loom model's threads would
 //! otherwise need numbering per model run): they decide only which list a thread uses,
@@ -15,24 +25,79 @@
 /// Lanes of one stream (see `StreamKey::of_lane`).
 pub(crate) const LANES: u64 = 16;
 
-/// Lanes are handed to threads in turn, so threads that run together have different ones.
+/// Times a thread finds a list's lock held before it takes a lane of its own: a few, so
+/// that threads which touch a stream at once only by chance (one at the end of its turn,
+/// the other at the start of its own) keep sharing a list.
+pub(crate) const WAITS_BEFORE_A_LANE: u32 = 4;
+
+/// The environment variable that, set to `per-thread`, gives every thread a lane of its
+/// own at its first call (read once, at the first lane handed out).
+pub(crate) const LANES_VARIABLE: &str = "MEMRES_LANES";
+
+/// Lanes of their own are handed to threads in turn, so threads that run together have
+/// different ones.
 static NEXT_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-// The calling thread's lane, `u64::MAX` until its first use. A plain `Cell` with a const
-// initialiser and no destructor: the cheapest thread-local there is (one load), and
-// usable in every thread-local destructor.
-thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(u64::MAX) });
+// The calling thread's lane: 0 (shared) until it takes one of its own. A plain `Cell`
+// with a const initialiser and no destructor: the cheapest thread-local there is (one
+// load), and usable in every thread-local destructor.
+thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+
+// Waits for a held list lock the calling thread has made while in lane 0, and whether it
+// has looked at `LANES_VARIABLE` (`u32::MAX`: not yet).
+thread_local!(static WAITS: std::cell::Cell<u32> = const { std::cell::Cell::new(u32::MAX) });
 
 /// The calling thread's lane of a shared stream.
 #[inline]
 pub(crate) fn this_lane() -> u64 {
     let lane = LANE.with(std::cell::Cell::get);
-    if lane != u64::MAX {
+    if lane != 0 || WAITS.with(std::cell::Cell::get) != u32::MAX {
         return lane;
     }
-    let lane = NEXT_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % LANES;
+    first_look()
+}
+
+/// A thread's first lane: its own where [`LANES_VARIABLE`] says `per-thread`, else 0.
+#[cold]
+fn first_look() -> u64 {
+    static PER_THREAD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let per_thread =
+        *PER_THREAD.get_or_init(|| std::env::var(LANES_VARIABLE).is_ok_and(|v| v == "per-thread"));
+    WAITS.with(|w| w.set(0));
+    if per_thread { take_a_lane() } else { 0 }
+}
+
+/// Gives the calling thread a lane of its own (1 to `LANES - 1`, in turn).
+fn take_a_lane() -> u64 {
+    let lane = 1 + NEXT_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % (LANES - 1);
     LANE.with(|l| l.set(lane));
     lane
+}
+
+/// Gives the calling thread a lane of its own unless it has one.
+pub(crate) fn own_lane() {
+    if this_lane() == 0 {
+        take_a_lane();
+    }
+}
+
+/// The calling thread found a list's lock held (`SpinLock`'s wait): after
+/// [`WAITS_BEFORE_A_LANE`] such waits in the shared lane it takes a lane of its own. Not
+/// under loom, whose threads share this thread-local across models (every list is correct
+/// for every thread; lanes only spread the locks).
+#[cold]
+pub(crate) fn note_contention() {
+    if cfg!(memres_loom) || LANE.with(std::cell::Cell::get) != 0 {
+        return;
+    }
+    if WAITS.with(std::cell::Cell::get) == u32::MAX && first_look() != 0 {
+        return;
+    }
+    let waits = WAITS.with(std::cell::Cell::get) + 1;
+    WAITS.with(|w| w.set(waits));
+    if waits >= WAITS_BEFORE_A_LANE {
+        take_a_lane();
+    }
 }
 
 /// The calling thread as the per-thread lists see it: a `number` that names its list (a
@@ -86,4 +151,64 @@ pub(crate) fn this_thread() -> ThisThread {
             number: 0,
             generation: new_generation(),
         })
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::*;
+    use crate::sync::spin::SpinLock;
+    use std::sync::Barrier;
+    use std::time::Duration;
+
+    /// A thread starts in the shared lane and takes one of its own once it has found a
+    /// list's lock held a few times: here another thread holds a lock for a moment each
+    /// round while it asks for it.
+    #[test]
+    fn a_thread_that_keeps_finding_a_lock_held_takes_a_lane_of_its_own() {
+        if std::env::var(LANES_VARIABLE).is_ok() {
+            return; // lanes handed out at the first call
+        }
+        let lock = SpinLock::new(());
+        let (held, done) = (Barrier::new(2), Barrier::new(2));
+        let spread = std::sync::atomic::AtomicBool::new(false);
+        let rounds = std::thread::scope(|s| {
+            let asker = s.spawn(|| {
+                assert_eq!(this_lane(), 0, "a new thread shares lane 0");
+                for round in 1..=1000 {
+                    held.wait();
+                    drop(lock.lock());
+                    let own = this_lane() != 0;
+                    spread.store(own || round == 1000, std::sync::atomic::Ordering::Relaxed);
+                    done.wait();
+                    if own {
+                        return round;
+                    }
+                }
+                panic!("no lane of its own after 1,000 waits");
+            });
+            while !spread.load(std::sync::atomic::Ordering::Relaxed) {
+                let guard = lock.lock();
+                held.wait();
+                std::thread::sleep(Duration::from_millis(2));
+                drop(guard);
+                done.wait();
+            }
+            asker.join().unwrap()
+        });
+        assert!(rounds >= WAITS_BEFORE_A_LANE as usize, "{rounds} rounds");
+    }
+
+    /// `own_lane` gives a thread in the shared lane a lane of its own, and keeps it.
+    #[test]
+    fn own_lane_takes_a_lane_once() {
+        std::thread::spawn(|| {
+            own_lane();
+            let lane = this_lane();
+            assert!((1..LANES).contains(&lane));
+            own_lane();
+            assert_eq!(this_lane(), lane);
+        })
+        .join()
+        .unwrap();
+    }
 }

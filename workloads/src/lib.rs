@@ -7,6 +7,8 @@
 //! - `random-mt`: `random` on each of several threads, each on its own stream.
 //! - `random-1stream`: `random` on each of several threads (each its own seed), all on one
 //!   stream; run with as many threads as `random-mt`, then twice as many.
+//! - `handoff`: a training step's blocks allocated on one thread and freed on another
+//!   that takes its turn after it (PyTorch's autograd thread), on one stream.
 //!
 //! [`suite`] runs them in the anchors' configuration and hands each result row to a
 //! callback; `benches/workloads.rs` and `memres bench` both print those rows as CSV.
@@ -26,6 +28,7 @@
 use std::alloc::Layout;
 use std::hint::black_box;
 use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use memres::{Error, Resource, StreamRef, layout};
@@ -342,13 +345,148 @@ pub fn random_mt<R: Resource + Sync + ?Sized>(
     Ok(elapsed.as_nanos() as f64 / (ops * streams.len()).max(1) as f64)
 }
 
+/// A training step's hand-over under PyTorch, `steps` times on one stream; ns per op,
+/// counting only the time inside the passes (not the threads' wake-ups).
+///
+/// The calling thread runs the forward pass: for each of `layers` layers it allocates an
+/// activation (kept) and a workspace (freed at once). A second thread, as autograd's
+/// device thread, runs the backward pass in reverse: each layer allocates the gradient of
+/// its input, frees its activation and the gradient of the layer after it, and every
+/// fourth layer keeps a parameter gradient. The first thread then frees the parameter
+/// gradients (`zero_grad(set_to_none=True)`). So most blocks are allocated on one thread
+/// and freed on the other, the threads taking turns, as in every PyTorch training loop.
+/// Sizes are drawn once (seed 42, in `random`'s range: 256 B to 8 MiB) and repeat every
+/// step, as a model's do (docs/workloads.md, `handoff`). With `threads == 1` the backward pass runs on the calling
+/// thread: the same operations with no hand-over. An allocation that fails frees
+/// everything live and returns the error.
+pub fn handoff<R: Resource + Sync + ?Sized>(
+    r: &R,
+    stream: StreamRef<'_>,
+    layers: usize,
+    steps: usize,
+    threads: usize,
+) -> Result<f64, Error> {
+    let mut rng = 42;
+    // `random`'s sizes: 2^e plus a draw below 2^e, e from 8 to 22.
+    let mut size = || {
+        let e = 8 + splitmix64(&mut rng) % 15;
+        layout(((1u64 << e) + splitmix64(&mut rng) % (1u64 << e)) as usize)
+    };
+    let sizes: Vec<(Layout, Layout)> = (0..layers)
+        .map(|_| Ok((size()?, size()?)))
+        .collect::<Result<_, Error>>()?;
+    // Forward: 3 a layer; backward: 3 a layer and the parameter gradients, freed after.
+    let ops_per_step = layers * 6 + 2 * layers.div_ceil(4);
+    let spent = std::sync::atomic::AtomicU64::new(0);
+    // Blocks cross threads as addresses with their layouts.
+    let allocate = |l: Layout| r.allocate(stream, l).map(|p| (p.as_ptr() as usize, l));
+    let free = |(addr, l): (usize, Layout)| {
+        if let Some(p) = NonNull::new(addr as *mut u8) {
+            // SAFETY: every block here came from `allocate` on `stream` with `l` and is
+            // freed once (each is removed from its list first); nothing used it.
+            unsafe { r.deallocate(stream, p, l) };
+        }
+    };
+    let forward = |acts: &mut Vec<(usize, Layout)>| -> Result<(), Error> {
+        let t0 = Instant::now();
+        for &(act, work) in &sizes {
+            acts.push(allocate(act)?);
+            free(allocate(work)?);
+        }
+        spent.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    };
+    // On an error, what is still live is in `acts`, `params` and `after`, all freed.
+    let backward = |mut acts: Vec<(usize, Layout)>, params: &mut Vec<(usize, Layout)>| {
+        let t0 = Instant::now();
+        let mut after = None;
+        let mut failed = None;
+        while let Some(act) = acts.pop() {
+            match allocate(act.1) {
+                Ok(grad) => {
+                    free(act);
+                    after.replace(grad).map(free);
+                    if acts.len().is_multiple_of(4) {
+                        match allocate(act.1) {
+                            Ok(p) => params.push(p),
+                            Err(e) => failed = Some(e),
+                        }
+                    }
+                }
+                Err(e) => {
+                    acts.push(act);
+                    failed = Some(e);
+                }
+            }
+            if failed.is_some() {
+                break;
+            }
+        }
+        after.map(free);
+        spent.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                acts.into_iter().for_each(free);
+                params.drain(..).for_each(free);
+                Err(e)
+            }
+        }
+    };
+    let zero_grad = |params: Vec<(usize, Layout)>| {
+        let t0 = Instant::now();
+        params.into_iter().for_each(free);
+        spent.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    };
+    // One step's forward pass; on an error its activations are freed.
+    let step_forward = || {
+        let mut acts = Vec::with_capacity(layers);
+        match forward(&mut acts) {
+            Ok(()) => Ok(acts),
+            Err(e) => {
+                acts.into_iter().for_each(free);
+                Err(e)
+            }
+        }
+    };
+    if threads <= 1 {
+        for _ in 0..steps {
+            let mut params = Vec::new();
+            backward(step_forward()?, &mut params)?;
+            zero_grad(params);
+        }
+    } else {
+        std::thread::scope(|scope| -> Result<(), Error> {
+            type Params = Result<Vec<(usize, Layout)>, Error>;
+            let (to_backward, acts_rx) = std::sync::mpsc::channel::<Vec<(usize, Layout)>>();
+            let (to_forward, params_rx) = std::sync::mpsc::channel::<Params>();
+            scope.spawn(move || {
+                for acts in acts_rx {
+                    let mut params = Vec::new();
+                    let done = backward(acts, &mut params).map(|()| params);
+                    if to_forward.send(done).is_err() {
+                        break;
+                    }
+                }
+            });
+            let ended = || Error::invalid_argument("the backward thread ended");
+            for _ in 0..steps {
+                to_backward.send(step_forward()?).map_err(|_| ended())?;
+                zero_grad(params_rx.recv().map_err(|_| ended())??);
+            }
+            Ok(())
+        })?;
+    }
+    Ok(spent.into_inner() as f64 / (steps * ops_per_step).max(1) as f64)
+}
+
 /// One workload's figures, as the anchors' CSV has them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
     /// The stack's name.
     pub resource: String,
     /// The workload: `pair-256B`, `pair-64KiB`, `pair-4MiB`, `random`, `random-mt`,
-    /// `random-1stream`.
+    /// `random-1stream`, `handoff`.
     pub workload: &'static str,
     /// Threads it ran on.
     pub threads: usize,
@@ -408,6 +546,10 @@ fn measure(mut run: impl FnMut() -> Result<f64, Error>) -> Result<(f64, f64), Er
     r.sort_by(f64::total_cmp);
     Ok((r[0], r[1]))
 }
+
+/// `handoff`'s layers and steps per run (docs/workloads.md).
+const HANDOFF_LAYERS: usize = 160;
+const HANDOFF_STEPS: usize = 200;
 
 /// `random`'s ops per run (docs/workloads.md), for stacks that do not call the driver each time.
 const RANDOM_OPS: usize = 200_000;
@@ -486,6 +628,11 @@ pub fn suite<R: Resource + Sync + ?Sized>(
             random_mt(r, &shared, nt)
         })?;
     }
+    let steps = (HANDOFF_STEPS / scale).max(1);
+    let ops = steps * (HANDOFF_LAYERS * 6 + 2 * HANDOFF_LAYERS.div_ceil(4));
+    run("handoff", 2, ops, &mut || {
+        handoff(r, s, HANDOFF_LAYERS, steps, 2)
+    })?;
     Ok(())
 }
 
