@@ -33,22 +33,30 @@ const LARGE_MIN: usize = 1 << 20;
 const LARGE_BYTES: usize = 8 << 20;
 
 /// One stream's free memory (of a pool, or of an arena, whose "chunks" are superblocks).
-/// The small blocks' cache comes first (`repr(C)`): with the list's lock before it, a
-/// cached block is found on the state's first cache line and one line of its bin.
+/// The small blocks' cache comes first (`repr(C)`): with the list's lock before it, its
+/// fields fill the state's first cache line, so a cached block of the smallest size
+/// cached is found on that line and one line of its bin's buffer, and one of another
+/// size on those and one line of the table of bins.
 #[repr(C)]
 pub(crate) struct FreeList {
-    /// Recently freed small blocks by size in granules, handed out again whole: entry
-    /// `i` for blocks of `quick_base + i` granules, the table only as long as the sizes
-    /// freed so far need (issue 49: a table of every size, `QUICK_UNITS + 1` entries or
-    /// 6 KiB, made a list cost 7 KiB, and a stream used by 16 threads' lanes 112.8 KiB,
-    /// for one 4 KiB block). Empty (no heap) until the first small block is freed, and
-    /// again after `release_memory`.
-    quick: Vec<Vec<usize>>,
-    /// The size in granules of `quick`'s first entry.
+    /// Recently freed small blocks of `quick_base` granules (the smallest size cached),
+    /// handed out again whole, newest first: the first bin of the small blocks' cache,
+    /// whose vector is on the state's first line (issue 49: through the table of bins,
+    /// every cached allocation and free on a cold list read one line more, the table's,
+    /// a miss per call at 16,384 streams; a program freeing small blocks of one size
+    /// uses this bin alone).
+    first: Vec<usize>,
+    /// The size in granules of `first`'s blocks; 0 while the cache has no bins (no
+    /// small block freed since the list was made or its memory released).
     quick_base: u32,
-    /// (At most `QUICK_BYTES`; this and `quick_base` are 32-bit so that a stream's
-    /// `List` fits 512 bytes.)
+    /// Bytes of the cached small blocks (at most [`QUICK_BYTES`]).
     quick_bytes: u32,
+    /// The other bins: entry `i` for blocks of `quick_base + 1 + i` granules, the table
+    /// only as long as the sizes freed so far need (issue 49: a table of every size,
+    /// `QUICK_UNITS + 1` entries or 6 KiB, made a list cost 7 KiB, and a stream used by
+    /// 16 threads' lanes 112.8 KiB, for one 4 KiB block). Empty (no heap) until a block
+    /// larger than the first bin's is freed, and again after `release_memory`.
+    quick: Vec<Vec<usize>>,
     pub(crate) free: FreeBlocks,
     /// Recently freed larger blocks, (address, size), oldest first: at most
     /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
@@ -76,9 +84,10 @@ impl FreeList {
                 Some(base) => FreeBlocks::address_ordered(base),
                 None => FreeBlocks::default(),
             },
-            quick: Vec::new(),
+            first: Vec::new(),
             quick_base: 0,
             quick_bytes: 0,
+            quick: Vec::new(),
             large: Vec::new(),
             large_bytes: 0,
             large_cap: 0,
@@ -124,29 +133,50 @@ impl FreeList {
             && units <= QUICK_UNITS
             && let Some(addr) = self.quick_bin(units).and_then(Vec::pop)
         {
+            // (At most `QUICK_BYTES`, as the cache's bytes are.)
             self.quick_bytes -= size as u32;
             return Some(addr);
         }
         self.take_uncached(size, align)
     }
 
-    /// The small blocks' cache's bin for blocks of `units` granules, if the table has one
-    /// (an index below `quick_base` wraps far past its end).
+    /// The small blocks' cache's bin for blocks of `units` granules, if it has one
+    /// (`first`, or an entry of the table: an index below `quick_base` wraps far past
+    /// its end).
     #[inline(always)]
     fn quick_bin(&mut self, units: usize) -> Option<&mut Vec<usize>> {
-        self.quick
-            .get_mut(units.wrapping_sub(self.quick_base as usize))
+        let base = self.quick_base as usize;
+        if units == base {
+            Some(&mut self.first)
+        } else {
+            self.quick.get_mut(units.wrapping_sub(base + 1))
+        }
+    }
+
+    /// The small blocks' bins with their blocks' sizes in bytes, smallest first.
+    fn quick_bins(&self) -> impl Iterator<Item = (usize, &Vec<usize>)> {
+        let base = self.quick_base as usize;
+        std::iter::once(&self.first)
+            .chain(self.quick.iter())
+            .enumerate()
+            .map(move |(at, bin)| ((base + at) * GRANULE, bin))
     }
 
     /// How many small blocks the cache holds, and the largest one's size.
     pub(crate) fn quick_blocks(&self) -> (usize, usize) {
-        let count = self.quick.iter().map(Vec::len).sum();
+        let count = self.quick_bins().map(|(_, bin)| bin.len()).sum();
         let largest = self
-            .quick
-            .iter()
-            .rposition(|bin| !bin.is_empty())
-            .map_or(0, |at| (self.quick_base as usize + at) * GRANULE);
+            .quick_bins()
+            .filter(|(_, bin)| !bin.is_empty())
+            .last()
+            .map_or(0, |(size, _)| size);
         (count, largest)
+    }
+
+    /// Whether the small blocks' cache takes `size` more bytes.
+    #[inline(always)]
+    fn quick_room(&self, size: usize) -> bool {
+        self.quick_bytes as usize + size <= QUICK_BYTES
     }
 
     /// [`take`](Self::take) past the small blocks' cache.
@@ -168,10 +198,11 @@ impl FreeList {
     pub(crate) fn put(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
         if units <= QUICK_UNITS
-            && self.quick_bytes as usize + size <= QUICK_BYTES
+            && self.quick_room(size)
             && let Some(cached) = self.quick_bin(units)
         {
             cached.push(addr);
+            // (At most `QUICK_BYTES` after.)
             self.quick_bytes += size as u32;
             return None;
         }
@@ -183,22 +214,32 @@ impl FreeList {
     #[inline(never)]
     fn put_uncached(&mut self, addr: usize, size: usize) -> Option<FreeBlock> {
         let units = size / GRANULE;
-        if units <= QUICK_UNITS && self.quick_bytes as usize + size <= QUICK_BYTES {
-            // The first block of a size outside the sizes cached so far: the table grows
+        if units <= QUICK_UNITS && self.quick_room(size) {
+            // The first block of a size outside the sizes cached so far: the bins grow
             // to take it in (with a bin, `put` took the block).
-            if self.quick.is_empty() {
+            let base = self.quick_base as usize;
+            if base == 0 {
+                // (`units` is at least 1 and at most `QUICK_UNITS`.)
                 self.quick_base = units as u32;
-            } else if units < self.quick_base as usize {
-                let lower = self.quick_base as usize - units;
-                self.quick
-                    .splice(0..0, std::iter::repeat_with(Vec::new).take(lower));
+                self.first.push(addr);
+            } else if units < base {
+                // A smaller size: it gets `first`, whose blocks go to the table.
+                let old = std::mem::take(&mut self.first);
+                self.quick.splice(
+                    0..0,
+                    std::iter::repeat_with(Vec::new)
+                        .take(base - units - 1)
+                        .chain(std::iter::once(old)),
+                );
                 self.quick_base = units as u32;
+                self.first.push(addr);
+            } else {
+                let at = units - base - 1;
+                if self.quick.len() <= at {
+                    self.quick.resize_with(at + 1, Vec::new);
+                }
+                self.quick[at].push(addr);
             }
-            let at = units - self.quick_base as usize;
-            if self.quick.len() <= at {
-                self.quick.resize_with(at + 1, Vec::new);
-            }
-            self.quick[at].push(addr);
             self.quick_bytes += size as u32;
             None
         } else if (LARGE_MIN..=LARGE_BYTES).contains(&size) && self.large_cap > 0 {
@@ -234,8 +275,15 @@ impl FreeList {
         if self.quick_bytes == 0 {
             return;
         }
+        let base = self.quick_base as usize;
+        let first = std::mem::take(&mut self.first);
+        for &addr in first.iter().rev() {
+            self.insert(addr, base * GRANULE);
+        }
+        self.first = first;
+        self.first.clear();
         for at in 0..self.quick.len() {
-            let size = (self.quick_base as usize + at) * GRANULE;
+            let size = (base + 1 + at) * GRANULE;
             while let Some(addr) = self.quick[at].pop() {
                 self.insert(addr, size);
             }
@@ -249,6 +297,7 @@ impl FreeList {
     /// copy of the chunk table.
     pub(crate) fn release_memory(&mut self) {
         if self.free_bytes() == 0 {
+            self.first = Vec::new();
             self.quick = Vec::new();
             self.quick_base = 0;
             self.large = Vec::new();
@@ -258,11 +307,9 @@ impl FreeList {
 
     /// Every free extent of the list, (address, size), cached ones included.
     pub(crate) fn free_extents(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        let base = self.quick_base as usize;
-        let quick =
-            self.quick.iter().enumerate().flat_map(move |(at, addrs)| {
-                addrs.iter().map(move |&a| (a, (base + at) * GRANULE))
-            });
+        let quick = self
+            .quick_bins()
+            .flat_map(|(size, addrs)| addrs.iter().map(move |&a| (a, size)));
         self.free
             .blocks()
             .map(|b| (b.addr, b.size))
@@ -350,8 +397,30 @@ mod tests {
         // The flag is the lock's first field.
         let flag = std::ptr::from_ref(&*list.state).addr() - base;
         let state = list.state.lock();
-        let cache_end = std::ptr::from_ref(&state.quick_bytes).addr() + size_of::<u32>() - base;
-        let cache_start = std::ptr::from_ref(&state.quick).addr() - base;
+        let start = |p: usize| p - base;
+        let end = |p: usize, len: usize| p + len - base;
+        let cache_start = start(std::ptr::from_ref(&state.first).addr());
+        let cache_end = [
+            end(
+                std::ptr::from_ref(&state.first).addr(),
+                size_of::<Vec<usize>>(),
+            ),
+            end(
+                std::ptr::from_ref(&state.quick_base).addr(),
+                size_of::<u32>(),
+            ),
+            end(
+                std::ptr::from_ref(&state.quick_bytes).addr(),
+                size_of::<u32>(),
+            ),
+            end(
+                std::ptr::from_ref(&state.quick).addr(),
+                size_of::<Vec<Vec<usize>>>(),
+            ),
+        ]
+        .into_iter()
+        .max()
+        .unwrap();
         // What searches read, on the first line; what the list's users write at every
         // call, on a line of its own 128 bytes on (no adjacent-line prefetch pairs them).
         assert!(key < 64 && hint < 64, "key at {key}, hint at {hint}");
@@ -368,5 +437,50 @@ mod tests {
             cache_start >= 128 && cache_end <= 192,
             "the small blocks' cache at {cache_start}..{cache_end}"
         );
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod bin_tests {
+    use super::{FreeList, GRANULE};
+
+    /// Small blocks of several sizes, the smallest freed last (it takes the first bin
+    /// from a larger size, whose blocks move to the table of bins): each size's blocks
+    /// come back newest first and whole, the counts and extents see every cached block,
+    /// and a flush hands them all to the coalesced blocks.
+    #[test]
+    fn the_first_bin_moves_to_the_table_when_a_smaller_size_comes() {
+        let mut list = FreeList::new(std::iter::once((0, 1 << 20)), None);
+        let g = GRANULE;
+        let frees = [(3, 0), (3, 3), (5, 10), (1, 20), (2, 30), (1, 40)];
+        for &(units, at) in &frees {
+            assert!(
+                list.put(at * g, units * g).is_none(),
+                "{units} granules cached"
+            );
+        }
+        let cached: usize = frees.iter().map(|&(units, _)| units * g).sum();
+        assert_eq!(list.free_bytes(), cached);
+        assert_eq!(list.quick_blocks(), (6, 5 * g));
+        let mut extents: Vec<_> = list.free_extents().collect();
+        extents.sort_unstable();
+        let mut expected: Vec<_> = frees.iter().map(|&(u, at)| (at * g, u * g)).collect();
+        expected.sort_unstable();
+        assert_eq!(extents, expected);
+        assert_eq!(list.take(g, g), Some(40 * g));
+        assert_eq!(list.take(3 * g, g), Some(3 * g));
+        assert_eq!(list.take(3 * g, g), Some(0));
+        assert_eq!(list.take(5 * g, g), Some(10 * g));
+        assert_eq!(list.free_bytes(), 3 * g);
+        list.flush();
+        assert_eq!(list.quick_blocks(), (0, 0));
+        assert_eq!(list.free_bytes(), 3 * g);
+        // Coalesced: the 1- and 2-granule blocks at 20 and 30 granules, apart.
+        assert_eq!(list.take(2 * g, g), Some(30 * g));
+        assert_eq!(list.take(g, g), Some(20 * g));
+        assert_eq!(list.free_bytes(), 0);
+        list.release_memory();
+        assert!(list.put(7 * g, 2 * g).is_none());
+        assert_eq!(list.take(2 * g, g), Some(7 * g));
     }
 }
