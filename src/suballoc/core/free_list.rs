@@ -57,12 +57,18 @@ pub(crate) struct FreeList {
     /// 16 threads' lanes 112.8 KiB, for one 4 KiB block). Empty (no heap) until a block
     /// larger than the first bin's is freed, and again after `release_memory`.
     quick: Vec<Vec<usize>>,
+    /// Bytes of `large`'s blocks. From here to the first fields of `free` (its bytes and
+    /// class summary) is the state's second cache line: what a request that the small
+    /// blocks' cache cannot serve reads first (one to an empty list, half the
+    /// allocations on random streams, reads nothing further of the list; issue 49: with
+    /// these fields apart it read two more lines). This and `large_cap` are 32-bit so
+    /// that a stream's `List` fits 512 bytes.
+    large_bytes: u32,
+    large_cap: u32,
     pub(crate) free: FreeBlocks,
     /// Recently freed larger blocks, (address, size), oldest first: at most
     /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
     pub(crate) large: Vec<(usize, usize)>,
-    large_bytes: u32,
-    large_cap: u32,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
     /// lists, which read `superblocks`.
@@ -88,8 +94,8 @@ impl FreeList {
             quick_base: 0,
             quick_bytes: 0,
             quick: Vec::new(),
-            large: Vec::new(),
             large_bytes: 0,
+            large: Vec::new(),
             large_cap: 0,
             chunks: chunks.collect(),
             superblocks: None,
@@ -184,6 +190,7 @@ impl FreeList {
     fn take_uncached(&mut self, size: usize, align: usize) -> Option<usize> {
         if align == GRANULE
             && size >= LARGE_MIN
+            && self.large_bytes != 0
             && let Some(i) = self.large.iter().rposition(|&(_, n)| n == size)
         {
             self.large_bytes -= size as u32;
@@ -268,10 +275,14 @@ impl FreeList {
 
     /// Coalesces the cached small blocks into the free list.
     pub(crate) fn flush(&mut self) {
-        for (addr, size) in std::mem::take(&mut self.large) {
-            self.insert(addr, size);
+        // (Written only when it holds blocks: a search flushes lists whose state is cold,
+        // and the large blocks' fields are on a line the rest of a flush may not read.)
+        if self.large_bytes != 0 {
+            for (addr, size) in std::mem::take(&mut self.large) {
+                self.insert(addr, size);
+            }
+            self.large_bytes = 0;
         }
-        self.large_bytes = 0;
         if self.quick_bytes == 0 {
             return;
         }
@@ -374,7 +385,7 @@ impl super::ordered::Contents for FreeList {
 
 #[cfg(all(test, not(memres_loom)))]
 mod tests {
-    use super::FreeList;
+    use super::{FreeBlocks, FreeList};
     use crate::suballoc::core::list_table::ListTable;
     use crate::suballoc::core::stream_key::StreamKey;
 
@@ -436,6 +447,15 @@ mod tests {
         assert!(
             cache_start >= 128 && cache_end <= 192,
             "the small blocks' cache at {cache_start}..{cache_end}"
+        );
+        // What a request the cache cannot serve reads first (the large blocks' and the
+        // coalesced blocks' bytes, their class summary), on the state's second line.
+        let large = start(std::ptr::from_ref(&state.large_bytes).addr());
+        let free = start(std::ptr::from_ref(&state.free).addr());
+        let free_end = free + FreeBlocks::HOT_BYTES;
+        assert!(
+            large >= 192 && free_end <= 256,
+            "the slow path's first fields at {large}..{free_end}"
         );
     }
 }
