@@ -163,7 +163,7 @@ pub(crate) struct FreeBlocks {
 
 impl FreeBlocks {
     /// The bytes at the start of a `FreeBlocks` that a request to an empty list reads.
-    #[cfg(test)]
+    #[cfg(all(test, not(memres_loom)))]
     pub(crate) const HOT_BYTES: usize =
         std::mem::offset_of!(FreeBlocks, regions) + size_of::<Option<Box<Ordered>>>();
 }
