@@ -667,8 +667,16 @@ impl<S> ListTable<S> {
     /// lookup per lane that some stream of the map has, however many streams it holds.
     pub(crate) fn other_lanes(&self, own: &List<S>) -> impl Iterator<Item = &List<S>> {
         let table = self.table();
-        let lanes = if own.key.is_per_thread() { 0 } else { LANES };
         let made = self.rare.lanes.load(Ordering::Relaxed);
+        // With one lane made (a stream's list's own: its bit is set before the list is
+        // published) there is no other, and the list's key, on the line other threads'
+        // searches read, is not read (issue 49: a miss on most empty lists' requests at
+        // 16,384 streams of one thread each).
+        let lanes = if made.count_ones() <= 1 || own.key.is_per_thread() {
+            0
+        } else {
+            LANES
+        };
         (0..lanes)
             .filter(move |lane| made & (1 << lane) != 0)
             .map(move |lane| own.key.in_lane(lane))
