@@ -343,8 +343,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             let s = list.state.lock();
             stats.free_bytes += s.free_bytes();
             let (quick_blocks, quick_largest) = s.quick_blocks();
-            stats.free_blocks += s.free.len() + quick_blocks + s.large.len();
-            let large_largest = s.large.iter().map(|&(_, n)| n).max().unwrap_or(0);
+            stats.free_blocks += s.free.len() + quick_blocks + s.large_blocks().len();
+            let large_largest = s.large_blocks().iter().map(|&(_, n)| n).max().unwrap_or(0);
             stats.largest_free_block = stats
                 .largest_free_block
                 .max(s.free.largest())

@@ -55,8 +55,19 @@ pub(crate) struct FreeList {
     /// only as long as the sizes freed so far need (issue 49: a table of every size,
     /// `QUICK_UNITS + 1` entries or 6 KiB, made a list cost 7 KiB, and a stream used by
     /// 16 threads' lanes 112.8 KiB, for one 4 KiB block). Empty (no heap) until a block
-    /// larger than the first bin's is freed, and again after `release_memory`.
-    quick: Vec<Vec<usize>>,
+    /// larger than the first bin's is freed, and again after `release_memory`. A boxed
+    /// slice, not a vector (it grows at most once per size, by a copy): 8 bytes less, so
+    /// that with `first` inline a stream's `List` still fits 512 bytes.
+    quick: Box<[Vec<usize>]>,
+    /// Recently freed larger blocks, (address, size), oldest first: at most
+    /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
+    /// Boxed (made with the first such block, dropped by `release_memory`): 8 bytes
+    /// inline instead of a vector's 24, so that with `first` inline a stream's `List`
+    /// still fits 512 bytes; a request for a block of 1 MiB or more, the only one that
+    /// reads it (and only while `large_bytes` is not 0), costs far more than the
+    /// pointer's line. It fills the state's first line, the small blocks' cache's,
+    /// which the other fields leave 8 bytes of.
+    large: Option<Box<Vec<(usize, usize)>>>,
     /// Bytes of `large`'s blocks. From here to the first fields of `free` (its bytes and
     /// class summary) is the state's second cache line: what a request that the small
     /// blocks' cache cannot serve reads first (one to an empty list, half the
@@ -66,9 +77,6 @@ pub(crate) struct FreeList {
     large_bytes: u32,
     large_cap: u32,
     pub(crate) free: FreeBlocks,
-    /// Recently freed larger blocks, (address, size), oldest first: at most
-    /// `large_cap` (0 for an arena, whose frees must coalesce to return superblocks).
-    pub(crate) large: Vec<(usize, usize)>,
     /// The pool's chunks, start to size (a copy per stream, so the free path needs no
     /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
     /// lists, which read `superblocks`.
@@ -93,9 +101,9 @@ impl FreeList {
             first: Vec::new(),
             quick_base: 0,
             quick_bytes: 0,
-            quick: Vec::new(),
+            quick: Box::default(),
             large_bytes: 0,
-            large: Vec::new(),
+            large: None,
             large_cap: 0,
             chunks: chunks.collect(),
             superblocks: None,
@@ -191,10 +199,11 @@ impl FreeList {
         if align == GRANULE
             && size >= LARGE_MIN
             && self.large_bytes != 0
-            && let Some(i) = self.large.iter().rposition(|&(_, n)| n == size)
+            && let Some(large) = self.large.as_mut()
+            && let Some(i) = large.iter().rposition(|&(_, n)| n == size)
         {
             self.large_bytes -= size as u32;
-            return Some(self.large.remove(i).0);
+            return Some(large.remove(i).0);
         }
         self.free.take(size, align)
     }
@@ -232,31 +241,39 @@ impl FreeList {
             } else if units < base {
                 // A smaller size: it gets `first`, whose blocks go to the table.
                 let old = std::mem::take(&mut self.first);
-                self.quick.splice(
+                let mut table = std::mem::take(&mut self.quick).into_vec();
+                table.splice(
                     0..0,
                     std::iter::repeat_with(Vec::new)
                         .take(base - units - 1)
                         .chain(std::iter::once(old)),
                 );
+                self.quick = table.into_boxed_slice();
                 self.quick_base = units as u32;
                 self.first.push(addr);
             } else {
                 let at = units - base - 1;
                 if self.quick.len() <= at {
-                    self.quick.resize_with(at + 1, Vec::new);
+                    let mut table = std::mem::take(&mut self.quick).into_vec();
+                    table.resize_with(at + 1, Vec::new);
+                    self.quick = table.into_boxed_slice();
                 }
                 self.quick[at].push(addr);
             }
             self.quick_bytes += size as u32;
             None
         } else if (LARGE_MIN..=LARGE_BYTES).contains(&size) && self.large_cap > 0 {
-            if self.large.len() == self.large_cap as usize {
-                let (old, n) = self.large.remove(0);
+            let cap = self.large_cap as usize;
+            let large = self
+                .large
+                .get_or_insert_with(|| Box::new(Vec::with_capacity(cap)));
+            let oldest = (large.len() == cap).then(|| large.remove(0));
+            large.push((addr, size));
+            self.large_bytes += size as u32;
+            if let Some((old, n)) = oldest {
                 self.large_bytes -= n as u32;
                 self.insert(old, n);
             }
-            self.large.push((addr, size));
-            self.large_bytes += size as u32;
             None
         } else {
             Some(self.insert(addr, size))
@@ -278,9 +295,15 @@ impl FreeList {
         // (Written only when it holds blocks: a search flushes lists whose state is cold,
         // and the large blocks' fields are on a line the rest of a flush may not read.)
         if self.large_bytes != 0 {
-            for (addr, size) in std::mem::take(&mut self.large) {
+            let mut large = self.large.take();
+            for &(addr, size) in large.iter().flat_map(|blocks| blocks.iter()) {
                 self.insert(addr, size);
             }
+            // (The box and its buffer kept for the next large blocks.)
+            if let Some(blocks) = &mut large {
+                blocks.clear();
+            }
+            self.large = large;
             self.large_bytes = 0;
         }
         if self.quick_bytes == 0 {
@@ -309,11 +332,16 @@ impl FreeList {
     pub(crate) fn release_memory(&mut self) {
         if self.free_bytes() == 0 {
             self.first = Vec::new();
-            self.quick = Vec::new();
+            self.quick = Box::default();
             self.quick_base = 0;
-            self.large = Vec::new();
+            self.large = None;
             self.free.release_memory();
         }
+    }
+
+    /// The cached larger blocks, (address, size), oldest first.
+    pub(crate) fn large_blocks(&self) -> &[(usize, usize)] {
+        self.large.as_deref().map_or(&[], Vec::as_slice)
     }
 
     /// Every free extent of the list, (address, size), cached ones included.
@@ -325,7 +353,7 @@ impl FreeList {
             .blocks()
             .map(|b| (b.addr, b.size))
             .chain(quick)
-            .chain(self.large.iter().copied())
+            .chain(self.large_blocks().iter().copied())
     }
 
     /// Takes in blocks drained from other lists of the pool (coalescing them with its
@@ -426,7 +454,7 @@ mod tests {
             ),
             end(
                 std::ptr::from_ref(&state.quick).addr(),
-                size_of::<Vec<Vec<usize>>>(),
+                size_of::<Box<[Vec<usize>]>>(),
             ),
         ]
         .into_iter()
