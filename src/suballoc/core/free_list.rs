@@ -79,12 +79,20 @@ pub(crate) struct FreeList {
     large_bytes: u32,
     large_cap: u32,
     pub(crate) free: FreeBlocks,
-    /// The pool's chunks, start to size (a copy per stream, so the free path needs no
-    /// shared lock); blocks never merge across a chunk's start. Empty in an arena's
-    /// lists, which read `superblocks`.
-    pub(crate) chunks: AddrMap<usize>,
+    /// The starts of the blocks' chunks (blocks never merge across a chunk's start).
+    chunks: Chunks,
+}
+
+/// Where a list learns the chunks its blocks never merge across: a pool's own copy of
+/// its chunk table, or an arena's table of superblocks. One field for either (32 bytes:
+/// the arena's pointer lies beside the vector's capacity, whose values past `isize::MAX`
+/// tell the two apart), not two, so that a stream's `List` fits 512 bytes.
+enum Chunks {
+    /// A pool's chunks, start to size (a copy per stream, so the free path needs no
+    /// shared lock).
+    Pool(AddrMap<usize>),
     /// An arena's superblocks, shared by all its lists.
-    superblocks: Option<Arc<Superblocks>>,
+    Arena(Arc<Superblocks>),
 }
 
 impl FreeList {
@@ -107,15 +115,14 @@ impl FreeList {
             large_bytes: 0,
             large: None,
             large_cap: 0,
-            chunks: chunks.collect(),
-            superblocks: None,
+            chunks: Chunks::Pool(chunks.collect()),
         }
     }
 
     /// The list of an arena with these superblocks (which are its chunks).
     pub(crate) fn in_arena(superblocks: Arc<Superblocks>) -> FreeList {
         FreeList {
-            superblocks: Some(superblocks),
+            chunks: Chunks::Arena(superblocks),
             ..FreeList::new(std::iter::empty(), None)
         }
     }
@@ -123,9 +130,25 @@ impl FreeList {
     /// The size of the chunk starting at `addr`, if one does.
     #[inline]
     pub(crate) fn chunk_at(&self, addr: usize) -> Option<usize> {
-        match &self.superblocks {
-            Some(table) => table.size_at(addr),
-            None => self.chunks.get(&addr).copied(),
+        match &self.chunks {
+            Chunks::Arena(table) => table.size_at(addr),
+            Chunks::Pool(chunks) => chunks.get(&addr).copied(),
+        }
+    }
+
+    /// Tells a pool's list of its pool's chunk `[addr, addr + size)` (an arena's list
+    /// reads its superblocks' table: nothing to do).
+    pub(crate) fn add_chunk(&mut self, addr: usize, size: usize) {
+        if let Chunks::Pool(chunks) = &mut self.chunks {
+            chunks.insert(addr, size);
+        }
+    }
+
+    /// Tells a pool's list that its pool gave back the chunk at `addr` (see
+    /// [`add_chunk`](Self::add_chunk)).
+    pub(crate) fn remove_chunk(&mut self, addr: usize) {
+        if let Chunks::Pool(chunks) = &mut self.chunks {
+            chunks.remove(&addr);
         }
     }
 
