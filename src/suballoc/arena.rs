@@ -284,7 +284,7 @@ impl<U: Resource> Arena<U> {
         for list in self.lists.all() {
             let s = list.state.lock();
             free += s.free_bytes();
-            largest = largest.max(s.free.largest());
+            largest = largest.max(s.largest_coalesced());
             let _ = write!(streams, "\n  {:?}: {} bytes free", list.key, s.free_bytes());
         }
         let fragmentation = if free == 0 {
@@ -363,6 +363,18 @@ impl<U: Resource> Arena<U> {
             };
             let mut s = list.state.lock();
             if s.free_bytes() < size {
+                continue;
+            }
+            // The common case, without index work: the list holds the superblock and
+            // nothing else, as its fresh extent and small cached blocks.
+            if s.take_whole(sb, size) {
+                let block = FreeBlock {
+                    addr: sb,
+                    size,
+                    starts_chunk: true,
+                };
+                taken.push((list, block));
+                s.free.release_memory();
                 continue;
             }
             s.flush();
@@ -527,13 +539,9 @@ impl<U: Resource> Arena<U> {
         self.table.set(sb, sb_size);
         global.owners.insert(sb, own.key);
         let mut s = own.state.lock();
-        s.free.insert(FreeBlock {
-            addr: sb,
-            size: sb_size,
-            starts_chunk: true,
-        });
-        s.free
-            .take(fit.size, fit.align)
+        // Kept whole, outside the list's index (see `FreeList::add_superblock`).
+        s.add_superblock(sb, sb_size);
+        s.take_uncached(fit.size, fit.align)
             .expect("a request fits its new superblock")
     }
 }

@@ -92,7 +92,21 @@ enum Chunks {
     /// shared lock).
     Pool(AddrMap<usize>),
     /// An arena's superblocks, shared by all its lists.
-    Arena(Arc<Superblocks>),
+    /// An arena's superblocks, shared by all its lists, and the list's fresh extent: the
+    /// superblock the arena last gave the list, less what requests took from its front,
+    /// `[start, end)`, free, kept as one extent outside the list's index (empty when
+    /// `start == end`). Requests that the index cannot serve take from its front;
+    /// [`flush`](FreeList::flush), and a free that reaches its start, put it in the
+    /// index. With far more streams than superblocks, a stream's superblock is mostly
+    /// taken back (whole again) before the stream uses it for more than one block: kept
+    /// out of the index, handing it over costs no index work at either end (issue 51
+    /// item 4: that work was about half the time of a pair on a stream whose superblock
+    /// had gone to another stream). (In this variant, beside the superblocks' pointer,
+    /// so that a stream's `List` stays 512 bytes: a pool's list has no fresh extent.)
+    Arena {
+        superblocks: Arc<Superblocks>,
+        fresh: (usize, usize),
+    },
 }
 
 impl FreeList {
@@ -122,7 +136,10 @@ impl FreeList {
     /// The list of an arena with these superblocks (which are its chunks).
     pub(crate) fn in_arena(superblocks: Arc<Superblocks>) -> FreeList {
         FreeList {
-            chunks: Chunks::Arena(superblocks),
+            chunks: Chunks::Arena {
+                superblocks,
+                fresh: (0, 0),
+            },
             ..FreeList::new(std::iter::empty(), None)
         }
     }
@@ -131,7 +148,9 @@ impl FreeList {
     #[inline]
     pub(crate) fn chunk_at(&self, addr: usize) -> Option<usize> {
         match &self.chunks {
-            Chunks::Arena(table) => table.size_at(addr),
+            Chunks::Arena {
+                superblocks: table, ..
+            } => table.size_at(addr),
             Chunks::Pool(chunks) => chunks.get(&addr).copied(),
         }
     }
@@ -218,9 +237,10 @@ impl FreeList {
         self.quick_bytes as usize + size <= QUICK_BYTES
     }
 
-    /// [`take`](Self::take) past the small blocks' cache.
+    /// [`take`](Self::take) past the small blocks' cache: a cached large block of that
+    /// size, else a block of the index, else the front of the fresh superblock.
     #[inline(never)]
-    fn take_uncached(&mut self, size: usize, align: usize) -> Option<usize> {
+    pub(crate) fn take_uncached(&mut self, size: usize, align: usize) -> Option<usize> {
         if align == GRANULE
             && size >= LARGE_MIN
             && self.large_bytes != 0
@@ -230,7 +250,96 @@ impl FreeList {
             self.large_bytes -= size as u32;
             return Some(large.remove(i).0);
         }
-        self.free.take(size, align)
+        self.free
+            .take(size, align)
+            .or_else(|| self.take_fresh(size, align))
+    }
+
+    /// `size` bytes aligned to `align` from the front of the fresh superblock; the
+    /// padding before them, if any, goes to the index.
+    fn take_fresh(&mut self, size: usize, align: usize) -> Option<usize> {
+        let Chunks::Arena { fresh, .. } = &mut self.chunks else {
+            return None;
+        };
+        let (start, end) = *fresh;
+        let addr = start.checked_add(align - 1)? & !(align - 1);
+        let top = addr.checked_add(size).filter(|&top| top <= end)?;
+        fresh.0 = top;
+        if addr > start {
+            // (Ends below the fresh extent's new start: no spill.)
+            self.insert(start, addr - start);
+        }
+        Some(addr)
+    }
+
+    /// Gives the list an arena's superblock `[addr, addr + size)`, kept whole as the
+    /// fresh extent (a previous one goes to the index first; a pool's list, which has no
+    /// fresh extent, puts it in its index).
+    pub(crate) fn add_superblock(&mut self, addr: usize, size: usize) {
+        self.spill_fresh();
+        match &mut self.chunks {
+            Chunks::Arena { fresh, .. } => *fresh = (addr, addr + size),
+            Chunks::Pool(_) => {
+                self.insert(addr, size);
+            }
+        }
+    }
+
+    /// The fresh extent, `(start, end)` (see [`Chunks::Arena`]); empty in a pool's list.
+    #[inline]
+    fn fresh(&self) -> (usize, usize) {
+        match &self.chunks {
+            Chunks::Arena { fresh, .. } => *fresh,
+            Chunks::Pool(_) => (0, 0),
+        }
+    }
+
+    /// Puts the fresh extent in the index, merged with its neighbours; returns the merged
+    /// block, if the extent held any bytes.
+    fn spill_fresh(&mut self) -> Option<FreeBlock> {
+        let (start, end) = match &mut self.chunks {
+            Chunks::Arena { fresh, .. } => std::mem::take(fresh),
+            Chunks::Pool(_) => return None,
+        };
+        (start < end).then(|| {
+            let starts_chunk = self.chunk_at(start).is_some();
+            self.free.insert(FreeBlock {
+                addr: start,
+                size: end - start,
+                starts_chunk,
+            })
+        })
+    }
+
+    /// Empties the list if what it holds is exactly `[addr, addr + size)` in its fresh
+    /// extent and small blocks' cache (an idle stream's superblock, whole again), with
+    /// nothing in the index; returns whether it did. Free extents never overlap, so
+    /// extents inside the range that add up to its size cover it. Otherwise nothing
+    /// changes.
+    pub(crate) fn take_whole(&mut self, addr: usize, size: usize) -> bool {
+        let inside = |(a, n): (usize, usize)| a >= addr && a + n <= addr + size;
+        if self.free.len() != 0 || self.free_bytes() != size || !self.free_extents().all(inside) {
+            return false;
+        }
+        self.first.clear();
+        for bin in &mut self.quick {
+            bin.clear();
+        }
+        self.quick_bytes = 0;
+        if let Some(large) = &mut self.large {
+            large.clear();
+        }
+        self.large_bytes = 0;
+        if let Chunks::Arena { fresh, .. } = &mut self.chunks {
+            *fresh = (0, 0);
+        }
+        true
+    }
+
+    /// The largest free extent outside the small blocks' cache (a scan: for statistics).
+    pub(crate) fn largest_coalesced(&self) -> usize {
+        let (start, end) = self.fresh();
+        self.free.largest().max(end - start)
     }
 
     /// Frees a block into the list: cached if small, else coalesced (and then returned,
@@ -305,18 +414,27 @@ impl FreeList {
         }
     }
 
+    /// Frees a block into the index, merged with its neighbours (and with the fresh
+    /// extent, which then joins the index, when it ends at the extent's start); returns
+    /// the merged block.
     #[inline]
     pub(crate) fn insert(&mut self, addr: usize, size: usize) -> FreeBlock {
         let starts_chunk = self.chunk_at(addr).is_some();
-        self.free.insert(FreeBlock {
+        let merged = self.free.insert(FreeBlock {
             addr,
             size,
             starts_chunk,
-        })
+        });
+        let (start, end) = self.fresh();
+        if merged.addr + merged.size == start && start < end {
+            return self.spill_fresh().unwrap_or(merged);
+        }
+        merged
     }
 
-    /// Coalesces the cached small blocks into the free list.
+    /// Coalesces the cached small blocks and the fresh extent into the index.
     pub(crate) fn flush(&mut self) {
+        self.spill_fresh();
         // (Written only when it holds blocks: a search flushes lists whose state is cold,
         // and the large blocks' fields are on a line the rest of a flush may not read.)
         if self.large_bytes != 0 {
@@ -374,9 +492,11 @@ impl FreeList {
         let quick = self
             .quick_bins()
             .flat_map(|(size, addrs)| addrs.iter().map(move |&a| (a, size)));
+        let (start, end) = self.fresh();
         self.free
             .blocks()
             .map(|b| (b.addr, b.size))
+            .chain((start < end).then_some((start, end - start)))
             .chain(quick)
             .chain(self.large_blocks().iter().copied())
     }
@@ -400,7 +520,8 @@ impl FreeList {
     }
 
     pub(crate) fn free_bytes(&self) -> usize {
-        self.free.bytes() + self.quick_bytes as usize + self.large_bytes as usize
+        let (start, end) = self.fresh();
+        self.free.bytes() + self.quick_bytes as usize + self.large_bytes as usize + (end - start)
     }
 }
 
