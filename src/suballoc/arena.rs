@@ -25,8 +25,15 @@ use crate::sync::{Arc, Mutex, MutexGuard};
 /// The global arena.
 #[derive(Default)]
 pub(crate) struct Global {
-    /// Free memory no stream may still be using.
+    /// Free memory no stream may still be using (but `whole`).
     free: FreeBlocks,
+    /// Free superblocks of [`SUPERBLOCK_SIZE`] taken back from streams, kept apart from
+    /// `free` (neither merged nor indexed) for the next stream that needs one: with far
+    /// more streams than superblocks, each stream's pair otherwise merged a superblock
+    /// into `free` and split one off it again (issue 51 item 4). They join `free` when a
+    /// request `free` cannot serve needs them merged, and before a trim ends or a dump
+    /// reports.
+    whole: Vec<FreeBlock>,
     /// Superblocks given back by CUDA streams' arenas: free at once for their own stream
     /// (any lane), for others once the stream's context is synchronised.
     pending: Vec<Pending>,
@@ -47,6 +54,54 @@ struct Pending {
 }
 
 impl Global {
+    /// Makes `block` free: kept apart when it is one whole superblock of the usual size
+    /// (see `whole`), else merged into `free`.
+    fn give(&mut self, block: FreeBlock) {
+        if block.size == SUPERBLOCK_SIZE {
+            self.whole.push(block);
+        } else {
+            self.free.insert(block);
+        }
+    }
+
+    /// `size` bytes aligned to `align` of the free memory: a kept superblock for a
+    /// superblock's request, else from `free`, merging the kept ones into it first when
+    /// `free` alone has no fit.
+    fn take_free(&mut self, size: usize, align: usize) -> Option<usize> {
+        if size == SUPERBLOCK_SIZE
+            && align == GRANULE
+            && let Some(sb) = self.whole.pop()
+        {
+            return Some(sb.addr);
+        }
+        if let Some(addr) = self.free.take(size, align) {
+            return Some(addr);
+        }
+        if self.whole.is_empty() {
+            return None;
+        }
+        self.merge_whole();
+        self.free.take(size, align)
+    }
+
+    /// Merges the kept superblocks into `free`.
+    fn merge_whole(&mut self) {
+        for block in std::mem::take(&mut self.whole) {
+            self.free.insert(block);
+        }
+    }
+
+    /// Free bytes (`free` and the kept superblocks).
+    fn free_bytes(&self) -> usize {
+        self.free.bytes() + self.whole.len() * SUPERBLOCK_SIZE
+    }
+
+    /// Whether a block of `need` bytes is free in one piece (or may be, once the kept
+    /// superblocks are merged: then `take_free` merges them).
+    fn may_fit(&self, need: usize) -> bool {
+        (need <= SUPERBLOCK_SIZE && !self.whole.is_empty()) || self.free.largest() >= need
+    }
+
     fn pending_bytes(&self) -> usize {
         self.pending.iter().map(|p| p.free.bytes()).sum()
     }
@@ -231,7 +286,7 @@ impl<U: Resource> Arena<U> {
             .iter()
             .map(|s| s.state.lock().free_bytes())
             .sum();
-        global.free.bytes() + pending + streams
+        global.free_bytes() + pending + streams
     }
 
     /// Superblocks that streams' arenas hold.
@@ -276,9 +331,10 @@ impl<U: Resource> Arena<U> {
     /// (global and per stream), the largest free block and the fragmentation.
     pub fn dump(&self) -> String {
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let global = lock(&self.global);
+        let mut global = lock(&self.global);
+        global.merge_whole(); // (the largest block as merged)
         let pending = global.pending_bytes();
-        let mut free = global.free.bytes() + pending;
+        let mut free = global.free_bytes() + pending;
         let mut largest = global.free.largest();
         let mut streams = String::new();
         for list in self.lists.all() {
@@ -299,7 +355,7 @@ impl<U: Resource> Arena<U> {
             self.size,
             self.table.iter().count(),
             free,
-            global.free.bytes(),
+            global.free_bytes(),
             largest,
         )
     }
@@ -321,18 +377,18 @@ impl<U: Resource> Arena<U> {
         align: usize,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
-        if let Some(addr) = global.free.take(size, align) {
+        if let Some(addr) = global.take_free(size, align) {
             return Ok(Some(addr));
         }
         if !may_wait {
             return Ok(None);
         }
         self.settle_pending(global)?;
-        if let Some(addr) = global.free.take(size, align) {
+        if let Some(addr) = global.take_free(size, align) {
             return Ok(Some(addr));
         }
         self.defragment(global, size)?;
-        Ok(global.free.take(size, align))
+        Ok(global.take_free(size, align))
     }
 
     /// Waits for the streams of pending memory and makes it free.
@@ -404,7 +460,7 @@ impl<U: Resource> Arena<U> {
             self.table.clear(block.addr);
             global.owners.remove(&block.addr);
             bytes += block.size;
-            global.free.insert(self.block(block.addr, block.size));
+            global.give(self.block(block.addr, block.size));
         }
         tracing::debug!(
             target: "memres::arena",
@@ -427,7 +483,7 @@ impl<U: Resource> Arena<U> {
     fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
         // Idle streams' superblocks first; the scan of every list below only when they
         // cannot serve the request (or for a trim, `need` 0, which takes back all).
-        if self.take_idle_superblocks(global)? > 0 && need > 0 && global.free.largest() >= need {
+        if self.take_idle_superblocks(global)? > 0 && need > 0 && global.may_fit(need) {
             return Ok(());
         }
         let starts: Vec<(usize, usize)> = self.table.iter().collect();
@@ -455,7 +511,7 @@ impl<U: Resource> Arena<U> {
         });
         let whole = |i: usize| free[i] == starts[i].1;
         // Nothing to gain when all free memory together is less than the request.
-        if listed + global.free.bytes() < need || !(0..starts.len()).any(whole) {
+        if listed + global.free_bytes() < need || !(0..starts.len()).any(whole) {
             return Ok(());
         }
         // Take the candidates' pieces out of every list that holds some.
@@ -513,7 +569,7 @@ impl<U: Resource> Arena<U> {
         for (sb, size) in returned {
             self.table.clear(sb);
             global.owners.remove(&sb);
-            global.free.insert(self.block(sb, size));
+            global.give(self.block(sb, size));
         }
         waited
     }
@@ -610,7 +666,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         self.lists
             .merge_into(host, FreeList::drain, FreeList::absorb)?;
         self.settle_pending(global)?;
-        self.defragment(global, 0)
+        let done = self.defragment(global, 0);
+        global.merge_whole();
+        done
     }
 
     fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Global> {
@@ -639,7 +697,7 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         if let Some(n) = fit.superblock
             && let Some(sb) = global
                 .take_own_pending(own, n)
-                .or_else(|| global.free.take(n, GRANULE))
+                .or_else(|| global.take_free(n, GRANULE))
         {
             return Ok(Some(self.install(global, own, sb, n, fit)));
         }
@@ -755,7 +813,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             global.owners.remove(&sb.addr);
             let block = self.block(sb.addr, sb.size);
             if list.key.is_host() {
-                global.free.insert(block);
+                global.give(block);
             } else {
                 global.add_pending(list, block);
             }
