@@ -876,6 +876,31 @@ mod tests {
         assert_eq!(arena.free_bytes(), 2 * MIB);
     }
 
+    /// Superblocks taken back whole from idle streams wait apart from the global arena's
+    /// index, and are merged into it when a request needs them together: two idle
+    /// streams' superblocks serve a request of two.
+    #[test]
+    fn superblocks_kept_apart_merge_for_a_larger_request() {
+        let arena = Arena::with_size(HostHeap::new(), 2 * MIB).unwrap();
+        let l = crate::layout(4096).unwrap();
+        for id in 1..=3 {
+            let stream = StreamRef::host(id);
+            let p = arena.allocate(stream, l).unwrap();
+            // SAFETY: allocated just above with `l` on `stream`.
+            unsafe { arena.deallocate(stream, p, l) };
+        }
+        assert_eq!(lock(&arena.global).whole.len(), 1, "one kept apart");
+        let two = crate::layout(2 * MIB).unwrap();
+        let p = arena.allocate(StreamRef::host(4), two).unwrap();
+        assert!(lock(&arena.global).whole.is_empty());
+        // SAFETY: allocated just above with `two` on this stream.
+        unsafe { arena.deallocate(StreamRef::host(4), p, two) };
+        arena.trim().unwrap();
+        assert!(lock(&arena.global).whole.is_empty(), "merged by the trim");
+        assert_eq!(arena.free_bytes(), 2 * MIB);
+        assert!(arena.dump().contains("largest free block 2097152 bytes"));
+    }
+
     #[test]
     fn a_stream_takes_back_its_own_superblocks_without_a_wait() {
         if crate::driver::is_present() {

@@ -559,9 +559,96 @@ impl super::ordered::Contents for FreeList {
 
 #[cfg(all(test, not(memres_loom)))]
 mod tests {
-    use super::{FreeBlocks, FreeList};
+    use super::{FreeBlock, FreeBlocks, FreeList, GRANULE};
     use crate::suballoc::core::list_table::ListTable;
     use crate::suballoc::core::stream_key::StreamKey;
+    use crate::suballoc::superblocks::{SUPERBLOCK_SIZE, Superblocks};
+    use crate::sync::Arc;
+
+    /// Where the made-up arena of these tests starts (no memory is touched).
+    const BASE: usize = 1 << 32;
+
+    /// An arena's list holding one superblock at `BASE`, fresh.
+    fn arena_list() -> FreeList {
+        let table = Arc::new(Superblocks::new(BASE, 4 * SUPERBLOCK_SIZE));
+        table.set(BASE, SUPERBLOCK_SIZE);
+        table.set(BASE + SUPERBLOCK_SIZE, SUPERBLOCK_SIZE);
+        let mut list = FreeList::in_arena(table);
+        list.add_superblock(BASE, SUPERBLOCK_SIZE);
+        list
+    }
+
+    /// A superblock given to a list serves requests from its front without entering the
+    /// index; the padding an alignment needs goes to the index.
+    #[test]
+    fn a_fresh_superblock_serves_requests_from_its_front_outside_the_index() {
+        let mut list = arena_list();
+        assert_eq!(list.take_uncached(4096, GRANULE), Some(BASE));
+        assert_eq!(list.take_uncached(4096, GRANULE), Some(BASE + 4096));
+        assert_eq!(list.free.len(), 0, "nothing indexed");
+        assert_eq!(list.free_bytes(), SUPERBLOCK_SIZE - 8192);
+        let aligned = list.take_uncached(GRANULE, 1 << 16).unwrap();
+        assert_eq!(aligned, BASE + (1 << 16));
+        let padding: Vec<FreeBlock> = list.free.blocks().collect();
+        assert_eq!(
+            padding,
+            [FreeBlock {
+                addr: BASE + 8192,
+                size: (1 << 16) - 8192,
+                starts_chunk: false,
+            }]
+        );
+        assert_eq!(
+            list.largest_coalesced(),
+            SUPERBLOCK_SIZE - (1 << 16) - GRANULE
+        );
+        assert_eq!(list.take_uncached(SUPERBLOCK_SIZE, GRANULE), None);
+    }
+
+    /// A block freed next to the fresh extent's start merges with it (in the index), so
+    /// a superblock whole again is found whole; a flush puts the extent in the index.
+    #[test]
+    fn a_free_reaching_the_fresh_extent_merges_with_it() {
+        let mut list = arena_list();
+        let big = 1 << 17; // (above the small blocks' cache)
+        assert_eq!(list.take_uncached(big, GRANULE), Some(BASE));
+        let merged = list.insert(BASE, big);
+        assert_eq!(
+            merged,
+            FreeBlock {
+                addr: BASE,
+                size: SUPERBLOCK_SIZE,
+                starts_chunk: true,
+            }
+        );
+        assert_eq!(list.free.len(), 1);
+        assert_eq!(list.free_bytes(), SUPERBLOCK_SIZE);
+        let mut other = arena_list();
+        other.flush();
+        assert_eq!(other.free.len(), 1);
+        assert_eq!(other.free_bytes(), SUPERBLOCK_SIZE);
+    }
+
+    /// An idle list gives its superblock back whole when what it holds is exactly that
+    /// superblock (fresh extent and cached small blocks), and not otherwise.
+    #[test]
+    fn an_idle_list_gives_back_exactly_its_superblock() {
+        let mut list = arena_list();
+        let a = list.take(4096, GRANULE).unwrap();
+        let _still_out = list.take(4096, GRANULE).unwrap();
+        assert_eq!(list.put(a, 4096), None, "cached");
+        assert!(!list.take_whole(BASE, SUPERBLOCK_SIZE), "a block still out");
+        // A block of another superblock in the cache: the bytes add up, the range not.
+        list.put(BASE + SUPERBLOCK_SIZE, 4096);
+        assert!(!list.take_whole(BASE, SUPERBLOCK_SIZE));
+        assert_eq!(list.free_bytes(), SUPERBLOCK_SIZE);
+        let mut list = arena_list();
+        let a = list.take(4096, GRANULE).unwrap();
+        list.put(a, 4096);
+        assert!(list.take_whole(BASE, SUPERBLOCK_SIZE));
+        assert_eq!(list.free_bytes(), 0);
+        assert_eq!(list.free_extents().count(), 0);
+    }
 
     /// A stream's list keeps what other threads read (the key a lookup compares, the
     /// searches' hint) on its first cache line, and what its users write at every call
