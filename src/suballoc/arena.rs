@@ -25,8 +25,15 @@ use crate::sync::{Arc, Mutex, MutexGuard};
 /// The global arena.
 #[derive(Default)]
 pub(crate) struct Global {
-    /// Free memory no stream may still be using.
+    /// Free memory no stream may still be using (but `whole`).
     free: FreeBlocks,
+    /// Free superblocks of [`SUPERBLOCK_SIZE`] taken back from streams, kept apart from
+    /// `free` (neither merged nor indexed) for the next stream that needs one: with far
+    /// more streams than superblocks, each stream's pair otherwise merged a superblock
+    /// into `free` and split one off it again (issue 51 item 4). They join `free` when a
+    /// request `free` cannot serve needs them merged, and before a trim ends or a dump
+    /// reports.
+    whole: Vec<FreeBlock>,
     /// Superblocks given back by CUDA streams' arenas: free at once for their own stream
     /// (any lane), for others once the stream's context is synchronised.
     pending: Vec<Pending>,
@@ -47,6 +54,54 @@ struct Pending {
 }
 
 impl Global {
+    /// Makes `block` free: kept apart when it is one whole superblock of the usual size
+    /// (see `whole`), else merged into `free`.
+    fn give(&mut self, block: FreeBlock) {
+        if block.size == SUPERBLOCK_SIZE {
+            self.whole.push(block);
+        } else {
+            self.free.insert(block);
+        }
+    }
+
+    /// `size` bytes aligned to `align` of the free memory: a kept superblock for a
+    /// superblock's request, else from `free`, merging the kept ones into it first when
+    /// `free` alone has no fit.
+    fn take_free(&mut self, size: usize, align: usize) -> Option<usize> {
+        if size == SUPERBLOCK_SIZE
+            && align == GRANULE
+            && let Some(sb) = self.whole.pop()
+        {
+            return Some(sb.addr);
+        }
+        if let Some(addr) = self.free.take(size, align) {
+            return Some(addr);
+        }
+        if self.whole.is_empty() {
+            return None;
+        }
+        self.merge_whole();
+        self.free.take(size, align)
+    }
+
+    /// Merges the kept superblocks into `free`.
+    fn merge_whole(&mut self) {
+        for block in std::mem::take(&mut self.whole) {
+            self.free.insert(block);
+        }
+    }
+
+    /// Free bytes (`free` and the kept superblocks).
+    fn free_bytes(&self) -> usize {
+        self.free.bytes() + self.whole.len() * SUPERBLOCK_SIZE
+    }
+
+    /// Whether a block of `need` bytes is free in one piece (or may be, once the kept
+    /// superblocks are merged: then `take_free` merges them).
+    fn may_fit(&self, need: usize) -> bool {
+        (need <= SUPERBLOCK_SIZE && !self.whole.is_empty()) || self.free.largest() >= need
+    }
+
     fn pending_bytes(&self) -> usize {
         self.pending.iter().map(|p| p.free.bytes()).sum()
     }
@@ -231,7 +286,7 @@ impl<U: Resource> Arena<U> {
             .iter()
             .map(|s| s.state.lock().free_bytes())
             .sum();
-        global.free.bytes() + pending + streams
+        global.free_bytes() + pending + streams
     }
 
     /// Superblocks that streams' arenas hold.
@@ -276,15 +331,16 @@ impl<U: Resource> Arena<U> {
     /// (global and per stream), the largest free block and the fragmentation.
     pub fn dump(&self) -> String {
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let global = lock(&self.global);
+        let mut global = lock(&self.global);
+        global.merge_whole(); // (the largest block as merged)
         let pending = global.pending_bytes();
-        let mut free = global.free.bytes() + pending;
+        let mut free = global.free_bytes() + pending;
         let mut largest = global.free.largest();
         let mut streams = String::new();
         for list in self.lists.all() {
             let s = list.state.lock();
             free += s.free_bytes();
-            largest = largest.max(s.free.largest());
+            largest = largest.max(s.largest_coalesced());
             let _ = write!(streams, "\n  {:?}: {} bytes free", list.key, s.free_bytes());
         }
         let fragmentation = if free == 0 {
@@ -299,7 +355,7 @@ impl<U: Resource> Arena<U> {
             self.size,
             self.table.iter().count(),
             free,
-            global.free.bytes(),
+            global.free_bytes(),
             largest,
         )
     }
@@ -321,18 +377,18 @@ impl<U: Resource> Arena<U> {
         align: usize,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
-        if let Some(addr) = global.free.take(size, align) {
+        if let Some(addr) = global.take_free(size, align) {
             return Ok(Some(addr));
         }
         if !may_wait {
             return Ok(None);
         }
         self.settle_pending(global)?;
-        if let Some(addr) = global.free.take(size, align) {
+        if let Some(addr) = global.take_free(size, align) {
             return Ok(Some(addr));
         }
         self.defragment(global, size)?;
-        Ok(global.free.take(size, align))
+        Ok(global.take_free(size, align))
     }
 
     /// Waits for the streams of pending memory and makes it free.
@@ -365,6 +421,18 @@ impl<U: Resource> Arena<U> {
             if s.free_bytes() < size {
                 continue;
             }
+            // The common case, without index work: the list holds the superblock and
+            // nothing else, as its fresh extent and small cached blocks.
+            if s.take_whole(sb, size) {
+                let block = FreeBlock {
+                    addr: sb,
+                    size,
+                    starts_chunk: true,
+                };
+                taken.push((list, block));
+                s.free.release_memory();
+                continue;
+            }
             s.flush();
             if s.free.size_starting_at(sb) == Some(size)
                 && let Some(block) = s.free.remove_starting_at(sb)
@@ -392,7 +460,7 @@ impl<U: Resource> Arena<U> {
             self.table.clear(block.addr);
             global.owners.remove(&block.addr);
             bytes += block.size;
-            global.free.insert(self.block(block.addr, block.size));
+            global.give(self.block(block.addr, block.size));
         }
         tracing::debug!(
             target: "memres::arena",
@@ -415,7 +483,7 @@ impl<U: Resource> Arena<U> {
     fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
         // Idle streams' superblocks first; the scan of every list below only when they
         // cannot serve the request (or for a trim, `need` 0, which takes back all).
-        if self.take_idle_superblocks(global)? > 0 && need > 0 && global.free.largest() >= need {
+        if self.take_idle_superblocks(global)? > 0 && need > 0 && global.may_fit(need) {
             return Ok(());
         }
         let starts: Vec<(usize, usize)> = self.table.iter().collect();
@@ -443,7 +511,7 @@ impl<U: Resource> Arena<U> {
         });
         let whole = |i: usize| free[i] == starts[i].1;
         // Nothing to gain when all free memory together is less than the request.
-        if listed + global.free.bytes() < need || !(0..starts.len()).any(whole) {
+        if listed + global.free_bytes() < need || !(0..starts.len()).any(whole) {
             return Ok(());
         }
         // Take the candidates' pieces out of every list that holds some.
@@ -501,7 +569,7 @@ impl<U: Resource> Arena<U> {
         for (sb, size) in returned {
             self.table.clear(sb);
             global.owners.remove(&sb);
-            global.free.insert(self.block(sb, size));
+            global.give(self.block(sb, size));
         }
         waited
     }
@@ -527,13 +595,9 @@ impl<U: Resource> Arena<U> {
         self.table.set(sb, sb_size);
         global.owners.insert(sb, own.key);
         let mut s = own.state.lock();
-        s.free.insert(FreeBlock {
-            addr: sb,
-            size: sb_size,
-            starts_chunk: true,
-        });
-        s.free
-            .take(fit.size, fit.align)
+        // Kept whole, outside the list's index (see `FreeList::add_superblock`).
+        s.add_superblock(sb, sb_size);
+        s.take_uncached(fit.size, fit.align)
             .expect("a request fits its new superblock")
     }
 }
@@ -602,7 +666,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         self.lists
             .merge_into(host, FreeList::drain, FreeList::absorb)?;
         self.settle_pending(global)?;
-        self.defragment(global, 0)
+        let done = self.defragment(global, 0);
+        global.merge_whole();
+        done
     }
 
     fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Global> {
@@ -631,7 +697,7 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         if let Some(n) = fit.superblock
             && let Some(sb) = global
                 .take_own_pending(own, n)
-                .or_else(|| global.free.take(n, GRANULE))
+                .or_else(|| global.take_free(n, GRANULE))
         {
             return Ok(Some(self.install(global, own, sb, n, fit)));
         }
@@ -747,7 +813,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             global.owners.remove(&sb.addr);
             let block = self.block(sb.addr, sb.size);
             if list.key.is_host() {
-                global.free.insert(block);
+                global.give(block);
             } else {
                 global.add_pending(list, block);
             }
@@ -808,6 +874,31 @@ mod tests {
         owners_match_the_table(&arena);
         assert_eq!(arena.superblocks(), 0);
         assert_eq!(arena.free_bytes(), 2 * MIB);
+    }
+
+    /// Superblocks taken back whole from idle streams wait apart from the global arena's
+    /// index, and are merged into it when a request needs them together: two idle
+    /// streams' superblocks serve a request of two.
+    #[test]
+    fn superblocks_kept_apart_merge_for_a_larger_request() {
+        let arena = Arena::with_size(HostHeap::new(), 2 * MIB).unwrap();
+        let l = crate::layout(4096).unwrap();
+        for id in 1..=3 {
+            let stream = StreamRef::host(id);
+            let p = arena.allocate(stream, l).unwrap();
+            // SAFETY: allocated just above with `l` on `stream`.
+            unsafe { arena.deallocate(stream, p, l) };
+        }
+        assert_eq!(lock(&arena.global).whole.len(), 1, "one kept apart");
+        let two = crate::layout(2 * MIB).unwrap();
+        let p = arena.allocate(StreamRef::host(4), two).unwrap();
+        assert!(lock(&arena.global).whole.is_empty());
+        // SAFETY: allocated just above with `two` on this stream.
+        unsafe { arena.deallocate(StreamRef::host(4), p, two) };
+        arena.trim().unwrap();
+        assert!(lock(&arena.global).whole.is_empty(), "merged by the trim");
+        assert_eq!(arena.free_bytes(), 2 * MIB);
+        assert!(arena.dump().contains("largest free block 2097152 bytes"));
     }
 
     #[test]

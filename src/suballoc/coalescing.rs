@@ -343,8 +343,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             let s = list.state.lock();
             stats.free_bytes += s.free_bytes();
             let (quick_blocks, quick_largest) = s.quick_blocks();
-            stats.free_blocks += s.free.len() + quick_blocks + s.large.len();
-            let large_largest = s.large.iter().map(|&(_, n)| n).max().unwrap_or(0);
+            stats.free_blocks += s.free.len() + quick_blocks + s.large_blocks().len();
+            let large_largest = s.large_blocks().iter().map(|&(_, n)| n).max().unwrap_or(0);
             stats.largest_free_block = stats
                 .largest_free_block
                 .max(s.free.largest())
@@ -525,6 +525,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         let mut fit = Fit {
             size,
             align,
+            host: stream.is_host(),
             merged: false,
         };
         ordered::allocate_slow(self, stream, list, &mut fit, layout.size()).map(to_ptr)
@@ -534,7 +535,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// free for all: the list that last received memory first, then the others, from
     /// where the last such search found one ([`ListTable::search`]). The caller holds the
     /// growth lock.
-    fn take_listed(&self, own: &List<FreeList>, size: usize, align: usize) -> Option<usize> {
+    fn take_listed(&self, own: &List<FreeList>, fit: &Fit) -> Option<usize> {
+        let (size, align) = (fit.size, fit.align);
         let found = {
             let mut s = own.state.lock();
             s.flush();
@@ -551,7 +553,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             // A CUDA stream's list takes a larger piece when there is one and keeps the
             // rest, so that its next misses do not come back here (threads on one
             // stream then queue less for the growth lock).
-            let grab = (!own.key.is_host() && align == GRANULE && size < HOST_REFILL)
+            let grab = (!fit.host && align == GRANULE && size < HOST_REFILL)
                 .then(|| s.free.take(HOST_REFILL, GRANULE))
                 .flatten();
             let found = grab.or_else(|| {
@@ -615,11 +617,15 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     }
 }
 
-/// A request on the pool's slow path: its size and alignment (rounded), and whether the
+/// A request on the pool's slow path: its size and alignment (rounded), its stream's kind, and whether the
 /// lists were merged for it before the pool grew.
 pub(crate) struct Fit {
     size: usize,
     align: usize,
+    /// Whether the request's stream is a host stream (known from the stream, so that the
+    /// slow path need not read its list's key: on the line other threads' searches read,
+    /// cold when the list is; issue 49).
+    host: bool,
     merged: bool,
 }
 
@@ -697,7 +703,7 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
             return Err(Error::Asleep);
         }
         Ok(self
-            .take_listed(own, fit.size, fit.align)
+            .take_listed(own, fit)
             .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align)))
     }
 

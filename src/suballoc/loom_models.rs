@@ -100,6 +100,44 @@ fn loom_list_table_grows_while_others_insert_and_look_up() {
     });
 }
 
+/// A table's slots pair each key with its own list: a lookup racing an insertion, and
+/// the growth that insertion makes, never finds a list under another stream's key. The
+/// key looked up for nothing is the CUDA default stream's (lane 0), zero, what an
+/// unwritten slot key reads as: it fails if a slot's pointer is published before its
+/// key, or if a growth moves a pointer without its key.
+#[test]
+fn loom_list_table_slots_pair_each_key_with_its_own_list() {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(2);
+    builder.check(|| {
+        let map = Arc::new(ListTable::<u32>::default());
+        let none = StreamKey::of(StreamRef::DEFAULT);
+        // Where the default stream's probe starts, in tables of two and four slots.
+        let first = StreamKey::host(6);
+        assert_eq!((first.slot(1), first.slot(3), none.slot(3)), (0, 0, 0));
+        // A table of two slots holds one list; the second insertion doubles it.
+        map.get_or_insert_with(first, || 1);
+        let (m1, m2) = (Arc::clone(&map), Arc::clone(&map));
+        let inserter =
+            thread::spawn(move || *m1.get_or_insert_with(StreamKey::host(1), || 2).state.lock());
+        let reader = thread::spawn(move || {
+            assert!(
+                m2.find(none).is_none(),
+                "a list under the default stream's key"
+            );
+            let list = m2.find(first).expect("the first list, in either table");
+            assert_eq!(*list.state.lock(), 1);
+            if let Some(list) = m2.find(StreamKey::host(1)) {
+                assert_eq!(*list.state.lock(), 2);
+            }
+        });
+        assert_eq!(inserter.join().unwrap(), 2);
+        reader.join().unwrap();
+        assert!(map.find(none).is_none());
+        assert_eq!(*map.find(StreamKey::host(1)).unwrap().state.lock(), 2);
+    });
+}
+
 /// The bounds of the models over whole pools and arenas: two preemptions, and room for
 /// the branches their slow paths take.
 fn pools_model() -> loom::model::Builder {

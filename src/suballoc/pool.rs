@@ -225,7 +225,7 @@ impl<U: Resource> Holding<U> for Chunks {
         for list in pool.lists.iter() {
             let mut s = list.state.lock();
             for c in &released {
-                s.chunks.remove(&c.addr);
+                s.remove_chunk(c.addr);
             }
         }
         let bytes = released.iter().map(|c| c.layout.size()).sum();
@@ -265,7 +265,7 @@ fn add_chunk<'a, U: Resource>(
     let addr = chunk.addr;
     // Every list learns the chunk's start before any block of it can reach one.
     for list in pool.lists.iter() {
-        list.state.lock().chunks.insert(addr, layout.size());
+        list.state.lock().add_chunk(addr, layout.size());
     }
     growth.memory.push(chunk);
     growth.size += layout.size();

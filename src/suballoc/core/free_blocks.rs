@@ -134,8 +134,17 @@ fn entry(i: u32) -> u32 {
     i + CLASSES as u32
 }
 
-/// The free blocks of one list, coalesced and indexed by size class.
+/// The free blocks of one list, coalesced and indexed by size class. What a request
+/// reads first, `bytes`, `groups_in_use` and `regions` (all a request to an empty list
+/// reads), comes first (`repr(C)`; see `FreeList` for where it lies).
+#[repr(C)]
 pub(crate) struct FreeBlocks {
+    bytes: usize,
+    /// Bit `g` is set when group `g` has a non-empty class.
+    groups_in_use: u64,
+    /// Blocks by address region, and each node's links in them, in a list made
+    /// [`address_ordered`](FreeBlocks::address_ordered).
+    regions: Option<Box<Ordered>>,
     /// The blocks, by node number (a number in `spare` is a node not in use).
     nodes: Vec<FreeBlock>,
     spare: Vec<u32>,
@@ -146,16 +155,17 @@ pub(crate) struct FreeBlocks {
     /// made mispredicted (callgrind `--branch-sim` on `random`). Allocated with the first
     /// block (empty before, and again after [`FreeBlocks::release_memory`]).
     lists: Vec<Link>,
-    /// Bit `g` is set when group `g` has a non-empty class.
-    groups_in_use: u64,
     /// Per group, bit `c` is set when class `16 g + c` is non-empty.
     classes_in_use: [u16; GROUPS],
     by_start: SparseAddrMap<NodeRef>,
     by_end: SparseAddrMap<NodeRef>,
-    /// Blocks by address region, in a list made
-    /// [`address_ordered`](FreeBlocks::address_ordered); node `i`'s links in `links[i]`.
-    regions: Option<Box<Ordered>>,
-    bytes: usize,
+}
+
+impl FreeBlocks {
+    /// The bytes at the start of a `FreeBlocks` that a request to an empty list reads.
+    #[cfg(all(test, not(memres_loom)))]
+    pub(crate) const HOT_BYTES: usize =
+        std::mem::offset_of!(FreeBlocks, regions) + size_of::<Option<Box<Ordered>>>();
 }
 
 /// The index of an [`address_ordered`](FreeBlocks::address_ordered) list: its regions and

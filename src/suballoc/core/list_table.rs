@@ -3,9 +3,10 @@
 //!
 //! Every stream a sub-allocator sees gets one list: its free memory behind its own lock.
 //! Threads on different streams therefore never wait for each other on the allocation
-//! path. The map from stream to list is an insert-only open-addressing table of atomic
-//! pointers, at most half full: lookups are lock-free (acquire loads) and O(1) however
-//! many streams there are; insertions are serialised by a mutex and publish a fully built
+//! path. The map from stream to list is an insert-only open-addressing table of slots, each
+//! a stream's key beside an atomic pointer to its list, at most half full: lookups are
+//! lock-free (acquire loads), O(1) however many streams there are, and read no list but
+//! the one they return; insertions are serialised by a mutex and publish a fully built
 //! list with a release store. When the table would be more than half full, a table of
 //! twice the size is filled and published in its place; old tables stay allocated until
 //! the table drops (a reader may still be probing one; together they are smaller than the
@@ -46,8 +47,10 @@ const FIRST_SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 /// hints that searches through every list look at), then, on lines of its own
 /// ([`CachePadded`]), the lock and the state that the list's own users write on every
 /// allocation and free (the lock's flag first, then a pool's cache of small blocks,
-/// `FreeList`). A cold list costs its user two misses, the key's line and the state's.
-/// Both on one line saved one of them with thousands of streams (issue 49), but every
+/// `FreeList`). A lookup compares the key in the table's slot, not this one (see
+/// `Slot`), so a cold list costs its user's allocation one miss of the list, the
+/// state's line (a free also reads the `holds_free` hint). Putting the key and the
+/// state on one line instead saved a miss with thousands of streams (issue 49), but every
 /// search through the lists then read a line that each list's owner wrote at every
 /// call: 16 threads on one stream (lanes) went from 7.0 to 46.7 ns a call on the H100
 /// (`random-1stream`, 2026-11-27).
@@ -151,10 +154,12 @@ impl<S> List<S> {
         let _ = owner;
     }
 
-    /// Makes the calling thread the owner of a per-thread list (see [`List::take_over`]).
+    /// Makes the calling thread the owner of a per-thread list (see [`List::take_over`]),
+    /// this list of `key` (the caller's: the list's own is on the line other threads'
+    /// searches read, which a lookup does not touch).
     #[inline]
-    fn claim(&self) {
-        if self.key.is_per_thread() {
+    fn claim(&self, key: StreamKey) {
+        if key.is_per_thread() {
             self.claim_as(this_thread().generation);
         }
     }
@@ -210,37 +215,94 @@ impl List<Vec<usize>> {
     }
 }
 
-/// One open-addressing table of list pointers; its length is a power of two.
+/// One slot of a table: a list's key beside its pointer, so that a lookup compares keys
+/// without reading any list. A list's first line is what other threads' searches read,
+/// its state's what its users write; with the key in the list a lookup read that first
+/// line too, a third miss for each call on a cold list (issue 49: pairs on random
+/// streams of 16,384). Sixteen bytes aligned to sixteen: a slot never straddles two
+/// lines.
+///
+/// A slot is written once, under the insertion lock: the key, then the pointer with a
+/// release store. Readers load the pointer (acquire) and only then the key, so a
+/// non-null pointer comes with its own list's key, never with the zero an unwritten key
+/// reads as (the key of the CUDA default stream's lane 0). Slots are never emptied or
+/// rewritten: a growth or a retirement fills a new table before publishing it, so a
+/// pair, once its pointer is set, stays as long as its table.
+#[repr(C, align(16))]
+struct Slot<S> {
+    list: AtomicPtr<List<S>>,
+    key: AtomicU64,
+}
+
+impl<S> Slot<S> {
+    /// The slot's list, null while it is empty.
+    #[inline]
+    fn list(&self) -> *mut List<S> {
+        self.list.load(Ordering::Acquire)
+    }
+
+    /// The key of a filled slot's list, read under the insertion lock (which every
+    /// slot's writer held).
+    fn key(&self) -> StreamKey {
+        StreamKey::from_bits(self.key.load(Ordering::Relaxed))
+    }
+}
+
+/// One open-addressing table of list slots; its length is a power of two.
 struct Table<S> {
-    slots: Box<[AtomicPtr<List<S>>]>,
+    slots: Box<[Slot<S>]>,
 }
 
 impl<S> Table<S> {
     fn new(len: usize) -> Table<S> {
         Table {
-            slots: (0..len).map(|_| AtomicPtr::new(ptr::null_mut())).collect(),
+            slots: (0..len)
+                .map(|_| Slot {
+                    list: AtomicPtr::new(ptr::null_mut()),
+                    key: AtomicU64::new(0),
+                })
+                .collect(),
         }
     }
 
     /// The list of `key` and, if it has none, the empty slot where its probe ended
-    /// (there is always one: a table is at most half full).
+    /// (there is always one: a table is at most half full). Reads the table only.
     #[inline]
     fn find(&self, key: StreamKey) -> Result<*mut List<S>, usize> {
         let mask = self.slots.len() - 1;
         let mut i = key.slot(mask);
         loop {
-            let p = self.slots[i].load(Ordering::Acquire);
+            let slot = &self.slots[i];
+            let p = slot.list();
             if p.is_null() {
                 return Err(i);
             }
-            // SAFETY: every non-null slot holds a list made by `Box::into_raw` and
-            // published with a release store; a list is freed only by `retire`, two
-            // grace periods after it left every table, which the caller's pin outlasts
-            // (or when the map drops).
-            if unsafe { &*p }.key == key {
+            // (Stored before the pointer that the acquire load above read.)
+            if slot.key.load(Ordering::Relaxed) == key.bits() {
                 return Ok(p);
             }
             i = (i + 1) & mask;
+        }
+    }
+
+    /// Puts `key`'s list `p` in the empty slot `at` (the caller holds the insertion lock):
+    /// the key first, then the pointer that publishes both.
+    #[inline]
+    fn put(&self, at: usize, key: StreamKey, p: *mut List<S>) {
+        let slot = &self.slots[at];
+        slot.key.store(key.bits(), Ordering::Relaxed);
+        slot.list.store(p, Ordering::Release);
+    }
+
+    /// Puts every list of `from` into this table (not yet published; the caller holds
+    /// the insertion lock), each with its key.
+    fn fill_from(&self, from: &Table<S>) {
+        for slot in from.slots.iter() {
+            let p = slot.list.load(Ordering::Relaxed);
+            if !p.is_null() {
+                let key = slot.key();
+                self.put(self.find(key).unwrap_err(), key, p);
+            }
         }
     }
 }
@@ -368,7 +430,7 @@ impl<S> ListTable<S> {
     #[inline]
     pub(crate) fn get(&self, key: StreamKey) -> Option<&List<S>> {
         let list = self.find(key)?;
-        list.claim();
+        list.claim(key);
         Some(list)
     }
 
@@ -382,7 +444,7 @@ impl<S> ListTable<S> {
             }
         };
         let list = self.insert(key, || List::new(key, owner(), state()));
-        list.claim();
+        list.claim(key);
         list
     }
 
@@ -427,14 +489,7 @@ impl<S> ListTable<S> {
         };
         if (tables.lists + 1) * 2 > table.slots.len() {
             let bigger = Table::new(table.slots.len() * 2);
-            for slot in table.slots.iter() {
-                let p = slot.load(Ordering::Relaxed);
-                if !p.is_null() {
-                    // SAFETY: read from a slot (its key is not in `bigger` yet).
-                    let at = bigger.find(unsafe { self.at(p) }.key).unwrap_err();
-                    bigger.slots[at].store(p, Ordering::Relaxed);
-                }
-            }
+            bigger.fill_from(table);
             let bigger = Box::into_raw(Box::new(bigger));
             tables.all.push(bigger);
             self.table.store(bigger, Ordering::Release);
@@ -452,7 +507,7 @@ impl<S> ListTable<S> {
         {
             tables.contexts.push(ctx);
         }
-        table.slots[empty].store(new, Ordering::Release);
+        table.put(empty, key, new);
         tables.lists += 1;
         // SAFETY: just published in a slot.
         unsafe { self.at(new) }
@@ -481,7 +536,7 @@ impl<S> ListTable<S> {
         table
             .slots
             .iter()
-            .map(|slot| slot.load(Ordering::Acquire))
+            .map(Slot::list)
             .filter(move |p| !p.is_null() && !in_limbo.as_ref().is_some_and(|l| l.contains(p)))
             .chain(limbo)
             // SAFETY: read from a slot, or from limbo (whose lists are freed only a grace
@@ -507,7 +562,7 @@ impl<S> ListTable<S> {
         let mut looked = 0;
         for k in 0..=mask {
             let at = (start + k) & mask;
-            let p = table.slots[at].load(Ordering::Acquire);
+            let p = table.slots[at].list();
             if p.is_null() {
                 continue;
             }
@@ -612,8 +667,16 @@ impl<S> ListTable<S> {
     /// lookup per lane that some stream of the map has, however many streams it holds.
     pub(crate) fn other_lanes(&self, own: &List<S>) -> impl Iterator<Item = &List<S>> {
         let table = self.table();
-        let lanes = if own.key.is_per_thread() { 0 } else { LANES };
         let made = self.rare.lanes.load(Ordering::Relaxed);
+        // With one lane made (a stream's list's own: its bit is set before the list is
+        // published) there is no other, and the list's key, on the line other threads'
+        // searches read, is not read (issue 49: a miss on most empty lists' requests at
+        // 16,384 streams of one thread each).
+        let lanes = if made.count_ones() <= 1 || own.key.is_per_thread() {
+            0
+        } else {
+            LANES
+        };
         (0..lanes)
             .filter(move |lane| made & (1 << lane) != 0)
             .map(move |lane| own.key.in_lane(lane))
@@ -646,7 +709,7 @@ impl<S> Drop for ListTable<S> {
     fn drop(&mut self) {
         // The current table holds every list.
         for slot in self.table().slots.iter() {
-            let p = slot.load(Ordering::Acquire);
+            let p = slot.list();
             if !p.is_null() {
                 // SAFETY: made by `Box::into_raw` in `get_or_insert_with`, in the current
                 // table once; `&mut self` means no reference handed out is still alive.

@@ -116,6 +116,17 @@ impl StreamKey {
         (self.0 & LANE_MASK) >> LANE_SHIFT
     }
 
+    /// The key as one word (what a list table's slot holds beside the list).
+    #[inline]
+    pub(super) fn bits(self) -> u64 {
+        self.0
+    }
+
+    /// The key whose [`bits`](Self::bits) these are.
+    pub(super) fn from_bits(bits: u64) -> StreamKey {
+        StreamKey(bits)
+    }
+
     /// A hash of the key, its best bits at the top.
     #[inline]
     pub(crate) fn hash(self) -> u64 {
@@ -124,7 +135,7 @@ impl StreamKey {
 
     /// Where the key's probe starts in a table of `mask + 1` slots.
     #[inline]
-    pub(super) fn slot(self, mask: usize) -> usize {
+    pub(crate) fn slot(self, mask: usize) -> usize {
         (self.hash() >> 32) as usize & mask
     }
 }

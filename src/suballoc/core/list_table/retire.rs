@@ -61,13 +61,13 @@ impl<S> ListTable<S> {
             let table = self.table();
             let (mut kept, mut removed) = (Vec::new(), Vec::new());
             for slot in table.slots.iter() {
-                let p = slot.load(Ordering::Relaxed);
+                let p = slot.list.load(Ordering::Relaxed);
                 if !p.is_null() {
                     // SAFETY: read from a slot.
                     if idle(unsafe { self.at(p) }) {
                         removed.push(p);
                     } else {
-                        kept.push(p);
+                        kept.push((slot.key(), p));
                     }
                 }
             }
@@ -81,10 +81,8 @@ impl<S> ListTable<S> {
             // At most half full after the next insertion, as `get_or_insert_with` keeps it.
             let len = (kept.len() * 2 + 2).next_power_of_two().max(FIRST_SLOTS);
             let smaller = Table::new(len);
-            for &p in &kept {
-                // SAFETY: read from a slot (its key is not in `smaller` yet).
-                let at = smaller.find(unsafe { self.at(p) }.key).unwrap_err();
-                smaller.slots[at].store(p, Ordering::Relaxed);
+            for &(key, p) in &kept {
+                smaller.put(smaller.find(key).unwrap_err(), key, p);
             }
             let smaller = Box::into_raw(Box::new(smaller));
             lock(&self.rare.limbo).extend(removed.iter().copied());
