@@ -889,7 +889,7 @@ mod tests {
                 let p = fixed.allocate_sync(l).unwrap();
                 // SAFETY: allocated just above with `l`.
                 unsafe { fixed.deallocate_sync(p, l) };
-                assert_eq!(fixed.cache().cached_here(), 1);
+                assert!(fixed.cache().cached_here() > 0, "a magazine on this thread");
                 cached.send(()).unwrap();
                 let _ = exit.recv();
             });
