@@ -153,8 +153,8 @@ impl Global {
 /// arena), handed to the streams' own arenas a superblock at a time.
 ///
 /// - Each stream has its own arena (the per-thread default stream one per thread; threads
-///   sharing another stream up to 16, one per "lane" as in [`Pool`](super::Pool), so
-///   that they do not queue for one lock), found without a lock, with a coalescing free list as in [`Pool`](super::Pool) whose
+///   sharing another stream one, and up to 16 more "lanes" once they run into each other,
+///   as in [`Pool`](super::Pool), so that they do not queue for one lock), found without a lock, with a coalescing free list as in [`Pool`](super::Pool) whose
 ///   blocks never cross a superblock. A stream whose arena has no fit takes a superblock
 ///   from the global arena: 1 MiB ([`SUPERBLOCK_SIZE`]), or, for a request above that,
 ///   one of the request's size. Unlike RMM, which serves those large requests from the

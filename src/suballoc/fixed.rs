@@ -47,7 +47,8 @@ const CACHE_LARGEST_BLOCK: usize = 4 << 20;
 /// It takes chunks of `blocks_per_chunk` blocks from its upstream, one when it is made
 /// and another each time a stream finds no free block (after taking free blocks of host
 /// streams, which are free for all, up to 2 MiB of them at a time, and of the stream's
-/// other lanes: threads sharing one stream get up to 16 lists of it, as in
+/// other lanes: threads sharing one stream that run into each other get up to 16 more
+/// lists of it, as in
 /// [`Pool`](super::Pool), so that they do not all wait for one lock; a lane that runs
 /// dry takes half of another's blocks). Before it grows it merges every other stream's
 /// blocks into the asking stream's list, having waited for the CUDA streams they were

@@ -44,8 +44,8 @@ use crate::stream::StreamRef;
 ///   handed out again whole, coalesced when a request finds no fit.
 /// - **Streams.** Every stream has its own free list behind its own lock, found without
 ///   a lock, so threads on different streams never wait for each other. Threads that
-///   share one stream use up to 16 lists of it ("lanes", by thread), so that they do not
-///   queue for one lock either; a thread whose lane has no fit takes from the stream's
+///   share one stream use one list of it until they run into each other, then up to 16
+///   more ("lanes", see the module `suballoc`), so that they do not queue for one lock; a thread whose lane has no fit takes from the stream's
 ///   other lanes (no wait: one stream's work is ordered whoever enqueued it) before
 ///   anything below, a fitting block first without taking the pool's growth lock. Memory
 ///   freed on stream S is reused on S at once. Blocks freed on a host stream (and through the
