@@ -57,7 +57,7 @@ static COUNTING: Counting = Counting;
 /// The tests one at a time: the counter is the process's.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Threads, one per lane of a stream.
+/// Threads, one per lane of their own of a stream.
 const THREADS: u32 = 16;
 /// Streams each thread uses once.
 const STREAMS: u32 = 256;
@@ -74,6 +74,9 @@ fn per_stream<R: Resource + Sync>(resource: &R, upstream_bytes: impl Fn(&R) -> u
     std::thread::scope(|s| {
         for _ in 0..THREADS {
             s.spawn(|| {
+                // Every thread in a lane of its own (threads that never run into each
+                // other share lane 0, and cost a stream one list).
+                memres::suballoc::own_lane();
                 for id in 1..=STREAMS {
                     let stream = StreamRef::host(id);
                     let p = resource.allocate(stream, l).unwrap();
