@@ -56,8 +56,11 @@ impl<T> SpinLock<T> {
 
     #[cold]
     fn wait(&self) {
-        // A thread that keeps finding lists' locks held spreads to a lane of its own.
-        crate::sync::threads::note_contention();
+        // A thread that keeps finding lists' locks held spreads to a lane of its own (a
+        // compare-exchange that failed spuriously, the lock free, does not count).
+        if self.locked.load(Ordering::Relaxed) {
+            crate::sync::threads::note_contention();
+        }
         let mut spins = 0;
         while self.locked.load(Ordering::Relaxed) {
             if spins < SPINS && cfg!(not(memres_loom)) {

@@ -7,7 +7,9 @@
 //! tells a list's new thread from its old one.
 //!
 //! A thread's lane is 0, the lane every thread shares, until it has found
-//! a list's lock held [`WAITS_BEFORE_A_LANE`] times ([`note_contention`]); then it takes a
+//! a list's lock held [`WAITS_BEFORE_A_LANE`] times in quick succession
+//! ([`note_contention`]: any `SpinLock` of the sub-allocators counts, as any such wait
+//! means threads running into each other); then it takes a
 //! lane of its own (1 to [`OWN_LANES`], handed out in turn, so threads that run together use
 //! different lists of one stream). Threads that use a stream one after another (PyTorch's
 //! main thread and its autograd thread, a producer and a consumer that take turns) so keep
@@ -31,9 +33,10 @@ pub(crate) const LANES: u64 = 32;
 /// shared a lane and held the whole run up: 9.5 -> 33 ns an op on the H200's host).
 pub(crate) const OWN_LANES: u64 = 16;
 
-/// Times a thread finds a list's lock held before it takes a lane of its own: a few, so
-/// that threads which touch a stream at once only by chance (one at the end of its turn,
-/// the other at the start of its own) keep sharing a list.
+/// Times a thread finds a lock held, each within [`QUIET_SPELL`] of the one before,
+/// before it takes a lane of its own: a few, so that threads which touch a stream at once
+/// only by chance (one at the end of its turn, the other at the start of its own) keep
+/// sharing a list.
 pub(crate) const WAITS_BEFORE_A_LANE: u32 = 4;
 
 /// The environment variable that, set to `per-thread`, gives every thread a lane of its
@@ -48,6 +51,15 @@ static NEXT_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::n
 // with a const initialiser and no destructor: the cheapest thread-local there is (one
 // load), and usable in every thread-local destructor.
 thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+
+/// A time without a wait after which a thread's count of waits starts again: threads
+/// that take turns meet at a lock now and then; threads that run together meet many
+/// times a millisecond.
+const QUIET_SPELL: std::time::Duration = std::time::Duration::from_millis(10);
+
+// When the calling thread last found a lock held (no destructor: usable in thread-local
+// destructors).
+thread_local!(static LAST_WAIT: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) });
 
 // Waits for a held list lock the calling thread has made while in lane 0, and whether it
 // has looked at `LANES_VARIABLE` (`u32::MAX`: not yet).
@@ -67,8 +79,14 @@ pub(crate) fn this_lane() -> u64 {
 #[cold]
 fn first_look() -> u64 {
     static PER_THREAD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let per_thread =
-        *PER_THREAD.get_or_init(|| std::env::var(LANES_VARIABLE).is_ok_and(|v| v == "per-thread"));
+    let per_thread = *PER_THREAD.get_or_init(|| match std::env::var(LANES_VARIABLE) {
+        Ok(v) if v == "per-thread" => true,
+        Ok(v) => {
+            tracing::warn!("memres: {LANES_VARIABLE}={v:?} ignored (the one value is per-thread)");
+            false
+        }
+        Err(_) => false,
+    });
     WAITS.with(|w| w.set(0));
     if per_thread { take_a_lane() } else { 0 }
 }
@@ -99,7 +117,18 @@ pub(crate) fn note_contention() {
     if WAITS.with(std::cell::Cell::get) == u32::MAX && first_look() != 0 {
         return;
     }
-    let waits = WAITS.with(std::cell::Cell::get) + 1;
+    // Waits far apart are chance meetings of threads that take turns: the count starts
+    // again after a quiet spell.
+    let now = std::time::Instant::now();
+    let quiet = LAST_WAIT
+        .with(std::cell::Cell::get)
+        .is_some_and(|last| now.duration_since(last) > QUIET_SPELL);
+    LAST_WAIT.with(|l| l.set(Some(now)));
+    let waits = if quiet {
+        1
+    } else {
+        WAITS.with(std::cell::Cell::get) + 1
+    };
     WAITS.with(|w| w.set(waits));
     if waits >= WAITS_BEFORE_A_LANE {
         take_a_lane();
@@ -202,6 +231,43 @@ mod tests {
             asker.join().unwrap()
         });
         assert!(rounds >= WAITS_BEFORE_A_LANE as usize, "{rounds} rounds");
+    }
+
+    /// Waits far apart (threads that take turns and meet now and then) do not add up: a
+    /// thread that finds a lock held three times, then again after a quiet spell, keeps
+    /// the shared lane.
+    #[test]
+    fn waits_after_a_quiet_spell_start_the_count_again() {
+        if std::env::var(LANES_VARIABLE).is_ok() {
+            return; // lanes handed out at the first call
+        }
+        let lock = SpinLock::new(());
+        let (held, done) = (Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            let asker = s.spawn(|| {
+                for _ in 0..WAITS_BEFORE_A_LANE {
+                    held.wait();
+                    drop(lock.lock());
+                    done.wait();
+                }
+                this_lane()
+            });
+            for round in 1..=WAITS_BEFORE_A_LANE {
+                if round == WAITS_BEFORE_A_LANE {
+                    std::thread::sleep(QUIET_SPELL * 3);
+                }
+                let guard = lock.lock();
+                held.wait();
+                std::thread::sleep(Duration::from_millis(2));
+                drop(guard);
+                done.wait();
+            }
+            assert_eq!(
+                asker.join().unwrap(),
+                0,
+                "the last wait came after a quiet spell"
+            );
+        });
     }
 
     /// `own_lane` gives a thread in the shared lane a lane of its own, and keeps it.

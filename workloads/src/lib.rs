@@ -471,7 +471,10 @@ pub fn handoff<R: Resource + Sync + ?Sized>(
             });
             let ended = || Error::invalid_argument("the backward thread ended");
             for _ in 0..steps {
-                to_backward.send(step_forward()?).map_err(|_| ended())?;
+                if let Err(std::sync::mpsc::SendError(acts)) = to_backward.send(step_forward()?) {
+                    acts.into_iter().for_each(free);
+                    return Err(ended());
+                }
                 zero_grad(params_rx.recv().map_err(|_| ended())??);
             }
             Ok(())
@@ -673,5 +676,34 @@ mod tests {
             0,
             "freed after the failure"
         );
+    }
+
+    /// `handoff` frees everything it allocates, on one thread or two, and on
+    /// out-of-memory (in the forward pass, a gradient or a parameter gradient, by the
+    /// limit) returns the error with everything freed.
+    #[test]
+    fn handoff_frees_everything_even_when_it_runs_out() {
+        for threads in [1, 2] {
+            let counted = Statistics::new(HostVirtual::new(64 << 30, 2 << 20).unwrap());
+            let ns = handoff(&counted, StreamRef::HOST, 16, 3, threads).unwrap();
+            assert!(ns > 0.0);
+            let snapshot = counted.snapshot();
+            assert_eq!(snapshot.bytes.current, 0, "{threads} threads");
+            let peak = snapshot.bytes.peak as usize;
+            let mut failures = 0;
+            for limit in (1..8).map(|k| peak * k / 8) {
+                let limited = Statistics::new(Limiting::new(
+                    HostVirtual::new(1 << 30, 2 << 20).unwrap(),
+                    limit,
+                ));
+                let run = handoff(&limited, StreamRef::HOST, 16, 3, threads);
+                if run.is_err() {
+                    failures += 1;
+                    assert!(matches!(run, Err(Error::OutOfMemory { .. })), "{run:?}");
+                }
+                assert_eq!(limited.snapshot().bytes.current, 0, "limit {limit}");
+            }
+            assert!(failures > 0, "some limit below the peak failed");
+        }
     }
 }

@@ -155,8 +155,12 @@ impl Held {
     fn record_pending(&mut self, spare: &mut Vec<Event>) {
         // Without the block's context current an event could land on another device's
         // default stream: the streams stay pending until a later look can bind it.
-        let Ok(_current) = self.ctx.map(bind).transpose() else {
-            return;
+        let _current = match self.ctx.map(bind).transpose() {
+            Ok(current) => current,
+            Err(e) => {
+                tracing::warn!("memres: a held block's streams stay pending (its context: {e})");
+                return;
+            }
         };
         for stream in std::mem::take(&mut self.pending) {
             // A stream captured now (elsewhere) gets its event after the capture.

@@ -1,6 +1,6 @@
-//! Lanes: the lists of one stream that threads sharing it use (up to
-//! [`LANES`](super::stream_key::LANES), by thread number; see `StreamKey::of_lane`), so
-//! that they do not all wait for one lock. Lanes of one stream are one stream to the
+//! Lanes: the lists of one stream that threads sharing it use (lane 0 for all until they
+//! run into each other, then up to 16 of their own; see `StreamKey::of_lane` and
+//! `sync::threads`), so that they do not all wait for one lock. Lanes of one stream are one stream to the
 //! device: memory moves between them without a wait. These are the moves between the
 //! lanes of a pool's or an arena's lists ([`FreeList`]s).
 

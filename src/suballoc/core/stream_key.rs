@@ -38,8 +38,8 @@ impl StreamKey {
     }
 
     /// The key of `stream`'s list in the calling thread's lane: threads sharing one
-    /// stream use up to [`LANES`] lists of it (by thread number), so that they do not all
-    /// wait for one lock. Lanes of one stream are one stream to the device: memory moves
+    /// stream use its lane 0 until they run into each other, then up to `OWN_LANES` (16)
+    /// lists of their own (`sync::threads`), so that they do not all wait for one lock. Lanes of one stream are one stream to the device: memory moves
     /// between them without a wait. The per-thread default stream has one list per thread
     /// already, and no lanes.
     #[inline]
