@@ -37,6 +37,13 @@ SEGMENTS = ["-p", "memres", "--test", "segment_pool", "--test", "conformance_hos
 MUTATIONS = [
     ("lanes off: every thread in lane 0", "src/sync/threads.rs",
      "fn this_lane() -> u64 {\n", "fn this_lane() -> u64 {\n    return 0;\n"),
+    ("lanes never spread: waits not counted", "src/sync/threads.rs",
+     "    if cfg!(memres_loom) || LANE.with(std::cell::Cell::get) != 0 {\n        return;",
+     "    if true {\n        return;"),
+    ("lanes: waits far apart add up", "src/sync/threads.rs",
+     "    let waits = if quiet {\n", "    let waits = if quiet && false {\n"),
+    ("lanes: a thread takes its own lane at once", "src/sync/threads.rs",
+     "    if per_thread { take_a_lane() } else { 0 }", "    take_a_lane()"),
     ("Pool: no take_from_lanes on the slow path", "src/suballoc/coalescing.rs",
      "            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align)))",
      "            .or(None))"),
