@@ -4,6 +4,7 @@ losses, per-rank peak memory and step time.
 
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
     python3 python/proofs/ddp_proof.py [--gpus N] [--steps 40] [--no-deterministic] [--rounds R]
+                                       [--profile-steps K]
 
 N defaults to every visible GPU (1 works too: NCCL with one rank). Each allocator runs as
 its own group of N processes (rank r on GPU r, env:// rendezvous on localhost). Under
@@ -27,6 +28,11 @@ rank's CUDA work, next to the allocator's peak live bytes.
 first, and prints every round's median step per allocator (rank 0's; the ranks wait for
 each other every step), so that step times compare in pairs on the same machine. Losses
 are checked in every round.
+
+--profile-steps K runs K more steps on each rank under torch.profiler (after the timed
+ones, not in their figures) and prints rank 0's CUDA runtime and driver calls: how many
+synchronisations, event records and waits, and allocator driver calls a step makes under
+each allocator.
 """
 
 import argparse
@@ -81,6 +87,31 @@ def rank_main(mode, steps, deterministic):
         times.append(time.perf_counter() - t0)
         free, _ = torch.cuda.mem_get_info(dev)
         peak_used = max(peak_used, total - free - base_used)
+    calls = {}
+    profile_steps = int(os.environ.get("MEMRES_DDP_PROFILE_STEPS", "0"))
+    if profile_steps > 0:
+        # The same steps again under torch.profiler: the CUDA runtime and driver calls
+        # of the step (synchronisations, event records and waits, the allocator's own
+        # driver calls), largest host time first, as step_profile.py prints them.
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for step in range(profile_steps):
+                batch = int(torch.randint(2, 9, (1,), generator=shapes))
+                seq = int(torch.randint(128, 1025, (1,), generator=shapes))
+                ids = torch.randint(0, 50257, (batch, seq), device=dev)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(dev)
+        for e in prof.events():
+            if str(e.device_type).endswith("CPU") and e.name.startswith(("cu", "cuda")) and not e.name.startswith("cudnn"):
+                c = calls.setdefault(e.name, [0, 0.0])
+                c[0] += 1
+                c[1] += e.time_range.end - e.time_range.start
+        ranked = sorted(calls.items(), key=lambda kv: -kv[1][1])[:15]
+        calls = {name: {"count": c, "host_us": round(t, 1)} for name, (c, t) in ranked}
     if mode == "memres":
         peak_live = memres.stats(rank)["peak_live_bytes"]
     else:
@@ -94,6 +125,7 @@ def rank_main(mode, steps, deterministic):
                 "losses": losses,
                 "median_step_s": statistics.median(times[3:]),
                 "step_s": times,
+                "profiled_calls": calls,
                 "peak_device_used": peak_used,
                 "peak_live": peak_live,
             }
@@ -142,10 +174,17 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--rounds", type=int, default=1, help="groups per allocator, alternating")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then K more steps under torch.profiler: each rank's CUDA calls (printed for rank 0)",
+    )
     a = p.parse_args()
     import torch
 
     gpus = a.gpus or torch.cuda.device_count()
+    os.environ["MEMRES_DDP_PROFILE_STEPS"] = str(a.profile_steps)  # the ranks inherit it
     deterministic = not a.no_deterministic
     print(f"{gpus} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; nccl {torch.cuda.nccl.version()}")
     failures, rounds = [], []
@@ -165,6 +204,9 @@ def main():
         for other in ("torch", "expandable"):
             ratios = [m / o for m, o in zip(runs["memres"][0]["step_s"][3:], runs[other][0]["step_s"][3:])]
             print(f"round {n}: memres / {other} step by step (rank 0), median {statistics.median(ratios):.3f}")
+        for mode in MODES:
+            for name, c in runs[mode][0].get("profiled_calls", {}).items():
+                print(f"round {n} {mode:10s} rank 0 {name:36s} {c['count']:7d} calls {c['host_us'] / 1e3:9.2f} ms")
         ref, got = runs["torch"][0]["losses"], runs["memres"][0]["losses"]
         same = ref == got
         diff = max(abs(x - y) for x, y in zip(ref, got))
