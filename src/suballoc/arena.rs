@@ -532,6 +532,11 @@ impl<U: Resource> Arena<U> {
                 .into_iter()
                 .filter_map(|a| s.free.remove_starting_at(a))
                 .collect();
+            // The flush above made the list an index; one left empty gives it up, as an
+            // idle stream's list does (a list of a superblock split between lanes, or
+            // freed on several streams, would otherwise keep about 8 KiB for nothing).
+            // Should a wait fail, the pieces go back into a new index.
+            s.release_memory();
             drop(s);
             taken.push((list, blocks));
         }
@@ -899,6 +904,51 @@ mod tests {
         assert!(lock(&arena.global).whole.is_empty(), "merged by the trim");
         assert_eq!(arena.free_bytes(), 2 * MIB);
         assert!(arena.dump().contains("largest free block 2097152 bytes"));
+    }
+
+    /// A superblock split between two lanes of a stream (a thread took a block from the
+    /// other's lane when the global arena had none) is taken back by the scan of every
+    /// list, which puts each list's pieces in its index first: the lists it leaves
+    /// empty give that index up, as an idle stream's list does.
+    #[test]
+    fn lists_a_defragmentation_empties_keep_no_index() {
+        let arena = Arena::with_size(HostHeap::new(), MIB).unwrap();
+        let l = crate::layout(4096).unwrap();
+        let one = StreamRef::host(1);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::suballoc::own_lane();
+                let p = arena.allocate(one, l).unwrap();
+                // SAFETY: allocated just above with `l` on `one`.
+                unsafe { arena.deallocate(one, p, l) };
+            });
+        });
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::suballoc::own_lane();
+                // The global arena is empty: a block of the first lane's superblock.
+                let p = arena.allocate(one, l).unwrap();
+                // SAFETY: allocated just above with `l` on `one`.
+                unsafe { arena.deallocate(one, p, l) };
+            });
+        });
+        assert_eq!(
+            arena.lists.all().iter().filter(|s| s.state.lock().free_bytes() > 0).count(),
+            2,
+            "the superblock split between two lanes"
+        );
+        let two = StreamRef::host(2);
+        let p = arena.allocate(two, l).unwrap();
+        assert_eq!(arena.stream_merges(), 1, "taken back by the scan of every list");
+        for list in arena.lists.all() {
+            let s = list.state.lock();
+            if s.free_bytes() == 0 {
+                assert!(!s.free.keeps_an_index(), "{:?} keeps an index", list.key);
+            }
+        }
+        // SAFETY: allocated above with `l` on `two`.
+        unsafe { arena.deallocate(two, p, l) };
+        assert_eq!(arena.free_bytes(), MIB);
     }
 
     #[test]
