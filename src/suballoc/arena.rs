@@ -933,13 +933,22 @@ mod tests {
             });
         });
         assert_eq!(
-            arena.lists.all().iter().filter(|s| s.state.lock().free_bytes() > 0).count(),
+            arena
+                .lists
+                .all()
+                .iter()
+                .filter(|s| s.state.lock().free_bytes() > 0)
+                .count(),
             2,
             "the superblock split between two lanes"
         );
         let two = StreamRef::host(2);
         let p = arena.allocate(two, l).unwrap();
-        assert_eq!(arena.stream_merges(), 1, "taken back by the scan of every list");
+        assert_eq!(
+            arena.stream_merges(),
+            1,
+            "taken back by the scan of every list"
+        );
         for list in arena.lists.all() {
             let s = list.state.lock();
             if s.free_bytes() == 0 {
