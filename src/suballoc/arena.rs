@@ -532,6 +532,11 @@ impl<U: Resource> Arena<U> {
                 .into_iter()
                 .filter_map(|a| s.free.remove_starting_at(a))
                 .collect();
+            // The flush above made the list an index; one left empty gives it up, as an
+            // idle stream's list does (a list of a superblock split between lanes, or
+            // freed on several streams, would otherwise keep about 8 KiB for nothing).
+            // Should a wait fail, the pieces go back into a new index.
+            s.release_memory();
             drop(s);
             taken.push((list, blocks));
         }
@@ -701,7 +706,8 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         {
             return Ok(Some(self.install(global, own, sb, n, fit)));
         }
-        Ok(lanes::take_all(&self.lists, own, fit.size, fit.align))
+        // (The lanes emptied give up their index: see `take_idle_superblocks`.)
+        Ok(lanes::take_all(&self.lists, own, fit.size, fit.align, true))
     }
 
     /// A superblock from the global arena, after waiting for the streams of the memory
@@ -899,6 +905,120 @@ mod tests {
         assert!(lock(&arena.global).whole.is_empty(), "merged by the trim");
         assert_eq!(arena.free_bytes(), 2 * MIB);
         assert!(arena.dump().contains("largest free block 2097152 bytes"));
+    }
+
+    /// A superblock split between two lanes of a stream (a thread took a block from the
+    /// other's lane when the global arena had none) is taken back by the scan of every
+    /// list, which puts each list's pieces in its index first: the lists it leaves
+    /// empty give that index up, as an idle stream's list does.
+    #[test]
+    fn lists_a_defragmentation_empties_keep_no_index() {
+        let arena = Arena::with_size(HostHeap::new(), MIB).unwrap();
+        let l = crate::layout(4096).unwrap();
+        let one = StreamRef::host(1);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::suballoc::own_lane();
+                let p = arena.allocate(one, l).unwrap();
+                // SAFETY: allocated just above with `l` on `one`.
+                unsafe { arena.deallocate(one, p, l) };
+            });
+        });
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::suballoc::own_lane();
+                // The global arena is empty: a block of the first lane's superblock.
+                let p = arena.allocate(one, l).unwrap();
+                // SAFETY: allocated just above with `l` on `one`.
+                unsafe { arena.deallocate(one, p, l) };
+            });
+        });
+        assert_eq!(
+            arena
+                .lists
+                .all()
+                .iter()
+                .filter(|s| s.state.lock().free_bytes() > 0)
+                .count(),
+            2,
+            "the superblock split between two lanes"
+        );
+        let two = StreamRef::host(2);
+        let p = arena.allocate(two, l).unwrap();
+        assert_eq!(
+            arena.stream_merges(),
+            1,
+            "taken back by the scan of every list"
+        );
+        for list in arena.lists.all() {
+            let s = list.state.lock();
+            if s.free_bytes() == 0 {
+                assert!(!s.free.keeps_an_index(), "{:?} keeps an index", list.key);
+            }
+        }
+        // SAFETY: allocated above with `l` on `two`.
+        unsafe { arena.deallocate(two, p, l) };
+        assert_eq!(arena.free_bytes(), MIB);
+    }
+
+    /// A lane whose pieces another lane of its stream takes all of (no lane alone has a
+    /// fit) gives up the index it held them in.
+    #[test]
+    fn lanes_drained_by_another_lane_keep_no_index() {
+        let arena = Arena::with_size(HostHeap::new(), MIB).unwrap();
+        let half = crate::layout(MIB / 2).unwrap();
+        let quarter = crate::layout(MIB / 4).unwrap();
+        let one = StreamRef::host(1);
+        // Two lanes: one holds the superblock's first half, 4 KiB after it and its last
+        // quarter less 4 KiB; the other the quarter between (taken from the first lane's
+        // superblock: the global arena is empty then). No lane holds 3/4 MiB in one piece.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                crate::suballoc::own_lane();
+                let x = arena.allocate(one, half).unwrap();
+                // (A free marks the lane as holding free memory for the other lanes.)
+                let small = crate::layout(4096).unwrap();
+                let z = arena.allocate(one, small).unwrap();
+                // SAFETY: allocated just above with `small` on `one`.
+                unsafe { arena.deallocate(one, z, small) };
+                std::thread::scope(|s| {
+                    s.spawn(|| {
+                        crate::suballoc::own_lane();
+                        let y = arena.allocate(one, quarter).unwrap();
+                        // SAFETY: allocated just above with `quarter` on `one`.
+                        unsafe { arena.deallocate(one, y, quarter) };
+                    });
+                });
+                // SAFETY: allocated above with `half` on `one`.
+                unsafe { arena.deallocate(one, x, half) };
+            });
+        });
+        let holding = || {
+            arena
+                .lists
+                .all()
+                .iter()
+                .filter(|s| s.state.lock().free_bytes() > 0)
+                .count()
+        };
+        assert_eq!(holding(), 2, "the superblock split between two lanes");
+        let most = crate::layout(3 * MIB / 4).unwrap();
+        let p = arena.allocate(one, most).unwrap();
+        assert_eq!(
+            arena.stream_merges(),
+            0,
+            "the lanes' pieces, no defragmentation"
+        );
+        assert_eq!(holding(), 1, "both lanes' pieces moved to this thread's");
+        for list in arena.lists.all() {
+            let s = list.state.lock();
+            if s.free_bytes() == 0 {
+                assert!(!s.free.keeps_an_index(), "{:?} keeps an index", list.key);
+            }
+        }
+        // SAFETY: allocated above with `most` on `one`.
+        unsafe { arena.deallocate(one, p, most) };
+        assert_eq!(arena.free_bytes(), MIB);
     }
 
     #[test]

@@ -704,7 +704,7 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         }
         Ok(self
             .take_listed(own, fit)
-            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align)))
+            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align, false)))
     }
 
     /// Memory freed on other streams, once their work is waited for, before growing:

@@ -338,6 +338,12 @@ impl FreeBlocks {
         }
     }
 
+    /// Whether the list keeps heap memory for its index (class table or nodes).
+    #[cfg(all(test, not(memres_loom)))]
+    pub(crate) fn keeps_an_index(&self) -> bool {
+        self.lists.capacity() > 0 || self.nodes.capacity() > 0
+    }
+
     /// Frees the indexes of emptied lists that the calling thread keeps for the next
     /// lists it makes (see `spare_tables`): the end of a trim.
     pub(crate) fn release_spares() {

@@ -27,12 +27,16 @@ pub(crate) fn take_fit(
 /// Free memory of the other lanes of `own`'s stream: a fitting block from one lane
 /// (flushed), else all their free memory moved into `own`'s list, where neighbours
 /// coalesce (blocks freed by other threads, a producer on one thread and a consumer on
-/// another, come back together). The caller holds the growth lock.
+/// another, come back together). The caller holds the growth lock. With `release`, the
+/// lanes so emptied give up the heap memory of their index and caches (an arena's: a
+/// lane's index is about 8 KiB, and an arena's lists hold little once their superblock
+/// is gone; a pool's lanes keep theirs for the blocks their threads free next).
 pub(crate) fn take_all(
     lists: &ListTable<FreeList>,
     own: &List<FreeList>,
     size: usize,
     align: usize,
+    release: bool,
 ) -> Option<usize> {
     let lanes: Vec<_> = lists
         .other_lanes(own)
@@ -52,6 +56,9 @@ pub(crate) fn take_all(
     for lane in &lanes {
         let mut s = lane.state.lock();
         moved.extend(s.drain());
+        if release {
+            s.release_memory();
+        }
         lane.holds_free.store(false, Ordering::Relaxed);
     }
     if moved.is_empty() {
