@@ -206,9 +206,11 @@ mod tests {
         let lock = SpinLock::new(());
         let (held, done) = (Barrier::new(2), Barrier::new(2));
         let spread = std::sync::atomic::AtomicBool::new(false);
-        let rounds = std::thread::scope(|s| {
+        let (first_lane, rounds) = std::thread::scope(|s| {
             let asker = s.spawn(|| {
-                assert_eq!(this_lane(), 0, "a new thread shares lane 0");
+                // Checked after the join: a panic here would leave the other thread
+                // waiting at the barrier for good.
+                let first_lane = this_lane();
                 for round in 1..=1000 {
                     held.wait();
                     drop(lock.lock());
@@ -216,10 +218,10 @@ mod tests {
                     spread.store(own || round == 1000, std::sync::atomic::Ordering::Relaxed);
                     done.wait();
                     if own {
-                        return round;
+                        return (first_lane, round);
                     }
                 }
-                panic!("no lane of its own after 1,000 waits");
+                (first_lane, usize::MAX) // no lane of its own after 1,000 waits
             });
             while !spread.load(std::sync::atomic::Ordering::Relaxed) {
                 let guard = lock.lock();
@@ -230,6 +232,8 @@ mod tests {
             }
             asker.join().unwrap()
         });
+        assert_eq!(first_lane, 0, "a new thread shares lane 0");
+        assert!(rounds < usize::MAX, "no lane of its own after 1,000 waits");
         assert!(rounds >= WAITS_BEFORE_A_LANE as usize, "{rounds} rounds");
     }
 
