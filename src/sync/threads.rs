@@ -47,10 +47,14 @@ pub(crate) const LANES_VARIABLE: &str = "MEMRES_LANES";
 /// different ones.
 static NEXT_LANE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-// The calling thread's lane: 0 (shared) until it takes one of its own. A plain `Cell`
-// with a const initialiser and no destructor: the cheapest thread-local there is (one
-// load), and usable in every thread-local destructor.
-thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+/// [`LANE`] before the thread has looked at [`LANES_VARIABLE`].
+const NOT_LOOKED: u64 = u64::MAX;
+
+// The calling thread's lane: `NOT_LOOKED` before its first call, then 0 (shared) until it
+// takes one of its own. A plain `Cell` with a const initialiser and no destructor: the
+// cheapest thread-local there is (one load on the fast path), and usable in every
+// thread-local destructor.
+thread_local!(static LANE: std::cell::Cell<u64> = const { std::cell::Cell::new(NOT_LOOKED) });
 
 /// A time without a wait after which a thread's count of waits starts again: threads
 /// that take turns meet at a lock now and then; threads that run together meet many
@@ -61,15 +65,14 @@ const QUIET_SPELL: std::time::Duration = std::time::Duration::from_millis(10);
 // destructors).
 thread_local!(static LAST_WAIT: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) });
 
-// Waits for a held list lock the calling thread has made while in lane 0, and whether it
-// has looked at `LANES_VARIABLE` (`u32::MAX`: not yet).
-thread_local!(static WAITS: std::cell::Cell<u32> = const { std::cell::Cell::new(u32::MAX) });
+// Waits for a held list lock the calling thread has made while in lane 0.
+thread_local!(static WAITS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) });
 
 /// The calling thread's lane of a shared stream.
 #[inline]
 pub(crate) fn this_lane() -> u64 {
     let lane = LANE.with(std::cell::Cell::get);
-    if lane != 0 || WAITS.with(std::cell::Cell::get) != u32::MAX {
+    if lane != NOT_LOOKED {
         return lane;
     }
     first_look()
@@ -87,8 +90,12 @@ fn first_look() -> u64 {
         }
         Err(_) => false,
     });
-    WAITS.with(|w| w.set(0));
-    if per_thread { take_a_lane() } else { 0 }
+    if per_thread {
+        take_a_lane()
+    } else {
+        LANE.with(|l| l.set(0));
+        0
+    }
 }
 
 /// Gives the calling thread a lane of its own (1 to [`OWN_LANES`], in turn).
@@ -111,10 +118,7 @@ pub(crate) fn own_lane() {
 /// for every thread; lanes only spread the locks).
 #[cold]
 pub(crate) fn note_contention() {
-    if cfg!(memres_loom) || LANE.with(std::cell::Cell::get) != 0 {
-        return;
-    }
-    if WAITS.with(std::cell::Cell::get) == u32::MAX && first_look() != 0 {
+    if cfg!(memres_loom) || this_lane() != 0 {
         return;
     }
     // Waits far apart are chance meetings of threads that take turns: the count starts
@@ -263,9 +267,9 @@ mod tests {
                     done.wait();
                     counted
                 };
-                // Three waits in quick succession (waits() is u32::MAX before the first).
+                // Three waits in quick succession.
                 let mut rounds = 0;
-                while round(false).wrapping_add(1) < WAITS_BEFORE_A_LANE {
+                while round(false) + 1 < WAITS_BEFORE_A_LANE {
                     rounds += 1;
                     if rounds == 200 {
                         round(true);
