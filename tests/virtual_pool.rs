@@ -294,6 +294,36 @@ fn growing_first_gives_back_free_granules_elsewhere() {
 }
 
 #[test]
+fn a_growth_gives_back_every_whole_free_granule_it_does_not_join() {
+    let pool = virtual_pool(VirtualPoolConfig::new());
+    let s = StreamRef::host(1);
+    let l = layout(G).unwrap();
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
+    // Every other granule free (the last one included): 20 one-granule holes.
+    for &p in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: allocated above with `l`; unused afterwards.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    // Two granules fit nowhere: the growth maps one at the top, joined with the free
+    // granule below it, and gives back the other 19 free granules (not only the one it
+    // maps), so the pool holds exactly what is live.
+    let two = layout(2 * G).unwrap();
+    let q = pool.allocate(s, two).unwrap();
+    assert_eq!(q.as_ptr() as usize, blocks[39].as_ptr() as usize);
+    assert_eq!(pool.stats().pool_size, 22 * G);
+    assert_eq!(pool.segments().len(), 20, "the 19 holes split the range");
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        for &p in blocks.iter().step_by(2) {
+            pool.deallocate(s, p, l);
+        }
+    }
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
+#[test]
 fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
     let pool = HostVirtual::new(8 * G, G)
         .unwrap()
