@@ -228,12 +228,10 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         };
         if may_wait && surplus >= g && whole_granule_free() {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
-            if waited.is_ok() {
-                if self.unmap_in(growth, &mut s, 0, spare) > 0 {
-                    // Unmapping made new holes: a better site may be among them.
-                    let top = space.base + growth.memory.mapped.top() * g;
-                    tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
-                }
+            if waited.is_ok() && self.unmap_in(growth, &mut s, 0, spare) > 0 {
+                // Unmapping made new holes: a better site may be among them.
+                let top = space.base + growth.memory.mapped.top() * g;
+                tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
             }
         }
         for site in tries {
