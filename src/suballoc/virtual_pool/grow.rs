@@ -90,6 +90,9 @@ impl<U> Drop for KeepUnmapped<'_, U> {
 impl<U: Resource> Holding<U> for Space<U> {
     type Memory = Mapped;
 
+    // Host `cross-stream` 1.136 -> 1.100 of live (BENCHMARKS.md, issue 51 item 5).
+    const MERGES_FREEING_HOST_LISTS: bool = true;
+
     // Not the large cache: a cached block is handed out again where it was, not low,
     // which costs footprint (host, `random` seed 42: 1.128 of live against 1.114).
     fn new_free_list(&self, _memory: &Mapped) -> FreeList {
