@@ -529,7 +529,12 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        if !list.allocates.load(Ordering::Relaxed) {
+        // (Only where it is read: a virtual pool's host lists. Else the slow path does not
+        // read the list's first line, which other threads' searches read; issue 49.)
+        if H::MERGES_FREEING_HOST_LISTS
+            && stream.is_host()
+            && !list.allocates.load(Ordering::Relaxed)
+        {
             list.allocates.store(true, Ordering::Relaxed);
         }
         let mut fit = Fit {
