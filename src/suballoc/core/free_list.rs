@@ -262,7 +262,7 @@ impl FreeList {
         if self.fresh_held {
             return self.take_indexed_or_fresh(size, align);
         }
-        self.free.take(size, align)
+        self.free.take_inlined(size, align)
     }
 
     /// [`take_uncached`](Self::take_uncached) past the large blocks' cache, with a fresh
