@@ -137,7 +137,8 @@ impl Global {
     /// the list that threads share in their thread-local destructors (see
     /// [`StreamKey::is_exiting_threads`]): its "own stream" is several.
     fn take_own_pending(&mut self, list: &List<FreeList>, size: usize) -> Option<usize> {
-        if list.key.is_exiting_threads() {
+        // (Nothing pending, the common case, without reading the list's key.)
+        if self.pending.is_empty() || list.key.is_exiting_threads() {
             return None;
         }
         let i = self.pending_of(list)?;
@@ -393,6 +394,9 @@ impl<U: Resource> Arena<U> {
 
     /// Waits for the streams of pending memory and makes it free.
     fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
+        if global.pending.is_empty() {
+            return Ok(());
+        }
         synchronize(global.pending.iter().filter_map(|p| p.ctx))?;
         let mut blocks: Vec<_> = std::mem::take(&mut global.pending)
             .iter_mut()
@@ -412,7 +416,8 @@ impl<U: Resource> Arena<U> {
     /// streams of those lists are waited for; returns the bytes returned. If the wait
     /// fails, they go back to their lists.
     fn take_idle_superblocks(&self, global: &mut Global) -> Result<usize, Error> {
-        let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::new();
+        // (Room for all at once: with many streams, most superblocks are idle.)
+        let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::with_capacity(global.owners.len());
         for (&sb, &key) in &global.owners {
             let (Some(size), Some(list)) = (self.table.size_at(sb), self.lists.find(key)) else {
                 continue;
