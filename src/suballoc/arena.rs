@@ -416,12 +416,17 @@ impl<U: Resource> Arena<U> {
     /// streams of those lists are waited for; returns the bytes returned. If the wait
     /// fails, they go back to their lists.
     fn take_idle_superblocks(&self, global: &mut Global) -> Result<usize, Error> {
-        // (Room for all at once: with many streams, most superblocks are idle.)
-        let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::with_capacity(global.owners.len());
+        // Each with its list's context, read only for a CUDA stream's list (a host
+        // stream's has none, `List::ctx`): the line it is on is otherwise not read here,
+        // a miss for each superblock taken back (issue 51 item 4). Room for all at once:
+        // with many streams, most superblocks are idle.
+        let mut taken: Vec<(&List<FreeList>, FreeBlock, Option<Context>)> =
+            Vec::with_capacity(global.owners.len());
         for (&sb, &key) in &global.owners {
             let (Some(size), Some(list)) = (self.table.size_at(sb), self.lists.find(key)) else {
                 continue;
             };
+            let ctx = if key.is_host() { None } else { list.ctx };
             let mut s = list.state.lock();
             if s.free_bytes() < size {
                 continue;
@@ -434,7 +439,7 @@ impl<U: Resource> Arena<U> {
                     size,
                     starts_chunk: true,
                 };
-                taken.push((list, block));
+                taken.push((list, block, ctx));
                 s.free.release_memory();
                 continue;
             }
@@ -442,7 +447,7 @@ impl<U: Resource> Arena<U> {
             if s.free.size_starting_at(sb) == Some(size)
                 && let Some(block) = s.free.remove_starting_at(sb)
             {
-                taken.push((list, block));
+                taken.push((list, block, ctx));
                 // An idle stream's list holds nothing now: its index goes to the next
                 // list that needs one (`free_blocks::spare_tables`), so many streams'
                 // lists cost their inline fields, not an index each.
@@ -453,15 +458,15 @@ impl<U: Resource> Arena<U> {
             return Ok(0);
         }
         self.stream_merges.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = synchronize(taken.iter().filter_map(|(list, _)| list.ctx)) {
-            for (list, block) in taken {
+        if let Err(e) = synchronize(taken.iter().filter_map(|&(_, _, ctx)| ctx)) {
+            for (list, block, _) in taken {
                 list.state.lock().free.insert(block);
             }
             return Err(e);
         }
         let superblocks = taken.len();
         let mut bytes = 0;
-        for (_, block) in taken {
+        for (_, block, _) in taken {
             self.table.clear(block.addr);
             global.owners.remove(&block.addr);
             bytes += block.size;
@@ -700,7 +705,11 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         {
             let mut s = own.state.lock();
             s.flush();
-            if let Some(addr) = s.free.take(fit.size, fit.align) {
+            // (Not the index's search when it is empty: a list whose superblock went to
+            // another stream, issue 51 item 4.)
+            if s.free.bytes() != 0
+                && let Some(addr) = s.free.take(fit.size, fit.align)
+            {
                 return Ok(Some(addr));
             }
         }

@@ -262,6 +262,11 @@ impl FreeList {
         if self.fresh_held {
             return self.take_indexed_or_fresh(size, align);
         }
+        // (Not the index's search when it is empty: a list whose superblock went to
+        // another stream, or a pool's stream that only frees, issue 51 item 4.)
+        if self.free.bytes() == 0 {
+            return None;
+        }
         self.free.take(size, align)
     }
 
