@@ -136,6 +136,7 @@ impl Global {
     /// `size` bytes of what `list`'s own stream gave back, which needs no wait. Not for
     /// the list that threads share in their thread-local destructors (see
     /// [`StreamKey::is_exiting_threads`]): its "own stream" is several.
+    #[inline]
     fn take_own_pending(&mut self, list: &List<FreeList>, size: usize) -> Option<usize> {
         // (Nothing pending, the common case, without reading the list's key.)
         if self.pending.is_empty() || list.key.is_exiting_threads() {
@@ -416,12 +417,12 @@ impl<U: Resource> Arena<U> {
     /// streams of those lists are waited for; returns the bytes returned. If the wait
     /// fails, they go back to their lists.
     fn take_idle_superblocks(&self, global: &mut Global) -> Result<usize, Error> {
-        // Each with its list's context, read only for a CUDA stream's list (a host
+        // (Room for all at once: with many streams, most superblocks are idle.)
+        let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::with_capacity(global.owners.len());
+        // The contexts of the lists taken from, read only for CUDA streams' lists (a host
         // stream's has none, `List::ctx`): the line it is on is otherwise not read here,
-        // a miss for each superblock taken back (issue 51 item 4). Room for all at once:
-        // with many streams, most superblocks are idle.
-        let mut taken: Vec<(&List<FreeList>, FreeBlock, Option<Context>)> =
-            Vec::with_capacity(global.owners.len());
+        // a miss for each superblock taken back (issue 51 item 4).
+        let mut ctxs: Vec<Context> = Vec::new();
         for (&sb, &key) in &global.owners {
             let (Some(size), Some(list)) = (self.table.size_at(sb), self.lists.find(key)) else {
                 continue;
@@ -439,7 +440,8 @@ impl<U: Resource> Arena<U> {
                     size,
                     starts_chunk: true,
                 };
-                taken.push((list, block, ctx));
+                taken.push((list, block));
+                ctxs.extend(ctx);
                 s.free.release_memory();
                 continue;
             }
@@ -447,7 +449,8 @@ impl<U: Resource> Arena<U> {
             if s.free.size_starting_at(sb) == Some(size)
                 && let Some(block) = s.free.remove_starting_at(sb)
             {
-                taken.push((list, block, ctx));
+                taken.push((list, block));
+                ctxs.extend(ctx);
                 // An idle stream's list holds nothing now: its index goes to the next
                 // list that needs one (`free_blocks::spare_tables`), so many streams'
                 // lists cost their inline fields, not an index each.
@@ -458,15 +461,15 @@ impl<U: Resource> Arena<U> {
             return Ok(0);
         }
         self.stream_merges.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = synchronize(taken.iter().filter_map(|&(_, _, ctx)| ctx)) {
-            for (list, block, _) in taken {
+        if let Err(e) = synchronize(ctxs.into_iter()) {
+            for (list, block) in taken {
                 list.state.lock().free.insert(block);
             }
             return Err(e);
         }
         let superblocks = taken.len();
         let mut bytes = 0;
-        for (_, block, _) in taken {
+        for (_, block) in taken {
             self.table.clear(block.addr);
             global.owners.remove(&block.addr);
             bytes += block.size;
@@ -611,8 +614,7 @@ impl<U: Resource> Arena<U> {
         global.owners.insert(sb, own.key);
         let mut s = own.state.lock();
         // Kept whole, outside the list's index (see `FreeList::add_superblock`).
-        s.add_superblock(sb, sb_size);
-        s.take_uncached(fit.size, fit.align)
+        s.take_from_new_superblock(sb, sb_size, fit.size, fit.align)
             .expect("a request fits its new superblock")
     }
 }

@@ -145,16 +145,19 @@ pub(crate) struct FreeBlocks {
     /// Blocks by address region, and each node's links in them, in a list made
     /// [`address_ordered`](FreeBlocks::address_ordered).
     regions: Option<Box<Ordered>>,
-    /// The blocks, by node number (a number in `spare` is a node not in use).
-    nodes: Vec<FreeBlock>,
-    spare: Vec<u32>,
     /// The class lists, circular and doubly linked: entry `c < CLASSES` is class `c`'s
     /// sentinel, entry [`entry(i)`](entry) node `i`'s place. With a sentinel, putting a
     /// node in and taking it out are the same few stores whatever its neighbours are:
     /// no branch on whether the list was empty or the node first, which random sizes
     /// made mispredicted (callgrind `--branch-sim` on `random`). Allocated with the first
     /// block (empty before, and again after [`FreeBlocks::release_memory`]).
+    /// Next to the fields a request reads first: whether it holds heap memory is what
+    /// [`release_memory`](FreeBlocks::release_memory) reads of an empty list (an arena's
+    /// idle stream's, issue 51 item 4), on the line a request to it read just before.
     lists: Vec<Link>,
+    /// The blocks, by node number (a number in `spare` is a node not in use).
+    nodes: Vec<FreeBlock>,
+    spare: Vec<u32>,
     /// Per group, bit `c` is set when class `16 g + c` is non-empty.
     classes_in_use: [u16; GROUPS],
     by_start: SparseAddrMap<NodeRef>,
@@ -166,6 +169,11 @@ impl FreeBlocks {
     #[cfg(all(test, not(memres_loom)))]
     pub(crate) const HOT_BYTES: usize =
         std::mem::offset_of!(FreeBlocks, regions) + size_of::<Option<Box<Ordered>>>();
+    /// The bytes up to the class table's end (what `release_memory` reads of an empty
+    /// list, on the same line as the ones above).
+    #[cfg(all(test, not(memres_loom)))]
+    pub(crate) const TABLE_END: usize =
+        std::mem::offset_of!(FreeBlocks, lists) + size_of::<Vec<Link>>();
 }
 
 /// The index of an [`address_ordered`](FreeBlocks::address_ordered) list: its regions and
