@@ -737,6 +737,38 @@ mod tests {
         assert_eq!(list.free_extents().count(), 0);
     }
 
+    /// An idle list's cached blocks of several sizes (bins past the first) are checked
+    /// and emptied too: a block of another size outside the superblock keeps it.
+    #[test]
+    fn an_idle_list_with_blocks_of_several_sizes_gives_back_exactly_its_superblock() {
+        let mut list = arena_list();
+        let a = list.take(4096, GRANULE).unwrap();
+        let b = list.take(8192, GRANULE).unwrap();
+        let _still_out = list.take(8192, GRANULE).unwrap();
+        list.put(a, 4096);
+        list.put(b, 8192);
+        assert!(!list.take_whole(BASE, SUPERBLOCK_SIZE), "a block still out");
+        // An 8 KiB block of the next superblock cached beside `b`: the bytes add up, but
+        // a bin past the first holds a block outside.
+        list.put(BASE + SUPERBLOCK_SIZE, 8192);
+        assert_eq!(list.quick_blocks(), (3, 8192));
+        assert_eq!(list.free_bytes(), SUPERBLOCK_SIZE);
+        assert!(!list.take_whole(BASE, SUPERBLOCK_SIZE));
+        assert_eq!(list.free_bytes(), SUPERBLOCK_SIZE, "nothing taken");
+        assert_eq!(list.quick_blocks(), (3, 8192));
+        // The superblock's own blocks only: taken whole, every bin emptied.
+        let mut list = arena_list();
+        let a = list.take(4096, GRANULE).unwrap();
+        let b = list.take(8192, GRANULE).unwrap();
+        list.put(a, 4096);
+        list.put(b, 8192);
+        assert_eq!(list.quick_blocks(), (2, 8192));
+        assert!(list.take_whole(BASE, SUPERBLOCK_SIZE));
+        assert_eq!(list.free_bytes(), 0);
+        assert_eq!(list.quick_blocks(), (0, 0));
+        assert_eq!(list.free_extents().count(), 0);
+    }
+
     /// A stream's list keeps what other threads read (the key a lookup compares, the
     /// searches' hint) on its first cache line, and what its users write at every call
     /// (the lock's flag, the small blocks' cache) on the line 128 bytes on, in 512 bytes
