@@ -427,34 +427,11 @@ impl<U: Resource> Arena<U> {
             let (Some(size), Some(list)) = (self.table.size_at(sb), self.lists.find(key)) else {
                 continue;
             };
-            let ctx = if key.is_host() { None } else { list.ctx };
-            let mut s = list.state.lock();
-            if s.free_bytes() < size {
-                continue;
-            }
-            // The common case, without index work: the list holds the superblock and
-            // nothing else, as its fresh extent and small cached blocks.
-            if s.take_whole(sb, size) {
-                let block = FreeBlock {
-                    addr: sb,
-                    size,
-                    starts_chunk: true,
-                };
+            if let Some(block) = take_superblock(&mut list.state.lock(), sb, size) {
                 taken.push((list, block));
-                ctxs.extend(ctx);
-                s.free.release_memory();
-                continue;
-            }
-            s.flush();
-            if s.free.size_starting_at(sb) == Some(size)
-                && let Some(block) = s.free.remove_starting_at(sb)
-            {
-                taken.push((list, block));
-                ctxs.extend(ctx);
-                // An idle stream's list holds nothing now: its index goes to the next
-                // list that needs one (`free_blocks::spare_tables`), so many streams'
-                // lists cost their inline fields, not an index each.
-                s.free.release_memory();
+                if !key.is_host() {
+                    ctxs.extend(list.ctx);
+                }
             }
         }
         if taken.is_empty() {
@@ -617,6 +594,35 @@ impl<U: Resource> Arena<U> {
         s.take_from_new_superblock(sb, sb_size, fit.size, fit.align)
             .expect("a request fits its new superblock")
     }
+}
+
+/// The superblock `[sb, sb + size)` taken out of list `s` as one block, if the list holds
+/// it entirely free (its stream idle, mostly); the list, left with nothing, gives up its
+/// index (see `Arena::take_idle_superblocks`).
+fn take_superblock(s: &mut FreeList, sb: usize, size: usize) -> Option<FreeBlock> {
+    if s.free_bytes() < size {
+        return None;
+    }
+    // The common case, without index work: the list holds the superblock and nothing
+    // else, as its fresh extent and small cached blocks.
+    let block = if s.take_whole(sb, size) {
+        FreeBlock {
+            addr: sb,
+            size,
+            starts_chunk: true,
+        }
+    } else {
+        s.flush();
+        if s.free.size_starting_at(sb) != Some(size) {
+            return None;
+        }
+        s.free.remove_starting_at(sb)?
+    };
+    // An idle stream's list holds nothing now: its index goes to the next list that
+    // needs one (`free_blocks::spare_tables`), so many streams' lists cost their inline
+    // fields, not an index each.
+    s.free.release_memory();
+    Some(block)
 }
 
 /// A request on the arena's slow path: its size and alignment (rounded), and the
