@@ -382,39 +382,51 @@ impl FreeList {
         }
         let end = addr + size;
         let inside = |a: usize, n: usize| a >= addr && a + n <= end;
-        let (start, stop) = self.fresh();
         let first_size = self.quick_base as usize * GRANULE;
-        // Whether the bins past the first hold blocks.
-        let others = self.quick_bytes as usize != self.first.len() * first_size;
+        // Whether the bins past the first, or the large blocks' cache, hold blocks.
+        let others =
+            self.quick_bytes as usize != self.first.len() * first_size || self.large_bytes != 0;
+        let (start, stop) = self.fresh();
         if (self.fresh_held && !inside(start, stop - start))
             || !self.first.iter().all(|&a| inside(a, first_size))
-            || (others
-                && !self
-                    .quick_bins()
-                    .skip(1)
-                    .all(|(n, bin)| bin.iter().all(|&a| inside(a, n))))
-            || (self.large_bytes != 0 && !self.large_blocks().iter().all(|&(a, n)| inside(a, n)))
+            || (others && !self.others_inside(addr, end))
         {
             return false;
         }
         self.first.clear();
         if others {
-            for bin in &mut self.quick {
-                bin.clear();
-            }
+            self.clear_others();
         }
         self.quick_bytes = 0;
-        if self.large_bytes != 0
-            && let Some(large) = &mut self.large
-        {
-            large.clear();
-        }
-        self.large_bytes = 0;
         if let Chunks::Arena { fresh, .. } = &mut self.chunks {
             *fresh = (0, 0);
         }
         self.fresh_held = false;
         true
+    }
+
+    /// Whether the blocks of the bins past the first and of the large blocks' cache all
+    /// lie in `[addr, end)` (see [`take_whole`](Self::take_whole)).
+    #[cold]
+    fn others_inside(&self, addr: usize, end: usize) -> bool {
+        let inside = |a: usize, n: usize| a >= addr && a + n <= end;
+        self.quick_bins()
+            .skip(1)
+            .all(|(n, bin)| bin.iter().all(|&a| inside(a, n)))
+            && self.large_blocks().iter().all(|&(a, n)| inside(a, n))
+    }
+
+    /// Empties the bins past the first and the large blocks' cache (their bytes are the
+    /// caller's to zero).
+    #[cold]
+    fn clear_others(&mut self) {
+        for bin in &mut self.quick {
+            bin.clear();
+        }
+        if let Some(large) = &mut self.large {
+            large.clear();
+        }
+        self.large_bytes = 0;
     }
 
     /// The largest free extent outside the small blocks' cache (a scan: for statistics).
