@@ -333,7 +333,13 @@ impl FreeList {
     ) -> Option<usize> {
         debug_assert!(self.large_bytes == 0 && sb_size > 0);
         self.add_superblock(addr, sb_size);
-        self.take_indexed_or_fresh(size, align)
+        // (`take_indexed_or_fresh`'s steps, without its call.)
+        if self.free.bytes() != 0
+            && let Some(addr) = self.free.take(size, align)
+        {
+            return Some(addr);
+        }
+        self.take_fresh(size, align)
     }
 
     /// The fresh extent, `(start, end)` (see [`Chunks::Arena`]); empty in a pool's list.
