@@ -151,6 +151,7 @@ pub(crate) struct FreeBlocks {
     /// no branch on whether the list was empty or the node first, which random sizes
     /// made mispredicted (callgrind `--branch-sim` on `random`). Allocated with the first
     /// block (empty before, and again after [`FreeBlocks::release_memory`]).
+    ///
     /// Next to the fields a request reads first: whether it holds heap memory is what
     /// [`release_memory`](FreeBlocks::release_memory) reads of an empty list (an arena's
     /// idle stream's, issue 51 item 4), on the line a request to it read just before.

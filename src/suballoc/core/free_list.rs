@@ -422,8 +422,8 @@ impl FreeList {
             && self.large_blocks().iter().all(|&(a, n)| inside(a, n))
     }
 
-    /// Empties the bins past the first and the large blocks' cache (their bytes are the
-    /// caller's to zero).
+    /// Empties the bins past the first and the large blocks' cache, with its bytes (the
+    /// small blocks' bytes are the caller's to zero).
     #[cold]
     fn clear_others(&mut self) {
         for bin in &mut self.quick {
