@@ -1154,11 +1154,13 @@ fn sleep_child() {
         let held = stats(0).pool_size;
         let offloaded = memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD);
         assert!(offloaded >= SIZE as i64, "{offloaded}: {}", last_error());
-        // The copies: the block's granules (the sleep gave back free ones uncopied).
+        // The copies: the block's granules (the sleep gave back free ones uncopied), and
+        // the pinned staging buffers they went through (at most 128 MiB).
         let copies = stats(0).pool_host_copy_bytes;
+        let most = offloaded as u64 + (128 << 20);
         assert!(
-            (SIZE as u64..=offloaded as u64).contains(&copies),
-            "{copies} B of copies, {offloaded} B given back"
+            (SIZE as u64..=most).contains(&copies),
+            "{copies} B of copies and buffers, {offloaded} B given back"
         );
         assert_eq!(
             memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD),
@@ -1186,11 +1188,10 @@ fn sleep_child() {
             sys::CUresult::CUDA_SUCCESS
         );
         assert!(back == pattern, "the weights' bytes came back");
-        assert_eq!(
-            stats(0).pool_host_copy_bytes,
-            copies,
-            "kept for the next sleep"
-        );
+        // Kept for the next sleep (the wake may have made staging buffers the sleep did
+        // not: how many a thread uses depends on the threads' timing).
+        let kept = stats(0).pool_host_copy_bytes;
+        assert!((copies..=most).contains(&kept), "{kept} B kept");
         assert_eq!(memres_is_asleep(0, c("weights").as_ptr()), 0);
         assert_eq!(memres_wake(0, std::ptr::null()), discarded);
         assert_eq!(

@@ -19,6 +19,13 @@ use crate::upstream::virtual_memory::{Granules, HostCopy};
 /// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
 type Save<U> = unsafe fn(&U, &[(usize, usize)], &mut Vec<HostCopy>) -> Result<Vec<HostCopy>, Error>;
 
+/// [`GrowInPlace::prepare_host_memory`]: host memory made ahead of a sleep.
+type Prepare<U> = fn(&U, &[usize], usize) -> Result<Vec<HostCopy>, Error>;
+
+/// [`GrowInPlace::wake_at`]: maps ranges again, with their copies if any.
+type Wake<U> =
+    unsafe fn(&U, &[(usize, usize)], &[HostCopy], &mut Vec<HostCopy>) -> Result<(), Error>;
+
 /// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
 /// when the pool is made, so that `VirtualPool<U>` needs no other bound), with its
 /// configuration and whether it sleeps.
@@ -29,7 +36,9 @@ pub(crate) struct Space<U> {
     pub(super) unmap: unsafe fn(&U, usize, usize),
     keep_unmapped: fn(&U, bool),
     pub(super) save: Save<U>,
-    pub(super) restore: unsafe fn(&U, usize, usize, &HostCopy) -> Result<(), Error>,
+    pub(super) wake: Wake<U>,
+    pub(super) prepare: Prepare<U>,
+    pub(super) is_staging: fn(&U, &HostCopy) -> bool,
     pub(super) synchronize: fn(&U) -> Result<(), Error>,
     pub(super) config: VirtualPoolConfig,
     /// Set while the pool sleeps (read first by every allocation; written under the
@@ -47,7 +56,9 @@ impl<U: GrowInPlace> Space<U> {
             unmap: <U as GrowInPlace>::unmap_at,
             keep_unmapped: <U as GrowInPlace>::keep_unmapped,
             save: <U as GrowInPlace>::save_at,
-            restore: <U as GrowInPlace>::restore_at,
+            wake: <U as GrowInPlace>::wake_at,
+            prepare: <U as GrowInPlace>::prepare_host_memory,
+            is_staging: <U as GrowInPlace>::is_staging_buffer,
             synchronize: <U as GrowInPlace>::synchronize,
             config,
             asleep: AtomicBool::new(false),
@@ -63,7 +74,8 @@ pub(crate) struct Mapped {
     pub(super) mapped: Granules,
     /// Set while the pool sleeps: what waking it maps and restores.
     pub(super) slept: Option<Slept>,
-    /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
+    /// Host memory kept for the next offloading sleep and wake (freed by `trim`): the
+    /// copies a wake kept, and the pinned staging buffers the copies went through.
     pub(super) kept: Vec<HostCopy>,
 }
 

@@ -10,7 +10,7 @@ use crate::resource::{Resource, layout};
 use crate::stream::StreamRef;
 use crate::suballoc::{SleepMode, VirtualPool, VirtualPoolConfig};
 use crate::upstream::HostVirtual;
-use crate::upstream::virtual_memory::faults;
+use crate::upstream::virtual_memory::{CHUNK, faults};
 
 const GRANULE: usize = 64 << 10;
 
@@ -300,29 +300,37 @@ fn sleep_and_wake_beside_threads_that_allocate() {
     assert_eq!(pool.upstream().mapped_bytes(), 0);
 }
 
+/// The staging buffers among the pool's host memory, besides `copies` bytes of copies:
+/// a whole number of `CHUNK`s, two a thread at most (4 threads in the tests; how many a
+/// sleep makes depends on how many threads got chunks).
+fn staging_bytes(pool: &VirtualPool<HostVirtual>, copies: usize) -> usize {
+    let held = pool.stats().host_copy_bytes;
+    let staging = held.checked_sub(copies).expect("the copies are held");
+    assert!(
+        staging.is_multiple_of(CHUNK) && staging <= 8 * CHUNK,
+        "{staging} bytes of staging buffers"
+    );
+    staging
+}
+
 #[test]
 fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
     let pool = pool();
     let blocks = fill(&pool);
     // SAFETY: nothing touches the blocks until the pool wakes (each round).
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-    assert_eq!(
-        pool.stats().host_copy_bytes,
-        released,
-        "the copies, while asleep"
-    );
+    // The copies and the staging buffers, while asleep.
+    assert!(staging_bytes(&pool, released) > 0);
     pool.wake().unwrap();
-    assert_eq!(
-        pool.stats().host_copy_bytes,
-        released,
-        "kept after the wake"
-    );
-    // The next sleeps use them again: no more host memory, the same contents back.
+    staging_bytes(&pool, released);
+    // The next sleeps use the copies again: no more memory for copies, the same contents
+    // back.
     for round in 0..3 {
         // SAFETY: as above.
         assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(released));
-        assert_eq!(pool.stats().host_copy_bytes, released, "round {round}");
+        staging_bytes(&pool, released);
         pool.wake().unwrap();
+        staging_bytes(&pool, released);
         for &(p, l, _, byte) in &blocks {
             assert!(holds(p, l, byte), "round {round}");
         }
@@ -337,10 +345,99 @@ fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
         matches!(failed, Err(Error::OutOfMemory { .. })),
         "{failed:?}"
     );
-    assert_eq!(pool.stats().host_copy_bytes, released);
+    staging_bytes(&pool, released);
     free_all(&pool, blocks);
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees them");
+}
+
+#[test]
+fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_awake() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    // One buffer can be had (pinned), the next not: the first chunk is copied, then
+    // whichever thread asks for a second buffer (for the second chunk, whoever takes it)
+    // fails.
+    faults::fail_staging(base, Some(1));
+    // SAFETY: nothing touches the blocks while the call runs.
+    let slept = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_staging(base, None);
+    assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
+    assert!(!pool.is_asleep());
+    let held = pool.stats().pool_size;
+    assert_eq!(pool.upstream().mapped_bytes(), held, "nothing unmapped");
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "nothing lost");
+    }
+    // Nothing leaked: the copies made (one a piece, all made before any chunk) and the
+    // buffer are kept for the next sleep.
+    assert_eq!(staging_bytes(&pool, held), CHUNK);
+    // The next sleep uses them and makes the buffers it lacks.
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    staging_bytes(&pool, held);
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "restored");
+    }
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().host_copy_bytes, 0);
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+}
+
+#[test]
+fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    // Copies back into the upper half fail: the lower half is mapped and copied first.
+    faults::fail_saves(base + released / 2, base + len, true);
+    let woken = pool.wake();
+    faults::fail_saves(base + released / 2, base + len, false);
+    assert!(matches!(woken, Err(Error::OutOfMemory { .. })), "{woken:?}");
+    assert!(pool.is_asleep());
+    assert_eq!(
+        pool.upstream().mapped_bytes(),
+        0,
+        "what it mapped went back"
+    );
+    assert_eq!(pool.stats().asleep_bytes, released);
+    staging_bytes(&pool, released); // and the copies, all kept
+    assert_eq!(pool.wake(), Ok(released));
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "restored by the second wake");
+    }
+    free_all(&pool, blocks);
+}
+
+#[test]
+fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
+    // Pieces of 256 KiB, chunks of 96 KiB: each piece ends in a short chunk, and the four
+    // threads take chunks of different pieces at once.
+    let pool = pool();
+    let l = layout(5 << 20).unwrap();
+    let p = pool.allocate(StreamRef::HOST, l).unwrap();
+    let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
+    // SAFETY: a fresh block of `l.size()` bytes of host memory.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    for round in 0..2 {
+        // SAFETY: nothing touches the block until the pool wakes.
+        unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+        pool.wake().unwrap();
+        // SAFETY: the block is mapped again.
+        let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
+        let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
+        assert_eq!(wrong, None, "round {round}");
+    }
+    // SAFETY: allocated above with `l`; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
 }
 
 #[test]
@@ -365,10 +462,77 @@ fn a_leaf_refuses_copies_of_unmapped_ranges_and_restores_too_long_for_their_copy
         matches!(partial, Err(Error::InvalidArgument(_))),
         "{partial:?}"
     );
-    let half = crate::upstream::HostCopy::heap(GRANULE / 2).unwrap();
-    // SAFETY: refused before any byte is written: the copy holds half a granule.
-    let long = unsafe { leaf.restore_at(addr, GRANULE, &half) };
+    let free = addr + GRANULE;
+    let half = crate::upstream::HostCopy::pages(GRANULE / 2).unwrap();
+    // SAFETY: refused before anything is mapped: the copy holds half a granule.
+    let long = unsafe { leaf.wake_at(&[(free, GRANULE)], std::slice::from_ref(&half), &mut spare) };
     assert!(matches!(long, Err(Error::InvalidArgument(_))), "{long:?}");
+    // SAFETY: refused before anything is mapped: one copy for two ranges.
+    let short = unsafe {
+        leaf.wake_at(
+            &[(free, GRANULE), (free + GRANULE, GRANULE)],
+            std::slice::from_ref(&half),
+            &mut spare,
+        )
+    };
+    assert!(matches!(short, Err(Error::InvalidArgument(_))), "{short:?}");
+    let full = crate::upstream::HostCopy::pages(GRANULE).unwrap();
+    // SAFETY: refused by `map_at`: the granule is mapped already; nothing is copied.
+    let mapped =
+        unsafe { leaf.wake_at(&[(addr, GRANULE)], std::slice::from_ref(&full), &mut spare) };
+    assert!(
+        matches!(mapped, Err(Error::InvalidArgument(_))),
+        "{mapped:?}"
+    );
+    assert_eq!(leaf.mapped_bytes(), GRANULE, "nothing mapped or unmapped");
+    assert!(spare.is_empty(), "nothing was staged");
     // SAFETY: allocated above with `l`.
     unsafe { leaf.deallocate_sync(p, l) };
+}
+
+#[test]
+fn host_memory_made_ahead_is_what_the_first_sleep_uses() {
+    let pool = pool();
+    assert_eq!(
+        pool.prepare_offload(),
+        Ok(0),
+        "nothing mapped, nothing made"
+    );
+    let blocks = fill(&pool);
+    // What a sleep would copy: the pool less its free granules (the sleep trims first).
+    pool.trim().unwrap();
+    let held = pool.stats().pool_size;
+    let made = pool.prepare_offload().unwrap();
+    assert_eq!(
+        staging_bytes(&pool, held),
+        made - held,
+        "copies of all it holds"
+    );
+    assert!(made > held, "and staging buffers");
+    assert_eq!(pool.prepare_offload(), Ok(0), "made already");
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    assert!(
+        pool.stats().host_copy_bytes <= held + 8 * CHUNK,
+        "the sleep made no more copies"
+    );
+    assert!(matches!(
+        pool.prepare_offload(),
+        Err(Error::InvalidArgument(_))
+    ));
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    // Memory mapped later gets its own when the pool sleeps: prepared now too.
+    let l = layout(3 << 20).unwrap();
+    let extra = pool.allocate(StreamRef::HOST, l).unwrap();
+    let grown = pool.stats().pool_size - held;
+    assert!(grown >= 3 << 20);
+    assert_eq!(pool.prepare_offload().map(|m| m >= grown), Ok(true));
+    // SAFETY: allocated above with `l`; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, extra, l) };
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees it");
 }

@@ -9,7 +9,7 @@ use crate::driver::{self, report};
 use crate::error::Error;
 use crate::platform::{Active, Attribute, MemHandle, Platform};
 use crate::property::DeviceAccessible;
-use crate::stream::StreamRef;
+use crate::stream::{Stream, StreamFlags, StreamRef};
 use crate::upstream::{ExportHandle, PinnedHost};
 
 /// How to make a [`CudaVirtual`](super::CudaVirtual).
@@ -310,44 +310,67 @@ impl Backend for CudaPhysical {
         stream.synchronize_in(self.ctx)
     }
 
-    fn host_copy(&self, len: usize) -> Result<HostCopy, Error> {
+    /// A stream of its own, which does not wait for the legacy stream (the pool waited
+    /// for the whole device before it copies).
+    type Lane = Stream;
+
+    fn lane(&self) -> Result<Stream, Error> {
+        Stream::on(self.ctx.device(), StreamFlags::NonBlocking)
+    }
+
+    fn staging(&self, len: usize) -> Result<HostCopy, Error> {
         HostCopy::pinned(PinnedHost::on(self.ctx.device())?, len)
     }
 
-    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
+    unsafe fn copy_out(
+        &self,
+        lane: &Stream,
+        addr: usize,
+        into: *mut u8,
+        len: usize,
+    ) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to, and the
-        // copy is pinned host memory of at least `len` bytes (the caller's promises); both
-        // stay valid until the wait below; the context is current.
+        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to, and `into`
+        // pinned host memory valid for `len` bytes, until the lane is waited for (the
+        // caller's promises); the lane is a stream of this device, whose context is
+        // current.
         unsafe {
             copy::copy(
-                into.as_ptr(),
+                into,
                 Access::HOST,
                 std::ptr::with_exposed_provenance(addr),
                 Access::DEVICE,
                 len,
-                StreamRef::DEFAULT,
-            )?
-        };
-        StreamRef::DEFAULT.synchronize_in(self.ctx)
+                lane.as_ref(),
+            )
+        }
     }
 
-    unsafe fn restore(&self, addr: usize, len: usize, from: &HostCopy) -> Result<(), Error> {
+    unsafe fn copy_in(
+        &self,
+        lane: &Stream,
+        addr: usize,
+        from: *const u8,
+        len: usize,
+    ) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + len` is mapped device memory nothing uses, and the copy,
-        // pinned host memory of at least that length, lives until `synchronize` (the
-        // caller's promises); the context is current. Asynchronous on the legacy stream,
-        // so that the next granules are mapped while this copy runs.
+        // SAFETY: `addr..addr + len` is mapped device memory nothing else uses, and `from`
+        // pinned host memory valid for `len` unwritten bytes, until the lane is waited for
+        // (the caller's promises); the context of the lane's device is current.
         unsafe {
             copy::copy(
                 std::ptr::with_exposed_provenance_mut(addr),
                 Access::DEVICE,
-                from.as_ptr(),
+                from,
                 Access::HOST,
                 len,
-                StreamRef::DEFAULT,
+                lane.as_ref(),
             )
         }
+    }
+
+    fn finish(&self, lane: &Stream) -> Result<(), Error> {
+        lane.synchronize()
     }
 
     fn synchronize(&self) -> Result<(), Error> {

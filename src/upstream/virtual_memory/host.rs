@@ -157,21 +157,38 @@ impl Backend for HostPages {
         Ok(())
     }
 
-    fn host_copy(&self, len: usize) -> Result<HostCopy, Error> {
+    /// Nothing: the host copies at once.
+    type Lane = ();
+
+    fn lane(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn staging(&self, len: usize) -> Result<HostCopy, Error> {
+        #[cfg(test)]
+        if faults::staging_fails(self.base) {
+            return Err(Error::out_of_memory(len));
+        }
         HostCopy::heap(len)
     }
 
-    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
+    unsafe fn copy_out(
+        &self,
+        _lane: &(),
+        addr: usize,
+        into: *mut u8,
+        len: usize,
+    ) -> Result<(), Error> {
         #[cfg(test)]
         if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
         }
-        // SAFETY: `addr..addr + len` is mapped host memory nobody writes to, and the copy
-        // separate host memory of at least `len` bytes (the caller's promises); a host
+        // SAFETY: `addr..addr + len` is mapped host memory nobody writes to, and `into`
+        // separate host memory valid for `len` bytes (the caller's promises); a host
         // stream copies at once.
         unsafe {
             copy::copy(
-                into.as_ptr(),
+                into,
                 Access::HOST,
                 std::ptr::with_exposed_provenance(addr),
                 Access::HOST,
@@ -181,19 +198,33 @@ impl Backend for HostPages {
         }
     }
 
-    unsafe fn restore(&self, addr: usize, len: usize, from: &HostCopy) -> Result<(), Error> {
-        // SAFETY: `addr..addr + len` is mapped host memory nobody uses, and the copy
-        // separate host memory of at least that length (the caller's promises).
+    unsafe fn copy_in(
+        &self,
+        _lane: &(),
+        addr: usize,
+        from: *const u8,
+        len: usize,
+    ) -> Result<(), Error> {
+        #[cfg(test)]
+        if faults::save_fails(addr) {
+            return Err(Error::out_of_memory(len));
+        }
+        // SAFETY: `addr..addr + len` is mapped host memory nobody else uses, and `from`
+        // separate host memory valid for `len` bytes (the caller's promises).
         unsafe {
             copy::copy(
                 std::ptr::with_exposed_provenance_mut(addr),
                 Access::HOST,
-                from.as_ptr(),
+                from,
                 Access::HOST,
                 len,
                 StreamRef::HOST,
             )
         }
+    }
+
+    fn finish(&self, _lane: &()) -> Result<(), Error> {
+        Ok(()) // every copy is done when its call returns
     }
 
     fn synchronize(&self) -> Result<(), Error> {
@@ -225,11 +256,40 @@ pub(crate) mod faults {
         static PLAN: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
     }
 
-    /// Address ranges whose copies to the host fail, as when host memory runs out (on
-    /// any thread: a pool copies on several at once).
+    /// Address ranges whose copies to or from the host fail, as when host memory runs out
+    /// (on any thread: a pool copies on several at once).
     static FAILING_SAVES: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
 
-    /// From now on, copies to the host of memory in `from..to` fail (`on`) or work again.
+    /// Reservations (by their base) whose staging buffers fail after so many more are
+    /// made.
+    static FAILING_STAGING: std::sync::Mutex<Vec<(usize, usize)>> =
+        std::sync::Mutex::new(Vec::new());
+
+    /// From now on, the leaf whose reservation starts at `base` makes `more` staging
+    /// buffers, then fails to make more (as when pinning fails); `None`: it works again.
+    #[cfg(not(memres_loom))]
+    pub(crate) fn fail_staging(base: usize, more: Option<usize>) {
+        let mut failing = FAILING_STAGING.lock().unwrap_or_else(|p| p.into_inner());
+        failing.retain(|&(b, _)| b != base);
+        if let Some(more) = more {
+            failing.push((base, more));
+        }
+    }
+
+    pub(super) fn staging_fails(base: usize) -> bool {
+        let mut failing = FAILING_STAGING.lock().unwrap_or_else(|p| p.into_inner());
+        match failing.iter_mut().find(|(b, _)| *b == base) {
+            Some((_, 0)) => true,
+            Some((_, more)) => {
+                *more -= 1;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// From now on, copies to or from the host of memory in `from..to` fail (`on`) or
+    /// work again.
     #[cfg(not(memres_loom))]
     pub(crate) fn fail_saves(from: usize, to: usize, on: bool) {
         let mut failing = FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());

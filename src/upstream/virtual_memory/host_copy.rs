@@ -9,11 +9,14 @@ use crate::error::Error;
 use crate::resource::SyncResource;
 use crate::upstream::{HostHeap, PinnedHost};
 
-/// A copy in host memory of `len` bytes of a virtual-memory leaf, made by
-/// [`GrowInPlace::save_at`](super::GrowInPlace::save_at) and written back by
-/// [`GrowInPlace::restore_at`](super::GrowInPlace::restore_at). Its memory is pinned
-/// (`cuMemHostAlloc`) for device memory, so that both copies run at the bus's speed, and
-/// the heap's for host pages. Dropping it frees that memory.
+/// Host memory a sleeping pool uses: a copy of `len` bytes of a virtual-memory leaf, made
+/// by [`GrowInPlace::save_at`](super::GrowInPlace::save_at) and written back by
+/// [`GrowInPlace::wake_at`](super::GrowInPlace::wake_at), or a staging buffer those copies
+/// pass through. A copy is pageable memory of its own mapping (`mmap`, with transparent
+/// huge pages asked for), which the kernel backs on first touch, so that it costs no
+/// pinning; a staging buffer is pinned (`cuMemHostAlloc`) for device memory, so that the
+/// device's copies into and out of it run at the bus's speed, and the heap's for host
+/// pages. Dropping it frees that memory.
 pub struct HostCopy {
     ptr: NonNull<u8>,
     layout: Layout,
@@ -24,7 +27,17 @@ pub struct HostCopy {
 enum Staging {
     Heap(HostHeap),
     Pinned(PinnedHost),
+    /// A mapping of its own: what `mmap` returned and its length.
+    Pages {
+        raw: usize,
+        len: usize,
+    },
 }
+
+/// Transparent huge pages are this large on x86-64 and most arm64 kernels: a copy's
+/// mapping starts on such a boundary, so the kernel can back it with huge pages (fewer
+/// faults, each zeroing 2 MiB).
+const HUGE_PAGE: usize = 2 << 20;
 
 /// Host memory is handed out in pieces aligned to a page, which both leaves honour.
 const PAGE: usize = 4096;
@@ -41,9 +54,65 @@ impl HostCopy {
         HostCopy::from(Staging::Heap(HostHeap), len)
     }
 
-    /// `len` bytes of pinned memory, for a copy of device memory.
+    /// `len` bytes of pinned memory, for a staging buffer of device memory's copies.
     pub(crate) fn pinned(memory: PinnedHost, len: usize) -> Result<HostCopy, Error> {
         HostCopy::from(Staging::Pinned(memory), len)
+    }
+
+    /// `len` bytes (rounded up to a page) of pageable memory in a mapping of its own, for
+    /// a copy: nothing is backed until it is written, so making it costs one `mmap`
+    /// whatever its size. [`Error::OutOfMemory`] when the kernel refuses the mapping (the
+    /// caller checks [`available`] first: a page the kernel cannot back when it is written
+    /// is not an error but the out-of-memory killer).
+    pub(crate) fn pages(len: usize) -> Result<HostCopy, Error> {
+        let size = len
+            .max(1)
+            .checked_next_multiple_of(PAGE)
+            .ok_or_else(|| Error::invalid_argument(format!("{len} bytes cannot be copied")))?;
+        let raw_len = size
+            .checked_add(HUGE_PAGE)
+            .ok_or_else(|| Error::invalid_argument(format!("{len} bytes cannot be copied")))?;
+        let layout = Layout::from_size_align(size, PAGE)
+            .map_err(|_| Error::invalid_argument(format!("{len} bytes cannot be copied")))?;
+        // SAFETY: a fresh private anonymous mapping at an address of the kernel's choosing
+        // touches no existing memory.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                raw_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::out_of_memory(len));
+        }
+        // The first huge-page boundary in the mapping: `size` bytes from it still lie in
+        // the mapping, which is `HUGE_PAGE` longer.
+        let start = raw
+            .cast::<u8>()
+            .wrapping_add(raw.addr().next_multiple_of(HUGE_PAGE) - raw.addr());
+        // SAFETY: `start..start + size` lies inside the mapping just made (above); the
+        // advice only changes how it is backed, and a kernel without transparent huge
+        // pages refuses it, which costs nothing.
+        unsafe { libc::madvise(start.cast(), size, libc::MADV_HUGEPAGE) };
+        let ptr = NonNull::new(start).ok_or_else(|| Error::out_of_memory(len))?;
+        Ok(HostCopy {
+            ptr,
+            layout,
+            memory: Staging::Pages {
+                raw: raw.addr(),
+                len: raw_len,
+            },
+        })
+    }
+
+    /// Whether it is a copy (pageable, from [`pages`](Self::pages)) rather than a staging
+    /// buffer.
+    pub(crate) fn is_pageable(&self) -> bool {
+        matches!(self.memory, Staging::Pages { .. })
     }
 
     fn from(memory: Staging, len: usize) -> Result<HostCopy, Error> {
@@ -52,6 +121,7 @@ impl HostCopy {
         let ptr = match &memory {
             Staging::Heap(heap) => heap.allocate_sync(layout)?,
             Staging::Pinned(pinned) => pinned.allocate_sync(layout)?,
+            Staging::Pages { .. } => return HostCopy::pages(len),
         };
         Ok(HostCopy {
             ptr,
@@ -78,15 +148,46 @@ impl HostCopy {
 
 impl Drop for HostCopy {
     fn drop(&mut self) {
-        // SAFETY: allocated in `from` by this very leaf with this layout; the copy is its
-        // only owner and is going away.
-        unsafe {
-            match &self.memory {
-                Staging::Heap(heap) => heap.deallocate_sync(self.ptr, self.layout),
-                Staging::Pinned(pinned) => pinned.deallocate_sync(self.ptr, self.layout),
+        match &self.memory {
+            // SAFETY: allocated in `from` by this very leaf with this layout; the copy is
+            // its only owner and is going away.
+            Staging::Heap(heap) => unsafe { heap.deallocate_sync(self.ptr, self.layout) },
+            // SAFETY: as for the heap.
+            Staging::Pinned(pinned) => unsafe { pinned.deallocate_sync(self.ptr, self.layout) },
+            &Staging::Pages { raw, len } => {
+                // SAFETY: the mapping `pages` made, which only this copy reaches; it is
+                // going away.
+                let r = unsafe { libc::munmap(std::ptr::with_exposed_provenance_mut(raw), len) };
+                if r != 0 {
+                    tracing::error!(len, "memres: a host copy could not be unmapped");
+                }
             }
         }
     }
+}
+
+/// Bytes of host memory this process can still have: the kernel's `MemAvailable`, and
+/// within a cgroup (v2) the room under its `memory.max`; `None` where neither can be read.
+pub(crate) fn available() -> Option<usize> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let machine = read("/proc/meminfo").and_then(|m| mem_available(&m));
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .zip(read("/sys/fs/cgroup/memory.current"))
+        .and_then(|(max, current)| {
+            let max = max.trim().parse::<usize>().ok()?; // "max": no limit
+            Some(max.saturating_sub(current.trim().parse().ok()?))
+        });
+    match (machine, cgroup) {
+        (Some(m), Some(c)) => Some(m.min(c)),
+        (m, c) => m.or(c),
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(meminfo: &str) -> Option<usize> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib = line.split_whitespace().nth(1)?.parse::<usize>().ok()?;
+    kib.checked_mul(1024)
 }
 
 impl fmt::Debug for HostCopy {
@@ -98,8 +199,42 @@ impl fmt::Debug for HostCopy {
                 &match self.memory {
                     Staging::Heap(_) => "heap",
                     Staging::Pinned(_) => "pinned",
+                    Staging::Pages { .. } => "pages",
                 },
             )
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{HostCopy, available, mem_available};
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        let meminfo =
+            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   23627436 kB\n";
+        assert_eq!(mem_available(meminfo), Some(23_627_436 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: lots kB\n"), None);
+        assert!(available().is_some_and(|n| n > 0), "this machine says");
+    }
+
+    #[test]
+    fn a_pageable_copy_is_aligned_writable_and_counted_by_its_length() {
+        let copy = HostCopy::pages(5 << 20).unwrap();
+        assert!(copy.is_pageable());
+        assert_eq!(copy.len(), 5 << 20);
+        assert_eq!(
+            copy.as_ptr().addr() % (2 << 20),
+            0,
+            "on a huge-page boundary"
+        );
+        // SAFETY: the copy holds `len()` bytes, this test's alone.
+        unsafe { copy.as_ptr().write_bytes(3, copy.len()) };
+        // SAFETY: as above, written just before.
+        assert_eq!(unsafe { copy.as_ptr().add(copy.len() - 1).read() }, 3);
+        assert_eq!(HostCopy::pages(1).unwrap().len(), 4096, "a page at least");
+        assert!(HostCopy::pages(usize::MAX).is_err());
     }
 }

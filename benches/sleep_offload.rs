@@ -1,0 +1,281 @@
+//! How fast a [`VirtualPool`] over device memory sleeps with `Offload` and wakes (issue 51
+//! item 3: a 20 GiB pool's first sleep at 20 GiB/s or more, its wake at 40 or more), on
+//! the current GPU, without PyTorch.
+//!
+//! The pool holds `GIB` buffers of 1 GiB (default 20), every 8-byte word a function of its
+//! place; each offload round checks every word after the wake. Rounds: a first sleep (the
+//! pool holds no host memory), a second (it uses the host copies and staging buffers the
+//! first wake kept), `trim` (frees them), another first sleep, `trim`,
+//! `prepare_offload` (the host memory made ahead, timed), a first sleep after it, and a
+//! discard round (what unmapping and mapping alone cost). The copy limit is a pinned-to-device
+//! copy of 1 GiB, measured in the same process. Exits 1 when a word differs or the GPU
+//! cannot be used.
+//!
+//!     cargo bench --bench sleep_offload -- 20
+//!     MEMRES_OFFLOAD_THREADS=8 cargo bench --bench sleep_offload -- 20
+//!
+//! With `--host`, the same rounds over host pages (`HostVirtual`, 2 MiB granules), where
+//! the "device" copies are the host's too: the staging pipeline's cost on the CPU alone,
+//! runnable anywhere (no copy limit).
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use memres::container::DeviceBuffer;
+use memres::device::DeviceId;
+use memres::suballoc::SleepMode;
+use memres::upstream::{CudaVirtualConfig, HostVirtual, PinnedHost};
+use memres::{
+    CudaVirtual, Error, Resource, StreamRef, SyncResource, VirtualPool, VirtualPoolConfig, layout,
+};
+
+const GIB: usize = 1 << 30;
+
+fn main() -> ExitCode {
+    // `cargo bench` passes `--bench` too: the first number is the size.
+    let gib = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse::<usize>().ok())
+        .unwrap_or(20)
+        .max(1);
+    let host = std::env::args().any(|a| a == "--host");
+    match if host { run_host(gib) } else { run(gib) } {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("sleep_offload: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One step of the rounds.
+enum Step {
+    Sleep(&'static str, SleepMode),
+    Trim,
+    Prepare,
+}
+
+/// Word `k` of buffer `i`: differs from word to word and from buffer to buffer, so a
+/// chunk restored at the wrong place shows.
+fn word(i: usize, k: usize) -> u64 {
+    ((i as u64) << 40 ^ k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+fn fill(host: &mut [u8], i: usize) {
+    for (k, w) in host.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&word(i, k).to_le_bytes());
+    }
+}
+
+/// The first word of `host` that is not buffer `i`'s.
+fn first_wrong(host: &[u8], i: usize) -> Option<usize> {
+    host.chunks_exact(8)
+        .enumerate()
+        .position(|(k, w)| w != word(i, k).to_le_bytes())
+}
+
+fn run(gib: usize) -> Result<bool, Error> {
+    let device = DeviceId::current()?;
+    let leaf = CudaVirtual::with_config(device, CudaVirtualConfig::new().reserve(2 * gib * GIB))?;
+    let pool = leaf.virtual_pool(VirtualPoolConfig::new())?;
+    let stream = StreamRef::DEFAULT;
+    let mut host = vec![0u8; GIB];
+    let mut buffers = Vec::with_capacity(gib);
+    for i in 0..gib {
+        fill(&mut host, i);
+        buffers.push(DeviceBuffer::from_host(&host, stream, &pool)?);
+    }
+    let limit = copy_limit(&mut buffers[0])?;
+    fill(&mut host, 0);
+    buffers[0].copy_from_host(&host)?;
+    println!(
+        "{gib} GiB pool; pinned-to-device copy limit, same process: {:.1} GiB/s; offload threads: {}",
+        limit / GIB as f64,
+        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    println!(
+        "| round | given back | sleep | sleep GiB/s | wake | wake GiB/s | wake of the copy limit |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let mut right = true;
+    let rounds = [
+        Step::Sleep("offload, first", SleepMode::Offload),
+        Step::Sleep("offload again (host memory kept)", SleepMode::Offload),
+        Step::Trim,
+        Step::Sleep("offload, first after trim", SleepMode::Offload),
+        Step::Trim,
+        Step::Prepare,
+        Step::Sleep("offload, first after prepare_offload", SleepMode::Offload),
+        Step::Sleep("discard", SleepMode::Discard),
+    ];
+    for step in rounds {
+        let (label, mode) = match step {
+            Step::Sleep(label, mode) => (label, mode),
+            Step::Trim => {
+                pool.trim()?;
+                let kept = pool.stats().host_copy_bytes;
+                if kept != 0 {
+                    println!("FAILED: trim left {kept} bytes of host memory");
+                    right = false;
+                }
+                continue;
+            }
+            Step::Prepare => {
+                let t0 = Instant::now();
+                let made = pool.prepare_offload()?;
+                let s = t0.elapsed().as_secs_f64();
+                let g = made as f64 / GIB as f64;
+                println!(
+                    "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | | |",
+                    g / s
+                );
+                continue;
+            }
+        };
+        let t0 = Instant::now();
+        // SAFETY: no work uses the buffers until the pool wakes (the default stream was
+        // synchronised by every copy above, and the sleep waits for the device).
+        let released = unsafe { pool.sleep(mode) }?;
+        let sleep_s = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        let mapped = pool.wake()?;
+        let wake_s = t0.elapsed().as_secs_f64();
+        let g = released as f64 / GIB as f64;
+        println!(
+            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} | {:.2} |",
+            g / sleep_s,
+            g / wake_s,
+            released as f64 / wake_s / limit
+        );
+        if mapped != released {
+            println!(
+                "FAILED: {label}: the wake mapped {mapped} bytes, the sleep gave back {released}"
+            );
+            right = false;
+        }
+        if mode == SleepMode::Offload {
+            for (i, buf) in buffers.iter().enumerate() {
+                buf.copy_to_host(&mut host)?;
+                if let Some(k) = first_wrong(&host, i) {
+                    println!("FAILED: {label}: buffer {i}, word {k} differs after the wake");
+                    right = false;
+                    break;
+                }
+            }
+        }
+    }
+    println!(
+        "host memory the pool holds while awake: {:.2} GiB",
+        pool.stats().host_copy_bytes as f64 / GIB as f64
+    );
+    println!(
+        "{}",
+        if right {
+            "all checks passed"
+        } else {
+            "checks failed"
+        }
+    );
+    Ok(right)
+}
+
+/// Bytes a second of a pinned-to-device copy of 1 GiB into `buf` (three copies).
+fn copy_limit(buf: &mut DeviceBuffer<'_, &VirtualPool<CudaVirtual>>) -> Result<f64, Error> {
+    let pinned = PinnedHost::new()?;
+    let l = layout(GIB)?;
+    let p = pinned.allocate_sync(l)?;
+    // SAFETY: a fresh block of `GIB` bytes of host memory, written before it is read.
+    let bytes = unsafe {
+        p.as_ptr().write_bytes(5, GIB);
+        std::slice::from_raw_parts(p.as_ptr(), GIB)
+    };
+    let copied = (|| {
+        buf.copy_from_host(bytes)?;
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            buf.copy_from_host(bytes)?;
+        }
+        Ok(3.0 * GIB as f64 / t0.elapsed().as_secs_f64())
+    })();
+    // SAFETY: allocated above with `l`; every copy from it was waited for.
+    unsafe { pinned.deallocate_sync(p, l) };
+    copied
+}
+
+/// The rounds over host pages: `gib` blocks of 1 GiB, filled and checked in place.
+fn run_host(gib: usize) -> Result<bool, Error> {
+    let pool = HostVirtual::new(2 * gib * GIB, 2 << 20)?.virtual_pool(VirtualPoolConfig::new())?;
+    let l = layout(GIB)?;
+    let blocks = (0..gib)
+        .map(|_| pool.allocate(StreamRef::HOST, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bytes = |i: usize| {
+        // SAFETY: a live block of `GIB` bytes of host memory, mapped while the pool is
+        // awake (the only time this is called).
+        unsafe { std::slice::from_raw_parts_mut(blocks[i].as_ptr(), GIB) }
+    };
+    for i in 0..gib {
+        fill(bytes(i), i);
+    }
+    println!(
+        "{gib} GiB pool of host pages; offload threads: {}",
+        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    println!("| round | given back | sleep | sleep GiB/s | wake | wake GiB/s |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let mut right = true;
+    for (label, mode) in [
+        ("offload, first", SleepMode::Offload),
+        ("offload again (host memory kept)", SleepMode::Offload),
+        ("offload, first after prepare_offload", SleepMode::Offload),
+        ("discard", SleepMode::Discard),
+    ] {
+        if label.ends_with("prepare_offload") {
+            pool.trim()?;
+            let t0 = Instant::now();
+            let made = pool.prepare_offload()?;
+            let s = t0.elapsed().as_secs_f64();
+            let g = made as f64 / GIB as f64;
+            println!(
+                "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | |",
+                g / s
+            );
+        }
+        let t0 = Instant::now();
+        // SAFETY: nothing touches the blocks until the pool wakes.
+        let released = unsafe { pool.sleep(mode) }?;
+        let sleep_s = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        pool.wake()?;
+        let wake_s = t0.elapsed().as_secs_f64();
+        let g = released as f64 / GIB as f64;
+        println!(
+            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} |",
+            g / sleep_s,
+            g / wake_s
+        );
+        if mode == SleepMode::Offload {
+            for i in 0..gib {
+                if let Some(k) = first_wrong(bytes(i), i) {
+                    println!("FAILED: {label}: block {i}, word {k} differs after the wake");
+                    right = false;
+                    break;
+                }
+            }
+        }
+    }
+    for p in blocks {
+        // SAFETY: allocated above with `l` on the host stream; not used afterwards.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    }
+    println!(
+        "{}",
+        if right {
+            "all checks passed"
+        } else {
+            "checks failed"
+        }
+    );
+    Ok(right)
+}

@@ -1,0 +1,683 @@
+//! Staged copies between a virtual-memory leaf's memory and pageable host copies, for a
+//! pool that sleeps with [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload)
+//! ([`GrowInPlace::save_at`](super::GrowInPlace::save_at),
+//! [`GrowInPlace::wake_at`](super::GrowInPlace::wake_at)).
+//!
+//! Why staged: the device copies at the bus's speed only to and from pinned memory, and
+//! pinning costs far more than copying (`cuMemHostAlloc`: about 3 GB/s on an H200 where
+//! copies ran at 55, and several threads pinning at once were slower still), so copies
+//! pinned for the whole pool made a first sleep of 20 GiB take 10 to 17 s. Instead the
+//! copies are pageable memory ([`HostCopy::pages`]: one `mmap` each, backed by the kernel
+//! as it is written) and the device copies through a few pinned staging buffers per
+//! thread. Each thread has a [`Lane`](super::Backend::Lane) (a stream) and two buffers of
+//! [`CHUNK`] bytes: the device copies one chunk into a buffer while the thread copies the
+//! chunk before it out of the other into its place in the copy, and so also backs (and
+//! zeroes) the copy's pages, work spread over the threads too. A wake runs the other way:
+//! a thread fills a buffer from the copy and has the device copy it to the chunk's
+//! address once its range is mapped, while the calling thread maps the next ranges. The
+//! staging buffers (two a thread: at most `2 × 16 × 4 MiB` = 128 MiB) and the copies go
+//! back to the caller's spares, for the next sleep and wake. Backing fresh pages may still
+//! be slow (in a virtual machine that hands freed memory back to its host), so [`prepare`]
+//! makes both ahead of a sleep, the copies' pages backed by threads writing them.
+//!
+//! Threads take chunks in order from one counter. One that fails records its error and
+//! raises `stop`, which the others check before each chunk (and which wakes those waiting
+//! for a range to be mapped); each waits for its lanes' copies before it ends, so when the
+//! call returns no copy is under way. Only where a lane cannot be waited for (a broken
+//! device) are its staging buffers leaked rather than freed under a copy, and the caller
+//! told (`unsettled`), so that it leaves the device memory mapped.
+
+use super::{Backend, GrowInPlace, HostCopy, Virtual};
+use crate::error::Error;
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{Condvar, Mutex, lock};
+
+/// Bytes a staging buffer holds: the most one copy of the device moves. (Small in the
+/// tests, and not a multiple of their pools' pieces, so that ranges end in short chunks.)
+pub(crate) const CHUNK: usize = if cfg!(test) { 96 << 10 } else { 4 << 20 };
+
+/// The most threads that copy at once.
+const MAX_THREADS: usize = 16;
+
+/// The environment variable that sets how many threads a sleep or wake copies on (1 to
+/// 16); unset, as many as the machine has cores (less one for a wake, whose calling
+/// thread maps meanwhile), at most 16.
+pub(crate) const THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_THREADS";
+
+/// One staged copy: `len` bytes at `addr` of the leaf, at `offset` in the copy of range
+/// number `range`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    pub(crate) range: usize,
+    pub(crate) addr: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// `ranges` (`(address, bytes)`) cut into chunks of at most `chunk` bytes (at least 1), in
+/// order: the ranges' order, and addresses rising within each.
+pub(crate) fn chunks(ranges: &[(usize, usize)], chunk: usize) -> Vec<Chunk> {
+    let chunk = chunk.max(1);
+    ranges
+        .iter()
+        .enumerate()
+        .flat_map(|(range, &(addr, len))| {
+            (0..len).step_by(chunk).map(move |offset| Chunk {
+                range,
+                addr: addr + offset,
+                offset,
+                len: chunk.min(len - offset),
+            })
+        })
+        .collect()
+}
+
+/// How many threads copy `chunks` chunks `direction`: [`THREADS_VARIABLE`], else the
+/// machine's cores (4 in the tests, whatever the machine), less one for a wake, whose
+/// calling thread maps meanwhile; at most 16, at least 1, and no more than there are
+/// chunks.
+fn threads(chunks: usize, direction: Direction) -> usize {
+    let cores = if cfg!(test) {
+        4
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    let set = std::env::var(THREADS_VARIABLE).ok();
+    thread_count(set.as_deref(), cores, chunks, direction)
+}
+
+/// [`threads`] given the variable's value (if set) and the cores.
+fn thread_count(set: Option<&str>, cores: usize, chunks: usize, direction: Direction) -> usize {
+    let default = match direction {
+        Direction::Out => cores,
+        Direction::In => cores.saturating_sub(1),
+    };
+    set.and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(default)
+        .min(MAX_THREADS)
+        .min(chunks)
+        .max(1)
+}
+
+/// What the copying threads share.
+pub(crate) struct Shared<'a> {
+    chunks: &'a [Chunk],
+    /// The next chunk to take.
+    next: AtomicUsize,
+    /// Raised (under `mapped`'s lock) by the first failure: no thread starts another
+    /// chunk, and the calling thread maps no more.
+    stop: AtomicBool,
+    error: Mutex<Option<Error>>,
+    /// Staging buffers in no thread's hands.
+    buffers: Mutex<Vec<HostCopy>>,
+    /// Set when a lane could not be waited for: its copies may still be under way.
+    unsettled: AtomicBool,
+    /// How many ranges are mapped (all of them, for a sleep), for the threads of a wake.
+    mapped: Mutex<usize>,
+    ready: Condvar,
+}
+
+/// What the copying threads leave: the first error, whether a lane could not be waited
+/// for, and the staging buffers to keep.
+pub(crate) struct Outcome {
+    pub(crate) error: Option<Error>,
+    pub(crate) unsettled: bool,
+    pub(crate) buffers: Vec<HostCopy>,
+}
+
+impl<'a> Shared<'a> {
+    /// For `chunks`, with `buffers` to stage through first and `mapped` ranges mapped.
+    pub(crate) fn new(chunks: &'a [Chunk], buffers: Vec<HostCopy>, mapped: usize) -> Self {
+        Shared {
+            chunks,
+            next: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            error: Mutex::new(None),
+            buffers: Mutex::new(buffers),
+            unsettled: AtomicBool::new(false),
+            mapped: Mutex::new(mapped),
+            ready: Condvar::new(),
+        }
+    }
+
+    /// The next chunk, or `None` once they are all taken or a thread failed.
+    pub(crate) fn take(&self) -> Option<Chunk> {
+        if self.stopped() {
+            return None;
+        }
+        // Each index goes to one thread: the counter only rises.
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.chunks.get(i).copied()
+    }
+
+    /// Whether a thread failed.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Records `e` (the first error is the one returned) and stops every thread, waking
+    /// those that wait for a range.
+    pub(crate) fn fail(&self, e: Error) {
+        lock(&self.error).get_or_insert(e);
+        // Under the lock that waiters check `stop` under, so none misses the wake-up.
+        let _mapped = lock(&self.mapped);
+        self.stop.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+
+    /// Says that the first `n` ranges are mapped.
+    pub(crate) fn publish(&self, n: usize) {
+        *lock(&self.mapped) = n;
+        self.ready.notify_all();
+    }
+
+    /// Waits until range number `range` is mapped (true) or a thread failed (false).
+    pub(crate) fn wait_mapped(&self, range: usize) -> bool {
+        let mut mapped = lock(&self.mapped);
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return false;
+            }
+            if *mapped > range {
+                return true;
+            }
+            mapped = self
+                .ready
+                .wait(mapped)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// A staging buffer for a thread: one no thread holds, else a new one.
+    fn buffer<B: Backend>(&self, backend: &B) -> Result<HostCopy, Error> {
+        let kept = lock(&self.buffers).pop();
+        kept.map_or_else(|| backend.staging(CHUNK), Ok)
+    }
+
+    /// What the threads left, once they are all done.
+    pub(crate) fn outcome(self) -> Outcome {
+        Outcome {
+            error: self
+                .error
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            unsettled: self.unsettled.load(Ordering::Acquire),
+            buffers: self
+                .buffers
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        }
+    }
+}
+
+/// A thread's lane with its staging buffer and the chunk whose copy it holds or awaits.
+struct Slot<L> {
+    lane: L,
+    buffer: HostCopy,
+    pending: Option<Chunk>,
+}
+
+/// Which way a thread copies.
+#[derive(Clone, Copy)]
+enum Direction {
+    /// Leaf to copies (a sleep).
+    Out,
+    /// Copies to leaf (a wake): each chunk once its range is mapped.
+    In,
+}
+
+/// One copying thread: takes chunks until none are left or a thread failed, staging each
+/// through its two slots in turn, then waits for its lanes and gives its buffers back.
+fn copy_on_thread<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+) {
+    let mut slots: Vec<Slot<B::Lane>> = Vec::with_capacity(2);
+    if let Err(e) = copy_chunks(backend, shared, copies, direction, &mut slots) {
+        shared.fail(e);
+    }
+    for slot in slots {
+        match backend.finish(&slot.lane) {
+            Ok(()) => lock(&shared.buffers).push(slot.buffer),
+            Err(e) => {
+                // A copy may still write into or read from the buffer: leak it rather than
+                // free it under the device.
+                tracing::error!(%e, "memres: a staging lane could not be waited for; its buffer is leaked");
+                shared.unsettled.store(true, Ordering::Release);
+                std::mem::forget(slot.buffer);
+                shared.fail(e);
+            }
+        }
+    }
+}
+
+/// [`copy_on_thread`]'s chunks, through `slots` (made as they are first needed), until
+/// none are left, a thread failed or this one fails; every chunk asked for is done when
+/// it returns `Ok`.
+fn copy_chunks<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    slots: &mut Vec<Slot<B::Lane>>,
+) -> Result<(), Error> {
+    let mut turn = 0usize;
+    while let Some(c) = shared.take() {
+        if matches!(direction, Direction::In) && !shared.wait_mapped(c.range) {
+            break;
+        }
+        let i = turn % 2;
+        turn += 1;
+        if slots.len() <= i {
+            slots.push(Slot {
+                lane: backend.lane()?,
+                buffer: shared.buffer(backend)?,
+                pending: None,
+            });
+        }
+        let slot = &mut slots[i];
+        complete(backend, slot, copies, direction)?;
+        let buffer = slot.buffer.as_ptr();
+        match direction {
+            // SAFETY: the chunk lies in a mapped range that nothing writes to (the
+            // caller's promise); the buffer holds `CHUNK >= c.len` bytes, is this slot's
+            // alone and is not read until the lane is waited for.
+            Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
+            Direction::In => {
+                let from = &copies[c.range];
+                // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the
+                // range, whose copy holds the range), which nothing writes to while a
+                // wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's last
+                // copy out of it is done (`complete`).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(from.as_ptr().add(c.offset), buffer, c.len)
+                };
+                // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else uses
+                // it (the caller's promise); the buffer is unwritten until the lane is
+                // waited for (this slot's next turn, or below).
+                unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
+            }
+        }
+        slot.pending = Some(c);
+    }
+    // The chunks still in the buffers, older first.
+    let n = slots.len();
+    for k in 0..n {
+        complete(backend, &mut slots[(turn + k) % n], copies, direction)?;
+    }
+    Ok(())
+}
+
+/// Waits for the copy of `slot`'s chunk, if any, and (for a sleep) moves the chunk out of
+/// the buffer into its copy: the buffer is free again.
+fn complete<B: Backend>(
+    backend: &B,
+    slot: &mut Slot<B::Lane>,
+    copies: &[HostCopy],
+    direction: Direction,
+) -> Result<(), Error> {
+    let Some(done) = slot.pending.take() else {
+        return Ok(());
+    };
+    backend.finish(&slot.lane)?;
+    if let Direction::Out = direction {
+        // SAFETY: the lane's copy into the buffer is done (waited for just above); `done`
+        // lies in its range's copy (`chunks` cut it from the range, whose copy holds the
+        // range) and no other thread writes there (each chunk is taken once).
+        unsafe { unstage(&slot.buffer, copies, done) };
+    }
+    Ok(())
+}
+
+/// Copies chunk `c` out of `buffer` into its place in its range's copy.
+///
+/// # Safety
+/// The buffer holds the chunk's bytes (its copy is done); the chunk lies in
+/// `copies[c.range]`, and no other thread touches that part of it.
+unsafe fn unstage(buffer: &HostCopy, copies: &[HostCopy], c: Chunk) {
+    let into = &copies[c.range];
+    // SAFETY: the caller's promises; the buffer holds at least `c.len` bytes (`CHUNK`),
+    // and buffer and copy are separate memory.
+    unsafe { std::ptr::copy_nonoverlapping(buffer.as_ptr(), into.as_ptr().add(c.offset), c.len) };
+}
+
+/// Runs `threads` copying threads over `shared` while `meanwhile` runs on the calling
+/// thread; if no thread can be started, copies on the calling thread once `meanwhile` is
+/// done.
+fn run<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    meanwhile: impl FnOnce(),
+) {
+    let threads = threads(shared.chunks.len(), direction);
+    std::thread::scope(|scope| {
+        let started = (0..threads)
+            .filter(|_| {
+                std::thread::Builder::new()
+                    .name("memres-offload".into())
+                    .spawn_scoped(scope, || copy_on_thread(backend, shared, copies, direction))
+                    .is_ok()
+            })
+            .count();
+        meanwhile();
+        if started == 0 {
+            copy_on_thread(backend, shared, copies, direction);
+        }
+    });
+}
+
+/// Copies of each of `ranges` in new or `spare` host memory (see
+/// [`GrowInPlace::save_at`]).
+///
+/// # Safety
+/// The ranges are mapped memory of `backend`, which nothing writes to until the call
+/// returns.
+pub(super) unsafe fn save<B: Backend>(
+    backend: &B,
+    ranges: &[(usize, usize)],
+    spare: &mut Vec<HostCopy>,
+) -> Result<Vec<HostCopy>, Error> {
+    // The smallest spare copy that holds each range, else a new one, made once the host
+    // is known to have room for all the new ones: a pageable copy the kernel cannot back
+    // is not an error but the out-of-memory killer.
+    let mut fits: Vec<Option<HostCopy>> = ranges
+        .iter()
+        .map(|&(_, len)| {
+            (0..spare.len())
+                .filter(|&i| spare[i].is_pageable() && spare[i].len() >= len)
+                .min_by_key(|&i| spare[i].len())
+                .map(|i| spare.swap_remove(i))
+        })
+        .collect();
+    let new: usize = ranges
+        .iter()
+        .zip(&fits)
+        .filter(|(_, fit)| fit.is_none())
+        .map(|(&(_, len), _)| len)
+        .sum();
+    if super::host_copy::available().is_some_and(|room| room < new) {
+        spare.extend(fits.into_iter().flatten());
+        return Err(Error::out_of_memory(new));
+    }
+    let mut copies = Vec::with_capacity(ranges.len());
+    for (&(_, len), fit) in ranges.iter().zip(&mut fits) {
+        match fit.take().map_or_else(|| HostCopy::pages(len), Ok) {
+            Ok(copy) => copies.push(copy),
+            Err(e) => {
+                spare.extend(copies.into_iter().chain(fits.into_iter().flatten()));
+                return Err(e);
+            }
+        }
+    }
+    let chunks = chunks(ranges, CHUNK);
+    let shared = Shared::new(&chunks, take_staging(spare), ranges.len());
+    run(backend, &shared, &copies, Direction::Out, || {});
+    let outcome = shared.outcome();
+    spare.extend(outcome.buffers);
+    match outcome.error {
+        None => Ok(copies),
+        Some(e) => {
+            spare.append(&mut copies);
+            Err(e)
+        }
+    }
+}
+
+/// Maps `ranges` and copies `copies` back (see [`GrowInPlace::wake_at`]; the copies are
+/// checked by the caller: none, or one per range that holds it).
+///
+/// # Safety
+/// Nothing uses the ranges until the call returns.
+pub(super) unsafe fn wake<B: Backend>(
+    leaf: &Virtual<B>,
+    ranges: &[(usize, usize)],
+    copies: &[HostCopy],
+    spare: &mut Vec<HostCopy>,
+) -> Result<(), Error> {
+    let chunks = if copies.is_empty() {
+        Vec::new()
+    } else {
+        chunks(ranges, CHUNK)
+    };
+    let shared = Shared::new(&chunks, take_staging(spare), 0);
+    let mut mapped = 0;
+    let mut map_all = || {
+        for (i, &(addr, len)) in ranges.iter().enumerate() {
+            if shared.stopped() {
+                return;
+            }
+            if let Err(e) = leaf.map_at(addr, len) {
+                shared.fail(e);
+                return;
+            }
+            mapped = i + 1;
+            shared.publish(mapped);
+        }
+    };
+    if chunks.is_empty() {
+        map_all();
+    } else {
+        run(&leaf.backend, &shared, copies, Direction::In, map_all);
+    }
+    let outcome = shared.outcome();
+    spare.extend(outcome.buffers);
+    let Some(e) = outcome.error else {
+        return Ok(());
+    };
+    if !outcome.unsettled {
+        for &(addr, len) in &ranges[..mapped] {
+            // SAFETY: mapped above by this call; nothing uses it (the caller's promise)
+            // and every copy into it is done (each thread waited for its lanes).
+            unsafe { leaf.unmap_at(addr, len) };
+        }
+    }
+    // Else a broken device: the memory stays mapped rather than unmapped under a copy
+    // (the pool stays asleep; dropping it leaves the leaf to unmap what is mapped).
+    Err(e)
+}
+
+/// Host memory made ahead of a sleep (see [`GrowInPlace::prepare_host_memory`]): a copy
+/// of each of `lens` bytes, its pages backed now by threads writing them, and as many
+/// staging buffers as a sleep of them uses, less `staging` already kept.
+pub(super) fn prepare<B: Backend>(
+    backend: &B,
+    lens: &[usize],
+    staging: usize,
+) -> Result<Vec<HostCopy>, Error> {
+    let new: usize = lens.iter().sum();
+    if super::host_copy::available().is_some_and(|room| room < new) {
+        return Err(Error::out_of_memory(new));
+    }
+    let copies = lens
+        .iter()
+        .map(|&len| HostCopy::pages(len))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Each copy as a range at address 0: the chunks say where in which copy to write.
+    let ranges: Vec<(usize, usize)> = lens.iter().map(|&len| (0, len)).collect();
+    let chunks = chunks(&ranges, CHUNK);
+    let next = AtomicUsize::new(0);
+    let back = |c: Chunk| {
+        let at = copies[c.range].as_ptr();
+        for offset in (c.offset..c.offset + c.len).step_by(4096) {
+            // SAFETY: inside the copy (`chunks` cut `c` from its length), written by
+            // this thread alone (each chunk is taken once); a write backs the page.
+            unsafe { at.add(offset).write_volatile(0) };
+        }
+    };
+    let workers = threads(chunks.len(), Direction::Out);
+    std::thread::scope(|scope| {
+        let work = || {
+            while let Some(&c) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                back(c);
+            }
+        };
+        for _ in 1..workers {
+            // A thread that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload".into())
+                .spawn_scoped(scope, work);
+        }
+        work();
+    });
+    let wanted = 2 * workers;
+    let mut made = copies;
+    for _ in staging.min(wanted)..wanted {
+        made.push(backend.staging(CHUNK)?);
+    }
+    Ok(made)
+}
+
+/// Whether `copy` is a staging buffer that a sleep or wake would take from the spares.
+pub(super) fn is_staging(copy: &HostCopy) -> bool {
+    !copy.is_pageable() && copy.len() >= CHUNK
+}
+
+/// The staging buffers among `spare` (an earlier sleep's or wake's), taken out of it.
+fn take_staging(spare: &mut Vec<HostCopy>) -> Vec<HostCopy> {
+    let (staging, copies) = std::mem::take(spare).into_iter().partition(is_staging);
+    *spare = copies;
+    staging
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Chunk, Direction, chunks, thread_count};
+
+    #[test]
+    fn threads_follow_the_cores_or_the_variable_within_1_to_16_and_the_chunks() {
+        let (out, into) = (Direction::Out, Direction::In);
+        assert_eq!(thread_count(None, 16, 1000, out), 16);
+        assert_eq!(thread_count(None, 16, 1000, into), 15, "one core maps");
+        assert_eq!(thread_count(None, 64, 1000, out), 16, "at most 16");
+        assert_eq!(thread_count(None, 1, 1000, into), 1, "at least 1");
+        assert_eq!(thread_count(None, 16, 3, out), 3, "no more than the chunks");
+        assert_eq!(thread_count(None, 16, 0, out), 1);
+        assert_eq!(thread_count(Some(" 8 "), 16, 1000, into), 8, "the variable");
+        assert_eq!(thread_count(Some("99"), 16, 1000, out), 16);
+        for junk in ["0", "-3", "many", ""] {
+            assert_eq!(
+                thread_count(Some(junk), 16, 1000, out),
+                16,
+                "{junk:?} ignored"
+            );
+        }
+    }
+
+    #[test]
+    fn ranges_are_cut_into_chunks_in_order_with_short_last_ones() {
+        let got = chunks(&[(1000, 250), (5000, 100), (9000, 0), (20_000, 1)], 100);
+        let want = [
+            (0, 1000, 0, 100),
+            (0, 1100, 100, 100),
+            (0, 1200, 200, 50),
+            (1, 5000, 0, 100),
+            (3, 20_000, 0, 1),
+        ]
+        .map(|(range, addr, offset, len)| Chunk {
+            range,
+            addr,
+            offset,
+            len,
+        });
+        assert_eq!(got, want);
+        assert!(chunks(&[], 100).is_empty());
+        assert_eq!(
+            chunks(&[(0, 3)], 0).len(),
+            3,
+            "a chunk of 0 bytes is taken as 1"
+        );
+    }
+}
+
+/// The threads' shared state under loom (`RUSTFLAGS="--cfg memres_loom" cargo test -p
+/// memres --lib loom_`): chunks are taken once each, and a failure stops every thread,
+/// waking the ones that wait for a range to be mapped.
+#[cfg(all(test, memres_loom))]
+mod loom_models {
+    use loom::sync::Arc;
+    use loom::thread;
+
+    use super::{Chunk, Shared};
+    use crate::error::Error;
+
+    /// Two chunks, one in each of two ranges.
+    static CHUNKS: [Chunk; 2] = [
+        Chunk {
+            range: 0,
+            addr: 0,
+            offset: 0,
+            len: 1,
+        },
+        Chunk {
+            range: 1,
+            addr: 1,
+            offset: 0,
+            len: 1,
+        },
+    ];
+
+    /// What a wake's thread does with the chunks it takes: waits for the range, then
+    /// counts the chunk as copied.
+    fn copy_all(shared: &Shared<'_>) -> Vec<usize> {
+        let mut copied = Vec::new();
+        while let Some(c) = shared.take() {
+            if !shared.wait_mapped(c.range) {
+                break;
+            }
+            copied.push(c.range);
+        }
+        copied
+    }
+
+    /// The calling thread maps the first range, then fails to map the second, while two
+    /// threads copy: both end (a lost wake-up would leave one waiting, which loom reports
+    /// as a deadlock), the first range's chunk is copied at most once, and the second's
+    /// never, since its range was never mapped.
+    #[test]
+    fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&CHUNKS, Vec::new(), 0));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    thread::spawn(move || copy_all(&shared))
+                })
+                .collect();
+            shared.publish(1);
+            shared.fail(Error::out_of_memory(1));
+            let copied: Vec<usize> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            assert!(copied.iter().all(|&r| r == 0), "{copied:?}");
+            assert!(copied.len() <= 1, "{copied:?}");
+        });
+    }
+
+    /// Without a failure, every chunk is copied exactly once, by one of two threads.
+    #[test]
+    fn loom_every_chunk_is_taken_exactly_once() {
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&CHUNKS, Vec::new(), 0));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    thread::spawn(move || copy_all(&shared))
+                })
+                .collect();
+            shared.publish(1);
+            shared.publish(2);
+            let mut copied: Vec<usize> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            copied.sort_unstable();
+            assert_eq!(copied, [0, 1]);
+        });
+    }
+}
