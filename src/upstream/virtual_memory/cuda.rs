@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::registered::Registrar;
 use super::{Backend, HostCopy, Virtual, sealed};
 use crate::copy::{self, Access};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
@@ -371,6 +372,10 @@ impl Backend for CudaPhysical {
 
     fn finish(&self, lane: &Stream) -> Result<(), Error> {
         lane.synchronize()
+    }
+
+    fn registrar(&self) -> Registrar {
+        Registrar::cuda(self.ctx)
     }
 
     fn synchronize(&self) -> Result<(), Error> {

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::registered::Registrar;
 use super::{Backend, HostCopy, Virtual, sealed};
 use crate::copy::{self, Access};
 use crate::error::Error;
@@ -225,6 +226,10 @@ impl Backend for HostPages {
 
     fn finish(&self, _lane: &()) -> Result<(), Error> {
         Ok(()) // every copy is done when its call returns
+    }
+
+    fn registrar(&self) -> Registrar {
+        Registrar::host(self.base)
     }
 
     fn synchronize(&self) -> Result<(), Error> {

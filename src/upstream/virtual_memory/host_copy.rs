@@ -4,7 +4,9 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 
+use super::registered::{self, Registrar};
 use crate::error::Error;
 use crate::resource::SyncResource;
 use crate::upstream::{HostHeap, PinnedHost};
@@ -16,7 +18,9 @@ use crate::upstream::{HostHeap, PinnedHost};
 /// huge pages asked for), which the kernel backs on first touch, so that it costs no
 /// pinning; a staging buffer is pinned (`cuMemHostAlloc`) for device memory, so that the
 /// device's copies into and out of it run at the bus's speed, and the heap's for host
-/// pages. Dropping it frees that memory.
+/// pages. A copy may be registered with the driver later, from its start a piece at a
+/// time (`registered.rs`), and the device then copies to and from that part directly.
+/// Dropping it frees that memory (unregistered first).
 pub struct HostCopy {
     ptr: NonNull<u8>,
     layout: Layout,
@@ -27,11 +31,87 @@ pub struct HostCopy {
 enum Staging {
     Heap(HostHeap),
     Pinned(PinnedHost),
-    /// A mapping of its own: what `mmap` returned and its length.
-    Pages {
-        raw: usize,
-        len: usize,
-    },
+    /// A mapping of its own, shared with a thread that registers it (`registered.rs`).
+    Pages(Arc<Pages>),
+}
+
+/// A copy's mapping: what `mmap` returned and its length, where the copy starts in it and
+/// its bytes, and how much of it (from its start) is registered.
+pub(crate) struct Pages {
+    raw: usize,
+    raw_len: usize,
+    start: usize,
+    size: usize,
+    registered: Mutex<Registered>,
+}
+
+/// The registered prefix of a copy: by whom, and its bytes (whole pieces of
+/// [`registered::PIECE`] but the last).
+#[derive(Default)]
+struct Registered {
+    by: Option<Registrar>,
+    bytes: usize,
+}
+
+impl Pages {
+    fn registered(&self) -> std::sync::MutexGuard<'_, Registered> {
+        self.registered
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether `by` can register more of it: some of it is unregistered, and what is
+    /// registered is `by`'s.
+    pub(crate) fn left_to_register(&self, by: &Registrar) -> bool {
+        let r = self.registered();
+        r.bytes < self.size && r.by.is_none_or(|b| b == *by)
+    }
+
+    /// Registers the next piece with `by`: `Ok(true)` once it is registered, `Ok(false)`
+    /// when there is none to register (all of it is, another registered it, or only the
+    /// caller still holds the mapping: its copy was freed).
+    pub(crate) fn register_next(self: &Arc<Pages>, by: &Registrar) -> Result<bool, Error> {
+        if Arc::strong_count(self) == 1 {
+            return Ok(false);
+        }
+        let mut r = self.registered();
+        if r.bytes >= self.size || r.by.is_some_and(|b| b != *by) {
+            return Ok(false);
+        }
+        let len = registered::PIECE.min(self.size - r.bytes);
+        // Registered under the lock: nothing else reads it meanwhile (the pool stops this
+        // thread before it copies), and the mapping lives while `self` does.
+        by.register(self.start + r.bytes, len)?;
+        r.by = Some(*by);
+        r.bytes += len;
+        Ok(true)
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        let r = std::mem::take(
+            self.registered
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        if let Some(by) = r.by {
+            for offset in (0..r.bytes).step_by(registered::PIECE) {
+                // SAFETY: each piece was registered by `by` at this offset
+                // (`register_next` registers whole pieces from the start), once; the copy
+                // is going away, so no copy of the device uses it.
+                unsafe { by.unregister(self.start + offset) };
+            }
+        }
+        // SAFETY: the mapping `HostCopy::pages` made, which only this reaches; it is
+        // going away, unregistered.
+        let r = unsafe {
+            libc::munmap(std::ptr::with_exposed_provenance_mut(self.raw), self.raw_len)
+        };
+        if r != 0 {
+            tracing::error!(len = self.raw_len, "memres: a host copy could not be unmapped");
+        }
+    }
 }
 
 /// Transparent huge pages are this large on x86-64 and most arm64 kernels: a copy's
@@ -102,17 +182,37 @@ impl HostCopy {
         Ok(HostCopy {
             ptr,
             layout,
-            memory: Staging::Pages {
+            memory: Staging::Pages(Arc::new(Pages {
                 raw: raw.addr(),
-                len: raw_len,
-            },
+                raw_len,
+                start: start.addr(),
+                size,
+                registered: Mutex::default(),
+            })),
         })
     }
 
     /// Whether it is a copy (pageable, from [`pages`](Self::pages)) rather than a staging
     /// buffer.
     pub(crate) fn is_pageable(&self) -> bool {
-        matches!(self.memory, Staging::Pages { .. })
+        matches!(self.memory, Staging::Pages(_))
+    }
+
+    /// Its mapping, for a thread that registers it: a pageable copy's.
+    pub(crate) fn mapping(&self) -> Option<Arc<Pages>> {
+        match &self.memory {
+            Staging::Pages(pages) => Some(Arc::clone(pages)),
+            _ => None,
+        }
+    }
+
+    /// Bytes registered with the driver from its start (0 for a staging buffer): the
+    /// device copies to and from them directly.
+    pub(crate) fn registered(&self) -> usize {
+        match &self.memory {
+            Staging::Pages(pages) => pages.registered().bytes.min(self.len()),
+            _ => 0,
+        }
     }
 
     fn from(memory: Staging, len: usize) -> Result<HostCopy, Error> {
@@ -121,7 +221,7 @@ impl HostCopy {
         let ptr = match &memory {
             Staging::Heap(heap) => heap.allocate_sync(layout)?,
             Staging::Pinned(pinned) => pinned.allocate_sync(layout)?,
-            Staging::Pages { .. } => return HostCopy::pages(len),
+            Staging::Pages(_) => return HostCopy::pages(len),
         };
         Ok(HostCopy {
             ptr,
@@ -154,14 +254,9 @@ impl Drop for HostCopy {
             Staging::Heap(heap) => unsafe { heap.deallocate_sync(self.ptr, self.layout) },
             // SAFETY: as for the heap.
             Staging::Pinned(pinned) => unsafe { pinned.deallocate_sync(self.ptr, self.layout) },
-            &Staging::Pages { raw, len } => {
-                // SAFETY: the mapping `pages` made, which only this copy reaches; it is
-                // going away.
-                let r = unsafe { libc::munmap(std::ptr::with_exposed_provenance_mut(raw), len) };
-                if r != 0 {
-                    tracing::error!(len, "memres: a host copy could not be unmapped");
-                }
-            }
+            // The mapping goes with the last `Arc` (this one, unless a registering thread
+            // still holds it: until it next looks, at most one piece later).
+            Staging::Pages(_) => {}
         }
     }
 }
@@ -199,7 +294,7 @@ impl fmt::Debug for HostCopy {
                 &match self.memory {
                     Staging::Heap(_) => "heap",
                     Staging::Pinned(_) => "pinned",
-                    Staging::Pages { .. } => "pages",
+                    Staging::Pages(_) => "pages",
                 },
             )
             .finish()

@@ -12,11 +12,14 @@ mod cuda;
 mod granules;
 mod host;
 mod host_copy;
+mod registered;
 mod staged;
 
 // For the virtual pool's fault and sleep tests (not built under loom).
 #[cfg(all(test, not(memres_loom)))]
 pub(crate) use host::faults;
+#[cfg(test)]
+pub(crate) use registered::{PIECE as REGISTER_PIECE, faults as registration};
 #[cfg(test)]
 pub(crate) use staged::CHUNK;
 
@@ -28,6 +31,7 @@ pub use cuda::{CudaPhysical, CudaVirtualConfig};
 pub(crate) use granules::Granules;
 pub use host::HostPages;
 pub use host_copy::HostCopy;
+pub use registered::Registering;
 
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
@@ -99,7 +103,8 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
     /// # Safety
     /// `addr..addr + len` is mapped and nothing writes to it, and `into` is valid for
     /// `len` writes and used by nothing else, until `finish(lane)` returns; `into` lies in
-    /// a [`staging`](Self::staging) buffer.
+    /// a [`staging`](Self::staging) buffer or in the registered part of a copy
+    /// ([`registrar`](Self::registrar)'s).
     unsafe fn copy_out(
         &self,
         lane: &Self::Lane,
@@ -114,7 +119,7 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
     /// # Safety
     /// `addr..addr + len` is mapped and nothing else uses it, and `from` is valid for `len`
     /// reads and unwritten, until `finish(lane)` returns; `from` lies in a
-    /// [`staging`](Self::staging) buffer.
+    /// [`staging`](Self::staging) buffer or in the registered part of a copy.
     unsafe fn copy_in(
         &self,
         lane: &Self::Lane,
@@ -125,6 +130,11 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
 
     /// Waits until the copies asked for on `lane` are done.
     fn finish(&self, lane: &Self::Lane) -> Result<(), Error>;
+
+    /// What registers host copies for this backend's copies (`registered.rs`), so that
+    /// they run between a copy and the leaf's memory directly.
+    #[doc(hidden)]
+    fn registrar(&self) -> registered::Registrar;
 
     /// Waits until all work on the device is done (on every stream).
     fn synchronize(&self) -> Result<(), Error>;
@@ -240,6 +250,18 @@ pub unsafe trait GrowInPlace: Resource {
         Err(Error::unsupported(
             "this resource cannot copy its memory to the host",
         ))
+    }
+
+    /// Starts registering the pageable ones of `copies` (from [`save_at`](Self::save_at)
+    /// or [`prepare_host_memory`](Self::prepare_host_memory)) with the driver, a piece at
+    /// a time, on a thread of its own, so that later saves and wakes copy their
+    /// registered parts directly rather than through staging buffers. Dropping what it
+    /// returns stops it; the caller does so before it hands any of `copies` to
+    /// `save_at` or `wake_at`, or frees them. `None` when there is nothing to register
+    /// or it is turned off (`MEMRES_OFFLOAD_REGISTER=0`). The default: `None`.
+    fn register_host_copies(&self, copies: &[&HostCopy]) -> Option<Registering> {
+        let _ = copies;
+        None
     }
 
     /// Whether `copy` (from [`save_at`](Self::save_at)'s spares) is a staging buffer
@@ -525,6 +547,10 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
 
     fn is_staging_buffer(&self, copy: &HostCopy) -> bool {
         staged::is_staging(copy)
+    }
+
+    fn register_host_copies(&self, copies: &[&HostCopy]) -> Option<Registering> {
+        registered::start(self.backend.registrar(), copies)
     }
 
     fn synchronize(&self) -> Result<(), Error> {
