@@ -14,6 +14,7 @@ use crate::suballoc::core::free_list::FreeList;
 use crate::suballoc::core::list_table::List;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::upstream::GrowInPlace;
+use crate::upstream::Registering;
 use crate::upstream::virtual_memory::{Granules, HostCopy};
 
 /// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
@@ -39,6 +40,7 @@ pub(crate) struct Space<U> {
     pub(super) wake: Wake<U>,
     pub(super) prepare: Prepare<U>,
     pub(super) is_staging: fn(&U, &HostCopy) -> bool,
+    pub(super) register: fn(&U, &[&HostCopy]) -> Option<Registering>,
     pub(super) synchronize: fn(&U) -> Result<(), Error>,
     pub(super) config: VirtualPoolConfig,
     /// Set while the pool sleeps (read first by every allocation; written under the
@@ -59,6 +61,7 @@ impl<U: GrowInPlace> Space<U> {
             wake: <U as GrowInPlace>::wake_at,
             prepare: <U as GrowInPlace>::prepare_host_memory,
             is_staging: <U as GrowInPlace>::is_staging_buffer,
+            register: <U as GrowInPlace>::register_host_copies,
             synchronize: <U as GrowInPlace>::synchronize,
             config,
             asleep: AtomicBool::new(false),
@@ -69,6 +72,10 @@ impl<U: GrowInPlace> Space<U> {
 /// What a [`VirtualPool`](super::VirtualPool) holds, under its growth lock.
 #[derive(Default)]
 pub(crate) struct Mapped {
+    /// The registration of the host copies (`slept`'s and `kept`'s) under way, if any:
+    /// stopped (dropped) before anything copies into or out of them or frees them, and
+    /// first of the fields, so that it stops before they go.
+    pub(super) registering: Option<Registering>,
     /// Which granules of the reservation it holds (while it sleeps: which it maps again
     /// when woken).
     pub(super) mapped: Granules,
@@ -178,6 +185,9 @@ impl<U: Resource> Holding<U> for Space<U> {
     }
 
     fn take_host_copies(memory: &mut Mapped) -> Vec<HostCopy> {
+        // The copies go: their registration stops first (and a sleeping pool's, whose
+        // copies are then staged where they are not registered yet).
+        memory.registering = None;
         std::mem::take(&mut memory.kept)
     }
 }

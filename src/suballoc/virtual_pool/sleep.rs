@@ -103,12 +103,14 @@ impl<U: Resource> VirtualPool<U> {
                 "the pool is asleep already: wake it before it sleeps again",
             ));
         }
+        // Nothing registers the copies while they are copied into.
+        growth.memory.registering = None;
         // From here allocations fail at once. One already past that check may still take
         // a listed block (its memory then sleeps with the rest: the caller's race, which
         // `sleep`'s contract rules out), but none maps memory: growth looks at `slept`
         // under the growth lock, held here until the pool sleeps.
         space.asleep.store(true, Ordering::SeqCst);
-        match self.fall_asleep(space, &mut growth, mode) {
+        let asleep = match self.fall_asleep(space, &mut growth, mode) {
             Ok(slept) => {
                 let size = slept.size();
                 growth.size -= size;
@@ -120,7 +122,9 @@ impl<U: Resource> VirtualPool<U> {
                 space.asleep.store(false, Ordering::SeqCst);
                 Err(e)
             }
-        }
+        };
+        self.register_copies(&mut growth.memory);
+        asleep
     }
 
     /// Waits for the device, gives free granules back, copies the rest (`Offload`) and
@@ -184,6 +188,9 @@ impl<U: Resource> VirtualPool<U> {
                 "the pool is not asleep: wake() without sleep()",
             ));
         };
+        // Nothing registers the copies while they are copied from: the registered part
+        // is copied directly, the rest staged.
+        growth.memory.registering = None;
         // SAFETY: nothing uses a sleeping pool's memory (`sleep`'s contract) until this
         // call returns; the pieces were mapped by this pool when it slept, and the copies
         // (if any) are theirs, one a piece.
@@ -197,6 +204,7 @@ impl<U: Resource> VirtualPool<U> {
         };
         if let Err(e) = woken {
             growth.memory.slept = Some(slept);
+            self.register_copies(&mut growth.memory);
             return Err(e);
         }
         let size = slept.size();
@@ -208,7 +216,38 @@ impl<U: Resource> VirtualPool<U> {
         // the next sleep (with the staging buffers, already there), until `trim` (or the
         // drop).
         growth.memory.kept.extend(slept.copies);
+        self.register_copies(&mut growth.memory);
         Ok(size)
+    }
+
+    /// Starts registering what is left unregistered of the pool's host copies, on a
+    /// thread of its own (see [`sleep`](Self::sleep)), stopping a registration under way.
+    fn register_copies(&self, memory: &mut Mapped) {
+        memory.registering = None;
+        let copies: Vec<&HostCopy> = memory
+            .slept
+            .iter()
+            .flat_map(|s| &s.copies)
+            .chain(&memory.kept)
+            .collect();
+        memory.registering = (self.core.holding.register)(&self.core.upstream, &copies);
+    }
+
+    /// Bytes of the pool's host copies registered with the driver (page-locked): the
+    /// device copies them back on a wake (and into them on a sleep) directly, without
+    /// the staging buffers. A registration runs on a thread of its own after every
+    /// offloading sleep, wake and [`prepare_offload`](Self::prepare_offload), until the
+    /// copies are registered whole; see [`sleep`](Self::sleep).
+    pub fn registered_host_bytes(&self) -> usize {
+        let growth = self.core.lock_growth();
+        let memory = &growth.memory;
+        memory
+            .slept
+            .iter()
+            .flat_map(|s| &s.copies)
+            .chain(&memory.kept)
+            .map(HostCopy::registered)
+            .sum()
     }
 
     /// Makes ahead the host memory that an offloading [`sleep`](Self::sleep) of what the
@@ -287,7 +326,11 @@ impl<U: Resource> VirtualPool<U> {
         }
         let made = (space.prepare)(&self.core.upstream, &lens, staging)?;
         let bytes = slept::bytes(&made);
-        self.core.lock_growth().memory.kept.extend(made);
+        let mut growth = self.core.lock_growth();
+        growth.memory.kept.extend(made);
+        // Registered now, in the background: the first sleep then copies directly.
+        self.register_copies(&mut growth.memory);
+        drop(growth);
         tracing::debug!(target: "memres::pool", bytes, "memres: host memory made for a sleep");
         Ok(bytes)
     }

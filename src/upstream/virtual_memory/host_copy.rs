@@ -106,10 +106,16 @@ impl Drop for Pages {
         // SAFETY: the mapping `HostCopy::pages` made, which only this reaches; it is
         // going away, unregistered.
         let r = unsafe {
-            libc::munmap(std::ptr::with_exposed_provenance_mut(self.raw), self.raw_len)
+            libc::munmap(
+                std::ptr::with_exposed_provenance_mut(self.raw),
+                self.raw_len,
+            )
         };
         if r != 0 {
-            tracing::error!(len = self.raw_len, "memres: a host copy could not be unmapped");
+            tracing::error!(
+                len = self.raw_len,
+                "memres: a host copy could not be unmapped"
+            );
         }
     }
 }

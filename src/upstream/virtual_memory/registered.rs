@@ -63,6 +63,15 @@ impl Registrar {
         Registrar(By::Host { base })
     }
 
+    /// Counts a chunk staged by a copy of this registrar's leaf (the tests' count of
+    /// chunks that were not copied directly).
+    #[cfg(test)]
+    pub(crate) fn count_staged(&self) {
+        if let By::Host { base } = self.0 {
+            faults::staged(base);
+        }
+    }
+
     /// Registers `len` bytes at `addr` (a piece of a copy's own mapping, unregistered).
     pub(crate) fn register(&self, addr: usize, len: usize) -> Result<(), Error> {
         match self.0 {
@@ -208,51 +217,78 @@ pub(crate) fn register_until_stopped(
     Ok(registered)
 }
 
-/// Fault injection and counts for the lib's tests: registrations of a host leaf's copies
-/// (by the leaf's base) fail after so many more, and the live ones are counted.
+/// Fault injection and counts for the lib's tests, by the host leaf's base: its copies'
+/// registrations fail after so many more, and the live ones and the staged chunks are
+/// counted.
 #[cfg(test)]
 pub(crate) mod faults {
     use std::sync::Mutex;
 
     use crate::error::Error;
 
-    /// (base, pieces registered and not unregistered, registrations left before they fail).
-    static LEAVES: Mutex<Vec<(usize, usize, Option<usize>)>> = Mutex::new(Vec::new());
+    /// A leaf's counts.
+    #[derive(Default)]
+    struct Leaf {
+        base: usize,
+        /// Pieces registered and not unregistered.
+        live: usize,
+        /// Registrations left before they fail (`None`: never).
+        left: Option<usize>,
+        /// Chunks copied through a staging buffer.
+        staged: usize,
+    }
 
-    fn with<T>(base: usize, f: impl FnOnce(&mut (usize, usize, Option<usize>)) -> T) -> T {
+    static LEAVES: Mutex<Vec<Leaf>> = Mutex::new(Vec::new());
+
+    fn with<T>(base: usize, f: impl FnOnce(&mut Leaf) -> T) -> T {
         let mut leaves = LEAVES.lock().unwrap_or_else(|p| p.into_inner());
-        let i = leaves.iter().position(|l| l.0 == base).unwrap_or_else(|| {
-            leaves.push((base, 0, None));
-            leaves.len() - 1
-        });
+        let i = leaves
+            .iter()
+            .position(|l| l.base == base)
+            .unwrap_or_else(|| {
+                leaves.push(Leaf {
+                    base,
+                    ..Leaf::default()
+                });
+                leaves.len() - 1
+            });
         f(&mut leaves[i])
     }
 
     /// From now on the leaf at `base` registers `more` pieces, then fails (`None`: never).
     pub(crate) fn fail_registration(base: usize, more: Option<usize>) {
-        with(base, |l| l.2 = more);
+        with(base, |l| l.left = more);
     }
 
     /// Pieces of the leaf at `base`'s copies registered and not yet unregistered.
     pub(crate) fn live_registrations(base: usize) -> usize {
-        with(base, |l| l.1)
+        with(base, |l| l.live)
+    }
+
+    /// Chunks of the leaf at `base` copied through staging buffers since the last call.
+    pub(crate) fn take_staged(base: usize) -> usize {
+        with(base, |l| std::mem::take(&mut l.staged))
+    }
+
+    pub(super) fn staged(base: usize) {
+        with(base, |l| l.staged += 1);
     }
 
     pub(super) fn register(base: usize, len: usize) -> Result<(), Error> {
-        with(base, |l| match &mut l.2 {
+        with(base, |l| match &mut l.left {
             Some(0) => Err(Error::out_of_memory(len)),
             left => {
                 if let Some(n) = left {
                     *n -= 1;
                 }
-                l.1 += 1;
+                l.live += 1;
                 Ok(())
             }
         })
     }
 
     pub(super) fn unregister(base: usize) {
-        with(base, |l| l.1 -= 1);
+        with(base, |l| l.live -= 1);
     }
 }
 
@@ -277,8 +313,11 @@ mod loom_models {
             let driver = Arc::new(AtomicUsize::new(0));
             let recorded = Arc::new(AtomicUsize::new(0));
             let t = {
-                let (stop, driver, recorded) =
-                    (Arc::clone(&stop), Arc::clone(&driver), Arc::clone(&recorded));
+                let (stop, driver, recorded) = (
+                    Arc::clone(&stop),
+                    Arc::clone(&driver),
+                    Arc::clone(&recorded),
+                );
                 thread::spawn(move || {
                     register_until_stopped(&stop, || {
                         if recorded.load(Ordering::Relaxed) == 3 {
@@ -293,7 +332,10 @@ mod loom_models {
             };
             stop.store(true, Ordering::Release);
             let n = t.join().unwrap();
-            let (d, r) = (driver.load(Ordering::Relaxed), recorded.load(Ordering::Relaxed));
+            let (d, r) = (
+                driver.load(Ordering::Relaxed),
+                recorded.load(Ordering::Relaxed),
+            );
             assert_eq!((d, r), (n, n));
             assert!(n <= 3);
             assert_eq!(driver.load(Ordering::Relaxed), d, "nothing after the join");

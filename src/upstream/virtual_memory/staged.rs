@@ -103,6 +103,9 @@ fn thread_count(set: Option<&str>, cores: usize, chunks: usize, direction: Direc
 /// What the copying threads share.
 pub(crate) struct Shared<'a> {
     chunks: &'a [Chunk],
+    /// Bytes registered of each range's copy, from its start: the chunks that lie in them
+    /// are copied directly, the others staged.
+    registered: &'a [usize],
     /// The next chunk to take.
     next: AtomicUsize,
     /// Raised (under `mapped`'s lock) by the first failure: no thread starts another
@@ -127,10 +130,18 @@ pub(crate) struct Outcome {
 }
 
 impl<'a> Shared<'a> {
-    /// For `chunks`, with `buffers` to stage through first and `mapped` ranges mapped.
-    pub(crate) fn new(chunks: &'a [Chunk], buffers: Vec<HostCopy>, mapped: usize) -> Self {
+    /// For `chunks`, with `buffers` to stage through first and `mapped` ranges mapped; the
+    /// chunks in the first `registered[range]` bytes of their range's copy are copied
+    /// directly.
+    pub(crate) fn new(
+        chunks: &'a [Chunk],
+        registered: &'a [usize],
+        buffers: Vec<HostCopy>,
+        mapped: usize,
+    ) -> Self {
         Shared {
             chunks,
+            registered,
             next: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             error: Mutex::new(None),
@@ -211,11 +222,20 @@ impl<'a> Shared<'a> {
     }
 }
 
-/// A thread's lane with its staging buffer and the chunk whose copy it holds or awaits.
+/// A thread's lane with its staging buffer (taken when a chunk first needs one) and the
+/// chunk whose copy it holds or awaits, with whether it went through the buffer.
 struct Slot<L> {
     lane: L,
-    buffer: HostCopy,
-    pending: Option<Chunk>,
+    buffer: Option<HostCopy>,
+    pending: Option<(Chunk, bool)>,
+}
+
+/// Whether chunk `c` lies wholly in the registered part of its range's copy (the device
+/// copies it directly), given the bytes registered of each copy.
+fn is_direct(registered: &[usize], c: Chunk) -> bool {
+    registered
+        .get(c.range)
+        .is_some_and(|&r| c.offset + c.len <= r)
 }
 
 /// Which way a thread copies.
@@ -241,10 +261,10 @@ fn copy_on_thread<B: Backend>(
     }
     for slot in slots {
         match backend.finish(&slot.lane) {
-            Ok(()) => lock(&shared.buffers).push(slot.buffer),
+            Ok(()) => lock(&shared.buffers).extend(slot.buffer),
             Err(e) => {
-                // A copy may still write into or read from the buffer: leak it rather than
-                // free it under the device.
+                // A copy may still write into or read from the buffer (or a registered
+                // copy): leak the buffer rather than free it under the device, and say so.
                 tracing::error!(%e, "memres: a staging lane could not be waited for; its buffer is leaked");
                 shared.unsettled.store(true, Ordering::Release);
                 std::mem::forget(slot.buffer);
@@ -274,34 +294,47 @@ fn copy_chunks<B: Backend>(
         if slots.len() <= i {
             slots.push(Slot {
                 lane: backend.lane()?,
-                buffer: shared.buffer(backend)?,
+                buffer: None,
                 pending: None,
             });
         }
         let slot = &mut slots[i];
         complete(backend, slot, copies, direction)?;
-        let buffer = slot.buffer.as_ptr();
+        let direct = is_direct(shared.registered, c);
+        // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the range,
+        // whose copy holds the range).
+        let at = unsafe { copies[c.range].as_ptr().add(c.offset) };
+        let buffer = if direct {
+            at // registered: the device copies to or from it directly
+        } else {
+            #[cfg(test)]
+            backend.registrar().count_staged();
+            if slot.buffer.is_none() {
+                slot.buffer = Some(shared.buffer(backend)?);
+            }
+            slot.buffer.as_ref().map_or(at, HostCopy::as_ptr)
+        };
         match direction {
             // SAFETY: the chunk lies in a mapped range that nothing writes to (the
-            // caller's promise); the buffer holds `CHUNK >= c.len` bytes, is this slot's
-            // alone and is not read until the lane is waited for.
+            // caller's promise); `buffer` is the chunk's place in its copy, registered,
+            // or this slot's staging buffer of `CHUNK >= c.len` bytes; either is written
+            // by this lane alone and not read until the lane is waited for.
             Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
             Direction::In => {
-                let from = &copies[c.range];
-                // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the
-                // range, whose copy holds the range), which nothing writes to while a
-                // wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's last
-                // copy out of it is done (`complete`).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(from.as_ptr().add(c.offset), buffer, c.len)
-                };
+                if !direct {
+                    // SAFETY: `at` holds the chunk (above), which nothing writes to while
+                    // a wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's
+                    // last copy out of it is done (`complete`).
+                    unsafe { std::ptr::copy_nonoverlapping(at, buffer, c.len) };
+                }
                 // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else uses
-                // it (the caller's promise); the buffer is unwritten until the lane is
-                // waited for (this slot's next turn, or below).
+                // it (the caller's promise); `buffer` (the registered copy, or the staging
+                // buffer) is unwritten until the lane is waited for (this slot's next
+                // turn, or below).
                 unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
             }
         }
-        slot.pending = Some(c);
+        slot.pending = Some((c, !direct));
     }
     // The chunks still in the buffers, older first.
     let n = slots.len();
@@ -319,15 +352,15 @@ fn complete<B: Backend>(
     copies: &[HostCopy],
     direction: Direction,
 ) -> Result<(), Error> {
-    let Some(done) = slot.pending.take() else {
+    let Some((done, staged)) = slot.pending.take() else {
         return Ok(());
     };
     backend.finish(&slot.lane)?;
-    if let Direction::Out = direction {
+    if let (Direction::Out, true, Some(buffer)) = (direction, staged, &slot.buffer) {
         // SAFETY: the lane's copy into the buffer is done (waited for just above); `done`
         // lies in its range's copy (`chunks` cut it from the range, whose copy holds the
         // range) and no other thread writes there (each chunk is taken once).
-        unsafe { unstage(&slot.buffer, copies, done) };
+        unsafe { unstage(buffer, copies, done) };
     }
     Ok(())
 }
@@ -415,7 +448,8 @@ pub(super) unsafe fn save<B: Backend>(
         }
     }
     let chunks = chunks(ranges, CHUNK);
-    let shared = Shared::new(&chunks, take_staging(spare), ranges.len());
+    let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
+    let shared = Shared::new(&chunks, &registered, take_staging(spare), ranges.len());
     run(backend, &shared, &copies, Direction::Out, || {});
     let outcome = shared.outcome();
     spare.extend(outcome.buffers);
@@ -444,7 +478,8 @@ pub(super) unsafe fn wake<B: Backend>(
     } else {
         chunks(ranges, CHUNK)
     };
-    let shared = Shared::new(&chunks, take_staging(spare), 0);
+    let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
+    let shared = Shared::new(&chunks, &registered, take_staging(spare), 0);
     let mut mapped = 0;
     let mut map_all = || {
         for (i, &(addr, len)) in ranges.iter().enumerate() {
@@ -641,7 +676,7 @@ mod loom_models {
     #[test]
     fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, Vec::new(), 0));
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 0));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -663,7 +698,7 @@ mod loom_models {
     #[test]
     fn loom_every_chunk_is_taken_exactly_once() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, Vec::new(), 0));
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 0));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
