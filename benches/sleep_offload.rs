@@ -4,12 +4,15 @@
 //!
 //! The pool holds `GIB` buffers of 1 GiB (default 20), every 8-byte word a function of its
 //! place; each offload round checks every word after the wake. Rounds: a first sleep (the
-//! pool holds no host memory), a second (it uses the host copies and staging buffers the
-//! first wake kept), `trim` (frees them), another first sleep, `trim`,
-//! `prepare_offload` (the host memory made ahead, timed), a first sleep after it, and a
-//! discard round (what unmapping and mapping alone cost). The copy limit is a pinned-to-device
-//! copy of 1 GiB, measured in the same process. Exits 1 when a word differs or the GPU
-//! cannot be used.
+//! pool holds no host memory) woken at once, a second (it uses the host copies and staging
+//! buffers the first wake kept, as registered as the time between allowed), `trim` (frees
+//! them), another first sleep whose wake waits until the copies are registered (the time
+//! the registration took printed: an RL step's rollout between sleep and wake), a sleep
+//! and wake of registered copies, `trim`, `prepare_offload` (the host memory made ahead,
+//! timed, then its registration awaited), a first sleep after it, and a discard round
+//! (what unmapping and mapping alone cost). The copy limit is a pinned-to-device copy of 1
+//! GiB, measured in the same process. Exits 1 when a word differs or the GPU cannot be
+//! used.
 //!
 //!     cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_THREADS=8 cargo bench --bench sleep_offload -- 20
@@ -51,9 +54,39 @@ fn main() -> ExitCode {
 
 /// One step of the rounds.
 enum Step {
-    Sleep(&'static str, SleepMode),
+    /// A sleep and a wake; with `true`, the wake waits until the copies are registered.
+    Sleep(&'static str, SleepMode, bool),
     Trim,
     Prepare,
+}
+
+/// Waits (at most 300 s) until `bytes` of the pool's host copies are registered, and says
+/// how long it took.
+fn await_registration(pool: &VirtualPool<CudaVirtual>, bytes: usize) {
+    let t0 = Instant::now();
+    let mut last = (pool.registered_host_bytes(), Instant::now());
+    loop {
+        let now = pool.registered_host_bytes();
+        if now >= bytes {
+            let s = t0.elapsed().as_secs_f64();
+            println!(
+                "| (registration awaited) | {:.2} GiB registered | {s:.3} s | | | | |",
+                now as f64 / GIB as f64
+            );
+            return;
+        }
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if last.1.elapsed().as_secs() >= 10 || t0.elapsed().as_secs() >= 300 {
+            println!(
+                "| (registration stopped) | {:.2} of {:.2} GiB registered | | | | | |",
+                now as f64 / GIB as f64,
+                bytes as f64 / GIB as f64
+            );
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// Word `k` of buffer `i`: differs from word to word and from buffer to buffer, so a
@@ -99,19 +132,25 @@ fn run(gib: usize) -> Result<bool, Error> {
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     let mut right = true;
+    let offload = SleepMode::Offload;
     let rounds = [
-        Step::Sleep("offload, first", SleepMode::Offload),
-        Step::Sleep("offload again (host memory kept)", SleepMode::Offload),
+        Step::Sleep("offload, first, woken at once", offload, false),
+        Step::Sleep("offload again (host memory kept)", offload, false),
         Step::Trim,
-        Step::Sleep("offload, first after trim", SleepMode::Offload),
+        Step::Sleep(
+            "offload, first after trim, woken once registered",
+            offload,
+            true,
+        ),
+        Step::Sleep("offload again (copies registered)", offload, false),
         Step::Trim,
         Step::Prepare,
-        Step::Sleep("offload, first after prepare_offload", SleepMode::Offload),
-        Step::Sleep("discard", SleepMode::Discard),
+        Step::Sleep("offload, first after prepare_offload", offload, false),
+        Step::Sleep("discard", SleepMode::Discard, false),
     ];
     for step in rounds {
-        let (label, mode) = match step {
-            Step::Sleep(label, mode) => (label, mode),
+        let (label, mode, registered) = match step {
+            Step::Sleep(label, mode, registered) => (label, mode, registered),
             Step::Trim => {
                 pool.trim()?;
                 let kept = pool.stats().host_copy_bytes;
@@ -130,6 +169,7 @@ fn run(gib: usize) -> Result<bool, Error> {
                     "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | | |",
                     g / s
                 );
+                await_registration(&pool, pool.stats().pool_size);
                 continue;
             }
         };
@@ -138,6 +178,9 @@ fn run(gib: usize) -> Result<bool, Error> {
         // synchronised by every copy above, and the sleep waits for the device).
         let released = unsafe { pool.sleep(mode) }?;
         let sleep_s = t0.elapsed().as_secs_f64();
+        if registered {
+            await_registration(&pool, released);
+        }
         let t0 = Instant::now();
         let mapped = pool.wake()?;
         let wake_s = t0.elapsed().as_secs_f64();
@@ -166,8 +209,9 @@ fn run(gib: usize) -> Result<bool, Error> {
         }
     }
     println!(
-        "host memory the pool holds while awake: {:.2} GiB",
-        pool.stats().host_copy_bytes as f64 / GIB as f64
+        "host memory the pool holds while awake: {:.2} GiB, of which registered (page-locked) copies {:.2} GiB",
+        pool.stats().host_copy_bytes as f64 / GIB as f64,
+        pool.registered_host_bytes() as f64 / GIB as f64
     );
     println!(
         "{}",
