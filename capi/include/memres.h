@@ -164,8 +164,10 @@ int64_t memres_tier_stats(int device, memres_stats_t* out, size_t capacity);
 int64_t memres_segments(int device, uint64_t* out, size_t capacity);
 
 /* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()), and the
-   host memory a wake kept for the next MEMRES_SLEEP_OFFLOAD (the copies, pageable, and
-   the pinned staging buffers, so that a loop that sleeps every step only copies): every
+   host memory a wake kept for the next MEMRES_SLEEP_OFFLOAD (the copies, pageable and
+   registered with the driver in the background after each sleep and wake, so page-locked
+   once registered, and the pinned staging buffers, so that a loop that sleeps every step
+   only copies): every
    pool of the stack (every tier of a fallback(..), a pinned_pool too) and every tag's.
    binning's bins and fixed_size give back their streams' lists and thread caches (their
    chunks stay until the stack goes); then the pool under the bins gives back what is
@@ -200,8 +202,11 @@ int memres_reset_peak(int device);
  * default, on every tier of a fallback(..); see below for the stacks that cannot; NULL:
  * every pool of the device that can sleep and is awake), MEMRES_SLEEP_DISCARD losing
  * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to host memory first (pageable,
- * through pinned staging buffers on several threads: MEMRES_OFFLOAD_THREADS); it
- * returns the bytes given back or a negative code.
+ * through pinned staging buffers on several threads: MEMRES_OFFLOAD_THREADS; once the
+ * call returns a thread registers the copies with the driver, 32 MiB at a time, and a
+ * wake copies the registered part back directly, at the bus's speed;
+ * MEMRES_OFFLOAD_REGISTER=0 turns that off); it returns the bytes given back or a
+ * negative code.
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out

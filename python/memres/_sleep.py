@@ -131,7 +131,10 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     activations, the KV cache) or ``"offload"`` (copied to pageable host memory, through
     pinned staging buffers of 4 MiB, two per copying thread, and back on wake: the
     weights; ``MEMRES_OFFLOAD_THREADS`` sets how many threads copy, by default the cores,
-    at most 16). All work on the device is waited for first.
+    at most 16). Once the call returns, a thread registers the copies with the driver
+    (page-locks them, 32 MiB at a time), and a wake copies their registered part back
+    directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` turns it off). All work on
+    the device is waited for first.
 
     Until the pools wake, tensors in them must not be used (a kernel that reads one
     faults), and allocating from them raises :class:`MemresError` (code
@@ -173,7 +176,8 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     pool; a name or a list of names wakes those, in that order (a staged wake: the weights
     before the KV cache). Raises :class:`MemresError` (code ``ERROR_OUT_OF_MEMORY``) when
     the device cannot back the memory (another process holds it); the pool stays asleep
-    and can be woken later. The host copies of offloaded pools (pageable, their size) and
+    and can be woken later. The host copies of offloaded pools (their size; page-locked as
+    far as they are registered) and
     their staging buffers (pinned, at most 128 MiB a pool) are kept while awake for their
     next sleep (which then only copies) until :func:`memres.trim` or
     ``torch.cuda.empty_cache()``."""

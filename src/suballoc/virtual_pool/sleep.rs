@@ -47,12 +47,26 @@ impl<U: Resource> VirtualPool<U> {
     /// the kernel backs the copies' pages as the threads write them (the `memres::pool`
     /// debug event "the sleep's steps" gives the time of each).
     ///
-    /// **What the pool holds while awake**, once it has slept with `Offload`: the host
-    /// copies (pageable, as many bytes as it offloaded) and the staging buffers (pinned,
-    /// `2 × threads × 4 MiB`, at most 128 MiB), kept for the next sleep (an RL loop sleeps
-    /// every step), which then only copies, and counted in
+    /// Once the sleep returns, a thread of the pool's registers the copies with the driver
+    /// (`cuMemHostRegister`, 32 MiB at a time, from each copy's start: pinning in place,
+    /// at a few GB/s, costs the sleep nothing there), so that the wake copies the
+    /// registered part back directly, one DMA a chunk without the staging memcpy, and the
+    /// rest through the staging buffers; [`registered_host_bytes`](Self::registered_host_bytes)
+    /// says how far it got. The wake stops it first (waiting for at most one piece), and
+    /// starts it again for what is left; so do the next sleep (which copies into the
+    /// registered part directly) and [`prepare_offload`](Self::prepare_offload).
+    /// `MEMRES_OFFLOAD_REGISTER=0` turns the registration off.
+    ///
+    /// **What the pool holds while asleep**: the host copies, as many bytes as it
+    /// offloaded, pageable until registered, then page-locked (not swappable) as the
+    /// registration goes, and the staging buffers. **What it holds while awake**, once it
+    /// has slept with `Offload`: the same host copies (page-locked as far as they are
+    /// registered: the whole pool's size once the registration is done) and the staging
+    /// buffers (pinned, `2 × threads × 4 MiB`, at most 128 MiB), kept for the next sleep
+    /// (an RL loop sleeps every step), which then only copies, and counted in
     /// [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes).
-    /// [`trim`](Self::trim) frees them. A pool that never offloaded holds no host memory.
+    /// [`trim`](Self::trim) stops the registration and frees them (unregistered). A pool
+    /// that never offloaded holds no host memory.
     ///
     /// Errors leave the pool awake and its memory where it was:
     /// [`Error::InvalidArgument`] for a pool asleep already, [`Error::OutOfMemory`] when

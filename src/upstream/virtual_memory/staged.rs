@@ -20,6 +20,12 @@
 //! be slow (in a virtual machine that hands freed memory back to its host), so [`prepare`]
 //! makes both ahead of a sleep, the copies' pages backed by threads writing them.
 //!
+//! A chunk that lies in the registered part of its copy ([`HostCopy::registered`]: the
+//! pool has the copies registered in the background after a sleep, `registered.rs`) skips
+//! the staging: the device copies it to or from the copy directly, one DMA and no memcpy,
+//! and its slot takes no staging buffer. So a wake some seconds after the sleep, and
+//! every sleep after it, run at the bus's speed.
+//!
 //! Threads take chunks in order from one counter. One that fails records its error and
 //! raises `stop`, which the others check before each chunk (and which wakes those waiting
 //! for a range to be mapped); each waits for its lanes' copies before it ends, so when the
