@@ -306,47 +306,62 @@ fn copy_chunks<B: Backend>(
         }
         let slot = &mut slots[i];
         complete(backend, slot, copies, direction)?;
-        let direct = is_direct(shared.registered, c);
-        // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the range,
-        // whose copy holds the range).
-        let at = unsafe { copies[c.range].as_ptr().add(c.offset) };
-        let buffer = if direct {
-            at // registered: the device copies to or from it directly
-        } else {
-            #[cfg(test)]
-            backend.registrar().count_staged();
-            if slot.buffer.is_none() {
-                slot.buffer = Some(shared.buffer(backend)?);
-            }
-            slot.buffer.as_ref().map_or(at, HostCopy::as_ptr)
-        };
-        match direction {
-            // SAFETY: the chunk lies in a mapped range that nothing writes to (the
-            // caller's promise); `buffer` is the chunk's place in its copy, registered,
-            // or this slot's staging buffer of `CHUNK >= c.len` bytes; either is written
-            // by this lane alone and not read until the lane is waited for.
-            Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
-            Direction::In => {
-                if !direct {
-                    // SAFETY: `at` holds the chunk (above), which nothing writes to while
-                    // a wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's
-                    // last copy out of it is done (`complete`).
-                    unsafe { std::ptr::copy_nonoverlapping(at, buffer, c.len) };
-                }
-                // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else uses
-                // it (the caller's promise); `buffer` (the registered copy, or the staging
-                // buffer) is unwritten until the lane is waited for (this slot's next
-                // turn, or below).
-                unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
-            }
-        }
-        slot.pending = Some((c, !direct));
+        start(backend, shared, slot, copies, direction, c)?;
     }
     // The chunks still in the buffers, older first.
     let n = slots.len();
     for k in 0..n {
         complete(backend, &mut slots[(turn + k) % n], copies, direction)?;
     }
+    Ok(())
+}
+
+/// Starts the copy of chunk `c` on `slot` (whose last one is complete): directly where the
+/// chunk lies in the registered part of its copy, else through the slot's staging buffer
+/// (taken now if it has none), filled first for a wake; it is `slot`'s pending chunk.
+fn start<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    slot: &mut Slot<B::Lane>,
+    copies: &[HostCopy],
+    direction: Direction,
+    c: Chunk,
+) -> Result<(), Error> {
+    let direct = is_direct(shared.registered, c);
+    // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the range,
+    // whose copy holds the range).
+    let at = unsafe { copies[c.range].as_ptr().add(c.offset) };
+    let buffer = if direct {
+        at // registered: the device copies to or from it directly
+    } else {
+        #[cfg(test)]
+        backend.registrar().count_staged();
+        if slot.buffer.is_none() {
+            slot.buffer = Some(shared.buffer(backend)?);
+        }
+        slot.buffer.as_ref().map_or(at, HostCopy::as_ptr)
+    };
+    match direction {
+        // SAFETY: the chunk lies in a mapped range that nothing writes to (the
+        // caller's promise); `buffer` is the chunk's place in its copy, registered,
+        // or this slot's staging buffer of `CHUNK >= c.len` bytes; either is written
+        // by this lane alone and not read until the lane is waited for.
+        Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
+        Direction::In => {
+            if !direct {
+                // SAFETY: `at` holds the chunk (above), which nothing writes to while
+                // a wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's
+                // last copy out of it is done (`complete`).
+                unsafe { std::ptr::copy_nonoverlapping(at, buffer, c.len) };
+            }
+            // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else uses
+            // it (the caller's promise); `buffer` (the registered copy, or the staging
+            // buffer) is unwritten until the lane is waited for (this slot's next
+            // turn, or below).
+            unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
+        }
+    }
+    slot.pending = Some((c, !direct));
     Ok(())
 }
 
