@@ -341,4 +341,17 @@ mod loom_models {
             assert_eq!(driver.load(Ordering::Relaxed), d, "nothing after the join");
         });
     }
+
+    /// A registration stopped before its thread runs registers nothing (the flag is read
+    /// before each piece, the first included): a wake right after a sleep waits for none.
+    #[test]
+    fn loom_a_registration_stopped_before_it_starts_registers_nothing() {
+        loom::model(|| {
+            let stop = Arc::new(AtomicBool::new(false));
+            stop.store(true, Ordering::Release);
+            let flag = Arc::clone(&stop);
+            let t = thread::spawn(move || register_until_stopped(&flag, || Ok(true)).unwrap());
+            assert_eq!(t.join().unwrap(), 0);
+        });
+    }
 }
