@@ -22,6 +22,7 @@ use super::HostCopy;
 use super::host_copy::Pages;
 use crate::device::Context;
 use crate::error::Error;
+use crate::platform::{Active, Platform};
 use crate::sync::atomic::{AtomicBool, Ordering};
 
 /// Bytes registered at once: what a wake that stops the thread waits for at most (a few
@@ -79,14 +80,7 @@ impl Registrar {
                 let _current = crate::device::bind(ctx)?;
                 // SAFETY: `addr..addr + len` lies in a live mapping of the copy's (the
                 // caller's promise), none of it registered yet; registering only pins it.
-                let r = unsafe {
-                    cudarc::driver::sys::cuMemHostRegister_v2(
-                        std::ptr::with_exposed_provenance_mut(addr),
-                        len,
-                        cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
-                    )
-                };
-                crate::driver::check_alloc(r, len)
+                unsafe { Active::host_register(addr, len) }
             }
             By::Host { base } => {
                 #[cfg(test)]
@@ -116,12 +110,8 @@ impl Registrar {
                     return;
                 };
                 // SAFETY: registered by `self` at `addr` (the caller's promise) and unused.
-                let r = unsafe {
-                    cudarc::driver::sys::cuMemHostUnregister(std::ptr::with_exposed_provenance_mut(
-                        addr,
-                    ))
-                };
-                crate::driver::report("cuMemHostUnregister", r);
+                let r = unsafe { Active::host_unregister(addr) };
+                crate::platform::report("cuMemHostUnregister", r);
             }
             By::Host { base } => {
                 #[cfg(test)]
