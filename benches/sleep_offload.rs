@@ -70,7 +70,7 @@ fn await_registration(pool: &VirtualPool<CudaVirtual>, bytes: usize) {
         if now >= bytes {
             let s = t0.elapsed().as_secs_f64();
             println!(
-                "| (registration awaited) | {:.2} GiB registered | {s:.3} s | | | | |",
+                "| (registration awaited) | {:.2} GiB registered | {s:.3} s | | | | | |",
                 now as f64 / GIB as f64
             );
             return;
@@ -79,7 +79,7 @@ fn await_registration(pool: &VirtualPool<CudaVirtual>, bytes: usize) {
             last = (now, Instant::now());
         } else if last.1.elapsed().as_secs() >= 10 || t0.elapsed().as_secs() >= 300 {
             println!(
-                "| (registration stopped) | {:.2} of {:.2} GiB registered | | | | | |",
+                "| (registration stopped) | {:.2} of {:.2} GiB registered | | | | | | |",
                 now as f64 / GIB as f64,
                 bytes as f64 / GIB as f64
             );
@@ -87,6 +87,45 @@ fn await_registration(pool: &VirtualPool<CudaVirtual>, bytes: usize) {
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+}
+
+/// The kernel's transparent-huge-page settings (`enabled`, `defrag`) and
+/// `MEMRES_OFFLOAD_HUGE_PAGES`, for the header.
+fn huge_page_settings() -> String {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{name}"))
+            .map_or_else(|_| "unreadable".into(), |s| s.trim().to_string())
+    };
+    format!(
+        "transparent huge pages: enabled {}, defrag {}; MEMRES_OFFLOAD_HUGE_PAGES: {}",
+        read("enabled"),
+        read("defrag"),
+        std::env::var("MEMRES_OFFLOAD_HUGE_PAGES").unwrap_or_else(|_| "unset".into())
+    )
+}
+
+/// The kernel's counts of huge pages faulted in and of faults that wanted one and fell
+/// back to small pages (`/proc/vmstat`: `thp_fault_alloc`, `thp_fault_fallback`).
+fn huge_page_faults() -> (u64, u64) {
+    let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+    let count = |name: &str| {
+        vmstat
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0)
+    };
+    (count("thp_fault_alloc"), count("thp_fault_fallback"))
+}
+
+/// The huge pages faulted in since `before` (a [`huge_page_faults`]), and the fallbacks,
+/// for a table's cell.
+fn huge_pages_since(before: (u64, u64)) -> String {
+    let now = huge_page_faults();
+    format!(
+        "{} ({} fell back)",
+        now.0.saturating_sub(before.0),
+        now.1.saturating_sub(before.1)
+    )
 }
 
 /// Word `k` of buffer `i`: differs from word to word and from buffer to buffer, so a
@@ -127,10 +166,11 @@ fn run(gib: usize) -> Result<bool, Error> {
         limit / GIB as f64,
         std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
     );
+    println!("{}", huge_page_settings());
     println!(
-        "| round | given back | sleep | sleep GiB/s | wake | wake GiB/s | wake of the copy limit |"
+        "| round | given back | sleep | sleep GiB/s | wake | wake GiB/s | wake of the copy limit | huge pages faulted in the sleep |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut right = true;
     let offload = SleepMode::Offload;
     let rounds = [
@@ -166,18 +206,20 @@ fn run(gib: usize) -> Result<bool, Error> {
                 let s = t0.elapsed().as_secs_f64();
                 let g = made as f64 / GIB as f64;
                 println!(
-                    "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | | |",
+                    "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | | | |",
                     g / s
                 );
                 await_registration(&pool, pool.stats().pool_size);
                 continue;
             }
         };
+        let huge = huge_page_faults();
         let t0 = Instant::now();
         // SAFETY: no work uses the buffers until the pool wakes (the default stream was
         // synchronised by every copy above, and the sleep waits for the device).
         let released = unsafe { pool.sleep(mode) }?;
         let sleep_s = t0.elapsed().as_secs_f64();
+        let huge = huge_pages_since(huge);
         if registered {
             await_registration(&pool, released);
         }
@@ -186,7 +228,7 @@ fn run(gib: usize) -> Result<bool, Error> {
         let wake_s = t0.elapsed().as_secs_f64();
         let g = released as f64 / GIB as f64;
         println!(
-            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} | {:.2} |",
+            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} | {:.2} | {huge} |",
             g / sleep_s,
             g / wake_s,
             released as f64 / wake_s / limit
@@ -266,8 +308,11 @@ fn run_host(gib: usize) -> Result<bool, Error> {
         "{gib} GiB pool of host pages; offload threads: {}",
         std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
     );
-    println!("| round | given back | sleep | sleep GiB/s | wake | wake GiB/s |");
-    println!("| --- | --- | --- | --- | --- | --- |");
+    println!("{}", huge_page_settings());
+    println!(
+        "| round | given back | sleep | sleep GiB/s | wake | wake GiB/s | huge pages faulted in the sleep |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     let mut right = true;
     for (label, mode) in [
         ("offload, first", SleepMode::Offload),
@@ -282,20 +327,22 @@ fn run_host(gib: usize) -> Result<bool, Error> {
             let s = t0.elapsed().as_secs_f64();
             let g = made as f64 / GIB as f64;
             println!(
-                "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | |",
+                "| prepare_offload (not a sleep) | {g:.2} GiB made | {s:.3} s | {:.1} | | | |",
                 g / s
             );
         }
+        let huge = huge_page_faults();
         let t0 = Instant::now();
         // SAFETY: nothing touches the blocks until the pool wakes.
         let released = unsafe { pool.sleep(mode) }?;
         let sleep_s = t0.elapsed().as_secs_f64();
+        let huge = huge_pages_since(huge);
         let t0 = Instant::now();
         pool.wake()?;
         let wake_s = t0.elapsed().as_secs_f64();
         let g = released as f64 / GIB as f64;
         println!(
-            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} |",
+            "| {label} | {g:.2} GiB | {sleep_s:.3} s | {:.1} | {wake_s:.3} s | {:.1} | {huge} |",
             g / sleep_s,
             g / wake_s
         );

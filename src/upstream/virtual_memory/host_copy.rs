@@ -128,6 +128,38 @@ const HUGE_PAGE: usize = 2 << 20;
 /// Host memory is handed out in pieces aligned to a page, which both leaves honour.
 const PAGE: usize = 4096;
 
+/// The environment variable that says whether a copy's mapping asks for transparent huge
+/// pages (`madvise(MADV_HUGEPAGE)`): `0` never, `1` always; unset (or anything else),
+/// unless the kernel's setting is `[never]`. Read once per process.
+pub(crate) const HUGE_PAGES_VARIABLE: &str = "MEMRES_OFFLOAD_HUGE_PAGES";
+
+/// Where the kernel says whether transparent huge pages are used: `always`, `madvise`
+/// (only where asked for) or `never`, the one in force in brackets.
+const THP_SETTING: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// Whether copies ask for transparent huge pages ([`HUGE_PAGES_VARIABLE`],
+/// [`THP_SETTING`]), decided once.
+fn huge_pages() -> bool {
+    static ASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASK.get_or_init(|| {
+        let set = std::env::var(HUGE_PAGES_VARIABLE).ok();
+        let kernel = std::fs::read_to_string(THP_SETTING).ok();
+        ask_huge_pages(set.as_deref(), kernel.as_deref())
+    })
+}
+
+/// [`huge_pages`] given the variable's value and the kernel's setting (if either can be
+/// read). A setting that cannot be read (no such file: a kernel without transparent huge
+/// pages, or a sandbox) still asks: a kernel that does not know the advice refuses it,
+/// which costs one call and changes nothing.
+fn ask_huge_pages(set: Option<&str>, kernel: Option<&str>) -> bool {
+    match set.map(str::trim) {
+        Some("0") => false,
+        Some("1") => true,
+        _ => kernel.is_none_or(|k| !k.contains("[never]")),
+    }
+}
+
 // SAFETY: the copy owns its memory exclusively (nothing else holds the pointer); the
 // leaves it is freed through are `Send + Sync`.
 unsafe impl Send for HostCopy {}
@@ -180,10 +212,13 @@ impl HostCopy {
         let start = raw
             .cast::<u8>()
             .wrapping_add(raw.addr().next_multiple_of(HUGE_PAGE) - raw.addr());
-        // SAFETY: `start..start + size` lies inside the mapping just made (above); the
-        // advice only changes how it is backed, and a kernel without transparent huge
-        // pages refuses it, which costs nothing.
-        unsafe { libc::madvise(start.cast(), size, libc::MADV_HUGEPAGE) };
+        if huge_pages() {
+            // SAFETY: `start..start + size` lies inside the mapping just made (above); the
+            // advice only changes how it is backed, and a kernel without transparent huge
+            // pages refuses it (its result is not looked at: the copy then has small
+            // pages, as without the advice).
+            unsafe { libc::madvise(start.cast(), size, libc::MADV_HUGEPAGE) };
+        }
         let ptr = NonNull::new(start).ok_or_else(|| Error::out_of_memory(len))?;
         Ok(HostCopy {
             ptr,
@@ -309,7 +344,22 @@ impl fmt::Debug for HostCopy {
 
 #[cfg(test)]
 mod tests {
-    use super::{HostCopy, available, mem_available};
+    use super::{HostCopy, ask_huge_pages, available, mem_available};
+
+    #[test]
+    fn huge_pages_are_asked_for_unless_the_kernel_or_the_variable_says_never() {
+        let madvise = "always [madvise] never\n";
+        let never = "always madvise [never]\n";
+        assert!(ask_huge_pages(None, Some(madvise)));
+        assert!(ask_huge_pages(None, Some("[always] madvise never")));
+        assert!(!ask_huge_pages(None, Some(never)));
+        assert!(ask_huge_pages(None, None), "unreadable: asked, refused at worst");
+        assert!(!ask_huge_pages(Some("0"), Some(madvise)));
+        assert!(!ask_huge_pages(Some(" 0\n"), None));
+        assert!(ask_huge_pages(Some("1"), Some(never)));
+        assert!(ask_huge_pages(Some("yes"), Some(madvise)), "not 0 or 1: the kernel's");
+        assert!(!ask_huge_pages(Some(""), Some(never)));
+    }
 
     #[test]
     fn mem_available_is_read_in_bytes() {
