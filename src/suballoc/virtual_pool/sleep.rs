@@ -33,8 +33,11 @@ impl<U: Resource> VirtualPool<U> {
     ///   (`pool_size` 0, [`PoolStats::asleep_bytes`](crate::suballoc::PoolStats::asleep_bytes) what waking maps);
     /// - dropping the pool frees the host copies.
     ///
-    /// How `Offload` copies: into pageable host memory (one `mmap` per 256 MiB piece, with
-    /// transparent huge pages asked for), through pinned staging buffers of 4 MiB, two
+    /// How `Offload` copies: into pageable host memory (one `mmap` per 256 MiB piece,
+    /// aligned to 2 MiB, with transparent huge pages asked for, `madvise(MADV_HUGEPAGE)`,
+    /// unless the kernel's `/sys/kernel/mm/transparent_hugepage/enabled` says `[never]` or
+    /// `MEMRES_OFFLOAD_HUGE_PAGES=0`; a kernel that refuses the advice gives small pages,
+    /// silently), through pinned staging buffers of 4 MiB, two
     /// per copying thread, on as many threads as the machine has cores (one less for a
     /// wake; at most 16; the environment variable `MEMRES_OFFLOAD_THREADS` sets another
     /// number). Each thread
@@ -45,11 +48,14 @@ impl<U: Resource> VirtualPool<U> {
     /// for copies on an H200), and a first sleep that pinned its copies took 10 to 17 s
     /// for 20 GiB. The first sleep pins only the staging buffers (at most 128 MiB), and
     /// the kernel backs the copies' pages as the threads write them (the `memres::pool`
-    /// debug event "the sleep's steps" gives the time of each).
+    /// debug event "the sleep's steps" gives the time of each). Backing fresh pages is
+    /// what a first sleep costs over a second: 5 million faults of 4 KiB for 20 GiB, 10,240
+    /// of 2 MiB where the kernel has huge pages to give.
     ///
     /// Once the sleep returns, a thread of the pool's registers the copies with the driver
     /// (`cuMemHostRegister`, 32 MiB at a time, from each copy's start: pinning in place,
-    /// at a few GB/s, costs the sleep nothing there), so that the wake copies the
+    /// at a few GB/s, costs the sleep nothing there; the copies are private anonymous
+    /// mappings, which the driver registers whether their pages are huge or small), so that the wake copies the
     /// registered part back directly, one DMA a chunk without the staging memcpy, and the
     /// rest through the staging buffers; [`registered_host_bytes`](Self::registered_host_bytes)
     /// says how far it got. The wake stops it first (waiting for at most one piece), and
