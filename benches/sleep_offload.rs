@@ -16,6 +16,14 @@
 //!
 //!     cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_THREADS=8 cargo bench --bench sleep_offload -- 20
+//!     MEMRES_OFFLOAD_HUGE_PAGES=0 cargo bench --bench sleep_offload -- 20
+//!
+//! The header gives the kernel's transparent-huge-page settings and the memory free in
+//! blocks of 2 MiB or more (`/proc/buddyinfo`) before the first sleep; each sleep's row,
+//! the huge pages faulted in during it and the faults that wanted one and fell back
+//! (`/proc/vmstat`), so that a first sleep's time can be read against how its copies
+//! were backed (`MEMRES_OFFLOAD_HUGE_PAGES=0`: the copies ask for no huge pages; unset,
+//! they ask unless the kernel's setting is `[never]`).
 //!
 //! With `--host`, the same rounds over host pages (`HostVirtual`, 2 MiB granules), where
 //! the "device" copies are the host's too: the staging pipeline's cost on the CPU alone,
@@ -96,11 +104,19 @@ fn huge_page_settings() -> String {
         std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{name}"))
             .map_or_else(|_| "unreadable".into(), |s| s.trim().to_string())
     };
+    // Bytes free in blocks of 2 MiB or more (orders 9 up of 4 KiB pages), every zone.
+    let free: u64 = std::fs::read_to_string("/proc/buddyinfo")
+        .unwrap_or_default()
+        .lines()
+        .flat_map(|l| l.split_whitespace().skip(4 + 9).enumerate())
+        .map(|(o, n)| n.parse::<u64>().unwrap_or(0) << (21 + o))
+        .sum();
     format!(
-        "transparent huge pages: enabled {}, defrag {}; MEMRES_OFFLOAD_HUGE_PAGES: {}",
+        "transparent huge pages: enabled {}, defrag {}; MEMRES_OFFLOAD_HUGE_PAGES: {}; free in blocks of 2 MiB or more: {:.2} GiB",
         read("enabled"),
         read("defrag"),
-        std::env::var("MEMRES_OFFLOAD_HUGE_PAGES").unwrap_or_else(|_| "unset".into())
+        std::env::var("MEMRES_OFFLOAD_HUGE_PAGES").unwrap_or_else(|_| "unset".into()),
+        free as f64 / GIB as f64
     )
 }
 

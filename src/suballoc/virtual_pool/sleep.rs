@@ -35,7 +35,7 @@ impl<U: Resource> VirtualPool<U> {
     ///
     /// How `Offload` copies: into pageable host memory (one `mmap` per 256 MiB piece,
     /// aligned to 2 MiB, with transparent huge pages asked for, `madvise(MADV_HUGEPAGE)`,
-    /// unless the kernel's `/sys/kernel/mm/transparent_hugepage/enabled` says `[never]` or
+    /// unless `/sys/kernel/mm/transparent_hugepage/enabled` says `[never]` or
     /// `MEMRES_OFFLOAD_HUGE_PAGES=0`; a kernel that refuses the advice gives small pages,
     /// silently), through pinned staging buffers of 4 MiB, two
     /// per copying thread, on as many threads as the machine has cores (one less for a

@@ -129,109 +129,38 @@ const HUGE_PAGE: usize = 2 << 20;
 const PAGE: usize = 4096;
 
 /// The environment variable that says whether a copy's mapping asks for transparent huge
-/// pages (`madvise(MADV_HUGEPAGE)`): `0` never, `1` always; unset (or anything else), as
-/// [`Ask::WhenFree`] says. Read once per process.
+/// pages (`madvise(MADV_HUGEPAGE)`): `0` never, `1` always; unset (or anything else),
+/// unless the kernel's setting is `[never]`. Read once per process. (`0` is there to
+/// compare: in a virtual machine that hands free memory back to its host, a huge page
+/// the guest has not used lately costs the host's faults when first written, and a
+/// first sleep over such pages ran slower than over small ones, see BENCHMARKS.md.)
 pub(crate) const HUGE_PAGES_VARIABLE: &str = "MEMRES_OFFLOAD_HUGE_PAGES";
 
 /// Where the kernel says whether transparent huge pages are used: `always`, `madvise`
 /// (only where asked for) or `never`, the one in force in brackets.
 const THP_SETTING: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 
-/// When copies ask for transparent huge pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ask {
-    Never,
-    Always,
-    /// Where the kernel hands huge pages out only where asked (`[madvise]`), and only for
-    /// as many bytes as it has free in blocks of a huge page or more (`/proc/buddyinfo`),
-    /// so that no fault waits for the kernel to make one: with the kernel's `defrag` at
-    /// its usual `madvise`, a fault in an advised mapping that finds no free huge page
-    /// reclaims and compacts memory first, which made a first sleep of 2 GiB over host
-    /// pages take 9.5 to 10.7 s where small pages took 2.5 to 3.6 (this machine, its
-    /// memory mostly page cache). Under `[always]` the kernel gives huge pages where it
-    /// has them free without being asked; under `[never]` asking changes nothing.
-    WhenFree,
-}
-
-/// [`Ask`] for this process ([`HUGE_PAGES_VARIABLE`], [`THP_SETTING`]), decided once.
-fn ask() -> Ask {
-    static ASK: std::sync::OnceLock<Ask> = std::sync::OnceLock::new();
+/// Whether copies ask for transparent huge pages ([`HUGE_PAGES_VARIABLE`],
+/// [`THP_SETTING`]), decided once.
+fn huge_pages() -> bool {
+    static ASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ASK.get_or_init(|| {
         let set = std::env::var(HUGE_PAGES_VARIABLE).ok();
         let kernel = std::fs::read_to_string(THP_SETTING).ok();
-        ask_from(set.as_deref(), kernel.as_deref())
+        ask_huge_pages(set.as_deref(), kernel.as_deref())
     })
 }
 
-/// [`ask`] given the variable's value and the kernel's setting (if either can be read).
-/// A setting that cannot be read (a kernel without transparent huge pages, or a sandbox):
-/// small pages, which always work.
-fn ask_from(set: Option<&str>, kernel: Option<&str>) -> Ask {
+/// [`huge_pages`] given the variable's value and the kernel's setting (if either can be
+/// read). A setting that cannot be read (no such file: a kernel without transparent huge
+/// pages, or a sandbox) still asks: a kernel that does not know the advice refuses it,
+/// which costs one call and changes nothing.
+fn ask_huge_pages(set: Option<&str>, kernel: Option<&str>) -> bool {
     match set.map(str::trim) {
-        Some("0") => Ask::Never,
-        Some("1") => Ask::Always,
-        _ if kernel.is_some_and(|k| k.contains("[madvise]")) => Ask::WhenFree,
-        _ => Ask::Never,
+        Some("0") => false,
+        Some("1") => true,
+        _ => kernel.is_none_or(|k| !k.contains("[never]")),
     }
-}
-
-/// Bytes free in blocks of [`HUGE_PAGE`] or more, over every zone of `/proc/buddyinfo`'s
-/// text (`page` bytes a base page); `None` if it cannot be read.
-fn free_in_huge_blocks(buddyinfo: &str, page: usize) -> Option<usize> {
-    let order = (HUGE_PAGE / page.max(1)).checked_ilog2()? as usize;
-    let mut free = 0usize;
-    for line in buddyinfo.lines() {
-        // "Node 0, zone   Normal  75000  63921 ...": a count per order from 0 up.
-        let counts = line.split_whitespace().skip(4);
-        for (o, count) in counts.enumerate().skip(order) {
-            let blocks = count.parse::<usize>().ok()?;
-            let bytes = page.checked_shl(o as u32)?;
-            free = free.saturating_add(blocks.saturating_mul(bytes));
-        }
-    }
-    Some(free)
-}
-
-/// How many bytes of the copies made next ask for transparent huge pages: made once for
-/// the copies of one sleep or [`prepare`](super::staged) and handed to each
-/// [`HostCopy::pages_from`], which takes its size from it while it lasts.
-#[derive(Debug)]
-pub(crate) struct HugePages {
-    room: usize,
-}
-
-impl HugePages {
-    /// For copies made now, as [`ask`] says: [`Ask::WhenFree`] looks at the kernel's free
-    /// blocks now (none where `/proc/buddyinfo` cannot be read).
-    pub(crate) fn now() -> HugePages {
-        let room = match ask() {
-            Ask::Never => 0,
-            Ask::Always => usize::MAX,
-            Ask::WhenFree => std::fs::read_to_string("/proc/buddyinfo")
-                .ok()
-                .and_then(|b| free_in_huge_blocks(&b, page_size()))
-                .unwrap_or(0),
-        };
-        HugePages { room }
-    }
-
-    /// Whether a copy of `size` bytes asks, taking its size from the room if so.
-    fn take(&mut self, size: usize) -> bool {
-        if self.room < size {
-            return false;
-        }
-        if self.room != usize::MAX {
-            self.room -= size;
-        }
-        true
-    }
-}
-
-/// The kernel's base page, in bytes (4 KiB where it cannot be asked).
-fn page_size() -> usize {
-    // SAFETY: `sysconf` only reads a setting.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(PAGE)
 }
 
 // SAFETY: the copy owns its memory exclusively (nothing else holds the pointer); the
@@ -257,12 +186,6 @@ impl HostCopy {
     /// caller checks [`available`] first: a page the kernel cannot back when it is written
     /// is not an error but the out-of-memory killer).
     pub(crate) fn pages(len: usize) -> Result<HostCopy, Error> {
-        HostCopy::pages_from(len, &mut HugePages::now())
-    }
-
-    /// [`pages`](Self::pages), asking for transparent huge pages if `huge` has room for
-    /// it (see [`HugePages`]).
-    pub(crate) fn pages_from(len: usize, huge: &mut HugePages) -> Result<HostCopy, Error> {
         let size = len
             .max(1)
             .checked_next_multiple_of(PAGE)
@@ -292,7 +215,7 @@ impl HostCopy {
         let start = raw
             .cast::<u8>()
             .wrapping_add(raw.addr().next_multiple_of(HUGE_PAGE) - raw.addr());
-        if huge.take(size) {
+        if huge_pages() {
             // SAFETY: `start..start + size` lies inside the mapping just made (above); the
             // advice only changes how it is backed, and a kernel without transparent huge
             // pages refuses it (its result is not looked at: the copy then has small
@@ -424,68 +347,27 @@ impl fmt::Debug for HostCopy {
 
 #[cfg(test)]
 mod tests {
-    use super::{
-        Ask, HostCopy, HugePages, ask_from, available, free_in_huge_blocks, mem_available,
-    };
+    use super::{HostCopy, ask_huge_pages, available, mem_available};
 
     #[test]
-    fn huge_pages_are_asked_for_where_the_kernel_wants_advice_or_the_variable_says() {
+    fn huge_pages_are_asked_for_unless_the_kernel_or_the_variable_says_never() {
         let madvise = "always [madvise] never\n";
-        let always = "[always] madvise never\n";
         let never = "always madvise [never]\n";
-        assert_eq!(ask_from(None, Some(madvise)), Ask::WhenFree);
-        assert_eq!(ask_from(None, Some(always)), Ask::Never, "given unasked");
-        assert_eq!(ask_from(None, Some(never)), Ask::Never);
-        assert_eq!(ask_from(None, None), Ask::Never, "unreadable: small pages");
-        assert_eq!(ask_from(Some("0"), Some(madvise)), Ask::Never);
-        assert_eq!(ask_from(Some(" 0\n"), None), Ask::Never);
-        assert_eq!(ask_from(Some("1"), Some(never)), Ask::Always);
-        assert_eq!(ask_from(Some("yes"), Some(madvise)), Ask::WhenFree);
-    }
-
-    #[test]
-    fn free_huge_blocks_are_summed_from_the_order_of_a_huge_page_up() {
-        let buddyinfo = "Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3 \n\
-                         Node 0, zone   Normal  75000  63921  26218   9987   6193   4624   2520    829    677     77    125 \n";
-        let mib = 1 << 20;
-        // Orders 9 and 10 (2 and 4 MiB) of 4 KiB pages: 1 + 77 blocks of 2 MiB, 3 + 125 of 4.
-        assert_eq!(
-            free_in_huge_blocks(buddyinfo, 4096),
-            Some(78 * 2 * mib + 128 * 4 * mib)
-        );
-        // 64 KiB pages: a huge page of 2 MiB is order 5.
-        assert_eq!(
-            free_in_huge_blocks("Node 0, zone Normal 9 9 9 9 9 1 2\n", 64 << 10),
-            Some(2 * mib + 2 * 4 * mib)
-        );
-        assert_eq!(
-            free_in_huge_blocks("Node 0, zone Normal 1 x\n", 4096),
-            Some(0),
-            "below"
-        );
-        assert_eq!(
-            free_in_huge_blocks("Node 0, zone Normal 0 0 0 0 0 0 0 0 0 x\n", 4096),
-            None
-        );
-        assert_eq!(free_in_huge_blocks("", 4096), Some(0));
-    }
-
-    #[test]
-    fn huge_page_room_is_taken_copy_by_copy_until_it_runs_out() {
-        let mut huge = HugePages { room: 5 << 20 };
-        assert!(huge.take(2 << 20));
-        assert!(huge.take(2 << 20));
-        assert!(!huge.take(2 << 20), "1 MiB left");
-        assert!(huge.take(1 << 20));
-        let mut always = HugePages { room: usize::MAX };
+        assert!(ask_huge_pages(None, Some(madvise)));
+        assert!(ask_huge_pages(None, Some("[always] madvise never")));
+        assert!(!ask_huge_pages(None, Some(never)));
         assert!(
-            always.take(usize::MAX) && always.take(1 << 30),
-            "never runs out"
+            ask_huge_pages(None, None),
+            "unreadable: asked, refused at worst"
         );
-        let copy = HostCopy::pages_from(4 << 20, &mut HugePages { room: 4 << 20 }).unwrap();
-        assert_eq!(copy.len(), 4 << 20);
-        // SAFETY: the copy holds `len()` bytes, this test's alone.
-        unsafe { copy.as_ptr().write_bytes(1, copy.len()) };
+        assert!(!ask_huge_pages(Some("0"), Some(madvise)));
+        assert!(!ask_huge_pages(Some(" 0\n"), None));
+        assert!(ask_huge_pages(Some("1"), Some(never)));
+        assert!(
+            ask_huge_pages(Some("yes"), Some(madvise)),
+            "not 0 or 1: the kernel's"
+        );
+        assert!(!ask_huge_pages(Some(""), Some(never)));
     }
 
     #[test]

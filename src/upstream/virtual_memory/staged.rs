@@ -33,7 +33,6 @@
 //! device) are its staging buffers leaked rather than freed under a copy, and the caller
 //! told (`unsettled`), so that it leaves the device memory mapped.
 
-use super::host_copy::HugePages;
 use super::{Backend, GrowInPlace, HostCopy, Virtual};
 use crate::error::Error;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -460,12 +459,8 @@ pub(super) unsafe fn save<B: Backend>(
         return Err(Error::out_of_memory(new));
     }
     let mut copies = Vec::with_capacity(ranges.len());
-    let mut huge = HugePages::now();
     for (&(_, len), fit) in ranges.iter().zip(&mut fits) {
-        match fit
-            .take()
-            .map_or_else(|| HostCopy::pages_from(len, &mut huge), Ok)
-        {
+        match fit.take().map_or_else(|| HostCopy::pages(len), Ok) {
             Ok(copy) => copies.push(copy),
             Err(e) => {
                 spare.extend(copies.into_iter().chain(fits.into_iter().flatten()));
@@ -554,10 +549,9 @@ pub(super) fn prepare<B: Backend>(
     if super::host_copy::available().is_some_and(|room| room < new) {
         return Err(Error::out_of_memory(new));
     }
-    let mut huge = HugePages::now();
     let copies = lens
         .iter()
-        .map(|&len| HostCopy::pages_from(len, &mut huge))
+        .map(|&len| HostCopy::pages(len))
         .collect::<Result<Vec<_>, _>>()?;
     // Each copy as a range at address 0: the chunks say where in which copy to write.
     let ranges: Vec<(usize, usize)> = lens.iter().map(|&len| (0, len)).collect();
