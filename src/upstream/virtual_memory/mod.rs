@@ -18,9 +18,9 @@ mod staged;
 // For the virtual pool's fault and sleep tests (not built under loom).
 #[cfg(all(test, not(memres_loom)))]
 pub(crate) use host::faults;
-#[cfg(test)]
+#[cfg(all(test, not(memres_loom)))]
 pub(crate) use registered::{PIECE as REGISTER_PIECE, faults as registration};
-#[cfg(test)]
+#[cfg(all(test, not(memres_loom)))]
 pub(crate) use staged::CHUNK;
 
 use std::alloc::Layout;

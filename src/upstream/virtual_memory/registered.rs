@@ -246,16 +246,19 @@ pub(crate) mod faults {
     }
 
     /// From now on the leaf at `base` registers `more` pieces, then fails (`None`: never).
+    #[cfg(not(memres_loom))]
     pub(crate) fn fail_registration(base: usize, more: Option<usize>) {
         with(base, |l| l.left = more);
     }
 
     /// Pieces of the leaf at `base`'s copies registered and not yet unregistered.
+    #[cfg(not(memres_loom))]
     pub(crate) fn live_registrations(base: usize) -> usize {
         with(base, |l| l.live)
     }
 
     /// Chunks of the leaf at `base` copied through staging buffers since the last call.
+    #[cfg(not(memres_loom))]
     pub(crate) fn take_staged(base: usize) -> usize {
         with(base, |l| std::mem::take(&mut l.staged))
     }
