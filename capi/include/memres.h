@@ -205,8 +205,9 @@ int memres_reset_peak(int device);
  * through pinned staging buffers on several threads: MEMRES_OFFLOAD_THREADS; once the
  * call returns a thread registers the copies with the driver, 32 MiB at a time, and a
  * wake copies the registered part back directly, at the bus's speed;
- * MEMRES_OFFLOAD_REGISTER=0 turns that off); it returns the bytes given back or a
- * negative code.
+ * MEMRES_OFFLOAD_REGISTER=0 turns that off; the copies ask for transparent huge pages
+ * unless the kernel says [never] or MEMRES_OFFLOAD_HUGE_PAGES=0); it returns the bytes
+ * given back or a negative code.
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out

@@ -133,8 +133,10 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     weights; ``MEMRES_OFFLOAD_THREADS`` sets how many threads copy, by default the cores,
     at most 16). Once the call returns, a thread registers the copies with the driver
     (page-locks them, 32 MiB at a time), and a wake copies their registered part back
-    directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` turns it off). All work on
-    the device is waited for first.
+    directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` turns it off). The copies
+    ask the kernel for transparent huge pages unless it says ``[never]``
+    (``MEMRES_OFFLOAD_HUGE_PAGES=0`` turns that off). All work on the device is waited for
+    first.
 
     Until the pools wake, tensors in them must not be used (a kernel that reads one
     faults), and allocating from them raises :class:`MemresError` (code
