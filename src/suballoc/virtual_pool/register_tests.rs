@@ -172,9 +172,9 @@ fn a_failed_wake_keeps_the_registered_copies_and_the_next_wake_restores_them() {
     // SAFETY: nothing touches the blocks until the pool wakes.
     unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
     wait_registered(&pool, held);
-    faults::fail_every(2);
+    faults::fail_every(base, 2);
     assert!(pool.wake().is_err(), "the second piece's map fails");
-    faults::fail_every(0);
+    faults::fail_every(base, 0);
     assert!(pool.is_asleep());
     assert_eq!(
         pool.upstream().mapped_bytes(),

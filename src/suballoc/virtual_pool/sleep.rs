@@ -171,11 +171,9 @@ impl<U: Resource> VirtualPool<U> {
             },
         };
         let copied = start.elapsed();
-        for &(addr, len) in &pieces {
-            // SAFETY: mapped by this pool; no work uses them (as above), and the copies,
-            // if any, are made.
-            unsafe { (space.unmap)(&self.core.upstream, addr, len) };
-        }
+        // SAFETY: mapped by this pool, apart from each other; no work uses them (as
+        // above), and the copies, if any, are made.
+        unsafe { (space.unmap_ranges)(&self.core.upstream, &pieces) };
         tracing::debug!(
             target: "memres::pool",
             wait_and_trim_s = trimmed.as_secs_f64(),

@@ -211,9 +211,15 @@ fn a_wake_the_device_cannot_back_fails_keeps_the_pool_asleep_and_can_be_tried_ag
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
     assert_eq!(pool.stats().asleep_bytes, released);
     // The second map fails: another process took the memory.
-    faults::fail_every(2);
+    faults::fail_every(
+        crate::upstream::GrowInPlace::reservation(pool.upstream()).0,
+        2,
+    );
     assert!(matches!(pool.wake(), Err(Error::OutOfMemory { .. })));
-    faults::fail_every(0);
+    faults::fail_every(
+        crate::upstream::GrowInPlace::reservation(pool.upstream()).0,
+        0,
+    );
     assert!(pool.is_asleep());
     assert_eq!(
         pool.upstream().mapped_bytes(),
@@ -535,4 +541,103 @@ fn host_memory_made_ahead_is_what_the_first_sleep_uses() {
     free_all(&pool, blocks);
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees it");
+}
+
+/// A wake maps its pieces on several threads (and a sleep unmaps them so): whichever map
+/// fails, on whichever thread, the wake fails with nothing left mapped, the pool asleep
+/// with its copies, and the next wake restores everything; in both modes (a discarding
+/// wake maps with no copying threads).
+#[test]
+fn a_wake_whose_maps_fail_anywhere_leaves_nothing_mapped_in_either_mode() {
+    for mode in [SleepMode::Offload, SleepMode::Discard] {
+        for every in [1, 2, 3, 7, 40] {
+            let pool = pool();
+            let blocks = fill(&pool);
+            let base = crate::upstream::GrowInPlace::reservation(pool.upstream()).0;
+            // SAFETY: nothing touches the blocks until the pool wakes.
+            let released = unsafe { pool.sleep(mode) }.unwrap();
+            assert!(
+                released / (256 << 10) > 40,
+                "more pieces than the faults' period"
+            );
+            let peak = pool.upstream().peak_mapped_bytes();
+            faults::fail_every(base, every);
+            let woken = pool.wake();
+            faults::fail_every(base, 0);
+            assert!(
+                matches!(woken, Err(Error::OutOfMemory { .. })),
+                "{mode:?}, every {every}: {woken:?}"
+            );
+            assert!(pool.is_asleep());
+            assert_eq!(
+                pool.upstream().mapped_bytes(),
+                0,
+                "{mode:?}, every {every}: what the failed wake mapped went back"
+            );
+            assert_eq!(
+                pool.upstream().peak_mapped_bytes(),
+                peak,
+                "no more mapped at once than before it slept"
+            );
+            assert_eq!(pool.wake(), Ok(released));
+            assert_eq!(pool.upstream().mapped_bytes(), released);
+            if mode == SleepMode::Offload {
+                for &(p, l, _, byte) in &blocks {
+                    assert!(holds(p, l, byte), "{every}: block {byte}");
+                }
+            }
+            free_all(&pool, blocks);
+        }
+    }
+}
+
+/// The leaf maps outside its lock (so that a wake's threads map at once), having claimed
+/// the granules under it: threads racing for more granules than its limit allows get
+/// exactly the limit, the counts stay exact, and a failed map gives its claim back
+/// without counting in the peak.
+#[test]
+fn a_leaf_mapping_on_many_threads_keeps_its_limit_and_counts_exact() {
+    use crate::upstream::GrowInPlace;
+
+    let leaf = HostVirtual::with_limit(16 * GRANULE, GRANULE, 8 * GRANULE).unwrap();
+    let leaf = &leaf;
+    let (base, _) = leaf.reservation();
+    let ranges: Vec<(usize, usize)> = (0..16).map(|i| (base + i * GRANULE, GRANULE)).collect();
+    let mapped: Vec<(usize, usize)> = std::thread::scope(|scope| {
+        let threads: Vec<_> = ranges
+            .iter()
+            .map(|&(addr, len)| scope.spawn(move || leaf.map_at(addr, len).map(|()| (addr, len))))
+            .collect();
+        threads
+            .into_iter()
+            .filter_map(|t| t.join().unwrap().ok())
+            .collect()
+    });
+    assert_eq!(mapped.len(), 8, "exactly the limit");
+    assert_eq!(leaf.mapped_bytes(), 8 * GRANULE);
+    assert_eq!(leaf.peak_mapped_bytes(), 8 * GRANULE);
+    for &(addr, _) in &mapped {
+        // SAFETY: mapped just above, host memory of a granule.
+        unsafe { std::ptr::with_exposed_provenance_mut::<u8>(addr).write(1) };
+    }
+    // SAFETY: mapped above by this leaf, apart from each other; nothing uses them.
+    unsafe { leaf.unmap_ranges_at(&mapped) };
+    assert_eq!(leaf.mapped_bytes(), 0);
+    faults::fail_every(base, 1);
+    let failed = leaf.map_at(base, 4 * GRANULE);
+    faults::fail_every(base, 0);
+    assert!(
+        matches!(failed, Err(Error::OutOfMemory { .. })),
+        "{failed:?}"
+    );
+    assert_eq!(leaf.mapped_bytes(), 0);
+    assert_eq!(leaf.peak_mapped_bytes(), 8 * GRANULE);
+    assert_eq!(
+        leaf.map_at(base, 8 * GRANULE),
+        Ok(()),
+        "the failed map's claim went back"
+    );
+    // SAFETY: mapped just above; nothing uses it.
+    unsafe { leaf.unmap_ranges_at(&[(base, 8 * GRANULE)]) };
+    assert_eq!(leaf.mapped_bytes(), 0);
 }

@@ -116,7 +116,7 @@ impl Backend for HostPages {
 
     fn map(&self, addr: usize, len: usize) -> Result<(), Error> {
         #[cfg(test)]
-        if faults::fail_this_map() {
+        if faults::fail_this_map(self.base) {
             return Err(Error::out_of_memory(len));
         }
         // SAFETY: `addr..addr + len` lies inside our own PROT_NONE reservation (the
@@ -254,12 +254,10 @@ impl Drop for HostPages {
 /// virtual pool's out-of-memory paths, without a device that runs out).
 #[cfg(test)]
 pub(crate) mod faults {
-    use std::cell::Cell;
-
-    thread_local! {
-        /// (maps made so far, fail every map whose number is a multiple of this; 0: none).
-        static PLAN: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
-    }
+    /// Reservations (by their base) whose maps fail: (base, maps made so far, fail every
+    /// map whose number is a multiple of this). Per leaf, not per thread: a wake maps on
+    /// several threads.
+    static PLANS: std::sync::Mutex<Vec<(usize, u64, u64)>> = std::sync::Mutex::new(Vec::new());
 
     /// Address ranges whose copies to or from the host fail, as when host memory runs out
     /// (on any thread: a pool copies on several at once).
@@ -309,17 +307,25 @@ pub(crate) mod faults {
         failing.iter().any(|&(from, to)| (from..to).contains(&addr))
     }
 
-    /// From now on, on this thread, every `every`-th map fails (0: none).
+    /// From now on, every `every`-th map of the leaf whose reservation starts at `base`
+    /// fails (0: none), counted from this call on whichever threads map.
     #[cfg(not(memres_loom))]
-    pub(crate) fn fail_every(every: u64) {
-        PLAN.with(|p| p.set((0, every)));
+    pub(crate) fn fail_every(base: usize, every: u64) {
+        let mut plans = PLANS.lock().unwrap_or_else(|p| p.into_inner());
+        plans.retain(|&(b, _, _)| b != base);
+        if every != 0 {
+            plans.push((base, 0, every));
+        }
     }
 
-    pub(super) fn fail_this_map() -> bool {
-        PLAN.with(|p| {
-            let (n, every) = p.get();
-            p.set((n + 1, every));
-            every != 0 && (n + 1).is_multiple_of(every)
-        })
+    pub(super) fn fail_this_map(base: usize) -> bool {
+        let mut plans = PLANS.lock().unwrap_or_else(|p| p.into_inner());
+        match plans.iter_mut().find(|(b, _, _)| *b == base) {
+            Some((_, n, every)) => {
+                *n += 1;
+                n.is_multiple_of(*every)
+            }
+            None => false,
+        }
     }
 }

@@ -176,6 +176,19 @@ pub unsafe trait GrowInPlace: Resource {
         let _ = keep;
     }
 
+    /// Unmaps each `(address, bytes)` range as [`unmap_at`](Self::unmap_at) does, in any
+    /// order (a pool that sleeps gives all its memory back at once): the leaves unmap on
+    /// several threads (`MEMRES_OFFLOAD_MAP_THREADS`). The default: one after another.
+    ///
+    /// # Safety
+    /// As for `unmap_at`, for every range; the ranges do not overlap.
+    unsafe fn unmap_ranges_at(&self, ranges: &[(usize, usize)]) {
+        for &(addr, len) in ranges {
+            // SAFETY: the caller's promise.
+            unsafe { self.unmap_at(addr, len) };
+        }
+    }
+
     /// Copies each `(address, bytes)` range (mapped granules) into host memory, one copy
     /// per range in their order, for a pool that sleeps with
     /// [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload): into copies taken
@@ -315,7 +328,7 @@ impl<B: Backend> Virtual<B> {
     /// [`Error::OutOfMemory`] past the limit or when the backend runs out.
     fn map_granules(&self, granules: &mut Granules, first: usize, n: usize) -> Result<(), Error> {
         let g = self.backend.granularity();
-        if granules.mapped() + n > self.limit {
+        if granules.mapped() + granules.claimed() + n > self.limit {
             return Err(Error::out_of_memory(n * g));
         }
         self.backend
@@ -465,13 +478,27 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
                 "{len} bytes at {addr:#x} are not whole granules of the reservation"
             )));
         };
-        let mut granules = self.lock();
-        if !granules.all(first, n, false) {
-            return Err(Error::invalid_argument(format!(
-                "{len} bytes at {addr:#x} are already (partly) mapped"
-            )));
+        {
+            let mut granules = self.lock();
+            if !granules.all(first, n, false) {
+                return Err(Error::invalid_argument(format!(
+                    "{len} bytes at {addr:#x} are already (partly) mapped"
+                )));
+            }
+            if granules.mapped() + granules.claimed() + n > self.limit {
+                return Err(Error::out_of_memory(len));
+            }
+            granules.claim(first, n);
         }
-        self.map_granules(&mut granules, first, n)
+        // The driver maps outside the lock, so that several threads map at once (a wake
+        // maps its ranges on several); the claim keeps every other map off the range.
+        let mapped = self.backend.map(addr, len);
+        let mut granules = self.lock();
+        match mapped {
+            Ok(()) => granules.commit(n),
+            Err(_) => granules.unclaim(first, n),
+        }
+        mapped
     }
 
     unsafe fn unmap_at(&self, addr: usize, len: usize) {
@@ -483,14 +510,21 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
             );
             return;
         };
-        let mut granules = self.lock();
-        if !granules.all(first, n, true) {
+        if !self.lock().all(first, n, true) {
             tracing::error!(addr, len, "memres: unmap of granules that are not mapped");
             return;
         }
-        // SAFETY: mapped (checked above) and unused (the caller's promise).
+        // SAFETY: mapped (checked above) and unused (the caller's promise). Outside the
+        // lock, so that several threads unmap at once (a sleep unmaps on several); the
+        // granules stay marked mapped until the memory is gone, so no map takes them
+        // before.
         unsafe { self.backend.unmap(addr, len) };
-        granules.set(first, n, false);
+        self.lock().set(first, n, false);
+    }
+
+    unsafe fn unmap_ranges_at(&self, ranges: &[(usize, usize)]) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { staged::unmap_ranges(self, ranges) }
     }
 
     fn keep_unmapped(&self, keep: bool) {

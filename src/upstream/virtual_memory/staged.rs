@@ -50,6 +50,16 @@ const MAX_THREADS: usize = 16;
 /// thread maps meanwhile), at most 16.
 pub(crate) const THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_THREADS";
 
+/// The environment variable that sets how many threads a wake maps on, and a sleep
+/// unmaps on (1 to 16; unset, [`MAP_THREADS`]).
+pub(crate) const MAP_THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_MAP_THREADS";
+
+/// How many threads a wake maps on and a sleep unmaps on, unless
+/// [`MAP_THREADS_VARIABLE`] says otherwise. The driver's calls are per granule
+/// (`cuMemCreate` and `cuMemMap` for each 2 MiB, `cuMemUnmap` for each), about 50 µs
+/// each on an H100: 0.5 s for 20 GiB on one thread, longer than the copies.
+const MAP_THREADS: usize = 4;
+
 /// One staged copy: `len` bytes at `addr` of the leaf, at `offset` in the copy of range
 /// number `range`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +116,35 @@ fn thread_count(set: Option<&str>, cores: usize, chunks: usize, direction: Direc
         .max(1)
 }
 
+/// How many threads map (or unmap) `ranges` ranges: [`MAP_THREADS_VARIABLE`], else
+/// [`MAP_THREADS`]; at most 16, at least 1, no more than there are ranges. One under
+/// loom (whose models run a wake's protocol on threads of their own).
+pub(crate) fn map_threads(ranges: usize) -> usize {
+    if cfg!(memres_loom) {
+        return 1;
+    }
+    let set = std::env::var(MAP_THREADS_VARIABLE).ok();
+    map_thread_count(set.as_deref(), ranges)
+}
+
+/// [`map_threads`] given the variable's value (if set).
+fn map_thread_count(set: Option<&str>, ranges: usize) -> usize {
+    set.and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(MAP_THREADS)
+        .min(MAX_THREADS)
+        .min(ranges)
+        .max(1)
+}
+
+/// Which ranges are mapped, for the threads of a wake: the mapping threads take ranges in
+/// order (`next`) and mark each one done once mapped; the copying threads wait for their
+/// chunk's range.
+struct Maps {
+    done: Vec<bool>,
+    next: usize,
+}
+
 /// What the copying threads share.
 pub(crate) struct Shared<'a> {
     chunks: &'a [Chunk],
@@ -122,28 +161,31 @@ pub(crate) struct Shared<'a> {
     buffers: Mutex<Vec<HostCopy>>,
     /// Set when a lane could not be waited for: its copies may still be under way.
     unsettled: AtomicBool,
-    /// How many ranges are mapped (all of them, for a sleep), for the threads of a wake.
-    mapped: Mutex<usize>,
+    /// Which ranges are mapped (all of them, for a sleep), for the threads of a wake.
+    mapped: Mutex<Maps>,
     ready: Condvar,
 }
 
 /// What the copying threads leave: the first error, whether a lane could not be waited
-/// for, and the staging buffers to keep.
+/// for, the staging buffers to keep, and which ranges are mapped.
 pub(crate) struct Outcome {
     pub(crate) error: Option<Error>,
     pub(crate) unsettled: bool,
     pub(crate) buffers: Vec<HostCopy>,
+    pub(crate) mapped: Vec<bool>,
 }
 
 impl<'a> Shared<'a> {
-    /// For `chunks`, with `buffers` to stage through first and `mapped` ranges mapped; the
-    /// chunks in the first `registered[range]` bytes of their range's copy are copied
-    /// directly.
+    /// For `chunks` of `ranges` ranges, with `buffers` to stage through first; the ranges
+    /// are all mapped already (a sleep) or none (a wake, whose threads map them with
+    /// [`map_ranges`](Self::map_ranges)); the chunks in the first `registered[range]`
+    /// bytes of their range's copy are copied directly.
     pub(crate) fn new(
         chunks: &'a [Chunk],
         registered: &'a [usize],
         buffers: Vec<HostCopy>,
-        mapped: usize,
+        ranges: usize,
+        mapped: bool,
     ) -> Self {
         Shared {
             chunks,
@@ -153,7 +195,10 @@ impl<'a> Shared<'a> {
             error: Mutex::new(None),
             buffers: Mutex::new(buffers),
             unsettled: AtomicBool::new(false),
-            mapped: Mutex::new(mapped),
+            mapped: Mutex::new(Maps {
+                done: vec![mapped; ranges],
+                next: if mapped { ranges } else { 0 },
+            }),
             ready: Condvar::new(),
         }
     }
@@ -183,10 +228,27 @@ impl<'a> Shared<'a> {
         self.ready.notify_all();
     }
 
-    /// Says that the first `n` ranges are mapped.
-    pub(crate) fn publish(&self, n: usize) {
-        *lock(&self.mapped) = n;
-        self.ready.notify_all();
+    /// A mapping thread's work: takes the next range not taken yet, in order, and maps it
+    /// with `map` (given its number), until none is left or a thread failed (this one,
+    /// when `map` fails: nothing of that range stays mapped). A range mapped is marked so
+    /// even after a failure elsewhere, so that the caller unmaps it.
+    pub(crate) fn map_ranges(&self, map: impl Fn(usize) -> Result<(), Error>) {
+        loop {
+            let range = {
+                let mut maps = lock(&self.mapped);
+                if self.stop.load(Ordering::Acquire) || maps.next == maps.done.len() {
+                    return;
+                }
+                maps.next += 1;
+                maps.next - 1
+            };
+            if let Err(e) = map(range) {
+                self.fail(e);
+                return;
+            }
+            lock(&self.mapped).done[range] = true;
+            self.ready.notify_all();
+        }
     }
 
     /// Waits until range number `range` is mapped (true) or a thread failed (false).
@@ -196,7 +258,7 @@ impl<'a> Shared<'a> {
             if self.stop.load(Ordering::Acquire) {
                 return false;
             }
-            if *mapped > range {
+            if mapped.done.get(range).copied().unwrap_or(false) {
                 return true;
             }
             mapped = self
@@ -224,6 +286,11 @@ impl<'a> Shared<'a> {
                 .buffers
                 .into_inner()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
+            mapped: self
+                .mapped
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .done,
         }
     }
 }
@@ -398,17 +465,23 @@ unsafe fn unstage(buffer: &HostCopy, copies: &[HostCopy], c: Chunk) {
     unsafe { std::ptr::copy_nonoverlapping(buffer.as_ptr(), into.as_ptr().add(c.offset), c.len) };
 }
 
-/// Runs `threads` copying threads over `shared` while `meanwhile` runs on the calling
-/// thread; if no thread can be started, copies on the calling thread once `meanwhile` is
-/// done.
+/// Runs the copying threads over `shared` (none when it has no chunks) while `meanwhile`
+/// runs on the calling thread and on `also - 1` threads more (the mapping threads of a
+/// wake); if no copying thread can be started, copies on the calling thread once its
+/// `meanwhile` is done.
 fn run<B: Backend>(
     backend: &B,
     shared: &Shared<'_>,
     copies: &[HostCopy],
     direction: Direction,
-    meanwhile: impl FnOnce(),
+    also: usize,
+    meanwhile: impl Fn() + Sync,
 ) {
-    let threads = threads(shared.chunks.len(), direction);
+    let threads = if shared.chunks.is_empty() {
+        0
+    } else {
+        threads(shared.chunks.len(), direction)
+    };
     std::thread::scope(|scope| {
         let started = (0..threads)
             .filter(|_| {
@@ -418,8 +491,14 @@ fn run<B: Backend>(
                     .is_ok()
             })
             .count();
+        for _ in 1..also {
+            // One that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload-map".into())
+                .spawn_scoped(scope, &meanwhile);
+        }
         meanwhile();
-        if started == 0 {
+        if started == 0 && !shared.chunks.is_empty() {
             copy_on_thread(backend, shared, copies, direction);
         }
     });
@@ -470,8 +549,14 @@ pub(super) unsafe fn save<B: Backend>(
     }
     let chunks = chunks(ranges, CHUNK);
     let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
-    let shared = Shared::new(&chunks, &registered, take_staging(spare), ranges.len());
-    run(backend, &shared, &copies, Direction::Out, || {});
+    let shared = Shared::new(
+        &chunks,
+        &registered,
+        take_staging(spare),
+        ranges.len(),
+        true,
+    );
+    run(backend, &shared, &copies, Direction::Out, 1, || {});
     let outcome = shared.outcome();
     spare.extend(outcome.buffers);
     match outcome.error {
@@ -500,41 +585,78 @@ pub(super) unsafe fn wake<B: Backend>(
         chunks(ranges, CHUNK)
     };
     let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
-    let shared = Shared::new(&chunks, &registered, take_staging(spare), 0);
-    let mut mapped = 0;
-    let mut map_all = || {
-        for (i, &(addr, len)) in ranges.iter().enumerate() {
-            if shared.stopped() {
-                return;
-            }
-            if let Err(e) = leaf.map_at(addr, len) {
-                shared.fail(e);
-                return;
-            }
-            mapped = i + 1;
-            shared.publish(mapped);
-        }
+    let shared = Shared::new(
+        &chunks,
+        &registered,
+        take_staging(spare),
+        ranges.len(),
+        false,
+    );
+    let map_all = || {
+        shared.map_ranges(|i| {
+            let (addr, len) = ranges[i];
+            leaf.map_at(addr, len)
+        });
     };
-    if chunks.is_empty() {
-        map_all();
-    } else {
-        run(&leaf.backend, &shared, copies, Direction::In, map_all);
-    }
+    let mappers = map_threads(ranges.len());
+    run(
+        &leaf.backend,
+        &shared,
+        copies,
+        Direction::In,
+        mappers,
+        map_all,
+    );
     let outcome = shared.outcome();
     spare.extend(outcome.buffers);
     let Some(e) = outcome.error else {
         return Ok(());
     };
     if !outcome.unsettled {
-        for &(addr, len) in &ranges[..mapped] {
-            // SAFETY: mapped above by this call; nothing uses it (the caller's promise)
-            // and every copy into it is done (each thread waited for its lanes).
-            unsafe { leaf.unmap_at(addr, len) };
-        }
+        let mapped: Vec<(usize, usize)> = ranges
+            .iter()
+            .zip(&outcome.mapped)
+            .filter(|&(_, &done)| done)
+            .map(|(&range, _)| range)
+            .collect();
+        // SAFETY: mapped above by this call; nothing uses it (the caller's promise) and
+        // every copy into it is done (each thread waited for its lanes).
+        unsafe { unmap_ranges(leaf, &mapped) };
     }
     // Else a broken device: the memory stays mapped rather than unmapped under a copy
     // (the pool stays asleep; dropping it leaves the leaf to unmap what is mapped).
     Err(e)
+}
+
+/// Unmaps `ranges` of `leaf` (see [`GrowInPlace::unmap_ranges_at`]) on
+/// [`map_threads`] threads, each taking the next range not taken yet; on the calling
+/// thread alone where no other can start.
+///
+/// # Safety
+/// As for [`GrowInPlace::unmap_at`], for every range; the ranges do not overlap.
+pub(super) unsafe fn unmap_ranges<B: Backend>(leaf: &Virtual<B>, ranges: &[(usize, usize)]) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        while let Some(&(addr, len)) =
+            ranges.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        {
+            // SAFETY: the caller's promise; each range is taken by one thread.
+            unsafe { leaf.unmap_at(addr, len) };
+        }
+    };
+    let threads = map_threads(ranges.len());
+    if threads <= 1 {
+        return work();
+    }
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            // One that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload-map".into())
+                .spawn_scoped(scope, &work);
+        }
+        work();
+    });
 }
 
 /// Host memory made ahead of a sleep (see [`GrowInPlace::prepare_host_memory`]): a copy
@@ -651,11 +773,13 @@ mod tests {
 }
 
 /// The threads' shared state under loom (`RUSTFLAGS="--cfg memres_loom" cargo test -p
-/// memres --lib loom_`): chunks are taken once each, and a failure stops every thread,
-/// waking the ones that wait for a range to be mapped.
+/// memres --lib loom_`): chunks are taken once each, ranges mapped once each, a failure
+/// stops every thread, waking the ones that wait for a range to be mapped, and every range
+/// mapped is marked so (the caller unmaps those after a failure).
 #[cfg(all(test, memres_loom))]
 mod loom_models {
     use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicUsize, Ordering};
     use loom::thread;
 
     use super::{Chunk, Shared};
@@ -690,22 +814,34 @@ mod loom_models {
         copied
     }
 
-    /// The calling thread maps the first range, then fails to map the second, while two
-    /// threads copy: both end (a lost wake-up would leave one waiting, which loom reports
-    /// as a deadlock), the first range's chunk is copied at most once, and the second's
-    /// never, since its range was never mapped.
+    /// A mapping thread whose map of range `failing` fails; the ranges it mapped are
+    /// added to `mapped` as bits.
+    fn map_all(shared: &Shared<'_>, failing: usize, mapped: &AtomicUsize) {
+        shared.map_ranges(|r| {
+            if r == failing {
+                return Err(Error::out_of_memory(1));
+            }
+            let before = mapped.fetch_or(1 << r, Ordering::Relaxed);
+            assert_eq!(before & (1 << r), 0, "range {r} mapped twice");
+            Ok(())
+        });
+    }
+
+    /// Two threads copy while the calling thread maps both ranges and the second map
+    /// fails: both threads end (a lost wake-up would leave one waiting, which loom
+    /// reports as a deadlock), the first range's chunk is copied at most once, and the
+    /// second's never, since its range was never mapped.
     #[test]
     fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 0));
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 2, false));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
                     thread::spawn(move || copy_all(&shared))
                 })
                 .collect();
-            shared.publish(1);
-            shared.fail(Error::out_of_memory(1));
+            map_all(&shared, 1, &AtomicUsize::new(0));
             let copied: Vec<usize> = threads
                 .into_iter()
                 .flat_map(|t| t.join().unwrap())
@@ -719,21 +855,79 @@ mod loom_models {
     #[test]
     fn loom_every_chunk_is_taken_exactly_once() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 0));
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 2, false));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
                     thread::spawn(move || copy_all(&shared))
                 })
                 .collect();
-            shared.publish(1);
-            shared.publish(2);
+            map_all(&shared, usize::MAX, &AtomicUsize::new(0));
             let mut copied: Vec<usize> = threads
                 .into_iter()
                 .flat_map(|t| t.join().unwrap())
                 .collect();
             copied.sort_unstable();
             assert_eq!(copied, [0, 1]);
+        });
+    }
+
+    /// Two threads map three ranges (the second's map fails) while a third copies: every
+    /// thread ends, no range is mapped twice, a chunk is copied only once its range is
+    /// mapped, and the ranges marked mapped when all are done are exactly those mapped
+    /// (a map that succeeds after the failure is marked too, so the caller unmaps it).
+    #[test]
+    fn loom_ranges_mapped_on_two_threads_are_marked_exactly_when_mapped() {
+        static THREE: [Chunk; 3] = [
+            Chunk {
+                range: 0,
+                addr: 0,
+                offset: 0,
+                len: 1,
+            },
+            Chunk {
+                range: 1,
+                addr: 1,
+                offset: 0,
+                len: 1,
+            },
+            Chunk {
+                range: 2,
+                addr: 2,
+                offset: 0,
+                len: 1,
+            },
+        ];
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.check(|| {
+            let shared = Arc::new(Shared::new(&THREE, &[], Vec::new(), 3, false));
+            let mapped = Arc::new(AtomicUsize::new(0));
+            let mappers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (shared, mapped) = (Arc::clone(&shared), Arc::clone(&mapped));
+                    thread::spawn(move || map_all(&shared, 1, &mapped))
+                })
+                .collect();
+            let copier = {
+                let shared = Arc::clone(&shared);
+                thread::spawn(move || copy_all(&shared))
+            };
+            for m in mappers {
+                m.join().unwrap();
+            }
+            let copied = copier.join().unwrap();
+            let mapped = mapped.load(Ordering::Relaxed);
+            assert!(copied.iter().all(|&r| mapped & (1 << r) != 0), "{copied:?}");
+            let outcome = Arc::try_unwrap(shared).ok().unwrap().outcome();
+            assert!(outcome.error.is_some());
+            let marked = outcome
+                .mapped
+                .iter()
+                .enumerate()
+                .filter(|&(_, &done)| done)
+                .fold(0, |bits, (r, _)| bits | 1 << r);
+            assert_eq!(marked, mapped, "marked exactly the ranges mapped");
         });
     }
 }
