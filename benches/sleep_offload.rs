@@ -16,6 +16,7 @@
 //!
 //!     cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_THREADS=8 cargo bench --bench sleep_offload -- 20
+//!     MEMRES_OFFLOAD_MAP_THREADS=1 cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_HUGE_PAGES=0 cargo bench --bench sleep_offload -- 20
 //!
 //! The header gives the kernel's transparent-huge-page settings and the memory free in
@@ -178,9 +179,10 @@ fn run(gib: usize) -> Result<bool, Error> {
     fill(&mut host, 0);
     buffers[0].copy_from_host(&host)?;
     println!(
-        "{gib} GiB pool; pinned-to-device copy limit, same process: {:.1} GiB/s; offload threads: {}",
+        "{gib} GiB pool; pinned-to-device copy limit, same process: {:.1} GiB/s; offload threads: {}; map threads: {}",
         limit / GIB as f64,
-        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
+        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into()),
+        std::env::var("MEMRES_OFFLOAD_MAP_THREADS").unwrap_or_else(|_| "default (4)".into())
     );
     println!("{}", huge_page_settings());
     println!(
@@ -321,8 +323,9 @@ fn run_host(gib: usize) -> Result<bool, Error> {
         fill(bytes(i), i);
     }
     println!(
-        "{gib} GiB pool of host pages; offload threads: {}",
-        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into())
+        "{gib} GiB pool of host pages; offload threads: {}; map threads: {}",
+        std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into()),
+        std::env::var("MEMRES_OFFLOAD_MAP_THREADS").unwrap_or_else(|_| "default (4)".into())
     );
     println!("{}", huge_page_settings());
     println!(

@@ -14,7 +14,8 @@
 //! chunk before it out of the other into its place in the copy, and so also backs (and
 //! zeroes) the copy's pages, work spread over the threads too. A wake runs the other way:
 //! a thread fills a buffer from the copy and has the device copy it to the chunk's
-//! address once its range is mapped, while the calling thread maps the next ranges. The
+//! address once its range is mapped, while the calling thread and a few more map the
+//! next ranges (see below). The
 //! staging buffers (two a thread: at most `2 × 16 × 4 MiB` = 128 MiB) and the copies go
 //! back to the caller's spares, for the next sleep and wake. Backing fresh pages may still
 //! be slow (in a virtual machine that hands freed memory back to its host), so [`prepare`]
@@ -32,6 +33,18 @@
 //! call returns no copy is under way. Only where a lane cannot be waited for (a broken
 //! device) are its staging buffers leaked rather than freed under a copy, and the caller
 //! told (`unsettled`), so that it leaves the device memory mapped.
+//!
+//! Mapping is the slow part of a wake, not the copies: the driver backs every granule with
+//! a `cuMemCreate` and a `cuMemMap` of its own (a granule is the unit a pool gives back),
+//! about 50 µs a granule on an H100, so 0.5 s for 20 GiB on one thread where the copies
+//! take 0.4; a sleep's `cuMemUnmap`s cost about as much. So a wake maps its ranges on
+//! [`map_threads`] threads (the calling thread and `MEMRES_OFFLOAD_MAP_THREADS - 1` more,
+//! 4 in all unless it says otherwise), each taking the next range not taken yet, in order,
+//! and marking it mapped once the driver is done ([`Shared::map_ranges`]); a sleep unmaps
+//! on as many ([`unmap_ranges`]). The leaf claims a range under its lock and calls the
+//! driver outside it (`Virtual::map_at`), so the threads map at once as far as the driver
+//! lets them (it takes the calls from any thread). A failed map stops every thread; the
+//! ranges marked mapped, and only those, are unmapped again.
 
 use super::{Backend, GrowInPlace, HostCopy, Virtual};
 use crate::error::Error;
@@ -483,6 +496,13 @@ fn run<B: Backend>(
         threads(shared.chunks.len(), direction)
     };
     std::thread::scope(|scope| {
+        // The mapping threads first: the copies wait for what they map.
+        for _ in 1..also {
+            // One that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload-map".into())
+                .spawn_scoped(scope, &meanwhile);
+        }
         let started = (0..threads)
             .filter(|_| {
                 std::thread::Builder::new()
@@ -491,12 +511,6 @@ fn run<B: Backend>(
                     .is_ok()
             })
             .count();
-        for _ in 1..also {
-            // One that cannot start leaves its share to the others.
-            let _ = std::thread::Builder::new()
-                .name("memres-offload-map".into())
-                .spawn_scoped(scope, &meanwhile);
-        }
         meanwhile();
         if started == 0 && !shared.chunks.is_empty() {
             copy_on_thread(backend, shared, copies, direction);
@@ -724,7 +738,20 @@ fn take_staging(spare: &mut Vec<HostCopy>) -> Vec<HostCopy> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Chunk, Direction, chunks, thread_count};
+    use super::{Chunk, Direction, chunks, map_thread_count, thread_count};
+
+    #[test]
+    fn map_threads_are_4_or_the_variable_within_1_to_16_and_the_ranges() {
+        assert_eq!(map_thread_count(None, 80), 4);
+        assert_eq!(map_thread_count(None, 3), 3, "no more than the ranges");
+        assert_eq!(map_thread_count(None, 0), 1);
+        assert_eq!(map_thread_count(Some("1"), 80), 1, "the old behaviour");
+        assert_eq!(map_thread_count(Some(" 8 "), 80), 8);
+        assert_eq!(map_thread_count(Some("99"), 80), 16, "at most 16");
+        for junk in ["0", "-3", "many", ""] {
+            assert_eq!(map_thread_count(Some(junk), 80), 4, "{junk:?} ignored");
+        }
+    }
 
     #[test]
     fn threads_follow_the_cores_or_the_variable_within_1_to_16_and_the_chunks() {
