@@ -128,7 +128,7 @@ impl Granules {
         for &(s, _) in &around {
             self.runs.remove(&s);
         }
-        let changed = if mapped {
+        if mapped {
             let start = around.first().map_or(first, |&(s, _)| s.min(first));
             let stop = around.last().map_or(end, |&(s, len)| (s + len).max(end));
             self.runs.insert(start, stop - start);
@@ -143,8 +143,7 @@ impl Granules {
                 }
             }
             covered
-        };
-        changed
+        }
     }
 
     /// The first granule of the lowest run of `n` unmapped granules (`n >= 1`).

@@ -667,7 +667,7 @@ pub(super) unsafe fn unmap_ranges<B: Backend>(leaf: &Virtual<B>, ranges: &[(usiz
             // One that cannot start leaves its share to the others.
             let _ = std::thread::Builder::new()
                 .name("memres-offload-map".into())
-                .spawn_scoped(scope, &work);
+                .spawn_scoped(scope, work);
         }
         work();
     });
