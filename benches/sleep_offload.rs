@@ -18,6 +18,11 @@
 //!     MEMRES_OFFLOAD_THREADS=8 cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_MAP_THREADS=1 cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_HUGE_PAGES=0 cargo bench --bench sleep_offload -- 20
+//!     SLEEP_OFFLOAD_GRANULE_MIB=32 cargo bench --bench sleep_offload -- 20
+//!
+//! `MEMRES_OFFLOAD_MAP_THREADS` sets the threads that map on a wake and unmap on a sleep
+//! (4 unless set); `SLEEP_OFFLOAD_GRANULE_MIB` the leaf's granularity
+//! (`CudaVirtualConfig::granularity`: fewer, larger allocations for the driver to make).
 //!
 //! The header gives the kernel's transparent-huge-page settings and the memory free in
 //! blocks of 2 MiB or more (`/proc/buddyinfo`) before the first sleep; each sleep's row,
@@ -166,7 +171,15 @@ fn first_wrong(host: &[u8], i: usize) -> Option<usize> {
 
 fn run(gib: usize) -> Result<bool, Error> {
     let device = DeviceId::current()?;
-    let leaf = CudaVirtual::with_config(device, CudaVirtualConfig::new().reserve(2 * gib * GIB))?;
+    let mut config = CudaVirtualConfig::new().reserve(2 * gib * GIB);
+    if let Some(mib) = granule_mib() {
+        config = config.granularity(mib << 20);
+    }
+    let leaf = CudaVirtual::with_config(device, config)?;
+    println!(
+        "granularity: {} MiB (SLEEP_OFFLOAD_GRANULE_MIB; the device's minimum unless set)",
+        memres::upstream::GrowInPlace::granularity(&leaf) >> 20
+    );
     let pool = leaf.virtual_pool(VirtualPoolConfig::new())?;
     let stream = StreamRef::DEFAULT;
     let mut host = vec![0u8; GIB];
@@ -388,4 +401,11 @@ fn run_host(gib: usize) -> Result<bool, Error> {
         }
     );
     Ok(right)
+}
+
+/// The granularity asked for through `SLEEP_OFFLOAD_GRANULE_MIB`, in MiB, if set.
+fn granule_mib() -> Option<usize> {
+    std::env::var("SLEEP_OFFLOAD_GRANULE_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
 }
