@@ -259,11 +259,12 @@ impl CudaPhysical {
     }
 
     /// Unmaps granules `addr..addr + len` one by one (each is its own mapping), keeping
-    /// their allocations as spares while that is on.
+    /// their allocations as spares while that is on. The spares' lock is held for each
+    /// granule's retain only, not across the driver's unmaps: a sleep unmaps on several
+    /// threads.
     fn unmap_granules(&self, addr: usize, len: usize) {
-        let mut spare = self.spare();
         for a in (addr..addr + len).step_by(self.granularity) {
-            if let Some(kept) = spare.as_mut() {
+            if let Some(kept) = self.spare().as_mut() {
                 // SAFETY: `a` starts a mapped granule (the callers' promise), which has an
                 // allocation; retaining it gives us a reference, kept in `kept`.
                 if let Ok(handle) = unsafe { Active::vm_retain(a) } {
