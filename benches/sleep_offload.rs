@@ -195,7 +195,7 @@ fn run(gib: usize) -> Result<bool, Error> {
         "{gib} GiB pool; pinned-to-device copy limit, same process: {:.1} GiB/s; offload threads: {}; map threads: {}",
         limit / GIB as f64,
         std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into()),
-        std::env::var("MEMRES_OFFLOAD_MAP_THREADS").unwrap_or_else(|_| "default (4)".into())
+        std::env::var("MEMRES_OFFLOAD_MAP_THREADS").unwrap_or_else(|_| "default (1)".into())
     );
     println!("{}", huge_page_settings());
     println!(
@@ -338,7 +338,7 @@ fn run_host(gib: usize) -> Result<bool, Error> {
     println!(
         "{gib} GiB pool of host pages; offload threads: {}; map threads: {}",
         std::env::var("MEMRES_OFFLOAD_THREADS").unwrap_or_else(|_| "default".into()),
-        std::env::var("MEMRES_OFFLOAD_MAP_THREADS").unwrap_or_else(|_| "default (4)".into())
+        std::env::var("MEMRES_OFFLOAD_MAP_THREADS").unwrap_or_else(|_| "default (1)".into())
     );
     println!("{}", huge_page_settings());
     println!(

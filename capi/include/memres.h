@@ -203,7 +203,7 @@ int memres_reset_peak(int device);
  * every pool of the device that can sleep and is awake), MEMRES_SLEEP_DISCARD losing
  * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to host memory first (pageable,
  * through pinned staging buffers on several threads: MEMRES_OFFLOAD_THREADS; the memory
- * is given back and mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 4 unless set;
+ * is given back and mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set;
  * once the call returns a thread registers the copies with the driver, 32 MiB at a time,
  * and a wake copies the registered part back directly, at the bus's speed;
  * MEMRES_OFFLOAD_REGISTER=0 turns that off; the copies ask for transparent huge pages

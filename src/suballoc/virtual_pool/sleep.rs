@@ -43,10 +43,12 @@ impl<U: Resource> VirtualPool<U> {
     /// number). Each thread
     /// has the device copy one chunk into a buffer, on a stream of its own, while it
     /// copies the chunk before out of its other buffer; the wake runs the same way back,
-    /// while the pool maps the next pieces, on 4 threads (`MEMRES_OFFLOAD_MAP_THREADS`
-    /// sets another number, 1 to 16; the memory is given back on as many when the pool
-    /// sleeps: the driver maps and unmaps each 2 MiB granule on its own, which costs more
-    /// than copying it). So no sleep pins host memory the size of the
+    /// while the pool maps the next pieces (on one thread; `MEMRES_OFFLOAD_MAP_THREADS`
+    /// sets another number, 1 to 16, and the memory is given back on as many when the
+    /// pool sleeps: the driver maps and unmaps each granule on its own, which costs more
+    /// than copying a 2 MiB one; larger granules,
+    /// [`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity),
+    /// cost less). So no sleep pins host memory the size of the
     /// pool: pinning costs far more than copying (`cuMemHostAlloc`: 3.2 GB/s against 55
     /// for copies on an H200), and a first sleep that pinned its copies took 10 to 17 s
     /// for 20 GiB. The first sleep pins only the staging buffers (at most 128 MiB), and

@@ -69,9 +69,13 @@ pub(crate) const MAP_THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_MAP_THREADS";
 
 /// How many threads a wake maps on and a sleep unmaps on, unless
 /// [`MAP_THREADS_VARIABLE`] says otherwise. The driver's calls are per granule
-/// (`cuMemCreate` and `cuMemMap` for each 2 MiB, `cuMemUnmap` for each), about 50 µs
-/// each on an H100: 0.5 s for 20 GiB on one thread, longer than the copies.
-const MAP_THREADS: usize = 4;
+/// (`cuMemCreate` and `cuMemMap` for each, `cuMemUnmap` for each), about 50 µs each on
+/// an H100: 0.4-0.6 s for 20 GiB of 2 MiB granules, longer than the copies. More
+/// threads did not help there: the driver runs these calls one at a time, and the wake
+/// of 20 GiB took 0.45-0.56 s on one mapping thread against 0.68-0.91 on 4 and 0.70-0.79
+/// on 8 (BENCHMARKS.md, "Sleep and wake"). Larger granules do
+/// ([`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity)).
+const MAP_THREADS: usize = 1;
 
 /// One staged copy: `len` bytes at `addr` of the leaf, at `offset` in the copy of range
 /// number `range`.
@@ -741,15 +745,15 @@ mod tests {
     use super::{Chunk, Direction, chunks, map_thread_count, thread_count};
 
     #[test]
-    fn map_threads_are_4_or_the_variable_within_1_to_16_and_the_ranges() {
-        assert_eq!(map_thread_count(None, 80), 4);
-        assert_eq!(map_thread_count(None, 3), 3, "no more than the ranges");
-        assert_eq!(map_thread_count(None, 0), 1);
+    fn map_threads_are_1_or_the_variable_within_1_to_16_and_the_ranges() {
+        assert_eq!(map_thread_count(None, 80), 1);
+        assert_eq!(map_thread_count(Some("4"), 3), 3, "no more than the ranges");
+        assert_eq!(map_thread_count(Some("4"), 0), 1);
         assert_eq!(map_thread_count(Some("1"), 80), 1, "the old behaviour");
         assert_eq!(map_thread_count(Some(" 8 "), 80), 8);
         assert_eq!(map_thread_count(Some("99"), 80), 16, "at most 16");
         for junk in ["0", "-3", "many", ""] {
-            assert_eq!(map_thread_count(Some(junk), 80), 4, "{junk:?} ignored");
+            assert_eq!(map_thread_count(Some(junk), 80), 1, "{junk:?} ignored");
         }
     }
 
