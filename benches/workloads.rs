@@ -16,8 +16,8 @@
 //! `MEMRES_THREADS=N` runs `random-mt` on N threads and `random-1stream` on N and 2N
 //! (8, 8 and 16 without it).
 //!
-//! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` (seed 42) the
-//! mean, max and min of peak held / peak live over seeds 1..=N.
+//! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` and `cross-stream`
+//! (seed 42) the mean, max and min of peak held / peak live over seeds 1..=N.
 //!
 //! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
 //! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
@@ -425,12 +425,29 @@ fn footprints<R: Resource + ?Sized>(
                 peak_held as f64 / peak_live as f64
             })
             .collect();
-        println!(
-            "# footprint,{name},random seeds 1..={seeds},mean={:.3},max={:.3},min={:.3}",
-            ratios.iter().sum::<f64>() / ratios.len() as f64,
-            ratios.iter().copied().fold(0.0, f64::max),
-            ratios.iter().copied().fold(f64::INFINITY, f64::min),
-        );
+        let summary = |workload: &str, ratios: &[f64]| {
+            println!(
+                "# footprint,{name},{workload} seeds 1..={seeds},mean={:.3},max={:.3},min={:.3}",
+                ratios.iter().sum::<f64>() / ratios.len() as f64,
+                ratios.iter().copied().fold(0.0, f64::max),
+                ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            );
+        };
+        summary("random", &ratios);
+        // `cross-stream` over the same seeds: its figure is one moment of one sequence too.
+        let ratios: Vec<f64> = (1..=seeds)
+            .map(|seed| {
+                let (mut peak_live, mut peak_held) = (0, 0);
+                workloads::cross_stream_with(r, [a, b], seed, ops, |live| {
+                    peak_live = peak_live.max(live);
+                    peak_held = peak_held.max(held());
+                })
+                .expect("allocation in cross-stream");
+                trim();
+                peak_held as f64 / peak_live as f64
+            })
+            .collect();
+        summary("cross-stream", &ratios);
     }
 }
 

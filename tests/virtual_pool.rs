@@ -294,6 +294,76 @@ fn growing_first_gives_back_free_granules_elsewhere() {
 }
 
 #[test]
+fn a_growth_gives_back_every_whole_free_granule_it_does_not_join() {
+    let pool = virtual_pool(VirtualPoolConfig::new());
+    let s = StreamRef::host(1);
+    let l = layout(G).unwrap();
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
+    // Every other granule free (the last one included): 20 one-granule holes.
+    for &p in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: allocated above with `l`; unused afterwards.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    // Two granules fit nowhere: the growth maps one at the top, joined with the free
+    // granule below it, and gives back the other 19 free granules (not only the one it
+    // maps), so the pool holds exactly what is live.
+    let two = layout(2 * G).unwrap();
+    let q = pool.allocate(s, two).unwrap();
+    assert_eq!(q.as_ptr() as usize, blocks[39].as_ptr() as usize);
+    assert_eq!(pool.stats().pool_size, 22 * G);
+    assert_eq!(pool.segments().len(), 20, "the 19 holes split the range");
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        for &p in blocks.iter().step_by(2) {
+            pool.deallocate(s, p, l);
+        }
+    }
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
+#[test]
+fn a_host_stream_that_only_frees_has_its_list_merged_by_the_next_miss() {
+    // 2 MiB granules, blocks of 256 KiB: above the small blocks' cache (64 KiB), so frees
+    // coalesce at once, and below 512 KiB, so requests go to the lowest fit.
+    let pool = HostVirtual::new(1 << 30, 2 << 20)
+        .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
+        .unwrap();
+    let (a, b) = (StreamRef::host(1), StreamRef::host(2));
+    const U: usize = 256 << 10;
+    let sizes = [U, U, U, U / 2, 8 * U - 7 * U / 2];
+    let ls: Vec<Layout> = sizes.iter().map(|&n| layout(n).unwrap()).collect();
+    let x: Vec<_> = ls.iter().map(|&l| pool.allocate(a, l).unwrap()).collect();
+    assert_eq!(pool.stats().pool_size, 2 << 20, "one granule, filled");
+    // SAFETY: each allocated above with its layout, freed once, unused afterwards.
+    unsafe {
+        // `b` only frees: x0 and x2 go to its list; x3 (half a block) to `a`'s, beside x2.
+        pool.deallocate(b, x[0], ls[0]);
+        pool.deallocate(b, x[2], ls[2]);
+        pool.deallocate(a, x[3], ls[3]);
+    }
+    // `a` has no fit (half a block): it merges `b`'s list (whose stream never allocated)
+    // and takes the lowest block, x0; x2 and x3 are then one free block. (Before, it took
+    // a block of `b`'s list, x2, and x0 and x3 stayed apart, one in each list.)
+    let y = pool.allocate(a, ls[0]).unwrap();
+    assert_eq!(y, x[0]);
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes, 3 * U / 2);
+    assert_eq!(stats.free_blocks, 1, "x2 and x3 coalesced");
+    assert_eq!(stats.largest_free_block, 3 * U / 2);
+    assert_eq!(stats.pool_size, 2 << 20, "no growth");
+    // SAFETY: as above.
+    unsafe {
+        pool.deallocate(a, y, ls[0]);
+        pool.deallocate(b, x[1], ls[1]);
+        pool.deallocate(b, x[4], ls[4]);
+    }
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
+#[test]
 fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
     let pool = HostVirtual::new(8 * G, G)
         .unwrap()

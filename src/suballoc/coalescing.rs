@@ -194,6 +194,13 @@ pub(super) trait Holding<U: Resource>: Sized {
     /// the memory under blocks still handed out.
     fn drop_memory(pool: &Coalescing<U, Self>, memory: Self::Memory);
 
+    /// Whether a host stream that misses merges whole the list of a host stream that has
+    /// only freed (see [`List::allocates`]) rather than take one block of it: the virtual
+    /// pool's blocks then coalesce across the two lists. Not the chunked pool's: its
+    /// blocks never merge across chunks, and on the host `cross-stream` held more with
+    /// it (`pool` 1.517 -> 1.603 of live, `pool_rmm` 1.477 -> 2.954).
+    const MERGES_FREEING_HOST_LISTS: bool = false;
+
     /// Whether the pool sleeps: one relaxed load, read first by every allocation.
     #[inline(always)]
     fn is_asleep(&self) -> bool {
@@ -522,6 +529,14 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
+        // (Only where it is read: a virtual pool's host lists. Else the slow path does not
+        // read the list's first line, which other threads' searches read; issue 49.)
+        if H::MERGES_FREEING_HOST_LISTS
+            && stream.is_host()
+            && !list.allocates.load(Ordering::Relaxed)
+        {
+            list.allocates.store(true, Ordering::Relaxed);
+        }
         let mut fit = Fit {
             size,
             align,
@@ -549,6 +564,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             {
                 return None;
             }
+            if H::MERGES_FREEING_HOST_LISTS && fit.host && !other.allocates.load(Ordering::Relaxed)
+            {
+                return self.merge_freeing_list(own, other, fit);
+            }
             let mut s = other.state.lock();
             // A CUDA stream's list takes a larger piece when there is one and keeps the
             // rest, so that its next misses do not come back here (threads on one
@@ -575,6 +594,35 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         found
             .or_else(|| self.lists.recent().and_then(from_host_list))
             .or_else(|| self.lists.search(usize::MAX, from_host_list))
+    }
+
+    /// A host list only freed into (its stream never missed in it), `other`, merged whole
+    /// into `own`, as a CUDA stream's list is after a wait, so that its blocks coalesce
+    /// with `own`'s; then the fit from `own`. Taking one block of it at each miss left the
+    /// two lists' blocks apart and `cross-stream` at 1.136 of live on the host (1.100
+    /// merged; BENCHMARKS.md, issue 51 item 5). A stream that allocates keeps its list: no
+    /// thread drains another's at each miss.
+    fn merge_freeing_list(
+        &self,
+        own: &List<FreeList>,
+        other: &List<FreeList>,
+        fit: &Fit,
+    ) -> Option<usize> {
+        let blocks = {
+            let mut s = other.state.lock();
+            let blocks = s.drain();
+            other.holds_free.store(false, Ordering::Relaxed);
+            blocks
+        };
+        if blocks.is_empty() {
+            return None;
+        }
+        let mut s = own.state.lock();
+        s.absorb(blocks);
+        let found = s.free.take(fit.size, fit.align);
+        drop(s);
+        self.lists.note_free(own);
+        found
     }
 
     /// Grows the pool for a block of `size` aligned to `align` and takes the block from

@@ -65,6 +65,12 @@ pub(crate) struct List<S> {
     /// Whether the list is on its owner's stack of lists with blocks to spare (a
     /// `FixedSize`'s donors; unused elsewhere).
     pub(crate) in_donors: AtomicBool,
+    /// Set (once) the first time the list's own stream finds no block in it, for a
+    /// virtual pool's host streams (the only lists it is read for): its stream allocates. A host stream's list without it has only
+    /// been freed into (the freeing side of a hand-off between streams), and a host
+    /// stream that misses merges it whole rather than take one block of it (issue 51,
+    /// item 5). A hint: read and written relaxed.
+    pub(crate) allocates: AtomicBool,
     /// Set when [`ListTable::retire`] takes the list out of the table: from then on no
     /// place that outlives a call (`recent`, a `FixedSize`'s donors and thread caches)
     /// takes it in.
@@ -96,6 +102,7 @@ impl<S> List<S> {
             owner: AtomicU64::new(old.owner.load(Ordering::Relaxed)),
             holds_free: AtomicBool::new(false),
             in_donors: AtomicBool::new(false),
+            allocates: AtomicBool::new(old.allocates.load(Ordering::Relaxed)),
             retired: AtomicBool::new(false),
         }
     }
@@ -121,6 +128,7 @@ impl<S> List<S> {
             owner: AtomicU64::new(owner),
             holds_free: AtomicBool::new(false),
             in_donors: AtomicBool::new(false),
+            allocates: AtomicBool::new(false),
             retired: AtomicBool::new(false),
         }
     }

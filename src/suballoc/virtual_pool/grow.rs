@@ -111,6 +111,9 @@ impl<U> Drop for KeepUnmapped<'_, U> {
 impl<U: Resource> Holding<U> for Space<U> {
     type Memory = Mapped;
 
+    // Host `cross-stream` 1.136 -> 1.100 of live (BENCHMARKS.md, issue 51 item 5).
+    const MERGES_FREEING_HOST_LISTS: bool = true;
+
     // Not the large cache: a cached block is handed out again where it was, not low,
     // which costs footprint (host, `random` seed 42: 1.128 of live against 1.114).
     fn new_free_list(&self, _memory: &Mapped) -> FreeList {
@@ -223,10 +226,15 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             return Ok(None);
         };
         // Free granules elsewhere in the list hold memory that this growth would add to:
-        // give back as much as is about to be mapped, so that what the pool holds follows
-        // what is live rather than how fragmented its range is. (Blocks of `own`'s stream
-        // may still be in use by its work: wait for it first. The free blocks the growth
-        // joins stay.)
+        // give every one of them back, so that what the pool holds follows what is live
+        // rather than how fragmented its range is. (Blocks of `own`'s stream may still be
+        // in use by its work: wait for it first. The free blocks the growth joins stay.)
+        // Every one, not only as many bytes as the growth maps: a growth is the only
+        // moment the pool's size rises, and whole free granules kept through it are held
+        // at that moment without serving anything. Keeping as much as the growth mapped
+        // left `cross-stream` (the allocating stream sees the other's frees only at its
+        // next merge) at 1.128 of live on the H100 where `random` is 1.107; all of them:
+        // see BENCHMARKS.md (issue 51, item 5).
         let joined = best
             .joins
             .map(|b| b.map_or(0, |b| b.size))
@@ -247,13 +255,10 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         };
         if may_wait && surplus >= g && whole_granule_free() {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
-            if waited.is_ok() {
-                let keep = s.free_bytes().saturating_sub(best.len);
-                if self.unmap_in(growth, &mut s, keep, spare) > 0 {
-                    // Unmapping made new holes: a better site may be among them.
-                    let top = space.base + growth.memory.mapped.top() * g;
-                    tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
-                }
+            if waited.is_ok() && self.unmap_in(growth, &mut s, 0, spare) > 0 {
+                // Unmapping made new holes: a better site may be among them.
+                let top = space.base + growth.memory.mapped.top() * g;
+                tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
             }
         }
         for site in tries {

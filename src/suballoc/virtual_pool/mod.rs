@@ -43,7 +43,11 @@ mod register_tests;
 /// granules (it costs some speed: see `BENCHMARKS.md`). This is the default of the C ABI
 /// and the Python shims (the spec word `virtual_pool`). Streams, lanes, merges, the
 /// release threshold and the drop work as in the chunked [`Pool`](super::Pool), whose
-/// body it shares (its docs say how).
+/// body it shares (its docs say how), but for one rule: a host stream that finds no fit
+/// merges whole the list of a host stream that has never missed in its own (one that has
+/// only freed, such as the freeing side of a hand-off between streams) rather than take
+/// one block of it, so that their blocks coalesce, as a CUDA stream's do after its merge.
+/// A stream that allocates keeps its list.
 ///
 /// [`sleep`](VirtualPool::sleep) gives the physical memory back while the addresses stay
 /// reserved, and [`wake`](VirtualPool::wake) maps it again where it was; only this pool
