@@ -566,7 +566,13 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             }
             if H::MERGES_FREEING_HOST_LISTS && fit.host && !other.allocates.load(Ordering::Relaxed)
             {
-                return self.merge_freeing_list(own, other, fit);
+                // A host list only freed into (its stream never missed in it) is merged
+                // whole, as a CUDA stream's list is after a wait, so that its blocks
+                // coalesce with this list's. Taking one block of it at each miss left
+                // the two lists' blocks apart and `cross-stream` at 1.136 of live on the
+                // host (1.100 merged; BENCHMARKS.md, issue 51 item 5). A stream that
+                // allocates keeps its list: no thread drains another's at each miss.
+                return lanes::move_all(&self.lists, own, &[other], fit.size, fit.align, false);
             }
             let mut s = other.state.lock();
             // A CUDA stream's list takes a larger piece when there is one and keeps the
@@ -594,35 +600,6 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         found
             .or_else(|| self.lists.recent().and_then(from_host_list))
             .or_else(|| self.lists.search(usize::MAX, from_host_list))
-    }
-
-    /// A host list only freed into (its stream never missed in it), `other`, merged whole
-    /// into `own`, as a CUDA stream's list is after a wait, so that its blocks coalesce
-    /// with `own`'s; then the fit from `own`. Taking one block of it at each miss left the
-    /// two lists' blocks apart and `cross-stream` at 1.136 of live on the host (1.100
-    /// merged; BENCHMARKS.md, issue 51 item 5). A stream that allocates keeps its list: no
-    /// thread drains another's at each miss.
-    fn merge_freeing_list(
-        &self,
-        own: &List<FreeList>,
-        other: &List<FreeList>,
-        fit: &Fit,
-    ) -> Option<usize> {
-        let blocks = {
-            let mut s = other.state.lock();
-            let blocks = s.drain();
-            other.holds_free.store(false, Ordering::Relaxed);
-            blocks
-        };
-        if blocks.is_empty() {
-            return None;
-        }
-        let mut s = own.state.lock();
-        s.absorb(blocks);
-        let found = s.free.take(fit.size, fit.align);
-        drop(s);
-        self.lists.note_free(own);
-        found
     }
 
     /// Grows the pool for a block of `size` aligned to `align` and takes the block from

@@ -1,8 +1,8 @@
 //! Lanes: the lists of one stream that threads sharing it use (lane 0 for all until they
 //! run into each other, then up to 16 of their own; see `StreamKey::of_lane` and
-//! `sync::threads`), so that they do not all wait for one lock. Lanes of one stream are one stream to the
-//! device: memory moves between them without a wait. These are the moves between the
-//! lanes of a pool's or an arena's lists ([`FreeList`]s).
+//! `sync::threads`), so that they do not all wait for one lock. Lanes of one stream are one
+//! stream to the device: memory moves between them without a wait. These are the moves
+//! between the lanes of a pool's or an arena's lists ([`FreeList`]s).
 
 use super::free_list::FreeList;
 use super::list_table::{List, ListTable};
@@ -52,27 +52,36 @@ pub(crate) fn take_all(
             return found;
         }
     }
+    move_all(lists, own, &lanes, size, align, release)
+}
+
+/// All the free memory of `from` moved into `own`'s list, where neighbours coalesce, then
+/// a block of `size` aligned to `align` from it; `None` (and nothing moved) when `from`
+/// holds nothing. With `release`, the lists emptied give up the heap memory of their
+/// index and caches. The caller holds the growth lock.
+pub(crate) fn move_all(
+    lists: &ListTable<FreeList>,
+    own: &List<FreeList>,
+    from: &[&List<FreeList>],
+    size: usize,
+    align: usize,
+    release: bool,
+) -> Option<usize> {
     let mut moved = Vec::new();
-    for lane in &lanes {
-        let mut s = lane.state.lock();
+    for list in from {
+        let mut s = list.state.lock();
         moved.extend(s.drain());
         if release {
             s.release_memory();
         }
-        lane.holds_free.store(false, Ordering::Relaxed);
+        list.holds_free.store(false, Ordering::Relaxed);
     }
     if moved.is_empty() {
         return None;
     }
-    // Highest first, as in a merge, so the lowest blocks head their size classes
-    // whatever order the lanes' maps held them in.
-    moved.sort_unstable_by_key(|b| std::cmp::Reverse(b.addr));
     let found = {
         let mut s = own.state.lock();
-        s.flush();
-        for b in moved {
-            s.free.insert(b);
-        }
+        s.absorb(moved);
         s.free.take(size, align)
     };
     lists.note_free(own);

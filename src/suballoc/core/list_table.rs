@@ -65,11 +65,11 @@ pub(crate) struct List<S> {
     /// Whether the list is on its owner's stack of lists with blocks to spare (a
     /// `FixedSize`'s donors; unused elsewhere).
     pub(crate) in_donors: AtomicBool,
-    /// Set (once) the first time the list's own stream finds no block in it, for a
-    /// virtual pool's host streams (the only lists it is read for): its stream allocates. A host stream's list without it has only
-    /// been freed into (the freeing side of a hand-off between streams), and a host
-    /// stream that misses merges it whole rather than take one block of it (issue 51,
-    /// item 5). A hint: read and written relaxed.
+    /// Set (once) the first time the list's own stream finds no block in it, for a virtual
+    /// pool's host streams (the only lists it is read for): its stream allocates. A host
+    /// stream's list without it has only been freed into (the freeing side of a hand-off
+    /// between streams), and a host stream that misses merges it whole rather than take one
+    /// block of it (issue 51, item 5). A hint: read and written relaxed.
     pub(crate) allocates: AtomicBool,
     /// Set when [`ListTable::retire`] takes the list out of the table: from then on no
     /// place that outlives a call (`recent`, a `FixedSize`'s donors and thread caches)

@@ -37,11 +37,11 @@ impl StreamKey {
         }
     }
 
-    /// The key of `stream`'s list in the calling thread's lane: threads sharing one
-    /// stream use its lane 0 until they run into each other, then up to `OWN_LANES` (16)
-    /// lists of their own (`sync::threads`), so that they do not all wait for one lock. Lanes of one stream are one stream to the device: memory moves
-    /// between them without a wait. The per-thread default stream has one list per thread
-    /// already, and no lanes.
+    /// The key of `stream`'s list in the calling thread's lane: threads sharing one stream
+    /// use its lane 0 until they run into each other, then up to `OWN_LANES` (16) lists of
+    /// their own (`sync::threads`), so that they do not all wait for one lock. Lanes of one
+    /// stream are one stream to the device: memory moves between them without a wait. The
+    /// per-thread default stream has one list per thread already, and no lanes.
     #[inline]
     pub(crate) fn of_lane(stream: StreamRef<'_>) -> StreamKey {
         let key = StreamKey::of(stream);
