@@ -8,9 +8,12 @@
  *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
  *   "managed"                       cuMemAllocManaged per request
  *   "pinned" / "pinned_pool"        pinned host memory per request / a pool over it
- *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
- *                                   pool growing in place over CUDA virtual memory
- *                                   (holds least; release= gives memory back above it)
+ *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..,granule=..]"  the
+ *                                   default: a pool growing in place over CUDA virtual
+ *                                   memory (holds least; release= gives memory back
+ *                                   above it; granule=32MiB maps and gives back 32 MiB
+ *                                   at a time, for it and the tags' pools: 16x fewer
+ *                                   driver calls in a sleep and wake, see memres_sleep)
  *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
  *                                   needs, at least 1/8 of the pool, rounded up to
@@ -208,7 +211,10 @@ int memres_reset_peak(int device);
  * and a wake copies the registered part back directly, at the bus's speed;
  * MEMRES_OFFLOAD_REGISTER=0 turns that off; the copies ask for transparent huge pages
  * unless the kernel says [never] or MEMRES_OFFLOAD_HUGE_PAGES=0); it returns the bytes
- * given back or a negative code.
+ * given back or a negative code. The driver's cost is per granule (a cuMemUnmap at the
+ * sleep, a cuMemCreate and cuMemMap at the wake, about 45 us each on an H100, one at a
+ * time): with the default 2 MiB granule 20 GiB take about 0.45 s each way for that alone,
+ * with virtual_pool:granule=32MiB 0.03-0.06 s (BENCHMARKS.md, "Sleep and wake").
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out

@@ -1366,9 +1366,12 @@ macro_rules! host_leaves {
         }
         fn virtual_leaf(
             &mut self,
-            reserve: Option<usize>,
+            leaf: &mr::spec::LeafOptions,
         ) -> Result<mr::upstream::HostVirtual, Error> {
-            mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+            mr::upstream::HostVirtual::new(
+                leaf.reserve.unwrap_or(256 << 20),
+                leaf.granule.unwrap_or(64 << 10),
+            )
         }
         fn arena_size(&mut self) -> Result<usize, Error> {
             Ok(16 << 20)

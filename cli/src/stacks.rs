@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use memres::adaptor::{Counter, ExactCounter, StatisticsSnapshot};
 use memres::device::DeviceId;
 use memres::property::Contains;
-use memres::spec::{Built, Spec, Target};
+use memres::spec::{Built, LeafOptions, Spec, Target};
 use memres::suballoc::PoolStats;
 use memres::upstream::{Backend, CudaAsync, CudaAsyncConfig, Managed, PinnedHost, Virtual};
 use memres::{AnyResource, Error, HostHeap, Resource, StreamRef, SyncResource};
@@ -367,7 +367,7 @@ where
         })
     }
 
-    fn virtual_leaf(&mut self, _reserve: Option<usize>) -> Result<Virtual<B>, Error> {
+    fn virtual_leaf(&mut self, _leaf: &LeafOptions) -> Result<Virtual<B>, Error> {
         (self.leaf)()
     }
 
