@@ -157,9 +157,13 @@ def big_round(gib, failures, offload_threads):
         rows[first:first + step].copy_(((pattern[None, :] + r[:, None] * 13) % 256).to(torch.uint8))
 
     def checksum_of():
-        sums = rows.sum(dim=1, dtype=torch.int64)
-        weights = torch.arange(1, rows.shape[0] + 1, device="cuda", dtype=torch.int64)
-        return int((sums * weights).sum().item())
+        # Slice by slice: a sum into int64 converts its whole input first (160 GiB for 20).
+        total = 0
+        for first in range(0, rows.shape[0], step):
+            sums = rows[first:first + step].sum(dim=1, dtype=torch.int64)
+            weights = torch.arange(first + 1, first + sums.shape[0] + 1, device="cuda", dtype=torch.int64)
+            total += int((sums * weights).sum().item())
+        return total
 
     checksum = checksum_of()
     torch.cuda.synchronize()
