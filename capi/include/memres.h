@@ -205,7 +205,8 @@ int memres_reset_peak(int device);
  * default, on every tier of a fallback(..); see below for the stacks that cannot; NULL:
  * every pool of the device that can sleep and is awake), MEMRES_SLEEP_DISCARD losing
  * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to host memory first (pageable,
- * through pinned staging buffers on several threads: MEMRES_OFFLOAD_THREADS; the memory
+ * through pinned staging buffers on several threads, by default one per 256 MiB up to
+ * the cores and 16: MEMRES_OFFLOAD_THREADS; the memory
  * is given back and mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set;
  * once the call returns a thread registers the copies with the driver, 32 MiB at a time,
  * and a wake copies the registered part back directly, at the bus's speed;

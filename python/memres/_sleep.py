@@ -131,7 +131,7 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     activations, the KV cache) or ``"offload"`` (copied to pageable host memory, through
     pinned staging buffers of 4 MiB, two per copying thread, and back on wake: the
     weights; ``MEMRES_OFFLOAD_THREADS`` sets how many threads copy, by default the cores,
-    at most 16; ``MEMRES_OFFLOAD_MAP_THREADS`` how many map the memory on wake and give it
+    one per 256 MiB to copy, at most 16; ``MEMRES_OFFLOAD_MAP_THREADS`` how many map the memory on wake and give it
     back on sleep, by default 1). Once the call returns, a thread registers the copies with the driver
     (page-locks them, 32 MiB at a time), and a wake copies their registered part back
     directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` turns it off). The copies
