@@ -84,7 +84,7 @@ pub enum Spec {
         reserve: Option<usize>,
         /// `granule=`: the bytes mapped and given back at a time (a power of two): larger
         /// ones make a sleep and wake faster, see [`LeafOptions::granule`]. Through the
-        /// C ABI the tags' pools take it too.
+        /// C ABI the tags' pools take the first `virtual_pool`'s.
         granule: Option<usize>,
     },
     /// `arena`: RMM's arena over `Cuda`.

@@ -387,9 +387,10 @@ pub(crate) struct Layers {
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
     /// The router put under the outermost wrappers (`base`).
     routed: Option<Arc<Routed>>,
-    /// The granule of the spec's `virtual_pool` (`granule=`), which the tags' pools take
-    /// too, so that one setting covers every pool that may sleep.
-    tag_granule: Option<usize>,
+    /// The granule of the spec's first `virtual_pool` (`granule=`; `Some(None)`: it gives
+    /// none), which the tags' pools take too, so that one setting covers every pool that
+    /// may sleep.
+    tag_granule: Option<Option<usize>>,
 }
 
 impl Target for Layers {
@@ -402,7 +403,7 @@ impl Target for Layers {
     }
 
     fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<CudaVirtual, Error> {
-        self.tag_granule = leaf.granule;
+        self.tag_granule.get_or_insert(leaf.granule);
         virtual_leaf(self.device, leaf)
     }
 
@@ -446,7 +447,7 @@ impl Target for Layers {
     /// The router of the base and the tags' pools, so that the spec's statistics,
     /// limit and log see tagged blocks too.
     fn base(&mut self, base: AnyResource<Device>) -> Result<AnyResource<Device>, Error> {
-        let tags = routed::device_tags(self.device, self.tag_granule);
+        let tags = routed::device_tags(self.device, self.tag_granule.flatten());
         let (router, erased) = routed::under_wrappers(base, tags);
         self.routed = Some(router);
         Ok(erased)

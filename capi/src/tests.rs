@@ -445,6 +445,58 @@ fn fallback_child() {
     println!("fallback: freed");
 }
 
+/// `virtual_pool:granule=32MiB` reaches the default stack's pool and the tags' pools
+/// (they take the spec's granule): a small block in each maps 32 MiB. In a child
+/// process, as the tests above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_specs_granule_reaches_the_tags_pools() {
+    gpu_child(
+        "tests::granule_child",
+        "MEMRES_CAPI_GRANULE_CHILD",
+        "granule: 32 MiB each",
+    );
+}
+
+/// The body of the test above, run only in its child process.
+#[test]
+fn granule_child() {
+    if std::env::var_os("MEMRES_CAPI_GRANULE_CHILD").is_none() {
+        return; // not the child
+    }
+    const GRANULE: u64 = 32 << 20;
+    assert_eq!(
+        configure("virtual_pool:granule=32MiB"),
+        MEMRES_OK,
+        "{}",
+        last_error()
+    );
+    // SAFETY: NUL-terminated strings, the legacy default stream; each block freed once,
+    // as it was allocated, and not used.
+    unsafe {
+        let untagged = memres_malloc(4096, 0, std::ptr::null_mut());
+        assert!(!untagged.is_null(), "{}", last_error());
+        assert_eq!(
+            stats(0).pool_size,
+            GRANULE,
+            "the default pool maps one granule"
+        );
+        assert_eq!(memres_set_tag(c("weights").as_ptr()), MEMRES_OK);
+        let weights = memres_malloc(4096, 0, std::ptr::null_mut());
+        assert_eq!(memres_set_tag(std::ptr::null()), MEMRES_OK);
+        assert!(!weights.is_null(), "{}", last_error());
+        assert_eq!(
+            stats(0).pool_size,
+            2 * GRANULE,
+            "the tag's pool maps one granule too"
+        );
+        memres_free(weights, 4096, 0, std::ptr::null_mut());
+        memres_free(untagged, 4096, 0, std::ptr::null_mut());
+    }
+    assert_eq!(memres_trim(0), MEMRES_OK, "{}", last_error());
+    println!("granule: 32 MiB each");
+}
+
 /// A `fallback(..)` of two in-place pools sleeps and wakes as one through the C ABI
 /// (issue 49: only the tier kept last slept). In a child process, as the tests above.
 #[test]

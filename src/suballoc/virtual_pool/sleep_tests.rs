@@ -394,6 +394,40 @@ fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_
 }
 
 #[test]
+fn a_sleep_whose_lanes_cannot_be_waited_for_leaks_its_copies_and_leaves_the_pool_awake() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    let abandoned =
+        crate::upstream::virtual_memory::ABANDONED.load(std::sync::atomic::Ordering::Relaxed);
+    faults::fail_finish(base, true);
+    // SAFETY: nothing touches the blocks while the call runs.
+    let slept = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_finish(base, false);
+    assert!(matches!(slept, Err(Error::InvalidArgument(_))), "{slept:?}");
+    assert!(!pool.is_asleep());
+    // The device might still write into the copies: they were leaked, not kept as spares
+    // (nor freed).
+    let leaked =
+        crate::upstream::virtual_memory::ABANDONED.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(leaked > abandoned, "the copies were leaked");
+    staging_bytes(&pool, 0); // only staging buffers held: no copy kept
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "nothing lost");
+    }
+    // With the device working again, the pool sleeps and wakes as ever.
+    let held = pool.stats().pool_size;
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "restored");
+    }
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+}
+
+#[test]
 fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again() {
     let pool = pool();
     let blocks = fill(&pool);

@@ -225,6 +225,12 @@ impl Backend for HostPages {
     }
 
     fn finish(&self, _lane: &()) -> Result<(), Error> {
+        #[cfg(test)]
+        if faults::finish_fails(self.base) {
+            return Err(Error::invalid_argument(
+                "(a test's broken device) a lane cannot be waited for",
+            ));
+        }
         Ok(()) // every copy is done when its call returns
     }
 
@@ -289,6 +295,25 @@ pub(crate) mod faults {
             }
             None => false,
         }
+    }
+
+    /// Reservations (by their base) whose lanes cannot be waited for (a broken device).
+    static FAILING_FINISH: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+    /// From now on, waiting for a lane of the leaf whose reservation starts at `base`
+    /// fails (`on`), as on a broken device, or works again.
+    #[cfg(not(memres_loom))]
+    pub(crate) fn fail_finish(base: usize, on: bool) {
+        let mut failing = FAILING_FINISH.lock().unwrap_or_else(|p| p.into_inner());
+        failing.retain(|&b| b != base);
+        if on {
+            failing.push(base);
+        }
+    }
+
+    pub(super) fn finish_fails(base: usize) -> bool {
+        let failing = FAILING_FINISH.lock().unwrap_or_else(|p| p.into_inner());
+        failing.contains(&base)
     }
 
     /// From now on, copies to or from the host of memory in `from..to` fail (`on`) or

@@ -4,6 +4,7 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::registered::{self, Registrar};
@@ -25,7 +26,16 @@ pub struct HostCopy {
     ptr: NonNull<u8>,
     layout: Layout,
     memory: Staging,
+    /// Set when a copy of the device to or from it may still be under way (its lane could
+    /// not be waited for: a broken device): dropping it then leaks its memory rather than
+    /// free or unregister it under the copy.
+    abandoned: AtomicBool,
 }
+
+/// Copies leaked because a device's copy might still use them (the lib's tests count them).
+#[cfg(test)]
+pub(crate) static ABANDONED: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
 
 /// Where a [`HostCopy`]'s memory came from.
 enum Staging {
@@ -96,11 +106,15 @@ impl Drop for Pages {
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
         if let Some(by) = r.by {
+            let mut unregistered = true;
             for offset in (0..r.bytes).step_by(registered::PIECE) {
                 // SAFETY: each piece was registered by `by` at this offset
                 // (`register_next` registers whole pieces from the start), once; the copy
                 // is going away, so no copy of the device uses it.
-                unsafe { by.unregister(self.start + offset) };
+                unregistered &= unsafe { by.unregister(self.start + offset) };
+            }
+            if !unregistered {
+                return; // left mapped: see `Registrar::unregister`
             }
         }
         // SAFETY: the mapping `HostCopy::pages` made, which only this reaches; it is
@@ -163,10 +177,14 @@ fn ask_huge_pages(set: Option<&str>, kernel: Option<&str>) -> bool {
     }
 }
 
-// SAFETY: the copy owns its memory exclusively (nothing else holds the pointer); the
-// leaves it is freed through are `Send + Sync`.
+// SAFETY: the memory is reached through the copy, and for a pageable copy also by the
+// thread that registers it (`Arc<Pages>`: it only registers pieces, under the mapping's
+// lock, and frees nothing while the copy lives); the leaves it is freed through are
+// `Send + Sync`.
 unsafe impl Send for HostCopy {}
-// SAFETY: as for `Send`; `&HostCopy` only reads.
+// SAFETY: as for `Send`. Threads sharing `&HostCopy` write through `as_ptr` only the
+// disjoint chunks each took from one counter (`staged.rs`), and no one reads a chunk
+// until the threads are joined.
 unsafe impl Sync for HostCopy {}
 
 impl HostCopy {
@@ -226,6 +244,7 @@ impl HostCopy {
         Ok(HostCopy {
             ptr,
             layout,
+            abandoned: AtomicBool::new(false),
             memory: Staging::Pages(Arc::new(Pages {
                 raw: raw.addr(),
                 raw_len,
@@ -271,6 +290,7 @@ impl HostCopy {
             ptr,
             layout,
             memory,
+            abandoned: AtomicBool::new(false),
         })
     }
 
@@ -288,10 +308,30 @@ impl HostCopy {
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    /// Marks it as the source or target of a copy of the device that may still be under
+    /// way: it stays usable, but dropping it leaks its memory (mapped and registered as it
+    /// is) rather than give it back to the kernel under the device's copy.
+    pub(crate) fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Drop for HostCopy {
     fn drop(&mut self) {
+        if *self.abandoned.get_mut() {
+            #[cfg(test)]
+            ABANDONED.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                len = self.len(),
+                "memres: a host copy a device's copy may still use is leaked"
+            );
+            if let Staging::Pages(pages) = &self.memory {
+                // Its mapping outlives every owner: unmapped and unregistered never.
+                std::mem::forget(Arc::clone(pages));
+            }
+            return;
+        }
         match &self.memory {
             // SAFETY: allocated in `from` by this very leaf with this layout; the copy is
             // its only owner and is going away.

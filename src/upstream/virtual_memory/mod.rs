@@ -19,6 +19,8 @@ mod staged;
 #[cfg(all(test, not(memres_loom)))]
 pub(crate) use host::faults;
 #[cfg(all(test, not(memres_loom)))]
+pub(crate) use host_copy::ABANDONED;
+#[cfg(all(test, not(memres_loom)))]
 pub(crate) use registered::{PIECE as REGISTER_PIECE, faults as registration};
 #[cfg(all(test, not(memres_loom)))]
 pub(crate) use staged::CHUNK;

@@ -77,6 +77,11 @@ impl Registrar {
     pub(crate) fn register(&self, addr: usize, len: usize) -> Result<(), Error> {
         match self.0 {
             By::Cuda(ctx) => {
+                if crate::device::process_is_exiting() {
+                    // The pools live in statics: a registration still running at exit
+                    // stops here rather than call a driver that is shutting down.
+                    return Err(Error::invalid_argument("the process is exiting"));
+                }
                 let _current = crate::device::bind(ctx)?;
                 // SAFETY: `addr..addr + len` lies in a live mapping of the copy's (the
                 // caller's promise), none of it registered yet; registering only pins it.
@@ -94,30 +99,37 @@ impl Registrar {
         }
     }
 
-    /// Unregisters the piece registered at `addr`.
+    /// Unregisters the piece registered at `addr`; whether it is unregistered, so that
+    /// its memory may be unmapped (not at exit, where the driver unpins what the process
+    /// holds as it goes, nor where the driver refused: the driver would keep a
+    /// registration of addresses the kernel may hand out again).
     ///
     /// # Safety
     /// `addr` starts a piece [`register`](Self::register)ed by `self`, not unregistered
     /// since, that no copy of the device uses any more.
-    pub(crate) unsafe fn unregister(&self, addr: usize) {
+    #[must_use]
+    pub(crate) unsafe fn unregister(&self, addr: usize) -> bool {
         match self.0 {
             By::Cuda(ctx) => {
                 if crate::device::process_is_exiting() {
-                    return; // the driver unpins what the process holds as it goes
+                    return false;
                 }
                 let Ok(_current) = crate::device::bind(ctx) else {
                     tracing::error!("memres: a host copy could not be unregistered");
-                    return;
+                    return false;
                 };
                 // SAFETY: registered by `self` at `addr` (the caller's promise) and unused.
                 let r = unsafe { Active::host_unregister(addr) };
+                let unregistered = r.is_ok();
                 crate::platform::report("cuMemHostUnregister", r);
+                unregistered
             }
             By::Host { base } => {
                 #[cfg(test)]
                 faults::unregister(base);
                 #[cfg(not(test))]
                 let _ = base;
+                true
             }
         }
     }
@@ -296,42 +308,43 @@ mod loom_models {
 
     use super::register_until_stopped;
 
-    /// Three pieces to register; the pool stops the thread at any point: the count the
-    /// thread returns, the pieces the driver saw and the pieces recorded agree, and no
-    /// piece is registered after the join.
+    /// The pool's step against the registering thread, both spawned: the pool raises
+    /// `stop`, joins the thread, then frees the copies (three pieces to register): no
+    /// piece is registered once the copies are freed (without the join loom finds the
+    /// interleaving that does), and each piece is counted once. (That the flag stops the
+    /// thread is the next model's: without the check it never ends.)
     #[test]
-    fn loom_a_stopped_registration_records_what_it_registered() {
+    fn loom_a_stopped_registration_ends_before_the_copies_are_freed() {
         loom::model(|| {
             let stop = Arc::new(AtomicBool::new(false));
+            let freed = Arc::new(AtomicBool::new(false));
             let driver = Arc::new(AtomicUsize::new(0));
-            let recorded = Arc::new(AtomicUsize::new(0));
-            let t = {
-                let (stop, driver, recorded) = (
-                    Arc::clone(&stop),
-                    Arc::clone(&driver),
-                    Arc::clone(&recorded),
-                );
+            let registering = {
+                let (stop, freed, driver) =
+                    (Arc::clone(&stop), Arc::clone(&freed), Arc::clone(&driver));
                 thread::spawn(move || {
                     register_until_stopped(&stop, || {
-                        if recorded.load(Ordering::Relaxed) == 3 {
+                        if driver.load(Ordering::Relaxed) == 3 {
                             return Ok(false);
                         }
+                        assert!(!freed.load(Ordering::SeqCst), "registered a freed copy");
                         driver.fetch_add(1, Ordering::Relaxed);
-                        recorded.fetch_add(1, Ordering::Relaxed);
                         Ok(true)
                     })
                     .unwrap()
                 })
             };
-            stop.store(true, Ordering::Release);
-            let n = t.join().unwrap();
-            let (d, r) = (
-                driver.load(Ordering::Relaxed),
-                recorded.load(Ordering::Relaxed),
-            );
-            assert_eq!((d, r), (n, n));
-            assert!(n <= 3);
-            assert_eq!(driver.load(Ordering::Relaxed), d, "nothing after the join");
+            let pool = {
+                let (stop, freed) = (Arc::clone(&stop), Arc::clone(&freed));
+                thread::spawn(move || {
+                    stop.store(true, Ordering::Release);
+                    let n = registering.join().unwrap();
+                    freed.store(true, Ordering::SeqCst);
+                    n
+                })
+            };
+            let n = pool.join().unwrap();
+            assert_eq!(driver.load(Ordering::Relaxed), n, "each piece counted once");
         });
     }
 

@@ -588,7 +588,13 @@ pub(super) unsafe fn save<B: Backend>(
     match outcome.error {
         None => Ok(copies),
         Some(e) => {
-            spare.append(&mut copies);
+            if outcome.unsettled {
+                // A broken device may still write into the copies (chunks copied
+                // directly): they are leaked as they go, not kept or freed under it.
+                copies.iter().for_each(HostCopy::abandon);
+            } else {
+                spare.append(&mut copies);
+            }
             Err(e)
         }
     }
@@ -650,7 +656,11 @@ pub(super) unsafe fn wake<B: Backend>(
         unsafe { unmap_ranges(leaf, &mapped) };
     }
     // Else a broken device: the memory stays mapped rather than unmapped under a copy
-    // (the pool stays asleep; dropping it leaves the leaf to unmap what is mapped).
+    // (the pool stays asleep; dropping it leaves the leaf to unmap what is mapped), and
+    // the copies, which it may still read, are leaked when dropped.
+    if outcome.unsettled {
+        copies.iter().for_each(HostCopy::abandon);
+    }
     Err(e)
 }
 
@@ -772,10 +782,22 @@ mod tests {
         assert_eq!(thread_count(None, 16, 1000, into), 15, "one core maps");
         assert_eq!(thread_count(None, 64, 1000, out), 16, "at most 16");
         assert_eq!(thread_count(None, 1, 1000, into), 1, "at least 1");
-        assert_eq!(thread_count(None, 16, 3, out), 2, "a thread per 2 chunks (tests)");
-        assert_eq!(thread_count(None, 16, 7, into), 4, "a thread per 2 chunks, rounded up");
+        assert_eq!(
+            thread_count(None, 16, 3, out),
+            2,
+            "a thread per 2 chunks (tests)"
+        );
+        assert_eq!(
+            thread_count(None, 16, 7, into),
+            4,
+            "a thread per 2 chunks, rounded up"
+        );
         assert_eq!(thread_count(None, 16, 0, out), 1);
-        assert_eq!(thread_count(Some("3"), 16, 3, out), 3, "the variable, up to the chunks");
+        assert_eq!(
+            thread_count(Some("3"), 16, 3, out),
+            3,
+            "the variable, up to the chunks"
+        );
         assert_eq!(thread_count(Some(" 8 "), 16, 1000, into), 8, "the variable");
         assert_eq!(thread_count(Some("99"), 16, 1000, out), 16);
         for junk in ["0", "-3", "many", ""] {
