@@ -184,7 +184,7 @@ def big_round(gib, failures, offload_threads):
     del saved, pinned
     torch.cuda.synchronize()
 
-    rows = []
+    table = []
 
     def round_trip(label, mode):
         free_before, _ = torch.cuda.mem_get_info()
@@ -195,7 +195,7 @@ def big_round(gib, failures, offload_threads):
         t0 = time.perf_counter()
         mapped = memres.wake("big")
         wake_s = time.perf_counter() - t0
-        rows.append((label, released, free_asleep - free_before, sleep_s, wake_s))
+        table.append((label, released, free_asleep - free_before, sleep_s, wake_s))
         if mode == "offload":
             after = checksum_of()
             if after != checksum:
@@ -231,17 +231,17 @@ def big_round(gib, failures, offload_threads):
     print("| round | given back | device free memory rose by | sleep | sleep GiB/s | wake | "
           "wake GiB/s | wake of the copy limit |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, released, returned, sleep_s, wake_s in rows:
+    for label, released, returned, sleep_s, wake_s in table:
         print(f"| {label} | {released / GIB:.2f} GiB | {returned / GIB:.2f} GiB | {sleep_s:.2f} s | "
               f"{released / sleep_s / GIB:.1f} | {wake_s:.2f} s | {released / wake_s / GIB:.1f} | "
               f"{released / wake_s / limit:.2f} |")
-    for label, released, _, sleep_s, wake_s in rows:
+    for label, released, _, sleep_s, wake_s in table:
         if label.startswith("offload, first"):
             first, wake = released / sleep_s / GIB, released / wake_s / GIB
             print(f"issue 51 targets, {label}: first sleep {first:.1f} GiB/s "
                   f"({'met' if first >= 20 else 'MISSED'}: >= 20), wake {wake:.1f} GiB/s "
                   f"({'met' if wake >= 40 else 'MISSED'}: >= 40)")
-    del big, rows
+    del big, rows, table
     torch.cuda.empty_cache()  # also frees the host copies kept for a next sleep
 
 
