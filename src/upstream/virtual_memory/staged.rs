@@ -530,20 +530,14 @@ fn run<B: Backend>(
     });
 }
 
-/// Copies of each of `ranges` in new or `spare` host memory (see
-/// [`GrowInPlace::save_at`]).
-///
-/// # Safety
-/// The ranges are mapped memory of `backend`, which nothing writes to until the call
-/// returns.
-pub(super) unsafe fn save<B: Backend>(
-    backend: &B,
+/// A copy for each of `ranges`: the smallest spare copy that holds it, else a new one,
+/// made once the host is known to have room for all the new ones (a pageable copy the
+/// kernel cannot back is not an error but the out-of-memory killer). On failure the
+/// spares taken go back to `spare`.
+fn copies_for(
     ranges: &[(usize, usize)],
     spare: &mut Vec<HostCopy>,
 ) -> Result<Vec<HostCopy>, Error> {
-    // The smallest spare copy that holds each range, else a new one, made once the host
-    // is known to have room for all the new ones: a pageable copy the kernel cannot back
-    // is not an error but the out-of-memory killer.
     let mut fits: Vec<Option<HostCopy>> = ranges
         .iter()
         .map(|&(_, len)| {
@@ -573,6 +567,21 @@ pub(super) unsafe fn save<B: Backend>(
             }
         }
     }
+    Ok(copies)
+}
+
+/// Copies of each of `ranges` in new or `spare` host memory (see
+/// [`GrowInPlace::save_at`]).
+///
+/// # Safety
+/// The ranges are mapped memory of `backend`, which nothing writes to until the call
+/// returns.
+pub(super) unsafe fn save<B: Backend>(
+    backend: &B,
+    ranges: &[(usize, usize)],
+    spare: &mut Vec<HostCopy>,
+) -> Result<Vec<HostCopy>, Error> {
+    let mut copies = copies_for(ranges, spare)?;
     let chunks = chunks(ranges, CHUNK);
     let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
     let shared = Shared::new(
