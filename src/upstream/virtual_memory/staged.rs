@@ -857,21 +857,18 @@ mod loom_models {
     use super::{Chunk, Shared};
     use crate::error::Error;
 
+    /// A chunk of one byte at `i`, the whole of range `i`.
+    const fn chunk(i: usize) -> Chunk {
+        Chunk {
+            range: i,
+            addr: i,
+            offset: 0,
+            len: 1,
+        }
+    }
+
     /// Two chunks, one in each of two ranges.
-    static CHUNKS: [Chunk; 2] = [
-        Chunk {
-            range: 0,
-            addr: 0,
-            offset: 0,
-            len: 1,
-        },
-        Chunk {
-            range: 1,
-            addr: 1,
-            offset: 0,
-            len: 1,
-        },
-    ];
+    static CHUNKS: [Chunk; 2] = [chunk(0), chunk(1)];
 
     /// What a wake's thread does with the chunks it takes: waits for the range, then
     /// counts the chunk as copied.
@@ -950,26 +947,7 @@ mod loom_models {
     /// (a map that succeeds after the failure is marked too, so the caller unmaps it).
     #[test]
     fn loom_ranges_mapped_on_two_threads_are_marked_exactly_when_mapped() {
-        static THREE: [Chunk; 3] = [
-            Chunk {
-                range: 0,
-                addr: 0,
-                offset: 0,
-                len: 1,
-            },
-            Chunk {
-                range: 1,
-                addr: 1,
-                offset: 0,
-                len: 1,
-            },
-            Chunk {
-                range: 2,
-                addr: 2,
-                offset: 0,
-                len: 1,
-            },
-        ];
+        static THREE: [Chunk; 3] = [chunk(0), chunk(1), chunk(2)];
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(2);
         builder.check(|| {
