@@ -21,8 +21,10 @@ use crate::{AnyResource, Error, Resource};
 pub struct LeafOptions {
     /// `reserve=`: bytes of address space to reserve.
     pub reserve: Option<usize>,
-    /// `granule=`: the bytes mapped, and given back, at a time (a power of two; the
-    /// device's minimum where larger). Larger granules make fewer driver calls: a sleep
+    /// `granule=`: the bytes mapped, and given back, at a time: a power of two, which the
+    /// target uses as its leaf takes it (`CudaVirtual` raises it to the device's minimum,
+    /// `HostVirtual` refuses one below 4 KiB). A struct of public fields: a later option
+    /// is a new field. Larger granules make fewer driver calls: a sleep
     /// and wake of 20 GiB make 10,240 `cuMemCreate`s and `cuMemMap`s at 2 MiB, 640 at
     /// 32 MiB; but a pool grows and gives back whole granules.
     pub granule: Option<usize>,

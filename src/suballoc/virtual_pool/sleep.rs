@@ -39,8 +39,9 @@ impl<U: Resource> VirtualPool<U> {
     /// `MEMRES_OFFLOAD_HUGE_PAGES=0`; a kernel that refuses the advice gives small pages,
     /// silently), through pinned staging buffers of 4 MiB, two
     /// per copying thread, on as many threads as the machine has cores (one less for a
-    /// wake; at most 16; the environment variable `MEMRES_OFFLOAD_THREADS` sets another
-    /// number). Each thread
+    /// wake; no more than one per 256 MiB to copy, each costing the device about 1 MiB
+    /// while the pool sleeps; at most 16; the environment variable
+    /// `MEMRES_OFFLOAD_THREADS` sets another number). Each thread
     /// has the device copy one chunk into a buffer, on a stream of its own, while it
     /// copies the chunk before out of its other buffer; the wake runs the same way back,
     /// while the pool maps the next pieces (on one thread; `MEMRES_OFFLOAD_MAP_THREADS`

@@ -346,20 +346,48 @@ impl Drop for HostCopy {
 }
 
 /// Bytes of host memory this process can still have: the kernel's `MemAvailable`, and
-/// within a cgroup (v2) the room under its `memory.max`; `None` where neither can be read.
+/// within a cgroup (v2: the process's own, from `/proc/self/cgroup`) the room under its
+/// `memory.max` ([`cgroup_room`]); `None` where neither can be read.
 pub(crate) fn available() -> Option<usize> {
     let read = |path: &str| std::fs::read_to_string(path).ok();
     let machine = read("/proc/meminfo").and_then(|m| mem_available(&m));
-    let cgroup = read("/sys/fs/cgroup/memory.max")
-        .zip(read("/sys/fs/cgroup/memory.current"))
-        .and_then(|(max, current)| {
-            let max = max.trim().parse::<usize>().ok()?; // "max": no limit
-            Some(max.saturating_sub(current.trim().parse().ok()?))
-        });
+    // The process's own cgroup (v2: the `0::` line), else the root's.
+    let dir = read("/proc/self/cgroup")
+        .and_then(|c| own_cgroup(&c))
+        .map_or_else(
+            || "/sys/fs/cgroup".to_owned(),
+            |p| format!("/sys/fs/cgroup{p}"),
+        );
+    let file = |name: &str| read(&format!("{dir}/{name}"));
+    let cgroup = cgroup_room(
+        file("memory.max").as_deref(),
+        file("memory.current").as_deref(),
+        file("memory.stat").as_deref(),
+    );
     match (machine, cgroup) {
         (Some(m), Some(c)) => Some(m.min(c)),
         (m, c) => m.or(c),
     }
+}
+
+/// The path of this process's cgroup (v2) in a `/proc/self/cgroup` text: its `0::` line.
+fn own_cgroup(text: &str) -> Option<String> {
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
+    (path.starts_with('/') && !path.contains("..")).then(|| path.trim_end_matches('/').to_owned())
+}
+
+/// The room under a cgroup's limit: `memory.max` less `memory.current`, plus the page
+/// cache the kernel would reclaim first (`inactive_file` of `memory.stat`: files read
+/// lately, such as a model's weights, count in `current`); `None` without a limit
+/// (`max`) or where a file cannot be read.
+fn cgroup_room(max: Option<&str>, current: Option<&str>, stat: Option<&str>) -> Option<usize> {
+    let max = max?.trim().parse::<usize>().ok()?; // "max": no limit
+    let current = current?.trim().parse::<usize>().ok()?;
+    let reclaimable = stat
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("inactive_file ")))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    Some(max.saturating_sub(current.saturating_sub(reclaimable)))
 }
 
 /// `MemAvailable` of a `/proc/meminfo` text, in bytes.
@@ -387,7 +415,39 @@ impl fmt::Debug for HostCopy {
 
 #[cfg(test)]
 mod tests {
-    use super::{HostCopy, ask_huge_pages, available, mem_available};
+    use super::{HostCopy, ask_huge_pages, available, cgroup_room, mem_available, own_cgroup};
+
+    #[test]
+    fn a_cgroups_room_counts_its_reclaimable_page_cache_and_its_own_path_is_read() {
+        let stat = "anon 100\nfile 700\ninactive_file 600\nactive_file 100\n";
+        assert_eq!(
+            cgroup_room(Some("1000\n"), Some("900\n"), Some(stat)),
+            Some(700)
+        );
+        assert_eq!(
+            cgroup_room(Some("1000"), Some("900"), None),
+            Some(100),
+            "no stat: none reclaimable"
+        );
+        assert_eq!(
+            cgroup_room(Some("1000"), Some("1200"), None),
+            Some(0),
+            "over the limit"
+        );
+        assert_eq!(
+            cgroup_room(Some("max\n"), Some("900"), Some(stat)),
+            None,
+            "no limit"
+        );
+        assert_eq!(cgroup_room(Some("1000"), None, Some(stat)), None);
+        assert_eq!(
+            own_cgroup("0::/user.slice/job-7\n").as_deref(),
+            Some("/user.slice/job-7")
+        );
+        assert_eq!(own_cgroup("0::/\n").as_deref(), Some(""), "the root");
+        assert_eq!(own_cgroup("1:memory:/a\n"), None, "cgroup v1 only");
+        assert_eq!(own_cgroup("0::/../etc\n"), None);
+    }
 
     #[test]
     fn huge_pages_are_asked_for_unless_the_kernel_or_the_variable_says_never() {

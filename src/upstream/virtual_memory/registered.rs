@@ -350,6 +350,8 @@ mod loom_models {
 
     /// A registration stopped before its thread runs registers nothing (the flag is read
     /// before each piece, the first included): a wake right after a sleep waits for none.
+    /// One interleaving only (the flag is raised before the spawn): without the check the
+    /// thread never ends, and loom fails it for exceeding its branches.
     #[test]
     fn loom_a_registration_stopped_before_it_starts_registers_nothing() {
         loom::model(|| {

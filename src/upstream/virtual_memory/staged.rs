@@ -1,7 +1,6 @@
 //! Staged copies between a virtual-memory leaf's memory and pageable host copies, for a
 //! pool that sleeps with [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload)
-//! ([`GrowInPlace::save_at`](super::GrowInPlace::save_at),
-//! [`GrowInPlace::wake_at`](super::GrowInPlace::wake_at)).
+//! ([`GrowInPlace::save_at`], [`GrowInPlace::wake_at`]).
 //!
 //! Why staged: the device copies at the bus's speed only to and from pinned memory, and
 //! pinning costs far more than copying (`cuMemHostAlloc`: about 3 GB/s on an H200 where
@@ -39,7 +38,7 @@
 //! about 50 µs a granule on an H100, so 0.5 s for 20 GiB on one thread where the copies
 //! take 0.4; a sleep's `cuMemUnmap`s cost about as much. So a wake maps its ranges on
 //! [`map_threads`] threads (the calling thread and `MEMRES_OFFLOAD_MAP_THREADS - 1` more,
-//! 4 in all unless it says otherwise), each taking the next range not taken yet, in order,
+//! 1 in all unless it says otherwise, [`MAP_THREADS`]), each taking the next range not taken yet, in order,
 //! and marking it mapped once the driver is done ([`Shared::map_ranges`]); a sleep unmaps
 //! on as many ([`unmap_ranges`]). The leaf claims a range under its lock and calls the
 //! driver outside it (`Virtual::map_at`), so the threads map at once as far as the driver
