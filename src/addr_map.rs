@@ -95,6 +95,12 @@ impl<V, const SPREAD: u32> AddrMap<V, SPREAD> {
         }
     }
 
+    /// Whether the map holds heap memory (slots, even with no entry in them).
+    #[inline]
+    pub(crate) fn holds_slots(&self) -> bool {
+        self.slots.capacity() > 0
+    }
+
     /// The entries, in no particular order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&usize, &V)> {
         self.into_iter()

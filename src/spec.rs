@@ -37,7 +37,7 @@ use crate::units::parse_size;
 
 mod build;
 
-pub use build::{Built, Target, Tiers};
+pub use build::{Built, LeafOptions, Target, Tiers};
 
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
 /// program building the stack uses (the C ABI's are in `capi/include/memres.h`). Each
@@ -82,6 +82,10 @@ pub enum Spec {
         release: Option<usize>,
         /// `reserve=`: the virtual address range reserved.
         reserve: Option<usize>,
+        /// `granule=`: the bytes mapped and given back at a time (a power of two): larger
+        /// ones make a sleep and wake faster, see [`LeafOptions::granule`]. Through the
+        /// C ABI the tags' pools take the first `virtual_pool`'s.
+        granule: Option<usize>,
     },
     /// `arena`: RMM's arena over `Cuda`.
     Arena {
@@ -196,6 +200,7 @@ impl Spec {
             step: None,
             release: None,
             reserve: None,
+            granule: None,
         }
     }
 
@@ -268,6 +273,7 @@ impl Spec {
             (Spec::VirtualPool { step, .. }, "step") => *step = Some(size(key, value)?),
             (Spec::VirtualPool { release, .. }, "release") => *release = Some(size(key, value)?),
             (Spec::VirtualPool { reserve, .. }, "reserve") => *reserve = Some(size(key, value)?),
+            (Spec::VirtualPool { granule, .. }, "granule") => *granule = Some(size(key, value)?),
             (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
             (Spec::FixedSize { block, .. }, "block") => *block = nonzero(size(key, value)?, key)?,
             (Spec::FixedSize { blocks, .. }, "blocks") => {
@@ -279,7 +285,7 @@ impl Spec {
                 let known = match name {
                     "cuda_async" => "initial, release",
                     "pool" => "initial, max, growth",
-                    "virtual_pool" => "initial, max, step, release, reserve",
+                    "virtual_pool" => "initial, max, step, release, reserve, granule",
                     "arena" => "size",
                     "binning" => "min, max",
                     "fixed_size" => "block, blocks",
@@ -586,13 +592,16 @@ mod tests {
     fn the_default_is_the_virtual_pool() {
         assert_eq!(ok("virtual_pool"), Spec::default_spec());
         assert_eq!(
-            ok("virtual_pool:initial=1GiB,max=60GiB,step=32MiB,release=2GiB,reserve=256GiB"),
+            ok(
+                "virtual_pool:initial=1GiB,max=60GiB,step=32MiB,release=2GiB,reserve=256GiB,granule=32MiB"
+            ),
             Spec::VirtualPool {
                 initial: Some(1 << 30),
                 max: Some(60 << 30),
                 step: Some(32 << 20),
                 release: Some(2 << 30),
                 reserve: Some(256 << 30),
+                granule: Some(32 << 20),
             }
         );
         assert_eq!(
@@ -603,6 +612,7 @@ mod tests {
                 step: None,
                 release: Some(1 << 30),
                 reserve: None,
+                granule: None,
             }))
         );
     }
@@ -652,6 +662,7 @@ mod tests {
                     step: None,
                     release: None,
                     reserve: None,
+                    granule: None,
                 }),
                 then: Box::new(Spec::PinnedPool),
             }

@@ -8,9 +8,15 @@
  *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
  *   "managed"                       cuMemAllocManaged per request
  *   "pinned" / "pinned_pool"        pinned host memory per request / a pool over it
- *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..]"  the default: a
- *                                   pool growing in place over CUDA virtual memory
- *                                   (holds least; release= gives memory back above it)
+ *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..,granule=..]"  the
+ *                                   default: a pool growing in place over CUDA virtual
+ *                                   memory (holds least; release= gives memory back
+ *                                   above it; granule=32MiB maps and gives back 32 MiB
+ *                                   at a time, for it and the tags' pools (those take
+ *                                   the spec's first virtual_pool's; under binning they
+ *                                   keep 2 MiB): 16x fewer driver calls in a sleep and
+ *                                   wake, see memres_sleep; GPT-2 inference held 1.048x
+ *                                   of live against 1.009x at 2 MiB)
  *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
  *                                   needs, at least 1/8 of the pool, rounded up to
@@ -164,13 +170,16 @@ int64_t memres_tier_stats(int device, memres_stats_t* out, size_t capacity);
 int64_t memres_segments(int device, uint64_t* out, size_t capacity);
 
 /* Gives entirely free pool memory back to the driver (torch.cuda.empty_cache()), and the
-   pinned host memory a wake kept for the next MEMRES_SLEEP_OFFLOAD (so that a loop that
-   sleeps every step only copies): every pool of the stack (every tier of a fallback(..),
-   a pinned_pool too) and every tag's. binning's bins and fixed_size give back their
-   streams' lists and thread caches (their chunks stay until the stack goes); then the
-   pool under the bins gives back what is free. An arena holds one allocation of its
-   whole size while it lives: trimming it frees nothing. Every pool is trimmed even if
-   one fails; the first failure is returned. */
+   host memory a wake kept for the next MEMRES_SLEEP_OFFLOAD (the copies, pageable and
+   registered with the driver in the background after each sleep and wake, so page-locked
+   once registered, and the pinned staging buffers, so that a loop that sleeps every step
+   only copies): every
+   pool of the stack (every tier of a fallback(..), a pinned_pool too) and every tag's.
+   binning's bins and fixed_size give back their streams' lists and thread caches (their
+   chunks stay until the stack goes); then the pool under the bins gives back what is
+   free. An arena holds one allocation of its whole size while it lives: trimming it
+   frees nothing. Every pool is trimmed even if one fails; the first failure is
+   returned. */
 int memres_trim(int device);
 
 /* Bounds what memres's pools on device hold to bytes (below 0: no bound; 0: no growth):
@@ -198,12 +207,22 @@ int memres_reset_peak(int device);
  * ("default": the device's own stack, every in-place pool of it, spec virtual_pool, the
  * default, on every tier of a fallback(..); see below for the stacks that cannot; NULL:
  * every pool of the device that can sleep and is awake), MEMRES_SLEEP_DISCARD losing
- * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to pinned host memory first; it
- * returns the bytes given back or a negative code.
+ * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to host memory first (pageable,
+ * through pinned staging buffers on several threads, by default one per 256 MiB up to
+ * the cores and 16: MEMRES_OFFLOAD_THREADS; the memory
+ * is given back and mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set;
+ * once the call returns a thread registers the copies with the driver, 32 MiB at a time,
+ * and a wake copies the registered part back directly, at the bus's speed;
+ * MEMRES_OFFLOAD_REGISTER=0 turns that off; the copies ask for transparent huge pages
+ * unless the kernel says [never] or MEMRES_OFFLOAD_HUGE_PAGES=0); it returns the bytes
+ * given back or a negative code. The driver's cost is per granule (a cuMemUnmap at the
+ * sleep, a cuMemCreate and cuMemMap at the wake, about 45 us each on an H100, one at a
+ * time): with the default 2 MiB granule 20 GiB take about 0.45 s each way for that alone,
+ * with virtual_pool:granule=32MiB 0.03-0.06 s (BENCHMARKS.md, "Sleep and wake").
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out
- * of pinned memory MEMRES_ERROR_OUT_OF_MEMORY; on any failure the pools this call put to
+ * of host memory MEMRES_ERROR_OUT_OF_MEMORY; on any failure the pools this call put to
  * sleep wake again. memres_wake maps the memory again at the same addresses (restoring
  * offloaded contents) and returns the bytes mapped: tag by tag for a staged wake (the
  * weights before the KV cache), NULL for every sleeping pool. Waking by name a tag none
@@ -213,6 +232,14 @@ int memres_reset_peak(int device);
 int memres_set_tag(const char* tag);
 int64_t memres_sleep(int device, const char* tag, int mode);
 int64_t memres_wake(int device, const char* tag);
+/* Makes ahead, for the awake pools of tag on device (NULL: every awake pool that can
+   sleep), the host memory a MEMRES_SLEEP_OFFLOAD of what they hold now would make: the
+   copies (pageable, their pages backed now) and the pinned staging buffers, less what
+   they keep already; the first sleep then only copies. Returns the bytes made; the
+   memory stays until memres_trim (counted in pool_host_copy_bytes). A sleeping pool
+   named is MEMRES_ERROR_INVALID_ARGUMENT, too little host memory
+   MEMRES_ERROR_OUT_OF_MEMORY. */
+int64_t memres_prepare_offload(int device, const char* tag);
 /* 1 if the pool of tag on device sleeps (for "default", any of the stack's in-place
    pools), 0 if it is awake; MEMRES_ERROR_INVALID_ARGUMENT for a tag with no memory on
    device ("default": the device's own stack).

@@ -33,7 +33,9 @@ pub use segment_pools::{
     memres_segment_pool_new, memres_segment_pool_record_stream, memres_segment_pool_release_free,
     memres_segment_pool_restore, memres_segment_pool_segment_of, memres_segment_pool_settle,
 };
-pub use tags::{memres_is_asleep, memres_set_tag, memres_sleep, memres_wake};
+pub use tags::{
+    memres_is_asleep, memres_prepare_offload, memres_set_tag, memres_sleep, memres_wake,
+};
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -63,7 +65,8 @@ pub const MEMRES_ERROR_OUT_OF_MEMORY: c_int = -5;
 pub const MEMRES_ERROR_ASLEEP: c_int = -6;
 /// `memres_sleep`: the contents of the memory given back are lost.
 pub const MEMRES_SLEEP_DISCARD: c_int = 0;
-/// `memres_sleep`: the contents are copied to pinned host memory and restored on wake.
+/// `memres_sleep`: the contents are copied to host memory (through pinned staging
+/// buffers) and restored on wake.
 pub const MEMRES_SLEEP_OFFLOAD: c_int = 1;
 
 /// Devices memres serves through the C ABI (ordinals 0 to 63).

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use mr::adaptor::{Member, Route, Router};
 use mr::device::DeviceId;
 use mr::property::{Contains, PropertySet};
+use mr::spec::LeafOptions;
 use mr::{
     AnyResource, CudaVirtual, Device, Error, Resource, VirtualPool, VirtualPoolConfig,
     upstream::{CudaVirtualConfig, ExportHandle, GrowInPlace},
@@ -35,9 +36,10 @@ pub(crate) type Routed = TagRouter<Device, VirtualPool<CudaVirtual>>;
 /// `T`.
 pub(crate) type TagRouter<P, T> = Router<AnyResource<P>, Arc<T>, Tags<T>>;
 
-/// The tags' route on `device`, with no tag's pool yet.
-pub(crate) fn device_tags(device: DeviceId) -> Tags {
-    Tags::new(move || new_tag_pool(device))
+/// The tags' route on `device`, with no tag's pool yet; their pools map `granule` bytes
+/// at a time (the spec's `virtual_pool:granule=`; `None`: the device's minimum).
+pub(crate) fn device_tags(device: DeviceId, granule: Option<usize>) -> Tags {
+    Tags::new(move || new_tag_pool(device, granule))
 }
 
 /// A router over `base` (its default member) whose members `tags` makes: kept by the
@@ -165,15 +167,23 @@ impl<U: GrowInPlace> Reserved for VirtualPool<U> {
     }
 }
 
-/// A new tag's pool on `device`: in place, over a reservation of its own.
-pub(crate) fn new_tag_pool(device: DeviceId) -> Result<VirtualPool<CudaVirtual>, Error> {
+/// A new tag's pool on `device`: in place, over a reservation of its own, mapping
+/// `granule` bytes at a time.
+pub(crate) fn new_tag_pool(
+    device: DeviceId,
+    granule: Option<usize>,
+) -> Result<VirtualPool<CudaVirtual>, Error> {
     let _on = mr::device::DeviceGuard::new(device)?;
-    VirtualPool::new(virtual_leaf(device, None)?, VirtualPoolConfig::new())
+    let leaf = LeafOptions {
+        granule,
+        ..LeafOptions::default()
+    };
+    VirtualPool::new(virtual_leaf(device, &leaf)?, VirtualPoolConfig::new())
 }
 
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
 /// tag's): reachable from every peer, exportable where the device can.
-pub(crate) fn virtual_leaf(device: DeviceId, reserve: Option<usize>) -> Result<CudaVirtual, Error> {
+pub(crate) fn virtual_leaf(device: DeviceId, options: &LeafOptions) -> Result<CudaVirtual, Error> {
     // Every device that can reach this one's memory may: copies between devices
     // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc` memory with
     // peer access on, which memory mapped with `cuMemMap` only gets from an access
@@ -183,8 +193,11 @@ pub(crate) fn virtual_leaf(device: DeviceId, reserve: Option<usize>) -> Result<C
         .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
         .collect();
     let mut leaf = CudaVirtualConfig::new().peers(peers);
-    if let Some(reserve) = reserve {
+    if let Some(reserve) = options.reserve {
         leaf = leaf.reserve(reserve);
+    }
+    if let Some(granule) = options.granule {
+        leaf = leaf.granularity(granule);
     }
     // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
     // PyTorch's CUDA tensors sent to other processes).

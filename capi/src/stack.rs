@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use mr::adaptor::{ExactCounter, Logging, Statistics, StreamUse};
 use mr::device::{DeviceGuard, DeviceId};
-use mr::spec::{Built, Target};
+use mr::spec::{Built, LeafOptions, Target};
 use mr::suballoc::{Binning, FixedSize};
 use mr::upstream::{CudaAsyncConfig, CudaPhysical, Managed, PinnedHost, Virtual};
 use mr::{
@@ -355,6 +355,7 @@ impl DeviceStack {
             logs: Vec::new(),
             tiers: None,
             routed: None,
+            tag_granule: None,
         };
         let top = spec.build(&mut layers)?;
         // Every spec has a base, which the build hands to `Target::base` once.
@@ -386,6 +387,10 @@ pub(crate) struct Layers {
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
     /// The router put under the outermost wrappers (`base`).
     routed: Option<Arc<Routed>>,
+    /// The granule of the spec's first `virtual_pool` (`granule=`; `Some(None)`: it gives
+    /// none), which the tags' pools take too, so that one setting covers every pool that
+    /// may sleep.
+    tag_granule: Option<Option<usize>>,
 }
 
 impl Target for Layers {
@@ -397,8 +402,9 @@ impl Target for Layers {
         Cuda::on(self.device)
     }
 
-    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<CudaVirtual, Error> {
-        virtual_leaf(self.device, reserve)
+    fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<CudaVirtual, Error> {
+        self.tag_granule.get_or_insert(leaf.granule);
+        virtual_leaf(self.device, leaf)
     }
 
     fn arena_size(&mut self) -> Result<usize, Error> {
@@ -441,7 +447,8 @@ impl Target for Layers {
     /// The router of the base and the tags' pools, so that the spec's statistics,
     /// limit and log see tagged blocks too.
     fn base(&mut self, base: AnyResource<Device>) -> Result<AnyResource<Device>, Error> {
-        let (router, erased) = routed::under_wrappers(base, routed::device_tags(self.device));
+        let tags = routed::device_tags(self.device, self.tag_granule.flatten());
+        let (router, erased) = routed::under_wrappers(base, tags);
         self.routed = Some(router);
         Ok(erased)
     }

@@ -219,6 +219,30 @@ pub unsafe extern "C" fn memres_sleep(device: c_int, tag: *const c_char, mode: c
     })
 }
 
+/// Makes ahead the host memory that an offloading sleep of the pools of `device` that
+/// `tag` names (NULL: every awake pool that can sleep) would make: see `memres.h`.
+/// Returns the bytes made.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memres_prepare_offload(device: c_int, tag: *const c_char) -> i64 {
+    guarded(i64::from, || {
+        let (pools, every) = pools_named(device, tag, "memres_prepare_offload")?;
+        let _on = mr::device::DeviceGuard::new(DeviceId::new(device))?;
+        let mut made = 0usize;
+        for (name, pool) in &pools {
+            if every && pool.is_asleep() {
+                continue;
+            }
+            made += pool.prepare_offload().map_err(|e| {
+                Failure::from(e).within(&format!("memres_prepare_offload {}", quoted(name)))
+            })?;
+        }
+        Ok(made as i64)
+    })
+}
+
 /// 1 if the pool of `device` that `tag` names sleeps, 0 if it is awake, or a negative
 /// code (`MEMRES_ERROR_INVALID_ARGUMENT` for a tag with no pool there): see `memres.h`.
 ///

@@ -445,6 +445,58 @@ fn fallback_child() {
     println!("fallback: freed");
 }
 
+/// `virtual_pool:granule=32MiB` reaches the default stack's pool and the tags' pools
+/// (they take the spec's granule): a small block in each maps 32 MiB. In a child
+/// process, as the tests above.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_specs_granule_reaches_the_tags_pools() {
+    gpu_child(
+        "tests::granule_child",
+        "MEMRES_CAPI_GRANULE_CHILD",
+        "granule: 32 MiB each",
+    );
+}
+
+/// The body of the test above, run only in its child process.
+#[test]
+fn granule_child() {
+    if std::env::var_os("MEMRES_CAPI_GRANULE_CHILD").is_none() {
+        return; // not the child
+    }
+    const GRANULE: u64 = 32 << 20;
+    assert_eq!(
+        configure("virtual_pool:granule=32MiB"),
+        MEMRES_OK,
+        "{}",
+        last_error()
+    );
+    // SAFETY: NUL-terminated strings, the legacy default stream; each block freed once,
+    // as it was allocated, and not used.
+    unsafe {
+        let untagged = memres_malloc(4096, 0, std::ptr::null_mut());
+        assert!(!untagged.is_null(), "{}", last_error());
+        assert_eq!(
+            stats(0).pool_size,
+            GRANULE,
+            "the default pool maps one granule"
+        );
+        assert_eq!(memres_set_tag(c("weights").as_ptr()), MEMRES_OK);
+        let weights = memres_malloc(4096, 0, std::ptr::null_mut());
+        assert_eq!(memres_set_tag(std::ptr::null()), MEMRES_OK);
+        assert!(!weights.is_null(), "{}", last_error());
+        assert_eq!(
+            stats(0).pool_size,
+            2 * GRANULE,
+            "the tag's pool maps one granule too"
+        );
+        memres_free(weights, 4096, 0, std::ptr::null_mut());
+        memres_free(untagged, 4096, 0, std::ptr::null_mut());
+    }
+    assert_eq!(memres_trim(0), MEMRES_OK, "{}", last_error());
+    println!("granule: 32 MiB each");
+}
+
 /// A `fallback(..)` of two in-place pools sleeps and wakes as one through the C ABI
 /// (issue 49: only the tier kept last slept). In a child process, as the tests above.
 #[test]
@@ -933,7 +985,7 @@ fn header_prototypes() -> Vec<String> {
 #[test]
 fn the_header_declares_exactly_the_exported_functions() {
     let (rust, c) = (rust_prototypes(), header_prototypes());
-    assert_eq!(rust.len(), 34, "{rust:#?}");
+    assert_eq!(rust.len(), 35, "{rust:#?}");
     assert_eq!(rust, c, "capi/include/memres.h is out of date");
 }
 
@@ -1154,11 +1206,13 @@ fn sleep_child() {
         let held = stats(0).pool_size;
         let offloaded = memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD);
         assert!(offloaded >= SIZE as i64, "{offloaded}: {}", last_error());
-        // The copies: the block's granules (the sleep gave back free ones uncopied).
+        // The copies: the block's granules (the sleep gave back free ones uncopied), and
+        // the pinned staging buffers they went through (at most 128 MiB).
         let copies = stats(0).pool_host_copy_bytes;
+        let most = offloaded as u64 + (128 << 20);
         assert!(
-            (SIZE as u64..=offloaded as u64).contains(&copies),
-            "{copies} B of copies, {offloaded} B given back"
+            (SIZE as u64..=most).contains(&copies),
+            "{copies} B of copies and buffers, {offloaded} B given back"
         );
         assert_eq!(
             memres_sleep(0, c("weights").as_ptr(), MEMRES_SLEEP_OFFLOAD),
@@ -1186,11 +1240,10 @@ fn sleep_child() {
             sys::CUresult::CUDA_SUCCESS
         );
         assert!(back == pattern, "the weights' bytes came back");
-        assert_eq!(
-            stats(0).pool_host_copy_bytes,
-            copies,
-            "kept for the next sleep"
-        );
+        // Kept for the next sleep (the wake may have made staging buffers the sleep did
+        // not: how many a thread uses depends on the threads' timing).
+        let kept = stats(0).pool_host_copy_bytes;
+        assert!((copies..=most).contains(&kept), "{kept} B kept");
         assert_eq!(memres_is_asleep(0, c("weights").as_ptr()), 0);
         assert_eq!(memres_wake(0, std::ptr::null()), discarded);
         assert_eq!(
@@ -1365,9 +1418,12 @@ macro_rules! host_leaves {
         }
         fn virtual_leaf(
             &mut self,
-            reserve: Option<usize>,
+            leaf: &mr::spec::LeafOptions,
         ) -> Result<mr::upstream::HostVirtual, Error> {
-            mr::upstream::HostVirtual::new(reserve.unwrap_or(256 << 20), 64 << 10)
+            mr::upstream::HostVirtual::new(
+                leaf.reserve.unwrap_or(256 << 20),
+                leaf.granule.unwrap_or(64 << 10),
+            )
         }
         fn arena_size(&mut self) -> Result<usize, Error> {
             Ok(16 << 20)

@@ -349,7 +349,10 @@ fn replay_one(
             ));
         }
         Memory::Simulated(size) => {
-            let leaf = move || memres::upstream::HostVirtual::new(size.max(GRANULE), GRANULE);
+            let leaf = move |granule: Option<usize>| {
+                let granule = granule.unwrap_or(GRANULE);
+                memres::upstream::HostVirtual::new(size.max(granule), granule)
+            };
             Replay::new(simulated::simulated(size), leaf, size / 2, false).build(&name.spec)
         }
         Memory::Host => {
@@ -362,7 +365,9 @@ fn replay_one(
                 _ => 1 << 30,
             };
             let reserve = twice_peak.max(least);
-            let leaf = move || memres::upstream::HostVirtual::new(reserve, GRANULE);
+            let leaf = move |granule: Option<usize>| {
+                memres::upstream::HostVirtual::new(reserve, granule.unwrap_or(GRANULE))
+            };
             let arena = twice_peak.max(1 << 21) / 2;
             Replay::new(HostHeap, leaf, arena, false).build(&name.spec)
         }
@@ -371,13 +376,15 @@ fn replay_one(
                 .memory_info()
                 .map_err(fail)?
                 .free;
-            Replay::new(
-                Cuda::new().map_err(fail)?,
-                memres::CudaVirtual::new,
-                free / 2,
-                true,
-            )
-            .build(&name.spec)
+            let leaf = |granule: Option<usize>| {
+                let config = memres::upstream::CudaVirtualConfig::new();
+                let config = match granule {
+                    Some(g) => config.granularity(g),
+                    None => config,
+                };
+                memres::CudaVirtual::with_config(memres::device::DeviceId::current()?, config)
+            };
+            Replay::new(Cuda::new().map_err(fail)?, leaf, free / 2, true).build(&name.spec)
         }
     }
     .map_err(fail)?;

@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use memres::adaptor::{Counter, ExactCounter, StatisticsSnapshot};
 use memres::device::DeviceId;
 use memres::property::Contains;
-use memres::spec::{Built, Spec, Target};
+use memres::spec::{Built, LeafOptions, Spec, Target};
 use memres::suballoc::PoolStats;
 use memres::upstream::{Backend, CudaAsync, CudaAsyncConfig, Managed, PinnedHost, Virtual};
 use memres::{AnyResource, Error, HostHeap, Resource, StreamRef, SyncResource};
@@ -287,12 +287,16 @@ unsafe impl<U: Resource> Resource for Counted<U> {
     }
 }
 
+/// What makes a replay's virtual-memory leaf, given the spec's granule (if any).
+type MakeLeaf<B> = dyn FnMut(Option<usize>) -> Result<Virtual<B>, Error>;
+
 /// A replay's memory for the spec builder: `memory` (counted) for chunks and `cuda`,
 /// `leaf` for a `virtual_pool`, the driver's pool and managed memory where `gpu`.
 pub(crate) struct Replay<U, B: Backend> {
     memory: Arc<U>,
     count: Arc<ExactCounter>,
-    leaf: Box<dyn FnMut() -> Result<Virtual<B>, Error>>,
+    /// Makes a leaf of the granule given (`None`: the replay's default).
+    leaf: Box<MakeLeaf<B>>,
     /// The size of an arena whose spec gives none.
     arena_size: usize,
     gpu: bool,
@@ -309,7 +313,7 @@ where
 {
     pub(crate) fn new(
         memory: U,
-        leaf: impl FnMut() -> Result<Virtual<B>, Error> + 'static,
+        leaf: impl FnMut(Option<usize>) -> Result<Virtual<B>, Error> + 'static,
         arena_size: usize,
         gpu: bool,
     ) -> Self {
@@ -367,8 +371,8 @@ where
         })
     }
 
-    fn virtual_leaf(&mut self, _reserve: Option<usize>) -> Result<Virtual<B>, Error> {
-        (self.leaf)()
+    fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<Virtual<B>, Error> {
+        (self.leaf)(leaf.granule)
     }
 
     fn arena_size(&mut self) -> Result<usize, Error> {
@@ -437,7 +441,8 @@ mod tests {
     use memres::suballoc::Growth;
 
     fn host(spec: &str) -> Result<Stack, Error> {
-        let leaf = || memres::upstream::HostVirtual::new(1 << 30, 2 << 20);
+        let leaf =
+            |g: Option<usize>| memres::upstream::HostVirtual::new(1 << 30, g.unwrap_or(2 << 20));
         let name = StackName::parse_with(spec, &Options::default()).unwrap();
         Replay::new(memres::HostHeap, leaf, 64 << 20, false).build(&name.spec)
     }
@@ -453,6 +458,22 @@ mod tests {
             // The bins took their first chunks (128 blocks each) when they were made.
             assert_eq!(stack.footprint().current > (2 << 20), mapped, "{name}");
             assert!(stack.pool_stats().is_some(), "{name}");
+            // SAFETY: allocated above with `l` on `s`.
+            unsafe { stack.top.deallocate(s, p, l) };
+        }
+    }
+
+    /// A spec's `granule=` reaches the replay's leaf: one small block maps one granule.
+    #[test]
+    fn a_specs_granule_is_replayed() {
+        for (name, granule) in [
+            ("virtual_pool", 2 << 20),
+            ("virtual_pool:granule=8MiB", 8 << 20),
+        ] {
+            let stack = host(name).unwrap();
+            let (l, s) = (Layout::from_size_align(100, 8).unwrap(), StreamRef::HOST);
+            let p = stack.top.allocate(s, l).unwrap();
+            assert_eq!(stack.footprint().current, granule, "{name}");
             // SAFETY: allocated above with `l` on `s`.
             unsafe { stack.top.deallocate(s, p, l) };
         }

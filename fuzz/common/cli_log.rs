@@ -138,7 +138,7 @@ fn check_svg(out: &std::path::Path) {
 fn replay(plan: &Plan, stack: &str, out: &std::path::Path) {
     const GRANULE: usize = 2 << 20;
     let name = StackName::parse_with(stack, &Options::default()).expect("a stack of the command");
-    let leaf = || memres::upstream::HostVirtual::new(SIMULATED, GRANULE);
+    let leaf = |_| memres::upstream::HostVirtual::new(SIMULATED, GRANULE);
     let built = Replay::new(
         crate::simulated::simulated(SIMULATED),
         leaf,

@@ -6,7 +6,7 @@
 // files, sizes of at most 64 MiB) is built by the library's builder over host memory and
 // serves a request, or refuses the spec with an error.
 
-use memres::spec::{Spec, Target};
+use memres::spec::{LeafOptions, Spec, Target};
 use memres::upstream::HostPages;
 use memres::{AnyResource, Error, Host, HostHeap, Resource, StreamRef, upstream::HostVirtual};
 
@@ -25,8 +25,8 @@ impl Target for OnTheHost {
         Ok(HostHeap)
     }
 
-    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<HostVirtual, Error> {
-        HostVirtual::new(reserve.unwrap_or(MOST), 64 << 10)
+    fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<HostVirtual, Error> {
+        HostVirtual::new(leaf.reserve.unwrap_or(MOST), leaf.granule.unwrap_or(64 << 10))
     }
 
     fn arena_size(&mut self) -> Result<usize, Error> {
@@ -48,7 +48,8 @@ fn small(spec: &Spec) -> bool {
             step,
             release,
             reserve,
-        } => [initial, max, step, release, reserve].into_iter().all(fits),
+            granule,
+        } => [initial, max, step, release, reserve, granule].into_iter().all(fits),
         Spec::Arena { size } => fits(size),
         // Blocks are rounded up to 256 bytes: `block=2B,blocks=18999999` takes 4.9 GB.
         Spec::FixedSize { block, blocks } => {

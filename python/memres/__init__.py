@@ -37,7 +37,7 @@ from ._native import (
 )
 from ._profile import ProfileReport, profile, profile_report, profile_reset
 from ._setup import Setup, setup
-from ._sleep import is_asleep, sleep, tag, wake
+from ._sleep import is_asleep, prepare_offload, sleep, tag, wake
 from ._torch import install as install_torch
 from ._torch import installed as torch_backend
 from ._torch import torch_allocator
@@ -61,6 +61,7 @@ __all__ = [
     "install_torch",
     "last_error",
     "library_path",
+    "prepare_offload",
     "profile",
     "profile_report",
     "profile_reset",

@@ -173,6 +173,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "memres_tier_stats": ([c.c_int, c.POINTER(Stats), c.c_size_t], c.c_int64),
         "memres_sleep": ([c.c_int, c.c_char_p, c.c_int], c.c_int64),
         "memres_wake": ([c.c_int, c.c_char_p], c.c_int64),
+        "memres_prepare_offload": ([c.c_int, c.c_char_p], c.c_int64),
         "memres_is_asleep": ([c.c_int, c.c_char_p], c.c_int),
     }
     for name, (args, ret) in table.items():

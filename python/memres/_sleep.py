@@ -128,13 +128,21 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     ``tags``: ``None`` for every pool that can sleep (every tag's, and the untagged pool,
     ``"default"``, when it is the virtual pool, memres's default), a name, a list of
     names, or a dict from name to mode. ``mode``: ``"discard"`` (the contents are lost:
-    activations, the KV cache) or ``"offload"`` (copied to pinned host memory and back on
-    wake: the weights). All work on the device is waited for first.
+    activations, the KV cache) or ``"offload"`` (copied to pageable host memory, through
+    pinned staging buffers of 4 MiB, two per copying thread, and back on wake: the
+    weights; ``MEMRES_OFFLOAD_THREADS`` sets how many threads copy, by default the cores,
+    one per 256 MiB to copy, at most 16; ``MEMRES_OFFLOAD_MAP_THREADS`` how many map the memory on wake and give it
+    back on sleep, by default 1). Once the call returns, a thread registers the copies with the driver
+    (page-locks them, 32 MiB at a time), and a wake copies their registered part back
+    directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` turns it off). The copies
+    ask the kernel for transparent huge pages unless it says ``[never]``
+    (``MEMRES_OFFLOAD_HUGE_PAGES=0`` turns that off). All work on the device is waited for
+    first.
 
     Until the pools wake, tensors in them must not be used (a kernel that reads one
     faults), and allocating from them raises :class:`MemresError` (code
     ``ERROR_ASLEEP``). Every named pool is checked first (it exists, it is awake), and
-    offloads run before discards, so that a failure for want of pinned memory comes before
+    offloads run before discards, so that a failure for want of host memory comes before
     anything is discarded; on a failure the pools this call put to sleep wake again (a
     discarded one without its contents) and the error is raised.
 
@@ -143,7 +151,7 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     plan = _plan(tags, mode)
     device = device_ordinal(device, "memres.sleep(): device")
     # Every named pool must exist and be awake before any sleeps; offloads go first, so
-    # that what can fail for want of pinned memory fails before anything is discarded.
+    # that what can fail for want of host memory fails before anything is discarded.
     for name, _ in plan:
         if name is not None and is_asleep(name, device):
             raise MemresError(ERROR_INVALID_ARGUMENT, f"memres.sleep(): {quote(name)} is asleep already")
@@ -171,7 +179,9 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     pool; a name or a list of names wakes those, in that order (a staged wake: the weights
     before the KV cache). Raises :class:`MemresError` (code ``ERROR_OUT_OF_MEMORY``) when
     the device cannot back the memory (another process holds it); the pool stays asleep
-    and can be woken later. The pinned host memory of offloaded pools is kept for their
+    and can be woken later. The host copies of offloaded pools (their size; page-locked as
+    far as they are registered) and
+    their staging buffers (pinned, at most 128 MiB a pool) are kept while awake for their
     next sleep (which then only copies) until :func:`memres.trim` or
     ``torch.cuda.empty_cache()``."""
     names: List[Optional[str]] = [None] if tags is None else list(_names(tags, "memres.wake(): tags"))
@@ -180,3 +190,24 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     for name in names:
         mapped += check(lib().memres_wake(device, _c(name)))
     return mapped
+
+
+def prepare_offload(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
+    """Makes ahead the host memory that ``memres.sleep(tags, mode="offload")`` would make
+    for what the pools hold now: the copies (pageable, their pages backed now, on several
+    threads) and the pinned staging buffers, less what they keep already; returns the
+    bytes made. The first offloading sleep then only copies, as later ones do (backing
+    fresh host memory is far slower than copying into it on some machines). ``None``:
+    every awake pool that can sleep. The memory stays while the pools are awake, until
+    :func:`memres.trim` or ``torch.cuda.empty_cache()``; raises :class:`MemresError`
+    for a sleeping pool named, or when the host lacks the room.
+
+    >>> memres.prepare_offload("weights")
+    """
+    names: List[Optional[str]] = [None] if tags is None else list(
+        _names(tags, "memres.prepare_offload(): tags"))
+    device = device_ordinal(device, "memres.prepare_offload(): device")
+    made = 0
+    for name in names:
+        made += check(lib().memres_prepare_offload(device, _c(name)))
+    return made

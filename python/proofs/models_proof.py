@@ -3,7 +3,7 @@
     pip install ./python      # once: the memres package (or PYTHONPATH=python, MEMRES_LIB=...)
     python3 python/proofs/models_proof.py [--models gpt2,resnet50,gpt2_infer] [--steps 40] [--rounds 2]
                                    [--no-deterministic] [--profile] [--eager-modules]
-                                   [--batch-on-device]
+                                   [--batch-on-device] [--memres-specs 'SPEC;SPEC']
 
 Models, built from their configs (random weights, no download):
   gpt2     - transformers' GPT-2 small, bf16 autocast, AdamW; batch 4..16 and sequence
@@ -21,7 +21,9 @@ Allocators, one process each: PyTorch's caching allocator ("torch"), the same wi
 expandable_segments:True ("expandable"), and memres's default stack ("memres": the
 virtual pool on CUDA virtual memory, installed by `memres.setup()`). memres's peak
 live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
-`max_memory_allocated()`.
+`max_memory_allocated()`. --memres-specs runs memres once per stack given (mode
+"memres:SPEC", the spec in env MEMRES_RESOURCE) instead of with the default stack, e.g.
+'virtual_pool;virtual_pool:granule=32MiB' for what 32 MiB granules cost in memory held.
 
 Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
 (steps after the third) per run, best run per allocator; peak device memory in use
@@ -225,6 +227,8 @@ def run(model_name, mode, steps, deterministic, profiled=False):
 
 def child(model, mode, steps, deterministic, profiled=False):
     env = dict(os.environ)
+    if mode.startswith("memres:"):  # memres with a stack of its own: memres:SPEC
+        mode, env["MEMRES_RESOURCE"] = mode.split(":", 1)
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if EAGER:
@@ -253,6 +257,12 @@ def main():
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument(
+        "--memres-specs",
+        default="",
+        help="memres runs with these stacks (';'-separated specs, each a mode 'memres:SPEC') "
+        "instead of the default one, e.g. 'virtual_pool;virtual_pool:granule=32MiB'",
+    )
+    p.add_argument(
         "--batch-on-device",
         action="store_true",
         help="make each batch on the device (MEMRES_PROOF_BATCH_ON_DEVICE=1), not on the host",
@@ -263,6 +273,8 @@ def main():
         help="CUDA_MODULE_LOADING=EAGER and the baseline after cuBLAS and cuDNN are loaded",
     )
     a = p.parse_args()
+    specs = [s for s in a.memres_specs.split(";") if s]
+    modes = MODES[:2] + tuple(f"memres:{s}" for s in specs) if specs else MODES
     global EAGER
     EAGER = a.eager_modules
     if a.batch_on_device:
@@ -273,15 +285,15 @@ def main():
     failures = []
     summary = {}
     for model in a.models.split(","):
-        runs = {mode: [] for mode in MODES}
+        runs = {mode: [] for mode in modes}
         for n in range(a.rounds):
             # Alternating which allocator goes first, so a drift of the machine over the
             # rounds does not favour one.
-            for mode in MODES if n % 2 == 0 else MODES[::-1]:
+            for mode in modes if n % 2 == 0 else modes[::-1]:
                 runs[mode].append(child(model, mode, a.steps, False))
         ref = runs["torch"][0]["losses"]
         t_torch = min(r["median_step_s"] for r in runs["torch"])
-        for mode in MODES:
+        for mode in modes:
             best = min(runs[mode], key=lambda r: r["median_step_s"])
             diff = max(abs(x - y) for r in runs[mode] for x, y in zip(r["losses"], ref))
             peak_used = max(r["peak_device_used"] for r in runs[mode])
@@ -308,11 +320,11 @@ def main():
                 f"{by_round})  "
                 f"max |loss - torch's| {diff:.3g}"
             )
-            if mode == "memres" and slower > 0.02:
+            if mode.startswith("memres") and slower > 0.02:
                 failures.append(f"{model}: memres step {slower:+.1%} vs torch")
         if not a.no_deterministic:
-            det = {mode: child(model, mode, a.steps, True)["losses"] for mode in MODES}
-            for mode in MODES:
+            det = {mode: child(model, mode, a.steps, True)["losses"] for mode in modes}
+            for mode in modes:
                 same = det[mode] == det["torch"]
                 diff = max(abs(x - y) for x, y in zip(det[mode], det["torch"]))
                 summary[f"{model}/{mode}"]["deterministic_bitwise_equal"] = same

@@ -154,7 +154,8 @@ class Sleep(unittest.TestCase):
             memres.sleep({"weights": "keep"})
 
     def test_without_a_driver_sleep_and_wake_fail_cleanly(self):
-        for call in (lambda: memres.sleep(), lambda: memres.wake("weights"), lambda: memres.is_asleep("weights")):
+        for call in (lambda: memres.sleep(), lambda: memres.wake("weights"), lambda: memres.is_asleep("weights"),
+                     lambda: memres.prepare_offload("weights")):
             with self.assertRaises(memres.MemresError) as caught:
                 call()
             self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
@@ -183,6 +184,8 @@ class Arguments(unittest.TestCase):
             (lambda: memres.sleep("weights", mode=["offload"]), "mode"),
             (lambda: memres.wake(123), "tags"),
             (lambda: memres.wake([None]), "tags"),
+            (lambda: memres.prepare_offload(123), "tags"),
+            (lambda: memres.prepare_offload(device="0"), "device"),
             (lambda: memres.is_asleep(None), "name"),
             (lambda: memres.stats("0"), "device"),
             (lambda: memres.stats(1.0), "device"),
@@ -211,6 +214,7 @@ class Arguments(unittest.TestCase):
             (lambda: memres.profile("forward\x00"), "name", "NUL"),
             (lambda: memres.sleep("weights\x00"), "tags", "NUL"),
             (lambda: memres.wake(["weights", "kv\x00"]), "tags", "NUL"),
+            (lambda: memres.prepare_offload("weights\x00"), "tags", "NUL"),
             (lambda: memres.stats(10**30), "device", "C int"),
             (lambda: memres.stats(-(2**31) - 1), "device", "C int"),
             (lambda: memres.trim(2**31), "device", "C int"),

@@ -469,6 +469,24 @@ impl Platform for Cuda {
         check(unsafe { sys::cuMemFreeHost(address as *mut c_void) })
     }
 
+    unsafe fn host_register(address: usize, len: usize) -> Result<(), Error> {
+        // SAFETY: the caller's promise: a live host mapping, none of it registered;
+        // registering only page-locks it.
+        let result = unsafe {
+            sys::cuMemHostRegister_v2(
+                std::ptr::with_exposed_provenance_mut(address),
+                len,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        check_alloc(result, len)
+    }
+
+    unsafe fn host_unregister(address: usize) -> Result<(), Error> {
+        // SAFETY: the caller's promise: registered at `address`, unused.
+        check(unsafe { sys::cuMemHostUnregister(std::ptr::with_exposed_provenance_mut(address)) })
+    }
+
     fn pointer_is_managed(address: usize) -> Result<bool, Error> {
         let mut managed = 0u32;
         let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED;

@@ -38,6 +38,7 @@ const EVENT_DISABLE_TIMING: c_uint = 0x2;
 const MEM_ATTACH_GLOBAL: c_uint = 0x1;
 const HOST_MALLOC_PORTABLE: c_uint = 0x1;
 const HOST_MALLOC_MAPPED: c_uint = 0x2;
+const HOST_REGISTER_PORTABLE: c_uint = 0x1;
 const MEMCPY_DEFAULT: c_int = 4;
 const POINTER_ATTRIBUTE_IS_MANAGED: c_int = 8;
 const POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
@@ -168,6 +169,8 @@ hip_api! {
     hipFree: fn(Ptr) -> HipError;
     hipHostMalloc: fn(*mut Ptr, usize, c_uint) -> HipError;
     hipHostFree: fn(Ptr) -> HipError;
+    hipHostRegister: fn(Ptr, usize, c_uint) -> HipError;
+    hipHostUnregister: fn(Ptr) -> HipError;
     hipPointerGetAttribute: fn(Ptr, c_int, Ptr) -> HipError;
     hipMemGetAddressRange: fn(*mut Ptr, *mut usize, Ptr) -> HipError;
     hipMemPrefetchAsync: fn(Ptr, usize, c_int, Ptr) -> HipError;
@@ -655,6 +658,19 @@ impl Platform for Hip {
     unsafe fn host_free(address: usize) -> Result<(), Error> {
         let f = entry!(hipHostFree);
         // SAFETY: the caller's promise: from `hipHostMalloc`, unused.
+        check(unsafe { f(ptr(address)) })
+    }
+
+    unsafe fn host_register(address: usize, len: usize) -> Result<(), Error> {
+        let f = entry!(hipHostRegister);
+        // SAFETY: the caller's promise: a live host mapping, none of it registered;
+        // registering only page-locks it.
+        check_alloc(unsafe { f(ptr(address), len, HOST_REGISTER_PORTABLE) }, len)
+    }
+
+    unsafe fn host_unregister(address: usize) -> Result<(), Error> {
+        let f = entry!(hipHostUnregister);
+        // SAFETY: the caller's promise: registered at `address`, unused.
         check(unsafe { f(ptr(address)) })
     }
 

@@ -335,6 +335,19 @@ pub(crate) trait Platform {
     /// # Safety
     /// `address` came from `host_alloc` and nothing uses it any more.
     unsafe fn host_free(address: usize) -> Result<(), Error>;
+    /// Page-locks `len` bytes of host memory at `address` in place, portable (for every
+    /// context), not mapped into the device's address space; out of memory is reported
+    /// for `len` bytes.
+    ///
+    /// # Safety
+    /// `address..address + len` lies in a live host mapping of the caller's, none of it
+    /// registered yet, and stays mapped until [`host_unregister`](Self::host_unregister).
+    unsafe fn host_register(address: usize, len: usize) -> Result<(), Error>;
+    /// Unlocks a range [`host_register`](Self::host_register)ed at `address`.
+    ///
+    /// # Safety
+    /// `address` starts a registered range that no copy uses any more.
+    unsafe fn host_unregister(address: usize) -> Result<(), Error>;
     /// Whether `address` is managed memory; `false` for memory the driver does not know.
     fn pointer_is_managed(address: usize) -> Result<bool, Error>;
     /// The ordinal of the device whose memory `address` is.

@@ -15,6 +15,21 @@ use crate::suballoc::{
 use crate::upstream::{Backend, Virtual};
 use crate::{AnyResource, Error, Resource};
 
+/// What a `virtual_pool`'s spec asks of its leaf ([`Target::virtual_leaf`]); `None` leaves
+/// the choice to the target.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeafOptions {
+    /// `reserve=`: bytes of address space to reserve.
+    pub reserve: Option<usize>,
+    /// `granule=`: the bytes mapped, and given back, at a time: a power of two, which the
+    /// target uses as its leaf takes it (`CudaVirtual` raises it to the device's minimum,
+    /// `HostVirtual` refuses one below 4 KiB). A struct of public fields: a later option
+    /// is a new field. Larger granules make fewer driver calls: a sleep
+    /// and wake of 20 GiB make 10,240 `cuMemCreate`s and `cuMemMap`s at 2 MiB, 640 at
+    /// 32 MiB; but a pool grows and gives back whole granules.
+    pub granule: Option<usize>,
+}
+
 /// The leaves a spec is built over, and where the program keeps handles on the layers
 /// it will read later (figures, trimming, flushing logs).
 ///
@@ -22,7 +37,7 @@ use crate::{AnyResource, Error, Resource};
 /// decides, an `arena` without `size=` takes [`arena_size`](Target::arena_size).
 ///
 /// ```
-/// use memres::spec::{Spec, Target};
+/// use memres::spec::{LeafOptions, Spec, Target};
 /// use memres::upstream::{HostPages, Virtual};
 /// use memres::{
 ///     AnyResource, Error, Host, HostHeap, Resource, StreamRef, layout,
@@ -40,8 +55,8 @@ use crate::{AnyResource, Error, Resource};
 ///     fn memory(&mut self) -> Result<HostHeap, Error> {
 ///         Ok(HostHeap)
 ///     }
-///     fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<HostVirtual, Error> {
-///         HostVirtual::new(reserve.unwrap_or(1 << 30), 2 << 20)
+///     fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<HostVirtual, Error> {
+///         HostVirtual::new(leaf.reserve.unwrap_or(1 << 30), leaf.granule.unwrap_or(2 << 20))
 ///     }
 ///     fn arena_size(&mut self) -> Result<usize, Error> {
 ///         Ok(64 << 20)
@@ -67,9 +82,9 @@ pub trait Target {
     /// The memory, for one layer (called once per layer that takes from it).
     fn memory(&mut self) -> Result<Self::Memory, Error>;
 
-    /// A virtual-memory leaf for a `virtual_pool`, reserving `reserve` bytes where the
-    /// spec says (`reserve=`).
-    fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<Virtual<Self::Backend>, Error>;
+    /// A virtual-memory leaf for a `virtual_pool`, with the spec's `reserve=` and
+    /// `granule=` where it gives them ([`LeafOptions`]; `None`: the target's default).
+    fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<Virtual<Self::Backend>, Error>;
 
     /// The size of an `arena` whose spec gives none (the C ABI's: half the device's free
     /// memory).
@@ -250,9 +265,13 @@ impl Spec {
                 step,
                 release,
                 reserve,
+                granule,
             } => {
                 let config = virtual_pool_config(*initial, *max, *step, *release);
-                let leaf = target.virtual_leaf(*reserve)?;
+                let leaf = target.virtual_leaf(&LeafOptions {
+                    reserve: *reserve,
+                    granule: *granule,
+                })?;
                 let pool = Arc::new(leaf.virtual_pool(config)?);
                 target.built(Built::VirtualPool(&pool));
                 let range = crate::upstream::GrowInPlace::reservation(pool.upstream());
@@ -345,6 +364,8 @@ mod tests {
     #[derive(Default)]
     struct Recording {
         reserved: Vec<Option<usize>>,
+        /// The granule of each virtual pool's leaf.
+        granules: Vec<usize>,
         built: Vec<&'static str>,
         /// Per `fallback(..)`: whether it tells its tiers apart by address.
         by_address: Vec<bool>,
@@ -360,9 +381,12 @@ mod tests {
         fn memory(&mut self) -> Result<HostHeap, Error> {
             Ok(HostHeap)
         }
-        fn virtual_leaf(&mut self, reserve: Option<usize>) -> Result<HostVirtual, Error> {
-            self.reserved.push(reserve);
-            HostVirtual::new(reserve.unwrap_or(1 << 30), 64 << 10)
+        fn virtual_leaf(&mut self, leaf: &LeafOptions) -> Result<HostVirtual, Error> {
+            self.reserved.push(leaf.reserve);
+            HostVirtual::new(
+                leaf.reserve.unwrap_or(1 << 30),
+                leaf.granule.unwrap_or(64 << 10),
+            )
         }
         fn arena_size(&mut self) -> Result<usize, Error> {
             Ok(4 << 20)
@@ -370,7 +394,12 @@ mod tests {
         fn built(&mut self, layer: Built<'_, Self>) {
             self.built.push(match layer {
                 Built::ChunkedPool(_) => "pool",
-                Built::VirtualPool(_) => "virtual_pool",
+                Built::VirtualPool(pool) => {
+                    let leaf = pool.upstream();
+                    self.granules
+                        .push(crate::upstream::GrowInPlace::granularity(leaf));
+                    "virtual_pool"
+                }
                 Built::SuperblockArena(_) => "arena",
                 Built::WithStatistics(_) => "statistics",
                 Built::Logged(_) => "logging",
@@ -436,6 +465,29 @@ mod tests {
             .build(&mut target)
             .unwrap();
         assert_eq!(target.reserved, [Some(256 << 20)]);
+    }
+
+    /// `granule=` reaches the leaf: the pool maps that many bytes at a time; one the leaf
+    /// cannot take (not a power of two) is the leaf's error, not a panic.
+    #[test]
+    fn a_virtual_pools_granule_reaches_its_leaf() {
+        for (text, granule) in [
+            ("virtual_pool", 64 << 10),
+            ("virtual_pool:granule=1MiB", 1 << 20),
+        ] {
+            let mut target = Recording::default();
+            let stack = Spec::parse(text).unwrap().build(&mut target).unwrap();
+            round_trip(&stack, 4096).unwrap();
+            assert_eq!(target.granules, [granule], "{text}");
+        }
+        let mut target = Recording::default();
+        let refused = Spec::parse("virtual_pool:granule=3MiB")
+            .unwrap()
+            .build(&mut target);
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{refused:?}"
+        );
     }
 
     /// A `fallback(..)` whose first tier is one virtual pool (under any wrappers) tells

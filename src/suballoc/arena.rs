@@ -136,8 +136,10 @@ impl Global {
     /// `size` bytes of what `list`'s own stream gave back, which needs no wait. Not for
     /// the list that threads share in their thread-local destructors (see
     /// [`StreamKey::is_exiting_threads`]): its "own stream" is several.
+    #[inline]
     fn take_own_pending(&mut self, list: &List<FreeList>, size: usize) -> Option<usize> {
-        if list.key.is_exiting_threads() {
+        // (Nothing pending, the common case, without reading the list's key.)
+        if self.pending.is_empty() || list.key.is_exiting_threads() {
             return None;
         }
         let i = self.pending_of(list)?;
@@ -393,6 +395,9 @@ impl<U: Resource> Arena<U> {
 
     /// Waits for the streams of pending memory and makes it free.
     fn settle_pending(&self, global: &mut Global) -> Result<(), Error> {
+        if global.pending.is_empty() {
+            return Ok(());
+        }
         synchronize(global.pending.iter().filter_map(|p| p.ctx))?;
         let mut blocks: Vec<_> = std::mem::take(&mut global.pending)
             .iter_mut()
@@ -412,43 +417,28 @@ impl<U: Resource> Arena<U> {
     /// streams of those lists are waited for; returns the bytes returned. If the wait
     /// fails, they go back to their lists.
     fn take_idle_superblocks(&self, global: &mut Global) -> Result<usize, Error> {
-        let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::new();
+        // (Room for all at once: with many streams, most superblocks are idle.)
+        let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::with_capacity(global.owners.len());
+        // The contexts of the lists taken from, read only for CUDA streams' lists (a host
+        // stream's has none, `List::ctx`): the line it is on is otherwise not read here,
+        // a miss for each superblock taken back (issue 51 item 4).
+        let mut ctxs: Vec<Context> = Vec::new();
         for (&sb, &key) in &global.owners {
             let (Some(size), Some(list)) = (self.table.size_at(sb), self.lists.find(key)) else {
                 continue;
             };
-            let mut s = list.state.lock();
-            if s.free_bytes() < size {
-                continue;
-            }
-            // The common case, without index work: the list holds the superblock and
-            // nothing else, as its fresh extent and small cached blocks.
-            if s.take_whole(sb, size) {
-                let block = FreeBlock {
-                    addr: sb,
-                    size,
-                    starts_chunk: true,
-                };
+            if let Some(block) = take_superblock(&mut list.state.lock(), sb, size) {
                 taken.push((list, block));
-                s.free.release_memory();
-                continue;
-            }
-            s.flush();
-            if s.free.size_starting_at(sb) == Some(size)
-                && let Some(block) = s.free.remove_starting_at(sb)
-            {
-                taken.push((list, block));
-                // An idle stream's list holds nothing now: its index goes to the next
-                // list that needs one (`free_blocks::spare_tables`), so many streams'
-                // lists cost their inline fields, not an index each.
-                s.free.release_memory();
+                if !key.is_host() {
+                    ctxs.extend(list.ctx);
+                }
             }
         }
         if taken.is_empty() {
             return Ok(0);
         }
         self.stream_merges.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = synchronize(taken.iter().filter_map(|(list, _)| list.ctx)) {
+        if let Err(e) = synchronize(ctxs.into_iter()) {
             for (list, block) in taken {
                 list.state.lock().free.insert(block);
             }
@@ -601,10 +591,38 @@ impl<U: Resource> Arena<U> {
         global.owners.insert(sb, own.key);
         let mut s = own.state.lock();
         // Kept whole, outside the list's index (see `FreeList::add_superblock`).
-        s.add_superblock(sb, sb_size);
-        s.take_uncached(fit.size, fit.align)
+        s.take_from_new_superblock(sb, sb_size, fit.size, fit.align)
             .expect("a request fits its new superblock")
     }
+}
+
+/// The superblock `[sb, sb + size)` taken out of list `s` as one block, if the list holds
+/// it entirely free (its stream idle, mostly); the list, left with nothing, gives up its
+/// index (see `Arena::take_idle_superblocks`).
+fn take_superblock(s: &mut FreeList, sb: usize, size: usize) -> Option<FreeBlock> {
+    if s.free_bytes() < size {
+        return None;
+    }
+    // The common case, without index work: the list holds the superblock and nothing
+    // else, as its fresh extent and small cached blocks.
+    let block = if s.take_whole(sb, size) {
+        FreeBlock {
+            addr: sb,
+            size,
+            starts_chunk: true,
+        }
+    } else {
+        s.flush();
+        if s.free.size_starting_at(sb) != Some(size) {
+            return None;
+        }
+        s.free.remove_starting_at(sb)?
+    };
+    // An idle stream's list holds nothing now: its index goes to the next list that
+    // needs one (`free_blocks::spare_tables`), so many streams' lists cost their inline
+    // fields, not an index each.
+    s.free.release_memory();
+    Some(block)
 }
 
 /// A request on the arena's slow path: its size and alignment (rounded), and the
@@ -695,7 +713,11 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         {
             let mut s = own.state.lock();
             s.flush();
-            if let Some(addr) = s.free.take(fit.size, fit.align) {
+            // (Not the index's search when it is empty: a list whose superblock went to
+            // another stream, issue 51 item 4.)
+            if s.free.bytes() != 0
+                && let Some(addr) = s.free.take(fit.size, fit.align)
+            {
                 return Ok(Some(addr));
             }
         }

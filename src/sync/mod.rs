@@ -14,10 +14,10 @@
 //! `--cfg loom` would switch dependencies that know that name too.
 
 #[cfg(not(memres_loom))]
-pub(crate) use std::sync::{Arc, Mutex, MutexGuard, atomic};
+pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard, atomic};
 
 #[cfg(memres_loom)]
-pub(crate) use loom::sync::{Arc, Mutex, MutexGuard, atomic};
+pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard, atomic};
 
 /// Turns a `std` `Arc` (which can be unsized into `Arc<dyn Trait>`) into the shim's `Arc`.
 #[cfg(not(memres_loom))]

@@ -44,5 +44,5 @@ pub use pinned_host::PinnedHost;
 pub use system::{SamHeadroom, System};
 pub use virtual_memory::{
     Backend, CudaPhysical, CudaVirtual, CudaVirtualConfig, GrowInPlace, HostCopy, HostPages,
-    HostVirtual, Virtual,
+    HostVirtual, Registering, Virtual,
 };

@@ -28,6 +28,8 @@ TESTS = [
 # The C ABI's own tests (host ones: its tables, the stack's pools over host memory, the
 # IPC handle form), for the mutations of capi/.
 CAPI = ["-p", "memres-capi", "--lib"]
+# The virtual pool's sleep and wake: the library's virtual-pool tests (host pages).
+VIRTUAL_POOL = ["-p", "memres", "--lib", "virtual_pool::"]
 # The library's StreamUse layer: its own tests.
 STREAM_USE = ["-p", "memres", "--lib", "stream_use"]
 # SegmentPool (PyTorch's graph and MemPool pools): its host tests and the conformance suite.
@@ -93,12 +95,14 @@ MUTATIONS = [
      "            if barrier::heavy_available() {\n", "            if false && barrier::heavy_available() {\n"),
     ("VirtualPool: a sleeping pool serves its free blocks", "src/suballoc/coalescing.rs",
      "        if self.holding.is_asleep() {", "        if false && self.holding.is_asleep() {"),
-    ("VirtualPool: a sleeping pool gives its copies back to nothing (offload restores nothing)", "src/suballoc/virtual_pool/sleep.rs",
-     "unsafe { (space.restore)(&self.core.upstream, addr, len, copy)? };", "let _ = (addr, len, copy);"),
+    ("VirtualPool: a sleeping pool gives its copies back to nothing (offload restores nothing)", "src/upstream/virtual_memory/staged.rs",
+     "            unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }", "            let _ = buffer;",
+     VIRTUAL_POOL),
     ("Fallback: a first range sends every free to the first tier", "src/adaptor/fallback.rs",
      "            owner != Some(FIRST) // outside `first`'s range: `then`'s", "            false"),
-    ("VirtualPool: a failed wake leaves what it mapped", "src/suballoc/virtual_pool/sleep.rs",
-     "        if result.is_err() {\n            // Copies may be under way", "        if false {\n            // Copies may be under way"),
+    ("VirtualPool: a failed wake leaves what it mapped", "src/upstream/virtual_memory/staged.rs",
+     "    if !outcome.unsettled {\n        let mapped: Vec<(usize, usize)> = ranges",
+     "    if false {\n        let mapped: Vec<(usize, usize)> = ranges", VIRTUAL_POOL),
     ("free lists: an emptied class keeps its bit", "src/suballoc/core/free_blocks.rs",
      "        self.classes_in_use[group] &= !(empty << (class % LINEAR));", "        let _ = empty;"),
     ("free lists: a removed block's successor keeps its old link", "src/suballoc/core/free_blocks.rs",

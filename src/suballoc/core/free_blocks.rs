@@ -182,16 +182,20 @@ pub(crate) struct FreeBlocks {
     /// Blocks by address region, and each node's links in them, in a list made
     /// [`address_ordered`](FreeBlocks::address_ordered).
     regions: Option<Box<Ordered>>,
-    /// The blocks, by node number (a number in `spare` is a node not in use).
-    nodes: Vec<Node>,
-    spare: Vec<u32>,
     /// The class lists, circular and doubly linked: entry `c < CLASSES` is class `c`'s
     /// sentinel, entry [`entry(i)`](entry) node `i`'s place. With a sentinel, putting a
     /// node in and taking it out are the same few stores whatever its neighbours are:
     /// no branch on whether the list was empty or the node first, which random sizes
     /// made mispredicted (callgrind `--branch-sim` on `random`). Allocated with the first
     /// block (empty before, and again after [`FreeBlocks::release_memory`]).
+    ///
+    /// Next to the fields a request reads first: whether it holds heap memory is what
+    /// [`release_memory`](FreeBlocks::release_memory) reads of an empty list (an arena's
+    /// idle stream's, issue 51 item 4), on the line a request to it read just before.
     lists: Vec<Link>,
+    /// The blocks, by node number (a number in `spare` is a node not in use).
+    nodes: Vec<Node>,
+    spare: Vec<u32>,
     /// Per group, bit `c` is set when class `16 g + c` is non-empty.
     classes_in_use: [u16; GROUPS],
     by_start: SparseAddrMap<NodeRef>,
@@ -203,6 +207,11 @@ impl FreeBlocks {
     #[cfg(all(test, not(memres_loom)))]
     pub(crate) const HOT_BYTES: usize =
         std::mem::offset_of!(FreeBlocks, regions) + size_of::<Option<Box<Ordered>>>();
+    /// The bytes up to the class table's end (what `release_memory` reads of an empty
+    /// list, on the same line as the ones above).
+    #[cfg(all(test, not(memres_loom)))]
+    pub(crate) const TABLE_END: usize =
+        std::mem::offset_of!(FreeBlocks, lists) + size_of::<Vec<Link>>();
 }
 
 /// The index of an [`address_ordered`](FreeBlocks::address_ordered) list: its regions and
@@ -341,7 +350,9 @@ impl FreeBlocks {
     /// Gives back the heap memory of an empty list (a stream's list that holds nothing
     /// costs then only its inline fields). Nothing happens while it holds a block.
     pub(crate) fn release_memory(&mut self) {
-        if self.by_start.len() != 0 {
+        // (`bytes`, among the fields a search reads first, is 0 exactly when it holds no
+        // block.)
+        if self.bytes != 0 || !self.holds_heap() {
             return;
         }
         let regions = self
@@ -373,6 +384,28 @@ impl FreeBlocks {
             spare.regions = None;
             spare_tables::give(spare);
         }
+    }
+
+    /// Whether the list holds any heap memory: its region index, node and class tables,
+    /// or maps. (An idle stream's list in an arena, whose superblock stayed outside the
+    /// index, mostly holds none: `release_memory` then has nothing to do, where it
+    /// otherwise rebuilt the whole `FreeBlocks`, about 100 instructions for each idle
+    /// superblock an arena took back, issue 51 item 4.)
+    ///
+    /// The class table is read, not every vector and map: the others get heap memory
+    /// only once a block is linked, which makes the table first (`make_lists`), and
+    /// `release_memory` frees them all together (one line of the list read, not three).
+    #[inline]
+    fn holds_heap(&self) -> bool {
+        debug_assert!(
+            self.lists.capacity() > 0
+                || (self.nodes.capacity() == 0
+                    && self.spare.capacity() == 0
+                    && !self.by_start.holds_slots()
+                    && !self.by_end.holds_slots()),
+            "heap memory without a class table"
+        );
+        self.regions.is_some() || self.lists.capacity() > 0
     }
 
     /// Whether the list keeps heap memory for its index (class table or nodes).

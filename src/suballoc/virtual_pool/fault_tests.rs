@@ -11,8 +11,8 @@ use crate::error::Error;
 use crate::resource::{Resource, layout};
 use crate::stream::StreamRef;
 use crate::suballoc::VirtualPoolConfig;
-use crate::upstream::HostVirtual;
 use crate::upstream::virtual_memory::faults;
+use crate::upstream::{GrowInPlace, HostVirtual};
 
 fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -28,7 +28,7 @@ fn a_virtual_pool_whose_maps_fail_stays_exact_and_usable() {
         let pool = HostVirtual::new(1 << 30, 2 << 20)
             .and_then(|v| v.virtual_pool(VirtualPoolConfig::new().release_threshold(64 << 20)))
             .unwrap();
-        faults::fail_every(every);
+        faults::fail_every(pool.upstream().reservation().0, every);
         let mut rng = every;
         let mut live: Vec<(NonNull<u8>, Layout, StreamRef<'static>)> = Vec::new();
         let mut failures = 0;
@@ -62,7 +62,7 @@ fn a_virtual_pool_whose_maps_fail_stays_exact_and_usable() {
             }
         }
         assert!(failures > 0, "every {every}: the faults were met");
-        faults::fail_every(0);
+        faults::fail_every(pool.upstream().reservation().0, 0);
         let l = layout(16 << 20).unwrap();
         let p = pool
             .allocate(StreamRef::HOST, l)

@@ -14,10 +14,18 @@ use crate::suballoc::core::free_list::FreeList;
 use crate::suballoc::core::list_table::List;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::upstream::GrowInPlace;
+use crate::upstream::Registering;
 use crate::upstream::virtual_memory::{Granules, HostCopy};
 
 /// [`GrowInPlace::save_at`]: copies of `(address, bytes)` ranges in host memory.
 type Save<U> = unsafe fn(&U, &[(usize, usize)], &mut Vec<HostCopy>) -> Result<Vec<HostCopy>, Error>;
+
+/// [`GrowInPlace::prepare_host_memory`]: host memory made ahead of a sleep.
+type Prepare<U> = fn(&U, &[usize], usize) -> Result<Vec<HostCopy>, Error>;
+
+/// [`GrowInPlace::wake_at`]: maps ranges again, with their copies if any.
+type Wake<U> =
+    unsafe fn(&U, &[(usize, usize)], &[HostCopy], &mut Vec<HostCopy>) -> Result<(), Error>;
 
 /// How a pool that grows in place reaches its upstream ([`GrowInPlace`]'s methods, taken
 /// when the pool is made, so that `VirtualPool<U>` needs no other bound), with its
@@ -27,9 +35,13 @@ pub(crate) struct Space<U> {
     pub(super) granularity: usize,
     pub(super) map: fn(&U, usize, usize) -> Result<(), Error>,
     pub(super) unmap: unsafe fn(&U, usize, usize),
+    pub(super) unmap_ranges: unsafe fn(&U, &[(usize, usize)]),
     keep_unmapped: fn(&U, bool),
     pub(super) save: Save<U>,
-    pub(super) restore: unsafe fn(&U, usize, usize, &HostCopy) -> Result<(), Error>,
+    pub(super) wake: Wake<U>,
+    pub(super) prepare: Prepare<U>,
+    pub(super) is_staging: fn(&U, &HostCopy) -> bool,
+    pub(super) register: fn(&U, &[&HostCopy]) -> Option<Registering>,
     pub(super) synchronize: fn(&U) -> Result<(), Error>,
     pub(super) config: VirtualPoolConfig,
     /// Set while the pool sleeps (read first by every allocation; written under the
@@ -45,9 +57,13 @@ impl<U: GrowInPlace> Space<U> {
             granularity: upstream.granularity(),
             map: <U as GrowInPlace>::map_at,
             unmap: <U as GrowInPlace>::unmap_at,
+            unmap_ranges: <U as GrowInPlace>::unmap_ranges_at,
             keep_unmapped: <U as GrowInPlace>::keep_unmapped,
             save: <U as GrowInPlace>::save_at,
-            restore: <U as GrowInPlace>::restore_at,
+            wake: <U as GrowInPlace>::wake_at,
+            prepare: <U as GrowInPlace>::prepare_host_memory,
+            is_staging: <U as GrowInPlace>::is_staging_buffer,
+            register: <U as GrowInPlace>::register_host_copies,
             synchronize: <U as GrowInPlace>::synchronize,
             config,
             asleep: AtomicBool::new(false),
@@ -58,12 +74,17 @@ impl<U: GrowInPlace> Space<U> {
 /// What a [`VirtualPool`](super::VirtualPool) holds, under its growth lock.
 #[derive(Default)]
 pub(crate) struct Mapped {
+    /// The registration of the host copies (`slept`'s and `kept`'s) under way, if any:
+    /// stopped (dropped) before anything copies into or out of them or frees them, and
+    /// first of the fields, so that it stops before they go.
+    pub(super) registering: Option<Registering>,
     /// Which granules of the reservation it holds (while it sleeps: which it maps again
     /// when woken).
     pub(super) mapped: Granules,
     /// Set while the pool sleeps: what waking it maps and restores.
     pub(super) slept: Option<Slept>,
-    /// Host copies a wake kept for the next offloading sleep (freed by `trim`).
+    /// Host memory kept for the next offloading sleep and wake (freed by `trim`): the
+    /// copies a wake kept, and the pinned staging buffers the copies went through.
     pub(super) kept: Vec<HostCopy>,
 }
 
@@ -169,6 +190,9 @@ impl<U: Resource> Holding<U> for Space<U> {
     }
 
     fn take_host_copies(memory: &mut Mapped) -> Vec<HostCopy> {
+        // The copies go: their registration stops first (and a sleeping pool's, whose
+        // copies are then staged where they are not registered yet).
+        memory.registering = None;
         std::mem::take(&mut memory.kept)
     }
 }

@@ -26,6 +26,10 @@ mod fault_tests;
 #[cfg(all(test, not(memres_loom)))]
 mod sleep_tests;
 
+/// The host copies' registration in the background, and the direct copies it allows.
+#[cfg(all(test, not(memres_loom)))]
+mod register_tests;
+
 /// A coalescing sub-allocator that grows in place over a reserved address range (a
 /// [`GrowInPlace`] upstream: [`CudaVirtual`](crate::CudaVirtual) on a GPU,
 /// [`HostVirtual`](crate::upstream::HostVirtual) over host pages): the pool that holds least, and

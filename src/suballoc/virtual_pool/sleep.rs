@@ -5,11 +5,13 @@
 
 use super::VirtualPool;
 use super::grow::{Mapped, Space};
-use super::slept::{SleepMode, Slept};
+use super::slept::{self, SleepMode, Slept};
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::suballoc::coalescing::GrowthState;
 use crate::sync::atomic::Ordering;
+use crate::upstream::HostCopy;
+use crate::upstream::virtual_memory::Granules;
 
 /// The most bytes copied or mapped in one piece: a wake maps the next piece while the
 /// last one's contents are copied back. (Small in the tests, so that their pools have
@@ -31,14 +33,57 @@ impl<U: Resource> VirtualPool<U> {
     ///   (`pool_size` 0, [`PoolStats::asleep_bytes`](crate::suballoc::PoolStats::asleep_bytes) what waking maps);
     /// - dropping the pool frees the host copies.
     ///
-    /// After a wake the host copies are kept ([`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes)), so that the
-    /// next offloading sleep (an RL loop sleeps every step) only copies: pinning host
-    /// memory costs far more than copying into it (3.2 against 55 GB/s on an H200).
-    /// [`trim`](Self::trim) frees them.
+    /// How `Offload` copies: into pageable host memory (one `mmap` per 256 MiB piece,
+    /// aligned to 2 MiB, with transparent huge pages asked for, `madvise(MADV_HUGEPAGE)`,
+    /// unless `/sys/kernel/mm/transparent_hugepage/enabled` says `[never]` or
+    /// `MEMRES_OFFLOAD_HUGE_PAGES=0`; a kernel that refuses the advice gives small pages,
+    /// silently), through pinned staging buffers of 4 MiB, two
+    /// per copying thread, on as many threads as the machine has cores (one less for a
+    /// wake; no more than one per 256 MiB to copy, each costing the device about 1 MiB
+    /// while the pool sleeps; at most 16; the environment variable
+    /// `MEMRES_OFFLOAD_THREADS` sets another number). Each thread
+    /// has the device copy one chunk into a buffer, on a stream of its own, while it
+    /// copies the chunk before out of its other buffer; the wake runs the same way back,
+    /// while the pool maps the next pieces (on one thread; `MEMRES_OFFLOAD_MAP_THREADS`
+    /// sets another number, 1 to 16, and the memory is given back on as many when the
+    /// pool sleeps: the driver maps and unmaps each granule on its own, which costs more
+    /// than copying a 2 MiB one; larger granules,
+    /// [`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity),
+    /// cost less). So no sleep pins host memory the size of the
+    /// pool: pinning costs far more than copying (`cuMemHostAlloc`: 3.2 GB/s against 55
+    /// for copies on an H200), and a first sleep that pinned its copies took 10 to 17 s
+    /// for 20 GiB. The first sleep pins only the staging buffers (at most 128 MiB), and
+    /// the kernel backs the copies' pages as the threads write them (the `memres::pool`
+    /// debug event "the sleep's steps" gives the time of each). Backing fresh pages is
+    /// what a first sleep costs over a second: 5 million faults of 4 KiB for 20 GiB, 10,240
+    /// of 2 MiB where the kernel has huge pages to give.
+    ///
+    /// Once the sleep returns, a thread of the pool's registers the copies with the driver
+    /// (`cuMemHostRegister`, 32 MiB at a time, from each copy's start: pinning in place,
+    /// at a few GB/s, costs the sleep nothing there; the copies are private anonymous
+    /// mappings, which the driver registers whether their pages are huge or small), so that the wake copies the
+    /// registered part back directly, one DMA a chunk without the staging memcpy, and the
+    /// rest through the staging buffers; [`registered_host_bytes`](Self::registered_host_bytes)
+    /// says how far it got. The wake stops it first (waiting for at most one piece), and
+    /// starts it again for what is left; so do the next sleep (which copies into the
+    /// registered part directly) and [`prepare_offload`](Self::prepare_offload).
+    /// `MEMRES_OFFLOAD_REGISTER=0` turns the registration off.
+    ///
+    /// **What the pool holds while asleep**: the host copies, as many bytes as it
+    /// offloaded, pageable until registered, then page-locked (not swappable) as the
+    /// registration goes, and the staging buffers. **What it holds while awake**, once it
+    /// has slept with `Offload`: the same host copies (page-locked as far as they are
+    /// registered: the whole pool's size once the registration is done) and the staging
+    /// buffers (pinned, `2 × threads × 4 MiB`, at most 128 MiB), kept for the next sleep
+    /// (an RL loop sleeps every step), which then only copies, and counted in
+    /// [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes).
+    /// [`trim`](Self::trim) stops the registration and frees them (unregistered). A pool
+    /// that never offloaded holds no host memory.
     ///
     /// Errors leave the pool awake and its memory where it was:
     /// [`Error::InvalidArgument`] for a pool asleep already, [`Error::OutOfMemory`] when
-    /// host memory for the copies runs out. (Only this pool sleeps: a chunked
+    /// host memory for the copies or the staging buffers runs out, a driver error when a
+    /// copy fails. What host memory it took is kept for the next sleep, as after a wake. (Only this pool sleeps: a chunked
     /// [`Pool`](crate::suballoc::Pool) has no such method, since only mapped granules can
     /// go back while their addresses stay.)
     ///
@@ -84,12 +129,14 @@ impl<U: Resource> VirtualPool<U> {
                 "the pool is asleep already: wake it before it sleeps again",
             ));
         }
+        // Nothing registers the copies while they are copied into.
+        growth.memory.registering = None;
         // From here allocations fail at once. One already past that check may still take
         // a listed block (its memory then sleeps with the rest: the caller's race, which
         // `sleep`'s contract rules out), but none maps memory: growth looks at `slept`
         // under the growth lock, held here until the pool sleeps.
         space.asleep.store(true, Ordering::SeqCst);
-        match self.fall_asleep(space, &mut growth, mode) {
+        let asleep = match self.fall_asleep(space, &mut growth, mode) {
             Ok(slept) => {
                 let size = slept.size();
                 growth.size -= size;
@@ -101,7 +148,9 @@ impl<U: Resource> VirtualPool<U> {
                 space.asleep.store(false, Ordering::SeqCst);
                 Err(e)
             }
-        }
+        };
+        self.register_copies(&mut growth.memory);
+        asleep
     }
 
     /// Waits for the device, gives free granules back, copies the rest (`Offload`) and
@@ -112,23 +161,12 @@ impl<U: Resource> VirtualPool<U> {
         growth: &mut GrowthState<Mapped>,
         mode: SleepMode,
     ) -> Result<Slept, Error> {
+        let start = std::time::Instant::now();
         (space.synchronize)(&self.core.upstream)?;
         let host = self.core.host_list();
         self.core.release_down_to(growth, host, 0)?;
-        let g = space.granularity;
-        let piece = PIECE.next_multiple_of(g);
-        let pieces: Vec<(usize, usize)> = growth
-            .memory
-            .mapped
-            .mapped_runs()
-            .into_iter()
-            .flat_map(|(first, n)| {
-                let (start, end) = (space.base + first * g, space.base + (first + n) * g);
-                (start..end)
-                    .step_by(piece)
-                    .map(move |addr| (addr, piece.min(end - addr)))
-            })
-            .collect();
+        let trimmed = start.elapsed();
+        let pieces = pieces(space, &growth.memory.mapped);
         let copies = match mode {
             SleepMode::Discard => Vec::new(),
             // SAFETY: mapped by the pool; all work on the device is done (waited for
@@ -138,11 +176,17 @@ impl<U: Resource> VirtualPool<U> {
                 (space.save)(&self.core.upstream, &pieces, &mut growth.memory.kept)?
             },
         };
-        for &(addr, len) in &pieces {
-            // SAFETY: mapped by this pool; no work uses them (as above), and the copies,
-            // if any, are made.
-            unsafe { (space.unmap)(&self.core.upstream, addr, len) };
-        }
+        let copied = start.elapsed();
+        // SAFETY: mapped by this pool, apart from each other; no work uses them (as
+        // above), and the copies, if any, are made.
+        unsafe { (space.unmap_ranges)(&self.core.upstream, &pieces) };
+        tracing::debug!(
+            target: "memres::pool",
+            wait_and_trim_s = trimmed.as_secs_f64(),
+            copy_s = (copied - trimmed).as_secs_f64(),
+            unmap_s = (start.elapsed() - copied).as_secs_f64(),
+            "memres: the sleep's steps"
+        );
         Ok(Slept {
             mode,
             pieces,
@@ -151,8 +195,10 @@ impl<U: Resource> VirtualPool<U> {
     }
 
     /// Wakes a sleeping pool: maps its memory again at the addresses it had and, if it
-    /// slept with [`SleepMode::Offload`], copies the contents back. Returns the bytes
-    /// mapped. Afterwards the pool serves allocations as before it slept.
+    /// slept with [`SleepMode::Offload`], copies the contents back (on several threads,
+    /// through the staging buffers, while the next pieces are mapped: see
+    /// [`sleep`](Self::sleep)). Returns the bytes mapped. Afterwards the pool serves
+    /// allocations as before it slept.
     ///
     /// [`Error::InvalidArgument`] for a pool that is not asleep; [`Error::OutOfMemory`]
     /// when the device cannot back the memory (another process holds it): the pool stays
@@ -166,8 +212,23 @@ impl<U: Resource> VirtualPool<U> {
                 "the pool is not asleep: wake() without sleep()",
             ));
         };
-        if let Err(e) = self.wake_up(space, &slept) {
+        // Nothing registers the copies while they are copied from: the registered part
+        // is copied directly, the rest staged.
+        growth.memory.registering = None;
+        // SAFETY: nothing uses a sleeping pool's memory (`sleep`'s contract) until this
+        // call returns; the pieces were mapped by this pool when it slept, and the copies
+        // (if any) are theirs, one a piece.
+        let woken = unsafe {
+            (space.wake)(
+                &core.upstream,
+                &slept.pieces,
+                &slept.copies,
+                &mut growth.memory.kept,
+            )
+        };
+        if let Err(e) = woken {
             growth.memory.slept = Some(slept);
+            self.register_copies(&mut growth.memory);
             return Err(e);
         }
         let size = slept.size();
@@ -175,50 +236,149 @@ impl<U: Resource> VirtualPool<U> {
         growth.peak = growth.peak.max(growth.size);
         space.asleep.store(false, Ordering::SeqCst);
         tracing::debug!(target: "memres::pool", size, mode = ?slept.mode, "memres: pool awake");
-        // Pinning host memory costs far more than copying into it (and unpinning about as
-        // much): the copies are kept for the next sleep, until `trim` (or the drop).
+        // Backing host memory costs more than copying into it: the copies are kept for
+        // the next sleep (with the staging buffers, already there), until `trim` (or the
+        // drop).
         growth.memory.kept.extend(slept.copies);
+        self.register_copies(&mut growth.memory);
         Ok(size)
     }
 
-    /// Maps every piece of `slept`, each followed by the copy of its contents (which runs
-    /// while the next piece is mapped), then waits for the copies; on an error unmaps
-    /// what it mapped.
-    fn wake_up(&self, space: &Space<U>, slept: &Slept) -> Result<(), Error> {
-        let mut mapped = 0;
-        let result = (|| {
-            for (i, &(addr, len)) in slept.pieces.iter().enumerate() {
-                (space.map)(&self.core.upstream, addr, len)?;
-                mapped += 1;
-                if let Some(copy) = slept.copies.get(i) {
-                    // SAFETY: mapped just above, by this pool; nothing uses a sleeping
-                    // pool's memory (`sleep`'s contract) and `slept` lives until the
-                    // copies are waited for, below.
-                    unsafe { (space.restore)(&self.core.upstream, addr, len, copy)? };
-                }
+    /// Starts registering what is left unregistered of the pool's host copies, on a
+    /// thread of its own (see [`sleep`](Self::sleep)), stopping a registration under way.
+    fn register_copies(&self, memory: &mut Mapped) {
+        memory.registering = None;
+        let copies: Vec<&HostCopy> = memory
+            .slept
+            .iter()
+            .flat_map(|s| &s.copies)
+            .chain(&memory.kept)
+            .collect();
+        memory.registering = (self.core.holding.register)(&self.core.upstream, &copies);
+    }
+
+    /// Bytes of the pool's host copies registered with the driver (page-locked): the
+    /// device copies them back on a wake (and into them on a sleep) directly, without
+    /// the staging buffers. A registration runs on a thread of its own after every
+    /// offloading sleep, wake and [`prepare_offload`](Self::prepare_offload), until the
+    /// copies are registered whole; see [`sleep`](Self::sleep).
+    pub fn registered_host_bytes(&self) -> usize {
+        let growth = self.core.lock_growth();
+        let memory = &growth.memory;
+        memory
+            .slept
+            .iter()
+            .flat_map(|s| &s.copies)
+            .chain(&memory.kept)
+            .map(HostCopy::registered)
+            .sum()
+    }
+
+    /// Makes ahead the host memory that an offloading [`sleep`](Self::sleep) of what the
+    /// pool holds now would make: host copies (pageable, as many bytes as the pool
+    /// holds, their pages backed now, on as many threads as a sleep copies on) and the
+    /// pinned staging buffers, less what the pool keeps already (an earlier sleep's, or
+    /// an earlier call's). Returns the bytes made. The first sleep then only copies,
+    /// as later ones do: backing fresh host memory runs far slower than copying into it
+    /// on some machines (in virtual machines that hand memory back to their host), and
+    /// it costs the host memory from now on rather than from the sleep.
+    ///
+    /// The memory counts in [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes)
+    /// and stays until [`trim`](Self::trim) (which frees it) or the drop; memory the pool
+    /// maps later is copied into new host memory when it sleeps. The pool serves
+    /// allocations meanwhile (the memory is made outside its locks).
+    ///
+    /// [`Error::InvalidArgument`] for a sleeping pool; [`Error::OutOfMemory`] when the host
+    /// lacks the room (nothing is kept then); [`Error::Unsupported`] for an upstream that
+    /// cannot copy to the host.
+    ///
+    /// ```
+    /// use memres::{Resource, StreamRef, VirtualPoolConfig, layout, suballoc::SleepMode, upstream::HostVirtual};
+    ///
+    /// let pool = HostVirtual::new(1 << 30, 64 << 10)?.virtual_pool(VirtualPoolConfig::new())?;
+    /// let l = layout(1 << 20)?;
+    /// let p = pool.allocate(StreamRef::HOST, l)?;
+    /// let made = pool.prepare_offload()?;
+    /// assert!(made >= 1 << 20, "a copy of the pool and its staging buffers");
+    /// assert_eq!(pool.prepare_offload()?, 0, "made already");
+    /// // SAFETY: nothing touches the block until the pool wakes.
+    /// unsafe { pool.sleep(SleepMode::Offload)? };
+    /// assert_eq!(pool.stats().host_copy_bytes, made, "the sleep made no more");
+    /// pool.wake()?;
+    /// // SAFETY: allocated above with `l`; not used afterwards.
+    /// unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn prepare_offload(&self) -> Result<usize, Error> {
+        let space = &self.core.holding;
+        let (lens, staging) = {
+            let growth = self.core.lock_growth();
+            if growth.memory.slept.is_some() {
+                return Err(Error::invalid_argument(
+                    "the pool is asleep: prepare_offload() is for an awake pool",
+                ));
             }
-            (space.synchronize)(&self.core.upstream)
-        })();
-        if result.is_err() {
-            // Copies may be under way into what is about to be unmapped.
-            let waited = (space.synchronize)(&self.core.upstream);
-            for &(addr, len) in &slept.pieces[..mapped] {
-                if waited.is_err() {
-                    // A broken device: leave the memory mapped rather than unmap it under
-                    // a copy (the pool stays asleep; dropping it leaves the leaf to
-                    // unmap what is mapped).
-                    break;
-                }
-                // SAFETY: mapped above by this call; nothing uses it and the copies into
-                // it are done (waited for above).
-                unsafe { (space.unmap)(&self.core.upstream, addr, len) };
-            }
+            let kept = &growth.memory.kept;
+            let staging = kept
+                .iter()
+                .filter(|&c| (space.is_staging)(&self.core.upstream, c))
+                .count();
+            // The pieces a kept copy would hold (as a sleep picks them: the smallest that
+            // holds each) need none.
+            let mut free: Vec<usize> = kept
+                .iter()
+                .filter(|&c| !(space.is_staging)(&self.core.upstream, c))
+                .map(HostCopy::len)
+                .collect();
+            free.sort_unstable();
+            let lens: Vec<usize> = pieces(space, &growth.memory.mapped)
+                .into_iter()
+                .map(|(_, len)| len)
+                .filter(|&len| {
+                    let fit = free.partition_point(|&f| f < len);
+                    let held = fit < free.len();
+                    if held {
+                        free.remove(fit);
+                    }
+                    !held
+                })
+                .collect();
+            (lens, staging)
+        };
+        if lens.is_empty() {
+            return Ok(0); // kept already, or nothing mapped
         }
-        result
+        let made = (space.prepare)(&self.core.upstream, &lens, staging)?;
+        let bytes = slept::bytes(&made);
+        let mut growth = self.core.lock_growth();
+        growth.memory.kept.extend(made);
+        // Registered now, in the background: the first sleep then copies directly.
+        self.register_copies(&mut growth.memory);
+        drop(growth);
+        tracing::debug!(target: "memres::pool", bytes, "memres: host memory made for a sleep");
+        Ok(bytes)
     }
 
     /// Whether the pool sleeps ([`sleep`](Self::sleep)).
     pub fn is_asleep(&self) -> bool {
         self.core.holding.asleep.load(Ordering::Relaxed)
     }
+}
+
+/// What the pool maps in `mapped`, as `(address, bytes)` in address order: the mapped
+/// runs cut into pieces of at most `PIECE` bytes (whole granules), which a sleep copies
+/// one host copy each.
+fn pieces<U>(space: &Space<U>, mapped: &Granules) -> Vec<(usize, usize)> {
+    let g = space.granularity;
+    let piece = PIECE.next_multiple_of(g);
+    mapped
+        .mapped_runs()
+        .into_iter()
+        .flat_map(|(first, n)| {
+            let (start, end) = (space.base + first * g, space.base + (first + n) * g);
+            (start..end)
+                .step_by(piece)
+                .map(move |addr| (addr, piece.min(end - addr)))
+        })
+        .collect()
 }

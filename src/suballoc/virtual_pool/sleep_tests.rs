@@ -10,7 +10,7 @@ use crate::resource::{Resource, layout};
 use crate::stream::StreamRef;
 use crate::suballoc::{SleepMode, VirtualPool, VirtualPoolConfig};
 use crate::upstream::HostVirtual;
-use crate::upstream::virtual_memory::faults;
+use crate::upstream::virtual_memory::{CHUNK, faults};
 
 const GRANULE: usize = 64 << 10;
 
@@ -211,9 +211,15 @@ fn a_wake_the_device_cannot_back_fails_keeps_the_pool_asleep_and_can_be_tried_ag
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
     assert_eq!(pool.stats().asleep_bytes, released);
     // The second map fails: another process took the memory.
-    faults::fail_every(2);
+    faults::fail_every(
+        crate::upstream::GrowInPlace::reservation(pool.upstream()).0,
+        2,
+    );
     assert!(matches!(pool.wake(), Err(Error::OutOfMemory { .. })));
-    faults::fail_every(0);
+    faults::fail_every(
+        crate::upstream::GrowInPlace::reservation(pool.upstream()).0,
+        0,
+    );
     assert!(pool.is_asleep());
     assert_eq!(
         pool.upstream().mapped_bytes(),
@@ -300,29 +306,37 @@ fn sleep_and_wake_beside_threads_that_allocate() {
     assert_eq!(pool.upstream().mapped_bytes(), 0);
 }
 
+/// The staging buffers among the pool's host memory, besides `copies` bytes of copies:
+/// a whole number of `CHUNK`s, two a thread at most (4 threads in the tests; how many a
+/// sleep makes depends on how many threads got chunks).
+fn staging_bytes(pool: &VirtualPool<HostVirtual>, copies: usize) -> usize {
+    let held = pool.stats().host_copy_bytes;
+    let staging = held.checked_sub(copies).expect("the copies are held");
+    assert!(
+        staging.is_multiple_of(CHUNK) && staging <= 8 * CHUNK,
+        "{staging} bytes of staging buffers"
+    );
+    staging
+}
+
 #[test]
 fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
     let pool = pool();
     let blocks = fill(&pool);
     // SAFETY: nothing touches the blocks until the pool wakes (each round).
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-    assert_eq!(
-        pool.stats().host_copy_bytes,
-        released,
-        "the copies, while asleep"
-    );
+    // The copies and the staging buffers, while asleep.
+    assert!(staging_bytes(&pool, released) > 0);
     pool.wake().unwrap();
-    assert_eq!(
-        pool.stats().host_copy_bytes,
-        released,
-        "kept after the wake"
-    );
-    // The next sleeps use them again: no more host memory, the same contents back.
+    staging_bytes(&pool, released);
+    // The next sleeps use the copies again: no more memory for copies, the same contents
+    // back.
     for round in 0..3 {
         // SAFETY: as above.
         assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(released));
-        assert_eq!(pool.stats().host_copy_bytes, released, "round {round}");
+        staging_bytes(&pool, released);
         pool.wake().unwrap();
+        staging_bytes(&pool, released);
         for &(p, l, _, byte) in &blocks {
             assert!(holds(p, l, byte), "round {round}");
         }
@@ -337,10 +351,133 @@ fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
         matches!(failed, Err(Error::OutOfMemory { .. })),
         "{failed:?}"
     );
-    assert_eq!(pool.stats().host_copy_bytes, released);
+    staging_bytes(&pool, released);
     free_all(&pool, blocks);
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees them");
+}
+
+#[test]
+fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_awake() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    // One buffer can be had (pinned), the next not: the first chunk is copied, then
+    // whichever thread asks for a second buffer (for the second chunk, whoever takes it)
+    // fails.
+    faults::fail_staging(base, Some(1));
+    // SAFETY: nothing touches the blocks while the call runs.
+    let slept = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_staging(base, None);
+    assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
+    assert!(!pool.is_asleep());
+    let held = pool.stats().pool_size;
+    assert_eq!(pool.upstream().mapped_bytes(), held, "nothing unmapped");
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "nothing lost");
+    }
+    // Nothing leaked: the copies made (one a piece, all made before any chunk) and the
+    // buffer are kept for the next sleep.
+    assert_eq!(staging_bytes(&pool, held), CHUNK);
+    // The next sleep uses them and makes the buffers it lacks.
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    staging_bytes(&pool, held);
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "restored");
+    }
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().host_copy_bytes, 0);
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+}
+
+#[test]
+fn a_sleep_whose_lanes_cannot_be_waited_for_leaks_its_copies_and_leaves_the_pool_awake() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    let abandoned =
+        crate::upstream::virtual_memory::ABANDONED.load(std::sync::atomic::Ordering::Relaxed);
+    faults::fail_finish(base, true);
+    // SAFETY: nothing touches the blocks while the call runs.
+    let slept = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_finish(base, false);
+    assert!(matches!(slept, Err(Error::InvalidArgument(_))), "{slept:?}");
+    assert!(!pool.is_asleep());
+    // The device might still write into the copies: they were leaked, not kept as spares
+    // (nor freed).
+    let leaked =
+        crate::upstream::virtual_memory::ABANDONED.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(leaked > abandoned, "the copies were leaked");
+    staging_bytes(&pool, 0); // only staging buffers held: no copy kept
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "nothing lost");
+    }
+    // With the device working again, the pool sleeps and wakes as ever.
+    let held = pool.stats().pool_size;
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "restored");
+    }
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+}
+
+#[test]
+fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    // Copies back into the upper half fail: the lower half is mapped and copied first.
+    faults::fail_saves(base + released / 2, base + len, true);
+    let woken = pool.wake();
+    faults::fail_saves(base + released / 2, base + len, false);
+    assert!(matches!(woken, Err(Error::OutOfMemory { .. })), "{woken:?}");
+    assert!(pool.is_asleep());
+    assert_eq!(
+        pool.upstream().mapped_bytes(),
+        0,
+        "what it mapped went back"
+    );
+    assert_eq!(pool.stats().asleep_bytes, released);
+    staging_bytes(&pool, released); // and the copies, all kept
+    assert_eq!(pool.wake(), Ok(released));
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "restored by the second wake");
+    }
+    free_all(&pool, blocks);
+}
+
+#[test]
+fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
+    // Pieces of 256 KiB, chunks of 96 KiB: each piece ends in a short chunk, and the four
+    // threads take chunks of different pieces at once.
+    let pool = pool();
+    let l = layout(5 << 20).unwrap();
+    let p = pool.allocate(StreamRef::HOST, l).unwrap();
+    let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
+    // SAFETY: a fresh block of `l.size()` bytes of host memory.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    for round in 0..2 {
+        // SAFETY: nothing touches the block until the pool wakes.
+        unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+        pool.wake().unwrap();
+        // SAFETY: the block is mapped again.
+        let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
+        let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
+        assert_eq!(wrong, None, "round {round}");
+    }
+    // SAFETY: allocated above with `l`; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
 }
 
 #[test]
@@ -365,10 +502,176 @@ fn a_leaf_refuses_copies_of_unmapped_ranges_and_restores_too_long_for_their_copy
         matches!(partial, Err(Error::InvalidArgument(_))),
         "{partial:?}"
     );
-    let half = crate::upstream::HostCopy::heap(GRANULE / 2).unwrap();
-    // SAFETY: refused before any byte is written: the copy holds half a granule.
-    let long = unsafe { leaf.restore_at(addr, GRANULE, &half) };
+    let free = addr + GRANULE;
+    let half = crate::upstream::HostCopy::pages(GRANULE / 2).unwrap();
+    // SAFETY: refused before anything is mapped: the copy holds half a granule.
+    let long = unsafe { leaf.wake_at(&[(free, GRANULE)], std::slice::from_ref(&half), &mut spare) };
     assert!(matches!(long, Err(Error::InvalidArgument(_))), "{long:?}");
+    // SAFETY: refused before anything is mapped: one copy for two ranges.
+    let short = unsafe {
+        leaf.wake_at(
+            &[(free, GRANULE), (free + GRANULE, GRANULE)],
+            std::slice::from_ref(&half),
+            &mut spare,
+        )
+    };
+    assert!(matches!(short, Err(Error::InvalidArgument(_))), "{short:?}");
+    let full = crate::upstream::HostCopy::pages(GRANULE).unwrap();
+    // SAFETY: refused by `map_at`: the granule is mapped already; nothing is copied.
+    let mapped =
+        unsafe { leaf.wake_at(&[(addr, GRANULE)], std::slice::from_ref(&full), &mut spare) };
+    assert!(
+        matches!(mapped, Err(Error::InvalidArgument(_))),
+        "{mapped:?}"
+    );
+    assert_eq!(leaf.mapped_bytes(), GRANULE, "nothing mapped or unmapped");
+    assert!(spare.is_empty(), "nothing was staged");
     // SAFETY: allocated above with `l`.
     unsafe { leaf.deallocate_sync(p, l) };
+}
+
+#[test]
+fn host_memory_made_ahead_is_what_the_first_sleep_uses() {
+    let pool = pool();
+    assert_eq!(
+        pool.prepare_offload(),
+        Ok(0),
+        "nothing mapped, nothing made"
+    );
+    let blocks = fill(&pool);
+    // What a sleep would copy: the pool less its free granules (the sleep trims first).
+    pool.trim().unwrap();
+    let held = pool.stats().pool_size;
+    let made = pool.prepare_offload().unwrap();
+    assert_eq!(
+        staging_bytes(&pool, held),
+        made - held,
+        "copies of all it holds"
+    );
+    assert!(made > held, "and staging buffers");
+    assert_eq!(pool.prepare_offload(), Ok(0), "made already");
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    assert!(
+        pool.stats().host_copy_bytes <= held + 8 * CHUNK,
+        "the sleep made no more copies"
+    );
+    assert!(matches!(
+        pool.prepare_offload(),
+        Err(Error::InvalidArgument(_))
+    ));
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    // Memory mapped later gets its own when the pool sleeps: prepared now too.
+    let l = layout(3 << 20).unwrap();
+    let extra = pool.allocate(StreamRef::HOST, l).unwrap();
+    let grown = pool.stats().pool_size - held;
+    assert!(grown >= 3 << 20);
+    assert_eq!(pool.prepare_offload().map(|m| m >= grown), Ok(true));
+    // SAFETY: allocated above with `l`; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, extra, l) };
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees it");
+}
+
+/// A wake maps its pieces on several threads (and a sleep unmaps them so): whichever map
+/// fails, on whichever thread, the wake fails with nothing left mapped, the pool asleep
+/// with its copies, and the next wake restores everything; in both modes (a discarding
+/// wake maps with no copying threads).
+#[test]
+fn a_wake_whose_maps_fail_anywhere_leaves_nothing_mapped_in_either_mode() {
+    for mode in [SleepMode::Offload, SleepMode::Discard] {
+        for every in [1, 2, 3, 7, 40] {
+            let pool = pool();
+            let blocks = fill(&pool);
+            let base = crate::upstream::GrowInPlace::reservation(pool.upstream()).0;
+            // SAFETY: nothing touches the blocks until the pool wakes.
+            let released = unsafe { pool.sleep(mode) }.unwrap();
+            assert!(
+                released / (256 << 10) > 40,
+                "more pieces than the faults' period"
+            );
+            let peak = pool.upstream().peak_mapped_bytes();
+            faults::fail_every(base, every);
+            let woken = pool.wake();
+            faults::fail_every(base, 0);
+            assert!(
+                matches!(woken, Err(Error::OutOfMemory { .. })),
+                "{mode:?}, every {every}: {woken:?}"
+            );
+            assert!(pool.is_asleep());
+            assert_eq!(
+                pool.upstream().mapped_bytes(),
+                0,
+                "{mode:?}, every {every}: what the failed wake mapped went back"
+            );
+            assert_eq!(
+                pool.upstream().peak_mapped_bytes(),
+                peak,
+                "no more mapped at once than before it slept"
+            );
+            assert_eq!(pool.wake(), Ok(released));
+            assert_eq!(pool.upstream().mapped_bytes(), released);
+            if mode == SleepMode::Offload {
+                for &(p, l, _, byte) in &blocks {
+                    assert!(holds(p, l, byte), "{every}: block {byte}");
+                }
+            }
+            free_all(&pool, blocks);
+        }
+    }
+}
+
+/// The leaf maps outside its lock (so that a wake's threads map at once), having claimed
+/// the granules under it: threads racing for more granules than its limit allows get
+/// exactly the limit, the counts stay exact, and a failed map gives its claim back
+/// without counting in the peak.
+#[test]
+fn a_leaf_mapping_on_many_threads_keeps_its_limit_and_counts_exact() {
+    use crate::upstream::GrowInPlace;
+
+    let leaf = HostVirtual::with_limit(16 * GRANULE, GRANULE, 8 * GRANULE).unwrap();
+    let leaf = &leaf;
+    let (base, _) = leaf.reservation();
+    let ranges: Vec<(usize, usize)> = (0..16).map(|i| (base + i * GRANULE, GRANULE)).collect();
+    let mapped: Vec<(usize, usize)> = std::thread::scope(|scope| {
+        let threads: Vec<_> = ranges
+            .iter()
+            .map(|&(addr, len)| scope.spawn(move || leaf.map_at(addr, len).map(|()| (addr, len))))
+            .collect();
+        threads
+            .into_iter()
+            .filter_map(|t| t.join().unwrap().ok())
+            .collect()
+    });
+    assert_eq!(mapped.len(), 8, "exactly the limit");
+    assert_eq!(leaf.mapped_bytes(), 8 * GRANULE);
+    assert_eq!(leaf.peak_mapped_bytes(), 8 * GRANULE);
+    for &(addr, _) in &mapped {
+        // SAFETY: mapped just above, host memory of a granule.
+        unsafe { std::ptr::with_exposed_provenance_mut::<u8>(addr).write(1) };
+    }
+    // SAFETY: mapped above by this leaf, apart from each other; nothing uses them.
+    unsafe { leaf.unmap_ranges_at(&mapped) };
+    assert_eq!(leaf.mapped_bytes(), 0);
+    faults::fail_every(base, 1);
+    let failed = leaf.map_at(base, 4 * GRANULE);
+    faults::fail_every(base, 0);
+    assert!(
+        matches!(failed, Err(Error::OutOfMemory { .. })),
+        "{failed:?}"
+    );
+    assert_eq!(leaf.mapped_bytes(), 0);
+    assert_eq!(leaf.peak_mapped_bytes(), 8 * GRANULE);
+    assert_eq!(
+        leaf.map_at(base, 8 * GRANULE),
+        Ok(()),
+        "the failed map's claim went back"
+    );
+    // SAFETY: mapped just above; nothing uses it.
+    unsafe { leaf.unmap_ranges_at(&[(base, 8 * GRANULE)]) };
+    assert_eq!(leaf.mapped_bytes(), 0);
 }

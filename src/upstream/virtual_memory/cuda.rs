@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::registered::Registrar;
 use super::{Backend, HostCopy, Virtual, sealed};
 use crate::copy::{self, Access};
 use crate::device::{Context, DeviceId, bind, process_is_exiting};
@@ -9,7 +10,7 @@ use crate::driver::{self, report};
 use crate::error::Error;
 use crate::platform::{Active, Attribute, MemHandle, Platform};
 use crate::property::DeviceAccessible;
-use crate::stream::StreamRef;
+use crate::stream::{Stream, StreamFlags, StreamRef};
 use crate::upstream::{ExportHandle, PinnedHost};
 
 /// How to make a [`CudaVirtual`](super::CudaVirtual).
@@ -19,12 +20,14 @@ use crate::upstream::{ExportHandle, PinnedHost};
 ///
 /// let config = CudaVirtualConfig::new().reserve(256 << 30).export(ExportHandle::PosixFd);
 /// assert_eq!(config.reserved(), Some(256 << 30));
+/// assert_eq!(config.granule(), None, "the device's minimum");
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CudaVirtualConfig {
     reserve: Option<usize>,
     peers: Vec<DeviceId>,
     export: ExportHandle,
+    granularity: Option<usize>,
 }
 
 impl CudaVirtualConfig {
@@ -59,6 +62,25 @@ impl CudaVirtualConfig {
     /// The reservation asked for, if any.
     pub fn reserved(&self) -> Option<usize> {
         self.reserve
+    }
+
+    /// Bytes per granule, the unit the leaf maps and gives back: a power of two, raised
+    /// to the device's minimum (2 MiB on current GPUs) where it is smaller; the default
+    /// is that minimum. Each granule is an allocation of its own (`cuMemCreate`,
+    /// `cuMemMap`; `cuMemUnmap` to give it back), so larger granules mean fewer driver
+    /// calls (a pool of 20 GiB that sleeps and wakes makes 10,240 of each at 2 MiB, 640 at
+    /// 32 MiB) at the cost of coarser growth and trim: a pool over the leaf grows and
+    /// gives back whole granules. A granularity that is not a power of two is
+    /// [`Error::InvalidArgument`] when the leaf is made.
+    #[must_use]
+    pub fn granularity(mut self, bytes: usize) -> CudaVirtualConfig {
+        self.granularity = Some(bytes);
+        self
+    }
+
+    /// The granularity asked for, if any.
+    pub fn granule(&self) -> Option<usize> {
+        self.granularity
     }
 }
 
@@ -176,6 +198,11 @@ impl Virtual<CudaPhysical> {
 impl CudaPhysical {
     // long: the driver's setup steps in order, a SAFETY comment a call.
     fn reserve(device: DeviceId, config: CudaVirtualConfig) -> Result<CudaPhysical, Error> {
+        if let Some(g) = config.granularity.filter(|g| !g.is_power_of_two()) {
+            return Err(Error::invalid_argument(format!(
+                "a granularity of {g} bytes: not a power of two"
+            )));
+        }
         driver::init()?;
         if device.attribute(Attribute::VirtualMemoryManagement)? == 0 {
             return Err(Error::unsupported(format!(
@@ -191,7 +218,10 @@ impl CudaPhysical {
         }
         let ctx = Context::primary(device)?;
         let _current = bind(ctx)?;
-        let granularity = Active::vm_granularity(device.ordinal(), config.export.is_posix_fd())?;
+        let minimum = Active::vm_granularity(device.ordinal(), config.export.is_posix_fd())?;
+        let granularity = config
+            .granularity
+            .map_or(minimum, |g| g.max(minimum).next_multiple_of(minimum));
         let reserve = match config.reserve {
             Some(bytes) => bytes,
             None => device.memory_info()?.total.saturating_mul(2),
@@ -229,11 +259,12 @@ impl CudaPhysical {
     }
 
     /// Unmaps granules `addr..addr + len` one by one (each is its own mapping), keeping
-    /// their allocations as spares while that is on.
+    /// their allocations as spares while that is on. The spares' lock is held for each
+    /// granule's retain only, not across the driver's unmaps: a sleep unmaps on several
+    /// threads.
     fn unmap_granules(&self, addr: usize, len: usize) {
-        let mut spare = self.spare();
         for a in (addr..addr + len).step_by(self.granularity) {
-            if let Some(kept) = spare.as_mut() {
+            if let Some(kept) = self.spare().as_mut() {
                 // SAFETY: `a` starts a mapped granule (the callers' promise), which has an
                 // allocation; retaining it gives us a reference, kept in `kept`.
                 if let Ok(handle) = unsafe { Active::vm_retain(a) } {
@@ -310,44 +341,71 @@ impl Backend for CudaPhysical {
         stream.synchronize_in(self.ctx)
     }
 
-    fn host_copy(&self, len: usize) -> Result<HostCopy, Error> {
+    /// A stream of its own, which does not wait for the legacy stream (the pool waited
+    /// for the whole device before it copies).
+    type Lane = Stream;
+
+    fn lane(&self) -> Result<Stream, Error> {
+        Stream::on(self.ctx.device(), StreamFlags::NonBlocking)
+    }
+
+    fn staging(&self, len: usize) -> Result<HostCopy, Error> {
         HostCopy::pinned(PinnedHost::on(self.ctx.device())?, len)
     }
 
-    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
+    unsafe fn copy_out(
+        &self,
+        lane: &Stream,
+        addr: usize,
+        into: *mut u8,
+        len: usize,
+    ) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to, and the
-        // copy is pinned host memory of at least `len` bytes (the caller's promises); both
-        // stay valid until the wait below; the context is current.
+        // SAFETY: `addr..addr + len` is mapped device memory nothing writes to, and `into`
+        // pinned host memory valid for `len` bytes, until the lane is waited for (the
+        // caller's promises); the lane is a stream of this device, whose context is
+        // current.
         unsafe {
             copy::copy(
-                into.as_ptr(),
+                into,
                 Access::HOST,
                 std::ptr::with_exposed_provenance(addr),
                 Access::DEVICE,
                 len,
-                StreamRef::DEFAULT,
-            )?
-        };
-        StreamRef::DEFAULT.synchronize_in(self.ctx)
+                lane.as_ref(),
+            )
+        }
     }
 
-    unsafe fn restore(&self, addr: usize, len: usize, from: &HostCopy) -> Result<(), Error> {
+    unsafe fn copy_in(
+        &self,
+        lane: &Stream,
+        addr: usize,
+        from: *const u8,
+        len: usize,
+    ) -> Result<(), Error> {
         let _current = bind(self.ctx)?;
-        // SAFETY: `addr..addr + len` is mapped device memory nothing uses, and the copy,
-        // pinned host memory of at least that length, lives until `synchronize` (the
-        // caller's promises); the context is current. Asynchronous on the legacy stream,
-        // so that the next granules are mapped while this copy runs.
+        // SAFETY: `addr..addr + len` is mapped device memory nothing else uses, and `from`
+        // pinned host memory valid for `len` unwritten bytes, until the lane is waited for
+        // (the caller's promises); the context of the lane's device is current.
         unsafe {
             copy::copy(
                 std::ptr::with_exposed_provenance_mut(addr),
                 Access::DEVICE,
-                from.as_ptr(),
+                from,
                 Access::HOST,
                 len,
-                StreamRef::DEFAULT,
+                lane.as_ref(),
             )
         }
+    }
+
+    fn finish(&self, lane: &Stream) -> Result<(), Error> {
+        lane.synchronize()
+    }
+
+    fn registrar(&self) -> Registrar {
+        Registrar::cuda(self.ctx)
     }
 
     fn synchronize(&self) -> Result<(), Error> {
@@ -382,5 +440,25 @@ impl Drop for CudaPhysical {
         report("cuMemAddressFree", unsafe {
             Active::vm_free(self.base, self.len)
         });
+    }
+}
+
+#[cfg(all(test, not(memres_loom)))]
+mod tests {
+    use super::CudaVirtualConfig;
+    use crate::CudaVirtual;
+    use crate::device::DeviceId;
+    use crate::error::Error;
+
+    #[test]
+    fn a_granularity_that_is_not_a_power_of_two_is_refused_before_the_driver_is_asked() {
+        let config = CudaVirtualConfig::new().granularity(3 << 20);
+        assert_eq!(config.granule(), Some(3 << 20));
+        let made = CudaVirtual::with_config(DeviceId::new(0), config);
+        assert!(
+            matches!(made, Err(Error::InvalidArgument(_))),
+            "{:?}",
+            made.err()
+        );
     }
 }

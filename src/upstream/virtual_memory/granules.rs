@@ -11,6 +11,9 @@ pub(crate) struct Granules {
     runs: BTreeMap<usize, usize>,
     len: usize,
     mapped: usize,
+    /// Granules taken by [`claim`](Self::claim) and not yet committed or given up: in
+    /// `runs` (no search finds them unmapped), not in `mapped`.
+    claimed: usize,
     /// The most granules mapped at once.
     peak: usize,
 }
@@ -22,8 +25,34 @@ impl Granules {
             runs: BTreeMap::new(),
             len,
             mapped: 0,
+            claimed: 0,
             peak: 0,
         }
+    }
+
+    /// How many are claimed ([`claim`](Self::claim)) and not yet committed or given up.
+    pub(crate) fn claimed(&self) -> usize {
+        self.claimed
+    }
+
+    /// Takes `first..first + n` (in range, unmapped) for a map made outside the lock:
+    /// every search sees it mapped, but it counts as mapped (and in the peak) only once
+    /// [`commit`](Self::commit)ted; [`unclaim`](Self::unclaim) gives it up.
+    pub(crate) fn claim(&mut self, first: usize, n: usize) {
+        self.claimed += self.set_runs(first, n, true);
+    }
+
+    /// Counts `n` claimed granules (their map succeeded) as mapped.
+    pub(crate) fn commit(&mut self, n: usize) {
+        let n = n.min(self.claimed);
+        self.claimed -= n;
+        self.mapped += n;
+        self.peak = self.peak.max(self.mapped);
+    }
+
+    /// Gives up the claim on `first..first + n` (its map failed): unmapped again.
+    pub(crate) fn unclaim(&mut self, first: usize, n: usize) {
+        self.claimed -= self.set_runs(first, n, false);
     }
 
     /// How many are mapped.
@@ -69,6 +98,18 @@ impl Granules {
 
     /// Marks `first..first + n` (in range) as mapped or not; returns how many changed.
     pub(crate) fn set(&mut self, first: usize, n: usize, mapped: bool) -> usize {
+        let changed = self.set_runs(first, n, mapped);
+        if mapped {
+            self.mapped += changed;
+            self.peak = self.peak.max(self.mapped);
+        } else {
+            self.mapped -= changed;
+        }
+        changed
+    }
+
+    /// [`set`](Self::set)'s change of the runs alone (no count changes).
+    fn set_runs(&mut self, first: usize, n: usize, mapped: bool) -> usize {
         let end = first + n;
         if n == 0 {
             return 0;
@@ -87,7 +128,7 @@ impl Granules {
         for &(s, _) in &around {
             self.runs.remove(&s);
         }
-        let changed = if mapped {
+        if mapped {
             let start = around.first().map_or(first, |&(s, _)| s.min(first));
             let stop = around.last().map_or(end, |&(s, len)| (s + len).max(end));
             self.runs.insert(start, stop - start);
@@ -102,14 +143,7 @@ impl Granules {
                 }
             }
             covered
-        };
-        if mapped {
-            self.mapped += changed;
-            self.peak = self.peak.max(self.mapped);
-        } else {
-            self.mapped -= changed;
         }
-        changed
     }
 
     /// The first granule of the lowest run of `n` unmapped granules (`n >= 1`).
@@ -172,6 +206,27 @@ mod tests {
         assert_eq!((g.mapped(), g.top(), g.peak()), (0, 0, 130));
         assert!(g.mapped_runs().is_empty());
         assert_eq!(g.unmapped_runs(), vec![(0, 200)]);
+    }
+
+    #[test]
+    fn a_claim_is_taken_at_once_but_counts_as_mapped_only_once_committed() {
+        let mut g = Granules::new(100);
+        g.set(0, 10, true);
+        g.claim(10, 20);
+        assert_eq!((g.mapped(), g.claimed(), g.peak()), (10, 20, 10));
+        assert!(g.all(10, 20, true), "searches see it taken");
+        assert_eq!(g.find_unmapped(1), Some(30));
+        g.claim(40, 5);
+        g.unclaim(40, 5);
+        assert_eq!(
+            (g.mapped(), g.claimed(), g.peak()),
+            (10, 20, 10),
+            "a failed map"
+        );
+        assert!(g.all(40, 5, false));
+        g.commit(20);
+        assert_eq!((g.mapped(), g.claimed(), g.peak()), (30, 0, 30));
+        assert_eq!(g.mapped_runs(), vec![(0, 30)]);
     }
 
     /// Random changes against a plain vector of flags: the same counts, runs and answers.

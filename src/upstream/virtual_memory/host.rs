@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::registered::Registrar;
 use super::{Backend, HostCopy, Virtual, sealed};
 use crate::copy::{self, Access};
 use crate::error::Error;
@@ -115,7 +116,7 @@ impl Backend for HostPages {
 
     fn map(&self, addr: usize, len: usize) -> Result<(), Error> {
         #[cfg(test)]
-        if faults::fail_this_map() {
+        if faults::fail_this_map(self.base) {
             return Err(Error::out_of_memory(len));
         }
         // SAFETY: `addr..addr + len` lies inside our own PROT_NONE reservation (the
@@ -157,21 +158,38 @@ impl Backend for HostPages {
         Ok(())
     }
 
-    fn host_copy(&self, len: usize) -> Result<HostCopy, Error> {
+    /// Nothing: the host copies at once.
+    type Lane = ();
+
+    fn lane(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn staging(&self, len: usize) -> Result<HostCopy, Error> {
+        #[cfg(test)]
+        if faults::staging_fails(self.base) {
+            return Err(Error::out_of_memory(len));
+        }
         HostCopy::heap(len)
     }
 
-    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error> {
+    unsafe fn copy_out(
+        &self,
+        _lane: &(),
+        addr: usize,
+        into: *mut u8,
+        len: usize,
+    ) -> Result<(), Error> {
         #[cfg(test)]
         if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
         }
-        // SAFETY: `addr..addr + len` is mapped host memory nobody writes to, and the copy
-        // separate host memory of at least `len` bytes (the caller's promises); a host
+        // SAFETY: `addr..addr + len` is mapped host memory nobody writes to, and `into`
+        // separate host memory valid for `len` bytes (the caller's promises); a host
         // stream copies at once.
         unsafe {
             copy::copy(
-                into.as_ptr(),
+                into,
                 Access::HOST,
                 std::ptr::with_exposed_provenance(addr),
                 Access::HOST,
@@ -181,19 +199,43 @@ impl Backend for HostPages {
         }
     }
 
-    unsafe fn restore(&self, addr: usize, len: usize, from: &HostCopy) -> Result<(), Error> {
-        // SAFETY: `addr..addr + len` is mapped host memory nobody uses, and the copy
-        // separate host memory of at least that length (the caller's promises).
+    unsafe fn copy_in(
+        &self,
+        _lane: &(),
+        addr: usize,
+        from: *const u8,
+        len: usize,
+    ) -> Result<(), Error> {
+        #[cfg(test)]
+        if faults::save_fails(addr) {
+            return Err(Error::out_of_memory(len));
+        }
+        // SAFETY: `addr..addr + len` is mapped host memory nobody else uses, and `from`
+        // separate host memory valid for `len` bytes (the caller's promises).
         unsafe {
             copy::copy(
                 std::ptr::with_exposed_provenance_mut(addr),
                 Access::HOST,
-                from.as_ptr(),
+                from,
                 Access::HOST,
                 len,
                 StreamRef::HOST,
             )
         }
+    }
+
+    fn finish(&self, _lane: &()) -> Result<(), Error> {
+        #[cfg(test)]
+        if faults::finish_fails(self.base) {
+            return Err(Error::invalid_argument(
+                "(a test's broken device) a lane cannot be waited for",
+            ));
+        }
+        Ok(()) // every copy is done when its call returns
+    }
+
+    fn registrar(&self) -> Registrar {
+        Registrar::host(self.base)
     }
 
     fn synchronize(&self) -> Result<(), Error> {
@@ -218,18 +260,64 @@ impl Drop for HostPages {
 /// virtual pool's out-of-memory paths, without a device that runs out).
 #[cfg(test)]
 pub(crate) mod faults {
-    use std::cell::Cell;
+    /// Reservations (by their base) whose maps fail: (base, maps made so far, fail every
+    /// map whose number is a multiple of this). Per leaf, not per thread: a wake maps on
+    /// several threads.
+    static PLANS: std::sync::Mutex<Vec<(usize, u64, u64)>> = std::sync::Mutex::new(Vec::new());
 
-    thread_local! {
-        /// (maps made so far, fail every map whose number is a multiple of this; 0: none).
-        static PLAN: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
-    }
-
-    /// Address ranges whose copies to the host fail, as when host memory runs out (on
-    /// any thread: a pool copies on several at once).
+    /// Address ranges whose copies to or from the host fail, as when host memory runs out
+    /// (on any thread: a pool copies on several at once).
     static FAILING_SAVES: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
 
-    /// From now on, copies to the host of memory in `from..to` fail (`on`) or work again.
+    /// Reservations (by their base) whose staging buffers fail after so many more are
+    /// made.
+    static FAILING_STAGING: std::sync::Mutex<Vec<(usize, usize)>> =
+        std::sync::Mutex::new(Vec::new());
+
+    /// From now on, the leaf whose reservation starts at `base` makes `more` staging
+    /// buffers, then fails to make more (as when pinning fails); `None`: it works again.
+    #[cfg(not(memres_loom))]
+    pub(crate) fn fail_staging(base: usize, more: Option<usize>) {
+        let mut failing = FAILING_STAGING.lock().unwrap_or_else(|p| p.into_inner());
+        failing.retain(|&(b, _)| b != base);
+        if let Some(more) = more {
+            failing.push((base, more));
+        }
+    }
+
+    pub(super) fn staging_fails(base: usize) -> bool {
+        let mut failing = FAILING_STAGING.lock().unwrap_or_else(|p| p.into_inner());
+        match failing.iter_mut().find(|(b, _)| *b == base) {
+            Some((_, 0)) => true,
+            Some((_, more)) => {
+                *more -= 1;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Reservations (by their base) whose lanes cannot be waited for (a broken device).
+    static FAILING_FINISH: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+    /// From now on, waiting for a lane of the leaf whose reservation starts at `base`
+    /// fails (`on`), as on a broken device, or works again.
+    #[cfg(not(memres_loom))]
+    pub(crate) fn fail_finish(base: usize, on: bool) {
+        let mut failing = FAILING_FINISH.lock().unwrap_or_else(|p| p.into_inner());
+        failing.retain(|&b| b != base);
+        if on {
+            failing.push(base);
+        }
+    }
+
+    pub(super) fn finish_fails(base: usize) -> bool {
+        let failing = FAILING_FINISH.lock().unwrap_or_else(|p| p.into_inner());
+        failing.contains(&base)
+    }
+
+    /// From now on, copies to or from the host of memory in `from..to` fail (`on`) or
+    /// work again.
     #[cfg(not(memres_loom))]
     pub(crate) fn fail_saves(from: usize, to: usize, on: bool) {
         let mut failing = FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
@@ -244,17 +332,25 @@ pub(crate) mod faults {
         failing.iter().any(|&(from, to)| (from..to).contains(&addr))
     }
 
-    /// From now on, on this thread, every `every`-th map fails (0: none).
+    /// From now on, every `every`-th map of the leaf whose reservation starts at `base`
+    /// fails (0: none), counted from this call on whichever threads map.
     #[cfg(not(memres_loom))]
-    pub(crate) fn fail_every(every: u64) {
-        PLAN.with(|p| p.set((0, every)));
+    pub(crate) fn fail_every(base: usize, every: u64) {
+        let mut plans = PLANS.lock().unwrap_or_else(|p| p.into_inner());
+        plans.retain(|&(b, _, _)| b != base);
+        if every != 0 {
+            plans.push((base, 0, every));
+        }
     }
 
-    pub(super) fn fail_this_map() -> bool {
-        PLAN.with(|p| {
-            let (n, every) = p.get();
-            p.set((n + 1, every));
-            every != 0 && (n + 1).is_multiple_of(every)
-        })
+    pub(super) fn fail_this_map(base: usize) -> bool {
+        let mut plans = PLANS.lock().unwrap_or_else(|p| p.into_inner());
+        match plans.iter_mut().find(|(b, _, _)| *b == base) {
+            Some((_, n, every)) => {
+                *n += 1;
+                n.is_multiple_of(*every)
+            }
+            None => false,
+        }
     }
 }

@@ -12,10 +12,18 @@ mod cuda;
 mod granules;
 mod host;
 mod host_copy;
+mod registered;
+mod staged;
 
 // For the virtual pool's fault and sleep tests (not built under loom).
 #[cfg(all(test, not(memres_loom)))]
 pub(crate) use host::faults;
+#[cfg(all(test, not(memres_loom)))]
+pub(crate) use host_copy::ABANDONED;
+#[cfg(all(test, not(memres_loom)))]
+pub(crate) use registered::{PIECE as REGISTER_PIECE, faults as registration};
+#[cfg(all(test, not(memres_loom)))]
+pub(crate) use staged::CHUNK;
 
 use std::alloc::Layout;
 use std::fmt;
@@ -25,6 +33,7 @@ pub use cuda::{CudaPhysical, CudaVirtualConfig};
 pub(crate) use granules::Granules;
 pub use host::HostPages;
 pub use host_copy::HostCopy;
+pub use registered::Registering;
 
 use crate::error::Error;
 use crate::resource::{Resource, SyncResource, dangling};
@@ -77,24 +86,57 @@ pub trait Backend: sealed::Sealed + Send + Sync + 'static {
         let _ = keep;
     }
 
-    /// `len` bytes of new host memory for [`save`](Self::save) (pinned for device
-    /// memory). [`Error::OutOfMemory`] when it cannot be had.
-    fn host_copy(&self, len: usize) -> Result<HostCopy, Error>;
+    /// A queue of copies between the leaf's memory and host memory that run in the order
+    /// they were asked for (a CUDA stream of its own; nothing for host pages, whose copies
+    /// are done when the call returns). A pool's sleep and wake copy on several at once,
+    /// one thread each.
+    type Lane: Send;
 
-    /// Copies `len` bytes at `addr` into `into` (at least `len` bytes, from
-    /// [`host_copy`](Self::host_copy)).
+    /// A new [`Lane`](Self::Lane).
+    fn lane(&self) -> Result<Self::Lane, Error>;
+
+    /// `len` bytes of new host memory that the copies of a lane may use (pinned, for
+    /// device memory): a staging buffer. [`Error::OutOfMemory`] when it cannot be had.
+    fn staging(&self, len: usize) -> Result<HostCopy, Error>;
+
+    /// Copies `len` bytes at `addr` to `into`, in order on `lane`; it may still be under
+    /// way when the call returns ([`finish`](Self::finish) waits for it).
     ///
     /// # Safety
-    /// `addr..addr + len` is mapped, and nothing writes to it until the call returns.
-    unsafe fn save(&self, addr: usize, len: usize, into: &HostCopy) -> Result<(), Error>;
+    /// `addr..addr + len` is mapped and nothing writes to it, and `into` is valid for
+    /// `len` writes and used by nothing else, until `finish(lane)` returns; `into` lies in
+    /// a [`staging`](Self::staging) buffer or in the registered part of a copy
+    /// ([`registrar`](Self::registrar)'s).
+    unsafe fn copy_out(
+        &self,
+        lane: &Self::Lane,
+        addr: usize,
+        into: *mut u8,
+        len: usize,
+    ) -> Result<(), Error>;
 
-    /// Copies the first `len` bytes of `copy` back to `addr`; the copy may still be under
-    /// way when the call returns ([`synchronize`](Self::synchronize) waits for it).
+    /// Copies `len` bytes at `from` to `addr`, in order on `lane`; it may still be under
+    /// way when the call returns ([`finish`](Self::finish) waits for it).
     ///
     /// # Safety
-    /// `addr..addr + len` is mapped, nothing else uses it, and `copy` (at least `len`
-    /// bytes) lives, until `synchronize` returns.
-    unsafe fn restore(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error>;
+    /// `addr..addr + len` is mapped and nothing else uses it, and `from` is valid for `len`
+    /// reads and unwritten, until `finish(lane)` returns; `from` lies in a
+    /// [`staging`](Self::staging) buffer or in the registered part of a copy.
+    unsafe fn copy_in(
+        &self,
+        lane: &Self::Lane,
+        addr: usize,
+        from: *const u8,
+        len: usize,
+    ) -> Result<(), Error>;
+
+    /// Waits until the copies asked for on `lane` are done.
+    fn finish(&self, lane: &Self::Lane) -> Result<(), Error>;
+
+    /// What registers host copies for this backend's copies (`registered.rs`), so that
+    /// they run between a copy and the leaf's memory directly.
+    #[doc(hidden)]
+    fn registrar(&self) -> registered::Registrar;
 
     /// Waits until all work on the device is done (on every stream).
     fn synchronize(&self) -> Result<(), Error>;
@@ -136,11 +178,25 @@ pub unsafe trait GrowInPlace: Resource {
         let _ = keep;
     }
 
+    /// Unmaps each `(address, bytes)` range as [`unmap_at`](Self::unmap_at) does, in any
+    /// order (a pool that sleeps gives all its memory back at once): the leaves unmap on
+    /// several threads (`MEMRES_OFFLOAD_MAP_THREADS`). The default: one after another.
+    ///
+    /// # Safety
+    /// As for `unmap_at`, for every range; the ranges do not overlap.
+    unsafe fn unmap_ranges_at(&self, ranges: &[(usize, usize)]) {
+        for &(addr, len) in ranges {
+            // SAFETY: the caller's promise.
+            unsafe { self.unmap_at(addr, len) };
+        }
+    }
+
     /// Copies each `(address, bytes)` range (mapped granules) into host memory, one copy
     /// per range in their order, for a pool that sleeps with
     /// [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload): into copies taken
     /// from `spare` where one is large enough (an earlier sleep's), else into new host
-    /// memory. On an error the copies taken or made go back to `spare`. The default:
+    /// memory, staged through buffers taken from `spare` or made (they go back to it).
+    /// On an error the copies taken or made go back to `spare` too. The default:
     /// [`Error::Unsupported`].
     ///
     /// # Safety
@@ -157,18 +213,77 @@ pub unsafe trait GrowInPlace: Resource {
         ))
     }
 
-    /// Copies the first `len` bytes of `copy` back to `addr` (mapped granules). The copy
-    /// may still be under way when the call returns: [`synchronize`](Self::synchronize)
-    /// waits for it. The default: [`Error::Unsupported`].
+    /// Maps each `(address, bytes)` range (whole unmapped granules of the reservation) in
+    /// order and, when `copies` is not empty (then it has one per range, each holding at
+    /// least its range's bytes, from [`save_at`](Self::save_at)), copies each range's copy
+    /// back, while the next ranges are mapped; every copy is done when the call returns.
+    /// Staging buffers are taken from `spare` or made, and go back to it. On an error
+    /// nothing it mapped stays mapped (unless the device cannot be waited for: then the
+    /// memory under copies that may still run stays mapped). The default maps without
+    /// copies, and refuses copies with [`Error::Unsupported`].
     ///
     /// # Safety
-    /// `addr..addr + len` was mapped by this resource, nothing else uses it, and `copy`
-    /// (at least `len` bytes) lives, until `synchronize` returns.
-    unsafe fn restore_at(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
-        let _ = (addr, len, copy);
+    /// Nothing uses the ranges until the call returns (memory that was handed out there
+    /// before it was unmapped is still pointed to).
+    unsafe fn wake_at(
+        &self,
+        ranges: &[(usize, usize)],
+        copies: &[HostCopy],
+        spare: &mut Vec<HostCopy>,
+    ) -> Result<(), Error> {
+        let _ = spare;
+        if !copies.is_empty() {
+            return Err(Error::unsupported(
+                "this resource cannot copy host memory into its own",
+            ));
+        }
+        for (i, &(addr, len)) in ranges.iter().enumerate() {
+            if let Err(e) = self.map_at(addr, len) {
+                for &(addr, len) in &ranges[..i] {
+                    // SAFETY: mapped just above by this call; nothing uses it (the
+                    // caller's promise).
+                    unsafe { self.unmap_at(addr, len) };
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Host memory for later [`save_at`](Self::save_at)s, made now: a copy of `len` bytes
+    /// for each of `copies` (pageable, its pages backed now), and the staging buffers a
+    /// save of them uses, less the `staging` buffers the caller keeps already
+    /// ([`is_staging_buffer`](Self::is_staging_buffer)). For a pool that makes ahead what
+    /// its first offloading sleep would otherwise make while it sleeps. The default:
+    /// [`Error::Unsupported`].
+    fn prepare_host_memory(
+        &self,
+        copies: &[usize],
+        staging: usize,
+    ) -> Result<Vec<HostCopy>, Error> {
+        let _ = (copies, staging);
         Err(Error::unsupported(
-            "this resource cannot copy host memory into its own",
+            "this resource cannot copy its memory to the host",
         ))
+    }
+
+    /// Starts registering the pageable ones of `copies` (from [`save_at`](Self::save_at)
+    /// or [`prepare_host_memory`](Self::prepare_host_memory)) with the driver, a piece at
+    /// a time, on a thread of its own, so that later saves and wakes copy their
+    /// registered parts directly rather than through staging buffers. Dropping what it
+    /// returns stops it; the caller does so before it hands any of `copies` to
+    /// `save_at` or `wake_at`, or frees them. `None` when there is nothing to register
+    /// or it is turned off (`MEMRES_OFFLOAD_REGISTER=0`). The default: `None`.
+    fn register_host_copies(&self, copies: &[&HostCopy]) -> Option<Registering> {
+        let _ = copies;
+        None
+    }
+
+    /// Whether `copy` (from [`save_at`](Self::save_at)'s spares) is a staging buffer
+    /// rather than a copy. The default: never.
+    fn is_staging_buffer(&self, copy: &HostCopy) -> bool {
+        let _ = copy;
+        false
     }
 
     /// Waits until all work on the memory's device is done, on every stream (before a
@@ -215,7 +330,7 @@ impl<B: Backend> Virtual<B> {
     /// [`Error::OutOfMemory`] past the limit or when the backend runs out.
     fn map_granules(&self, granules: &mut Granules, first: usize, n: usize) -> Result<(), Error> {
         let g = self.backend.granularity();
-        if granules.mapped() + n > self.limit {
+        if granules.mapped() + granules.claimed() + n > self.limit {
             return Err(Error::out_of_memory(n * g));
         }
         self.backend
@@ -365,13 +480,27 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
                 "{len} bytes at {addr:#x} are not whole granules of the reservation"
             )));
         };
-        let mut granules = self.lock();
-        if !granules.all(first, n, false) {
-            return Err(Error::invalid_argument(format!(
-                "{len} bytes at {addr:#x} are already (partly) mapped"
-            )));
+        {
+            let mut granules = self.lock();
+            if !granules.all(first, n, false) {
+                return Err(Error::invalid_argument(format!(
+                    "{len} bytes at {addr:#x} are already (partly) mapped"
+                )));
+            }
+            if granules.mapped() + granules.claimed() + n > self.limit {
+                return Err(Error::out_of_memory(len));
+            }
+            granules.claim(first, n);
         }
-        self.map_granules(&mut granules, first, n)
+        // The driver maps outside the lock, so that several threads map at once (a wake
+        // maps its ranges on several); the claim keeps every other map off the range.
+        let mapped = self.backend.map(addr, len);
+        let mut granules = self.lock();
+        match mapped {
+            Ok(()) => granules.commit(n),
+            Err(_) => granules.unclaim(first, n),
+        }
+        mapped
     }
 
     unsafe fn unmap_at(&self, addr: usize, len: usize) {
@@ -383,14 +512,21 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
             );
             return;
         };
-        let mut granules = self.lock();
-        if !granules.all(first, n, true) {
+        if !self.lock().all(first, n, true) {
             tracing::error!(addr, len, "memres: unmap of granules that are not mapped");
             return;
         }
-        // SAFETY: mapped (checked above) and unused (the caller's promise).
+        // SAFETY: mapped (checked above) and unused (the caller's promise). Outside the
+        // lock, so that several threads unmap at once (a sleep unmaps on several); the
+        // granules stay marked mapped until the memory is gone, so no map takes them
+        // before.
         unsafe { self.backend.unmap(addr, len) };
-        granules.set(first, n, false);
+        self.lock().set(first, n, false);
+    }
+
+    unsafe fn unmap_ranges_at(&self, ranges: &[(usize, usize)]) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { staged::unmap_ranges(self, ranges) }
     }
 
     fn keep_unmapped(&self, keep: bool) {
@@ -405,47 +541,52 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
         for &(addr, len) in ranges {
             self.check_mapped(addr, len)?;
         }
-        // One range after another: pinning host memory costs more than copying into it
-        // (about 3 GB/s against 55 on an H200), and pinning on several threads at once
-        // was slower still there (4 GiB in 2.3 s on 8 threads, 1.3 s on one). Hence the
-        // spares: a sleep after the first only copies.
-        let mut copies = Vec::with_capacity(ranges.len());
-        for &(addr, len) in ranges {
-            // The smallest spare that holds the range, else new memory.
-            let fit = (0..spare.len())
-                .filter(|&i| spare[i].len() >= len)
-                .min_by_key(|&i| spare[i].len())
-                .map(|i| Ok(spare.swap_remove(i)));
-            let copy = match fit.unwrap_or_else(|| self.backend.host_copy(len)) {
-                Ok(copy) => copy,
-                Err(e) => {
-                    spare.append(&mut copies);
-                    return Err(e);
-                }
-            };
-            // SAFETY: mapped (checked above); unwritten while it runs (the caller's
-            // promise); the copy holds `len` bytes.
-            let saved = unsafe { self.backend.save(addr, len, &copy) };
-            copies.push(copy);
-            if let Err(e) = saved {
-                spare.append(&mut copies);
-                return Err(e);
-            }
-        }
-        Ok(copies)
+        // SAFETY: mapped (checked above); unwritten while it runs (the caller's promise).
+        unsafe { staged::save(&self.backend, ranges, spare) }
     }
 
-    unsafe fn restore_at(&self, addr: usize, len: usize, copy: &HostCopy) -> Result<(), Error> {
-        self.check_mapped(addr, len)?;
-        if copy.len() < len {
-            return Err(Error::invalid_argument(format!(
-                "a host copy of {} bytes cannot restore {len}",
-                copy.len()
-            )));
+    unsafe fn wake_at(
+        &self,
+        ranges: &[(usize, usize)],
+        copies: &[HostCopy],
+        spare: &mut Vec<HostCopy>,
+    ) -> Result<(), Error> {
+        if !copies.is_empty() {
+            if copies.len() != ranges.len() {
+                return Err(Error::invalid_argument(format!(
+                    "{} host copies for {} ranges",
+                    copies.len(),
+                    ranges.len()
+                )));
+            }
+            if let Some((&(_, len), copy)) = ranges.iter().zip(copies).find(|(r, c)| c.len() < r.1)
+            {
+                return Err(Error::invalid_argument(format!(
+                    "a host copy of {} bytes cannot restore {len}",
+                    copy.len()
+                )));
+            }
         }
-        // SAFETY: mapped (checked above); unused and `copy` alive until `synchronize`
-        // returns (the caller's promise); `copy` holds `len` bytes (checked above).
-        unsafe { self.backend.restore(addr, len, copy) }
+        // SAFETY: the copies hold their ranges (checked above); nothing uses the ranges
+        // (the caller's promise); `map_at` refuses ranges that are not whole unmapped
+        // granules before anything is copied into them.
+        unsafe { staged::wake(self, ranges, copies, spare) }
+    }
+
+    fn prepare_host_memory(
+        &self,
+        copies: &[usize],
+        staging: usize,
+    ) -> Result<Vec<HostCopy>, Error> {
+        staged::prepare(&self.backend, copies, staging)
+    }
+
+    fn is_staging_buffer(&self, copy: &HostCopy) -> bool {
+        staged::is_staging(copy)
+    }
+
+    fn register_host_copies(&self, copies: &[&HostCopy]) -> Option<Registering> {
+        registered::start(self.backend.registrar(), copies)
     }
 
     fn synchronize(&self) -> Result<(), Error> {

@@ -1,0 +1,982 @@
+//! Staged copies between a virtual-memory leaf's memory and pageable host copies, for a
+//! pool that sleeps with [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload)
+//! ([`GrowInPlace::save_at`], [`GrowInPlace::wake_at`]).
+//!
+//! Why staged: the device copies at the bus's speed only to and from pinned memory, and
+//! pinning costs far more than copying (`cuMemHostAlloc`: about 3 GB/s on an H200 where
+//! copies ran at 55, and several threads pinning at once were slower still), so copies
+//! pinned for the whole pool made a first sleep of 20 GiB take 10 to 17 s. Instead the
+//! copies are pageable memory ([`HostCopy::pages`]: one `mmap` each, backed by the kernel
+//! as it is written) and the device copies through a few pinned staging buffers per
+//! thread. Each thread has a [`Lane`](super::Backend::Lane) (a stream) and two buffers of
+//! [`CHUNK`] bytes: the device copies one chunk into a buffer while the thread copies the
+//! chunk before it out of the other into its place in the copy, and so also backs (and
+//! zeroes) the copy's pages, work spread over the threads too. A wake runs the other way:
+//! a thread fills a buffer from the copy and has the device copy it to the chunk's
+//! address once its range is mapped, while the calling thread and a few more map the
+//! next ranges (see below). The
+//! staging buffers (two a thread: at most `2 × 16 × 4 MiB` = 128 MiB) and the copies go
+//! back to the caller's spares, for the next sleep and wake. Backing fresh pages may still
+//! be slow (in a virtual machine that hands freed memory back to its host), so [`prepare`]
+//! makes both ahead of a sleep, the copies' pages backed by threads writing them.
+//!
+//! A chunk that lies in the registered part of its copy ([`HostCopy::registered`]: the
+//! pool has the copies registered in the background after a sleep, `registered.rs`) skips
+//! the staging: the device copies it to or from the copy directly, one DMA and no memcpy,
+//! and its slot takes no staging buffer. So a wake some seconds after the sleep, and
+//! every sleep after it, run at the bus's speed.
+//!
+//! Threads take chunks in order from one counter. One that fails records its error and
+//! raises `stop`, which the others check before each chunk (and which wakes those waiting
+//! for a range to be mapped); each waits for its lanes' copies before it ends, so when the
+//! call returns no copy is under way. Only where a lane cannot be waited for (a broken
+//! device) are its staging buffers leaked rather than freed under a copy, and the caller
+//! told (`unsettled`), so that it leaves the device memory mapped.
+//!
+//! Mapping is the slow part of a wake, not the copies: the driver backs every granule with
+//! a `cuMemCreate` and a `cuMemMap` of its own (a granule is the unit a pool gives back),
+//! about 50 µs a granule on an H100, so 0.5 s for 20 GiB on one thread where the copies
+//! take 0.4; a sleep's `cuMemUnmap`s cost about as much. So a wake maps its ranges on
+//! [`map_threads`] threads (the calling thread and `MEMRES_OFFLOAD_MAP_THREADS - 1` more,
+//! 1 in all unless it says otherwise, [`MAP_THREADS`]), each taking the next range not taken yet, in order,
+//! and marking it mapped once the driver is done ([`Shared::map_ranges`]); a sleep unmaps
+//! on as many ([`unmap_ranges`]). The leaf claims a range under its lock and calls the
+//! driver outside it (`Virtual::map_at`), so the threads map at once as far as the driver
+//! lets them (it takes the calls from any thread). A failed map stops every thread; the
+//! ranges marked mapped, and only those, are unmapped again.
+
+use super::{Backend, GrowInPlace, HostCopy, Virtual};
+use crate::error::Error;
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{Condvar, Mutex, lock};
+
+/// Bytes a staging buffer holds: the most one copy of the device moves. (Small in the
+/// tests, and not a multiple of their pools' pieces, so that ranges end in short chunks.)
+pub(crate) const CHUNK: usize = if cfg!(test) { 96 << 10 } else { 4 << 20 };
+
+/// The most threads that copy at once.
+const MAX_THREADS: usize = 16;
+
+/// The environment variable that sets how many threads a sleep or wake copies on (1 to
+/// 16); unset, as many as the machine has cores (less one for a wake, whose calling
+/// thread maps meanwhile), one per 256 MiB to copy, at most 16.
+pub(crate) const THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_THREADS";
+
+/// The environment variable that sets how many threads a wake maps on, and a sleep
+/// unmaps on (1 to 16; unset, [`MAP_THREADS`]).
+pub(crate) const MAP_THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_MAP_THREADS";
+
+/// How many threads a wake maps on and a sleep unmaps on, unless
+/// [`MAP_THREADS_VARIABLE`] says otherwise. The driver's calls are per granule
+/// (`cuMemCreate` and `cuMemMap` for each, `cuMemUnmap` for each), about 50 µs each on
+/// an H100: 0.4-0.6 s for 20 GiB of 2 MiB granules, longer than the copies. More
+/// threads did not help there: the driver runs these calls one at a time, and the wake
+/// of 20 GiB took 0.45-0.56 s on one mapping thread against 0.68-0.91 on 4 and 0.70-0.79
+/// on 8 (BENCHMARKS.md, "Sleep and wake"). Larger granules do
+/// ([`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity)).
+const MAP_THREADS: usize = 1;
+
+/// One staged copy: `len` bytes at `addr` of the leaf, at `offset` in the copy of range
+/// number `range`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    pub(crate) range: usize,
+    pub(crate) addr: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// `ranges` (`(address, bytes)`) cut into chunks of at most `chunk` bytes (at least 1), in
+/// order: the ranges' order, and addresses rising within each.
+pub(crate) fn chunks(ranges: &[(usize, usize)], chunk: usize) -> Vec<Chunk> {
+    let chunk = chunk.max(1);
+    ranges
+        .iter()
+        .enumerate()
+        .flat_map(|(range, &(addr, len))| {
+            (0..len).step_by(chunk).map(move |offset| Chunk {
+                range,
+                addr: addr + offset,
+                offset,
+                len: chunk.min(len - offset),
+            })
+        })
+        .collect()
+}
+
+/// The fewest chunks a thread is started for unless [`THREADS_VARIABLE`] says otherwise:
+/// 256 MiB. Each copying thread costs the device about 1 MiB while the pool sleeps (on an
+/// H100, GPT-2's pools of 1,374 MiB: the device's free memory rose by 1,358 MiB after a
+/// sleep on 16 threads, 1,372 on one), and a small pool copies as fast on few threads (the
+/// same sleep: 203 ms on 16, 195 on one).
+const CHUNKS_PER_THREAD: usize = if cfg!(test) { 2 } else { (256 << 20) / CHUNK };
+
+/// How many threads copy `chunks` chunks `direction`: [`THREADS_VARIABLE`], else the
+/// machine's cores (4 in the tests, whatever the machine), less one for a wake, whose
+/// calling thread maps meanwhile, and no more than one per [`CHUNKS_PER_THREAD`]; at
+/// most 16, at least 1, and no more than there are chunks.
+fn threads(chunks: usize, direction: Direction) -> usize {
+    let cores = if cfg!(test) {
+        4
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    let set = std::env::var(THREADS_VARIABLE).ok();
+    thread_count(set.as_deref(), cores, chunks, direction)
+}
+
+/// [`threads`] given the variable's value (if set) and the cores.
+fn thread_count(set: Option<&str>, cores: usize, chunks: usize, direction: Direction) -> usize {
+    let default = match direction {
+        Direction::Out => cores,
+        Direction::In => cores.saturating_sub(1),
+    }
+    .min(chunks.div_ceil(CHUNKS_PER_THREAD));
+    set.and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(default)
+        .min(MAX_THREADS)
+        .min(chunks)
+        .max(1)
+}
+
+/// How many threads map (or unmap) `ranges` ranges: [`MAP_THREADS_VARIABLE`], else
+/// [`MAP_THREADS`]; at most 16, at least 1, no more than there are ranges. One under
+/// loom (whose models run a wake's protocol on threads of their own).
+pub(crate) fn map_threads(ranges: usize) -> usize {
+    if cfg!(memres_loom) {
+        return 1;
+    }
+    let set = std::env::var(MAP_THREADS_VARIABLE).ok();
+    map_thread_count(set.as_deref(), ranges)
+}
+
+/// [`map_threads`] given the variable's value (if set).
+fn map_thread_count(set: Option<&str>, ranges: usize) -> usize {
+    set.and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(MAP_THREADS)
+        .min(MAX_THREADS)
+        .min(ranges)
+        .max(1)
+}
+
+/// Which ranges are mapped, for the threads of a wake: the mapping threads take ranges in
+/// order (`next`) and mark each one done once mapped; the copying threads wait for their
+/// chunk's range.
+struct Maps {
+    done: Vec<bool>,
+    next: usize,
+}
+
+/// What the copying threads share.
+pub(crate) struct Shared<'a> {
+    chunks: &'a [Chunk],
+    /// Bytes registered of each range's copy, from its start: the chunks that lie in them
+    /// are copied directly, the others staged.
+    registered: &'a [usize],
+    /// The next chunk to take.
+    next: AtomicUsize,
+    /// Raised (under `mapped`'s lock) by the first failure: no thread starts another
+    /// chunk, and the calling thread maps no more.
+    stop: AtomicBool,
+    error: Mutex<Option<Error>>,
+    /// Staging buffers in no thread's hands.
+    buffers: Mutex<Vec<HostCopy>>,
+    /// Set when a lane could not be waited for: its copies may still be under way.
+    unsettled: AtomicBool,
+    /// Which ranges are mapped (all of them, for a sleep), for the threads of a wake.
+    mapped: Mutex<Maps>,
+    ready: Condvar,
+}
+
+/// What the copying threads leave: the first error, whether a lane could not be waited
+/// for, the staging buffers to keep, and which ranges are mapped.
+pub(crate) struct Outcome {
+    pub(crate) error: Option<Error>,
+    pub(crate) unsettled: bool,
+    pub(crate) buffers: Vec<HostCopy>,
+    pub(crate) mapped: Vec<bool>,
+}
+
+impl<'a> Shared<'a> {
+    /// For `chunks` of `ranges` ranges, with `buffers` to stage through first; the ranges
+    /// are all mapped already (a sleep) or none (a wake, whose threads map them with
+    /// [`map_ranges`](Self::map_ranges)); the chunks in the first `registered[range]`
+    /// bytes of their range's copy are copied directly.
+    pub(crate) fn new(
+        chunks: &'a [Chunk],
+        registered: &'a [usize],
+        buffers: Vec<HostCopy>,
+        ranges: usize,
+        mapped: bool,
+    ) -> Self {
+        Shared {
+            chunks,
+            registered,
+            next: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            error: Mutex::new(None),
+            buffers: Mutex::new(buffers),
+            unsettled: AtomicBool::new(false),
+            mapped: Mutex::new(Maps {
+                done: vec![mapped; ranges],
+                next: if mapped { ranges } else { 0 },
+            }),
+            ready: Condvar::new(),
+        }
+    }
+
+    /// The next chunk, or `None` once they are all taken or a thread failed.
+    pub(crate) fn take(&self) -> Option<Chunk> {
+        if self.stopped() {
+            return None;
+        }
+        // Each index goes to one thread: the counter only rises.
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.chunks.get(i).copied()
+    }
+
+    /// Whether a thread failed.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Records `e` (the first error is the one returned) and stops every thread, waking
+    /// those that wait for a range.
+    pub(crate) fn fail(&self, e: Error) {
+        lock(&self.error).get_or_insert(e);
+        // Under the lock that waiters check `stop` under, so none misses the wake-up.
+        let _mapped = lock(&self.mapped);
+        self.stop.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+
+    /// A mapping thread's work: takes the next range not taken yet, in order, and maps it
+    /// with `map` (given its number), until none is left or a thread failed (this one,
+    /// when `map` fails: nothing of that range stays mapped). A range mapped is marked so
+    /// even after a failure elsewhere, so that the caller unmaps it.
+    pub(crate) fn map_ranges(&self, map: impl Fn(usize) -> Result<(), Error>) {
+        loop {
+            let range = {
+                let mut maps = lock(&self.mapped);
+                if self.stop.load(Ordering::Acquire) || maps.next == maps.done.len() {
+                    return;
+                }
+                maps.next += 1;
+                maps.next - 1
+            };
+            if let Err(e) = map(range) {
+                self.fail(e);
+                return;
+            }
+            lock(&self.mapped).done[range] = true;
+            self.ready.notify_all();
+        }
+    }
+
+    /// Waits until range number `range` is mapped (true) or a thread failed (false).
+    pub(crate) fn wait_mapped(&self, range: usize) -> bool {
+        let mut mapped = lock(&self.mapped);
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return false;
+            }
+            if mapped.done.get(range).copied().unwrap_or(false) {
+                return true;
+            }
+            mapped = self
+                .ready
+                .wait(mapped)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// A staging buffer for a thread: one no thread holds, else a new one.
+    fn buffer<B: Backend>(&self, backend: &B) -> Result<HostCopy, Error> {
+        let kept = lock(&self.buffers).pop();
+        kept.map_or_else(|| backend.staging(CHUNK), Ok)
+    }
+
+    /// What the threads left, once they are all done.
+    pub(crate) fn outcome(self) -> Outcome {
+        Outcome {
+            error: self
+                .error
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            unsettled: self.unsettled.load(Ordering::Acquire),
+            buffers: self
+                .buffers
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            mapped: self
+                .mapped
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .done,
+        }
+    }
+}
+
+/// A thread's lane with its staging buffer (taken when a chunk first needs one) and the
+/// chunk whose copy it holds or awaits, with whether it went through the buffer.
+struct Slot<L> {
+    lane: L,
+    buffer: Option<HostCopy>,
+    pending: Option<(Chunk, bool)>,
+}
+
+/// Whether chunk `c` lies wholly in the registered part of its range's copy (the device
+/// copies it directly), given the bytes registered of each copy.
+fn is_direct(registered: &[usize], c: Chunk) -> bool {
+    registered
+        .get(c.range)
+        .is_some_and(|&r| c.offset + c.len <= r)
+}
+
+/// Which way a thread copies.
+#[derive(Clone, Copy)]
+enum Direction {
+    /// Leaf to copies (a sleep).
+    Out,
+    /// Copies to leaf (a wake): each chunk once its range is mapped.
+    In,
+}
+
+/// One copying thread: takes chunks until none are left or a thread failed, staging each
+/// through its two slots in turn, then waits for its lanes and gives its buffers back.
+fn copy_on_thread<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+) {
+    let mut slots: Vec<Slot<B::Lane>> = Vec::with_capacity(2);
+    if let Err(e) = copy_chunks(backend, shared, copies, direction, &mut slots) {
+        shared.fail(e);
+    }
+    for slot in slots {
+        match backend.finish(&slot.lane) {
+            Ok(()) => lock(&shared.buffers).extend(slot.buffer),
+            Err(e) => {
+                // A copy may still write into or read from the buffer (or a registered
+                // copy): leak the buffer rather than free it under the device, and say so.
+                tracing::error!(%e, "memres: a staging lane could not be waited for; its buffer is leaked");
+                shared.unsettled.store(true, Ordering::Release);
+                std::mem::forget(slot.buffer);
+                shared.fail(e);
+            }
+        }
+    }
+}
+
+/// [`copy_on_thread`]'s chunks, through `slots` (made as they are first needed), until
+/// none are left, a thread failed or this one fails; every chunk asked for is done when
+/// it returns `Ok`.
+fn copy_chunks<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    slots: &mut Vec<Slot<B::Lane>>,
+) -> Result<(), Error> {
+    let mut turn = 0usize;
+    while let Some(c) = shared.take() {
+        if matches!(direction, Direction::In) && !shared.wait_mapped(c.range) {
+            break;
+        }
+        let i = turn % 2;
+        turn += 1;
+        if slots.len() <= i {
+            slots.push(Slot {
+                lane: backend.lane()?,
+                buffer: None,
+                pending: None,
+            });
+        }
+        let slot = &mut slots[i];
+        complete(backend, slot, copies, direction)?;
+        start(backend, shared, slot, copies, direction, c)?;
+    }
+    // The chunks still in the buffers, older first.
+    let n = slots.len();
+    for k in 0..n {
+        complete(backend, &mut slots[(turn + k) % n], copies, direction)?;
+    }
+    Ok(())
+}
+
+/// Starts the copy of chunk `c` on `slot` (whose last one is complete): directly where the
+/// chunk lies in the registered part of its copy, else through the slot's staging buffer
+/// (taken now if it has none), filled first for a wake; it is `slot`'s pending chunk.
+fn start<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    slot: &mut Slot<B::Lane>,
+    copies: &[HostCopy],
+    direction: Direction,
+    c: Chunk,
+) -> Result<(), Error> {
+    let direct = is_direct(shared.registered, c);
+    // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the range,
+    // whose copy holds the range).
+    let at = unsafe { copies[c.range].as_ptr().add(c.offset) };
+    let buffer = if direct {
+        at // registered: the device copies to or from it directly
+    } else {
+        #[cfg(test)]
+        backend.registrar().count_staged();
+        if slot.buffer.is_none() {
+            slot.buffer = Some(shared.buffer(backend)?);
+        }
+        slot.buffer.as_ref().map_or(at, HostCopy::as_ptr)
+    };
+    match direction {
+        // SAFETY: the chunk lies in a mapped range that nothing writes to (the
+        // caller's promise); `buffer` is the chunk's place in its copy, registered,
+        // or this slot's staging buffer of `CHUNK >= c.len` bytes; either is written
+        // by this lane alone and not read until the lane is waited for.
+        Direction::Out => unsafe { backend.copy_out(&slot.lane, c.addr, buffer, c.len)? },
+        Direction::In => {
+            if !direct {
+                // SAFETY: `at` holds the chunk (above), which nothing writes to while
+                // a wake runs; the buffer holds `CHUNK >= c.len` bytes and its lane's
+                // last copy out of it is done (`complete`).
+                unsafe { std::ptr::copy_nonoverlapping(at, buffer, c.len) };
+            }
+            // SAFETY: the chunk's range is mapped (`wait_mapped`) and nothing else uses
+            // it (the caller's promise); `buffer` (the registered copy, or the staging
+            // buffer) is unwritten until the lane is waited for (this slot's next
+            // turn, or below).
+            unsafe { backend.copy_in(&slot.lane, c.addr, buffer, c.len)? }
+        }
+    }
+    slot.pending = Some((c, !direct));
+    Ok(())
+}
+
+/// Waits for the copy of `slot`'s chunk, if any, and (for a sleep) moves the chunk out of
+/// the buffer into its copy: the buffer is free again.
+fn complete<B: Backend>(
+    backend: &B,
+    slot: &mut Slot<B::Lane>,
+    copies: &[HostCopy],
+    direction: Direction,
+) -> Result<(), Error> {
+    let Some((done, staged)) = slot.pending.take() else {
+        return Ok(());
+    };
+    backend.finish(&slot.lane)?;
+    if let (Direction::Out, true, Some(buffer)) = (direction, staged, &slot.buffer) {
+        // SAFETY: the lane's copy into the buffer is done (waited for just above); `done`
+        // lies in its range's copy (`chunks` cut it from the range, whose copy holds the
+        // range) and no other thread writes there (each chunk is taken once).
+        unsafe { unstage(buffer, copies, done) };
+    }
+    Ok(())
+}
+
+/// Copies chunk `c` out of `buffer` into its place in its range's copy.
+///
+/// # Safety
+/// The buffer holds the chunk's bytes (its copy is done); the chunk lies in
+/// `copies[c.range]`, and no other thread touches that part of it.
+unsafe fn unstage(buffer: &HostCopy, copies: &[HostCopy], c: Chunk) {
+    let into = &copies[c.range];
+    // SAFETY: the caller's promises; the buffer holds at least `c.len` bytes (`CHUNK`),
+    // and buffer and copy are separate memory.
+    unsafe { std::ptr::copy_nonoverlapping(buffer.as_ptr(), into.as_ptr().add(c.offset), c.len) };
+}
+
+/// Runs the copying threads over `shared` (none when it has no chunks) while `meanwhile`
+/// runs on the calling thread and on `also - 1` threads more (the mapping threads of a
+/// wake); if no copying thread can be started, copies on the calling thread once its
+/// `meanwhile` is done.
+fn run<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    also: usize,
+    meanwhile: impl Fn() + Sync,
+) {
+    let threads = if shared.chunks.is_empty() {
+        0
+    } else {
+        threads(shared.chunks.len(), direction)
+    };
+    std::thread::scope(|scope| {
+        // The mapping threads first: the copies wait for what they map.
+        for _ in 1..also {
+            // One that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload-map".into())
+                .spawn_scoped(scope, &meanwhile);
+        }
+        let started = (0..threads)
+            .filter(|_| {
+                std::thread::Builder::new()
+                    .name("memres-offload".into())
+                    .spawn_scoped(scope, || copy_on_thread(backend, shared, copies, direction))
+                    .is_ok()
+            })
+            .count();
+        meanwhile();
+        if started == 0 && !shared.chunks.is_empty() {
+            copy_on_thread(backend, shared, copies, direction);
+        }
+    });
+}
+
+/// A copy for each of `ranges`: the smallest spare copy that holds it, else a new one,
+/// made once the host is known to have room for all the new ones (a pageable copy the
+/// kernel cannot back is not an error but the out-of-memory killer). On failure the
+/// spares taken go back to `spare`.
+fn copies_for(
+    ranges: &[(usize, usize)],
+    spare: &mut Vec<HostCopy>,
+) -> Result<Vec<HostCopy>, Error> {
+    let mut fits: Vec<Option<HostCopy>> = ranges
+        .iter()
+        .map(|&(_, len)| {
+            (0..spare.len())
+                .filter(|&i| spare[i].is_pageable() && spare[i].len() >= len)
+                .min_by_key(|&i| spare[i].len())
+                .map(|i| spare.swap_remove(i))
+        })
+        .collect();
+    let new: usize = ranges
+        .iter()
+        .zip(&fits)
+        .filter(|(_, fit)| fit.is_none())
+        .map(|(&(_, len), _)| len)
+        .sum();
+    if super::host_copy::available().is_some_and(|room| room < new) {
+        spare.extend(fits.into_iter().flatten());
+        return Err(Error::out_of_memory(new));
+    }
+    let mut copies = Vec::with_capacity(ranges.len());
+    for (&(_, len), fit) in ranges.iter().zip(&mut fits) {
+        match fit.take().map_or_else(|| HostCopy::pages(len), Ok) {
+            Ok(copy) => copies.push(copy),
+            Err(e) => {
+                spare.extend(copies.into_iter().chain(fits.into_iter().flatten()));
+                return Err(e);
+            }
+        }
+    }
+    Ok(copies)
+}
+
+/// Copies of each of `ranges` in new or `spare` host memory (see
+/// [`GrowInPlace::save_at`]).
+///
+/// # Safety
+/// The ranges are mapped memory of `backend`, which nothing writes to until the call
+/// returns.
+pub(super) unsafe fn save<B: Backend>(
+    backend: &B,
+    ranges: &[(usize, usize)],
+    spare: &mut Vec<HostCopy>,
+) -> Result<Vec<HostCopy>, Error> {
+    let mut copies = copies_for(ranges, spare)?;
+    let chunks = chunks(ranges, CHUNK);
+    let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
+    let shared = Shared::new(
+        &chunks,
+        &registered,
+        take_staging(spare),
+        ranges.len(),
+        true,
+    );
+    run(backend, &shared, &copies, Direction::Out, 1, || {});
+    let outcome = shared.outcome();
+    spare.extend(outcome.buffers);
+    match outcome.error {
+        None => Ok(copies),
+        Some(e) => {
+            if outcome.unsettled {
+                // A broken device may still write into the copies (chunks copied
+                // directly): they are leaked as they go, not kept or freed under it.
+                copies.iter().for_each(HostCopy::abandon);
+            } else {
+                spare.append(&mut copies);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Maps `ranges` and copies `copies` back (see [`GrowInPlace::wake_at`]; the copies are
+/// checked by the caller: none, or one per range that holds it).
+///
+/// # Safety
+/// Nothing uses the ranges until the call returns.
+pub(super) unsafe fn wake<B: Backend>(
+    leaf: &Virtual<B>,
+    ranges: &[(usize, usize)],
+    copies: &[HostCopy],
+    spare: &mut Vec<HostCopy>,
+) -> Result<(), Error> {
+    let chunks = if copies.is_empty() {
+        Vec::new()
+    } else {
+        chunks(ranges, CHUNK)
+    };
+    let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
+    let shared = Shared::new(
+        &chunks,
+        &registered,
+        take_staging(spare),
+        ranges.len(),
+        false,
+    );
+    let map_all = || {
+        shared.map_ranges(|i| {
+            let (addr, len) = ranges[i];
+            leaf.map_at(addr, len)
+        });
+    };
+    let mappers = map_threads(ranges.len());
+    run(
+        &leaf.backend,
+        &shared,
+        copies,
+        Direction::In,
+        mappers,
+        map_all,
+    );
+    let outcome = shared.outcome();
+    spare.extend(outcome.buffers);
+    let Some(e) = outcome.error else {
+        return Ok(());
+    };
+    if !outcome.unsettled {
+        let mapped: Vec<(usize, usize)> = ranges
+            .iter()
+            .zip(&outcome.mapped)
+            .filter(|&(_, &done)| done)
+            .map(|(&range, _)| range)
+            .collect();
+        // SAFETY: mapped above by this call; nothing uses it (the caller's promise) and
+        // every copy into it is done (each thread waited for its lanes).
+        unsafe { unmap_ranges(leaf, &mapped) };
+    }
+    // Else a broken device: the memory stays mapped rather than unmapped under a copy
+    // (the pool stays asleep; dropping it leaves the leaf to unmap what is mapped), and
+    // the copies, which it may still read, are leaked when dropped.
+    if outcome.unsettled {
+        copies.iter().for_each(HostCopy::abandon);
+    }
+    Err(e)
+}
+
+/// Unmaps `ranges` of `leaf` (see [`GrowInPlace::unmap_ranges_at`]) on
+/// [`map_threads`] threads, each taking the next range not taken yet; on the calling
+/// thread alone where no other can start.
+///
+/// # Safety
+/// As for [`GrowInPlace::unmap_at`], for every range; the ranges do not overlap.
+pub(super) unsafe fn unmap_ranges<B: Backend>(leaf: &Virtual<B>, ranges: &[(usize, usize)]) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        while let Some(&(addr, len)) =
+            ranges.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        {
+            // SAFETY: the caller's promise; each range is taken by one thread.
+            unsafe { leaf.unmap_at(addr, len) };
+        }
+    };
+    let threads = map_threads(ranges.len());
+    if threads <= 1 {
+        return work();
+    }
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            // One that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload-map".into())
+                .spawn_scoped(scope, work);
+        }
+        work();
+    });
+}
+
+/// Host memory made ahead of a sleep (see [`GrowInPlace::prepare_host_memory`]): a copy
+/// of each of `lens` bytes, its pages backed now by threads writing them, and as many
+/// staging buffers as a sleep of them uses, less `staging` already kept.
+pub(super) fn prepare<B: Backend>(
+    backend: &B,
+    lens: &[usize],
+    staging: usize,
+) -> Result<Vec<HostCopy>, Error> {
+    let new: usize = lens.iter().sum();
+    if super::host_copy::available().is_some_and(|room| room < new) {
+        return Err(Error::out_of_memory(new));
+    }
+    let copies = lens
+        .iter()
+        .map(|&len| HostCopy::pages(len))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Each copy as a range at address 0: the chunks say where in which copy to write.
+    let ranges: Vec<(usize, usize)> = lens.iter().map(|&len| (0, len)).collect();
+    let chunks = chunks(&ranges, CHUNK);
+    let next = AtomicUsize::new(0);
+    let back = |c: Chunk| {
+        let at = copies[c.range].as_ptr();
+        for offset in (c.offset..c.offset + c.len).step_by(4096) {
+            // SAFETY: inside the copy (`chunks` cut `c` from its length), written by
+            // this thread alone (each chunk is taken once); a write backs the page.
+            unsafe { at.add(offset).write_volatile(0) };
+        }
+    };
+    let workers = threads(chunks.len(), Direction::Out);
+    std::thread::scope(|scope| {
+        let work = || {
+            while let Some(&c) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                back(c);
+            }
+        };
+        for _ in 1..workers {
+            // A thread that cannot start leaves its share to the others.
+            let _ = std::thread::Builder::new()
+                .name("memres-offload".into())
+                .spawn_scoped(scope, work);
+        }
+        work();
+    });
+    let wanted = 2 * workers;
+    let mut made = copies;
+    for _ in staging.min(wanted)..wanted {
+        made.push(backend.staging(CHUNK)?);
+    }
+    Ok(made)
+}
+
+/// Whether `copy` is a staging buffer that a sleep or wake would take from the spares.
+pub(super) fn is_staging(copy: &HostCopy) -> bool {
+    !copy.is_pageable() && copy.len() >= CHUNK
+}
+
+/// The staging buffers among `spare` (an earlier sleep's or wake's), taken out of it.
+fn take_staging(spare: &mut Vec<HostCopy>) -> Vec<HostCopy> {
+    let (staging, copies) = std::mem::take(spare).into_iter().partition(is_staging);
+    *spare = copies;
+    staging
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Chunk, Direction, chunks, map_thread_count, thread_count};
+
+    #[test]
+    fn map_threads_are_1_or_the_variable_within_1_to_16_and_the_ranges() {
+        assert_eq!(map_thread_count(None, 80), 1);
+        assert_eq!(map_thread_count(Some("4"), 3), 3, "no more than the ranges");
+        assert_eq!(map_thread_count(Some("4"), 0), 1);
+        assert_eq!(map_thread_count(Some("1"), 80), 1, "the old behaviour");
+        assert_eq!(map_thread_count(Some(" 8 "), 80), 8);
+        assert_eq!(map_thread_count(Some("99"), 80), 16, "at most 16");
+        for junk in ["0", "-3", "many", ""] {
+            assert_eq!(map_thread_count(Some(junk), 80), 1, "{junk:?} ignored");
+        }
+    }
+
+    #[test]
+    fn threads_follow_the_cores_or_the_variable_within_1_to_16_and_the_chunks() {
+        let (out, into) = (Direction::Out, Direction::In);
+        assert_eq!(thread_count(None, 16, 1000, out), 16);
+        assert_eq!(thread_count(None, 16, 1000, into), 15, "one core maps");
+        assert_eq!(thread_count(None, 64, 1000, out), 16, "at most 16");
+        assert_eq!(thread_count(None, 1, 1000, into), 1, "at least 1");
+        assert_eq!(
+            thread_count(None, 16, 3, out),
+            2,
+            "a thread per 2 chunks (tests)"
+        );
+        assert_eq!(
+            thread_count(None, 16, 7, into),
+            4,
+            "a thread per 2 chunks, rounded up"
+        );
+        assert_eq!(thread_count(None, 16, 0, out), 1);
+        assert_eq!(
+            thread_count(Some("3"), 16, 3, out),
+            3,
+            "the variable, up to the chunks"
+        );
+        assert_eq!(thread_count(Some(" 8 "), 16, 1000, into), 8, "the variable");
+        assert_eq!(thread_count(Some("99"), 16, 1000, out), 16);
+        for junk in ["0", "-3", "many", ""] {
+            assert_eq!(
+                thread_count(Some(junk), 16, 1000, out),
+                16,
+                "{junk:?} ignored"
+            );
+        }
+    }
+
+    #[test]
+    fn ranges_are_cut_into_chunks_in_order_with_short_last_ones() {
+        let got = chunks(&[(1000, 250), (5000, 100), (9000, 0), (20_000, 1)], 100);
+        let want = [
+            (0, 1000, 0, 100),
+            (0, 1100, 100, 100),
+            (0, 1200, 200, 50),
+            (1, 5000, 0, 100),
+            (3, 20_000, 0, 1),
+        ]
+        .map(|(range, addr, offset, len)| Chunk {
+            range,
+            addr,
+            offset,
+            len,
+        });
+        assert_eq!(got, want);
+        assert!(chunks(&[], 100).is_empty());
+        assert_eq!(
+            chunks(&[(0, 3)], 0).len(),
+            3,
+            "a chunk of 0 bytes is taken as 1"
+        );
+    }
+}
+
+/// The threads' shared state under loom (`RUSTFLAGS="--cfg memres_loom" cargo test -p
+/// memres --lib loom_`): chunks are taken once each, ranges mapped once each, a failure
+/// stops every thread, waking the ones that wait for a range to be mapped, and every range
+/// mapped is marked so (the caller unmaps those after a failure).
+#[cfg(all(test, memres_loom))]
+mod loom_models {
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicUsize, Ordering};
+    use loom::thread;
+
+    use super::{Chunk, Shared};
+    use crate::error::Error;
+
+    /// A chunk of one byte at `i`, the whole of range `i`.
+    const fn chunk(i: usize) -> Chunk {
+        Chunk {
+            range: i,
+            addr: i,
+            offset: 0,
+            len: 1,
+        }
+    }
+
+    /// Two chunks, one in each of two ranges.
+    static CHUNKS: [Chunk; 2] = [chunk(0), chunk(1)];
+
+    /// What a wake's thread does with the chunks it takes: waits for the range, then
+    /// counts the chunk as copied.
+    fn copy_all(shared: &Shared<'_>) -> Vec<usize> {
+        let mut copied = Vec::new();
+        while let Some(c) = shared.take() {
+            if !shared.wait_mapped(c.range) {
+                break;
+            }
+            copied.push(c.range);
+        }
+        copied
+    }
+
+    /// A mapping thread whose map of range `failing` fails; the ranges it mapped are
+    /// added to `mapped` as bits.
+    fn map_all(shared: &Shared<'_>, failing: usize, mapped: &AtomicUsize) {
+        shared.map_ranges(|r| {
+            if r == failing {
+                return Err(Error::out_of_memory(1));
+            }
+            let before = mapped.fetch_or(1 << r, Ordering::Relaxed);
+            assert_eq!(before & (1 << r), 0, "range {r} mapped twice");
+            Ok(())
+        });
+    }
+
+    /// Two threads copy while the calling thread maps both ranges and the second map
+    /// fails: both threads end (a lost wake-up would leave one waiting, which loom
+    /// reports as a deadlock), the first range's chunk is copied at most once, and the
+    /// second's never, since its range was never mapped.
+    #[test]
+    fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 2, false));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    thread::spawn(move || copy_all(&shared))
+                })
+                .collect();
+            map_all(&shared, 1, &AtomicUsize::new(0));
+            let copied: Vec<usize> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            assert!(copied.iter().all(|&r| r == 0), "{copied:?}");
+            assert!(copied.len() <= 1, "{copied:?}");
+        });
+    }
+
+    /// Without a failure, every chunk is copied exactly once, by one of two threads.
+    #[test]
+    fn loom_every_chunk_is_taken_exactly_once() {
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 2, false));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    thread::spawn(move || copy_all(&shared))
+                })
+                .collect();
+            map_all(&shared, usize::MAX, &AtomicUsize::new(0));
+            let mut copied: Vec<usize> = threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect();
+            copied.sort_unstable();
+            assert_eq!(copied, [0, 1]);
+        });
+    }
+
+    /// Two threads map three ranges (the second's map fails) while a third copies: every
+    /// thread ends, no range is mapped twice, a chunk is copied only once its range is
+    /// mapped, and the ranges marked mapped when all are done are exactly those mapped
+    /// (a map that succeeds after the failure is marked too, so the caller unmaps it).
+    #[test]
+    fn loom_ranges_mapped_on_two_threads_are_marked_exactly_when_mapped() {
+        static THREE: [Chunk; 3] = [chunk(0), chunk(1), chunk(2)];
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.check(|| {
+            let shared = Arc::new(Shared::new(&THREE, &[], Vec::new(), 3, false));
+            let mapped = Arc::new(AtomicUsize::new(0));
+            let mappers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (shared, mapped) = (Arc::clone(&shared), Arc::clone(&mapped));
+                    thread::spawn(move || map_all(&shared, 1, &mapped))
+                })
+                .collect();
+            let copier = {
+                let shared = Arc::clone(&shared);
+                thread::spawn(move || copy_all(&shared))
+            };
+            for m in mappers {
+                m.join().unwrap();
+            }
+            let copied = copier.join().unwrap();
+            let mapped = mapped.load(Ordering::Relaxed);
+            assert!(copied.iter().all(|&r| mapped & (1 << r) != 0), "{copied:?}");
+            let outcome = Arc::try_unwrap(shared).ok().unwrap().outcome();
+            assert!(outcome.error.is_some());
+            let marked = outcome
+                .mapped
+                .iter()
+                .enumerate()
+                .filter(|&(_, &done)| done)
+                .fold(0, |bits, (r, _)| bits | 1 << r);
+            assert_eq!(marked, mapped, "marked exactly the ranges mapped");
+        });
+    }
+}
