@@ -324,6 +324,34 @@ fn a_growth_gives_back_every_whole_free_granule_it_does_not_join() {
 }
 
 #[test]
+fn a_growth_keeps_the_release_thresholds_worth_of_free_granules() {
+    // As above, with a threshold above the 20 free granules: the frees give nothing
+    // back, nor does the growth, which maps one granule at the top.
+    let pool = virtual_pool(VirtualPoolConfig::new().release_threshold(24 * G));
+    let s = StreamRef::host(1);
+    let l = layout(G).unwrap();
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: allocated above with `l`; unused afterwards.
+        unsafe { pool.deallocate(s, p, l) };
+    }
+    let two = layout(2 * G).unwrap();
+    let q = pool.allocate(s, two).unwrap();
+    assert_eq!(q.as_ptr() as usize, blocks[39].as_ptr() as usize);
+    assert_eq!(pool.stats().pool_size, 41 * G, "the 19 free granules kept");
+    assert_eq!(pool.segments().len(), 1);
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        for &p in blocks.iter().step_by(2) {
+            pool.deallocate(s, p, l);
+        }
+    }
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
+#[test]
 fn a_host_stream_that_only_frees_has_its_list_merged_by_the_next_miss() {
     // 2 MiB granules, blocks of 256 KiB: above the small blocks' cache (64 KiB), so frees
     // coalesce at once, and below 512 KiB, so requests go to the lowest fit.

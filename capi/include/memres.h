@@ -11,7 +11,8 @@
  *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..,granule=..]"  the
  *                                   default: a pool growing in place over CUDA virtual
  *                                   memory (holds least; release= gives memory back
- *                                   above it; granule=32MiB maps and gives back 32 MiB
+ *                                   above it, and a growth keeps that much free rather
+ *                                   than remap it: for sizes that vary widely; granule=32MiB maps and gives back 32 MiB
  *                                   at a time, for it and the tags' pools (those take
  *                                   the spec's first virtual_pool's; under binning they
  *                                   keep 2 MiB): 16x fewer driver calls in a sleep and

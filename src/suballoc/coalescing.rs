@@ -234,7 +234,7 @@ pub(super) struct Coalescing<U: Resource, H: Holding<U>> {
     /// The configured maximum.
     maximum: Option<usize>,
     /// The configured release threshold.
-    release_threshold: Option<usize>,
+    pub(super) release_threshold: Option<usize>,
     growth: Mutex<GrowthState<H::Memory>>,
     pub(super) lists: ListTable<FreeList>,
     /// A free crossed the release threshold while another thread held the growth lock:

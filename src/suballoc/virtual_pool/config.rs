@@ -50,7 +50,11 @@ size_methods!(
         "Gives memory back to the upstream whenever a free leaves more than `bytes` free in",
         "one stream's list: the pool then waits for the streams it has seen, merges its",
         "lists and unmaps fully free granules, highest first, until at most `bytes` are",
-        "free, as a `cudaMemPool`'s release threshold does at synchronisation points.",
-        "Default: none, keep everything until [`VirtualPool::trim`](super::VirtualPool::trim).",
+        "free, as a `cudaMemPool`'s release threshold does at synchronisation points. A",
+        "growth, which otherwise first gives back every whole free granule elsewhere (so",
+        "that what the pool holds follows what is live), keeps that many free bytes too:",
+        "with sizes that vary widely a threshold spares the driver's remaps at growths.",
+        "Default: none: frees give nothing back until [`VirtualPool::trim`](super::VirtualPool::trim),",
+        "growths give back every whole free granule they do not join.",
     ],
 );

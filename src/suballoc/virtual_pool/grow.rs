@@ -253,9 +253,13 @@ impl<U: Resource> Coalescing<U, Space<U>> {
                 !spare.contains(&b.addr) && lo + g <= b.addr - space.base + b.size
             })
         };
-        if may_wait && surplus >= g && whole_granule_free() {
+        // A release threshold is free memory the pool may keep: a growth keeps as much of
+        // its surplus too (so a program whose sizes vary widely does not remap granules at
+        // every growth: `python/proofs/alloc_cost.py`, BENCHMARKS.md).
+        let keep = self.release_threshold.unwrap_or(0);
+        if may_wait && surplus >= g && surplus > keep && whole_granule_free() {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
-            if waited.is_ok() && self.unmap_in(growth, &mut s, 0, spare) > 0 {
+            if waited.is_ok() && self.unmap_in(growth, &mut s, keep + joined, spare) > 0 {
                 // Unmapping made new holes: a better site may be among them.
                 let top = space.base + growth.memory.mapped.top() * g;
                 tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
