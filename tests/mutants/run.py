@@ -53,12 +53,12 @@ MUTATIONS = [
      "        Ok(lanes::take_all(&self.lists, own, fit.size, fit.align, true))",
      "        Ok(None)"),
     ("VirtualPool: no unmapping before growing", "src/suballoc/virtual_pool/grow.rs",
-     "if may_wait && surplus >= g && whole_granule_free() {",
-     "if false && may_wait && surplus >= g && whole_granule_free() {"),
+     "if may_wait && surplus >= g && surplus > keep && whole_granule_free() {",
+     "if false && may_wait && surplus >= g && surplus > keep && whole_granule_free() {"),
     # Issue 51, item 5: a growth gives back every whole free granule it does not join.
     ("VirtualPool: a growth gives back only as many bytes as it maps (67e8274's rule)",
      "src/suballoc/virtual_pool/grow.rs",
-     "            if waited.is_ok() && self.unmap_in(growth, &mut s, 0, spare) > 0 {",
+     "            if waited.is_ok() && self.unmap_in(growth, &mut s, keep + joined, spare) > 0 {",
      "            let keep = s.free_bytes().saturating_sub(best.len);\n"
      "            if waited.is_ok() && self.unmap_in(growth, &mut s, keep, spare) > 0 {"),
     ("VirtualPool: a host stream's miss takes one block of a list only freed into (no merge)",
