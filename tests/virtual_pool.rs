@@ -293,25 +293,23 @@ fn growing_first_gives_back_free_granules_elsewhere() {
     }
 }
 
-#[test]
-fn a_growth_gives_back_every_whole_free_granule_it_does_not_join() {
-    let pool = virtual_pool(VirtualPoolConfig::new());
+/// 40 one-granule blocks with every other one freed (20 one-granule holes, the last one
+/// included), then a request of two granules, which fits nowhere: the growth maps one
+/// granule at the top, joined with the free granule below it. Returns what the pool
+/// holds and its segments right after, then frees everything and trims.
+fn a_growth_past_twenty_holes(config: VirtualPoolConfig) -> (usize, usize) {
+    let pool = virtual_pool(config);
     let s = StreamRef::host(1);
     let l = layout(G).unwrap();
     let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
-    // Every other granule free (the last one included): 20 one-granule holes.
     for &p in blocks.iter().skip(1).step_by(2) {
         // SAFETY: allocated above with `l`; unused afterwards.
         unsafe { pool.deallocate(s, p, l) };
     }
-    // Two granules fit nowhere: the growth maps one at the top, joined with the free
-    // granule below it, and gives back the other 19 free granules (not only the one it
-    // maps), so the pool holds exactly what is live.
     let two = layout(2 * G).unwrap();
     let q = pool.allocate(s, two).unwrap();
     assert_eq!(q.as_ptr() as usize, blocks[39].as_ptr() as usize);
-    assert_eq!(pool.stats().pool_size, 22 * G);
-    assert_eq!(pool.segments().len(), 20, "the 19 holes split the range");
+    let held = (pool.stats().pool_size, pool.segments().len());
     // SAFETY: each freed once with its layout.
     unsafe {
         pool.deallocate(s, q, two);
@@ -321,34 +319,25 @@ fn a_growth_gives_back_every_whole_free_granule_it_does_not_join() {
     }
     pool.trim().unwrap();
     assert_eq!(pool.stats().pool_size, 0);
+    held
+}
+
+#[test]
+fn a_growth_gives_back_every_whole_free_granule_it_does_not_join() {
+    // The other 19 free granules go back (not only as many as the growth maps), so the
+    // pool holds exactly what is live; the 19 holes split the range.
+    assert_eq!(
+        a_growth_past_twenty_holes(VirtualPoolConfig::new()),
+        (22 * G, 20)
+    );
 }
 
 #[test]
 fn a_growth_keeps_the_release_thresholds_worth_of_free_granules() {
-    // As above, with a threshold above the 20 free granules: the frees give nothing
-    // back, nor does the growth, which maps one granule at the top.
-    let pool = virtual_pool(VirtualPoolConfig::new().release_threshold(24 * G));
-    let s = StreamRef::host(1);
-    let l = layout(G).unwrap();
-    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, l).unwrap()).collect();
-    for &p in blocks.iter().skip(1).step_by(2) {
-        // SAFETY: allocated above with `l`; unused afterwards.
-        unsafe { pool.deallocate(s, p, l) };
-    }
-    let two = layout(2 * G).unwrap();
-    let q = pool.allocate(s, two).unwrap();
-    assert_eq!(q.as_ptr() as usize, blocks[39].as_ptr() as usize);
-    assert_eq!(pool.stats().pool_size, 41 * G, "the 19 free granules kept");
-    assert_eq!(pool.segments().len(), 1);
-    // SAFETY: each freed once with its layout.
-    unsafe {
-        pool.deallocate(s, q, two);
-        for &p in blocks.iter().step_by(2) {
-            pool.deallocate(s, p, l);
-        }
-    }
-    pool.trim().unwrap();
-    assert_eq!(pool.stats().pool_size, 0);
+    // With a threshold above the 20 free granules the frees give nothing back, nor does
+    // the growth: the 19 free granules are kept, the range whole.
+    let config = VirtualPoolConfig::new().release_threshold(24 * G);
+    assert_eq!(a_growth_past_twenty_holes(config), (41 * G, 1));
 }
 
 #[test]
