@@ -299,11 +299,14 @@ fn suballoc_suites<R: Resource + Send + Sync + 'static>(
 ///   host, two host streams (always complete, so the host cannot show the defect).
 ///
 /// - `serve`: [`workloads::serve_with`], seed 42, [`SERVE_REQUESTS`] requests.
+/// - `mixed`: [`workloads::mixed_with`], seed 7, [`MIXED_STEPS`] steps.
 ///
 /// `held` reads what the stack holds from the device (sampled after every op, untimed
 /// runs only).
 /// Requests of the `serve` footprint workload.
 const SERVE_REQUESTS: usize = 1_000;
+/// Steps of the `mixed` footprint workload.
+const MIXED_STEPS: usize = 20_000;
 
 fn footprints<R: Resource + ?Sized>(
     name: &str,
@@ -411,6 +414,24 @@ fn footprints<R: Resource + ?Sized>(
     })
     .expect("allocation in serve");
     report("serve", peak_held, peak_live);
+    // mixed: sizes that vary widely, with how often and how much what the stack held
+    // fell between two ops (a virtual pool's growth that gives back more than it maps)
+    let (mut peak_live, mut peak_held) = (0, 0);
+    let (mut last_held, mut falls, mut fallen) = (held(), 0, 0);
+    let steps = if smoke_run() { 200 } else { MIXED_STEPS };
+    workloads::mixed_with(r, a, 7, steps, |live| {
+        let now = held();
+        if now < last_held {
+            falls += 1;
+            fallen += last_held - now;
+        }
+        last_held = now;
+        peak_live = peak_live.max(live);
+        peak_held = peak_held.max(now);
+    })
+    .expect("allocation in mixed");
+    report("mixed", peak_held, peak_live);
+    println!("# falls,{name},mixed,falls={falls},bytes={fallen}");
     // Last, so that the standard sequences start as they always did. A peak is one
     // moment of one sequence: seeds 1..=N show how typical seed 42 is.
     let seeds: u64 = std::env::var("MEMRES_FOOTPRINT_SEEDS").map_or(0, |n| {

@@ -340,6 +340,53 @@ fn a_growth_keeps_the_release_thresholds_worth_of_free_granules() {
     assert_eq!(a_growth_past_twenty_holes(config), (41 * G, 1));
 }
 
+/// Well below the most it has held, a growth keeps the free granules for later requests
+/// (moving them costs the driver an unmap, a map and its access each); after a trim, the
+/// pool's peak starts again from what it holds, and a growth near it gives them back.
+#[test]
+fn a_growth_well_below_the_peak_keeps_free_granules_until_a_trim() {
+    let pool = virtual_pool(VirtualPoolConfig::new());
+    let s = StreamRef::host(1);
+    let (one, two, three) = (
+        layout(G).unwrap(),
+        layout(2 * G).unwrap(),
+        layout(3 * G).unwrap(),
+    );
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, one).unwrap()).collect();
+    let free = |i: usize| {
+        // SAFETY: allocated above with `one`; each index freed once, unused afterwards.
+        unsafe { pool.deallocate(s, blocks[i], one) };
+    };
+    (1..40).step_by(2).for_each(free);
+    // At its peak: the growth gives back the 19 holes it does not join.
+    let q = pool.allocate(s, two).unwrap();
+    assert_eq!(pool.stats().pool_size, 22 * G);
+    // Granules 0, 2, 4, 6 and 8 free, each between unmapped holes. Three granules fit at
+    // granule 1's hole with its free neighbours: one granule mapped, and 22 + 3 granules
+    // are far below the 40 the pool held, so granules 4, 6 and 8 stay.
+    [0, 2, 4, 6, 8].into_iter().for_each(free);
+    let r = pool.allocate(s, three).unwrap();
+    assert_eq!(r, blocks[0]);
+    assert_eq!(pool.stats().pool_size, 23 * G);
+    // A trim gives them back and starts the peak again from the 20 granules held.
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 20 * G);
+    // Now the same growth at granule 11's hole is near the peak: granules 14 and 16 go.
+    [10, 12, 14, 16].into_iter().for_each(free);
+    let t = pool.allocate(s, three).unwrap();
+    assert_eq!(t, blocks[10]);
+    assert_eq!(pool.stats().pool_size, 19 * G);
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        pool.deallocate(s, r, three);
+        pool.deallocate(s, t, three);
+    }
+    (18..40).step_by(2).for_each(free);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
 #[test]
 fn a_host_stream_that_only_frees_has_its_list_merged_by_the_next_miss() {
     // 2 MiB granules, blocks of 256 KiB: above the small blocks' cache (64 KiB), so frees

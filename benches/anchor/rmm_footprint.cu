@@ -7,6 +7,7 @@
 //   that (seed 7), every other block of a round freed after it;
 // - cross-stream: `random`'s sequence, every allocation on stream A, every free on B;
 // - serve: requests of varying batch and length through a 12-layer model (see `serve`).
+// - mixed: 64 blocks live of 512 B to 64 MiB, the oldest replaced at each step (`mixed`).
 // Held: the pool's upstream bytes (a statistics adaptor under the pool), or the driver
 // pool's reserved memory high-water mark for cuda_async. Each workload on a fresh resource.
 // Built by benches/anchor/run.sh (BUILD=rmm_footprint). Output: CSV
@@ -145,14 +146,42 @@ Run serve(Alloc const& alloc, Free const& free, cudaStream_t a)
   return r;
 }
 
-// Workload `w` (0 random, 1 fragmenting, 2 cross-stream, 3 serve) through `alloc` and
-// `free`.
+// `mixed` (docs/workloads.md v1.4, workloads/src/lib.rs `mixed_with`): 64 blocks live on
+// stream `a`; each of 20,000 steps frees the oldest and allocates 2^e + x % 2^e bytes,
+// e = 9 + x % 17 (512 B to just under 64 MiB), seed 7.
+Run mixed(Alloc const& alloc, Free const& free, cudaStream_t a)
+{
+  anchor::Rng rng{7};
+  std::deque<anchor::Live> live;
+  std::size_t bytes = 0;
+  Run r;
+  for (int step = 0; step < 64 + 20000; ++step) {
+    if (step >= 64) {
+      free(live.front().p, live.front().n, a);
+      bytes -= live.front().n;
+      live.pop_front();
+    }
+    std::size_t e = 9 + rng.next() % 17;
+    std::size_t n = (std::size_t{1} << e) + rng.next() % (std::size_t{1} << e);
+    live.push_back({alloc(n, a), n});
+    bytes += n;
+    r.peak_live = std::max(r.peak_live, bytes);
+  }
+  for (auto& l : live) {
+    free(l.p, l.n, a);
+  }
+  return r;
+}
+
+// Workload `w` (0 random, 1 fragmenting, 2 cross-stream, 3 serve, 4 mixed) through
+// `alloc` and `free`.
 Run workload(int w, Alloc const& alloc, Free const& free, cudaStream_t a, cudaStream_t b)
 {
   Run r = w == 0 ? random_seq(alloc, free, a, a)
           : w == 1 ? fragmenting(alloc, free, a)
           : w == 2 ? random_seq(alloc, free, a, b)
-                   : serve(alloc, free, a);
+          : w == 3 ? serve(alloc, free, a)
+                   : mixed(alloc, free, a);
   cudaDeviceSynchronize();
   return r;
 }
@@ -170,8 +199,8 @@ int main()
   cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
   cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
   std::printf("impl,resource,workload,peak_held_bytes,peak_live_bytes,ratio\n");
-  char const* names[] = {"random", "fragmenting", "cross-stream", "serve"};
-  for (int w = 0; w < 4; ++w) {
+  char const* names[] = {"random", "fragmenting", "cross-stream", "serve", "mixed"};
+  for (int w = 0; w < 5; ++w) {
     rmm::mr::cuda_memory_resource cuda;
     rmm::mr::statistics_resource_adaptor up{cuda};
     rmm::mr::pool_memory_resource pool{up, 0};
@@ -184,7 +213,7 @@ int main()
     Run r = workload(w, alloc, free, a, b);
     print("pool", names[w], std::size_t(up.get_bytes_counter().peak), r);
   }
-  for (int w = 0; w < 4; ++w) {
+  for (int w = 0; w < 5; ++w) {
     rmm::mr::cuda_async_memory_resource mr;
     Alloc alloc = [&](std::size_t n, cudaStream_t s) {
       return mr.allocate(cuda::stream_ref{s}, n, 256);

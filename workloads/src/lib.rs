@@ -221,6 +221,60 @@ pub fn serve_with<R: Resource + ?Sized>(
     result
 }
 
+/// Blocks live at once in [`mixed_with`].
+pub const MIXED_LIVE: usize = 64;
+
+/// The `mixed` footprint workload (docs/workloads.md, v1.4): sizes that vary widely, as a
+/// vision model's with varying image sizes do. [`MIXED_LIVE`] blocks are allocated on one
+/// stream, then each of `steps` steps frees the oldest live block and allocates one of
+/// `2^e + x % 2^e` bytes with `e = 9 + x % 17` (512 B to just under 64 MiB; splitmix64
+/// from `seed`, `e`'s draw first). Calls `observe(live_bytes)` after every allocation and
+/// free; what is live at the end is freed.
+pub fn mixed_with<R: Resource + ?Sized>(
+    r: &R,
+    stream: StreamRef<'_>,
+    seed: u64,
+    steps: usize,
+    mut observe: impl FnMut(usize),
+) -> Result<(), Error> {
+    let mut rng = seed;
+    let mut draw = move || {
+        let e = 9 + splitmix64(&mut rng) % 17;
+        (1usize << e) + (splitmix64(&mut rng) % (1 << e)) as usize
+    };
+    let mut live: std::collections::VecDeque<(NonNull<u8>, Layout)> =
+        std::collections::VecDeque::with_capacity(MIXED_LIVE + 1);
+    let mut live_bytes = 0usize;
+    let mut result = Ok(());
+    for step in 0..MIXED_LIVE + steps {
+        if step >= MIXED_LIVE
+            && let Some((p, l)) = live.pop_front()
+        {
+            // SAFETY: allocated below from `r` with `l` on `stream`; never used, freed once.
+            unsafe { r.deallocate(stream, p, l) };
+            live_bytes -= l.size();
+            observe(live_bytes);
+        }
+        let allocated = layout(draw()).and_then(|l| Ok((r.allocate(stream, l)?, l)));
+        match allocated {
+            Ok((p, l)) => {
+                live.push_back((p, l));
+                live_bytes += l.size();
+                observe(live_bytes);
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    for (p, l) in live {
+        // SAFETY: as above.
+        unsafe { r.deallocate(stream, p, l) };
+    }
+    result
+}
+
 /// The `random` workload: ns per op. What is live at the end is freed untimed; an
 /// allocation that fails frees everything live and returns the error.
 pub fn random<R: Resource + ?Sized>(

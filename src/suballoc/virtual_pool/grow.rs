@@ -86,6 +86,11 @@ pub(crate) struct Mapped {
     /// Host memory kept for the next offloading sleep and wake (freed by `trim`): the
     /// copies a wake kept, and the pinned staging buffers the copies went through.
     pub(super) kept: Vec<HostCopy>,
+    /// The most the pool has held, or was about to hold at a growth (what it held and
+    /// the request), since it was made or last gave memory back other than at a growth
+    /// (a trim, its release threshold, an out-of-memory retry): a growth that stays well
+    /// below it keeps its free granules (see [`Coalescing::grow_in_place`]).
+    pub(super) high_water: usize,
 }
 
 /// Keeps the physical memory of granules unmapped while it lives for the maps that follow
@@ -202,8 +207,10 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     /// (`size` with room for `align`), in any unmapped run of the reservation, together
     /// with the free blocks on either side of it (so the pieces of partly free granules
     /// left around unmapped holes are used again, not only the free block at the top of
-    /// what the pool holds). Without `may_wait` (under capture) it gives nothing back
-    /// first, since that waits for the stream.
+    /// what the pool holds). A growth that takes the pool into the top eighth of the
+    /// most it has held, or past it, first gives back the whole free granules it does
+    /// not join; one below keeps them. Without `may_wait` (under capture) it gives
+    /// nothing back, since that waits for the stream.
     // long: pick sites, remap surplus, map one: the steps share one lock guard.
     fn grow_in_place(
         &self,
@@ -226,15 +233,25 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             return Ok(None);
         };
         // Free granules elsewhere in the list hold memory that this growth would add to:
-        // give every one of them back, so that what the pool holds follows what is live
-        // rather than how fragmented its range is. (Blocks of `own`'s stream may still be
-        // in use by its work: wait for it first. The free blocks the growth joins stay.)
-        // Every one, not only as many bytes as the growth maps: a growth is the only
-        // moment the pool's size rises, and whole free granules kept through it are held
-        // at that moment without serving anything. Keeping as much as the growth mapped
-        // left `cross-stream` (the allocating stream sees the other's frees only at its
-        // next merge) at 1.128 of live on the H100 where `random` is 1.107; all of them:
-        // see BENCHMARKS.md (issue 51, item 5).
+        // when the growth takes the pool near the most it has held (its top eighth or
+        // above), give every one of them back, so that what the pool holds at its peaks
+        // follows what is live rather than how fragmented its range is. (Blocks of
+        // `own`'s stream may still be in use by its work: wait for it first. The free
+        // blocks the growth joins stay.) Every one, not only as many bytes as the growth
+        // maps: a growth is the only moment the pool's size rises, and whole free
+        // granules kept through it are held at that moment without serving anything.
+        // Keeping as much as the growth mapped left `cross-stream` (the allocating stream
+        // sees the other's frees only at its next merge) at 1.128 of live on the H100
+        // where `random` is 1.107; all of them: see BENCHMARKS.md (issue 51, item 5).
+        // Well below the peak the free granules stay for later requests: moving a
+        // granule costs the driver about 50 us (an unmap, a map and its access), and
+        // giving back at every growth cost a program whose sizes vary widely 22 us an
+        // allocation (`python/proofs/alloc_cost.py`; the peaks, and so the footprint
+        // rows, are the same: BENCHMARKS.md, issue 51 item 2).
+        let mark = growth.memory.high_water;
+        let grown = growth.size.saturating_add(min);
+        let near_peak = grown > mark - mark / 8;
+        growth.memory.high_water = mark.max(grown);
         let joined = best
             .joins
             .map(|b| b.map_or(0, |b| b.size))
@@ -257,7 +274,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         // its surplus too (so a program whose sizes vary widely does not remap granules at
         // every growth: `python/proofs/alloc_cost.py`, BENCHMARKS.md).
         let keep = self.release_threshold.unwrap_or(0);
-        if may_wait && surplus >= g && surplus > keep && whole_granule_free() {
+        if may_wait && near_peak && surplus >= g && surplus > keep && whole_granule_free() {
             let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
             if waited.is_ok() && self.unmap_in(growth, &mut s, keep + joined, spare) > 0 {
                 // Unmapping made new holes: a better site may be among them.
@@ -303,6 +320,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             .set((addr - space.base) / g, len / g, true);
         growth.size += len;
         growth.peak = growth.peak.max(growth.size);
+        growth.memory.high_water = growth.memory.high_water.max(growth.size);
         into.insert(addr, len);
         tracing::debug!(
             target: "memres::pool",
@@ -335,7 +353,10 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             tracing::warn!("a pool could not wait for a stream to return memory: {e}");
             return 0;
         }
-        self.unmap_in(growth, &mut s, keep, [usize::MAX; 2])
+        let released = self.unmap_in(growth, &mut s, keep, [usize::MAX; 2]);
+        // What the pool holds now is where its growths measure their peak from.
+        growth.memory.high_water = growth.size;
+        released
     }
 
     /// Unmaps fully free granules of blocks in `s` other than those starting at an

@@ -35,19 +35,22 @@ mod register_tests;
 /// [`HostVirtual`](crate::upstream::HostVirtual) over host pages): the pool that holds least, and
 /// the one that can [`sleep`](VirtualPool::sleep).
 ///
-/// It maps exactly the granules a request lacks, right after its free memory, so its
-/// memory is one range where every free block can merge with its neighbours, across
-/// growth steps; [`trim`](VirtualPool::trim) gives back every fully free granule, also
-/// between live blocks. Requests below 512 KiB go to the lowest 16 MiB address region
-/// that has a fit, so small blocks pack together and free memory gathers into whole
-/// granules (it costs some speed: see `BENCHMARKS.md`). This is the default of the C ABI
-/// and the Python shims (the spec word `virtual_pool`). Streams, lanes, merges, the
-/// release threshold and the drop work as in the chunked [`Pool`](super::Pool), whose
-/// body it shares (its docs say how), but for one rule: a host stream that finds no fit
-/// merges whole the list of a host stream that has never missed in its own (one that has
-/// only freed, such as the freeing side of a hand-off between streams) rather than take
-/// one block of it, so that their blocks coalesce, as a CUDA stream's do after its merge.
-/// A stream that allocates keeps its list.
+/// It maps exactly the granules a request lacks, right after its free memory, so its memory
+/// is one range where every free block can merge with its neighbours, across growth steps;
+/// [`trim`](VirtualPool::trim) gives back every fully free granule, also between live
+/// blocks. A growth that takes the pool near the most it has held (its top eighth; a trim
+/// starts its count again) first gives back the whole free granules elsewhere, so that it
+/// holds, at its peaks, what is live; one well below keeps them for later requests, since
+/// moving a granule costs the driver an unmap, a map and its access (about 50 us on an
+/// H100). Requests below 512 KiB go to the lowest 16 MiB address region that has a fit, so
+/// small blocks pack together and free memory gathers into whole granules (it costs some
+/// speed: see `BENCHMARKS.md`). This is the default of the C ABI and the Python shims (the
+/// spec word `virtual_pool`). Streams, lanes, merges, the release threshold and the drop
+/// work as in the chunked [`Pool`](super::Pool), whose body it shares (its docs say how),
+/// but for one rule: a host stream that finds no fit merges whole the list of a host stream
+/// that has never missed in its own (one that has only freed, such as the freeing side of a
+/// hand-off between streams) rather than take one block of it, so that their blocks
+/// coalesce, as a CUDA stream's do after its merge. A stream that allocates keeps its list.
 ///
 /// [`sleep`](VirtualPool::sleep) gives the physical memory back while the addresses stay
 /// reserved, and [`wake`](VirtualPool::wake) maps it again where it was; only this pool
