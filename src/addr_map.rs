@@ -209,6 +209,27 @@ impl<V, const SPREAD: u32> AddrMap<V, SPREAD> {
         }
     }
 
+    /// Moves the entry at `slot` (from [`find_slot`](Self::find_slot), with no change to
+    /// the map since) to `key`, which the map must not hold: a free list's block whose
+    /// start or end moves (a cut, a merge with one neighbour). The entry count does not
+    /// change, so, unlike a removal and an insert, there is no room to check and no key
+    /// to compare on the way to the free slot.
+    #[inline(always)]
+    pub(crate) fn rekey(&mut self, slot: Slot, key: usize) {
+        debug_assert!(self.find(key).is_none(), "{key:#x} is already in the map");
+        let Some(value) = self.remove_at(slot) else {
+            return;
+        };
+        // (At least one free slot: `remove_at` just made one.)
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        while self.slots[i].is_some() {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = Some((key, value));
+        self.len += 1;
+    }
+
     /// Whether `entries` entries may share `slots` slots: at most one slot in
     /// `2^SPREAD` full, or a quarter at [`MIN_SLOTS`] and below (see [`AddrMap`]).
     #[inline]
@@ -314,6 +335,9 @@ mod tests {
     enum Op {
         Insert(usize, u32),
         Remove(usize),
+        /// Moves the first key's entry to the second key, if the first is held and the
+        /// second is not.
+        Rekey(usize, usize),
         Clear,
     }
 
@@ -326,7 +350,8 @@ mod tests {
         ];
         prop_oneof![
             10 => (key.clone(), any::<u32>()).prop_map(|(k, v)| Op::Insert(k, v)),
-            8 => key.prop_map(Op::Remove),
+            8 => key.clone().prop_map(Op::Remove),
+            4 => (key.clone(), key).prop_map(|(k, to)| Op::Rekey(k, to)),
             1 => Just(Op::Clear),
         ]
     }
@@ -340,6 +365,15 @@ mod tests {
             match op {
                 Op::Insert(k, v) => prop_assert_eq!(ours.insert(k, v), std_map.insert(k, v)),
                 Op::Remove(k) => prop_assert_eq!(ours.remove(&k), std_map.remove(&k)),
+                Op::Rekey(k, to) => {
+                    if let Some((slot, _)) = ours.find_slot(k)
+                        && !std_map.contains_key(&to)
+                    {
+                        ours.rekey(slot, to);
+                        let v = std_map.remove(&k).expect("held by both");
+                        std_map.insert(to, v);
+                    }
+                }
                 Op::Clear => {
                     ours.clear();
                     std_map.clear();
