@@ -26,7 +26,9 @@ live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
 'virtual_pool;virtual_pool:granule=32MiB' for what 32 MiB granules cost in memory held.
 
 Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
-(steps after the third) per run, best run per allocator; peak device memory in use
+(steps after the third) per run, best run per allocator, and each memres mode's step time
+over torch's and expandable's step by step (every process draws the same shapes in the
+same order; the median over every pair of runs of the median ratio of step i to step i); peak device memory in use
 (cudaMemGetInfo after every step, less what was in use before CUDA work began) against the
 allocator's own peak live bytes; and the allocator's own peak held bytes (memres's pool
 peak, PyTorch's max_memory_reserved) against the same, which leaves out the memory CUDA
@@ -219,10 +221,24 @@ def run(model_name, mode, steps, deterministic, profiled=False):
                 "ratio": peak_used / peak_live,
                 "median_step_s": statistics.median(times[3:]),
                 "losses": losses,
+                "step_times_s_all": times,
                 **extra,
             }
         )
     )
+
+
+def paired_ratio(runs, base_runs):
+    """The median over every pair of runs (one of `runs`, one of `base_runs`) of the
+    median step-by-step ratio (steps after the third): each process draws the same shapes
+    in the same order, so step i of one run and step i of another did the same work, and
+    the ratio cancels what the shapes do to the step."""
+    per_pair = []
+    for r in runs:
+        for b in base_runs:
+            steps = list(zip(r["step_times_s_all"][3:], b["step_times_s_all"][3:]))
+            per_pair.append(statistics.median(x / y for x, y in steps))
+    return statistics.median(per_pair)
 
 
 def child(model, mode, steps, deterministic, profiled=False):
@@ -322,6 +338,11 @@ def main():
             )
             if mode.startswith("memres") and slower > 0.02:
                 failures.append(f"{model}: memres step {slower:+.1%} vs torch")
+        for mode in modes[2:]:
+            for base in modes[:2]:
+                ratio = paired_ratio(runs[mode], runs[base])
+                summary[f"{model}/{mode}"][f"paired_vs_{base}"] = ratio
+                print(f"{model:9s} {mode:11s} / {base}: step by step, median {ratio:.3f}")
         if not a.no_deterministic:
             det = {mode: child(model, mode, a.steps, True)["losses"] for mode in modes}
             for mode in modes:
