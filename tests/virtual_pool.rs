@@ -387,6 +387,90 @@ fn a_growth_well_below_the_peak_keeps_free_granules_until_a_trim() {
     assert_eq!(pool.stats().pool_size, 0);
 }
 
+/// 40 granules of one block each, the odd ones freed, then a growth of two granules: at
+/// the pool's peak it gives back the 19 holes it does not join (22 granules held).
+fn forty_blocks_odd_freed_then_a_growth(pool: &VirtualPool<HostVirtual>, before: impl FnOnce()) {
+    let s = StreamRef::host(1);
+    let (one, two) = (layout(G).unwrap(), layout(2 * G).unwrap());
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, one).unwrap()).collect();
+    before();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        // SAFETY: allocated above with `one`; freed once, unused afterwards.
+        unsafe { pool.deallocate(s, p, one) };
+    }
+    let q = pool.allocate(s, two).unwrap();
+    let held = pool.stats().pool_size;
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        for &p in blocks.iter().step_by(2) {
+            pool.deallocate(s, p, one);
+        }
+    }
+    pool.trim().unwrap();
+    assert_eq!(
+        held,
+        22 * G,
+        "the growth at the pool's peak gives back the holes"
+    );
+}
+
+/// A request that fails (here: past the maximum) was never held: it does not raise the
+/// peak that later growths measure from (review of issue 51 item 2). Fails on 0fba098:
+/// the failed request of 100 granules leaves the mark at 140, so the growth keeps the 19
+/// holes (41 granules held, not 22) until a trim that finds free memory.
+#[test]
+fn a_request_that_fails_does_not_raise_the_peak_growths_measure_from() {
+    let pool = virtual_pool(VirtualPoolConfig::new().maximum_size(64 * G));
+    forty_blocks_odd_freed_then_a_growth(&pool, || {
+        let e = pool.allocate(StreamRef::host(1), layout(100 * G).unwrap());
+        assert!(matches!(e, Err(Error::OutOfMemory { .. })), "{e:?}");
+    });
+}
+
+/// "A trim starts its count again" (the type's docs), also a trim that finds nothing free.
+/// Fails on 0fba098: the release returns before it resets the mark when nothing is free,
+/// so the growth below keeps granules 4, 6 and 8 (23 granules held, not 20).
+#[test]
+fn a_trim_with_nothing_free_still_starts_the_peak_again() {
+    let pool = virtual_pool(VirtualPoolConfig::new());
+    let s = StreamRef::host(1);
+    let (one, two, three) = (
+        layout(G).unwrap(),
+        layout(2 * G).unwrap(),
+        layout(3 * G).unwrap(),
+    );
+    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, one).unwrap()).collect();
+    let free = |i: usize| {
+        // SAFETY: allocated above with `one`; each index freed once, unused afterwards.
+        unsafe { pool.deallocate(s, blocks[i], one) };
+    };
+    (1..40).step_by(2).for_each(free);
+    // At its peak (40 granules): the growth gives back the 19 holes, and nothing is free.
+    let q = pool.allocate(s, two).unwrap();
+    assert_eq!(pool.stats().pool_size, 22 * G);
+    assert_eq!(pool.trim().unwrap(), 0, "nothing free");
+    // The count starts again from the 22 granules held: 25 is near that peak, so the
+    // growth at granule 1's hole gives back granules 4, 6 and 8.
+    [0, 2, 4, 6, 8].into_iter().for_each(free);
+    let r = pool.allocate(s, three).unwrap();
+    assert_eq!(r, blocks[0]);
+    let held = pool.stats().pool_size;
+    // SAFETY: each freed once with its layout.
+    unsafe {
+        pool.deallocate(s, q, two);
+        pool.deallocate(s, r, three);
+    }
+    (10..40).step_by(2).for_each(free);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+    assert_eq!(
+        held,
+        20 * G,
+        "the growth after the trim is near the pool's peak"
+    );
+}
+
 #[test]
 fn a_host_stream_that_only_frees_has_its_list_merged_by_the_next_miss() {
     // 2 MiB granules, blocks of 256 KiB: above the small blocks' cache (64 KiB), so frees
