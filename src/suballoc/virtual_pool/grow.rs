@@ -251,7 +251,6 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         let mark = growth.memory.high_water;
         let grown = growth.size.saturating_add(min);
         let near_peak = grown > mark - mark / 8;
-        growth.memory.high_water = mark.max(grown);
         let joined = best
             .joins
             .map(|b| b.map_or(0, |b| b.size))
@@ -291,6 +290,9 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             }
             match self.map_into(growth, &mut s, site.addr, site.len) {
                 Ok(()) => {
+                    // Only a growth that maps raises the mark: a request that fails was
+                    // never held.
+                    growth.memory.high_water = growth.memory.high_water.max(grown);
                     self.lists.note_free(own);
                     let taken = s.free.take(size, align);
                     debug_assert!(taken.is_some(), "in-place growth fits its request");
@@ -343,17 +345,19 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     ) -> usize {
         let mut s = from.state.lock();
         s.flush();
-        if s.free_bytes() <= keep {
-            return 0;
-        }
         // Blocks freed on `from`'s own stream may still be in use by its work.
-        if let Some(ctx) = from.ctx
-            && let Err(e) = ctx.synchronize()
-        {
-            tracing::warn!("a pool could not wait for a stream to return memory: {e}");
-            return 0;
-        }
-        let released = self.unmap_in(growth, &mut s, keep, [usize::MAX; 2]);
+        let waited = || match from.ctx.map_or(Ok(()), |ctx| ctx.synchronize()) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("a pool could not wait for a stream to return memory: {e}");
+                false
+            }
+        };
+        let released = if s.free_bytes() > keep && waited() {
+            self.unmap_in(growth, &mut s, keep, [usize::MAX; 2])
+        } else {
+            0
+        };
         // What the pool holds now is where its growths measure their peak from.
         growth.memory.high_water = growth.size;
         released
