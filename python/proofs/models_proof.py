@@ -28,8 +28,8 @@ live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
 Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
 (steps after the third) per run, best run per allocator, and each memres mode's step time
 over torch's and expandable's step by step (every process draws the same shapes in the
-same order; the median over every pair of runs of the median ratio of step i to step i); peak device memory in use
-(cudaMemGetInfo after every step, less what was in use before CUDA work began) against the
+same order; the median over every pair of runs of the median ratio of step i to step i);
+peak device memory in use (cudaMemGetInfo after every step, less what was in use before CUDA work began) against the
 allocator's own peak live bytes; and the allocator's own peak held bytes (memres's pool
 peak, PyTorch's max_memory_reserved) against the same, which leaves out the memory CUDA
 libraries take outside the allocator (printed as "outside the allocator": the peak of device

@@ -264,9 +264,9 @@ fn class_at_least(units: usize) -> usize {
     class_of(units.saturating_add(step - 1))
 }
 
-/// [`class_at_least`] of `units`, given `own`, its [`class_of`]: `own` when `units` is
-/// the smallest size of its class, else the next class (one shift and compare, not a
-/// second [`class_of`]).
+/// The lowest class whose every block holds `units` granules, given `own`, the
+/// [`class_of`] `units`: `own` when `units` is the smallest size of its class, else the
+/// next class (one shift and compare, not a second [`class_of`]).
 #[inline]
 fn class_at_least_from(units: usize, own: usize) -> usize {
     debug_assert_eq!(own, class_of(units));
@@ -564,7 +564,9 @@ impl FreeBlocks {
             // The node lives on as the back remainder: same end, so only its start key
             // moves.
             let rest = addr + size;
-            if let Some((slot, _)) = self.by_start.find_slot(block.addr) {
+            let found = self.by_start.find_slot(block.addr);
+            debug_assert!(found.is_some(), "a free block's start is in the map");
+            if let Some((slot, _)) = found {
                 self.by_start.rekey(slot, rest);
             }
             self.set_extent(

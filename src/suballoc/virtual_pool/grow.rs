@@ -86,10 +86,11 @@ pub(crate) struct Mapped {
     /// Host memory kept for the next offloading sleep and wake (freed by `trim`): the
     /// copies a wake kept, and the pinned staging buffers the copies went through.
     pub(super) kept: Vec<HostCopy>,
-    /// The most the pool has held, or was about to hold at a growth (what it held and
-    /// the request), since it was made or last gave memory back other than at a growth
-    /// (a trim, its release threshold, an out-of-memory retry): a growth that stays well
-    /// below it keeps its free granules (see [`Coalescing::grow_in_place`]).
+    /// The most the pool has held, or held and asked for at a growth that mapped (what it
+    /// held and the request), since it was made or last released memory other than at a
+    /// growth (a trim, its release threshold, an out-of-memory retry; one that found
+    /// nothing to give back too): a growth that stays well below it keeps its free
+    /// granules (see [`Coalescing::grow_in_place`]).
     pub(super) high_water: usize,
 }
 
