@@ -355,7 +355,7 @@ fn a_request_the_block_beside_a_hole_holds_is_cut_from_it_with_nothing_mapped() 
     let pool = leaf
         .virtual_pool(VirtualPoolConfig::new().initial_size(10 * G2))
         .unwrap();
-    let mut next = |size: usize| {
+    let next = |size: usize| {
         let l = layout(size).unwrap();
         (pool.allocate_sync(l).unwrap(), l)
     };
@@ -371,22 +371,24 @@ fn a_request_the_block_beside_a_hole_holds_is_cut_from_it_with_nothing_mapped() 
     }
     live.push(next(10 * G2 - 2 * G2 - 9 * 774 * K));
     assert_eq!(pool.stats().free_bytes, 0);
-    // SAFETY (each free): allocated above with its layout; unused afterwards.
-    unsafe { pool.deallocate_sync(hole.0, hole.1) };
+    // Every block below is one of `next`'s, freed once and unused afterwards.
+    let free = |(p, l): (NonNull<u8>, Layout)| {
+        // SAFETY: allocated from `pool` with `l` (`next`); freed once, unused after.
+        unsafe { pool.deallocate_sync(p, l) }
+    };
+    free(hole);
     pool.trim().unwrap();
     assert_eq!(pool.stats().pool_size, 9 * G2, "granule 1 is a hole");
-    unsafe { pool.deallocate_sync(fit.0, fit.1) };
-    for (p, l) in smaller {
-        unsafe { pool.deallocate_sync(p, l) };
-    }
+    free(fit);
+    smaller.into_iter().for_each(free);
     let l = layout(780 * K).unwrap();
-    let p = pool.allocate_sync(l).expect("780 KiB fit in the 790 KiB block");
+    let p = pool
+        .allocate_sync(l)
+        .expect("780 KiB fit in the 790 KiB block");
     assert_eq!(p, fit.0, "cut from the block beside the hole");
     assert_eq!(pool.stats().pool_size, 9 * G2, "nothing mapped");
-    unsafe { pool.deallocate_sync(p, l) };
-    for (p, l) in live {
-        unsafe { pool.deallocate_sync(p, l) };
-    }
+    free((p, l));
+    live.into_iter().for_each(free);
     pool.trim().unwrap();
     assert_eq!(pool.stats().pool_size, 0);
 }
@@ -512,7 +514,13 @@ fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
 fn the_leaf_refuses_ranges_it_cannot_map() {
     let leaf = leaf();
     let (base, len) = leaf.reservation();
-    for (addr, size) in [(base + 1, G), (base, G + 1), (base + len, G), (base - G, G), (base, 0)] {
+    for (addr, size) in [
+        (base + 1, G),
+        (base, G + 1),
+        (base + len, G),
+        (base - G, G),
+        (base, 0),
+    ] {
         let e = leaf.map_at(addr, size).unwrap_err();
         assert!(
             matches!(e, Error::InvalidArgument(_)),
