@@ -340,6 +340,59 @@ fn a_growth_keeps_the_release_thresholds_worth_of_free_granules() {
     assert_eq!(a_growth_past_twenty_holes(config), (41 * G, 1));
 }
 
+/// A request that the free block beside a hole holds, though the index's search misses it
+/// (it looks at 8 blocks of the request's own size class, here 9 smaller ones freed
+/// later): the growth's cheapest site there maps no bytes. It is cut from that block.
+/// (It was a map of nothing: on a GPU `cuMemSetAccess` of 0 bytes,
+/// `CUDA_ERROR_INVALID_VALUE`, the flaky failure of `conformance_cuda`'s virtual pools,
+/// where threads sharing a host list free into it between a request's search and its
+/// growth; on the host the mapping did nothing and the request ran out of memory.)
+#[test]
+fn a_request_the_block_beside_a_hole_holds_is_cut_from_it_with_nothing_mapped() {
+    const K: usize = 1 << 10;
+    const G2: usize = 2 << 20; // a GPU's granule: no 770 KiB block holds a whole one
+    let leaf = HostVirtual::new(1 << 34, G2).unwrap();
+    let pool = leaf
+        .virtual_pool(VirtualPoolConfig::new().initial_size(10 * G2))
+        .unwrap();
+    let next = |size: usize| {
+        let l = layout(size).unwrap();
+        (pool.allocate_sync(l).unwrap(), l)
+    };
+    // [pad][fit: 790 KiB, up to granule 1][one granule][9 x (770 KiB, 4 KiB)][the rest]
+    let pad = next(G2 - 790 * K);
+    let fit = next(790 * K);
+    let hole = next(G2);
+    let mut live = vec![pad];
+    let mut smaller = Vec::new();
+    for _ in 0..9 {
+        smaller.push(next(770 * K));
+        live.push(next(4 * K));
+    }
+    live.push(next(10 * G2 - 2 * G2 - 9 * 774 * K));
+    assert_eq!(pool.stats().free_bytes, 0);
+    // Every block below is one of `next`'s, freed once and unused afterwards.
+    let free = |(p, l): (NonNull<u8>, Layout)| {
+        // SAFETY: allocated from `pool` with `l` (`next`); freed once, unused after.
+        unsafe { pool.deallocate_sync(p, l) }
+    };
+    free(hole);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 9 * G2, "granule 1 is a hole");
+    free(fit);
+    smaller.into_iter().for_each(free);
+    let l = layout(780 * K).unwrap();
+    let p = pool
+        .allocate_sync(l)
+        .expect("780 KiB fit in the 790 KiB block");
+    assert_eq!(p, fit.0, "cut from the block beside the hole");
+    assert_eq!(pool.stats().pool_size, 9 * G2, "nothing mapped");
+    free((p, l));
+    live.into_iter().for_each(free);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pool_size, 0);
+}
+
 /// Well below the most it has held, a growth keeps the free granules for later requests
 /// (moving them costs the driver an unmap, a map and its access each); after a trim, the
 /// pool's peak starts again from what it holds, and a growth near it gives them back.
@@ -545,7 +598,13 @@ fn a_full_reservation_is_out_of_memory_and_holes_are_refilled() {
 fn the_leaf_refuses_ranges_it_cannot_map() {
     let leaf = leaf();
     let (base, len) = leaf.reservation();
-    for (addr, size) in [(base + 1, G), (base, G + 1), (base + len, G), (base - G, G)] {
+    for (addr, size) in [
+        (base + 1, G),
+        (base, G + 1),
+        (base + len, G),
+        (base - G, G),
+        (base, 0),
+    ] {
         let e = leaf.map_at(addr, size).unwrap_err();
         assert!(
             matches!(e, Error::InvalidArgument(_)),

@@ -233,6 +233,15 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         let Some(best) = tries.first().copied() else {
             return Ok(None);
         };
+        // A site of no bytes: the free block beside its run holds the request already
+        // (the index's search, which looks at a few blocks of the request's own size
+        // class, missed it, or a thread sharing the list freed it since the search). No
+        // growth: the request is cut from that block, nothing given back or mapped (a map
+        // of no bytes is refused: on a GPU, `cuMemSetAccess` of 0 bytes is
+        // `CUDA_ERROR_INVALID_VALUE`).
+        if let Some(b) = holder(&tries, min) {
+            return Ok(Some(cut(&mut s, b, size, align)));
+        }
         // Free granules elsewhere in the list hold memory that this growth would add to:
         // when the growth takes the pool near the most it has held (its top eighth or
         // above), give every one of them back, so that what the pool holds at its peaks
@@ -283,6 +292,10 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             }
         }
         for site in tries {
+            if let Some(b) = holder(&[site], min) {
+                // (A site of no bytes that the give-back above made: cut, as above.)
+                return Ok(Some(cut(&mut s, b, size, align)));
+            }
             if self
                 .maximum(growth)
                 .is_some_and(|max| growth.size.saturating_add(site.len) > max)
@@ -425,8 +438,35 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     }
 }
 
+/// The free block beside a site of no bytes among `sites`, which holds `need` bytes by
+/// itself, if there is such a site.
+fn holder(sites: &[Site], need: usize) -> Option<FreeBlock> {
+    sites
+        .iter()
+        .filter(|site| site.len == 0)
+        .flat_map(|site| site.joins)
+        .flatten()
+        .find(|b| b.size >= need)
+}
+
+/// Cuts `size` bytes aligned to `align` out of `b`, a free block of `s` that holds them
+/// with room for the alignment; the pieces on either side stay free.
+fn cut(s: &mut FreeList, b: FreeBlock, size: usize, align: usize) -> usize {
+    let addr = b.addr.next_multiple_of(align);
+    let end = b.addr + b.size;
+    s.free.remove_starting_at(b.addr);
+    if addr > b.addr {
+        s.insert(b.addr, addr - b.addr);
+    }
+    if end > addr + size {
+        s.insert(addr + size, end - addr - size);
+    }
+    addr
+}
+
 /// A place where a virtual pool can grow: `len` bytes of unmapped granules at `addr`,
-/// which join the free blocks `joins` (before, after) into one block.
+/// which join the free blocks `joins` (before, after) into one block. A site of no bytes:
+/// one of `joins` holds the request by itself.
 #[derive(Clone, Copy, Debug)]
 struct Site {
     addr: usize,

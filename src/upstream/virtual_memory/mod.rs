@@ -158,9 +158,9 @@ pub unsafe trait GrowInPlace: Resource {
     /// The reserved range: its first address and its length in bytes.
     fn reservation(&self) -> (usize, usize);
 
-    /// Maps `len` bytes at `addr`: whole granules inside the reservation, none mapped yet
-    /// ([`Error::InvalidArgument`] otherwise). [`Error::OutOfMemory`] when physical memory
-    /// runs out.
+    /// Maps `len` bytes at `addr`: one or more whole granules inside the reservation, none
+    /// mapped yet ([`Error::InvalidArgument`] otherwise). [`Error::OutOfMemory`] when
+    /// physical memory runs out.
     fn map_at(&self, addr: usize, len: usize) -> Result<(), Error>;
 
     /// Unmaps `len` bytes at `addr` (whole mapped granules).
@@ -475,7 +475,8 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
     }
 
     fn map_at(&self, addr: usize, len: usize) -> Result<(), Error> {
-        let Some((first, n)) = self.granule_range(addr, len) else {
+        // (No granule is no map: CUDA refuses one, `cuMemSetAccess` of 0 bytes.)
+        let Some((first, n)) = self.granule_range(addr, len).filter(|&(_, n)| n > 0) else {
             return Err(Error::invalid_argument(format!(
                 "{len} bytes at {addr:#x} are not whole granules of the reservation"
             )));
