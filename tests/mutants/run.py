@@ -60,6 +60,12 @@ MUTATIONS = [
      "src/suballoc/virtual_pool/grow.rs",
      "        let near_peak = grown > mark - mark / 8;",
      "        let near_peak = true;"),
+    # A growth site of no bytes is served from the free block beside it (else a map of
+    # no bytes: CUDA_ERROR_INVALID_VALUE on a GPU, out of memory on the host).
+    ("VirtualPool: a site of no bytes is mapped",
+     "src/suballoc/virtual_pool/grow.rs",
+     "        .find(|b| b.size >= need)",
+     "        .find(|_| false)"),
     ("VirtualPool: a trim does not restart the pool's peak",
      "src/suballoc/virtual_pool/grow.rs",
      "        growth.memory.high_water = growth.size;\n",
