@@ -393,51 +393,91 @@ fn a_request_the_block_beside_a_hole_holds_is_cut_from_it_with_nothing_mapped() 
     assert_eq!(pool.stats().pool_size, 0);
 }
 
+/// A virtual pool of one-granule blocks right after a growth at its peak: 40 blocks on
+/// host stream 1, the odd ones freed, then `q`, two granules, whose growth (the pool then
+/// held 40 granules) gave back the 19 holes it did not join: 22 granules held, none free.
+struct PastTwentyHoles {
+    pool: VirtualPool<HostVirtual>,
+    blocks: Vec<NonNull<u8>>,
+    q: NonNull<u8>,
+}
+
+impl PastTwentyHoles {
+    fn new() -> Self {
+        let pool = virtual_pool(VirtualPoolConfig::new());
+        let blocks: Vec<_> = (0..40).map(|_| Self::take(&pool, 1)).collect();
+        for &p in blocks.iter().skip(1).step_by(2) {
+            // SAFETY: allocated above with one granule's layout; unused afterwards.
+            unsafe { pool.deallocate(StreamRef::host(1), p, layout(G).unwrap()) };
+        }
+        let q = Self::take(&pool, 2);
+        assert_eq!(pool.stats().pool_size, 22 * G);
+        PastTwentyHoles { pool, blocks, q }
+    }
+
+    fn take(pool: &VirtualPool<HostVirtual>, granules: usize) -> NonNull<u8> {
+        pool.allocate(StreamRef::host(1), layout(granules * G).unwrap())
+            .unwrap()
+    }
+
+    /// A block of `granules` granules.
+    fn allocate(&self, granules: usize) -> NonNull<u8> {
+        Self::take(&self.pool, granules)
+    }
+
+    /// Frees block `i` (an even one, once).
+    fn free(&self, i: usize) {
+        // SAFETY: from the pool with one granule's layout; the callers free each even
+        // block once and use none.
+        unsafe {
+            self.pool
+                .deallocate(StreamRef::host(1), self.blocks[i], layout(G).unwrap())
+        };
+    }
+
+    /// Granules held.
+    fn held(&self) -> usize {
+        self.pool.stats().pool_size / G
+    }
+
+    /// Frees `others` (blocks of so many granules), `q` and the even blocks from `from`
+    /// on, then trims: nothing is held.
+    fn free_all(self, others: &[(NonNull<u8>, usize)], from: usize) {
+        for &(p, n) in others.iter().chain([&(self.q, 2)]) {
+            // SAFETY: each from the pool with `n` granules' layout, freed once, unused.
+            unsafe {
+                self.pool
+                    .deallocate(StreamRef::host(1), p, layout(n * G).unwrap())
+            };
+        }
+        (from..40).step_by(2).for_each(|i| self.free(i));
+        self.pool.trim().unwrap();
+        assert_eq!(self.held(), 0);
+    }
+}
+
 /// Well below the most it has held, a growth keeps the free granules for later requests
 /// (moving them costs the driver an unmap, a map and its access each); after a trim, the
 /// pool's peak starts again from what it holds, and a growth near it gives them back.
 #[test]
 fn a_growth_well_below_the_peak_keeps_free_granules_until_a_trim() {
-    let pool = virtual_pool(VirtualPoolConfig::new());
-    let s = StreamRef::host(1);
-    let (one, two, three) = (
-        layout(G).unwrap(),
-        layout(2 * G).unwrap(),
-        layout(3 * G).unwrap(),
-    );
-    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, one).unwrap()).collect();
-    let free = |i: usize| {
-        // SAFETY: allocated above with `one`; each index freed once, unused afterwards.
-        unsafe { pool.deallocate(s, blocks[i], one) };
-    };
-    (1..40).step_by(2).for_each(free);
-    // At its peak: the growth gives back the 19 holes it does not join.
-    let q = pool.allocate(s, two).unwrap();
-    assert_eq!(pool.stats().pool_size, 22 * G);
+    let p = PastTwentyHoles::new();
     // Granules 0, 2, 4, 6 and 8 free, each between unmapped holes. Three granules fit at
     // granule 1's hole with its free neighbours: one granule mapped, and 22 + 3 granules
     // are far below the 40 the pool held, so granules 4, 6 and 8 stay.
-    [0, 2, 4, 6, 8].into_iter().for_each(free);
-    let r = pool.allocate(s, three).unwrap();
-    assert_eq!(r, blocks[0]);
-    assert_eq!(pool.stats().pool_size, 23 * G);
+    [0, 2, 4, 6, 8].into_iter().for_each(|i| p.free(i));
+    let r = p.allocate(3);
+    assert_eq!(r, p.blocks[0]);
+    assert_eq!(p.held(), 23);
     // A trim gives them back and starts the peak again from the 20 granules held.
-    pool.trim().unwrap();
-    assert_eq!(pool.stats().pool_size, 20 * G);
+    p.pool.trim().unwrap();
+    assert_eq!(p.held(), 20);
     // Now the same growth at granule 11's hole is near the peak: granules 14 and 16 go.
-    [10, 12, 14, 16].into_iter().for_each(free);
-    let t = pool.allocate(s, three).unwrap();
-    assert_eq!(t, blocks[10]);
-    assert_eq!(pool.stats().pool_size, 19 * G);
-    // SAFETY: each freed once with its layout.
-    unsafe {
-        pool.deallocate(s, q, two);
-        pool.deallocate(s, r, three);
-        pool.deallocate(s, t, three);
-    }
-    (18..40).step_by(2).for_each(free);
-    pool.trim().unwrap();
-    assert_eq!(pool.stats().pool_size, 0);
+    [10, 12, 14, 16].into_iter().for_each(|i| p.free(i));
+    let t = p.allocate(3);
+    assert_eq!(t, p.blocks[10]);
+    assert_eq!(p.held(), 19);
+    p.free_all(&[(r, 3), (t, 3)], 18);
 }
 
 /// 40 granules of one block each, the odd ones freed, then a growth of two granules: at
@@ -486,40 +526,17 @@ fn a_request_that_fails_does_not_raise_the_peak_growths_measure_from() {
 /// so the growth below keeps granules 4, 6 and 8 (23 granules held, not 20).
 #[test]
 fn a_trim_with_nothing_free_still_starts_the_peak_again() {
-    let pool = virtual_pool(VirtualPoolConfig::new());
-    let s = StreamRef::host(1);
-    let (one, two, three) = (
-        layout(G).unwrap(),
-        layout(2 * G).unwrap(),
-        layout(3 * G).unwrap(),
-    );
-    let blocks: Vec<_> = (0..40).map(|_| pool.allocate(s, one).unwrap()).collect();
-    let free = |i: usize| {
-        // SAFETY: allocated above with `one`; each index freed once, unused afterwards.
-        unsafe { pool.deallocate(s, blocks[i], one) };
-    };
-    (1..40).step_by(2).for_each(free);
-    // At its peak (40 granules): the growth gives back the 19 holes, and nothing is free.
-    let q = pool.allocate(s, two).unwrap();
-    assert_eq!(pool.stats().pool_size, 22 * G);
-    assert_eq!(pool.trim().unwrap(), 0, "nothing free");
+    let p = PastTwentyHoles::new();
+    assert_eq!(p.pool.trim().unwrap(), 0, "nothing free");
     // The count starts again from the 22 granules held: 25 is near that peak, so the
     // growth at granule 1's hole gives back granules 4, 6 and 8.
-    [0, 2, 4, 6, 8].into_iter().for_each(free);
-    let r = pool.allocate(s, three).unwrap();
-    assert_eq!(r, blocks[0]);
-    let held = pool.stats().pool_size;
-    // SAFETY: each freed once with its layout.
-    unsafe {
-        pool.deallocate(s, q, two);
-        pool.deallocate(s, r, three);
-    }
-    (10..40).step_by(2).for_each(free);
-    pool.trim().unwrap();
-    assert_eq!(pool.stats().pool_size, 0);
+    [0, 2, 4, 6, 8].into_iter().for_each(|i| p.free(i));
+    let r = p.allocate(3);
+    assert_eq!(r, p.blocks[0]);
+    let held = p.held();
+    p.free_all(&[(r, 3)], 10);
     assert_eq!(
-        held,
-        20 * G,
+        held, 20,
         "the growth after the trim is near the pool's peak"
     );
 }
