@@ -255,9 +255,9 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         // where `random` is 1.107; all of them: see BENCHMARKS.md (issue 51, item 5).
         // Well below the peak the free granules stay for later requests: moving a
         // granule costs the driver about 50 us (an unmap, a map and its access), and
-        // giving back at every growth cost a program whose sizes vary widely 22 us an
-        // allocation (`python/proofs/alloc_cost.py`; the peaks, and so the footprint
-        // rows, are the same: BENCHMARKS.md, issue 51 item 2).
+        // giving back at every growth cost a program whose sizes vary widely 25-34 us an
+        // allocation on the H100 (`python/proofs/alloc_cost.py`; the peaks, and so the
+        // footprint rows, are the same: BENCHMARKS.md, issue 51 item 2).
         let mark = growth.memory.high_water;
         let grown = growth.size.saturating_add(min);
         let near_peak = grown > mark - mark / 8;
@@ -408,13 +408,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             }
             // Only as many granules (from the top of the block) as bring `free` to `keep`.
             let lo = lo.max(hi.saturating_sub((free - keep).next_multiple_of(g)));
-            s.free.remove_starting_at(b.addr);
-            if lo > b.addr {
-                s.insert(b.addr, lo - b.addr);
-            }
-            if end > hi {
-                s.insert(hi, end - hi);
-            }
+            carve(s, b, lo, hi);
             // SAFETY: whole mapped granules inside a free block, handed out to no one;
             // no work uses `s`'s blocks (this function's contract, kept by its callers).
             unsafe { (space.unmap)(&self.upstream, lo, hi - lo) };
@@ -453,15 +447,21 @@ fn holder(sites: &[Site], need: usize) -> Option<FreeBlock> {
 /// with room for the alignment; the pieces on either side stay free.
 fn cut(s: &mut FreeList, b: FreeBlock, size: usize, align: usize) -> usize {
     let addr = b.addr.next_multiple_of(align);
-    let end = b.addr + b.size;
-    s.free.remove_starting_at(b.addr);
-    if addr > b.addr {
-        s.insert(b.addr, addr - b.addr);
-    }
-    if end > addr + size {
-        s.insert(addr + size, end - addr - size);
-    }
+    carve(s, b, addr, addr + size);
     addr
+}
+
+/// Takes `lo..hi` out of `b`, a free block of `s` that contains it; the pieces on either
+/// side stay free.
+fn carve(s: &mut FreeList, b: FreeBlock, lo: usize, hi: usize) {
+    s.free.remove_starting_at(b.addr);
+    if lo > b.addr {
+        s.insert(b.addr, lo - b.addr);
+    }
+    let end = b.addr + b.size;
+    if end > hi {
+        s.insert(hi, end - hi);
+    }
 }
 
 /// A place where a virtual pool can grow: `len` bytes of unmapped granules at `addr`,
