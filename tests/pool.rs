@@ -863,3 +863,127 @@ fn a_run_time_limit_bounds_growth_after_releasing_free_memory() {
         pool.deallocate_sync(r, two);
     }
 }
+
+/// Small blocks freed by one thread wait in that thread's cache: its stats count them, and
+/// once the thread has exited (its cache given back) every thread's stats do.
+#[test]
+fn a_threads_cached_small_blocks_count_as_free_and_come_back_when_it_exits() {
+    let pool = std::sync::Arc::new(heap_pool(PoolConfig::new().initial_size(1 << 20)));
+    let l = layout(4096).unwrap();
+    let other = std::sync::Arc::clone(&pool);
+    // `join` waits for the thread's exit, its caches' give-back included.
+    std::thread::spawn(move || {
+        let blocks: Vec<_> = (0..16)
+            .map(|_| other.allocate(StreamRef::HOST, l).unwrap())
+            .collect();
+        for p in blocks {
+            // SAFETY: allocated above with `l` on the host stream; not used.
+            unsafe { other.deallocate(StreamRef::HOST, p, l) };
+        }
+        assert_eq!(
+            other.stats().free_bytes,
+            1 << 20,
+            "this thread counts its cache"
+        );
+    })
+    .join()
+    .unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.free_bytes, 1 << 20);
+    assert_eq!(stats.live_bytes(), 0);
+}
+
+/// A pool at its maximum whose every block waits in another (live, idle) thread's cache:
+/// an allocation takes them back before it reports out-of-memory, without growing.
+#[test]
+fn a_pool_at_its_maximum_takes_back_blocks_an_idle_thread_cached() {
+    use std::sync::{Arc, mpsc};
+    let config = PoolConfig::new()
+        .initial_size(1 << 20)
+        .maximum_size(1 << 20);
+    let pool = Arc::new(heap_pool(config));
+    let l = layout(64 << 10).unwrap();
+    let (cached, wait_cached) = mpsc::channel::<()>();
+    let (done, wait_done) = mpsc::channel::<()>();
+    let other = Arc::clone(&pool);
+    let idle = std::thread::spawn(move || {
+        let blocks: Vec<_> = (0..16)
+            .map(|_| other.allocate(StreamRef::HOST, l).unwrap())
+            .collect();
+        for p in blocks {
+            // SAFETY: allocated above with `l` on the host stream; not used.
+            unsafe { other.deallocate(StreamRef::HOST, p, l) };
+        }
+        cached.send(()).unwrap();
+        // Idle, holding the blocks in its cache, until the main thread is done.
+        wait_done.recv().unwrap();
+    });
+    wait_cached.recv().unwrap();
+    let mine: Vec<_> = (0..16)
+        .map(|_| {
+            pool.allocate(StreamRef::HOST, l)
+                .expect("the idle thread's blocks")
+        })
+        .collect();
+    assert_eq!(pool.stats().pool_size, 1 << 20, "not grown");
+    for p in mine {
+        // SAFETY: allocated above with `l` on the host stream; not used.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    }
+    done.send(()).unwrap();
+    idle.join().unwrap();
+}
+
+/// `trim` gives back memory whose blocks wait in another live thread's cache.
+#[test]
+fn a_trim_gives_back_what_another_live_thread_cached() {
+    use std::sync::{Arc, mpsc};
+    let pool = Arc::new(heap_pool(PoolConfig::new()));
+    let l = layout(4096).unwrap();
+    let (cached, wait_cached) = mpsc::channel::<()>();
+    let (done, wait_done) = mpsc::channel::<()>();
+    let other = Arc::clone(&pool);
+    let idle = std::thread::spawn(move || {
+        let p = other.allocate(StreamRef::host(3), l).unwrap();
+        // SAFETY: allocated above with `l` on host stream 3; not used.
+        unsafe { other.deallocate(StreamRef::host(3), p, l) };
+        cached.send(()).unwrap();
+        wait_done.recv().unwrap();
+    });
+    wait_cached.recv().unwrap();
+    assert!(pool.pool_size() > 0);
+    pool.trim().unwrap();
+    assert_eq!(pool.pool_size(), 0, "the cached block's chunk went back");
+    // The caches come back after the trim: this thread's frees are cached again.
+    let p = pool.allocate(StreamRef::HOST, l).unwrap();
+    // SAFETY: allocated above with `l` on the host stream; not used.
+    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    assert_eq!(
+        pool.allocate(StreamRef::HOST, l).unwrap(),
+        p,
+        "handed out again"
+    );
+    done.send(()).unwrap();
+    idle.join().unwrap();
+}
+
+/// A pool with a release threshold keeps no thread caches: a block one thread frees is
+/// free in every other thread's figures at once, and memory above the threshold goes
+/// back at that free.
+#[test]
+fn a_pool_with_a_release_threshold_counts_every_free_at_once() {
+    let pool = std::sync::Arc::new(heap_pool(PoolConfig::new().release_threshold(0)));
+    let l = layout(4096).unwrap();
+    let p = pool.allocate(StreamRef::HOST, l).unwrap();
+    let addr = p.as_ptr() as usize;
+    let other = std::sync::Arc::clone(&pool);
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let p = NonNull::new(addr as *mut u8).unwrap();
+            // SAFETY: allocated above with `l` on the host stream; not used.
+            unsafe { other.deallocate(StreamRef::HOST, p, l) };
+            // Still on the freeing thread (its cache, if it had one, not given back).
+            assert_eq!(other.pool_size(), 0, "given back at the free");
+        });
+    });
+}

@@ -10,12 +10,13 @@ use std::ptr::{self, NonNull};
 
 use super::chunks::to_ptr;
 use super::core::free_blocks::GRANULE;
-use super::core::free_list::{FreeList, block_size};
+use super::core::free_list::{FreeList, QUICK_BYTES, QUICK_UNITS, block_size};
 use super::core::held::Deferred;
 use super::core::lanes;
 use super::core::list_table::{List, ListTable};
 use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
+use super::thread_cache::{Cache, Owner, Pushed, SmallBlocks};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
@@ -38,7 +39,9 @@ pub struct PoolStats {
     /// The most bytes held at once since the pool was made or its `reset_peak_size`
     /// (PyTorch's `max_memory_reserved`).
     pub peak_pool_size: usize,
-    /// Bytes held but not handed out.
+    /// Bytes held but not handed out: in the streams' lists and the calling thread's
+    /// caches (a [`Pool`](super::Pool)'s other threads' cached small blocks count as
+    /// handed out until they come back; see its "Thread caches").
     pub free_bytes: usize,
     /// The largest free block of any one stream's list.
     pub largest_free_block: usize,
@@ -201,6 +204,12 @@ pub(super) trait Holding<U: Resource>: Sized {
     /// it (`pool` 1.517 -> 1.603 of live, `pool_rmm` 1.477 -> 2.954).
     const MERGES_FREEING_HOST_LISTS: bool = false;
 
+    /// Whether the pool keeps small blocks freed by a thread in that thread's caches
+    /// (`suballoc/thread_cache.rs`), unless it has a release threshold. Not the virtual
+    /// pool's: what it holds is what PyTorch's programs see, and its sleep gives back
+    /// memory that a cache would hand out.
+    const THREAD_CACHES: bool = false;
+
     /// Whether the pool sleeps: one relaxed load, read first by every allocation.
     #[inline(always)]
     fn is_asleep(&self) -> bool {
@@ -246,6 +255,8 @@ pub(super) struct Coalescing<U: Resource, H: Holding<U>> {
     /// The key of the host stream's list made with the pool (in the lane of the thread
     /// that made it), which paths holding the growth lock use.
     host_key: StreamKey,
+    /// The pool's identity for the thread caches.
+    owner: Owner<SmallBlocks>,
 }
 
 impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
@@ -271,11 +282,50 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             release_pending: AtomicBool::new(false),
             held: Deferred::default(),
             host_key: StreamKey::of_lane(StreamRef::HOST),
+            owner: Owner::new(),
         };
         // The host stream's list exists from the start, so that paths holding the growth
         // lock can look it up without making it (which takes that lock).
         pool.new_list(pool.host_key);
         pool
+    }
+
+    /// Whether this pool keeps small blocks in per-thread caches
+    /// ([`Holding::THREAD_CACHES`], and no release threshold: a pool that gives memory
+    /// back above a threshold counts every free block at once).
+    #[inline(always)]
+    fn cached(&self) -> bool {
+        H::THREAD_CACHES && self.release_threshold.is_none()
+    }
+
+    /// The calling thread's caches of this pool's small blocks: per stream, up to as
+    /// many bytes as a stream's list caches ([`QUICK_BYTES`]).
+    #[inline(always)]
+    fn cache(&self) -> Cache<'_, SmallBlocks> {
+        Cache {
+            owner: &self.owner,
+            domain: self.lists.domain(),
+            capacity: QUICK_BYTES,
+        }
+    }
+
+    /// Gives this thread's cached blocks (of every stream) back to their lists.
+    fn give_back_this_threads_caches(&self) {
+        for list in self.cache().flush() {
+            // SAFETY: the cache returns this pool's lists it gave blocks to; the caller is
+            // pinned (since before the flush), so a list `trim` retires meanwhile is not
+            // freed before the call returns.
+            self.lists.note_free(unsafe { &*list });
+        }
+    }
+
+    /// Takes every thread's cached blocks back to their lists and turns the caches off
+    /// (until the pool grows, a trim returns, or enough calls pass; see
+    /// `thread_cache.rs`). The caller holds the growth lock.
+    fn reclaim_caches(&self) {
+        if self.cached() {
+            self.cache().reclaim();
+        }
     }
 
     /// The upstream resource.
@@ -358,6 +408,13 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
                 .max(quick_largest)
                 .max(large_largest);
         }
+        if self.cached() {
+            let cache = self.cache();
+            stats.free_bytes += cache.fold_here(0, |n, b| n + b.bytes());
+            stats.free_blocks += cache.fold_here(0, |n, b| n + b.len());
+            stats.largest_free_block =
+                cache.fold_here(stats.largest_free_block, |n, b| n.max(b.largest()));
+        }
         stats
     }
 
@@ -367,13 +424,29 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let host = self.host_list();
         let _growth = self.lock_growth();
-        self.merge_into(host).map(drop)
+        let caches_were_on = self.cached() && self.cache().on();
+        self.reclaim_caches();
+        let merged = self.merge_into(host).map(drop);
+        if caches_were_on {
+            self.cache().resume();
+        }
+        merged
     }
 
     /// Gives free memory back to the upstream, then frees the emptied lists (see the
     /// pools' `trim`). Returns how many bytes went back.
     pub(super) fn trim(&self) -> Result<usize, Error> {
-        let (released, kept) = ordered::trim(self)?;
+        // The caches the trim's reclaims turn off come back as it returns, unless an
+        // out-of-memory had turned them off already (as `FixedSize::trim`).
+        let caches_were_on = self.cached() && self.cache().on();
+        let trimmed = ordered::trim(self);
+        if caches_were_on {
+            // After the retirement: every magazine of a retired list was taken by its
+            // reclaim, and a magazine made from now on comes from a lookup, which finds
+            // no retired list.
+            self.cache().resume();
+        }
+        let (released, kept) = trimmed?;
         // The host copies kept for a sleep (unpinned outside the lock: it takes time).
         drop(kept);
         Ok(released)
@@ -517,7 +590,6 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         stream: StreamRef<'_>,
         layout: Layout,
     ) -> Result<NonNull<u8>, Error> {
-        let _pin = self.lists.pin(); // (see `ListTable::retire`)
         if layout.size() == 0 {
             return Ok(dangling(layout));
         }
@@ -525,7 +597,18 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             return Err(Error::Asleep);
         }
         let (size, align) = block_size(layout);
-        let list = ordered::list_of(self, stream);
+        let key = StreamKey::of_lane(stream);
+        let units = size / GRANULE;
+        // The thread's cache first: it touches no list, so it needs no pin.
+        if self.cached()
+            && align == GRANULE
+            && units <= QUICK_UNITS
+            && let Some(addr) = self.cache().pop_small(key, units)
+        {
+            return Ok(to_ptr(addr));
+        }
+        let _pin = self.lists.pin(); // (see `ListTable::retire`)
+        let list = ordered::list_for(self, key);
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
@@ -617,7 +700,12 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         if size.checked_add(align - GRANULE).is_none() {
             return Ok(None);
         }
-        H::grow(self, growth, stream, own, size, align, may_wait)
+        let grown = H::grow(self, growth, stream, own, size, align, may_wait);
+        if self.cached() && matches!(grown, Ok(Some(_))) {
+            // Memory is no longer short: caches that a reclaim turned off come back.
+            self.cache().resume();
+        }
+        grown
     }
 
     /// The configured maximum, under the run-time bound.
@@ -675,6 +763,15 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         &self.held
     }
 
+    /// The thread caches take in no retired list: the reclaim takes every magazine's
+    /// blocks (a magazine whose blocks were taken never touches its list again).
+    fn retired(&self, _lists: &[usize]) {
+        if self.cached() {
+            let _growth = lock(&self.growth);
+            self.cache().reclaim();
+        }
+    }
+
     /// Only the host list the pool was made with.
     fn keeps_list(&self, list: &List<FreeList>) -> bool {
         list.key == self.host_key
@@ -682,6 +779,7 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
 
     /// Every list merged into the host list, then all free memory given back that can go.
     fn trim_locked(&self, growth: &mut GrowthState<H::Memory>) -> Result<Self::Trimmed, Error> {
+        self.reclaim_caches();
         let released = self.release_down_to(growth, self.host_list(), 0)?;
         Ok((released, H::take_host_copies(&mut growth.memory)))
     }
@@ -727,6 +825,11 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         if H::asleep_bytes(&growth.memory).is_some() {
             return Err(Error::Asleep);
         }
+        if self.cached() {
+            // This thread's cached blocks coalesce with the rest before anything is
+            // searched (as the own list's cached blocks are by `take_listed`).
+            self.give_back_this_threads_caches();
+        }
         Ok(self
             .take_listed(own, fit)
             .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align, false)))
@@ -769,6 +872,11 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         own: &List<FreeList>,
         fit: &mut Fit,
     ) -> Result<Option<usize>, Error> {
+        if self.cached() {
+            // Other threads' cached blocks, back in their lists, for the merge.
+            self.cache().reclaim();
+            fit.merged = false;
+        }
         if !fit.merged
             && self.merge_into(own)?
             && let Some(addr) = own.state.lock().free.take(fit.size, fit.align)
@@ -794,6 +902,8 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
 
 impl<U: Resource, H: Holding<U>> Drop for Coalescing<U, H> {
     fn drop(&mut self) {
+        // First: no thread's exit touches the lists once the pool has left the registry.
+        self.owner.retire();
         self.held.wait_all();
         let growth = std::mem::take(&mut *lock(&self.growth));
         H::drop_memory(self, growth.memory);
@@ -845,10 +955,30 @@ unsafe impl<U: Resource, H: Holding<U>> Resource for Coalescing<U, H> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
+        let key = StreamKey::of_lane(stream);
+        let units = size / GRANULE;
+        let mut pushed = Pushed::Elsewhere;
+        if self.cached() && units <= QUICK_UNITS {
+            // SAFETY: the closure returns this pool's list for `key` (the cache pins while
+            // it makes a magazine, the only time it calls it).
+            pushed = unsafe {
+                self.cache()
+                    .push_small(key, || ordered::list_for(self, key), addr, units)
+            };
+            if pushed == Pushed::Kept {
+                return;
+            }
+        }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = ordered::list_of(self, stream);
+        let list = ordered::list_for(self, key);
         let mut s = list.state.lock();
-        s.put(addr, size);
+        if pushed == Pushed::Full {
+            // Coalesced, as when the list's own cache is full: with the thread's cache in
+            // front, the list's stays empty and the two hold no more than one did.
+            s.insert(addr, size);
+        } else {
+            s.put(addr, size);
+        }
         self.lists.note_free(list);
         if let Some(keep) = self.release_threshold
             && s.free_bytes() > keep

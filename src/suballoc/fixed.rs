@@ -84,7 +84,7 @@ const CACHE_LARGEST_BLOCK: usize = 4 << 20;
 /// # Ok::<(), memres::Error>(())
 /// ```
 pub struct FixedSize<U: Resource> {
-    owner: Owner,
+    owner: Owner<Vec<usize>>,
     /// Blocks per thread cache; 0: no thread caches.
     cache_capacity: usize,
     upstream: U,
@@ -177,7 +177,7 @@ impl<U: Resource> FixedSize<U> {
     pub fn free_blocks(&self) -> usize {
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let lists: usize = self.lists.all().iter().map(|s| s.state.lock().len()).sum();
-        lists + self.cache().cached_here()
+        lists + self.cache().cached_here(Vec::len)
     }
 
     /// Magazines of this resource on all threads (for the loom models).
@@ -201,7 +201,7 @@ impl<U: Resource> FixedSize<U> {
 
     /// The calling thread's cache of this resource's blocks.
     #[inline]
-    fn cache(&self) -> Cache<'_> {
+    fn cache(&self) -> Cache<'_, Vec<usize>> {
         Cache {
             owner: &self.owner,
             domain: self.lists.domain(),
@@ -811,7 +811,10 @@ mod tests {
     fn running_out_alone_keeps_the_caches() {
         let fixed = one_chunk();
         run_out(&fixed);
-        assert!(fixed.cache().cached_here() > 0, "frees went to the cache");
+        assert!(
+            fixed.cache().cached_here(Vec::len) > 0,
+            "frees went to the cache"
+        );
     }
 
     /// Another thread caches half the blocks and then sits idle (never calls again):
@@ -860,7 +863,7 @@ mod tests {
                 unsafe { fixed.deallocate_sync(p, l) };
             }
             assert_eq!(
-                fixed.cache().cached_here(),
+                fixed.cache().cached_here(Vec::len),
                 0,
                 "caches off: frees to the lists"
             );
@@ -869,7 +872,7 @@ mod tests {
                 // SAFETY: allocated just above with `l`.
                 unsafe { fixed.deallocate_sync(p, l) };
             }
-            assert!(fixed.cache().cached_here() > 0, "caches back on");
+            assert!(fixed.cache().cached_here(Vec::len) > 0, "caches back on");
             done.send(()).unwrap();
         });
     }
@@ -890,7 +893,10 @@ mod tests {
                 let p = fixed.allocate_sync(l).unwrap();
                 // SAFETY: allocated just above with `l`.
                 unsafe { fixed.deallocate_sync(p, l) };
-                assert!(fixed.cache().cached_here() > 0, "a magazine on this thread");
+                assert!(
+                    fixed.cache().cached_here(Vec::len) > 0,
+                    "a magazine on this thread"
+                );
                 cached.send(()).unwrap();
                 let _ = exit.recv();
             });
@@ -899,7 +905,7 @@ mod tests {
             trim.recv().unwrap();
             fixed.trim().unwrap();
             let mut calls = 0;
-            while fixed.cache().cached_here() == 0 {
+            while fixed.cache().cached_here(Vec::len) == 0 {
                 assert!(calls < 1_000, "caches still off after {calls} pairs");
                 let p = fixed.allocate_sync(l).unwrap();
                 // SAFETY: allocated just above with `l`.

@@ -271,13 +271,18 @@ fn loom_memory_freed_on_one_stream_is_taken_by_another_once() {
             let s = StreamRef::host(2);
             // SAFETY: from the pool with `l`; host streams are always done.
             unsafe { other.deallocate(s, crate::suballoc::chunks::to_ptr(addr), l) };
-            let got = other.allocate(s, l).ok()?;
-            assert_eq!(
-                other_held.fetch_add(1, loom::sync::atomic::Ordering::SeqCst),
-                0
-            );
-            other_held.fetch_sub(1, loom::sync::atomic::Ordering::SeqCst);
-            Some((got.as_ptr() as usize, s))
+            let got = other.allocate(s, l).ok();
+            if got.is_some() {
+                assert_eq!(
+                    other_held.fetch_add(1, loom::sync::atomic::Ordering::SeqCst),
+                    0
+                );
+                other_held.fetch_sub(1, loom::sync::atomic::Ordering::SeqCst);
+            }
+            // (The free above went to this thread's cache, unless the main thread's
+            // reclaim took it.)
+            super::thread_cache::exit_thread();
+            got.map(|got| (got.as_ptr() as usize, s))
         });
         let s = StreamRef::host(3);
         let mine = pool.allocate(s, l).ok();
@@ -301,6 +306,7 @@ fn loom_memory_freed_on_one_stream_is_taken_by_another_once() {
         let stats = pool.stats();
         assert_eq!(stats.pool_size, 1024);
         assert_eq!(stats.free_bytes, stats.pool_size);
+        super::thread_cache::exit_thread();
     });
 }
 
@@ -526,6 +532,189 @@ fn loom_a_reclaim_takes_blocks_from_an_idle_threads_cache() {
         super::thread_cache::exit_thread();
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
         assert_eq!(fixed.free_blocks(), 2, "each block free once");
+    });
+}
+
+/// A `Pool` that cannot grow past two 256-byte blocks (its thread caches on).
+fn two_block_pool() -> Pool<HostHeap> {
+    let config = PoolConfig::new().initial_size(512).maximum_size(512);
+    Pool::new(HostHeap::new(), config).unwrap()
+}
+
+/// The pool's thread caches (`thread_cache`'s `SmallBlocks`): a thread frees both blocks
+/// of a pool that cannot grow into its cache and then makes no further call while
+/// another thread needs them. The other thread's out-of-memory path reclaims them (the
+/// `busy` / `taken` flags and the two fences), so both allocations succeed without the
+/// pool growing, no block is handed out twice, and the idle thread's exit gives back
+/// nothing twice: at the end both blocks are free once.
+#[test]
+fn loom_a_reclaim_takes_a_pools_blocks_from_an_idle_threads_cache() {
+    use loom::sync::atomic::{AtomicBool, Ordering};
+
+    let l = Layout::from_size_align(256, 256).unwrap();
+    pools_model().check(move || {
+        let pool = Arc::new(two_block_pool());
+        let cached = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let (other, cached2, done2) = (Arc::clone(&pool), Arc::clone(&cached), Arc::clone(&done));
+        let idle = thread::spawn(move || {
+            let a = other.allocate(StreamRef::HOST, l).unwrap();
+            let b = other.allocate(StreamRef::HOST, l).unwrap();
+            // SAFETY: from `other` with `l` on the host stream, not used afterwards.
+            unsafe {
+                other.deallocate(StreamRef::HOST, a, l);
+                other.deallocate(StreamRef::HOST, b, l);
+            }
+            cached2.store(true, Ordering::Release);
+            while !done2.load(Ordering::Acquire) {
+                loom::thread::yield_now();
+            }
+            super::thread_cache::exit_thread();
+        });
+        while !cached.load(Ordering::Acquire) {
+            loom::thread::yield_now();
+        }
+        let a = pool
+            .allocate(StreamRef::HOST, l)
+            .expect("taken from the idle cache");
+        let b = pool
+            .allocate(StreamRef::HOST, l)
+            .expect("taken from the idle cache");
+        assert_ne!(a, b);
+        assert_eq!(pool.pool_size(), 512, "taken, not grown");
+        done.store(true, Ordering::Release);
+        idle.join().unwrap();
+        // SAFETY: from `pool` with `l` on the host stream, not used afterwards.
+        unsafe {
+            pool.deallocate(StreamRef::HOST, a, l);
+            pool.deallocate(StreamRef::HOST, b, l);
+        }
+        let stats = pool.stats();
+        assert_eq!(stats.free_bytes, 512, "each block free once");
+        super::thread_cache::exit_thread();
+    });
+}
+
+/// A thread caches a pool's blocks while another thread also needs them, the caching
+/// thread making calls throughout (so a reclaim may take its blocks while it uses its
+/// cache): whatever the interleaving, no block is held by both threads at once, every
+/// failure is `OutOfMemory`, and once both are done both blocks are free without the
+/// pool growing.
+#[test]
+fn loom_a_reclaim_takes_a_pools_blocks_from_a_busy_threads_cache() {
+    use crate::error::Error;
+    use loom::sync::Mutex;
+    use std::collections::HashSet;
+
+    fn take(pool: &Pool<HostHeap>, held: &Mutex<HashSet<usize>>) -> Option<std::ptr::NonNull<u8>> {
+        let l = Layout::from_size_align(256, 256).unwrap();
+        match pool.allocate(StreamRef::HOST, l) {
+            Ok(p) => {
+                assert!(
+                    held.lock().unwrap().insert(p.as_ptr() as usize),
+                    "held twice"
+                );
+                Some(p)
+            }
+            Err(Error::OutOfMemory { .. }) => None,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    fn give(pool: &Pool<HostHeap>, held: &Mutex<HashSet<usize>>, p: std::ptr::NonNull<u8>) {
+        let l = Layout::from_size_align(256, 256).unwrap();
+        held.lock().unwrap().remove(&(p.as_ptr() as usize));
+        // SAFETY: from `pool` with `l` on the host stream, not used afterwards.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    }
+
+    pools_model().check(|| {
+        let pool = Arc::new(two_block_pool());
+        let held = Arc::new(Mutex::new(HashSet::new()));
+        let (other, other_held) = (Arc::clone(&pool), Arc::clone(&held));
+        let cacher = thread::spawn(move || {
+            let got: Vec<_> = (0..2).filter_map(|_| take(&other, &other_held)).collect();
+            for p in got {
+                give(&other, &other_held, p);
+            }
+            // Its next call.
+            if let Some(p) = take(&other, &other_held) {
+                give(&other, &other_held, p);
+            }
+            super::thread_cache::exit_thread();
+        });
+        if let Some(p) = take(&pool, &held) {
+            give(&pool, &held, p);
+        }
+        cacher.join().unwrap();
+        let both: Vec<_> = (0..2).filter_map(|_| take(&pool, &held)).collect();
+        assert_eq!(both.len(), 2, "every block free once both threads are done");
+        assert_eq!(pool.pool_size(), 512);
+        for p in both {
+            give(&pool, &held, p);
+        }
+        super::thread_cache::exit_thread();
+    });
+}
+
+/// `Pool::trim` while another thread uses a stream's list through its thread cache (a
+/// magazine keeps the list across calls): the list is freed only once no magazine can
+/// touch it, and no block is lost or handed out twice (both blocks come back and serve
+/// the main thread without the pool growing).
+#[test]
+fn loom_a_trim_frees_a_list_a_pools_thread_cache_was_using() {
+    let l = Layout::from_size_align(256, 256).unwrap();
+    pools_model().check(move || {
+        let pool = Arc::new(two_block_pool());
+        let other = Arc::clone(&pool);
+        let user = thread::spawn(move || {
+            let s = StreamRef::host(7);
+            for _ in 0..2 {
+                let a = other.allocate(s, l).unwrap();
+                // SAFETY: from `other` with `l` on `s`, not used afterwards.
+                unsafe { other.deallocate(s, a, l) };
+            }
+            super::thread_cache::exit_thread();
+        });
+        // (A trim may give the pool's one chunk back when it finds it whole: the pool
+        // then grows again, up to its maximum.)
+        let _ = pool.trim().unwrap();
+        user.join().unwrap();
+        let _ = pool.trim().unwrap();
+        assert!(
+            !pool.has_list(StreamRef::host(7)),
+            "the stream's list is freed"
+        );
+        let a = pool.allocate(StreamRef::HOST, l).unwrap();
+        let b = pool.allocate(StreamRef::HOST, l).unwrap();
+        assert_ne!(a, b);
+        assert!(pool.pool_size() <= 512, "not grown past its maximum");
+        // SAFETY: from `pool` with `l` on the host stream, not used afterwards.
+        unsafe {
+            pool.deallocate(StreamRef::HOST, a, l);
+            pool.deallocate(StreamRef::HOST, b, l);
+        }
+        super::thread_cache::exit_thread();
+    });
+}
+
+/// A thread's cache holds a pool's blocks when the thread exits while the last owner of
+/// the pool drops it: the exiting thread gives them back only while the pool is
+/// registered, the pool leaves the registry before freeing, and everything is freed once.
+#[test]
+fn loom_a_pools_thread_cache_exits_while_its_owner_drops() {
+    let l = Layout::from_size_align(256, 256).unwrap();
+    pools_model().check(move || {
+        let pool = Arc::new(two_block_pool());
+        let other = Arc::clone(&pool);
+        let t = thread::spawn(move || {
+            let a = other.allocate(StreamRef::HOST, l).unwrap();
+            // SAFETY: from `other` with `l` on the host stream, not used afterwards.
+            unsafe { other.deallocate(StreamRef::HOST, a, l) };
+            drop(other);
+            super::thread_cache::exit_thread();
+        });
+        drop(pool);
+        t.join().unwrap();
     });
 }
 

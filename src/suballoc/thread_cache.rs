@@ -1,8 +1,12 @@
-//! Per-thread caches ("magazines") of free fixed-size blocks: a free pushes onto the
-//! calling thread's magazine for (resource, stream) and an allocation pops from it, with
-//! no atomic read-modify-write at all. A magazine trades blocks with its stream's shared
-//! list in batches (when it runs empty or overflows), and gives everything back when its
-//! thread exits or when a reclaim asks for it. A thread keeps magazines for at most
+//! Per-thread caches ("magazines") of free blocks: a free pushes onto the calling
+//! thread's magazine for (resource, stream) and an allocation pops from it, with no
+//! atomic read-modify-write at all, no pin and no list lookup. Two kinds ([`Blocks`]),
+//! each with a thread-local of its own: a `FixedSize`'s magazine holds blocks of its one
+//! size and trades them with its stream's shared list in batches (when it runs empty or
+//! overflows); a `Pool`'s ([`SmallBlocks`]) holds small blocks by size, up to as many
+//! bytes as a stream's list caches, a miss going to the list and an overflow coalescing
+//! there. Either gives everything back when its thread exits or when a reclaim asks for
+//! it. A thread keeps magazines for at most
 //! [`MAGAZINES_PER_OWNER`] streams of one resource; its calls on further streams go to
 //! the streams' lists (so a thread on thousands of streams does not scan a magazine per
 //! stream on every call).
@@ -14,8 +18,9 @@
 //! the owner is still registered; an owner leaves the registry (under that lock) before
 //! it frees anything. Magazines of owners that are gone hold plain addresses that are
 //! never handed out. A magazine's list pointer is dereferenced only while its blocks
-//! have not been taken: `FixedSize::trim` frees a list only after a reclaim has taken the
-//! blocks of every magazine that points at it (see its `StreamOrdered::retired`).
+//! have not been taken: a trim frees a list only after a reclaim has taken the blocks of
+//! every magazine that points at it (see `StreamOrdered::retired` of `FixedSize` and of
+//! the pools' `Coalescing`).
 //!
 //! **Reclaim.** A thread about to report out-of-memory may hold the owner's growth lock
 //! and still find no free block while other threads' magazines hold some. It starts a
@@ -44,6 +49,8 @@
 use std::cell::RefCell;
 use std::collections::HashSet;
 
+use super::core::free_blocks::GRANULE;
+use super::core::free_list::{FreeList, QUICK_UNITS};
 use super::core::list_table::List;
 use super::core::stream_key::StreamKey;
 use crate::sync::atomic::{AtomicU64, Ordering};
@@ -71,12 +78,12 @@ const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
 /// What the owner's threads read and write of it; boxed, so that its address (kept in
 /// every magazine) survives the owner being moved.
 #[derive(Debug)]
-struct Shared {
+struct Shared<B: Blocks> {
     /// Even: caches work. Odd: a reclaim is under way. Turned odd only under
     /// `stashes`' lock.
     epoch: AtomicU64,
     /// The stashes of the owner's magazines on all threads.
-    stashes: Mutex<Vec<Arc<Stash>>>,
+    stashes: Mutex<Vec<Arc<Stash<B>>>>,
     /// Calls made while the caches are off (see [`CALLS_OFF`]).
     calls_off: AtomicU64,
 }
@@ -86,14 +93,14 @@ pub(crate) const CALLS_OFF: u64 = 1 << 16;
 
 /// A resource's identity for the caches, registered while it lives.
 #[derive(Debug)]
-pub(crate) struct Owner {
+pub(crate) struct Owner<B: Blocks> {
     id: u64,
     retired: bool,
-    shared: Box<Shared>,
+    shared: Box<Shared<B>>,
 }
 
-impl Owner {
-    pub(crate) fn new() -> Owner {
+impl<B: Blocks> Owner<B> {
+    pub(crate) fn new() -> Owner<B> {
         // Registers the process for `membarrier` now, not inside a reclaim (where the
         // registration's wait would hold the growth lock).
         barrier::heavy_available();
@@ -124,7 +131,7 @@ impl Owner {
     }
 }
 
-impl Drop for Owner {
+impl<B: Blocks> Drop for Owner<B> {
     fn drop(&mut self) {
         self.retire();
     }
@@ -132,24 +139,136 @@ impl Drop for Owner {
 
 /// A magazine's blocks, where a reclaim can take them (see the module's "Taking another
 /// thread's blocks" and [`Takeable`]).
-#[derive(Debug)]
-struct Stash {
-    blocks: Takeable<Vec<usize>>,
+struct Stash<B: Blocks> {
+    blocks: Takeable<B>,
     /// The list the blocks go back to.
-    list: *const List<Vec<usize>>,
+    list: *const List<B::Free>,
+}
+
+impl<B: Blocks> std::fmt::Debug for Stash<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stash")
+            .field("blocks", &self.blocks)
+            .field("list", &self.list)
+            .finish()
+    }
 }
 
 // SAFETY: `blocks` is a `Takeable` (Send and Sync); `list` is dereferenced only under
 // the module's rules (1) and (2).
-unsafe impl Send for Stash {}
+unsafe impl<B: Blocks> Send for Stash<B> {}
 // SAFETY: as for `Send`.
-unsafe impl Sync for Stash {}
+unsafe impl<B: Blocks> Sync for Stash<B> {}
 
-impl Stash {
+impl<B: Blocks> Stash<B> {
     /// Runs `f` on the blocks, as the magazine's thread; `None` if a reclaim took them.
     #[inline]
-    fn with<R>(&self, f: impl FnOnce(&mut Vec<usize>) -> R) -> Option<R> {
+    fn with<R>(&self, f: impl FnOnce(&mut B) -> R) -> Option<R> {
         self.blocks.with(f)
+    }
+}
+
+/// What one kind of resource keeps in its magazines: blocks of one size (`FixedSize`,
+/// a vector of addresses) or small blocks by size (a `Pool`, [`SmallBlocks`]). Each
+/// kind has a thread-local of its own for a thread's magazines.
+pub(crate) trait Blocks: Default + Send + std::fmt::Debug + Sized + 'static {
+    /// What a stream's list holds.
+    type Free: Send + 'static;
+    /// The calling thread's magazines of this kind.
+    fn magazines() -> &'static LocalKey<RefCell<Magazines<Self>>>;
+    /// Moves every block into `list` (locking it).
+    fn put_back(self, list: &List<Self::Free>);
+}
+
+impl Blocks for Vec<usize> {
+    type Free = Vec<usize>;
+
+    fn magazines() -> &'static LocalKey<RefCell<Magazines<Self>>> {
+        &FIXED_MAGAZINES
+    }
+
+    fn put_back(self, list: &List<Vec<usize>>) {
+        put_back(list, self);
+    }
+}
+
+/// A pool's magazine: recently freed small blocks (up to [`QUICK_UNITS`] granules, 64
+/// KiB) by size, handed out again whole to a request of the same size, as the small
+/// blocks' cache of a stream's list ([`FreeList`]) does, but without the list's lock.
+#[derive(Debug, Default)]
+pub(crate) struct SmallBlocks {
+    /// Entry `i` holds blocks of `i + 1` granules, newest last; empty (no heap) until
+    /// the first block comes.
+    bins: Vec<Vec<usize>>,
+    /// Bytes of the blocks held.
+    bytes: usize,
+}
+
+impl SmallBlocks {
+    /// A block of `units` granules, if one is held.
+    #[inline(always)]
+    fn pop(&mut self, units: usize) -> Option<usize> {
+        let addr = self.bins.get_mut(units.wrapping_sub(1))?.pop()?;
+        self.bytes -= units * GRANULE;
+        Some(addr)
+    }
+
+    /// Keeps the block at `addr` of `units` granules (1 to [`QUICK_UNITS`]) unless that
+    /// would take the bytes held past `capacity`.
+    #[inline(always)]
+    fn push(&mut self, addr: usize, units: usize, capacity: usize) -> bool {
+        let size = units * GRANULE;
+        if self.bytes + size > capacity {
+            return false;
+        }
+        if self.bins.is_empty() {
+            self.bins.resize_with(QUICK_UNITS, Vec::new);
+        }
+        self.bins[units - 1].push(addr);
+        self.bytes += size;
+        true
+    }
+
+    /// Bytes of the blocks held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// How many blocks are held.
+    pub(crate) fn len(&self) -> usize {
+        self.bins.iter().map(Vec::len).sum()
+    }
+
+    /// The largest block held (0 if none).
+    pub(crate) fn largest(&self) -> usize {
+        self.bins
+            .iter()
+            .rposition(|bin| !bin.is_empty())
+            .map_or(0, |at| (at + 1) * GRANULE)
+    }
+}
+
+impl Blocks for SmallBlocks {
+    type Free = FreeList;
+
+    fn magazines() -> &'static LocalKey<RefCell<Magazines<Self>>> {
+        &POOL_MAGAZINES
+    }
+
+    /// Into the list's own small blocks' cache where it has room (where they would have
+    /// been without the thread's cache), else coalesced; the list then marked as holding
+    /// free memory.
+    fn put_back(self, list: &List<FreeList>) {
+        if self.bytes == 0 {
+            return;
+        }
+        let mut free = list.state.lock();
+        for (at, bin) in self.bins.iter().enumerate() {
+            for &addr in bin {
+                free.put(addr, (at + 1) * GRANULE);
+            }
+        }
+        list.holds_free.store(true, Ordering::Relaxed);
     }
 }
 
@@ -161,16 +280,16 @@ fn put_back(list: &List<Vec<usize>>, blocks: impl IntoIterator<Item = usize>) {
     list.mark_spare(held.len());
 }
 
-struct Magazine {
+struct Magazine<B: Blocks> {
     owner: u64,
     key: StreamKey,
     /// The owner's epoch when the magazine was made: another one means "give back".
     epoch: u64,
-    stash: Arc<Stash>,
-    shared: *const Shared,
+    stash: Arc<Stash<B>>,
+    shared: *const Shared<B>,
 }
 
-impl Magazine {
+impl<B: Blocks> Magazine<B> {
     /// Gives the blocks back to their list (unless a reclaim took them) and leaves the
     /// owner's list of stashes.
     ///
@@ -178,15 +297,15 @@ impl Magazine {
     /// The owner is alive until this returns (rule (1) or (2) of the module).
     ///
     /// Returns the list the blocks went to, or `None` if a reclaim had taken them (the
-    /// list may then be gone: a `FixedSize::trim` retires lists only after a reclaim
+    /// list may then be gone: a trim retires lists only after a reclaim
     /// has taken every stash that points at them).
-    unsafe fn give_back(self) -> Option<*const List<Vec<usize>>> {
+    unsafe fn give_back(self) -> Option<*const List<B::Free>> {
         let gave = self.stash.with(|blocks| {
             // SAFETY: the caller's promise; the blocks were not taken, so the list is not
-            // freed yet: `FixedSize::trim` frees a list only after its reclaim has taken
-            // every stash pointing at it, and that take waits for this `with` to end.
+            // freed yet: a trim frees a list only after its reclaim has taken every stash
+            // pointing at it, and that take waits for this `with` to end.
             let list = unsafe { &*self.stash.list };
-            put_back(list, blocks.drain(..));
+            std::mem::take(blocks).put_back(list);
         });
         // SAFETY: as above; `shared` is the owner's boxed state.
         let shared = unsafe { &*self.shared };
@@ -201,8 +320,8 @@ const HINTS: usize = 32;
 /// A thread's magazines, and for each (owner, stream) hash the index where its magazine
 /// was last found, so a thread with magazines of many resources (a `Binning`'s bins)
 /// finds one in a step.
-struct Magazines {
-    list: Vec<Magazine>,
+pub(crate) struct Magazines<B: Blocks> {
+    list: Vec<Magazine<B>>,
     hint: [u8; HINTS],
     /// The last (owner, stream, epoch) found to have no magazine with the owner already
     /// at [`MAGAZINES_PER_OWNER`] on this thread: a thread going round more streams than
@@ -212,8 +331,8 @@ struct Magazines {
     full_miss: Option<(u64, StreamKey, u64)>,
 }
 
-impl Magazines {
-    const fn new() -> Magazines {
+impl<B: Blocks> Magazines<B> {
+    const fn new() -> Magazines<B> {
         Magazines {
             list: Vec::new(),
             hint: [0; HINTS],
@@ -252,7 +371,7 @@ impl Magazines {
     ///
     /// # Safety
     /// Inside a call on the owner (rule (1) of the module).
-    unsafe fn give_back(&mut self, owner: u64) -> Vec<*const List<Vec<usize>>> {
+    unsafe fn give_back(&mut self, owner: u64) -> Vec<*const List<B::Free>> {
         self.full_miss = None;
         let mut lists = Vec::new();
         let mut i = 0;
@@ -269,7 +388,7 @@ impl Magazines {
     }
 }
 
-impl Drop for Magazines {
+impl<B: Blocks> Drop for Magazines<B> {
     fn drop(&mut self) {
         if self.list.is_empty() {
             return;
@@ -293,19 +412,26 @@ const PRUNE_AT: usize = 16;
 const MAGAZINES_PER_OWNER: usize = 16;
 
 /// Drops the magazines of owners that are gone (their blocks are only addresses).
-fn prune(list: &mut Vec<Magazine>) {
+fn prune<B: Blocks>(list: &mut Vec<Magazine<B>>) {
     let live = lock(&LIVE);
     list.retain(|m| live.as_ref().is_some_and(|l| l.contains(&m.owner)));
 }
 
 #[cfg(not(memres_loom))]
+type LocalKey<T> = std::thread::LocalKey<T>;
+#[cfg(memres_loom)]
+type LocalKey<T> = loom::thread::LocalKey<T>;
+
+#[cfg(not(memres_loom))]
 thread_local! {
-    static MAGAZINES: RefCell<Magazines> = const { RefCell::new(Magazines::new()) };
+    static FIXED_MAGAZINES: RefCell<Magazines<Vec<usize>>> = const { RefCell::new(Magazines::new()) };
+    static POOL_MAGAZINES: RefCell<Magazines<SmallBlocks>> = const { RefCell::new(Magazines::new()) };
 }
 
 #[cfg(memres_loom)]
 loom::thread_local! {
-    static MAGAZINES: RefCell<Magazines> = RefCell::new(Magazines::new());
+    static FIXED_MAGAZINES: RefCell<Magazines<Vec<usize>>> = RefCell::new(Magazines::new());
+    static POOL_MAGAZINES: RefCell<Magazines<SmallBlocks>> = RefCell::new(Magazines::new());
 }
 
 /// What a thread's exit does to its magazines, called by a loom model's thread as its
@@ -314,28 +440,32 @@ loom::thread_local! {
 /// cannot leave the drop to the thread's exit.
 #[cfg(all(test, memres_loom))]
 pub(crate) fn exit_thread() {
-    let list = MAGAZINES.with(|m| std::mem::take(&mut m.borrow_mut().list));
-    drop(Magazines {
-        list,
-        ..Magazines::new()
-    });
+    fn exit<B: Blocks>() {
+        let list = B::magazines().with(|m| std::mem::take(&mut m.borrow_mut().list));
+        drop(Magazines::<B> {
+            list,
+            ..Magazines::new()
+        });
+    }
+    exit::<Vec<usize>>();
+    exit::<SmallBlocks>();
 }
 
 /// The calling thread's magazines for one resource, within one call on it.
-pub(crate) struct Cache<'a> {
-    pub(crate) owner: &'a Owner,
+pub(crate) struct Cache<'a, B: Blocks> {
+    pub(crate) owner: &'a Owner<B>,
     /// The grace domain of the owner's lists (pinned in while a magazine is made).
     pub(crate) domain: &'a grace::Domain,
-    /// Most blocks one magazine holds.
+    /// Most blocks (a `FixedSize`'s) or bytes (a pool's) one magazine holds.
     pub(crate) capacity: usize,
 }
 
-impl<'a> Cache<'a> {
+impl<'a, B: Blocks> Cache<'a, B> {
     /// Runs `f` on this thread's magazines, if the thread still has them (not during its
     /// exit) and `f` returns something.
     #[inline]
-    fn with<R>(&self, f: impl FnOnce(&mut Magazines) -> Option<R>) -> Option<R> {
-        MAGAZINES
+    fn with<R>(&self, f: impl FnOnce(&mut Magazines<B>) -> Option<R>) -> Option<R> {
+        B::magazines()
             .try_with(|m| f(&mut *m.try_borrow_mut().ok()?))
             .ok()
             .flatten()
@@ -347,10 +477,10 @@ impl<'a> Cache<'a> {
     #[inline]
     fn magazine<'m, 's>(
         &self,
-        mags: &'m mut Magazines,
+        mags: &'m mut Magazines<B>,
         key: StreamKey,
-        make: Option<&dyn Fn() -> &'s List<Vec<usize>>>,
-    ) -> Option<&'m mut Magazine> {
+        make: Option<&dyn Fn() -> &'s List<B::Free>>,
+    ) -> Option<&'m mut Magazine<B>> {
         let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
         if let Some(at) = mags.hinted(self.owner.id, key)
             && mags.list[at].epoch == epoch
@@ -370,10 +500,10 @@ impl<'a> Cache<'a> {
     #[inline(never)]
     fn magazine_slow<'m, 's>(
         &self,
-        mags: &'m mut Magazines,
+        mags: &'m mut Magazines<B>,
         key: StreamKey,
-        make: Option<&dyn Fn() -> &'s List<Vec<usize>>>,
-    ) -> Option<&'m mut Magazine> {
+        make: Option<&dyn Fn() -> &'s List<B::Free>>,
+    ) -> Option<&'m mut Magazine<B>> {
         let shared = &*self.owner.shared;
         let mut epoch = shared.epoch.load(Ordering::Relaxed);
         let id = self.owner.id;
@@ -430,13 +560,13 @@ impl<'a> Cache<'a> {
             prune(&mut mags.list);
         }
         // Pinned from the lookup until the magazine is listed: a magazine of a list that
-        // `FixedSize::trim` retires is then listed before the trim's first grace period
+        // a trim retires is then listed before the trim's first grace period
         // ends, and the reclaim the trim runs after it takes the magazine's blocks (see
-        // `FixedSize`'s `StreamOrdered::retired`). (`make` is a lookup: no retired list comes
+        // the owners' `StreamOrdered::retired`). (`make` is a lookup: no retired list comes
         // from one after that grace period.)
         let _pin = grace::pin(self.domain);
         let stash = Arc::new(Stash {
-            blocks: Takeable::new(Vec::with_capacity(self.capacity)),
+            blocks: Takeable::new(B::default()),
             list: make(),
         });
         {
@@ -458,6 +588,134 @@ impl<'a> Cache<'a> {
         mags.list.last_mut()
     }
 
+    /// Gives every block of the owner's magazines on this thread back to their lists, and
+    /// returns those lists (the owner's lists; one a trim retires is freed
+    /// only after every call pinned when it left the tables has returned, so a caller
+    /// pinned before this call may use them until it unpins).
+    pub(crate) fn flush(&self) -> Vec<*const List<B::Free>> {
+        self.with(|mags| {
+            // SAFETY: inside a call on the owner (rule (1)).
+            Some(unsafe { mags.give_back(self.owner.id) })
+        })
+        .unwrap_or_default()
+    }
+
+    /// Takes the blocks of the owner's magazines on every thread back to their lists
+    /// (this thread's given back, the others' taken: see the module's docs) and turns the
+    /// caches off until [`resume`](Self::resume). The caller then takes blocks from the
+    /// lists; it holds the owner's growth lock, so reclaims do not overlap (a resume may:
+    /// a thread past its count of calls without caches turns them back on, which can
+    /// only make a later allocation find fewer blocks in the lists). True if no
+    /// magazine is left. Without `membarrier` other threads give their blocks
+    /// back at their next call on the owner: the first such reclaim waits a short while
+    /// for them, later ones (while the caches are still off) do not wait again.
+    pub(crate) fn reclaim(&self) -> bool {
+        self.flush();
+        let shared = &*self.owner.shared;
+        let waits = {
+            let mut stashes = lock(&shared.stashes);
+            if stashes.is_empty() {
+                // No other thread has a magazine: nothing to take or turn off.
+                return true;
+            }
+            let was_on = shared.epoch.load(Ordering::Relaxed).is_multiple_of(2);
+            if was_on {
+                shared.calls_off.store(0, Ordering::Relaxed);
+                shared.epoch.fetch_add(1, Ordering::Relaxed);
+            }
+            if barrier::heavy_available() {
+                for stash in stashes.iter() {
+                    stash.blocks.mark_taken();
+                }
+                barrier::heavy();
+                for stash in stashes.drain(..) {
+                    // SAFETY: marked above, before the heavy fence; the stashes list is
+                    // locked, and a stash leaves it as it is taken, so no other reclaim
+                    // takes it.
+                    let blocks = unsafe { stash.blocks.take() };
+                    // SAFETY: inside a call on the owner (rule (1)), or in a trim's
+                    // retirement before the lists it retires are freed: the list lives.
+                    let list = unsafe { &*stash.list };
+                    blocks.put_back(list);
+                }
+                return true;
+            }
+            was_on
+        };
+        if !waits {
+            return lock(&shared.stashes).is_empty();
+        }
+        #[cfg(not(memres_loom))]
+        let deadline = std::time::Instant::now() + RECLAIM_WAIT;
+        loop {
+            if lock(&shared.stashes).is_empty() {
+                return true;
+            }
+            #[cfg(not(memres_loom))]
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            crate::sync::yield_now();
+        }
+    }
+
+    /// Whether the caches are on (no [`reclaim`](Self::reclaim) has turned them off
+    /// since the last [`resume`](Self::resume)).
+    pub(crate) fn on(&self) -> bool {
+        self.owner
+            .shared
+            .epoch
+            .load(Ordering::Relaxed)
+            .is_multiple_of(2)
+    }
+
+    /// Turns the caches back on after a [`reclaim`](Self::reclaim): when the owner has
+    /// grown (memory is no longer short), after a trim's reclaims (`FixedSize::trim`, `Pool::trim`),
+    /// or after [`CALLS_OFF`] calls without caches.
+    pub(crate) fn resume(&self) {
+        let shared = &*self.owner.shared;
+        let epoch = shared.epoch.load(Ordering::Relaxed);
+        if epoch % 2 == 1 {
+            shared.calls_off.store(0, Ordering::Relaxed);
+            // Only from this odd epoch: a concurrent resume or reclaim wins instead.
+            let _ = shared.epoch.compare_exchange(
+                epoch,
+                epoch + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Magazines of the owner on all threads (for the loom models).
+    #[cfg(all(test, memres_loom))]
+    pub(crate) fn magazines(&self) -> usize {
+        lock(&self.owner.shared.stashes).len()
+    }
+
+    /// `f` folded over the blocks of the owner's magazines on this thread, from `init`.
+    pub(crate) fn fold_here<T: Copy>(&self, init: T, f: impl Fn(T, &B) -> T) -> T {
+        self.with(|mags| {
+            Some(
+                mags.list
+                    .iter()
+                    .filter(|m| m.owner == self.owner.id)
+                    .fold(init, |acc, m| {
+                        m.stash.with(|blocks| f(acc, blocks)).unwrap_or(acc)
+                    }),
+            )
+        })
+        .unwrap_or(init)
+    }
+
+    /// Blocks of the owner in this thread's magazines (of a `FixedSize`: its blocks).
+    pub(crate) fn cached_here(&self, count: impl Fn(&B) -> usize) -> usize {
+        self.fold_here(0, |n, blocks| n + count(blocks))
+    }
+}
+
+/// A `FixedSize`'s magazines: blocks of one size.
+impl Cache<'_, Vec<usize>> {
     /// A block from the thread's magazine, if it has one.
     #[inline]
     pub(crate) fn pop(&self, key: StreamKey) -> Option<usize> {
@@ -526,123 +784,58 @@ impl<'a> Cache<'a> {
             None => list.state.lock().pop(),
         }
     }
+}
 
-    /// Gives every block of the owner's magazines on this thread back to their lists, and
-    /// returns those lists (the owner's lists; one `FixedSize::trim` retires is freed
-    /// only after every call pinned when it left the tables has returned, so a caller
-    /// pinned before this call may use them until it unpins).
-    pub(crate) fn flush(&self) -> Vec<*const List<Vec<usize>>> {
+/// Where [`Cache::push_small`] put a freed block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pushed {
+    /// In the thread's magazine.
+    Kept,
+    /// Nowhere: the magazine is full (the caller coalesces the block into the list, as a
+    /// list whose small blocks' cache is full does).
+    Full,
+    /// Nowhere: the thread has no magazine for it (the thread is exiting, a reclaim is
+    /// under way, or the thread is on more streams than it keeps magazines for).
+    Elsewhere,
+}
+
+/// A pool's magazines: small blocks by size (a magazine holds up to `capacity` bytes).
+impl Cache<'_, SmallBlocks> {
+    /// A block of `units` granules from the thread's magazine, if it has one.
+    #[inline]
+    pub(crate) fn pop_small(&self, key: StreamKey, units: usize) -> Option<usize> {
         self.with(|mags| {
-            // SAFETY: inside a call on the owner (rule (1)).
-            Some(unsafe { mags.give_back(self.owner.id) })
+            self.magazine(mags, key, None)?
+                .stash
+                .with(|blocks| blocks.pop(units))?
         })
-        .unwrap_or_default()
     }
 
-    /// Takes the blocks of the owner's magazines on every thread back to their lists
-    /// (this thread's given back, the others' taken: see the module's docs) and turns the
-    /// caches off until [`resume`](Self::resume). The caller then takes blocks from the
-    /// lists; it holds the owner's growth lock, so reclaims do not overlap (a resume may:
-    /// a thread past its count of calls without caches turns them back on, which can
-    /// only make a later allocation find fewer blocks in the lists). True if no
-    /// magazine is left. Without `membarrier` other threads give their blocks
-    /// back at their next call on the owner: the first such reclaim waits a short while
-    /// for them, later ones (while the caches are still off) do not wait again.
-    pub(crate) fn reclaim(&self) -> bool {
-        self.flush();
-        let shared = &*self.owner.shared;
-        let waits = {
-            let mut stashes = lock(&shared.stashes);
-            if stashes.is_empty() {
-                // No other thread has a magazine: nothing to take or turn off.
-                return true;
-            }
-            let was_on = shared.epoch.load(Ordering::Relaxed).is_multiple_of(2);
-            if was_on {
-                shared.calls_off.store(0, Ordering::Relaxed);
-                shared.epoch.fetch_add(1, Ordering::Relaxed);
-            }
-            if barrier::heavy_available() {
-                for stash in stashes.iter() {
-                    stash.blocks.mark_taken();
-                }
-                barrier::heavy();
-                for stash in stashes.drain(..) {
-                    // SAFETY: marked above, before the heavy fence; the stashes list is
-                    // locked, and a stash leaves it as it is taken, so no other reclaim
-                    // takes it.
-                    let blocks = unsafe { stash.blocks.take() };
-                    // SAFETY: inside a call on the owner (rule (1)), or in `FixedSize::trim`'s
-                    // retirement before the lists it retires are freed: the list lives.
-                    let list = unsafe { &*stash.list };
-                    put_back(list, blocks);
-                }
-                return true;
-            }
-            was_on
-        };
-        if !waits {
-            return lock(&shared.stashes).is_empty();
-        }
-        #[cfg(not(memres_loom))]
-        let deadline = std::time::Instant::now() + RECLAIM_WAIT;
-        loop {
-            if lock(&shared.stashes).is_empty() {
-                return true;
-            }
-            #[cfg(not(memres_loom))]
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            crate::sync::yield_now();
-        }
-    }
-
-    /// Whether the caches are on (no [`reclaim`](Self::reclaim) has turned them off
-    /// since the last [`resume`](Self::resume)).
-    pub(crate) fn on(&self) -> bool {
-        self.owner
-            .shared
-            .epoch
-            .load(Ordering::Relaxed)
-            .is_multiple_of(2)
-    }
-
-    /// Turns the caches back on after a [`reclaim`](Self::reclaim): when the owner has
-    /// grown (memory is no longer short), after a trim's reclaims (`FixedSize::trim`),
-    /// or after [`CALLS_OFF`] calls without caches.
-    pub(crate) fn resume(&self) {
-        let shared = &*self.owner.shared;
-        let epoch = shared.epoch.load(Ordering::Relaxed);
-        if epoch % 2 == 1 {
-            shared.calls_off.store(0, Ordering::Relaxed);
-            // Only from this odd epoch: a concurrent resume or reclaim wins instead.
-            let _ = shared.epoch.compare_exchange(
-                epoch,
-                epoch + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
-        }
-    }
-
-    /// Magazines of the owner on all threads (for the loom models).
-    #[cfg(all(test, memres_loom))]
-    pub(crate) fn magazines(&self) -> usize {
-        lock(&self.owner.shared.stashes).len()
-    }
-
-    /// Blocks of the owner in this thread's magazines.
-    pub(crate) fn cached_here(&self) -> usize {
+    /// Keeps a freed block of `units` granules (1 to [`QUICK_UNITS`]) in the thread's
+    /// magazine for `key`, made if need be.
+    ///
+    /// # Safety
+    /// `list` returns the owner's list for `key` (a new magazine keeps a pointer to it,
+    /// which later calls on the owner dereference).
+    #[inline]
+    pub(crate) unsafe fn push_small<'s>(
+        &self,
+        key: StreamKey,
+        list: impl Fn() -> &'s List<FreeList>,
+        addr: usize,
+        units: usize,
+    ) -> Pushed {
+        let capacity = self.capacity;
         self.with(|mags| {
-            Some(
-                mags.list
-                    .iter()
-                    .filter(|m| m.owner == self.owner.id)
-                    .map(|m| m.stash.with(|blocks| blocks.len()).unwrap_or(0))
-                    .sum(),
-            )
+            let stash = &*self.magazine(mags, key, Some(&list))?.stash;
+            stash.with(|blocks| {
+                if blocks.push(addr, units, capacity) {
+                    Pushed::Kept
+                } else {
+                    Pushed::Full
+                }
+            })
         })
-        .unwrap_or(0)
+        .unwrap_or(Pushed::Elsewhere)
     }
 }

@@ -18,7 +18,7 @@ pub(crate) const QUICK_UNITS: usize = 256;
 /// (2026-11-23, three alternating runs), 1 MiB instead made the virtual pool's `random`
 /// 97-164 ns against 84-120 and `random-mt` 20-28 ns against 17-19, for a footprint of
 /// 1.085 of live against 1.091 (`random`, seeds 1-6, mean).
-const QUICK_BYTES: usize = 8 << 20;
+pub(crate) const QUICK_BYTES: usize = 8 << 20;
 
 /// A pool's stream list (of a pool over chunks; not one that grows in place, whose
 /// footprint it would raise) also keeps this many recently freed large blocks (1 to 8 MiB),
