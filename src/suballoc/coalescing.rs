@@ -309,14 +309,17 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         }
     }
 
-    /// Gives this thread's cached blocks (of every stream) back to their lists.
-    fn give_back_this_threads_caches(&self) {
-        for list in self.cache().flush() {
-            // SAFETY: the cache returns this pool's lists it gave blocks to; the caller is
-            // pinned (since before the flush), so a list `trim` retires meanwhile is not
-            // freed before the call returns.
+    /// Moves this thread's cached blocks (of every stream) into their lists, the caches
+    /// kept; whether any moved.
+    fn put_back_this_threads_caches(&self) -> bool {
+        let lists = self.cache().put_back_all();
+        for &list in &lists {
+            // SAFETY: the cache returns this pool's lists it moved blocks to; the caller
+            // is pinned (since before the call), so a list `trim` retires meanwhile is
+            // not freed before the call returns.
             self.lists.note_free(unsafe { &*list });
         }
+        !lists.is_empty()
     }
 
     /// Takes every thread's cached blocks back to their lists and turns the caches off
@@ -621,6 +624,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             list.allocates.store(true, Ordering::Relaxed);
         }
         let mut fit = Fit {
+            key,
             size,
             align,
             host: stream.is_host(),
@@ -733,6 +737,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 /// A request on the pool's slow path: its size and alignment (rounded), its stream's kind, and whether the
 /// lists were merged for it before the pool grew.
 pub(crate) struct Fit {
+    /// The key of the request's stream's list (in the calling thread's lane).
+    key: StreamKey,
     size: usize,
     align: usize,
     /// Whether the request's stream is a host stream (known from the stream, so that the
@@ -826,13 +832,23 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
             return Err(Error::Asleep);
         }
         if self.cached() {
-            // This thread's cached blocks coalesce with the rest before anything is
-            // searched (as the own list's cached blocks are by `take_listed`).
-            self.give_back_this_threads_caches();
+            // This thread's cached blocks of the stream coalesce with the list's before
+            // it is searched (as the list's own cached blocks are by `take_listed`).
+            self.cache().put_back_here(fit.key);
         }
-        Ok(self
+        let found = self
             .take_listed(own, fit)
-            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align, false)))
+            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align, false));
+        if found.is_some() || !self.cached() {
+            return Ok(found);
+        }
+        // Then its cached blocks of other streams, before anything waits or grows (not
+        // first: a thread on many streams, whose lists run dry in turn, would move them
+        // at every miss).
+        if self.put_back_this_threads_caches() {
+            return Ok(self.take_listed(own, fit));
+        }
+        Ok(None)
     }
 
     /// Memory freed on other streams, once their work is waited for, before growing:

@@ -6,10 +6,10 @@
 //! overflows); a `Pool`'s ([`SmallBlocks`]) holds small blocks by size, up to as many
 //! bytes as a stream's list caches, a miss going to the list and an overflow coalescing
 //! there. Either gives everything back when its thread exits or when a reclaim asks for
-//! it. A thread keeps magazines for at most
-//! [`MAGAZINES_PER_OWNER`] streams of one resource; its calls on further streams go to
-//! the streams' lists (so a thread on thousands of streams does not scan a magazine per
-//! stream on every call).
+//! it. A thread keeps at most [`SLOTS`] magazines of one kind, found in a table where
+//! each (resource, stream) has four slots; a stream whose slots are taken has none, and
+//! its calls go to its list (so a thread on thousands of streams finds out in four
+//! compares, not a scan, that most have no magazine).
 //!
 //! Safety rests on one rule: a magazine's list and owner-state pointers are dereferenced
 //! only (1) inside a call on the resource that owns them (the magazine is found by the
@@ -176,8 +176,11 @@ pub(crate) trait Blocks: Default + Send + std::fmt::Debug + Sized + 'static {
     type Free: Send + 'static;
     /// The calling thread's magazines of this kind.
     fn magazines() -> &'static LocalKey<RefCell<Magazines<Self>>>;
-    /// Moves every block into `list` (locking it).
-    fn put_back(self, list: &List<Self::Free>);
+    /// Moves every block into `list` (locking it), leaving the magazine empty (its
+    /// buffers kept).
+    fn put_back(&mut self, list: &List<Self::Free>);
+    /// Whether the magazine holds no block.
+    fn is_empty(&self) -> bool;
 }
 
 impl Blocks for Vec<usize> {
@@ -187,8 +190,12 @@ impl Blocks for Vec<usize> {
         &FIXED_MAGAZINES
     }
 
-    fn put_back(self, list: &List<Vec<usize>>) {
-        put_back(list, self);
+    fn put_back(&mut self, list: &List<Vec<usize>>) {
+        put_back(list, self.drain(..));
+    }
+
+    fn is_empty(&self) -> bool {
+        Vec::is_empty(self)
     }
 }
 
@@ -197,8 +204,8 @@ impl Blocks for Vec<usize> {
 /// blocks' cache of a stream's list ([`FreeList`]) does, but without the list's lock.
 #[derive(Debug, Default)]
 pub(crate) struct SmallBlocks {
-    /// Entry `i` holds blocks of `i + 1` granules, newest last; empty (no heap) until
-    /// the first block comes.
+    /// Entry `i` holds blocks of `i + 1` granules, newest last; as many entries as the
+    /// largest size held so far needs (none, and no heap, until the first block).
     bins: Vec<Vec<usize>>,
     /// Bytes of the blocks held.
     bytes: usize,
@@ -221,8 +228,10 @@ impl SmallBlocks {
         if self.bytes + size > capacity {
             return false;
         }
-        if self.bins.is_empty() {
-            self.bins.resize_with(QUICK_UNITS, Vec::new);
+        if self.bins.len() < units {
+            // Only as many bins as the sizes freed so far need (a thread's magazines of
+            // a stream it used once for a 4 KiB block cost 16 bins, not 256).
+            self.bins.resize_with(units, Vec::new);
         }
         self.bins[units - 1].push(addr);
         self.bytes += size;
@@ -258,17 +267,22 @@ impl Blocks for SmallBlocks {
     /// Into the list's own small blocks' cache where it has room (where they would have
     /// been without the thread's cache), else coalesced; the list then marked as holding
     /// free memory.
-    fn put_back(self, list: &List<FreeList>) {
+    fn put_back(&mut self, list: &List<FreeList>) {
         if self.bytes == 0 {
             return;
         }
         let mut free = list.state.lock();
-        for (at, bin) in self.bins.iter().enumerate() {
-            for &addr in bin {
+        for (at, bin) in self.bins.iter_mut().enumerate() {
+            for addr in bin.drain(..) {
                 free.put(addr, (at + 1) * GRANULE);
             }
         }
+        self.bytes = 0;
         list.holds_free.store(true, Ordering::Relaxed);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.bytes == 0
     }
 }
 
@@ -305,7 +319,7 @@ impl<B: Blocks> Magazine<B> {
             // freed yet: a trim frees a list only after its reclaim has taken every stash
             // pointing at it, and that take waits for this `with` to end.
             let list = unsafe { &*self.stash.list };
-            std::mem::take(blocks).put_back(list);
+            blocks.put_back(list);
         });
         // SAFETY: as above; `shared` is the owner's boxed state.
         let shared = unsafe { &*self.shared };
@@ -314,57 +328,108 @@ impl<B: Blocks> Magazine<B> {
     }
 }
 
-/// Slots of the lookup hint (a power of two).
-const HINTS: usize = 32;
+/// Slots of a thread's table of magazines of one kind (a power of two): the most
+/// magazines the thread keeps of that kind, over all owners.
+const SLOTS: usize = 64;
+/// Slots each (owner, stream) may use: a group of this many neighbours.
+const WAYS: usize = 4;
+/// A slot that holds no magazine.
+const EMPTY: u8 = u8::MAX;
+/// Calls that found their slots taken by other owners' magazines between two looks
+/// for magazines of owners that are gone (which take the registry's lock).
+const PRUNE_EVERY: u16 = 256;
 
-/// A thread's magazines, and for each (owner, stream) hash the index where its magazine
-/// was last found, so a thread with magazines of many resources (a `Binning`'s bins)
-/// finds one in a step.
+/// A thread's magazines of one kind, found through a table of [`SLOTS`] slots, [`WAYS`]
+/// candidates for each (owner, stream): a lookup is a few loads and compares however
+/// many streams the thread uses, and a stream whose slots are all taken has no magazine (its
+/// calls go to its list), so a thread on thousands of streams keeps magazines for a few
+/// and finds out in a step that the others have none (a scan of the thread's magazines
+/// at every such call made a pool's pair on 16,384 streams cost 1.3-2x; issue 33,
+/// finding 3, and issue 51).
 pub(crate) struct Magazines<B: Blocks> {
     list: Vec<Magazine<B>>,
-    hint: [u8; HINTS],
-    /// The last (owner, stream, epoch) found to have no magazine with the owner already
-    /// at [`MAGAZINES_PER_OWNER`] on this thread: a thread going round more streams than
-    /// that asks for one up to three times per allocate and free (pop, refill, push),
-    /// and scanned its magazines each time (issue 33, finding 3). Cleared whenever the
-    /// thread's magazines of an owner go.
-    full_miss: Option<(u64, StreamKey, u64)>,
+    /// For each slot, the index in `list` of its magazine, or [`EMPTY`]; every
+    /// magazine is in one of its slots ([`Magazines::ways`]), and no two share one.
+    slots: [u8; SLOTS],
+    /// Calls left before the next look for magazines of owners that are gone.
+    prune_in: u16,
 }
 
 impl<B: Blocks> Magazines<B> {
     const fn new() -> Magazines<B> {
         Magazines {
             list: Vec::new(),
-            hint: [0; HINTS],
-            full_miss: None,
+            slots: [EMPTY; SLOTS],
+            prune_in: 0,
         }
     }
 
-    /// The hint's slot for (owner, key): the key's hash, whose multiply does not wait
-    /// for the owner (a `Binning` finds its bin, and so the owner, by loads that the key
-    /// does not need), then the owner's id mixed in with one `xor`. Owners made together
-    /// (a `Binning`'s bins) have consecutive ids, so up to [`HINTS`] of them never share
-    /// a slot for one stream.
-    #[inline]
-    fn slot(owner: u64, key: StreamKey) -> usize {
-        let stream = key.hash() >> (u64::BITS - HINTS.trailing_zeros());
-        (stream ^ owner) as usize % HINTS
+    /// The slots of (owner, key), first choice first: the key's hash, whose multiply
+    /// does not wait for the owner (a `Binning` finds its bin, and so the owner, by loads
+    /// that the key does not need), the owner's id mixed in with one `xor`, and its
+    /// group's other slots. Owners made together (a `Binning`'s bins) have consecutive
+    /// ids, so on one stream up to [`SLOTS`] of them never share a first choice.
+    #[inline(always)]
+    fn ways(owner: u64, key: StreamKey) -> [usize; WAYS] {
+        let stream = key.hash() >> (u64::BITS - SLOTS.trailing_zeros());
+        let first = (stream ^ owner) as usize % SLOTS;
+        std::array::from_fn(|i| first ^ i)
     }
 
-    /// The index of the magazine of (owner, key) if the hint knows it: one load and a
-    /// compare, the whole lookup on a cache hit.
-    #[inline]
-    fn hinted(&self, owner: u64, key: StreamKey) -> Option<usize> {
-        let at = usize::from(self.hint[Self::slot(owner, key)]);
-        let m = self.list.get(at)?;
-        (m.owner == owner && m.key == key).then_some(at)
+    /// The index of the magazine of (owner, key), if the thread has one.
+    #[inline(always)]
+    fn find(&self, owner: u64, key: StreamKey) -> Option<usize> {
+        Self::ways(owner, key).into_iter().find_map(|slot| {
+            let at = usize::from(self.slots[slot]);
+            let m = self.list.get(at)?;
+            (m.owner == owner && m.key == key).then_some(at)
+        })
     }
 
-    /// Points the hint for (owner, key) at index `at`.
-    fn point_at(&mut self, owner: u64, key: StreamKey, at: usize) {
-        if let Ok(at) = u8::try_from(at) {
-            self.hint[Self::slot(owner, key)] = at;
+    /// A free slot of (owner, key)'s.
+    fn free_way(&self, owner: u64, key: StreamKey) -> Option<usize> {
+        Self::ways(owner, key)
+            .into_iter()
+            .find(|&slot| self.slots[slot] == EMPTY)
+    }
+
+    /// Whether a slot of (owner, key)'s holds another owner's magazine.
+    fn shares_ways_with_others(&self, owner: u64, key: StreamKey) -> bool {
+        Self::ways(owner, key).into_iter().any(|slot| {
+            self.list
+                .get(usize::from(self.slots[slot]))
+                .is_some_and(|m| m.owner != owner)
+        })
+    }
+
+    /// Adds `m` in `slot` (free, one of its own).
+    fn insert(&mut self, slot: usize, m: Magazine<B>) -> &mut Magazine<B> {
+        debug_assert_eq!(self.slots[slot], EMPTY);
+        // (At most `SLOTS` magazines, one per slot: the index fits a byte.)
+        self.slots[slot] = self.list.len() as u8;
+        self.list.push(m);
+        let last = self.list.len() - 1;
+        &mut self.list[last]
+    }
+
+    /// Takes the magazine at index `at` out of the table.
+    fn remove(&mut self, at: usize) -> Magazine<B> {
+        let m = self.list.swap_remove(at);
+        let moved_from = self.list.len();
+        for slot in Self::ways(m.owner, m.key) {
+            if usize::from(self.slots[slot]) == at {
+                self.slots[slot] = EMPTY;
+            }
         }
+        if at < moved_from {
+            let moved = &self.list[at];
+            for slot in Self::ways(moved.owner, moved.key) {
+                if usize::from(self.slots[slot]) == moved_from {
+                    self.slots[slot] = at as u8;
+                }
+            }
+        }
+        m
     }
 
     /// Gives back every magazine of `owner` on this thread.
@@ -372,12 +437,11 @@ impl<B: Blocks> Magazines<B> {
     /// # Safety
     /// Inside a call on the owner (rule (1) of the module).
     unsafe fn give_back(&mut self, owner: u64) -> Vec<*const List<B::Free>> {
-        self.full_miss = None;
         let mut lists = Vec::new();
         let mut i = 0;
         while i < self.list.len() {
             if self.list[i].owner == owner {
-                let m = self.list.swap_remove(i);
+                let m = self.remove(i);
                 // SAFETY: the caller's promise.
                 lists.extend(unsafe { m.give_back() });
             } else {
@@ -385,6 +449,22 @@ impl<B: Blocks> Magazines<B> {
             }
         }
         lists
+    }
+
+    /// Drops the magazines of owners that are gone (their blocks are only addresses).
+    fn prune(&mut self) {
+        let live = lock(&LIVE);
+        let mut i = 0;
+        while i < self.list.len() {
+            if live
+                .as_ref()
+                .is_some_and(|l| l.contains(&self.list[i].owner))
+            {
+                i += 1;
+            } else {
+                drop(self.remove(i));
+            }
+        }
     }
 }
 
@@ -402,19 +482,6 @@ impl<B: Blocks> Drop for Magazines<B> {
             }
         }
     }
-}
-
-/// A thread with this many magazines drops those of owners that are gone.
-const PRUNE_AT: usize = 16;
-
-/// The most magazines of one owner on one thread (one per stream the thread uses it on);
-/// calls on further streams go to the streams' lists.
-const MAGAZINES_PER_OWNER: usize = 16;
-
-/// Drops the magazines of owners that are gone (their blocks are only addresses).
-fn prune<B: Blocks>(list: &mut Vec<Magazine<B>>) {
-    let live = lock(&LIVE);
-    list.retain(|m| live.as_ref().is_some_and(|l| l.contains(&m.owner)));
 }
 
 #[cfg(not(memres_loom))]
@@ -471,10 +538,10 @@ impl<'a, B: Blocks> Cache<'a, B> {
             .flatten()
     }
 
-    /// The magazine of (owner, key) on this thread, made if `make` and no reclaim is
-    /// under way; a stale one (made before a reclaim began) is given back first, with
-    /// every other magazine of the owner on this thread.
-    #[inline]
+    /// The magazine of (owner, key) on this thread, made if `make`, no reclaim is under
+    /// way and one of its slots is free; a stale one (made before a reclaim began) is
+    /// given back first, with every other magazine of the owner on this thread.
+    #[inline(always)]
     fn magazine<'m, 's>(
         &self,
         mags: &'m mut Magazines<B>,
@@ -482,19 +549,15 @@ impl<'a, B: Blocks> Cache<'a, B> {
         make: Option<&dyn Fn() -> &'s List<B::Free>>,
     ) -> Option<&'m mut Magazine<B>> {
         let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
-        if let Some(at) = mags.hinted(self.owner.id, key)
-            && mags.list[at].epoch == epoch
-        {
-            return Some(&mut mags.list[at]);
+        match mags.find(self.owner.id, key) {
+            Some(at) if mags.list[at].epoch == epoch => Some(&mut mags.list[at]),
+            Some(_) => self.magazine_slow(mags, key, make),
+            None => self.magazine_slow(mags, key, Some(make?)),
         }
-        if mags.full_miss == Some((self.owner.id, key, epoch)) {
-            return None;
-        }
-        self.magazine_slow(mags, key, make)
     }
 
-    /// [`magazine`](Self::magazine) where the hint does not lead to a current magazine:
-    /// a scan, a stale magazine given back, or a new one made.
+    /// [`magazine`](Self::magazine) where no current magazine was found: a stale one
+    /// given back, or a new one made.
     // long: the outcomes of one pass, in order, each using what it found.
     #[cold]
     #[inline(never)]
@@ -507,32 +570,29 @@ impl<'a, B: Blocks> Cache<'a, B> {
         let shared = &*self.owner.shared;
         let mut epoch = shared.epoch.load(Ordering::Relaxed);
         let id = self.owner.id;
-        // One pass over the thread's magazines: this stream's, whether the owner's are
-        // stale, how many the owner has (a call on a stream past the owner's limit comes
-        // here every time).
-        let (mut found, mut stale, mut own) = (None, false, 0);
-        for (at, m) in mags.list.iter().enumerate() {
-            if m.owner == id {
-                own += 1;
-                stale |= m.epoch != epoch;
-                if m.key == key {
-                    found = Some(at);
-                }
+        if mags.find(id, key).is_none() && mags.free_way(id, key).is_none() {
+            // Every slot taken: no magazine for this stream (the first call's answer
+            // for every later one, in a few compares), unless one of them holds a gone
+            // owner's magazine (looked for now and then: the look takes the registry's
+            // lock).
+            if !mags.shares_ways_with_others(id, key) {
+                return None;
             }
+            if mags.prune_in > 0 {
+                mags.prune_in -= 1;
+                return None;
+            }
+            mags.prune_in = PRUNE_EVERY;
+            mags.prune();
+            mags.free_way(id, key)?;
         }
-        if let Some(at) = found
-            && mags.list[at].epoch == epoch
-        {
-            mags.point_at(id, key, at);
-            return Some(&mut mags.list[at]);
-        }
-        // A stale magazine here, or (a call on another stream) elsewhere on the thread:
-        // the owner's magazines on a thread are given back together, so they always share
-        // one epoch, and a thread answers a reclaim at its next call on any stream.
-        if stale {
+        // The owner's magazines on a thread are given back together, so they always
+        // share one epoch: a stale one here means all of them (a thread answers a
+        // reclaim at its next call on a stream it keeps a magazine for, or that makes
+        // one).
+        if mags.list.iter().any(|m| m.owner == id && m.epoch != epoch) {
             // SAFETY: inside a call on the owner (rule (1)).
             unsafe { mags.give_back(id) };
-            own = 0;
         }
         let make = make?;
         if epoch % 2 == 1 {
@@ -548,21 +608,11 @@ impl<'a, B: Blocks> Cache<'a, B> {
                 return None;
             }
         }
-        // A thread on many streams keeps magazines for the first few only and goes
-        // straight to the lists for the others: its lookups stay short however many
-        // streams it uses (a magazine per stream made the lookup a scan of all of them:
-        // 79 us per allocation over 16,384 streams).
-        if own >= MAGAZINES_PER_OWNER {
-            mags.full_miss = Some((id, key, epoch));
-            return None;
-        }
-        if mags.list.len() >= PRUNE_AT {
-            prune(&mut mags.list);
-        }
+        let slot = mags.free_way(id, key)?;
         // Pinned from the lookup until the magazine is listed: a magazine of a list that
-        // a trim retires is then listed before the trim's first grace period
-        // ends, and the reclaim the trim runs after it takes the magazine's blocks (see
-        // the owners' `StreamOrdered::retired`). (`make` is a lookup: no retired list comes
+        // a trim retires is then listed before the trim's first grace period ends, and
+        // the reclaim the trim runs after it takes the magazine's blocks (see the
+        // owners' `StreamOrdered::retired`). (`make` is a lookup: no retired list comes
         // from one after that grace period.)
         let _pin = grace::pin(self.domain);
         let stash = Arc::new(Stash {
@@ -578,14 +628,38 @@ impl<'a, B: Blocks> Cache<'a, B> {
             }
             stashes.push(Arc::clone(&stash));
         }
-        mags.list.push(Magazine {
-            owner: self.owner.id,
-            key,
-            epoch,
-            stash,
-            shared,
-        });
-        mags.list.last_mut()
+        Some(mags.insert(
+            slot,
+            Magazine {
+                owner: id,
+                key,
+                epoch,
+                stash,
+                shared,
+            },
+        ))
+    }
+
+    /// Moves the blocks of the owner's magazines on this thread into their lists, the
+    /// magazines kept (a thread on more streams than it keeps magazines for, whose lists
+    /// run dry in turn, would otherwise make them anew after every miss); returns the
+    /// lists that received blocks (as [`flush`](Self::flush)).
+    pub(crate) fn put_back_all(&self) -> Vec<*const List<B::Free>> {
+        self.with(|mags| {
+            let mut lists = Vec::new();
+            for m in mags.list.iter().filter(|m| m.owner == self.owner.id) {
+                m.stash.with(|blocks| {
+                    if !blocks.is_empty() {
+                        // SAFETY: the magazine (found by the owner's id) points at the
+                        // owner's list, alive during this call on the owner (rule (1)).
+                        blocks.put_back(unsafe { &*m.stash.list });
+                        lists.push(m.stash.list);
+                    }
+                });
+            }
+            Some(lists)
+        })
+        .unwrap_or_default()
     }
 
     /// Gives every block of the owner's magazines on this thread back to their lists, and
@@ -632,7 +706,7 @@ impl<'a, B: Blocks> Cache<'a, B> {
                     // SAFETY: marked above, before the heavy fence; the stashes list is
                     // locked, and a stash leaves it as it is taken, so no other reclaim
                     // takes it.
-                    let blocks = unsafe { stash.blocks.take() };
+                    let mut blocks = unsafe { stash.blocks.take() };
                     // SAFETY: inside a call on the owner (rule (1)), or in a trim's
                     // retirement before the lists it retires are freed: the list lives.
                     let list = unsafe { &*stash.list };
@@ -801,6 +875,19 @@ pub(crate) enum Pushed {
 
 /// A pool's magazines: small blocks by size (a magazine holds up to `capacity` bytes).
 impl Cache<'_, SmallBlocks> {
+    /// Moves the blocks of the thread's magazine for `key` (if any) into its list, the
+    /// magazine kept.
+    pub(crate) fn put_back_here(&self, key: StreamKey) {
+        self.with(|mags| {
+            let m = self.magazine(mags, key, None)?;
+            m.stash.with(|blocks| {
+                // SAFETY: the magazine (found by the owner's id) points at the owner's
+                // list for `key`, alive during this call on the owner (rule (1)).
+                blocks.put_back(unsafe { &*m.stash.list });
+            })
+        });
+    }
+
     /// A block of `units` granules from the thread's magazine, if it has one.
     #[inline]
     pub(crate) fn pop_small(&self, key: StreamKey, units: usize) -> Option<usize> {
