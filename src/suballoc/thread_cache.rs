@@ -50,7 +50,7 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 
 use super::core::free_blocks::GRANULE;
-use super::core::free_list::{FreeList, QUICK_UNITS};
+use super::core::free_list::FreeList;
 use super::core::list_table::List;
 use super::core::stream_key::StreamKey;
 use crate::sync::atomic::{AtomicU64, Ordering};
@@ -199,7 +199,7 @@ impl Blocks for Vec<usize> {
     }
 }
 
-/// A pool's magazine: recently freed small blocks (up to [`QUICK_UNITS`] granules, 64
+/// A pool's magazine: recently freed small blocks (up to [`QUICK_UNITS`](super::core::free_list::QUICK_UNITS) granules, 64
 /// KiB) by size, handed out again whole to a request of the same size, as the small
 /// blocks' cache of a stream's list ([`FreeList`]) does, but without the list's lock.
 #[derive(Debug, Default)]
@@ -220,7 +220,7 @@ impl SmallBlocks {
         Some(addr)
     }
 
-    /// Keeps the block at `addr` of `units` granules (1 to [`QUICK_UNITS`]) unless that
+    /// Keeps the block at `addr` of `units` granules (1 to [`QUICK_UNITS`](super::core::free_list::QUICK_UNITS)) unless that
     /// would take the bytes held past `capacity`.
     #[inline(always)]
     fn push(&mut self, addr: usize, units: usize, capacity: usize) -> bool {
@@ -898,7 +898,7 @@ impl Cache<'_, SmallBlocks> {
         })
     }
 
-    /// Keeps a freed block of `units` granules (1 to [`QUICK_UNITS`]) in the thread's
+    /// Keeps a freed block of `units` granules (1 to [`QUICK_UNITS`](super::core::free_list::QUICK_UNITS)) in the thread's
     /// magazine for `key`, made if need be.
     ///
     /// # Safety
