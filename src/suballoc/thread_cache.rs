@@ -333,8 +333,6 @@ impl<B: Blocks> Magazine<B> {
 const SLOTS: usize = 64;
 /// Slots each (owner, stream) may use: a group of this many neighbours.
 const WAYS: usize = 4;
-/// A slot that holds no magazine.
-const EMPTY: u8 = u8::MAX;
 /// Calls that found their slots taken by other owners' magazines between two looks
 /// for magazines of owners that are gone (which take the registry's lock).
 const PRUNE_EVERY: u16 = 256;
@@ -347,19 +345,28 @@ const PRUNE_EVERY: u16 = 256;
 /// at every such call made a pool's pair on 16,384 streams cost 1.3-2x; issue 33,
 /// finding 3, and issue 51).
 pub(crate) struct Magazines<B: Blocks> {
+    /// For each slot, the (owner, stream) of its magazine, (0, _) if none (owner ids
+    /// start at 1): 16 bytes each, so that the slots a lookup reads (a group of [`WAYS`])
+    /// are one cache line, and a lookup that finds none reads nothing else.
+    tags: Tags,
+    /// For each slot with a magazine, its index in `list`.
+    index: [u8; SLOTS],
     list: Vec<Magazine<B>>,
-    /// For each slot, the index in `list` of its magazine, or [`EMPTY`]; every
-    /// magazine is in one of its slots ([`Magazines::ways`]), and no two share one.
-    slots: [u8; SLOTS],
     /// Calls left before the next look for magazines of owners that are gone.
     prune_in: u16,
 }
 
+/// The slots' tags, a group of [`WAYS`] to a cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Tags([(u64, u64); SLOTS]);
+
 impl<B: Blocks> Magazines<B> {
     const fn new() -> Magazines<B> {
         Magazines {
+            tags: Tags([(0, 0); SLOTS]),
+            index: [0; SLOTS],
             list: Vec::new(),
-            slots: [EMPTY; SLOTS],
             prune_in: 0,
         }
     }
@@ -376,37 +383,45 @@ impl<B: Blocks> Magazines<B> {
         std::array::from_fn(|i| first ^ i)
     }
 
+    /// The slot of the magazine of (owner, key), if the thread has one.
+    #[inline(always)]
+    fn slot_of(&self, owner: u64, key: StreamKey) -> Option<usize> {
+        let tag = (owner, key.raw());
+        Self::ways(owner, key)
+            .into_iter()
+            .find(|&slot| self.tags.0[slot] == tag)
+    }
+
     /// The index of the magazine of (owner, key), if the thread has one.
     #[inline(always)]
     fn find(&self, owner: u64, key: StreamKey) -> Option<usize> {
-        Self::ways(owner, key).into_iter().find_map(|slot| {
-            let at = usize::from(self.slots[slot]);
-            let m = self.list.get(at)?;
-            (m.owner == owner && m.key == key).then_some(at)
-        })
+        self.slot_of(owner, key)
+            .map(|slot| usize::from(self.index[slot]))
     }
 
     /// A free slot of (owner, key)'s.
+    #[inline(always)]
     fn free_way(&self, owner: u64, key: StreamKey) -> Option<usize> {
         Self::ways(owner, key)
             .into_iter()
-            .find(|&slot| self.slots[slot] == EMPTY)
+            .find(|&slot| self.tags.0[slot].0 == 0)
     }
 
     /// Whether a slot of (owner, key)'s holds another owner's magazine.
+    #[inline(always)]
     fn shares_ways_with_others(&self, owner: u64, key: StreamKey) -> bool {
         Self::ways(owner, key).into_iter().any(|slot| {
-            self.list
-                .get(usize::from(self.slots[slot]))
-                .is_some_and(|m| m.owner != owner)
+            let other = self.tags.0[slot].0;
+            other != 0 && other != owner
         })
     }
 
     /// Adds `m` in `slot` (free, one of its own).
     fn insert(&mut self, slot: usize, m: Magazine<B>) -> &mut Magazine<B> {
-        debug_assert_eq!(self.slots[slot], EMPTY);
+        debug_assert_eq!(self.tags.0[slot].0, 0);
+        self.tags.0[slot] = (m.owner, m.key.raw());
         // (At most `SLOTS` magazines, one per slot: the index fits a byte.)
-        self.slots[slot] = self.list.len() as u8;
+        self.index[slot] = self.list.len() as u8;
         self.list.push(m);
         let last = self.list.len() - 1;
         &mut self.list[last]
@@ -415,19 +430,13 @@ impl<B: Blocks> Magazines<B> {
     /// Takes the magazine at index `at` out of the table.
     fn remove(&mut self, at: usize) -> Magazine<B> {
         let m = self.list.swap_remove(at);
-        let moved_from = self.list.len();
-        for slot in Self::ways(m.owner, m.key) {
-            if usize::from(self.slots[slot]) == at {
-                self.slots[slot] = EMPTY;
-            }
+        if let Some(slot) = self.slot_of(m.owner, m.key) {
+            self.tags.0[slot] = (0, 0);
         }
-        if at < moved_from {
-            let moved = &self.list[at];
-            for slot in Self::ways(moved.owner, moved.key) {
-                if usize::from(self.slots[slot]) == moved_from {
-                    self.slots[slot] = at as u8;
-                }
-            }
+        if let Some(moved) = self.list.get(at)
+            && let Some(slot) = self.slot_of(moved.owner, moved.key)
+        {
+            self.index[slot] = at as u8;
         }
         m
     }
@@ -548,11 +557,26 @@ impl<'a, B: Blocks> Cache<'a, B> {
         key: StreamKey,
         make: Option<&dyn Fn() -> &'s List<B::Free>>,
     ) -> Option<&'m mut Magazine<B>> {
-        let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
-        match mags.find(self.owner.id, key) {
-            Some(at) if mags.list[at].epoch == epoch => Some(&mut mags.list[at]),
-            Some(_) => self.magazine_slow(mags, key, make),
-            None => self.magazine_slow(mags, key, Some(make?)),
+        let id = self.owner.id;
+        match mags.find(id, key) {
+            Some(at) => {
+                let epoch = self.owner.shared.epoch.load(Ordering::Relaxed);
+                if mags.list[at].epoch == epoch {
+                    Some(&mut mags.list[at])
+                } else {
+                    self.magazine_slow(mags, key, make)
+                }
+            }
+            None => {
+                let make = make?;
+                // Every slot taken by the owner's magazines of other streams: none for
+                // this one (the common answer on a thread that uses many streams, from
+                // the one line of slots the lookup read).
+                if mags.free_way(id, key).is_none() && !mags.shares_ways_with_others(id, key) {
+                    return None;
+                }
+                self.magazine_slow(mags, key, Some(make))
+            }
         }
     }
 

@@ -127,6 +127,12 @@ impl StreamKey {
         StreamKey(bits)
     }
 
+    /// The key's bits (for tables that keep keys as plain words).
+    #[inline(always)]
+    pub(crate) fn raw(self) -> u64 {
+        self.0
+    }
+
     /// A hash of the key, its best bits at the top.
     #[inline]
     pub(crate) fn hash(self) -> u64 {
