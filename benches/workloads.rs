@@ -19,6 +19,9 @@
 //! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` and `cross-stream`
 //! (seed 42) the mean, max and min of peak held / peak live over seeds 1..=N.
 //!
+//! `MEMRES_CACHES_PAIRED=N` runs instead the pool with and without its thread caches in
+//! one process, `N` rounds alternating (see `caches_paired`).
+//!
 //! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
 //! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
 //! in `MEMRES_WORKLOADS`) in one process, each round running every stack once in a
@@ -117,6 +120,26 @@ fn main() {
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
     let gpu = memres::driver::is_present() && memres::device::DeviceId::count().unwrap_or(0) > 0;
+    if let Ok(rounds) = std::env::var("MEMRES_CACHES_PAIRED") {
+        let rounds: usize = rounds
+            .parse()
+            .ok()
+            .filter(|&n: &usize| n > 0)
+            .expect("MEMRES_CACHES_PAIRED: a number of rounds, at least 1");
+        let rounds = if smoke_run() { 2 } else { rounds };
+        let bytes = if gpu { 16 << 30 } else { 4 << 30 };
+        if gpu {
+            let pool = |c: PoolConfig| Pool::new(Cuda::new().expect("Cuda"), c).expect("Pool");
+            caches_paired(&pool, bytes, rounds);
+        } else {
+            caches_paired(
+                &|c| Pool::new(HostHeap::new(), c).expect("Pool"),
+                bytes,
+                rounds,
+            );
+        }
+        return;
+    }
     if let Ok(rounds) = std::env::var("MEMRES_PAIRED") {
         let rounds = rounds
             .parse()
@@ -241,6 +264,52 @@ fn main() {
 }
 
 /// The sub-allocators over `base` as the anchors build theirs (pools and arena of `pool_bytes`,
+/// The pool's thread caches on and off in one process (`MEMRES_CACHES_PAIRED=N`): two
+/// pools of `bytes`, one with the caches and one without (a release threshold that
+/// never triggers turns them off), `pair-256B` and `random` on the host stream, `rounds`
+/// rounds alternating which goes first; prints each's minimum and median and the median
+/// of the rounds' ratios (on / off). Both share the binary and the process, so the
+/// comparison is of the two paths, not of two builds' code layouts.
+fn caches_paired<R: Resource>(make: &dyn Fn(PoolConfig) -> Pool<R>, bytes: usize, rounds: usize) {
+    let on = make(PoolConfig::new().initial_size(bytes));
+    let off = make(
+        PoolConfig::new()
+            .initial_size(bytes)
+            .release_threshold(usize::MAX / 2),
+    );
+    let scale = if smoke_run() { 1000 } else { 1 };
+    let s = StreamRef::HOST;
+    for workload in ["pair-256B", "random"] {
+        let run = |p: &Pool<R>| match workload {
+            // (ns per op: a pair is two.)
+            "pair-256B" => workloads::pairs(p, s, 256, 1_000_000 / scale).expect("pairs") / 2.0,
+            _ => workloads::random(p, s, 42, 200_000 / scale).expect("random"),
+        };
+        let (mut a, mut b, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let (x, y) = if round % 2 == 0 {
+                let x = run(&on);
+                (x, run(&off))
+            } else {
+                let y = run(&off);
+                (run(&on), y)
+            };
+            a.push(x);
+            b.push(y);
+            ratios.push(x / y);
+        }
+        let stat = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            (v[0], v[v.len() / 2])
+        };
+        let ((a_min, a_med), (b_min, b_med), (_, ratio)) =
+            (stat(&mut a), stat(&mut b), stat(&mut ratios));
+        println!(
+            "caches,{workload},on {a_min:.1} / {a_med:.1},off {b_min:.1} / {b_med:.1},on/off {ratio:.3}"
+        );
+    }
+}
+
 /// binning 2^8..2^22 over a pool, 1 MiB fixed blocks 1024 at a time), then the footprint
 /// of a pool grown from nothing.
 fn suballoc_suites<R: Resource + Send + Sync + 'static>(
