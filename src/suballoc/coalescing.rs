@@ -43,9 +43,10 @@ pub struct PoolStats {
     /// caches (a [`Pool`](super::Pool)'s other threads' cached small blocks count as
     /// handed out until they come back; see its "Thread caches").
     pub free_bytes: usize,
-    /// The largest free block of any one stream's list.
+    /// The largest free block of any one stream's list or of the calling thread's
+    /// caches.
     pub largest_free_block: usize,
-    /// Free blocks, over all lists.
+    /// Free blocks, over all lists and the calling thread's caches.
     pub free_blocks: usize,
     /// Allocations held from the upstream (for a [`VirtualPool`](super::VirtualPool):
     /// runs of mapped granules).
@@ -316,8 +317,9 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         for &list in &lists {
             // SAFETY: the cache returns this pool's lists it moved blocks to; the caller
             // is pinned (since before the call), so a list `trim` retires meanwhile is
-            // not freed before the call returns.
-            self.lists.note_free(unsafe { &*list });
+            // not freed before the call returns. (Their `holds_free` is set already: a
+            // search then starts at the last.)
+            self.lists.set_recent(unsafe { &*list });
         }
         !lists.is_empty()
     }
@@ -876,7 +878,16 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         fit: &mut Fit,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
-        self.grow_for(growth, stream, own, fit.size, fit.align, may_wait)
+        let grown = self.grow_for(growth, stream, own, fit.size, fit.align, may_wait)?;
+        if grown.is_some() || may_wait || !self.cached() {
+            return Ok(grown);
+        }
+        // Under capture no stage after this one runs: other threads' cached blocks (which
+        // their lanes' lists held before thread caches) come back here, without a wait.
+        self.cache().reclaim();
+        Ok(self
+            .take_listed(own, fit)
+            .or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align, false)))
     }
 
     /// Other streams' memory if it was not merged before growing; then free memory goes

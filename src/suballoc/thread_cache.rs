@@ -26,8 +26,9 @@
 //! and still find no free block while other threads' magazines hold some. It starts a
 //! reclaim ([`Cache::reclaim`]): the owner's epoch turns odd, so that no thread keeps a
 //! magazine of the owner (calls go straight to the lists) until the epoch turns even
-//! again, when the owner next grows, when the trim that reclaimed returns, or after
-//! 65,536 calls without caches ([`Cache::resume`]); and the reclaimer takes the blocks of every thread's magazines
+//! again, when the owner next grows, when the trim (or a pool's `coalesce`) that
+//! reclaimed returns, or after 65,536 calls without caches ([`Cache::resume`]); and the
+//! reclaimer takes the blocks of every thread's magazines
 //! itself, also from threads that never call the owner again (an idle thread's cache
 //! would otherwise starve the others: issue 33, finding 8).
 //!
@@ -305,14 +306,12 @@ struct Magazine<B: Blocks> {
 
 impl<B: Blocks> Magazine<B> {
     /// Gives the blocks back to their list (unless a reclaim took them) and leaves the
-    /// owner's list of stashes.
+    /// owner's list of stashes. Returns the list the blocks went to, or `None` if a
+    /// reclaim had taken them (the list may then be gone: a trim retires lists only after
+    /// a reclaim has taken every stash that points at them).
     ///
     /// # Safety
     /// The owner is alive until this returns (rule (1) or (2) of the module).
-    ///
-    /// Returns the list the blocks went to, or `None` if a reclaim had taken them (the
-    /// list may then be gone: a trim retires lists only after a reclaim
-    /// has taken every stash that points at them).
     unsafe fn give_back(self) -> Option<*const List<B::Free>> {
         let gave = self.stash.with(|blocks| {
             // SAFETY: the caller's promise; the blocks were not taken, so the list is not
@@ -517,11 +516,10 @@ loom::thread_local! {
 #[cfg(all(test, memres_loom))]
 pub(crate) fn exit_thread() {
     fn exit<B: Blocks>() {
-        let list = B::magazines().with(|m| std::mem::take(&mut m.borrow_mut().list));
-        drop(Magazines::<B> {
-            list,
-            ..Magazines::new()
-        });
+        // The whole table, its slots too (a later model on the thread starts empty).
+        let old =
+            B::magazines().with(|m| std::mem::replace(&mut *m.borrow_mut(), Magazines::new()));
+        drop(old);
     }
     exit::<Vec<usize>>();
     exit::<SmallBlocks>();
@@ -674,8 +672,11 @@ impl<'a, B: Blocks> Cache<'a, B> {
             for m in mags.list.iter().filter(|m| m.owner == self.owner.id) {
                 m.stash.with(|blocks| {
                     if !blocks.is_empty() {
-                        // SAFETY: the magazine (found by the owner's id) points at the
-                        // owner's list, alive during this call on the owner (rule (1)).
+                        // SAFETY: the magazine (found by the owner's id, so the owner is
+                        // alive: rule (1)) points at the owner's list, which is not freed:
+                        // its blocks were not taken (this is inside `with`), and a trim
+                        // frees a list only after its reclaim took every stash pointing
+                        // at it (a take waits for a `with` under way).
                         blocks.put_back(unsafe { &*m.stash.list });
                         lists.push(m.stash.list);
                     }
@@ -731,8 +732,11 @@ impl<'a, B: Blocks> Cache<'a, B> {
                     // locked, and a stash leaves it as it is taken, so no other reclaim
                     // takes it.
                     let mut blocks = unsafe { stash.blocks.take() };
-                    // SAFETY: inside a call on the owner (rule (1)), or in a trim's
-                    // retirement before the lists it retires are freed: the list lives.
+                    // SAFETY: the stash was listed, so its list is not freed yet: a
+                    // trim's retirement frees lists only after its `retired` hook has run
+                    // a reclaim that emptied the stashes list (under the lock held
+                    // here), and the owner is alive (inside a call on it, rule (1), or
+                    // in that retirement).
                     let list = unsafe { &*stash.list };
                     blocks.put_back(list);
                 }
@@ -905,8 +909,10 @@ impl Cache<'_, SmallBlocks> {
         self.with(|mags| {
             let m = self.magazine(mags, key, None)?;
             m.stash.with(|blocks| {
-                // SAFETY: the magazine (found by the owner's id) points at the owner's
-                // list for `key`, alive during this call on the owner (rule (1)).
+                // SAFETY: the magazine (found by the owner's id, so the owner is alive:
+                // rule (1)) points at the owner's list for `key`, which is not freed: its
+                // blocks were not taken (this is inside `with`), and a trim frees a list
+                // only after its reclaim took every stash pointing at it.
                 blocks.put_back(unsafe { &*m.stash.list });
             })
         });
