@@ -420,63 +420,75 @@ fn loom_an_exited_threads_cached_blocks_come_back() {
 #[test]
 fn loom_a_reclaim_takes_blocks_back_from_a_busy_threads_cache() {
     use crate::adaptor::Limiting;
-    use crate::error::Error;
-    use loom::sync::Mutex;
-    use std::collections::HashSet;
-
-    type Fixed = FixedSize<Limiting<HostHeap>>;
-    /// Allocates, checking no other thread holds the block.
-    fn take(fixed: &Fixed, held: &Mutex<HashSet<usize>>) -> Option<std::ptr::NonNull<u8>> {
-        let l = Layout::from_size_align(256, 256).unwrap();
-        match fixed.allocate(StreamRef::HOST, l) {
-            Ok(p) => {
-                assert!(
-                    held.lock().unwrap().insert(p.as_ptr() as usize),
-                    "held twice"
-                );
-                Some(p)
-            }
-            Err(Error::OutOfMemory { .. }) => None,
-            Err(e) => panic!("{e:?}"),
-        }
-    }
-    fn give(fixed: &Fixed, held: &Mutex<HashSet<usize>>, p: std::ptr::NonNull<u8>) {
-        let l = Layout::from_size_align(256, 256).unwrap();
-        held.lock().unwrap().remove(&(p.as_ptr() as usize));
-        // SAFETY: from `fixed` with `l` on the host stream, not used afterwards.
-        unsafe { fixed.deallocate(StreamRef::HOST, p, l) };
-    }
 
     loom::model(|| {
         // One chunk of two blocks, and no room for another.
         let upstream = Limiting::new(HostHeap::new(), 512);
-        let fixed = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
-        let held = Arc::new(Mutex::new(HashSet::new()));
-        let (other, other_held) = (Arc::clone(&fixed), Arc::clone(&held));
-        let cacher = thread::spawn(move || {
-            let got: Vec<_> = (0..2).filter_map(|_| take(&other, &other_held)).collect();
-            for p in got {
-                give(&other, &other_held, p);
-            }
-            // Its next call.
-            if let Some(p) = take(&other, &other_held) {
-                give(&other, &other_held, p);
-            }
-            super::thread_cache::exit_thread();
+        let fixed = FixedSize::with_block_size(upstream, 256, 2).unwrap();
+        let fixed = busy_cache_scenario(Arc::new(fixed), |f| {
+            assert_eq!(f.upstream_allocations(), 1, "not grown");
         });
-        if let Some(p) = take(&fixed, &held) {
-            give(&fixed, &held, p);
-        }
-        cacher.join().unwrap();
-        let both: Vec<_> = (0..2).filter_map(|_| take(&fixed, &held)).collect();
-        assert_eq!(both.len(), 2, "every block free once both threads are done");
-        assert_eq!(fixed.upstream_allocations(), 1);
-        for p in both {
-            give(&fixed, &held, p);
-        }
-        super::thread_cache::exit_thread();
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
     });
+}
+
+/// The busy cache's scenario over `r` (two 256-byte blocks and no room for more): a
+/// thread takes both blocks, frees them into its cache and calls once more, while this
+/// thread takes one and frees it, each allocation checking that no other thread holds
+/// its block and that a failure is `OutOfMemory`. Once both are done this thread takes
+/// both blocks (`not_grown` then checks that `r` did not grow), frees them and leaves;
+/// returns `r`.
+fn busy_cache_scenario<R: Resource + Send + Sync + 'static>(
+    r: Arc<R>,
+    not_grown: impl Fn(&R),
+) -> Arc<R> {
+    use crate::error::Error;
+    use loom::sync::Mutex;
+    use std::collections::HashSet;
+
+    type Held = Mutex<HashSet<usize>>;
+    let l = Layout::from_size_align(256, 256).unwrap();
+    let take = move |r: &R, held: &Held| match r.allocate(StreamRef::HOST, l) {
+        Ok(p) => {
+            assert!(
+                held.lock().unwrap().insert(p.as_ptr() as usize),
+                "held twice"
+            );
+            Some(p)
+        }
+        Err(Error::OutOfMemory { .. }) => None,
+        Err(e) => panic!("{e:?}"),
+    };
+    let give = move |r: &R, held: &Held, p: std::ptr::NonNull<u8>| {
+        held.lock().unwrap().remove(&(p.as_ptr() as usize));
+        // SAFETY: from `r` with `l` on the host stream, not used afterwards.
+        unsafe { r.deallocate(StreamRef::HOST, p, l) };
+    };
+    let held = Arc::new(Mutex::new(HashSet::new()));
+    let (other, other_held) = (Arc::clone(&r), Arc::clone(&held));
+    let cacher = thread::spawn(move || {
+        let got: Vec<_> = (0..2).filter_map(|_| take(&other, &other_held)).collect();
+        for p in got {
+            give(&other, &other_held, p);
+        }
+        // Its next call.
+        if let Some(p) = take(&other, &other_held) {
+            give(&other, &other_held, p);
+        }
+        super::thread_cache::exit_thread();
+    });
+    if let Some(p) = take(&r, &held) {
+        give(&r, &held, p);
+    }
+    cacher.join().unwrap();
+    let both: Vec<_> = (0..2).filter_map(|_| take(&r, &held)).collect();
+    assert_eq!(both.len(), 2, "every block free once both threads are done");
+    not_grown(&r);
+    for p in both {
+        give(&r, &held, p);
+    }
+    super::thread_cache::exit_thread();
+    r
 }
 
 /// A thread caches both blocks of the resource and then makes no further call while
@@ -602,57 +614,10 @@ fn loom_a_reclaim_takes_a_pools_blocks_from_an_idle_threads_cache() {
 /// pool growing.
 #[test]
 fn loom_a_reclaim_takes_a_pools_blocks_from_a_busy_threads_cache() {
-    use crate::error::Error;
-    use loom::sync::Mutex;
-    use std::collections::HashSet;
-
-    fn take(pool: &Pool<HostHeap>, held: &Mutex<HashSet<usize>>) -> Option<std::ptr::NonNull<u8>> {
-        let l = Layout::from_size_align(256, 256).unwrap();
-        match pool.allocate(StreamRef::HOST, l) {
-            Ok(p) => {
-                assert!(
-                    held.lock().unwrap().insert(p.as_ptr() as usize),
-                    "held twice"
-                );
-                Some(p)
-            }
-            Err(Error::OutOfMemory { .. }) => None,
-            Err(e) => panic!("{e:?}"),
-        }
-    }
-    fn give(pool: &Pool<HostHeap>, held: &Mutex<HashSet<usize>>, p: std::ptr::NonNull<u8>) {
-        let l = Layout::from_size_align(256, 256).unwrap();
-        held.lock().unwrap().remove(&(p.as_ptr() as usize));
-        // SAFETY: from `pool` with `l` on the host stream, not used afterwards.
-        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
-    }
-
     pools_model().check(|| {
-        let pool = Arc::new(two_block_pool());
-        let held = Arc::new(Mutex::new(HashSet::new()));
-        let (other, other_held) = (Arc::clone(&pool), Arc::clone(&held));
-        let cacher = thread::spawn(move || {
-            let got: Vec<_> = (0..2).filter_map(|_| take(&other, &other_held)).collect();
-            for p in got {
-                give(&other, &other_held, p);
-            }
-            // Its next call.
-            if let Some(p) = take(&other, &other_held) {
-                give(&other, &other_held, p);
-            }
-            super::thread_cache::exit_thread();
+        busy_cache_scenario(Arc::new(two_block_pool()), |p| {
+            assert_eq!(p.pool_size(), 512, "not grown");
         });
-        if let Some(p) = take(&pool, &held) {
-            give(&pool, &held, p);
-        }
-        cacher.join().unwrap();
-        let both: Vec<_> = (0..2).filter_map(|_| take(&pool, &held)).collect();
-        assert_eq!(both.len(), 2, "every block free once both threads are done");
-        assert_eq!(pool.pool_size(), 512);
-        for p in both {
-            give(&pool, &held, p);
-        }
-        super::thread_cache::exit_thread();
     });
 }
 
