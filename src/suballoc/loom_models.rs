@@ -498,53 +498,68 @@ fn busy_cache_scenario<R: Resource + Send + Sync + 'static>(
 #[test]
 fn loom_a_reclaim_takes_blocks_from_an_idle_threads_cache() {
     use crate::adaptor::Limiting;
-    use loom::sync::atomic::{AtomicBool, Ordering};
 
-    type Fixed = FixedSize<Limiting<HostHeap>>;
-    let l = Layout::from_size_align(256, 256).unwrap();
-    loom::model(move || {
+    loom::model(|| {
         // One chunk of two blocks, and no room for another.
         let upstream = Limiting::new(HostHeap::new(), 512);
-        let fixed: Arc<Fixed> = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
-        let cached = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicBool::new(false));
-        let (other, cached2, done2) = (Arc::clone(&fixed), Arc::clone(&cached), Arc::clone(&done));
-        let idle = thread::spawn(move || {
-            let a = other.allocate(StreamRef::HOST, l).unwrap();
-            let b = other.allocate(StreamRef::HOST, l).unwrap();
-            // SAFETY: from `other` with `l` on the host stream, not used afterwards.
-            unsafe {
-                other.deallocate(StreamRef::HOST, a, l);
-                other.deallocate(StreamRef::HOST, b, l);
-            }
-            cached2.store(true, Ordering::Release);
-            while !done2.load(Ordering::Acquire) {
-                loom::thread::yield_now();
-            }
-            super::thread_cache::exit_thread();
+        let fixed = FixedSize::with_block_size(upstream, 256, 2).unwrap();
+        let fixed = idle_cache_scenario(Arc::new(fixed), |f| {
+            assert_eq!(f.upstream_allocations(), 1, "taken, not grown");
         });
-        while !cached.load(Ordering::Acquire) {
-            loom::thread::yield_now();
-        }
-        let a = fixed
-            .allocate(StreamRef::HOST, l)
-            .expect("taken from the idle cache");
-        let b = fixed
-            .allocate(StreamRef::HOST, l)
-            .expect("taken from the idle cache");
-        assert_ne!(a, b);
-        assert_eq!(fixed.upstream_allocations(), 1, "taken, not grown");
-        done.store(true, Ordering::Release);
-        idle.join().unwrap();
-        // SAFETY: from `fixed` with `l` on the host stream, not used afterwards.
-        unsafe {
-            fixed.deallocate(StreamRef::HOST, a, l);
-            fixed.deallocate(StreamRef::HOST, b, l);
-        }
-        super::thread_cache::exit_thread();
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
         assert_eq!(fixed.free_blocks(), 2, "each block free once");
     });
+}
+
+/// The idle cache's scenario over `r` (two 256-byte blocks and no room for more): a
+/// thread takes both blocks, frees them into its cache and waits, making no call, while
+/// this thread takes both (the reclaim must take them from the idle cache; `not_grown`
+/// checks that `r` did not grow instead); then this thread frees them, the idle thread
+/// exits, and this one leaves; returns `r`.
+fn idle_cache_scenario<R: Resource + Send + Sync + 'static>(
+    r: Arc<R>,
+    not_grown: impl Fn(&R),
+) -> Arc<R> {
+    use loom::sync::atomic::{AtomicBool, Ordering};
+
+    let l = Layout::from_size_align(256, 256).unwrap();
+    let cached = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
+    let (other, cached2, done2) = (Arc::clone(&r), Arc::clone(&cached), Arc::clone(&done));
+    let idle = thread::spawn(move || {
+        let a = other.allocate(StreamRef::HOST, l).unwrap();
+        let b = other.allocate(StreamRef::HOST, l).unwrap();
+        // SAFETY: from `other` with `l` on the host stream, not used afterwards.
+        unsafe {
+            other.deallocate(StreamRef::HOST, a, l);
+            other.deallocate(StreamRef::HOST, b, l);
+        }
+        cached2.store(true, Ordering::Release);
+        while !done2.load(Ordering::Acquire) {
+            loom::thread::yield_now();
+        }
+        super::thread_cache::exit_thread();
+    });
+    while !cached.load(Ordering::Acquire) {
+        loom::thread::yield_now();
+    }
+    let a = r
+        .allocate(StreamRef::HOST, l)
+        .expect("taken from the idle cache");
+    let b = r
+        .allocate(StreamRef::HOST, l)
+        .expect("taken from the idle cache");
+    assert_ne!(a, b);
+    not_grown(&r);
+    done.store(true, Ordering::Release);
+    idle.join().unwrap();
+    // SAFETY: from `r` with `l` on the host stream, not used afterwards.
+    unsafe {
+        r.deallocate(StreamRef::HOST, a, l);
+        r.deallocate(StreamRef::HOST, b, l);
+    }
+    super::thread_cache::exit_thread();
+    r
 }
 
 /// A `Pool` that cannot grow past two 256-byte blocks (its thread caches on).
@@ -561,49 +576,11 @@ fn two_block_pool() -> Pool<HostHeap> {
 /// nothing twice: at the end both blocks are free once.
 #[test]
 fn loom_a_reclaim_takes_a_pools_blocks_from_an_idle_threads_cache() {
-    use loom::sync::atomic::{AtomicBool, Ordering};
-
-    let l = Layout::from_size_align(256, 256).unwrap();
-    pools_model().check(move || {
-        let pool = Arc::new(two_block_pool());
-        let cached = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicBool::new(false));
-        let (other, cached2, done2) = (Arc::clone(&pool), Arc::clone(&cached), Arc::clone(&done));
-        let idle = thread::spawn(move || {
-            let a = other.allocate(StreamRef::HOST, l).unwrap();
-            let b = other.allocate(StreamRef::HOST, l).unwrap();
-            // SAFETY: from `other` with `l` on the host stream, not used afterwards.
-            unsafe {
-                other.deallocate(StreamRef::HOST, a, l);
-                other.deallocate(StreamRef::HOST, b, l);
-            }
-            cached2.store(true, Ordering::Release);
-            while !done2.load(Ordering::Acquire) {
-                loom::thread::yield_now();
-            }
-            super::thread_cache::exit_thread();
+    pools_model().check(|| {
+        let pool = idle_cache_scenario(Arc::new(two_block_pool()), |p| {
+            assert_eq!(p.pool_size(), 512, "taken, not grown");
         });
-        while !cached.load(Ordering::Acquire) {
-            loom::thread::yield_now();
-        }
-        let a = pool
-            .allocate(StreamRef::HOST, l)
-            .expect("taken from the idle cache");
-        let b = pool
-            .allocate(StreamRef::HOST, l)
-            .expect("taken from the idle cache");
-        assert_ne!(a, b);
-        assert_eq!(pool.pool_size(), 512, "taken, not grown");
-        done.store(true, Ordering::Release);
-        idle.join().unwrap();
-        // SAFETY: from `pool` with `l` on the host stream, not used afterwards.
-        unsafe {
-            pool.deallocate(StreamRef::HOST, a, l);
-            pool.deallocate(StreamRef::HOST, b, l);
-        }
-        let stats = pool.stats();
-        assert_eq!(stats.free_bytes, 512, "each block free once");
-        super::thread_cache::exit_thread();
+        assert_eq!(pool.stats().free_bytes, 512, "each block free once");
     });
 }
 
