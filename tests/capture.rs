@@ -244,3 +244,59 @@ fn the_other_suballocators_and_the_guard_keep_the_capture() {
     assert!(capture(&guard, "Guard<Pool<Cuda>>", &SIZES).is_empty());
     assert_eq!(guard.check_pending().unwrap(), 0);
 }
+
+/// A pool at its maximum whose every block another (live, idle) thread freed into its
+/// cache for the captured stream: under capture the pool may not wait or grow, and takes
+/// those blocks back from the other thread's cache instead of running out of memory
+/// (they were freed on the captured stream itself, so no wait is needed).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_pool_under_capture_takes_back_what_another_thread_cached_for_its_stream() {
+    let _turn = serial();
+    let pool = Pool::new(
+        Cuda::new().unwrap(),
+        PoolConfig::new().maximum_size(2 << 20),
+    )
+    .unwrap();
+    let s = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let l = layout(64 << 10).unwrap();
+    let (cached, wait_cached) = std::sync::mpsc::channel::<()>();
+    let (done, wait_done) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let (pool, s) = (&pool, &s);
+        scope.spawn(move || {
+            // The whole pool, in 64 KiB blocks, freed on `s` into this thread's cache.
+            let blocks: Vec<_> = (0..32)
+                .map(|_| pool.allocate(s.as_ref(), l).unwrap())
+                .collect();
+            for p in blocks {
+                // SAFETY: allocated above on `s` with `l`; nothing uses it.
+                unsafe { pool.deallocate(s.as_ref(), p, l) };
+            }
+            cached.send(()).unwrap();
+            wait_done.recv().unwrap();
+        });
+        wait_cached.recv().unwrap();
+        assert_eq!(pool.pool_size(), 2 << 20);
+        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+        // SAFETY: a live stream of the current context.
+        ok(
+            unsafe { sys::cuStreamBeginCapture_v2(s.raw().cast(), mode) },
+            "begin",
+        );
+        let got = pool.allocate(s.as_ref(), l);
+        if let Ok(p) = got {
+            // SAFETY: allocated just above on `s` with `l`; its work is on `s`.
+            unsafe { pool.deallocate(s.as_ref(), p, l) };
+        }
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: `s` is capturing; `graph` is a valid place.
+        let ended = unsafe { sys::cuStreamEndCapture(s.raw().cast(), &mut graph) };
+        assert_eq!(ended, CUresult::CUDA_SUCCESS, "the capture was invalidated");
+        // SAFETY: the graph just made, never launched.
+        ok(unsafe { sys::cuGraphDestroy(graph) }, "destroy");
+        done.send(()).unwrap();
+        got.expect("the other thread's cached block, not out-of-memory");
+        assert_eq!(pool.pool_size(), 2 << 20, "not grown");
+    });
+}
