@@ -324,7 +324,7 @@ fn lanes_thresholds_trims_and_cross_stream_frees_under_16_threads() {
         within(Duration::from_secs(120), name, move || {
             let chunked = Pool::new(HostHeap::new(), config).unwrap();
             stress(&chunked, &|| drop(chunked.trim()), STRESS_OPS);
-            let s = chunked.stats();
+            let s = common::settled_stats(&chunked);
             assert_eq!(s.free_bytes, s.pool_size, "chunked, {name}: {s:?}");
             let leaf = HostVirtual::new(8 << 30, 64 << 10).unwrap();
             let in_place = VirtualPool::new(leaf, virtual_config).unwrap();
@@ -446,7 +446,7 @@ fn lists_freed_under_use<P: CoalescingPool>(name: &str, pool: &P) {
         stress_on(pool, &|| {}, STRESS_OPS, 256, 100);
         done.store(true, Relaxed);
     });
-    let s = pool.stats();
+    let s = common::settled_stats(pool);
     assert_eq!(
         s.free_bytes, s.pool_size,
         "{name}: everything free at the end"
@@ -677,7 +677,7 @@ fn a_trim_beside_allocating_threads_makes_none_run_out_of_memory() {
                 assert_eq!(*failed, 0, "{name}, {trims} trims beside");
                 assert_eq!(*trims > 0, trim, "{name}: trims ran beside the threads");
             }
-            let s = chunked.stats();
+            let s = common::settled_stats(&chunked);
             assert_eq!(
                 s.free_bytes, s.pool_size,
                 "chunked: everything free at the end"

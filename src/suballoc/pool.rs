@@ -56,7 +56,9 @@ use crate::stream::StreamRef;
 ///   their thread exits; [`stats`](Pool::stats) counts the calling thread's cached
 ///   blocks as free, not other threads' (they count as live until then). A pool with a
 ///   [`release_threshold`](PoolConfig::release_threshold) keeps no thread caches (it
-///   counts every free at once). (The virtual pool has none: what it holds is what
+///   counts every free at once). A thread's cache goes back when its thread-locals are
+///   destroyed, which for `std::thread::scope`'s threads may be after the scope returns:
+///   [`coalesce`](Pool::coalesce) or [`trim`](Pool::trim) takes it back at once. (The virtual pool has none: what it holds is what
 ///   PyTorch's programs see.)
 /// - **Streams.** Every stream has its own free list behind its own lock, found without
 ///   a lock, so threads on different streams never wait for each other. Threads that

@@ -96,6 +96,17 @@ pub trait CoalescingPool: Resource + Sync {
     fn coalesce(&self) -> Result<(), Error>;
 }
 
+/// The pool's figures once every thread's cached blocks are back in its lists: a
+/// chunked pool's thread caches go back when their thread's thread-locals are destroyed,
+/// which for `std::thread::scope`'s threads may be after the scope has returned (the
+/// scope waits for the closures, not for the threads' exits); `coalesce` takes them back
+/// at once, and so does `trim`.
+#[allow(dead_code)] // (not every test binary that includes this module calls it)
+pub fn settled_stats<P: CoalescingPool>(pool: &P) -> memres::suballoc::PoolStats {
+    pool.coalesce().expect("coalesce");
+    pool.stats()
+}
+
 macro_rules! coalescing_pools {
     ($($ty:ident),*) => {
         $(
