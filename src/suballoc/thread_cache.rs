@@ -672,11 +672,8 @@ impl<'a, B: Blocks> Cache<'a, B> {
             for m in mags.list.iter().filter(|m| m.owner == self.owner.id) {
                 m.stash.with(|blocks| {
                     if !blocks.is_empty() {
-                        // SAFETY: the magazine (found by the owner's id, so the owner is
-                        // alive: rule (1)) points at the owner's list, which is not freed:
-                        // its blocks were not taken (this is inside `with`), and a trim
-                        // frees a list only after its reclaim took every stash pointing
-                        // at it (a take waits for a `with` under way).
+                        // SAFETY: the owner is alive (found by its id: rule (1)), the blocks
+                        // not taken (inside `with`), so the list is not freed (see the module).
                         blocks.put_back(unsafe { &*m.stash.list });
                         lists.push(m.stash.list);
                     }
@@ -732,11 +729,8 @@ impl<'a, B: Blocks> Cache<'a, B> {
                     // locked, and a stash leaves it as it is taken, so no other reclaim
                     // takes it.
                     let mut blocks = unsafe { stash.blocks.take() };
-                    // SAFETY: the stash was listed, so its list is not freed yet: a
-                    // trim's retirement frees lists only after its `retired` hook has run
-                    // a reclaim that emptied the stashes list (under the lock held
-                    // here), and the owner is alive (inside a call on it, rule (1), or
-                    // in that retirement).
+                    // SAFETY: a listed stash's list is not freed (a retirement empties
+                    // this list, under this lock, first) and the owner is alive (rule 1).
                     let list = unsafe { &*stash.list };
                     blocks.put_back(list);
                 }
@@ -909,10 +903,8 @@ impl Cache<'_, SmallBlocks> {
         self.with(|mags| {
             let m = self.magazine(mags, key, None)?;
             m.stash.with(|blocks| {
-                // SAFETY: the magazine (found by the owner's id, so the owner is alive:
-                // rule (1)) points at the owner's list for `key`, which is not freed: its
-                // blocks were not taken (this is inside `with`), and a trim frees a list
-                // only after its reclaim took every stash pointing at it.
+                // SAFETY: the owner is alive (found by its id: rule (1)), the blocks not
+                // taken (inside `with`), so the list is not freed (see the module).
                 blocks.put_back(unsafe { &*m.stash.list });
             })
         });
