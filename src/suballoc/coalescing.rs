@@ -314,11 +314,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
     /// kept; whether any moved.
     fn put_back_this_threads_caches(&self) -> bool {
         let lists = self.cache().put_back_all();
+        // (Their `holds_free` is set already: a search then starts at the last.)
         for &list in &lists {
-            // SAFETY: the cache returns this pool's lists it moved blocks to; the caller
-            // is pinned (since before the call), so a list `trim` retires meanwhile is
-            // not freed before the call returns. (Their `holds_free` is set already: a
-            // search then starts at the last.)
+            // SAFETY: this pool's lists, given blocks; the caller is pinned (since before
+            // the call), so one a `trim` retires meanwhile is not freed before it returns.
             self.lists.set_recent(unsafe { &*list });
         }
         !lists.is_empty()
