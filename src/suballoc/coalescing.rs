@@ -413,11 +413,12 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
                 .max(large_largest);
         }
         if self.cached() {
-            let cache = self.cache();
-            stats.free_bytes += cache.fold_here(0, |n, b| n + b.bytes());
-            stats.free_blocks += cache.fold_here(0, |n, b| n + b.len());
-            stats.largest_free_block =
-                cache.fold_here(stats.largest_free_block, |n, b| n.max(b.largest()));
+            let (bytes, blocks, largest) = self.cache().fold_here((0, 0, 0), |(n, k, l), b| {
+                (n + b.bytes(), k + b.len(), l.max(b.largest()))
+            });
+            stats.free_bytes += bytes;
+            stats.free_blocks += blocks;
+            stats.largest_free_block = stats.largest_free_block.max(largest);
         }
         stats
     }
@@ -428,29 +429,32 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let host = self.host_list();
         let _growth = self.lock_growth();
+        self.caches_back_after(|| {
+            self.reclaim_caches();
+            self.merge_into(host).map(drop)
+        })
+    }
+
+    /// Runs `f`, then turns the thread caches back on if they were on before it (its
+    /// reclaims turn them off), unless an out-of-memory had turned them off already (as
+    /// `FixedSize::trim`: they stayed off for up to 65,536 calls after a trim, which
+    /// memory being short had not asked for; issue 49).
+    fn caches_back_after<T>(&self, f: impl FnOnce() -> T) -> T {
         let caches_were_on = self.cached() && self.cache().on();
-        self.reclaim_caches();
-        let merged = self.merge_into(host).map(drop);
+        let done = f();
         if caches_were_on {
             self.cache().resume();
         }
-        merged
+        done
     }
 
     /// Gives free memory back to the upstream, then frees the emptied lists (see the
     /// pools' `trim`). Returns how many bytes went back.
     pub(super) fn trim(&self) -> Result<usize, Error> {
-        // The caches the trim's reclaims turn off come back as it returns, unless an
-        // out-of-memory had turned them off already (as `FixedSize::trim`).
-        let caches_were_on = self.cached() && self.cache().on();
-        let trimmed = ordered::trim(self);
-        if caches_were_on {
-            // After the retirement: every magazine of a retired list was taken by its
-            // reclaim, and a magazine made from now on comes from a lookup, which finds
-            // no retired list.
-            self.cache().resume();
-        }
-        let (released, kept) = trimmed?;
+        // (Back on after the retirement: every magazine of a retired list was taken by
+        // its reclaim, and a magazine made from now on comes from a lookup, which finds
+        // no retired list.)
+        let (released, kept) = self.caches_back_after(|| ordered::trim(self))?;
         // The host copies kept for a sleep (unpinned outside the lock: it takes time).
         drop(kept);
         Ok(released)

@@ -47,8 +47,9 @@ use crate::stream::StreamRef;
 ///   that, frees coalesce) and goes to the thread's next request of that size on that
 ///   stream with no lock, no atomic read-modify-write and no list lookup: on the H100 a
 ///   256 B pair took 16.3-17.8 ns against 23.9-25.4 (the fastest rounds), 16 threads on
-///   one stream 16.4 ns against 107.8, and the `random` workload 3-7% more
-///   (`BENCHMARKS.md`). A request the cache
+///   one stream 16.4 ns against 107.8, and the `random` workload 0-3% more in one
+///   process (3-7% between builds, within what a build's code layout moves it;
+///   `BENCHMARKS.md`). A request the cache
 ///   cannot serve goes to the list as before; before the slow path searches, the
 ///   thread's cached blocks go back to their lists and coalesce. Other threads' cached
 ///   blocks are taken back (from threads busy or idle) before the pool reports

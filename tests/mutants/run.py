@@ -59,7 +59,7 @@ MUTATIONS = [
     ("Pool: a trim leaves other threads' cached blocks", "src/suballoc/coalescing.rs",
      "        self.reclaim_caches();\n        let released", "        let released"),
     ("Pool: stats leave the calling thread's cache out", "src/suballoc/coalescing.rs",
-     "            stats.free_bytes += cache.fold_here(0, |n, b| n + b.bytes());\n", ""),
+     "            stats.free_bytes += bytes;\n", ""),
     ("Arena: no take_from_lanes", "src/suballoc/arena.rs",
      "        Ok(lanes::take_all(&self.lists, own, fit.size, fit.align, true))",
      "        Ok(None)"),
