@@ -24,6 +24,10 @@ all-reduce over a fixed set of ranks) rank 0's losses must equal PyTorch's bit f
 Peak memory is cudaMemGetInfo's "used" after each step less what was used before the
 rank's CUDA work, next to the allocator's peak live bytes.
 
+--modes (default torch,expandable,memres) picks the allocators; `memres:SPEC` is memres
+with the stack SPEC (`MEMRES_RESOURCE`, e.g. `memres:pool` for the chunked pool rather
+than the default virtual pool), compared step by step as `memres` is.
+
 --rounds R (default 1) runs R rounds, each a group per allocator, alternating which goes
 first, and prints every round's median step per allocator (rank 0's; the ranks wait for
 each other every step), so that step times compare in pairs on the same machine. Losses
@@ -47,9 +51,14 @@ import time
 MODES = ("torch", "expandable", "memres")
 
 
+def is_memres(mode):
+    """`memres`, or `memres:SPEC` (memres with the stack SPEC)."""
+    return mode == "memres" or mode.startswith("memres:")
+
+
 def rank_main(mode, steps, deterministic):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if mode == "memres":
+    if is_memres(mode):
         import memres
 
         memres.setup()  # before CUDA: this rank's PyTorch allocations come from memres
@@ -112,7 +121,7 @@ def rank_main(mode, steps, deterministic):
                 c[1] += e.time_range.end - e.time_range.start
         ranked = sorted(calls.items(), key=lambda kv: -kv[1][1])[:15]
         calls = {name: {"count": c, "host_us": round(t, 1)} for name, (c, t) in ranked}
-    if mode == "memres":
+    if is_memres(mode):
         peak_live = memres.stats(rank)["peak_live_bytes"]
     else:
         peak_live = torch.cuda.max_memory_allocated(dev)
@@ -152,6 +161,8 @@ def run_group(mode, gpus, steps, deterministic):
         env.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")
         if mode == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        if mode.startswith("memres:"):
+            env["MEMRES_RESOURCE"] = mode.split(":", 1)[1]
         if deterministic:
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         args = [sys.executable, os.path.abspath(__file__), "--rank", mode, str(steps)]
@@ -175,6 +186,11 @@ def main():
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--rounds", type=int, default=1, help="groups per allocator, alternating")
     p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="allocators, comma-separated: torch, expandable, memres, memres:SPEC",
+    )
+    p.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -186,13 +202,17 @@ def main():
     gpus = a.gpus or torch.cuda.device_count()
     os.environ["MEMRES_DDP_PROFILE_STEPS"] = str(a.profile_steps)  # the ranks inherit it
     deterministic = not a.no_deterministic
+    modes = tuple(m for m in a.modes.split(",") if m)
+    unknown = [m for m in modes if m not in MODES and not is_memres(m)]
+    if unknown or not modes:
+        raise SystemExit(f"--modes: unknown {unknown or 'empty'}; use torch, expandable, memres, memres:SPEC")
     print(f"{gpus} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; nccl {torch.cuda.nccl.version()}")
     failures, rounds = [], []
     for n in range(max(1, a.rounds)):
-        order = MODES if n % 2 == 0 else MODES[::-1]
+        order = modes if n % 2 == 0 else modes[::-1]
         runs = {mode: run_group(mode, gpus, a.steps, deterministic) for mode in order}
         rounds.append(runs)
-        for mode in MODES:
+        for mode in modes:
             for r in runs[mode]:
                 print(
                     f"round {n} {mode:7s} rank {r['rank']}: peak used {r['peak_device_used'] / 2**30:7.3f} GiB  "
@@ -201,22 +221,28 @@ def main():
                 )
         # Every group draws the same batches in the same order: step i did the same work
         # under each allocator, so the median of the ratios compares them step by step.
-        for other in ("torch", "expandable"):
-            ratios = [m / o for m, o in zip(runs["memres"][0]["step_s"][3:], runs[other][0]["step_s"][3:])]
-            print(f"round {n}: memres / {other} step by step (rank 0), median {statistics.median(ratios):.3f}")
-        for mode in MODES:
+        for mine in filter(is_memres, modes):
+            for other in (m for m in modes if not is_memres(m)):
+                ratios = [m / o for m, o in zip(runs[mine][0]["step_s"][3:], runs[other][0]["step_s"][3:])]
+                print(f"round {n}: {mine} / {other} step by step (rank 0), median {statistics.median(ratios):.3f}")
+        for mode in modes:
             for name, c in runs[mode][0].get("profiled_calls", {}).items():
                 print(f"round {n} {mode:10s} rank 0 {name:36s} {c['count']:7d} calls {c['host_us'] / 1e3:9.2f} ms")
-        ref, got = runs["torch"][0]["losses"], runs["memres"][0]["losses"]
-        same = ref == got
-        diff = max(abs(x - y) for x, y in zip(ref, got))
-        print(f"round {n}: rank 0 losses under memres {'bit for bit equal to' if same else f'differ (max {diff:.3g}) from'} PyTorch's")
-        if deterministic and not same:
-            failures.append(f"losses differ in deterministic round {n}")
-    for mode in MODES:
+        if "torch" in runs:
+            ref = runs["torch"][0]["losses"]
+            for mine in filter(is_memres, modes):
+                got = runs[mine][0]["losses"]
+                same = ref == got
+                diff = max(abs(x - y) for x, y in zip(ref, got))
+                print(f"round {n}: rank 0 losses under {mine} {'bit for bit equal to' if same else f'differ (max {diff:.3g}) from'} PyTorch's")
+                if deterministic and not same:
+                    failures.append(f"{mine}'s losses differ in deterministic round {n}")
+    for mode in modes:
         steps = [f"{runs[mode][0]['median_step_s'] * 1e3:.2f}" for runs in rounds]
         print(f"{mode:7s} rank 0 median step by round (ms): {' / '.join(steps)}")
-    same = all(runs["torch"][0]["losses"] == runs["memres"][0]["losses"] for runs in rounds)
+    same = all(
+        runs["torch"][0]["losses"] == runs[m][0]["losses"] for runs in rounds if "torch" in runs for m in filter(is_memres, modes)
+    )
     print(json.dumps({"gpus": gpus, "steps": a.steps, "deterministic": deterministic, "runs": rounds[0], "rounds": rounds, "losses_equal": same}))
     if failures:
         print("FAILED: " + "; ".join(failures))
