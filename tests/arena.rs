@@ -346,3 +346,110 @@ fn threads_on_several_streams_run_an_arena_dry_without_losing_a_byte() {
     // SAFETY: allocated just above with `all`.
     unsafe { arena.deallocate(stream_of(1), p.unwrap(), all) };
 }
+
+/// Small blocks freed by one thread wait in that thread's cache for the stream: its
+/// `free_bytes` counts them, and once the thread has exited (its cache given back) every
+/// thread's does, and a trim takes every superblock back.
+#[test]
+fn a_threads_cached_small_blocks_count_as_free_and_come_back_when_it_exits() {
+    let arena = std::sync::Arc::new(Arena::with_size(HostHeap::new(), 4 * MIB).unwrap());
+    let l = layout(4096).unwrap();
+    let other = std::sync::Arc::clone(&arena);
+    // `join` waits for the thread's exit, its caches' give-back included.
+    std::thread::spawn(move || {
+        let s = StreamRef::host(1);
+        let blocks: Vec<_> = (0..16).map(|_| other.allocate(s, l).unwrap()).collect();
+        for p in blocks {
+            // SAFETY: allocated above with `l` on `s`; not used.
+            unsafe { other.deallocate(s, p, l) };
+        }
+        assert_eq!(other.free_bytes(), 4 * MIB, "this thread counts its cache");
+        // Handed out again from the cache, newest first.
+        let p = other.allocate(s, l).unwrap();
+        // SAFETY: as above.
+        unsafe { other.deallocate(s, p, l) };
+        assert_eq!(other.allocate(s, l).unwrap(), p, "from the thread's cache");
+        // SAFETY: as above.
+        unsafe { other.deallocate(s, p, l) };
+    })
+    .join()
+    .unwrap();
+    assert_eq!(arena.free_bytes(), 4 * MIB);
+    arena.trim().unwrap();
+    assert_eq!(arena.superblocks(), 0, "the superblock is whole again");
+}
+
+/// An arena whose every superblock is split by blocks waiting in another (live, idle)
+/// thread's cache: a request for a superblock of its own takes them back before it
+/// reports out-of-memory.
+#[test]
+fn a_full_arena_takes_back_blocks_an_idle_thread_cached() {
+    use std::sync::{Arc, mpsc};
+    let arena = Arc::new(Arena::with_size(HostHeap::new(), 2 * MIB).unwrap());
+    let l = layout(64 << 10).unwrap();
+    let (cached, wait_cached) = mpsc::channel::<()>();
+    let (done, wait_done) = mpsc::channel::<()>();
+    let other = Arc::clone(&arena);
+    let idle = std::thread::spawn(move || {
+        // Both superblocks, each on a stream of its own, split into cached blocks.
+        for id in [1, 2] {
+            let s = StreamRef::host(id);
+            let blocks: Vec<_> = (0..16).map(|_| other.allocate(s, l).unwrap()).collect();
+            for p in blocks {
+                // SAFETY: allocated above with `l` on `s`; not used.
+                unsafe { other.deallocate(s, p, l) };
+            }
+        }
+        cached.send(()).unwrap();
+        // Idle, holding the blocks in its cache, until the main thread is done.
+        wait_done.recv().unwrap();
+    });
+    wait_cached.recv().unwrap();
+    assert_eq!(arena.superblocks(), 2);
+    let two = layout(2 * MIB).unwrap();
+    let p = arena
+        .allocate(StreamRef::host(3), two)
+        .expect("the idle thread's blocks, merged back into superblocks");
+    // SAFETY: allocated above with `two` on host stream 3; not used.
+    unsafe { arena.deallocate(StreamRef::host(3), p, two) };
+    done.send(()).unwrap();
+    idle.join().unwrap();
+    assert_eq!(arena.free_bytes(), 2 * MIB);
+}
+
+/// `trim` takes back the superblocks whose blocks wait in another live thread's cache,
+/// and the caches work again after it.
+#[test]
+fn a_trim_takes_back_what_another_live_thread_cached() {
+    use std::sync::{Arc, mpsc};
+    let arena = Arc::new(Arena::with_size(HostHeap::new(), 4 * MIB).unwrap());
+    let l = layout(4096).unwrap();
+    let (cached, wait_cached) = mpsc::channel::<()>();
+    let (done, wait_done) = mpsc::channel::<()>();
+    let other = Arc::clone(&arena);
+    let idle = std::thread::spawn(move || {
+        let p = other.allocate(StreamRef::host(3), l).unwrap();
+        // SAFETY: allocated above with `l` on host stream 3; not used.
+        unsafe { other.deallocate(StreamRef::host(3), p, l) };
+        cached.send(()).unwrap();
+        wait_done.recv().unwrap();
+    });
+    wait_cached.recv().unwrap();
+    assert_eq!(arena.superblocks(), 1);
+    arena.trim().unwrap();
+    assert_eq!(
+        arena.superblocks(),
+        0,
+        "the cached block's superblock went back"
+    );
+    let p = arena.allocate(StreamRef::HOST, l).unwrap();
+    // SAFETY: allocated above with `l` on the host stream; not used.
+    unsafe { arena.deallocate(StreamRef::HOST, p, l) };
+    assert_eq!(
+        arena.allocate(StreamRef::HOST, l).unwrap(),
+        p,
+        "handed out again"
+    );
+    done.send(()).unwrap();
+    idle.join().unwrap();
+}

@@ -109,17 +109,17 @@ fn exercise<R: Resource + Sync>(r: &R, ops: &[u8], maintain: &(dyn Fn(u8) + Sync
     std::thread::scope(|scope| {
         // Three workers beside this thread; each operation runs on the one its bits name,
         // and the next starts once it is done.
-        let workers: Vec<(mpsc::Sender<Job<'_>>, mpsc::Receiver<()>)> = (0..3)
+        let workers: Vec<_> = (0..3)
             .map(|_| {
                 let (jobs, inbox) = mpsc::channel::<Job<'_>>();
-                let (done, finished) = mpsc::channel();
-                scope.spawn(move || {
+                let (done, finished) = mpsc::channel::<()>();
+                let worker = scope.spawn(move || {
                     for job in inbox {
                         job();
                         let _ = done.send(());
                     }
                 });
-                (jobs, finished)
+                (jobs, finished, worker)
             })
             .collect();
         for (n, op) in ops.chunks_exact(4).enumerate() {
@@ -128,7 +128,7 @@ fn exercise<R: Resource + Sync>(r: &R, ops: &[u8], maintain: &(dyn Fn(u8) + Sync
             match usize::from((op[3] >> 4) & 3) {
                 0 => step(r, op, n, live, maintain),
                 t => {
-                    let (jobs, finished) = &workers[t - 1];
+                    let (jobs, finished, _) = &workers[t - 1];
                     jobs.send(Box::new(move || step(r, op, n, live, maintain)))
                         .expect("the worker is alive");
                     // A worker that panicked (a failed check) drops its sender: the scope
@@ -137,6 +137,14 @@ fn exercise<R: Resource + Sync>(r: &R, ops: &[u8], maintain: &(dyn Fn(u8) + Sync
                         return;
                     }
                 }
+            }
+        }
+        // Joined, not only left to the scope's end, which does not wait for a thread's
+        // exit: a worker's thread caches go back to their lists as it exits.
+        for (jobs, _, worker) in workers {
+            drop(jobs);
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
             }
         }
     });

@@ -6,13 +6,14 @@ use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::core::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::core::free_list::{FreeList, block_size};
+use super::core::free_list::{FreeList, QUICK_BYTES, QUICK_UNITS, block_size};
 use super::core::held::Deferred;
 use super::core::lanes;
 use super::core::list_table::{List, ListTable, synchronize};
 use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
+use super::thread_cache::{Cache, Owner, Pushed, SmallBlocks};
 use crate::addr_map::AddrMap;
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
@@ -207,6 +208,8 @@ pub struct Arena<U: Resource> {
     held: Deferred,
     /// Defragmentations that took pieces out of streams' lists (each after a wait).
     stream_merges: AtomicU64,
+    /// The arena's identity for the per-thread caches of small blocks.
+    owner: Owner<SmallBlocks>,
 }
 
 impl<U: Resource> Arena<U> {
@@ -248,6 +251,7 @@ impl<U: Resource> Arena<U> {
             dump_on_failure: false,
             held: Deferred::default(),
             stream_merges: AtomicU64::new(0),
+            owner: Owner::new(),
         })
     }
 
@@ -288,7 +292,8 @@ impl<U: Resource> Arena<U> {
             .iter()
             .map(|s| s.state.lock().free_bytes())
             .sum();
-        global.free_bytes() + pending + streams
+        let cached = self.cache().fold_here(0, |n, b| n + b.bytes());
+        global.free_bytes() + pending + streams + cached
     }
 
     /// Superblocks that streams' arenas hold.
@@ -321,7 +326,7 @@ impl<U: Resource> Arena<U> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
-        ordered::trim(self)
+        self.cache().resume_after(|| ordered::trim(self))
     }
 
     /// The upstream resource.
@@ -471,6 +476,10 @@ impl<U: Resource> Arena<U> {
     /// memory together is less than `need`.
     // long: four steps (add up, take, wait, give or put back) sharing one index.
     fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
+        // This thread's cached blocks back in their lists first: the superblocks they
+        // split may then be whole (other threads' come back only at out-of-memory, a
+        // trim, or their exit).
+        self.cache().put_back_all();
         // Idle streams' superblocks first; the scan of every list below only when they
         // cannot serve the request (or for a trim, `need` 0, which takes back all).
         if self.take_idle_superblocks(global)? > 0 && need > 0 && global.may_fit(need) {
@@ -577,6 +586,55 @@ impl<U: Resource> Arena<U> {
         }
     }
 
+    /// Whether the calling thread's lane of `stream` has a list (for the loom models).
+    #[cfg(all(test, memres_loom))]
+    pub(crate) fn has_list(&self, stream: StreamRef<'_>) -> bool {
+        let _pin = self.lists.pin();
+        self.lists.find(StreamKey::of_lane(stream)).is_some()
+    }
+
+    /// Magazines of the arena on all threads (for the loom models).
+    #[cfg(all(test, memres_loom))]
+    pub(crate) fn magazines(&self) -> usize {
+        self.cache().magazines()
+    }
+
+    /// The calling thread's caches of this arena's small blocks: per stream, up to as
+    /// many bytes as a stream's list caches ([`QUICK_BYTES`]).
+    #[inline(always)]
+    fn cache(&self) -> Cache<'_, SmallBlocks> {
+        Cache {
+            owner: &self.owner,
+            domain: self.lists.domain(),
+            capacity: QUICK_BYTES,
+        }
+    }
+
+    /// Gives the global arena `sb`, a superblock `list`'s stream freed entirely (taken out
+    /// of the list): free at once for a host stream's, else pending on its stream.
+    fn return_superblock(&self, list: &List<FreeList>, sb: FreeBlock) {
+        let mut global = lock(&self.global);
+        self.table.clear(sb.addr);
+        global.owners.remove(&sb.addr);
+        let block = self.block(sb.addr, sb.size);
+        if list.key.is_host() {
+            global.give(block);
+        } else {
+            global.add_pending(list, block);
+        }
+    }
+
+    /// After a reclaim of the thread caches: the own list (flushed), then the stream's
+    /// other lanes.
+    fn take_reclaimed(&self, own: &List<FreeList>, fit: &Fit) -> Option<usize> {
+        let found = {
+            let mut s = own.state.lock();
+            s.flush();
+            s.free.take(fit.size, fit.align)
+        };
+        found.or_else(|| lanes::take_all(&self.lists, own, fit.size, fit.align, true))
+    }
+
     /// Makes the superblock at `sb` of `sb_size` bytes `own`'s and takes the request's
     /// block from it.
     fn install(
@@ -625,22 +683,24 @@ fn take_superblock(s: &mut FreeList, sb: usize, size: usize) -> Option<FreeBlock
     Some(block)
 }
 
-/// A request on the arena's slow path: its size and alignment (rounded), and the
-/// superblock it needs (1 MiB, or the request's size with room for its alignment when
-/// larger), if the arena could hold one that large.
+/// A request on the arena's slow path: its stream's list key, its size and alignment
+/// (rounded), and the superblock it needs (1 MiB, or the request's size with room for
+/// its alignment when larger), if the arena could hold one that large.
 pub(crate) struct Fit {
+    key: StreamKey,
     size: usize,
     align: usize,
     superblock: Option<usize>,
 }
 
 impl Fit {
-    fn new(size: usize, align: usize, arena_size: usize) -> Fit {
+    fn new(key: StreamKey, size: usize, align: usize, arena_size: usize) -> Fit {
         let superblock = size
             .checked_add(align - GRANULE)
             .map(|n| n.max(SUPERBLOCK_SIZE))
             .filter(|&n| n <= arena_size);
         Fit {
+            key,
             size,
             align,
             superblock,
@@ -685,6 +745,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
     /// wait could still be in use by the stream's work); then the memory streams gave
     /// back, and every superblock left whole, goes back to the global arena.
     fn trim_locked(&self, global: &mut Global) -> Result<(), Error> {
+        // Every thread's cached blocks back in their lists first, so that the
+        // superblocks they split are whole again.
+        self.cache().reclaim();
         let host = ordered::list_of(self, StreamRef::HOST);
         self.lists
             .merge_into(host, FreeList::drain, FreeList::absorb)?;
@@ -692,6 +755,13 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         let done = self.defragment(global, 0);
         global.merge_whole();
         done
+    }
+
+    /// The thread caches take in no retired list: the reclaim takes every magazine's
+    /// blocks (a magazine whose blocks were taken never touches its list again).
+    fn retired(&self, _lists: &[usize]) {
+        let _global = lock(&self.global);
+        self.cache().reclaim();
     }
 
     fn growth_lock(&self, _capturing: bool) -> MutexGuard<'_, Global> {
@@ -710,6 +780,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         own: &List<FreeList>,
         fit: &mut Fit,
     ) -> Result<Option<usize>, Error> {
+        // This thread's cached blocks of the stream coalesce with the list's first (as
+        // the list's own cached blocks do, by its flush).
+        self.cache().put_back_here(fit.key);
         {
             let mut s = own.state.lock();
             s.flush();
@@ -742,12 +815,41 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         fit: &mut Fit,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
-        let Some(n) = fit.superblock else {
+        if let Some(n) = fit.superblock
+            && let Some(sb) = self.take_global(global, n, GRANULE, may_wait)?
+        {
+            return Ok(Some(self.install(global, own, sb, n, fit)));
+        }
+        if may_wait {
             return Ok(None);
-        };
-        Ok(self
-            .take_global(global, n, GRANULE, may_wait)?
-            .map(|sb| self.install(global, own, sb, n, fit)))
+        }
+        // Under capture no stage after this one runs: other threads' cached blocks come
+        // back, without a wait (lists of CUDA streams are not merged here).
+        self.cache().reclaim();
+        Ok(self.take_reclaimed(own, fit))
+    }
+
+    /// Every thread's cached blocks back in their lists (the caches then stay off until
+    /// a trim returns or enough calls pass, `thread_cache.rs`), and the search again:
+    /// the own list, a superblock (after a defragmentation, which those blocks may have
+    /// made whole), the stream's other lanes.
+    fn take_last(
+        &self,
+        global: &mut Global,
+        _stream: StreamRef<'_>,
+        own: &List<FreeList>,
+        fit: &mut Fit,
+    ) -> Result<Option<usize>, Error> {
+        self.cache().reclaim();
+        if let Some(addr) = self.take_reclaimed(own, fit) {
+            return Ok(Some(addr));
+        }
+        if let Some(n) = fit.superblock
+            && let Some(sb) = self.take_global(global, n, GRANULE, true)?
+        {
+            return Ok(Some(self.install(global, own, sb, n, fit)));
+        }
+        Ok(None)
     }
 
     fn out_of_memory(&self, global: MutexGuard<'_, Global>, requested: usize) -> Error {
@@ -758,6 +860,8 @@ impl<U: Resource> StreamOrdered for Arena<U> {
 
 impl<U: Resource> Drop for Arena<U> {
     fn drop(&mut self) {
+        // First: no thread's exit touches the lists once the arena has left the registry.
+        self.owner.retire();
         self.held.wait_all();
         release_all(
             &self.upstream,
@@ -795,12 +899,21 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             return Ok(dangling(layout));
         }
         let (size, align) = block_size(layout);
+        let key = StreamKey::of_lane(stream);
+        let units = size / GRANULE;
+        // The thread's cache first: it touches no list, so it needs no pin.
+        if align == GRANULE
+            && units <= QUICK_UNITS
+            && let Some(addr) = self.cache().pop_small(key, units)
+        {
+            return Ok(to_ptr(addr));
+        }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = ordered::list_of(self, stream);
+        let list = ordered::list_for(self, key);
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        let mut fit = Fit::new(size, align, self.size);
+        let mut fit = Fit::new(key, size, align, self.size);
         ordered::allocate_slow(self, stream, list, &mut fit, layout.size()).map(to_ptr)
     }
 
@@ -811,11 +924,31 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         }
         let (size, _) = block_size(layout);
         let addr = ptr.as_ptr().expose_provenance();
+        let key = StreamKey::of_lane(stream);
+        let units = size / GRANULE;
+        let mut pushed = Pushed::Elsewhere;
+        if units <= QUICK_UNITS {
+            // SAFETY: the closure returns this arena's list for `key` (the cache pins
+            // while it makes a magazine, the only time it calls it).
+            pushed = unsafe {
+                self.cache()
+                    .push_small(key, || ordered::list_for(self, key), addr, units)
+            };
+            if pushed == Pushed::Kept {
+                return;
+            }
+        }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
-        let list = ordered::list_of(self, stream);
+        let list = ordered::list_for(self, key);
         let emptied = {
             let mut s = list.state.lock();
-            let merged = s.put(addr, size);
+            // A full magazine's block coalesces, as one the list's own full cache turns
+            // away does (so that the two hold no more than the list's cache did).
+            let merged = if pushed == Pushed::Full {
+                Some(s.insert(addr, size))
+            } else {
+                s.put(addr, size)
+            };
             // The hint the lanes' searches read (`lanes::take_all`); a load, and a store
             // only when it was clear. (Not `ListTable::note_free`: the arena's searches
             // never start at the list that last received memory, whose pointer every
@@ -836,15 +969,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             }
         };
         if let Some(sb) = emptied {
-            let mut global = lock(&self.global);
-            self.table.clear(sb.addr);
-            global.owners.remove(&sb.addr);
-            let block = self.block(sb.addr, sb.size);
-            if list.key.is_host() {
-                global.give(block);
-            } else {
-                global.add_pending(list, block);
-            }
+            self.return_superblock(list, sb);
         }
     }
 
@@ -938,13 +1063,17 @@ mod tests {
         let arena = Arena::with_size(HostHeap::new(), MIB).unwrap();
         let l = crate::layout(4096).unwrap();
         let one = StreamRef::host(1);
+        // (Joined, not only scoped: a thread's cached blocks go back to their lists as
+        // it exits, after the scope would have returned.)
         std::thread::scope(|s| {
             s.spawn(|| {
                 crate::suballoc::own_lane();
                 let p = arena.allocate(one, l).unwrap();
                 // SAFETY: allocated just above with `l` on `one`.
                 unsafe { arena.deallocate(one, p, l) };
-            });
+            })
+            .join()
+            .unwrap();
         });
         std::thread::scope(|s| {
             s.spawn(|| {
@@ -953,7 +1082,9 @@ mod tests {
                 let p = arena.allocate(one, l).unwrap();
                 // SAFETY: allocated just above with `l` on `one`.
                 unsafe { arena.deallocate(one, p, l) };
-            });
+            })
+            .join()
+            .unwrap();
         });
         assert_eq!(
             arena

@@ -435,17 +435,14 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         })
     }
 
-    /// Runs `f`, then turns the thread caches back on if they were on before it (its
-    /// reclaims turn them off), unless an out-of-memory had turned them off already (as
-    /// `FixedSize::trim`: they stayed off for up to 65,536 calls after a trim, which
-    /// memory being short had not asked for; issue 49).
+    /// Runs `f`, then turns the thread caches back on if they were on before it (see
+    /// [`Cache::resume_after`]).
     fn caches_back_after<T>(&self, f: impl FnOnce() -> T) -> T {
-        let caches_were_on = self.cached() && self.cache().on();
-        let done = f();
-        if caches_were_on {
-            self.cache().resume();
+        if self.cached() {
+            self.cache().resume_after(f)
+        } else {
+            f()
         }
-        done
     }
 
     /// Gives free memory back to the upstream, then frees the emptied lists (see the

@@ -235,18 +235,14 @@ impl<U: Resource> FixedSize<U> {
     /// # Ok::<(), memres::Error>(())
     /// ```
     pub fn trim(&self) -> Result<(), Error> {
-        // The caches the trim's reclaims turn off come back as it returns, unless an
-        // out-of-memory had turned them off already (issue 49: they stayed off for up to
-        // 65,536 calls after a trim, which memory being short had not asked for).
-        let caches_were_on = self.cached() && self.cache().on();
-        ordered::trim(self)?;
-        if caches_were_on {
-            // After the retirement: every magazine of a retired list was taken by its
-            // reclaim, and a magazine made from now on comes from a lookup, which finds
-            // no retired list.
-            self.cache().resume();
+        // The caches the trim's reclaims turn off come back as it returns (after the
+        // retirement: every magazine of a retired list was taken by its reclaim, and a
+        // magazine made from now on comes from a lookup, which finds no retired list).
+        if self.cached() {
+            self.cache().resume_after(|| ordered::trim(self))
+        } else {
+            ordered::trim(self)
         }
-        Ok(())
     }
 
     /// The upstream resource.

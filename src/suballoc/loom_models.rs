@@ -207,6 +207,7 @@ fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
             );
         }
         assert_eq!(arena.free_bytes(), 2 << 20);
+        super::thread_cache::exit_thread();
     });
 }
 
@@ -223,13 +224,15 @@ fn loom_a_free_reads_the_superblock_table_while_a_superblock_is_taken() {
         let arena = Arc::new(Arena::with_size(HostHeap::new(), 3 * MIB).unwrap());
         let l = |size| Layout::from_size_align(size, 256).unwrap();
         let one = StreamRef::host(1);
-        // Superblock S1 = [base, base + 1 MiB + 256), kept by stream 1, then cut in two:
-        // 1 MiB at its start, 256 bytes in the next MiB.
-        let whole = arena.allocate(one, l(MIB + 256)).unwrap();
+        // Superblock S1 = [base, base + 1 MiB + T), kept by stream 1, then cut in two:
+        // 1 MiB at its start, T bytes in the next MiB (T above the thread caches' sizes,
+        // so that its free reaches the list and reads the table).
+        const T: usize = (64 << 10) + 256;
+        let whole = arena.allocate(one, l(MIB + T)).unwrap();
         // SAFETY: from the arena with this layout; host streams are always done.
-        unsafe { arena.deallocate(one, whole, l(MIB + 256)) };
+        unsafe { arena.deallocate(one, whole, l(MIB + T)) };
         let head = arena.allocate(one, l(MIB)).unwrap();
-        let tail = arena.allocate(one, l(256)).unwrap();
+        let tail = arena.allocate(one, l(T)).unwrap();
         assert_eq!(tail.as_ptr() as usize, whole.as_ptr() as usize + MIB);
         let other = Arc::clone(&arena);
         let t = thread::spawn(move || {
@@ -242,7 +245,7 @@ fn loom_a_free_reads_the_superblock_table_while_a_superblock_is_taken() {
         let two = StreamRef::host(2);
         // SAFETY: from the arena with these layouts; host streams are always done.
         unsafe {
-            arena.deallocate(two, tail, l(256));
+            arena.deallocate(two, tail, l(T));
             arena.deallocate(two, head, l(MIB));
         }
         t.join().unwrap();
@@ -560,6 +563,159 @@ fn idle_cache_scenario<R: Resource + Send + Sync + 'static>(
     }
     super::thread_cache::exit_thread();
     r
+}
+
+/// An arena of one superblock: a thread frees a small block into its cache (splitting
+/// the superblock, its stream's) and then makes no further call while another thread,
+/// on another stream, asks for the whole superblock. The out-of-memory path reclaims
+/// the block from the idle cache (the `busy` / `taken` flags and the two fences of
+/// `thread_cache`), the superblock is whole again and serves the request, and the idle
+/// thread's exit gives back nothing twice: at the end the arena is whole.
+#[test]
+fn loom_a_reclaim_takes_an_arenas_blocks_from_an_idle_threads_cache() {
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    const MIB: usize = 1 << 20;
+    let small = Layout::from_size_align(4096, 256).unwrap();
+    let whole = Layout::from_size_align(MIB, 256).unwrap();
+    pools_model().check(move || {
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), MIB).unwrap());
+        let cached = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let (other, cached2, done2) = (Arc::clone(&arena), Arc::clone(&cached), Arc::clone(&done));
+        let idle = thread::spawn(move || {
+            let p = other.allocate(StreamRef::HOST, small).unwrap();
+            // SAFETY: from `other` with `small` on the host stream, not used afterwards.
+            unsafe { other.deallocate(StreamRef::HOST, p, small) };
+            cached2.store(true, Ordering::Release);
+            while !done2.load(Ordering::Acquire) {
+                loom::thread::yield_now();
+            }
+            super::thread_cache::exit_thread();
+        });
+        while !cached.load(Ordering::Acquire) {
+            loom::thread::yield_now();
+        }
+        let two = StreamRef::host(2);
+        let p = arena
+            .allocate(two, whole)
+            .expect("taken from the idle cache");
+        done.store(true, Ordering::Release);
+        idle.join().unwrap();
+        // SAFETY: from `arena` with `whole` on `two`, not used afterwards.
+        unsafe { arena.deallocate(two, p, whole) };
+        assert_eq!(arena.magazines(), 0, "every magazine counted out once");
+        assert_eq!(arena.free_bytes(), MIB, "every byte free once");
+        super::thread_cache::exit_thread();
+    });
+}
+
+/// An arena of one superblock while a thread allocates and frees small blocks through
+/// its cache, calling throughout (so a reclaim may take its blocks while it uses its
+/// cache), and another thread asks for the whole superblock: whatever the interleaving,
+/// no byte is held by both threads at once, every failure is `OutOfMemory`, and once
+/// both are done the whole superblock serves a request.
+#[test]
+fn loom_a_reclaim_takes_an_arenas_blocks_from_a_busy_threads_cache() {
+    use crate::error::Error;
+    use loom::sync::Mutex;
+    const MIB: usize = 1 << 20;
+    type Held = Mutex<Vec<(usize, usize)>>;
+    let small = Layout::from_size_align(4096, 256).unwrap();
+    let whole = Layout::from_size_align(MIB, 256).unwrap();
+    let take =
+        |a: &Arena<HostHeap>, held: &Held, s: StreamRef<'_>, l: Layout| match a.allocate(s, l) {
+            Ok(p) => {
+                let (lo, hi) = (p.as_ptr() as usize, p.as_ptr() as usize + l.size());
+                let mut held = held.lock().unwrap();
+                assert!(held.iter().all(|&(a, b)| hi <= a || b <= lo), "held twice");
+                held.push((lo, hi));
+                Some(p)
+            }
+            Err(Error::OutOfMemory { .. }) => None,
+            Err(e) => panic!("{e:?}"),
+        };
+    let give = |a: &Arena<HostHeap>, held: &Held, s: StreamRef<'_>, p: std::ptr::NonNull<u8>, l| {
+        held.lock()
+            .unwrap()
+            .retain(|&(lo, _)| lo != p.as_ptr() as usize);
+        // SAFETY: from `a` with `l` on `s`, not used afterwards.
+        unsafe { a.deallocate(s, p, l) };
+    };
+    pools_model().check(move || {
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), MIB).unwrap());
+        let held: Arc<Held> = Arc::new(Mutex::new(Vec::new()));
+        let (other, other_held) = (Arc::clone(&arena), Arc::clone(&held));
+        let busy = thread::spawn(move || {
+            for _ in 0..2 {
+                if let Some(p) = take(&other, &other_held, StreamRef::HOST, small) {
+                    give(&other, &other_held, StreamRef::HOST, p, small);
+                }
+            }
+            super::thread_cache::exit_thread();
+        });
+        let two = StreamRef::host(2);
+        if let Some(p) = take(&arena, &held, two, whole) {
+            give(&arena, &held, two, p, whole);
+        }
+        busy.join().unwrap();
+        let p = take(&arena, &held, two, whole).expect("the whole superblock once both are done");
+        give(&arena, &held, two, p, whole);
+        super::thread_cache::exit_thread();
+    });
+}
+
+/// `Arena::trim` while another thread uses a stream's list through its thread cache (a
+/// magazine keeps the list across calls): the list is freed only once no magazine can
+/// touch it, and no block is lost or handed out twice (the superblock comes back whole).
+#[test]
+fn loom_a_trim_frees_a_list_an_arenas_thread_cache_was_using() {
+    const MIB: usize = 1 << 20;
+    let small = Layout::from_size_align(4096, 256).unwrap();
+    pools_model().check(move || {
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), MIB).unwrap());
+        let other = Arc::clone(&arena);
+        let user = thread::spawn(move || {
+            let s = StreamRef::host(7);
+            for _ in 0..2 {
+                let a = other.allocate(s, small).unwrap();
+                // SAFETY: from `other` with `small` on `s`, not used afterwards.
+                unsafe { other.deallocate(s, a, small) };
+            }
+            super::thread_cache::exit_thread();
+        });
+        arena.trim().unwrap();
+        user.join().unwrap();
+        arena.trim().unwrap();
+        assert!(
+            !arena.has_list(StreamRef::host(7)),
+            "the stream's list is freed"
+        );
+        assert_eq!(arena.superblocks(), 0, "the superblock is whole again");
+        assert_eq!(arena.free_bytes(), MIB);
+        super::thread_cache::exit_thread();
+    });
+}
+
+/// A thread's cache holds an arena's block when the thread exits while the last owner
+/// of the arena drops it: the exiting thread gives it back only while the arena is
+/// registered, the arena leaves the registry before freeing, and everything is freed
+/// once.
+#[test]
+fn loom_an_arenas_thread_cache_exits_while_its_owner_drops() {
+    let small = Layout::from_size_align(4096, 256).unwrap();
+    pools_model().check(move || {
+        let arena = Arc::new(Arena::with_size(HostHeap::new(), 1 << 20).unwrap());
+        let other = Arc::clone(&arena);
+        let t = thread::spawn(move || {
+            let a = other.allocate(StreamRef::HOST, small).unwrap();
+            // SAFETY: from `other` with `small` on the host stream, not used afterwards.
+            unsafe { other.deallocate(StreamRef::HOST, a, small) };
+            drop(other);
+            super::thread_cache::exit_thread();
+        });
+        drop(arena);
+        t.join().unwrap();
+    });
 }
 
 /// A `Pool` that cannot grow past two 256-byte blocks (its thread caches on).

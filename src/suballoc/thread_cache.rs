@@ -783,6 +783,19 @@ impl<'a, B: Blocks> Cache<'a, B> {
         }
     }
 
+    /// Runs `f` (which reclaims, turning the caches off), then turns the caches back on
+    /// if they were on before it, unless an out-of-memory had turned them off already
+    /// (a trim's reclaim is not memory being short: `FixedSize::trim` once left them off
+    /// for up to [`CALLS_OFF`] calls after it; issue 49).
+    pub(crate) fn resume_after<T>(&self, f: impl FnOnce() -> T) -> T {
+        let were_on = self.on();
+        let done = f();
+        if were_on {
+            self.resume();
+        }
+        done
+    }
+
     /// Magazines of the owner on all threads (for the loom models).
     #[cfg(all(test, memres_loom))]
     pub(crate) fn magazines(&self) -> usize {
