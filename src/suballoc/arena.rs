@@ -13,7 +13,7 @@ use super::core::list_table::{List, ListTable, synchronize};
 use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
 use super::superblocks::{SUPERBLOCK_SIZE, Superblocks};
-use super::thread_cache::{Cache, Owner, Pushed, SmallBlocks};
+use super::thread_cache::{Cache, Owner, Popped, Pushed, SmallBlocks};
 use crate::addr_map::AddrMap;
 use crate::device::{Context, DeviceId};
 use crate::error::Error;
@@ -476,13 +476,19 @@ impl<U: Resource> Arena<U> {
     /// memory together is less than `need`.
     // long: four steps (add up, take, wait, give or put back) sharing one index.
     fn defragment(&self, global: &mut Global, need: usize) -> Result<(), Error> {
-        // This thread's cached blocks back in their lists first: the superblocks they
-        // split may then be whole (other threads' come back only at out-of-memory, a
-        // trim, or their exit).
-        self.cache().put_back_all();
         // Idle streams' superblocks first; the scan of every list below only when they
         // cannot serve the request (or for a trim, `need` 0, which takes back all).
         if self.take_idle_superblocks(global)? > 0 && need > 0 && global.may_fit(need) {
+            return Ok(());
+        }
+        // Then those that this thread's cached blocks split (other threads' come back
+        // only at out-of-memory, a trim, or their exit): not first, as a thread going
+        // round many streams keeps up to 64 magazines, most holding a block.
+        if !self.cache().put_back_all().is_empty()
+            && self.take_idle_superblocks(global)? > 0
+            && need > 0
+            && global.may_fit(need)
+        {
             return Ok(());
         }
         let starts: Vec<(usize, usize)> = self.table.iter().collect();
@@ -688,6 +694,10 @@ fn take_superblock(s: &mut FreeList, sb: usize, size: usize) -> Option<FreeBlock
 /// its alignment when larger), if the arena could hold one that large.
 pub(crate) struct Fit {
     key: StreamKey,
+    /// Whether the thread's magazine for the stream may hold blocks (false when the
+    /// fast path found it has none: a thread going round thousands of streams keeps
+    /// magazines for a few, and the slow path then skips a second lookup).
+    cached: bool,
     size: usize,
     align: usize,
     superblock: Option<usize>,
@@ -701,6 +711,7 @@ impl Fit {
             .filter(|&n| n <= arena_size);
         Fit {
             key,
+            cached: true,
             size,
             align,
             superblock,
@@ -782,7 +793,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
     ) -> Result<Option<usize>, Error> {
         // This thread's cached blocks of the stream coalesce with the list's first (as
         // the list's own cached blocks do, by its flush).
-        self.cache().put_back_here(fit.key);
+        if fit.cached {
+            self.cache().put_back_here(fit.key);
+        }
         {
             let mut s = own.state.lock();
             s.flush();
@@ -902,11 +915,12 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         let key = StreamKey::of_lane(stream);
         let units = size / GRANULE;
         // The thread's cache first: it touches no list, so it needs no pin.
-        if align == GRANULE
-            && units <= QUICK_UNITS
-            && let Some(addr) = self.cache().pop_small(key, units)
-        {
-            return Ok(to_ptr(addr));
+        let mut popped = Popped::Missed;
+        if align == GRANULE && units <= QUICK_UNITS {
+            popped = self.cache().pop_small(key, units);
+            if let Popped::Block(addr) = popped {
+                return Ok(to_ptr(addr));
+            }
         }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let list = ordered::list_for(self, key);
@@ -914,6 +928,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             return Ok(to_ptr(addr));
         }
         let mut fit = Fit::new(key, size, align, self.size);
+        fit.cached = popped != Popped::Nothing;
         ordered::allocate_slow(self, stream, list, &mut fit, layout.size()).map(to_ptr)
     }
 

@@ -16,7 +16,7 @@ use super::core::lanes;
 use super::core::list_table::{List, ListTable};
 use super::core::ordered::{self, StreamOrdered};
 use super::core::stream_key::StreamKey;
-use super::thread_cache::{Cache, Owner, Pushed, SmallBlocks};
+use super::thread_cache::{Cache, Owner, Popped, Pushed, SmallBlocks};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
@@ -605,12 +605,12 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         let key = StreamKey::of_lane(stream);
         let units = size / GRANULE;
         // The thread's cache first: it touches no list, so it needs no pin.
-        if self.cached()
-            && align == GRANULE
-            && units <= QUICK_UNITS
-            && let Some(addr) = self.cache().pop_small(key, units)
-        {
-            return Ok(to_ptr(addr));
+        let mut popped = Popped::Missed;
+        if self.cached() && align == GRANULE && units <= QUICK_UNITS {
+            popped = self.cache().pop_small(key, units);
+            if let Popped::Block(addr) = popped {
+                return Ok(to_ptr(addr));
+            }
         }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let list = ordered::list_for(self, key);
@@ -627,6 +627,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         }
         let mut fit = Fit {
             key,
+            cached: popped != Popped::Nothing,
             size,
             align,
             host: stream.is_host(),
@@ -741,6 +742,9 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
 pub(crate) struct Fit {
     /// The key of the request's stream's list (in the calling thread's lane).
     key: StreamKey,
+    /// Whether the thread's magazine for the stream may hold blocks (false when the
+    /// fast path found it has none: the slow path then skips a second lookup).
+    cached: bool,
     size: usize,
     align: usize,
     /// Whether the request's stream is a host stream (known from the stream, so that the
@@ -833,7 +837,7 @@ impl<U: Resource, H: Holding<U>> StreamOrdered for Coalescing<U, H> {
         if H::asleep_bytes(&growth.memory).is_some() {
             return Err(Error::Asleep);
         }
-        if self.cached() {
+        if self.cached() && fit.cached {
             // This thread's cached blocks of the stream coalesce with the list's before
             // it is searched (as the list's own cached blocks are by `take_listed`).
             self.cache().put_back_here(fit.key);

@@ -908,6 +908,19 @@ pub(crate) enum Pushed {
     Elsewhere,
 }
 
+/// What [`Cache::pop_small`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Popped {
+    /// A block of the size asked for.
+    Block(usize),
+    /// None of that size: the thread's magazine for the stream may hold others (which
+    /// the slow path puts back into the list, [`Cache::put_back_here`]).
+    Missed,
+    /// The thread has no magazine for the stream (or a reclaim took its blocks): no
+    /// block of the thread's for the stream to put back.
+    Nothing,
+}
+
 /// A pool's magazines: small blocks by size (a magazine holds up to `capacity` bytes).
 impl Cache<'_, SmallBlocks> {
     /// Moves the blocks of the thread's magazine for `key` (if any) into its list, the
@@ -923,14 +936,17 @@ impl Cache<'_, SmallBlocks> {
         });
     }
 
-    /// A block of `units` granules from the thread's magazine, if it has one.
+    /// A block of `units` granules from the thread's magazine for `key`, if it has one.
     #[inline]
-    pub(crate) fn pop_small(&self, key: StreamKey, units: usize) -> Option<usize> {
+    pub(crate) fn pop_small(&self, key: StreamKey, units: usize) -> Popped {
         self.with(|mags| {
-            self.magazine(mags, key, None)?
+            let popped = self
+                .magazine(mags, key, None)?
                 .stash
-                .with(|blocks| blocks.pop(units))?
+                .with(|blocks| blocks.pop(units))?;
+            Some(popped.map_or(Popped::Missed, Popped::Block))
         })
+        .unwrap_or(Popped::Nothing)
     }
 
     /// Keeps a freed block of `units` granules (1 to [`QUICK_UNITS`](super::core::free_list::QUICK_UNITS)) in the thread's
