@@ -19,8 +19,8 @@
 //! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` and `cross-stream`
 //! (seed 42) the mean, max and min of peak held / peak live over seeds 1..=N.
 //!
-//! `MEMRES_CACHES_PAIRED=N` runs instead the pool with and without its thread caches in
-//! one process, `N` rounds alternating (see `caches_paired`).
+//! `MEMRES_CACHES_PAIRED=N` runs instead the pool, then the arena, each with and without
+//! its thread caches in one process, `N` rounds alternating (see `caches_paired`).
 //!
 //! `MEMRES_PAIRED=N` runs instead the adaptors' comparison of issue 5: `pool` and each
 //! adaptor over that same pool (by reference), `N` rounds of `random` (or the workloads
@@ -129,12 +129,19 @@ fn main() {
         let rounds = if smoke_run() { 2 } else { rounds };
         let bytes = if gpu { 16 << 30 } else { 4 << 30 };
         if gpu {
-            let pool = |c: PoolConfig| Pool::new(Cuda::new().expect("Cuda"), c).expect("Pool");
-            caches_paired(&pool, bytes, rounds);
-        } else {
+            let base = || Cuda::new().expect("Cuda");
+            caches_paired("pool", &pools(&|c| Pool::new(base(), c), bytes), rounds);
             caches_paired(
-                &|c| Pool::new(HostHeap::new(), c).expect("Pool"),
-                bytes,
+                "arena",
+                &arenas(&|| Arena::with_size(base(), bytes)),
+                rounds,
+            );
+        } else {
+            let base = HostHeap::new;
+            caches_paired("pool", &pools(&|c| Pool::new(base(), c), bytes), rounds);
+            caches_paired(
+                "arena",
+                &arenas(&|| Arena::with_size(base(), bytes)),
                 rounds,
             );
         }
@@ -264,23 +271,38 @@ fn main() {
 }
 
 /// The sub-allocators over `base` as the anchors build theirs (pools and arena of `pool_bytes`,
-/// The pool's thread caches on and off in one process (`MEMRES_CACHES_PAIRED=N`): two
-/// pools of `bytes`, one with the caches and one without (a release threshold that
-/// never triggers turns them off), `pair-256B` and `random` on the host stream, `rounds`
-/// rounds alternating which goes first; prints each's minimum and median and the median
-/// of the rounds' ratios (on / off). Both share the binary and the process, so the
-/// comparison is of the two paths, not of two builds' code layouts.
-fn caches_paired<R: Resource>(make: &dyn Fn(PoolConfig) -> Pool<R>, bytes: usize, rounds: usize) {
-    let on = make(PoolConfig::new().initial_size(bytes));
-    let off = make(
-        PoolConfig::new()
-            .initial_size(bytes)
-            .release_threshold(usize::MAX / 2),
-    );
+/// Two pools of `bytes`, the first with thread caches and the second without (a release
+/// threshold that never triggers turns them off).
+fn pools<R: Resource>(
+    make: &dyn Fn(PoolConfig) -> Result<Pool<R>, memres::Error>,
+    bytes: usize,
+) -> [Pool<R>; 2] {
+    let config = PoolConfig::new().initial_size(bytes);
+    [
+        make(config).expect("Pool"),
+        make(config.release_threshold(usize::MAX / 2)).expect("Pool"),
+    ]
+}
+
+/// Two arenas, the first with thread caches and the second without.
+fn arenas<R: Resource>(make: &dyn Fn() -> Result<Arena<R>, memres::Error>) -> [Arena<R>; 2] {
+    [
+        make().expect("Arena"),
+        make().expect("Arena").thread_caches(false),
+    ]
+}
+
+/// A resource's thread caches on and off in one process (`MEMRES_CACHES_PAIRED=N`):
+/// `[on, off]`, the same resource with the caches and without, `pair-256B` and `random`
+/// on the host stream, `rounds` rounds alternating which goes first; prints each's
+/// minimum and median and the median of the rounds' ratios (on / off). Both share the
+/// binary and the process, so the comparison is of the two paths, not of two builds'
+/// code layouts.
+fn caches_paired<R: Resource>(name: &str, [on, off]: &[R; 2], rounds: usize) {
     let scale = if smoke_run() { 1000 } else { 1 };
     let s = StreamRef::HOST;
     for workload in ["pair-256B", "random"] {
-        let run = |p: &Pool<R>| match workload {
+        let run = |p: &R| match workload {
             // (ns per op: a pair is two.)
             "pair-256B" => workloads::pairs(p, s, 256, 1_000_000 / scale).expect("pairs") / 2.0,
             _ => workloads::random(p, s, 42, 200_000 / scale).expect("random"),
@@ -288,11 +310,11 @@ fn caches_paired<R: Resource>(make: &dyn Fn(PoolConfig) -> Pool<R>, bytes: usize
         let (mut a, mut b, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {
             let (x, y) = if round % 2 == 0 {
-                let x = run(&on);
-                (x, run(&off))
+                let x = run(on);
+                (x, run(off))
             } else {
-                let y = run(&off);
-                (run(&on), y)
+                let y = run(off);
+                (run(on), y)
             };
             a.push(x);
             b.push(y);
@@ -305,7 +327,7 @@ fn caches_paired<R: Resource>(make: &dyn Fn(PoolConfig) -> Pool<R>, bytes: usize
         let ((a_min, a_med), (b_min, b_med), (_, ratio)) =
             (stat(&mut a), stat(&mut b), stat(&mut ratios));
         println!(
-            "caches,{workload},on {a_min:.1} / {a_med:.1},off {b_min:.1} / {b_med:.1},on/off {ratio:.3}"
+            "caches,{name},{workload},on {a_min:.1} / {a_med:.1},off {b_min:.1} / {b_med:.1},on/off {ratio:.3}"
         );
     }
 }

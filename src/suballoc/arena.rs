@@ -210,6 +210,8 @@ pub struct Arena<U: Resource> {
     stream_merges: AtomicU64,
     /// The arena's identity for the per-thread caches of small blocks.
     owner: Owner<SmallBlocks>,
+    /// Whether frees of small blocks go to the thread caches ([`Arena::thread_caches`]).
+    caches: bool,
 }
 
 impl<U: Resource> Arena<U> {
@@ -252,6 +254,7 @@ impl<U: Resource> Arena<U> {
             held: Deferred::default(),
             stream_merges: AtomicU64::new(0),
             owner: Owner::new(),
+            caches: true,
         })
     }
 
@@ -272,6 +275,33 @@ impl<U: Resource> Arena<U> {
     #[must_use]
     pub fn dump_on_failure(mut self, on: bool) -> Self {
         self.dump_on_failure = on;
+        self
+    }
+
+    /// Whether a thread's freed small blocks wait in its cache for the stream (on by
+    /// default; see the type's docs, "Thread caches"). Off, every free goes to the
+    /// stream's list at once, where every thread's requests and
+    /// [`free_bytes`](Self::free_bytes) see it.
+    ///
+    /// ```
+    /// use memres::suballoc::Arena;
+    /// use memres::{HostHeap, Resource, StreamRef, layout};
+    ///
+    /// let arena = Arena::with_size(HostHeap::new(), 4 << 20)?.thread_caches(false);
+    /// let l = layout(4096)?;
+    /// let p = arena.allocate(StreamRef::host(1), l)?;
+    /// // SAFETY: allocated above with `l` on host stream 1; not used afterwards.
+    /// unsafe { arena.deallocate(StreamRef::host(1), p, l) };
+    /// // Another thread sees the block free at once (cached, it would be this thread's
+    /// // until the thread gave it back).
+    /// std::thread::scope(|s| {
+    ///     s.spawn(|| assert_eq!(arena.free_bytes(), 4 << 20));
+    /// });
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    #[must_use]
+    pub fn thread_caches(mut self, on: bool) -> Self {
+        self.caches = on;
         self
     }
 
@@ -915,8 +945,12 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         let key = StreamKey::of_lane(stream);
         let units = size / GRANULE;
         // The thread's cache first: it touches no list, so it needs no pin.
-        let mut popped = Popped::Missed;
-        if align == GRANULE && units <= QUICK_UNITS {
+        let mut popped = if self.caches {
+            Popped::Missed
+        } else {
+            Popped::Nothing
+        };
+        if self.caches && align == GRANULE && units <= QUICK_UNITS {
             popped = self.cache().pop_small(key, units);
             if let Popped::Block(addr) = popped {
                 return Ok(to_ptr(addr));
@@ -942,7 +976,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         let key = StreamKey::of_lane(stream);
         let units = size / GRANULE;
         let mut pushed = Pushed::Elsewhere;
-        if units <= QUICK_UNITS {
+        if self.caches && units <= QUICK_UNITS {
             // SAFETY: the closure returns this arena's list for `key` (the cache pins
             // while it makes a magazine, the only time it calls it).
             pushed = unsafe {
