@@ -453,3 +453,28 @@ fn a_trim_takes_back_what_another_live_thread_cached() {
     done.send(()).unwrap();
     idle.join().unwrap();
 }
+
+/// With `thread_caches(false)`, a free reaches the stream's list at once: another thread
+/// counts it free and takes the same block; with the caches on it would wait in the
+/// freeing thread's cache.
+#[test]
+fn without_thread_caches_a_free_is_every_threads_at_once() {
+    let arena = Arena::with_size(HostHeap::new(), 4 * MIB)
+        .unwrap()
+        .thread_caches(false);
+    let l = layout(4096).unwrap();
+    let s = StreamRef::host(1);
+    let p = arena.allocate(s, l).unwrap();
+    // SAFETY: allocated above with `l` on `s`; not used afterwards.
+    unsafe { arena.deallocate(s, p, l) };
+    let addr = p.as_ptr() as usize;
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            assert_eq!(arena.free_bytes(), 4 * MIB, "every free counted at once");
+            let q = arena.allocate(s, l).unwrap();
+            assert_eq!(q.as_ptr() as usize, addr, "the freed block, from the list");
+            // SAFETY: allocated just above with `l` on `s`; not used afterwards.
+            unsafe { arena.deallocate(s, q, l) };
+        });
+    });
+}

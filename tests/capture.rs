@@ -300,3 +300,54 @@ fn a_pool_under_capture_takes_back_what_another_thread_cached_for_its_stream() {
         assert_eq!(pool.pool_size(), 2 << 20, "not grown");
     });
 }
+
+/// The arena's thread caches under capture: another thread holds the whole arena as small
+/// blocks freed on the captured stream into its cache. The arena may not wait under
+/// capture; it takes those blocks back from the other thread's cache instead of running
+/// out of memory (they were freed on the captured stream itself, so no wait is needed).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_arena_under_capture_takes_back_what_another_thread_cached_for_its_stream() {
+    let _turn = serial();
+    let arena = Arena::with_size(Cuda::new().unwrap(), 2 << 20).unwrap();
+    let s = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let l = layout(64 << 10).unwrap();
+    let (cached, wait_cached) = std::sync::mpsc::channel::<()>();
+    let (done, wait_done) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let (arena, s) = (&arena, &s);
+        scope.spawn(move || {
+            // Both superblocks, in 64 KiB blocks, freed on `s` into this thread's cache.
+            let blocks: Vec<_> = (0..32)
+                .map(|_| arena.allocate(s.as_ref(), l).unwrap())
+                .collect();
+            for p in blocks {
+                // SAFETY: allocated above on `s` with `l`; nothing uses it.
+                unsafe { arena.deallocate(s.as_ref(), p, l) };
+            }
+            cached.send(()).unwrap();
+            wait_done.recv().unwrap();
+        });
+        wait_cached.recv().unwrap();
+        assert_eq!(arena.superblocks(), 2);
+        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+        // SAFETY: a live stream of the current context.
+        ok(
+            unsafe { sys::cuStreamBeginCapture_v2(s.raw().cast(), mode) },
+            "begin",
+        );
+        let got = arena.allocate(s.as_ref(), l);
+        if let Ok(p) = got {
+            // SAFETY: allocated just above on `s` with `l`; its work is on `s`.
+            unsafe { arena.deallocate(s.as_ref(), p, l) };
+        }
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: `s` is capturing; `graph` is a valid place.
+        let ended = unsafe { sys::cuStreamEndCapture(s.raw().cast(), &mut graph) };
+        assert_eq!(ended, CUresult::CUDA_SUCCESS, "the capture was invalidated");
+        // SAFETY: the graph just made, never launched.
+        ok(unsafe { sys::cuGraphDestroy(graph) }, "destroy");
+        done.send(()).unwrap();
+        got.expect("the other thread's cached block, not out-of-memory");
+    });
+}
