@@ -8,6 +8,8 @@ use memres::suballoc::{Arena, SUPERBLOCK_SIZE};
 use memres::{Error, HostHeap, Resource, StreamRef, layout, resource::layout_with_alignment};
 use proptest::prelude::*;
 
+mod common;
+
 const MIB: usize = 1 << 20;
 
 #[test]
@@ -421,37 +423,25 @@ fn a_full_arena_takes_back_blocks_an_idle_thread_cached() {
 /// and the caches work again after it.
 #[test]
 fn a_trim_takes_back_what_another_live_thread_cached() {
-    use std::sync::{Arc, mpsc};
-    let arena = Arc::new(Arena::with_size(HostHeap::new(), 4 * MIB).unwrap());
+    let arena = std::sync::Arc::new(Arena::with_size(HostHeap::new(), 4 * MIB).unwrap());
     let l = layout(4096).unwrap();
-    let (cached, wait_cached) = mpsc::channel::<()>();
-    let (done, wait_done) = mpsc::channel::<()>();
-    let other = Arc::clone(&arena);
-    let idle = std::thread::spawn(move || {
-        let p = other.allocate(StreamRef::host(3), l).unwrap();
-        // SAFETY: allocated above with `l` on host stream 3; not used.
-        unsafe { other.deallocate(StreamRef::host(3), p, l) };
-        cached.send(()).unwrap();
-        wait_done.recv().unwrap();
+    common::while_another_thread_caches(&arena, StreamRef::host(3), l, || {
+        assert_eq!(arena.superblocks(), 1);
+        arena.trim().unwrap();
+        assert_eq!(
+            arena.superblocks(),
+            0,
+            "the cached block's superblock went back"
+        );
+        let p = arena.allocate(StreamRef::HOST, l).unwrap();
+        // SAFETY: allocated above with `l` on the host stream; not used.
+        unsafe { arena.deallocate(StreamRef::HOST, p, l) };
+        assert_eq!(
+            arena.allocate(StreamRef::HOST, l).unwrap(),
+            p,
+            "handed out again"
+        );
     });
-    wait_cached.recv().unwrap();
-    assert_eq!(arena.superblocks(), 1);
-    arena.trim().unwrap();
-    assert_eq!(
-        arena.superblocks(),
-        0,
-        "the cached block's superblock went back"
-    );
-    let p = arena.allocate(StreamRef::HOST, l).unwrap();
-    // SAFETY: allocated above with `l` on the host stream; not used.
-    unsafe { arena.deallocate(StreamRef::HOST, p, l) };
-    assert_eq!(
-        arena.allocate(StreamRef::HOST, l).unwrap(),
-        p,
-        "handed out again"
-    );
-    done.send(()).unwrap();
-    idle.join().unwrap();
 }
 
 /// With `thread_caches(false)`, a free reaches the stream's list at once: another thread

@@ -258,47 +258,11 @@ fn a_pool_under_capture_takes_back_what_another_thread_cached_for_its_stream() {
         PoolConfig::new().maximum_size(2 << 20),
     )
     .unwrap();
-    let s = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
-    let l = layout(64 << 10).unwrap();
-    let (cached, wait_cached) = std::sync::mpsc::channel::<()>();
-    let (done, wait_done) = std::sync::mpsc::channel::<()>();
-    std::thread::scope(|scope| {
-        let (pool, s) = (&pool, &s);
-        scope.spawn(move || {
-            // The whole pool, in 64 KiB blocks, freed on `s` into this thread's cache.
-            let blocks: Vec<_> = (0..32)
-                .map(|_| pool.allocate(s.as_ref(), l).unwrap())
-                .collect();
-            for p in blocks {
-                // SAFETY: allocated above on `s` with `l`; nothing uses it.
-                unsafe { pool.deallocate(s.as_ref(), p, l) };
-            }
-            cached.send(()).unwrap();
-            wait_done.recv().unwrap();
-        });
-        wait_cached.recv().unwrap();
+    let got = allocate_under_capture_while_another_thread_caches(&pool, || {
         assert_eq!(pool.pool_size(), 2 << 20);
-        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
-        // SAFETY: a live stream of the current context.
-        ok(
-            unsafe { sys::cuStreamBeginCapture_v2(s.raw().cast(), mode) },
-            "begin",
-        );
-        let got = pool.allocate(s.as_ref(), l);
-        if let Ok(p) = got {
-            // SAFETY: allocated just above on `s` with `l`; its work is on `s`.
-            unsafe { pool.deallocate(s.as_ref(), p, l) };
-        }
-        let mut graph = std::ptr::null_mut();
-        // SAFETY: `s` is capturing; `graph` is a valid place.
-        let ended = unsafe { sys::cuStreamEndCapture(s.raw().cast(), &mut graph) };
-        assert_eq!(ended, CUresult::CUDA_SUCCESS, "the capture was invalidated");
-        // SAFETY: the graph just made, never launched.
-        ok(unsafe { sys::cuGraphDestroy(graph) }, "destroy");
-        done.send(()).unwrap();
-        got.expect("the other thread's cached block, not out-of-memory");
-        assert_eq!(pool.pool_size(), 2 << 20, "not grown");
     });
+    got.expect("the other thread's cached block, not out-of-memory");
+    assert_eq!(pool.pool_size(), 2 << 20, "not grown");
 }
 
 /// The arena's thread caches under capture: another thread holds the whole arena as small
@@ -310,36 +274,50 @@ fn a_pool_under_capture_takes_back_what_another_thread_cached_for_its_stream() {
 fn an_arena_under_capture_takes_back_what_another_thread_cached_for_its_stream() {
     let _turn = serial();
     let arena = Arena::with_size(Cuda::new().unwrap(), 2 << 20).unwrap();
+    let got = allocate_under_capture_while_another_thread_caches(&arena, || {
+        assert_eq!(arena.superblocks(), 2);
+    });
+    got.expect("the other thread's cached block, not out-of-memory");
+}
+
+/// Another thread takes all of `r` (2 MiB) as 64 KiB blocks on a new stream and frees
+/// them there, into its cache, and stays; then (after `check`) this thread allocates one
+/// such block on that stream under capture (freeing it in the capture), and the capture
+/// must end cleanly. Returns what the allocation returned.
+fn allocate_under_capture_while_another_thread_caches<R: Resource + Sync>(
+    r: &R,
+    check: impl FnOnce(),
+) -> Result<(), memres::Error> {
     let s = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
     let l = layout(64 << 10).unwrap();
     let (cached, wait_cached) = std::sync::mpsc::channel::<()>();
     let (done, wait_done) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|scope| {
-        let (arena, s) = (&arena, &s);
+        let s = &s;
         scope.spawn(move || {
-            // Both superblocks, in 64 KiB blocks, freed on `s` into this thread's cache.
+            // The whole resource, in 64 KiB blocks, freed on `s` into this thread's cache.
             let blocks: Vec<_> = (0..32)
-                .map(|_| arena.allocate(s.as_ref(), l).unwrap())
+                .map(|_| r.allocate(s.as_ref(), l).unwrap())
                 .collect();
             for p in blocks {
                 // SAFETY: allocated above on `s` with `l`; nothing uses it.
-                unsafe { arena.deallocate(s.as_ref(), p, l) };
+                unsafe { r.deallocate(s.as_ref(), p, l) };
             }
             cached.send(()).unwrap();
             wait_done.recv().unwrap();
         });
         wait_cached.recv().unwrap();
-        assert_eq!(arena.superblocks(), 2);
+        check();
         let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
         // SAFETY: a live stream of the current context.
         ok(
             unsafe { sys::cuStreamBeginCapture_v2(s.raw().cast(), mode) },
             "begin",
         );
-        let got = arena.allocate(s.as_ref(), l);
+        let got = r.allocate(s.as_ref(), l);
         if let Ok(p) = got {
             // SAFETY: allocated just above on `s` with `l`; its work is on `s`.
-            unsafe { arena.deallocate(s.as_ref(), p, l) };
+            unsafe { r.deallocate(s.as_ref(), p, l) };
         }
         let mut graph = std::ptr::null_mut();
         // SAFETY: `s` is capturing; `graph` is a valid place.
@@ -348,6 +326,6 @@ fn an_arena_under_capture_takes_back_what_another_thread_cached_for_its_stream()
         // SAFETY: the graph just made, never launched.
         ok(unsafe { sys::cuGraphDestroy(graph) }, "destroy");
         done.send(()).unwrap();
-        got.expect("the other thread's cached block, not out-of-memory");
-    });
+        got.map(drop)
+    })
 }

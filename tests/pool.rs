@@ -937,34 +937,22 @@ fn a_pool_at_its_maximum_takes_back_blocks_an_idle_thread_cached() {
 /// `trim` gives back memory whose blocks wait in another live thread's cache.
 #[test]
 fn a_trim_gives_back_what_another_live_thread_cached() {
-    use std::sync::{Arc, mpsc};
-    let pool = Arc::new(heap_pool(PoolConfig::new()));
+    let pool = std::sync::Arc::new(heap_pool(PoolConfig::new()));
     let l = layout(4096).unwrap();
-    let (cached, wait_cached) = mpsc::channel::<()>();
-    let (done, wait_done) = mpsc::channel::<()>();
-    let other = Arc::clone(&pool);
-    let idle = std::thread::spawn(move || {
-        let p = other.allocate(StreamRef::host(3), l).unwrap();
-        // SAFETY: allocated above with `l` on host stream 3; not used.
-        unsafe { other.deallocate(StreamRef::host(3), p, l) };
-        cached.send(()).unwrap();
-        wait_done.recv().unwrap();
+    common::while_another_thread_caches(&pool, StreamRef::host(3), l, || {
+        assert!(pool.pool_size() > 0);
+        pool.trim().unwrap();
+        assert_eq!(pool.pool_size(), 0, "the cached block's chunk went back");
+        // The caches come back after the trim: this thread's frees are cached again.
+        let p = pool.allocate(StreamRef::HOST, l).unwrap();
+        // SAFETY: allocated above with `l` on the host stream; not used.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+        assert_eq!(
+            pool.allocate(StreamRef::HOST, l).unwrap(),
+            p,
+            "handed out again"
+        );
     });
-    wait_cached.recv().unwrap();
-    assert!(pool.pool_size() > 0);
-    pool.trim().unwrap();
-    assert_eq!(pool.pool_size(), 0, "the cached block's chunk went back");
-    // The caches come back after the trim: this thread's frees are cached again.
-    let p = pool.allocate(StreamRef::HOST, l).unwrap();
-    // SAFETY: allocated above with `l` on the host stream; not used.
-    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
-    assert_eq!(
-        pool.allocate(StreamRef::HOST, l).unwrap(),
-        p,
-        "handed out again"
-    );
-    done.send(()).unwrap();
-    idle.join().unwrap();
 }
 
 /// A pool with a release threshold keeps no thread caches: a block one thread frees is

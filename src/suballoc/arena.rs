@@ -6,7 +6,7 @@ use std::ptr::{self, NonNull};
 
 use super::chunks::{Chunk, release_all, to_ptr};
 use super::core::free_blocks::{FreeBlock, FreeBlocks, GRANULE};
-use super::core::free_list::{FreeList, QUICK_BYTES, QUICK_UNITS, block_size};
+use super::core::free_list::{FreeList, QUICK_UNITS, block_size};
 use super::core::held::Deferred;
 use super::core::lanes;
 use super::core::list_table::{List, ListTable, synchronize};
@@ -648,15 +648,10 @@ impl<U: Resource> Arena<U> {
         self.cache().magazines()
     }
 
-    /// The calling thread's caches of this arena's small blocks: per stream, up to as
-    /// many bytes as a stream's list caches ([`QUICK_BYTES`]).
+    /// The calling thread's caches of this arena's small blocks.
     #[inline(always)]
     fn cache(&self) -> Cache<'_, SmallBlocks> {
-        Cache {
-            owner: &self.owner,
-            domain: self.lists.domain(),
-            capacity: QUICK_BYTES,
-        }
+        Cache::small_blocks(&self.owner, self.lists.domain())
     }
 
     /// Gives the global arena `sb`, a superblock `list`'s stream freed entirely (taken out

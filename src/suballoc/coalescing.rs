@@ -10,7 +10,7 @@ use std::ptr::{self, NonNull};
 
 use super::chunks::to_ptr;
 use super::core::free_blocks::GRANULE;
-use super::core::free_list::{FreeList, QUICK_BYTES, QUICK_UNITS, block_size};
+use super::core::free_list::{FreeList, QUICK_UNITS, block_size};
 use super::core::held::Deferred;
 use super::core::lanes;
 use super::core::list_table::{List, ListTable};
@@ -299,15 +299,10 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         H::THREAD_CACHES && self.release_threshold.is_none()
     }
 
-    /// The calling thread's caches of this pool's small blocks: per stream, up to as
-    /// many bytes as a stream's list caches ([`QUICK_BYTES`]).
+    /// The calling thread's caches of this pool's small blocks.
     #[inline(always)]
     fn cache(&self) -> Cache<'_, SmallBlocks> {
-        Cache {
-            owner: &self.owner,
-            domain: self.lists.domain(),
-            capacity: QUICK_BYTES,
-        }
+        Cache::small_blocks(&self.owner, self.lists.domain())
     }
 
     /// Moves this thread's cached blocks (of every stream) into their lists, the caches

@@ -565,6 +565,36 @@ fn idle_cache_scenario<R: Resource + Send + Sync + 'static>(
     r
 }
 
+/// The trim scenario over `r`: a thread allocates and frees a block of layout `l` twice
+/// on host stream 7, through its cache (whose magazine keeps the stream's list across
+/// calls), while this thread trims `r` (`trim`); once that thread has exited, `r` is
+/// trimmed again and the stream's list must be gone (`has_list`), freed only once no
+/// magazine can touch it (loom checks every access).
+fn trim_scenario<R: Resource + Send + Sync + 'static>(
+    r: &Arc<R>,
+    l: Layout,
+    trim: impl Fn(&R),
+    has_list: impl Fn(&R, StreamRef<'_>) -> bool,
+) {
+    let other = Arc::clone(r);
+    let user = thread::spawn(move || {
+        let s = StreamRef::host(7);
+        for _ in 0..2 {
+            let a = other.allocate(s, l).unwrap();
+            // SAFETY: from `other` with `l` on `s`, not used afterwards.
+            unsafe { other.deallocate(s, a, l) };
+        }
+        super::thread_cache::exit_thread();
+    });
+    trim(r);
+    user.join().unwrap();
+    trim(r);
+    assert!(
+        !has_list(r, StreamRef::host(7)),
+        "the stream's list is freed"
+    );
+}
+
 /// An arena of one superblock: a thread frees a small block into its cache (splitting
 /// the superblock, its stream's) and then makes no further call while another thread,
 /// on another stream, asks for the whole superblock. The out-of-memory path reclaims
@@ -673,23 +703,7 @@ fn loom_a_trim_frees_a_list_an_arenas_thread_cache_was_using() {
     let small = Layout::from_size_align(4096, 256).unwrap();
     pools_model().check(move || {
         let arena = Arc::new(Arena::with_size(HostHeap::new(), MIB).unwrap());
-        let other = Arc::clone(&arena);
-        let user = thread::spawn(move || {
-            let s = StreamRef::host(7);
-            for _ in 0..2 {
-                let a = other.allocate(s, small).unwrap();
-                // SAFETY: from `other` with `small` on `s`, not used afterwards.
-                unsafe { other.deallocate(s, a, small) };
-            }
-            super::thread_cache::exit_thread();
-        });
-        arena.trim().unwrap();
-        user.join().unwrap();
-        arena.trim().unwrap();
-        assert!(
-            !arena.has_list(StreamRef::host(7)),
-            "the stream's list is freed"
-        );
+        trim_scenario(&arena, small, |a| a.trim().unwrap(), Arena::has_list);
         assert_eq!(arena.superblocks(), 0, "the superblock is whole again");
         assert_eq!(arena.free_bytes(), MIB);
         super::thread_cache::exit_thread();
@@ -704,18 +718,24 @@ fn loom_a_trim_frees_a_list_an_arenas_thread_cache_was_using() {
 fn loom_an_arenas_thread_cache_exits_while_its_owner_drops() {
     let small = Layout::from_size_align(4096, 256).unwrap();
     pools_model().check(move || {
-        let arena = Arc::new(Arena::with_size(HostHeap::new(), 1 << 20).unwrap());
-        let other = Arc::clone(&arena);
-        let t = thread::spawn(move || {
-            let a = other.allocate(StreamRef::HOST, small).unwrap();
-            // SAFETY: from `other` with `small` on the host stream, not used afterwards.
-            unsafe { other.deallocate(StreamRef::HOST, a, small) };
-            drop(other);
-            super::thread_cache::exit_thread();
-        });
-        drop(arena);
-        t.join().unwrap();
+        let arena = Arena::with_size(HostHeap::new(), 1 << 20).unwrap();
+        exit_while_dropping(Arc::new(arena), small);
     });
+}
+
+/// A thread frees a block of layout `l` into its cache and exits while this thread drops
+/// the last other owner of `r`.
+fn exit_while_dropping<R: Resource + Send + Sync + 'static>(r: Arc<R>, l: Layout) {
+    let other = Arc::clone(&r);
+    let t = thread::spawn(move || {
+        let a = other.allocate(StreamRef::HOST, l).unwrap();
+        // SAFETY: from `other` with `l` on the host stream, not used afterwards.
+        unsafe { other.deallocate(StreamRef::HOST, a, l) };
+        drop(other);
+        super::thread_cache::exit_thread();
+    });
+    drop(r);
+    t.join().unwrap();
 }
 
 /// A `Pool` that cannot grow past two 256-byte blocks (its thread caches on).
@@ -763,25 +783,9 @@ fn loom_a_trim_frees_a_list_a_pools_thread_cache_was_using() {
     let l = Layout::from_size_align(256, 256).unwrap();
     pools_model().check(move || {
         let pool = Arc::new(two_block_pool());
-        let other = Arc::clone(&pool);
-        let user = thread::spawn(move || {
-            let s = StreamRef::host(7);
-            for _ in 0..2 {
-                let a = other.allocate(s, l).unwrap();
-                // SAFETY: from `other` with `l` on `s`, not used afterwards.
-                unsafe { other.deallocate(s, a, l) };
-            }
-            super::thread_cache::exit_thread();
-        });
         // (A trim may give the pool's one chunk back when it finds it whole: the pool
         // then grows again, up to its maximum.)
-        let _ = pool.trim().unwrap();
-        user.join().unwrap();
-        let _ = pool.trim().unwrap();
-        assert!(
-            !pool.has_list(StreamRef::host(7)),
-            "the stream's list is freed"
-        );
+        trim_scenario(&pool, l, |p| drop(p.trim().unwrap()), Pool::has_list);
         let a = pool.allocate(StreamRef::HOST, l).unwrap();
         let b = pool.allocate(StreamRef::HOST, l).unwrap();
         assert_ne!(a, b);
@@ -801,19 +805,7 @@ fn loom_a_trim_frees_a_list_a_pools_thread_cache_was_using() {
 #[test]
 fn loom_a_pools_thread_cache_exits_while_its_owner_drops() {
     let l = Layout::from_size_align(256, 256).unwrap();
-    pools_model().check(move || {
-        let pool = Arc::new(two_block_pool());
-        let other = Arc::clone(&pool);
-        let t = thread::spawn(move || {
-            let a = other.allocate(StreamRef::HOST, l).unwrap();
-            // SAFETY: from `other` with `l` on the host stream, not used afterwards.
-            unsafe { other.deallocate(StreamRef::HOST, a, l) };
-            drop(other);
-            super::thread_cache::exit_thread();
-        });
-        drop(pool);
-        t.join().unwrap();
-    });
+    pools_model().check(move || exit_while_dropping(Arc::new(two_block_pool()), l));
 }
 
 /// Records what is freed through it (for the held-blocks model).
@@ -1045,23 +1037,7 @@ fn loom_a_trim_frees_a_list_a_thread_cache_was_using() {
     loom::model(move || {
         let upstream = Limiting::new(HostHeap::new(), 512);
         let fixed: Arc<Fixed> = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
-        let other = Arc::clone(&fixed);
-        let user = thread::spawn(move || {
-            let s = StreamRef::host(7);
-            for _ in 0..2 {
-                let a = other.allocate(s, l).unwrap();
-                // SAFETY: from `other` with `l` on `s`, not used afterwards.
-                unsafe { other.deallocate(s, a, l) };
-            }
-            super::thread_cache::exit_thread();
-        });
-        fixed.trim().unwrap();
-        user.join().unwrap();
-        fixed.trim().unwrap();
-        assert!(
-            !fixed.has_list(StreamRef::host(7)),
-            "the stream's list is freed"
-        );
+        trim_scenario(&fixed, l, |f| f.trim().unwrap(), Fixed::has_list);
         assert_eq!(fixed.free_blocks(), 2, "every block back");
         let a = fixed.allocate(StreamRef::HOST, l).unwrap();
         let b = fixed.allocate(StreamRef::HOST, l).unwrap();

@@ -922,7 +922,19 @@ pub(crate) enum Popped {
 }
 
 /// A pool's magazines: small blocks by size (a magazine holds up to `capacity` bytes).
-impl Cache<'_, SmallBlocks> {
+impl<'a> Cache<'a, SmallBlocks> {
+    /// The calling thread's caches of `owner`'s small blocks (whose lists are in
+    /// `domain`): per stream, up to as many bytes as a stream's list caches
+    /// ([`QUICK_BYTES`](super::core::free_list::QUICK_BYTES)).
+    #[inline(always)]
+    pub(crate) fn small_blocks(owner: &'a Owner<SmallBlocks>, domain: &'a grace::Domain) -> Self {
+        Cache {
+            owner,
+            domain,
+            capacity: super::core::free_list::QUICK_BYTES,
+        }
+    }
+
     /// Moves the blocks of the thread's magazine for `key` (if any) into its list, the
     /// magazine kept.
     pub(crate) fn put_back_here(&self, key: StreamKey) {

@@ -129,3 +129,30 @@ macro_rules! coalescing_pools {
 }
 
 coalescing_pools!(Pool, VirtualPool);
+
+/// Runs `f` while another thread (live, idle) holds a block of `layout` that it allocated
+/// and freed on `stream` through `r` (so that it waits in that thread's cache); the
+/// thread exits after `f`.
+#[allow(dead_code)] // (not every test binary that includes this module calls it)
+pub fn while_another_thread_caches<R: Resource + Send + Sync + 'static>(
+    r: &std::sync::Arc<R>,
+    stream: StreamRef<'static>,
+    layout: Layout,
+    f: impl FnOnce(),
+) {
+    use std::sync::mpsc;
+    let (cached, wait_cached) = mpsc::channel::<()>();
+    let (done, wait_done) = mpsc::channel::<()>();
+    let other = std::sync::Arc::clone(r);
+    let idle = std::thread::spawn(move || {
+        let p = other.allocate(stream, layout).unwrap();
+        // SAFETY: allocated just above with `layout` on `stream`; not used.
+        unsafe { other.deallocate(stream, p, layout) };
+        cached.send(()).unwrap();
+        wait_done.recv().unwrap();
+    });
+    wait_cached.recv().unwrap();
+    f();
+    done.send(()).unwrap();
+    idle.join().unwrap();
+}
