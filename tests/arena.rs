@@ -417,6 +417,16 @@ fn a_full_arena_takes_back_blocks_an_idle_thread_cached() {
     done.send(()).unwrap();
     idle.join().unwrap();
     assert_eq!(arena.free_bytes(), 2 * MIB);
+    // The reclaim turned the caches off; the superblock handed out since turned them
+    // back on: a small block freed here waits in this thread's cache, which another
+    // thread does not count.
+    let small = layout(4096).unwrap();
+    let q = arena.allocate(StreamRef::host(3), small).unwrap();
+    // SAFETY: allocated just above with `small` on host stream 3; not used.
+    unsafe { arena.deallocate(StreamRef::host(3), q, small) };
+    std::thread::scope(|s| {
+        s.spawn(|| assert_eq!(arena.free_bytes(), 2 * MIB - 4096, "cached again"));
+    });
 }
 
 /// `trim` takes back the superblocks whose blocks wait in another live thread's cache,

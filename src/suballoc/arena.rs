@@ -179,18 +179,22 @@ impl Global {
 ///   [`dump`](Arena::dump) (arena size, superblocks, free bytes, largest free block,
 ///   fragmentation) through `tracing` first.
 /// - **Thread caches**, as in [`Pool`](super::Pool): a small block (up to 64 KiB) a
-///   thread frees waits in that thread's cache for its stream (up to 8 MiB a thread and
-///   stream; past that, frees coalesce) and goes to the thread's next request of that
-///   size on that stream with no lock and no list lookup. On the H100, in one process,
-///   a 256 B pair took 17.7-18.8 ns against 21.6-22.2 without them (0.83-0.86), and
-///   `random` 3.7-4.5% more (`BENCHMARKS.md`). Before the slow path searches its list,
-///   the thread's cached blocks of the stream go back to it; before a defragmentation
-///   scans every list, all of the thread's; other threads' cached blocks come back
-///   (from busy or idle threads) before out-of-memory, also under stream capture, at
-///   [`trim`](Arena::trim), and when their thread exits. A cached block keeps its
-///   superblock split until then, and [`free_bytes`](Arena::free_bytes) counts the
-///   calling thread's cached blocks as free, not other threads'.
-///   [`thread_caches(false)`](Arena::thread_caches) turns them off.
+///   thread frees waits in that thread's cache for its stream (and lane; up to 8 MiB a
+///   thread and stream; past that, frees coalesce) and goes to the thread's next request
+///   of that size, at the default alignment, on that stream with no lock and no list
+///   lookup. On the H100, in one process, a 256 B pair took 8.2 ns against 13.4 without
+///   them (0.61; 0.83-0.86 on a slower instance), and `random` 2.6-4.5% more
+///   (`BENCHMARKS.md`). Before the slow path searches its list, the thread's cached
+///   blocks of the stream go back to it; before a defragmentation scans every list, all
+///   of the thread's; other threads' cached blocks come back before out-of-memory (also
+///   under stream capture), at [`trim`](Arena::trim), and when their thread exits. On
+///   Linux 4.14 and later (`membarrier`) they are taken from busy and idle threads
+///   alike; elsewhere a thread gives them back at its next call on the arena, and one
+///   that never calls again keeps them. Such a reclaim turns the caches off until a
+///   superblock is next handed to a stream, a trim returns, or 65,536 calls have passed.
+///   A cached block keeps its superblock split until it comes back, and
+///   [`free_bytes`](Arena::free_bytes) counts the calling thread's cached blocks as free,
+///   not other threads'. [`thread_caches(false)`](Arena::thread_caches) turns them off.
 /// - Alignment: any power of two (a superblock is made with room for the padding).
 ///
 /// ```
@@ -293,8 +297,10 @@ impl<U: Resource> Arena<U> {
 
     /// Whether a thread's freed small blocks wait in its cache for the stream (on by
     /// default; see the type's docs, "Thread caches"). Off, every free goes to the
-    /// stream's list at once, where every thread's requests and
-    /// [`free_bytes`](Self::free_bytes) see it.
+    /// stream's list at once, where every thread's requests on that stream and
+    /// [`free_bytes`](Self::free_bytes) see it. (Set it before the arena is used: blocks
+    /// cached before stay in their caches until a trim, an out-of-memory or their
+    /// thread's exit.)
     ///
     /// ```
     /// use memres::suballoc::Arena;
@@ -323,8 +329,10 @@ impl<U: Resource> Arena<U> {
         self.size
     }
 
-    /// Bytes not handed out: in the global arena, waiting for a stream, or in a stream's
-    /// arena (a snapshot, list by list).
+    /// Bytes not handed out: in the global arena, waiting for a stream, in a stream's
+    /// arena, or in the calling thread's caches (a snapshot, list by list). Other
+    /// threads' cached blocks count as handed out until they come back (see the type's
+    /// docs, "Thread caches").
     pub fn free_bytes(&self) -> usize {
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let global = lock(&self.global);
@@ -349,7 +357,9 @@ impl<U: Resource> Arena<U> {
     /// for the streams it was freed on), gives every superblock that is then entirely
     /// free back to the global arena, and frees the lists of the streams left with no
     /// free memory (a stream used again gets a new list), so an arena that served many
-    /// streams holds lists for its host stream only. Linux 4.14
+    /// streams holds lists for its host stream only. Every thread's cached blocks come
+    /// back first (on Linux 4.14 and later; elsewhere those of threads that do not call
+    /// the arena meanwhile may keep their superblocks split). Linux 4.14
     /// and later free the lists (the call waits for the arena's calls under way on other
     /// threads to return); elsewhere the lists stay, emptied.
     ///
@@ -392,6 +402,15 @@ impl<U: Resource> Arena<U> {
             free += s.free_bytes();
             largest = largest.max(s.largest_coalesced());
             let _ = write!(streams, "\n  {:?}: {} bytes free", list.key, s.free_bytes());
+        }
+        // This thread's cached blocks, as `free_bytes` counts them.
+        let (cached, cached_largest) = self
+            .cache()
+            .fold_here((0, 0), |(n, l), b| (n + b.bytes(), l.max(b.largest())));
+        free += cached;
+        largest = largest.max(cached_largest);
+        if cached > 0 {
+            let _ = write!(streams, "\n  this thread's caches: {cached} bytes free");
         }
         let fragmentation = if free == 0 {
             0.0
@@ -691,6 +710,9 @@ impl<U: Resource> Arena<U> {
     ) -> usize {
         self.table.set(sb, sb_size);
         global.owners.insert(sb, own.key);
+        // A superblock was free: memory is no longer short, and caches that a reclaim
+        // turned off come back (a load when they are on).
+        self.cache().resume();
         let mut s = own.state.lock();
         // Kept whole, outside the list's index (see `FreeList::add_superblock`).
         s.take_from_new_superblock(sb, sb_size, fit.size, fit.align)
@@ -891,6 +913,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         own: &List<FreeList>,
         fit: &mut Fit,
     ) -> Result<Option<usize>, Error> {
+        if fit.superblock.is_none() {
+            return Ok(None); // larger than the arena: nothing can serve it
+        }
         self.cache().reclaim();
         if let Some(addr) = self.take_reclaimed(own, fit) {
             return Ok(Some(addr));
