@@ -59,8 +59,8 @@ MUTATIONS = [
     # Issue 51, item 1: the arena's thread caches.
     ("Arena: other threads' cached blocks stay cached at out-of-memory",
      "src/suballoc/arena.rs",
-     "        fit: &mut Fit,\n    ) -> Result<Option<usize>, Error> {\n        self.cache().reclaim();\n",
-     "        fit: &mut Fit,\n    ) -> Result<Option<usize>, Error> {\n"),
+     "            return Ok(None); // larger than the arena: nothing can serve it\n        }\n        self.cache().reclaim();\n",
+     "            return Ok(None); // larger than the arena: nothing can serve it\n        }\n"),
     ("Arena: a trim leaves other threads' cached blocks", "src/suballoc/arena.rs",
      "        self.cache().reclaim();\n        let host = ordered::list_of",
      "        let host = ordered::list_of"),
