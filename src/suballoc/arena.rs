@@ -343,7 +343,7 @@ impl<U: Resource> Arena<U> {
             .iter()
             .map(|s| s.state.lock().free_bytes())
             .sum();
-        let cached = self.cache().fold_here(0, |n, b| n + b.bytes());
+        let cached = self.cache().cached_here(SmallBlocks::bytes);
         global.free_bytes() + pending + streams + cached
     }
 
@@ -764,14 +764,14 @@ pub(crate) struct Fit {
 }
 
 impl Fit {
-    fn new(key: StreamKey, size: usize, align: usize, arena_size: usize) -> Fit {
+    fn new(key: StreamKey, cached: bool, size: usize, align: usize, arena_size: usize) -> Fit {
         let superblock = size
             .checked_add(align - GRANULE)
             .map(|n| n.max(SUPERBLOCK_SIZE))
             .filter(|&n| n <= arena_size);
         Fit {
             key,
-            cached: true,
+            cached,
             size,
             align,
             superblock,
@@ -853,7 +853,7 @@ impl<U: Resource> StreamOrdered for Arena<U> {
     ) -> Result<Option<usize>, Error> {
         // This thread's cached blocks of the stream coalesce with the list's first (as
         // the list's own cached blocks do, by its flush).
-        if fit.cached {
+        if self.caches && fit.cached {
             self.cache().put_back_here(fit.key);
         }
         {
@@ -903,13 +903,14 @@ impl<U: Resource> StreamOrdered for Arena<U> {
     }
 
     /// Every thread's cached blocks back in their lists (the caches then stay off until
-    /// a trim returns or enough calls pass, `thread_cache.rs`), and the search again:
-    /// the own list, a superblock (after a defragmentation, which those blocks may have
-    /// made whole), the stream's other lanes.
+    /// a superblock is next handed out, a trim returns or enough calls pass,
+    /// `thread_cache.rs`), and the search again: the own list, the stream's other lanes,
+    /// then a superblock (after a defragmentation, which those blocks may have made
+    /// whole).
     fn take_last(
         &self,
         global: &mut Global,
-        _stream: StreamRef<'_>,
+        stream: StreamRef<'_>,
         own: &List<FreeList>,
         fit: &mut Fit,
     ) -> Result<Option<usize>, Error> {
@@ -917,15 +918,10 @@ impl<U: Resource> StreamOrdered for Arena<U> {
             return Ok(None); // larger than the arena: nothing can serve it
         }
         self.cache().reclaim();
-        if let Some(addr) = self.take_reclaimed(own, fit) {
-            return Ok(Some(addr));
+        match self.take_reclaimed(own, fit) {
+            Some(addr) => Ok(Some(addr)),
+            None => self.grow(global, stream, own, fit, true),
         }
-        if let Some(n) = fit.superblock
-            && let Some(sb) = self.take_global(global, n, GRANULE, true)?
-        {
-            return Ok(Some(self.install(global, own, sb, n, fit)));
-        }
-        Ok(None)
     }
 
     fn out_of_memory(&self, global: MutexGuard<'_, Global>, requested: usize) -> Error {
@@ -978,11 +974,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         let key = StreamKey::of_lane(stream);
         let units = size / GRANULE;
         // The thread's cache first: it touches no list, so it needs no pin.
-        let mut popped = if self.caches {
-            Popped::Missed
-        } else {
-            Popped::Nothing
-        };
+        let mut popped = Popped::Missed;
         if self.caches && align == GRANULE && units <= QUICK_UNITS {
             popped = self.cache().pop_small(key, units);
             if let Popped::Block(addr) = popped {
@@ -994,8 +986,8 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         if let Some(addr) = list.state.lock().take(size, align) {
             return Ok(to_ptr(addr));
         }
-        let mut fit = Fit::new(key, size, align, self.size);
-        fit.cached = popped != Popped::Nothing;
+        let cached = popped != Popped::Nothing;
+        let mut fit = Fit::new(key, cached, size, align, self.size);
         ordered::allocate_slow(self, stream, list, &mut fit, layout.size()).map(to_ptr)
     }
 

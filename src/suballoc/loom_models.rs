@@ -422,17 +422,19 @@ fn loom_an_exited_threads_cached_blocks_come_back() {
 /// block is free in a list without the resource growing.
 #[test]
 fn loom_a_reclaim_takes_blocks_back_from_a_busy_threads_cache() {
-    use crate::adaptor::Limiting;
-
     loom::model(|| {
-        // One chunk of two blocks, and no room for another.
-        let upstream = Limiting::new(HostHeap::new(), 512);
-        let fixed = FixedSize::with_block_size(upstream, 256, 2).unwrap();
-        let fixed = busy_cache_scenario(Arc::new(fixed), |f| {
+        let fixed = busy_cache_scenario(Arc::new(two_block_fixed()), |f| {
             assert_eq!(f.upstream_allocations(), 1, "not grown");
         });
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
     });
+}
+
+/// A `FixedSize` of 256-byte blocks with one chunk of two and no room for another (its
+/// thread caches on).
+fn two_block_fixed() -> FixedSize<crate::adaptor::Limiting<HostHeap>> {
+    let upstream = crate::adaptor::Limiting::new(HostHeap::new(), 512);
+    FixedSize::with_block_size(upstream, 256, 2).unwrap()
 }
 
 /// The busy cache's scenario over `r` (two 256-byte blocks and no room for more): a
@@ -500,13 +502,8 @@ fn busy_cache_scenario<R: Resource + Send + Sync + 'static>(
 /// without the resource growing, and the idle thread's exit gives back nothing twice.
 #[test]
 fn loom_a_reclaim_takes_blocks_from_an_idle_threads_cache() {
-    use crate::adaptor::Limiting;
-
     loom::model(|| {
-        // One chunk of two blocks, and no room for another.
-        let upstream = Limiting::new(HostHeap::new(), 512);
-        let fixed = FixedSize::with_block_size(upstream, 256, 2).unwrap();
-        let fixed = idle_cache_scenario(Arc::new(fixed), |f| {
+        let fixed = idle_cache_scenario(Arc::new(two_block_fixed()), |f| {
             assert_eq!(f.upstream_allocations(), 1, "taken, not grown");
         });
         assert_eq!(fixed.magazines(), 0, "every magazine counted out once");
@@ -785,7 +782,7 @@ fn loom_a_trim_frees_a_list_a_pools_thread_cache_was_using() {
         let pool = Arc::new(two_block_pool());
         // (A trim may give the pool's one chunk back when it finds it whole: the pool
         // then grows again, up to its maximum.)
-        trim_scenario(&pool, l, |p| drop(p.trim().unwrap()), Pool::has_list);
+        trim_scenario(&pool, l, |p| _ = p.trim().unwrap(), Pool::has_list);
         let a = pool.allocate(StreamRef::HOST, l).unwrap();
         let b = pool.allocate(StreamRef::HOST, l).unwrap();
         assert_ne!(a, b);
@@ -1035,8 +1032,7 @@ fn loom_a_trim_frees_a_list_a_thread_cache_was_using() {
     type Fixed = FixedSize<Limiting<HostHeap>>;
     let l = Layout::from_size_align(256, 256).unwrap();
     loom::model(move || {
-        let upstream = Limiting::new(HostHeap::new(), 512);
-        let fixed: Arc<Fixed> = Arc::new(FixedSize::with_block_size(upstream, 256, 2).unwrap());
+        let fixed: Arc<Fixed> = Arc::new(two_block_fixed());
         trim_scenario(&fixed, l, |f| f.trim().unwrap(), Fixed::has_list);
         assert_eq!(fixed.free_blocks(), 2, "every block back");
         let a = fixed.allocate(StreamRef::HOST, l).unwrap();
