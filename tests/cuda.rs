@@ -438,17 +438,12 @@ fn access_of_device_1(ptr: u64) -> u64 {
     flags
 }
 
-/// A pool growing in place on device 0 whose `CudaVirtual` names device 1 as a peer:
-/// every granule it maps, in each growth step, is readable and writable by device 1
-/// (device 1 fills the blocks, device 0 reads them back); without the peer, device 1 has
-/// no access. Needs two GPUs that can reach each other (skipped otherwise).
-#[test]
-#[ignore = "needs two CUDA GPUs"]
-fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
-    let d1 = DeviceId::new(1);
+/// Device 1, where there are two GPUs and it can reach device 0's memory (else `None`,
+/// the reason printed as a skip).
+fn device_1_reaching_device_0() -> Option<DeviceId> {
     if DeviceId::count().unwrap() < 2 {
         println!("memres-skip: fewer than two GPUs");
-        return;
+        return None;
     }
     let mut can = 0;
     // SAFETY: two valid ordinals; `can` is a valid place.
@@ -456,23 +451,20 @@ fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     if can == 0 {
         println!("memres-skip: device 1 cannot access device 0's memory");
-        return;
+        return None;
     }
-    let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new().peers([d1])).unwrap();
-    let g = leaf.granularity();
-    let pool = leaf.virtual_pool(memres::VirtualPoolConfig::new()).unwrap();
-    // Two growth steps: 3 granules, then 5 more.
-    let sizes = [3 * g, 5 * g];
-    let blocks: Vec<_> = sizes
-        .iter()
-        .map(|&n| pool.allocate_sync(layout(n).unwrap()).unwrap())
-        .collect();
+    Some(DeviceId::new(1))
+}
+
+/// Device 1 fills each block (`n` bytes of device 0's memory, every granule checked
+/// read-write for device 1 first) with its own byte, and device 0 reads them back.
+fn device_1_fills(blocks: &[(std::ptr::NonNull<u8>, usize)], g: usize) {
     let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
-    for (i, (&b, &n)) in blocks.iter().zip(&sizes).enumerate() {
+    for (i, &(b, n)) in blocks.iter().enumerate() {
         for offset in (0..n).step_by(g) {
             assert_eq!(access_of_device_1(b.as_ptr() as u64 + offset as u64), rw);
         }
-        let _on = DeviceGuard::new(d1).unwrap();
+        let _on = DeviceGuard::new(DeviceId::new(1)).unwrap();
         // SAFETY: `b` holds `n` bytes, mapped with read-write access for device 1.
         let r = unsafe { sys::cuMemsetD8_v2(b.as_ptr() as u64, 0x50 + i as u8, n) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "device 1 writing block {i}");
@@ -481,14 +473,35 @@ fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     }
     let _on = DeviceGuard::new(d0()).unwrap();
-    for (i, (&b, &n)) in blocks.iter().zip(&sizes).enumerate() {
+    for (i, &(b, n)) in blocks.iter().enumerate() {
         let mut host = vec![0u8; n];
         // SAFETY: `b` holds `n` bytes on device 0; `host` holds `n`.
         let r = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), b.as_ptr() as u64, n) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
         assert!(host.iter().all(|&x| x == 0x50 + i as u8), "block {i}");
     }
-    for (b, n) in blocks.into_iter().zip(sizes) {
+}
+
+/// A pool growing in place on device 0 whose `CudaVirtual` names device 1 as a peer:
+/// every granule it maps, in each growth step, is readable and writable by device 1
+/// (device 1 fills the blocks, device 0 reads them back); without the peer, device 1 has
+/// no access. Needs two GPUs that can reach each other (skipped otherwise).
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
+    let Some(d1) = device_1_reaching_device_0() else {
+        return;
+    };
+    let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new().peers([d1])).unwrap();
+    let g = leaf.granularity();
+    let pool = leaf.virtual_pool(memres::VirtualPoolConfig::new()).unwrap();
+    // Two growth steps: 3 granules, then 5 more.
+    let blocks: Vec<_> = [3 * g, 5 * g]
+        .into_iter()
+        .map(|n| (pool.allocate_sync(layout(n).unwrap()).unwrap(), n))
+        .collect();
+    device_1_fills(&blocks, g);
+    for (b, n) in blocks {
         // SAFETY: from `pool` with this layout; the work on it was waited for.
         unsafe { pool.deallocate_sync(b, layout(n).unwrap()) };
     }
@@ -499,6 +512,43 @@ fn a_peer_device_writes_every_granule_of_a_virtual_pool() {
     assert_eq!(access_of_device_1(b.as_ptr() as u64), 0);
     // SAFETY: from `alone` with `l`; never used.
     unsafe { alone.deallocate_sync(b, l) };
+}
+
+/// A peer granted after the pool grew (`grant_access`, what the C ABI's
+/// `memres_enable_peer_access` does when PyTorch first needs it) reaches what was mapped
+/// before (two growth steps with a hole unmapped between them) and what is mapped after;
+/// a second grant, and one for the leaf's own device, change nothing.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn a_peer_granted_later_reaches_what_was_mapped_before_and_after() {
+    let Some(d1) = device_1_reaching_device_0() else {
+        return;
+    };
+    let leaf = CudaVirtual::with_config(d0(), CudaVirtualConfig::new()).unwrap();
+    let g = leaf.granularity();
+    let pool = leaf.virtual_pool(memres::VirtualPoolConfig::new()).unwrap();
+    let (a, hole, b) = (2 * g, 3 * g, 2 * g);
+    let blocks: Vec<_> = [a, hole, b]
+        .into_iter()
+        .map(|n| (pool.allocate_sync(layout(n).unwrap()).unwrap(), n))
+        .collect();
+    // SAFETY: from `pool` with this layout; never used.
+    unsafe { pool.deallocate_sync(blocks[1].0, layout(hole).unwrap()) };
+    pool.trim().unwrap();
+    assert_eq!(pool.upstream().mapped_bytes(), a + b, "two runs, a hole between");
+    assert_eq!(access_of_device_1(blocks[0].0.as_ptr() as u64), 0, "not yet");
+    pool.upstream().grant_access(d1).unwrap();
+    pool.upstream().grant_access(d1).unwrap();
+    pool.upstream().grant_access(d0()).unwrap();
+    assert_eq!(pool.upstream().accessible_from(), [d0(), d1]);
+    let later = 4 * g;
+    let mut reached = vec![blocks[0], blocks[2]];
+    reached.push((pool.allocate_sync(layout(later).unwrap()).unwrap(), later));
+    device_1_fills(&reached, g);
+    for (p, n) in reached {
+        // SAFETY: from `pool` with this layout; the work on it was waited for.
+        unsafe { pool.deallocate_sync(p, layout(n).unwrap()) };
+    }
 }
 
 #[test]

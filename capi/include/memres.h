@@ -183,6 +183,18 @@ int64_t memres_segments(int device, uint64_t* out, size_t capacity);
    returned. */
 int memres_trim(int device);
 
+/* Lets peer read and write the memory memres's in-place pools map on device (the default
+   stack's and every tag's): what they hold now and all they map later. An in-place
+   pool's memory is otherwise reachable from its own device only, as PyTorch's expandable
+   segments' is until its enablePeerAccess (which the native backend forwards here): each
+   device given access makes every map and unmap dearer. MEMRES_PEER_ACCESS=all gives
+   every peer-capable device access from the start instead. Does not call
+   cudaDeviceEnablePeerAccess (cudaMalloc memory's peer access is the caller's). MEMRES_OK,
+   also for peer == device; MEMRES_ERROR_CUDA where peer cannot reach device's memory or
+   there is no driver; MEMRES_ERROR_INVALID_ARGUMENT for an ordinal with no device or of
+   64 and above. A tag's pool made by another thread while the call runs may miss it. */
+int memres_enable_peer_access(int device, int peer);
+
 /* Bounds what memres's pools on device hold to bytes (below 0: no bound; 0: no growth):
    torch.cuda.set_per_process_memory_fraction. Each device-memory pool of the stack
    (every tier of a fallback(..), the pool under binning) and every tag's pool, those made

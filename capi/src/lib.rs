@@ -14,6 +14,7 @@
 
 mod exports;
 mod ipc;
+mod peers;
 mod profile;
 mod routed;
 mod segment_pools;
@@ -701,6 +702,42 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
         || {
             if let Some(stack) = built_stack(device)? {
                 stack.trim()?;
+            }
+            Ok(MEMRES_OK)
+        },
+    )
+}
+
+/// Lets `peer` read and write the memory memres's in-place pools map on `device` (the
+/// default stack's and every tag's): what they hold now and all they map later, as
+/// `cudaDeviceEnablePeerAccess` does for `cudaMalloc` memory (which the call does not
+/// do: that is the caller's). PyTorch's `enablePeerAccess`, which a copy or kernel
+/// between two devices reaches first, calls it under the native backend. Without it an
+/// in-place pool's memory is reachable from its own device only (the maps are cheaper:
+/// see `peers.rs`), unless `MEMRES_PEER_ACCESS=all`. 0 on success, also for `peer ==
+/// device`; `MEMRES_ERROR_CUDA` where `peer` cannot reach `device`'s memory (the message
+/// says so) or there is no driver; `MEMRES_ERROR_INVALID_ARGUMENT` for an ordinal with no
+/// device or of 64 and above. A
+/// tag's pool made by another thread while the call runs may miss it.
+#[unsafe(no_mangle)]
+pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+    guarded(
+        |code| code,
+        || {
+            let (on, by) = (DeviceId::new(device), DeviceId::new(peer));
+            if device == peer {
+                return Ok(MEMRES_OK);
+            }
+            // Both must be devices, and `by` able to reach `on`.
+            if !by.can_access_peer(on)? {
+                return Err(Error::unsupported(format!(
+                    "{by} cannot reach the memory of {on} (no peer access between them)"
+                ))
+                .into());
+            }
+            peers::record(on, by)?;
+            if let Some(stack) = built_stack(device)? {
+                stack.grant_access(by)?;
             }
             Ok(MEMRES_OK)
         },

@@ -182,16 +182,10 @@ pub(crate) fn new_tag_pool(
 }
 
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
-/// tag's): reachable from every peer, exportable where the device can.
+/// tag's): reachable from the peers granted so far (`peers.rs`), exportable where the
+/// device can.
 pub(crate) fn virtual_leaf(device: DeviceId, options: &LeafOptions) -> Result<CudaVirtual, Error> {
-    // Every device that can reach this one's memory may: copies between devices
-    // (`tensor.to("cuda:1")`) and peer kernels work as over `cudaMalloc` memory with
-    // peer access on, which memory mapped with `cuMemMap` only gets from an access
-    // descriptor per device.
-    let peers: Vec<DeviceId> = DeviceId::all()?
-        .into_iter()
-        .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
-        .collect();
+    let peers = crate::peers::of_new_leaf(device)?;
     let mut leaf = CudaVirtualConfig::new().peers(peers);
     if let Some(reserve) = options.reserve {
         leaf = leaf.reserve(reserve);

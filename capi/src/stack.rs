@@ -663,6 +663,22 @@ impl DeviceStack {
     /// arena's memory is one upstream allocation that it keeps while it lives, so it
     /// gives nothing back (0). Every pool is trimmed even if one fails; the first failure
     /// is returned.
+    /// Lets `peer` reach the memory of every in-place pool of the stack (every tier) and
+    /// of every tag's: `memres_enable_peer_access` (which records it for leaves made
+    /// later). Every pool is asked even if one fails; the first failure is returned.
+    pub(crate) fn grant_access(&self, peer: DeviceId) -> Result<(), Error> {
+        let tags = self.tags();
+        let leaves = (self.pools.in_place().iter().map(|pool| pool.upstream()))
+            .chain(tags.iter().map(|(_, pool)| pool.upstream()));
+        let mut first_error = None;
+        for leaf in leaves {
+            if let Err(e) = leaf.grant_access(peer) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// Bounds what each of the device's pools holds (the stack's device-memory pools and
     /// every tag's, those made later too): `memres_set_limit`.
     pub(crate) fn set_limit(&self, bytes: Option<usize>) {

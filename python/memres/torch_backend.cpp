@@ -33,6 +33,9 @@
 //   (memres_segment_pool_*: blocks, record_stream's held blocks, capture reuse, saved
 //   tables, and which pool holds an address: memres_segment_pool_holding); this file
 //   routes torch's calls to them and keeps no table of blocks.
+// - enablePeerAccess -> memres_enable_peer_access: the in-place pools of the device whose
+//   memory is reached grant the other device access (until then they map for their own
+//   device alone, as PyTorch's expandable segments do).
 // - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
 //   torch.multiprocessing sends CUDA tensors of memres in torch's own handle forms (the
 //   default in-place pool's blocks as expandable segments, chunked pools' as CUDA IPC
@@ -1632,10 +1635,22 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
   }
 
+  // torch asks this before its first copy or kernel between two devices
+  // (at::cuda::get_p2p_access): `dev` may then use the memory of `dev_to_access`. The
+  // base class enables the contexts' peer access (cudaMalloc memory); memres's in-place
+  // pools on `dev_to_access` then grant `dev` access to what they map, as PyTorch's
+  // expandable segments add a peer (until then they map for their own device alone,
+  // which makes growth cheaper: MEMRES_PEER_ACCESS=all grants every peer from the start).
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
+    TORCH_CHECK(
+        memres_enable_peer_access(dev_to_access, dev) == MEMRES_OK, "memres: ", memres_last_error());
+  }
+
   // Copies between devices go through cudaMemcpyPeerAsync: memres's default pool maps
   // memory with cuMemMap, which a plain cudaMemcpyAsync cannot copy between devices
   // without peer access (PyTorch's own allocator does the same for its expandable
-  // segments). The pool also grants access to every peer-capable device.
+  // segments).
   cudaError_t memcpyAsync(
       void* dst,
       int dst_device,

@@ -26,7 +26,11 @@ rank's CUDA work, next to the allocator's peak live bytes.
 
 --modes (default torch,expandable,memres) picks the allocators; `memres:SPEC` is memres
 with the stack SPEC (`MEMRES_RESOURCE`, e.g. `memres:pool` for the chunked pool rather
-than the default virtual pool), compared step by step as `memres` is.
+than the default virtual pool), compared step by step as `memres` is; any mode followed
+by `@VAR=VALUE` runs with that variable set (`memres@MEMRES_PEER_ACCESS=all`: the
+in-place pools' memory reachable from the other GPU from the start, as before 2026-11-28).
+The total of each rank 0's steps is printed too: the steps that grow the pools are in it,
+not in the medians.
 
 --rounds R (default 1) runs R rounds, each a group per allocator, alternating which goes
 first, and prints every round's median step per allocator (rank 0's; the ranks wait for
@@ -52,8 +56,24 @@ MODES = ("torch", "expandable", "memres")
 
 
 def is_memres(mode):
-    """`memres`, or `memres:SPEC` (memres with the stack SPEC)."""
-    return mode == "memres" or mode.startswith("memres:")
+    """`memres`, or `memres:SPEC` (memres with the stack SPEC), either with `@VAR=VALUE`."""
+    base = mode.split("@", 1)[0]
+    return base == "memres" or base.startswith("memres:")
+
+
+def mode_env(mode):
+    """The environment a mode's ranks get beyond the run's: `expandable`'s setting,
+    `memres:SPEC`'s stack, and `@VAR=VALUE` (any mode) as given."""
+    base, _, extra = mode.partition("@")
+    env = {}
+    if base == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if base.startswith("memres:"):
+        env["MEMRES_RESOURCE"] = base.split(":", 1)[1]
+    if extra:
+        name, _, value = extra.partition("=")
+        env[name] = value
+    return env
 
 
 def rank_main(mode, steps, deterministic):
@@ -159,10 +179,7 @@ def run_group(mode, gpus, steps, deterministic):
         # use (on its own stream) unless told to avoid it: the native backend's
         # record_stream path is exercised under memres.
         env.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")
-        if mode == "expandable":
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        if mode.startswith("memres:"):
-            env["MEMRES_RESOURCE"] = mode.split(":", 1)[1]
+        env.update(mode_env(mode))
         if deterministic:
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         args = [sys.executable, os.path.abspath(__file__), "--rank", mode, str(steps)]
@@ -203,9 +220,9 @@ def main():
     os.environ["MEMRES_DDP_PROFILE_STEPS"] = str(a.profile_steps)  # the ranks inherit it
     deterministic = not a.no_deterministic
     modes = tuple(m for m in a.modes.split(",") if m)
-    unknown = [m for m in modes if m not in MODES and not is_memres(m)]
+    unknown = [m for m in modes if m.split("@", 1)[0] not in MODES and not is_memres(m)]
     if unknown or not modes:
-        raise SystemExit(f"--modes: unknown {unknown or 'empty'}; use torch, expandable, memres, memres:SPEC")
+        raise SystemExit(f"--modes: unknown {unknown or 'empty'}; use torch, expandable, memres, memres:SPEC, each with @VAR=VALUE or not")
     print(f"{gpus} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}; nccl {torch.cuda.nccl.version()}")
     failures, rounds = [], []
     for n in range(max(1, a.rounds)):
@@ -240,6 +257,8 @@ def main():
     for mode in modes:
         steps = [f"{runs[mode][0]['median_step_s'] * 1e3:.2f}" for runs in rounds]
         print(f"{mode:7s} rank 0 median step by round (ms): {' / '.join(steps)}")
+        totals = [f"{sum(runs[mode][0]['step_s']):.2f}" for runs in rounds]
+        print(f"{mode:7s} rank 0 all steps by round (s): {' / '.join(totals)}")
     same = all(
         runs["torch"][0]["losses"] == runs[m][0]["losses"] for runs in rounds if "torch" in runs for m in filter(is_memres, modes)
     )

@@ -5,7 +5,11 @@
 memres.setup() installs the native backend; tensors on cuda:0 and cuda:1 come from each
 device's own stack: memres.stats(d) and torch.cuda.memory_allocated(d) follow them per
 device, a copy between the devices is right, record_stream of a side stream of device 1
-holds the block, and empty_cache() gives both devices' memory back.
+holds the block, and empty_cache() gives both devices' memory back. Copies that torch
+does with a kernel on one device writing the other's memory (strided, or changing the
+type) are right too: torch enables peer access first, which memres's in-place pools
+grant only then (`memres_enable_peer_access`), on what they hold and what they map
+after (a new 256 MiB tensor, a growth).
 """
 
 import json
@@ -37,6 +41,23 @@ def main():
         e = torch.full((96 * mib,), 3, dtype=torch.uint8, device="cuda:1")
         torch.cuda.synchronize(1)
     summed = int(d.item())
+    # Strided and type-changing copies between the devices: a kernel on the source device
+    # writes the destination's memory (torch's copy with peer access), before and after
+    # the destination's pool grows.
+    src = torch.arange(32 * mib, dtype=torch.int32, device="cuda:1")
+    strided = src[::2].to("cuda:0")
+    widened = src.to("cuda:0", dtype=torch.int64)
+    grown = torch.empty(64 * mib, dtype=torch.int32, device="cuda:0")
+    grown[::2].copy_(src[::2])
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    expect = torch.arange(32 * mib, dtype=torch.int64, device="cuda:0")
+    peer_copies = bool(
+        (strided == expect[::2]).all().item()
+        and (widened == expect).all().item()
+        and (grown[::2] == expect[::2]).all().item()
+    )
+    del src, strided, widened, grown, expect
     del a, c, d, e
     torch.cuda.synchronize(0)
     torch.cuda.empty_cache()
@@ -45,6 +66,7 @@ def main():
         "live_bytes": live,
         "memory_allocated": allocated,
         "copy_right": copied,
+        "peer_copies_right": peer_copies,
         "side_stream_sum": summed,
         "pool_size_after_empty_cache": {d: after[d].get("pool_size") for d in (0, 1)},
     }
@@ -53,6 +75,7 @@ def main():
         and live[1] >= 96 * mib
         and allocated == live
         and copied
+        and peer_copies
         and summed == 2 * 96 * mib
         and all(after[d]["live_bytes"] == 0 for d in (0, 1))
     )

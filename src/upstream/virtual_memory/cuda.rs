@@ -95,8 +95,8 @@ pub struct CudaPhysical {
     len: usize,
     granularity: usize,
     /// The devices that may read and write the memory (ours first, then its peers), by
-    /// ordinal.
-    access: Vec<i32>,
+    /// ordinal: every map gives them access; [`Virtual::grant_access`] adds to them.
+    access: std::sync::Mutex<Vec<i32>>,
     export: ExportHandle,
     /// While [`Backend::keep_unmapped`] is on: the allocations of granules unmapped since,
     /// each with our reference, for `map` to use before creating new ones.
@@ -172,6 +172,66 @@ impl Virtual<CudaPhysical> {
         // SAFETY: the driver handed us a new descriptor that nothing else owns.
         Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
+    /// Lets `peer` read and write the leaf's memory: every range mapped now
+    /// (`cuMemSetAccess`, one call a run of mapped granules) and every map from now on,
+    /// as [`CudaVirtualConfig::peers`] does from the start. This is how PyTorch's
+    /// expandable segments add a peer: when a program first needs it, since access for
+    /// more devices makes every map and unmap dearer (on two H200s, `cuMemSetAccess` for
+    /// two devices costs about four times what it costs for one: `BENCHMARKS.md`).
+    ///
+    /// A peer granted already, or the leaf's own device, is `Ok` at once;
+    /// [`Error::Unsupported`] where `peer` cannot reach this device's memory. Waits for
+    /// the maps and unmaps under way. On an error the peer may reach part of what is
+    /// mapped, and later maps do not give it access.
+    ///
+    /// ```no_run
+    /// use memres::{CudaVirtual, DeviceId, upstream::CudaVirtualConfig};
+    ///
+    /// let leaf = CudaVirtual::with_config(DeviceId::new(0), CudaVirtualConfig::new())?;
+    /// leaf.grant_access(DeviceId::new(1))?; // kernels on GPU 1 may now use its memory
+    /// assert_eq!(leaf.accessible_from(), [DeviceId::new(0), DeviceId::new(1)]);
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn grant_access(&self, peer: DeviceId) -> Result<(), Error> {
+        let b = &self.backend;
+        let own = b.ctx.device();
+        if peer == own {
+            return Ok(());
+        }
+        let _changing = self.changing_access();
+        if b.access().contains(&peer.ordinal()) {
+            return Ok(());
+        }
+        if !peer.can_access_peer(own)? {
+            return Err(Error::unsupported(format!(
+                "{peer} cannot reach the memory of {own} (no peer access between them)"
+            )));
+        }
+        let _current = bind(b.ctx)?;
+        let g = b.granularity;
+        // No map or unmap is under way (`_changing`): every run is mapped whole.
+        let runs = self.lock().mapped_runs();
+        for (first, n) in runs {
+            let (addr, len) = (b.base + first * g, n * g);
+            // SAFETY: a run of mapped granules of our reservation, which stays mapped
+            // while `_changing` keeps every unmap out.
+            unsafe { Active::vm_set_access(addr, len, &[peer.ordinal()], len) }?;
+        }
+        b.access().push(peer.ordinal());
+        Ok(())
+    }
+
+    /// The devices that may read and write the leaf's memory: its own first, then the
+    /// peers named in its [`CudaVirtualConfig::peers`] or granted since
+    /// ([`grant_access`](Self::grant_access)).
+    pub fn accessible_from(&self) -> Vec<DeviceId> {
+        self.backend
+            .access()
+            .iter()
+            .map(|&ordinal| DeviceId::new(ordinal))
+            .collect()
+    }
+
     /// POSIX file descriptors for the granules under `addr..addr + len` (all mapped), in
     /// address order, and the first granule's address: what another process needs to map
     /// the same memory ([`Imported::map_fds`](crate::upstream::Imported::map_fds)). The
@@ -247,10 +307,15 @@ impl CudaPhysical {
             base,
             len,
             granularity,
-            access,
+            access: std::sync::Mutex::new(access),
             export: config.export,
             spare: std::sync::Mutex::new(None),
         })
+    }
+
+    /// The devices that may reach the memory, locked.
+    fn access(&self) -> std::sync::MutexGuard<'_, Vec<i32>> {
+        crate::sync::lock_std(&self.access)
     }
 
     /// The spare allocations, locked.
@@ -317,9 +382,10 @@ impl Backend for CudaPhysical {
                 mapped?;
                 done += g;
             }
+            let access = self.access().clone();
             // SAFETY: `addr..addr + len` is mapped (above); the descriptors name our device
             // and its peers.
-            unsafe { Active::vm_set_access(addr, len, &self.access, len) }
+            unsafe { Active::vm_set_access(addr, len, &access, len) }
         })();
         if result.is_err() {
             self.unmap_granules(addr, done);

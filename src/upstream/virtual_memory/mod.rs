@@ -310,6 +310,11 @@ pub unsafe trait GrowInPlace: Resource {
 pub struct Virtual<B: Backend> {
     backend: B,
     granules: Mutex<Granules>,
+    /// Held shared by every map and unmap from its check of the granules to its record of
+    /// them, and exclusively by a change of which devices may reach the memory
+    /// (`Virtual::grant_access`): such a change sees every mapped range whole (none half
+    /// made), and every map after it gives the new access.
+    maps: std::sync::RwLock<()>,
     /// The most granules mapped at once (a simulated device's memory for `HostVirtual`;
     /// unbounded for `CudaVirtual`, whose driver says when memory runs out).
     limit: usize,
@@ -321,6 +326,7 @@ impl<B: Backend> Virtual<B> {
         let g = backend.granularity();
         Virtual {
             granules: Mutex::new(Granules::new(len / g)),
+            maps: std::sync::RwLock::new(()),
             limit: limit_bytes / g,
             backend,
         }
@@ -357,6 +363,22 @@ impl<B: Backend> Virtual<B> {
 
     fn lock(&self) -> MutexGuard<'_, Granules> {
         crate::sync::lock(&self.granules)
+    }
+
+    /// Held by a map or an unmap for its whole course (see [`Virtual::maps`]); taken
+    /// before the granules' lock.
+    fn mapping(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.maps
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Held by a change of which devices may reach the memory: no map or unmap is under
+    /// way while it lives.
+    fn changing_access(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
+        self.maps
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The granule range of `addr..addr + len`, if both ends are granule-aligned and
@@ -421,6 +443,7 @@ unsafe impl<B: Backend> SyncResource for Virtual<B> {
             )));
         }
         let n = layout.size().div_ceil(g);
+        let _mapping = self.mapping();
         let mut granules = self.lock();
         let first = granules
             .find_unmapped(n)
@@ -481,6 +504,7 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
                 "{len} bytes at {addr:#x} are not whole granules of the reservation"
             )));
         };
+        let _mapping = self.mapping();
         {
             let mut granules = self.lock();
             if !granules.all(first, n, false) {
@@ -513,6 +537,7 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
             );
             return;
         };
+        let _mapping = self.mapping();
         if !self.lock().all(first, n, true) {
             tracing::error!(addr, len, "memres: unmap of granules that are not mapped");
             return;
