@@ -535,8 +535,16 @@ fn a_peer_granted_later_reaches_what_was_mapped_before_and_after() {
     // SAFETY: from `pool` with this layout; never used.
     unsafe { pool.deallocate_sync(blocks[1].0, layout(hole).unwrap()) };
     pool.trim().unwrap();
-    assert_eq!(pool.upstream().mapped_bytes(), a + b, "two runs, a hole between");
-    assert_eq!(access_of_device_1(blocks[0].0.as_ptr() as u64), 0, "not yet");
+    assert_eq!(
+        pool.upstream().mapped_bytes(),
+        a + b,
+        "two runs, a hole between"
+    );
+    assert_eq!(
+        access_of_device_1(blocks[0].0.as_ptr() as u64),
+        0,
+        "not yet"
+    );
     pool.upstream().grant_access(d1).unwrap();
     pool.upstream().grant_access(d1).unwrap();
     pool.upstream().grant_access(d0()).unwrap();

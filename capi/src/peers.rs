@@ -2,7 +2,7 @@
 //!
 //! A `CudaVirtual` leaf gives access to the devices it names on every map and unmap,
 //! and each one costs those calls (on two H200s, `cuMemSetAccess` for two devices takes
-//! about four times what one takes; `BENCHMARKS.md`). So, as PyTorch's expandable
+//! about three times what one takes; `BENCHMARKS.md`). So, as PyTorch's expandable
 //! segments do, a leaf starts with its own device alone, and a peer is added when the
 //! program asks for it (`memres_enable_peer_access`, which PyTorch's `enablePeerAccess`
 //! reaches before its first copy or kernel between the two devices): the leaves that
@@ -82,7 +82,10 @@ mod tests {
         record(on, DeviceId::new(63)).unwrap();
         assert_eq!(of_new_leaf(on).unwrap(), [by, DeviceId::new(63)]);
         assert!(of_new_leaf(other).unwrap().is_empty());
-        for (d, p) in [(DeviceId::new(MAX_DEVICES as i32), by), (on, DeviceId::new(-1))] {
+        for (d, p) in [
+            (DeviceId::new(MAX_DEVICES as i32), by),
+            (on, DeviceId::new(-1)),
+        ] {
             assert!(matches!(record(d, p), Err(Error::InvalidArgument(_))));
         }
         assert!(of_new_leaf(DeviceId::new(-1)).unwrap().is_empty());

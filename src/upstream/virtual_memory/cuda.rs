@@ -44,7 +44,12 @@ impl CudaVirtualConfig {
         self
     }
 
-    /// Other devices that may read and write the memory (peer access over NVLink/PCIe).
+    /// Other devices that may read and write the memory (peer access over NVLink/PCIe),
+    /// from the start. Each one makes every map and unmap dearer (on two H200s a granule's
+    /// `cuMemSetAccess` took 105 us for two devices against 34 for one, its `cuMemUnmap`
+    /// 58 against 22: `BENCHMARKS.md`), so name only the peers that will use the memory,
+    /// or add one when it is first needed with
+    /// [`CudaVirtual::grant_access`](super::Virtual::grant_access), as the C ABI does.
     #[must_use]
     pub fn peers(mut self, devices: impl IntoIterator<Item = DeviceId>) -> CudaVirtualConfig {
         self.peers = devices.into_iter().collect();
@@ -177,7 +182,7 @@ impl Virtual<CudaPhysical> {
     /// as [`CudaVirtualConfig::peers`] does from the start. This is how PyTorch's
     /// expandable segments add a peer: when a program first needs it, since access for
     /// more devices makes every map and unmap dearer (on two H200s, `cuMemSetAccess` for
-    /// two devices costs about four times what it costs for one: `BENCHMARKS.md`).
+    /// two devices costs about three times what it costs for one: `BENCHMARKS.md`).
     ///
     /// A peer granted already, or the leaf's own device, is `Ok` at once;
     /// [`Error::Unsupported`] where `peer` cannot reach this device's memory. Waits for
@@ -185,7 +190,7 @@ impl Virtual<CudaPhysical> {
     /// mapped, and later maps do not give it access.
     ///
     /// ```no_run
-    /// use memres::{CudaVirtual, DeviceId, upstream::CudaVirtualConfig};
+    /// use memres::{CudaVirtual, device::DeviceId, upstream::CudaVirtualConfig};
     ///
     /// let leaf = CudaVirtual::with_config(DeviceId::new(0), CudaVirtualConfig::new())?;
     /// leaf.grant_access(DeviceId::new(1))?; // kernels on GPU 1 may now use its memory
