@@ -2,15 +2,19 @@
 //!
 //! A `CudaVirtual` leaf gives access to the devices it names on every map and unmap,
 //! and each one costs those calls (on two H200s, `cuMemSetAccess` for two devices takes
-//! about three times what one takes; `BENCHMARKS.md`). So, as PyTorch's expandable
-//! segments do, a leaf starts with its own device alone, and a peer is added when the
-//! program asks for it (`memres_enable_peer_access`, which PyTorch's `enablePeerAccess`
-//! reaches before its first copy or kernel between the two devices): the leaves that
-//! exist grant it at once, those made later from the start. `MEMRES_PEER_ACCESS=all`
-//! gives every peer-capable device access from the start instead.
+//! about three times what one takes; `BENCHMARKS.md`). By default a leaf names every
+//! device that can reach its memory, so that kernels on a peer work over memres's memory
+//! as over `cudaMalloc` memory with the contexts' peer access on. A caller that tells
+//! memres when a peer needs access (`memres_enable_peer_access`) can switch to peers on
+//! demand (`memres_peer_access_on_demand`), as PyTorch's expandable segments add a peer:
+//! the native PyTorch backend does, since torch's `enablePeerAccess` comes before its
+//! first copy or kernel between two devices. Then a leaf starts with its own device, the
+//! leaves that exist grant a peer when it is asked for, and those made later name it from
+//! the start. `MEMRES_PEER_ACCESS=all` or `=on_demand` chooses for the whole process,
+//! whatever the callers ask.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use mr::Error;
 use mr::device::DeviceId;
@@ -37,26 +41,55 @@ pub(crate) fn record(device: DeviceId, peer: DeviceId) -> Result<(), Error> {
     }
 }
 
-/// The peers a new leaf on `device` gives access to from the start: those granted so
-/// far, or every device that can reach it under `MEMRES_PEER_ACCESS=all`.
+/// Set by `memres_peer_access_on_demand`: leaves made from then on name only the peers
+/// granted (unless `MEMRES_PEER_ACCESS` says otherwise).
+static ON_DEMAND: AtomicBool = AtomicBool::new(false);
+
+/// Leaves made from now on give access to the peers granted only (see the module's
+/// docs).
+pub(crate) fn on_demand() {
+    ON_DEMAND.store(true, Ordering::Release);
+}
+
+/// The peers a new leaf on `device` gives access to from the start: every device that
+/// can reach its memory, or only those granted so far where peers come on demand.
 pub(crate) fn of_new_leaf(device: DeviceId) -> Result<Vec<DeviceId>, Error> {
-    if every_peer() {
+    if every_peer()? {
         return Ok(DeviceId::all()?
             .into_iter()
             .filter(|&peer| peer.can_access_peer(device).unwrap_or(false))
             .collect());
     }
-    let granted = index(device).map_or(0, |d| GRANTED[d].load(Ordering::Acquire));
-    Ok((0..MAX_DEVICES)
-        .filter(|&p| granted & (1 << p) != 0)
-        .map(|p| DeviceId::new(p as i32))
-        .collect())
+    Ok(granted(device))
 }
 
-/// `MEMRES_PEER_ACCESS=all`, read once.
-fn every_peer() -> bool {
-    static ALL: OnceLock<bool> = OnceLock::new();
-    *ALL.get_or_init(|| std::env::var("MEMRES_PEER_ACCESS").is_ok_and(|v| v == "all"))
+/// The peers granted access to `device`'s memory so far.
+fn granted(device: DeviceId) -> Vec<DeviceId> {
+    let bits = index(device).map_or(0, |d| GRANTED[d].load(Ordering::Acquire));
+    (0..MAX_DEVICES)
+        .filter(|&p| bits & (1 << p) != 0)
+        .map(|p| DeviceId::new(p as i32))
+        .collect()
+}
+
+/// Whether new leaves name every peer: `MEMRES_PEER_ACCESS` (read once) where set, else
+/// unless a caller asked for peers on demand. A value other than `all` and `on_demand` is
+/// [`Error::InvalidArgument`] (the stack is not built).
+fn every_peer() -> Result<bool, Error> {
+    static CHOSEN: OnceLock<Result<Option<bool>, String>> = OnceLock::new();
+    let chosen = CHOSEN.get_or_init(|| match std::env::var("MEMRES_PEER_ACCESS").as_deref() {
+        Ok("all") => Ok(Some(true)),
+        Ok("on_demand") => Ok(Some(false)),
+        Ok(other) => Err(format!(
+            "MEMRES_PEER_ACCESS={other}: use `all` (every peer from the start) or \
+             `on_demand`"
+        )),
+        Err(_) => Ok(None),
+    });
+    match chosen {
+        Ok(choice) => Ok(choice.unwrap_or_else(|| !ON_DEMAND.load(Ordering::Acquire))),
+        Err(why) => Err(Error::invalid_argument(why.clone())),
+    }
 }
 
 /// `device`'s place in [`GRANTED`], if it has one.
@@ -68,26 +101,26 @@ fn index(device: DeviceId) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_DEVICES, of_new_leaf, record};
+    use super::{MAX_DEVICES, granted, record};
     use mr::Error;
     use mr::device::DeviceId;
 
     #[test]
-    fn a_grant_reaches_the_leaves_made_later_on_that_device_only() {
+    fn a_grant_is_kept_for_the_leaves_made_later_on_that_device_only() {
         // Devices no other test grants on (the table is the process's).
         let (on, by, other) = (DeviceId::new(41), DeviceId::new(7), DeviceId::new(42));
-        assert!(of_new_leaf(on).unwrap().is_empty(), "none at first");
+        assert!(granted(on).is_empty(), "none at first");
         record(on, by).unwrap();
         record(on, by).unwrap();
         record(on, DeviceId::new(63)).unwrap();
-        assert_eq!(of_new_leaf(on).unwrap(), [by, DeviceId::new(63)]);
-        assert!(of_new_leaf(other).unwrap().is_empty());
+        assert_eq!(granted(on), [by, DeviceId::new(63)]);
+        assert!(granted(other).is_empty());
         for (d, p) in [
             (DeviceId::new(MAX_DEVICES as i32), by),
             (on, DeviceId::new(-1)),
         ] {
             assert!(matches!(record(d, p), Err(Error::InvalidArgument(_))));
         }
-        assert!(of_new_leaf(DeviceId::new(-1)).unwrap().is_empty());
+        assert!(granted(DeviceId::new(-1)).is_empty());
     }
 }

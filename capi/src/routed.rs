@@ -122,6 +122,16 @@ pub(crate) fn set_limit<D, P: Reserved>(router: &Router<D, Arc<P>, Tags<P>>, byt
     );
 }
 
+/// Runs `each` on every tag's pool of `router` while no pool is made: a pool made beside
+/// this call is either made first (and `each` sees it) or after, when it reads what the
+/// caller changed before (`memres_enable_peer_access`'s grants).
+pub(crate) fn each_tag_pool<D, P: Reserved>(
+    router: &Router<D, Arc<P>, Tags<P>>,
+    each: impl FnMut(&Arc<P>),
+) {
+    router.update(|_| {}, each);
+}
+
 /// Every tag's pool of `router`, with its tag id.
 pub(crate) fn tag_pools<D, P>(router: &Router<D, Arc<P>, Tags<P>>) -> Vec<(usize, Arc<P>)> {
     router

@@ -658,24 +658,22 @@ impl DeviceStack {
         }
     }
 
-    /// Gives entirely free memory back: every pool of the stack (every tier, every bin)
-    /// and every tag's; returns the bytes released where the layers know them. An
-    /// arena's memory is one upstream allocation that it keeps while it lives, so it
-    /// gives nothing back (0). Every pool is trimmed even if one fails; the first failure
-    /// is returned.
     /// Lets `peer` reach the memory of every in-place pool of the stack (every tier) and
-    /// of every tag's: `memres_enable_peer_access` (which records it for leaves made
-    /// later). Every pool is asked even if one fails; the first failure is returned.
+    /// of every tag's, those made while this runs too: `memres_enable_peer_access`, which
+    /// records the grant (`peers::record`) before it calls this, so that leaves made later
+    /// give it from the start. Every pool is asked even if one fails; the first failure
+    /// is returned.
     pub(crate) fn grant_access(&self, peer: DeviceId) -> Result<(), Error> {
-        let tags = self.tags();
-        let leaves = (self.pools.in_place().iter().map(|pool| pool.upstream()))
-            .chain(tags.iter().map(|(_, pool)| pool.upstream()));
         let mut first_error = None;
-        for leaf in leaves {
+        let mut grant = |leaf: &CudaVirtual| {
             if let Err(e) = leaf.grant_access(peer) {
                 first_error.get_or_insert(e);
             }
+        };
+        for pool in self.pools.in_place() {
+            grant(pool.upstream());
         }
+        routed::each_tag_pool(&self.routed, |pool| grant(pool.upstream()));
         first_error.map_or(Ok(()), Err)
     }
 
@@ -686,6 +684,11 @@ impl DeviceStack {
         routed::set_limit(&self.routed, bytes);
     }
 
+    /// Gives entirely free memory back: every pool of the stack (every tier, every bin)
+    /// and every tag's; returns the bytes released where the layers know them. An
+    /// arena's memory is one upstream allocation that it keeps while it lives, so it
+    /// gives nothing back (0). Every pool is trimmed even if one fails; the first failure
+    /// is returned.
     pub(crate) fn trim(&self) -> Result<u64, Error> {
         let mut tagged = 0;
         let mut failed = None;

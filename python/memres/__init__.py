@@ -23,7 +23,15 @@ The library is the ``libmemres.so`` installed inside this package (``pip install
 """
 
 from ._cupy import cupy_allocator
-from ._device import configure, init_device, reset_peak, stats, tier_stats, trim
+from ._device import (
+    configure,
+    enable_peer_access,
+    init_device,
+    reset_peak,
+    stats,
+    tier_stats,
+    trim,
+)
 from ._native import (
     ERROR_ASLEEP,
     ERROR_CUDA,
@@ -56,6 +64,7 @@ __all__ = [
     "Setup",
     "configure",
     "cupy_allocator",
+    "enable_peer_access",
     "init_device",
     "is_asleep",
     "install_torch",

@@ -95,3 +95,19 @@ def trim(device: int = 0) -> None:
     ``torch.cuda.empty_cache()`` does for PyTorch's own allocator). An ``arena`` stack
     keeps its one allocation while it lives, so trimming it frees nothing."""
     check(lib().memres_trim(device_ordinal(device, "memres.trim(): device")))
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Lets ``peer`` read and write the memory memres's in-place pools map on ``device``
+    (what they hold and all they map later). Needed only where peers come on demand:
+    under the native PyTorch backend, which does this itself when torch enables peer
+    access (before its copies between devices); a program that reaches another device's
+    memory outside torch there (a CuPy or custom kernel) calls it first. Elsewhere every
+    peer-capable device has access from the start (``MEMRES_PEER_ACCESS`` chooses for the
+    process: ``all`` or ``on_demand``)."""
+    check(
+        lib().memres_enable_peer_access(
+            device_ordinal(device, "memres.enable_peer_access(): device"),
+            device_ordinal(peer, "memres.enable_peer_access(): peer"),
+        )
+    )

@@ -162,6 +162,7 @@ def _prototypes(lib: ctypes.CDLL) -> None:
         "memres_free": ([c.c_void_p, c.c_ssize_t, c.c_int, c.c_void_p], None),
         "memres_stats": ([c.c_int, c.POINTER(Stats)], c.c_int),
         "memres_trim": ([c.c_int], c.c_int),
+        "memres_enable_peer_access": ([c.c_int, c.c_int], c.c_int),
         "memres_reset_peak": ([c.c_int], c.c_int),
         "memres_record_stream": ([c.c_void_p, c.c_int, c.c_void_p], c.c_int),
         "memres_last_error": ([], c.c_char_p),

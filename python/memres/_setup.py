@@ -110,13 +110,14 @@ def setup(
 
     1. ``configure(spec)`` when a spec is given (else env ``MEMRES_RESOURCE``, else the
        default ``"virtual_pool"``), for every device;
-    2. builds the stacks of ``devices`` now, so that a device that cannot serve the spec
+    2. makes memres PyTorch's CUDA allocator (``torch=True``; before torch's first CUDA
+       allocation: the native backend, so that ``record_stream``, ``memory_stats`` and
+       ``empty_cache`` reach memres, and peer access comes on demand; see
+       :func:`memres.install_torch`);
+    3. builds the stacks of ``devices`` now, so that a device that cannot serve the spec
        fails here (``None``: each device's stack is built on its first allocation, and
        devices the program never touches cost nothing);
-    3. makes memres PyTorch's CUDA allocator (``torch=True``; before torch's first CUDA
-       allocation: the native backend, so that ``record_stream``, ``memory_stats`` and
-       ``empty_cache`` reach memres; see :func:`memres.install_torch`) and CuPy's
-       (``cupy=True``).
+    4. makes memres CuPy's allocator (``cupy=True``).
 
     Raises :class:`MemresError` at once, saying what is missing, where torch (or CuPy)
     is asked for and not installed, or where the machine has no CUDA driver; TypeError or
@@ -141,12 +142,14 @@ def setup(
     if spec is not None:
         configure(spec)
     _require_driver()
-    for device in listed or []:
-        init_device(device)
     if torch:
         from ._torch import install
 
+        # Before the stacks are built: under the native backend their pools give a peer
+        # access when torch asks for it, not from the start.
         install()
+    for device in listed or []:
+        init_device(device)
     if cupy:
         import cupy as _cupy
 

@@ -35,7 +35,8 @@
 //   routes torch's calls to them and keeps no table of blocks.
 // - enablePeerAccess -> memres_enable_peer_access: the in-place pools of the device whose
 //   memory is reached grant the other device access (until then they map for their own
-//   device alone, as PyTorch's expandable segments do).
+//   device alone, as PyTorch's expandable segments do: memres_peer_access_on_demand at
+//   install).
 // - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
 //   torch.multiprocessing sends CUDA tensors of memres in torch's own handle forms (the
 //   default in-place pool's blocks as expandable segments, chunked pools' as CUDA IPC
@@ -1639,8 +1640,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // (at::cuda::get_p2p_access): `dev` may then use the memory of `dev_to_access`. The
   // base class enables the contexts' peer access (cudaMalloc memory); memres's in-place
   // pools on `dev_to_access` then grant `dev` access to what they map, as PyTorch's
-  // expandable segments add a peer (until then they map for their own device alone,
-  // which makes growth cheaper: MEMRES_PEER_ACCESS=all grants every peer from the start).
+  // expandable segments add a peer (memres_torch_install asked for peers on demand, so
+  // until then they map for their own device alone, which makes growth cheaper). torch
+  // notes the pair as enabled before it calls this, and does not ask again: a failure
+  // here raises, and the copy or kernel that asked is not run.
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
     CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
     TORCH_CHECK(
@@ -1854,6 +1857,9 @@ extern "C" const char* memres_torch_install() {
     // would read an allocator that never ran (an empty memory_stats(), a no-op
     // empty_cache()). memres is registered there too, above torch's priority.
     c10::SetAllocator(c10::DeviceType::CUDA, allocator.get(), /*priority=*/1);
+    // torch says when a device needs another's memory (enablePeerAccess, above): the
+    // in-place pools made from now on map for their own device until then.
+    memres_peer_access_on_demand();
     return nullptr;
   } catch (const std::exception& e) {
     error = e.what();

@@ -8,12 +8,30 @@ device, a copy between the devices is right, record_stream of a side stream of d
 holds the block, and empty_cache() gives both devices' memory back. Copies that torch
 does with a kernel on one device writing the other's memory (strided, or changing the
 type) are right too: torch enables peer access first, which memres's in-place pools
-grant only then (`memres_enable_peer_access`), on what they hold and what they map
-after (a new 256 MiB tensor, a growth).
+grant only then under the native backend (`memres_enable_peer_access`; device 1 has no
+access to device 0's memory before the first copy, read and write after), on what they
+hold and what they map after (a new 256 MiB tensor, a growth).
 """
 
+import ctypes
 import json
+import os
 import sys
+
+
+def device_1_access(ptr):
+    """The access device 1 has to the mapped memory at `ptr` (cuMemGetAccess: 0 none, 3
+    read and write)."""
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    flags = ctypes.c_ulonglong(0)
+    at = Location(1, 1)  # CU_MEM_LOCATION_TYPE_DEVICE, device 1
+    status = cuda.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(at), ctypes.c_void_p(ptr))
+    assert status == 0, f"cuMemGetAccess: CUresult {status}"
+    return flags.value
 
 
 def main():
@@ -28,7 +46,13 @@ def main():
     b = torch.full((96 * mib,), 2, dtype=torch.uint8, device="cuda:1")
     live = {d: memres.stats(d)["live_bytes"] for d in (0, 1)}
     allocated = {d: torch.cuda.memory_allocated(d) for d in (0, 1)}
+    # Peers on demand (the native backend's choice): device 1 reaches device 0's memory
+    # only once torch enables peer access, before its first copy between them.
+    every_peer = os.environ.get("MEMRES_PEER_ACCESS") == "all" or memres.torch_backend() != "native"
+    access_before = device_1_access(a.data_ptr())
     c = b.to("cuda:0")
+    access_after = device_1_access(a.data_ptr())
+    peers_on_demand = access_after == 3 and access_before == (3 if every_peer else 0)
     copied = bool((c == 2).all().item())
     side = torch.cuda.Stream(device="cuda:1")
     with torch.cuda.device(1):
@@ -65,6 +89,7 @@ def main():
     result = {
         "live_bytes": live,
         "memory_allocated": allocated,
+        "device_1_access_to_device_0_before_and_after_the_first_copy": [access_before, access_after],
         "copy_right": copied,
         "peer_copies_right": peer_copies,
         "side_stream_sum": summed,
@@ -75,6 +100,7 @@ def main():
         and live[1] >= 96 * mib
         and allocated == live
         and copied
+        and peers_on_demand
         and peer_copies
         and summed == 2 * 96 * mib
         and all(after[d]["live_bytes"] == 0 for d in (0, 1))

@@ -161,6 +161,17 @@ class Sleep(unittest.TestCase):
             self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
             self.assertIn("driver", str(caught.exception).lower())
 
+    def test_without_a_driver_peer_access_fails_cleanly(self):
+        for device, peer in ((0, 1), (0, 0)):
+            with self.assertRaises(memres.MemresError) as caught:
+                memres.enable_peer_access(device, peer)
+            self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
+            self.assertIn("driver", str(caught.exception).lower())
+        with self.assertRaises(ValueError):
+            memres.enable_peer_access(0, 2**40)
+        with self.assertRaises(TypeError):
+            memres.enable_peer_access(0, "1")
+
 
 class Arguments(unittest.TestCase):
     """Bad arguments get Python's exceptions naming them, before the C ABI is called;
