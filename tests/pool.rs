@@ -292,6 +292,13 @@ fn a_capped_pool_trims_and_retries() {
         let stats = pool.stats();
         assert_eq!(stats.upstream_allocations, 1, "{growth:?}");
         assert_eq!(stats.pool_size, chunk, "{growth:?}");
+        // Three chunks taken, the first two given back (PyTorch's num_device_alloc and
+        // num_device_free).
+        assert_eq!(
+            (stats.upstream_allocs, stats.upstream_frees),
+            (3, 2),
+            "{growth:?}"
+        );
         match pool.allocate(s, three) {
             Err(Error::OutOfMemory {
                 requested, limit, ..
@@ -303,7 +310,13 @@ fn a_capped_pool_trims_and_retries() {
         // SAFETY: as above.
         unsafe { pool.deallocate(s, c, three) };
         assert_eq!(pool.trim().unwrap(), chunk);
-        assert_eq!(pool.stats().pool_size, 0);
+        let stats = pool.stats();
+        assert_eq!(stats.pool_size, 0);
+        assert_eq!(
+            (stats.upstream_allocs, stats.upstream_frees),
+            (3, 3),
+            "{growth:?}"
+        );
     }
 }
 

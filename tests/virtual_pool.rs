@@ -9,7 +9,7 @@ use std::sync::mpsc;
 
 use common::CoalescingPool;
 use common::{Step, step};
-use memres::suballoc::{Growth, Pool, PoolConfig, VirtualPool, VirtualPoolConfig};
+use memres::suballoc::{Growth, Pool, PoolConfig, SleepMode, VirtualPool, VirtualPoolConfig};
 use memres::{
     Error, HostHeap, Resource, StreamRef, SyncResource, layout,
     resource::layout_with_alignment,
@@ -55,6 +55,48 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
         "blocks merge across growths"
     );
     assert_eq!(stats.free_blocks, 1);
+}
+
+/// `upstream_allocs` and `upstream_frees` (PyTorch's `num_device_alloc` and
+/// `num_device_free`) count the maps and unmapped runs: one a growth, one a run a trim
+/// gives back, one a piece a sleep unmaps and a wake maps again.
+#[test]
+fn maps_and_unmaps_are_counted() {
+    let pool = virtual_pool(VirtualPoolConfig::new());
+    let s = StreamRef::host(1);
+    let calls = |pool: &VirtualPool<HostVirtual>| {
+        let st = pool.stats();
+        (st.upstream_allocs, st.upstream_frees)
+    };
+    assert_eq!(calls(&pool), (0, 0));
+    let (big, next) = (layout(5 * G).unwrap(), layout(3 * G).unwrap());
+    let pa = pool.allocate(s, big).unwrap();
+    let pb = pool.allocate(s, next).unwrap();
+    assert_eq!(calls(&pool), (2, 0), "two growths, each one map");
+    assert_eq!(
+        pool.segments().len(),
+        1,
+        "the second growth joined the first"
+    );
+    // SAFETY: allocated above with its layout on `s`; unused afterwards.
+    unsafe { pool.deallocate(s, pa, big) };
+    pool.trim().unwrap();
+    assert_eq!(calls(&pool), (2, 1), "the trim unmapped one run");
+    assert_eq!(pool.stats().pool_size, 3 * G);
+    // SAFETY: nothing uses the pool's memory until the wake (`pb` is not read).
+    unsafe { pool.sleep(SleepMode::Discard) }.unwrap();
+    assert_eq!(
+        calls(&pool),
+        (2, 2),
+        "the sleep unmapped the one piece left"
+    );
+    pool.wake().unwrap();
+    assert_eq!(calls(&pool), (3, 2), "the wake mapped it again");
+    // SAFETY: as above.
+    unsafe { pool.deallocate(s, pb, next) };
+    pool.trim().unwrap();
+    assert_eq!(calls(&pool), (3, 3));
+    assert_eq!(pool.stats().pool_size, 0);
 }
 
 #[test]

@@ -89,6 +89,10 @@ typedef struct memres_stats_t {
     uint64_t pool_peak_size;       /* most bytes held at once since build or reset_peak */
     uint64_t pool_host_copy_bytes; /* host copies of pool contents: during an offload
                                       sleep, and after its wake until memres_trim */
+    uint64_t pool_upstream_allocs; /* device-memory pools' calls that took memory from
+                                      the driver (a chunk allocated, a run of granules
+                                      mapped) since built: torch's num_device_alloc */
+    uint64_t pool_upstream_frees;  /* their calls that gave it back: num_device_free */
 } memres_stats_t;
 
 /* Chooses every device's stack; call before the first allocation. MEMRES_OK, or

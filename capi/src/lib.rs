@@ -122,6 +122,12 @@ pub struct memres_stats_t {
     /// `MEMRES_SLEEP_OFFLOAD`, and after its wake until `memres_trim` (kept for the next
     /// sleep). 0 for stacks that cannot sleep.
     pub pool_host_copy_bytes: u64,
+    /// Calls of the stack's device-memory pools that took memory from the driver (a
+    /// chunk allocated, a run of granules mapped) since they were made: PyTorch's
+    /// `num_device_alloc`. 0 for a stack without such a pool.
+    pub pool_upstream_allocs: u64,
+    /// Calls that gave it back (a chunk freed, a run unmapped): `num_device_free`.
+    pub pool_upstream_frees: u64,
 }
 
 /// A failure on its way to C: a code and a message for `memres_last_error`.
@@ -600,12 +606,16 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
                         stats.pool_largest_free_block,
                         stats.pool_peak_size,
                         stats.pool_host_copy_bytes,
+                        stats.pool_upstream_allocs,
+                        stats.pool_upstream_frees,
                     ) = (
                         pool.size,
                         pool.free,
                         pool.largest_free_block,
                         pool.peak_size,
                         pool.host_copy_bytes,
+                        pool.upstream_allocs,
+                        pool.upstream_frees,
                     );
                 }
             }

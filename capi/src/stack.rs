@@ -94,7 +94,12 @@ impl<T: Target> Pools<T> {
             all.push(pool_figures(pool.stats()));
         }
         for pool in &self.pinned {
-            all.push(pool_figures(pool.stats()));
+            // Host memory: not the device's calls.
+            all.push(PoolFigures {
+                upstream_allocs: 0,
+                upstream_frees: 0,
+                ..pool_figures(pool.stats())
+            });
         }
         for arena in &self.arenas {
             // The arena does not track its largest free block; it holds its whole size
@@ -105,6 +110,7 @@ impl<T: Target> Pools<T> {
                 largest_free_block: 0,
                 peak_size: arena.size() as u64,
                 host_copy_bytes: 0,
+                ..PoolFigures::default()
             });
         }
         for fixed in &self.fixed {
@@ -119,6 +125,7 @@ impl<T: Target> Pools<T> {
                 largest_free_block: if free > 0 { block } else { 0 },
                 peak_size: size,
                 host_copy_bytes: 0,
+                ..PoolFigures::default()
             });
         }
         for pool in &self.driver {
@@ -130,6 +137,7 @@ impl<T: Target> Pools<T> {
                 largest_free_block: 0,
                 peak_size: pool.reserved_peak_bytes()?,
                 host_copy_bytes: 0,
+                ..PoolFigures::default()
             });
         }
         Ok(all.into_iter().reduce(PoolFigures::plus))
@@ -328,6 +336,12 @@ pub(crate) struct PoolFigures {
     pub(crate) peak_size: u64,
     /// Host copies of the pool's contents (a sleeping or woken in-place pool's).
     pub(crate) host_copy_bytes: u64,
+    /// Calls of the device-memory pools that took memory from the driver, and that gave
+    /// it back (`PoolStats::upstream_allocs`, `upstream_frees`; PyTorch's
+    /// `num_device_alloc` and `num_device_free`); 0 for pinned host pools, arenas and
+    /// driver pools.
+    pub(crate) upstream_allocs: u64,
+    pub(crate) upstream_frees: u64,
 }
 
 impl PoolFigures {
@@ -340,6 +354,8 @@ impl PoolFigures {
             largest_free_block: self.largest_free_block.max(other.largest_free_block),
             peak_size: self.peak_size + other.peak_size,
             host_copy_bytes: self.host_copy_bytes + other.host_copy_bytes,
+            upstream_allocs: self.upstream_allocs + other.upstream_allocs,
+            upstream_frees: self.upstream_frees + other.upstream_frees,
         }
     }
 }
@@ -463,6 +479,8 @@ fn pool_figures(s: mr::suballoc::PoolStats) -> PoolFigures {
         largest_free_block: s.largest_free_block as u64,
         peak_size: s.peak_pool_size as u64,
         host_copy_bytes: s.host_copy_bytes as u64,
+        upstream_allocs: s.upstream_allocs,
+        upstream_frees: s.upstream_frees,
     }
 }
 

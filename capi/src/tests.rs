@@ -1079,6 +1079,14 @@ fn the_header_has_the_codes_and_the_struct_layout() {
             "pool_host_copy_bytes",
             offset_of!(memres_stats_t, pool_host_copy_bytes),
         ),
+        (
+            "pool_upstream_allocs",
+            offset_of!(memres_stats_t, pool_upstream_allocs),
+        ),
+        (
+            "pool_upstream_frees",
+            offset_of!(memres_stats_t, pool_upstream_frees),
+        ),
     ];
     let mut c = String::from("#include <stddef.h>\n#include \"memres.h\"\n");
     c += &format!(
@@ -1527,12 +1535,25 @@ fn every_tier_of_a_fallback_is_counted_listed_and_trimmed() {
             held.size,
             "{text}: the segments are what the pools hold"
         );
+        // One growth a tier, the pinned pool's not counted (torch's num_device_alloc
+        // counts device memory).
+        let device_calls = if second == "pinned_pool" { 1 } else { 2 };
+        assert_eq!(
+            (held.upstream_allocs, held.upstream_frees),
+            (device_calls, 0),
+            "{text}: {held:?}"
+        );
         free_host_block(&top, first, small);
         free_host_block(&top, then, large);
         let released = pools.trim().unwrap();
         let after = pools.figures().unwrap().expect("pools");
         assert_eq!(after.size, 0, "{text}: {second} trimmed too: {after:?}");
         assert_eq!(released, held.size, "{text}");
+        assert_eq!(
+            (after.upstream_allocs, after.upstream_frees),
+            (device_calls, device_calls),
+            "{text}: each tier gave its memory back in one call"
+        );
         assert!(pools.segments().is_empty(), "{text}");
         // The peaks of both start again from nothing.
         pools.reset_peaks().unwrap();

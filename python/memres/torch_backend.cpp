@@ -10,7 +10,8 @@
 // - memory_allocated / max_memory_allocated / memory_reserved / max_memory_reserved /
 //   memory_stats / reset_peak_memory_stats / reset_accumulated_memory_stats /
 //   memory_summary: memres's exact C ABI figures in torch's keys (live bytes as
-//   allocated, active and requested; the pool's size as reserved).
+//   allocated, active and requested; the pool's size as reserved; its calls to the
+//   driver as num_device_alloc and num_device_free).
 // - empty_cache -> memres_trim on every device memres serves.
 // - cacheInfo (cudnn.benchmark's workspace bound): the pool's largest free block or the
 //   device's free memory, whichever is larger (memres can grow into the latter).
@@ -68,6 +69,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -574,6 +576,8 @@ struct Baseline {
   int64_t frees = 0;
   int64_t out_of_memory = 0;
   int64_t retries = 0;
+  int64_t device_allocs = 0;  // the driver calls that took and gave back memory
+  int64_t device_frees = 0;
   int64_t rounding_added = 0;  // bytes roundup_power2_divisions added, ever and freed
   int64_t rounding_freed = 0;
   // What the pools' correction (their blocks less their segments) was at the last
@@ -581,6 +585,16 @@ struct Baseline {
   int64_t peak_correction = 0;
   int64_t peak_block_correction = 0;
 };
+
+// torch's num_device_alloc and num_device_free, ever: the calls memres's device-memory
+// pools made to take memory from the driver and give it back (a chunk, a run of granules
+// mapped or unmapped); without a pool (`cuda`) every block is its own allocation.
+std::pair<int64_t, int64_t> device_calls(const memres_stats_t& s) {
+  if (!s.has_pool) {
+    return {s.allocations, s.allocations - s.live_allocations};
+  }
+  return {static_cast<int64_t>(s.pool_upstream_allocs), static_cast<int64_t>(s.pool_upstream_frees)};
+}
 
 void set_all(StatArray& array, const Stat& value) {
   // memres keeps no small and large pools: every figure is the aggregate's.
@@ -1564,6 +1578,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     set_all(out.segment, segments);
     out.num_ooms = g_ooms.at(device).load(std::memory_order_relaxed) - base.out_of_memory;
     out.num_alloc_retries = g_retries.at(device).load(std::memory_order_relaxed) - base.retries;
+    auto [device_allocs, device_frees] = device_calls(s);
+    out.num_device_alloc = device_allocs - base.device_allocs;
+    out.num_device_free = device_frees - base.device_frees;
     return out;
   }
 
@@ -1586,6 +1603,7 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     base.frees = s.allocations - s.live_allocations;
     base.out_of_memory = g_ooms.at(device).load(std::memory_order_relaxed);
     base.retries = g_retries.at(device).load(std::memory_order_relaxed);
+    std::tie(base.device_allocs, base.device_frees) = device_calls(s);
     int64_t rounding_live = g_rounding.live.at(device).load(std::memory_order_relaxed);
     base.rounding_added = g_rounding.total.at(device).load(std::memory_order_relaxed);
     base.rounding_freed = base.rounding_added - rounding_live;

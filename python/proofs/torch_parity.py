@@ -172,16 +172,29 @@ def stats():
 def empty_cache():
     import torch
 
+    calls = lambda: [torch.cuda.memory_stats().get(k, 0) for k in ("num_device_alloc", "num_device_free")]
+    torch.cuda.empty_cache()  # nothing cached: the 1 GiB below is new memory
+    before = calls()
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     x.fill_(1)
     del x
     torch.cuda.synchronize()
     held = torch.cuda.memory_reserved()
+    grown = calls()
     free_before, _ = torch.cuda.mem_get_info()
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info()
     back = free_after - free_before
-    return {"ok": back >= (1 << 30) - 64 * MIB, "returned_mib": back // MIB, "reserved_mib": held // MIB}
+    emptied = calls()
+    # The driver calls that took the 1 GiB and gave it back are counted
+    # (num_device_alloc, num_device_free), as torch's allocator counts its own.
+    counted = grown[0] > before[0] and emptied[1] > grown[1]
+    return {
+        "ok": back >= (1 << 30) - 64 * MIB and counted,
+        "returned_mib": back // MIB,
+        "reserved_mib": held // MIB,
+        "device_alloc_and_free_calls": [before, grown, emptied],
+    }
 
 
 def oom():

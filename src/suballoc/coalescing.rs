@@ -72,6 +72,17 @@ pub struct PoolStats {
     /// the pool sleeps, and after a wake the copies kept for the next sleep, until its
     /// `trim`.
     pub host_copy_bytes: usize,
+    /// Calls that took memory from the upstream since the pool was made: a chunk
+    /// allocated ([`Pool`](super::Pool)), a run of granules mapped
+    /// ([`VirtualPool`](super::VirtualPool): a growth, or a piece of a wake). PyTorch's
+    /// `num_device_alloc`: a count that climbs in a loop that should be steady says the
+    /// pool keeps growing and giving back (each such call costs the driver tens of
+    /// microseconds a granule or more).
+    pub upstream_allocs: u64,
+    /// Calls that gave memory back to the upstream since the pool was made: a chunk
+    /// freed, a run of granules unmapped (by a trim, the release threshold, a growth's
+    /// give-back or a sleep). PyTorch's `num_device_free`.
+    pub upstream_frees: u64,
 }
 
 impl PoolStats {
@@ -99,6 +110,10 @@ impl PoolStats {
 #[derive(Default)]
 pub(super) struct GrowthState<M> {
     pub(super) size: usize,
+    /// Calls that took memory from the upstream ([`PoolStats::upstream_allocs`]).
+    pub(super) allocs: u64,
+    /// Calls that gave memory back ([`PoolStats::upstream_frees`]).
+    pub(super) frees: u64,
     /// The highest `size` since the pool was made or `reset_peak_size`.
     pub(super) peak: usize,
     /// The bound set with `set_limit`, below the configured maximum.
@@ -377,6 +392,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         if let Some(asleep_bytes) = H::asleep_bytes(&growth.memory) {
             return PoolStats {
                 peak_pool_size: growth.peak,
+                upstream_allocs: growth.allocs,
+                upstream_frees: growth.frees,
                 stream_lists: self.lists.len(),
                 waiting_bytes: self.held.bytes(),
                 stream_merges: self.lists.merges(),
@@ -389,6 +406,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             pool_size: growth.size,
             peak_pool_size: growth.peak,
             upstream_allocations: H::upstream_allocations(&growth.memory),
+            upstream_allocs: growth.allocs,
+            upstream_frees: growth.frees,
             stream_lists: self.lists.len(),
             waiting_bytes: self.held.bytes(),
             stream_merges: self.lists.merges(),

@@ -260,6 +260,7 @@ impl<U: Resource> Holding<U> for Chunks {
             }
         }
         let bytes = released.iter().map(|c| c.layout.size()).sum();
+        let count = released.len();
         for chunk in released {
             // SAFETY: the chunk came from `upstream.allocate` with its layout (see `grow`);
             // no block of it is handed out (it was one free block) and the streams it was
@@ -267,6 +268,7 @@ impl<U: Resource> Holding<U> for Chunks {
             unsafe { chunk.release(&pool.upstream) };
         }
         growth.size -= bytes;
+        growth.frees += count as u64;
         bytes
     }
 
@@ -300,6 +302,7 @@ fn add_chunk<'a, U: Resource>(
     }
     growth.memory.push(chunk);
     growth.size += layout.size();
+    growth.allocs += 1;
     growth.peak = growth.peak.max(growth.size);
     tracing::debug!(
         target: "memres::pool",

@@ -335,6 +335,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             .mapped
             .set((addr - space.base) / g, len / g, true);
         growth.size += len;
+        growth.allocs += 1;
         growth.peak = growth.peak.max(growth.size);
         growth.memory.high_water = growth.memory.high_water.max(growth.size);
         into.insert(addr, len);
@@ -417,6 +418,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
                 .mapped
                 .set((lo - space.base) / g, (hi - lo) / g, false);
             growth.size -= hi - lo;
+            growth.frees += 1;
             free -= hi - lo;
             released += hi - lo;
         }

@@ -140,6 +140,7 @@ impl<U: Resource> VirtualPool<U> {
             Ok(slept) => {
                 let size = slept.size();
                 growth.size -= size;
+                growth.frees += slept.pieces.len() as u64;
                 growth.memory.slept = Some(slept);
                 tracing::debug!(target: "memres::pool", size, ?mode, "memres: pool asleep");
                 Ok(size)
@@ -233,6 +234,7 @@ impl<U: Resource> VirtualPool<U> {
         }
         let size = slept.size();
         growth.size += size;
+        growth.allocs += slept.pieces.len() as u64;
         growth.peak = growth.peak.max(growth.size);
         space.asleep.store(false, Ordering::SeqCst);
         tracing::debug!(target: "memres::pool", size, mode = ?slept.mode, "memres: pool awake");
