@@ -295,7 +295,7 @@ fn a_capped_pool_trims_and_retries() {
         // Three chunks taken, the first two given back (PyTorch's num_device_alloc and
         // num_device_free).
         assert_eq!(
-            (stats.upstream_allocs, stats.upstream_frees),
+            (stats.upstream_alloc_calls, stats.upstream_free_calls),
             (3, 2),
             "{growth:?}"
         );
@@ -313,7 +313,7 @@ fn a_capped_pool_trims_and_retries() {
         let stats = pool.stats();
         assert_eq!(stats.pool_size, 0);
         assert_eq!(
-            (stats.upstream_allocs, stats.upstream_frees),
+            (stats.upstream_alloc_calls, stats.upstream_free_calls),
             (3, 3),
             "{growth:?}"
         );

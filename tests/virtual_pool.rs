@@ -57,7 +57,7 @@ fn growth_maps_only_what_is_lacking_right_after_the_free_memory() {
     assert_eq!(stats.free_blocks, 1);
 }
 
-/// `upstream_allocs` and `upstream_frees` (PyTorch's `num_device_alloc` and
+/// `upstream_alloc_calls` and `upstream_free_calls` (PyTorch's `num_device_alloc` and
 /// `num_device_free`) count the maps and unmapped runs: one a growth, one a run a trim
 /// gives back, one a piece a sleep unmaps and a wake maps again.
 #[test]
@@ -66,7 +66,7 @@ fn maps_and_unmaps_are_counted() {
     let s = StreamRef::host(1);
     let calls = |pool: &VirtualPool<HostVirtual>| {
         let st = pool.stats();
-        (st.upstream_allocs, st.upstream_frees)
+        (st.upstream_alloc_calls, st.upstream_free_calls)
     };
     assert_eq!(calls(&pool), (0, 0));
     let (big, next) = (layout(5 * G).unwrap(), layout(3 * G).unwrap());
@@ -92,7 +92,7 @@ fn maps_and_unmaps_are_counted() {
     );
     pool.wake().unwrap();
     assert_eq!(calls(&pool), (3, 2), "the wake mapped it again");
-    // SAFETY: as above.
+    // SAFETY: allocated above with its layout on `s`; unused afterwards.
     unsafe { pool.deallocate(s, pb, next) };
     pool.trim().unwrap();
     assert_eq!(calls(&pool), (3, 3));

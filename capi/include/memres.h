@@ -89,10 +89,15 @@ typedef struct memres_stats_t {
     uint64_t pool_peak_size;       /* most bytes held at once since build or reset_peak */
     uint64_t pool_host_copy_bytes; /* host copies of pool contents: during an offload
                                       sleep, and after its wake until memres_trim */
-    uint64_t pool_upstream_allocs; /* device-memory pools' calls that took memory from
-                                      the driver (a chunk allocated, a run of granules
-                                      mapped) since built: torch's num_device_alloc */
-    uint64_t pool_upstream_frees;  /* their calls that gave it back: num_device_free */
+    uint64_t pool_alloc_calls;     /* calls of the chunked and in-place pools that took
+                                      device memory from the driver since built (a chunk
+                                      allocated; granules mapped: a growth, a wake's
+                                      piece of up to 256 MiB): num_device_alloc */
+    uint64_t pool_free_calls;      /* their calls that gave it back (a chunk freed;
+                                      granules unmapped: a run a trim or give-back
+                                      frees, a sleep's piece): num_device_free. Neither
+                                      counts an arena's one allocation, fixed_size's
+                                      chunks, a cuda tier's blocks or a driver pool's */
 } memres_stats_t;
 
 /* Chooses every device's stack; call before the first allocation. MEMRES_OK, or

@@ -122,12 +122,14 @@ pub struct memres_stats_t {
     /// `MEMRES_SLEEP_OFFLOAD`, and after its wake until `memres_trim` (kept for the next
     /// sleep). 0 for stacks that cannot sleep.
     pub pool_host_copy_bytes: u64,
-    /// Calls of the stack's device-memory pools that took memory from the driver (a
-    /// chunk allocated, a run of granules mapped) since they were made: PyTorch's
-    /// `num_device_alloc`. 0 for a stack without such a pool.
-    pub pool_upstream_allocs: u64,
-    /// Calls that gave it back (a chunk freed, a run unmapped): `num_device_free`.
-    pub pool_upstream_frees: u64,
+    /// Calls of the stack's chunked and in-place pools (and its tags') that took device
+    /// memory from the driver since they were made (`PoolStats::upstream_alloc_calls`):
+    /// PyTorch's `num_device_alloc`. An arena's one allocation, `fixed_size`'s chunks, a
+    /// `cuda` tier's blocks and driver pools are not counted.
+    pub pool_alloc_calls: u64,
+    /// Their calls that gave it back (`PoolStats::upstream_free_calls`):
+    /// `num_device_free`.
+    pub pool_free_calls: u64,
 }
 
 /// A failure on its way to C: a code and a message for `memres_last_error`.
@@ -606,16 +608,16 @@ pub unsafe extern "C" fn memres_stats(device: c_int, out: *mut memres_stats_t) -
                         stats.pool_largest_free_block,
                         stats.pool_peak_size,
                         stats.pool_host_copy_bytes,
-                        stats.pool_upstream_allocs,
-                        stats.pool_upstream_frees,
+                        stats.pool_alloc_calls,
+                        stats.pool_free_calls,
                     ) = (
                         pool.size,
                         pool.free,
                         pool.largest_free_block,
                         pool.peak_size,
                         pool.host_copy_bytes,
-                        pool.upstream_allocs,
-                        pool.upstream_frees,
+                        pool.upstream_alloc_calls,
+                        pool.upstream_free_calls,
                     );
                 }
             }
@@ -735,14 +737,24 @@ pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int
         |code| code,
         || {
             let (on, by) = (DeviceId::new(device), DeviceId::new(peer));
+            // Ordinals memres keeps no table for first (with or without a driver), then
+            // those with no device.
+            let not_served = |d: c_int, devices: usize| {
+                Failure::invalid(format!(
+                    "memres_enable_peer_access: {d} is not a device ordinal memres serves \
+                     ({devices} devices, ordinals below {})",
+                    peers::MAX_DEVICES
+                ))
+            };
+            for d in [device, peer] {
+                if usize::try_from(d).map_or(true, |d| d >= peers::MAX_DEVICES) {
+                    return Err(not_served(d, DeviceId::count().unwrap_or(0)));
+                }
+            }
             let count = DeviceId::count()?;
             for d in [device, peer] {
-                if usize::try_from(d).map_or(true, |d| d >= count.min(peers::MAX_DEVICES)) {
-                    return Err(Failure::invalid(format!(
-                        "memres_enable_peer_access: {d} is not a device ordinal memres serves \
-                         (0 to {})",
-                        count.min(peers::MAX_DEVICES) - 1
-                    )));
+                if usize::try_from(d).map_or(true, |d| d >= count) {
+                    return Err(not_served(d, count));
                 }
             }
             if on == by {
@@ -754,11 +766,16 @@ pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int
                 ))
                 .into());
             }
-            // Under the configuration's lock: a stack being built reads the grant (its
-            // leaves name the peer) or is built already and seen here.
-            let _config = CONFIG.lock().unwrap_or_else(PoisonError::into_inner);
-            peers::record(on, by)?;
-            if let Some(stack) = built_stack(device)? {
+            // Recorded and looked up under the configuration's lock, under which a stack is
+            // built and published: one being built reads the grant (its leaves name the
+            // peer), one built already is found here and granted it outside the lock (the
+            // grant waits for the driver).
+            let built = {
+                let _config = CONFIG.lock().unwrap_or_else(PoisonError::into_inner);
+                peers::record(on, by)?;
+                built_stack(device)?
+            };
+            if let Some(stack) = built {
                 stack.grant_access(by)?;
             }
             Ok(MEMRES_OK)

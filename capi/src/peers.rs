@@ -76,19 +76,21 @@ fn granted(device: DeviceId) -> Vec<DeviceId> {
 /// unless a caller asked for peers on demand. A value other than `all` and `on_demand` is
 /// [`Error::InvalidArgument`] (the stack is not built).
 fn every_peer() -> Result<bool, Error> {
-    static CHOSEN: OnceLock<Result<Option<bool>, String>> = OnceLock::new();
-    let chosen = CHOSEN.get_or_init(|| match std::env::var("MEMRES_PEER_ACCESS").as_deref() {
-        Ok("all") => Ok(Some(true)),
-        Ok("on_demand") => Ok(Some(false)),
-        Ok(other) => Err(format!(
-            "MEMRES_PEER_ACCESS={other}: use `all` (every peer from the start) or \
-             `on_demand`"
+    static SET: OnceLock<Option<String>> = OnceLock::new();
+    let set = SET.get_or_init(|| std::env::var("MEMRES_PEER_ACCESS").ok());
+    choice(set.as_deref(), ON_DEMAND.load(Ordering::Acquire)).map_err(Error::invalid_argument)
+}
+
+/// Whether new leaves name every peer, given `MEMRES_PEER_ACCESS` (`set`) and whether a
+/// caller asked for peers on demand: the variable wins.
+fn choice(set: Option<&str>, on_demand: bool) -> Result<bool, String> {
+    match set {
+        Some("all") => Ok(true),
+        Some("on_demand") => Ok(false),
+        Some(other) => Err(format!(
+            "MEMRES_PEER_ACCESS={other}: use `all` (every peer from the start) or `on_demand`"
         )),
-        Err(_) => Ok(None),
-    });
-    match chosen {
-        Ok(choice) => Ok(choice.unwrap_or_else(|| !ON_DEMAND.load(Ordering::Acquire))),
-        Err(why) => Err(Error::invalid_argument(why.clone())),
+        None => Ok(!on_demand),
     }
 }
 
@@ -101,7 +103,7 @@ fn index(device: DeviceId) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_DEVICES, granted, record};
+    use super::{MAX_DEVICES, choice, granted, record};
     use mr::Error;
     use mr::device::DeviceId;
 
@@ -122,5 +124,21 @@ mod tests {
             assert!(matches!(record(d, p), Err(Error::InvalidArgument(_))));
         }
         assert!(granted(DeviceId::new(-1)).is_empty());
+    }
+
+    #[test]
+    fn the_variable_wins_over_the_callers_switch() {
+        assert_eq!(choice(None, false), Ok(true), "every peer by default");
+        assert_eq!(
+            choice(None, true),
+            Ok(false),
+            "on demand once a caller asks"
+        );
+        for on_demand in [false, true] {
+            assert_eq!(choice(Some("all"), on_demand), Ok(true));
+            assert_eq!(choice(Some("on_demand"), on_demand), Ok(false));
+            let bad = choice(Some("ALL"), on_demand).unwrap_err();
+            assert!(bad.contains("MEMRES_PEER_ACCESS=ALL"), "{bad}");
+        }
     }
 }

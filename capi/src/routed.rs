@@ -192,7 +192,8 @@ pub(crate) fn new_tag_pool(
 }
 
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
-/// tag's): reachable from the peers granted so far (`peers.rs`), exportable where the
+/// tag's): reachable from the peers `peers.rs` names (every peer-capable device, or
+/// those granted so far where peers come on demand), exportable where the
 /// device can.
 pub(crate) fn virtual_leaf(device: DeviceId, options: &LeafOptions) -> Result<CudaVirtual, Error> {
     let peers = crate::peers::of_new_leaf(device)?;

@@ -96,8 +96,8 @@ impl<T: Target> Pools<T> {
         for pool in &self.pinned {
             // Host memory: not the device's calls.
             all.push(PoolFigures {
-                upstream_allocs: 0,
-                upstream_frees: 0,
+                upstream_alloc_calls: 0,
+                upstream_free_calls: 0,
                 ..pool_figures(pool.stats())
             });
         }
@@ -337,11 +337,11 @@ pub(crate) struct PoolFigures {
     /// Host copies of the pool's contents (a sleeping or woken in-place pool's).
     pub(crate) host_copy_bytes: u64,
     /// Calls of the device-memory pools that took memory from the driver, and that gave
-    /// it back (`PoolStats::upstream_allocs`, `upstream_frees`; PyTorch's
-    /// `num_device_alloc` and `num_device_free`); 0 for pinned host pools, arenas and
-    /// driver pools.
-    pub(crate) upstream_allocs: u64,
-    pub(crate) upstream_frees: u64,
+    /// it back (`PoolStats::upstream_alloc_calls`, `upstream_free_calls`; PyTorch's
+    /// `num_device_alloc` and `num_device_free`); 0 for pinned host pools, arenas,
+    /// `fixed_size` and driver pools.
+    pub(crate) upstream_alloc_calls: u64,
+    pub(crate) upstream_free_calls: u64,
 }
 
 impl PoolFigures {
@@ -354,8 +354,8 @@ impl PoolFigures {
             largest_free_block: self.largest_free_block.max(other.largest_free_block),
             peak_size: self.peak_size + other.peak_size,
             host_copy_bytes: self.host_copy_bytes + other.host_copy_bytes,
-            upstream_allocs: self.upstream_allocs + other.upstream_allocs,
-            upstream_frees: self.upstream_frees + other.upstream_frees,
+            upstream_alloc_calls: self.upstream_alloc_calls + other.upstream_alloc_calls,
+            upstream_free_calls: self.upstream_free_calls + other.upstream_free_calls,
         }
     }
 }
@@ -479,8 +479,8 @@ fn pool_figures(s: mr::suballoc::PoolStats) -> PoolFigures {
         largest_free_block: s.largest_free_block as u64,
         peak_size: s.peak_pool_size as u64,
         host_copy_bytes: s.host_copy_bytes as u64,
-        upstream_allocs: s.upstream_allocs,
-        upstream_frees: s.upstream_frees,
+        upstream_alloc_calls: s.upstream_alloc_calls,
+        upstream_free_calls: s.upstream_free_calls,
     }
 }
 

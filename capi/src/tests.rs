@@ -312,14 +312,52 @@ fn without_a_driver_malloc_returns_null_and_says_why() {
     // C and Python callers have no Rust host resource to turn to (issue 49).
     assert!(!last_error().contains("HostHeap"), "{}", last_error());
     assert_eq!(memres_init_device(-1), MEMRES_ERROR_INVALID_ARGUMENT);
-    // Peer access needs the driver to say which devices there are.
+    // Peer access needs the driver to say which devices there are; ordinals memres
+    // keeps no table for are refused before.
     for (device, peer) in [(0, 0), (0, 1)] {
         assert_eq!(memres_enable_peer_access(device, peer), MEMRES_ERROR_CUDA);
         assert!(last_error().contains("driver"), "{}", last_error());
     }
+    for (device, peer) in [(-1, 0), (0, 64)] {
+        assert_eq!(
+            memres_enable_peer_access(device, peer),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("not a device ordinal"),
+            "{}",
+            last_error()
+        );
+    }
     // Nothing was built, so the configuration may still change.
     let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     assert_eq!(configure("pool"), MEMRES_OK);
+}
+
+/// With a driver: a device and itself need no grant, and ordinals with no device are
+/// refused by name (nothing is built).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn peer_access_ordinals_are_checked_against_the_devices() {
+    let count = c_int::try_from(mr::device::DeviceId::count().unwrap()).unwrap();
+    assert!(count > 0, "needs a CUDA GPU");
+    assert_eq!(
+        memres_enable_peer_access(0, 0),
+        MEMRES_OK,
+        "{}",
+        last_error()
+    );
+    for (device, peer) in [(0, count), (count, 0)] {
+        assert_eq!(
+            memres_enable_peer_access(device, peer),
+            MEMRES_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("not a device ordinal"),
+            "{}",
+            last_error()
+        );
+    }
 }
 
 fn stats(device: c_int) -> memres_stats_t {
@@ -1080,12 +1118,12 @@ fn the_header_has_the_codes_and_the_struct_layout() {
             offset_of!(memres_stats_t, pool_host_copy_bytes),
         ),
         (
-            "pool_upstream_allocs",
-            offset_of!(memres_stats_t, pool_upstream_allocs),
+            "pool_alloc_calls",
+            offset_of!(memres_stats_t, pool_alloc_calls),
         ),
         (
-            "pool_upstream_frees",
-            offset_of!(memres_stats_t, pool_upstream_frees),
+            "pool_free_calls",
+            offset_of!(memres_stats_t, pool_free_calls),
         ),
     ];
     let mut c = String::from("#include <stddef.h>\n#include \"memres.h\"\n");
@@ -1539,7 +1577,7 @@ fn every_tier_of_a_fallback_is_counted_listed_and_trimmed() {
         // counts device memory).
         let device_calls = if second == "pinned_pool" { 1 } else { 2 };
         assert_eq!(
-            (held.upstream_allocs, held.upstream_frees),
+            (held.upstream_alloc_calls, held.upstream_free_calls),
             (device_calls, 0),
             "{text}: {held:?}"
         );
@@ -1550,7 +1588,7 @@ fn every_tier_of_a_fallback_is_counted_listed_and_trimmed() {
         assert_eq!(after.size, 0, "{text}: {second} trimmed too: {after:?}");
         assert_eq!(released, held.size, "{text}");
         assert_eq!(
-            (after.upstream_allocs, after.upstream_frees),
+            (after.upstream_alloc_calls, after.upstream_free_calls),
             (device_calls, device_calls),
             "{text}: each tier gave its memory back in one call"
         );

@@ -45,8 +45,8 @@ def stats(device: int = 0) -> Dict[str, int]:
     ABI whatever the spec; the statistics keys when the stack has a statistics layer;
     ``pool_size``, ``pool_free_bytes``, ``pool_largest_free_block``, ``pool_peak_size``,
     ``pool_host_copy_bytes`` (host copies of the pools' contents: during an offload
-    sleep, and after its wake until ``empty_cache``), ``pool_upstream_allocs`` and
-    ``pool_upstream_frees`` (the device-memory pools' calls that took memory from the
+    sleep, and after its wake until ``empty_cache``), ``pool_alloc_calls`` and
+    ``pool_free_calls`` (the device-memory pools' calls that took memory from the
     driver and gave it back: chunks, runs of granules mapped and unmapped; torch's
     ``num_device_alloc`` and ``num_device_free``) when it has a pool. All zero before the
     device's first allocation."""
@@ -73,8 +73,8 @@ def stats(device: int = 0) -> Dict[str, int]:
         figures["pool_largest_free_block"] = out.pool_largest_free_block
         figures["pool_peak_size"] = out.pool_peak_size
         figures["pool_host_copy_bytes"] = out.pool_host_copy_bytes
-        figures["pool_upstream_allocs"] = out.pool_upstream_allocs
-        figures["pool_upstream_frees"] = out.pool_upstream_frees
+        figures["pool_alloc_calls"] = out.pool_alloc_calls
+        figures["pool_free_calls"] = out.pool_free_calls
     return figures
 
 

@@ -114,8 +114,8 @@ class Stats(ctypes.Structure):
         ("out_of_memory", ctypes.c_int64),
         ("pool_peak_size", ctypes.c_uint64),
         ("pool_host_copy_bytes", ctypes.c_uint64),
-        ("pool_upstream_allocs", ctypes.c_uint64),
-        ("pool_upstream_frees", ctypes.c_uint64),
+        ("pool_alloc_calls", ctypes.c_uint64),
+        ("pool_free_calls", ctypes.c_uint64),
     ]
 
 

@@ -116,7 +116,9 @@ def setup(
        :func:`memres.install_torch`);
     3. builds the stacks of ``devices`` now, so that a device that cannot serve the spec
        fails here (``None``: each device's stack is built on its first allocation, and
-       devices the program never touches cost nothing);
+       devices the program never touches cost nothing); the backend is in already (its
+       pools then take peers on demand), so such a failure leaves memres as torch's
+       allocator;
     4. makes memres CuPy's allocator (``cupy=True``).
 
     Raises :class:`MemresError` at once, saying what is missing, where torch (or CuPy)

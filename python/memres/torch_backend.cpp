@@ -10,8 +10,8 @@
 // - memory_allocated / max_memory_allocated / memory_reserved / max_memory_reserved /
 //   memory_stats / reset_peak_memory_stats / reset_accumulated_memory_stats /
 //   memory_summary: memres's exact C ABI figures in torch's keys (live bytes as
-//   allocated, active and requested; the pool's size as reserved; its calls to the
-//   driver as num_device_alloc and num_device_free).
+//   allocated, active and requested; the pool's size as reserved; the pools' calls to
+//   the driver as num_device_alloc and num_device_free).
 // - empty_cache -> memres_trim on every device memres serves.
 // - cacheInfo (cudnn.benchmark's workspace bound): the pool's largest free block or the
 //   device's free memory, whichever is larger (memres can grow into the latter).
@@ -586,14 +586,12 @@ struct Baseline {
   int64_t peak_block_correction = 0;
 };
 
-// torch's num_device_alloc and num_device_free, ever: the calls memres's device-memory
-// pools made to take memory from the driver and give it back (a chunk, a run of granules
-// mapped or unmapped); without a pool (`cuda`) every block is its own allocation.
+// torch's num_device_alloc and num_device_free, ever: the calls memres's chunked and
+// in-place pools made to take memory from the driver and give it back (a chunk; granules
+// mapped or unmapped). Other layers' calls (a `cuda` stack's blocks, an arena's one
+// allocation, a driver pool's) are not counted.
 std::pair<int64_t, int64_t> device_calls(const memres_stats_t& s) {
-  if (!s.has_pool) {
-    return {s.allocations, s.allocations - s.live_allocations};
-  }
-  return {static_cast<int64_t>(s.pool_upstream_allocs), static_cast<int64_t>(s.pool_upstream_frees)};
+  return {static_cast<int64_t>(s.pool_alloc_calls), static_cast<int64_t>(s.pool_free_calls)};
 }
 
 void set_all(StatArray& array, const Stat& value) {

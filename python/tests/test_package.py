@@ -167,6 +167,9 @@ class Sleep(unittest.TestCase):
                 memres.enable_peer_access(device, peer)
             self.assertEqual(caught.exception.code, memres.ERROR_CUDA)
             self.assertIn("driver", str(caught.exception).lower())
+        with self.assertRaises(memres.MemresError) as caught:
+            memres.enable_peer_access(0, -1)
+        self.assertEqual(caught.exception.code, memres.ERROR_INVALID_ARGUMENT)
         with self.assertRaises(ValueError):
             memres.enable_peer_access(0, 2**40)
         with self.assertRaises(TypeError):

@@ -73,16 +73,16 @@ pub struct PoolStats {
     /// `trim`.
     pub host_copy_bytes: usize,
     /// Calls that took memory from the upstream since the pool was made: a chunk
-    /// allocated ([`Pool`](super::Pool)), a run of granules mapped
-    /// ([`VirtualPool`](super::VirtualPool): a growth, or a piece of a wake). PyTorch's
-    /// `num_device_alloc`: a count that climbs in a loop that should be steady says the
-    /// pool keeps growing and giving back (each such call costs the driver tens of
-    /// microseconds a granule or more).
-    pub upstream_allocs: u64,
+    /// allocated ([`Pool`](super::Pool)); granules mapped
+    /// ([`VirtualPool`](super::VirtualPool): one a growth, one a piece of up to 256 MiB
+    /// of a wake). PyTorch's `num_device_alloc`: a count that climbs in a loop that should
+    /// be steady says the pool keeps growing and giving back (on a GPU such a call costs
+    /// the driver tens of microseconds a granule).
+    pub upstream_alloc_calls: u64,
     /// Calls that gave memory back to the upstream since the pool was made: a chunk
-    /// freed, a run of granules unmapped (by a trim, the release threshold, a growth's
-    /// give-back or a sleep). PyTorch's `num_device_free`.
-    pub upstream_frees: u64,
+    /// freed; granules unmapped (one a run a trim, the release threshold or a growth's
+    /// give-back frees, one a piece of a sleep). PyTorch's `num_device_free`.
+    pub upstream_free_calls: u64,
 }
 
 impl PoolStats {
@@ -110,9 +110,9 @@ impl PoolStats {
 #[derive(Default)]
 pub(super) struct GrowthState<M> {
     pub(super) size: usize,
-    /// Calls that took memory from the upstream ([`PoolStats::upstream_allocs`]).
+    /// Calls that took memory from the upstream ([`PoolStats::upstream_alloc_calls`]).
     pub(super) allocs: u64,
-    /// Calls that gave memory back ([`PoolStats::upstream_frees`]).
+    /// Calls that gave memory back ([`PoolStats::upstream_free_calls`]).
     pub(super) frees: u64,
     /// The highest `size` since the pool was made or `reset_peak_size`.
     pub(super) peak: usize,
@@ -392,8 +392,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         if let Some(asleep_bytes) = H::asleep_bytes(&growth.memory) {
             return PoolStats {
                 peak_pool_size: growth.peak,
-                upstream_allocs: growth.allocs,
-                upstream_frees: growth.frees,
+                upstream_alloc_calls: growth.allocs,
+                upstream_free_calls: growth.frees,
                 stream_lists: self.lists.len(),
                 waiting_bytes: self.held.bytes(),
                 stream_merges: self.lists.merges(),
@@ -406,8 +406,8 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             pool_size: growth.size,
             peak_pool_size: growth.peak,
             upstream_allocations: H::upstream_allocations(&growth.memory),
-            upstream_allocs: growth.allocs,
-            upstream_frees: growth.frees,
+            upstream_alloc_calls: growth.allocs,
+            upstream_free_calls: growth.frees,
             stream_lists: self.lists.len(),
             waiting_bytes: self.held.bytes(),
             stream_merges: self.lists.merges(),

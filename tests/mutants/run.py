@@ -186,12 +186,12 @@ MUTATIONS = [
      "        for bins in &self.bins {\n            note(bins.trim().map(|()| 0));\n        }\n", "", CAPI),
     ("C ABI: a pinned_pool tier is left out of the figures", "capi/src/stack.rs",
      "        for pool in &self.pinned {\n            // Host memory: not the device's calls.\n"
-     "            all.push(PoolFigures {\n                upstream_allocs: 0,\n"
-     "                upstream_frees: 0,\n                ..pool_figures(pool.stats())\n"
+     "            all.push(PoolFigures {\n                upstream_alloc_calls: 0,\n"
+     "                upstream_free_calls: 0,\n                ..pool_figures(pool.stats())\n"
      "            });\n        }\n", "", CAPI),
     ("C ABI: memres_set_limit does not bound virtual pools", "capi/src/stack.rs",
      "        for pool in &self.in_place {\n            pool.set_limit(bytes);\n        }\n", "", CAPI),
-    # PyTorch's num_device_alloc / num_device_free (PoolStats::upstream_allocs / _frees).
+    # PyTorch's num_device_alloc / num_device_free (PoolStats::upstream_alloc_calls / _frees).
     ("VirtualPool: a run a trim unmaps is not counted", "src/suballoc/virtual_pool/grow.rs",
      "            growth.frees += 1;\n", ""),
     ("Pool: a chunk is not counted", "src/suballoc/pool.rs",
