@@ -318,17 +318,7 @@ fn without_a_driver_malloc_returns_null_and_says_why() {
         assert_eq!(memres_enable_peer_access(device, peer), MEMRES_ERROR_CUDA);
         assert!(last_error().contains("driver"), "{}", last_error());
     }
-    for (device, peer) in [(-1, 0), (0, 64)] {
-        assert_eq!(
-            memres_enable_peer_access(device, peer),
-            MEMRES_ERROR_INVALID_ARGUMENT
-        );
-        assert!(
-            last_error().contains("not a device ordinal"),
-            "{}",
-            last_error()
-        );
-    }
+    peer_ordinals_are_refused([(-1, 0), (0, 64)]);
     // Nothing was built, so the configuration may still change.
     let _turn = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     assert_eq!(configure("pool"), MEMRES_OK);
@@ -347,7 +337,13 @@ fn peer_access_ordinals_are_checked_against_the_devices() {
         "{}",
         last_error()
     );
-    for (device, peer) in [(0, count), (count, 0)] {
+    peer_ordinals_are_refused([(0, count), (count, 0)]);
+}
+
+/// `memres_enable_peer_access` refuses each `(device, peer)` as ordinals memres does not
+/// serve.
+fn peer_ordinals_are_refused(pairs: [(c_int, c_int); 2]) {
+    for (device, peer) in pairs {
         assert_eq!(
             memres_enable_peer_access(device, peer),
             MEMRES_ERROR_INVALID_ARGUMENT
