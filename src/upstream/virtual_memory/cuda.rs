@@ -188,9 +188,9 @@ impl Virtual<CudaPhysical> {
     /// A peer granted already, or the leaf's own device, is `Ok` at once;
     /// [`Error::Unsupported`] where `peer` cannot reach this device's memory. Waits for
     /// the maps and unmaps under way, and they wait for it: one `cuMemSetAccess` a run of
-    /// mapped granules (about 100 us a granule on two H200s, so a few seconds for 80 GiB
-    /// mapped in pieces; a pool's runs are few when it has not trimmed). On an error the
-    /// peer may reach part of what is mapped, and later maps do not give it access.
+    /// mapped granules, whose cost is per granule (about 100 us on two H200s, some 4 s
+    /// for 80 GiB mapped). On an error the peer may reach part of what is mapped, and
+    /// later maps do not give it access.
     ///
     /// ```no_run
     /// use memres::{CudaVirtual, device::DeviceId, upstream::CudaVirtualConfig};
