@@ -511,6 +511,44 @@ fn loom_a_reclaim_takes_blocks_from_an_idle_threads_cache() {
     });
 }
 
+/// A thread that ran its work over a resource (freeing blocks into its caches) and now
+/// waits, making no call, until [`exit`](Self::exit) lets it leave (its caches go then).
+struct IdleThread {
+    done: Arc<loom::sync::atomic::AtomicBool>,
+    thread: thread::JoinHandle<()>,
+}
+
+impl IdleThread {
+    /// Starts the thread on `work` over `r`; returns once the work is done.
+    fn after<R: Send + Sync + 'static>(
+        r: &Arc<R>,
+        work: impl FnOnce(&R) + Send + 'static,
+    ) -> IdleThread {
+        use loom::sync::atomic::{AtomicBool, Ordering};
+        let worked = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let (r, worked2, done2) = (Arc::clone(r), Arc::clone(&worked), Arc::clone(&done));
+        let thread = thread::spawn(move || {
+            work(&r);
+            worked2.store(true, Ordering::Release);
+            while !done2.load(Ordering::Acquire) {
+                loom::thread::yield_now();
+            }
+            super::thread_cache::exit_thread();
+        });
+        while !worked.load(Ordering::Acquire) {
+            loom::thread::yield_now();
+        }
+        IdleThread { done, thread }
+    }
+
+    /// Lets the thread leave, and waits until it has.
+    fn exit(self) {
+        self.done.store(true, loom::sync::atomic::Ordering::Release);
+        self.thread.join().unwrap();
+    }
+}
+
 /// The idle cache's scenario over `r` (two 256-byte blocks and no room for more): a
 /// thread takes both blocks, frees them into its cache and waits, making no call, while
 /// this thread takes both (the reclaim must take them from the idle cache; `not_grown`
@@ -520,13 +558,8 @@ fn idle_cache_scenario<R: Resource + Send + Sync + 'static>(
     r: Arc<R>,
     not_grown: impl Fn(&R),
 ) -> Arc<R> {
-    use loom::sync::atomic::{AtomicBool, Ordering};
-
     let l = Layout::from_size_align(256, 256).unwrap();
-    let cached = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicBool::new(false));
-    let (other, cached2, done2) = (Arc::clone(&r), Arc::clone(&cached), Arc::clone(&done));
-    let idle = thread::spawn(move || {
+    let idle = IdleThread::after(&r, move |other| {
         let a = other.allocate(StreamRef::HOST, l).unwrap();
         let b = other.allocate(StreamRef::HOST, l).unwrap();
         // SAFETY: from `other` with `l` on the host stream, not used afterwards.
@@ -534,15 +567,7 @@ fn idle_cache_scenario<R: Resource + Send + Sync + 'static>(
             other.deallocate(StreamRef::HOST, a, l);
             other.deallocate(StreamRef::HOST, b, l);
         }
-        cached2.store(true, Ordering::Release);
-        while !done2.load(Ordering::Acquire) {
-            loom::thread::yield_now();
-        }
-        super::thread_cache::exit_thread();
     });
-    while !cached.load(Ordering::Acquire) {
-        loom::thread::yield_now();
-    }
     let a = r
         .allocate(StreamRef::HOST, l)
         .expect("taken from the idle cache");
@@ -551,8 +576,7 @@ fn idle_cache_scenario<R: Resource + Send + Sync + 'static>(
         .expect("taken from the idle cache");
     assert_ne!(a, b);
     not_grown(&r);
-    done.store(true, Ordering::Release);
-    idle.join().unwrap();
+    idle.exit();
     // SAFETY: from `r` with `l` on the host stream, not used afterwards.
     unsafe {
         r.deallocate(StreamRef::HOST, a, l);
@@ -600,34 +624,21 @@ fn trim_scenario<R: Resource + Send + Sync + 'static>(
 /// thread's exit gives back nothing twice: at the end the arena is whole.
 #[test]
 fn loom_a_reclaim_takes_an_arenas_blocks_from_an_idle_threads_cache() {
-    use loom::sync::atomic::{AtomicBool, Ordering};
     const MIB: usize = 1 << 20;
     let small = Layout::from_size_align(4096, 256).unwrap();
     let whole = Layout::from_size_align(MIB, 256).unwrap();
     pools_model().check(move || {
         let arena = Arc::new(Arena::with_size(HostHeap::new(), MIB).unwrap());
-        let cached = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicBool::new(false));
-        let (other, cached2, done2) = (Arc::clone(&arena), Arc::clone(&cached), Arc::clone(&done));
-        let idle = thread::spawn(move || {
+        let idle = IdleThread::after(&arena, move |other| {
             let p = other.allocate(StreamRef::HOST, small).unwrap();
             // SAFETY: from `other` with `small` on the host stream, not used afterwards.
             unsafe { other.deallocate(StreamRef::HOST, p, small) };
-            cached2.store(true, Ordering::Release);
-            while !done2.load(Ordering::Acquire) {
-                loom::thread::yield_now();
-            }
-            super::thread_cache::exit_thread();
         });
-        while !cached.load(Ordering::Acquire) {
-            loom::thread::yield_now();
-        }
         let two = StreamRef::host(2);
         let p = arena
             .allocate(two, whole)
             .expect("taken from the idle cache");
-        done.store(true, Ordering::Release);
-        idle.join().unwrap();
+        idle.exit();
         // SAFETY: from `arena` with `whole` on `two`, not used afterwards.
         unsafe { arena.deallocate(two, p, whole) };
         assert_eq!(arena.magazines(), 0, "every magazine counted out once");
