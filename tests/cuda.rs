@@ -460,10 +460,18 @@ fn device_1_reaching_device_0() -> Option<DeviceId> {
 /// read-write for device 1 first) with its own byte, and device 0 reads them back.
 fn device_1_fills(blocks: &[(std::ptr::NonNull<u8>, usize)], g: usize) {
     let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64;
-    for (i, &(b, n)) in blocks.iter().enumerate() {
+    for &(b, n) in blocks {
         for offset in (0..n).step_by(g) {
             assert_eq!(access_of_device_1(b.as_ptr() as u64 + offset as u64), rw);
         }
+    }
+    device_1_writes(blocks);
+}
+
+/// Device 1 fills each block (`n` bytes of device 0's memory that device 1 may reach)
+/// with its own byte, and device 0 reads them back.
+fn device_1_writes(blocks: &[(std::ptr::NonNull<u8>, usize)]) {
+    for (i, &(b, n)) in blocks.iter().enumerate() {
         let _on = DeviceGuard::new(DeviceId::new(1)).unwrap();
         // SAFETY: `b` holds `n` bytes, mapped with read-write access for device 1.
         let r = unsafe { sys::cuMemsetD8_v2(b.as_ptr() as u64, 0x50 + i as u8, n) };
@@ -554,6 +562,36 @@ fn a_peer_granted_later_reaches_what_was_mapped_before_and_after() {
     reached.push((pool.allocate_sync(layout(later).unwrap()).unwrap(), later));
     device_1_fills(&reached, g);
     for (p, n) in reached {
+        // SAFETY: from `pool` with this layout; the work on it was waited for.
+        unsafe { pool.deallocate_sync(p, layout(n).unwrap()) };
+    }
+}
+
+/// A driver pool's memory is not reached through the contexts' peer access: granting a
+/// peer (`cuMemPoolSetAccess`, what `memres_enable_peer_access` does for `cuda_async`
+/// stacks) lets device 1 write a block the pool held before the grant and one it
+/// allocates after; a second grant, and one for the pool's own device, change nothing.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn a_peer_granted_to_a_driver_pool_writes_its_blocks() {
+    let Some(d1) = device_1_reaching_device_0() else {
+        return;
+    };
+    let pool = memres::upstream::CudaAsync::on(d0(), CudaAsyncConfig::new()).unwrap();
+    assert_eq!(
+        pool.accessible_from().unwrap(),
+        [d0()],
+        "its own device only"
+    );
+    let n = 3 << 20;
+    let before = pool.allocate_sync(layout(n).unwrap()).unwrap();
+    pool.grant_access(d1).unwrap();
+    pool.grant_access(d1).unwrap();
+    pool.grant_access(d0()).unwrap();
+    assert_eq!(pool.accessible_from().unwrap(), [d0(), d1]);
+    let after = pool.allocate_sync(layout(n).unwrap()).unwrap();
+    device_1_writes(&[(before, n), (after, n)]);
+    for p in [before, after] {
         // SAFETY: from `pool` with this layout; the work on it was waited for.
         unsafe { pool.deallocate_sync(p, layout(n).unwrap()) };
     }

@@ -193,21 +193,22 @@ int64_t memres_segments(int device, uint64_t* out, size_t capacity);
 int memres_trim(int device);
 
 /* Lets peer read and write the memory memres's in-place pools map on device (the default
-   stack's and every tag's): what they hold now and all they map later. Needed only where
-   peers come on demand (memres_peer_access_on_demand); by default every peer-capable
-   device has access from the start. The native PyTorch backend forwards torch's
-   enablePeerAccess here. Does not call cudaDeviceEnablePeerAccess (cudaMalloc memory's
-   peer access is the caller's). MEMRES_OK, also for a device and itself;
-   MEMRES_ERROR_CUDA where peer cannot reach device's memory or there is no driver;
-   MEMRES_ERROR_INVALID_ARGUMENT for an ordinal with no device or of 64 and above. Waits
-   for the maps and unmaps of those pools under way, and they wait for it (one
-   cuMemSetAccess a run of mapped memory). */
+   stack's and every tag's) and its cuda_async pools hold (cuMemPoolSetAccess, as
+   PyTorch's cudaMallocAsync backend does): what they hold now and all they map later.
+   Needed only where peers come on demand (memres_peer_access_on_demand); by default
+   every peer-capable device has access from the start, in both kinds of pool. The native
+   PyTorch backend forwards torch's enablePeerAccess here. Does not call
+   cudaDeviceEnablePeerAccess (cudaMalloc memory's peer access is the caller's).
+   MEMRES_OK, also for a device and itself; MEMRES_ERROR_CUDA where peer cannot reach
+   device's memory or there is no driver; MEMRES_ERROR_INVALID_ARGUMENT for an ordinal
+   with no device or of 64 and above. Waits for the maps and unmaps of those pools under
+   way, and they wait for it (one cuMemSetAccess a run of mapped memory). */
 int memres_enable_peer_access(int device, int peer);
 
-/* From now on, the in-place pools memres makes give access to their own device alone,
-   and to a peer once memres_enable_peer_access names it, as PyTorch's expandable
-   segments do: their maps and unmaps are cheaper (on two H200s a peer tripled a
-   granule's cuMemSetAccess). For a caller that forwards every need of peer access (the
+/* From now on, the in-place and cuda_async pools memres makes give access to their own
+   device alone, and to a peer once memres_enable_peer_access names it, as PyTorch's
+   expandable segments do: their maps and unmaps are cheaper (on two H200s a peer tripled
+   a granule's cuMemSetAccess). For a caller that forwards every need of peer access (the
    native PyTorch backend calls it when installed); pools made before keep their peers.
    MEMRES_PEER_ACCESS=all or =on_demand chooses for the whole process instead. Always
    MEMRES_OK. */

@@ -721,11 +721,12 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
 }
 
 /// Lets `peer` read and write the memory memres's in-place pools map on `device` (the
-/// default stack's and every tag's): what they hold now and all they map later, as
-/// `cudaDeviceEnablePeerAccess` does for `cudaMalloc` memory (which the call does not
-/// do: that is the caller's). Needed only where peers come on demand
+/// default stack's and every tag's) and its `cuda_async` pools hold (`cuMemPoolSetAccess`,
+/// as PyTorch's `cudaMallocAsync` backend does): what they hold now and all they map
+/// later, as `cudaDeviceEnablePeerAccess` does for `cudaMalloc` memory (which the call
+/// does not do: that is the caller's). Needed only where peers come on demand
 /// (`memres_peer_access_on_demand`; by default every peer-capable device has access from
-/// the start). PyTorch's `enablePeerAccess`, which a copy or kernel between two devices
+/// the start, in both kinds of pool). PyTorch's `enablePeerAccess`, which a copy or kernel between two devices
 /// reaches first, calls it under the native backend. 0 on success, also for a device and
 /// itself; `MEMRES_ERROR_CUDA` where `peer` cannot reach `device`'s memory (the message
 /// says so) or there is no driver; `MEMRES_ERROR_INVALID_ARGUMENT` for an ordinal with no
@@ -783,12 +784,12 @@ pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int
     )
 }
 
-/// From now on, the in-place pools memres makes give access to their own device alone,
-/// and to a peer once `memres_enable_peer_access` names it (as PyTorch's expandable
-/// segments do): their maps and unmaps are cheaper (on two H200s a peer tripled a
-/// granule's `cuMemSetAccess`; DDP's 24 steps took 5-17% less in all). For a caller that
-/// forwards every need of peer access, such as the native PyTorch backend, which calls it
-/// when installed; pools made before keep their peers. `MEMRES_PEER_ACCESS=all` or
+/// From now on, the in-place and `cuda_async` pools memres makes give access to their
+/// own device alone, and to a peer once `memres_enable_peer_access` names it (as
+/// PyTorch's expandable segments do): their maps and unmaps are cheaper (on two H200s a
+/// peer tripled a granule's `cuMemSetAccess`; DDP's 24 steps took 5-17% less in all). For
+/// a caller that forwards every need of peer access, such as the native PyTorch backend,
+/// which calls it when installed; pools made before keep their peers. `MEMRES_PEER_ACCESS=all` or
 /// `=on_demand` overrides it for the process. Always 0.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_peer_access_on_demand() -> c_int {

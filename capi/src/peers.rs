@@ -1,4 +1,7 @@
-//! Which devices may reach the memory of memres's in-place pools on each device.
+//! Which devices may reach the memory of memres's in-place pools and driver pools
+//! (`cuda_async`) on each device. A driver pool's memory, like a virtual leaf's, is not
+//! reached through the contexts' peer access: each names its peers (`cuMemPoolSetAccess`,
+//! which also makes the pool's growth map for them), by the rule below.
 //!
 //! A `CudaVirtual` leaf gives access to the devices it names on every map and unmap,
 //! and each one costs those calls (on two H200s, `cuMemSetAccess` for two devices takes

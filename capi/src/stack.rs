@@ -73,6 +73,11 @@ impl<T: Target> Pools<T> {
         &self.in_place
     }
 
+    /// The driver pools (`cuda_async`).
+    pub(crate) fn driver(&self) -> &[Arc<CudaAsync>] {
+        &self.driver
+    }
+
     /// Whether the only memory kept is driver pools' (`cuda_async`).
     fn only_driver_pools(&self) -> bool {
         !self.driver.is_empty()
@@ -436,6 +441,11 @@ impl Target for Layers {
             .initial_size(initial)
             .release_threshold(release_threshold);
         let pool = Arc::new(CudaAsync::on(self.device, config)?);
+        // A driver pool's memory is not reached through the contexts' peer access: it
+        // names its peers as the in-place pools' leaves do (`peers.rs`).
+        for peer in crate::peers::of_new_leaf(self.device)? {
+            pool.grant_access(peer)?;
+        }
         self.pools.driver.push(Arc::clone(&pool));
         Ok(AnyResource::new(pool))
     }
@@ -676,8 +686,9 @@ impl DeviceStack {
         }
     }
 
-    /// Lets `peer` reach the memory of every in-place pool of the stack (every tier) and
-    /// of every tag's, those made while this runs too: `memres_enable_peer_access`, which
+    /// Lets `peer` reach the memory of every in-place pool and driver pool (`cuda_async`)
+    /// of the stack (every tier) and of every tag's, those made while this runs too:
+    /// `memres_enable_peer_access`, which
     /// records the grant (`peers::record`) before it calls this, so that leaves made later
     /// give it from the start. Every pool is asked even if one fails; the first failure
     /// is returned.
@@ -692,6 +703,11 @@ impl DeviceStack {
             grant(pool.upstream());
         }
         routed::each_tag_pool(&self.routed, |pool| grant(pool.upstream()));
+        for pool in self.pools.driver() {
+            if let Err(e) = pool.grant_access(peer) {
+                first_error.get_or_insert(e);
+            }
+        }
         first_error.map_or(Ok(()), Err)
     }
 

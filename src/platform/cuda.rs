@@ -718,6 +718,23 @@ impl Platform for Cuda {
         Ok(fd)
     }
 
+    unsafe fn pool_set_access(pool: PoolHandle, devices: &[i32]) -> Result<(), Error> {
+        let access = access_descs(devices);
+        // SAFETY: the pool is live (the caller's promise); one descriptor a device.
+        check(unsafe {
+            sys::cuMemPoolSetAccess(pool as sys::CUmemoryPool, access.as_ptr(), access.len())
+        })
+    }
+
+    unsafe fn pool_get_access(pool: PoolHandle, device: i32) -> Result<bool, Error> {
+        let mut at = location(Location::Device(device));
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: the pool is live (the caller's promise); `at` names a device; the driver
+        // writes the flags into `flags`.
+        check(unsafe { sys::cuMemPoolGetAccess(&mut flags, pool as sys::CUmemoryPool, &mut at) })?;
+        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    }
+
     fn vm_granularity(device: i32, posix_fd: bool) -> Result<usize, Error> {
         let prop = allocation_prop(device, posix_fd);
         let mut granularity = 0;
@@ -789,13 +806,7 @@ impl Platform for Cuda {
         devices: &[i32],
         requested: usize,
     ) -> Result<(), Error> {
-        let access: Vec<sys::CUmemAccessDesc> = devices
-            .iter()
-            .map(|&d| sys::CUmemAccessDesc {
-                location: location(Location::Device(d)),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            })
-            .collect();
+        let access = access_descs(devices);
         // SAFETY: the range is mapped (the caller's promise); one descriptor a device.
         check_alloc(
             unsafe {
@@ -879,4 +890,15 @@ impl Platform for Cuda {
         // SAFETY: the caller's promise: opened by `ipc_open`, unused.
         check(unsafe { sys::cuIpcCloseMemHandle(base as sys::CUdeviceptr) })
     }
+}
+
+/// Read and write access for each of `devices`.
+fn access_descs(devices: &[i32]) -> Vec<sys::CUmemAccessDesc> {
+    devices
+        .iter()
+        .map(|&d| sys::CUmemAccessDesc {
+            location: location(Location::Device(d)),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect()
 }

@@ -93,6 +93,25 @@ struct AccessDesc {
     flags: c_int,
 }
 
+/// `hipMemLocation`.
+#[repr(C)]
+struct MemLocation {
+    location_type: c_int,
+    location_id: c_int,
+}
+
+/// Read and write access for each of `devices`.
+fn access_descs(devices: &[i32]) -> Vec<AccessDesc> {
+    devices
+        .iter()
+        .map(|&d| AccessDesc {
+            location_type: MEM_LOCATION_TYPE_DEVICE,
+            location_id: d,
+            flags: MEM_ACCESS_PROT_READ_WRITE,
+        })
+        .collect()
+}
+
 /// `hipIpcMemHandle_t`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -186,6 +205,8 @@ hip_api! {
     hipMemPoolSetAttribute: fn(Ptr, c_int, Ptr) -> HipError;
     hipMemPoolTrimTo: fn(Ptr, usize) -> HipError;
     hipMemPoolExportToShareableHandle: fn(Ptr, Ptr, c_int, c_uint) -> HipError;
+    hipMemPoolSetAccess: fn(Ptr, *const AccessDesc, usize) -> HipError;
+    hipMemPoolGetAccess: fn(*mut c_int, Ptr, *mut MemLocation) -> HipError;
     hipMemGetAllocationGranularity: fn(*mut usize, *const Props, c_int) -> HipError;
     hipMemAddressReserve: fn(*mut Ptr, usize, usize, Ptr, c_ulonglong) -> HipError;
     hipMemAddressFree: fn(Ptr, usize) -> HipError;
@@ -863,6 +884,26 @@ impl Platform for Hip {
         Ok(fd)
     }
 
+    unsafe fn pool_set_access(pool: PoolHandle, devices: &[i32]) -> Result<(), Error> {
+        let f = entry!(hipMemPoolSetAccess);
+        let access = access_descs(devices);
+        // SAFETY: the pool is live (the caller's promise); one descriptor a device.
+        check(unsafe { f(ptr(pool), access.as_ptr(), access.len()) })
+    }
+
+    unsafe fn pool_get_access(pool: PoolHandle, device: i32) -> Result<bool, Error> {
+        let f = entry!(hipMemPoolGetAccess);
+        let mut at = MemLocation {
+            location_type: MEM_LOCATION_TYPE_DEVICE,
+            location_id: device,
+        };
+        let mut flags: c_int = 0;
+        // SAFETY: the pool is live (the caller's promise); `at` names a device; the
+        // runtime writes the flags into `flags`.
+        check(unsafe { f(&mut flags, ptr(pool), &mut at) })?;
+        Ok(flags == MEM_ACCESS_PROT_READ_WRITE)
+    }
+
     fn vm_granularity(device: i32, posix_fd: bool) -> Result<usize, Error> {
         let f = entry!(hipMemGetAllocationGranularity);
         let props = Props::new(device, posix_fd);
@@ -934,14 +975,7 @@ impl Platform for Hip {
         requested: usize,
     ) -> Result<(), Error> {
         let f = entry!(hipMemSetAccess);
-        let access: Vec<AccessDesc> = devices
-            .iter()
-            .map(|&d| AccessDesc {
-                location_type: MEM_LOCATION_TYPE_DEVICE,
-                location_id: d,
-                flags: MEM_ACCESS_PROT_READ_WRITE,
-            })
-            .collect();
+        let access = access_descs(devices);
         // SAFETY: the range is mapped (the caller's promise); one descriptor a device.
         check_alloc(
             unsafe { f(ptr(address), len, access.as_ptr(), access.len()) },

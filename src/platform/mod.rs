@@ -443,6 +443,17 @@ pub(crate) trait Platform {
     /// # Safety
     /// The pool is live.
     unsafe fn pool_export_fd(pool: PoolHandle) -> Result<i32, Error>;
+    /// Lets each of `devices` (not the pool's own) read and write the pool's memory, what
+    /// it holds now and what it allocates later.
+    ///
+    /// # Safety
+    /// The pool is live.
+    unsafe fn pool_set_access(pool: PoolHandle, devices: &[i32]) -> Result<(), Error>;
+    /// Whether `device` may read and write the pool's memory.
+    ///
+    /// # Safety
+    /// The pool is live.
+    unsafe fn pool_get_access(pool: PoolHandle, device: i32) -> Result<bool, Error>;
 
     // --- virtual memory ------------------------------------------------------------------
 

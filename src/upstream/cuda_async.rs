@@ -90,6 +90,40 @@ impl PoolRef {
         }
     }
 
+    /// Lets `peer` read and write the pool's memory (`cuMemPoolSetAccess`): see
+    /// [`CudaAsync::grant_access`].
+    fn grant_access(self, peer: DeviceId) -> Result<(), Error> {
+        let own = self.ctx.device();
+        if peer == own {
+            return Ok(());
+        }
+        if !peer.can_access_peer(own)? {
+            return Err(Error::unsupported(format!(
+                "{peer} cannot reach the memory of {own} (no peer access between them)"
+            )));
+        }
+        let _current = bind(self.ctx)?;
+        // SAFETY: the pool is live (owned by the resource, or the promise of
+        // `CudaAsyncView::from_raw`).
+        unsafe { Active::pool_set_access(self.handle(), &[peer.ordinal()]) }
+    }
+
+    /// The pool's device, then every other device that may read and write its memory
+    /// (`cuMemPoolGetAccess`).
+    fn accessible_from(self) -> Result<Vec<DeviceId>, Error> {
+        let own = self.ctx.device();
+        let _current = bind(self.ctx)?;
+        let mut devices = vec![own];
+        for device in DeviceId::all()? {
+            // SAFETY: the pool is live (as above).
+            if device != own && unsafe { Active::pool_get_access(self.handle(), device.ordinal()) }?
+            {
+                devices.push(device);
+            }
+        }
+        Ok(devices)
+    }
+
     fn get_u64(self, attribute: PoolAttribute) -> Result<u64, Error> {
         // SAFETY: the pool is live.
         unsafe { Active::pool_get(self.handle(), attribute) }
@@ -344,6 +378,32 @@ impl CudaAsync {
         unsafe { Active::pool_trim_to(self.inner.handle(), keep) }
     }
 
+    /// Lets `peer` read and write the pool's memory, what it holds now and what it
+    /// allocates later (`cuMemPoolSetAccess`), as PyTorch's `cudaMallocAsync` backend does
+    /// when a program first copies between two devices. A driver pool's memory, unlike
+    /// `cudaMalloc`'s, is not reached through the contexts' peer access
+    /// (`cuCtxEnablePeerAccess`): a kernel on another device needs this first. The pool's
+    /// own device, or a peer granted already, is `Ok`; [`Error::Unsupported`] where `peer`
+    /// cannot reach this device's memory.
+    ///
+    /// ```no_run
+    /// use memres::{device::DeviceId, upstream::{CudaAsync, CudaAsyncConfig}};
+    ///
+    /// let pool = CudaAsync::on(DeviceId::new(0), CudaAsyncConfig::new())?;
+    /// pool.grant_access(DeviceId::new(1))?; // kernels on GPU 1 may now use its memory
+    /// assert_eq!(pool.accessible_from()?, [DeviceId::new(0), DeviceId::new(1)]);
+    /// # Ok::<(), memres::Error>(())
+    /// ```
+    pub fn grant_access(&self, peer: DeviceId) -> Result<(), Error> {
+        self.inner.grant_access(peer)
+    }
+
+    /// The pool's device, then the others that may read and write its memory, asked of
+    /// the driver (`cuMemPoolGetAccess`).
+    pub fn accessible_from(&self) -> Result<Vec<DeviceId>, Error> {
+        self.inner.accessible_from()
+    }
+
     /// Exports the pool as a POSIX file descriptor for another process to import
     /// (`cuMemPoolExportToShareableHandle`); the pool must have been made with
     /// [`ExportHandle::PosixFd`], else [`Error::Unsupported`].
@@ -457,6 +517,19 @@ impl CudaAsyncView {
     /// The device the pool allocates on.
     pub fn device(&self) -> DeviceId {
         self.inner.ctx.device()
+    }
+
+    /// Lets `peer` read and write the pool's memory: as [`CudaAsync::grant_access`]. For
+    /// the device's default pool this is what `cudaMallocAsync`'s memory needs before a
+    /// kernel on another device uses it.
+    pub fn grant_access(&self, peer: DeviceId) -> Result<(), Error> {
+        self.inner.grant_access(peer)
+    }
+
+    /// The pool's device, then the others that may read and write its memory: as
+    /// [`CudaAsync::accessible_from`].
+    pub fn accessible_from(&self) -> Result<Vec<DeviceId>, Error> {
+        self.inner.accessible_from()
     }
 }
 
