@@ -597,6 +597,31 @@ fn a_peer_granted_to_a_driver_pool_writes_its_blocks() {
     }
 }
 
+/// A block freed in stream order behind long work is pending in the driver pool: a
+/// trim then keeps it; once the device's work is waited for (`DeviceId::synchronize`,
+/// what `memres_trim` does for `cuda_async` stacks), a trim gives everything back.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_driver_pool_trimmed_after_the_device_is_waited_for_holds_nothing() {
+    let pool = CudaAsync::on(d0(), CudaAsyncConfig::new()).unwrap();
+    let stream = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let n = 512 << 20;
+    let p = pool.allocate(stream.as_ref(), layout(n).unwrap()).unwrap();
+    // Work on the stream that takes a while: 64 fills of the block, then the free.
+    let raw = stream.raw() as sys::CUstream;
+    for i in 0..64u8 {
+        // SAFETY: `p` holds `n` bytes allocated on this stream; the fill is ordered on it.
+        let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, i, n, raw) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    }
+    // SAFETY: from `pool` on this stream with this layout; its work is ordered before.
+    unsafe { pool.deallocate(stream.as_ref(), p, layout(n).unwrap()) };
+    d0().synchronize().unwrap();
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.reserved_bytes().unwrap(), 0);
+    assert_eq!(pool.used_bytes().unwrap(), 0);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn streams_events_and_the_stream_pool() {

@@ -188,7 +188,9 @@ int64_t memres_segments(int device, uint64_t* out, size_t capacity);
    binning's bins and fixed_size give back their streams' lists and thread caches (their
    chunks stay until the stack goes); then the pool under the bins gives back what is
    free. An arena holds one allocation of its whole size while it lives: trimming it
-   frees nothing. Every pool is trimmed even if one fails; the first failure is
+   frees nothing. A cuda_async pool is trimmed once the device's work is waited for
+   (blocks freed in stream order are pending until then), as PyTorch's cudaMallocAsync
+   backend does. Every pool is trimmed even if one fails; the first failure is
    returned. */
 int memres_trim(int device);
 

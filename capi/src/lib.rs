@@ -706,7 +706,9 @@ pub unsafe extern "C" fn memres_segments(device: c_int, out: *mut u64, capacity:
 /// success, also where there is nothing to trim. An `arena` stack gives nothing back: its
 /// memory is one allocation of its whole size, made when it is built and kept while it
 /// lives (as RMM's arena); bins and `fixed_size` keep their chunks (they give back their
-/// streams' lists); a stack without a pool has nothing to give back either.
+/// streams' lists); a stack without a pool has nothing to give back either. A
+/// `cuda_async` pool is trimmed after the device's work is waited for (its blocks freed
+/// in stream order are pending until then), as PyTorch's `cudaMallocAsync` backend does.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_trim(device: c_int) -> c_int {
     guarded(
@@ -726,8 +728,8 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
 /// later, as `cudaDeviceEnablePeerAccess` does for `cudaMalloc` memory (which the call
 /// does not do: that is the caller's). Needed only where peers come on demand
 /// (`memres_peer_access_on_demand`; by default every peer-capable device has access from
-/// the start, in both kinds of pool). PyTorch's `enablePeerAccess`, which a copy or kernel between two devices
-/// reaches first, calls it under the native backend. 0 on success, also for a device and
+/// the start, in both kinds of pool). PyTorch's `enablePeerAccess`, which a copy or
+/// kernel between two devices reaches first, calls it under the native backend. 0 on success, also for a device and
 /// itself; `MEMRES_ERROR_CUDA` where `peer` cannot reach `device`'s memory (the message
 /// says so) or there is no driver; `MEMRES_ERROR_INVALID_ARGUMENT` for an ordinal with no
 /// device or of 64 and above. It waits for the maps and unmaps of those pools under way,

@@ -211,6 +211,10 @@ impl<T: Target> Pools<T> {
         for pool in &self.driver {
             note((|| {
                 let before = pool.reserved_bytes()?;
+                // Frees still pending on a stream keep their memory in the pool: wait for
+                // the device first, as PyTorch's cudaMallocAsync backend's `empty_cache`
+                // does.
+                pool.device().synchronize()?;
                 pool.trim_to(0)?;
                 Ok(before.saturating_sub(pool.reserved_bytes()?))
             })());

@@ -30,7 +30,9 @@ than the default virtual pool), compared step by step as `memres` is; any mode f
 by `@VAR=VALUE` runs with that variable set (`memres@MEMRES_PEER_ACCESS=all`: the
 in-place pools' memory reachable from the other GPU from the start, as before 2026-11-28).
 The total of each rank 0's steps is printed too: the steps that grow the pools are in it,
-not in the medians.
+not in the medians; and, for round 0, each step in which the allocator called the driver
+(`memory_stats()`'s `num_device_alloc` / `num_device_free`: torch's cudaMalloc / cudaFree
+and expandable segments' maps, memres's pools' maps and unmaps) with its time.
 
 --rounds R (default 1) runs R rounds, each a group per allocator, alternating which goes
 first, and prints every round's median step per allocator (rank 0's; the ranks wait for
@@ -98,8 +100,16 @@ def rank_main(mode, steps, deterministic):
     model = DistributedDataParallel(GPT2LMHeadModel(GPT2Config()).to(dev), device_ids=[rank])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     shapes = torch.Generator().manual_seed(42)
-    losses, times, peak_used = [], [], 0
+    losses, times, peak_used, device_calls = [], [], 0, []
+
+    def allocator_calls():
+        # The allocator's own driver calls so far: torch's cudaMalloc / cudaFree (its
+        # expandable segments' maps and unmaps), memres's pools' maps and unmaps.
+        s = torch.cuda.memory_stats(dev)
+        return s.get("num_device_alloc", 0), s.get("num_device_free", 0)
+
     for step in range(steps):
+        calls_before = allocator_calls()
         batch = int(torch.randint(2, 9, (1,), generator=shapes))
         seq = int(torch.randint(128, 1025, (1,), generator=shapes))
         tokens = torch.Generator().manual_seed(1000 * step + rank)
@@ -114,6 +124,7 @@ def rank_main(mode, steps, deterministic):
         losses.append(loss.item())
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
+        device_calls.append([a - b for a, b in zip(allocator_calls(), calls_before)])
         free, _ = torch.cuda.mem_get_info(dev)
         peak_used = max(peak_used, total - free - base_used)
     calls = {}
@@ -154,6 +165,7 @@ def rank_main(mode, steps, deterministic):
                 "losses": losses,
                 "median_step_s": statistics.median(times[3:]),
                 "step_s": times,
+                "device_calls": device_calls,
                 "profiled_calls": calls,
                 "peak_device_used": peak_used,
                 "peak_live": peak_live,
@@ -259,6 +271,15 @@ def main():
         print(f"{mode:7s} rank 0 median step by round (ms): {' / '.join(steps)}")
         totals = [f"{sum(runs[mode][0]['step_s']):.2f}" for runs in rounds]
         print(f"{mode:7s} rank 0 all steps by round (s): {' / '.join(totals)}")
+        # The steps in which the allocator called the driver, with their times: where
+        # the medians leave out the growth.
+        first = rounds[0][mode][0]
+        busy = [
+            f"{i}: +{c[0]}/-{c[1]} {t * 1e3:.0f} ms"
+            for i, (c, t) in enumerate(zip(first["device_calls"], first["step_s"]))
+            if c[0] or c[1]
+        ]
+        print(f"{mode:7s} rank 0 round 0 steps with allocator driver calls (maps/unmaps): {'; '.join(busy) or 'none'}")
     same = all(
         runs["torch"][0]["losses"] == runs[m][0]["losses"] for runs in rounds if "torch" in runs for m in filter(is_memres, modes)
     )

@@ -16,9 +16,9 @@ hold and what they map after (a new 256 MiB tensor, a growth).
 
 runs the same over driver pools, whose memory the contexts' peer access does not reach
 either: memres grants the peer on the pool (`cuMemPoolSetAccess`), as torch's
-cudaMallocAsync backend does. Where the driver does not answer `cuMemGetAccess` for a
-driver pool's block, the access is shown as the error's negated code and the copies
-alone decide.
+cudaMallocAsync backend does; the access shown is then the pool's. `empty_cache()` gives
+each device's memory back in both cases (a driver pool's once the device's work is
+waited for).
 """
 
 import ctypes
@@ -27,17 +27,29 @@ import os
 import sys
 
 
-def device_1_access(ptr):
-    """The access device 1 has to the mapped memory at `ptr` (cuMemGetAccess: 0 none, 3
-    read and write)."""
+def device_1_access(ptr, pool_memory):
+    """The access device 1 has to device memory at `ptr` (0 none, 3 read and write): the
+    mapping's (cuMemGetAccess) for an in-place pool's memory, the driver pool's
+    (cuMemPoolGetAccess on the pool the pointer names) for a cuda_async pool's, whose
+    blocks cuMemGetAccess reports as 0 whatever the pool grants. A driver error is
+    returned negated."""
 
     class Location(ctypes.Structure):
         _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
     cuda = ctypes.CDLL("libcuda.so.1")
-    flags = ctypes.c_ulonglong(0)
     at = Location(1, 1)  # CU_MEM_LOCATION_TYPE_DEVICE, device 1
-    status = cuda.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(at), ctypes.c_void_p(ptr))
+    if pool_memory:
+        pool = ctypes.c_void_p()
+        mempool_handle = 17  # CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE
+        status = cuda.cuPointerGetAttribute(ctypes.byref(pool), mempool_handle, ctypes.c_ulonglong(ptr))
+        if status != 0:
+            return -status
+        flags = ctypes.c_int(0)
+        status = cuda.cuMemPoolGetAccess(ctypes.byref(flags), pool, ctypes.byref(at))
+    else:
+        flags = ctypes.c_ulonglong(0)
+        status = cuda.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(at), ctypes.c_void_p(ptr))
     return flags.value if status == 0 else -status
 
 
@@ -56,14 +68,11 @@ def main():
     # Peers on demand (the native backend's choice): device 1 reaches device 0's memory
     # only once torch enables peer access, before its first copy between them.
     every_peer = os.environ.get("MEMRES_PEER_ACCESS") == "all" or memres.torch_backend() != "native"
-    access_before = device_1_access(a.data_ptr())
+    pool_memory = os.environ.get("MEMRES_RESOURCE", "").startswith("cuda_async")
+    access_before = device_1_access(a.data_ptr(), pool_memory)
     c = b.to("cuda:0")
-    access_after = device_1_access(a.data_ptr())
-    in_place = os.environ.get("MEMRES_RESOURCE", "virtual_pool") == "virtual_pool"
-    answered = access_before >= 0 and access_after >= 0
-    peers_on_demand = (answered or not in_place) and (
-        not answered or (access_after == 3 and access_before == (3 if every_peer else 0))
-    )
+    access_after = device_1_access(a.data_ptr(), pool_memory)
+    peers_on_demand = access_after == 3 and access_before == (3 if every_peer else 0)
     copied = bool((c == 2).all().item())
     side = torch.cuda.Stream(device="cuda:1")
     with torch.cuda.device(1):
@@ -119,6 +128,7 @@ def main():
         and peer_copies
         and summed == 2 * 96 * mib
         and all(after[d]["live_bytes"] == 0 for d in (0, 1))
+        and all(after[d].get("pool_size", 0) == 0 for d in (0, 1))
     )
     print(json.dumps(result))
     print("PASS" if ok else "FAIL")

@@ -117,6 +117,14 @@ impl DeviceId {
     pub fn name(self) -> Result<String, Error> {
         Active::device_name(self.handle()?)
     }
+
+    /// Waits until the work on every stream of the device (its primary context) is
+    /// complete (`cuCtxSynchronize`; the runtime's `cudaDeviceSynchronize`). Memory freed
+    /// in stream order to a driver pool ([`CudaAsync`](crate::upstream::CudaAsync)) stays
+    /// pending until its stream gets there: a trim after this gives it back.
+    pub fn synchronize(self) -> Result<(), Error> {
+        Context::primary(self)?.synchronize()
+    }
 }
 
 impl fmt::Display for DeviceId {
