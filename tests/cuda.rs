@@ -473,7 +473,8 @@ fn device_1_fills(blocks: &[(std::ptr::NonNull<u8>, usize)], g: usize) {
 fn device_1_writes(blocks: &[(std::ptr::NonNull<u8>, usize)]) {
     for (i, &(b, n)) in blocks.iter().enumerate() {
         let _on = DeviceGuard::new(DeviceId::new(1)).unwrap();
-        // SAFETY: `b` holds `n` bytes, mapped with read-write access for device 1.
+        // SAFETY: `b` holds `n` bytes of device 0's memory that device 1 may read and
+        // write (the caller's promise: a mapping's access, or its driver pool's).
         let r = unsafe { sys::cuMemsetD8_v2(b.as_ptr() as u64, 0x50 + i as u8, n) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "device 1 writing block {i}");
         // SAFETY: waits for device 1's work; no arguments.
@@ -571,6 +572,9 @@ fn a_peer_granted_later_reaches_what_was_mapped_before_and_after() {
 /// peer (`cuMemPoolSetAccess`, what `memres_enable_peer_access` does for `cuda_async`
 /// stacks) lets device 1 write a block the pool held before the grant and one it
 /// allocates after; a second grant, and one for the pool's own device, change nothing.
+/// The evidence that the grant took is the driver's own answer (`accessible_from`, from
+/// `cuMemPoolGetAccess`: device 0 alone before); the writes show the access works (a
+/// write without it would end the context, so the test does not try one).
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn a_peer_granted_to_a_driver_pool_writes_its_blocks() {
@@ -607,15 +611,21 @@ fn a_driver_pool_trimmed_after_the_device_is_waited_for_holds_nothing() {
     let stream = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
     let n = 512 << 20;
     let p = pool.allocate(stream.as_ref(), layout(n).unwrap()).unwrap();
-    // Work on the stream that takes a while: 64 fills of the block, then the free.
+    // Work on the stream that takes a while (256 fills of 512 MiB: tens of ms on an
+    // H100, where the trim below comes microseconds after), then the free.
     let raw = stream.raw() as sys::CUstream;
-    for i in 0..64u8 {
+    for i in 0..=255u8 {
         // SAFETY: `p` holds `n` bytes allocated on this stream; the fill is ordered on it.
         let r = unsafe { sys::cuMemsetD8Async(p.as_ptr() as u64, i, n, raw) };
         assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     }
     // SAFETY: from `pool` on this stream with this layout; its work is ordered before.
     unsafe { pool.deallocate(stream.as_ref(), p, layout(n).unwrap()) };
+    pool.trim_to(0).unwrap();
+    assert!(
+        pool.reserved_bytes().unwrap() >= n as u64,
+        "the free is still pending: the pool keeps its memory"
+    );
     d0().synchronize().unwrap();
     pool.trim_to(0).unwrap();
     assert_eq!(pool.reserved_bytes().unwrap(), 0);

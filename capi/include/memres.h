@@ -188,9 +188,10 @@ int64_t memres_segments(int device, uint64_t* out, size_t capacity);
    binning's bins and fixed_size give back their streams' lists and thread caches (their
    chunks stay until the stack goes); then the pool under the bins gives back what is
    free. An arena holds one allocation of its whole size while it lives: trimming it
-   frees nothing. A cuda_async pool is trimmed once the device's work is waited for
-   (blocks freed in stream order are pending until then), as PyTorch's cudaMallocAsync
-   backend does. Every pool is trimmed even if one fails; the first failure is
+   frees nothing. A cuda_async pool that holds memory is trimmed once the device's work
+   is waited for (blocks freed in stream order are pending until then), as PyTorch's
+   cudaMallocAsync backend does: so not while a stream of the device is being captured
+   (the wait would end the capture). Every pool is trimmed even if one fails; the first failure is
    returned. */
 int memres_trim(int device);
 
@@ -209,8 +210,8 @@ int memres_enable_peer_access(int device, int peer);
 
 /* From now on, the in-place and cuda_async pools memres makes give access to their own
    device alone, and to a peer once memres_enable_peer_access names it, as PyTorch's
-   expandable segments do: their maps and unmaps are cheaper (on two H200s a peer tripled
-   a granule's cuMemSetAccess). For a caller that forwards every need of peer access (the
+   expandable segments and cudaMallocAsync pools do: the in-place pools' maps and unmaps
+   are then cheaper (on two H200s a peer tripled a granule's cuMemSetAccess). For a caller that forwards every need of peer access (the
    native PyTorch backend calls it when installed); pools made before keep their peers.
    MEMRES_PEER_ACCESS=all or =on_demand chooses for the whole process instead. Always
    MEMRES_OK. */

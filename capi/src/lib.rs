@@ -707,8 +707,10 @@ pub unsafe extern "C" fn memres_segments(device: c_int, out: *mut u64, capacity:
 /// memory is one allocation of its whole size, made when it is built and kept while it
 /// lives (as RMM's arena); bins and `fixed_size` keep their chunks (they give back their
 /// streams' lists); a stack without a pool has nothing to give back either. A
-/// `cuda_async` pool is trimmed after the device's work is waited for (its blocks freed
-/// in stream order are pending until then), as PyTorch's `cudaMallocAsync` backend does.
+/// `cuda_async` pool that holds memory is trimmed after the device's work is waited for
+/// (its blocks freed in stream order are pending until then), as PyTorch's
+/// `cudaMallocAsync` backend does: so not while a stream of the device is being captured
+/// (the wait would end the capture; the native backend skips such devices).
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_trim(device: c_int) -> c_int {
     guarded(
@@ -729,11 +731,12 @@ pub extern "C" fn memres_trim(device: c_int) -> c_int {
 /// does not do: that is the caller's). Needed only where peers come on demand
 /// (`memres_peer_access_on_demand`; by default every peer-capable device has access from
 /// the start, in both kinds of pool). PyTorch's `enablePeerAccess`, which a copy or
-/// kernel between two devices reaches first, calls it under the native backend. 0 on success, also for a device and
-/// itself; `MEMRES_ERROR_CUDA` where `peer` cannot reach `device`'s memory (the message
-/// says so) or there is no driver; `MEMRES_ERROR_INVALID_ARGUMENT` for an ordinal with no
-/// device or of 64 and above. It waits for the maps and unmaps of those pools under way,
-/// and they wait for it (one `cuMemSetAccess` a run of mapped memory).
+/// kernel between two devices reaches first, calls it under the native backend. 0 on
+/// success, also for a device and itself; `MEMRES_ERROR_CUDA` where `peer` cannot reach
+/// `device`'s memory (the message says so) or there is no driver;
+/// `MEMRES_ERROR_INVALID_ARGUMENT` for an ordinal with no device or of 64 and above. It
+/// waits for the maps and unmaps of those pools under way, and they wait for it (one
+/// `cuMemSetAccess` a run of mapped memory).
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int {
     guarded(
@@ -788,8 +791,9 @@ pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int
 
 /// From now on, the in-place and `cuda_async` pools memres makes give access to their
 /// own device alone, and to a peer once `memres_enable_peer_access` names it (as
-/// PyTorch's expandable segments do): their maps and unmaps are cheaper (on two H200s a
-/// peer tripled a granule's `cuMemSetAccess`; DDP's 24 steps took 5-17% less in all). For
+/// PyTorch's expandable segments and `cudaMallocAsync` pools do): the in-place pools'
+/// maps and unmaps are then cheaper (on two H200s a peer tripled a granule's
+/// `cuMemSetAccess`; DDP's 24 steps took 5-17% less in all). For
 /// a caller that forwards every need of peer access, such as the native PyTorch backend,
 /// which calls it when installed; pools made before keep their peers. `MEMRES_PEER_ACCESS=all` or
 /// `=on_demand` overrides it for the process. Always 0.

@@ -78,7 +78,7 @@ fn granted(device: DeviceId) -> Vec<DeviceId> {
 /// Whether new leaves name every peer: `MEMRES_PEER_ACCESS` (read once) where set, else
 /// unless a caller asked for peers on demand. A value other than `all` and `on_demand` is
 /// [`Error::InvalidArgument`] (the stack is not built).
-fn every_peer() -> Result<bool, Error> {
+pub(crate) fn every_peer() -> Result<bool, Error> {
     static SET: OnceLock<Option<String>> = OnceLock::new();
     let set = SET.get_or_init(|| std::env::var("MEMRES_PEER_ACCESS").ok());
     choice(set.as_deref(), ON_DEMAND.load(Ordering::Acquire)).map_err(Error::invalid_argument)

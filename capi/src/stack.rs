@@ -211,9 +211,12 @@ impl<T: Target> Pools<T> {
         for pool in &self.driver {
             note((|| {
                 let before = pool.reserved_bytes()?;
+                if before == 0 {
+                    return Ok(0);
+                }
                 // Frees still pending on a stream keep their memory in the pool: wait for
                 // the device first, as PyTorch's cudaMallocAsync backend's `empty_cache`
-                // does.
+                // does (which is why no capture may be under way on the device).
                 pool.device().synchronize()?;
                 pool.trim_to(0)?;
                 Ok(before.saturating_sub(pool.reserved_bytes()?))
@@ -446,9 +449,19 @@ impl Target for Layers {
             .release_threshold(release_threshold);
         let pool = Arc::new(CudaAsync::on(self.device, config)?);
         // A driver pool's memory is not reached through the contexts' peer access: it
-        // names its peers as the in-place pools' leaves do (`peers.rs`).
+        // names its peers as the in-place pools' leaves do (`peers.rs`). Every peer by
+        // default, and a peer the driver refuses (a device without pools, say) is left
+        // out with a word on stderr: the pool still serves its own device. A peer a
+        // caller asked for (on demand) must be granted, else the stack is not built.
+        let every = crate::peers::every_peer()?;
         for peer in crate::peers::of_new_leaf(self.device)? {
-            pool.grant_access(peer)?;
+            match pool.grant_access(peer) {
+                Err(e) if every => eprintln!(
+                    "memres: the cuda_async pool of {} gives {peer} no access: {e}",
+                    self.device
+                ),
+                granted => granted?,
+            }
         }
         self.pools.driver.push(Arc::clone(&pool));
         Ok(AnyResource::new(pool))
@@ -692,10 +705,9 @@ impl DeviceStack {
 
     /// Lets `peer` reach the memory of every in-place pool and driver pool (`cuda_async`)
     /// of the stack (every tier) and of every tag's, those made while this runs too:
-    /// `memres_enable_peer_access`, which
-    /// records the grant (`peers::record`) before it calls this, so that leaves made later
-    /// give it from the start. Every pool is asked even if one fails; the first failure
-    /// is returned.
+    /// `memres_enable_peer_access`, which records the grant (`peers::record`) before it
+    /// calls this, so that leaves made later give it from the start. Every pool is asked
+    /// even if one fails; the first failure is returned.
     pub(crate) fn grant_access(&self, peer: DeviceId) -> Result<(), Error> {
         let mut first_error = None;
         let mut grant = |leaf: &CudaVirtual| {

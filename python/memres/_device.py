@@ -98,13 +98,15 @@ def reset_peak(device: int = 0) -> None:
 def trim(device: int = 0) -> None:
     """Gives the memory ``device``'s pool holds but does not use back to the driver (what
     ``torch.cuda.empty_cache()`` does for PyTorch's own allocator). An ``arena`` stack
-    keeps its one allocation while it lives, so trimming it frees nothing."""
+    keeps its one allocation while it lives, so trimming it frees nothing; a
+    ``cuda_async`` stack's driver pool is trimmed after waiting for the device's work
+    (so not while a CUDA graph capture is under way on it)."""
     check(lib().memres_trim(device_ordinal(device, "memres.trim(): device")))
 
 
 def enable_peer_access(device: int, peer: int) -> None:
     """Lets ``peer`` read and write the memory memres's in-place pools map on ``device``
-    (what they hold and all they map later). Needed only where peers come on demand:
+    and its ``cuda_async`` pools hold (what they hold and all they map later). Needed only where peers come on demand:
     under the native PyTorch backend, which does this itself when torch enables peer
     access (before its copies between devices); a program that reaches another device's
     memory outside torch there (a CuPy or custom kernel) calls it first. Elsewhere every

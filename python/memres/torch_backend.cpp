@@ -34,10 +34,10 @@
 //   (memres_segment_pool_*: blocks, record_stream's held blocks, capture reuse, saved
 //   tables, and which pool holds an address: memres_segment_pool_holding); this file
 //   routes torch's calls to them and keeps no table of blocks.
-// - enablePeerAccess -> memres_enable_peer_access: the in-place pools of the device whose
-//   memory is reached grant the other device access (until then they map for their own
-//   device alone, as PyTorch's expandable segments do: memres_peer_access_on_demand at
-//   install).
+// - enablePeerAccess -> memres_enable_peer_access: the in-place and cuda_async pools of
+//   the device whose memory is reached grant the other device access (until then they
+//   serve their own device alone, as PyTorch's expandable segments and cudaMallocAsync
+//   pools do: memres_peer_access_on_demand at install).
 // - IPC: shareIpcHandle / getIpcDevPtr through memres_ipc_export / memres_ipc_open, so
 //   torch.multiprocessing sends CUDA tensors of memres in torch's own handle forms (the
 //   default in-place pool's blocks as expandable segments, chunked pools' as CUDA IPC
@@ -1647,7 +1647,13 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       }
     }
     for (int device = 0; device < kMaxDevices; ++device) {
-      // A device memres never allocated on has nothing to trim (MEMRES_OK).
+      // A device memres never allocated on has nothing to trim (MEMRES_OK). Not one
+      // whose streams are being captured: a trim may wait for the device (a cuda_async
+      // pool's always does), which would end the capture; torch's own allocator refuses
+      // empty_cache during a capture.
+      if (is_capturing(static_cast<c10::DeviceIndex>(device))) {
+        continue;
+      }
       TORCH_CHECK(memres_trim(device) == MEMRES_OK, "memres: ", memres_last_error());
     }
   }
@@ -1655,8 +1661,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // torch asks this before its first copy or kernel between two devices
   // (at::cuda::get_p2p_access): `dev` may then use the memory of `dev_to_access`. The
   // base class enables the contexts' peer access (cudaMalloc memory); memres's in-place
-  // pools on `dev_to_access` then grant `dev` access to what they map, as PyTorch's
-  // expandable segments add a peer (memres_torch_install asked for peers on demand, so
+  // and cuda_async pools on `dev_to_access` then grant `dev` access to what they hold, as
+  // PyTorch's expandable segments and cudaMallocAsync pools add a peer (memres_torch_install asked for peers on demand, so
   // until then they map for their own device alone, which makes growth cheaper). torch
   // notes the pair as enabled before it calls this, and does not ask again: a failure
   // here raises, and the copy or kernel that asked is not run.

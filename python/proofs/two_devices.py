@@ -42,14 +42,18 @@ def device_1_access(ptr, pool_memory):
     if pool_memory:
         pool = ctypes.c_void_p()
         mempool_handle = 17  # CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE
-        status = cuda.cuPointerGetAttribute(ctypes.byref(pool), mempool_handle, ctypes.c_ulonglong(ptr))
+        status = cuda.cuPointerGetAttribute(
+            ctypes.byref(pool), mempool_handle, ctypes.c_ulonglong(ptr)
+        )
         if status != 0:
             return -status
         flags = ctypes.c_int(0)
         status = cuda.cuMemPoolGetAccess(ctypes.byref(flags), pool, ctypes.byref(at))
     else:
         flags = ctypes.c_ulonglong(0)
-        status = cuda.cuMemGetAccess(ctypes.byref(flags), ctypes.byref(at), ctypes.c_void_p(ptr))
+        status = cuda.cuMemGetAccess(
+            ctypes.byref(flags), ctypes.byref(at), ctypes.c_void_p(ptr)
+        )
     return flags.value if status == 0 else -status
 
 
@@ -68,7 +72,7 @@ def main():
     # Peers on demand (the native backend's choice): device 1 reaches device 0's memory
     # only once torch enables peer access, before its first copy between them.
     every_peer = os.environ.get("MEMRES_PEER_ACCESS") == "all" or memres.torch_backend() != "native"
-    pool_memory = os.environ.get("MEMRES_RESOURCE", "").startswith("cuda_async")
+    pool_memory = "cuda_async" in os.environ.get("MEMRES_RESOURCE", "")
     access_before = device_1_access(a.data_ptr(), pool_memory)
     c = b.to("cuda:0")
     access_after = device_1_access(a.data_ptr(), pool_memory)

@@ -121,7 +121,9 @@ impl DeviceId {
     /// Waits until the work on every stream of the device (its primary context) is
     /// complete (`cuCtxSynchronize`; the runtime's `cudaDeviceSynchronize`). Memory freed
     /// in stream order to a driver pool ([`CudaAsync`](crate::upstream::CudaAsync)) stays
-    /// pending until its stream gets there: a trim after this gives it back.
+    /// pending until its stream gets there: a trim after this gives it back. Not while a
+    /// stream of the device is being captured into a CUDA graph: the driver refuses the
+    /// wait and ends the capture.
     pub fn synchronize(self) -> Result<(), Error> {
         Context::primary(self)?.synchronize()
     }

@@ -728,11 +728,18 @@ impl Platform for Cuda {
 
     unsafe fn pool_get_access(pool: PoolHandle, device: i32) -> Result<bool, Error> {
         let mut at = location(Location::Device(device));
-        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // Read as an integer, not as the enum: any value the driver writes is one.
+        let mut flags: u32 = 0;
         // SAFETY: the pool is live (the caller's promise); `at` names a device; the driver
-        // writes the flags into `flags`.
-        check(unsafe { sys::cuMemPoolGetAccess(&mut flags, pool as sys::CUmemoryPool, &mut at) })?;
-        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        // writes the flags, a C enum of 4 bytes, into `flags`.
+        check(unsafe {
+            sys::cuMemPoolGetAccess(
+                (&mut flags as *mut u32).cast(),
+                pool as sys::CUmemoryPool,
+                &mut at,
+            )
+        })?;
+        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u32)
     }
 
     fn vm_granularity(device: i32, posix_fd: bool) -> Result<usize, Error> {

@@ -109,15 +109,17 @@ impl PoolRef {
     }
 
     /// The pool's device, then every other device that may read and write its memory
-    /// (`cuMemPoolGetAccess`).
+    /// (`cuMemPoolGetAccess`, asked of the devices that can reach this one at all).
     fn accessible_from(self) -> Result<Vec<DeviceId>, Error> {
         let own = self.ctx.device();
         let _current = bind(self.ctx)?;
         let mut devices = vec![own];
         for device in DeviceId::all()? {
+            if device == own || !device.can_access_peer(own)? {
+                continue;
+            }
             // SAFETY: the pool is live (as above).
-            if device != own && unsafe { Active::pool_get_access(self.handle(), device.ordinal()) }?
-            {
+            if unsafe { Active::pool_get_access(self.handle(), device.ordinal()) }? {
                 devices.push(device);
             }
         }
