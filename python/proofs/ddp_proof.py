@@ -30,7 +30,7 @@ than the default virtual pool), compared step by step as `memres` is; any mode f
 by `@VAR=VALUE` runs with that variable set (`memres@MEMRES_PEER_ACCESS=all`: the
 in-place pools' memory reachable from the other GPU from the start, as before 2026-11-28).
 The total of each rank 0's steps is printed too: the steps that grow the pools are in it,
-not in the medians; and, for round 0, each step in which the allocator called the driver
+not in the medians; and, for each round, each step in which the allocator called the driver
 (`memory_stats()`'s `num_device_alloc` / `num_device_free`: torch's cudaMalloc / cudaFree
 and expandable segments' maps, memres's pools' maps and unmaps) with its time.
 
@@ -273,13 +273,14 @@ def main():
         print(f"{mode:7s} rank 0 all steps by round (s): {' / '.join(totals)}")
         # The steps in which the allocator called the driver, with their times: where
         # the medians leave out the growth.
-        first = rounds[0][mode][0]
-        busy = [
-            f"{i}: +{c[0]}/-{c[1]} {t * 1e3:.0f} ms"
-            for i, (c, t) in enumerate(zip(first["device_calls"], first["step_s"]))
-            if c[0] or c[1]
-        ]
-        print(f"{mode:7s} rank 0 round 0 steps with allocator driver calls (maps/unmaps): {'; '.join(busy) or 'none'}")
+        for n, runs in enumerate(rounds):
+            r = runs[mode][0]
+            busy = [
+                f"{i}: +{c[0]}/-{c[1]} {t * 1e3:.0f} ms"
+                for i, (c, t) in enumerate(zip(r["device_calls"], r["step_s"]))
+                if c[0] or c[1]
+            ]
+            print(f"{mode:7s} rank 0 round {n} steps with allocator driver calls (maps/unmaps): {'; '.join(busy) or 'none'}")
     same = all(
         runs["torch"][0]["losses"] == runs[m][0]["losses"] for runs in rounds if "torch" in runs for m in filter(is_memres, modes)
     )
