@@ -37,10 +37,6 @@ use crate::units::parse_size;
 
 mod build;
 
-/// Requests above this many bytes go to a `virtual_pool`'s second range where it has one
-/// (`large=`): PyTorch's boundary between its small and its large blocks (1 MiB).
-pub const LARGE_REQUESTS_FROM: usize = 1 << 20;
-
 pub use build::{Built, LeafOptions, Target, Tiers};
 
 /// A parsed stack, outermost layer first. Sizes are bytes; `None` is the default the
@@ -90,13 +86,6 @@ pub enum Spec {
         /// ones make a sleep and wake faster, see [`LeafOptions::granule`]. Through the
         /// C ABI the tags' pools take the first `virtual_pool`'s.
         granule: Option<usize>,
-        /// `large=`: the granule of a second range that serves the requests above
-        /// [`LARGE_REQUESTS_FROM`] (1 MiB), as PyTorch's allocator keeps large requests in
-        /// segments of their own (its expandable segments map 20 MiB pages for them):
-        /// each mapping costs the driver the same whatever its size, so a growth for
-        /// large requests makes fewer calls, while small ones keep the finer granule.
-        /// `None`: one range for every request.
-        large: Option<usize>,
     },
     /// `arena`: RMM's arena over `Cuda`.
     Arena {
@@ -212,7 +201,6 @@ impl Spec {
             release: None,
             reserve: None,
             granule: None,
-            large: None,
         }
     }
 
@@ -286,7 +274,6 @@ impl Spec {
             (Spec::VirtualPool { release, .. }, "release") => *release = Some(size(key, value)?),
             (Spec::VirtualPool { reserve, .. }, "reserve") => *reserve = Some(size(key, value)?),
             (Spec::VirtualPool { granule, .. }, "granule") => *granule = Some(size(key, value)?),
-            (Spec::VirtualPool { large, .. }, "large") => *large = Some(size(key, value)?),
             (Spec::Arena { size: s }, "size") => *s = Some(size(key, value)?),
             (Spec::FixedSize { block, .. }, "block") => *block = nonzero(size(key, value)?, key)?,
             (Spec::FixedSize { blocks, .. }, "blocks") => {
@@ -298,7 +285,7 @@ impl Spec {
                 let known = match name {
                     "cuda_async" => "initial, release",
                     "pool" => "initial, max, growth",
-                    "virtual_pool" => "initial, max, step, release, reserve, granule, large",
+                    "virtual_pool" => "initial, max, step, release, reserve, granule",
                     "arena" => "size",
                     "binning" => "min, max",
                     "fixed_size" => "block, blocks",
@@ -606,7 +593,7 @@ mod tests {
         assert_eq!(ok("virtual_pool"), Spec::default_spec());
         assert_eq!(
             ok(
-                "virtual_pool:initial=1GiB,max=60GiB,step=32MiB,release=2GiB,reserve=256GiB,granule=32MiB,large=64MiB"
+                "virtual_pool:initial=1GiB,max=60GiB,step=32MiB,release=2GiB,reserve=256GiB,granule=32MiB"
             ),
             Spec::VirtualPool {
                 initial: Some(1 << 30),
@@ -615,7 +602,6 @@ mod tests {
                 release: Some(2 << 30),
                 reserve: Some(256 << 30),
                 granule: Some(32 << 20),
-                large: Some(64 << 20),
             }
         );
         assert_eq!(
@@ -627,7 +613,6 @@ mod tests {
                 release: Some(1 << 30),
                 reserve: None,
                 granule: None,
-                large: None,
             }))
         );
     }
@@ -678,7 +663,6 @@ mod tests {
                     release: None,
                     reserve: None,
                     granule: None,
-                    large: None,
                 }),
                 then: Box::new(Spec::PinnedPool),
             }

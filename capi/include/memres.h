@@ -8,21 +8,16 @@
  *   "cuda_async[:initial=..,release=..]"  a driver pool (cuMemAllocFromPoolAsync)
  *   "managed"                       cuMemAllocManaged per request
  *   "pinned" / "pinned_pool"        pinned host memory per request / a pool over it
- *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..,granule=..,large=..]"
- *                                   the default: a pool growing in place over CUDA
- *                                   virtual memory (holds least; release= gives memory
- *                                   back above it, and a growth keeps that much free
- *                                   rather than remap it: for sizes that vary widely;
- *                                   granule=32MiB maps and gives back 32 MiB at a time,
- *                                   for it and the tags' pools (those take the spec's
- *                                   first virtual_pool's; under binning they keep 2 MiB):
- *                                   16x fewer driver calls in a sleep and wake, see
- *                                   memres_sleep; GPT-2 inference held 1.048x of live
- *                                   against 1.009x at 2 MiB; large=16MiB serves the
- *                                   requests above 1 MiB from a second pool of its own
- *                                   range mapping 16 MiB at a time, as PyTorch keeps
- *                                   large blocks apart: fewer driver calls where large
- *                                   requests grow the pool, small ones as before)
+ *   "virtual_pool[:initial=..,max=..,step=..,release=..,reserve=..,granule=..]"  the
+ *                                   default: a pool growing in place over CUDA virtual
+ *                                   memory (holds least; release= gives memory back
+ *                                   above it, and a growth keeps that much free rather
+ *                                   than remap it: for sizes that vary widely; granule=32MiB maps and gives back 32 MiB
+ *                                   at a time, for it and the tags' pools (those take
+ *                                   the spec's first virtual_pool's; under binning they
+ *                                   keep 2 MiB): 16x fewer driver calls in a sleep and
+ *                                   wake, see memres_sleep; GPT-2 inference held 1.048x
+ *                                   of live against 1.009x at 2 MiB)
  *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
  *                                   needs, at least 1/8 of the pool, rounded up to

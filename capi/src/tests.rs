@@ -1524,8 +1524,7 @@ fn free_host_block(top: &mr::AnyResource<mr::Host>, p: NonNull<u8>, bytes: usize
 
 /// A `fallback(..)` keeps every tier's pool: the figures are both tiers' summed, the
 /// segments list both tiers' memory, and a trim gives back what either holds free (the
-/// C ABI kept one handle, overwritten by each tier: only the second was seen). The same
-/// for a virtual pool with a second range for large requests (`large=`).
+/// C ABI kept one handle, overwritten by each tier: only the second was seen).
 #[test]
 fn every_tier_of_a_fallback_is_counted_listed_and_trimmed() {
     for (text, second) in [
@@ -1542,9 +1541,6 @@ fn every_tier_of_a_fallback_is_counted_listed_and_trimmed() {
             "fallback(limiting(virtual_pool, limit=1MiB), virtual_pool:reserve=64MiB)",
             "virtual_pool",
         ),
-        // Not a fallback, two pools all the same: requests above 1 MiB in a range of
-        // their own.
-        ("virtual_pool:large=4MiB", "virtual_pool"),
     ] {
         let (top, pools) = on_the_host(text);
         assert_eq!(pools.figures().unwrap().map(|f| f.size), Some(0), "{text}");

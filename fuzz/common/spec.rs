@@ -49,10 +49,7 @@ fn small(spec: &Spec) -> bool {
             release,
             reserve,
             granule,
-            large,
-        } => [initial, max, step, release, reserve, granule, large]
-            .into_iter()
-            .all(fits),
+        } => [initial, max, step, release, reserve, granule].into_iter().all(fits),
         Spec::Arena { size } => fits(size),
         // Blocks are rounded up to 256 bytes: `block=2B,blocks=18999999` takes 4.9 GB.
         Spec::FixedSize { block, blocks } => {

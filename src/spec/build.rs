@@ -6,11 +6,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use std::alloc::Layout;
-use std::marker::PhantomData;
-
-use super::{LARGE_REQUESTS_FROM, Spec};
-use crate::adaptor::{Fallback, Limiting, Logging, Member, Route, Router, Statistics};
+use super::Spec;
+use crate::adaptor::{Fallback, Limiting, Logging, Statistics};
 use crate::property::Contains;
 use crate::suballoc::{
     Arena, Binning, FixedSize, Pool, PoolConfig, VirtualPool, VirtualPoolConfig,
@@ -269,36 +266,16 @@ impl Spec {
                 release,
                 reserve,
                 granule,
-                large,
             } => {
                 let config = virtual_pool_config(*initial, *max, *step, *release);
-                let in_range = |target: &mut T, granule: Option<usize>| {
-                    let leaf = target.virtual_leaf(&LeafOptions {
-                        reserve: *reserve,
-                        granule,
-                    })?;
-                    let pool = Arc::new(leaf.virtual_pool(config)?);
-                    target.built(Built::VirtualPool(&pool));
-                    let range = crate::upstream::GrowInPlace::reservation(pool.upstream());
-                    Ok::<_, Error>((pool, range))
-                };
-                let (pool, range) = in_range(target, *granule)?;
-                match large {
-                    None => (AnyResource::new(pool), Some(range)),
-                    Some(large) => {
-                        // Large requests in a range of their own, with larger granules;
-                        // the stack's blocks then lie in two ranges (no one range).
-                        let (big, (base, len)) = in_range(target, Some(*large))?;
-                        let router =
-                            Router::new(AnyResource::new(pool), LargeRequests(PhantomData));
-                        // SAFETY: every block of `big` lies in its leaf's reservation
-                        // `base..base + len`, which no other leaf's reservation (the
-                        // default member's among them) overlaps.
-                        let member = unsafe { Member::in_range(AnyResource::new(big), base, len) };
-                        router.add(LARGE, member)?;
-                        (AnyResource::new(Arc::new(router)), None)
-                    }
-                }
+                let leaf = target.virtual_leaf(&LeafOptions {
+                    reserve: *reserve,
+                    granule: *granule,
+                })?;
+                let pool = Arc::new(leaf.virtual_pool(config)?);
+                target.built(Built::VirtualPool(&pool));
+                let range = crate::upstream::GrowInPlace::reservation(pool.upstream());
+                (AnyResource::new(pool), Some(range))
             }
             Spec::Arena { size } => {
                 let size = match size {
@@ -353,30 +330,6 @@ impl Spec {
     }
 }
 
-/// The key of a `virtual_pool`'s second range (`large=`) in its router.
-const LARGE: usize = 0;
-
-/// The route of a `virtual_pool` with a second range (`large=`): requests above
-/// [`LARGE_REQUESTS_FROM`] to it ([`LARGE`], added when the stack is built), the others
-/// to the first.
-struct LargeRequests<P: crate::property::PropertySet>(PhantomData<fn() -> P>);
-
-impl<P: crate::property::PropertySet> Route for LargeRequests<P> {
-    type Member = AnyResource<P>;
-
-    #[inline]
-    fn choose(&self, layout: Layout) -> Option<usize> {
-        (layout.size() > LARGE_REQUESTS_FROM).then_some(LARGE)
-    }
-
-    fn make(&self, key: usize) -> Result<Member<AnyResource<P>>, Error> {
-        // Never reached: the one member is added as the stack is built.
-        Err(Error::invalid_argument(format!(
-            "a virtual pool's router has no member {key}"
-        )))
-    }
-}
-
 /// A virtual pool's configuration from a spec's options; `None` keeps
 /// [`VirtualPoolConfig`]'s default.
 fn virtual_pool_config(
@@ -413,8 +366,6 @@ mod tests {
         reserved: Vec<Option<usize>>,
         /// The granule of each virtual pool's leaf.
         granules: Vec<usize>,
-        /// The reservation of each virtual pool's leaf.
-        ranges: Vec<(usize, usize)>,
         built: Vec<&'static str>,
         /// Per `fallback(..)`: whether it tells its tiers apart by address.
         by_address: Vec<bool>,
@@ -447,8 +398,6 @@ mod tests {
                     let leaf = pool.upstream();
                     self.granules
                         .push(crate::upstream::GrowInPlace::granularity(leaf));
-                    self.ranges
-                        .push(crate::upstream::GrowInPlace::reservation(leaf));
                     "virtual_pool"
                 }
                 Built::SuperblockArena(_) => "arena",
@@ -516,48 +465,6 @@ mod tests {
             .build(&mut target)
             .unwrap();
         assert_eq!(target.reserved, [Some(256 << 20)]);
-    }
-
-    /// `large=`: requests above 1 MiB go to a second virtual pool whose leaf has that
-    /// granule, the others (1 MiB itself included) to the first; each free goes back to
-    /// the pool that served the block, which then serves the same request again.
-    #[test]
-    fn a_virtual_pools_second_range_serves_the_large_requests() {
-        let mut target = Recording::default();
-        let stack = Spec::parse("virtual_pool:reserve=64MiB,large=1MiB")
-            .unwrap()
-            .build(&mut target)
-            .unwrap();
-        assert_eq!(target.built, ["virtual_pool", "virtual_pool", "base"]);
-        assert_eq!(target.granules, [64 << 10, 1 << 20]);
-        assert_eq!(target.reserved, [Some(64 << 20); 2]);
-        let [small, large] = [target.ranges[0], target.ranges[1]];
-        let within = |p: std::ptr::NonNull<u8>, (base, len): (usize, usize)| {
-            (p.as_ptr() as usize).wrapping_sub(base) < len
-        };
-        for _ in 0..2 {
-            let sizes = [4096, LARGE_REQUESTS_FROM, LARGE_REQUESTS_FROM + 1, 3 << 20];
-            let blocks: Vec<_> = sizes
-                .iter()
-                .map(|&n| {
-                    let l = layout(n).unwrap();
-                    (stack.allocate(StreamRef::HOST, l).unwrap(), l)
-                })
-                .collect();
-            for (&(p, l), goes) in blocks.iter().zip([small, small, large, large]) {
-                assert!(within(p, goes), "{} bytes in the wrong range", l.size());
-            }
-            for (p, l) in blocks {
-                // SAFETY: allocated above with `l` on the host stream; not used after.
-                unsafe { stack.deallocate(StreamRef::HOST, p, l) };
-            }
-        }
-        let base = target.base.as_ref().unwrap();
-        assert_eq!(
-            base.bytes().current,
-            0,
-            "every block freed where it came from"
-        );
     }
 
     /// `granule=` reaches the leaf: the pool maps that many bytes at a time; one the leaf
