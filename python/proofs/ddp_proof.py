@@ -32,7 +32,9 @@ in-place pools' memory reachable from the other GPU from the start, as before 20
 The total of each rank 0's steps is printed too: the steps that grow the pools are in it,
 not in the medians; and, for each round, each step in which the allocator called the driver
 (`memory_stats()`'s `num_device_alloc` / `num_device_free`: torch's cudaMalloc / cudaFree
-and expandable segments' maps, memres's pools' maps and unmaps) with its time.
+and expandable segments' maps, memres's pools' maps and unmaps) with its time, the time of
+those steps in all, and each memres mode's step-by-step median over the other modes' on
+the steps in which neither called the driver (the allocators' steady cost).
 
 --rounds R (default 1) runs R rounds, each a group per allocator, alternating which goes
 first, and prints every round's median step per allocator (rank 0's; the ranks wait for
@@ -252,8 +254,17 @@ def main():
         # under each allocator, so the median of the ratios compares them step by step.
         for mine in filter(is_memres, modes):
             for other in (m for m in modes if not is_memres(m)):
-                ratios = [m / o for m, o in zip(runs[mine][0]["step_s"][3:], runs[other][0]["step_s"][3:])]
-                print(f"round {n}: {mine} / {other} step by step (rank 0), median {statistics.median(ratios):.3f}")
+                ours, theirs = runs[mine][0], runs[other][0]
+                ratios = [m / o for m, o in zip(ours["step_s"][3:], theirs["step_s"][3:])]
+                # The steps in which neither allocator called the driver: the allocators'
+                # steady cost, growth left out of both.
+                quiet = [
+                    m / o
+                    for i, (m, o) in enumerate(zip(ours["step_s"], theirs["step_s"]))
+                    if i >= 3 and not any(ours["device_calls"][i]) and not any(theirs["device_calls"][i])
+                ]
+                steady = f", steady steps only ({len(quiet)}) {statistics.median(quiet):.3f}" if quiet else ""
+                print(f"round {n}: {mine} / {other} step by step (rank 0), median {statistics.median(ratios):.3f}{steady}")
         for mode in modes:
             for name, c in runs[mode][0].get("profiled_calls", {}).items():
                 print(f"round {n} {mode:10s} rank 0 {name:36s} {c['count']:7d} calls {c['host_us'] / 1e3:9.2f} ms")
@@ -271,6 +282,11 @@ def main():
         print(f"{mode:7s} rank 0 median step by round (ms): {' / '.join(steps)}")
         totals = [f"{sum(runs[mode][0]['step_s']):.2f}" for runs in rounds]
         print(f"{mode:7s} rank 0 all steps by round (s): {' / '.join(totals)}")
+        growing = [
+            sum(t for c, t in zip(runs[mode][0]["device_calls"], runs[mode][0]["step_s"]) if any(c))
+            for runs in rounds
+        ]
+        print(f"{mode:7s} rank 0 steps with allocator driver calls, their time by round (s): {' / '.join(f'{g:.2f}' for g in growing)}")
         # The steps in which the allocator called the driver, with their times: where
         # the medians leave out the growth.
         for n, runs in enumerate(rounds):
