@@ -94,6 +94,10 @@ fn devices_streams_and_defaults_report_no_driver() {
     assert_no_driver("memory_info", DeviceId::new(0).memory_info());
     assert_no_driver("name", DeviceId::new(0).name());
     assert_no_driver("synchronize", DeviceId::new(0).synchronize());
+    assert_no_driver(
+        "require_peer_access",
+        DeviceId::new(1).require_peer_access(DeviceId::new(0)),
+    );
     assert_no_driver("DeviceGuard", device::DeviceGuard::new(DeviceId::new(0)));
     assert_no_driver("percent", device::percent_of_free_device_memory(50));
     assert_no_driver("Stream::new", Stream::new());

@@ -766,12 +766,7 @@ pub extern "C" fn memres_enable_peer_access(device: c_int, peer: c_int) -> c_int
             if on == by {
                 return Ok(MEMRES_OK);
             }
-            if !by.can_access_peer(on)? {
-                return Err(Error::unsupported(format!(
-                    "{by} cannot reach the memory of {on} (no peer access between them)"
-                ))
-                .into());
-            }
+            by.require_peer_access(on)?;
             // Recorded and looked up under the configuration's lock, under which a stack is
             // built and published: one being built reads the grant (its leaves name the
             // peer), one built already is found here and granted it outside the lock (the

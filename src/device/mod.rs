@@ -84,6 +84,18 @@ impl DeviceId {
         Active::device_can_access_peer(dev, peer_dev)
     }
 
+    /// `Ok` where kernels and copies on this device can reach `owner`'s memory
+    /// ([`can_access_peer`](Self::can_access_peer)), else [`Error::Unsupported`] saying
+    /// so: what granting this device access to memory of `owner` needs first.
+    pub fn require_peer_access(self, owner: DeviceId) -> Result<(), Error> {
+        if self.can_access_peer(owner)? {
+            return Ok(());
+        }
+        Err(Error::unsupported(format!(
+            "{self} cannot reach the memory of {owner} (no peer access between them)"
+        )))
+    }
+
     /// The number of CUDA devices.
     pub fn count() -> Result<usize, Error> {
         init()?;

@@ -97,11 +97,7 @@ impl PoolRef {
         if peer == own {
             return Ok(());
         }
-        if !peer.can_access_peer(own)? {
-            return Err(Error::unsupported(format!(
-                "{peer} cannot reach the memory of {own} (no peer access between them)"
-            )));
-        }
+        peer.require_peer_access(own)?;
         let _current = bind(self.ctx)?;
         // SAFETY: the pool is live (owned by the resource, or the promise of
         // `CudaAsyncView::from_raw`).

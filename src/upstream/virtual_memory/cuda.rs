@@ -210,11 +210,7 @@ impl Virtual<CudaPhysical> {
         if b.access().contains(&peer.ordinal()) {
             return Ok(());
         }
-        if !peer.can_access_peer(own)? {
-            return Err(Error::unsupported(format!(
-                "{peer} cannot reach the memory of {own} (no peer access between them)"
-            )));
-        }
+        peer.require_peer_access(own)?;
         let _current = bind(b.ctx)?;
         let g = b.granularity;
         // No map or unmap is under way (`_changing`): every run is mapped whole.
