@@ -12,12 +12,17 @@
  *                                   default: a pool growing in place over CUDA virtual
  *                                   memory (holds least; release= gives memory back
  *                                   above it, and a growth keeps that much free rather
- *                                   than remap it: for sizes that vary widely; granule=32MiB maps and gives back 32 MiB
- *                                   at a time, for it and the tags' pools (those take
- *                                   the spec's first virtual_pool's; under binning they
- *                                   keep 2 MiB): 16x fewer driver calls in a sleep and
- *                                   wake, see memres_sleep; GPT-2 inference held 1.048x
- *                                   of live against 1.009x at 2 MiB)
+ *                                   than remap it: for sizes that vary widely; granule=
+ *                                   is what it maps and gives back at a time, for it
+ *                                   and the tags' pools (those take the spec's first
+ *                                   virtual_pool's): 16 MiB by default (the library's
+ *                                   own default is the driver's 2 MiB: each mapping
+ *                                   costs the driver the same, and 16 MiB took the
+ *                                   cost of GPT-2 DDP's growth steps to torch's
+ *                                   expandable segments' for at most 1% of live more
+ *                                   held); granule=2MiB holds least where sizes vary
+ *                                   widely, granule=32MiB halves a sleep's and wake's
+ *                                   driver calls again, see memres_sleep)
  *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
  *                                   needs, at least 1/8 of the pool, rounded up to
@@ -252,8 +257,9 @@ int memres_reset_peak(int device);
  * unless the kernel says [never] or MEMRES_OFFLOAD_HUGE_PAGES=0); it returns the bytes
  * given back or a negative code. The driver's cost is per granule (a cuMemUnmap at the
  * sleep, a cuMemCreate and cuMemMap at the wake, about 45 us each on an H100, one at a
- * time): with the default 2 MiB granule 20 GiB take about 0.45 s each way for that alone,
- * with virtual_pool:granule=32MiB 0.03-0.06 s (BENCHMARKS.md, "Sleep and wake").
+ * time): with 2 MiB granules 20 GiB take about 0.45 s each way for that alone, with the
+ * default 16 MiB about 0.06 s, with virtual_pool:granule=32MiB 0.03-0.06 s
+ * (BENCHMARKS.md, "Sleep and wake").
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out

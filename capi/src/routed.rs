@@ -191,18 +191,27 @@ pub(crate) fn new_tag_pool(
     VirtualPool::new(virtual_leaf(device, &leaf)?, VirtualPoolConfig::new())
 }
 
+/// The granule of the C ABI's in-place pools where the spec names none (`granule=`):
+/// 16 MiB, where the library's leaf defaults to the driver's minimum (2 MiB). Every
+/// mapping costs the driver the same whatever its size (`cuMemCreate`, `cuMemMap`, its
+/// share of `cuMemSetAccess`, `cuMemUnmap`: about 50 us on one GPU, 160 with a peer), and
+/// the programs behind the C ABI (PyTorch above all) grow by hundreds of MiB at a time:
+/// with 2 MiB granules GPT-2 DDP's steps that reach a new size took 60-130 ms longer than
+/// torch's `expandable_segments` (which maps its large segments 20 MiB at a time), with
+/// 16 MiB they did not, and the memory held at the peaks of real models moved by at most
+/// 1% of live (BENCHMARKS.md, "The C ABI's 16 MiB granule").
+pub(crate) const DEFAULT_GRANULE: usize = 16 << 20;
+
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
 /// tag's): reachable from the peers `peers.rs` names (every peer-capable device, or
 /// those granted so far where peers come on demand), exportable where the
-/// device can.
+/// device can, mapping the spec's granule or [`DEFAULT_GRANULE`].
 pub(crate) fn virtual_leaf(device: DeviceId, options: &LeafOptions) -> Result<CudaVirtual, Error> {
     let peers = crate::peers::of_new_leaf(device)?;
-    let mut leaf = CudaVirtualConfig::new().peers(peers);
+    let granule = options.granule.unwrap_or(DEFAULT_GRANULE);
+    let mut leaf = CudaVirtualConfig::new().peers(peers).granularity(granule);
     if let Some(reserve) = options.reserve {
         leaf = leaf.reserve(reserve);
-    }
-    if let Some(granule) = options.granule {
-        leaf = leaf.granularity(granule);
     }
     // Exportable as POSIX descriptors where the device can (`memres_ipc_export`,
     // PyTorch's CUDA tensors sent to other processes).

@@ -604,6 +604,11 @@ fn live_bytes_child() {
     // SAFETY: the legacy default stream.
     let first = unsafe { memres_malloc(256, 0, std::ptr::null_mut()) };
     assert!(!first.is_null(), "{}", last_error());
+    assert_eq!(
+        stats(0).pool_size,
+        crate::routed::DEFAULT_GRANULE as u64,
+        "the default stack's first block maps one granule of the C ABI's default"
+    );
     let before = stats(0).live_bytes;
     let mut not_ours = [0u8; 64];
     // SAFETY: the pointer is not memres's: the call under test must refuse it.
@@ -684,7 +689,7 @@ fn live_bytes_child() {
 /// through the block read back through the second mapping.
 fn ipc_in_one_process() {
     use cudarc::driver::sys;
-    const N: usize = 3 << 20; // spans two 2 MiB granules at least
+    const N: usize = 20 << 20; // spans two granules (the default 16 MiB) at least
     // SAFETY: the legacy default stream.
     let block = unsafe { memres_malloc(N as isize, 0, std::ptr::null_mut()) };
     assert!(!block.is_null(), "{}", last_error());

@@ -23,8 +23,8 @@ def configure(spec: str) -> None:
     Examples: ``"virtual_pool"`` (the default: a pool growing in place over CUDA virtual
     memory, holding least), ``"virtual_pool:release=2GiB"``, ``"pool:initial=8GiB"``,
     ``"statistics(virtual_pool)"``, ``"cuda_async"``; ``"virtual_pool:granule=32MiB"`` maps
-    and gives back 32 MiB at a time (the tags' pools too): a sleep and wake of a large pool
-    make 16x fewer driver calls than at the default 2 MiB. The syntax is in
+    and gives back 32 MiB at a time (the tags' pools too; the default is 16 MiB, 2 MiB
+    holds least where sizes vary widely but makes 8x the driver calls). The syntax is in
     ``capi/include/memres.h``. Raises MemresError (code ERROR_INVALID_ARGUMENT) for a bad
     spec, and (code ERROR_IN_USE) once memres has allocated; TypeError for a spec that is
     not a ``str``, ValueError for one the C ABI cannot read (a NUL character in it).
