@@ -18,11 +18,12 @@
  *                                   virtual_pool's): 16 MiB by default (the library's
  *                                   own default is the driver's 2 MiB: each mapping
  *                                   costs the driver the same, and 16 MiB took the
- *                                   cost of GPT-2 DDP's growth steps to torch's
- *                                   expandable segments' for at most 1% of live more
- *                                   held); granule=2MiB holds least where sizes vary
- *                                   widely, granule=32MiB halves a sleep's and wake's
- *                                   driver calls again, see memres_sleep)
+ *                                   cost of GPT-2 DDP's growth steps to that of
+ *                                   its other steps, for at most 1% of live more
+ *                                   held; max= and memres_set_limit count whole
+ *                                   granules); granule=2MiB holds least where sizes
+ *                                   vary widely, granule=32MiB halves a sleep's and
+ *                                   wake's driver calls again, see memres_sleep)
  *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
  *                                   needs, at least 1/8 of the pool, rounded up to
@@ -226,7 +227,8 @@ int memres_peer_access_on_demand(void);
    torch.cuda.set_per_process_memory_fraction. Each device-memory pool of the stack
    (every tier of a fallback(..), the pool under binning) and every tag's pool, those made
    later too, grows no further than bytes, after giving back what it holds free; a request
-   past the bound is out of memory. Pinned host pools, arena, cuda_async and plain cuda
+   past the bound is out of memory. The in-place pools grow by whole granules (16 MiB
+   unless the spec says granule=): a bound below one lets them serve nothing. Pinned host pools, arena, cuda_async and plain cuda
    stacks are not bounded. Builds the stack if it does not exist yet. */
 int memres_set_limit(int device, int64_t bytes);
 
@@ -258,8 +260,8 @@ int memres_reset_peak(int device);
  * given back or a negative code. The driver's cost is per granule (a cuMemUnmap at the
  * sleep, a cuMemCreate and cuMemMap at the wake, about 45 us each on an H100, one at a
  * time): with 2 MiB granules 20 GiB take about 0.45 s each way for that alone, with the
- * default 16 MiB about 0.06 s, with virtual_pool:granule=32MiB 0.03-0.06 s
- * (BENCHMARKS.md, "Sleep and wake").
+ * default 16 MiB about 0.06 s (estimated from the same cost per call), with
+ * virtual_pool:granule=32MiB 0.03-0.06 s measured (BENCHMARKS.md, "Sleep and wake").
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out

@@ -805,7 +805,9 @@ pub extern "C" fn memres_peer_access_on_demand() -> c_int {
 /// free; a request past the bound is out of memory. Pinned host pools, `arena`,
 /// `cuda_async` and plain `cuda` stacks are not bounded. Builds the stack if it does not
 /// exist yet. 0 on success. A bound of 0 bytes lets no pool grow
-/// (`set_per_process_memory_fraction(0)`).
+/// (`set_per_process_memory_fraction(0)`); the in-place pools grow by whole granules
+/// (16 MiB, `routed::DEFAULT_GRANULE`, unless the spec says `granule=`), so a bound below one
+/// lets them serve nothing.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_set_limit(device: c_int, bytes: i64) -> c_int {
     guarded(

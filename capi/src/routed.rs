@@ -37,7 +37,7 @@ pub(crate) type Routed = TagRouter<Device, VirtualPool<CudaVirtual>>;
 pub(crate) type TagRouter<P, T> = Router<AnyResource<P>, Arc<T>, Tags<T>>;
 
 /// The tags' route on `device`, with no tag's pool yet; their pools map `granule` bytes
-/// at a time (the spec's `virtual_pool:granule=`; `None`: the device's minimum).
+/// at a time (the spec's `virtual_pool:granule=`; `None`: [`DEFAULT_GRANULE`]).
 pub(crate) fn device_tags(device: DeviceId, granule: Option<usize>) -> Tags {
     Tags::new(move || new_tag_pool(device, granule))
 }
@@ -196,10 +196,11 @@ pub(crate) fn new_tag_pool(
 /// mapping costs the driver the same whatever its size (`cuMemCreate`, `cuMemMap`, its
 /// share of `cuMemSetAccess`, `cuMemUnmap`: about 50 us on one GPU, 160 with a peer), and
 /// the programs behind the C ABI (PyTorch above all) grow by hundreds of MiB at a time:
-/// with 2 MiB granules GPT-2 DDP's steps that reach a new size took 60-130 ms longer than
-/// torch's `expandable_segments` (which maps its large segments 20 MiB at a time), with
-/// 16 MiB they did not, and the memory held at the peaks of real models moved by at most
-/// 1% of live (BENCHMARKS.md, "The C ABI's 16 MiB granule").
+/// with 2 MiB granules GPT-2 DDP's steps that reach a new size took 60-180 ms longer than
+/// torch's (whose `expandable_segments` map large segments 20 MiB at a time) in every
+/// round measured, with 16 MiB they went with each round's other steps, and the memory
+/// held at the peaks of real models rose by at most 1% of live (BENCHMARKS.md, "The C
+/// ABI's 16 MiB granule").
 pub(crate) const DEFAULT_GRANULE: usize = 16 << 20;
 
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every

@@ -709,6 +709,10 @@ fn ipc_in_one_process() {
         "a granules handle: {len} ({})",
         last_error()
     );
+    assert!(
+        len as usize >= crate::ipc::Handle::granules_len(2),
+        "the block lies in two granules at least: {len}"
+    );
     let mut handle = vec![0u8; len as usize];
     let mut offset = usize::MAX;
     // SAFETY: a buffer one byte too small: refused, nothing written or exported.
