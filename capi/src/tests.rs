@@ -497,19 +497,41 @@ fn a_specs_granule_reaches_the_tags_pools() {
     );
 }
 
-/// The body of the test above, run only in its child process.
+/// Without `granule=` the default stack's pool and the tags' pools map the C ABI's
+/// default granule, 16 MiB (not the library's 2 MiB). In a child process.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_default_granule_reaches_the_tags_pools() {
+    gpu_child(
+        "tests::default_granule_child",
+        "MEMRES_CAPI_GRANULE_CHILD",
+        "granule: 16 MiB each",
+    );
+}
+
+/// The body of `a_specs_granule_reaches_the_tags_pools`, run only in its child process.
 #[test]
 fn granule_child() {
     if std::env::var_os("MEMRES_CAPI_GRANULE_CHILD").is_none() {
         return; // not the child
     }
-    const GRANULE: u64 = 32 << 20;
-    assert_eq!(
-        configure("virtual_pool:granule=32MiB"),
-        MEMRES_OK,
-        "{}",
-        last_error()
-    );
+    one_granule_in_each_pool("virtual_pool:granule=32MiB", 32 << 20);
+}
+
+/// The body of `the_default_granule_reaches_the_tags_pools`, run only in its child
+/// process.
+#[test]
+fn default_granule_child() {
+    if std::env::var_os("MEMRES_CAPI_GRANULE_CHILD").is_none() {
+        return; // not the child
+    }
+    one_granule_in_each_pool("virtual_pool", crate::routed::DEFAULT_GRANULE as u64);
+}
+
+/// Stacks `spec`, then a small block untagged and one under a tag: each pool maps one
+/// granule of `granule` bytes; prints "granule: N MiB each".
+fn one_granule_in_each_pool(spec: &str, granule: u64) {
+    assert_eq!(configure(spec), MEMRES_OK, "{}", last_error());
     // SAFETY: NUL-terminated strings, the legacy default stream; each block freed once,
     // as it was allocated, and not used.
     unsafe {
@@ -517,7 +539,7 @@ fn granule_child() {
         assert!(!untagged.is_null(), "{}", last_error());
         assert_eq!(
             stats(0).pool_size,
-            GRANULE,
+            granule,
             "the default pool maps one granule"
         );
         assert_eq!(memres_set_tag(c("weights").as_ptr()), MEMRES_OK);
@@ -526,14 +548,14 @@ fn granule_child() {
         assert!(!weights.is_null(), "{}", last_error());
         assert_eq!(
             stats(0).pool_size,
-            2 * GRANULE,
+            2 * granule,
             "the tag's pool maps one granule too"
         );
         memres_free(weights, 4096, 0, std::ptr::null_mut());
         memres_free(untagged, 4096, 0, std::ptr::null_mut());
     }
     assert_eq!(memres_trim(0), MEMRES_OK, "{}", last_error());
-    println!("granule: 32 MiB each");
+    println!("granule: {} MiB each", granule >> 20);
 }
 
 /// A `fallback(..)` of two in-place pools sleeps and wakes as one through the C ABI
