@@ -194,7 +194,8 @@ pub(crate) fn new_tag_pool(
 /// The granule of the C ABI's in-place pools where the spec names none (`granule=`):
 /// 16 MiB, where the library's leaf defaults to the driver's minimum (2 MiB). Every
 /// mapping costs the driver the same whatever its size (`cuMemCreate`, `cuMemMap`, its
-/// share of `cuMemSetAccess`, `cuMemUnmap`: about 50 us on one GPU, 160 with a peer), and
+/// share of `cuMemSetAccess`, `cuMemUnmap`: about 70 us on one idle H200, 180 with a
+/// peer, BENCHMARKS.md's `vm_cost` rows), and
 /// the programs behind the C ABI (PyTorch above all) grow by hundreds of MiB at a time:
 /// with 2 MiB granules GPT-2 DDP's steps that reach a new size took 60-180 ms longer than
 /// torch's (whose `expandable_segments` map large segments 20 MiB at a time) in every
