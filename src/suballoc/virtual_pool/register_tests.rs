@@ -92,11 +92,16 @@ fn registered_copies_are_copied_directly_both_ways_and_trim_unregisters_them() {
     registration::take_staged(base);
     // SAFETY: nothing touches the blocks until the pool wakes (each round).
     assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
-    assert!(
-        registration::take_staged(base) > 0,
-        "a first sleep stages: nothing is registered yet"
+    assert_eq!(
+        registration::take_staged(base),
+        0,
+        "a first sleep registers its fresh copies as it copies into them"
     );
-    wait_registered(&pool, held);
+    assert_eq!(
+        pool.registered_host_bytes(),
+        held,
+        "all of it, by the sleep"
+    );
     assert_eq!(registration::live_registrations(base), want);
     pool.wake().unwrap();
     assert_eq!(
@@ -136,24 +141,28 @@ fn a_registration_that_fails_midway_leaves_the_rest_staged_and_the_contents_righ
     registration::fail_registration(base, Some(3));
     // SAFETY: nothing touches the blocks until the pool wakes (each round).
     unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-    // Pieces are registered from the copies' starts, in order: the first copy's first
-    // three.
+    assert!(
+        registration::take_staged(base) > 0,
+        "the sleep staged what it could not register"
+    );
+    // Each copy is registered from its start, a piece at a time, by the thread copying
+    // into it: three pieces in all, of one copy or several.
     wait_registered(&pool, 3 * REGISTER_PIECE);
-    registration::take_staged(base);
     pool.wake().unwrap();
     assert!(registration::take_staged(base) > 0, "the rest was staged");
     assert!(all_hold(&blocks));
     // The wake started another registration, which failed at once: still three.
     assert_eq!(pool.registered_host_bytes(), 3 * REGISTER_PIECE);
-    // Once registrations work again, the next sleep or wake registers the rest.
+    // Once registrations work again, the next sleep registers the rest as it copies.
     registration::fail_registration(base, None);
     // SAFETY: as above.
     unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-    assert!(
-        registration::take_staged(base) > 0,
-        "the sleep staged what is not registered"
+    assert_eq!(
+        registration::take_staged(base),
+        0,
+        "the sleep registered what was not, and copied into it directly"
     );
-    wait_registered(&pool, held);
+    assert_eq!(pool.registered_host_bytes(), held);
     pool.wake().unwrap();
     assert_eq!(registration::take_staged(base), 0);
     assert!(all_hold(&blocks));

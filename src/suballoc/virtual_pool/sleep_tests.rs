@@ -10,7 +10,7 @@ use crate::resource::{Resource, layout};
 use crate::stream::StreamRef;
 use crate::suballoc::{SleepMode, VirtualPool, VirtualPoolConfig};
 use crate::upstream::HostVirtual;
-use crate::upstream::virtual_memory::{CHUNK, faults};
+use crate::upstream::virtual_memory::{CHUNK, faults, registration};
 
 const GRANULE: usize = 64 << 10;
 
@@ -323,6 +323,10 @@ fn staging_bytes(pool: &VirtualPool<HostVirtual>, copies: usize) -> usize {
 fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
     let pool = pool();
     let blocks = fill(&pool);
+    // Unregistered copies, so that the sleeps stage (a copy registered as it is copied
+    // into needs no staging buffer: `register_tests.rs`).
+    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    registration::fail_registration(base, Some(0));
     // SAFETY: nothing touches the blocks until the pool wakes (each round).
     let released = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
     // The copies and the staging buffers, while asleep.
@@ -342,7 +346,6 @@ fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
         }
     }
     // A failed sleep keeps them too (they go back to the spares).
-    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
     faults::fail_saves(base + released / 2, base + len, true);
     // SAFETY: as above.
     let failed = unsafe { pool.sleep(SleepMode::Offload) };
@@ -355,6 +358,7 @@ fn a_wake_keeps_the_host_copies_for_the_next_sleep_until_trim() {
     free_all(&pool, blocks);
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0, "trim frees them");
+    registration::fail_registration(base, None);
 }
 
 #[test]
@@ -362,6 +366,8 @@ fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_
     let pool = pool();
     let blocks = fill(&pool);
     let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    // Unregistered copies, so that the sleep stages (see above).
+    registration::fail_registration(base, Some(0));
     // One buffer can be had (pinned), the next not: the first chunk is copied, then
     // whichever thread asks for a second buffer (for the second chunk, whoever takes it)
     // fails.
@@ -391,6 +397,7 @@ fn a_first_sleep_whose_staging_buffers_run_out_midway_fails_and_leaves_the_pool_
     pool.trim().unwrap();
     assert_eq!(pool.stats().host_copy_bytes, 0);
     assert_eq!(pool.upstream().mapped_bytes(), 0);
+    registration::fail_registration(base, None);
 }
 
 #[test]
@@ -457,27 +464,35 @@ fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again()
 #[test]
 fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
     // Pieces of 256 KiB, chunks of 96 KiB: each piece ends in a short chunk, and the four
-    // threads take chunks of different pieces at once.
-    let pool = pool();
-    let l = layout(5 << 20).unwrap();
-    let p = pool.allocate(StreamRef::HOST, l).unwrap();
-    let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
-    // SAFETY: a fresh block of `l.size()` bytes of host memory.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
-    for (i, b) in bytes.iter_mut().enumerate() {
-        *b = pattern(i);
+    // threads take chunks of different pieces at once. The copies registered as they are
+    // copied into (64 KiB a registration: chunks straddle their ends), staged (every
+    // registration fails), and both (the sixth fails: some copies are registered partly,
+    // the rest of them staged).
+    for registrations in [None, Some(0), Some(5)] {
+        let pool = pool();
+        let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+        registration::fail_registration(base, registrations);
+        let l = layout(5 << 20).unwrap();
+        let p = pool.allocate(StreamRef::HOST, l).unwrap();
+        let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
+        // SAFETY: a fresh block of `l.size()` bytes of host memory.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = pattern(i);
+        }
+        for round in 0..2 {
+            // SAFETY: nothing touches the block until the pool wakes.
+            unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+            pool.wake().unwrap();
+            // SAFETY: the block is mapped again.
+            let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
+            let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
+            assert_eq!(wrong, None, "round {round}, {registrations:?}");
+        }
+        registration::fail_registration(base, None);
+        // SAFETY: allocated above with `l`; not used afterwards.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
     }
-    for round in 0..2 {
-        // SAFETY: nothing touches the block until the pool wakes.
-        unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-        pool.wake().unwrap();
-        // SAFETY: the block is mapped again.
-        let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
-        let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
-        assert_eq!(wrong, None, "round {round}");
-    }
-    // SAFETY: allocated above with `l`; not used afterwards.
-    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
 }
 
 #[test]

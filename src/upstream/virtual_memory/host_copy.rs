@@ -89,8 +89,9 @@ impl Pages {
             return Ok(false);
         }
         let len = registered::PIECE.min(self.size - r.bytes);
-        // Registered under the lock: nothing else reads it meanwhile (the pool stops this
-        // thread before it copies), and the mapping lives while `self` does.
+        // Registered under the lock: nothing else reads it meanwhile (the pool stops its
+        // registering thread before it copies, and a sleep's thread registers only the
+        // copy it copies into), and the mapping lives while `self` does.
         by.register(self.start + r.bytes, len)?;
         r.by = Some(*by);
         r.bytes += len;

@@ -161,11 +161,16 @@ impl Drop for Registering {
     }
 }
 
+/// Whether host copies are registered at all: unless [`REGISTER_VARIABLE`] is `0`.
+pub(crate) fn enabled() -> bool {
+    std::env::var(REGISTER_VARIABLE).map_or(true, |v| v.trim() != "0")
+}
+
 /// Starts registering the pageable `copies` with `by`, each from the end of what is
 /// registered of it; `None` when none has anything left to register, when
 /// [`REGISTER_VARIABLE`] is `0`, or when no thread can be started.
 pub(super) fn start(by: Registrar, copies: &[&HostCopy]) -> Option<Registering> {
-    if std::env::var(REGISTER_VARIABLE).is_ok_and(|v| v.trim() == "0") {
+    if !enabled() {
         return None;
     }
     let pages: Vec<Arc<Pages>> = copies

@@ -45,6 +45,10 @@
 //! lets them (it takes the calls from any thread). A failed map stops every thread; the
 //! ranges marked mapped, and only those, are unmapped again.
 
+use std::sync::Arc;
+
+use super::host_copy::Pages;
+use super::registered::{self, Registrar};
 use super::{Backend, GrowInPlace, HostCopy, Virtual};
 use crate::error::Error;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -172,6 +176,11 @@ struct Maps {
 /// What the copying threads share.
 pub(crate) struct Shared<'a> {
     chunks: &'a [Chunk],
+    /// A sleep's ranges whose copies are registered as they are copied into, each as its
+    /// chunks (see [`copy_registering`]): a thread takes a whole range.
+    groups: &'a [&'a [Chunk]],
+    /// The next group to take.
+    next_group: AtomicUsize,
     /// Bytes registered of each range's copy, from its start: the chunks that lie in them
     /// are copied directly, the others staged.
     registered: &'a [usize],
@@ -200,12 +209,14 @@ pub(crate) struct Outcome {
 }
 
 impl<'a> Shared<'a> {
-    /// For `chunks` of `ranges` ranges, with `buffers` to stage through first; the ranges
-    /// are all mapped already (a sleep) or none (a wake, whose threads map them with
-    /// [`map_ranges`](Self::map_ranges)); the chunks in the first `registered[range]`
-    /// bytes of their range's copy are copied directly.
+    /// For `chunks` and `groups` (each a range's chunks, taken whole) of `ranges` ranges,
+    /// with `buffers` to stage through first; the ranges are all mapped already (a sleep)
+    /// or none (a wake, whose threads map them with [`map_ranges`](Self::map_ranges));
+    /// the chunks in the first `registered[range]` bytes of their range's copy are copied
+    /// directly.
     pub(crate) fn new(
         chunks: &'a [Chunk],
+        groups: &'a [&'a [Chunk]],
         registered: &'a [usize],
         buffers: Vec<HostCopy>,
         ranges: usize,
@@ -213,6 +224,8 @@ impl<'a> Shared<'a> {
     ) -> Self {
         Shared {
             chunks,
+            groups,
+            next_group: AtomicUsize::new(0),
             registered,
             next: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
@@ -235,6 +248,22 @@ impl<'a> Shared<'a> {
         // Each index goes to one thread: the counter only rises.
         let i = self.next.fetch_add(1, Ordering::Relaxed);
         self.chunks.get(i).copied()
+    }
+
+    /// The next group (a range's chunks), or `None` once they are all taken or a thread
+    /// failed.
+    pub(crate) fn take_group(&self) -> Option<&'a [Chunk]> {
+        if self.stopped() {
+            return None;
+        }
+        // Each index goes to one thread: the counter only rises.
+        let i = self.next_group.fetch_add(1, Ordering::Relaxed);
+        self.groups.get(i).copied()
+    }
+
+    /// Chunks to copy in all, the groups' included.
+    fn chunk_count(&self) -> usize {
+        self.chunks.len() + self.groups.iter().map(|g| g.len()).sum::<usize>()
     }
 
     /// Whether a thread failed.
@@ -371,9 +400,10 @@ fn copy_on_thread<B: Backend>(
     }
 }
 
-/// [`copy_on_thread`]'s chunks, through `slots` (made as they are first needed), until
-/// none are left, a thread failed or this one fails; every chunk asked for is done when
-/// it returns `Ok`.
+/// [`copy_on_thread`]'s work, through `slots` (made as they are first needed): for a
+/// sleep, whole ranges whose copies it registers as it goes ([`copy_registering`]), then
+/// chunks, until none are left, a thread failed or this one fails; every chunk asked for
+/// is done when it returns `Ok`.
 fn copy_chunks<B: Backend>(
     backend: &B,
     shared: &Shared<'_>,
@@ -382,22 +412,20 @@ fn copy_chunks<B: Backend>(
     slots: &mut Vec<Slot<B::Lane>>,
 ) -> Result<(), Error> {
     let mut turn = 0usize;
+    if matches!(direction, Direction::Out) {
+        let by = backend.registrar();
+        while let Some(group) = shared.take_group() {
+            copy_registering(backend, shared, copies, group, &by, slots, &mut turn)?;
+        }
+    }
     while let Some(c) = shared.take() {
         if matches!(direction, Direction::In) && !shared.wait_mapped(c.range) {
             break;
         }
-        let i = turn % 2;
-        turn += 1;
-        if slots.len() <= i {
-            slots.push(Slot {
-                lane: backend.lane()?,
-                buffer: None,
-                pending: None,
-            });
-        }
-        let slot = &mut slots[i];
-        complete(backend, slot, copies, direction)?;
-        start(backend, shared, slot, copies, direction, c)?;
+        let direct = is_direct(shared.registered, c);
+        step(
+            backend, shared, copies, direction, slots, &mut turn, c, direct,
+        )?;
     }
     // The chunks still in the buffers, older first.
     let n = slots.len();
@@ -407,9 +435,141 @@ fn copy_chunks<B: Backend>(
     Ok(())
 }
 
+/// Slot number `i` of a thread, made (with its lane) if it is not yet.
+fn slot<'s, B: Backend>(
+    backend: &B,
+    slots: &'s mut Vec<Slot<B::Lane>>,
+    i: usize,
+) -> Result<&'s mut Slot<B::Lane>, Error> {
+    while slots.len() <= i {
+        slots.push(Slot {
+            lane: backend.lane()?,
+            buffer: None,
+            pending: None,
+        });
+    }
+    Ok(&mut slots[i])
+}
+
+/// Copies chunk `c` on the thread's next slot (its two in turn), once the slot's last
+/// chunk is complete: directly (`direct`: the chunk lies in the registered part of its
+/// copy) or through the slot's staging buffer.
+#[allow(clippy::too_many_arguments)] // the thread's state, passed along
+fn step<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    direction: Direction,
+    slots: &mut Vec<Slot<B::Lane>>,
+    turn: &mut usize,
+    c: Chunk,
+    direct: bool,
+) -> Result<(), Error> {
+    let slot = slot(backend, slots, *turn % 2)?;
+    *turn += 1;
+    complete(backend, slot, copies, direction)?;
+    start(backend, shared, slot, copies, direction, c, direct)
+}
+
+/// A sleep's copy of one range (`group`: its chunks, in order) into a copy registered as
+/// it goes: before the chunks that reach past what is registered of the copy, the thread
+/// backs the copy's next piece ([`registered::PIECE`](super::registered::PIECE)) by
+/// writing a byte of every page (the kernel zeroes it, a huge page where it can) and
+/// registers it; the device then copies each chunk straight into the copy, queued on the
+/// thread's first lane with no wait (the thread backs the next piece meanwhile), and
+/// its slot's [`finish`](Backend::finish) waits for them. Where the registration fails
+/// or the copy is not the registrar's to register, the rest of the range is staged as
+/// any other chunk (the pool's background registration tries the rest again later).
+///
+/// Why: a first sleep's copies are fresh pages, and backing them while the device copies
+/// is the sleep's cost; registered, each byte is written once by the kernel's zeroing and
+/// once by the device, where a staged copy also passes every byte through a staging
+/// buffer and a `memcpy`. 20 GiB from an H200 on 16 threads (a probe of both ways in C,
+/// BENCHMARKS.md): staged 19.3-24.1 GiB/s, registered as it goes 22.1-30.5.
+#[allow(clippy::too_many_arguments)] // the thread's state, passed along
+fn copy_registering<B: Backend>(
+    backend: &B,
+    shared: &Shared<'_>,
+    copies: &[HostCopy],
+    group: &[Chunk],
+    by: &Registrar,
+    slots: &mut Vec<Slot<B::Lane>>,
+    turn: &mut usize,
+) -> Result<(), Error> {
+    let Some(copy) = group.first().map(|c| &copies[c.range]) else {
+        return Ok(());
+    };
+    let pages = copy.mapping();
+    let mut registering = pages.is_some();
+    for &c in group {
+        if shared.stopped() {
+            break;
+        }
+        let end = c.offset + c.len;
+        while registering && copy.registered() < end {
+            registering = pages
+                .as_ref()
+                .is_some_and(|pages| register_next_piece(copy, pages, by));
+        }
+        if copy.registered() >= end {
+            let lane = &slot(backend, slots, 0)?.lane;
+            // SAFETY: the chunk lies in a mapped range that nothing writes to (the
+            // caller's promise), and in the registered part of its copy, which only this
+            // thread writes (each group is taken once; a copy is its range's alone) and
+            // nothing reads until the lane is waited for (`copy_on_thread`).
+            unsafe { backend.copy_out(lane, c.addr, copy.as_ptr().add(c.offset), c.len)? };
+        } else {
+            step(
+                backend,
+                shared,
+                copies,
+                Direction::Out,
+                slots,
+                turn,
+                c,
+                false,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Backs and registers the next piece of `copy` (whose mapping is `pages`) with `by`;
+/// whether it did (not when the registration failed, or the copy is all registered or
+/// another registrar's).
+fn register_next_piece(copy: &HostCopy, pages: &Arc<Pages>, by: &Registrar) -> bool {
+    let from = copy.registered();
+    let len = super::registered::PIECE.min(copy.len().saturating_sub(from));
+    // SAFETY: `from..from + len` lies in the copy, which only the calling thread writes
+    // (see `copy_registering`) and nothing reads yet.
+    unsafe { back_pages(copy.as_ptr().add(from), len) };
+    match pages.register_next(by) {
+        Ok(registered) => registered,
+        Err(e) => {
+            tracing::debug!(%e, "memres: a host copy left unregistered during a sleep (the rest is staged)");
+            false
+        }
+    }
+}
+
+/// Backs `len` bytes at `at` (host memory of a copy's own mapping) by writing a zero at
+/// the start of every page of 4 KiB (and so of every larger page).
+///
+/// # Safety
+/// `at..at + len` lies in a live mapping, writable, that no other thread touches and
+/// whose contents do not matter.
+unsafe fn back_pages(at: *mut u8, len: usize) {
+    for offset in (0..len).step_by(4096) {
+        // SAFETY: inside `at..at + len` (the caller's promise); a volatile write, so
+        // that it is not elided, backs the page.
+        unsafe { at.add(offset).write_volatile(0) };
+    }
+}
+
 /// Starts the copy of chunk `c` on `slot` (whose last one is complete): directly where the
-/// chunk lies in the registered part of its copy, else through the slot's staging buffer
-/// (taken now if it has none), filled first for a wake; it is `slot`'s pending chunk.
+/// chunk lies in the registered part of its copy (`direct`), else through the slot's
+/// staging buffer (taken now if it has none), filled first for a wake; it is `slot`'s
+/// pending chunk.
 fn start<B: Backend>(
     backend: &B,
     shared: &Shared<'_>,
@@ -417,8 +577,8 @@ fn start<B: Backend>(
     copies: &[HostCopy],
     direction: Direction,
     c: Chunk,
+    direct: bool,
 ) -> Result<(), Error> {
-    let direct = is_direct(shared.registered, c);
     // SAFETY: the chunk lies in its range's copy (`chunks` cut it from the range,
     // whose copy holds the range).
     let at = unsafe { copies[c.range].as_ptr().add(c.offset) };
@@ -501,10 +661,11 @@ fn run<B: Backend>(
     also: usize,
     meanwhile: impl Fn() + Sync,
 ) {
-    let threads = if shared.chunks.is_empty() {
+    let chunks = shared.chunk_count();
+    let threads = if chunks == 0 {
         0
     } else {
-        threads(shared.chunks.len(), direction)
+        threads(chunks, direction)
     };
     std::thread::scope(|scope| {
         // The mapping threads first: the copies wait for what they map.
@@ -523,7 +684,7 @@ fn run<B: Backend>(
             })
             .count();
         meanwhile();
-        if started == 0 && !shared.chunks.is_empty() {
+        if started == 0 && chunks > 0 {
             copy_on_thread(backend, shared, copies, direction);
         }
     });
@@ -581,10 +742,21 @@ pub(super) unsafe fn save<B: Backend>(
     spare: &mut Vec<HostCopy>,
 ) -> Result<Vec<HostCopy>, Error> {
     let mut copies = copies_for(ranges, spare)?;
-    let chunks = chunks(ranges, CHUNK);
+    // A range whose copy is not registered as far as the range reaches is copied whole by
+    // one thread that registers the copy as it goes (`copy_registering`); the rest by
+    // chunks, staged or directly as their copies' registered parts say.
+    let register = registered::enabled();
+    let registers = |c: &Chunk| {
+        let copy = &copies[c.range];
+        register && copy.is_pageable() && copy.registered() < ranges[c.range].1
+    };
+    let (whole, chunks): (Vec<Chunk>, Vec<Chunk>) =
+        chunks(ranges, CHUNK).into_iter().partition(registers);
+    let groups: Vec<&[Chunk]> = whole.chunk_by(|a, b| a.range == b.range).collect();
     let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
     let shared = Shared::new(
         &chunks,
+        &groups,
         &registered,
         take_staging(spare),
         ranges.len(),
@@ -627,6 +799,7 @@ pub(super) unsafe fn wake<B: Backend>(
     let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
     let shared = Shared::new(
         &chunks,
+        &[],
         &registered,
         take_staging(spare),
         ranges.len(),
@@ -724,12 +897,9 @@ pub(super) fn prepare<B: Backend>(
     let chunks = chunks(&ranges, CHUNK);
     let next = AtomicUsize::new(0);
     let back = |c: Chunk| {
-        let at = copies[c.range].as_ptr();
-        for offset in (c.offset..c.offset + c.len).step_by(4096) {
-            // SAFETY: inside the copy (`chunks` cut `c` from its length), written by
-            // this thread alone (each chunk is taken once); a write backs the page.
-            unsafe { at.add(offset).write_volatile(0) };
-        }
+        // SAFETY: inside the copy (`chunks` cut `c` from its length), fresh, written by
+        // this thread alone (each chunk is taken once).
+        unsafe { back_pages(copies[c.range].as_ptr().add(c.offset), c.len) };
     };
     let workers = threads(chunks.len(), Direction::Out);
     std::thread::scope(|scope| {
@@ -902,7 +1072,7 @@ mod loom_models {
     #[test]
     fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 2, false));
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], &[], Vec::new(), 2, false));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -923,7 +1093,7 @@ mod loom_models {
     #[test]
     fn loom_every_chunk_is_taken_exactly_once() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, &[], Vec::new(), 2, false));
+            let shared = Arc::new(Shared::new(&CHUNKS, &[], &[], Vec::new(), 2, false));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -940,6 +1110,40 @@ mod loom_models {
         });
     }
 
+    /// A sleep's threads take whole ranges first, then chunks: with two groups and two
+    /// chunks over two threads, each is taken exactly once, and a failure stops both
+    /// kinds of taking.
+    #[test]
+    fn loom_groups_and_chunks_are_each_taken_exactly_once() {
+        static GROUP_0: [Chunk; 1] = [chunk(0)];
+        static GROUP_1: [Chunk; 1] = [chunk(1)];
+        static REST: [Chunk; 2] = [chunk(2), chunk(3)];
+        static GROUPS: [&[Chunk]; 2] = [&GROUP_0, &GROUP_1];
+        loom::model(|| {
+            let shared = Arc::new(Shared::new(&REST, &GROUPS, &[], Vec::new(), 4, true));
+            let take_all = |shared: &Shared<'_>| {
+                let mut taken = Vec::new();
+                while let Some(group) = shared.take_group() {
+                    taken.extend(group.iter().map(|c| c.range));
+                }
+                while let Some(c) = shared.take() {
+                    taken.push(c.range);
+                }
+                taken
+            };
+            let other = {
+                let shared = Arc::clone(&shared);
+                thread::spawn(move || take_all(&shared))
+            };
+            let mut taken = take_all(&shared);
+            taken.extend(other.join().unwrap());
+            taken.sort_unstable();
+            assert_eq!(taken, [0, 1, 2, 3]);
+            shared.fail(Error::out_of_memory(1));
+            assert!(shared.take_group().is_none() && shared.take().is_none());
+        });
+    }
+
     /// Two threads map three ranges (the second's map fails) while a third copies: every
     /// thread ends, no range is mapped twice, a chunk is copied only once its range is
     /// mapped, and the ranges marked mapped when all are done are exactly those mapped
@@ -950,7 +1154,7 @@ mod loom_models {
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(2);
         builder.check(|| {
-            let shared = Arc::new(Shared::new(&THREE, &[], Vec::new(), 3, false));
+            let shared = Arc::new(Shared::new(&THREE, &[], &[], Vec::new(), 3, false));
             let mapped = Arc::new(AtomicUsize::new(0));
             let mappers: Vec<_> = (0..2)
                 .map(|_| {
