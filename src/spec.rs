@@ -84,9 +84,9 @@ pub enum Spec {
         reserve: Option<usize>,
         /// `granule=`: the bytes mapped and given back at a time (a power of two): larger
         /// ones make a sleep and wake faster, see [`LeafOptions::granule`]. `None`: the
-        /// target's choice (the leaf's minimum, 2 MiB on current GPUs, for the library's
-        /// `CudaVirtual`; 16 MiB for the C ABI's pools). Through the C ABI the tags' pools
-        /// take the first `virtual_pool`'s.
+        /// leaf's minimum, 2 MiB on current GPUs (the library's `CudaVirtual` and the C
+        /// ABI's pools alike). Through the C ABI the tags' pools take the first
+        /// `virtual_pool`'s.
         granule: Option<usize>,
     },
     /// `arena`: RMM's arena over `Cuda`.

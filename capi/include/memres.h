@@ -15,15 +15,15 @@
  *                                   than remap it: for sizes that vary widely; granule=
  *                                   is what it maps and gives back at a time, for it
  *                                   and the tags' pools (those take the spec's first
- *                                   virtual_pool's): 16 MiB by default (the library's
- *                                   own default is the driver's 2 MiB: each mapping
- *                                   costs the driver the same, and 16 MiB took the
- *                                   cost of GPT-2 DDP's growth steps to that of
- *                                   its other steps, for at most 1% of live more
- *                                   held; max= and memres_set_limit count whole
- *                                   granules); granule=2MiB holds least where sizes
- *                                   vary widely, granule=32MiB halves a sleep's and
- *                                   wake's driver calls again, see memres_sleep)
+ *                                   virtual_pool's): 2 MiB by default, the driver's
+ *                                   minimum, so that max= and memres_set_limit, which
+ *                                   count whole granules, bound to 2 MiB as torch's
+ *                                   allocator does; each mapping costs the driver the
+ *                                   same, and granule=16MiB took the cost of GPT-2
+ *                                   DDP's growth steps to that of its other steps, for
+ *                                   at most 1% of live more held; granule=32MiB halves
+ *                                   a sleep's and wake's driver calls again, see
+ *                                   memres_sleep)
  *   "pool[:initial=8GiB,max=60GiB,growth=eighth]"  memres's coalescing pool over
  *                                   cuMemAlloc; each growth takes what the request
  *                                   needs, at least 1/8 of the pool, rounded up to
@@ -227,7 +227,7 @@ int memres_peer_access_on_demand(void);
    torch.cuda.set_per_process_memory_fraction. Each device-memory pool of the stack
    (every tier of a fallback(..), the pool under binning) and every tag's pool, those made
    later too, grows no further than bytes, after giving back what it holds free; a request
-   past the bound is out of memory. The in-place pools grow by whole granules (16 MiB
+   past the bound is out of memory. The in-place pools grow by whole granules (2 MiB
    unless the spec says granule=): a bound below one lets them serve nothing. Pinned host pools, arena, cuda_async and plain cuda
    stacks are not bounded. Builds the stack if it does not exist yet. */
 int memres_set_limit(int device, int64_t bytes);
@@ -253,15 +253,17 @@ int memres_reset_peak(int device);
  * through pinned staging buffers on several threads, by default one per 256 MiB up to
  * the cores and 16: MEMRES_OFFLOAD_THREADS; the memory
  * is given back and mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set;
- * once the call returns a thread registers the copies with the driver, 32 MiB at a time,
- * and a wake copies the registered part back directly, at the bus's speed;
- * MEMRES_OFFLOAD_REGISTER=0 turns that off; the copies ask for transparent huge pages
+ * the copying threads register the copies with the driver as they go, 32 MiB at a time,
+ * and the device copies into them directly (what a failed registration left is staged,
+ * and registered by a thread of its own once the call returns); a wake copies the
+ * registered part back directly, at the bus's speed; MEMRES_OFFLOAD_REGISTER=0 stages
+ * everything; the copies ask for transparent huge pages
  * unless the kernel says [never] or MEMRES_OFFLOAD_HUGE_PAGES=0); it returns the bytes
  * given back or a negative code. The driver's cost is per granule (a cuMemUnmap at the
  * sleep, a cuMemCreate and cuMemMap at the wake, about 45 us each on an H100, one at a
- * time): with 2 MiB granules 20 GiB take about 0.45 s each way for that alone, with the
- * default 16 MiB about 0.06 s (estimated from the same cost per call), with
- * virtual_pool:granule=32MiB 0.03-0.06 s measured (BENCHMARKS.md, "Sleep and wake").
+ * time): with the default 2 MiB granules 20 GiB take about 0.45 s each way for that
+ * alone, with virtual_pool:granule=16MiB 0.04-0.07 s, with granule=32MiB 0.03-0.06 s
+ * (BENCHMARKS.md, "Sleep and wake").
  * Until the pool wakes its memory is not mapped: nothing may use it (a kernel that does
  * faults), memres_malloc from it fails with MEMRES_ERROR_ASLEEP, frees are taken. Sleeping
  * a sleeping pool by name, or a tag with no memory, is MEMRES_ERROR_INVALID_ARGUMENT; out

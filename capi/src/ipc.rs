@@ -152,8 +152,8 @@ impl Handle {
 }
 
 /// Raises this process's soft limit on open descriptors to its hard limit, once: a block
-/// of the in-place pool travels as one descriptor per granule (a 10 GiB tensor: 640 of
-/// the default 16 MiB, 5,120 of 2 MiB), which the usual soft limit of 1,024 may refuse on
+/// of the in-place pool travels as one descriptor per granule (a 10 GiB tensor: 5,120 of
+/// the default 2 MiB, 640 of 16 MiB), which the usual soft limit of 1,024 would refuse on
 /// both sides.
 fn raise_descriptor_limit() {
     static ONCE: std::sync::Once = std::sync::Once::new();

@@ -806,8 +806,8 @@ pub extern "C" fn memres_peer_access_on_demand() -> c_int {
 /// `cuda_async` and plain `cuda` stacks are not bounded. Builds the stack if it does not
 /// exist yet. 0 on success. A bound of 0 bytes lets no pool grow
 /// (`set_per_process_memory_fraction(0)`); the in-place pools grow by whole granules
-/// (16 MiB, `routed::DEFAULT_GRANULE`, unless the spec says `granule=`), so a bound below one
-/// lets them serve nothing.
+/// (2 MiB, `routed::DEFAULT_GRANULE`, unless the spec says `granule=`), so a bound below one
+/// lets them serve nothing, and one between granules holds whole granules below it.
 #[unsafe(no_mangle)]
 pub extern "C" fn memres_set_limit(device: c_int, bytes: i64) -> c_int {
     guarded(

@@ -192,17 +192,20 @@ pub(crate) fn new_tag_pool(
 }
 
 /// The granule of the C ABI's in-place pools where the spec names none (`granule=`):
-/// 16 MiB, where the library's leaf defaults to the driver's minimum (2 MiB). Every
-/// mapping costs the driver the same whatever its size (`cuMemCreate`, `cuMemMap`, its
-/// share of `cuMemSetAccess`, `cuMemUnmap`: about 70 us on one idle H200, 180 with a
-/// peer, BENCHMARKS.md's `vm_cost` rows), and
-/// the programs behind the C ABI (PyTorch above all) grow by hundreds of MiB at a time:
-/// with 2 MiB granules GPT-2 DDP's steps that reach a new size took 60-180 ms longer than
-/// torch's (whose `expandable_segments` map large segments 20 MiB at a time) in every
-/// round measured, with 16 MiB they went with each round's other steps, and the memory
-/// held at the peaks of real models rose by at most 1% of live (BENCHMARKS.md, "The C
-/// ABI's 16 MiB granule").
-pub(crate) const DEFAULT_GRANULE: usize = 16 << 20;
+/// 2 MiB, the driver's minimum on current GPUs (the leaf raises it where a device's is
+/// larger), so that a bound on what a device's pools hold
+/// ([`memres_set_limit`](crate::memres_set_limit), PyTorch's
+/// `set_per_process_memory_fraction`) is honoured to 2 MiB, as under torch's allocator,
+/// whose large requests take what they ask rounded to 2 MiB. With 16 MiB (this default
+/// for a few hours of 2026-11-28) PyTorch's own `test_max_split_expandable` failed: three
+/// blocks of 40 MiB under a bound of 120 MiB took 48 MiB each. What larger granules buy
+/// is fewer driver calls, each mapping costing the driver the same whatever its size
+/// (about 70 us on one idle H200, 180 with a peer): GPT-2 DDP's steps that reach a new
+/// size took 60-180 ms longer than torch's with 2 MiB and went with their round's other
+/// steps with 16 MiB, and a 20 GiB pool's sleep unmaps in 0.05 s rather than 0.4; the
+/// memory held at real models' peaks rose by at most 1% of live (BENCHMARKS.md, "The
+/// C ABI's 16 MiB granule"). `virtual_pool:granule=16MiB` chooses that.
+pub(crate) const DEFAULT_GRANULE: usize = 2 << 20;
 
 /// The virtual-memory leaf of an in-place pool on `device` (the default stack's and every
 /// tag's): reachable from the peers `peers.rs` names (every peer-capable device, or

@@ -498,14 +498,14 @@ fn a_specs_granule_reaches_the_tags_pools() {
 }
 
 /// Without `granule=` the default stack's pool and the tags' pools map the C ABI's
-/// default granule, 16 MiB (not the library's 2 MiB). In a child process.
+/// default granule (`routed::DEFAULT_GRANULE`, 2 MiB). In a child process.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_default_granule_reaches_the_tags_pools() {
     gpu_child(
         "tests::default_granule_child",
         "MEMRES_CAPI_GRANULE_CHILD",
-        "granule: 16 MiB each",
+        "granule: 2 MiB each",
     );
 }
 
@@ -711,7 +711,7 @@ fn live_bytes_child() {
 /// through the block read back through the second mapping.
 fn ipc_in_one_process() {
     use cudarc::driver::sys;
-    const N: usize = 20 << 20; // spans two granules (the default 16 MiB) at least
+    const N: usize = 20 << 20; // spans two granules (of 2 MiB, or of 16) at least
     // SAFETY: the legacy default stream.
     let block = unsafe { memres_malloc(N as isize, 0, std::ptr::null_mut()) };
     assert!(!block.is_null(), "{}", last_error());

@@ -23,8 +23,9 @@ def configure(spec: str) -> None:
     Examples: ``"virtual_pool"`` (the default: a pool growing in place over CUDA virtual
     memory, holding least), ``"virtual_pool:release=2GiB"``, ``"pool:initial=8GiB"``,
     ``"statistics(virtual_pool)"``, ``"cuda_async"``; ``"virtual_pool:granule=32MiB"`` maps
-    and gives back 32 MiB at a time (the tags' pools too; the default is 16 MiB, 2 MiB
-    holds least where sizes vary widely but makes 8x the driver calls). The syntax is in
+    and gives back 32 MiB at a time (the tags' pools too; the default is 2 MiB, which
+    holds least and bounds ``set_per_process_memory_fraction`` as torch does, but makes 8x
+    the driver calls of 16 MiB when the pool grows or sleeps). The syntax is in
     ``capi/include/memres.h``. Raises MemresError (code ERROR_INVALID_ARGUMENT) for a bad
     spec, and (code ERROR_IN_USE) once memres has allocated; TypeError for a spec that is
     not a ``str``, ValueError for one the C ABI cannot read (a NUL character in it).

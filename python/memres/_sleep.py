@@ -132,9 +132,12 @@ def sleep(tags: Union[None, str, Iterable[str], Dict[str, str]] = None, mode: st
     pinned staging buffers of 4 MiB, two per copying thread, and back on wake: the
     weights; ``MEMRES_OFFLOAD_THREADS`` sets how many threads copy, by default the cores,
     one per 256 MiB to copy, at most 16; ``MEMRES_OFFLOAD_MAP_THREADS`` how many map the memory on wake and give it
-    back on sleep, by default 1). Once the call returns, a thread registers the copies with the driver
-    (page-locks them, 32 MiB at a time), and a wake copies their registered part back
-    directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` turns it off). The copies
+    back on sleep, by default 1). The copying threads register the copies with the driver
+    as they go (page-lock them, 32 MiB at a time, after backing each piece) and the device
+    copies into them directly; what a failed registration left is registered by a thread
+    of its own once the call returns, and staged until then. A wake copies the registered
+    part back directly, at the bus's speed (``MEMRES_OFFLOAD_REGISTER=0`` stages every
+    copy, both ways). The copies
     ask the kernel for transparent huge pages unless it says ``[never]``
     (``MEMRES_OFFLOAD_HUGE_PAGES=0`` turns that off). All work on the device is waited for
     first.

@@ -23,7 +23,7 @@ virtual pool on CUDA virtual memory, installed by `memres.setup()`). memres's pe
 live bytes are the C ABI's exact count (`peak_live_bytes`), PyTorch's its
 `max_memory_allocated()`. --memres-specs runs memres once per stack given (mode
 "memres:SPEC", the spec in env MEMRES_RESOURCE) instead of with the default stack, e.g.
-'virtual_pool:granule=2MiB;virtual_pool' for what the default 16 MiB granules cost in memory held.
+'virtual_pool;virtual_pool:granule=16MiB' for what 16 MiB granules cost in memory held.
 
 Timing runs ("--rounds", alternating torch / expandable / memres): the median step time
 (steps after the third) per run, best run per allocator, and each memres mode's step time
@@ -276,7 +276,7 @@ def main():
         "--memres-specs",
         default="",
         help="memres runs with these stacks (';'-separated specs, each a mode 'memres:SPEC') "
-        "instead of the default one, e.g. 'virtual_pool:granule=2MiB;virtual_pool'",
+        "instead of the default one, e.g. 'virtual_pool;virtual_pool:granule=16MiB'",
     )
     p.add_argument(
         "--batch-on-device",

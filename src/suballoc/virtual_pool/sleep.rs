@@ -37,8 +37,8 @@ impl<U: Resource> VirtualPool<U> {
     /// aligned to 2 MiB, with transparent huge pages asked for, `madvise(MADV_HUGEPAGE)`,
     /// unless `/sys/kernel/mm/transparent_hugepage/enabled` says `[never]` or
     /// `MEMRES_OFFLOAD_HUGE_PAGES=0`; a kernel that refuses the advice gives small pages,
-    /// silently), through pinned staging buffers of 4 MiB, two
-    /// per copying thread, on as many threads as the machine has cores (one less for a
+    /// silently), registered as they are copied into (below), else through pinned staging
+    /// buffers of 4 MiB, two per copying thread, on as many threads as the machine has cores (one less for a
     /// wake; no more than one per 256 MiB to copy, each costing the device about 1 MiB
     /// while the pool sleeps; at most 16; the environment variable
     /// `MEMRES_OFFLOAD_THREADS` sets another number). Each thread
@@ -49,25 +49,28 @@ impl<U: Resource> VirtualPool<U> {
     /// pool sleeps: the driver maps and unmaps each granule on its own, which costs more
     /// than copying a 2 MiB one; larger granules,
     /// [`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity),
-    /// cost less). So no sleep pins host memory the size of the
-    /// pool: pinning costs far more than copying (`cuMemHostAlloc`: 3.2 GB/s against 55
-    /// for copies on an H200), and a first sleep that pinned its copies took 10 to 17 s
-    /// for 20 GiB. The first sleep pins only the staging buffers (at most 128 MiB), and
-    /// the kernel backs the copies' pages as the threads write them (the `memres::pool`
-    /// debug event "the sleep's steps" gives the time of each). Backing fresh pages is
-    /// what a first sleep costs over a second: 5 million faults of 4 KiB for 20 GiB, 10,240
-    /// of 2 MiB where the kernel has huge pages to give.
+    /// cost less). So no sleep allocates pinned memory the size of the pool
+    /// (`cuMemHostAlloc`: 3.2 GB/s against 55 for copies on an H200; a first sleep that
+    /// did took 10 to 17 s for 20 GiB): the kernel backs the copies' pages as the threads
+    /// write them, and registering backed pages in place costs little (the `memres::pool`
+    /// debug event "the sleep's steps" gives the time of each step). Backing fresh pages
+    /// is what a first sleep costs over a second: 5 million faults of 4 KiB for 20 GiB,
+    /// 10,240 of 2 MiB where the kernel has huge pages to give.
     ///
-    /// Once the sleep returns, a thread of the pool's registers the copies with the driver
-    /// (`cuMemHostRegister`, 32 MiB at a time, from each copy's start: pinning in place,
-    /// at a few GB/s, costs the sleep nothing there; the copies are private anonymous
-    /// mappings, which the driver registers whether their pages are huge or small), so that the wake copies the
-    /// registered part back directly, one DMA a chunk without the staging memcpy, and the
-    /// rest through the staging buffers; [`registered_host_bytes`](Self::registered_host_bytes)
-    /// says how far it got. The wake stops it first (waiting for at most one piece), and
-    /// starts it again for what is left; so do the next sleep (which copies into the
-    /// registered part directly) and [`prepare_offload`](Self::prepare_offload).
-    /// `MEMRES_OFFLOAD_REGISTER=0` turns the registration off.
+    /// The copying threads register the copies with the driver as they go
+    /// (`cuMemHostRegister`, 32 MiB at a time, from each copy's start, each piece backed
+    /// by the thread writing it first; the copies are private anonymous mappings, which
+    /// the driver registers whether their pages are huge or small) and have the device
+    /// copy into them directly, one DMA a chunk: a first sleep so writes each byte of host
+    /// memory once (20 GiB from an H200 at 24.7-26.6 GiB/s with 16 MiB granules, against
+    /// 18.4-24.9 staged; BENCHMARKS.md, "First sleep"), and its wake reads registered
+    /// copies. Where a registration fails, the rest of that copy is staged, and once the
+    /// sleep returns a thread of the pool's registers what is left;
+    /// [`registered_host_bytes`](Self::registered_host_bytes) says how far it got. A wake
+    /// stops that thread first (waiting for at most one piece), copies the registered part
+    /// back directly and the rest through the staging buffers, and starts it again for
+    /// what is left; so do the next sleep and [`prepare_offload`](Self::prepare_offload).
+    /// `MEMRES_OFFLOAD_REGISTER=0` turns the registration off (every copy staged).
     ///
     /// **What the pool holds while asleep**: the host copies, as many bytes as it
     /// offloaded, pageable until registered, then page-locked (not swappable) as the

@@ -20,11 +20,16 @@
 //! be slow (in a virtual machine that hands freed memory back to its host), so [`prepare`]
 //! makes both ahead of a sleep, the copies' pages backed by threads writing them.
 //!
-//! A chunk that lies in the registered part of its copy ([`HostCopy::registered`]: the
-//! pool has the copies registered in the background after a sleep, `registered.rs`) skips
+//! A chunk that lies in the registered part of its copy ([`HostCopy::registered`]) skips
 //! the staging: the device copies it to or from the copy directly, one DMA and no memcpy,
-//! and its slot takes no staging buffer. So a wake some seconds after the sleep, and
-//! every sleep after it, run at the bus's speed.
+//! and its slot takes no staging buffer. A sleep registers the copies as it copies into
+//! them: a range whose copy is not registered as far as it reaches goes whole to one
+//! thread ([`copy_registering`]), which backs the copy a piece at a time, registers the
+//! piece and copies into it directly; only where a registration fails is the rest of the
+//! range staged (and registered in the background afterwards, `registered.rs`). So the
+//! first sleep writes each byte of host memory once (where staging wrote it twice and
+//! read it once more), and its wake, and every sleep and wake after it, run at the bus's
+//! speed.
 //!
 //! Threads take chunks in order from one counter. One that fails records its error and
 //! raises `stop`, which the others check before each chunk (and which wakes those waiting
