@@ -249,8 +249,9 @@ int memres_reset_peak(int device);
  * ("default": the device's own stack, every in-place pool of it, spec virtual_pool, the
  * default, on every tier of a fallback(..); see below for the stacks that cannot; NULL:
  * every pool of the device that can sleep and is awake), MEMRES_SLEEP_DISCARD losing
- * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to host memory first (pageable,
- * through pinned staging buffers on several threads, by default one per 256 MiB up to
+ * what the blocks hold, MEMRES_SLEEP_OFFLOAD copying it to host memory first (pageable
+ * copies, registered as they are copied into, else through pinned staging buffers; on
+ * several threads, by default one per 256 MiB up to
  * the cores and 16: MEMRES_OFFLOAD_THREADS; the memory
  * is given back and mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set;
  * the copying threads register the copies with the driver as they go, 32 MiB at a time,
@@ -279,8 +280,9 @@ int64_t memres_sleep(int device, const char* tag, int mode);
 int64_t memres_wake(int device, const char* tag);
 /* Makes ahead, for the awake pools of tag on device (NULL: every awake pool that can
    sleep), the host memory a MEMRES_SLEEP_OFFLOAD of what they hold now would make: the
-   copies (pageable, their pages backed now) and the pinned staging buffers, less what
-   they keep already; the first sleep then only copies. Returns the bytes made; the
+   copies (pageable, their pages backed now, then registered in the background) and,
+   with MEMRES_OFFLOAD_REGISTER=0, the pinned staging buffers, less what they keep
+   already; the first sleep then only copies. Returns the bytes made; the
    memory stays until memres_trim (counted in pool_host_copy_bytes). A sleeping pool
    named is MEMRES_ERROR_INVALID_ARGUMENT, too little host memory
    MEMRES_ERROR_OUT_OF_MEMORY. */

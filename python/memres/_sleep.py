@@ -198,7 +198,8 @@ def wake(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
 def prepare_offload(tags: Union[None, str, Iterable[str]] = None, device: int = 0) -> int:
     """Makes ahead the host memory that ``memres.sleep(tags, mode="offload")`` would make
     for what the pools hold now: the copies (pageable, their pages backed now, on several
-    threads) and the pinned staging buffers, less what they keep already; returns the
+    threads, then registered in the background) and, with ``MEMRES_OFFLOAD_REGISTER=0``,
+    the pinned staging buffers, less what they keep already; returns the
     bytes made. The first offloading sleep then only copies, as later ones do (backing
     fresh host memory is far slower than copying into it on some machines). ``None``:
     every awake pool that can sleep. The memory stays while the pools are awake, until

@@ -244,3 +244,35 @@ fn host_memory_made_ahead_is_registered_and_the_first_sleep_copies_directly() {
     pool.trim().unwrap();
     assert_eq!(registration::live_registrations(base), 0);
 }
+
+#[test]
+fn a_sleep_into_larger_unregistered_copies_registers_as_far_as_its_ranges_reach() {
+    let pool = pool();
+    let mut blocks = fill(&pool, 6);
+    pool.trim().unwrap();
+    let base = base(&pool);
+    // A first sleep whose copies cannot be registered: staged, kept after the wake.
+    registration::fail_registration(base, Some(0));
+    // SAFETY: nothing touches the blocks until the pool wakes (each round).
+    unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    pool.wake().unwrap();
+    assert_eq!(pool.registered_host_bytes(), 0);
+    registration::take_staged(base);
+    // The pool shrinks: the next sleep gives the last block's granules back first, so its
+    // ranges are fewer and shorter than the kept copies they go into.
+    free_all(&pool, vec![blocks.pop().unwrap()]);
+    registration::fail_registration(base, None);
+    // SAFETY: as above.
+    let held = unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+    assert_eq!(
+        registration::take_staged(base),
+        0,
+        "each range went directly into its copy, registered as far as the range reaches"
+    );
+    assert!(pool.registered_host_bytes() >= held);
+    pool.wake().unwrap();
+    assert!(all_hold(&blocks));
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(registration::live_registrations(base), 0);
+}

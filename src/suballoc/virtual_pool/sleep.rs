@@ -61,8 +61,9 @@ impl<U: Resource> VirtualPool<U> {
     /// (`cuMemHostRegister`, 32 MiB at a time, from each copy's start, each piece backed
     /// by the thread writing it first; the copies are private anonymous mappings, which
     /// the driver registers whether their pages are huge or small) and have the device
-    /// copy into them directly, one DMA a chunk: a first sleep so writes each byte of host
-    /// memory once (20 GiB from an H200 at 24.7-26.6 GiB/s with 16 MiB granules, against
+    /// copy into them directly, one DMA a chunk: in a first sleep the device so writes each
+    /// byte of the copies once, after the kernel zeroed it, with no staging buffer and
+    /// `memcpy` between (20 GiB from an H200 at 24.7-26.6 GiB/s with 16 MiB granules, against
     /// 18.4-24.9 staged; BENCHMARKS.md, "First sleep"), and its wake reads registered
     /// copies. Where a registration fails, the rest of that copy is staged, and once the
     /// sleep returns a thread of the pool's registers what is left;
@@ -74,10 +75,11 @@ impl<U: Resource> VirtualPool<U> {
     ///
     /// **What the pool holds while asleep**: the host copies, as many bytes as it
     /// offloaded, pageable until registered, then page-locked (not swappable) as the
-    /// registration goes, and the staging buffers. **What it holds while awake**, once it
-    /// has slept with `Offload`: the same host copies (page-locked as far as they are
-    /// registered: the whole pool's size once the registration is done) and the staging
-    /// buffers (pinned, `2 × threads × 4 MiB`, at most 128 MiB), kept for the next sleep
+    /// registration goes, and the staging buffers if any chunk was staged. **What it holds
+    /// while awake**, once it has slept with `Offload`: the same host copies (page-locked as
+    /// far as they are registered: the whole pool's size once the registration is done,
+    /// which a sleep that registered as it went did by its end) and the staging buffers
+    /// (pinned, `2 × threads × 4 MiB`, at most 128 MiB; none where nothing was staged), kept for the next sleep
     /// (an RL loop sleeps every step), which then only copies, and counted in
     /// [`PoolStats::host_copy_bytes`](crate::suballoc::PoolStats::host_copy_bytes).
     /// [`trim`](Self::trim) stops the registration and frees them (unregistered). A pool
@@ -281,9 +283,10 @@ impl<U: Resource> VirtualPool<U> {
 
     /// Makes ahead the host memory that an offloading [`sleep`](Self::sleep) of what the
     /// pool holds now would make: host copies (pageable, as many bytes as the pool
-    /// holds, their pages backed now, on as many threads as a sleep copies on) and the
-    /// pinned staging buffers, less what the pool keeps already (an earlier sleep's, or
-    /// an earlier call's). Returns the bytes made. The first sleep then only copies,
+    /// holds, their pages backed now, on as many threads as a sleep copies on, then
+    /// registered in the background as after a sleep) and, where copies are not
+    /// registered (`MEMRES_OFFLOAD_REGISTER=0`), the pinned staging buffers, less what the
+    /// pool keeps already (an earlier sleep's, or an earlier call's). Returns the bytes made. The first sleep then only copies,
     /// as later ones do: backing fresh host memory runs far slower than copying into it
     /// on some machines (in virtual machines that hand memory back to their host), and
     /// it costs the host memory from now on rather than from the sleep.
@@ -304,7 +307,7 @@ impl<U: Resource> VirtualPool<U> {
     /// let l = layout(1 << 20)?;
     /// let p = pool.allocate(StreamRef::HOST, l)?;
     /// let made = pool.prepare_offload()?;
-    /// assert!(made >= 1 << 20, "a copy of the pool and its staging buffers");
+    /// assert!(made >= 1 << 20, "a copy of the pool");
     /// assert_eq!(pool.prepare_offload()?, 0, "made already");
     /// // SAFETY: nothing touches the block until the pool wakes.
     /// unsafe { pool.sleep(SleepMode::Offload)? };

@@ -93,6 +93,8 @@ impl HostPages {
             return Err(Error::out_of_memory(reserve));
         }
         let raw = raw.addr();
+        #[cfg(test)]
+        super::registered::faults::forget(raw.next_multiple_of(granularity));
         Ok(HostPages {
             raw,
             raw_len,

@@ -19,8 +19,9 @@ use crate::upstream::{HostHeap, PinnedHost};
 /// huge pages asked for), which the kernel backs on first touch, so that it costs no
 /// pinning; a staging buffer is pinned (`cuMemHostAlloc`) for device memory, so that the
 /// device's copies into and out of it run at the bus's speed, and the heap's for host
-/// pages. A copy may be registered with the driver later, from its start a piece at a
-/// time (`registered.rs`), and the device then copies to and from that part directly.
+/// pages. A copy is registered with the driver from its start, a piece at a time, as a
+/// sleep copies into it or afterwards (`registered.rs`), and the device then copies to and
+/// from that part directly.
 /// Dropping it frees that memory (unregistered first).
 pub struct HostCopy {
     ptr: NonNull<u8>,
@@ -184,8 +185,8 @@ fn ask_huge_pages(set: Option<&str>, kernel: Option<&str>) -> bool {
 // `Send + Sync`.
 unsafe impl Send for HostCopy {}
 // SAFETY: as for `Send`. Threads sharing `&HostCopy` write through `as_ptr` only the
-// disjoint chunks each took from one counter (`staged.rs`), and no one reads a chunk
-// until the threads are joined.
+// disjoint chunks each took from a counter, or the whole copy of a range one thread took
+// (`staged.rs`), and no one reads a chunk until the threads are joined.
 unsafe impl Sync for HostCopy {}
 
 impl HostCopy {

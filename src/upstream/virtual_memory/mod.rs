@@ -195,8 +195,10 @@ pub unsafe trait GrowInPlace: Resource {
     /// per range in their order, for a pool that sleeps with
     /// [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload): into copies taken
     /// from `spare` where one is large enough (an earlier sleep's), else into new host
-    /// memory, staged through buffers taken from `spare` or made (they go back to it).
-    /// On an error the copies taken or made go back to `spare` too. The default:
+    /// memory, each registered with the driver (page-locked) as it is copied into where
+    /// the leaves register, else staged through buffers taken from `spare` or made (they
+    /// go back to it). On an error the copies taken or made go back to `spare` too. The
+    /// default:
     /// [`Error::Unsupported`].
     ///
     /// # Safety
@@ -252,7 +254,8 @@ pub unsafe trait GrowInPlace: Resource {
 
     /// Host memory for later [`save_at`](Self::save_at)s, made now: a copy of `len` bytes
     /// for each of `copies` (pageable, its pages backed now), and the staging buffers a
-    /// save of them uses, less the `staging` buffers the caller keeps already
+    /// save of them uses (none where copies are registered as they are copied into),
+    /// less the `staging` buffers the caller keeps already
     /// ([`is_staging_buffer`](Self::is_staging_buffer)). For a pool that makes ahead what
     /// its first offloading sleep would otherwise make while it sleeps. The default:
     /// [`Error::Unsupported`].

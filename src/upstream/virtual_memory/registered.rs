@@ -15,8 +15,10 @@
 //! that prefix is copied directly, any other through the staging buffers.
 //!
 //! The pool stops the thread (raises `stop`, which it reads before each piece, and joins
-//! it) before a sleep, a wake or a `trim` touches the copies, so no copy runs while a
-//! piece is registered, and starts one again afterwards for what is left. A registration
+//! it) before a sleep, a wake or a `trim` touches the copies, so no copy runs while this
+//! thread registers a piece (a sleep's copying threads register their own copies'
+//! pieces, each before the device copies into it), and starts one again afterwards for
+//! what is left. A registration
 //! that fails ends the thread: the pieces registered stay so, the rest is staged. A copy
 //! is unregistered, a piece at a time, when it is freed (`trim`, or the pool's drop).
 //! `MEMRES_OFFLOAD_REGISTER=0` turns the registration off.
@@ -265,6 +267,14 @@ pub(crate) mod faults {
                 leaves.len() - 1
             });
         f(&mut leaves[i])
+    }
+
+    /// A new leaf at `base` (a reservation may reuse a dropped one's address): it starts
+    /// with no counts, whatever a leaf there before left (copies leaked as abandoned keep
+    /// their registrations).
+    pub(crate) fn forget(base: usize) {
+        let mut leaves = LEAVES.lock().unwrap_or_else(|p| p.into_inner());
+        leaves.retain(|l| l.base != base);
     }
 
     /// From now on the leaf at `base` registers `more` pieces, then fails (`None`: never).
