@@ -11,7 +11,7 @@ use std::ptr::{self, NonNull};
 use super::chunks::to_ptr;
 use super::core::free_blocks::GRANULE;
 use super::core::free_list::{FreeList, QUICK_UNITS, block_size};
-use super::core::held::Deferred;
+use super::core::held::{self, Deferred};
 use super::core::lanes;
 use super::core::list_table::{List, ListTable};
 use super::core::ordered::{self, StreamOrdered};
@@ -20,7 +20,7 @@ use super::thread_cache::{Cache, Owner, Popped, Pushed, SmallBlocks};
 use crate::error::Error;
 use crate::resource::{Resource, dangling};
 use crate::stream::StreamRef;
-use crate::sync::atomic::{AtomicBool, Ordering, fence};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use crate::sync::lock;
 use crate::sync::{Mutex, MutexGuard};
 use crate::upstream::HostCopy;
@@ -268,6 +268,8 @@ pub(super) struct Coalescing<U: Resource, H: Holding<U>> {
     /// Blocks freed with [`Resource::deallocate_used_on`] whose other streams' work is
     /// not known to be complete yet.
     held: Deferred,
+    /// When an allocation last looked at `held` (`held::free_ready_now_and_then`).
+    held_look: AtomicU64,
     /// The key of the host stream's list made with the pool (in the lane of the thread
     /// that made it), which paths holding the growth lock use.
     host_key: StreamKey,
@@ -297,6 +299,7 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
             lists: ListTable::default(),
             release_pending: AtomicBool::new(false),
             held: Deferred::default(),
+            held_look: AtomicU64::new(0),
             host_key: StreamKey::of_lane(StreamRef::HOST),
             owner: Owner::new(),
         };
@@ -615,6 +618,9 @@ impl<U: Resource, H: Holding<U>> Coalescing<U, H> {
         if self.holding.is_asleep() {
             return Err(Error::Asleep);
         }
+        // Blocks held for other streams whose work is done come back now and then, to
+        // their own stream (PyTorch's `record_stream`; one load when none is held).
+        held::free_ready_now_and_then(self, &self.held, &self.held_look, stream);
         let (size, align) = block_size(layout);
         let key = StreamKey::of_lane(stream);
         let units = size / GRANULE;

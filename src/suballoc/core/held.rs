@@ -1,19 +1,23 @@
 //! Blocks freed while work on other streams may still use them
 //! ([`Resource::deallocate_used_on`], PyTorch's `record_stream`): each is held back, with
 //! an event recorded on every stream that used it, until all its events are complete;
-//! then its owner frees it (a sub-allocator on a host stream: free for every stream, no
-//! work uses it any more). This is the library's one home of `record_stream`'s hold: the
+//! then its owner frees it: a sub-allocator on the stream that freed it when that stream
+//! is the one allocating (its next allocation of the size finds it, as under PyTorch's
+//! caching allocator), else on a host stream (free for every stream, no work uses it any
+//! more). This is the library's one home of `record_stream`'s hold: the
 //! stream-ordered sub-allocators (`Pool`, `VirtualPool`, `Arena`, `FixedSize`, ...) keep
 //! their held blocks here, and so does [`SegmentPool`](crate::suballoc::SegmentPool)
 //! (PyTorch's graph pools and `MemPool`s).
 //!
 //! The protocol: a freer records its events and pushes the block under the list's lock,
-//! then sets `any`; an owner that looks at held blocks (at each such free, and on its
-//! slow path before it grows) reads `any` first, and only then takes the lock, moves the
-//! blocks whose events are complete out of the list, and clears `any` when the list is
-//! empty, all under the lock. Every block is therefore freed once, by one thread, and
-//! only after its events complete. Checking an event is `cuEventQuery`: the host never
-//! waits. The allocation fast path never looks here.
+//! then sets `any`; an owner that looks at held blocks (at each such free, on its slow
+//! path before it grows, and for `Pool` and `VirtualPool` on the allocation fast path
+//! once a millisecond at most, [`free_ready_now_and_then`]) reads `any` first, and only
+//! then takes the lock, moves the blocks whose events are complete out of the list, and
+//! clears `any` when the list is empty, all under the lock. Every block is therefore
+//! freed once, by one thread, and only after its events complete. Checking an event is
+//! `cuEventQuery`: the host never waits. While nothing is held the fast path's look is
+//! one load.
 //!
 //! Under stream capture no event can be queried later (it would be a node of the
 //! graph). Two ways out, one per owner:
@@ -34,12 +38,13 @@ use std::alloc::Layout;
 use std::collections::HashSet;
 use std::ptr::NonNull;
 
+use super::stream_key::StreamKey;
 use crate::device::{Context, bind};
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::{Event, Frontier, StreamRef, ancestors};
 use crate::sync::Mutex;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::sync::lock;
 
@@ -110,6 +115,9 @@ impl Mark {
 pub(crate) struct Held {
     addr: usize,
     layout: Layout,
+    /// The stream that freed it (a sub-allocator's hold): once its marks complete, an
+    /// allocation on that stream takes it back into the stream's own list.
+    owner: Option<StreamKey>,
     marks: Vec<Mark>,
     /// Streams whose events are still to be recorded (a segment pool's block freed while
     /// a capture was underway): recorded at a look once their stream is not captured.
@@ -264,6 +272,7 @@ impl Deferred {
         self.push(Held {
             addr,
             layout,
+            owner: Some(StreamKey::of(stream).stream()),
             marks,
             pending: Vec::new(),
             ctx: None,
@@ -289,6 +298,7 @@ impl Deferred {
         self.push(Held {
             addr,
             layout,
+            owner: None,
             marks: Vec::new(),
             pending: streams,
             ctx,
@@ -320,12 +330,33 @@ impl Deferred {
         Some(spare.swap_remove(i))
     }
 
+    /// Holds a block freed on `stream` with marks made by the caller (the host tests).
+    #[cfg(all(test, not(memres_loom)))]
+    pub(crate) fn push_marked_by(
+        &self,
+        stream: StreamRef<'_>,
+        addr: usize,
+        layout: Layout,
+        marks: Vec<Mark>,
+    ) {
+        self.push(Held {
+            addr,
+            layout,
+            owner: Some(StreamKey::of(stream).stream()),
+            marks,
+            pending: Vec::new(),
+            ctx: None,
+            in_capture: None,
+        });
+    }
+
     /// Holds a block with marks made by the caller (the host tests and loom models).
     #[cfg(test)]
     pub(crate) fn push_marked(&self, addr: usize, layout: Layout, marks: Vec<Mark>) {
         self.push(Held {
             addr,
             layout,
+            owner: None,
             marks,
             pending: Vec::new(),
             ctx: None,
@@ -371,6 +402,15 @@ impl Deferred {
     /// recorded on). The queries run in the relaxed capture mode, which a capture
     /// underway on another thread would otherwise forbid.
     pub(crate) fn take_ready(&self) -> Vec<(usize, Layout)> {
+        self.take_ready_with_owners()
+            .into_iter()
+            .map(|(addr, layout, _)| (addr, layout))
+            .collect()
+    }
+
+    /// [`take_ready`](Self::take_ready), with the stream that freed each block where a
+    /// sub-allocator held it.
+    fn take_ready_with_owners(&self) -> Vec<(usize, Layout, Option<StreamKey>)> {
         if !self.any() {
             return Vec::new();
         }
@@ -388,7 +428,7 @@ impl Deferred {
             if !h.is_complete() {
                 return true;
             }
-            ready.push((h.addr, h.layout));
+            ready.push((h.addr, h.layout, h.owner));
             for mark in h.marks.drain(..) {
                 if let Mark::Event(e) = mark
                     && spare.len() < SPARE_EVENTS
@@ -515,19 +555,79 @@ pub(crate) unsafe fn deallocate_used_on<R: Resource + ?Sized>(
     free_ready(r, held, stream);
 }
 
-/// Frees the blocks of `held` (`r`'s own) whose streams' work is complete, on the host
-/// stream: no work uses them any more. Never waits. Not while `stream` (the caller's) is
-/// being captured: a free may release memory to the upstream past a threshold, which
-/// waits for streams.
+/// Frees the blocks of `held` (`r`'s own) whose streams' work is complete: on `stream`
+/// those it freed (into its own list, where its next allocation of their size finds them,
+/// as PyTorch's caching allocator gives a block back to its stream), the others on the
+/// host stream (no work uses them any more). Never waits. Not while `stream` (the
+/// caller's) is being captured: a free may release memory to the upstream past a
+/// threshold, which waits for streams.
 pub(crate) fn free_ready<R: Resource + ?Sized>(r: &R, held: &Deferred, stream: StreamRef<'_>) {
     if !held.any() || !matches!(stream.is_capturing(), Ok(false)) {
         return;
     }
-    for (addr, layout) in held.take_ready() {
-        // SAFETY: a block of `r`, freed by its caller with `layout`; every stream that
-        // used it has completed the work it had at the free.
-        unsafe { r.deallocate(StreamRef::HOST, crate::suballoc::to_ptr(addr), layout) };
+    let own = StreamKey::of(stream).stream();
+    for (addr, layout, owner) in held.take_ready_with_owners() {
+        let on = if owner == Some(own) {
+            stream
+        } else {
+            StreamRef::HOST
+        };
+        // SAFETY: a block of `r`, freed by its caller with `layout` (on `stream` where
+        // `owner` says so: it is free in that stream's order); every stream that used it
+        // has completed the work it had at the free.
+        unsafe { r.deallocate(on, crate::suballoc::to_ptr(addr), layout) };
     }
+}
+
+/// How often, at most, an allocation's fast path looks at the held blocks: 1 ms.
+/// PyTorch's caching allocator looks at every allocation (its blocks freed with
+/// `record_stream` come back at the first allocation after their streams' work), which
+/// costs an event query each time something is held (DDP holds blocks for NCCL's stream
+/// through most of a step); once a millisecond bounds that to one look per millisecond
+/// while a block still comes back within a millisecond of its streams' work.
+const LOOK_EVERY_NS: u64 = 1_000_000;
+
+/// An allocation's fast path: when blocks are held and no allocation of `r` looked at them
+/// in the last [`LOOK_EVERY_NS`], frees those whose streams' work is complete
+/// ([`free_ready`]), so that a stream's next allocation finds its blocks as under
+/// PyTorch's allocator. One load when nothing is held.
+#[inline]
+/// `last_look` is the owner's: when it last looked (nanoseconds, from one period on).
+pub(crate) fn free_ready_now_and_then<R: Resource + ?Sized>(
+    r: &R,
+    held: &Deferred,
+    last_look: &AtomicU64,
+    stream: StreamRef<'_>,
+) {
+    if held.any() {
+        look_if_due(r, held, last_look, stream);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn look_if_due<R: Resource + ?Sized>(
+    r: &R,
+    held: &Deferred,
+    last_look: &AtomicU64,
+    stream: StreamRef<'_>,
+) {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let epoch = EPOCH.get_or_init(std::time::Instant::now);
+    // (From one period on, so that the first look is due at once.)
+    let now = u64::try_from(epoch.elapsed().as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_add(LOOK_EVERY_NS);
+    let last = last_look.load(Ordering::Relaxed);
+    // One thread looks per period: the others go on (the look is a courtesy, not a need).
+    if now.saturating_sub(last) < LOOK_EVERY_NS
+        || last_look
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    free_ready(r, held, stream);
 }
 
 /// Runs `attempt`; when it runs out of memory while blocks are held for other streams,
@@ -774,6 +874,50 @@ mod held_in_suballocators {
         // The free above looked at the held blocks: theirs are complete now.
         assert!(!held.any());
         assert_eq!(held.bytes(), 0);
+    }
+
+    /// A block freed on a stream while another stream's work may still use it comes back,
+    /// once that work is done, to its own stream's next allocation of its size (whose fast
+    /// path looks at the held blocks once a millisecond at most), even where the stream's
+    /// list holds other free memory: as under PyTorch's caching allocator (its
+    /// `test_record_stream`). Fails where the block goes back to the host stream's list,
+    /// or is looked at only on the slow path.
+    fn held_block_returns_to_its_stream<R: Resource>(r: &R, held: &Deferred) {
+        let (s0, s1) = (StreamRef::host(1), StreamRef::host(2));
+        let l = Layout::from_size_align(512, 256).unwrap();
+        let big = Layout::from_size_align(1 << 20, 256).unwrap();
+        let other = r.allocate(s0, l).unwrap();
+        // `s1`'s list holds free memory besides the block to be held.
+        let b = r.allocate(s1, big).unwrap();
+        // SAFETY: allocated above with `big` on `s1`; unused.
+        unsafe { r.deallocate(s1, b, big) };
+        let tmp = r.allocate(s1, l).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        held.push_marked_by(s1, tmp.as_ptr() as usize, l, vec![Mark::Flag(done.clone())]);
+        let tmp2 = r.allocate(s1, l).unwrap();
+        assert_ne!(tmp2, tmp, "a held block handed out before its work is done");
+        done.store(true, Ordering::Release);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let tmp3 = r.allocate(s1, l).unwrap();
+        assert_eq!(tmp3, tmp, "the held block did not come back to its stream");
+        assert!(!held.any());
+        for (p, s) in [(tmp2, s1), (tmp3, s1), (other, s0)] {
+            // SAFETY: allocated above with `l` on `s`; unused.
+            unsafe { r.deallocate(s, p, l) };
+        }
+    }
+
+    #[test]
+    fn a_held_block_comes_back_to_its_streams_next_allocation() {
+        use crate::suballoc::VirtualPoolConfig;
+        use crate::upstream::HostVirtual;
+
+        let pool = HostVirtual::new(1 << 30, 2 << 20)
+            .and_then(|v| v.virtual_pool(VirtualPoolConfig::new()))
+            .unwrap();
+        held_block_returns_to_its_stream(&pool, pool.held());
+        let pool = Pool::new(HostHeap::new(), PoolConfig::new()).unwrap();
+        held_block_returns_to_its_stream(&pool, pool.held());
     }
 
     #[test]
