@@ -131,6 +131,19 @@ pub(crate) struct Held {
 }
 
 impl Held {
+    /// A block freed on `stream` (its owner) that waits for `marks`.
+    fn freed_on(stream: StreamRef<'_>, addr: usize, layout: Layout, marks: Vec<Mark>) -> Held {
+        Held {
+            addr,
+            layout,
+            owner: Some(StreamKey::of(stream).stream()),
+            marks,
+            pending: Vec::new(),
+            ctx: None,
+            in_capture: None,
+        }
+    }
+
     /// The block's address.
     pub(crate) fn addr(&self) -> usize {
         self.addr
@@ -269,15 +282,7 @@ impl Deferred {
                 }
             }
         }
-        self.push(Held {
-            addr,
-            layout,
-            owner: Some(StreamKey::of(stream).stream()),
-            marks,
-            pending: Vec::new(),
-            ctx: None,
-            in_capture: None,
-        });
+        self.push(Held::freed_on(stream, addr, layout, marks));
         true
     }
 
@@ -339,15 +344,7 @@ impl Deferred {
         layout: Layout,
         marks: Vec<Mark>,
     ) {
-        self.push(Held {
-            addr,
-            layout,
-            owner: Some(StreamKey::of(stream).stream()),
-            marks,
-            pending: Vec::new(),
-            ctx: None,
-            in_capture: None,
-        });
+        self.push(Held::freed_on(stream, addr, layout, marks));
     }
 
     /// Holds a block with marks made by the caller (the host tests and loom models).
