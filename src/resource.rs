@@ -202,7 +202,10 @@ pub unsafe trait Resource: SyncResource {
     /// record an event on each of those streams and hold the block back until the events
     /// complete: no stream waits for another, and the allocation fast path never waits on
     /// the host (held blocks are looked at on each such free and on the slow path, before
-    /// the resource grows). Adaptors and erased handles forward the call. Any other
+    /// the resource grows; `Pool`'s and `VirtualPool`'s fast paths also look once a
+    /// millisecond at most, and give a block whose events completed back to `stream`'s
+    /// own list when `stream` allocates, so that its next allocation of the size gets it,
+    /// as under PyTorch's caching allocator). Adaptors and erased handles forward the call. Any other
     /// resource gets this default: `stream` is made to wait for the work enqueued so far
     /// on each of `used_on` (an event recorded there, waited for on the device), then the
     /// block is freed on `stream`: correct for every resource, at the price of ordering

@@ -131,7 +131,9 @@ void memres_free(void* ptr, ssize_t size, int device, void* stream);
 /* Records that work on stream uses ptr (a live block of memres_malloc on device), as
    PyTorch's Tensor.record_stream: once ptr is freed (on any stream), it is not handed
    out again before the work stream has enqueued by then is complete (the pools record
-   an event there and hold the block until it completes; no stream waits for another).
+   an event there and hold the block until it completes; no stream waits for another;
+   once it completes, the next allocation on the stream that freed the block, a
+   millisecond later at most, gets it back, as under PyTorch's allocator).
    stream must stay live until ptr is freed. MEMRES_OK; MEMRES_ERROR_INVALID_ARGUMENT,
    with nothing recorded and memres_last_error naming the address, for NULL, a device
    memres never allocated on, or any ptr that is not the start of a block memres_malloc
