@@ -202,7 +202,8 @@ pub(crate) fn new_tag_pool(
 /// is fewer driver calls, each mapping costing the driver the same whatever its size
 /// (about 70 us on one idle H200, 180 with a peer): GPT-2 DDP's steps that reach a new
 /// size took 60-180 ms longer than torch's with 2 MiB and went with their round's other
-/// steps with 16 MiB, and a 20 GiB pool's sleep unmaps in 0.05 s rather than 0.4; the
+/// steps with 16 MiB, and a 20 GiB pool's sleep unmaps in 0.04-0.07 s rather than
+/// 0.3-0.45; the
 /// memory held at real models' peaks rose by at most 1% of live (BENCHMARKS.md, "The
 /// C ABI's 16 MiB granule"). `virtual_pool:granule=16MiB` chooses that.
 pub(crate) const DEFAULT_GRANULE: usize = 2 << 20;

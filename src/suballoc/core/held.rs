@@ -587,9 +587,9 @@ const LOOK_EVERY_NS: u64 = 1_000_000;
 /// An allocation's fast path: when blocks are held and no allocation of `r` looked at them
 /// in the last [`LOOK_EVERY_NS`], frees those whose streams' work is complete
 /// ([`free_ready`]), so that a stream's next allocation finds its blocks as under
-/// PyTorch's allocator. One load when nothing is held.
+/// PyTorch's allocator. One load when nothing is held. `last_look` is the owner's: when
+/// it last looked (nanoseconds, from one period on).
 #[inline]
-/// `last_look` is the owner's: when it last looked (nanoseconds, from one period on).
 pub(crate) fn free_ready_now_and_then<R: Resource + ?Sized>(
     r: &R,
     held: &Deferred,

@@ -276,3 +276,39 @@ fn a_sleep_into_larger_unregistered_copies_registers_as_far_as_its_ranges_reach(
     pool.trim().unwrap();
     assert_eq!(registration::live_registrations(base), 0);
 }
+
+#[test]
+fn a_sleep_whose_direct_copy_fails_stays_awake_and_keeps_its_registered_copies() {
+    let pool = pool();
+    let blocks = fill(&pool, 6);
+    pool.trim().unwrap();
+    let held = pool.stats().pool_size;
+    let (base, len) = pool.upstream().reservation();
+    // Copies out of the upper half fail: the lower half's ranges went straight into their
+    // copies, registered as they went, before a thread's copy failed.
+    faults::fail_saves(base + held / 2, base + len, true);
+    // SAFETY: nothing touches the blocks while the call runs.
+    let failed = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_saves(base + held / 2, base + len, false);
+    assert!(failed.is_err(), "{failed:?}");
+    assert!(!pool.is_asleep());
+    assert_eq!(pool.upstream().mapped_bytes(), held, "nothing unmapped");
+    assert!(all_hold(&blocks), "nothing lost");
+    assert!(
+        pool.registered_host_bytes() > 0,
+        "the copies registered so far are kept for the next sleep"
+    );
+    registration::take_staged(base);
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    assert_eq!(registration::take_staged(base), 0, "all of it directly");
+    pool.wake().unwrap();
+    assert!(all_hold(&blocks));
+    free_all(&pool, blocks);
+    pool.trim().unwrap();
+    assert_eq!(
+        registration::live_registrations(base),
+        0,
+        "trim unregisters them"
+    );
+}

@@ -38,8 +38,8 @@ impl<U: Resource> VirtualPool<U> {
     /// unless `/sys/kernel/mm/transparent_hugepage/enabled` says `[never]` or
     /// `MEMRES_OFFLOAD_HUGE_PAGES=0`; a kernel that refuses the advice gives small pages,
     /// silently), registered as they are copied into (below), else through pinned staging
-    /// buffers of 4 MiB, two per copying thread, on as many threads as the machine has cores (one less for a
-    /// wake; no more than one per 256 MiB to copy, each costing the device about 1 MiB
+    /// buffers of 4 MiB, two per copying thread, on as many threads as the machine has
+    /// cores (one less for a wake; no more than one per 256 MiB to copy, each costing the device about 1 MiB
     /// while the pool sleeps; at most 16; the environment variable
     /// `MEMRES_OFFLOAD_THREADS` sets another number). Each thread
     /// has the device copy one chunk into a buffer, on a stream of its own, while it

@@ -505,17 +505,19 @@ fn copy_registering<B: Backend>(
     let Some(copy) = group.first().map(|c| &copies[c.range]) else {
         return Ok(());
     };
-    let pages = copy.mapping();
-    let mut registering = pages.is_some();
+    // (`None` once a registration fails: the rest of the range is staged.)
+    let mut pages = copy.mapping();
     for &c in group {
         if shared.stopped() {
             break;
         }
         let end = c.offset + c.len;
-        while registering && copy.registered() < end {
-            registering = pages
-                .as_ref()
-                .is_some_and(|pages| register_next_piece(copy, pages, by));
+        while let Some(p) = &pages
+            && copy.registered() < end
+        {
+            if !register_next_piece(copy, p, by) {
+                pages = None;
+            }
         }
         if copy.registered() >= end {
             let lane = &slot(backend, slots, 0)?.lane;
@@ -752,12 +754,14 @@ pub(super) unsafe fn save<B: Backend>(
     // one thread that registers the copy as it goes (`copy_registering`); the rest by
     // chunks, staged or directly as their copies' registered parts say.
     let register = registered::enabled();
-    let registers = |c: &Chunk| {
-        let copy = &copies[c.range];
-        register && copy.is_pageable() && copy.registered() < ranges[c.range].1
-    };
-    let (whole, chunks): (Vec<Chunk>, Vec<Chunk>) =
-        chunks(ranges, CHUNK).into_iter().partition(registers);
+    let registers: Vec<bool> = copies
+        .iter()
+        .zip(ranges)
+        .map(|(copy, &(_, len))| register && copy.is_pageable() && copy.registered() < len)
+        .collect();
+    let (whole, chunks): (Vec<Chunk>, Vec<Chunk>) = chunks(ranges, CHUNK)
+        .into_iter()
+        .partition(|c| registers[c.range]);
     let groups: Vec<&[Chunk]> = whole.chunk_by(|a, b| a.range == b.range).collect();
     let registered: Vec<usize> = copies.iter().map(HostCopy::registered).collect();
     let shared = Shared::new(
