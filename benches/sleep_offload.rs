@@ -19,10 +19,13 @@
 //!     MEMRES_OFFLOAD_MAP_THREADS=1 cargo bench --bench sleep_offload -- 20
 //!     MEMRES_OFFLOAD_HUGE_PAGES=0 cargo bench --bench sleep_offload -- 20
 //!     SLEEP_OFFLOAD_GRANULE_MIB=32 cargo bench --bench sleep_offload -- 20
+//!     SLEEP_OFFLOAD_EXPORT=1 cargo bench --bench sleep_offload -- 20
 //!
 //! `MEMRES_OFFLOAD_MAP_THREADS` sets the threads that map on a wake and unmap on a sleep
-//! (4 unless set); `SLEEP_OFFLOAD_GRANULE_MIB` the leaf's granularity
-//! (`CudaVirtualConfig::granularity`: fewer, larger allocations for the driver to make).
+//! (1 unless set); `SLEEP_OFFLOAD_GRANULE_MIB` the leaf's granularity
+//! (`CudaVirtualConfig::granularity`: fewer, larger allocations for the driver to make);
+//! `SLEEP_OFFLOAD_EXPORT=1` makes the leaf's memory exportable as POSIX file descriptors,
+//! as the C ABI's leaves are (`CudaVirtualConfig::export`).
 //!
 //! The header gives the kernel's transparent-huge-page settings and the memory free in
 //! blocks of 2 MiB or more (`/proc/buddyinfo`) before the first sleep; each sleep's row,
@@ -41,7 +44,7 @@ use std::time::Instant;
 use memres::container::DeviceBuffer;
 use memres::device::DeviceId;
 use memres::suballoc::SleepMode;
-use memres::upstream::{CudaVirtualConfig, HostVirtual, PinnedHost};
+use memres::upstream::{CudaVirtualConfig, ExportHandle, HostVirtual, PinnedHost};
 use memres::{
     CudaVirtual, Error, Resource, StreamRef, SyncResource, VirtualPool, VirtualPoolConfig, layout,
 };
@@ -175,9 +178,14 @@ fn run(gib: usize) -> Result<bool, Error> {
     if let Some(mib) = granule_mib() {
         config = config.granularity(mib << 20);
     }
+    let export = std::env::var("SLEEP_OFFLOAD_EXPORT").is_ok_and(|v| v == "1");
+    if export {
+        config = config.export(ExportHandle::PosixFd);
+    }
     let leaf = CudaVirtual::with_config(device, config)?;
     println!(
-        "granularity: {} MiB (SLEEP_OFFLOAD_GRANULE_MIB; the device's minimum unless set)",
+        "granularity: {} MiB (SLEEP_OFFLOAD_GRANULE_MIB; the device's minimum unless set), \
+         exportable: {export} (SLEEP_OFFLOAD_EXPORT)",
         memres::upstream::GrowInPlace::granularity(&leaf) >> 20
     );
     let pool = leaf.virtual_pool(VirtualPoolConfig::new())?;

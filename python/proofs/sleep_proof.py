@@ -140,6 +140,21 @@ def gpt2_round(failures):
     torch.cuda.empty_cache()
 
 
+def huge_page_faults():
+    """The kernel's counts of page faults that got a transparent huge page, and of those
+    that wanted one and fell back to small pages (``/proc/vmstat``; zeros where there is
+    none): a first sleep backs its host copies, and small pages cost it more."""
+    counts = {}
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                counts[name] = int(value)
+    except OSError:
+        pass
+    return counts.get("thp_fault_alloc", 0), counts.get("thp_fault_fallback", 0)
+
+
 def big_round(gib, failures, offload_threads):
     import torch
 
@@ -188,14 +203,16 @@ def big_round(gib, failures, offload_threads):
 
     def round_trip(label, mode):
         free_before, _ = torch.cuda.mem_get_info()
+        huge_before = huge_page_faults()
         t0 = time.perf_counter()
         released = memres.sleep("big", mode=mode)
         sleep_s = time.perf_counter() - t0
+        huge = [after - before for after, before in zip(huge_page_faults(), huge_before)]
         free_asleep, _ = torch.cuda.mem_get_info()
         t0 = time.perf_counter()
         mapped = memres.wake("big")
         wake_s = time.perf_counter() - t0
-        table.append((label, released, free_asleep - free_before, sleep_s, wake_s))
+        table.append((label, released, free_asleep - free_before, sleep_s, wake_s, huge))
         if mode == "offload":
             after = checksum_of()
             if after != checksum:
@@ -229,13 +246,13 @@ def big_round(gib, failures, offload_threads):
     print(f"host-to-device copy from pinned memory, same process: {limit / 1e9:.1f} GB/s "
           f"({limit / GIB:.1f} GiB/s)")
     print("| round | given back | device free memory rose by | sleep | sleep GiB/s | wake | "
-          "wake GiB/s | wake of the copy limit |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, released, returned, sleep_s, wake_s in table:
+          "wake GiB/s | wake of the copy limit | huge pages faulted in the sleep (fell back) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, released, returned, sleep_s, wake_s, huge in table:
         print(f"| {label} | {released / GIB:.2f} GiB | {returned / GIB:.2f} GiB | {sleep_s:.2f} s | "
               f"{released / sleep_s / GIB:.1f} | {wake_s:.2f} s | {released / wake_s / GIB:.1f} | "
-              f"{released / wake_s / limit:.2f} |")
-    for label, released, _, sleep_s, wake_s in table:
+              f"{released / wake_s / limit:.2f} | {huge[0]} ({huge[1]}) |")
+    for label, released, _, sleep_s, wake_s, _ in table:
         if label.startswith("offload, first"):
             first, wake = released / sleep_s / GIB, released / wake_s / GIB
             print(f"issue 51 targets, {label}: first sleep {first:.1f} GiB/s "

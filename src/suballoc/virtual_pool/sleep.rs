@@ -45,9 +45,12 @@ impl<U: Resource> VirtualPool<U> {
     /// has the device copy one chunk into a buffer, on a stream of its own, while it
     /// copies the chunk before out of its other buffer; the wake runs the same way back,
     /// while the pool maps the next pieces (on one thread; `MEMRES_OFFLOAD_MAP_THREADS`
-    /// sets another number, 1 to 16, and the memory is given back on as many when the
-    /// pool sleeps: the driver maps and unmaps each granule on its own, which costs more
-    /// than copying a 2 MiB one; larger granules,
+    /// sets another number, 1 to 16, and a `Discard` sleep gives the memory back on as
+    /// many). An `Offload` sleep gives each piece back on the calling thread as soon as
+    /// its copies are done, while the others are copied; until they all are, the leaf
+    /// keeps the memory it unmapped, so that a failure maps those pieces again from it,
+    /// with their contents. The driver maps and unmaps each granule on its own, which
+    /// costs more than copying a 2 MiB one; larger granules,
     /// [`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity),
     /// cost less). So no sleep allocates pinned memory the size of the pool
     /// (`cuMemHostAlloc`: 3.2 GB/s against 55 for copies on an H200; a first sleep that
@@ -174,23 +177,22 @@ impl<U: Resource> VirtualPool<U> {
         let trimmed = start.elapsed();
         let pieces = pieces(space, &growth.memory.mapped);
         let copies = match mode {
-            SleepMode::Discard => Vec::new(),
-            // SAFETY: mapped by the pool; all work on the device is done (waited for
-            // above) and the caller promises no new use until the pool wakes.
-            // The copies an earlier wake kept are used again: this sleep only copies.
+            // SAFETY: mapped by this pool, apart from each other; no work uses them (as
+            // above) nor will until the pool wakes (the caller's promise).
+            SleepMode::Discard => unsafe {
+                (space.unmap_ranges)(&self.core.upstream, &pieces);
+                Vec::new()
+            },
+            // SAFETY: as above. The copies an earlier wake kept are used again; each
+            // piece is unmapped once copied, while the others are copied.
             SleepMode::Offload => unsafe {
-                (space.save)(&self.core.upstream, &pieces, &mut growth.memory.kept)?
+                (space.offload)(&self.core.upstream, &pieces, &mut growth.memory.kept)?
             },
         };
-        let copied = start.elapsed();
-        // SAFETY: mapped by this pool, apart from each other; no work uses them (as
-        // above), and the copies, if any, are made.
-        unsafe { (space.unmap_ranges)(&self.core.upstream, &pieces) };
         tracing::debug!(
             target: "memres::pool",
             wait_and_trim_s = trimmed.as_secs_f64(),
-            copy_s = (copied - trimmed).as_secs_f64(),
-            unmap_s = (start.elapsed() - copied).as_secs_f64(),
+            copy_and_unmap_s = (start.elapsed() - trimmed).as_secs_f64(),
             "memres: the sleep's steps"
         );
         Ok(Slept {

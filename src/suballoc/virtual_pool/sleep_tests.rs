@@ -199,6 +199,41 @@ fn offload_without_host_memory_fails_and_leaves_the_pool_awake_with_its_contents
 }
 
 #[test]
+fn a_sleep_that_fails_after_unmapping_pieces_maps_them_back_with_their_contents() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    let held = pool.stats().pool_size;
+    let piece = 256 << 10; // the tests' `PIECE`
+    assert!(held >= 8 * piece, "several pieces");
+    // The copies of the last piece fail once the leaf has unmapped half the pool: the
+    // pieces copied before were unmapped as their copies were done.
+    let last = base + (held - 1) / piece * piece;
+    faults::fail_saves_once_unmapped(last, base + len, base, held / 2, true);
+    // SAFETY: nothing touches the blocks while the call runs.
+    let slept = unsafe { pool.sleep(SleepMode::Offload) };
+    faults::fail_saves_once_unmapped(last, base + len, base, held / 2, false);
+    assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
+    assert!(
+        faults::unmapped_bytes(base) >= held / 2,
+        "pieces were unmapped before the failure"
+    );
+    assert!(!pool.is_asleep());
+    assert_eq!(pool.upstream().mapped_bytes(), held, "all mapped again");
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte), "nothing lost");
+    }
+    // SAFETY: nothing touches the blocks until the pool wakes.
+    assert_eq!(unsafe { pool.sleep(SleepMode::Offload) }, Ok(held));
+    assert_eq!(pool.upstream().mapped_bytes(), 0);
+    pool.wake().unwrap();
+    for &(p, l, _, byte) in &blocks {
+        assert!(holds(p, l, byte));
+    }
+    free_all(&pool, blocks);
+}
+
+#[test]
 fn a_wake_the_device_cannot_back_fails_keeps_the_pool_asleep_and_can_be_tried_again() {
     let pool = pool();
     let mut blocks = fill(&pool);

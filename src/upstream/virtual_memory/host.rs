@@ -94,7 +94,10 @@ impl HostPages {
         }
         let raw = raw.addr();
         #[cfg(test)]
-        super::registered::faults::forget(raw.next_multiple_of(granularity));
+        {
+            super::registered::faults::forget(raw.next_multiple_of(granularity));
+            faults::forget_unmaps(raw.next_multiple_of(granularity));
+        }
         Ok(HostPages {
             raw,
             raw_len,
@@ -137,6 +140,8 @@ impl Backend for HostPages {
     }
 
     unsafe fn unmap(&self, addr: usize, len: usize) {
+        #[cfg(test)]
+        faults::count_unmap(self.base, len);
         // SAFETY: inside our reservation (the caller's promise) and unused; a fixed
         // mapping over it replaces the pages (their contents are freed) and keeps the
         // range reserved.
@@ -271,6 +276,56 @@ pub(crate) mod faults {
     /// (on any thread: a pool copies on several at once).
     static FAILING_SAVES: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
 
+    /// Address ranges whose copies fail once the leaf at a base has unmapped so many
+    /// bytes: (from, to, base, bytes).
+    static LATE_FAILING_SAVES: std::sync::Mutex<Vec<(usize, usize, usize, usize)>> =
+        std::sync::Mutex::new(Vec::new());
+
+    /// Bytes each leaf (by its base) unmapped since it was made.
+    static UNMAPPED: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+    /// A leaf at `base` is made: it has unmapped nothing (whatever one there before did).
+    pub(super) fn forget_unmaps(base: usize) {
+        let mut unmapped = UNMAPPED.lock().unwrap_or_else(|p| p.into_inner());
+        unmapped.retain(|&(b, _)| b != base);
+    }
+
+    /// The leaf at `base` unmaps `len` bytes.
+    pub(super) fn count_unmap(base: usize, len: usize) {
+        let mut unmapped = UNMAPPED.lock().unwrap_or_else(|p| p.into_inner());
+        match unmapped.iter_mut().find(|(b, _)| *b == base) {
+            Some((_, bytes)) => *bytes += len,
+            None => unmapped.push((base, len)),
+        }
+    }
+
+    /// Bytes the leaf at `base` unmapped since it was made.
+    pub(crate) fn unmapped_bytes(base: usize) -> usize {
+        let unmapped = UNMAPPED.lock().unwrap_or_else(|p| p.into_inner());
+        unmapped
+            .iter()
+            .find(|(b, _)| *b == base)
+            .map_or(0, |&(_, bytes)| bytes)
+    }
+
+    /// From now on, a copy to or from the host of memory in `from..to` waits until the
+    /// leaf at `base` has unmapped `bytes` bytes (up to 10 s), then fails (`on`); or they
+    /// work again: a sleep that fails after it unmapped some of its memory.
+    #[cfg(not(memres_loom))]
+    pub(crate) fn fail_saves_once_unmapped(
+        from: usize,
+        to: usize,
+        base: usize,
+        bytes: usize,
+        on: bool,
+    ) {
+        let mut failing = LATE_FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
+        failing.retain(|&(f, t, _, _)| (f, t) != (from, to));
+        if on {
+            failing.push((from, to, base, bytes));
+        }
+    }
+
     /// Reservations (by their base) whose staging buffers fail after so many more are
     /// made.
     static FAILING_STAGING: std::sync::Mutex<Vec<(usize, usize)>> =
@@ -330,6 +385,20 @@ pub(crate) mod faults {
     }
 
     pub(super) fn save_fails(addr: usize) -> bool {
+        let late = {
+            let failing = LATE_FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
+            failing
+                .iter()
+                .find(|&&(from, to, _, _)| (from..to).contains(&addr))
+                .map(|&(_, _, base, bytes)| (base, bytes))
+        };
+        if let Some((base, bytes)) = late {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while unmapped_bytes(base) < bytes && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            return true;
+        }
         let failing = FAILING_SAVES.lock().unwrap_or_else(|p| p.into_inner());
         failing.iter().any(|&(from, to)| (from..to).contains(&addr))
     }

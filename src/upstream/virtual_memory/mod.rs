@@ -215,6 +215,33 @@ pub unsafe trait GrowInPlace: Resource {
         ))
     }
 
+    /// Copies each `(address, bytes)` range into host memory as
+    /// [`save_at`](Self::save_at) does and unmaps it as
+    /// [`unmap_ranges_at`](Self::unmap_ranges_at) does: what a pool that sleeps with
+    /// [`SleepMode::Offload`](crate::suballoc::SleepMode::Offload) does with its memory.
+    /// When it returns `Ok`, every range is unmapped and its copy is in the result. On an
+    /// error every range is mapped, with its contents, as before the call (unless the
+    /// device cannot be waited for, or a range it unmapped cannot be mapped again: that
+    /// memory is then lost, and the failure logged), and the copies go back to `spare`.
+    /// The default: `save_at`, then `unmap_ranges_at`; the leaves unmap each range once
+    /// its copy is done, while the others are copied.
+    ///
+    /// # Safety
+    /// The ranges were mapped by this resource, apart from each other, and nothing uses
+    /// them until the call returns, on the host or on any stream (nor afterwards, if it
+    /// returns `Ok`, until they are mapped again).
+    unsafe fn offload_at(
+        &self,
+        ranges: &[(usize, usize)],
+        spare: &mut Vec<HostCopy>,
+    ) -> Result<Vec<HostCopy>, Error> {
+        // SAFETY: the caller's promises, passed on.
+        let copies = unsafe { self.save_at(ranges, spare)? };
+        // SAFETY: mapped by this resource and unused (the caller's promise); copied.
+        unsafe { self.unmap_ranges_at(ranges) };
+        Ok(copies)
+    }
+
     /// Maps each `(address, bytes)` range (whole unmapped granules of the reservation) in
     /// order and, when `copies` is not empty (then it has one per range, each holding at
     /// least its range's bytes, from [`save_at`](Self::save_at)), copies each range's copy
@@ -572,6 +599,19 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
         }
         // SAFETY: mapped (checked above); unwritten while it runs (the caller's promise).
         unsafe { staged::save(&self.backend, ranges, spare) }
+    }
+
+    unsafe fn offload_at(
+        &self,
+        ranges: &[(usize, usize)],
+        spare: &mut Vec<HostCopy>,
+    ) -> Result<Vec<HostCopy>, Error> {
+        for &(addr, len) in ranges {
+            self.check_mapped(addr, len)?;
+        }
+        // SAFETY: mapped (checked above); unused while it runs and, once unmapped, until
+        // mapped again (the caller's promise).
+        unsafe { staged::offload(self, ranges, spare) }
     }
 
     unsafe fn wake_at(

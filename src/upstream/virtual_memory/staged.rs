@@ -45,11 +45,19 @@
 //! take 0.4; a sleep's `cuMemUnmap`s cost about as much. So a wake maps its ranges on
 //! [`map_threads`] threads (the calling thread and `MEMRES_OFFLOAD_MAP_THREADS - 1` more,
 //! 1 in all unless it says otherwise, [`MAP_THREADS`]), each taking the next range not taken yet, in order,
-//! and marking it mapped once the driver is done ([`Shared::map_ranges`]); a sleep unmaps
-//! on as many ([`unmap_ranges`]). The leaf claims a range under its lock and calls the
-//! driver outside it (`Virtual::map_at`), so the threads map at once as far as the driver
-//! lets them (it takes the calls from any thread). A failed map stops every thread; the
-//! ranges marked mapped, and only those, are unmapped again.
+//! and marking it mapped once the driver is done ([`Shared::map_ranges`]). The leaf
+//! claims a range under its lock and calls the driver outside it (`Virtual::map_at`), so
+//! the threads map at once as far as the driver lets them (it takes the calls from any
+//! thread). A failed map stops every thread; the ranges marked mapped, and only those, are
+//! unmapped again.
+//!
+//! A sleep ([`offload`]) unmaps the other way round: the calling thread unmaps each range
+//! as soon as the threads have counted all its chunks as copied ([`Shared::copied`],
+//! after waiting for their lanes; [`Shared::unmap_copied`]), while the rest is copied, so
+//! that the driver's unmaps cost the sleep nothing but the last range's. Until the copies
+//! are all done the leaf keeps the memory it unmaps ([`GrowInPlace::keep_unmapped`]): a
+//! failure maps the ranges unmapped so far again from it and copies their contents back,
+//! so that a failed sleep leaves the pool as it found it.
 
 use std::sync::Arc;
 
@@ -173,10 +181,25 @@ fn map_thread_count(set: Option<&str>, ranges: usize) -> usize {
 
 /// Which ranges are mapped, for the threads of a wake: the mapping threads take ranges in
 /// order (`next`) and mark each one done once mapped; the copying threads wait for their
-/// chunk's range.
+/// chunk's range. For a sleep that unmaps as it goes, `copied` holds the ranges whose
+/// copies are all done, for the unmapping thread, which marks each range not done once
+/// it is unmapped.
 struct Maps {
     done: Vec<bool>,
     next: usize,
+    copied: Vec<usize>,
+}
+
+/// Where a [`Shared`]'s ranges start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Unmapped: a wake's threads map them ([`Shared::map_ranges`]).
+    Unmapped,
+    /// Mapped, and they stay so: a sleep's copies, unmapped by the caller.
+    Mapped,
+    /// Mapped, and each is unmapped once its copies are all done
+    /// ([`Shared::unmap_copied`]): a sleep that unmaps while it copies.
+    Unmapping,
 }
 
 /// What the copying threads share.
@@ -200,9 +223,16 @@ pub(crate) struct Shared<'a> {
     buffers: Mutex<Vec<HostCopy>>,
     /// Set when a lane could not be waited for: its copies may still be under way.
     unsettled: AtomicBool,
-    /// Which ranges are mapped (all of them, for a sleep), for the threads of a wake.
+    /// Which ranges are mapped (all of them, for a sleep until it unmaps them), for the
+    /// threads of a wake and the unmapping thread of a sleep.
     mapped: Mutex<Maps>,
     ready: Condvar,
+    /// For a sleep that unmaps as it goes ([`Start::Unmapping`]): the chunks of each
+    /// range whose copies are not known to be done yet (empty otherwise).
+    left: Vec<AtomicUsize>,
+    /// Copying threads started and not ended: the unmapping thread stops waiting for
+    /// ranges once none runs.
+    active: AtomicUsize,
 }
 
 /// What the copying threads leave: the first error, whether a lane could not be waited
@@ -216,9 +246,8 @@ pub(crate) struct Outcome {
 
 impl<'a> Shared<'a> {
     /// For `chunks` and `groups` (each a range's chunks, taken whole) of `ranges` ranges,
-    /// with `buffers` to stage through first; the ranges are all mapped already (a sleep)
-    /// or none (a wake, whose threads map them with [`map_ranges`](Self::map_ranges));
-    /// the chunks in the first `registered[range]` bytes of their range's copy are copied
+    /// with `buffers` to stage through first; the ranges start as `start` says; the
+    /// chunks in the first `registered[range]` bytes of their range's copy are copied
     /// directly.
     pub(crate) fn new(
         chunks: &'a [Chunk],
@@ -226,8 +255,21 @@ impl<'a> Shared<'a> {
         registered: &'a [usize],
         buffers: Vec<HostCopy>,
         ranges: usize,
-        mapped: bool,
+        start: Start,
     ) -> Self {
+        let mapped = start != Start::Unmapped;
+        let mut left = Vec::new();
+        let mut copied = Vec::new();
+        if start == Start::Unmapping {
+            let mut counts = vec![0usize; ranges];
+            for c in chunks.iter().chain(groups.iter().copied().flatten()) {
+                counts[c.range] += 1;
+            }
+            // A range without chunks (none is empty, but the count decides) has nothing
+            // to wait for.
+            copied = (0..ranges).filter(|&r| counts[r] == 0).collect();
+            left = counts.into_iter().map(AtomicUsize::new).collect();
+        }
         Shared {
             chunks,
             groups,
@@ -241,8 +283,11 @@ impl<'a> Shared<'a> {
             mapped: Mutex::new(Maps {
                 done: vec![mapped; ranges],
                 next: if mapped { ranges } else { 0 },
+                copied,
             }),
             ready: Condvar::new(),
+            left,
+            active: AtomicUsize::new(0),
         }
     }
 
@@ -310,6 +355,66 @@ impl<'a> Shared<'a> {
         }
     }
 
+    /// Counts `n` chunks of range `range` as copied (their lanes were waited for): for a
+    /// sleep that unmaps as it goes, the range is handed to the unmapping thread once
+    /// the last is. Nothing otherwise.
+    pub(crate) fn copied(&self, range: usize, n: usize) {
+        let Some(left) = self.left.get(range) else {
+            return;
+        };
+        // Each chunk is counted once, by the thread that copied it.
+        if left.fetch_sub(n, Ordering::AcqRel) == n {
+            lock(&self.mapped).copied.push(range);
+            self.ready.notify_all();
+        }
+    }
+
+    /// A copying thread is about to start (before it is spawned: the unmapping thread
+    /// waits for ranges while one may still copy).
+    fn thread_starts(&self) {
+        self.active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A copying thread ended (or could not be started), waking the unmapping thread.
+    fn thread_ends(&self) {
+        // Under the lock that the unmapping thread checks `active` under, so that it does
+        // not miss the wake-up.
+        let _maps = lock(&self.mapped);
+        self.active.fetch_sub(1, Ordering::AcqRel);
+        self.ready.notify_all();
+    }
+
+    /// A sleep's unmapping thread ([`Start::Unmapping`]): unmaps each range with `unmap`
+    /// (given its number) once its copies are all done, then marks it unmapped, until a
+    /// thread failed, or no copying thread runs and no range waits. A range whose copies
+    /// are done when a thread fails stays mapped; the caller unmaps what is left (none
+    /// unless no copying thread could start) or, after a failure, maps back what was
+    /// unmapped.
+    pub(crate) fn unmap_copied(&self, unmap: impl Fn(usize)) {
+        loop {
+            let range = {
+                let mut maps = lock(&self.mapped);
+                loop {
+                    if self.stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    if let Some(range) = maps.copied.pop() {
+                        break range;
+                    }
+                    if self.active.load(Ordering::Acquire) == 0 {
+                        return;
+                    }
+                    maps = self
+                        .ready
+                        .wait(maps)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
+            unmap(range);
+            lock(&self.mapped).done[range] = false;
+        }
+    }
+
     /// Waits until range number `range` is mapped (true) or a thread failed (false).
     pub(crate) fn wait_mapped(&self, range: usize) -> bool {
         let mut mapped = lock(&self.mapped);
@@ -355,11 +460,14 @@ impl<'a> Shared<'a> {
 }
 
 /// A thread's lane with its staging buffer (taken when a chunk first needs one) and the
-/// chunk whose copy it holds or awaits, with whether it went through the buffer.
+/// chunk whose copy it holds or awaits, with whether it went through the buffer; and a
+/// range whose direct copies are queued on the lane with no wait (a group of
+/// [`copy_registering`]), with how many, counted as copied once the lane is waited for.
 struct Slot<L> {
     lane: L,
     buffer: Option<HostCopy>,
     pending: Option<(Chunk, bool)>,
+    queued: Option<(usize, usize)>,
 }
 
 /// Whether chunk `c` lies wholly in the registered part of its range's copy (the device
@@ -436,7 +544,13 @@ fn copy_chunks<B: Backend>(
     // The chunks still in the buffers, older first.
     let n = slots.len();
     for k in 0..n {
-        complete(backend, &mut slots[(turn + k) % n], copies, direction)?;
+        complete(
+            backend,
+            shared,
+            &mut slots[(turn + k) % n],
+            copies,
+            direction,
+        )?;
     }
     Ok(())
 }
@@ -452,6 +566,7 @@ fn slot<'s, B: Backend>(
             lane: backend.lane()?,
             buffer: None,
             pending: None,
+            queued: None,
         });
     }
     Ok(&mut slots[i])
@@ -473,7 +588,7 @@ fn step<B: Backend>(
 ) -> Result<(), Error> {
     let slot = slot(backend, slots, *turn % 2)?;
     *turn += 1;
-    complete(backend, slot, copies, direction)?;
+    complete(backend, shared, slot, copies, direction)?;
     start(backend, shared, slot, copies, direction, c, direct)
 }
 
@@ -520,12 +635,22 @@ fn copy_registering<B: Backend>(
             }
         }
         if copy.registered() >= end {
-            let lane = &slot(backend, slots, 0)?.lane;
+            let first = slot(backend, slots, 0)?;
+            if first.queued.is_some_and(|(range, _)| range != c.range) {
+                // The last group's copies, waited for once this one's first piece is
+                // registered: its range counts as copied (a sleep that unmaps as it
+                // goes unmaps it).
+                complete(backend, shared, first, copies, Direction::Out)?;
+            }
             // SAFETY: the chunk lies in a mapped range that nothing writes to (the
             // caller's promise), and in the registered part of its copy, which only this
             // thread writes (each group is taken once; a copy is its range's alone) and
             // nothing reads until the lane is waited for (`copy_on_thread`).
-            unsafe { backend.copy_out(lane, c.addr, copy.as_ptr().add(c.offset), c.len)? };
+            unsafe {
+                backend.copy_out(&first.lane, c.addr, copy.as_ptr().add(c.offset), c.len)?;
+            };
+            let queued = first.queued.map_or(0, |(_, n)| n);
+            first.queued = Some((c.range, queued + 1));
         } else {
             step(
                 backend,
@@ -624,23 +749,35 @@ fn start<B: Backend>(
     Ok(())
 }
 
-/// Waits for the copy of `slot`'s chunk, if any, and (for a sleep) moves the chunk out of
-/// the buffer into its copy: the buffer is free again.
+/// Waits for the copies of `slot`'s chunk and queued direct copies, if any, and (for a
+/// sleep) moves the chunk out of the buffer into its copy (the buffer is free again) and
+/// counts them as copied ([`Shared::copied`]).
 fn complete<B: Backend>(
     backend: &B,
+    shared: &Shared<'_>,
     slot: &mut Slot<B::Lane>,
     copies: &[HostCopy],
     direction: Direction,
 ) -> Result<(), Error> {
-    let Some((done, staged)) = slot.pending.take() else {
+    let (pending, queued) = (slot.pending.take(), slot.queued.take());
+    if pending.is_none() && queued.is_none() {
+        return Ok(());
+    }
+    backend.finish(&slot.lane)?;
+    if let Some((range, n)) = queued {
+        shared.copied(range, n);
+    }
+    let Some((done, staged)) = pending else {
         return Ok(());
     };
-    backend.finish(&slot.lane)?;
     if let (Direction::Out, true, Some(buffer)) = (direction, staged, &slot.buffer) {
         // SAFETY: the lane's copy into the buffer is done (waited for just above); `done`
         // lies in its range's copy (`chunks` cut it from the range, whose copy holds the
         // range) and no other thread writes there (each chunk is taken once).
         unsafe { unstage(buffer, copies, done) };
+    }
+    if let Direction::Out = direction {
+        shared.copied(done.range, 1);
     }
     Ok(())
 }
@@ -685,10 +822,17 @@ fn run<B: Backend>(
         }
         let started = (0..threads)
             .filter(|_| {
-                std::thread::Builder::new()
+                shared.thread_starts();
+                let spawned = std::thread::Builder::new()
                     .name("memres-offload".into())
-                    .spawn_scoped(scope, || copy_on_thread(backend, shared, copies, direction))
-                    .is_ok()
+                    .spawn_scoped(scope, || {
+                        copy_on_thread(backend, shared, copies, direction);
+                        shared.thread_ends();
+                    });
+                if spawned.is_err() {
+                    shared.thread_ends();
+                }
+                spawned.is_ok()
             })
             .count();
         meanwhile();
@@ -750,6 +894,123 @@ pub(super) unsafe fn save<B: Backend>(
     spare: &mut Vec<HostCopy>,
 ) -> Result<Vec<HostCopy>, Error> {
     let mut copies = copies_for(ranges, spare)?;
+    // SAFETY: the caller's promises, passed on; nothing unmaps.
+    let outcome = unsafe { copy_out(backend, ranges, &copies, spare, None) };
+    match outcome.error {
+        None => Ok(copies),
+        Some(e) => {
+            give_back_after_failure(&mut copies, outcome.unsettled, spare);
+            Err(e)
+        }
+    }
+}
+
+/// Copies of each of `ranges` of `leaf` in new or `spare` host memory, each range
+/// unmapped once its copies are done, while the others are copied (see
+/// [`GrowInPlace::offload_at`]): the driver's unmaps (about 35 µs a granule of 2 MiB on
+/// an H200, 0.3-0.45 s for 20 GiB, one at a time) run on the calling thread under the
+/// copies, which they do not slow (`benches/gpu/unmap_cost.cu`: 20 GiB copied in 0.40 s
+/// alone and in 0.41 s under the unmaps of another 20 GiB). The memory taken away stays
+/// the leaf's ([`GrowInPlace::keep_unmapped`]) until the copies are all done, so that
+/// after a failure the ranges unmapped so far are mapped again from it (and their
+/// contents copied back), not from memory the device may no longer have; then it goes
+/// back to the device.
+///
+/// # Safety
+/// The ranges are mapped memory of `leaf`, apart from each other, which nothing uses
+/// until the call returns (and, when it returns `Ok`, until they are mapped again).
+pub(super) unsafe fn offload<B: Backend>(
+    leaf: &Virtual<B>,
+    ranges: &[(usize, usize)],
+    spare: &mut Vec<HostCopy>,
+) -> Result<Vec<HostCopy>, Error> {
+    let mut copies = copies_for(ranges, spare)?;
+    let unmap = |range: usize| {
+        let (addr, len) = ranges[range];
+        // SAFETY: mapped by the leaf (the caller's promise), unused, and its copies are
+        // all done (the threads waited for their lanes before they counted them).
+        unsafe { leaf.unmap_at(addr, len) };
+    };
+    leaf.keep_unmapped(true);
+    // SAFETY: the caller's promises, passed on; `unmap` takes each range once, after its
+    // copies.
+    let outcome = unsafe { copy_out(&leaf.backend, ranges, &copies, spare, Some(&unmap)) };
+    let Some(e) = outcome.error else {
+        let left: Vec<(usize, usize)> = ranges
+            .iter()
+            .zip(&outcome.mapped)
+            .filter(|&(_, &mapped)| mapped)
+            .map(|(&range, _)| range)
+            .collect();
+        leaf.keep_unmapped(false);
+        // SAFETY: as for `unmap`: every copy is done (no error).
+        unsafe { unmap_ranges(leaf, &left) };
+        return Ok(copies);
+    };
+    // The ranges unmapped so far are mapped again (from the memory kept), their copies
+    // copied back.
+    let (gone, kept): (Vec<usize>, Vec<usize>) =
+        (0..ranges.len()).partition(|&r| !outcome.mapped[r]);
+    let mut back: Vec<HostCopy> = Vec::with_capacity(gone.len());
+    let mut rest: Vec<HostCopy> = Vec::with_capacity(kept.len());
+    for (r, copy) in copies.drain(..).enumerate() {
+        if outcome.mapped[r] {
+            &mut rest
+        } else {
+            &mut back
+        }
+        .push(copy);
+    }
+    let gone_ranges: Vec<(usize, usize)> = gone.iter().map(|&r| ranges[r]).collect();
+    // SAFETY: unmapped by this call, each holding its range (it was copied there in
+    // full); nothing uses them (the caller's promise).
+    let restored = unsafe { wake(leaf, &gone_ranges, &back, spare) };
+    leaf.keep_unmapped(false);
+    if let Err(again) = restored {
+        // Memory the pool holds is not mapped, its contents in copies that may still be
+        // read by a broken device: they are leaked, and the failure said.
+        tracing::error!(
+            %e, %again,
+            ranges = gone_ranges.len(),
+            "memres: a failed sleep could not map back what it had unmapped; that memory is lost"
+        );
+        back.iter().for_each(HostCopy::abandon);
+        give_back_after_failure(&mut rest, outcome.unsettled, spare);
+        return Err(e);
+    }
+    copies = back;
+    copies.append(&mut rest);
+    give_back_after_failure(&mut copies, outcome.unsettled, spare);
+    Err(e)
+}
+
+/// After a failed sleep: `copies` go back to `spare`, unless a lane could not be waited
+/// for (`unsettled`): a broken device may still write into them (chunks copied
+/// directly), so they are leaked as they go, not kept or freed under it.
+fn give_back_after_failure(copies: &mut Vec<HostCopy>, unsettled: bool, spare: &mut Vec<HostCopy>) {
+    if unsettled {
+        copies.iter().for_each(HostCopy::abandon);
+        copies.clear();
+    } else {
+        spare.append(copies);
+    }
+}
+
+/// A sleep's copies of `ranges` into `copies` (one per range, each holding it) on the
+/// copying threads, and with `unmap` (given a range's number) each range unmapped once
+/// its copies are done, on the calling thread meanwhile ([`Shared::unmap_copied`]). The
+/// staging buffers go back to `spare`.
+///
+/// # Safety
+/// The ranges are mapped memory of `backend`, which nothing writes to until the call
+/// returns; `unmap`, if any, may take each range once its copies are done.
+unsafe fn copy_out<B: Backend>(
+    backend: &B,
+    ranges: &[(usize, usize)],
+    copies: &[HostCopy],
+    spare: &mut Vec<HostCopy>,
+    unmap: Option<&(dyn Fn(usize) + Sync)>,
+) -> Outcome {
     // A range whose copy is not registered as far as the range reaches is copied whole by
     // one thread that registers the copy as it goes (`copy_registering`); the rest by
     // chunks, staged or directly as their copies' registered parts say.
@@ -770,24 +1031,20 @@ pub(super) unsafe fn save<B: Backend>(
         &registered,
         take_staging(spare),
         ranges.len(),
-        true,
+        if unmap.is_some() {
+            Start::Unmapping
+        } else {
+            Start::Mapped
+        },
     );
-    run(backend, &shared, &copies, Direction::Out, 1, || {});
-    let outcome = shared.outcome();
-    spare.extend(outcome.buffers);
-    match outcome.error {
-        None => Ok(copies),
-        Some(e) => {
-            if outcome.unsettled {
-                // A broken device may still write into the copies (chunks copied
-                // directly): they are leaked as they go, not kept or freed under it.
-                copies.iter().for_each(HostCopy::abandon);
-            } else {
-                spare.append(&mut copies);
-            }
-            Err(e)
+    run(backend, &shared, copies, Direction::Out, 1, || {
+        if let Some(unmap) = unmap {
+            shared.unmap_copied(unmap);
         }
-    }
+    });
+    let mut outcome = shared.outcome();
+    spare.append(&mut outcome.buffers);
+    outcome
 }
 
 /// Maps `ranges` and copies `copies` back (see [`GrowInPlace::wake_at`]; the copies are
@@ -813,7 +1070,7 @@ pub(super) unsafe fn wake<B: Backend>(
         &registered,
         take_staging(spare),
         ranges.len(),
-        false,
+        Start::Unmapped,
     );
     let map_all = || {
         shared.map_ranges(|i| {
@@ -1039,7 +1296,7 @@ mod loom_models {
     use loom::sync::atomic::{AtomicUsize, Ordering};
     use loom::thread;
 
-    use super::{Chunk, Shared};
+    use super::{Chunk, Shared, Start};
     use crate::error::Error;
 
     /// A chunk of one byte at `i`, the whole of range `i`.
@@ -1088,7 +1345,14 @@ mod loom_models {
     #[test]
     fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, &[], &[], Vec::new(), 2, false));
+            let shared = Arc::new(Shared::new(
+                &CHUNKS,
+                &[],
+                &[],
+                Vec::new(),
+                2,
+                Start::Unmapped,
+            ));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -1109,7 +1373,14 @@ mod loom_models {
     #[test]
     fn loom_every_chunk_is_taken_exactly_once() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&CHUNKS, &[], &[], Vec::new(), 2, false));
+            let shared = Arc::new(Shared::new(
+                &CHUNKS,
+                &[],
+                &[],
+                Vec::new(),
+                2,
+                Start::Unmapped,
+            ));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -1139,7 +1410,14 @@ mod loom_models {
         static REST: [Chunk; 2] = [chunk(2), chunk(3)];
         static GROUPS: [&[Chunk]; 2] = [&GROUP_0, &GROUP_1];
         loom::model(|| {
-            let shared = Arc::new(Shared::new(&REST, &GROUPS, &[], Vec::new(), 4, true));
+            let shared = Arc::new(Shared::new(
+                &REST,
+                &GROUPS,
+                &[],
+                Vec::new(),
+                4,
+                Start::Mapped,
+            ));
             let other = {
                 let shared = Arc::clone(&shared);
                 thread::spawn(move || {
@@ -1170,6 +1448,101 @@ mod loom_models {
         });
     }
 
+    /// A sleep that unmaps as it goes: two threads copy range 0's two chunks and range
+    /// 1's one, counting each as copied, while the calling thread unmaps (`unmap_copied`);
+    /// `fail` makes the second thread fail after its first chunk (or none, when the
+    /// other took them all). Returns the ranges
+    /// unmapped (bits) and those the outcome marks unmapped.
+    fn unmap_while_copying(fail: bool) -> (usize, usize) {
+        static THREE: [Chunk; 3] = [
+            chunk(0),
+            Chunk {
+                range: 0,
+                addr: 8,
+                offset: 1,
+                len: 1,
+            },
+            chunk(1),
+        ];
+        let shared = Arc::new(Shared::new(
+            &THREE,
+            &[],
+            &[],
+            Vec::new(),
+            2,
+            Start::Unmapping,
+        ));
+        let done = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+        let threads: Vec<_> = (0..2)
+            .map(|t| {
+                let (shared, done) = (Arc::clone(&shared), Arc::clone(&done));
+                shared.thread_starts();
+                thread::spawn(move || {
+                    while let Some(c) = shared.take() {
+                        done[c.range].fetch_add(1, Ordering::SeqCst);
+                        shared.copied(c.range, 1);
+                        if fail && t == 1 {
+                            break;
+                        }
+                    }
+                    if fail && t == 1 {
+                        shared.fail(Error::out_of_memory(1));
+                    }
+                    shared.thread_ends();
+                })
+            })
+            .collect();
+        let unmapped = AtomicUsize::new(0);
+        shared.unmap_copied(|r| {
+            let chunks = [2, 1][r];
+            assert_eq!(
+                done[r].load(Ordering::SeqCst),
+                chunks,
+                "range {r} unmapped before its copies"
+            );
+            let before = unmapped.fetch_or(1 << r, Ordering::SeqCst);
+            assert_eq!(before & (1 << r), 0, "range {r} unmapped twice");
+        });
+        for t in threads {
+            t.join().unwrap();
+        }
+        let outcome = Arc::try_unwrap(shared).ok().unwrap().outcome();
+        assert_eq!(outcome.error.is_some(), fail);
+        let marked = outcome
+            .mapped
+            .iter()
+            .enumerate()
+            .filter(|&(_, &mapped)| !mapped)
+            .fold(0, |bits, (r, _)| bits | 1 << r);
+        (unmapped.load(Ordering::SeqCst), marked)
+    }
+
+    /// Without a failure every range is unmapped exactly once, after all its chunks are
+    /// copied, and the unmapping thread ends (a lost wake-up would leave it waiting,
+    /// which loom reports as a deadlock).
+    #[test]
+    fn loom_a_sleep_unmaps_each_range_once_after_its_copies() {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.check(|| {
+            let (unmapped, marked) = unmap_while_copying(false);
+            assert_eq!((unmapped, marked), (0b11, 0b11));
+        });
+    }
+
+    /// A thread that fails stops the unmapping thread: it ends, no range is unmapped
+    /// before its copies, and the ranges marked unmapped are exactly those unmapped (the
+    /// caller maps them back).
+    #[test]
+    fn loom_a_failed_sleep_marks_exactly_the_ranges_it_unmapped() {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(1);
+        builder.check(|| {
+            let (unmapped, marked) = unmap_while_copying(true);
+            assert_eq!(unmapped, marked);
+        });
+    }
+
     /// Two threads map three ranges (the second's map fails) while a third copies: every
     /// thread ends, no range is mapped twice, a chunk is copied only once its range is
     /// mapped, and the ranges marked mapped when all are done are exactly those mapped
@@ -1180,7 +1553,14 @@ mod loom_models {
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(2);
         builder.check(|| {
-            let shared = Arc::new(Shared::new(&THREE, &[], &[], Vec::new(), 3, false));
+            let shared = Arc::new(Shared::new(
+                &THREE,
+                &[],
+                &[],
+                Vec::new(),
+                3,
+                Start::Unmapped,
+            ));
             let mapped = Arc::new(AtomicUsize::new(0));
             let mappers: Vec<_> = (0..2)
                 .map(|_| {
