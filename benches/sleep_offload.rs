@@ -21,8 +21,8 @@
 //!     SLEEP_OFFLOAD_GRANULE_MIB=32 cargo bench --bench sleep_offload -- 20
 //!     SLEEP_OFFLOAD_EXPORT=1 cargo bench --bench sleep_offload -- 20
 //!
-//! `MEMRES_OFFLOAD_MAP_THREADS` sets the threads that map on a wake and unmap on a sleep
-//! (1 unless set); `SLEEP_OFFLOAD_GRANULE_MIB` the leaf's granularity
+//! `MEMRES_OFFLOAD_MAP_THREADS` sets the threads that map on a wake and unmap on a
+//! discarding sleep (1 unless set); `SLEEP_OFFLOAD_GRANULE_MIB` the leaf's granularity
 //! (`CudaVirtualConfig::granularity`: fewer, larger allocations for the driver to make);
 //! `SLEEP_OFFLOAD_EXPORT=1` makes the leaf's memory exportable as POSIX file descriptors,
 //! as the C ABI's leaves are (`CudaVirtualConfig::export`).

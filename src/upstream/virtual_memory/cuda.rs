@@ -329,8 +329,8 @@ impl CudaPhysical {
 
     /// Unmaps granules `addr..addr + len` one by one (each is its own mapping), keeping
     /// their allocations as spares while that is on. The spares' lock is held for each
-    /// granule's retain only, not across the driver's unmaps: a sleep unmaps on several
-    /// threads.
+    /// granule's retain only, not across the driver's unmaps: a sleep unmaps while its
+    /// copying threads copy, and a discarding one on several threads.
     fn unmap_granules(&self, addr: usize, len: usize) {
         for a in (addr..addr + len).step_by(self.granularity) {
             if let Some(kept) = self.spare().as_mut() {

@@ -573,9 +573,9 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
             return;
         }
         // SAFETY: mapped (checked above) and unused (the caller's promise). Outside the
-        // lock, so that several threads unmap at once (a sleep unmaps on several); the
-        // granules stay marked mapped until the memory is gone, so no map takes them
-        // before.
+        // lock, so that several threads unmap at once (a discarding sleep unmaps on
+        // several); the granules stay marked mapped until the memory is gone, so no map
+        // takes them before.
         unsafe { self.backend.unmap(addr, len) };
         self.lock().set(first, n, false);
     }

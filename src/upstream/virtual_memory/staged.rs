@@ -80,11 +80,12 @@ const MAX_THREADS: usize = 16;
 /// thread maps meanwhile), one per 256 MiB to copy, at most 16.
 pub(crate) const THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_THREADS";
 
-/// The environment variable that sets how many threads a wake maps on, and a sleep
-/// unmaps on (1 to 16; unset, [`MAP_THREADS`]).
+/// The environment variable that sets how many threads a wake maps on, and a discarding
+/// sleep unmaps on (1 to 16; unset, [`MAP_THREADS`]; an offloading sleep unmaps on its
+/// calling thread while it copies, [`offload`]).
 pub(crate) const MAP_THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_MAP_THREADS";
 
-/// How many threads a wake maps on and a sleep unmaps on, unless
+/// How many threads a wake maps on and a discarding sleep unmaps on, unless
 /// [`MAP_THREADS_VARIABLE`] says otherwise. The driver's calls are per granule
 /// (`cuMemCreate` and `cuMemMap` for each, `cuMemUnmap` for each), about 50 µs each on
 /// an H100: 0.4-0.6 s for 20 GiB of 2 MiB granules, longer than the copies. More
