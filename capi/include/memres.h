@@ -255,8 +255,9 @@ int memres_reset_peak(int device);
  * copies, registered as they are copied into, else through pinned staging buffers; on
  * several threads, by default one per 256 MiB up to
  * the cores and 16: MEMRES_OFFLOAD_THREADS; the memory
- * is mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set (an offloading
- * sleep gives each 256 MiB back as soon as it is copied, while the rest is copied);
+ * is mapped again on MEMRES_OFFLOAD_MAP_THREADS threads, 1 unless set, and unmapped on
+ * as many by a discarding sleep (an offloading sleep unmaps each 256 MiB as soon as it
+ * is copied, while the rest is copied, and gives the memory to the device once all is);
  * the copying threads register the copies with the driver as they go, 32 MiB at a time,
  * and the device copies into them directly (what a failed registration left is staged,
  * and registered by a thread of its own once the call returns); a wake copies the

@@ -46,10 +46,10 @@ impl<U: Resource> VirtualPool<U> {
     /// copies the chunk before out of its other buffer; the wake runs the same way back,
     /// while the pool maps the next pieces (on one thread; `MEMRES_OFFLOAD_MAP_THREADS`
     /// sets another number, 1 to 16, and a `Discard` sleep gives the memory back on as
-    /// many). An `Offload` sleep gives each piece back on the calling thread as soon as
-    /// its copies are done, while the others are copied; until they all are, the leaf
-    /// keeps the memory it unmapped, so that a failure maps those pieces again from it,
-    /// with their contents. The driver maps and unmaps each granule on its own, which
+    /// many). An `Offload` sleep unmaps each piece on the calling thread as soon as its
+    /// copies are done, while the others are copied; until they all are, the leaf keeps
+    /// the memory it unmapped (so that a failure maps those pieces again from it, with
+    /// their contents), and gives it back to the device then. The driver maps and unmaps each granule on its own, which
     /// costs more than copying a 2 MiB one; larger granules,
     /// [`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity),
     /// cost less). So no sleep allocates pinned memory the size of the pool
@@ -88,7 +88,10 @@ impl<U: Resource> VirtualPool<U> {
     /// [`trim`](Self::trim) stops the registration and frees them (unregistered). A pool
     /// that never offloaded holds no host memory.
     ///
-    /// Errors leave the pool awake and its memory where it was:
+    /// Errors leave the pool awake and its memory where it was (unless a piece it had
+    /// unmapped cannot be mapped again, or its contents copied back, after a failure: a
+    /// driver or device failure; that memory is then lost, and the failure logged at
+    /// error level):
     /// [`Error::InvalidArgument`] for a pool asleep already, [`Error::OutOfMemory`] when
     /// host memory for the copies or the staging buffers runs out, a driver error when a
     /// copy fails. What host memory it took is kept for the next sleep, as after a wake. (Only this pool sleeps: a chunked

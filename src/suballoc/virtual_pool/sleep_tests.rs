@@ -209,14 +209,15 @@ fn a_sleep_that_fails_after_unmapping_pieces_maps_them_back_with_their_contents(
     // The copies of the last piece fail once the leaf has unmapped half the pool: the
     // pieces copied before were unmapped as their copies were done.
     let last = base + (held - 1) / piece * piece;
-    faults::fail_saves_once_unmapped(last, base + len, base, held / 2, true);
+    let half_unmapped = faults::unmapped_bytes(base) + held / 2;
+    faults::fail_saves_once_unmapped(last, base + len, base, half_unmapped, true);
     // SAFETY: nothing touches the blocks while the call runs.
     let slept = unsafe { pool.sleep(SleepMode::Offload) };
-    faults::fail_saves_once_unmapped(last, base + len, base, held / 2, false);
+    faults::fail_saves_once_unmapped(last, base + len, base, half_unmapped, false);
     assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
     assert!(
-        faults::unmapped_bytes(base) >= held / 2,
-        "pieces were unmapped before the failure"
+        faults::unmapped_bytes(base) >= half_unmapped,
+        "pieces were unmapped before the failure (not after the 10 s the fault waits)"
     );
     assert!(!pool.is_asleep());
     assert_eq!(pool.upstream().mapped_bytes(), held, "all mapped again");

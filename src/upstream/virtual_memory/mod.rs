@@ -179,8 +179,9 @@ pub unsafe trait GrowInPlace: Resource {
     }
 
     /// Unmaps each `(address, bytes)` range as [`unmap_at`](Self::unmap_at) does, in any
-    /// order (a pool that sleeps gives all its memory back at once): the leaves unmap on
-    /// several threads (`MEMRES_OFFLOAD_MAP_THREADS`). The default: one after another.
+    /// order (a pool that sleeps and discards gives all its memory back at once): the
+    /// leaves unmap on several threads (`MEMRES_OFFLOAD_MAP_THREADS`). The default: one
+    /// after another.
     ///
     /// # Safety
     /// As for `unmap_at`, for every range; the ranges do not overlap.
