@@ -595,9 +595,9 @@ unsafe impl<B: Backend> GrowInPlace for Virtual<B> {
         ranges: &[(usize, usize)],
         spare: &mut Vec<HostCopy>,
     ) -> Result<Vec<HostCopy>, Error> {
-        for &(addr, len) in ranges {
-            self.check_mapped(addr, len)?;
-        }
+        ranges
+            .iter()
+            .try_for_each(|&(addr, len)| self.check_mapped(addr, len))?;
         // SAFETY: mapped (checked above); unwritten while it runs (the caller's promise).
         unsafe { staged::save(&self.backend, ranges, spare) }
     }

@@ -1372,6 +1372,19 @@ mod loom_models {
     /// Two chunks, one in each of two ranges.
     static CHUNKS: [Chunk; 2] = [chunk(0), chunk(1)];
 
+    /// A wake's shared state for `chunks`, one range each, none mapped yet.
+    fn waking(chunks: &'static [Chunk]) -> Arc<Shared<'static>> {
+        let ranges = chunks.len();
+        Arc::new(Shared::new(
+            chunks,
+            &[],
+            &[],
+            Vec::new(),
+            ranges,
+            Start::Unmapped,
+        ))
+    }
+
     /// What a wake's thread does with the chunks it takes: waits for the range, then
     /// counts the chunk as copied.
     fn copy_all(shared: &Shared<'_>) -> Vec<usize> {
@@ -1405,14 +1418,7 @@ mod loom_models {
     #[test]
     fn loom_a_failed_map_stops_the_threads_waiting_for_its_range() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(
-                &CHUNKS,
-                &[],
-                &[],
-                Vec::new(),
-                2,
-                Start::Unmapped,
-            ));
+            let shared = waking(&CHUNKS);
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -1433,14 +1439,7 @@ mod loom_models {
     #[test]
     fn loom_every_chunk_is_taken_exactly_once() {
         loom::model(|| {
-            let shared = Arc::new(Shared::new(
-                &CHUNKS,
-                &[],
-                &[],
-                Vec::new(),
-                2,
-                Start::Unmapped,
-            ));
+            let shared = waking(&CHUNKS);
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let shared = Arc::clone(&shared);
@@ -1613,14 +1612,7 @@ mod loom_models {
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(2);
         builder.check(|| {
-            let shared = Arc::new(Shared::new(
-                &THREE,
-                &[],
-                &[],
-                Vec::new(),
-                3,
-                Start::Unmapped,
-            ));
+            let shared = waking(&THREE);
             let mapped = Arc::new(AtomicUsize::new(0));
             let mappers: Vec<_> = (0..2)
                 .map(|_| {
