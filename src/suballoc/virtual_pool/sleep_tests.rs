@@ -198,20 +198,20 @@ fn offload_without_host_memory_fails_and_leaves_the_pool_awake_with_its_contents
     free_all(&pool, blocks);
 }
 
-#[test]
-fn a_sleep_that_fails_after_unmapping_pieces_maps_them_back_with_their_contents() {
-    let pool = pool();
-    let blocks = fill(&pool);
+/// An offloading sleep of `pool` whose last piece's copies fail once the leaf has
+/// unmapped half the pool (the pieces copied before were unmapped as their copies were
+/// done): what it returned, and the bytes the pool held.
+fn sleep_failing_once_half_unmapped(
+    pool: &VirtualPool<HostVirtual>,
+) -> (Result<usize, Error>, usize) {
     let (base, len) = crate::upstream::GrowInPlace::reservation(pool.upstream());
     let held = pool.stats().pool_size;
     let piece = 256 << 10; // the tests' `PIECE`
     assert!(held >= 8 * piece, "several pieces");
-    // The copies of the last piece fail once the leaf has unmapped half the pool: the
-    // pieces copied before were unmapped as their copies were done.
     let last = base + (held - 1) / piece * piece;
     let half_unmapped = faults::unmapped_bytes(base) + held / 2;
     faults::fail_saves_once_unmapped(last, base + len, base, half_unmapped, true);
-    // SAFETY: nothing touches the blocks while the call runs.
+    // SAFETY: nothing touches the pool's blocks while the call runs.
     let slept = unsafe { pool.sleep(SleepMode::Offload) };
     faults::fail_saves_once_unmapped(last, base + len, base, half_unmapped, false);
     assert!(matches!(slept, Err(Error::OutOfMemory { .. })), "{slept:?}");
@@ -219,6 +219,14 @@ fn a_sleep_that_fails_after_unmapping_pieces_maps_them_back_with_their_contents(
         faults::unmapped_bytes(base) >= half_unmapped,
         "pieces were unmapped before the failure (not after the 10 s the fault waits)"
     );
+    (slept, held)
+}
+
+#[test]
+fn a_sleep_that_fails_after_unmapping_pieces_maps_them_back_with_their_contents() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let (_, held) = sleep_failing_once_half_unmapped(&pool);
     assert!(!pool.is_asleep());
     assert_eq!(pool.upstream().mapped_bytes(), held, "all mapped again");
     for &(p, l, _, byte) in &blocks {
@@ -232,6 +240,27 @@ fn a_sleep_that_fails_after_unmapping_pieces_maps_them_back_with_their_contents(
         assert!(holds(p, l, byte));
     }
     free_all(&pool, blocks);
+}
+
+/// The documented loss: a failed sleep whose map-back fails too (every map fails: as a
+/// broken driver would) returns the first error, leaves the pool awake, and the pieces
+/// it could not map back unmapped (their blocks are not touched again here).
+#[test]
+fn a_sleep_whose_map_back_fails_too_returns_its_error_and_stays_awake_without_those_pieces() {
+    let pool = pool();
+    let blocks = fill(&pool);
+    let base = crate::upstream::GrowInPlace::reservation(pool.upstream()).0;
+    faults::fail_every(base, 1);
+    let (_, held) = sleep_failing_once_half_unmapped(&pool);
+    faults::fail_every(base, 0);
+    assert!(!pool.is_asleep());
+    let mapped = pool.upstream().mapped_bytes();
+    assert!(
+        mapped < held && mapped > 0,
+        "{mapped} of {held}: some pieces lost"
+    );
+    // Their memory is gone: the blocks are dropped untouched.
+    drop(blocks);
 }
 
 #[test]

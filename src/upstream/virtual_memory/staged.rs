@@ -851,7 +851,8 @@ fn run<B: Backend>(
 
 /// Tells [`Shared`] that a copying thread ended when dropped, also when the thread
 /// panics: the thread then fails first, so that the unmapping thread stops rather than
-/// wait for ranges it will never copy.
+/// wait for ranges it will never copy (the scope then passes the panic on; the error
+/// recorded is not returned).
 struct ThreadEnds<'s, 'a>(&'s Shared<'a>);
 
 impl Drop for ThreadEnds<'_, '_> {
@@ -935,7 +936,7 @@ pub(super) unsafe fn save<B: Backend>(
 ) -> Result<Vec<HostCopy>, Error> {
     let mut copies = copies_for(ranges, spare)?;
     // SAFETY: the caller's promises, passed on; nothing unmaps.
-    let outcome = unsafe { copy_out(backend, ranges, &copies, spare, None) };
+    let outcome = unsafe { copy_ranges_out(backend, ranges, &copies, spare, None) };
     match outcome.error {
         None => Ok(copies),
         Some(e) => {
@@ -974,7 +975,8 @@ pub(super) unsafe fn offload<B: Backend>(
     let keeping = Keeping::new(leaf);
     // SAFETY: the caller's promises, passed on; `unmap` takes each range once, after its
     // copies.
-    let mut outcome = unsafe { copy_out(&leaf.backend, ranges, &copies, spare, Some(&unmap)) };
+    let mut outcome =
+        unsafe { copy_ranges_out(&leaf.backend, ranges, &copies, spare, Some(&unmap)) };
     let Some(e) = outcome.error.take() else {
         let left: Vec<(usize, usize)> = ranges
             .iter()
@@ -1064,7 +1066,7 @@ fn give_back_after_failure(copies: &mut Vec<HostCopy>, unsettled: bool, spare: &
 /// # Safety
 /// The ranges are mapped memory of `backend`, which nothing writes to until the call
 /// returns; `unmap`, if any, may take each range once its copies are done.
-unsafe fn copy_out<B: Backend>(
+unsafe fn copy_ranges_out<B: Backend>(
     backend: &B,
     ranges: &[(usize, usize)],
     copies: &[HostCopy],
