@@ -60,6 +60,7 @@
 #include <atomic>
 #include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -430,9 +431,19 @@ size_t rounded_request(size_t size) {
   return (size + step - 1) / step * step;
 }
 
-// Blocks rounded up by roundup_power2_divisions: the bytes added to each (torch's
-// requested_bytes leave them out), and per device the bytes added to blocks alive now and
-// ever. Empty unless the setting is used.
+// `size` rounded up to a multiple of torch's smallest block, 512 bytes, at least one.
+size_t whole_min_blocks(size_t size) {
+  constexpr size_t kMinBlockSize = 512;
+  return std::max(kMinBlockSize, (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize);
+}
+
+// The bytes added to requests of memres's default pool, as torch's allocator rounds them
+// (its round_size), so that allocated_bytes and active_bytes (torch.cuda.memory_allocated())
+// count what they count under torch's allocator and requested_bytes what was asked for:
+// per device the bytes added to blocks alive now and ever, and each block that
+// roundup_power2_divisions rounded with the bytes it added (the setting may change before
+// the block is freed; the map is empty unless it is used). Every other block is rounded
+// to whole_min_blocks, which its free works out again from the size asked for.
 struct Rounding {
   std::atomic<size_t> count{0};
   std::mutex mutex;
@@ -463,6 +474,36 @@ struct Rounding {
     count.store(extra.size(), std::memory_order_release);
     live[device].fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
     return bytes;
+  }
+
+  // A block of `requested` bytes rounded up to whole 512-byte blocks (`padded`).
+  void pad(size_t requested, size_t padded, int device) {
+    if (padded != requested) {
+      live[device].fetch_add(static_cast<int64_t>(padded - requested), std::memory_order_relaxed);
+      total[device].fetch_add(static_cast<int64_t>(padded - requested), std::memory_order_relaxed);
+    }
+  }
+
+  // The size of the block given for `requested` bytes at `ptr`, its rounding forgotten.
+  size_t block_size(void* ptr, size_t requested, int device) {
+    size_t extra = take(ptr, device);
+    if (extra != 0) {
+      return requested + extra;
+    }
+    size_t padded = whole_min_blocks(requested);
+    live[device].fetch_sub(static_cast<int64_t>(padded - requested), std::memory_order_relaxed);
+    return padded;
+  }
+
+  // The size of the live block given for `requested` bytes at `ptr` (kept).
+  size_t size_of(void* ptr, size_t requested) {
+    if (count.load(std::memory_order_acquire) != 0) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (auto it = extra.find(ptr); it != extra.end()) {
+        return requested + it->second;
+      }
+    }
+    return whole_min_blocks(requested);
   }
 };
 Rounding g_rounding;
@@ -498,6 +539,9 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
   std::string why;
   if (!routed) {
     size = rounded_request(size);
+    if (size == requested) {
+      size = whole_min_blocks(size);
+    }
     ptr = memres_malloc(static_cast<ssize_t>(size), device, stream);
     if (ptr == nullptr && size != 0) {
       why = memres_last_error();
@@ -537,11 +581,16 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
     TORCH_CHECK(false, "memres: ", why);
   }
   if (g_history.on.load(std::memory_order_relaxed) && ptr != nullptr) {
-    g_history.record(TraceEntry::ALLOC, device, ptr, size, stream);
+    // The size asked for, as torch's allocator records it (its trace's frees too).
+    g_history.record(TraceEntry::ALLOC, device, ptr, requested, stream);
   }
   if (ptr != nullptr) {
-    if (!routed && !pooled && size != requested && device >= 0 && device < kMaxDevices) {
-      g_rounding.add(ptr, size - requested, device);
+    if (!routed && !pooled && device >= 0 && device < kMaxDevices) {
+      if (size != whole_min_blocks(requested)) {
+        g_rounding.add(ptr, size - requested, device);
+      } else {
+        g_rounding.pad(requested, size, device);
+      }
     }
     report_to_profiler(ptr, static_cast<int64_t>(size), device);
   }
@@ -554,7 +603,7 @@ void memres_torch_free(void* ptr, size_t size, int device, cudaStream_t stream) 
     return;
   }
   if (device >= 0 && device < kMaxDevices) {
-    size += g_rounding.take(ptr, device);
+    size = g_rounding.block_size(ptr, size, device);
   }
   memres_free(ptr, static_cast<ssize_t>(size), device, stream);
   report_to_profiler(ptr, -static_cast<int64_t>(size), device);
@@ -1208,10 +1257,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   static c10::CachingDeviceAllocator::BlockInfo block_info(
       size_t size,
       bool allocated,
-      std::shared_ptr<c10::GatheredContext> context) {
+      std::shared_ptr<c10::GatheredContext> context,
+      size_t requested = SIZE_MAX) {
     c10::CachingDeviceAllocator::BlockInfo b;
     b.size = size;
-    b.requested_size = allocated ? size : 0;
+    b.requested_size = allocated ? std::min(size, requested) : 0;
     b.allocated = allocated;
     b.active = allocated;
     b.context_when_allocated = std::move(context);
@@ -1275,10 +1325,11 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     using SegmentInfo = c10::CachingDeviceAllocator::SegmentInfo;
     struct Live {
-      size_t size;
+      size_t size;  // the block's, rounded as torch's allocator rounds it
       cudaStream_t stream;
       std::shared_ptr<c10::GatheredContext> context;
       std::shared_ptr<SegmentInfo> pool_segment;  // a graph or MemPool pool's segment
+      size_t requested = SIZE_MAX;  // the bytes asked for (a pool's segment: its size)
     };
     std::array<std::map<size_t, Live>, kMaxDevices> live;
     std::vector<SegmentInfo> foreign;  // pool segments from other allocators
@@ -1289,7 +1340,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         for (const auto& [ptr, m] : allocation_metadata_) {
           if (ptr != nullptr && memres_segment_pool_holding(ptr) == nullptr && m.device_idx >= 0 &&
               m.device_idx < kMaxDevices) {
-            live[m.device_idx][reinterpret_cast<size_t>(ptr)] = Live{m.size, m.stream, nullptr, nullptr};
+            live[m.device_idx][reinterpret_cast<size_t>(ptr)] =
+                Live{g_rounding.size_of(ptr, m.size), m.stream, nullptr, nullptr, m.size};
           }
         }
       }
@@ -1359,10 +1411,10 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
             if (it->first > at) {
               piece.blocks.push_back(block_info(it->first - at, false, nullptr));
             }
-            piece.blocks.push_back(block_info(size, true, it->second.context));
+            piece.blocks.push_back(block_info(size, true, it->second.context, it->second.requested));
             piece.allocated_size += size;
             piece.active_size += size;
-            piece.requested_size += size;
+            piece.requested_size += std::min(size, it->second.requested);
             if (piece.stream == nullptr) {
               piece.stream = it->second.stream;
             }
@@ -1384,8 +1436,9 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         seg.total_size = block.size;
         seg.is_large = true;
         seg.stream = block.stream;
-        seg.allocated_size = seg.active_size = seg.requested_size = block.size;
-        seg.blocks.push_back(block_info(block.size, true, block.context));
+        seg.allocated_size = seg.active_size = block.size;
+        seg.requested_size = std::min(block.size, block.requested);
+        seg.blocks.push_back(block_info(block.size, true, block.context, block.requested));
         out.segments.push_back(std::move(seg));
       }
     }

@@ -72,6 +72,11 @@ Checks:
                   counted in requested_bytes; enabled again, it is.
   roundup       - _set_allocator_settings("roundup_power2_divisions:4"): an 84 MiB tensor
                   takes 96 MiB of active bytes and 84 MiB of requested bytes.
+  block_sizes   - tensors of 1 byte to 3 MiB + 100: memory_allocated(), active_bytes and
+                  requested_bytes grow as torch's allocator rounds (whole blocks of 512
+                  bytes; the bytes asked for), the history records the bytes asked for,
+                  and a graph-safe generator state registered with a graph adds two
+                  blocks of 512 bytes.
   nested_pools  - use_mem_pool nested three deep: each tensor lands in the innermost pool.
   no_split      - MemPool(no_split=True): one block per segment, more segments and fewer
                   blocks than a splitting pool with the same tensors.
@@ -94,7 +99,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "graph_pool_blocks", "history_options", "caching_off", "roundup", "nested_pools", "no_split", "capture_reuse"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "graph_pool_blocks", "history_options", "caching_off", "roundup", "block_sizes", "nested_pools", "no_split", "capture_reuse"]
 # Run where two GPUs are visible (python/proofs/two_devices.py runs them).
 TWO_GPU_CHECKS = ["ipc_second_gpu", "ipc_to_torch_second_gpu", "ipc_from_torch_second_gpu"]
 # Checks of the backend's own bookkeeping, run where asked (not in the default list).
@@ -838,6 +843,48 @@ def roundup():
     del y
     ok = seen["active"] == 96 * MIB and seen["requested"] == 84 * MIB and seen["active_after_reset"] == 84 * MIB
     return {"ok": ok, **seen}
+
+
+def block_sizes():
+    """Tensors of 1, 4, 513, 1 MiB + 1 and 3 MiB + 100 bytes: memory_allocated() and
+    active_bytes grow by whole blocks of 512 bytes (at least one), requested_bytes by the
+    bytes asked for, and the history records the bytes asked for; a cloned graph-safe
+    generator state registered with a graph adds two blocks of 512 bytes (its seed and
+    offset)."""
+    import torch
+
+    whole = lambda n: max(512, (n + 511) // 512 * 512)
+    keys = ("allocated_bytes", "active_bytes", "requested_bytes", "active")
+    current = lambda: {k: torch.cuda.memory_stats()[k + ".all.current"] for k in keys}
+    torch.zeros(1, device="cuda")
+    sizes = [1, 4, 513, MIB + 1, 3 * MIB + 100]
+    seen, wrong = {}, []
+    torch.cuda.memory._record_memory_history(max_entries=10_000)
+    try:
+        for n in sizes:
+            before = current()
+            x = torch.empty(n, dtype=torch.uint8, device="cuda")
+            after = current()
+            seen[str(n)] = {k: after[k] - before[k] for k in keys}
+            if seen[str(n)] != {"allocated_bytes": whole(n), "active_bytes": whole(n), "requested_bytes": n, "active": 1}:
+                wrong.append(n)
+            ptr = x.data_ptr()
+            del x
+            events = [e for e in torch.cuda.memory._snapshot()["device_traces"][0] if e["addr"] == ptr]
+            sizes_seen = {e["action"]: e["size"] for e in events if e["action"] in ("alloc", "free_completed")}
+            if sizes_seen != {"alloc": n, "free_completed": n}:
+                wrong.append(("history", n, sizes_seen))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    before = current()
+    state = torch.cuda.default_generators[0].clone_state()
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(state)  # its seed and offset go to the device now
+    after = current()
+    seen["generator_state"] = {"active": after["active"] - before["active"], "active_bytes": after["active_bytes"] - before["active_bytes"]}
+    del graph, state
+    ok = not wrong and seen["generator_state"] == {"active": 2, "active_bytes": 1024}
+    return {"ok": ok, "wrong": wrong, **seen}
 
 
 def nested_pools():
