@@ -793,3 +793,68 @@ fn prefetch_moves_managed_memory_to_the_device_and_leaves_other_memory_alone() {
     unsafe { plain.deallocate(stream.as_ref(), q, l) };
     stream.synchronize().unwrap();
 }
+
+/// A growth near the pool's peak gives back the whole free granules it does not join, and
+/// waits for its stream's work first (the stream's, not the whole device's: it must still
+/// be the stream's): a copy enqueued on the stream behind long work reads a block freed on
+/// that stream, then a larger request on the stream grows the pool, giving that block's
+/// granules back. The copy must read the block's bytes, with no fault.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_growth_gives_back_a_freed_block_only_after_its_streams_work_with_it() {
+    use memres::suballoc::{VirtualPool, VirtualPoolConfig};
+    let pool = VirtualPool::new(CudaVirtual::new().unwrap(), VirtualPoolConfig::new()).unwrap();
+    let main = Stream::with_flags(StreamFlags::NonBlocking).unwrap();
+    let cuda = Cuda::new().unwrap();
+    let (n, busy) = (64 << 20, 256 << 20);
+    let (l, lbusy) = (layout(n).unwrap(), layout(busy).unwrap());
+    let x = pool.allocate(main.as_ref(), l).unwrap();
+    // Above `x`, kept: `x`'s free block joins no growth site.
+    let pin = pool
+        .allocate(main.as_ref(), layout(1 << 20).unwrap())
+        .unwrap();
+    let scratch = cuda.allocate(main.as_ref(), lbusy).unwrap();
+    let seen = cuda.allocate(main.as_ref(), l).unwrap();
+    let raw = main.raw().cast();
+    // SAFETY: each pointer holds the bytes named, used on `main` in its order.
+    unsafe {
+        assert_eq!(
+            sys::cuMemsetD8Async(x.as_ptr() as u64, 0x5a, n, raw),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        for _ in 0..100 {
+            assert_eq!(
+                sys::cuMemsetD8Async(scratch.as_ptr() as u64, 0, busy, raw),
+                sys::CUresult::CUDA_SUCCESS
+            );
+        }
+        let copied = sys::cuMemcpyDtoDAsync_v2(seen.as_ptr() as u64, x.as_ptr() as u64, n, raw);
+        assert_eq!(copied, sys::CUresult::CUDA_SUCCESS);
+    }
+    let mapped = pool.stats().pool_size;
+    // SAFETY: allocated above with `l` on `main`; its last use is enqueued there.
+    unsafe { pool.deallocate(main.as_ref(), x, l) };
+    let big = layout(2 * n).unwrap();
+    let y = pool.allocate(main.as_ref(), big).unwrap();
+    assert!(
+        pool.stats().pool_size < mapped + 2 * n,
+        "the growth gave back the freed block's granules"
+    );
+    main.synchronize()
+        .expect("the copy ran with its source mapped");
+    let mut host = vec![0u8; n];
+    // SAFETY: `seen` holds `n` device bytes; `main` is done.
+    let back = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), seen.as_ptr() as u64, n) };
+    assert_eq!(back, sys::CUresult::CUDA_SUCCESS);
+    assert!(
+        host.iter().all(|&b| b == 0x5a),
+        "the copy read the block's bytes"
+    );
+    // SAFETY: each allocated above with its layout on `main`, which is done.
+    unsafe {
+        pool.deallocate(main.as_ref(), y, big);
+        pool.deallocate(main.as_ref(), pin, layout(1 << 20).unwrap());
+        cuda.deallocate(main.as_ref(), scratch, lbusy);
+        cuda.deallocate(main.as_ref(), seen, l);
+    }
+}

@@ -5,6 +5,7 @@
 
 use super::config::VirtualPoolConfig;
 use super::slept::{self, Slept};
+use crate::device::Context;
 use crate::error::Error;
 use crate::resource::Resource;
 use crate::stream::StreamRef;
@@ -129,13 +130,13 @@ impl<U: Resource> Holding<U> for Space<U> {
     fn grow(
         pool: &Coalescing<U, Space<U>>,
         growth: &mut GrowthState<Mapped>,
-        _stream: StreamRef<'_>,
+        stream: StreamRef<'_>,
         own: &List<FreeList>,
         size: usize,
         align: usize,
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
-        pool.grow_in_place(growth, own, size, align, may_wait)
+        pool.grow_in_place(growth, stream, own, size, align, may_wait)
     }
 
     fn release(
@@ -216,6 +217,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     fn grow_in_place(
         &self,
         growth: &mut GrowthState<Mapped>,
+        stream: StreamRef<'_>,
         own: &List<FreeList>,
         size: usize,
         align: usize,
@@ -272,7 +274,8 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         let _keep = KeepUnmapped::new(space, &self.upstream);
         let spare = best.joins.map(|b| b.map_or(usize::MAX, |b| b.addr));
         // Only when a free block outside the joined ones holds a whole granule: else
-        // nothing can move, and the wait (for the whole device) would be for nothing.
+        // nothing can move, and the wait (for the stream, `wait_for_list`) would be for
+        // nothing.
         let whole_granule_free = || {
             s.free.blocks().any(|b| {
                 let lo = (b.addr - space.base).next_multiple_of(g);
@@ -284,7 +287,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         // every growth: `python/proofs/alloc_cost.py`, BENCHMARKS.md).
         let keep = self.release_threshold.unwrap_or(0);
         if may_wait && near_peak && surplus >= g && surplus > keep && whole_granule_free() {
-            let waited = own.ctx.map_or(Ok(()), |ctx| ctx.synchronize());
+            let waited = own.ctx.map_or(Ok(()), |ctx| wait_for_list(stream, ctx));
             if waited.is_ok() && self.unmap_in(growth, &mut s, keep + joined, spare) > 0 {
                 // Unmapping made new holes: a better site may be among them.
                 let top = space.base + growth.memory.mapped.top() * g;
@@ -463,6 +466,22 @@ fn carve(s: &mut FreeList, b: FreeBlock, lo: usize, hi: usize) {
     let end = b.addr + b.size;
     if end > hi {
         s.insert(hi, end - hi);
+    }
+}
+
+/// Waits until no work of `stream`, whose list a growth gives whole free granules of
+/// back, can use a block of that list: the stream alone, not its whole device `ctx`, so
+/// that a growth does not wait for other streams' work (NCCL's collectives, under DDP).
+/// Blocks other streams freed reach the list only after a wait for those streams
+/// (`ListTable::merge_into`); a block used on another stream before its free waits in
+/// the pool's held blocks until that stream's work is done. The whole device where the
+/// list may hold blocks freed on several threads' streams of one name (the per-thread
+/// default stream).
+fn wait_for_list(stream: StreamRef<'_>, ctx: Context) -> Result<(), Error> {
+    if stream.is_per_thread() {
+        ctx.synchronize()
+    } else {
+        stream.synchronize_in(ctx)
     }
 }
 
