@@ -280,6 +280,8 @@ fn bad_configs_and_alignments_are_invalid_arguments() {
         SegmentPoolConfig::new().block_rounding(3),
         SegmentPoolConfig::new().segment_rounding(1000),
         SegmentPoolConfig::new().medium_segments(1, 2, 1000),
+        SegmentPoolConfig::new().segment_alignment(3 << 20),
+        SegmentPoolConfig::new().segment_alignment(128),
     ] {
         assert!(matches!(
             SegmentPool::new(HostHeap::new(), config),
@@ -415,4 +417,72 @@ fn blocks_are_found_by_address_after_segments_go_back() {
         assert_eq!(unsafe { p.release(b) }, Ok(4096));
     }
     assert_eq!(p.live_blocks(), 0);
+}
+
+/// `segment_alignment`: a segment whose size is a multiple of it is taken aligned to it
+/// (the C ABI gives its in-place pool's granule, so a segment covers whole granules);
+/// one whose size is not, as before.
+#[test]
+fn segments_of_whole_granules_are_taken_aligned_to_them() {
+    let split = pool(SegmentPoolConfig::new().segment_alignment(2 * MIB));
+    let whole = pool(
+        SegmentPoolConfig::new()
+            .segment_alignment(2 * MIB)
+            .no_split(true),
+    );
+    for _ in 0..4 {
+        let a = alloc(&split, S1, 512);
+        let b = alloc(&whole, S1, 4 * MIB);
+        let c = alloc(&whole, S1, 1000);
+        assert_eq!(at(a) % (2 * MIB), 0, "a 2 MiB segment's first block");
+        assert_eq!(at(b) % (2 * MIB), 0, "a 4 MiB segment");
+        assert_eq!(
+            whole.segments().iter().map(|s| s.1).collect::<Vec<_>>(),
+            [4 * MIB, 1024]
+        );
+        free(&split, S1, a, 512);
+        free(&whole, S1, b, 4 * MIB);
+        free(&whole, S1, c, 1000);
+        // SAFETY: host memory: its work is always complete.
+        unsafe {
+            split.release_free_segments(S1);
+            whole.release_free_segments(S1);
+        }
+    }
+    assert_eq!(split.upstream().bytes().current, 0);
+    assert_eq!(whole.upstream().bytes().current, 0);
+}
+
+/// Over an in-place pool, segments aligned to its granule cover whole granules, so the
+/// pool's own blocks made before and after a segment share the granule below it
+/// (PyTorch's `test_mempool_ctx_multithread`: a snapshot then draws them in one
+/// segment, as torch's does); aligned as before, the segment takes the free end of that
+/// granule and the second block lands above the segment.
+#[test]
+fn aligned_segments_leave_an_in_place_pools_own_blocks_together() {
+    use memres::suballoc::{VirtualPool, VirtualPoolConfig};
+    use memres::upstream::HostVirtual;
+    use std::sync::Arc;
+    const G: usize = 64 << 10;
+    for (alignment, together) in [(G, true), (256, false)] {
+        let leaf = HostVirtual::new(1 << 30, G).unwrap();
+        let pool: Arc<VirtualPool<HostVirtual>> =
+            Arc::new(leaf.virtual_pool(VirtualPoolConfig::new()).unwrap());
+        let config = SegmentPoolConfig::new()
+            .segment_rounding(G)
+            .segment_alignment(alignment);
+        let segments = SegmentPool::new(Arc::clone(&pool), config).unwrap();
+        let half = layout(G / 2).unwrap();
+        let a = pool.allocate(S1, half).unwrap();
+        let s = segments.allocate(S1, half).unwrap();
+        let b = pool.allocate(S1, half).unwrap();
+        assert_eq!(at(a) / G == at(b) / G, together, "alignment {alignment}");
+        assert_eq!(at(s) % G == 0, together, "alignment {alignment}");
+        // SAFETY: host memory from these pools with these layouts, unused.
+        unsafe {
+            pool.deallocate(S1, a, half);
+            pool.deallocate(S1, b, half);
+            segments.deallocate(S1, s, half);
+        }
+    }
 }

@@ -314,8 +314,11 @@ int memres_is_asleep(int device, const char* tag);
  * (requests of 1 to 10 MiB get 20 MiB segments).
  *
  * memres_segment_pool_new makes a pool on device whose segments come from device's stack
- * (alloc and free NULL; counted as memres_malloc blocks) or from alloc(ctx, size, stream)
- * and back to free(ctx, ptr, size), callable from any thread; NULL on failure.
+ * (alloc and free NULL; counted as memres_malloc blocks; where the stack's base is an
+ * in-place pool, "virtual_pool", a segment of whole granules is taken aligned to its
+ * granule, so that the default pool's blocks stay together around it, as torch's private
+ * pools' segments never share memory with its default pool's) or from alloc(ctx, size,
+ * stream) and back to free(ctx, ptr, size), callable from any thread; NULL on failure.
  * memres_segment_pool_malloc hands out a block of size bytes for stream from the free
  * blocks of stream's segments, or (may_grow != 0) a new segment; NULL on failure (out of
  * memory, size 0). stream stays live while the pool holds a segment taken for it.

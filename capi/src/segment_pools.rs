@@ -197,7 +197,9 @@ pub struct SegmentPoolHandle {
 /// A segment pool on `device` (flags: `MEMRES_SEGMENTS_*`): with `alloc` null, its
 /// segments come from the device's stack (counted as `memres_malloc` blocks), else from
 /// `alloc(ctx, size, stream)` and go back to `free(ctx, ptr, size)`. 512-byte blocks in
-/// 2 MiB-rounded segments. Null on failure (`memres_last_error`).
+/// 2 MiB-rounded segments, taken from the stack aligned to its in-place pool's granule
+/// where that pool is its base (`DeviceStack::segment_alignment`). Null on failure
+/// (`memres_last_error`).
 ///
 /// # Safety
 /// `alloc` and `free` are both null or both functions that may be called with `ctx` from
@@ -219,8 +221,13 @@ pub unsafe extern "C" fn memres_segment_pool_new(
                     "memres_segment_pool_new: unknown flags {flags:#x}"
                 )));
             }
+            let mut alignment = mr::device::DEFAULT_ALIGNMENT;
             let origin = match (alloc, free) {
-                (None, None) => Origin::Stack(stack(device)?),
+                (None, None) => {
+                    let stack = stack(device)?;
+                    alignment = stack.segment_alignment();
+                    Origin::Stack(stack)
+                }
                 (Some(alloc), Some(free)) => Origin::Foreign { alloc, free, ctx },
                 _ => {
                     return Err(Failure::invalid(
@@ -228,8 +235,9 @@ pub unsafe extern "C" fn memres_segment_pool_new(
                     ));
                 }
             };
-            let mut config =
-                SegmentPoolConfig::new().no_split(flags & MEMRES_SEGMENTS_NO_SPLIT != 0);
+            let mut config = SegmentPoolConfig::new()
+                .no_split(flags & MEMRES_SEGMENTS_NO_SPLIT != 0)
+                .segment_alignment(alignment);
             if flags & MEMRES_SEGMENTS_MEDIUM != 0 {
                 config = config.medium_segments(MIB, 10 * MIB, 20 * MIB);
             }

@@ -324,6 +324,9 @@ pub(crate) struct DeviceStack {
     /// The outermost `fallback(..)`, for its tiers' figures (`memres_tier_stats`); with
     /// one, blocks may lie outside the pool's range.
     tiers: Option<Arc<mr::spec::Tiers<Device>>>,
+    /// The alignment of segment pools' segments taken from this stack
+    /// ([`segment_alignment`](Self::segment_alignment)).
+    segment_alignment: usize,
 }
 
 /// What `memres_stats` reports; zero where the stack lacks the layer.
@@ -386,6 +389,14 @@ impl DeviceStack {
             tag_granule: None,
         };
         let top = spec.build(&mut layers)?;
+        // An in-place pool's granule where it is the base (its tags' pools map the same),
+        // else the leaves' own guarantee.
+        let segment_alignment = match (spec.base(), layers.pools.in_place()) {
+            (Spec::VirtualPool { .. }, [pool]) => {
+                mr::upstream::GrowInPlace::granularity(pool.upstream())
+            }
+            _ => mr::device::DEFAULT_ALIGNMENT,
+        };
         // Every spec has a base, which the build hands to `Target::base` once.
         let routed = layers
             .routed
@@ -402,6 +413,7 @@ impl DeviceStack {
             exported: Exported::default(),
             sleep_refusal: why_it_cannot_sleep(spec),
             tiers: layers.tiers,
+            segment_alignment,
         })
     }
 }
@@ -566,6 +578,17 @@ impl DeviceStack {
             })
             .cloned()
             .or_else(|| self.tag_pool_holding(address).cloned())
+    }
+
+    /// The alignment of the whole-granule segments a segment pool takes from this stack
+    /// (`memres_segment_pool_new`): the granule of the in-place pool that is the spec's
+    /// base, so that a graph's or `MemPool`'s segment covers whole granules and the
+    /// default pool's blocks stay together around it, as torch's private pools'
+    /// segments never share memory with its default pool's (a snapshot then draws the
+    /// default pool's blocks in one segment where torch's does; PyTorch's
+    /// `test_mempool_ctx_multithread`); 256 bytes for every other base.
+    pub(crate) fn segment_alignment(&self) -> usize {
+        self.segment_alignment
     }
 
     /// The descriptors exported for live blocks.

@@ -47,6 +47,9 @@ pub struct SegmentPoolConfig {
     pub medium: Option<(usize, usize, usize)>,
     /// A block is handed out whole, never split: one block per segment.
     pub no_split: bool,
+    /// A segment whose size is a multiple of this is taken aligned to it (a power of two,
+    /// at least [`DEFAULT_ALIGNMENT`], which it is by default).
+    pub segment_alignment: usize,
 }
 
 impl SegmentPoolConfig {
@@ -57,6 +60,7 @@ impl SegmentPoolConfig {
             segment_rounding: 2 * MIB,
             medium: None,
             no_split: false,
+            segment_alignment: DEFAULT_ALIGNMENT,
         }
     }
 
@@ -85,6 +89,35 @@ impl SegmentPoolConfig {
         self
     }
 
+    /// Segments whose size is a multiple of `bytes` (a power of two, at least
+    /// [`DEFAULT_ALIGNMENT`]) are taken from the upstream aligned to it. Over an in-place
+    /// pool, its granule: a segment of whole granules then covers whole granules, not
+    /// the free end of one that the pool's small blocks use (as a PyTorch private pool's
+    /// segments, `cudaMalloc`'d, never share memory with the default pool's), so the
+    /// default pool's blocks stay together around it.
+    ///
+    /// ```
+    /// use memres::suballoc::SegmentPoolConfig;
+    ///
+    /// let config = SegmentPoolConfig::new().segment_alignment(2 << 20);
+    /// assert_eq!(config.alignment_of(4 << 20), 2 << 20);
+    /// assert_eq!(config.alignment_of(3 << 10), 256); // not whole granules: as before
+    /// ```
+    pub const fn segment_alignment(mut self, bytes: usize) -> Self {
+        self.segment_alignment = bytes;
+        self
+    }
+
+    /// The alignment a segment of `size` bytes is taken with (see
+    /// [`segment_alignment`](Self::segment_alignment)).
+    pub const fn alignment_of(&self, size: usize) -> usize {
+        if size.is_multiple_of(self.segment_alignment) {
+            self.segment_alignment
+        } else {
+            DEFAULT_ALIGNMENT
+        }
+    }
+
     /// The size of the segment made for a block of `size` bytes (rounded as a block).
     pub fn segment_size(&self, size: usize) -> usize {
         if self.no_split {
@@ -111,6 +144,13 @@ impl SegmentPoolConfig {
                 "a segment pool's segment rounding of {} bytes is not a positive multiple of \
                  its block rounding ({})",
                 self.segment_rounding, self.block_rounding
+            )));
+        }
+        if !self.segment_alignment.is_power_of_two() || self.segment_alignment < DEFAULT_ALIGNMENT {
+            return Err(Error::invalid_argument(format!(
+                "a segment pool's segment alignment of {} bytes is not a power of two of at \
+                 least {DEFAULT_ALIGNMENT}",
+                self.segment_alignment
             )));
         }
         if let Some((_, _, segment)) = self.medium
@@ -190,6 +230,8 @@ struct Segment {
     /// That stream's device's context (none for a host stream): current while events of
     /// its held blocks are recorded, so a default-stream handle names that device's.
     ctx: Option<Context>,
+    /// The alignment it was taken with.
+    align: usize,
     blocks: Blocks,
 }
 
@@ -206,7 +248,7 @@ impl Segment {
 
     fn layout(&self) -> Layout {
         // Checked when the segment was taken with it.
-        Layout::from_size_align(self.size, DEFAULT_ALIGNMENT).expect("a segment's layout")
+        Layout::from_size_align(self.size, self.align).expect("a segment's layout")
     }
 }
 
@@ -622,7 +664,8 @@ impl<U: Resource> SegmentPool<U> {
             return Err(Error::out_of_memory(size));
         }
         let segment_size = self.config.segment_size(size);
-        let segment_layout = Layout::from_size_align(segment_size, DEFAULT_ALIGNMENT)
+        let align = self.config.alignment_of(segment_size);
+        let segment_layout = Layout::from_size_align(segment_size, align)
             .map_err(|_| Error::invalid_argument(format!("a segment of {segment_size} bytes")))?;
         let base = self.upstream.allocate(stream, segment_layout)?;
         // SAFETY: `stream` is valid while its segment lives, as this type's users promise
@@ -639,6 +682,7 @@ impl<U: Resource> SegmentPool<U> {
             size: segment_size,
             stream,
             ctx,
+            align,
             blocks: BTreeMap::from([(0, (segment_size, false))]),
         });
         let ptr = best_fit(&mut table, stream, size, self.config.no_split, rounding);
