@@ -477,7 +477,7 @@ fn aligned_segments_leave_an_in_place_pools_own_blocks_together() {
         let s = segments.allocate(S1, half).unwrap();
         let b = pool.allocate(S1, half).unwrap();
         assert_eq!(at(a) / G == at(b) / G, together, "alignment {alignment}");
-        assert_eq!(at(s) % G == 0, together, "alignment {alignment}");
+        assert_eq!(at(s).is_multiple_of(G), together, "alignment {alignment}");
         // SAFETY: host memory from these pools with these layouts, unused.
         unsafe {
             pool.deallocate(S1, a, half);
