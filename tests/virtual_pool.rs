@@ -850,3 +850,28 @@ fn a_run_time_limit_bounds_what_is_mapped() {
         pool.deallocate_sync(q, layout(2 * G).unwrap());
     }
 }
+
+/// A request aligned to the granule maps only the granules it needs at its aligned start
+/// (a segment pool's whole-granule segments, the C ABI's graph and `MemPool` pools): the
+/// free end of a granule below does not count toward it, and no granule is mapped for the
+/// alignment's worst case.
+#[test]
+fn an_aligned_request_maps_only_what_it_needs_at_its_aligned_start() {
+    let pool = virtual_pool(VirtualPoolConfig::new());
+    let half = layout(G / 2).unwrap();
+    let whole = layout_with_alignment(2 * G, G).unwrap();
+    let a = pool.allocate_sync(half).unwrap();
+    let b = pool.allocate_sync(whole).unwrap();
+    assert_eq!(b.as_ptr() as usize % G, 0);
+    assert_eq!(pool.stats().pool_size, 3 * G, "a's granule and b's two");
+    // The free end of a's granule still serves a block of its size.
+    let c = pool.allocate_sync(half).unwrap();
+    assert_eq!(c.as_ptr() as usize / G, a.as_ptr() as usize / G);
+    assert_eq!(pool.stats().pool_size, 3 * G);
+    // SAFETY: each from `pool` with its layout, unused.
+    unsafe {
+        pool.deallocate_sync(a, half);
+        pool.deallocate_sync(b, whole);
+        pool.deallocate_sync(c, half);
+    }
+}

@@ -224,14 +224,23 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
         let space = &self.holding;
-        // The caller checked that this does not overflow.
+        // The most an aligned block may need (the caller checked that this does not
+        // overflow); the sites map only what `size` needs at its aligned start.
         let min = size + (align - GRANULE);
         let g = space.granularity;
         let mut s = own.state.lock();
         s.flush();
         let step = space.config.step.next_multiple_of(g).max(g);
         let top = space.base + growth.memory.mapped.top() * g;
-        let mut tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
+        let mut tries = growth_sites(
+            space,
+            &growth.memory.mapped,
+            &s.free,
+            size,
+            align,
+            top,
+            step,
+        );
         let Some(best) = tries.first().copied() else {
             return Ok(None);
         };
@@ -241,7 +250,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         // growth: the request is cut from that block, nothing given back or mapped (a map
         // of no bytes is refused: on a GPU, `cuMemSetAccess` of 0 bytes is
         // `CUDA_ERROR_INVALID_VALUE`).
-        if let Some(b) = holder(&tries, min) {
+        if let Some(b) = holder(&tries, size, align) {
             return Ok(Some(cut(&mut s, b, size, align)));
         }
         // Free granules elsewhere in the list hold memory that this growth would add to:
@@ -291,11 +300,19 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             if waited.is_ok() && self.unmap_in(growth, &mut s, keep + joined, spare) > 0 {
                 // Unmapping made new holes: a better site may be among them.
                 let top = space.base + growth.memory.mapped.top() * g;
-                tries = growth_sites(space, &growth.memory.mapped, &s.free, min, top, step);
+                tries = growth_sites(
+                    space,
+                    &growth.memory.mapped,
+                    &s.free,
+                    size,
+                    align,
+                    top,
+                    step,
+                );
             }
         }
         for site in tries {
-            if let Some(b) = holder(&[site], min) {
+            if let Some(b) = holder(&[site], size, align) {
                 // (A site of no bytes that the give-back above made: cut, as above.)
                 return Ok(Some(cut(&mut s, b, size, align)));
             }
@@ -305,13 +322,22 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             {
                 continue;
             }
+            // Where the site's block will start: the mapped granules join the free block
+            // before them, whether the site counted it or not.
+            let start = s.free.ending_at(site.addr).map_or(site.addr, |b| b.addr);
             match self.map_into(growth, &mut s, site.addr, site.len) {
                 Ok(()) => {
                     // Only a growth that maps raises the mark: a request that fails was
                     // never held.
                     growth.memory.high_water = growth.memory.high_water.max(grown);
                     self.lists.note_free(own);
-                    let taken = s.free.take(size, align);
+                    // The list's search, as for any request; where it looks for room for
+                    // the alignment's worst case, which the site may not have mapped, the
+                    // site's block (the joined free blocks with the granules mapped).
+                    let taken = s.free.take(size, align).or_else(|| {
+                        let b = s.free.starting_at(start)?;
+                        fits(b, size, align).then(|| cut(&mut s, b, size, align))
+                    });
                     debug_assert!(taken.is_some(), "in-place growth fits its request");
                     return Ok(taken);
                 }
@@ -439,13 +465,23 @@ impl<U: Resource> Coalescing<U, Space<U>> {
 
 /// The free block beside a site of no bytes among `sites`, which holds `need` bytes by
 /// itself, if there is such a site.
-fn holder(sites: &[Site], need: usize) -> Option<FreeBlock> {
+fn holder(sites: &[Site], size: usize, align: usize) -> Option<FreeBlock> {
     sites
         .iter()
         .filter(|site| site.len == 0)
         .flat_map(|site| site.joins)
         .flatten()
-        .find(|b| b.size >= need)
+        .find(|&b| fits(b, size, align))
+}
+
+/// Whether `size` bytes aligned to `align` fit in `b`.
+fn fits(b: FreeBlock, size: usize, align: usize) -> bool {
+    aligned_end(b.addr, size, align).is_some_and(|end| end <= b.addr + b.size)
+}
+
+/// Where `size` bytes aligned to `align` from `addr` on end.
+fn aligned_end(addr: usize, size: usize, align: usize) -> Option<usize> {
+    addr.checked_next_multiple_of(align)?.checked_add(size)
 }
 
 /// Cuts `size` bytes aligned to `align` out of `b`, a free block of `s` that holds them
@@ -504,7 +540,8 @@ fn growth_sites(
     space: &Space<impl Resource>,
     mapped: &Granules,
     free: &FreeBlocks,
-    need: usize,
+    size: usize,
+    align: usize,
     top: usize,
     step: usize,
 ) -> Vec<Site> {
@@ -514,13 +551,20 @@ fn growth_sites(
         let (lo, hi) = (space.base + first * g, space.base + (first + n) * g);
         let before = free.ending_at(lo);
         let after = free.starting_at(hi);
-        let (b, a) = (before.map_or(0, |b| b.size), after.map_or(0, |b| b.size));
-        if b.saturating_add(a).saturating_add(n * g) < need {
+        let a = after.map_or(0, |b| b.size);
+        // Where the request ends, aligned from the block before's start (or the run's).
+        let Some(end) = aligned_end(before.map_or(lo, |b| b.addr), size, align) else {
+            continue;
+        };
+        if end > hi + a {
             continue;
         }
-        // Map next to the block before, next to the one after, or the whole run.
-        let from_before = need.saturating_sub(b).next_multiple_of(g);
-        let from_after = need.saturating_sub(a).next_multiple_of(g);
+        // Map next to the block before, next to the one after (the granules mapped start
+        // the block there, aligned as a granule is: room for a larger alignment's worst
+        // case), or the whole run.
+        let from_before = end.saturating_sub(lo).next_multiple_of(g);
+        let slack = if align <= g { 0 } else { align - GRANULE };
+        let from_after = (size + slack).saturating_sub(a).next_multiple_of(g);
         let site = if from_before <= n * g && from_before <= from_after {
             Site {
                 addr: lo,
