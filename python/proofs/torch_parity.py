@@ -61,6 +61,9 @@ Checks:
                   one that returns no memory gives an exception and work goes on.
   mempool_snapshot - MemPool.snapshot(): the pool's segments only (its id on each), its
                   tensor allocated in them, a tensor made outside it absent.
+  mempool_beside_default - a MemPool's segment made between two 1 MiB tensors of the
+                  default pool (the second on another thread): a snapshot shows two
+                  segments, the pool's and the default pool's holding both tensors.
   graph_pool_blocks - a graph's outputs: memory_snapshot() shows the graph pool's
                   segments with its id and one allocated block per live output; deleting
                   outputs lowers the count; memory_allocated() counts the blocks, not
@@ -99,7 +102,7 @@ import subprocess
 import sys
 import traceback
 
-CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "graph_pool_blocks", "history_options", "caching_off", "roundup", "block_sizes", "nested_pools", "no_split", "capture_reuse"]
+CHECKS = ["record_stream", "stats", "empty_cache", "oom", "cudnn", "graphs", "graph_pools", "pool_record_stream", "compile", "snapshot", "ipc", "ipc_pool", "bad_input", "fraction", "oom_text", "oom_observer_raises", "profiler", "ipc_to_torch", "ipc_to_torch_expandable", "ipc_from_torch_expandable", "mempool_other_allocator", "mempool_snapshot", "mempool_beside_default", "graph_pool_blocks", "history_options", "caching_off", "roundup", "block_sizes", "nested_pools", "no_split", "capture_reuse"]
 # Run where two GPUs are visible (python/proofs/two_devices.py runs them).
 TWO_GPU_CHECKS = ["ipc_second_gpu", "ipc_to_torch_second_gpu", "ipc_from_torch_second_gpu"]
 # Checks of the backend's own bookkeeping, run where asked (not in the default list).
@@ -725,6 +728,49 @@ def mempool_snapshot():
     }
     ok = seen["segments"] >= 1 and seen["pool_ids_match"] and seen["tensor_in_it"]
     ok = ok and seen["allocated"] >= 4 * MIB and seen["outside_absent"]
+    return {"ok": ok, **seen}
+
+
+def mempool_beside_default():
+    """A MemPool's segment made between two 1 MiB tensors of the default pool (the second
+    on another thread, while the pool's context is on): a snapshot shows two segments,
+    the pool's (nothing active in it) and the default pool's holding both tensors."""
+    import threading
+
+    import torch
+
+    torch.cuda.empty_cache()
+    n = MIB
+    made, done = threading.Event(), threading.Event()
+    kept, snaps = [], []
+
+    def in_pool():
+        pool = torch.cuda.MemPool()
+        kept.append(torch.empty(n, dtype=torch.int8, device="cuda"))
+        with torch.cuda.use_mem_pool(pool):
+            out = torch.empty(n, dtype=torch.int8, device="cuda")
+            del out
+            made.set()
+            done.wait(timeout=30)
+
+    def beside():
+        made.wait(timeout=30)
+        kept.append(torch.empty(n, dtype=torch.int8, device="cuda"))
+        snaps.append(torch.cuda.memory._snapshot()["segments"])
+        done.set()
+
+    threads = [threading.Thread(target=in_pool), threading.Thread(target=beside)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    segments = snaps[0] if snaps else []
+    active = {}
+    for seg in segments:
+        key = str(tuple(seg["segment_pool_id"]))
+        active[key] = active.get(key, 0) + seg["active_size"]
+    seen = {"segments": len(segments), "active_by_pool": active}
+    ok = len(segments) == 2 and active.get("(0, 0)") == 2 * MIB and sum(active.values()) == 2 * MIB
     return {"ok": ok, **seen}
 
 
