@@ -10,7 +10,8 @@
 // - memory_allocated / max_memory_allocated / memory_reserved / max_memory_reserved /
 //   memory_stats / reset_peak_memory_stats / reset_accumulated_memory_stats /
 //   memory_summary: memres's exact C ABI figures in torch's keys (live bytes as
-//   allocated, active and requested; the pool's size as reserved; the pools' calls to
+//   allocated and active, the default pool's blocks asked for at torch's block sizes;
+//   requested bytes without that rounding; the pool's size as reserved; the pools' calls to
 //   the driver as num_device_alloc and num_device_free).
 // - empty_cache -> memres_trim on every device memres serves.
 // - cacheInfo (cudnn.benchmark's workspace bound): the pool's largest free block or the
@@ -486,9 +487,9 @@ struct Rounding {
 
   // The size of the block given for `requested` bytes at `ptr`, its rounding forgotten.
   size_t block_size(void* ptr, size_t requested, int device) {
-    size_t extra = take(ptr, device);
-    if (extra != 0) {
-      return requested + extra;
+    size_t added = take(ptr, device);
+    if (added != 0) {
+      return requested + added;
     }
     size_t padded = whole_min_blocks(requested);
     live[device].fetch_sub(static_cast<int64_t>(padded - requested), std::memory_order_relaxed);
@@ -592,7 +593,8 @@ void* memres_torch_malloc(size_t size, int device, cudaStream_t stream) {
         g_rounding.pad(requested, size, device);
       }
     }
-    report_to_profiler(ptr, static_cast<int64_t>(size), device);
+    // (A use_on_oom pool's block: its free reports the bytes asked for, so this does.)
+    report_to_profiler(ptr, static_cast<int64_t>(pooled ? requested : size), device);
   }
   return ptr;
 }
@@ -1341,7 +1343,8 @@ class MemresAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
           if (ptr != nullptr && memres_segment_pool_holding(ptr) == nullptr && m.device_idx >= 0 &&
               m.device_idx < kMaxDevices) {
             live[m.device_idx][reinterpret_cast<size_t>(ptr)] =
-                Live{g_rounding.size_of(ptr, m.size), m.stream, nullptr, nullptr, m.size};
+                Live{g_uncached.contains(ptr) ? m.size : g_rounding.size_of(ptr, m.size),
+                     m.stream, nullptr, nullptr, m.size};
           }
         }
       }

@@ -90,7 +90,7 @@ MUTATIONS = [
     # no bytes: CUDA_ERROR_INVALID_VALUE on a GPU, out of memory on the host).
     ("VirtualPool: a site of no bytes is mapped",
      "src/suballoc/virtual_pool/grow.rs",
-     "        .find(|b| b.size >= need)",
+     "        .find(|&b| fits(b, size, align))",
      "        .find(|_| false)"),
     ("VirtualPool: a trim does not restart the pool's peak",
      "src/suballoc/virtual_pool/grow.rs",

@@ -205,8 +205,8 @@ impl<U: Resource> Holding<U> for Space<U> {
 }
 
 impl<U: Resource> Coalescing<U, Space<U>> {
-    /// In-place growth: maps the fewest granules that make a free block of `min` bytes
-    /// (`size` with room for `align`), in any unmapped run of the reservation, together
+    /// In-place growth: maps the fewest granules that make a free block holding `size`
+    /// bytes at its first address aligned to `align`, in any unmapped run of the reservation, together
     /// with the free blocks on either side of it (so the pieces of partly free granules
     /// left around unmapped holes are used again, not only the free block at the top of
     /// what the pool holds). A growth that takes the pool into the top eighth of the
@@ -224,12 +224,26 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         may_wait: bool,
     ) -> Result<Option<usize>, Error> {
         let space = &self.holding;
-        // The most an aligned block may need (the caller checked that this does not
-        // overflow); the sites map only what `size` needs at its aligned start.
-        let min = size + (align - GRANULE);
         let g = space.granularity;
+        // What the request takes of the pool: `size` (the sites map what it needs at its
+        // aligned start), with room for the alignment's worst case past the granule's (the
+        // caller checked that this does not overflow).
+        let most = if align <= g {
+            size
+        } else {
+            size + (align - GRANULE)
+        };
         let mut s = own.state.lock();
         s.flush();
+        // Aligned past the list's granule, a request's search looked for a block of its
+        // worst case: a free block that holds it as aligned (a whole free granule where a
+        // segment of whole granules was) serves it here, with nothing mapped.
+        let exact = (align > GRANULE)
+            .then(|| s.free.blocks().find(|&b| fits(b, size, align)))
+            .flatten();
+        if let Some(b) = exact {
+            return Ok(Some(cut(&mut s, b, size, align)));
+        }
         let step = space.config.step.next_multiple_of(g).max(g);
         let top = space.base + growth.memory.mapped.top() * g;
         let mut tries = growth_sites(
@@ -270,7 +284,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         // allocation on the H100 (`python/proofs/alloc_cost.py`; the peaks, and so the
         // footprint rows, are the same: BENCHMARKS.md, issue 51 item 2).
         let mark = growth.memory.high_water;
-        let grown = growth.size.saturating_add(min);
+        let grown = growth.size.saturating_add(most);
         let near_peak = grown > mark - mark / 8;
         let joined = best
             .joins
@@ -463,8 +477,8 @@ impl<U: Resource> Coalescing<U, Space<U>> {
     }
 }
 
-/// The free block beside a site of no bytes among `sites`, which holds `need` bytes by
-/// itself, if there is such a site.
+/// The free block beside a site of no bytes among `sites`, which holds `size` bytes
+/// aligned to `align` by itself, if there is such a site.
 fn holder(sites: &[Site], size: usize, align: usize) -> Option<FreeBlock> {
     sites
         .iter()
@@ -532,7 +546,7 @@ struct Site {
 }
 
 /// Where a virtual pool can map memory so that, with the free blocks next to it, one
-/// free block holds `need` bytes: the sites that map the fewest bytes first (lowest
+/// free block holds `size` bytes aligned to `align`: the sites that map the fewest bytes first (lowest
 /// address among equals), at most one per unmapped run. At the top of what the pool holds
 /// (`top`), a site maps at least `step` when the reservation has room, followed by the
 /// same site without the step as a fallback.
