@@ -875,26 +875,3 @@ fn an_aligned_request_maps_only_what_it_needs_at_its_aligned_start() {
         pool.deallocate_sync(c, half);
     }
 }
-
-/// A freed whole granule serves the next request of a granule aligned to it, with nothing
-/// mapped (the list's search looks for room for the alignment's worst case, which a free
-/// granule between live blocks never has).
-#[test]
-fn a_free_granule_serves_a_granule_aligned_to_it_again() {
-    let pool = virtual_pool(VirtualPoolConfig::new());
-    let whole = layout_with_alignment(G, G).unwrap();
-    let small = layout(256).unwrap();
-    let x = pool.allocate_sync(whole).unwrap();
-    let pin = pool.allocate_sync(small).unwrap();
-    let held = pool.stats().pool_size;
-    // SAFETY: from `pool` with this layout, unused.
-    unsafe { pool.deallocate_sync(x, whole) };
-    let y = pool.allocate_sync(whole).unwrap();
-    assert_eq!(y, x, "the free granule again");
-    assert_eq!(pool.stats().pool_size, held, "nothing mapped");
-    // SAFETY: each from `pool` with its layout, unused.
-    unsafe {
-        pool.deallocate_sync(y, whole);
-        pool.deallocate_sync(pin, small);
-    }
-}
