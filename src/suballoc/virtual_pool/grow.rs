@@ -245,16 +245,12 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             return Ok(Some(cut(&mut s, b, size, align)));
         }
         let step = space.config.step.next_multiple_of(g).max(g);
-        let top = space.base + growth.memory.mapped.top() * g;
-        let mut tries = growth_sites(
-            space,
-            &growth.memory.mapped,
-            &s.free,
-            size,
-            align,
-            top,
-            step,
-        );
+        // The sites, from what is mapped and free now (the top: what the pool holds).
+        let sites = |mapped: &Granules, free: &FreeBlocks| {
+            let top = space.base + mapped.top() * g;
+            growth_sites(space, mapped, free, size, align, top, step)
+        };
+        let mut tries = sites(&growth.memory.mapped, &s.free);
         let Some(best) = tries.first().copied() else {
             return Ok(None);
         };
@@ -313,16 +309,7 @@ impl<U: Resource> Coalescing<U, Space<U>> {
             let waited = own.ctx.map_or(Ok(()), |ctx| wait_for_list(stream, ctx));
             if waited.is_ok() && self.unmap_in(growth, &mut s, keep + joined, spare) > 0 {
                 // Unmapping made new holes: a better site may be among them.
-                let top = space.base + growth.memory.mapped.top() * g;
-                tries = growth_sites(
-                    space,
-                    &growth.memory.mapped,
-                    &s.free,
-                    size,
-                    align,
-                    top,
-                    step,
-                );
+                tries = sites(&growth.memory.mapped, &s.free);
             }
         }
         for site in tries {
