@@ -206,13 +206,13 @@ impl<U: Resource> Holding<U> for Space<U> {
 
 impl<U: Resource> Coalescing<U, Space<U>> {
     /// In-place growth: maps the fewest granules that make a free block holding `size`
-    /// bytes at its first address aligned to `align`, in any unmapped run of the reservation, together
-    /// with the free blocks on either side of it (so the pieces of partly free granules
-    /// left around unmapped holes are used again, not only the free block at the top of
-    /// what the pool holds). A growth that takes the pool into the top eighth of the
-    /// most it has held, or past it, first gives back the whole free granules it does
-    /// not join; one below keeps them. Without `may_wait` (under capture) it gives
-    /// nothing back, since that waits for the stream.
+    /// bytes from its first address aligned to `align`, in any unmapped run of the
+    /// reservation, together with the free blocks on either side of it (so the pieces of
+    /// partly free granules left around unmapped holes are used again, not only the free
+    /// block at the top of what the pool holds). A growth that takes the pool into the
+    /// top eighth of the most it has held, or past it, first gives back the whole free
+    /// granules it does not join; one below keeps them. Without `may_wait` (under
+    /// capture) it gives nothing back, since that waits for the stream.
     // long: pick sites, remap surplus, map one: the steps share one lock guard.
     fn grow_in_place(
         &self,
