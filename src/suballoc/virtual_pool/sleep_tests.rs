@@ -560,6 +560,43 @@ fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
     }
 }
 
+/// Copies made only when their lane is waited for, as a GPU's (the host's are made at
+/// once): a sleep that unmapped a piece, or read a staging buffer, before the wait for the
+/// lanes that copy it would read unmapped pages (a fault) or stale bytes, and a wake that
+/// called the pool awake before its copies were waited for would show stale bytes.
+/// Staged and registered copies, two rounds each.
+#[test]
+fn sleep_and_wake_wait_for_each_lane_before_they_use_what_it_copied() {
+    for registrations in [None, Some(0)] {
+        let pool = pool();
+        let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+        registration::fail_registration(base, registrations);
+        faults::defer_copies(base, true);
+        let l = layout(5 << 20).unwrap();
+        let p = pool.allocate(StreamRef::HOST, l).unwrap();
+        let pattern = |i: usize| (i.wrapping_mul(2_246_822_519) >> 9) as u8;
+        // SAFETY: a fresh block of `l.size()` bytes of host memory.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = pattern(i);
+        }
+        for round in 0..2 {
+            // SAFETY: nothing touches the block until the pool wakes.
+            unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+            assert_eq!(pool.upstream().mapped_bytes(), 0);
+            pool.wake().unwrap();
+            // SAFETY: the block is mapped again.
+            let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
+            let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
+            assert_eq!(wrong, None, "round {round}, {registrations:?}");
+        }
+        faults::defer_copies(base, false);
+        registration::fail_registration(base, None);
+        // SAFETY: allocated above with `l`; not used afterwards.
+        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+    }
+}
+
 #[test]
 fn a_leaf_refuses_copies_of_unmapped_ranges_and_restores_too_long_for_their_copy() {
     use crate::resource::SyncResource;

@@ -166,10 +166,21 @@ impl Backend for HostPages {
     }
 
     /// Nothing: the host copies at once.
+    #[cfg(not(test))]
     type Lane = ();
+    /// In the lib's tests, the copies a leaf may hold until the lane is waited for
+    /// ([`faults::defer_copies`]), as a GPU's lane does.
+    #[cfg(test)]
+    type Lane = faults::Lane;
 
+    #[cfg(not(test))]
     fn lane(&self) -> Result<(), Error> {
         Ok(())
+    }
+
+    #[cfg(test)]
+    fn lane(&self) -> Result<faults::Lane, Error> {
+        Ok(faults::Lane::default())
     }
 
     fn staging(&self, len: usize) -> Result<HostCopy, Error> {
@@ -182,7 +193,7 @@ impl Backend for HostPages {
 
     unsafe fn copy_out(
         &self,
-        _lane: &(),
+        _lane: &Self::Lane,
         addr: usize,
         into: *mut u8,
         len: usize,
@@ -190,6 +201,11 @@ impl Backend for HostPages {
         #[cfg(test)]
         if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
+        }
+        #[cfg(test)]
+        if faults::defers(self.base) {
+            _lane.defer(into.expose_provenance(), addr, len);
+            return Ok(());
         }
         // SAFETY: `addr..addr + len` is mapped host memory nobody writes to, and `into`
         // separate host memory valid for `len` bytes (the caller's promises); a host
@@ -208,7 +224,7 @@ impl Backend for HostPages {
 
     unsafe fn copy_in(
         &self,
-        _lane: &(),
+        _lane: &Self::Lane,
         addr: usize,
         from: *const u8,
         len: usize,
@@ -216,6 +232,11 @@ impl Backend for HostPages {
         #[cfg(test)]
         if faults::save_fails(addr) {
             return Err(Error::out_of_memory(len));
+        }
+        #[cfg(test)]
+        if faults::defers(self.base) {
+            _lane.defer(addr, from.expose_provenance(), len);
+            return Ok(());
         }
         // SAFETY: `addr..addr + len` is mapped host memory nobody else uses, and `from`
         // separate host memory valid for `len` bytes (the caller's promises).
@@ -231,14 +252,20 @@ impl Backend for HostPages {
         }
     }
 
-    fn finish(&self, _lane: &()) -> Result<(), Error> {
+    fn finish(&self, _lane: &Self::Lane) -> Result<(), Error> {
         #[cfg(test)]
         if faults::finish_fails(self.base) {
             return Err(Error::invalid_argument(
                 "(a test's broken device) a lane cannot be waited for",
             ));
         }
-        Ok(()) // every copy is done when its call returns
+        // SAFETY: each copy held was asked for under `copy_out`'s or `copy_in`'s contract,
+        // which holds until this call returns.
+        #[cfg(test)]
+        unsafe {
+            _lane.run()
+        };
+        Ok(()) // every copy is done when its call returns (or here, if held)
     }
 
     fn registrar(&self) -> Registrar {
@@ -323,6 +350,60 @@ pub(crate) mod faults {
         failing.retain(|&(f, t, _, _)| (f, t) != (from, to));
         if on {
             failing.push((from, to, base, bytes));
+        }
+    }
+
+    /// Reservations (by their base) whose lanes hold their copies until waited for.
+    static DEFERRING: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+    /// From now on (`on`), the copies of the leaf at `base` are made only when their lane
+    /// is waited for (`Backend::finish`), as a GPU's are, so that a sleep that unmaps a
+    /// range, or reads a staging buffer, before its lane's wait fails the tests (reading
+    /// the unmapped range faults; the buffer's bytes are wrong); or at once again.
+    #[cfg(not(memres_loom))]
+    pub(crate) fn defer_copies(base: usize, on: bool) {
+        let mut deferring = DEFERRING.lock().unwrap_or_else(|p| p.into_inner());
+        deferring.retain(|&b| b != base);
+        if on {
+            deferring.push(base);
+        }
+    }
+
+    /// Whether the leaf at `base` holds its copies until their lane is waited for.
+    pub(super) fn defers(base: usize) -> bool {
+        let deferring = DEFERRING.lock().unwrap_or_else(|p| p.into_inner());
+        deferring.contains(&base)
+    }
+
+    /// A lane of host pages in the lib's tests: the copies it holds, in order (`to`,
+    /// `from`, `len`), made when it is waited for.
+    #[derive(Default)]
+    pub struct Lane {
+        held: std::cell::RefCell<Vec<(usize, usize, usize)>>,
+    }
+
+    impl Lane {
+        /// Holds a copy of `len` bytes from `from` to `to` until [`run`](Self::run).
+        pub(super) fn defer(&self, to: usize, from: usize, len: usize) {
+            self.held.borrow_mut().push((to, from, len));
+        }
+
+        /// Makes the copies held, in order.
+        ///
+        /// # Safety
+        /// Each copy's memory is as `Backend::copy_out` / `copy_in` asked: valid, mapped
+        /// and unused by others, its two sides apart.
+        pub(super) unsafe fn run(&self) {
+            for (to, from, len) in self.held.take() {
+                // SAFETY: the caller's promise.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        std::ptr::with_exposed_provenance::<u8>(from),
+                        std::ptr::with_exposed_provenance_mut::<u8>(to),
+                        len,
+                    )
+                };
+            }
         }
     }
 
