@@ -526,6 +526,39 @@ fn a_wake_whose_copy_fails_midway_unmaps_what_it_mapped_and_can_be_tried_again()
     free_all(&pool, blocks);
 }
 
+/// A 5 MiB block of a fresh pool, filled with a pattern, slept (offloaded) and woken
+/// twice, every byte checked after each wake: the copies registered as they are copied
+/// into unless `registrations` says how many may be (`Some(0)`: all staged), and held
+/// until their lanes are waited for with `deferred` (`faults::defer_copies`).
+fn two_rounds_restore_every_byte(registrations: Option<usize>, deferred: bool) {
+    let pool = pool();
+    let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
+    registration::fail_registration(base, registrations);
+    faults::defer_copies(base, deferred);
+    let l = layout(5 << 20).unwrap();
+    let p = pool.allocate(StreamRef::HOST, l).unwrap();
+    let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
+    // SAFETY: a fresh block of `l.size()` bytes of host memory.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    for round in 0..2 {
+        // SAFETY: nothing touches the block until the pool wakes.
+        unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
+        assert_eq!(pool.upstream().mapped_bytes(), 0);
+        pool.wake().unwrap();
+        // SAFETY: the block is mapped again.
+        let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
+        let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
+        assert_eq!(wrong, None, "round {round}, {registrations:?}, {deferred}");
+    }
+    faults::defer_copies(base, false);
+    registration::fail_registration(base, None);
+    // SAFETY: allocated above with `l`; not used afterwards.
+    unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+}
+
 #[test]
 fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
     // Pieces of 256 KiB, chunks of 96 KiB: each piece ends in a short chunk, and the four
@@ -534,29 +567,7 @@ fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
     // registration fails), and both (the sixth fails: some copies are registered partly,
     // the rest of them staged).
     for registrations in [None, Some(0), Some(5)] {
-        let pool = pool();
-        let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
-        registration::fail_registration(base, registrations);
-        let l = layout(5 << 20).unwrap();
-        let p = pool.allocate(StreamRef::HOST, l).unwrap();
-        let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
-        // SAFETY: a fresh block of `l.size()` bytes of host memory.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
-        for (i, b) in bytes.iter_mut().enumerate() {
-            *b = pattern(i);
-        }
-        for round in 0..2 {
-            // SAFETY: nothing touches the block until the pool wakes.
-            unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-            pool.wake().unwrap();
-            // SAFETY: the block is mapped again.
-            let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
-            let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
-            assert_eq!(wrong, None, "round {round}, {registrations:?}");
-        }
-        registration::fail_registration(base, None);
-        // SAFETY: allocated above with `l`; not used afterwards.
-        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+        two_rounds_restore_every_byte(registrations, false);
     }
 }
 
@@ -564,36 +575,11 @@ fn offload_restores_every_byte_of_pieces_cut_into_chunks_of_another_size() {
 /// once): a sleep that unmapped a piece, or read a staging buffer, before the wait for the
 /// lanes that copy it would read unmapped pages (a fault) or stale bytes, and a wake that
 /// called the pool awake before its copies were waited for would show stale bytes.
-/// Staged and registered copies, two rounds each.
+/// Staged and registered copies.
 #[test]
 fn sleep_and_wake_wait_for_each_lane_before_they_use_what_it_copied() {
     for registrations in [None, Some(0)] {
-        let pool = pool();
-        let (base, _) = crate::upstream::GrowInPlace::reservation(pool.upstream());
-        registration::fail_registration(base, registrations);
-        faults::defer_copies(base, true);
-        let l = layout(5 << 20).unwrap();
-        let p = pool.allocate(StreamRef::HOST, l).unwrap();
-        let pattern = |i: usize| (i.wrapping_mul(2_246_822_519) >> 9) as u8;
-        // SAFETY: a fresh block of `l.size()` bytes of host memory.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), l.size()) };
-        for (i, b) in bytes.iter_mut().enumerate() {
-            *b = pattern(i);
-        }
-        for round in 0..2 {
-            // SAFETY: nothing touches the block until the pool wakes.
-            unsafe { pool.sleep(SleepMode::Offload) }.unwrap();
-            assert_eq!(pool.upstream().mapped_bytes(), 0);
-            pool.wake().unwrap();
-            // SAFETY: the block is mapped again.
-            let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), l.size()) };
-            let wrong = bytes.iter().enumerate().position(|(i, &b)| b != pattern(i));
-            assert_eq!(wrong, None, "round {round}, {registrations:?}");
-        }
-        faults::defer_copies(base, false);
-        registration::fail_registration(base, None);
-        // SAFETY: allocated above with `l`; not used afterwards.
-        unsafe { pool.deallocate(StreamRef::HOST, p, l) };
+        two_rounds_restore_every_byte(registrations, true);
     }
 }
 
