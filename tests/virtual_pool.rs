@@ -879,3 +879,58 @@ fn an_aligned_request_maps_only_what_it_needs_at_its_aligned_start() {
         pool.deallocate_sync(c, half);
     }
 }
+
+/// A freed whole granule between live blocks serves the next request of a granule aligned
+/// to it with nothing mapped, though free blocks of about its size that cannot hold it
+/// aligned were freed after it: the list's search finds it (a segment pool's segment,
+/// freed and taken again, maps nothing).
+#[test]
+fn a_free_granule_serves_a_granule_aligned_to_it_behind_blocks_that_cannot() {
+    // 2 MiB granules, as on a GPU.
+    const G: usize = 2 << 20;
+    let leaf = HostVirtual::new(1 << 30, G).expect("1 GiB of address space");
+    let pool = leaf.virtual_pool(VirtualPoolConfig::new()).unwrap();
+    let (whole, odd, pin) = (
+        layout_with_alignment(G, G).unwrap(),
+        layout(G + 256).unwrap(),
+        layout(256).unwrap(),
+    );
+    let x = pool.allocate_sync(whole).unwrap();
+    let mut pins = vec![pool.allocate_sync(pin).unwrap()];
+    let mut others = Vec::new();
+    for _ in 0..8 {
+        others.push(pool.allocate_sync(odd).unwrap());
+        pins.push(pool.allocate_sync(pin).unwrap());
+    }
+    let held = pool.stats().pool_size;
+    // SAFETY: each from `pool` with its layout, unused.
+    unsafe { pool.deallocate_sync(x, whole) };
+    // Those that could not hold the granule aligned, freed after it.
+    let misfit = |p: &std::ptr::NonNull<u8>| {
+        let at = p.as_ptr() as usize;
+        at.next_multiple_of(G) + G > at + G + 256
+    };
+    let mut kept = Vec::new();
+    for p in others {
+        if misfit(&p) {
+            // SAFETY: from `pool` with `odd`, unused.
+            unsafe { pool.deallocate_sync(p, odd) };
+        } else {
+            kept.push(p);
+        }
+    }
+    assert!(kept.len() < 8, "some blocks freed after the granule");
+    let y = pool.allocate_sync(whole).unwrap();
+    assert_eq!(y, x, "the free granule again");
+    assert_eq!(pool.stats().pool_size, held, "nothing mapped");
+    // SAFETY: each from `pool` with its layout, unused.
+    unsafe {
+        pool.deallocate_sync(y, whole);
+        for p in kept {
+            pool.deallocate_sync(p, odd);
+        }
+        for p in pins {
+            pool.deallocate_sync(p, pin);
+        }
+    }
+}

@@ -235,15 +235,6 @@ impl<U: Resource> Coalescing<U, Space<U>> {
         };
         let mut s = own.state.lock();
         s.flush();
-        // Aligned past the list's granule, a request's search looked for a block of its
-        // worst case: a free block that holds it as aligned (a whole free granule where a
-        // segment of whole granules was) serves it here, with nothing mapped.
-        let exact = (align > GRANULE)
-            .then(|| s.free.blocks().find(|&b| fits(b, size, align)))
-            .flatten();
-        if let Some(b) = exact {
-            return Ok(Some(cut(&mut s, b, size, align)));
-        }
         let step = space.config.step.next_multiple_of(g).max(g);
         // The sites, from what is mapped and free now (the top: what the pool holds).
         let sites = |mapped: &Granules, free: &FreeBlocks| {
