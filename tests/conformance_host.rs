@@ -130,7 +130,7 @@ mod the_suite_catches {
     }
 
     #[test]
-    // Caught either as "succeeded" or, first, as a 1 PiB block overlapping live ones.
+    // Caught as "succeeded" (the registry of live blocks leaves so large a block out).
     #[should_panic(expected = "1125899906842624")]
     fn a_pebibyte_that_is_not_refused() {
         // Serves real blocks, except that it claims success for more than 1 GiB with a

@@ -175,6 +175,12 @@ fn register(block: &Block) {
     if size == 0 {
         return; // dangling, and may share its address with other empty blocks
     }
+    if size >= HUGE {
+        // Only a lying resource serves it (the suite then fails that case as "succeeded");
+        // in the registry, shared by every test of the process, its span would make other
+        // tests' real blocks overlap it meanwhile (a CI run's `random_sizes`, 2026-11-28).
+        return;
+    }
     let mut live = live();
     if let Some((&start, &len)) = live.range(..=block.address).next_back() {
         assert!(
@@ -192,7 +198,7 @@ fn register(block: &Block) {
 }
 
 fn unregister(block: &Block) {
-    if block.layout.size() > 0 {
+    if block.layout.size() > 0 && block.layout.size() < HUGE {
         live().remove(&block.address);
     }
 }
