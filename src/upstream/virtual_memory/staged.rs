@@ -40,9 +40,11 @@
 //! told (`unsettled`), so that it leaves the device memory mapped.
 //!
 //! Mapping is the slow part of a wake, not the copies: the driver backs every granule with
-//! a `cuMemCreate` and a `cuMemMap` of its own (a granule is the unit a pool gives back),
-//! about 50 µs a granule on an H100, so 0.5 s for 20 GiB on one thread where the copies
-//! take 0.4; a sleep's `cuMemUnmap`s cost about as much. So a wake maps its ranges on
+//! a `cuMemCreate`, a `cuMemMap` and a `cuMemSetAccess` of its own (a granule is the unit a
+//! pool gives back, and a mapping cannot start inside a larger allocation), about 37 µs a
+//! granule on an H200 (`benches/gpu/map_parts.cu`: access 26-33, create 11-18, map 1-4),
+//! so 0.38 s for 20 GiB where the copies take 0.4; a sleep's `cuMemUnmap`s and releases
+//! cost 30-40 µs a granule too. So a wake maps its ranges on
 //! [`map_threads`] threads (the calling thread and `MEMRES_OFFLOAD_MAP_THREADS - 1` more,
 //! 1 in all unless it says otherwise, [`MAP_THREADS`]), each taking the next range not taken yet, in order,
 //! and marking it mapped once the driver is done ([`Shared::map_ranges`]). The leaf
@@ -90,9 +92,10 @@ pub(crate) const MAP_THREADS_VARIABLE: &str = "MEMRES_OFFLOAD_MAP_THREADS";
 
 /// How many threads a wake maps on and a discarding sleep unmaps on, unless
 /// [`MAP_THREADS_VARIABLE`] says otherwise. The driver's calls are per granule
-/// (`cuMemCreate` and `cuMemMap` for each, `cuMemUnmap` for each), about 50 µs each on
-/// an H100: 0.4-0.6 s for 20 GiB of 2 MiB granules, longer than the copies. More
-/// threads did not help there: the driver runs these calls one at a time, and the wake
+/// (`cuMemCreate`, `cuMemMap` and `cuMemSetAccess` for each, `cuMemUnmap` and
+/// `cuMemRelease` for each), 30-50 µs a granule on an H100 or H200: 0.4-0.6 s for 20 GiB
+/// of 2 MiB granules, as long as the copies. More threads did not help there: the
+/// driver runs each of these calls one at a time (`benches/gpu/map_parts.cu`), and the wake
 /// of 20 GiB took 0.45-0.56 s on one mapping thread against 0.68-0.91 on 4 and 0.70-0.79
 /// on 8 (BENCHMARKS.md, "Sleep and wake"). Larger granules do
 /// ([`CudaVirtualConfig::granularity`](crate::upstream::CudaVirtualConfig::granularity)).
