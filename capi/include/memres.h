@@ -12,7 +12,10 @@
  *                                   default: a pool growing in place over CUDA virtual
  *                                   memory (holds least; release= gives memory back
  *                                   above it, and a growth keeps that much free rather
- *                                   than remap it: for sizes that vary widely; granule=
+ *                                   than remap it: for sizes that vary widely, set above
+ *                                   how much what is live swings within a step, else
+ *                                   each step gives back and maps again what it swings
+ *                                   (GPT-2 inference at 256 MiB: its step 2.2x); granule=
  *                                   is what it maps and gives back at a time, for it
  *                                   and the tags' pools (those take the spec's first
  *                                   virtual_pool's): 2 MiB by default, the driver's
