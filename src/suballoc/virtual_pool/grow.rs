@@ -524,10 +524,10 @@ struct Site {
 }
 
 /// Where a virtual pool can map memory so that, with the free blocks next to it, one
-/// free block holds `size` bytes aligned to `align`: the sites that map the fewest bytes first (lowest
-/// address among equals), at most one per unmapped run. At the top of what the pool holds
-/// (`top`), a site maps at least `step` when the reservation has room, followed by the
-/// same site without the step as a fallback.
+/// free block holds `size` bytes aligned to `align`: the sites that map the fewest bytes
+/// first (lowest address among equals), at most one per unmapped run. At the top of what
+/// the pool holds (`top`), a site maps at least `step` when the reservation has room,
+/// followed by the same site without the step as a fallback.
 fn growth_sites(
     space: &Space<impl Resource>,
     mapped: &Granules,
