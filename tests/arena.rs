@@ -283,9 +283,10 @@ fn threads_on_several_streams_run_an_arena_dry_without_losing_a_byte() {
     let live: Mutex<Vec<(usize, Layout, u64)>> = Mutex::new(Vec::new());
     let token = AtomicU64::new(1);
     std::thread::scope(|s| {
+        let mut threads = Vec::new();
         for t in 0..6u64 {
             let (arena, live, token) = (&arena, &live, &token);
-            s.spawn(move || {
+            threads.push(s.spawn(move || {
                 let mut rng = 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(t + 1);
                 let mut next = || {
                     rng ^= rng << 13;
@@ -331,8 +332,10 @@ fn threads_on_several_streams_run_an_arena_dry_without_losing_a_byte() {
                         }
                     }
                 }
-            });
+            }));
         }
+        // (Each thread's cached blocks are back when it has exited.)
+        common::join_exited(threads);
     });
     for (a, l, tok) in live.into_inner().unwrap() {
         // SAFETY: as above.

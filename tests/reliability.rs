@@ -245,8 +245,9 @@ fn stress_on<R: Resource + Sync>(
     switch: usize,
 ) {
     std::thread::scope(|s| {
+        let mut threads = Vec::new();
         for t in 0..16u64 {
-            s.spawn(move || {
+            threads.push(s.spawn(move || {
                 let mut rng = 0x5EED ^ t;
                 let mut own = StreamRef::host(1 + t as u32 % streams);
                 let mut live: Vec<(std::ptr::NonNull<u8>, std::alloc::Layout, u64)> = Vec::new();
@@ -300,8 +301,10 @@ fn stress_on<R: Resource + Sync>(
                     // SAFETY: as above.
                     unsafe { r.deallocate(own, p, l) };
                 }
-            });
+            }));
         }
+        // (Each thread's cached blocks are back when it has exited.)
+        common::join_exited(threads);
     });
 }
 

@@ -107,6 +107,19 @@ pub fn settled_stats<P: CoalescingPool>(pool: &P) -> memres::suballoc::PoolStats
     pool.stats()
 }
 
+/// Joins scoped threads one by one, so that each has exited, its thread-locals destroyed
+/// and its cached blocks back with their resource, when this returns: the scope alone
+/// waits for the closures, not for the exits (see [`settled_stats`]). A thread's panic
+/// goes on in the caller.
+#[allow(dead_code)] // (not every test binary that includes this module calls it)
+pub fn join_exited<T>(threads: Vec<std::thread::ScopedJoinHandle<'_, T>>) {
+    for t in threads {
+        if let Err(panic) = t.join() {
+            std::panic::resume_unwind(panic);
+        }
+    }
+}
+
 macro_rules! coalescing_pools {
     ($($ty:ident),*) => {
         $(
