@@ -16,6 +16,10 @@
 //! `MEMRES_THREADS=N` runs `random-mt` on N threads and `random-1stream` on N and 2N
 //! (8, 8 and 16 without it).
 //!
+//! `MEMRES_MADE_UP_STREAMS=1` (only without a CUDA driver) runs the host stacks on
+//! made-up CUDA stream handles instead of host streams: the lists are then kept and
+//! merged as for CUDA streams, and the footprint rows are the GPU's (see `Streams`).
+//!
 //! `MEMRES_FOOTPRINT_SEEDS=N` adds to the `footprint` stack's `random` and `cross-stream`
 //! (seed 42) the mean, max and min of peak held / peak live over seeds 1..=N.
 //!
@@ -38,10 +42,17 @@ use memres::{
 };
 use memres_workloads::{self as workloads, Suite};
 
-/// Where the work goes: CUDA streams on a GPU, host streams without one.
+/// Where the work goes: CUDA streams on a GPU, host streams without one, or, without a
+/// driver and with `MEMRES_MADE_UP_STREAMS=1`, made-up CUDA stream handles.
 enum Streams {
     Cuda(Vec<Stream>),
     Host,
+    /// Handles no driver ever sees: the sub-allocators key and merge their lists as for
+    /// CUDA streams (another stream's frees reached only through a merge of the lists,
+    /// its wait for the device a no-op without a driver), so the GPU's footprint rows
+    /// come out on a machine without one (`virtual_pool`'s `cross-stream`: 1.114 either
+    /// way, where host streams give 1.100).
+    MadeUp,
 }
 
 impl Streams {
@@ -49,6 +60,10 @@ impl Streams {
         if gpu {
             let make = || Stream::with_flags(StreamFlags::NonBlocking).expect("a stream");
             Streams::Cuda((0..n).map(|_| make()).collect())
+        } else if std::env::var("MEMRES_MADE_UP_STREAMS").is_ok_and(|v| v == "1")
+            && !memres::driver::is_present()
+        {
+            Streams::MadeUp
         } else {
             Streams::Host
         }
@@ -58,6 +73,9 @@ impl Streams {
         match self {
             Streams::Cuda(s) => s[i].as_ref(),
             Streams::Host => StreamRef::host(i as u32),
+            // SAFETY: only without a driver (`new`), so the handle is never given to one;
+            // distinct and non-null, as streams' handles are.
+            Streams::MadeUp => unsafe { StreamRef::from_raw((0x5000 * (i + 1)) as _) },
         }
     }
 
