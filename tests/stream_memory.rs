@@ -75,18 +75,25 @@ fn per_stream<R: Resource + Sync>(resource: &R, upstream_bytes: impl Fn(&R) -> u
     // (What the threads leave in thread-locals goes as they exit, before the count.)
     let before = LIVE.load(Ordering::Relaxed) - upstream_bytes(resource) as isize;
     std::thread::scope(|s| {
-        for _ in 0..THREADS {
-            s.spawn(|| {
-                // Every thread in a lane of its own (threads that never run into each
-                // other share lane 0, and cost a stream one list).
-                memres::suballoc::own_lane();
-                for id in 1..=STREAMS {
-                    let stream = StreamRef::host(id);
-                    let p = resource.allocate(stream, l).unwrap();
-                    // SAFETY: allocated just above with `l` on `stream`; not used.
-                    unsafe { resource.deallocate(stream, p, l) };
-                }
-            });
+        let threads: Vec<_> = (0..THREADS)
+            .map(|_| {
+                s.spawn(|| {
+                    // Every thread in a lane of its own (threads that never run into each
+                    // other share lane 0, and cost a stream one list).
+                    memres::suballoc::own_lane();
+                    for id in 1..=STREAMS {
+                        let stream = StreamRef::host(id);
+                        let p = resource.allocate(stream, l).unwrap();
+                        // SAFETY: allocated just above with `l` on `stream`; not used.
+                        unsafe { resource.deallocate(stream, p, l) };
+                    }
+                })
+            })
+            .collect();
+        // Joined one by one: a scope returns before its threads' thread-locals are
+        // destroyed, and the count must come after.
+        for t in threads {
+            t.join().unwrap();
         }
     });
     // Then this thread, in lane 0 (threads that never ran into each other share it), once

@@ -194,7 +194,10 @@ impl Global {
 ///   superblock is next handed to a stream, a trim returns, or 65,536 calls have passed.
 ///   A cached block keeps its superblock split until it comes back, and
 ///   [`free_bytes`](Arena::free_bytes) counts the calling thread's cached blocks as free,
-///   not other threads'. [`thread_caches(false)`](Arena::thread_caches) turns them off.
+///   not other threads'. A thread's cache goes back when its thread-locals are destroyed,
+///   which for `std::thread::scope`'s threads may be after the scope returns: join their
+///   handles (which waits for the whole exit) or [`trim`](Arena::trim) to have them back.
+///   [`thread_caches(false)`](Arena::thread_caches) turns them off.
 /// - Alignment: any power of two (a superblock is made with room for the padding).
 ///
 /// ```
