@@ -497,7 +497,14 @@ impl<U: Resource> Arena<U> {
             let (Some(size), Some(list)) = (self.table.size_at(sb), self.lists.find(key)) else {
                 continue;
             };
-            if let Some(block) = take_superblock(&mut list.state.lock(), sb, size) {
+            let mut s = list.state.lock();
+            if let Some(block) = take_superblock(&mut s, sb, size) {
+                // Left empty (mostly), its stream's next request goes straight to its
+                // slow path.
+                if s.free_bytes() == 0 {
+                    list.idle.store(true, Ordering::Relaxed);
+                }
+                drop(s);
                 taken.push((list, block));
                 if !key.is_host() {
                     ctxs.extend(list.ctx);
@@ -510,7 +517,9 @@ impl<U: Resource> Arena<U> {
         self.stream_merges.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = synchronize(ctxs.into_iter()) {
             for (list, block) in taken {
-                list.state.lock().free.insert(block);
+                let mut s = list.state.lock();
+                s.free.insert(block);
+                busy(list);
             }
             return Err(e);
         }
@@ -695,6 +704,7 @@ impl<U: Resource> Arena<U> {
     fn take_reclaimed(&self, own: &List<FreeList>, fit: &Fit) -> Option<usize> {
         let found = {
             let mut s = own.state.lock();
+            busy(own);
             s.flush();
             s.free.take(fit.size, fit.align)
         };
@@ -702,24 +712,34 @@ impl<U: Resource> Arena<U> {
     }
 
     /// Makes the superblock at `sb` of `sb_size` bytes `own`'s and takes the request's
-    /// block from it.
+    /// block from it; `s` is `own`'s state, locked by the caller.
     fn install(
         &self,
         global: &mut Global,
         own: &List<FreeList>,
+        s: &mut FreeList,
         sb: usize,
         sb_size: usize,
         fit: &Fit,
     ) -> usize {
+        busy(own);
         self.table.set(sb, sb_size);
         global.owners.insert(sb, own.key);
         // A superblock was free: memory is no longer short, and caches that a reclaim
         // turned off come back (a load when they are on).
         self.cache().resume();
-        let mut s = own.state.lock();
         // Kept whole, outside the list's index (see `FreeList::add_superblock`).
         s.take_from_new_superblock(sb, sb_size, fit.size, fit.align)
             .expect("a request fits its new superblock")
+    }
+}
+
+/// Clears `list`'s [`idle`](List::idle) hint (the caller holds its state's lock): memory
+/// comes in, or its stream's slow path looks at it. (A load; a store only when set.)
+#[inline]
+fn busy(list: &List<FreeList>) {
+    if list.idle.load(Ordering::Relaxed) {
+        list.idle.store(false, Ordering::Relaxed);
     }
 }
 
@@ -861,6 +881,7 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         }
         {
             let mut s = own.state.lock();
+            busy(own);
             s.flush();
             // (Not the index's search when it is empty: a list whose superblock went to
             // another stream, issue 51 item 4.)
@@ -869,13 +890,16 @@ impl<U: Resource> StreamOrdered for Arena<U> {
             {
                 return Ok(Some(addr));
             }
-        }
-        if let Some(n) = fit.superblock
-            && let Some(sb) = global
-                .take_own_pending(own, n)
-                .or_else(|| global.take_free(n, GRANULE))
-        {
-            return Ok(Some(self.install(global, own, sb, n, fit)));
+            // The superblock goes in under the same lock (the growth lock is taken before
+            // a list's, as everywhere): one lock a pair fewer with many streams, where
+            // every pair installs one (issue 51 item 4: about 6 ns of 114 on the VM).
+            if let Some(n) = fit.superblock
+                && let Some(sb) = global
+                    .take_own_pending(own, n)
+                    .or_else(|| global.take_free(n, GRANULE))
+            {
+                return Ok(Some(self.install(global, own, &mut s, sb, n, fit)));
+            }
         }
         // (The lanes emptied give up their index: see `take_idle_superblocks`.)
         Ok(lanes::take_all(&self.lists, own, fit.size, fit.align, true))
@@ -894,7 +918,14 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         if let Some(n) = fit.superblock
             && let Some(sb) = self.take_global(global, n, GRANULE, may_wait)?
         {
-            return Ok(Some(self.install(global, own, sb, n, fit)));
+            return Ok(Some(self.install(
+                global,
+                own,
+                &mut own.state.lock(),
+                sb,
+                n,
+                fit,
+            )));
         }
         if may_wait {
             return Ok(None);
@@ -986,7 +1017,10 @@ unsafe impl<U: Resource> Resource for Arena<U> {
         }
         let _pin = self.lists.pin(); // (see `ListTable::retire`)
         let list = ordered::list_for(self, key);
-        if let Some(addr) = list.state.lock().take(size, align) {
+        // (Not the list's lock when the list is known empty: `List::idle`.)
+        if !list.idle.load(Ordering::Relaxed)
+            && let Some(addr) = list.state.lock().take(size, align)
+        {
             return Ok(to_ptr(addr));
         }
         let cached = popped != Popped::Nothing;
@@ -1033,6 +1067,7 @@ unsafe impl<U: Resource> Resource for Arena<U> {
             if !list.holds_free.load(Ordering::Relaxed) {
                 list.holds_free.store(true, Ordering::Relaxed);
             }
+            busy(list);
             match merged {
                 // A whole superblock, and the stream keeps enough free memory besides.
                 Some(merged)
@@ -1104,6 +1139,46 @@ mod tests {
         owners_match_the_table(&arena);
         assert_eq!(arena.superblocks(), 0);
         assert_eq!(arena.free_bytes(), 2 * MIB);
+    }
+
+    /// A stream whose superblock went to another stream has its list marked idle, so
+    /// that its next request goes to the slow path without taking the list's lock (and
+    /// gets a superblock there); the hint is only a hint: memory in a list marked idle
+    /// (as when it comes in through a thread cache or a lane) is found by that slow path
+    /// and used before a new superblock.
+    #[test]
+    fn an_idle_streams_list_is_passed_over_until_memory_comes_back() {
+        // One superblock (an arena of 1 MiB), no thread caches (frees reach the lists).
+        let arena = Arena::with_size(HostHeap::new(), MIB)
+            .unwrap()
+            .thread_caches(false);
+        let l = crate::layout(4096).unwrap();
+        let (one, two) = (StreamRef::host(1), StreamRef::host(2));
+        let pair = |stream| {
+            let p = arena.allocate(stream, l).unwrap();
+            // SAFETY: allocated just above with `l` on `stream`.
+            unsafe { arena.deallocate(stream, p, l) };
+        };
+        let _pin = arena.lists.pin();
+        pair(one);
+        let list_one = arena.lists.find(StreamKey::of_lane(one)).unwrap();
+        assert!(!list_one.idle.load(Ordering::Relaxed));
+        pair(two); // takes stream 1's superblock
+        let list_two = arena.lists.find(StreamKey::of_lane(two)).unwrap();
+        assert!(list_one.idle.load(Ordering::Relaxed), "stream 1's list left empty");
+        assert!(!list_two.idle.load(Ordering::Relaxed));
+        pair(one); // and back
+        assert!(!list_one.idle.load(Ordering::Relaxed), "given a superblock again");
+        assert!(list_two.idle.load(Ordering::Relaxed));
+        owners_match_the_table(&arena);
+        // A stale hint: stream 1's list holds its superblock's memory.
+        list_one.idle.store(true, Ordering::Relaxed);
+        let p = arena.allocate(one, l).unwrap();
+        assert!(!list_one.idle.load(Ordering::Relaxed), "cleared by the slow path");
+        assert_eq!(arena.superblocks(), 1, "served from the list's own superblock");
+        // SAFETY: allocated just above with `l` on stream 1.
+        unsafe { arena.deallocate(one, p, l) };
+        assert_eq!(arena.free_bytes(), MIB);
     }
 
     /// Superblocks taken back whole from idle streams wait apart from the global arena's
