@@ -1165,17 +1165,30 @@ mod tests {
         assert!(!list_one.idle.load(Ordering::Relaxed));
         pair(two); // takes stream 1's superblock
         let list_two = arena.lists.find(StreamKey::of_lane(two)).unwrap();
-        assert!(list_one.idle.load(Ordering::Relaxed), "stream 1's list left empty");
+        assert!(
+            list_one.idle.load(Ordering::Relaxed),
+            "stream 1's list left empty"
+        );
         assert!(!list_two.idle.load(Ordering::Relaxed));
         pair(one); // and back
-        assert!(!list_one.idle.load(Ordering::Relaxed), "given a superblock again");
+        assert!(
+            !list_one.idle.load(Ordering::Relaxed),
+            "given a superblock again"
+        );
         assert!(list_two.idle.load(Ordering::Relaxed));
         owners_match_the_table(&arena);
         // A stale hint: stream 1's list holds its superblock's memory.
         list_one.idle.store(true, Ordering::Relaxed);
         let p = arena.allocate(one, l).unwrap();
-        assert!(!list_one.idle.load(Ordering::Relaxed), "cleared by the slow path");
-        assert_eq!(arena.superblocks(), 1, "served from the list's own superblock");
+        assert!(
+            !list_one.idle.load(Ordering::Relaxed),
+            "cleared by the slow path"
+        );
+        assert_eq!(
+            arena.superblocks(),
+            1,
+            "served from the list's own superblock"
+        );
         // SAFETY: allocated just above with `l` on stream 1.
         unsafe { arena.deallocate(one, p, l) };
         assert_eq!(arena.free_bytes(), MIB);
