@@ -75,6 +75,12 @@ MUTATIONS = [
      "        self.reclaim_caches();\n        let released", "        let released"),
     ("Pool: stats leave the calling thread's cache out", "src/suballoc/coalescing.rs",
      "            stats.free_bytes += bytes;\n", ""),
+    # Issue 51, item 4: an idle stream's list passed over without its lock.
+    ("Arena: no list marked idle", "src/suballoc/arena.rs",
+     "                    list.idle.store(true, Ordering::Relaxed);\n", ""),
+    ("Arena: an idle list's slow path leaves the hint set", "src/suballoc/arena.rs",
+     "            busy(own);\n            s.flush();\n            // (Not the index's search",
+     "            s.flush();\n            // (Not the index's search"),
     ("Arena: no take_from_lanes", "src/suballoc/arena.rs",
      "        Ok(lanes::take_all(&self.lists, own, fit.size, fit.align, true))",
      "        Ok(None)"),
