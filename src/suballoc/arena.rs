@@ -484,8 +484,9 @@ impl<U: Resource> Arena<U> {
     /// Returns to the global arena every superblock that the list it was given to holds
     /// entirely free, as one block (an idle stream's: the common case), found through
     /// `Global::owners` (a look at each superblock held, not at every list), once the
-    /// streams of those lists are waited for; returns the bytes returned. If the wait
-    /// fails, they go back to their lists.
+    /// streams of those lists are waited for; returns the bytes returned. The lists left
+    /// empty are marked idle (`List::idle`). If the wait fails, they go back to their
+    /// lists.
     fn take_idle_superblocks(&self, global: &mut Global) -> Result<usize, Error> {
         // (Room for all at once: with many streams, most superblocks are idle.)
         let mut taken: Vec<(&List<FreeList>, FreeBlock)> = Vec::with_capacity(global.owners.len());
@@ -499,8 +500,8 @@ impl<U: Resource> Arena<U> {
             };
             let mut s = list.state.lock();
             if let Some(block) = take_superblock(&mut s, sb, size) {
-                // Left empty (mostly), its stream's next request goes straight to its
-                // slow path.
+                // Left empty (the common case), the list is passed over by its stream's
+                // next request (`List::idle`).
                 if s.free_bytes() == 0 {
                     list.idle.store(true, Ordering::Relaxed);
                 }
@@ -893,6 +894,8 @@ impl<U: Resource> StreamOrdered for Arena<U> {
             // The superblock goes in under the same lock (the growth lock is taken before
             // a list's, as everywhere): one lock a pair fewer with many streams, where
             // every pair installs one (issue 51 item 4: about 6 ns of 114 on the VM).
+            // Nothing here may lock a list (a defragmentation, a thread cache's put-back):
+            // this one is held.
             if let Some(n) = fit.superblock
                 && let Some(sb) = global
                     .take_own_pending(own, n)
@@ -1144,7 +1147,7 @@ mod tests {
     /// A stream whose superblock went to another stream has its list marked idle, so
     /// that its next request goes to the slow path without taking the list's lock (and
     /// gets a superblock there); the hint is only a hint: memory in a list marked idle
-    /// (as when it comes in through a thread cache or a lane) is found by that slow path
+    /// (as when a thread cache's blocks are put back into it) is found by that slow path
     /// and used before a new superblock.
     #[test]
     fn an_idle_streams_list_is_passed_over_until_memory_comes_back() {

@@ -211,6 +211,58 @@ fn loom_two_streams_take_superblocks_of_one_arena_without_overlap() {
     });
 }
 
+/// A list marked idle (`List::idle`: its superblock taken back by another stream's
+/// request) while its own stream allocates and frees: each request either finds the one
+/// superblock free (on its list, or taken back from the idle one) or, while the other
+/// stream holds a block of it, runs out; no block is handed out twice, none is lost, and
+/// the list's hint never keeps its stream from the superblock once it is free. (One
+/// superblock: the order in which `take_idle_superblocks` visits several depends on their
+/// addresses, which change between the model's runs.)
+#[test]
+fn loom_an_idle_list_races_its_own_streams_allocation() {
+    pools_model().check(|| {
+        const MIB: usize = 1 << 20;
+        let arena = Arc::new(
+            Arena::with_size(HostHeap::new(), MIB)
+                .unwrap()
+                .thread_caches(false),
+        );
+        let l = Layout::from_size_align(1000, 256).unwrap();
+        // Stream 1 holds the one superblock, idle.
+        let p = arena.allocate(StreamRef::host(1), l).unwrap();
+        // SAFETY: from the arena with `l`; host streams are always done.
+        unsafe { arena.deallocate(StreamRef::host(1), p, l) };
+        // A block held with a stamp across a scheduling point, checked before its free.
+        let pair = move |arena: &Arena<HostHeap>, stream: u32| {
+            let s = StreamRef::host(stream);
+            let Ok(p) = arena.allocate(s, l) else {
+                return false; // the other stream holds a block of the superblock
+            };
+            // SAFETY: the block holds 1000 bytes; ours until the free below.
+            unsafe { p.as_ptr().cast::<u32>().write(stream) };
+            thread::yield_now();
+            // SAFETY: as above.
+            assert_eq!(unsafe { p.as_ptr().cast::<u32>().read() }, stream);
+            // SAFETY: from the arena with `l`; host streams are always done.
+            unsafe { arena.deallocate(s, p, l) };
+            true
+        };
+        let other = Arc::clone(&arena);
+        let t = thread::spawn(move || pair(&other, 3));
+        let mine = pair(&arena, 1);
+        let theirs = t.join().unwrap();
+        assert!(mine || theirs, "one of the two got the superblock");
+        assert_eq!(arena.free_bytes(), MIB);
+        // The superblock comes back whole: stream 1 (its list maybe marked idle) gets a
+        // block, and the arena serves its whole size once that is freed.
+        assert!(pair(&arena, 1));
+        let all = Layout::from_size_align(MIB, 256).unwrap();
+        let p = arena.allocate(StreamRef::host(4), all).unwrap();
+        // SAFETY: from the arena with `all`.
+        unsafe { arena.deallocate(StreamRef::host(4), p, all) };
+    });
+}
+
 /// The arena's superblock table is read without a lock, one word per MiB. A block that
 /// lies in the same MiB as the start of another stream's superblock, but is not a
 /// superblock's start, is freed on a third stream while that superblock is taken (its

@@ -49,7 +49,9 @@ const FIRST_SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 /// allocation and free (the lock's flag first, then a pool's cache of small blocks,
 /// `FreeList`). A lookup compares the key in the table's slot, not this one (see
 /// `Slot`), so a cold list costs its user's allocation one miss of the list, the
-/// state's line (a free also reads the `holds_free` hint). Putting the key and the
+/// state's line (a free also reads the `holds_free` hint; an arena's allocation reads
+/// the first line too, for its `idle` hint, which spares the lock of a list found
+/// empty). Putting the key and the
 /// state on one line instead saved a miss with thousands of streams (issue 49), but every
 /// search through the lists then read a line that each list's owner wrote at every
 /// call: 16 threads on one stream (lanes) went from 7.0 to 46.7 ns a call on the H100
@@ -71,14 +73,16 @@ pub(crate) struct List<S> {
     /// between streams), and a host stream that misses merges it whole rather than take one
     /// block of it (issue 51, item 5). A hint: read and written relaxed.
     pub(crate) allocates: AtomicBool,
-    /// Set (under the state's lock) when an arena takes the list's last memory back (its
-    /// stream's superblock, the stream idle), cleared (under the lock) by the arena's
-    /// frees into it and by its own stream's slow path, which gives it a superblock: while
-    /// set, the stream's allocations go straight to that slow path without taking the
-    /// list's lock to find it empty (issue 51 item 4: with thousands of streams in turn,
-    /// each pair found its list so, and a lock is about 6 ns of a pair's 114 on the VM).
-    /// A hint: memory that comes in another way (a thread cache's blocks, a lane's, a
-    /// trim's merge) is found by that slow path, which clears it. Unused elsewhere.
+    /// An arena's hint that the list is empty: set (under the state's lock) when the
+    /// arena takes an idle stream's superblock back and the list is left with nothing
+    /// (`Arena::take_idle_superblocks`), cleared (under the lock) by a free into it and on
+    /// entry to its stream's slow path, whatever that finds. While set, the list's own
+    /// allocations that its thread caches do not serve go straight to the slow path
+    /// without taking the list's lock to find it empty (issue 51 item 4: with thousands of
+    /// streams in turn, each pair found its list so, and a lock is about 6 ns of a pair's
+    /// 114 on the VM). Only a hint: memory that comes in without clearing it (a thread
+    /// cache's blocks put back, a trim's merge, a put-back after a failed wait) costs one
+    /// slow path, which finds it. Unused elsewhere.
     pub(crate) idle: AtomicBool,
     /// Set when [`ListTable::retire`] takes the list out of the table: from then on no
     /// place that outlives a call (`recent`, a `FixedSize`'s donors and thread caches)
