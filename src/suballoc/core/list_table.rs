@@ -53,8 +53,8 @@ const FIRST_SLOTS: usize = if cfg!(memres_loom) { 2 } else { 64 };
 /// the first line too, for its `idle` hint, which spares the lock of a list found
 /// empty). Putting the key and the state on one line instead saved a miss with thousands
 /// of streams (issue 49), but every search through the lists then read a line that each
-/// list's owner wrote at every call: 16 threads on one stream (lanes) went from 7.0 to 46.7 ns a call on the H100
-/// (`random-1stream`, 2026-11-27).
+/// list's owner wrote at every call: 16 threads on one stream (lanes) went from 7.0 to
+/// 46.7 ns a call on the H100 (`random-1stream`, 2026-11-27).
 #[repr(C, align(128))]
 pub(crate) struct List<S> {
     pub(crate) key: StreamKey,
