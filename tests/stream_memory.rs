@@ -11,6 +11,8 @@
 //! (a superblock split between lanes), so an arena with fewer superblocks than streams
 //! is held to the same limit.
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -90,11 +92,9 @@ fn per_stream<R: Resource + Sync>(resource: &R, upstream_bytes: impl Fn(&R) -> u
                 })
             })
             .collect();
-        // Joined one by one: a scope returns before its threads' thread-locals are
-        // destroyed, and the count must come after.
-        for t in threads {
-            t.join().unwrap();
-        }
+        // A scope returns before its threads' thread-locals are destroyed, and the count
+        // must come after.
+        common::join_exited(threads);
     });
     // Then this thread, in lane 0 (threads that never ran into each other share it), once
     // on each stream: a stream's 17th list.

@@ -713,7 +713,8 @@ impl<U: Resource> Arena<U> {
     }
 
     /// Makes the superblock at `sb` of `sb_size` bytes `own`'s and takes the request's
-    /// block from it; `s` is `own`'s state, locked by the caller.
+    /// block from it; `s` is `own`'s state, locked by the caller, who has cleared its
+    /// [`idle`](List::idle) hint.
     fn install(
         &self,
         global: &mut Global,
@@ -723,7 +724,6 @@ impl<U: Resource> Arena<U> {
         sb_size: usize,
         fit: &Fit,
     ) -> usize {
-        busy(own);
         self.table.set(sb, sb_size);
         global.owners.insert(sb, own.key);
         // A superblock was free: memory is no longer short, and caches that a reclaim
@@ -921,14 +921,9 @@ impl<U: Resource> StreamOrdered for Arena<U> {
         if let Some(n) = fit.superblock
             && let Some(sb) = self.take_global(global, n, GRANULE, may_wait)?
         {
-            return Ok(Some(self.install(
-                global,
-                own,
-                &mut own.state.lock(),
-                sb,
-                n,
-                fit,
-            )));
+            let mut s = own.state.lock();
+            busy(own);
+            return Ok(Some(self.install(global, own, &mut s, sb, n, fit)));
         }
         if may_wait {
             return Ok(None);
